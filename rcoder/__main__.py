@@ -1,0 +1,5 @@
+import sys
+
+from rcoder.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""Our side of ACP: what the agent may call on rcoder.
+
+One ``RcoderClient`` serves one agent process, which serves one session.
+``session/update`` is converted and handed on synchronously (the SDK runs
+each notification in its own task; doing no ``await`` first keeps their
+order). While a session is being opened updates are dropped: a
+``session/load`` replay is history, not this turn's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from acp import RequestError
+from acp import schema as acp
+
+from rcoder.agent.convert import permission_options, update_to_event
+from rcoder.domain import AgentEvent, PermissionRequest, new_id
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.agent.client")
+
+EventSink = Callable[[AgentEvent], None]
+# decides a permission request: the chosen option id, or None for "cancelled"
+PermissionDecider = Callable[[PermissionRequest], Awaitable[str | None]]
+
+
+class _Turn:
+    def __init__(self, on_event: EventSink, on_permission: PermissionDecider) -> None:
+        self.on_event = on_event
+        self.on_permission = on_permission
+        self.cancelled = asyncio.Event()
+
+
+class RcoderClient:
+    """Implements the ``acp.Client`` protocol for one agent process."""
+
+    def __init__(self, agent: str) -> None:
+        self._agent = agent
+        self._turn: _Turn | None = None
+        self.session_id = ""
+
+    # ------------------------------------------------------------ turn control
+
+    def begin_turn(self, on_event: EventSink, on_permission: PermissionDecider) -> None:
+        self._turn = _Turn(on_event, on_permission)
+
+    def end_turn(self) -> None:
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            turn.cancelled.set()  # any permission still waiting is answered "cancelled"
+
+    def cancel_turn(self) -> None:
+        if self._turn is not None:
+            self._turn.cancelled.set()
+
+    # ------------------------------------------------------------ acp.Client
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        turn = self._turn
+        if turn is None or (self.session_id and session_id != self.session_id):
+            return  # between turns, or replay while opening
+        event = update_to_event(update)
+        if event is not None:
+            turn.on_event(event)
+
+    async def request_permission(
+        self,
+        session_id: str,
+        tool_call: acp.ToolCallUpdate,
+        options: list[acp.PermissionOption],
+        **kwargs: Any,
+    ) -> acp.RequestPermissionResponse:
+        turn = self._turn
+        if turn is None or turn.cancelled.is_set():
+            return _cancelled()
+        request = PermissionRequest(
+            permission_id=new_id(),
+            tool_call_id=tool_call.tool_call_id,
+            title=tool_call.title or "",
+            kind=tool_call.kind or "",
+            options=permission_options(options),
+        )
+        turn.on_event(request)
+        option_id = await _first(turn.on_permission(request), turn.cancelled)
+        valid = {o.option_id for o in options}
+        if option_id is None or option_id not in valid:
+            return _cancelled()
+        log.info("permission_answered", agent=self._agent, option_id=option_id, tool_call_id=request.tool_call_id)
+        return acp.RequestPermissionResponse(outcome=acp.AllowedOutcome(outcome="selected", option_id=option_id))
+
+    async def read_text_file(self, session_id: str, path: str, **kwargs: Any) -> acp.ReadTextFileResponse:
+        raise RequestError.method_not_found("fs/read_text_file")  # not advertised
+
+    async def write_text_file(self, session_id: str, path: str, content: str, **kwargs: Any) -> None:
+        raise RequestError.method_not_found("fs/write_text_file")  # not advertised
+
+    async def ext_method(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        raise RequestError.method_not_found(f"_{method}")
+
+    async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
+        return None
+
+
+def _cancelled() -> acp.RequestPermissionResponse:
+    return acp.RequestPermissionResponse(outcome=acp.DeniedOutcome(outcome="cancelled"))
+
+
+async def _first(decision: Awaitable[str | None], cancelled: asyncio.Event) -> str | None:
+    """The decision, unless the turn is cancelled first (then None)."""
+    decide = asyncio.ensure_future(decision)
+    stop = asyncio.ensure_future(cancelled.wait())
+    try:
+        done, _ = await asyncio.wait({decide, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if decide in done and not decide.cancelled() and decide.exception() is None:
+            return decide.result()
+        return None
+    finally:
+        for task in (decide, stop):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,221 @@
+"""A live agent: its process, the ACP connection, and one open session.
+
+Every SDK call goes through ``_call``, which bounds it, and translates the
+SDK's errors into rcoder's at this edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
+
+import pydantic
+from acp import RequestError
+from acp import schema as acp
+from acp.client.connection import ClientSideConnection
+
+from rcoder.agent.classify import AUTH_REQUIRED, gone_reason, gone_reason_from_stderr
+from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
+from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
+from rcoder.agent.process import AgentProcess
+from rcoder.agent.start_config import AgentStartConfig
+from rcoder.domain import AgentCapabilities, OpenMethod, StopReason
+from rcoder.errors import (
+    AgentAuthRequired,
+    AgentCrashed,
+    AgentError,
+    AgentProtocolError,
+    AgentTimeout,
+    AgentUnavailable,
+    SessionGone,
+)
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.agent.connection")
+T = TypeVar("T")
+
+
+def capabilities_from_initialize(init: acp.InitializeResponse) -> AgentCapabilities:
+    """What the agent advertised in ``initialize``, in our terms."""
+    caps = init.agent_capabilities or acp.AgentCapabilities()
+    sessions = caps.session_capabilities
+    prompt = caps.prompt_capabilities
+    mcp = caps.mcp_capabilities
+    info = init.agent_info
+    return AgentCapabilities(
+        load_session=bool(caps.load_session),
+        session_resume=sessions is not None and sessions.resume is not None,
+        session_close=sessions is not None and sessions.close is not None,
+        session_list=sessions is not None and sessions.list is not None,
+        prompt_image=bool(prompt and prompt.image),
+        prompt_audio=bool(prompt and prompt.audio),
+        prompt_embedded_context=bool(prompt and prompt.embedded_context),
+        mcp_http=bool(mcp and mcp.http),
+        mcp_sse=bool(mcp and mcp.sse),
+        agent_name=info.name if info else "",
+        agent_version=info.version if info else "",
+    )
+
+
+class AgentConnection:
+    """Owns an agent process and its ACP connection. ``aclose()`` is bounded and idempotent."""
+
+    def __init__(
+        self,
+        process: AgentProcess,
+        conn: ClientSideConnection,
+        client: RcoderClient,
+        agent: str,
+        capabilities: AgentCapabilities,
+        stop_grace: float,
+    ) -> None:
+        self.process = process
+        self._conn = conn
+        self._client = client
+        self.agent = agent
+        self.capabilities = capabilities
+        self._stop_grace = stop_grace
+        self.provider_session_id = ""
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self.process.is_running()
+
+    # ------------------------------------------------------------ opening
+
+    async def open_session(self, config: AgentStartConfig, timeout: float) -> OpenMethod:
+        """Open the session ``config`` asks for, by the route it names."""
+        servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
+        method = config.resume_method if config.resume_session_id else OpenMethod.NEW
+        rid = config.resume_session_id
+        if method is OpenMethod.RESUME:
+            await self._call(
+                self._conn.resume_session(session_id=rid, cwd=config.cwd, mcp_servers=servers),
+                timeout, "session/resume", resuming=rid,
+            )  # fmt: skip
+            session_id = rid
+        elif method is OpenMethod.LOAD:
+            await self._call(
+                self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers),
+                timeout, "session/load", resuming=rid,
+            )  # fmt: skip
+            session_id = rid
+        else:
+            meta = config.build_meta()
+            response = await self._call(
+                self._conn.new_session(cwd=config.cwd, mcp_servers=servers, **meta),
+                timeout, "session/new", resuming=rid if method is OpenMethod.META else "",
+            )  # fmt: skip
+            session_id = response.session_id
+        self.provider_session_id = session_id
+        self._client.session_id = session_id
+        return method or OpenMethod.NEW
+
+    # ------------------------------------------------------------ turns
+
+    async def prompt(
+        self, blocks: list[AcpContentBlock], on_event: EventSink, on_permission: PermissionDecider
+    ) -> StopReason:
+        """Run one turn; updates go to ``on_event`` as they arrive."""
+        self._client.begin_turn(on_event, on_permission)
+        try:
+            response = await self._call(
+                self._conn.prompt(session_id=self.provider_session_id, prompt=blocks), None, "session/prompt"
+            )
+        finally:
+            self._client.end_turn()
+        return stop_reason(response.stop_reason)
+
+    async def cancel(self) -> None:
+        """``session/cancel``; pending permission requests are answered ``cancelled``."""
+        self._client.cancel_turn()
+        if self.alive and self.provider_session_id:
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+                await self._conn.cancel(session_id=self.provider_session_id)
+
+    # ------------------------------------------------------------ ending
+
+    async def aclose(self) -> None:
+        """Close the session where the agent supports it, then end the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client.end_turn()
+        try:
+            if self.capabilities.session_close and self.provider_session_id and self.process.is_running():
+                with contextlib.suppress(Exception):  # best effort: the group is ended regardless
+                    async with asyncio.timeout(self._stop_grace):
+                        await self._conn.close_session(session_id=self.provider_session_id)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._stop_grace):
+                    await self._conn.close()
+        finally:
+            await self.process.aclose()
+
+    # ------------------------------------------------------------ the edge
+
+    async def _call(self, call: Coroutine[Any, Any, T], timeout: float | None, step: str, resuming: str = "") -> T:
+        return await call_agent(self.process, self.agent, call, timeout, step, resuming)
+
+
+async def call_agent(
+    process: AgentProcess,
+    agent: str,
+    call: Awaitable[T],
+    timeout: float | None,
+    step: str,
+    resuming: str = "",
+) -> T:
+    """Await one ACP call, bounded, with every failure as one of our errors."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await call
+    except TimeoutError:
+        raise AgentTimeout(
+            f"agent {agent!r} did not answer {step} within {timeout:g}s",
+            agent=agent,
+            stderr_tail=process.stderr_tail(),
+        ) from None
+    except RequestError as exc:
+        raise _from_request_error(exc, process, agent, step, resuming) from exc
+    except ConnectionError as exc:
+        raise await _from_exit(process, agent, step, resuming) from exc
+    except pydantic.ValidationError as exc:
+        raise AgentProtocolError(
+            f"agent {agent!r} answered {step} with a malformed result: {exc.errors()[0].get('msg', exc)}",
+            agent=agent,
+        ) from exc
+
+
+def _from_request_error(exc: RequestError, process: AgentProcess, agent: str, step: str, resuming: str) -> AgentError:
+    message = str(exc)
+    if resuming:
+        why = gone_reason(exc.code, message, exc.data)
+        if why:
+            return SessionGone(resuming, f"{step}: {why}", agent=agent)
+    detail = exc.data.get("details") if isinstance(exc.data, dict) else exc.data
+    text = f"agent {agent!r} answered {step} with error {exc.code} {message!r}" + (f": {detail}" if detail else "")
+    tail = process.stderr_tail()
+    if exc.code == AUTH_REQUIRED:
+        return AgentAuthRequired(text + " (check the model provider's key)", agent=agent, stderr_tail=tail)
+    return AgentProtocolError(text, code=exc.code, agent=agent, stderr_tail=tail)
+
+
+async def _from_exit(process: AgentProcess, agent: str, step: str, resuming: str) -> AgentError:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(1.0):
+            await process.wait_exit()
+    await process.settle_stderr()
+    tail = process.stderr_tail()
+    code = process.returncode
+    status = f"exited with code {code}" if code is not None else "closed its output"
+    if resuming:
+        why = gone_reason_from_stderr(tail)
+        if why:
+            return SessionGone(resuming, f"{step}: {why}", agent=agent, stderr_tail=tail)
+    if step in {"initialize", "session/new", "session/load", "session/resume"}:
+        return AgentUnavailable(f"agent {agent!r} {status} during {step}", agent=agent, stderr_tail=tail)
+    return AgentCrashed(f"agent {agent!r} {status} during {step}", agent=agent, stderr_tail=tail)

@@ -1,0 +1,158 @@
+"""Pure converters between ACP SDK models and rcoder's domain types."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from acp import helpers
+from acp import schema as acp
+
+from rcoder.domain import (
+    AgentEvent,
+    AgentUpdate,
+    Attachment,
+    McpServer,
+    PermissionOption,
+    Plan,
+    PlanEntry,
+    StopReason,
+    TextChunk,
+    ToolCall,
+    ToolCallUpdate,
+)
+
+AcpContentBlock = (
+    acp.TextContentBlock
+    | acp.ImageContentBlock
+    | acp.AudioContentBlock
+    | acp.ResourceContentBlock
+    | acp.EmbeddedResourceContentBlock
+)
+AcpMcpServer = acp.HttpMcpServer | acp.SseMcpServer | acp.AcpMcpServer | acp.McpServerStdio
+
+_STOP_REASONS = {
+    "end_turn": StopReason.END_TURN,
+    "max_tokens": StopReason.MAX_TOKENS,
+    "max_turn_requests": StopReason.MAX_TURN_REQUESTS,
+    "refusal": StopReason.REFUSAL,
+    "cancelled": StopReason.CANCELLED,
+}
+
+
+def stop_reason(value: str) -> StopReason:
+    return _STOP_REASONS.get(value, StopReason.END_TURN)
+
+
+def update_to_event(update: Any) -> AgentEvent | None:
+    """One ``session/update`` as a domain event; None for replayed user text."""
+    if isinstance(update, acp.AgentMessageChunk | acp.AgentThoughtChunk):
+        text = _content_text(update.content)
+        return TextChunk(text=text, thought=isinstance(update, acp.AgentThoughtChunk))
+    if isinstance(update, acp.UserMessageChunk):
+        return None
+    if isinstance(update, acp.ToolCallStart):
+        return ToolCall(
+            tool_call_id=update.tool_call_id,
+            title=update.title,
+            kind=update.kind or "",
+            status=update.status or "",
+            raw_input_json=_json(update.raw_input),
+            locations=tuple(loc.path for loc in update.locations or ()),
+        )
+    if isinstance(update, acp.ToolCallProgress):
+        return ToolCallUpdate(
+            tool_call_id=update.tool_call_id,
+            title=update.title or "",
+            kind=update.kind or "",
+            status=update.status or "",
+            raw_output_json=_json(update.raw_output),
+            content_text=_tool_content_text(update.content),
+        )
+    if isinstance(update, acp.AgentPlanUpdate):
+        return Plan(
+            entries=tuple(PlanEntry(content=e.content, priority=e.priority, status=e.status) for e in update.entries)
+        )
+    if hasattr(update, "model_dump"):
+        data = update.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return AgentUpdate(kind=str(data.get("sessionUpdate", "unknown")), json=json.dumps(data))
+    return AgentUpdate(kind="unknown", json=_json(update))
+
+
+def permission_options(options: list[acp.PermissionOption]) -> tuple[PermissionOption, ...]:
+    return tuple(PermissionOption(option_id=o.option_id, name=o.name, kind=o.kind) for o in options)
+
+
+def prompt_blocks(text: str, attachments: tuple[Attachment, ...]) -> list[AcpContentBlock]:
+    blocks: list[AcpContentBlock] = [helpers.text_block(text)] if text else []
+    blocks.extend(attachment_block(a) for a in attachments)
+    return blocks
+
+
+def attachment_block(att: Attachment) -> AcpContentBlock:
+    if att.kind == "text":
+        return helpers.text_block(att.text)
+    if att.kind == "image":
+        data = base64.b64encode(att.data).decode("ascii")
+        return helpers.image_block(data, att.mime_type, uri=att.uri or None)
+    if att.kind == "resource":
+        mime = att.mime_type or None
+        contents: acp.TextResourceContents | acp.BlobResourceContents
+        if att.data:
+            contents = helpers.embedded_blob_resource(
+                att.uri, base64.b64encode(att.data).decode("ascii"), mime_type=mime
+            )
+        else:
+            contents = helpers.embedded_text_resource(att.uri, att.text, mime_type=mime)
+        return helpers.resource_block(contents)
+    return acp.ResourceContentBlock(
+        type="resource_link",
+        uri=att.uri,
+        name=att.name or att.uri,
+        mime_type=att.mime_type or None,
+        title=att.title or None,
+        description=att.description or None,
+        size=att.size or None,
+    )
+
+
+def mcp_server(server: McpServer) -> AcpMcpServer:
+    if server.transport == "stdio":
+        return acp.McpServerStdio(
+            name=server.name,
+            command=server.command,
+            args=list(server.args),
+            env=[acp.EnvVariable(name=k, value=v) for k, v in server.env],
+        )
+    headers = [acp.HttpHeader(name=k, value=v) for k, v in server.headers]
+    if server.transport == "sse":
+        return acp.SseMcpServer(type="sse", name=server.name, url=server.url, headers=headers)
+    return acp.HttpMcpServer(type="http", name=server.name, url=server.url, headers=headers)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, acp.TextContentBlock):
+        return content.text
+    if isinstance(content, acp.ResourceContentBlock):
+        return content.uri
+    return ""
+
+
+def _tool_content_text(content: Any) -> str:
+    parts = []
+    for item in content or ():
+        if isinstance(item, acp.ContentToolCallContent):
+            parts.append(_content_text(item.content))
+        elif isinstance(item, acp.FileEditToolCallContent):
+            parts.append(f"diff {item.path}")
+    return "\n".join(p for p in parts if p)
+
+
+def _json(value: Any) -> str:
+    if value is None:
+        return ""
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return json.dumps(str(value))

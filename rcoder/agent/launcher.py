@@ -1,0 +1,169 @@
+"""Start an agent and open its session: spawn, ``initialize``, new/resume/load/meta.
+
+A classified ``SessionGone`` makes the launch run exactly once more with the
+resume stripped (tenacity); every other error is the launch's error and is
+never answered with a silent fresh session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import cast
+
+import acp
+from acp import schema as acp_schema
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
+
+from rcoder import __version__
+from rcoder.agent.client import RcoderClient
+from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
+from rcoder.agent.process import AgentProcess
+from rcoder.agent.start_config import AgentStartConfig
+from rcoder.config import AgentProfile, Settings
+from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
+from rcoder.errors import AgentProtocolError, AgentUnavailable, SessionGone
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.agent.launcher")
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    connection: AgentConnection
+    method: OpenMethod
+    # set when a resume was asked for and the agent no longer had the session
+    fallback_reason: str = ""
+
+
+class AgentLauncher:
+    """Starts agents as the settings and their profiles say."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        # capabilities seen at the last initialize, and when, per profile
+        self.capabilities_seen: dict[str, tuple[AgentCapabilities, datetime]] = {}
+
+    async def launch(self, profile: AgentProfile, config: AgentStartConfig) -> Launched:
+        """Start an agent with its session open; on ``SessionGone`` once more without resume."""
+        fallback = ""
+
+        def strip_resume(state: RetryCallState) -> None:
+            nonlocal config, fallback
+            exc = state.outcome.exception() if state.outcome else None
+            fallback = str(exc.why if isinstance(exc, SessionGone) else exc)
+            log.warning("resume_failed_falling_back", agent=profile.name, reason=fallback)
+            config = config.without_resume()
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(SessionGone),
+            stop=stop_after_attempt(2),
+            before_sleep=strip_resume,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                connection, method, skipped = await self._launch_once(profile, config)
+        return Launched(connection=connection, method=method, fallback_reason=fallback or skipped)
+
+    async def _launch_once(
+        self, profile: AgentProfile, config: AgentStartConfig
+    ) -> tuple[AgentConnection, OpenMethod, str]:
+        """One launch. The third value says why an asked-for resume did not happen."""
+        connection = await self.start(profile, config.cwd, config.model_provider)
+        skipped = ""
+        try:
+            if config.resume_session_id:
+                config = replace(config, resume_method=self._route(profile, connection.capabilities))
+                if config.resume_method is None:
+                    skipped = f'profile {profile.name!r} has resume = "none"'
+                    config = config.without_resume()
+            method = await connection.open_session(config, self._settings.session_open_timeout)
+        except BaseException:
+            await connection.aclose()
+            raise
+        if method is OpenMethod.META and connection.provider_session_id != config.resume_session_id:
+            # the agent ignored _meta.claudeCode.options.resume: this is a new session
+            skipped = "the agent does not resume through session/new _meta (it opened a new session)"
+            method = OpenMethod.NEW
+        log.info(
+            "agent_session_opened",
+            agent=profile.name,
+            pid=connection.process.pid,
+            provider_session_id=connection.provider_session_id,
+            method=method.value,
+        )
+        return connection, method, skipped
+
+    async def start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
+        """Spawn the agent and ``initialize`` it; no session yet."""
+        env = self._settings.agent_env(profile)
+        for field, var in profile.provider_env.items():
+            value = getattr(provider, field)
+            if value:
+                env[var] = value
+        command = profile.resolve_command(env.get("PATH", ""))
+        if command is None:
+            where = "at that path" if "/" in profile.command else "on PATH"
+            raise AgentUnavailable(
+                f"agent {profile.name!r}: command {profile.command!r} not found {where}; "
+                f"install it or fix agents.{profile.name}.command",
+                agent=profile.name,
+            )
+        process = await AgentProcess.spawn(
+            [command, *profile.args],
+            cwd=cwd,
+            env=env,
+            name=profile.name,
+            line_limit=self._settings.agent_line_limit,
+            stderr_tail_bytes=self._settings.stderr_tail_bytes,
+            stop_grace=self._settings.agent_stop_grace,
+        )
+        client = RcoderClient(profile.name)
+        conn = acp.connect_to_agent(cast(acp.Client, client), process.stdin, process.stdout)
+        try:
+            init = await call_agent(
+                process,
+                profile.name,
+                conn.initialize(
+                    protocol_version=acp.PROTOCOL_VERSION,
+                    client_capabilities=acp_schema.ClientCapabilities(),
+                    client_info=acp_schema.Implementation(name="rcoder", title="rcoder", version=__version__),
+                ),
+                self._settings.initialize_timeout,
+                "initialize",
+            )
+            if init.protocol_version != acp.PROTOCOL_VERSION:
+                raise AgentProtocolError(
+                    f"agent {profile.name!r} speaks ACP version {init.protocol_version}, rcoder speaks "
+                    f"{acp.PROTOCOL_VERSION}",
+                    agent=profile.name,
+                )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.close()
+            await process.aclose()
+            raise
+        caps = capabilities_from_initialize(init)
+        self.capabilities_seen[profile.name] = (caps, datetime.now(UTC))
+        return AgentConnection(process, conn, client, profile.name, caps, self._settings.agent_stop_grace)
+
+    @staticmethod
+    def _route(profile: AgentProfile, caps: AgentCapabilities) -> OpenMethod | None:
+        """How to resume on this agent: the profile's forced route, or the best it advertises."""
+        forced = {
+            ResumeRoute.RESUME: OpenMethod.RESUME,
+            ResumeRoute.LOAD: OpenMethod.LOAD,
+            ResumeRoute.META: OpenMethod.META,
+        }
+        if profile.resume is ResumeRoute.NONE:
+            return None
+        if profile.resume in forced:
+            return forced[profile.resume]
+        if caps.session_resume:
+            return OpenMethod.RESUME
+        if caps.load_session:
+            return OpenMethod.LOAD
+        # agents that take it (Claude's adapter) resume through session/new _meta
+        return OpenMethod.META

@@ -1,0 +1,156 @@
+"""One agent process: spawn in its own process group, drain stderr, end the group.
+
+The process is started with ``start_new_session=True`` so that ending it by
+its process group also reaches grandchildren (node → claude CLI, npx wrappers).
+Where util-linux ``setpriv`` is available the child also gets
+``PR_SET_PDEATHSIG=SIGKILL``, so the kernel ends it if the daemon dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+from collections.abc import Mapping, Sequence
+
+from rcoder.errors import AgentUnavailable
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.agent.process")
+
+_SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin")
+
+
+class AgentProcess:
+    """Owns one child process and its group. ``aclose()`` is bounded and idempotent."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str, stderr_tail_bytes: int, stop_grace: float) -> None:
+        self._proc = proc
+        self.name = name
+        self.pid = proc.pid
+        self._tail = bytearray()
+        self._tail_limit = stderr_tail_bytes
+        self._stop_grace = stop_grace
+        self._closed = False
+        self._close_lock = asyncio.Lock()
+        # No await between spawn and taking ownership of stderr: a chatty agent
+        # must never block on a full pipe.
+        self._stderr_task = asyncio.get_running_loop().create_task(
+            self._drain_stderr(), name=f"agent-stderr-{proc.pid}"
+        )
+        self._exited = asyncio.get_running_loop().create_task(proc.wait(), name=f"agent-wait-{proc.pid}")
+
+    @classmethod
+    async def spawn(
+        cls,
+        argv: Sequence[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        name: str,
+        line_limit: int,
+        stderr_tail_bytes: int,
+        stop_grace: float,
+    ) -> AgentProcess:
+        full = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *full,
+                cwd=cwd,
+                env=dict(env),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                limit=line_limit,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
+        log.info("agent_spawned", agent=name, pid=proc.pid, command=argv[0])
+        return cls(proc, name, stderr_tail_bytes, stop_grace)
+
+    @property
+    def stdin(self) -> asyncio.StreamWriter:
+        assert self._proc.stdin is not None
+        return self._proc.stdin
+
+    @property
+    def stdout(self) -> asyncio.StreamReader:
+        assert self._proc.stdout is not None
+        return self._proc.stdout
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def is_running(self) -> bool:
+        return self._proc.returncode is None
+
+    async def wait_exit(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def exit_task(self) -> asyncio.Task[int]:
+        """Done when the process has exited (for racing against protocol calls)."""
+        return self._exited
+
+    def stderr_tail(self) -> str:
+        return bytes(self._tail).decode("utf-8", errors="replace").strip()
+
+    async def settle_stderr(self, timeout: float = 1.0) -> None:
+        """After the process exited, wait (bounded) until its stderr is fully read."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._stderr_task)
+
+    async def _drain_stderr(self) -> None:
+        stream = self._proc.stderr
+        assert stream is not None
+        while chunk := await stream.read(65536):
+            self._tail += chunk
+            if len(self._tail) > self._tail_limit:
+                del self._tail[: len(self._tail) - self._tail_limit]
+            text = chunk[:2000].decode("utf-8", errors="replace").rstrip()
+            if text:
+                log.debug("agent_stderr", agent=self.name, pid=self.pid, text=text, bytes=len(chunk))
+
+    async def aclose(self) -> None:
+        """Close stdin → grace → SIGTERM the group → grace → SIGKILL the group; reap."""
+        async with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                await self._stop()
+            finally:
+                self._stderr_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._stderr_task
+        log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._proc.returncode)
+
+    async def _stop(self) -> None:
+        if self.is_running():
+            with contextlib.suppress(OSError, RuntimeError):
+                self.stdin.close()
+            if await self._wait(self._stop_grace):
+                self._killpg(signal.SIGKILL)  # stragglers of a leader that left
+                return
+            self._killpg(signal.SIGTERM)
+            if await self._wait(self._stop_grace):
+                self._killpg(signal.SIGKILL)
+                return
+        self._killpg(signal.SIGKILL)
+        await self._wait(None)
+
+    async def _wait(self, timeout: float | None) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._exited)
+        except TimeoutError:
+            return False
+        return True
+
+    def _killpg(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)

@@ -1,0 +1,60 @@
+"""What an agent session is opened with, and the ``_meta`` of ``session/new``."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rcoder.domain import McpServer, ModelProvider, OpenMethod
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStartConfig:
+    cwd: str
+    system_prompt: str = ""
+    mcp_servers: tuple[McpServer, ...] = ()
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+    model_provider: ModelProvider = field(default_factory=ModelProvider)
+    # the provider's id to resume; empty for a new session
+    resume_session_id: str = ""
+    # the route chosen for resuming once the agent's capabilities are known
+    resume_method: OpenMethod | None = None
+
+    def without_resume(self) -> AgentStartConfig:
+        return replace(self, resume_session_id="", resume_method=None)
+
+    def build_meta(self) -> dict[str, Any]:
+        """``_meta`` for ``session/new``.
+
+        ``extra_meta`` first, then ours on top: ``systemPrompt.append`` when a
+        system prompt is given, ``claudeCode.options.resume`` only when resuming
+        by meta. The resume key is rcoder's alone, so one arriving in
+        ``extra_meta`` is dropped; with no resume there is no ``claudeCode`` key
+        unless ``extra_meta`` carried other claudeCode options.
+        """
+        meta = copy.deepcopy(self.extra_meta)
+        _drop_client_resume(meta)
+        if self.system_prompt:
+            prompt = meta.get("systemPrompt")
+            meta["systemPrompt"] = {
+                **(prompt if isinstance(prompt, dict) else {}),
+                "append": self.system_prompt,
+            }
+        if self.resume_session_id and self.resume_method is OpenMethod.META:
+            claude = meta.setdefault("claudeCode", {})
+            claude.setdefault("options", {})["resume"] = self.resume_session_id
+        return meta
+
+
+def _drop_client_resume(meta: dict[str, Any]) -> None:
+    claude = meta.get("claudeCode")
+    if not isinstance(claude, dict):
+        return
+    options = claude.get("options")
+    if isinstance(options, dict):
+        options.pop("resume", None)
+        if not options:
+            claude.pop("options")
+    if not claude:
+        meta.pop("claudeCode")

@@ -1,0 +1,1 @@
+"""The gRPC edge: the only package that imports grpc or the generated code."""

@@ -1,0 +1,150 @@
+"""Pure mapping between rcoder's domain types and the protobuf messages."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from rcoder.domain import (
+    AgentCapabilities,
+    AgentUpdate,
+    Heartbeat,
+    PermissionRequest,
+    Plan,
+    ResumeOutcome,
+    RunCompleted,
+    RunEvent,
+    RunStarted,
+    SessionRecord,
+    StopReason,
+    TextChunk,
+    ToolCall,
+    ToolCallUpdate,
+)
+from rcoder.v1 import agent_runner_pb2 as pb
+
+RESUME_OUTCOMES = {
+    ResumeOutcome.NEW: pb.RESUME_OUTCOME_NEW,
+    ResumeOutcome.LIVE: pb.RESUME_OUTCOME_LIVE,
+    ResumeOutcome.RESUMED: pb.RESUME_OUTCOME_RESUMED,
+    ResumeOutcome.FALLBACK_NEW: pb.RESUME_OUTCOME_FALLBACK_NEW,
+    ResumeOutcome.FALLBACK_RESEEDED: pb.RESUME_OUTCOME_FALLBACK_RESEEDED,
+}
+STOP_REASONS = {
+    StopReason.END_TURN: pb.STOP_REASON_END_TURN,
+    StopReason.MAX_TOKENS: pb.STOP_REASON_MAX_TOKENS,
+    StopReason.MAX_TURN_REQUESTS: pb.STOP_REASON_MAX_TURN_REQUESTS,
+    StopReason.REFUSAL: pb.STOP_REASON_REFUSAL,
+    StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
+    StopReason.ERROR: pb.STOP_REASON_ERROR,
+}
+
+
+def timestamp(value: datetime) -> Timestamp:
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def chat_stream(event: RunEvent) -> pb.ChatStream:
+    msg = pb.ChatStream(run_id=event.run_id, session_id=event.session_id, seq=event.seq, time=timestamp(event.time))
+    body = event.body
+    if isinstance(body, RunStarted):
+        msg.started.CopyFrom(
+            pb.RunStarted(
+                provider_session_id=body.provider_session_id,
+                resume=RESUME_OUTCOMES[body.resume],
+                resume_method=body.resume_method.value,
+                fallback_reason=body.fallback_reason,
+                agent=body.agent,
+                project_id=body.project_id,
+                request_id=body.request_id,
+            )
+        )
+    elif isinstance(body, TextChunk):
+        (msg.agent_thought if body.thought else msg.agent_message).text = body.text
+    elif isinstance(body, ToolCall):
+        msg.tool_call.CopyFrom(
+            pb.ToolCall(
+                tool_call_id=body.tool_call_id,
+                title=body.title,
+                kind=body.kind,
+                status=body.status,
+                raw_input_json=body.raw_input_json,
+                locations=list(body.locations),
+            )
+        )
+    elif isinstance(body, ToolCallUpdate):
+        msg.tool_call_update.CopyFrom(
+            pb.ToolCallUpdate(
+                tool_call_id=body.tool_call_id,
+                title=body.title,
+                kind=body.kind,
+                status=body.status,
+                raw_output_json=body.raw_output_json,
+                content_text=body.content_text,
+            )
+        )
+    elif isinstance(body, Plan):
+        msg.plan.entries.extend(
+            pb.PlanEntry(content=e.content, priority=e.priority, status=e.status) for e in body.entries
+        )
+    elif isinstance(body, PermissionRequest):
+        msg.permission_request.CopyFrom(
+            pb.PermissionRequest(
+                permission_id=body.permission_id,
+                tool_call_id=body.tool_call_id,
+                title=body.title,
+                kind=body.kind,
+                options=[pb.PermissionOption(option_id=o.option_id, name=o.name, kind=o.kind) for o in body.options],
+            )
+        )
+    elif isinstance(body, AgentUpdate):
+        msg.update.CopyFrom(pb.AgentUpdate(kind=body.kind, json=body.json))
+    elif isinstance(body, Heartbeat):
+        msg.heartbeat.SetInParent()
+    elif isinstance(body, RunCompleted):
+        msg.completed.CopyFrom(
+            pb.RunCompleted(
+                stop_reason=STOP_REASONS[body.stop_reason],
+                provider_session_id=body.provider_session_id,
+                error=body.error,
+                resume=RESUME_OUTCOMES[body.resume],
+            )
+        )
+    return msg
+
+
+def session(record: SessionRecord, status: int) -> pb.Session:
+    return pb.Session(
+        session_id=record.session_id,
+        project_id=record.project_id,
+        agent=record.agent,
+        provider_session_id=record.provider_session_id,
+        cwd=record.cwd,
+        created_at=timestamp(record.created_at),
+        updated_at=timestamp(record.updated_at),
+        turns=record.turns,
+        last_run_id=record.last_run_id,
+        status=status,  # type: ignore[arg-type]
+    )
+
+
+def capabilities(caps: AgentCapabilities, seen_at: datetime | None) -> pb.AgentCapabilities:
+    msg = pb.AgentCapabilities(
+        load_session=caps.load_session,
+        session_resume=caps.session_resume,
+        session_close=caps.session_close,
+        session_list=caps.session_list,
+        prompt_image=caps.prompt_image,
+        prompt_audio=caps.prompt_audio,
+        prompt_embedded_context=caps.prompt_embedded_context,
+        mcp_http=caps.mcp_http,
+        mcp_sse=caps.mcp_sse,
+        agent_name=caps.agent_name,
+        agent_version=caps.agent_version,
+    )
+    if seen_at is not None:
+        msg.seen_at.CopyFrom(timestamp(seen_at))
+    return msg

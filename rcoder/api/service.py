@@ -1,0 +1,163 @@
+"""The AgentRunner handlers: validate, call the core, convert. Thin on purpose.
+
+``STATUS_CODES`` is the one table from rcoder's errors to gRPC codes; every
+error leaves with a ``google.rpc.ErrorInfo`` carrying its reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from rcoder import errors
+from rcoder.api import convert, validate
+from rcoder.logs import get_logger
+from rcoder.session.acp_worker import AcpWorker
+from rcoder.session.queries import Queries, SessionStatus
+from rcoder.session.workspace import check_project_id
+from rcoder.v1 import agent_runner_pb2 as pb
+from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
+
+log = get_logger("rcoder.api")
+ERROR_DOMAIN = "rcoder.dev"
+
+# Most specific first: the first class an error is an instance of wins.
+STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
+    (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+    (errors.SessionBusy, grpc.StatusCode.ABORTED),
+    (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
+    (errors.RcoderError, grpc.StatusCode.INTERNAL),
+)
+
+_SESSION_STATUS = {
+    SessionStatus.IDLE: pb.SESSION_STATUS_IDLE,
+    SessionStatus.LIVE: pb.SESSION_STATUS_LIVE,
+    SessionStatus.BUSY: pb.SESSION_STATUS_BUSY,
+}
+MAX_PAGE_SIZE = 1000
+
+
+def status_for(exc: errors.RcoderError) -> grpc.Status:
+    code = next(c for kind, c in STATUS_CODES if isinstance(exc, kind))
+    info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN, metadata=exc.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    message = exc.message if len(exc.message) < 16000 else exc.message[:16000] + "…"
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError) -> NoReturn:
+    status = status_for(exc)
+    log.info("request_refused", code=status.code.name, reason=exc.reason, message=exc.message[:300])
+    await context.abort_with_status(status)
+    raise AssertionError("abort_with_status returned")  # pragma: no cover
+
+
+class AgentRunnerService(pb_grpc.AgentRunnerServicer):
+    def __init__(self, worker: AcpWorker, queries: Queries) -> None:
+        self._worker = worker
+        self._queries = queries
+
+    async def Chat(
+        self, request: pb.ChatRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ChatStream]:
+        try:
+            turn = validate.chat_turn(request)
+            run = await self._worker.chat(turn)
+            async for event in run.follow(0):
+                yield convert.chat_stream(event)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await abort(context, _not_yet("Subscribe"))
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:
+        await abort(context, _not_yet("Cancel"))
+
+    async def ResolvePermission(
+        self, request: pb.ResolvePermissionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResolvePermissionResponse:
+        await abort(context, _not_yet("ResolvePermission"))
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CloseSessionResponse:
+        await abort(context, _not_yet("CloseSession"))
+
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.Session:
+        try:
+            validate.identifier(request.session_id, "session_id", required=True)
+            record, status = await self._queries.session(request.session_id)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return convert.session(record, _SESSION_STATUS[status])
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListSessionsResponse:
+        try:
+            if request.project_id:
+                check_project_id(request.project_id)
+            if request.page_size > MAX_PAGE_SIZE:
+                raise errors.InvalidArgument("page_size", f"at most {MAX_PAGE_SIZE}")
+            after = _decode_page_token(request.page_token)
+            rows, next_after = await self._queries.sessions(request.project_id, request.page_size or 100, after)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.ListSessionsResponse(
+            sessions=[convert.session(r, _SESSION_STATUS[s]) for r, s in rows],
+            next_page_token=_encode_page_token(next_after),
+        )
+
+    async def ListAgents(
+        self, request: pb.ListAgentsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListAgentsResponse:
+        agents = []
+        for view in self._queries.agents():
+            info = pb.AgentInfo(
+                name=view.profile.name,
+                command=view.profile.command,
+                args=list(view.profile.args),
+                resume=view.profile.resume.value,
+                default=view.is_default,
+                warm_pool=view.profile.warm_pool,
+                live_agents=view.live_agents,
+            )
+            if view.capabilities is not None:
+                info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))
+            agents.append(info)
+        return pb.ListAgentsResponse(agents=agents)
+
+
+def _not_yet(rpc: str) -> errors.Unimplemented:
+    return errors.Unimplemented(f"{rpc} is not implemented yet in this rcoder version")
+
+
+def _encode_page_token(after: str) -> str:
+    return base64.urlsafe_b64encode(after.encode()).decode() if after else ""
+
+
+def _decode_page_token(token: str) -> str:
+    if not token:
+        return ""
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (binascii.Error, UnicodeError, ValueError):
+        raise errors.InvalidArgument("page_token", "not a token from a previous ListSessions answer") from None

@@ -1,0 +1,63 @@
+"""``rcoder serve``: argv and environment → Settings → the daemon.
+
+The only module that reads the environment or the config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rcoder import __version__, logs
+from rcoder.config import load_settings
+from rcoder.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rcoder", description="Run coding agents (ACP) behind a gRPC API.")
+    parser.add_argument("--version", action="version", version=f"rcoder {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", type=Path, help="TOML config file (default: $RCODER_CONFIG)")
+    serve.add_argument("--listen", help="host:port to serve on (default 127.0.0.1:50051)")
+    serve.add_argument("--data-dir", help="where the store and agent state live")
+    serve.add_argument("--workspace-root", help="parent folder of every project's working directory")
+    serve.add_argument("--default-agent", help="profile used when a request names none")
+    serve.add_argument("--log-level", help="debug | info | warning | error")
+    serve.add_argument("--log-format", help="auto | json | console")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = dict(os.environ)
+    config_file = args.config or (Path(env["RCODER_CONFIG"]) if env.get("RCODER_CONFIG") else None)
+    overrides = {
+        "listen": args.listen,
+        "data_dir": args.data_dir,
+        "workspace_root": args.workspace_root,
+        "default_agent": args.default_agent,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+    }
+    try:
+        settings = load_settings(config_file, env, overrides)
+    except ConfigError as exc:
+        print(f"rcoder: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    from rcoder.daemon import serve  # imported late: `rcoder --help` stays fast
+
+    try:
+        return asyncio.run(serve(settings))
+    except OSError as exc:
+        print(f"rcoder: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Settings and agent profiles: TOML file < ``RCODER_*`` environment < flags.
+
+Built once by ``cli`` and passed down; nothing below reads the environment or
+files. Every problem is a ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rcoder.domain import ResumeRoute
+from rcoder.errors import ConfigError
+
+# Variables an agent inherits from the daemon. Everything else (the daemon's
+# own secrets, IS_SANDBOX, proxies...) stays out unless a profile names it.
+BASE_AGENT_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "TERM",
+)
+
+# ChatRequest.model_provider fields a profile can map to environment variables.
+PROVIDER_FIELDS = ("base_url", "api_key", "model")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentProfile:
+    """How to run one kind of agent (``[agents.<name>]``)."""
+
+    name: str
+    command: str
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    resume: ResumeRoute = ResumeRoute.AUTO
+    warm_pool: int = 0
+    # names of daemon environment variables passed through to the agent
+    inherit_env: tuple[str, ...] = ()
+    # model_provider field -> environment variable, e.g. {"api_key": "ANTHROPIC_API_KEY"}
+    provider_env: Mapping[str, str] = field(default_factory=dict)
+    # folder the config file lives in: relative commands resolve against it
+    base_dir: Path = field(default_factory=Path.cwd)
+
+    def resolve_command(self, search_path: str) -> str | None:
+        """The executable to run: a path (relative to the config file) or a name on PATH."""
+        if os.sep in self.command:
+            path = Path(self.command)
+            path = path if path.is_absolute() else self.base_dir / path
+            return str(path) if os.access(path, os.X_OK) and path.is_file() else None
+        return shutil.which(self.command, path=search_path)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    listen: str = "127.0.0.1:50051"
+    data_dir: Path = Path(".rcoder")
+    workspace_root: Path = Path("workspace")
+    default_agent: str = "claude"
+    auth_token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_live_agents: int = 32
+    idle_timeout: float = 600.0
+    shutdown_grace: float = 30.0
+    # bounds on agent start-up steps, seconds
+    initialize_timeout: float = 30.0
+    session_open_timeout: float = 60.0
+    # each step of ending an agent (close stdin, SIGTERM, SIGKILL) waits this long
+    agent_stop_grace: float = 3.0
+    # stderr bytes kept per agent for error messages
+    stderr_tail_bytes: int = 8192
+    # max bytes of one line the agent may write on stdout
+    agent_line_limit: int = 64 * 1024 * 1024
+    # events kept per run for Subscribe replay; finished runs kept this many seconds
+    run_buffer_events: int = 10000
+    run_retention: float = 600.0
+    log_level: str = "info"
+    log_format: str = "auto"  # auto | json | console
+    agents: Mapping[str, AgentProfile] = field(default_factory=dict)
+    # the environment agents inherit (already filtered by the allow-list + inherit_env)
+    daemon_env: Mapping[str, str] = field(default_factory=dict)
+
+    def profile(self, name: str) -> AgentProfile | None:
+        return self.agents.get(name)
+
+    def agent_env(self, profile: AgentProfile) -> dict[str, str]:
+        """The environment an agent of ``profile`` starts with (before model provider)."""
+        names = BASE_AGENT_ENV + profile.inherit_env
+        env = {k: self.daemon_env[k] for k in names if k in self.daemon_env}
+        env.update(profile.env)
+        return env
+
+
+def builtin_profiles() -> dict[str, AgentProfile]:
+    """Profiles available with no config file."""
+    return {
+        "claude": AgentProfile(
+            name="claude",
+            command="claude-agent-acp",
+            inherit_env=("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"),
+            provider_env={
+                "base_url": "ANTHROPIC_BASE_URL",
+                "api_key": "ANTHROPIC_API_KEY",
+                "model": "ANTHROPIC_MODEL",
+            },
+        ),
+    }
+
+
+_NUMBER_KEYS = {
+    "max_live_agents": int,
+    "idle_timeout": float,
+    "shutdown_grace": float,
+    "initialize_timeout": float,
+    "session_open_timeout": float,
+    "agent_stop_grace": float,
+    "stderr_tail_bytes": int,
+    "agent_line_limit": int,
+    "run_buffer_events": int,
+    "run_retention": float,
+}
+_STRING_KEYS = {
+    "listen", "default_agent", "auth_token", "tls_cert", "tls_key", "log_level", "log_format",
+}  # fmt: skip
+_PATH_KEYS = {"data_dir", "workspace_root"}
+_PROFILE_KEYS = {"command", "args", "env", "resume", "warm_pool", "inherit_env", "provider_env"}
+
+
+def load_settings(
+    config_file: Path | None,
+    environ: Mapping[str, str],
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build Settings from a TOML file, ``RCODER_<KEY>`` variables and flag overrides."""
+    raw: dict[str, Any] = {}
+    base_dir = Path.cwd()
+    if config_file is not None:
+        raw = _read_toml(config_file)
+        base_dir = config_file.resolve().parent
+    agents_raw = raw.pop("agents", {})
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        values[key] = _convert(key, value, base_dir)
+    for key in _NUMBER_KEYS.keys() | _STRING_KEYS | _PATH_KEYS:
+        env_value = environ.get(f"RCODER_{key.upper()}")
+        if env_value is not None:
+            values[key] = _convert(f"RCODER_{key.upper()}", env_value, Path.cwd(), name=key)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _convert(key, value, Path.cwd())
+    agents = builtin_profiles()
+    if not isinstance(agents_raw, dict):
+        raise ConfigError("agents", "must be a table of [agents.<name>] profiles")
+    for name, table in agents_raw.items():
+        agents[name] = _profile(name, table, base_dir)
+    settings = Settings(**values, agents=agents)
+    daemon_env = _agent_visible_env(environ, agents.values())
+    settings = replace(settings, daemon_env=daemon_env)
+    _check(settings)
+    return settings
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("--config", f"file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+
+
+def _convert(key: str, value: Any, base_dir: Path, name: str | None = None) -> Any:
+    name = name or key
+    if name in _NUMBER_KEYS:
+        kind = _NUMBER_KEYS[name]
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(key, f"expected a number, got {value!r}") from None
+        if isinstance(value, bool) or number < 0:
+            raise ConfigError(key, f"expected a non-negative number, got {value!r}")
+        return number
+    if name in _STRING_KEYS:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    if name in _PATH_KEYS:
+        if not isinstance(value, str | Path) or not str(value):
+            raise ConfigError(key, f"expected a path, got {value!r}")
+        path = Path(value)
+        return path if path.is_absolute() else (base_dir / path)
+    raise ConfigError(key, "unknown key (see README, Configuration)")
+
+
+def _profile(name: str, table: Any, base_dir: Path) -> AgentProfile:
+    where = f"agents.{name}"
+    if not isinstance(table, dict):
+        raise ConfigError(where, "must be a table")
+    unknown = set(table) - _PROFILE_KEYS
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown key (see README, Agent profiles)")
+    command = table.get("command")
+    if not isinstance(command, str) or not command:
+        raise ConfigError(f"{where}.command", "required: the agent's executable (a name on PATH or a path)")
+    args = _string_list(table.get("args", []), f"{where}.args")
+    inherit = _string_list(table.get("inherit_env", []), f"{where}.inherit_env")
+    env = _string_table(table.get("env", {}), f"{where}.env")
+    provider_env = _string_table(table.get("provider_env", {}), f"{where}.provider_env")
+    for key in provider_env:
+        if key not in PROVIDER_FIELDS:
+            raise ConfigError(f"{where}.provider_env.{key}", f"must be one of {', '.join(PROVIDER_FIELDS)}")
+    try:
+        resume = ResumeRoute(table.get("resume", "auto"))
+    except ValueError:
+        choices = " | ".join(r.value for r in ResumeRoute)
+        raise ConfigError(f"{where}.resume", f"expected {choices}, got {table.get('resume')!r}") from None
+    warm = table.get("warm_pool", 0)
+    if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
+        raise ConfigError(f"{where}.warm_pool", f"expected a non-negative integer, got {warm!r}")
+    return AgentProfile(
+        name=name,
+        command=command,
+        args=tuple(args),
+        env=env,
+        resume=resume,
+        warm_pool=warm,
+        inherit_env=tuple(inherit),
+        provider_env=provider_env,
+        base_dir=base_dir,
+    )
+
+
+def _string_list(value: Any, key: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(key, f"expected a list of strings, got {value!r}")
+    return list(value)
+
+
+def _string_table(value: Any, key: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ConfigError(key, f"expected a table of strings, got {value!r}")
+    return dict(value)
+
+
+def _agent_visible_env(environ: Mapping[str, str], profiles: Any) -> dict[str, str]:
+    names = set(BASE_AGENT_ENV)
+    for profile in profiles:
+        names.update(profile.inherit_env)
+    return {k: environ[k] for k in names if k in environ}
+
+
+def _check(settings: Settings) -> None:
+    host, sep, port = settings.listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError("listen", f"expected host:port, got {settings.listen!r}")
+    if settings.default_agent not in settings.agents:
+        known = ", ".join(sorted(settings.agents))
+        raise ConfigError("default_agent", f"no profile named {settings.default_agent!r} (profiles: {known})")
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ConfigError(
+            "tls_cert" if not settings.tls_cert else "tls_key", "set both tls_cert and tls_key, or neither"
+        )
+    if settings.log_format not in {"auto", "json", "console"}:
+        raise ConfigError("log_format", f"expected auto | json | console, got {settings.log_format!r}")
+    if settings.max_live_agents < 1:
+        raise ConfigError("max_live_agents", "must be at least 1")

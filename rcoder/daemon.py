@@ -1,0 +1,76 @@
+"""The composition root: builds the store, agents, core and server, and runs them.
+
+The daemon owns every run and agent; the gRPC handlers only watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from rcoder.agent.launcher import AgentLauncher
+from rcoder.api.server import GrpcServer
+from rcoder.api.service import AgentRunnerService
+from rcoder.config import Settings
+from rcoder.logs import get_logger
+from rcoder.session.acp_worker import AcpWorker
+from rcoder.session.queries import Queries
+from rcoder.session.runs import RunRegistry
+from rcoder.session.session_manager import SessionManager
+from rcoder.store.sqlite import SqliteStore
+
+log = get_logger("rcoder.daemon")
+STORE_FILE = "rcoder.db"
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = SqliteStore(settings.data_dir / STORE_FILE)
+        self.launcher = AgentLauncher(settings)
+        self.sessions = SessionManager(settings.max_live_agents, settings.idle_timeout)
+        self.runs = RunRegistry(settings.run_retention)
+        self.worker = AcpWorker(settings, self.store, self.launcher, self.sessions, self.runs)
+        queries = Queries(settings, self.store, self.sessions, self.launcher)
+        self.server = GrpcServer(AgentRunnerService(self.worker, queries), settings.listen)
+        self._stopped = False
+
+    async def start(self) -> None:
+        interrupted = await self.store.open()
+        self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
+        await self.server.start()
+        host = self.settings.listen.rpartition(":")[0]
+        log.info(
+            "serving",
+            address=f"{host}:{self.server.port}",
+            data_dir=str(self.settings.data_dir),
+            workspace_root=str(self.settings.workspace_root),
+            runs_marked_interrupted=interrupted,
+        )
+
+    async def stop(self) -> None:
+        """Not serving → end running turns and agents → stop the server → close the store."""
+        if self._stopped:
+            return
+        self._stopped = True
+        log.info("stopping")
+        await self.server.not_serving()
+        await self.worker.aclose()
+        await self.server.stop(grace=2.0)
+        await self.store.close()
+        log.info("stopped")
+
+
+async def serve(settings: Settings) -> int:
+    """Run until SIGTERM or SIGINT; exit code 0 after a clean stop."""
+    daemon = Daemon(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await daemon.start()
+        await stop.wait()
+    finally:
+        await daemon.stop()
+    return 0

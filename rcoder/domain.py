@@ -1,0 +1,308 @@
+"""Plain types shared by every layer: ids, run events, outcomes. Stdlib only.
+
+Protocol types (protobuf, ACP) never cross into the core; converters at the
+edges (``api/convert.py``, ``agent/client.py``) map them to these.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+def new_id() -> str:
+    """A fresh rcoder id (run_id, session_id): a random UUID4 string."""
+    return str(uuid.uuid4())
+
+
+class ResumeOutcome(enum.Enum):
+    NEW = "new"
+    LIVE = "live"
+    RESUMED = "resumed"
+    FALLBACK_NEW = "fallback_new"
+    FALLBACK_RESEEDED = "fallback_reseeded"
+
+
+class StopReason(enum.Enum):
+    END_TURN = "end_turn"
+    MAX_TOKENS = "max_tokens"
+    MAX_TURN_REQUESTS = "max_turn_requests"
+    REFUSAL = "refusal"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class ResumeRoute(enum.Enum):
+    """How a profile opens a known session (config key ``resume``)."""
+
+    AUTO = "auto"
+    RESUME = "resume"  # session/resume
+    LOAD = "load"  # session/load, replay drained
+    META = "meta"  # session/new with _meta.claudeCode.options.resume
+    NONE = "none"  # never resume: always a fresh session
+
+
+class OpenMethod(enum.Enum):
+    """How the session of a run was actually opened (``RunStarted.resume_method``)."""
+
+    NEW = "new"
+    LIVE = "live"
+    RESUME = "resume"
+    LOAD = "load"
+    META = "meta"
+
+
+class PermissionMode(enum.Enum):
+    ALLOW = "allow"
+    DENY = "deny"
+    ASK = "ask"
+
+
+class RunStatus(enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"  # the daemon stopped (or died) while it ran
+
+
+# ---------------------------------------------------------------- request parts
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProvider:
+    base_url: str = ""
+    api_key: str = ""
+    model: str = ""
+
+    def is_empty(self) -> bool:
+        return not (self.base_url or self.api_key or self.model)
+
+    def __repr__(self) -> str:  # never print the key
+        return f"ModelProvider(base_url={self.base_url!r}, model={self.model!r}, api_key=<{len(self.api_key)} chars>)"
+
+
+@dataclass(frozen=True, slots=True)
+class McpServer:
+    """An MCP server handed to the agent. ``transport`` is stdio, http or sse."""
+
+    name: str
+    transport: str
+    command: str = ""
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    url: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """Content sent with a prompt. ``kind``: text, image, resource, resource_link."""
+
+    kind: str
+    text: str = ""
+    data: bytes = b""
+    mime_type: str = ""
+    uri: str = ""
+    name: str = ""
+    title: str = ""
+    description: str = ""
+    size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One validated ``Chat`` request, in our terms."""
+
+    project_id: str
+    prompt: str
+    session_id: str = ""
+    agent: str = ""
+    system_prompt: str = ""
+    mcp_servers: tuple[McpServer, ...] = ()
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+    model_provider: ModelProvider = field(default_factory=ModelProvider)
+    request_id: str = ""
+    permission_mode: PermissionMode = PermissionMode.ALLOW
+    attachments: tuple[Attachment, ...] = ()
+
+
+# ---------------------------------------------------------------- run events
+
+
+@dataclass(frozen=True, slots=True)
+class RunStarted:
+    provider_session_id: str
+    resume: ResumeOutcome
+    resume_method: OpenMethod
+    agent: str
+    project_id: str
+    fallback_reason: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TextChunk:
+    """Agent text. ``thought`` marks an agent_thought_chunk."""
+
+    text: str
+    thought: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    tool_call_id: str
+    title: str
+    kind: str = ""
+    status: str = ""
+    raw_input_json: str = ""
+    locations: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallUpdate:
+    tool_call_id: str
+    title: str = ""
+    kind: str = ""
+    status: str = ""
+    raw_output_json: str = ""
+    content_text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEntry:
+    content: str
+    priority: str
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    entries: tuple[PlanEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionOption:
+    option_id: str
+    name: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionRequest:
+    permission_id: str
+    tool_call_id: str
+    title: str
+    kind: str
+    options: tuple[PermissionOption, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentUpdate:
+    """Any other session/update, kept as JSON so nothing is lost."""
+
+    kind: str
+    json: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RunCompleted:
+    stop_reason: StopReason
+    provider_session_id: str
+    resume: ResumeOutcome
+    error: str = ""
+
+
+RunEventBody = (
+    RunStarted
+    | TextChunk
+    | ToolCall
+    | ToolCallUpdate
+    | Plan
+    | PermissionRequest
+    | AgentUpdate
+    | Heartbeat
+    | RunCompleted
+)
+
+# What the agent layer emits during a turn (the run adds started/completed/heartbeats).
+AgentEvent = TextChunk | ToolCall | ToolCallUpdate | Plan | PermissionRequest | AgentUpdate
+
+
+@dataclass(frozen=True, slots=True)
+class RunEvent:
+    """One numbered event of a run, as every stream and replay carries it."""
+
+    run_id: str
+    session_id: str
+    seq: int
+    time: datetime
+    body: RunEventBody
+
+
+# ---------------------------------------------------------------- agents
+
+
+@dataclass(frozen=True, slots=True)
+class AgentCapabilities:
+    """What an agent advertised in ``initialize``."""
+
+    load_session: bool = False
+    session_resume: bool = False
+    session_close: bool = False
+    session_list: bool = False
+    prompt_image: bool = False
+    prompt_audio: bool = False
+    prompt_embedded_context: bool = False
+    mcp_http: bool = False
+    mcp_sse: bool = False
+    agent_name: str = ""
+    agent_version: str = ""
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    session_id: str
+    project_id: str
+    cwd: str
+    agent: str
+    provider_session_id: str
+    created_at: datetime
+    updated_at: datetime
+    turns: int = 0
+    last_run_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    run_id: str
+    session_id: str
+    status: RunStatus
+    started_at: datetime
+    resume: ResumeOutcome | None = None
+    resume_method: str = ""
+    fallback_reason: str = ""
+    request_id: str = ""
+    stop_reason: StopReason | None = None
+    error: str = ""
+    ended_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TranscriptEntry:
+    session_id: str
+    run_id: str
+    turn: int
+    prompt: str
+    response: str
+    created_at: datetime

@@ -1,0 +1,170 @@
+"""rcoder's own errors: a small tree grouped by what the caller can do.
+
+Each carries fields, not just a string; ``api/service.py`` maps them to gRPC
+codes in one table. ``reason`` becomes the ``google.rpc.ErrorInfo`` reason.
+"""
+
+from __future__ import annotations
+
+
+class RcoderError(Exception):
+    """Base of every error rcoder raises on purpose."""
+
+    reason = "RCODER_ERROR"
+
+    def __init__(self, message: str, **metadata: str) -> None:
+        super().__init__(message)
+        self.message = message
+        # string fields for ErrorInfo.metadata (and logs)
+        self.metadata = {k: v for k, v in metadata.items() if v}
+
+
+class ConfigError(RcoderError):
+    """The configuration is wrong; ``key`` names the offending key."""
+
+    reason = "CONFIG_INVALID"
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"config key {key!r}: {problem}", key=key)
+        self.key = key
+
+
+# ---------------------------------------------------------------- caller's fault
+
+
+class InvalidArgument(RcoderError):
+    """A request field is wrong; ``field`` names it."""
+
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, problem: str, reason: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(f"{field}: {problem}", field=field)
+        self.field = field
+        self.reason = reason
+
+
+class NotFound(RcoderError):
+    reason = "NOT_FOUND"
+
+    def __init__(self, kind: str, ident: str, hint: str = "") -> None:
+        text = f"{kind} {ident!r} not found" + (f": {hint}" if hint else "")
+        super().__init__(text, kind=kind, id=ident)
+        self.reason = f"{kind.upper()}_NOT_FOUND"
+
+
+class PermissionDenied(RcoderError):
+    reason = "PERMISSION_DENIED"
+
+    def __init__(self, message: str, reason: str = "PERMISSION_DENIED", **metadata: str) -> None:
+        super().__init__(message, **metadata)
+        self.reason = reason
+
+
+class OutOfRange(RcoderError):
+    reason = "OUT_OF_RANGE"
+
+
+class Unimplemented(RcoderError):
+    reason = "UNIMPLEMENTED"
+
+
+# ---------------------------------------------------------------- try again later
+
+
+class SessionBusy(RcoderError):
+    """A turn is already running on this session."""
+
+    reason = "SESSION_BUSY"
+
+    def __init__(self, session_id: str, run_id: str) -> None:
+        super().__init__(
+            f"session busy: run {run_id} is still running on session {session_id}; "
+            "wait for it to complete, Subscribe to it, or Cancel it",
+            session_id=session_id,
+            run_id=run_id,
+        )
+
+
+class AgentLimitReached(RcoderError):
+    """Every live agent slot is taken by a busy agent."""
+
+    reason = "AGENT_LIMIT_REACHED"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"all {limit} live agents are busy (max_live_agents = {limit}); retry when a turn finishes",
+            limit=str(limit),
+        )
+
+
+class ShuttingDown(RcoderError):
+    reason = "SHUTTING_DOWN"
+
+    def __init__(self) -> None:
+        super().__init__("rcoder is shutting down; retry against another instance or after restart")
+
+
+# ---------------------------------------------------------------- agent failures
+
+
+class AgentError(RcoderError):
+    """The agent failed. ``stderr_tail`` holds its last words, when it has any."""
+
+    reason = "AGENT_ERROR"
+
+    def __init__(self, message: str, *, agent: str = "", stderr_tail: str = "", **metadata: str) -> None:
+        full = message + (f"\n--- agent stderr (tail) ---\n{stderr_tail}" if stderr_tail else "")
+        super().__init__(full, agent=agent, **metadata)
+        self.summary = message
+        self.agent = agent
+        self.stderr_tail = stderr_tail
+
+
+class AgentUnavailable(AgentError):
+    """The agent could not be started (missing command, exited at once, failed initialize)."""
+
+    reason = "AGENT_UNAVAILABLE"
+
+
+class AgentTimeout(AgentUnavailable):
+    """The agent did not answer a start-up step (initialize, session open) in time."""
+
+    reason = "AGENT_TIMEOUT"
+
+
+class AgentAuthRequired(AgentUnavailable):
+    """The agent answered -32000: its model credentials are missing or wrong."""
+
+    reason = "AGENT_AUTH_REQUIRED"
+
+
+class AgentCrashed(AgentError):
+    """The agent process ended while rcoder needed it."""
+
+    reason = "AGENT_CRASHED"
+
+
+class AgentProtocolError(AgentError):
+    """The agent answered with an error rcoder cannot act on."""
+
+    reason = "AGENT_PROTOCOL_ERROR"
+
+    def __init__(self, message: str, *, code: int = 0, **kwargs: str) -> None:
+        super().__init__(message, code=str(code), **kwargs)
+        self.code = code
+
+
+class SessionGone(AgentError):
+    """The agent no longer has the conversation asked for (classified, never guessed)."""
+
+    reason = "SESSION_GONE"
+
+    def __init__(self, provider_session_id: str, why: str, *, agent: str = "", stderr_tail: str = "") -> None:
+        super().__init__(
+            f"agent no longer has session {provider_session_id}: {why}",
+            agent=agent,
+            stderr_tail=stderr_tail,
+            provider_session_id=provider_session_id,
+        )
+        self.provider_session_id = provider_session_id
+        self.why = why

@@ -1,0 +1,66 @@
+"""structlog set-up: JSON when not on a terminal, context bound via contextvars.
+
+``bind_context(run_id=..., session_id=..., project_id=...)`` tags every line
+logged in that task. Secrets never reach the output: values under keys that
+look like credentials are replaced, whatever logged them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+_SECRET_MARKERS = ("api_key", "apikey", "token", "authorization", "secret", "password")
+
+
+def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key in list(event):
+        if any(marker in key.lower() for marker in _SECRET_MARKERS) and event[key]:
+            event[key] = "<redacted>"
+    return event
+
+
+def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    """Route structlog and stdlib logging (the ACP SDK, grpc) to one renderer."""
+    out = stream or sys.stderr
+    as_json = fmt == "json" or (fmt == "auto" and not out.isatty())
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _redact,
+    ]
+    renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def get_logger(name: str) -> Any:
+    return structlog.stdlib.get_logger(name)
+
+
+def bind_context(**values: str) -> None:
+    structlog.contextvars.bind_contextvars(**{k: v for k, v in values.items() if v})

@@ -1,0 +1,370 @@
+"""The resume decision (DESIGN §3) and the life of one turn.
+
+``AcpWorker.chat`` validates what only the daemon can (profile, session,
+project, busy, agent limit), starts or reuses the agent, and returns the
+run once ``started`` is published; the turn then goes on in a task the
+worker owns, whether or not anyone is still watching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from rcoder.agent.connection import AgentConnection
+from rcoder.agent.convert import prompt_blocks
+from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.start_config import AgentStartConfig
+from rcoder.config import AgentProfile, Settings
+from rcoder.domain import (
+    AgentCapabilities,
+    AgentEvent,
+    ChatTurn,
+    OpenMethod,
+    PermissionMode,
+    PermissionRequest,
+    ResumeOutcome,
+    RunCompleted,
+    RunRecord,
+    RunStarted,
+    RunStatus,
+    SessionRecord,
+    StopReason,
+    TextChunk,
+    TranscriptEntry,
+    new_id,
+)
+from rcoder.errors import AgentError, InvalidArgument, PermissionDenied, ShuttingDown
+from rcoder.logs import bind_context, get_logger
+from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.session_manager import SessionManager
+from rcoder.session.workspace import project_dir
+from rcoder.store.base import SessionStore
+
+__all__ = ["AcpWorker", "Action", "AgentStartConfig", "decide"]
+
+log = get_logger("rcoder.session.worker")
+MAX_TRANSCRIPT_TEXT = 1 << 20
+
+
+class Action(enum.Enum):
+    NEW = "new"  # start an agent, new session
+    LIVE = "live"  # prompt the session's live agent
+    RESUME = "resume"  # start an agent, resume the stored provider id
+    ADOPT = "adopt"  # start an agent, resume the unknown id as a provider id
+
+
+def decide(session_id: str, record: SessionRecord | None, live: bool) -> Action:
+    """The decision table of DESIGN §3 (busy sessions are refused before this)."""
+    if not session_id:
+        return Action.NEW
+    if record is None:
+        return Action.ADOPT
+    return Action.LIVE if live else Action.RESUME
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What a turn was set up with, before its run exists."""
+
+    turn: ChatTurn
+    profile: AgentProfile
+    session_id: str
+    run_id: str
+    cwd: str
+    record: SessionRecord | None
+    action: Action
+
+
+class AcpWorker:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SessionStore,
+        launcher: AgentLauncher,
+        sessions: SessionManager,
+        runs: RunRegistry,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._launcher = launcher
+        self._sessions = sessions
+        self._runs = runs
+        self._clock = clock
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    # ------------------------------------------------------------ entry
+
+    async def chat(self, turn: ChatTurn) -> Run:
+        """Start a turn; returns its run once ``started`` is published."""
+        if self._closing:
+            raise ShuttingDown()
+        if turn.permission_mode is PermissionMode.ASK:
+            raise InvalidArgument("permission_mode", "ASK is not available yet; use ALLOW or DENY")
+        plan = await self._plan(turn)
+        seen = self._launcher.capabilities_seen.get(plan.profile.name)
+        self._check_content(plan.profile, turn, seen[0] if seen else None)
+        self._sessions.claim(plan.session_id, plan.run_id)
+        live = None
+        try:
+            if plan.action is Action.LIVE:
+                live = self._sessions.take_live(plan.session_id, plan.profile.name, turn.model_provider)
+                if live is None:
+                    plan.action = Action.RESUME
+            if live is None:
+                self._sessions.reserve_slot()
+        except BaseException:
+            self._sessions.release(plan.session_id)
+            raise
+        started: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._drive(plan, live, started), name=f"run-{plan.run_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        started.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        return await asyncio.shield(started)
+
+    async def _plan(self, turn: ChatTurn) -> _Plan:
+        name = turn.agent or self._settings.default_agent
+        record = None
+        if turn.session_id:
+            record = await self._store.get_session(turn.session_id)
+            if record is None:
+                record = await self._store.find_session_by_provider_id(name, turn.session_id)
+        if record is not None:
+            if record.project_id != turn.project_id:
+                raise PermissionDenied(
+                    f"session {record.session_id} belongs to another project; send its own project_id",
+                    reason="SESSION_PROJECT_MISMATCH",
+                    session_id=record.session_id,
+                )
+            if turn.agent and turn.agent != record.agent:
+                raise InvalidArgument(
+                    "agent",
+                    f"session {record.session_id} runs agent {record.agent!r}; leave agent empty or send that",
+                )
+            name = record.agent
+        profile = self._settings.profile(name)
+        if profile is None:
+            known = ", ".join(sorted(self._settings.agents))
+            raise InvalidArgument("agent", f"no agent profile named {name!r} (profiles: {known})")
+        cwd = record.cwd if record else str(project_dir(self._settings.workspace_root, turn.project_id))
+        action = decide(turn.session_id, record, record is not None and self._sessions.is_live(record.session_id))
+        session_id = record.session_id if record else new_id()
+        return _Plan(turn, profile, session_id, new_id(), cwd, record, action)
+
+    # ------------------------------------------------------------ the turn
+
+    async def _drive(self, plan: _Plan, live: AgentConnection | None, started: asyncio.Future[Run]) -> None:
+        bind_context(run_id=plan.run_id, session_id=plan.session_id, project_id=plan.turn.project_id)
+        try:
+            conn, body = await self._open(plan, live)
+            run = await self._start_run(plan, conn, body)
+        except BaseException as exc:
+            self._sessions.release(plan.session_id)
+            if not started.done():
+                started.set_exception(exc if isinstance(exc, Exception) else ShuttingDown())
+            if not isinstance(exc, Exception):
+                raise
+            return
+        started.set_result(run)
+        await self._run_turn(plan, conn, run, body.resume)
+
+    async def _open(self, plan: _Plan, live: AgentConnection | None) -> tuple[AgentConnection, RunStarted]:
+        turn, profile = plan.turn, plan.profile
+        if live is not None:
+            return live, self._started(plan, live, ResumeOutcome.LIVE, OpenMethod.LIVE, "")
+        resume_id = ""
+        if plan.action is Action.RESUME and plan.record is not None:
+            resume_id = plan.record.provider_session_id
+        elif plan.action is Action.ADOPT:
+            resume_id = turn.session_id
+        config = AgentStartConfig(
+            cwd=plan.cwd,
+            system_prompt=turn.system_prompt,
+            mcp_servers=turn.mcp_servers,
+            extra_meta=turn.extra_meta,
+            model_provider=turn.model_provider,
+            resume_session_id=resume_id,
+        )
+        try:
+            launched = await self._launcher.launch(profile, config)
+        except BaseException:
+            self._sessions.unreserve_slot()
+            raise
+        conn = launched.connection
+        self._sessions.adopt(plan.session_id, profile.name, turn.model_provider, conn)
+        try:
+            self._check_content(profile, turn, conn.capabilities)
+        except InvalidArgument:
+            self._sessions.discard(plan.session_id)
+            raise
+        if not resume_id:
+            outcome = ResumeOutcome.NEW
+        elif launched.fallback_reason:
+            outcome = ResumeOutcome.FALLBACK_NEW
+        else:
+            outcome = ResumeOutcome.RESUMED
+        return conn, self._started(plan, conn, outcome, launched.method, launched.fallback_reason)
+
+    def _started(
+        self, plan: _Plan, conn: AgentConnection, outcome: ResumeOutcome, method: OpenMethod, fallback: str
+    ) -> RunStarted:
+        return RunStarted(
+            provider_session_id=conn.provider_session_id,
+            resume=outcome,
+            resume_method=method,
+            agent=plan.profile.name,
+            project_id=plan.turn.project_id,
+            fallback_reason=fallback,
+            request_id=plan.turn.request_id,
+        )
+
+    async def _start_run(self, plan: _Plan, conn: AgentConnection, body: RunStarted) -> Run:
+        now = self._clock()
+        if plan.record is None:
+            record = SessionRecord(
+                session_id=plan.session_id,
+                project_id=plan.turn.project_id,
+                cwd=plan.cwd,
+                agent=plan.profile.name,
+                provider_session_id=conn.provider_session_id,
+                created_at=now,
+                updated_at=now,
+            )
+            await self._store.create_session(record)
+        elif plan.record.provider_session_id != conn.provider_session_id:
+            # written only from this session's own agent answer
+            await self._store.set_provider_session_id(plan.session_id, conn.provider_session_id, now)
+        run = Run(plan.run_id, plan.session_id, self._settings.run_buffer_events, self._clock)
+        run.publish(body)
+        await self._store.start_run(
+            RunRecord(
+                run_id=plan.run_id,
+                session_id=plan.session_id,
+                status=RunStatus.RUNNING,
+                started_at=now,
+                resume=body.resume,
+                resume_method=body.resume_method.value,
+                fallback_reason=body.fallback_reason,
+                request_id=plan.turn.request_id,
+            )
+        )
+        self._runs.add(run)
+        log.info(
+            "run_started",
+            agent=plan.profile.name,
+            resume=body.resume.value,
+            method=body.resume_method.value,
+            provider_session_id=body.provider_session_id,
+            fallback_reason=body.fallback_reason or None,
+        )
+        return run
+
+    async def _run_turn(self, plan: _Plan, conn: AgentConnection, run: Run, outcome: ResumeOutcome) -> None:
+        texts: list[str] = []
+        size = 0
+
+        def on_event(event: AgentEvent) -> None:
+            nonlocal size
+            if isinstance(event, TextChunk) and not event.thought and size < MAX_TRANSCRIPT_TEXT:
+                texts.append(event.text)
+                size += len(event.text)
+            run.publish(event)
+
+        decider = _permission_decider(plan.turn.permission_mode)
+        error = ""
+        status = RunStatus.COMPLETED
+        try:
+            stop = await conn.prompt(prompt_blocks(plan.turn.prompt, plan.turn.attachments), on_event, decider)
+        except AgentError as exc:
+            stop, error, status = StopReason.ERROR, str(exc), RunStatus.FAILED
+            self._sessions.discard(plan.session_id)  # the next turn resumes on a fresh agent
+        except asyncio.CancelledError:
+            await self._finish(plan, run, conn, outcome, StopReason.CANCELLED, RunStatus.INTERRUPTED,
+                               "rcoder stopped while the turn ran", None)  # fmt: skip
+            raise
+        transcript = TranscriptEntry(
+            session_id=plan.session_id,
+            run_id=run.run_id,
+            turn=0,
+            prompt=plan.turn.prompt,
+            response="".join(texts)[:MAX_TRANSCRIPT_TEXT],
+            created_at=self._clock(),
+        )
+        await self._finish(plan, run, conn, outcome, stop, status, error, transcript if not error else None)
+
+    async def _finish(
+        self,
+        plan: _Plan,
+        run: Run,
+        conn: AgentConnection,
+        outcome: ResumeOutcome,
+        stop: StopReason,
+        status: RunStatus,
+        error: str,
+        transcript: TranscriptEntry | None,
+    ) -> None:
+        """Store, free the session, then publish ``completed``: whoever sees it can go on at once."""
+        try:
+            await asyncio.shield(self._store.finish_run(run.run_id, status, stop, error, self._clock(), transcript))
+        except Exception:
+            log.exception("store_write_failed", run_id=run.run_id)
+        finally:
+            self._sessions.release(plan.session_id)
+            run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
+            log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
+
+    # ------------------------------------------------------------ checks
+
+    @staticmethod
+    def _check_content(profile: AgentProfile, turn: ChatTurn, caps: AgentCapabilities | None) -> None:
+        """Refuse content the agent said it cannot take (only once its capabilities are known)."""
+        if caps is None:
+            return
+        needs = {"image": caps.prompt_image, "resource": caps.prompt_embedded_context}
+        for index, att in enumerate(turn.attachments):
+            if not needs.get(att.kind, True):
+                cap = "image" if att.kind == "image" else "embeddedContext"
+                raise InvalidArgument(
+                    f"attachments[{index}]",
+                    f"agent {profile.name!r} does not accept {att.kind} attachments "
+                    f"(promptCapabilities.{cap} is false)",
+                    reason="ATTACHMENT_NOT_SUPPORTED",
+                )
+        transports = {"http": caps.mcp_http, "sse": caps.mcp_sse}
+        for index, server in enumerate(turn.mcp_servers):
+            if not transports.get(server.transport, True):
+                raise InvalidArgument(
+                    f"mcp_servers[{index}]",
+                    f"agent {profile.name!r} does not take {server.transport} MCP servers "
+                    f"(mcpCapabilities.{server.transport} is false)",
+                    reason="MCP_TRANSPORT_NOT_SUPPORTED",
+                )
+
+    # ------------------------------------------------------------ shutdown
+
+    async def aclose(self) -> None:
+        """Stop taking turns, end the ones running, end every agent. Idempotent."""
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._sessions.aclose()
+
+
+def _permission_decider(mode: PermissionMode) -> Callable[[PermissionRequest], asyncio.Future[str | None]]:
+    wanted = ("allow_once", "allow_always") if mode is PermissionMode.ALLOW else ("reject_once", "reject_always")
+
+    def decide(request: PermissionRequest) -> asyncio.Future[str | None]:
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        choice = next((o.option_id for kind in wanted for o in request.options if o.kind == kind), None)
+        future.set_result(choice)
+        return future
+
+    return decide

@@ -1,0 +1,347 @@
+"""The embedded store: one SQLite file in WAL mode, touched by one worker thread only.
+
+Every call is handed to a single-thread executor, so the event loop never blocks
+and the connection never crosses threads. Each write is one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+
+from rcoder.domain import (
+    ResumeOutcome,
+    RunRecord,
+    RunStatus,
+    SessionRecord,
+    StopReason,
+    TranscriptEntry,
+)
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
+
+_SCHEMA = (
+    """CREATE TABLE sessions (
+        session_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, cwd TEXT NOT NULL,
+        agent TEXT NOT NULL, provider_session_id TEXT NOT NULL, created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL, turns INTEGER NOT NULL DEFAULT 0,
+        last_run_id TEXT NOT NULL DEFAULT '')""",
+    """CREATE TABLE runs (
+        run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(session_id),
+        status TEXT NOT NULL, stop_reason TEXT, error TEXT NOT NULL DEFAULT '', resume TEXT,
+        resume_method TEXT NOT NULL DEFAULT '', fallback_reason TEXT NOT NULL DEFAULT '',
+        request_id TEXT NOT NULL DEFAULT '', started_at TEXT NOT NULL, ended_at TEXT)""",
+    """CREATE TABLE transcript (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        session_id TEXT NOT NULL REFERENCES sessions(session_id), run_id TEXT NOT NULL,
+        turn INTEGER NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
+        created_at TEXT NOT NULL)""",
+    "CREATE INDEX sessions_by_project ON sessions(project_id, session_id)",
+    "CREATE INDEX sessions_by_provider ON sessions(agent, provider_session_id)",
+    "CREATE INDEX runs_by_session ON runs(session_id)",
+    "CREATE INDEX transcript_by_session ON transcript(session_id, turn)",
+    f"PRAGMA user_version = {SCHEMA_VERSION:d}",
+)
+
+# Rows are read and written in the column order of the tables above.
+_LIST_ALL = "SELECT * FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?"
+_LIST_PROJECT = "SELECT * FROM sessions WHERE project_id = ? AND session_id > ? ORDER BY session_id LIMIT ?"
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def _ts(at: datetime) -> str:
+    """ISO-8601 UTC text; reading it back gives an equal (same instant) datetime."""
+    if at.utcoffset() is None:
+        raise ValueError(f"naive datetime {at!r}: the store keeps timezone-aware times only")
+    return at.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _time(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
+
+
+# Column names equal the record field names, so a row maps onto its record by name.
+def _session(row: sqlite3.Row) -> SessionRecord:
+    fields = {**dict(row), "created_at": _time(row["created_at"]), "updated_at": _time(row["updated_at"])}
+    return SessionRecord(**fields)
+
+
+def _run(row: sqlite3.Row) -> RunRecord:
+    fields = dict(row)
+    fields.update(
+        status=RunStatus(row["status"]),
+        stop_reason=None if row["stop_reason"] is None else StopReason(row["stop_reason"]),
+        resume=None if row["resume"] is None else ResumeOutcome(row["resume"]),
+        started_at=_time(row["started_at"]),
+        ended_at=_time(row["ended_at"]),
+    )
+    return RunRecord(**fields)
+
+
+def _entry(row: sqlite3.Row) -> TranscriptEntry:
+    return TranscriptEntry(**{**dict(row), "created_at": _time(row["created_at"])})
+
+
+def _positive(limit: int) -> int:
+    if limit < 1:
+        raise ValueError(f"limit must be positive, got {limit}")
+    return limit
+
+
+# ---------------------------------------------------------------- worker-thread helpers
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction: committed on success, rolled back on any error."""
+    with conn:
+        conn.execute("BEGIN IMMEDIATE")
+        yield
+
+
+def _require_row(cursor: sqlite3.Cursor, what: str, key: str) -> None:
+    if cursor.rowcount != 1:
+        raise LookupError(f"unknown {what} {key!r}")
+
+
+def _create_private_file(path: Path) -> None:
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    for suffix in ("", "-wal", "-shm"):  # tighten files a looser umask may have left
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            side.chmod(0o600)
+
+
+def _prepare(conn: sqlite3.Connection) -> int:
+    """Pragmas, schema, and the interrupted-run sweep. Returns how many runs were marked."""
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA busy_timeout=5000")
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode != "wal":
+        raise RuntimeError(f"SQLite refused WAL mode (journal_mode={mode})")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    with _transaction(conn):
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            for statement in _SCHEMA:
+                conn.execute(statement)
+        elif version != SCHEMA_VERSION:
+            raise RuntimeError(f"store schema version {version} is not supported (want {SCHEMA_VERSION})")
+    with _transaction(conn):
+        cursor = conn.execute(
+            "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?",
+            (RunStatus.INTERRUPTED.value, _ts(datetime.now(UTC)), INTERRUPTED_ERROR, RunStatus.RUNNING.value),
+        )
+    return cursor.rowcount
+
+
+def _finish_run(
+    conn: sqlite3.Connection,
+    run_id: str,
+    end: tuple[RunStatus, StopReason | None, str, datetime],
+    entry: TranscriptEntry | None,
+) -> None:
+    status, stop_reason, error, at = end
+    stop = None if stop_reason is None else stop_reason.value
+    with _transaction(conn):
+        cursor = conn.execute(
+            "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ? WHERE run_id = ?",
+            (status.value, stop, error, _ts(at), run_id),
+        )
+        _require_row(cursor, "run", run_id)
+        if entry is None:
+            return
+        cursor = conn.execute(
+            "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
+            " SELECT session_id, ?, turns + 1, ?, ?, ? FROM sessions WHERE session_id = ?",
+            (entry.run_id, entry.prompt, entry.response, _ts(entry.created_at), entry.session_id),
+        )
+        _require_row(cursor, "session", entry.session_id)
+        conn.execute(
+            "UPDATE sessions SET turns = turns + 1, updated_at = ? WHERE session_id = ?",
+            (_ts(at), entry.session_id),
+        )
+
+
+# ---------------------------------------------------------------- the store
+
+
+class SqliteStore:
+    """``SessionStore`` on one SQLite file (created owner-only, mode 0600)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rcoder-store")
+        self._conn: sqlite3.Connection | None = None  # only touched on the worker thread
+        self._opened = False
+        self._closed = False
+
+    async def open(self) -> int:
+        if self._closed:
+            raise RuntimeError("store is closed")
+        if self._opened:
+            raise RuntimeError("store is already open")
+        self._opened = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._open_sync)
+        except Exception:
+            self._opened = False
+            raise
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._close_sync)
+        finally:
+            self._executor.shutdown(wait=False)  # the worker is idle (or finishing): it just exits
+
+    def _open_sync(self) -> int:
+        _create_private_file(self._path)
+        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        try:
+            marked = _prepare(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return marked
+
+    def _close_sync(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            conn.close()
+
+    def _on_worker(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._conn is None:
+            raise RuntimeError("store is not open")
+        return fn(self._conn)
+
+    async def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise RuntimeError("store is closed")
+        if not self._opened:
+            raise RuntimeError("store is not open")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_worker, fn)
+
+    async def _write(self, sql: str, params: tuple[object, ...], missing: tuple[str, str] | None) -> None:
+        def work(conn: sqlite3.Connection) -> None:
+            with _transaction(conn):
+                cursor = conn.execute(sql, params)
+                if missing is not None:
+                    _require_row(cursor, *missing)
+
+        await self._call(work)
+
+    async def _rows(self, sql: str, params: tuple[object, ...]) -> list[sqlite3.Row]:
+        return await self._call(lambda conn: conn.execute(sql, params).fetchall())
+
+    # sessions
+
+    async def create_session(self, record: SessionRecord) -> None:
+        params = (
+            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
+            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
+        )  # fmt: skip
+        await self._write("INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)", params, None)
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        rows = await self._rows("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+        return _session(rows[0]) if rows else None
+
+    async def find_session_by_provider_id(self, agent: str, provider_session_id: str) -> SessionRecord | None:
+        if not provider_session_id:  # "" means "not opened yet", never an identity
+            return None
+        sql = "SELECT * FROM sessions WHERE agent = ? AND provider_session_id = ? ORDER BY updated_at DESC LIMIT 1"
+        rows = await self._rows(sql, (agent, provider_session_id))
+        return _session(rows[0]) if rows else None
+
+    async def list_sessions(
+        self, project_id: str = "", limit: int = 100, after_session_id: str = ""
+    ) -> list[SessionRecord]:
+        args: tuple[object, ...] = (after_session_id, _positive(limit))
+        sql = _LIST_ALL
+        if project_id:
+            sql, args = _LIST_PROJECT, (project_id, *args)
+        return [_session(row) for row in await self._rows(sql, args)]
+
+    async def set_provider_session_id(self, session_id: str, provider_session_id: str, at: datetime) -> None:
+        sql = "UPDATE sessions SET provider_session_id = ?, updated_at = ? WHERE session_id = ?"
+        await self._write(sql, (provider_session_id, _ts(at), session_id), ("session", session_id))
+
+    # runs
+
+    async def start_run(self, record: RunRecord) -> None:
+        params = (
+            record.run_id, record.session_id, record.status.value,
+            None if record.stop_reason is None else record.stop_reason.value, record.error,
+            None if record.resume is None else record.resume.value, record.resume_method,
+            record.fallback_reason, record.request_id, _ts(record.started_at),
+            None if record.ended_at is None else _ts(record.ended_at),
+        )  # fmt: skip
+        pointer = (record.run_id, _ts(record.started_at), record.session_id)
+
+        def work(conn: sqlite3.Connection) -> None:
+            with _transaction(conn):
+                conn.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?)", params)
+                cursor = conn.execute(
+                    "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE session_id = ?", pointer
+                )
+                _require_row(cursor, "session", record.session_id)
+
+        await self._call(work)
+
+    async def finish_run(
+        self,
+        run_id: str,
+        status: RunStatus,
+        stop_reason: StopReason | None,
+        error: str,
+        at: datetime,
+        transcript: TranscriptEntry | None,
+    ) -> None:
+        end = (status, stop_reason, error, at)
+        await self._call(lambda conn: _finish_run(conn, run_id, end, transcript))
+
+    async def update_run_start(
+        self, run_id: str, resume: ResumeOutcome, resume_method: str, fallback_reason: str
+    ) -> None:
+        sql = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
+        await self._write(sql, (resume.value, resume_method, fallback_reason, run_id), ("run", run_id))
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        rows = await self._rows("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        return _run(rows[0]) if rows else None
+
+    async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
+        sql = (
+            "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
+            "SELECT * FROM transcript WHERE session_id = ? ORDER BY turn DESC, id DESC LIMIT ?"
+            ") ORDER BY turn, id"
+        )
+        return [_entry(row) for row in await self._rows(sql, (session_id, _positive(limit)))]
+
+    async def integrity_check(self) -> str:
+        rows = await self._rows("PRAGMA integrity_check", ())
+        return "\n".join(str(row[0]) for row in rows)

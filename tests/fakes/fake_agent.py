@@ -1,0 +1,528 @@
+"""A scripted ACP agent for rcoder's integration tests.
+
+It is a real process speaking real ACP (newline-delimited JSON-RPC over stdio) through the
+official SDK's agent side, so the daemon under test goes through exactly the code paths it
+uses with Claude, Codex or Gemini. Its behaviour is chosen by command-line flags (process
+level: capabilities, failures, hangs) and by directives written in the prompt text (turn
+level: streaming, tools, permissions, sleeps, crashes).
+
+    python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close]
+        [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt]
+        [--auth-required open|prompt] [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
+        [--replay-after-response] [--name NAME]
+
+Sessions persist as DIR/sessions/<id>.json, so a new process with the same state dir can
+resume or load what an earlier one created. Answers are computed from the session's memory:
+every `remember N` said in the session is recalled as "I remember: N, ...", which makes
+"remembered vs forgotten" observable from outside.
+
+Prompt directives (lowercase words anywhere in the text; combinable; run in this order):
+    stderr N     write N bytes of log text to stderr (64 KiB writes)
+    garbage      write the line "this is not json" to stdout
+    think        an agent_thought_chunk "thinking..."
+    tool         tool_call "call-1", a two-entry plan, tool_call_update completed "done"
+    permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
+                 (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
+    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
+    usage        a usage_update (used 10, size 1000)
+    sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang and pace at once:
+                 stop reason "cancelled", no answer
+    crash        one chunk "partial", then "fake agent crashing" on stderr and exit code 3
+    bigline N    one agent_message_chunk of N bytes of "x"
+    fail-prompt  answer with -32603 Internal error {"details": "scripted failure"}
+    stop X       end with stop reason X (end_turn, max_tokens, max_turn_requests, refusal)
+
+Only the standard library and the `acp` SDK are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, cast
+
+from acp import (
+    Agent,
+    Client,
+    RequestError,
+    plan_entry,
+    run_agent,
+    start_tool_call,
+    stdio_streams,
+    text_block,
+    tool_content,
+    update_agent_message_text,
+    update_agent_thought_text,
+    update_plan,
+    update_tool_call,
+    update_user_message_text,
+)
+from acp.connection import StreamDirection, StreamEvent
+from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
+from acp.helpers import ContentBlock
+from acp.schema import (
+    AgentCapabilities,
+    AllowedOutcome,
+    CloseSessionResponse,
+    Implementation,
+    InitializeResponse,
+    LoadSessionResponse,
+    NewSessionResponse,
+    PermissionOption,
+    PromptCapabilities,
+    PromptResponse,
+    ResumeSessionResponse,
+    SessionCapabilities,
+    SessionCloseCapabilities,
+    SessionResumeCapabilities,
+    StopReason,
+    TextContentBlock,
+    ToolCallUpdate,
+    UsageUpdate,
+)
+
+SESSION_CAPS = frozenset({"resume", "load", "meta", "close"})
+PROMPT_CAPS = frozenset({"image", "audio", "embedded"})
+SCRIPTED_STOPS: tuple[StopReason, ...] = ("end_turn", "max_tokens", "max_turn_requests", "refusal")
+SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")  # session ids become file names: nothing else gets in
+REMEMBER = re.compile(r"remember\s+(\d+)", re.IGNORECASE)
+LOG_CHUNK = 64 * 1024
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _cap_list(allowed: frozenset[str]) -> Callable[[str], frozenset[str]]:
+    """An argparse type for `a,b,c` or `none`, restricted to `allowed`."""
+
+    def parse(value: str) -> frozenset[str]:
+        if value.strip() == "none":
+            return frozenset()
+        items = frozenset(item.strip() for item in value.split(",") if item.strip())
+        if unknown := items - allowed:
+            raise argparse.ArgumentTypeError(f"unknown: {', '.join(sorted(unknown))}")
+        return items
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Options:
+    state_dir: Path
+    record: Path | None
+    caps: frozenset[str]
+    prompt_caps: frozenset[str]
+    gone_style: str
+    hang: str | None
+    auth_required: str | None
+    exit_at_start: int | None
+    ignore_stdin_eof: bool
+    spawn_child: bool
+    replay_after_response: bool
+    name: str
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> Options:
+        p = argparse.ArgumentParser(description="Scripted ACP agent for tests.")
+        p.add_argument("--state-dir", type=Path, required=True)
+        p.add_argument("--record", type=Path)
+        p.add_argument("--caps", type=_cap_list(SESSION_CAPS), default=SESSION_CAPS)
+        p.add_argument("--prompt-caps", type=_cap_list(PROMPT_CAPS), default=frozenset({"image", "embedded"}))
+        p.add_argument("--gone-style", choices=["32002", "32603", "exit"], default="32002")
+        p.add_argument("--hang", choices=["initialize", "open", "prompt"])
+        p.add_argument("--auth-required", choices=["open", "prompt"])
+        p.add_argument("--exit-at-start", type=int)
+        p.add_argument("--ignore-stdin-eof", action="store_true")
+        p.add_argument("--spawn-child", action="store_true")
+        p.add_argument("--replay-after-response", action="store_true")
+        p.add_argument("--name", default="fake-agent")
+        return cls(**vars(p.parse_args(argv)))
+
+
+# --------------------------------------------------------------------------- sessions on disk
+
+
+@dataclass
+class Session:
+    id: str
+    cwd: str
+    system_prompt: str | None = None
+    history: list[dict[str, str]] = field(default_factory=list)  # [{"prompt": ..., "answer": ...}]
+    # Set by session/cancel (or session/close); cleared when a turn starts.
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class SessionStore:
+    """DIR/sessions/<id>.json, written whole and atomically so another process can read it."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir / "sessions"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def save(self, session: Session) -> None:
+        data = {"cwd": session.cwd, "history": session.history, "system_prompt": session.system_prompt}
+        _write_atomically(self.dir / f"{session.id}.json", json.dumps(data, indent=1))
+
+    def load(self, session_id: str) -> Session | None:
+        if not SAFE_ID.fullmatch(session_id):
+            return None
+        try:
+            data = json.loads((self.dir / f"{session_id}.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        return Session(session_id, data["cwd"], data.get("system_prompt"), list(data.get("history", [])))
+
+
+# --------------------------------------------------------------------------- prompt script
+
+
+class Script:
+    """What one prompt asks the fake to do, parsed from its text (see the module docstring)."""
+
+    def __init__(self, text: str) -> None:
+        def word(name: str) -> bool:
+            return re.search(rf"\b{re.escape(name)}\b", text) is not None
+
+        def number(name: str) -> int | None:
+            match = re.search(rf"\b{name}\s+(\d+)\b", text)
+            return int(match.group(1)) if match else None
+
+        self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
+        self.sleep_ms, self.hang = number("sleep"), word("hang")
+        self.bigline, self.stderr_bytes = number("bigline"), number("stderr") or 0
+        self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
+        self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
+        self.fail = word("fail-prompt")
+        stops = (s for s in SCRIPTED_STOPS if re.search(rf"\bstop\s+{s}\b", text))
+        self.stop: StopReason = next(stops, "end_turn")
+
+
+def recall(prompts: list[str]) -> str:
+    """The memory answer: every `remember N` of the session, in order, without repeats."""
+    numbers = list(dict.fromkeys(n for p in prompts for n in REMEMBER.findall(p)))
+    return f"I remember: {', '.join(numbers)}" if numbers else "I remember nothing."
+
+
+def write_stderr_log(total: int) -> None:
+    """Write `total` bytes of log lines to stderr, 64 KiB at a time (blocks if nobody reads)."""
+    line = b"fake agent log: the quick brown fox jumps over the lazy dog\n"
+    chunk = (line * (LOG_CHUNK // len(line) + 1))[:LOG_CHUNK]
+    for start in range(0, total, LOG_CHUNK):
+        sys.stderr.buffer.write(chunk[: min(LOG_CHUNK, total - start)])
+        sys.stderr.buffer.flush()
+
+
+def _dig(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]... or None when a level is missing or not a dict."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def die(message: str, code: int) -> NoReturn:
+    """Write one line to stderr and leave at once, the way a crashing adapter does."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+class FakeAgent:
+    """The ACP Agent. The SDK routes requests to these methods by name; missing ones answer -32601."""
+
+    def __init__(self, opts: Options, stdout: asyncio.StreamWriter) -> None:
+        self.opts = opts
+        self.stdout = stdout  # the SDK's own writer, used for the `garbage` line
+        self.store = SessionStore(opts.state_dir)
+        self.sessions: dict[str, Session] = {}  # sessions open in this process
+        self.never = asyncio.Event()  # awaited by --hang; nobody sets it
+        self.background: set[asyncio.Task[None]] = set()
+        self.conn: Client  # set by on_connect, which the SDK calls while building the connection
+
+    def on_connect(self, conn: Client) -> None:
+        self.conn = conn
+
+    # ---- helpers
+
+    def _require(self, cap: str, method: str) -> None:
+        if cap not in self.opts.caps:
+            raise RequestError.method_not_found(method)
+
+    async def _gate(self, stage: str) -> None:
+        """Apply --hang and --auth-required to the request stage `stage`."""
+        if self.opts.hang == stage:
+            await self.never.wait()
+        if self.opts.auth_required == stage:
+            raise RequestError(-32000, "Authentication required")
+
+    def _gone(self, session_id: str) -> RequestError:
+        """How an unknown session is reported, per --gone-style ("exit" does not return)."""
+        if self.opts.gone_style == "exit":
+            die(f"No conversation found with session ID: {session_id}", 1)
+        if self.opts.gone_style == "32603":
+            return RequestError(-32603, "Internal error", {"details": "Session not found"})
+        return RequestError(-32002, f"Resource not found: {session_id}", {"uri": session_id})
+
+    def _open_stored(self, session_id: str, cwd: str) -> Session:
+        session = self.sessions.get(session_id) or self.store.load(session_id)
+        if session is None or os.path.normpath(session.cwd) != os.path.normpath(cwd):
+            raise self._gone(session_id)
+        self.sessions[session.id] = session
+        return session
+
+    async def _say(self, session_id: str, text: str) -> None:
+        await self.conn.session_update(session_id=session_id, update=update_agent_message_text(text))
+
+    async def _cancelled_within(self, session: Session, ms: int | None) -> bool:
+        """Wait `ms` milliseconds (None: forever); True if the turn was cancelled meanwhile."""
+        try:
+            async with asyncio.timeout(None if ms is None else ms / 1000):
+                await session.cancelled.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _replay(self, session: Session) -> None:
+        for turn in session.history:
+            await self.conn.session_update(session.id, update_user_message_text(turn["prompt"]))
+            if turn["answer"]:
+                await self._say(session.id, turn["answer"])
+
+    # ---- initialize and opening sessions
+
+    async def initialize(self, protocol_version: int, **kwargs: Any) -> InitializeResponse:
+        await self._gate("initialize")
+        caps, prompt_caps = self.opts.caps, self.opts.prompt_caps
+        return InitializeResponse(
+            protocol_version=1,
+            agent_capabilities=AgentCapabilities(
+                load_session="load" in caps,
+                prompt_capabilities=PromptCapabilities(
+                    image="image" in prompt_caps,
+                    audio="audio" in prompt_caps,
+                    embedded_context="embedded" in prompt_caps,
+                ),
+                session_capabilities=SessionCapabilities(
+                    resume=SessionResumeCapabilities() if "resume" in caps else None,
+                    close=SessionCloseCapabilities() if "close" in caps else None,
+                ),
+            ),
+            agent_info=Implementation(name=self.opts.name, version="1.0"),
+        )
+
+    async def new_session(self, cwd: str, **kwargs: Any) -> NewSessionResponse:
+        # The SDK flattens `_meta` into kwargs: {"systemPrompt": {...}, "claudeCode": {...}}.
+        await self._gate("open")
+        system_prompt = _dig(kwargs, "systemPrompt", "append")
+        system_prompt = system_prompt if isinstance(system_prompt, str) else None
+        resume_id = _dig(kwargs, "claudeCode", "options", "resume")
+        if "meta" in self.opts.caps and isinstance(resume_id, str):
+            # Claude's adapter: session/new with _meta.claudeCode.options.resume reopens that id.
+            session = self._open_stored(resume_id, cwd)
+            if system_prompt is not None:
+                session.system_prompt = system_prompt
+                self.store.save(session)
+        else:
+            session = Session(f"fake-{uuid.uuid4().hex}", cwd, system_prompt)
+            self.store.save(session)
+            self.sessions[session.id] = session
+        return NewSessionResponse(session_id=session.id)
+
+    async def resume_session(self, session_id: str, cwd: str, **kwargs: Any) -> ResumeSessionResponse:
+        self._require("resume", "session/resume")
+        await self._gate("open")
+        self._open_stored(session_id, cwd)
+        return ResumeSessionResponse()
+
+    async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
+        self._require("load", "session/load")
+        await self._gate("open")
+        session = self._open_stored(session_id, cwd)
+        if not self.opts.replay_after_response:
+            await self._replay(session)  # the spec: history first, then the response
+            return LoadSessionResponse()
+        # Gemini's order: answer, then replay. The SDK queues our response for writing before
+        # this task gets its first turn (no await between here and the queueing), so the
+        # replay's notifications always follow the response on the wire.
+        task = asyncio.create_task(self._replay(session))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return LoadSessionResponse()
+
+    async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
+        self._require("close", "session/close")
+        if session := self.sessions.pop(session_id, None):
+            session.cancelled.set()  # a running turn ends as cancelled
+        return CloseSessionResponse()
+
+    async def cancel(self, session_id: str, **kwargs: Any) -> None:
+        if session := self.sessions.get(session_id):
+            session.cancelled.set()
+
+    # ---- the prompt turn
+
+    async def prompt(self, session_id: str, prompt: list[ContentBlock], **kwargs: Any) -> PromptResponse:
+        await self._gate("prompt")
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise RequestError(-32602, f"Session not found: {session_id}")
+        session.cancelled.clear()
+        text = "\n".join(block.text for block in prompt if isinstance(block, TextContentBlock))
+        attachments = "".join(f" [got {b.type}]" for b in prompt if not isinstance(b, TextContentBlock))
+
+        stop, suffix = await self._perform(session, Script(text))
+
+        # The turn is remembered even when cancelled (the user did say it); a failed turn is not.
+        turn = {"prompt": text, "answer": ""}
+        if suffix is not None:
+            turn["answer"] = recall([t["prompt"] for t in session.history] + [text]) + attachments + suffix
+            await self._say(session.id, turn["answer"])
+        session.history.append(turn)
+        # Persisted before the response goes out, so a test that kills us right after it
+        # still finds the turn on disk.
+        self.store.save(session)
+        return PromptResponse(stop_reason=stop)
+
+    async def _perform(self, session: Session, script: Script) -> tuple[StopReason, str | None]:
+        """Run the directives; return the stop reason and a suffix for the answer (None: no answer)."""
+        sid, suffix = session.id, ""
+        if script.stderr_bytes:
+            write_stderr_log(script.stderr_bytes)
+        if script.garbage:
+            # Through the SDK's own writer: whole line, between two JSON-RPC messages.
+            self.stdout.write(b"this is not json\n")
+            await self.stdout.drain()
+        if script.think:
+            await self.conn.session_update(sid, update_agent_thought_text("thinking..."))
+        if script.tool:
+            await self._tool_call(sid)
+        if script.permission:
+            choice = await self._ask_permission(sid)
+            suffix = f" permission={choice}"
+            if choice == "cancelled" or session.cancelled.is_set():
+                return "cancelled", suffix  # still answers, so "permission=cancelled" is visible
+        for i in range(script.stream):
+            if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
+                return "cancelled", None
+            await self._say(sid, f"c{i} ")
+        if script.usage:
+            await self.conn.session_update(
+                sid, UsageUpdate(session_update="usage_update", used=10, size=1000)
+            )
+        if script.sleep_ms is not None and await self._cancelled_within(session, script.sleep_ms):
+            return "cancelled", None
+        if script.hang:
+            await self._cancelled_within(session, None)
+            return "cancelled", None
+        if script.crash:
+            await self._say(sid, "partial")
+            die("fake agent crashing", 3)
+        if script.bigline:
+            await self._say(sid, "x" * script.bigline)
+        if script.fail:
+            raise RequestError(-32603, "Internal error", {"details": "scripted failure"})
+        return script.stop, suffix
+
+    async def _tool_call(self, sid: str) -> None:
+        start = start_tool_call(
+            "call-1", "touch file", kind="edit", status="pending", raw_input={"path": "x"}
+        )
+        await self.conn.session_update(sid, start)
+        plan = update_plan(
+            [
+                plan_entry("look around", priority="high", status="completed"),
+                plan_entry("touch file", priority="medium", status="in_progress"),
+            ]
+        )
+        await self.conn.session_update(sid, plan)
+        done = update_tool_call("call-1", status="completed", content=[tool_content(text_block("done"))])
+        await self.conn.session_update(sid, done)
+
+    async def _ask_permission(self, sid: str) -> str:
+        """Ask the client; return the selected option id, or "cancelled"."""
+        response = await self.conn.request_permission(
+            session_id=sid,
+            tool_call=ToolCallUpdate(
+                tool_call_id="call-p", title="touch file", kind="edit", status="pending"
+            ),
+            options=[
+                PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
+                PermissionOption(option_id="allow-always", name="Always allow", kind="allow_always"),
+                PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
+            ],
+        )
+        outcome = response.outcome
+        return outcome.option_id if isinstance(outcome, AllowedOutcome) else "cancelled"
+
+
+# --------------------------------------------------------------------------- process
+
+
+def make_recorder(path: Path) -> Callable[[StreamEvent], None]:
+    """A connection observer appending every incoming message as one JSON line."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    pid = os.getpid()
+
+    def record(event: StreamEvent) -> None:
+        if event.direction is not StreamDirection.INCOMING:
+            return
+        data = (json.dumps({"pid": pid, "message": event.message}) + "\n").encode()
+        while data:  # unbuffered: on disk before the message is even dispatched
+            data = data[os.write(fd, data) :]
+
+    return record
+
+
+def spawn_grandchild(state_dir: Path) -> None:
+    """A sleeper in our process group, so tests can check the daemon kills the whole group."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(3600)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _write_atomically(state_dir / "child.pid", f"{child.pid}\n")
+
+
+async def serve(opts: Options) -> None:
+    reader, writer = await stdio_streams(limit=DEFAULT_STDIO_BUFFER_LIMIT_BYTES)
+    agent = FakeAgent(opts, writer)
+    observers = [make_recorder(opts.record)] if opts.record else []
+    # session/resume and session/close are "unstable" routes in SDK 0.12.1: enable them.
+    # The cast: the SDK looks handlers up by name, and the ones we lack answer -32601.
+    await run_agent(cast(Agent, agent), writer, reader, use_unstable_protocol=True, observers=observers)
+    if opts.ignore_stdin_eof:
+        await asyncio.Event().wait()  # like real adapters: stdin closed, still alive
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = Options.parse(argv)
+    if opts.exit_at_start is not None:
+        sys.stderr.write("fake agent failing on purpose\n")
+        sys.stderr.flush()
+        raise SystemExit(opts.exit_at_start)
+    opts.state_dir.mkdir(parents=True, exist_ok=True)
+    if opts.spawn_child:
+        spawn_grandchild(opts.state_dir)  # left running on purpose: killing it is the daemon's job
+    asyncio.run(serve(opts))
+
+
+if __name__ == "__main__":
+    main()

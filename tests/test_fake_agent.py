@@ -68,7 +68,9 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def fake_agent(
-    state_dir: Path, *flags: str, client: RecordingClient | None = None
+    state_dir: Path,
+    *flags: str,
+    client: RecordingClient | None = None,
 ) -> AsyncIterator[Running]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -175,9 +177,8 @@ async def test_permission_round_trip_reports_the_chosen_option(tmp_path: Path) -
 async def test_cancel_ends_a_hanging_turn_as_cancelled(tmp_path: Path) -> None:
     async with fake_agent(tmp_path) as agent, asyncio.timeout(WAIT):
         session_id = (await agent.conn.new_session(cwd=str(tmp_path), mcp_servers=[])).session_id
-        turn = asyncio.create_task(
-            agent.conn.prompt(session_id=session_id, prompt=[text_block("think hang")])
-        )
+        hanging = agent.conn.prompt(session_id=session_id, prompt=[text_block("think hang")])
+        turn = asyncio.create_task(hanging)
         await agent.client.wait_for(lambda: bool(agent.client.updates))  # the turn is running
         await agent.conn.cancel(session_id=session_id)
         response = await turn

@@ -83,8 +83,16 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         except errors.RcoderError as exc:
             await abort(context, exc)
 
-    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await abort(context, _not_yet("Subscribe"))
+    async def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ChatStream]:
+        try:
+            validate.identifier(request.run_id, "run_id", required=True)
+            run = self._worker.run(request.run_id)
+            async for event in run.follow(request.after_seq):
+                yield convert.chat_stream(event)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:
         await abort(context, _not_yet("Cancel"))

@@ -128,6 +128,10 @@ class AcpWorker:
         started.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
         return await asyncio.shield(started)
 
+    def run(self, run_id: str) -> Run:
+        """A running or recently finished run (``NotFound`` otherwise)."""
+        return self._runs.get(run_id)
+
     async def _plan(self, turn: ChatTurn) -> _Plan:
         name = turn.agent or self._settings.default_agent
         record = None

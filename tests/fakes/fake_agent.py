@@ -25,6 +25,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
     usage        a usage_update (used 10, size 1000)
+    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
     sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang and pace at once:
                  stop reason "cancelled", no answer
     crash        one chunk "partial", then "fake agent crashing" on stderr and exit code 3
@@ -208,6 +209,8 @@ class Script:
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
         self.fail = word("fail-prompt")
+        # `env NAME`: the answer reports the agent's own environment variable NAME
+        self.env_names = re.findall(r"\benv\s+([A-Za-z_][A-Za-z0-9_]*)", text)
         stops = (s for s in SCRIPTED_STOPS if re.search(rf"\bstop\s+{s}\b", text))
         self.stop: StopReason = next(stops, "end_turn")
 
@@ -386,8 +389,10 @@ class FakeAgent:
         session.cancelled.clear()
         text = "\n".join(block.text for block in prompt if isinstance(block, TextContentBlock))
         attachments = "".join(f" [got {b.type}]" for b in prompt if not isinstance(b, TextContentBlock))
+        script = Script(text)
+        attachments += "".join(f" env[{n}]={os.environ.get(n, '<unset>')}" for n in script.env_names)
 
-        stop, suffix = await self._perform(session, Script(text))
+        stop, suffix = await self._perform(session, script)
 
         # The turn is remembered even when cancelled (the user did say it); a failed turn is not.
         turn = {"prompt": text, "answer": ""}
@@ -423,9 +428,8 @@ class FakeAgent:
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
         if script.usage:
-            await self.conn.session_update(
-                sid, UsageUpdate(session_update="usage_update", used=10, size=1000)
-            )
+            usage = UsageUpdate(session_update="usage_update", used=10, size=1000)
+            await self.conn.session_update(sid, usage)
         if script.sleep_ms is not None and await self._cancelled_within(session, script.sleep_ms):
             return "cancelled", None
         if script.hang:
@@ -441,9 +445,8 @@ class FakeAgent:
         return script.stop, suffix
 
     async def _tool_call(self, sid: str) -> None:
-        start = start_tool_call(
-            "call-1", "touch file", kind="edit", status="pending", raw_input={"path": "x"}
-        )
+        raw_input = {"path": "x"}
+        start = start_tool_call("call-1", "touch file", kind="edit", status="pending", raw_input=raw_input)
         await self.conn.session_update(sid, start)
         plan = update_plan(
             [
@@ -457,11 +460,10 @@ class FakeAgent:
 
     async def _ask_permission(self, sid: str) -> str:
         """Ask the client; return the selected option id, or "cancelled"."""
+        tool_call = ToolCallUpdate(tool_call_id="call-p", title="touch file", kind="edit", status="pending")
         response = await self.conn.request_permission(
             session_id=sid,
-            tool_call=ToolCallUpdate(
-                tool_call_id="call-p", title="touch file", kind="edit", status="pending"
-            ),
+            tool_call=tool_call,
             options=[
                 PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
                 PermissionOption(option_id="allow-always", name="Always allow", kind="allow_always"),

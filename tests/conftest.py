@@ -1,0 +1,66 @@
+"""Fixtures: a fake-agent setup per test and a factory of real daemons."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, write_config
+
+DaemonFactory = Callable[..., Awaitable[tuple[Daemon, Client]]]
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeAgentSetup:
+    return FakeAgentSetup(tmp_path)
+
+
+def base_settings(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "data_dir": str(tmp_path / "data"),
+        "workspace_root": str(tmp_path / "workspace"),
+        "default_agent": "fake",
+        "initialize_timeout": 5,
+        "session_open_timeout": 5,
+        "agent_stop_grace": 1,
+    }
+
+
+@pytest.fixture
+async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[DaemonFactory]:
+    """Start real daemons; on teardown stop them and check no agent process is left."""
+    started: list[tuple[Daemon, Client]] = []
+
+    async def make(profiles: dict[str, dict[str, Any]] | None = None, **top: Any) -> tuple[Daemon, Client]:
+        config = write_config(
+            tmp_path / f"rcoder-{len(started)}.toml",
+            profiles if profiles is not None else {"fake": fake.profile()},
+            **{**base_settings(tmp_path), **top},
+        )
+        daemon = await Daemon(config).start()
+        client = Client(daemon.channel())
+        started.append((daemon, client))
+        return daemon, client
+
+    try:
+        yield make
+    finally:
+        for daemon, client in started:
+            await client.channel.close()
+            if daemon.proc is not None and daemon.proc.returncode is None:
+                await daemon.stop()
+        leftovers = processes_mentioning(str(fake.state_dir))
+        for daemon, _ in started:
+            await daemon.kill()
+        assert not leftovers, f"agent processes left behind: {leftovers}"
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds, polling the event loop (bounded)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)

@@ -1,0 +1,231 @@
+"""Test harness: the real daemon as a subprocess, real gRPC clients, the fake agent.
+
+Nothing of rcoder's is patched: tests write a config file, start
+``python -m rcoder serve`` on a loopback port, and talk to it over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_AGENT = ROOT / "tests" / "fakes" / "fake_agent.py"
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str | Path):
+        return json.dumps(str(value))
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(value)
+
+
+@dataclass
+class FakeAgentSetup:
+    """State shared by every fake agent process of one test: its memory and its request log."""
+
+    root: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "agent-state"
+
+    @property
+    def record(self) -> Path:
+        return self.root / "agent-requests.jsonl"
+
+    def profile(self, *flags: str, **keys: Any) -> dict[str, Any]:
+        args = [str(FAKE_AGENT), "--state-dir", str(self.state_dir), "--record", str(self.record), *flags]
+        return {"command": sys.executable, "args": args, **keys}
+
+    def requests(self, method: str | None = None) -> list[dict[str, Any]]:
+        """Every JSON-RPC message the fake agents received, oldest first."""
+        if not self.record.exists():
+            return []
+        rows = [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
+        messages = [row["message"] for row in rows]
+        return [m for m in messages if method is None or m.get("method") == method]
+
+    def pids(self) -> set[int]:
+        return {json.loads(line)["pid"] for line in self.record.read_text().splitlines()} if self.record.exists() else set()
+
+
+def write_config(path: Path, profiles: dict[str, dict[str, Any]], **top: Any) -> Path:
+    lines = [f"{k} = {toml_value(v)}" for k, v in top.items()]
+    for name, keys in profiles.items():
+        lines.append(f"\n[agents.{name}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in keys.items())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains ``marker`` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class Daemon:
+    """``rcoder serve`` in its own process group, reporting the address it bound."""
+
+    config: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: asyncio.subprocess.Process | None = None
+    address: str = ""
+    log_lines: list[str] = field(default_factory=list)
+    _stderr_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> Daemon:
+        env = {**os.environ, **self.env, "RCODER_LOG_FORMAT": "json"}
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rcoder", "serve", "--config", str(self.config), "--listen", "127.0.0.1:0",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True, env=env, cwd=str(self.config.parent),
+        )  # fmt: skip
+        ready = asyncio.get_running_loop().create_future()
+        self._stderr_task = asyncio.create_task(self._read_stderr(ready))
+        try:
+            async with asyncio.timeout(START_TIMEOUT):
+                self.address = await ready
+        except BaseException:
+            await self.kill()
+            raise
+        return self
+
+    async def _read_stderr(self, ready: asyncio.Future[str]) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            text = line.decode(errors="replace").rstrip()
+            self.log_lines.append(text)
+            if not ready.done() and '"event": "serving"' in text:
+                ready.set_result(json.loads(text)["address"])
+        if not ready.done():
+            ready.set_exception(RuntimeError("daemon exited before serving:\n" + "\n".join(self.log_lines[-30:])))
+
+    def logs(self, event: str | None = None) -> list[dict[str, Any]]:
+        rows = []
+        for line in self.log_lines:
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if event is None or row.get("event") == event:
+                    rows.append(row)
+        return rows
+
+    async def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the daemon and wait for it to exit; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await self.proc.wait()
+            except TimeoutError:
+                await self.kill()
+                raise
+        await self._drain()
+        return self.proc.returncode or 0
+
+    async def kill(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+        await self._drain()
+
+    async def _drain(self) -> None:
+        if self._stderr_task is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    await self._stderr_task
+
+    def channel(self) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(self.address)
+
+
+@dataclass
+class Client:
+    """A real gRPC client of one daemon."""
+
+    channel: grpc.aio.Channel
+
+    @property
+    def stub(self) -> pb_grpc.AgentRunnerStub:
+        return pb_grpc.AgentRunnerStub(self.channel)
+
+    async def chat(self, timeout: float = 60.0, **fields: Any) -> list[pb.ChatStream]:
+        fields.setdefault("project_id", "proj")
+        events = []
+        async with asyncio.timeout(timeout):
+            async for event in self.stub.Chat(pb.ChatRequest(**fields)):
+                events.append(event)
+        return events
+
+    async def chat_error(self, timeout: float = 60.0, **fields: Any) -> grpc.aio.AioRpcError:
+        try:
+            events = await self.chat(timeout=timeout, **fields)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        raise AssertionError(f"expected an error status, got {len(events)} events: {events[-1:]}")
+
+
+def text_of(events: Sequence[pb.ChatStream]) -> str:
+    return "".join(e.agent_message.text for e in events if e.WhichOneof("event") == "agent_message")
+
+
+def started(events: Sequence[pb.ChatStream]) -> pb.RunStarted:
+    assert events and events[0].WhichOneof("event") == "started", events[:1]
+    return events[0].started
+
+
+def completed(events: Sequence[pb.ChatStream]) -> pb.RunCompleted:
+    assert events and events[-1].WhichOneof("event") == "completed", events[-1:]
+    return events[-1].completed
+
+
+def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo detail of a failed call (fails the test if there is none)."""
+    raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
+    assert raw, f"no rich status on {exc.code()}: {exc.details()}"
+    status = status_pb2.Status.FromString(raw)
+    assert status.code == exc.code().value[0]
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info
+    raise AssertionError(f"no ErrorInfo on {exc.code()}: {exc.details()}")

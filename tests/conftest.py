@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -57,10 +56,3 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
         for daemon, _ in started:
             await daemon.kill()
         assert not leftovers, f"agent processes left behind: {leftovers}"
-
-
-async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Wait until ``predicate()`` holds, polling the event loop (bounded)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)

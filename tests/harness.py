@@ -70,7 +70,11 @@ class FakeAgentSetup:
         return [m for m in messages if method is None or m.get("method") == method]
 
     def pids(self) -> set[int]:
-        return {json.loads(line)["pid"] for line in self.record.read_text().splitlines()} if self.record.exists() else set()
+        return (
+            {json.loads(line)["pid"] for line in self.record.read_text().splitlines()}
+            if self.record.exists()
+            else set()
+        )
 
 
 def write_config(path: Path, profiles: dict[str, dict[str, Any]], **top: Any) -> Path:

@@ -166,6 +166,8 @@ def _decode_page_token(token: str) -> str:
     if not token:
         return ""
     try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
-    except (binascii.Error, UnicodeError, ValueError):
+        after = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
+        validate.identifier(after, "page_token", required=True)
+    except (binascii.Error, UnicodeError, ValueError, errors.InvalidArgument):
         raise errors.InvalidArgument("page_token", "not a token from a previous ListSessions answer") from None
+    return after

@@ -283,9 +283,7 @@ class FakeModelServer:
                     self.connect_attempts.append(req.target)
                     await self._write(
                         writer,
-                        Response(
-                            status=403, body=b"CONNECT refused by fake server", content_type="text/plain"
-                        ),
+                        Response(status=403, body=b"CONNECT refused by fake server", content_type="text/plain"),
                         close=True,
                     )
                     return
@@ -316,9 +314,7 @@ class FakeModelServer:
             return False
         return not (req.version == "HTTP/1.0" and "keep-alive" not in conn)
 
-    async def _read_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> RecordedRequest | None:
+    async def _read_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> RecordedRequest | None:
         # Request line (skip stray blank lines between keep-alive requests).
         while True:
             line = await reader.readline()
@@ -496,7 +492,14 @@ class AnthropicServer(FakeModelServer):
         if req.method == "GET" and path.endswith("/models"):
             return Response.json(
                 {
-                    "data": [{"type": "model", "id": self.model, "display_name": "Fake", "created_at": "2025-01-01T00:00:00Z"}],
+                    "data": [
+                        {
+                            "type": "model",
+                            "id": self.model,
+                            "display_name": "Fake",
+                            "created_at": "2025-01-01T00:00:00Z",
+                        }
+                    ],
                     "has_more": False,
                     "first_id": self.model,
                     "last_id": self.model,
@@ -714,9 +717,7 @@ class OpenAIChatServer(_OpenAIBase):
     """``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``."""
 
     def model_requests(self) -> list[RecordedRequest]:
-        return [
-            r for r in self.requests if r.method == "POST" and r.path.rstrip("/").endswith("/chat/completions")
-        ]
+        return [r for r in self.requests if r.method == "POST" and r.path.rstrip("/").endswith("/chat/completions")]
 
     @staticmethod
     def user_texts(body: Any) -> list[str]:

@@ -29,9 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
 
-def session(
-    session_id: str, project_id: str = "proj", agent: str = "claude", provider: str = ""
-) -> SessionRecord:
+def session(session_id: str, project_id: str = "proj", agent: str = "claude", provider: str = "") -> SessionRecord:
     return SessionRecord(session_id, project_id, "/work/proj", agent, provider, T0, T0)
 
 
@@ -155,9 +153,7 @@ async def test_finishing_runs_with_transcripts_counts_turns_and_returns_the_last
     assert (got.turns, got.last_run_id, got.updated_at) == (4, "r4", T0 + timedelta(minutes=1))
     last_two = await store.transcript("s1", limit=2)
     assert [(e.turn, e.prompt, e.run_id) for e in last_two] == [(3, "prompt 3", "r3"), (4, "prompt 4", "r4")]
-    assert last_two[0] == TranscriptEntry(
-        "s1", "r3", 3, "prompt 3", "answer to prompt 3", T0 + timedelta(seconds=1)
-    )
+    assert last_two[0] == TranscriptEntry("s1", "r3", 3, "prompt 3", "answer to prompt 3", T0 + timedelta(seconds=1))
     run = await store.get_run("r4")
     assert run is not None
     assert (run.status, run.stop_reason, run.ended_at) == (

@@ -139,7 +139,7 @@ async def test_an_unknown_session_falls_back_to_a_new_one_and_says_why(
     assert text_of(events) == "I remember: 3"
 
 
-async def test_a_known_session_the_agent_lost_falls_back_and_keeps_its_session_id(
+async def test_a_known_session_the_agent_lost_is_reseeded_from_the_transcript(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
     _, client = await make_daemon(idle_timeout=0)
@@ -149,11 +149,29 @@ async def test_a_known_session_the_agent_lost_falls_back_and_keeps_its_session_i
 
     second = await client.chat(prompt="what number?", session_id=first[0].session_id)
 
-    assert started(second).resume in {pb.RESUME_OUTCOME_FALLBACK_NEW, pb.RESUME_OUTCOME_FALLBACK_RESEEDED}
+    begin = started(second)
+    assert begin.resume == pb.RESUME_OUTCOME_FALLBACK_RESEEDED
+    assert "-32002" in begin.fallback_reason
     assert second[0].session_id == first[0].session_id
-    assert started(second).provider_session_id != started(first).provider_session_id
+    assert begin.provider_session_id != started(first).provider_session_id
+    assert text_of(second) == "I remember: 42", "the re-seed carried the earlier turn"
     session = await client.stub.GetSession(pb.GetSessionRequest(session_id=first[0].session_id))
-    assert session.provider_session_id == started(second).provider_session_id
+    assert session.provider_session_id == begin.provider_session_id
+    assert session.turns == 2
+
+
+async def test_without_reseeding_a_lost_session_falls_back_to_a_blank_one(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    _, client = await make_daemon(idle_timeout=0, reseed_on_fallback=False)
+    first = await client.chat(prompt="remember 42")
+    for path in (fake.state_dir / "sessions").iterdir():
+        path.unlink()
+
+    second = await client.chat(prompt="what number?", session_id=first[0].session_id)
+
+    assert started(second).resume == pb.RESUME_OUTCOME_FALLBACK_NEW
+    assert text_of(second) == "I remember nothing."
 
 
 async def test_an_adopted_provider_id_is_resumed_and_gets_an_rcoder_session(

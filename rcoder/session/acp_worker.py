@@ -39,6 +39,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import AgentError, InvalidArgument, PermissionDenied, ShuttingDown
 from rcoder.logs import bind_context, get_logger
+from rcoder.session import reseed
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.session_manager import SessionManager
 from rcoder.session.workspace import project_dir
@@ -48,6 +49,7 @@ __all__ = ["AcpWorker", "Action", "AgentStartConfig", "decide"]
 
 log = get_logger("rcoder.session.worker")
 MAX_TRANSCRIPT_TEXT = 1 << 20
+RESEED_TURNS = 50
 
 
 class Action(enum.Enum):
@@ -77,6 +79,8 @@ class _Plan:
     cwd: str
     record: SessionRecord | None
     action: Action
+    # sent before the prompt on this turn only (a re-seed summary)
+    preamble: str = ""
 
 
 class AcpWorker:
@@ -210,10 +214,18 @@ class AcpWorker:
         if not resume_id:
             outcome = ResumeOutcome.NEW
         elif launched.fallback_reason:
-            outcome = ResumeOutcome.FALLBACK_NEW
+            outcome = await self._fallback_outcome(plan)
         else:
             outcome = ResumeOutcome.RESUMED
         return conn, self._started(plan, conn, outcome, launched.method, launched.fallback_reason)
+
+    async def _fallback_outcome(self, plan: _Plan) -> ResumeOutcome:
+        """A known session the agent lost is re-seeded from rcoder's transcript, when configured."""
+        if plan.record is None or not self._settings.reseed_on_fallback:
+            return ResumeOutcome.FALLBACK_NEW
+        entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
+        plan.preamble = reseed.summary(entries, self._settings.reseed_max_bytes)
+        return ResumeOutcome.FALLBACK_RESEEDED if plan.preamble else ResumeOutcome.FALLBACK_NEW
 
     def _started(
         self, plan: _Plan, conn: AgentConnection, outcome: ResumeOutcome, method: OpenMethod, fallback: str
@@ -284,7 +296,8 @@ class AcpWorker:
         error = ""
         status = RunStatus.COMPLETED
         try:
-            stop = await conn.prompt(prompt_blocks(plan.turn.prompt, plan.turn.attachments), on_event, decider)
+            blocks = prompt_blocks(plan.preamble + plan.turn.prompt, plan.turn.attachments)
+            stop = await conn.prompt(blocks, on_event, decider)
         except AgentError as exc:
             stop, error, status = StopReason.ERROR, str(exc), RunStatus.FAILED
             self._sessions.discard(plan.session_id)  # the next turn resumes on a fresh agent

@@ -89,6 +89,9 @@ class Settings:
     run_retention: float = 600.0
     log_level: str = "info"
     log_format: str = "auto"  # auto | json | console
+    # when a known session's agent lost it, prefix a summary of rcoder's transcript
+    reseed_on_fallback: bool = True
+    reseed_max_bytes: int = 16384
     agents: Mapping[str, AgentProfile] = field(default_factory=dict)
     # the environment agents inherit (already filtered by the allow-list + inherit_env)
     daemon_env: Mapping[str, str] = field(default_factory=dict)
@@ -131,7 +134,9 @@ _NUMBER_KEYS = {
     "agent_line_limit": int,
     "run_buffer_events": int,
     "run_retention": float,
+    "reseed_max_bytes": int,
 }
+_BOOL_KEYS = {"reseed_on_fallback"}
 _STRING_KEYS = {
     "listen", "default_agent", "auth_token", "tls_cert", "tls_key", "log_level", "log_format",
 }  # fmt: skip
@@ -154,7 +159,7 @@ def load_settings(
     values: dict[str, Any] = {}
     for key, value in raw.items():
         values[key] = _convert(key, value, base_dir)
-    for key in _NUMBER_KEYS.keys() | _STRING_KEYS | _PATH_KEYS:
+    for key in _NUMBER_KEYS.keys() | _STRING_KEYS | _PATH_KEYS | _BOOL_KEYS:
         env_value = environ.get(f"RCODER_{key.upper()}")
         if env_value is not None:
             values[key] = _convert(f"RCODER_{key.upper()}", env_value, Path.cwd(), name=key)
@@ -194,6 +199,12 @@ def _convert(key: str, value: Any, base_dir: Path, name: str | None = None) -> A
         if isinstance(value, bool) or number < 0:
             raise ConfigError(key, f"expected a non-negative number, got {value!r}")
         return number
+    if name in _BOOL_KEYS:
+        if isinstance(value, str) and value.lower() in {"true", "1", "yes", "false", "0", "no"}:
+            return value.lower() in {"true", "1", "yes"}
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+        return value
     if name in _STRING_KEYS:
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {value!r}")

@@ -92,6 +92,8 @@ class Settings:
     # when a known session's agent lost it, prefix a summary of rcoder's transcript
     reseed_on_fallback: bool = True
     reseed_max_bytes: int = 16384
+    # seconds an agent gets to end a cancelled turn before its process group is ended
+    cancel_grace: float = 10.0
     agents: Mapping[str, AgentProfile] = field(default_factory=dict)
     # the environment agents inherit (already filtered by the allow-list + inherit_env)
     daemon_env: Mapping[str, str] = field(default_factory=dict)
@@ -135,6 +137,7 @@ _NUMBER_KEYS = {
     "run_buffer_events": int,
     "run_retention": float,
     "reseed_max_bytes": int,
+    "cancel_grace": float,
 }
 _BOOL_KEYS = {"reseed_on_fallback"}
 _STRING_KEYS = {

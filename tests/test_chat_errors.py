@@ -217,9 +217,7 @@ async def test_an_agent_error_answering_the_prompt_ends_the_run_with_error(make_
 @pytest.mark.parametrize(
     ("call", "request_"),
     [
-        ("Cancel", pb.CancelRequest(run_id="x")),
         ("ResolvePermission", pb.ResolvePermissionRequest(run_id="x")),
-        ("CloseSession", pb.CloseSessionRequest(session_id="x")),
     ],
 )
 async def test_rpcs_of_later_issues_answer_unimplemented_with_a_message(

@@ -79,6 +79,7 @@ class AgentConnection:
         self._stop_grace = stop_grace
         self.provider_session_id = ""
         self._closed = False
+        self._close_lock = asyncio.Lock()
 
     @property
     def alive(self) -> bool:
@@ -139,11 +140,18 @@ class AgentConnection:
     # ------------------------------------------------------------ ending
 
     async def aclose(self) -> None:
-        """Close the session where the agent supports it, then end the process group."""
-        if self._closed:
-            return
-        self._closed = True
-        self._client.end_turn()
+        """Close the session where the agent supports it, then end the process group.
+
+        A second caller waits for the first close to finish.
+        """
+        async with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._client.end_turn()
+            await self._close()
+
+    async def _close(self) -> None:
         try:
             if self.capabilities.session_close and self.provider_session_id and self.process.is_running():
                 with contextlib.suppress(Exception):  # best effort: the group is ended regardless

@@ -95,7 +95,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             await abort(context, exc)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:
-        await abort(context, _not_yet("Cancel"))
+        try:
+            if bool(request.run_id) == bool(request.session_id):
+                raise errors.InvalidArgument("run_id", "set exactly one of run_id or session_id")
+            validate.identifier(request.run_id, "run_id")
+            validate.identifier(request.session_id, "session_id")
+            run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
 
     async def ResolvePermission(
         self, request: pb.ResolvePermissionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -105,7 +113,12 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionResponse:
-        await abort(context, _not_yet("CloseSession"))
+        try:
+            validate.identifier(request.session_id, "session_id", required=True)
+            stopped = await self._worker.close_session(request.session_id)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.CloseSessionResponse(agent_stopped=stopped)
 
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]

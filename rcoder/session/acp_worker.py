@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.convert import prompt_blocks
@@ -37,7 +38,7 @@ from rcoder.domain import (
     TranscriptEntry,
     new_id,
 )
-from rcoder.errors import AgentError, InvalidArgument, PermissionDenied, ShuttingDown
+from rcoder.errors import AgentError, InvalidArgument, NotFound, PermissionDenied, SessionBusy, ShuttingDown
 from rcoder.logs import bind_context, get_logger
 from rcoder.session import reseed
 from rcoder.session.runs import Run, RunRegistry
@@ -66,6 +67,16 @@ def decide(session_id: str, record: SessionRecord | None, live: bool) -> Action:
     if record is None:
         return Action.ADOPT
     return Action.LIVE if live else Action.RESUME
+
+
+@dataclass(slots=True)
+class _ActiveTurn:
+    """A turn whose prompt is with the agent: what ``cancel`` needs."""
+
+    conn: AgentConnection
+    session_id: str
+    cancelled: bool = False
+    kill_timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -100,6 +111,7 @@ class AcpWorker:
         self._runs = runs
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
+        self._active: dict[str, _ActiveTurn] = {}
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -295,16 +307,26 @@ class AcpWorker:
         decider = _permission_decider(plan.turn.permission_mode)
         error = ""
         status = RunStatus.COMPLETED
+        active = self._active[run.run_id] = _ActiveTurn(conn, plan.session_id)
         try:
             blocks = prompt_blocks(plan.preamble + plan.turn.prompt, plan.turn.attachments)
             stop = await conn.prompt(blocks, on_event, decider)
+            if active.cancelled:
+                stop = StopReason.CANCELLED  # some agents answer end_turn to a cancel
         except AgentError as exc:
-            stop, error, status = StopReason.ERROR, str(exc), RunStatus.FAILED
             self._sessions.discard(plan.session_id)  # the next turn resumes on a fresh agent
+            if active.cancelled:  # ended by its group after the cancel grace: still a cancel
+                stop = StopReason.CANCELLED
+            else:
+                stop, error, status = StopReason.ERROR, str(exc), RunStatus.FAILED
         except asyncio.CancelledError:
             await self._finish(plan, run, conn, outcome, StopReason.CANCELLED, RunStatus.INTERRUPTED,
                                "rcoder stopped while the turn ran", None)  # fmt: skip
             raise
+        finally:
+            self._active.pop(run.run_id, None)
+            if active.kill_timer is not None:
+                active.kill_timer.cancel()
         transcript = TranscriptEntry(
             session_id=plan.session_id,
             run_id=run.run_id,
@@ -335,6 +357,50 @@ class AcpWorker:
             self._sessions.release(plan.session_id)
             run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
             log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
+
+    # ------------------------------------------------------------ cancel and close
+
+    async def cancel(self, run_id: str, session_id: str) -> tuple[str, bool]:
+        """Ask a running turn to stop. Returns the run and whether it was still running.
+
+        ``session/cancel`` goes to the agent (pending permission requests are
+        answered ``cancelled``); an agent that has not ended the turn within
+        ``cancel_grace`` is ended by its process group, and the turn still ends
+        ``CANCELLED``. The session stays resumable.
+        """
+        if not run_id:
+            run_id = self._sessions.busy_run(session_id) or ""
+            if not run_id:
+                record = await self._store.get_session(session_id)
+                if record is None:
+                    raise NotFound("session", session_id)
+                return record.last_run_id, False
+        run = self._runs.get(run_id)
+        active = self._active.get(run_id)
+        if run.done or active is None:
+            return run_id, False
+        if not active.cancelled:
+            active.cancelled = True
+            log.info("run_cancel_requested", run_id=run_id, grace=self._settings.cancel_grace)
+            self._spawn(active.conn.cancel(), f"cancel-{run_id}")
+            active.kill_timer = asyncio.get_running_loop().call_later(
+                self._settings.cancel_grace, lambda: self._spawn(active.conn.aclose(), f"kill-{run_id}")
+            )
+        return run_id, True
+
+    async def close_session(self, session_id: str) -> bool:
+        """End the session's agent (the record stays). Returns whether one was live."""
+        if await self._store.get_session(session_id) is None:
+            raise NotFound("session", session_id)
+        holder = self._sessions.busy_run(session_id)
+        if holder is not None:
+            raise SessionBusy(session_id, holder)
+        return await self._sessions.close(session_id)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ checks
 

@@ -107,6 +107,15 @@ class SessionManager:
         """End the session's agent (after a crash, or when asked)."""
         self._drop(session_id)
 
+    async def close(self, session_id: str) -> bool:
+        """End the session's agent and wait until its process group is gone."""
+        live = self._live.get(session_id)
+        if live is None:
+            return False
+        self._drop(session_id)
+        await live.connection.aclose()  # idempotent: joins the close already under way
+        return True
+
     def is_live(self, session_id: str) -> bool:
         live = self._live.get(session_id)
         return live is not None and live.connection.alive

@@ -26,6 +26,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
     usage        a usage_update (used 10, size 1000)
     env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
+    deaf         wait forever, ignoring session/cancel (only killing the process ends it)
     sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang and pace at once:
                  stop reason "cancelled", no answer
     crash        one chunk "partial", then "fake agent crashing" on stderr and exit code 3
@@ -204,7 +205,7 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
-        self.sleep_ms, self.hang = number("sleep"), word("hang")
+        self.sleep_ms, self.hang, self.deaf = number("sleep"), word("hang"), word("deaf")
         self.bigline, self.stderr_bytes = number("bigline"), number("stderr") or 0
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
@@ -435,6 +436,8 @@ class FakeAgent:
         if script.hang:
             await self._cancelled_within(session, None)
             return "cancelled", None
+        if script.deaf:
+            await self.never.wait()  # ignores session/cancel: only the process group ends it
         if script.crash:
             await self._say(sid, "partial")
             die("fake agent crashing", 3)

@@ -38,6 +38,19 @@ PROVIDER_FIELDS = ("base_url", "api_key", "model")
 
 
 @dataclass(frozen=True, slots=True)
+class PermissionRule:
+    """``{ kind = "execute", title = "rm *", action = "deny" }``: a tool kind ("*" for any),
+    a glob over the tool call's title, and allow | deny | ask."""
+
+    action: str
+    kind: str = "*"
+    title: str = "*"
+
+
+PERMISSION_ACTIONS = ("allow", "deny", "ask")
+
+
+@dataclass(frozen=True, slots=True)
 class AgentProfile:
     """How to run one kind of agent (``[agents.<name>]``)."""
 
@@ -53,6 +66,8 @@ class AgentProfile:
     provider_env: Mapping[str, str] = field(default_factory=dict)
     # folder the config file lives in: relative commands resolve against it
     base_dir: Path = field(default_factory=Path.cwd)
+    # operator rules for the agent's permission requests, first match wins
+    permission_rules: tuple[PermissionRule, ...] = ()
 
     def resolve_command(self, search_path: str) -> str | None:
         """The executable to run: a path (relative to the config file) or a name on PATH."""
@@ -94,6 +109,10 @@ class Settings:
     reseed_max_bytes: int = 16384
     # seconds an agent gets to end a cancelled turn before its process group is ended
     cancel_grace: float = 10.0
+    # seconds a permission request waits for ResolvePermission before it is rejected
+    permission_timeout: float = 300.0
+    # a heartbeat event after this many quiet seconds in a turn (0: none)
+    heartbeat_interval: float = 15.0
     agents: Mapping[str, AgentProfile] = field(default_factory=dict)
     # the environment agents inherit (already filtered by the allow-list + inherit_env)
     daemon_env: Mapping[str, str] = field(default_factory=dict)
@@ -138,13 +157,15 @@ _NUMBER_KEYS = {
     "run_retention": float,
     "reseed_max_bytes": int,
     "cancel_grace": float,
+    "permission_timeout": float,
+    "heartbeat_interval": float,
 }
 _BOOL_KEYS = {"reseed_on_fallback"}
 _STRING_KEYS = {
     "listen", "default_agent", "auth_token", "tls_cert", "tls_key", "log_level", "log_format",
 }  # fmt: skip
 _PATH_KEYS = {"data_dir", "workspace_root"}
-_PROFILE_KEYS = {"command", "args", "env", "resume", "warm_pool", "inherit_env", "provider_env"}
+_PROFILE_KEYS = {"command", "args", "env", "resume", "warm_pool", "inherit_env", "provider_env", "permission_rules"}
 
 
 def load_settings(
@@ -245,8 +266,10 @@ def _profile(name: str, table: Any, base_dir: Path) -> AgentProfile:
     warm = table.get("warm_pool", 0)
     if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
         raise ConfigError(f"{where}.warm_pool", f"expected a non-negative integer, got {warm!r}")
+    rules = _permission_rules(table.get("permission_rules", []), f"{where}.permission_rules")
     return AgentProfile(
         name=name,
+        permission_rules=rules,
         command=command,
         args=tuple(args),
         env=env,
@@ -256,6 +279,24 @@ def _profile(name: str, table: Any, base_dir: Path) -> AgentProfile:
         provider_env=provider_env,
         base_dir=base_dir,
     )
+
+
+def _permission_rules(value: Any, key: str) -> tuple[PermissionRule, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(key, "expected a list of { kind, title, action } tables")
+    rules = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict) or set(item) - {"kind", "title", "action"}:
+            raise ConfigError(where, "expected a table with kind, title and action")
+        action = item.get("action")
+        if action not in PERMISSION_ACTIONS:
+            raise ConfigError(f"{where}.action", f"expected allow | deny | ask, got {action!r}")
+        kind, title = item.get("kind", "*"), item.get("title", "*")
+        if not isinstance(kind, str) or not isinstance(title, str):
+            raise ConfigError(where, "kind and title must be strings")
+        rules.append(PermissionRule(action=action, kind=kind, title=title))
+    return tuple(rules)
 
 
 def _string_list(value: Any, key: str) -> list[str]:

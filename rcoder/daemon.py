@@ -48,15 +48,31 @@ class Daemon:
             runs_marked_interrupted=interrupted,
         )
 
-    async def stop(self) -> None:
-        """Not serving → end running turns and agents → stop the server → close the store."""
+    async def stop(self, force: asyncio.Event | None = None) -> None:
+        """Shut down in phases, each bounded; ``force`` (a second signal) skips to the end.
+
+        Not serving, new turns refused → running turns get ``shutdown_grace`` →
+        the rest are cancelled → every agent group ended → server stopped →
+        store closed.
+        """
         if self._stopped:
             return
         self._stopped = True
-        log.info("stopping")
+        force = force or asyncio.Event()
+        log.info("stopping", shutdown_grace=self.settings.shutdown_grace)
         await self.server.not_serving()
+        self.worker.stop_accepting()
+        drain = asyncio.create_task(self.worker.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
+        forced = asyncio.create_task(force.wait())
+        await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+        if force.is_set():
+            log.warning("stopping_now")
+            self.worker.kill_agents()
+        drain.cancel()
+        forced.cancel()
+        await asyncio.gather(drain, forced, return_exceptions=True)
         await self.worker.aclose()
-        await self.server.stop(grace=2.0)
+        await self.server.stop(grace=1.0)
         await self.store.close()
         log.info("stopped")
 
@@ -64,13 +80,17 @@ class Daemon:
 async def serve(settings: Settings) -> int:
     """Run until SIGTERM or SIGINT; exit code 0 after a clean stop."""
     daemon = Daemon(settings)
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await daemon.start()
         await stop.wait()
     finally:
-        await daemon.stop()
+        await daemon.stop(force)
     return 0

@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, completed, error_info, processes_mentioning, started, text_of
-
-
-async def start_turn(client: Client, **fields: object) -> tuple[grpc.aio.UnaryStreamCall, pb.ChatStream]:  # type: ignore[type-arg]
-    """Begin a Chat and read its ``started`` event; the call keeps streaming."""
-    fields.setdefault("project_id", "proj")
-    call = client.stub.Chat(pb.ChatRequest(**fields))  # type: ignore[arg-type]
-    async with asyncio.timeout(30):
-        first = await call.read()
-    assert first.WhichOneof("event") == "started"
-    return call, first
-
-
-async def rest_of(call: grpc.aio.UnaryStreamCall) -> list[pb.ChatStream]:  # type: ignore[type-arg]
-    events = []
-    async with asyncio.timeout(30):
-        while (event := await call.read()) is not grpc.aio.EOF:
-            events.append(event)
-    return events
+from tests.harness import FakeAgentSetup, completed, error_info, processes_mentioning, started, text_of
+from tests.turns import rest_of, start_turn
 
 
 @pytest.mark.parametrize("by", ["run_id", "session_id"])

@@ -212,19 +212,3 @@ async def test_an_agent_error_answering_the_prompt_ends_the_run_with_error(make_
 
     assert completed(events).stop_reason == pb.STOP_REASON_ERROR
     assert "scripted failure" in completed(events).error
-
-
-@pytest.mark.parametrize(
-    ("call", "request_"),
-    [
-        ("ResolvePermission", pb.ResolvePermissionRequest(run_id="x")),
-    ],
-)
-async def test_rpcs_of_later_issues_answer_unimplemented_with_a_message(
-    make_daemon: DaemonFactory, call: str, request_: object
-) -> None:
-    _, client = await make_daemon()
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await getattr(client.stub, call)(request_)
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert call in caught.value.details()

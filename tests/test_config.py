@@ -65,9 +65,10 @@ def test_a_relative_command_resolves_against_the_config_folder(tmp_path: Path) -
     agent = tmp_path / "bin" / "agent"
     agent.write_text("#!/bin/sh\n")
     agent.chmod(agent.stat().st_mode | stat.S_IXUSR)
-    settings = load_settings(write(tmp_path, '[agents.mine]\ncommand = "bin/agent"\n'), {})
+    text = '[agents.mine]\ncommand = "bin/agent"\n[agents.other]\ncommand = "agent-nowhere"\n'
+    settings = load_settings(write(tmp_path, text), {})
     assert settings.agents["mine"].resolve_command(os.defpath) == str(agent)
-    assert settings.agents["claude"].resolve_command(str(tmp_path)) is None
+    assert settings.agents["other"].resolve_command(str(tmp_path)) is None
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ never answered with a silent fresh session.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import cast
@@ -44,6 +45,13 @@ class AgentLauncher:
         self._settings = settings
         # capabilities seen at the last initialize, and when, per profile
         self.capabilities_seen: dict[str, tuple[AgentCapabilities, datetime]] = {}
+        # every agent process started and not yet collected, for kill_all()
+        self._processes: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
+
+    def kill_all(self) -> None:
+        """SIGKILL every agent process group this launcher started (the daemon must stop now)."""
+        for process in list(self._processes):
+            process.kill()
 
     async def launch(self, profile: AgentProfile, config: AgentStartConfig) -> Launched:
         """Start an agent with its session open; on ``SessionGone`` once more without resume."""
@@ -120,6 +128,7 @@ class AgentLauncher:
             stderr_tail_bytes=self._settings.stderr_tail_bytes,
             stop_grace=self._settings.agent_stop_grace,
         )
+        self._processes.add(process)
         client = RcoderClient(profile.name)
         conn = acp.connect_to_agent(cast(acp.Client, client), process.stdin, process.stdout)
         try:

@@ -115,6 +115,12 @@ class AgentProcess:
             if text:
                 log.debug("agent_stderr", agent=self.name, pid=self.pid, text=text, bytes=len(chunk))
 
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (the daemon was told to stop now); reaped by ``aclose``."""
+        if self.is_running():
+            log.warning("agent_killed", agent=self.name, pid=self.pid)
+        self._killpg(signal.SIGKILL)
+
     async def aclose(self) -> None:
         """Close stdin → grace → SIGTERM the group → grace → SIGKILL the group; reap."""
         async with self._close_lock:

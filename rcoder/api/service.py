@@ -108,7 +108,14 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
     async def ResolvePermission(
         self, request: pb.ResolvePermissionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ResolvePermissionResponse:
-        await abort(context, _not_yet("ResolvePermission"))
+        try:
+            validate.identifier(request.run_id, "run_id", required=True)
+            validate.identifier(request.permission_id, "permission_id", required=True)
+            validate.identifier(request.option_id, "option_id")
+            self._worker.permissions.resolve(request.run_id, request.permission_id, request.option_id)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.ResolvePermissionResponse()
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -165,10 +172,6 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))
             agents.append(info)
         return pb.ListAgentsResponse(agents=agents)
-
-
-def _not_yet(rpc: str) -> errors.Unimplemented:
-    return errors.Unimplemented(f"{rpc} is not implemented yet in this rcoder version")
 
 
 def _encode_page_token(after: str) -> str:

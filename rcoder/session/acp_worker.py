@@ -9,6 +9,7 @@ worker owns, whether or not anyone is still watching.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -24,9 +25,8 @@ from rcoder.domain import (
     AgentCapabilities,
     AgentEvent,
     ChatTurn,
+    Heartbeat,
     OpenMethod,
-    PermissionMode,
-    PermissionRequest,
     ResumeOutcome,
     RunCompleted,
     RunRecord,
@@ -38,9 +38,18 @@ from rcoder.domain import (
     TranscriptEntry,
     new_id,
 )
-from rcoder.errors import AgentError, InvalidArgument, NotFound, PermissionDenied, SessionBusy, ShuttingDown
+from rcoder.errors import (
+    AgentError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    RcoderError,
+    SessionBusy,
+    ShuttingDown,
+)
 from rcoder.logs import bind_context, get_logger
 from rcoder.session import reseed
+from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.session_manager import SessionManager
 from rcoder.session.workspace import project_dir
@@ -112,6 +121,7 @@ class AcpWorker:
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
         self._active: dict[str, _ActiveTurn] = {}
+        self.permissions = PermissionBroker(settings.permission_timeout)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -120,8 +130,6 @@ class AcpWorker:
         """Start a turn; returns its run once ``started`` is published."""
         if self._closing:
             raise ShuttingDown()
-        if turn.permission_mode is PermissionMode.ASK:
-            raise InvalidArgument("permission_mode", "ASK is not available yet; use ALLOW or DENY")
         plan = await self._plan(turn)
         seen = self._launcher.capabilities_seen.get(plan.profile.name)
         self._check_content(plan.profile, turn, seen[0] if seen else None)
@@ -304,10 +312,11 @@ class AcpWorker:
                 size += len(event.text)
             run.publish(event)
 
-        decider = _permission_decider(plan.turn.permission_mode)
+        decider = self.permissions.decider(run.run_id, plan.turn.permission_mode, plan.profile.permission_rules)
         error = ""
         status = RunStatus.COMPLETED
         active = self._active[run.run_id] = _ActiveTurn(conn, plan.session_id)
+        heartbeats = asyncio.create_task(self._heartbeats(run), name=f"heartbeats-{run.run_id}")
         try:
             blocks = prompt_blocks(plan.preamble + plan.turn.prompt, plan.turn.attachments)
             stop = await conn.prompt(blocks, on_event, decider)
@@ -324,6 +333,7 @@ class AcpWorker:
                                "rcoder stopped while the turn ran", None)  # fmt: skip
             raise
         finally:
+            heartbeats.cancel()
             self._active.pop(run.run_id, None)
             if active.kill_timer is not None:
                 active.kill_timer.cancel()
@@ -357,6 +367,15 @@ class AcpWorker:
             self._sessions.release(plan.session_id)
             run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
             log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
+
+    async def _heartbeats(self, run: Run) -> None:
+        """A heartbeat event whenever the turn was quiet for ``heartbeat_interval``."""
+        interval = self._settings.heartbeat_interval
+        if interval <= 0:
+            return
+        while not run.done:
+            if await run.quiet_for(interval) and not run.done:
+                run.publish(Heartbeat())
 
     # ------------------------------------------------------------ cancel and close
 
@@ -431,6 +450,35 @@ class AcpWorker:
 
     # ------------------------------------------------------------ shutdown
 
+    def stop_accepting(self) -> None:
+        """New turns are refused with ``ShuttingDown`` from now on."""
+        self._closing = True
+
+    async def drain(self, grace: float, cancel_grace: float) -> None:
+        """Give running turns ``grace`` seconds to finish, then cancel the rest and
+        wait (bounded) for them to end ``CANCELLED``."""
+        if await self._wait_idle(grace):
+            return
+        running = list(self._active)
+        log.info("shutdown_cancelling_turns", runs=len(running))
+        for run_id in running:
+            with contextlib.suppress(RcoderError):
+                await self.cancel(run_id, "")
+        await self._wait_idle(cancel_grace + 4 * self._settings.agent_stop_grace)
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                while self._tasks:
+                    await asyncio.wait(set(self._tasks))
+        except TimeoutError:
+            return False
+        return True
+
+    def kill_agents(self) -> None:
+        """SIGKILL every agent process group now (second signal)."""
+        self._launcher.kill_all()
+
     async def aclose(self) -> None:
         """Stop taking turns, end the ones running, end every agent. Idempotent."""
         self._closing = True
@@ -439,15 +487,3 @@ class AcpWorker:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self._sessions.aclose()
-
-
-def _permission_decider(mode: PermissionMode) -> Callable[[PermissionRequest], asyncio.Future[str | None]]:
-    wanted = ("allow_once", "allow_always") if mode is PermissionMode.ALLOW else ("reject_once", "reject_always")
-
-    def decide(request: PermissionRequest) -> asyncio.Future[str | None]:
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        choice = next((o.option_id for kind in wanted for o in request.options if o.kind == kind), None)
-        future.set_result(choice)
-        return future
-
-    return decide

@@ -2,19 +2,34 @@
 
 The run belongs to the daemon. Streams (``Chat``, ``Subscribe``) only follow
 it: each follower reads the same event list from its own position, so a slow
-or vanished client never slows the agent or loses anything for the others.
+or vanished client never slows the agent.
+
+Two rules keep this cheap when the agent writes faster than clients read:
+
+- **Merging.** A text chunk that arrives while the previous event is a text
+  chunk of the same kind *that no follower has taken yet* is appended to it
+  (up to ``MERGE_LIMIT`` characters) instead of becoming a new event. The
+  sequence stays gapless, and a replay returns exactly the merged events the
+  followers saw, because a taken event never changes again.
+- **Bounded buffer.** At most ``buffer_events`` events are kept for replay;
+  older ones are dropped once every attached follower has read them, and in
+  any case beyond four times the bound (that follower then gets OUT_OF_RANGE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
-from rcoder.domain import RunCompleted, RunEvent, RunEventBody
+from rcoder.domain import RunCompleted, RunEvent, RunEventBody, TextChunk
 from rcoder.errors import NotFound, OutOfRange
+
+MERGE_LIMIT = 64 * 1024  # characters in one merged text event
+HARD_LIMIT_FACTOR = 4
 
 
 class Run:
@@ -27,8 +42,12 @@ class Run:
     ) -> None:
         self.run_id = run_id
         self.session_id = session_id
-        self._events: deque[RunEvent] = deque(maxlen=buffer_events)
+        self._events: deque[RunEvent] = deque()
+        self._limit = max(1, buffer_events)
         self._seq = 0
+        self._taken = 0  # highest seq any follower has taken: events up to it are frozen
+        self._positions: dict[int, int] = {}  # attached follower -> last seq it took
+        self._follower_ids = itertools.count()
         self._clock = clock
         self._changed = asyncio.Event()
         self.completed: RunCompleted | None = None
@@ -43,49 +62,101 @@ class Run:
         return self.completed is not None
 
     def publish(self, body: RunEventBody) -> RunEvent:
-        """Number and keep one event, and wake every follower. Never awaits."""
+        """Number (or merge) and keep one event, and wake every follower. Never awaits."""
         if self.completed is not None:
             raise RuntimeError(f"run {self.run_id} already completed")
+        merged = self._merge(body)
+        if merged is not None:
+            self._wake()
+            return merged
         self._seq += 1
         event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
         self._events.append(event)
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
+        self._trim()
+        self._wake()
+        return event
+
+    def _merge(self, body: RunEventBody) -> RunEvent | None:
+        if not isinstance(body, TextChunk) or not self._events:
+            return None
+        last = self._events[-1]
+        prev = last.body
+        if (
+            last.seq <= self._taken
+            or not isinstance(prev, TextChunk)
+            or prev.thought != body.thought
+            or len(prev.text) + len(body.text) > MERGE_LIMIT
+        ):
+            return None
+        merged = RunEvent(
+            last.run_id, last.session_id, last.seq, last.time, TextChunk(prev.text + body.text, prev.thought)
+        )
+        self._events[-1] = merged
+        return merged
+
+    def _trim(self) -> None:
+        slowest = min(self._positions.values(), default=self._seq)
+        while len(self._events) > self._limit and (
+            self._events[0].seq <= slowest or len(self._events) > self._limit * HARD_LIMIT_FACTOR
+        ):
+            self._events.popleft()
+
+    def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
-        return event
+
+    async def quiet_for(self, seconds: float) -> bool:
+        """True when nothing was published for ``seconds`` (False as soon as something is)."""
+        changed = self._changed
+        try:
+            async with asyncio.timeout(seconds):
+                await changed.wait()
+        except TimeoutError:
+            return True
+        return False
 
     async def follow(self, after_seq: int = 0) -> AsyncIterator[RunEvent]:
         """Events with seq > ``after_seq``, then live ones, until ``completed``."""
+        self._check_available(after_seq, "")
+        follower = next(self._follower_ids)
+        self._positions[follower] = after_seq
+        position = after_seq
+        try:
+            while True:
+                changed = self._changed
+                if position < self._seq:
+                    self._check_available(position, "this follower fell behind: ")
+                    batch = self._take_from(position + 1)
+                    for event in batch:
+                        position = event.seq
+                        self._positions[follower] = position
+                        yield event
+                    continue
+                if self.completed is not None:
+                    return
+                await changed.wait()
+        finally:
+            self._positions.pop(follower, None)
+
+    def _check_available(self, after_seq: int, prefix: str) -> None:
         first = self._events[0].seq if self._events else self._seq + 1
         if after_seq + 1 < first:
             raise OutOfRange(
-                f"events {after_seq + 1}..{first - 1} of run {self.run_id} have left the replay buffer; "
+                f"{prefix}events {after_seq + 1}..{first - 1} of run {self.run_id} have left the replay buffer; "
                 f"subscribe with after_seq >= {first - 1}",
                 run_id=self.run_id,
             )
-        position = after_seq
-        while True:
-            changed = self._changed
-            if self._events and position < self._seq:
-                start = self._events[0].seq
-                if position + 1 < start:
-                    raise OutOfRange(
-                        f"this follower fell behind: events up to {start - 1} of run {self.run_id} left the buffer",
-                        run_id=self.run_id,
-                    )
-                for event in list(self._iter_from(position + 1, start)):
-                    position = event.seq
-                    yield event
-                continue
-            if self.completed is not None:
-                return
-            await changed.wait()
 
-    def _iter_from(self, seq: int, start: int) -> list[RunEvent]:
-        index = seq - start
-        return [self._events[i] for i in range(index, len(self._events))]
+    def _take_from(self, seq: int) -> list[RunEvent]:
+        """Events from ``seq`` on; from now on they are frozen (never merged into)."""
+        start = self._events[0].seq
+        batch = list(itertools.islice(self._events, seq - start, None))
+        if batch:
+            self._taken = max(self._taken, batch[-1].seq)
+        return batch
 
 
 class RunRegistry:

@@ -1,16 +1,21 @@
-"""Runs: gapless numbering, replay from any point, live following, bounded buffers."""
+"""Runs: gapless numbering, merging of unread text, replay from any point, bounded buffers."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
-from rcoder.domain import ResumeOutcome, RunCompleted, StopReason, TextChunk
+from rcoder.domain import ResumeOutcome, RunCompleted, StopReason, TextChunk, ToolCall
 from rcoder.errors import NotFound, OutOfRange
-from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.runs import MERGE_LIMIT, Run, RunRegistry
 
 DONE = RunCompleted(StopReason.END_TURN, "p", ResumeOutcome.NEW)
+
+
+def tool(i: int) -> ToolCall:
+    return ToolCall(tool_call_id=str(i), title="t")
 
 
 async def collect(run: Run, after: int = 0) -> list[int]:
@@ -20,11 +25,53 @@ async def collect(run: Run, after: int = 0) -> list[int]:
 async def test_events_are_numbered_from_one_without_gaps_and_replayed_after_a_seq() -> None:
     run = Run("r", "s", buffer_events=100)
     for i in range(5):
-        run.publish(TextChunk(str(i)))
+        run.publish(tool(i))
     run.publish(DONE)
     assert await collect(run) == [1, 2, 3, 4, 5, 6]
     assert await collect(run, after=4) == [5, 6]
     assert await collect(run, after=6) == []
+
+
+async def test_unread_text_chunks_of_one_kind_merge_and_replay_the_same() -> None:
+    run = Run("r", "s", buffer_events=100)
+    for text in ("a", "b", "c"):
+        run.publish(TextChunk(text))
+    run.publish(TextChunk("hm", thought=True))
+    run.publish(TextChunk("d"))
+    run.publish(DONE)
+    first = [e async for e in run.follow(0)]
+    assert [(e.seq, e.body) for e in first[:3]] == [
+        (1, TextChunk("abc")),
+        (2, TextChunk("hm", thought=True)),
+        (3, TextChunk("d")),
+    ]
+    assert [e async for e in run.follow(0)] == first
+
+
+async def test_a_chunk_a_follower_has_taken_never_changes() -> None:
+    run = Run("r", "s", buffer_events=100)
+    taken: asyncio.Queue[str] = asyncio.Queue()
+
+    async def follow() -> None:
+        async for event in run.follow(0):
+            if isinstance(event.body, TextChunk):
+                taken.put_nowait(event.body.text)
+
+    follower = asyncio.create_task(follow())
+    async with asyncio.timeout(5):
+        run.publish(TextChunk("a"))
+        assert await taken.get() == "a"
+        run.publish(TextChunk("b"))
+        assert await taken.get() == "b"
+        run.publish(DONE)
+        await follower
+    assert [e.body for e in [e async for e in run.follow(0)][:2]] == [TextChunk("a"), TextChunk("b")]
+
+
+def test_merging_stops_at_the_merge_limit() -> None:
+    run = Run("r", "s", buffer_events=100)
+    run.publish(TextChunk("x" * MERGE_LIMIT))
+    assert run.publish(TextChunk("y")).seq == 2
 
 
 async def test_a_follower_gets_live_events_until_completed() -> None:
@@ -37,9 +84,9 @@ async def test_a_follower_gets_live_events_until_completed() -> None:
 
     follower = asyncio.create_task(follow())
     async with asyncio.timeout(5):
-        run.publish(TextChunk("a"))
+        run.publish(tool(1))
         assert await seen.get() == 1  # the follower is now waiting for more
-        run.publish(TextChunk("b"))
+        run.publish(tool(2))
         assert await seen.get() == 2
         run.publish(DONE)
         await follower
@@ -49,11 +96,30 @@ async def test_a_follower_gets_live_events_until_completed() -> None:
 async def test_asking_for_events_that_left_the_buffer_is_out_of_range() -> None:
     run = Run("r", "s", buffer_events=3)
     for i in range(5):
-        run.publish(TextChunk(str(i)))
+        run.publish(tool(i))
     with pytest.raises(OutOfRange):
         await collect(run, after=0)
     run.publish(DONE)
     assert await collect(run, after=3) == [4, 5, 6]
+
+
+async def test_an_attached_follower_keeps_its_unread_events_up_to_the_hard_limit() -> None:
+    run = Run("r", "s", buffer_events=3)
+    stream = run.follow(0)
+    run.publish(tool(0))
+    assert (await anext(stream)).seq == 1  # attached, at seq 1
+    for i in range(8):
+        run.publish(tool(i))
+    assert (await anext(stream)).seq == 2  # nothing it had not read was dropped
+    for i in range(20):
+        run.publish(tool(i))
+    with pytest.raises(OutOfRange):
+        await drain(stream)
+
+
+async def drain(stream: AsyncIterator[object]) -> None:
+    async for _ in stream:
+        pass
 
 
 def test_nothing_may_follow_completed() -> None:

@@ -39,6 +39,7 @@ class Daemon:
         interrupted = await self.store.open()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         await self.server.start()
+        self.worker.fill_warm_pools()
         host = self.settings.listen.rpartition(":")[0]
         log.info(
             "serving",

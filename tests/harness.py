@@ -112,6 +112,7 @@ class Daemon:
     address: str = ""
     log_lines: list[str] = field(default_factory=list)
     _stderr_task: asyncio.Task[None] | None = None
+    _logged: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> Daemon:
         env = {**os.environ, **self.env, "RCODER_LOG_FORMAT": "json"}
@@ -135,6 +136,8 @@ class Daemon:
         while line := await self.proc.stderr.readline():
             text = line.decode(errors="replace").rstrip()
             self.log_lines.append(text)
+            self._logged.set()
+            self._logged = asyncio.Event()
             if not ready.done() and '"event": "serving"' in text:
                 ready.set_result(json.loads(text)["address"])
         if not ready.done():
@@ -148,6 +151,16 @@ class Daemon:
                 if event is None or row.get("event") == event:
                     rows.append(row)
         return rows
+
+    async def wait_log(self, event: str, count: int = 1, timeout: float = 20.0, **fields: Any) -> list[dict[str, Any]]:
+        """Wait (bounded) until the daemon has logged ``event`` (with ``fields``) ``count`` times."""
+        async with asyncio.timeout(timeout):
+            while True:
+                logged = self._logged
+                rows = [r for r in self.logs(event) if all(r.get(k) == v for k, v in fields.items())]
+                if len(rows) >= count:
+                    return rows
+                await logged.wait()
 
     async def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the daemon and wait for it to exit; returns its exit code."""

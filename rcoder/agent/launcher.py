@@ -53,8 +53,14 @@ class AgentLauncher:
         for process in list(self._processes):
             process.kill()
 
-    async def launch(self, profile: AgentProfile, config: AgentStartConfig) -> Launched:
-        """Start an agent with its session open; on ``SessionGone`` once more without resume."""
+    async def launch(
+        self, profile: AgentProfile, config: AgentStartConfig, warm: AgentConnection | None = None
+    ) -> Launched:
+        """Start an agent with its session open; on ``SessionGone`` once more without resume.
+
+        ``warm``: an initialised agent from the warm pool to open the session on
+        (first attempt only; a retry starts a fresh process).
+        """
         fallback = ""
 
         def strip_resume(state: RetryCallState) -> None:
@@ -70,16 +76,20 @@ class AgentLauncher:
             before_sleep=strip_resume,
             reraise=True,
         )
+        if warm is not None and not warm.alive:
+            await warm.aclose()  # it died while waiting: reap it, start fresh
+            warm = None
         async for attempt in retrying:
             with attempt:
-                connection, method, skipped = await self._launch_once(profile, config)
+                ready, warm = warm, None
+                connection, method, skipped = await self._launch_once(profile, config, ready)
         return Launched(connection=connection, method=method, fallback_reason=fallback or skipped)
 
     async def _launch_once(
-        self, profile: AgentProfile, config: AgentStartConfig
+        self, profile: AgentProfile, config: AgentStartConfig, ready: AgentConnection | None = None
     ) -> tuple[AgentConnection, OpenMethod, str]:
         """One launch. The third value says why an asked-for resume did not happen."""
-        connection = await self.start(profile, config.cwd, config.model_provider)
+        connection = ready or await self.start(profile, config.cwd, config.model_provider)
         skipped = ""
         try:
             if config.resume_session_id:

@@ -26,6 +26,7 @@ from rcoder.domain import (
     AgentEvent,
     ChatTurn,
     Heartbeat,
+    ModelProvider,
     OpenMethod,
     ResumeOutcome,
     RunCompleted,
@@ -40,6 +41,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import (
     AgentError,
+    AgentLimitReached,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -101,6 +103,8 @@ class _Plan:
     action: Action
     # sent before the prompt on this turn only (a re-seed summary)
     preamble: str = ""
+    # an initialised agent from the warm pool to open the session on
+    warm: AgentConnection | None = None
 
 
 class AcpWorker:
@@ -122,6 +126,7 @@ class AcpWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._active: dict[str, _ActiveTurn] = {}
         self.permissions = PermissionBroker(settings.permission_timeout)
+        self._warming: dict[str, int] = {}  # warm agents being started, per profile
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -140,7 +145,9 @@ class AcpWorker:
                 live = self._sessions.take_live(plan.session_id, plan.profile.name, turn.model_provider)
                 if live is None:
                     plan.action = Action.RESUME
-            if live is None:
+            if live is None and turn.model_provider.is_empty():
+                plan.warm = self._sessions.take_warm(plan.profile.name)
+            if live is None and plan.warm is None:
                 self._sessions.reserve_slot()
         except BaseException:
             self._sessions.release(plan.session_id)
@@ -220,7 +227,9 @@ class AcpWorker:
             resume_session_id=resume_id,
         )
         try:
-            launched = await self._launcher.launch(profile, config)
+            if plan.warm is not None:
+                self.refill_warm(profile)
+            launched = await self._launcher.launch(profile, config, warm=plan.warm)
         except BaseException:
             self._sessions.unreserve_slot()
             raise
@@ -367,6 +376,43 @@ class AcpWorker:
             self._sessions.release(plan.session_id)
             run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
             log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
+
+    # ------------------------------------------------------------ warm pool
+
+    def refill_warm(self, profile: AgentProfile) -> None:
+        """Start agents in the background until ``profile``'s warm pool is full (within the limit)."""
+        name = profile.name
+        missing = profile.warm_pool - self._sessions.warm_count(name) - self._warming.get(name, 0)
+        for _ in range(max(0, missing)):
+            if self._closing:
+                return
+            try:
+                self._sessions.reserve_slot(for_warm=True)
+            except AgentLimitReached:
+                return
+            self._warming[name] = self._warming.get(name, 0) + 1
+            self._spawn(self._warm_one(profile), f"warm-{name}")
+
+    async def _warm_one(self, profile: AgentProfile) -> None:
+        try:
+            conn = await self._launcher.start(profile, str(self._settings.workspace_root.resolve()), ModelProvider())
+        except BaseException as exc:
+            self._sessions.unreserve_slot()
+            if isinstance(exc, AgentError):  # logged once; refilled again only when one is taken
+                log.warning("warm_agent_failed", agent=profile.name, error=exc.summary)
+                return
+            raise
+        finally:
+            self._warming[profile.name] -= 1
+        self._sessions.add_warm(profile.name, conn)
+        log.info("warm_agent_ready", agent=profile.name, pid=conn.process.pid)
+        if self._closing:
+            await self._sessions.aclose()
+
+    def fill_warm_pools(self) -> None:
+        for profile in self._settings.agents.values():
+            if profile.warm_pool:
+                self.refill_warm(profile)
 
     async def _heartbeats(self, run: Run) -> None:
         """A heartbeat event whenever the turn was quiet for ``heartbeat_interval``."""

@@ -38,6 +38,7 @@ class SessionManager:
         self._live: dict[str, LiveAgent] = {}
         self._busy: dict[str, str] = {}  # session_id -> run_id holding it
         self._reserved = 0  # agent slots promised to launches in flight
+        self._warm: dict[str, list[AgentConnection]] = {}  # initialised agents with no session, per profile
         self._closing: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ sessions
@@ -80,18 +81,52 @@ class SessionManager:
 
     # ------------------------------------------------------------ agent slots
 
-    def reserve_slot(self) -> None:
-        """Promise an agent slot to a launch, evicting the least recently used idle agent if full."""
-        if len(self._live) + self._reserved >= self._max:
-            idle = sorted(
-                (live for sid, live in self._live.items() if sid not in self._busy),
-                key=lambda lv: lv.last_used,
-            )
-            if not idle:
+    def reserve_slot(self, for_warm: bool = False) -> None:
+        """Promise an agent slot to a launch. When full, the least recently used idle agent
+        is closed, else a warm one (a refill of the warm pool never evicts anything)."""
+        if self.agent_count() >= self._max:
+            if for_warm:
                 raise AgentLimitReached(self._max)
-            log.info("idle_agent_evicted", session_id=idle[0].session_id)
-            self._drop(idle[0].session_id)
+            idle = sorted(
+                (live for sid, live in self._live.items() if sid not in self._busy), key=lambda lv: lv.last_used
+            )
+            if idle:
+                log.info("idle_agent_evicted", session_id=idle[0].session_id)
+                self._drop(idle[0].session_id)
+            elif not self._drop_a_warm_agent():
+                raise AgentLimitReached(self._max)
         self._reserved += 1
+
+    def agent_count(self) -> int:
+        """Live, warm and launching agents: what ``max_live_agents`` bounds."""
+        return len(self._live) + self._reserved + self.warm_count()
+
+    # ------------------------------------------------------------ warm pool
+
+    def warm_count(self, profile: str | None = None) -> int:
+        if profile is not None:
+            return len(self._warm.get(profile, ()))
+        return sum(len(pool) for pool in self._warm.values())
+
+    def take_warm(self, profile: str) -> AgentConnection | None:
+        """An initialised agent of ``profile``; its slot becomes a reserved one."""
+        pool = self._warm.get(profile)
+        if not pool:
+            return None
+        self._reserved += 1
+        return pool.pop(0)
+
+    def add_warm(self, profile: str, connection: AgentConnection) -> None:
+        """Park a freshly started agent (its slot was reserved for it)."""
+        self.unreserve_slot()
+        self._warm.setdefault(profile, []).append(connection)
+
+    def _drop_a_warm_agent(self) -> bool:
+        for pool in self._warm.values():
+            if pool:
+                self._close_later(pool.pop(0), "warm")
+                return True
+        return False
 
     def unreserve_slot(self) -> None:
         self._reserved = max(0, self._reserved - 1)
@@ -144,7 +179,10 @@ class SessionManager:
             return
         if live.idle_timer:
             live.idle_timer.cancel()
-        task = asyncio.get_running_loop().create_task(live.connection.aclose(), name=f"close-agent-{session_id}")
+        self._close_later(live.connection, session_id)
+
+    def _close_later(self, connection: AgentConnection, label: str) -> None:
+        task = asyncio.get_running_loop().create_task(connection.aclose(), name=f"close-agent-{label}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -152,6 +190,8 @@ class SessionManager:
         """End every live agent; wait for all closes, each bounded by the agent's own grace."""
         for session_id in list(self._live):
             self._drop(session_id)
+        while self._drop_a_warm_agent():
+            pass
         while self._closing:
             with contextlib.suppress(Exception):
                 await asyncio.gather(*list(self._closing), return_exceptions=True)

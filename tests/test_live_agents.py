@@ -1,0 +1,107 @@
+"""Live agents: idle closing, the agent limit with LRU eviction, and the warm pool."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory
+from tests.harness import Client, FakeAgentSetup, completed, error_info, processes_mentioning, started, text_of
+from tests.turns import rest_of, start_turn
+
+
+async def status(client: Client, session_id: str) -> int:
+    return (await client.stub.GetSession(pb.GetSessionRequest(session_id=session_id))).status
+
+
+async def test_an_idle_agent_is_closed_after_idle_timeout_and_the_session_resumes(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon(idle_timeout=0.5)
+    first = await client.chat(prompt="remember 6")
+    pid = next(iter(fake.pids()))
+
+    await daemon.wait_log("idle_agent_closed", session_id=first[0].session_id)
+    await daemon.wait_log("agent_stopped", pid=pid)
+    assert processes_mentioning(str(fake.state_dir)) == []
+    assert await status(client, first[0].session_id) == pb.SESSION_STATUS_IDLE
+
+    again = await client.chat(prompt="which?", session_id=first[0].session_id)
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 6"
+
+
+async def test_at_the_limit_the_least_recently_used_idle_agent_is_evicted(make_daemon: DaemonFactory) -> None:
+    daemon, client = await make_daemon(max_live_agents=2)
+    a = (await client.chat(prompt="remember 1"))[0].session_id
+    b = (await client.chat(prompt="remember 2"))[0].session_id
+    await client.chat(prompt="more", session_id=a)  # b is now the least recently used
+    c = (await client.chat(prompt="remember 3"))[0].session_id
+
+    await daemon.wait_log("idle_agent_evicted", session_id=b)
+    assert [await status(client, s) for s in (a, b, c)] == [
+        pb.SESSION_STATUS_LIVE,
+        pb.SESSION_STATUS_IDLE,
+        pb.SESSION_STATUS_LIVE,
+    ]
+    again = await client.chat(prompt="which?", session_id=b)
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 2"
+
+
+async def test_when_every_agent_is_busy_a_new_turn_is_resource_exhausted(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon(max_live_agents=1)
+    call, begin = await start_turn(client, prompt="hang")
+
+    exc = await client.chat_error(prompt="me too")
+    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_info(exc).reason == "AGENT_LIMIT_REACHED"
+
+    await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
+    assert completed(await rest_of(call)).stop_reason == pb.STOP_REASON_CANCELLED
+    assert completed(await client.chat(prompt="now")).stop_reason == pb.STOP_REASON_END_TURN
+
+
+async def test_a_new_session_takes_a_warm_agent_and_the_pool_is_refilled(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1)})
+    (ready,) = await daemon.wait_log("warm_agent_ready", agent="fake")
+
+    events = await client.chat(prompt="remember 8")
+    assert started(events).resume == pb.RESUME_OUTCOME_NEW
+    opened_by = {m["pid"] for m in _rows(fake) if m["message"].get("method") == "session/new"}
+    assert opened_by == {ready["pid"]}, "the session was opened on the warm agent"
+
+    await daemon.wait_log("warm_agent_ready", count=2, agent="fake")
+    agents = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
+    assert agents["fake"].live_agents == 1
+    assert len(processes_mentioning(str(fake.state_dir))) == 2
+
+
+async def test_a_request_with_its_own_model_provider_gets_a_cold_agent(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1, provider_env={"api_key": "FAKE_KEY"})})
+    (ready,) = await daemon.wait_log("warm_agent_ready", agent="fake")
+
+    events = await client.chat(prompt="env FAKE_KEY", model_provider=pb.ModelProvider(api_key="sk-mine"))
+    assert "env[FAKE_KEY]=sk-mine" in text_of(events)
+    opened_by = {m["pid"] for m in _rows(fake) if m["message"].get("method") == "session/new"}
+    assert ready["pid"] not in opened_by
+
+
+async def test_warm_agents_count_toward_the_limit(make_daemon: DaemonFactory, fake: FakeAgentSetup) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(warm_pool=3)}, max_live_agents=2)
+    await daemon.wait_log("warm_agent_ready", count=2, agent="fake")
+    # the pool stopped at the limit: a third warm agent was never started
+    assert len(processes_mentioning(str(fake.state_dir))) == 2
+    events = await client.chat(prompt="hi")
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+
+
+def _rows(fake: FakeAgentSetup) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in fake.record.read_text().splitlines()]

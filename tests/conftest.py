@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -56,3 +58,19 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
         for daemon, _ in started:
             await daemon.kill()
         assert not leftovers, f"agent processes left behind: {leftovers}"
+        assert_stores_consistent(tmp_path)
+
+
+def assert_stores_consistent(root: Path) -> None:
+    """Every store a stopped daemon left under ``root``: sound, and no run still marked running."""
+    for path in root.rglob("rcoder.db"):
+        assert_store_consistent(path)
+
+
+def assert_store_consistent(path: Path) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        running = db.execute("SELECT run_id FROM runs WHERE status = 'running'").fetchall()
+        assert not running, f"runs left running in {path}: {running}"
+        orphans = db.execute("SELECT run_id FROM runs WHERE session_id NOT IN (SELECT session_id FROM sessions)")
+        assert not orphans.fetchall()

@@ -79,6 +79,7 @@ async def test_a_new_session_takes_a_warm_agent_and_the_pool_is_refilled(
     await daemon.wait_log("warm_agent_ready", count=2, agent="fake")
     agents = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
     assert agents["fake"].live_agents == 1
+    assert agents["fake"].warm_agents == 1
     assert len(processes_mentioning(str(fake.state_dir))) == 2
 
 

@@ -167,6 +167,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 default=view.is_default,
                 warm_pool=view.profile.warm_pool,
                 live_agents=view.live_agents,
+                warm_agents=view.warm_agents,
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

@@ -27,6 +27,7 @@ class AgentView:
     capabilities: AgentCapabilities | None
     seen_at: datetime | None
     live_agents: int
+    warm_agents: int
 
 
 class Queries:
@@ -70,6 +71,7 @@ class Queries:
                     capabilities=seen[0] if seen else None,
                     seen_at=seen[1] if seen else None,
                     live_agents=self._sessions.live_count(name),
+                    warm_agents=self._sessions.warm_count(name),
                 )
             )
         return views

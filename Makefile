@@ -4,9 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the pinned ACP agents of the built-in profiles (agents/package-lock.json)
+AGENTS_STAMP := agents/node_modules/.installed
 CONFIG ?=
 
-.PHONY: all run test lint typecheck unit proto check-proto venv clean
+.PHONY: all run test lint typecheck unit soak bench proto check-proto venv agents clean
 
 all: test
 
@@ -18,12 +20,22 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+## install the pinned agents (claude, claude-legacy, codex, gemini, opencode) into agents/node_modules
+# `npm install` with the committed lock, not `npm ci`: the lock holds only the platform packages the
+# registry serves here (linux-x64), and `npm ci` refuses a lock without every optional one. No install
+# scripts: the profiles run the platform binaries themselves and nothing needs a native build.
+$(AGENTS_STAMP): agents/package.json agents/package-lock.json
+	npm install --prefix agents --no-save --ignore-scripts --no-audit --no-fund
+	@touch $(AGENTS_STAMP)
+
+agents: $(AGENTS_STAMP)
+
 ## serve on 127.0.0.1:50051 with the default config (CONFIG=path for another)
-run: $(STAMP)
+run: $(STAMP) agents
 	$(BIN)/rcoder serve $(if $(CONFIG),--config $(CONFIG),)
 
 ## lint, type check and the whole suite
-test: $(STAMP) check-proto lint typecheck unit
+test: $(STAMP) agents check-proto lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check rcoder tests scripts
@@ -32,14 +44,24 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts
 
-unit: $(STAMP)
+unit: $(STAMP) agents
 	$(BIN)/pytest -p no:cacheprovider --cov --cov-report=term:skip-covered
+
+## the long fault runs: a thousand client cuts, a hundred daemon kills, ten thousand turns
+soak: $(STAMP)
+	RCODER_SOAK=1 $(BIN)/pytest -p no:cacheprovider -s --timeout=0 tests/test_faults.py tests/test_stress.py \
+		-k "killed or cuts or hundreds"
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
 
 check-proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check
+
+## benchmarks against a direct-client baseline taken in the same run (never part of `make test`);
+## prints ratio, target and PASS/FAIL per line, writes bench-results.json
+bench: $(STAMP) agents
+	$(BIN)/python scripts/bench.py --json bench-results.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,5 @@
-"""``rcoder serve``: argv and environment → Settings → the daemon.
+"""``rcoder serve``: argv and environment → Settings → the daemon; ``rcoder chat`` and
+``rcoder sessions``: a client of a running daemon (``rcoder.client_cli``).
 
 The only module that reads the environment or the config file.
 """
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rcoder import __version__, logs
+from rcoder import __version__, client_cli, logs
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 
@@ -29,12 +30,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-agent", help="profile used when a request names none")
     serve.add_argument("--log-level", help="debug | info | warning | error")
     serve.add_argument("--log-format", help="auto | json | console")
+    client_cli.add_commands(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = dict(os.environ)
+    if args.command in ("chat", "sessions"):
+        return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
     config_file = args.config or (Path(env["RCODER_CONFIG"]) if env.get("RCODER_CONFIG") else None)
     overrides = {
         "listen": args.listen,

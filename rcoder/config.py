@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rcoder.domain import ResumeRoute
+from rcoder.domain import ModelProvider, ResumeRoute
 from rcoder.errors import ConfigError
 
 # Variables an agent inherits from the daemon. Everything else (the daemon's
@@ -33,8 +34,18 @@ BASE_AGENT_ENV = (
     "TERM",
 )
 
+# extra_meta keys any profile accepts: W3C trace context, reserved for it by ACP.
+DEFAULT_META_KEYS = ("traceparent", "tracestate", "baggage")
+MCP_KINDS = ("stdio", "http", "sse")
+
 # ChatRequest.model_provider fields a profile can map to environment variables.
 PROVIDER_FIELDS = ("base_url", "api_key", "model")
+
+# What rcoder knows how to set up (profile key ``kind``; rcoder/agent/kinds.py).
+AGENT_KINDS = ("generic", "claude", "claude-legacy", "codex", "gemini", "opencode")
+
+# The pinned agents `make agents` installs, beside the rcoder package (not the cwd).
+AGENTS_DIR = Path(__file__).resolve().parent.parent / "agents" / "node_modules"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,26 @@ class AgentProfile:
     base_dir: Path = field(default_factory=Path.cwd)
     # operator rules for the agent's permission requests, first match wins
     permission_rules: tuple[PermissionRule, ...] = ()
+    # what clients may set (DESIGN §6): extra_meta key paths, MCP server kinds,
+    # stdio MCP commands, and whether a request may choose the model base URL
+    allow_meta_keys: tuple[str, ...] = DEFAULT_META_KEYS
+    allow_mcp: tuple[str, ...] = ()
+    allow_mcp_commands: tuple[str, ...] = ()
+    allow_client_base_url: bool = False
+    # what rcoder knows about the agent (AGENT_KINDS): its home, config files, quirks
+    kind: str = "generic"
+    # model provider defaults; a request's non-empty model_provider fields win
+    model_base_url: str = ""
+    model_api_key: str = field(default="", repr=False)
+    model: str = ""
+
+    def model_provider(self, request: ModelProvider) -> ModelProvider:
+        """The provider an agent of this profile runs with: the request's, else the profile's."""
+        return ModelProvider(
+            base_url=request.base_url or self.model_base_url,
+            api_key=request.api_key or self.model_api_key,
+            model=request.model or self.model,
+        )
 
     def resolve_command(self, search_path: str) -> str | None:
         """The executable to run: a path (relative to the config file) or a name on PATH."""
@@ -78,10 +109,13 @@ class AgentProfile:
         return shutil.which(self.command, path=search_path)
 
 
+DEFAULT_DATA_DIR = Path(".rcoder")
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     listen: str = "127.0.0.1:50051"
-    data_dir: Path = Path(".rcoder")
+    data_dir: Path = DEFAULT_DATA_DIR
     workspace_root: Path = Path("workspace")
     default_agent: str = "claude"
     auth_token: str = ""
@@ -120,27 +154,64 @@ class Settings:
     def profile(self, name: str) -> AgentProfile | None:
         return self.agents.get(name)
 
-    def agent_env(self, profile: AgentProfile) -> dict[str, str]:
-        """The environment an agent of ``profile`` starts with (before model provider)."""
+    def agent_env(self, profile: AgentProfile, kind_env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment an agent of ``profile`` starts with (before model provider):
+        inherited variables, then its kind's, then the profile's own ``env``."""
         names = BASE_AGENT_ENV + profile.inherit_env
         env = {k: self.daemon_env[k] for k in names if k in self.daemon_env}
+        env.update(kind_env or {})
         env.update(profile.env)
         return env
 
+    def agent_home(self, profile: AgentProfile) -> Path:
+        """``<data_dir>/agents/<profile>``: the agent's HOME, stable across restarts."""
+        return (self.data_dir / "agents" / profile.name).absolute()
 
-def builtin_profiles() -> dict[str, AgentProfile]:
-    """Profiles available with no config file."""
+
+def builtin_profiles(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, AgentProfile]:
+    """Profiles available with no config file: the agents ``make agents`` installs, and
+    ``echo`` (rcoder's own, no model needed), which keeps its sessions under ``data_dir``."""
+    return {name: _profile(name, table, AGENTS_DIR) for name, table in _builtin_tables(data_dir).items()}
+
+
+def _builtin_tables(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, dict[str, Any]]:
+    def installed(relative: str, name: str) -> str:
+        path = AGENTS_DIR / relative
+        return str(path) if path.is_file() else name  # else a name on PATH
+
+    anthropic = ["ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"]
+    echo_home = Settings(data_dir=data_dir).agent_home(AgentProfile(name="echo", command=sys.executable))
     return {
-        "claude": AgentProfile(
-            name="claude",
-            command="claude-agent-acp",
-            inherit_env=("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL"),
-            provider_env={
-                "base_url": "ANTHROPIC_BASE_URL",
-                "api_key": "ANTHROPIC_API_KEY",
-                "model": "ANTHROPIC_MODEL",
-            },
-        ),
+        "echo": {  # rcoder/echo_agent.py; -P: the project's cwd never shadows the rcoder package
+            "command": sys.executable,
+            "args": ["-P", "-m", "rcoder.echo_agent", "--state-dir", str(echo_home)],
+        },
+        "claude": {
+            "kind": "claude",
+            "command": installed(".bin/claude-agent-acp", "claude-agent-acp"),
+            "inherit_env": anthropic,
+        },
+        "claude-legacy": {
+            "kind": "claude-legacy",
+            "command": installed(".bin/claude-code-acp", "claude-code-acp"),
+            "inherit_env": anthropic,
+        },
+        "codex": {
+            "kind": "codex",
+            "command": installed("@zed-industries/codex-acp-linux-x64/bin/codex-acp", "codex-acp"),
+            "inherit_env": ["OPENAI_API_KEY"],
+        },
+        "gemini": {
+            "kind": "gemini",
+            "command": installed(".bin/gemini", "gemini"),
+            "args": ["--acp"],
+            "inherit_env": ["GEMINI_API_KEY"],
+        },
+        "opencode": {
+            "kind": "opencode",
+            "command": installed("opencode-linux-x64/bin/opencode", "opencode"),
+            "args": ["acp", "--pure"],
+        },
     }
 
 
@@ -166,6 +237,8 @@ _STRING_KEYS = {
 }  # fmt: skip
 _PATH_KEYS = {"data_dir", "workspace_root"}
 _PROFILE_KEYS = {"command", "args", "env", "resume", "warm_pool", "inherit_env", "provider_env", "permission_rules"}
+_PROFILE_KEYS |= {"kind", "model_base_url", "model_api_key", "model"}
+_PROFILE_KEYS |= {"allow_meta_keys", "allow_mcp", "allow_mcp_commands", "allow_client_base_url"}
 
 
 def load_settings(
@@ -190,11 +263,15 @@ def load_settings(
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _convert(key, value, Path.cwd())
-    agents = builtin_profiles()
+    data_dir = values.get("data_dir", DEFAULT_DATA_DIR)
+    agents = builtin_profiles(data_dir)
     if not isinstance(agents_raw, dict):
         raise ConfigError("agents", "must be a table of [agents.<name>] profiles")
+    builtin = _builtin_tables(data_dir)
     for name, table in agents_raw.items():
-        agents[name] = _profile(name, table, base_dir)
+        # a table named like a built-in profile changes only the keys it sets
+        merged = {**builtin[name], **table} if name in builtin and isinstance(table, dict) else table
+        agents[name] = _profile(name, merged, base_dir)
     settings = Settings(**values, agents=agents)
     daemon_env = _agent_visible_env(environ, agents.values())
     settings = replace(settings, daemon_env=daemon_env)
@@ -267,9 +344,20 @@ def _profile(name: str, table: Any, base_dir: Path) -> AgentProfile:
     if not isinstance(warm, int) or isinstance(warm, bool) or warm < 0:
         raise ConfigError(f"{where}.warm_pool", f"expected a non-negative integer, got {warm!r}")
     rules = _permission_rules(table.get("permission_rules", []), f"{where}.permission_rules")
+    trust = _trust(table, where)
+    kind = table.get("kind", "generic")
+    if kind not in AGENT_KINDS:
+        raise ConfigError(f"{where}.kind", f"expected {' | '.join(AGENT_KINDS)}, got {kind!r}")
+    model = {key: table.get(key, "") for key in ("model_base_url", "model_api_key", "model")}
+    for key, value in model.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}.{key}", "expected a string")
     return AgentProfile(
         name=name,
         permission_rules=rules,
+        **trust,
+        kind=kind,
+        **model,
         command=command,
         args=tuple(args),
         env=env,
@@ -279,6 +367,25 @@ def _profile(name: str, table: Any, base_dir: Path) -> AgentProfile:
         provider_env=provider_env,
         base_dir=base_dir,
     )
+
+
+def _trust(table: dict[str, Any], where: str) -> dict[str, Any]:
+    """The profile's allow-lists for client-supplied settings."""
+    meta = _string_list(table.get("allow_meta_keys", list(DEFAULT_META_KEYS)), f"{where}.allow_meta_keys")
+    mcp = _string_list(table.get("allow_mcp", []), f"{where}.allow_mcp")
+    for kind in mcp:
+        if kind not in MCP_KINDS:
+            raise ConfigError(f"{where}.allow_mcp", f"expected kinds from {', '.join(MCP_KINDS)}, got {kind!r}")
+    commands = _string_list(table.get("allow_mcp_commands", []), f"{where}.allow_mcp_commands")
+    base_url = table.get("allow_client_base_url", False)
+    if not isinstance(base_url, bool):
+        raise ConfigError(f"{where}.allow_client_base_url", f"expected true or false, got {base_url!r}")
+    return {
+        "allow_meta_keys": tuple(meta),
+        "allow_mcp": tuple(mcp),
+        "allow_mcp_commands": tuple(commands),
+        "allow_client_base_url": base_url,
+    }
 
 
 def _permission_rules(value: Any, key: str) -> tuple[PermissionRule, ...]:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from pathlib import Path
 
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.api.server import GrpcServer
+from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
 from rcoder.logs import get_logger
@@ -32,11 +33,17 @@ class Daemon:
         self.runs = RunRegistry(settings.run_retention)
         self.worker = AcpWorker(settings, self.store, self.launcher, self.sessions, self.runs)
         queries = Queries(settings, self.store, self.sessions, self.launcher)
-        self.server = GrpcServer(AgentRunnerService(self.worker, queries), settings.listen)
+        tls = None
+        if settings.tls_cert:
+            tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
+        self.server = GrpcServer(
+            AgentRunnerService(self.worker, queries), settings.listen, auth_token=settings.auth_token, tls=tls
+        )
         self._stopped = False
 
     async def start(self) -> None:
         interrupted = await self.store.open()
+        swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         await self.server.start()
         self.worker.fill_warm_pools()
@@ -44,9 +51,12 @@ class Daemon:
         log.info(
             "serving",
             address=f"{host}:{self.server.port}",
+            tls=bool(self.settings.tls_cert),
+            auth=bool(self.settings.auth_token),
             data_dir=str(self.settings.data_dir),
             workspace_root=str(self.settings.workspace_root),
             runs_marked_interrupted=interrupted,
+            leftover_agent_processes_killed=swept,
         )
 
     async def stop(self, force: asyncio.Event | None = None) -> None:

@@ -68,6 +68,10 @@ class Unimplemented(RcoderError):
     reason = "UNIMPLEMENTED"
 
 
+class Unauthenticated(RcoderError):
+    reason = "UNAUTHENTICATED"
+
+
 # ---------------------------------------------------------------- try again later
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,14 +39,21 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
     """Start real daemons; on teardown stop them and check no agent process is left."""
     started: list[tuple[Daemon, Client]] = []
 
-    async def make(profiles: dict[str, dict[str, Any]] | None = None, **top: Any) -> tuple[Daemon, Client]:
+    async def make(
+        profiles: dict[str, dict[str, Any]] | None = None,
+        env: dict[str, str] | None = None,
+        channel: Callable[[Daemon], Any] | None = None,
+        **top: Any,
+    ) -> tuple[Daemon, Client]:
+        """A daemon with these profiles and top-level keys (``env``: its extra environment;
+        ``channel``: how the client connects, e.g. with TLS credentials)."""
         config = write_config(
             tmp_path / f"rcoder-{len(started)}.toml",
             profiles if profiles is not None else {"fake": fake.profile()},
             **{**base_settings(tmp_path), **top},
         )
-        daemon = await Daemon(config).start()
-        client = Client(daemon.channel())
+        daemon = await Daemon(config, env=env or {}).start()
+        client = Client(channel(daemon) if channel else daemon.channel())
         started.append((daemon, client))
         return daemon, client
 
@@ -55,6 +65,9 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
             if daemon.proc is not None and daemon.proc.returncode is None:
                 await daemon.stop()
         leftovers = processes_mentioning(str(fake.state_dir))
+        # real agents: anything still running in the test's folders (cwd) or with its HOME there
+        daemons = {d.proc.pid for d, _ in started if d.proc is not None}
+        leftovers += await _gone_within(tmp_path, daemons, timeout=5.0)
         for daemon, _ in started:
             await daemon.kill()
         assert not leftovers, f"agent processes left behind: {leftovers}"
@@ -74,3 +87,32 @@ def assert_store_consistent(path: Path) -> None:
         assert not running, f"runs left running in {path}: {running}"
         orphans = db.execute("SELECT run_id FROM runs WHERE session_id NOT IN (SELECT session_id FROM sessions)")
         assert not orphans.fetchall()
+
+
+def processes_inside(root: Path, exclude: set[int]) -> list[int]:
+    """Pids of live processes whose cwd or HOME is under ``root`` (zombies excluded)."""
+    found = []
+    prefix = str(root)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in exclude or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cwd = os.readlink(entry / "cwd")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        home = next((v[5:].decode(errors="replace") for v in environ if v.startswith(b"HOME=")), "")
+        if cwd.startswith(prefix) or home.startswith(prefix):
+            found.append(int(entry.name))
+    return found
+
+
+async def _gone_within(root: Path, exclude: set[int], timeout: float) -> list[int]:
+    """Processes under ``root`` still alive after ``timeout`` (a killed group takes a moment to go)."""
+    deadline = time.monotonic() + timeout
+    # other processes' state: nothing to wait on but /proc
+    while (left := processes_inside(root, exclude)) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    return left

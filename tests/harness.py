@@ -205,17 +205,17 @@ class Client:
     def stub(self) -> pb_grpc.AgentRunnerStub:
         return pb_grpc.AgentRunnerStub(self.channel)
 
-    async def chat(self, timeout: float = 60.0, **fields: Any) -> list[pb.ChatStream]:
+    async def chat(self, timeout: float = 60.0, metadata: Any = None, **fields: Any) -> list[pb.ChatStream]:
         fields.setdefault("project_id", "proj")
         events = []
         async with asyncio.timeout(timeout):
-            async for event in self.stub.Chat(pb.ChatRequest(**fields)):
+            async for event in self.stub.Chat(pb.ChatRequest(**fields), metadata=metadata):
                 events.append(event)
         return events
 
-    async def chat_error(self, timeout: float = 60.0, **fields: Any) -> grpc.aio.AioRpcError:
+    async def chat_error(self, timeout: float = 60.0, metadata: Any = None, **fields: Any) -> grpc.aio.AioRpcError:
         try:
-            events = await self.chat(timeout=timeout, **fields)
+            events = await self.chat(timeout=timeout, metadata=metadata, **fields)
         except grpc.aio.AioRpcError as exc:
             return exc
         raise AssertionError(f"expected an error status, got {len(events)} events: {events[-1:]}")

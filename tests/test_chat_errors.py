@@ -109,21 +109,32 @@ async def test_attachments_reach_the_agent_as_content_blocks(make_daemon: Daemon
 async def test_system_prompt_extra_meta_and_mcp_servers_reach_session_new(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
-    _, client = await make_daemon()
+    profile = fake.profile(
+        allow_meta_keys=["traceparent", "claudeCode.options.maxTurns"],
+        allow_mcp=["stdio"],
+        allow_mcp_commands=["/bin/true"],
+    )
+    _, client = await make_daemon({"fake": profile})
     meta = struct_pb2.Struct()
-    meta.update({"traceparent": "00-abc-def-01", "claudeCode": {"options": {"resume": "someone-elses"}}})
+    meta.update({"traceparent": "00-abc-def-01", "claudeCode": {"options": {"maxTurns": 3}}})
     server = pb.McpServer(name="tools", stdio=pb.McpStdio(command="/bin/true", args=["-x"]))
     await client.chat(prompt="hi", system_prompt="be brief", extra_meta=meta, mcp_servers=[server])
 
     params = fake.requests("session/new")[-1]["params"]
-    assert params["_meta"] == {"traceparent": "00-abc-def-01", "systemPrompt": {"append": "be brief"}}
+    assert params["_meta"] == {
+        "traceparent": "00-abc-def-01",
+        "claudeCode": {"options": {"maxTurns": 3}},
+        "systemPrompt": {"append": "be brief"},
+    }
     assert params["mcpServers"] == [{"name": "tools", "command": "/bin/true", "args": ["-x"], "env": []}]
 
 
 async def test_the_model_provider_reaches_the_agent_through_its_profiles_env_mapping(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
-    profile = fake.profile(provider_env={"base_url": "FAKE_BASE_URL", "api_key": "FAKE_KEY"})
+    profile = fake.profile(
+        provider_env={"base_url": "FAKE_BASE_URL", "api_key": "FAKE_KEY"}, allow_client_base_url=True
+    )
     _, client = await make_daemon({"fake": profile})
     provider = pb.ModelProvider(base_url="http://127.0.0.1:9/v1", api_key="sk-test-123")
     events = await client.chat(prompt="env FAKE_BASE_URL env FAKE_KEY env IS_SANDBOX", model_provider=provider)

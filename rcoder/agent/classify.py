@@ -5,7 +5,9 @@ to a fresh session. The codes and texts come from the real agents
 (README, "How resume works"): Claude's adapter ≥ 0.20 and Codex answer
 -32002; Claude 0.16, Gemini (and TS Codex) answer -32603 with a telling
 ``data.details``; an agent may also exit during a resume with such a text
-on stderr.
+on stderr. A rule that holds for one agent only (OpenCode's bare "service
+failure", a lost session only as the answer to a resume or load) is its
+kind's (``rcoder.agent.kinds``), applied by the launcher.
 """
 
 from __future__ import annotations

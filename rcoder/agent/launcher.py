@@ -7,11 +7,14 @@ never answered with a silent fresh session.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import acp
 from acp import schema as acp_schema
@@ -20,7 +23,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 from rcoder import __version__
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
-from rcoder.agent.process import AgentProcess
+from rcoder.agent.kinds import AgentKind, kind_of
+from rcoder.agent.process import AgentProcess, sweep
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
@@ -28,6 +32,16 @@ from rcoder.errors import AgentProtocolError, AgentUnavailable, SessionGone
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.launcher")
+
+# how a resume is asked for, by route (for error messages and the kinds' rules)
+_OPEN_STEP = {OpenMethod.RESUME: "session/resume", OpenMethod.LOAD: "session/load", OpenMethod.META: "session/new"}
+# the longest a load is deferred for an agent that needs it (Gemini: to the next minute)
+MAX_LOAD_DEFER = 62.0
+# an agent that answers session/load before its replay is out: the replay is over once no
+# session/update came for REPLAY_QUIET seconds (at most REPLAY_SETTLE_MAX), so none of it
+# reaches the turn that follows
+REPLAY_QUIET = 0.5
+REPLAY_SETTLE_MAX = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +55,24 @@ class Launched:
 class AgentLauncher:
     """Starts agents as the settings and their profiles say."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self._settings = settings
+        self._clock = clock
         # capabilities seen at the last initialize, and when, per profile
         self.capabilities_seen: dict[str, tuple[AgentCapabilities, datetime]] = {}
         # every agent process started and not yet collected, for kill_all()
         self._processes: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
+        # per connection: set on each session/update the agent sends
+        self._updates: weakref.WeakKeyDictionary[AgentConnection, asyncio.Event] = weakref.WeakKeyDictionary()
+
+    @property
+    def pid_dir(self) -> Path:
+        """Where each running agent's process group is recorded, for ``sweep_leftovers``."""
+        return self._settings.data_dir / "agent-pids"
+
+    def sweep_leftovers(self) -> int:
+        """End agent groups a killed daemon left behind (call before starting any agent)."""
+        return sweep(self.pid_dir)
 
     def kill_all(self) -> None:
         """SIGKILL every agent process group this launcher started (the daemon must stop now)."""
@@ -97,7 +123,7 @@ class AgentLauncher:
                 if config.resume_method is None:
                     skipped = f'profile {profile.name!r} has resume = "none"'
                     config = config.without_resume()
-            method = await connection.open_session(config, self._settings.session_open_timeout)
+            method = await self._open(profile, connection, config)
         except BaseException:
             await connection.aclose()
             raise
@@ -114,9 +140,51 @@ class AgentLauncher:
         )
         return connection, method, skipped
 
+    async def _open(self, profile: AgentProfile, connection: AgentConnection, config: AgentStartConfig) -> OpenMethod:
+        """Open the session; what the agent's kind knows applies (a deferred load, its lost-session rule)."""
+        kind = kind_of(profile.kind)
+        rid, method = config.resume_session_id, config.resume_method
+        if rid and method is OpenMethod.LOAD:
+            home = self._settings.agent_home(profile)
+            await self._defer_load(profile, rid, await asyncio.to_thread(kind.load_not_before, home, rid))
+        try:
+            opened = await connection.open_session(config, self._settings.session_open_timeout)
+        except AgentProtocolError as exc:
+            step = _OPEN_STEP.get(method) if rid and method else None
+            why = _kind_gone_reason(kind, step, exc) if step else None
+            if why is None:
+                raise
+            raise SessionGone(rid, f"{step}: {why}", agent=profile.name, stderr_tail=exc.stderr_tail) from exc
+        if opened is OpenMethod.LOAD and kind.answers_load_before_replay and connection in self._updates:
+            await _replay_settled(self._updates[connection], REPLAY_QUIET, REPLAY_SETTLE_MAX)
+        return opened
+
+    async def _defer_load(self, profile: AgentProfile, session_id: str, not_before: datetime | None) -> None:
+        """Wait (a timer, bounded) until the agent can load the session without losing it."""
+        if not_before is None:
+            return
+        delay = min((not_before - self._clock()).total_seconds(), MAX_LOAD_DEFER)
+        if delay <= 0:
+            return
+        log.info("session_load_deferred", agent=profile.name, provider_session_id=session_id, seconds=round(delay, 1))
+        await asyncio.sleep(delay)
+
     async def start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
-        """Spawn the agent and ``initialize`` it; no session yet."""
-        env = self._settings.agent_env(profile)
+        """Spawn the agent and ``initialize`` it; no session yet.
+
+        The profile's kind writes the agent's config files into its home (for
+        this process's model provider: the request's, else the profile's
+        defaults) and adds its environment and arguments.
+        """
+        provider = profile.model_provider(provider)
+        home = self._settings.agent_home(profile)
+        try:
+            setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider)
+        except OSError as exc:
+            raise AgentUnavailable(
+                f"agent {profile.name!r}: could not prepare its home {home}: {exc}", agent=profile.name
+            ) from exc
+        env = self._settings.agent_env(profile, setup.env)
         for field, var in profile.provider_env.items():
             value = getattr(provider, field)
             if value:
@@ -130,17 +198,19 @@ class AgentLauncher:
                 agent=profile.name,
             )
         process = await AgentProcess.spawn(
-            [command, *profile.args],
+            [command, *profile.args, *setup.args],
             cwd=cwd,
             env=env,
             name=profile.name,
             line_limit=self._settings.agent_line_limit,
             stderr_tail_bytes=self._settings.stderr_tail_bytes,
             stop_grace=self._settings.agent_stop_grace,
+            pid_dir=self.pid_dir,
         )
         self._processes.add(process)
         client = RcoderClient(profile.name)
-        conn = acp.connect_to_agent(cast(acp.Client, client), process.stdin, process.stdout)
+        watch = _UpdateWatch(client)
+        conn = acp.connect_to_agent(cast(acp.Client, watch), process.stdin, process.stdout)
         try:
             init = await call_agent(
                 process,
@@ -166,7 +236,9 @@ class AgentLauncher:
             raise
         caps = capabilities_from_initialize(init)
         self.capabilities_seen[profile.name] = (caps, datetime.now(UTC))
-        return AgentConnection(process, conn, client, profile.name, caps, self._settings.agent_stop_grace)
+        connection = AgentConnection(process, conn, client, profile.name, caps, self._settings.agent_stop_grace)
+        self._updates[connection] = watch.updated
+        return connection
 
     @staticmethod
     def _route(profile: AgentProfile, caps: AgentCapabilities) -> OpenMethod | None:
@@ -186,3 +258,39 @@ class AgentLauncher:
             return OpenMethod.LOAD
         # agents that take it (Claude's adapter) resume through session/new _meta
         return OpenMethod.META
+
+
+def _kind_gone_reason(kind: AgentKind, step: str, exc: AgentProtocolError) -> str | None:
+    """The kind's own "session gone" rule, applied to the agent's error as it answered."""
+    cause = exc.__cause__
+    if not isinstance(cause, acp.RequestError):
+        return None
+    return kind.gone_reason(step, cause.code, str(cause), cause.data)
+
+
+class _UpdateWatch:
+    """The client as the SDK sees it: ours, plus an event set on every ``session/update``."""
+
+    def __init__(self, client: RcoderClient) -> None:
+        self._client = client
+        self.updated = asyncio.Event()
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        self.updated.set()
+        await self._client.session_update(session_id, update, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+async def _replay_settled(updated: asyncio.Event, quiet: float, limit: float) -> None:
+    """Return once no update came for ``quiet`` seconds, or after ``limit`` seconds."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(limit):
+            while True:
+                updated.clear()
+                try:
+                    async with asyncio.timeout(quiet):
+                        await updated.wait()
+                except TimeoutError:
+                    return

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
@@ -26,7 +27,14 @@ _SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin")
 class AgentProcess:
     """Owns one child process and its group. ``aclose()`` is bounded and idempotent."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, name: str, stderr_tail_bytes: int, stop_grace: float) -> None:
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        name: str,
+        stderr_tail_bytes: int,
+        stop_grace: float,
+        pid_dir: Path | None = None,
+    ) -> None:
         self._proc = proc
         self.name = name
         self.pid = proc.pid
@@ -35,6 +43,7 @@ class AgentProcess:
         self._stop_grace = stop_grace
         self._closed = False
         self._close_lock = asyncio.Lock()
+        self._pid_file = _record(pid_dir, proc.pid) if pid_dir else None
         # No await between spawn and taking ownership of stderr: a chatty agent
         # must never block on a full pipe.
         self._stderr_task = asyncio.get_running_loop().create_task(
@@ -53,6 +62,7 @@ class AgentProcess:
         line_limit: int,
         stderr_tail_bytes: int,
         stop_grace: float,
+        pid_dir: Path | None = None,
     ) -> AgentProcess:
         full = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
         try:
@@ -69,7 +79,7 @@ class AgentProcess:
         except OSError as exc:
             raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
         log.info("agent_spawned", agent=name, pid=proc.pid, command=argv[0])
-        return cls(proc, name, stderr_tail_bytes, stop_grace)
+        return cls(proc, name, stderr_tail_bytes, stop_grace, pid_dir)
 
     @property
     def stdin(self) -> asyncio.StreamWriter:
@@ -130,6 +140,8 @@ class AgentProcess:
             try:
                 await self._stop()
             finally:
+                if self._pid_file is not None:
+                    self._pid_file.unlink(missing_ok=True)
                 self._stderr_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._stderr_task
@@ -160,3 +172,57 @@ class AgentProcess:
     def _killpg(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
+
+
+# ---------------------------------------------------------------- leftovers of a killed daemon
+#
+# Each agent's process group is recorded as <pid_dir>/<pid> holding the leader's
+# start time. PR_SET_PDEATHSIG ends the leader when the daemon dies, but not
+# its children; ``sweep`` at the next start ends whatever is left of each group.
+
+
+def _stat(pid: int | str) -> tuple[int, int] | None:
+    """(process group, start time in clock ticks) of a live process, or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":
+        return None
+    return int(fields[2]), int(fields[19])
+
+
+def _record(pid_dir: Path, pid: int) -> Path | None:
+    stat = _stat(pid)
+    if stat is None:
+        return None
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    path = pid_dir / str(pid)
+    path.write_text(str(stat[1]))
+    return path
+
+
+def sweep(pid_dir: Path) -> int:
+    """SIGKILL what is left of agent groups recorded by an earlier daemon; returns how many processes."""
+    if not pid_dir.is_dir():
+        return 0
+    groups: dict[int, int] = {}
+    for path in pid_dir.iterdir():
+        with contextlib.suppress(ValueError, OSError):
+            groups[int(path.name)] = int(path.read_text() or 0)
+        path.unlink(missing_ok=True)
+    if not groups:
+        return 0
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _stat(entry.name)
+        # same group, started no earlier than its recorded leader: not a reused pid
+        if stat is not None and stat[0] in groups and stat[1] >= groups[stat[0]]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    if killed:
+        log.warning("leftover_agents_killed", processes=killed, groups=len(groups))
+    return killed

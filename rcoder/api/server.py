@@ -1,43 +1,65 @@
-"""The grpc.aio server: AgentRunner, health and reflection."""
+"""The grpc.aio server: AgentRunner, health and reflection; auth and TLS.
+
+The AgentRunner handlers are registered from the service descriptor with a
+request decoder that never raises: a request that is not valid protobuf
+(invalid UTF-8 in a string field, say) gets INVALID_ARGUMENT with a message,
+not grpc's own INTERNAL "Exception deserializing request".
+"""
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
 import grpc
+from google.protobuf import message as pb_message
+from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from rcoder.api.service import AgentRunnerService
+from rcoder import errors
+from rcoder.api.service import AgentRunnerService, abort, status_for
 from rcoder.v1 import agent_runner_pb2 as pb
-from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AgentRunner"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"]
+SERVICE_NAME = SERVICE.full_name
+HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert_pem: bytes
+    key_pem: bytes
 
 
 class GrpcServer:
     """Owns the grpc.aio server; ``stop()`` is safe to call twice."""
 
-    def __init__(self, service: AgentRunnerService, listen: str) -> None:
+    def __init__(
+        self, service: AgentRunnerService, listen: str, auth_token: str = "", tls: TlsFiles | None = None
+    ) -> None:
+        interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
-        pb_grpc.add_AgentRunnerServicer_to_server(service, self._server)
+        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service),))
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self._server,
-        )
-        self.port = self._server.add_insecure_port(listen)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
+        if tls is not None:
+            credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+            self.port = self._server.add_secure_port(listen, credentials)
+        else:
+            self.port = self._server.add_insecure_port(listen)
         if self.port == 0:
             raise OSError(f"could not listen on {listen}")
         self._stopped = False
@@ -57,3 +79,105 @@ class GrpcServer:
         self._stopped = True
         await self.not_serving()
         await self._server.stop(grace)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    error: str
+
+
+def _decoder(cls: type[pb_message.Message]) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except pb_message.DecodeError as exc:
+            return _Undecodable(str(exc) or "not a valid protobuf message")
+
+    return decode
+
+
+def _checked(behaviour: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+    """Refuse an undecodable request before the handler sees it."""
+    if streaming:
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if isinstance(request, _Undecodable):
+                await abort(context, _bad_request(request))
+            async for item in behaviour(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if isinstance(request, _Undecodable):
+            await abort(context, _bad_request(request))
+        return await behaviour(request, context)
+
+    return unary
+
+
+def _bad_request(request: _Undecodable) -> errors.InvalidArgument:
+    return errors.InvalidArgument(
+        "request", f"could not decode it ({request.error}); string fields must be valid UTF-8", reason="BAD_REQUEST"
+    )
+
+
+def _agent_runner_handlers(service: AgentRunnerService) -> grpc.GenericRpcHandler:
+    handlers = {}
+    for method in SERVICE.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        behaviour = _checked(getattr(service, method.name), method.server_streaming)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            behaviour, request_deserializer=_decoder(request_cls), response_serializer=response_cls.SerializeToString
+        )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+# ---------------------------------------------------------------- auth
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{HEALTH_NAME}/"):
+            return handler
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given_bytes, self._expected):
+            return handler
+        problem = "missing" if not given else "wrong"
+        return _deny(handler, errors.Unauthenticated(f"authorization {problem}: send 'authorization: Bearer <token>'"))
+
+
+def _deny(handler: grpc.RpcMethodHandler, exc: errors.RcoderError) -> grpc.RpcMethodHandler:
+    status = status_for(exc)
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort_with_status(status)
+
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort_with_status(status)
+        yield  # pragma: no cover
+
+    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)

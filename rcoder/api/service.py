@@ -35,6 +35,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
     (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.SessionBusy, grpc.StatusCode.ABORTED),
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),

@@ -50,7 +50,7 @@ from rcoder.errors import (
     ShuttingDown,
 )
 from rcoder.logs import bind_context, get_logger
-from rcoder.session import reseed
+from rcoder.session import reseed, trust
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.session_manager import SessionManager
@@ -136,6 +136,7 @@ class AcpWorker:
         if self._closing:
             raise ShuttingDown()
         plan = await self._plan(turn)
+        trust.check(plan.profile, turn)
         seen = self._launcher.capabilities_seen.get(plan.profile.name)
         self._check_content(plan.profile, turn, seen[0] if seen else None)
         self._sessions.claim(plan.session_id, plan.run_id)

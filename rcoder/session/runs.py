@@ -62,9 +62,18 @@ class Run:
         return self.completed is not None
 
     def publish(self, body: RunEventBody) -> RunEvent:
-        """Number (or merge) and keep one event, and wake every follower. Never awaits."""
+        """Number (or merge) and keep one event, and wake every follower. Never awaits.
+
+        Text longer than ``MERGE_LIMIT`` is split into several events, so no
+        message a client receives is larger than that (whatever the agent wrote).
+        """
         if self.completed is not None:
             raise RuntimeError(f"run {self.run_id} already completed")
+        if isinstance(body, TextChunk) and len(body.text) > MERGE_LIMIT:
+            text = body.text
+            for start in range(0, len(text) - MERGE_LIMIT, MERGE_LIMIT):
+                self.publish(TextChunk(text[start : start + MERGE_LIMIT], body.thought))
+            body = TextChunk(text[len(text) - (len(text) - 1) % MERGE_LIMIT - 1 :], body.thought)
         merged = self._merge(body)
         if merged is not None:
             self._wake()

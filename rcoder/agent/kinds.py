@@ -1,0 +1,339 @@
+"""What rcoder knows about each kind of ACP agent (profile key ``kind``).
+
+A kind says, for one agent program, how to prepare its home directory
+(``<data_dir>/agents/<profile>``, stable across agent and daemon restarts,
+so the agent's own session store survives them), which environment and
+arguments carry the model provider to it, and what else about it rcoder
+must respect: an extra "session gone" rule (OpenCode) and the earliest time
+a session may be loaded (Gemini). ``generic`` knows nothing and changes
+nothing. The facts come from the real agents (``REAL_AGENTS.md``).
+
+API keys only ever travel in the agent's environment: never in a file, an
+argument or a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+from rcoder.agent.classify import INTERNAL_ERROR
+from rcoder.config import AGENT_KINDS
+from rcoder.domain import ModelProvider
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSetup:
+    """What one agent process gets from its kind: environment (before the profile's
+    own ``env``) and arguments (after the profile's ``args``)."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+
+
+class AgentKind:
+    """``generic``: any ACP agent; its profile's ``env`` and ``provider_env`` say everything."""
+
+    name: ClassVar[str] = "generic"
+    # answers session/load while its replay is still streaming (rcoder then waits it out)
+    answers_load_before_replay: ClassVar[bool] = False
+
+    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+        """Write the agent's config files under ``home`` for ``provider``; its env and args."""
+        return AgentSetup()
+
+    def gone_reason(self, step: str, code: int, message: str, data: Any) -> str | None:
+        """An extra "session gone" rule for an error answering ``step`` (beyond ``classify``)."""
+        return None
+
+    def load_not_before(self, home: Path, session_id: str) -> datetime | None:
+        """The earliest time ``session/load`` of ``session_id`` is safe, when that matters."""
+        return None
+
+
+CLAUDE_MODEL_VARS = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+)
+
+
+class ClaudeKind(AgentKind):
+    """``@zed-industries/claude-agent-acp``: the Claude Code CLI under an ACP adapter.
+
+    Sessions are transcripts under ``$HOME/.claude/projects/<cwd>/``. No config file
+    is needed: the Anthropic endpoint, key and model are environment variables.
+    """
+
+    name = "claude"
+
+    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+        _mkdir(home)
+        env = {
+            "HOME": str(home),
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+        }
+        env.update(_set(ANTHROPIC_BASE_URL=provider.base_url, ANTHROPIC_API_KEY=provider.api_key))
+        if provider.model:
+            # the adapter picks one of Claude Code's aliases (default, sonnet, opus, haiku) at every
+            # session start: point them all at the model, or ANTHROPIC_MODEL alone is overridden
+            env.update(dict.fromkeys(CLAUDE_MODEL_VARS, provider.model))
+        return AgentSetup(env)
+
+
+class ClaudeLegacyKind(ClaudeKind):
+    """``@zed-industries/claude-code-acp`` 0.16: as ``claude``; it answers -32603 for a lost session."""
+
+    name = "claude-legacy"
+
+
+CODEX_PROVIDER = "rcoder"
+CODEX_KEY_VAR = "RCODER_CODEX_API_KEY"
+
+
+class CodexKind(AgentKind):
+    """``@zed-industries/codex-acp``: ``$CODEX_HOME/config.toml``; sessions under ``$CODEX_HOME/sessions``.
+
+    With a ``base_url`` the provider block ``[model_providers.rcoder]`` (Responses
+    API, key from ``RCODER_CODEX_API_KEY``) is written and chosen; the per-process
+    values are also passed as ``-c`` overrides so that two agents started at once
+    for different providers never read each other's file. ``base_url`` is the
+    OpenAI-style root, ``/v1`` included.
+    """
+
+    name = "codex"
+
+    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+        codex_home = home / ".codex"
+        _mkdir(codex_home)
+        _write(codex_home / "config.toml", codex_config(provider))
+        env = {"HOME": str(home), "CODEX_HOME": str(codex_home)}
+        args: list[str] = []
+        if provider.model:
+            args += ["-c", f"model={_toml_str(provider.model)}"]
+        if provider.base_url:
+            env.update(_set(**{CODEX_KEY_VAR: provider.api_key}))
+            args += ["-c", f"model_provider={_toml_str(CODEX_PROVIDER)}"]
+            args += ["-c", f"model_providers.{CODEX_PROVIDER}.base_url={_toml_str(provider.base_url)}"]
+        else:
+            env.update(_set(OPENAI_API_KEY=provider.api_key))
+        return AgentSetup(env, tuple(args))
+
+
+def codex_config(provider: ModelProvider) -> str:
+    """``config.toml`` for codex: no update checks, analytics or feedback; the provider block."""
+    lines = []
+    if provider.model:
+        lines.append(f"model = {_toml_str(provider.model)}")
+    if provider.base_url:
+        lines.append(f"model_provider = {_toml_str(CODEX_PROVIDER)}")
+    lines += [
+        "check_for_update_on_startup = false",
+        'approval_policy = "never"',
+        'sandbox_mode = "read-only"',
+    ]
+    if provider.base_url:
+        lines += [
+            "",
+            f"[model_providers.{CODEX_PROVIDER}]",
+            f"name = {_toml_str(CODEX_PROVIDER)}",
+            f"base_url = {_toml_str(provider.base_url)}",
+            f"env_key = {_toml_str(CODEX_KEY_VAR)}",
+            'wire_api = "responses"',
+            "request_max_retries = 0",
+            "stream_max_retries = 0",
+            "supports_websockets = false",
+        ]
+    lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
+    return "\n".join(lines) + "\n"
+
+
+GEMINI_SETTINGS: dict[str, Any] = {
+    "general": {
+        "enableAutoUpdate": False,
+        "enableAutoUpdateNotification": False,
+        # on, a later start-up deletes real sessions
+        "sessionRetention": {"enabled": False},
+    },
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+    "security": {"folderTrust": {"enabled": False}, "auth": {"selectedType": "gemini-api-key"}},
+    "ide": {"enabled": False},
+}
+# chats/session-2026-11-30T04-09-<first 8 of the id>.jsonl, named to the UTC minute
+_GEMINI_CHAT = re.compile(r"^session-(\d{4}-\d{2}-\d{2}T\d{2}-\d{2})-")
+# a margin past the minute boundary, against the two processes reading the clock apart
+GEMINI_LOAD_MARGIN = timedelta(seconds=1)
+
+
+class GeminiKind(AgentKind):
+    """``@google/gemini-cli --acp``: ``$HOME/.gemini/settings.json``; chats under ``$HOME/.gemini/tmp``.
+
+    Gemini names a chat file after the UTC minute it was created in and the
+    first 8 characters of the session id, and every ``session/load`` writes a
+    fresh file named after the current minute: a load in the creation minute
+    overwrites the history, for good. So a load waits until the minute after
+    the one in the session's oldest chat file (``load_not_before``). Its load
+    answer comes before the replay is out, so the launcher waits the replay out.
+    """
+
+    name = "gemini"
+    answers_load_before_replay = True
+
+    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+        _mkdir(home / ".gemini")
+        _write(home / ".gemini" / "settings.json", json.dumps(GEMINI_SETTINGS, indent=2) + "\n")
+        env = {
+            "HOME": str(home),
+            "GEMINI_CLI_HOME": str(home),
+            "GEMINI_CLI_TRUST_WORKSPACE": "true",
+            "GEMINI_CLI_NO_RELAUNCH": "true",  # one process, not a relaunched child
+        }
+        env.update(_set(GOOGLE_GEMINI_BASE_URL=provider.base_url, GEMINI_API_KEY=provider.api_key))
+        args = ("--model", provider.model) if provider.model else ()
+        return AgentSetup(env, args)
+
+    def load_not_before(self, home: Path, session_id: str) -> datetime | None:
+        short = session_id[:8]
+        if not short or "/" in short:
+            return None
+        created = []
+        for path in (home / ".gemini" / "tmp").glob(f"*/chats/session-*-{short}.jsonl"):
+            match = _GEMINI_CHAT.match(path.name)
+            if match:
+                created.append(datetime.strptime(match.group(1), "%Y-%m-%dT%H-%M").replace(tzinfo=UTC))
+        if not created:
+            return None
+        return min(created) + timedelta(minutes=1) + GEMINI_LOAD_MARGIN
+
+
+OPENCODE_PROVIDER = "rcoder"
+OPENCODE_PLUGIN = "@opencode-ai/plugin"
+OPENCODE_PLUGIN_VERSION = "1.18.33"
+OPENCODE_DISABLE = (
+    "OPENCODE_DISABLE_AUTOUPDATE",
+    "OPENCODE_DISABLE_MODELS_FETCH",
+    "OPENCODE_DISABLE_DEFAULT_PLUGINS",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD",
+    "OPENCODE_DISABLE_SHARE",
+    "OPENCODE_DISABLE_CLAUDE_CODE",
+    "OPENCODE_DISABLE_EXTERNAL_SKILLS",
+)
+
+
+class OpenCodeKind(AgentKind):
+    """``opencode-ai acp``: XDG directories under the home; ``opencode.json`` and a plugin stub.
+
+    The provider's values reach the config through ``{env:...}`` substitution, so
+    the file is the same for every process of the profile. ``base_url`` is the
+    OpenAI-style root, ``/v1`` included. OpenCode answers a resume or load of a
+    session it does not have with a bare "OpenCode service failure".
+    """
+
+    name = "opencode"
+
+    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+        xdg = {
+            "XDG_CONFIG_HOME": home / ".config",
+            "XDG_DATA_HOME": home / ".local" / "share",
+            "XDG_STATE_HOME": home / ".local" / "state",
+            "XDG_CACHE_HOME": home / ".cache",
+        }
+        for path in xdg.values():
+            _mkdir(path)
+        config_dir = xdg["XDG_CONFIG_HOME"] / "opencode"
+        _mkdir(config_dir / "node_modules")
+        _write(config_dir / "opencode.json", json.dumps(opencode_config(provider), indent=2) + "\n")
+        # Without these opencode installs @opencode-ai/plugin from the npm registry at start-up.
+        deps = {OPENCODE_PLUGIN: OPENCODE_PLUGIN_VERSION}
+        _write(config_dir / "package.json", json.dumps({"dependencies": deps}, indent=2) + "\n")
+        lock = {"name": "opencode", "lockfileVersion": 3, "requires": True, "packages": {"": {"dependencies": deps}}}
+        _write(config_dir / "package-lock.json", json.dumps(lock, indent=2) + "\n")
+        env = {"HOME": str(home), **{k: str(v) for k, v in xdg.items()}, **dict.fromkeys(OPENCODE_DISABLE, "1")}
+        env.update(
+            _set(
+                RCODER_OPENCODE_BASE_URL=provider.base_url,
+                RCODER_OPENCODE_API_KEY=provider.api_key,
+                RCODER_OPENCODE_MODEL=provider.model or ("default" if provider.base_url else ""),
+            )
+        )
+        return AgentSetup(env)
+
+    def gone_reason(self, step: str, code: int, message: str, data: Any) -> str | None:
+        if step not in {"session/resume", "session/load"} or code != INTERNAL_ERROR:
+            return None
+        service = data.get("service") if isinstance(data, dict) else None
+        if service == "session" or "opencode service failure" in message.lower():
+            return f"the agent answered {code} {message!r} (service {service!r}) to {step}"
+        return None
+
+
+def opencode_config(provider: ModelProvider) -> dict[str, Any]:
+    """``opencode.json``: no autoupdate or sharing; with a ``base_url``, one OpenAI-compatible
+    provider and model, the only one enabled."""
+    config: dict[str, Any] = {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled"}
+    if provider.base_url:
+        model = "{env:RCODER_OPENCODE_MODEL}"
+        config["provider"] = {
+            OPENCODE_PROVIDER: {
+                "name": "rcoder",
+                "options": {"baseURL": "{env:RCODER_OPENCODE_BASE_URL}", "apiKey": "{env:RCODER_OPENCODE_API_KEY}"},
+                "models": {model: {"name": model}},
+            }
+        }
+        config["enabled_providers"] = [OPENCODE_PROVIDER]
+        config["model"] = config["small_model"] = f"{OPENCODE_PROVIDER}/{model}"
+    elif provider.model:
+        config["model"] = "{env:RCODER_OPENCODE_MODEL}"
+    return config
+
+
+KINDS: dict[str, AgentKind] = {
+    kind.name: kind
+    for kind in (AgentKind(), ClaudeKind(), ClaudeLegacyKind(), CodexKind(), GeminiKind(), OpenCodeKind())
+}
+assert set(KINDS) == set(AGENT_KINDS), "config.AGENT_KINDS and kinds.KINDS must name the same kinds"
+
+
+def kind_of(name: str) -> AgentKind:
+    """The kind a profile names (config has already checked the name)."""
+    return KINDS.get(name, KINDS["generic"])
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _set(**values: str) -> dict[str, str]:
+    """The variables that have a value (an empty provider field sets nothing)."""
+    return {k: v for k, v in values.items() if v}
+
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace ``path`` atomically (a concurrent start never reads half a file); mode 0600."""
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    tmp.replace(path)
+
+
+def _toml_str(value: str) -> str:
+    """A TOML basic string (JSON's escapes are valid TOML)."""
+    return json.dumps(value)

@@ -1,0 +1,155 @@
+"""Faults: each a named test; afterwards no agent process is left and the store is sound
+(checked by the ``make_daemon`` fixture's teardown)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sqlite3
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory
+from tests.harness import FakeAgentSetup, completed, processes_mentioning, started, text_of
+from tests.turns import read_until, start_turn
+
+# `make soak` raises these counts (RCODER_SOAK=1); `make test` runs a few of each
+SOAK = os.environ.get("RCODER_SOAK") == "1"
+KILLS = 100 if SOAK else 3
+
+
+async def test_an_agent_that_exits_at_once_is_started_once_per_request_no_retry_storm(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile("--exit-at-start", "1")})
+    for _ in range(3):
+        exc = await client.chat_error(prompt="hi")
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+    await daemon.stop()
+    assert len(daemon.logs("agent_spawned")) == 3
+
+
+async def test_a_20_mib_line_on_stdout_arrives_whole_in_bounded_messages(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon()
+    size = 20 * 1024 * 1024
+    events = await client.chat(prompt=f"bigline {size}", timeout=120)
+
+    text = text_of(events)
+    assert text.startswith("x" * size)
+    assert text.endswith("I remember nothing.")
+    assert max(e.ByteSize() for e in events) < 100_000
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+
+
+async def test_garbage_on_stdout_is_skipped_and_the_turn_goes_on(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon()
+    events = await client.chat(prompt="garbage remember 4")
+    assert text_of(events) == "I remember: 4"
+    again = await client.chat(prompt="and?", session_id=events[0].session_id)
+    assert started(again).resume == pb.RESUME_OUTCOME_LIVE
+
+
+async def test_a_stderr_flood_while_answering_does_not_block_the_agent(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon()
+    events = await client.chat(prompt="stderr 8000000 remember 5", timeout=60)
+    assert text_of(events) == "I remember: 5"
+
+
+async def test_the_same_session_asked_twice_at_once_runs_one_and_aborts_the_other(
+    make_daemon: DaemonFactory,
+) -> None:
+    _, client = await make_daemon()
+    first = await client.chat(prompt="remember 1")
+    sid = first[0].session_id
+    results = await asyncio.gather(
+        client.chat(prompt="sleep 300", session_id=sid),
+        client.chat(prompt="sleep 300", session_id=sid),
+        return_exceptions=True,
+    )
+    errors = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    runs = [r for r in results if isinstance(r, list)]
+    assert len(errors) == 1 and len(runs) == 1, results
+    assert errors[0].code() == grpc.StatusCode.ABORTED
+    assert completed(runs[0]).stop_reason == pb.STOP_REASON_END_TURN
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def run_statuses(db_path: Path) -> dict[str, str]:
+    with sqlite3.connect(db_path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        return dict(db.execute("SELECT run_id, status FROM runs").fetchall())
+
+
+@pytest.mark.parametrize("point", ["started", "streaming", "permission"])
+async def test_a_daemon_killed_mid_turn_recovers_every_session_and_leaves_no_agent(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, point: str
+) -> None:
+    rng = random.Random(point)
+    profile = fake.profile("--spawn-child")
+    sessions: dict[str, int] = {}
+    for round_ in range(KILLS):
+        daemon, client = await make_daemon({"fake": profile})
+        number = rng.randrange(1000)
+        first = await client.chat(prompt=f"remember {number}")
+        sessions[first[0].session_id] = number
+        prompt = {"started": "sleep 5000", "streaming": "stream 500 pace 10", "permission": "permission"}[point]
+        mode = pb.PERMISSION_MODE_ASK if point == "permission" else pb.PERMISSION_MODE_ALLOW
+        call, begin = await start_turn(client, prompt=prompt, session_id=first[0].session_id, permission_mode=mode)
+        if point == "streaming":
+            for _ in range(rng.randrange(1, 20)):
+                await read_until(call, "agent_message")
+        elif point == "permission":
+            await read_until(call, "permission_request")
+        await daemon.kill()  # SIGKILL: no cleanup of its own
+        call.cancel()
+
+        restarted, client = await make_daemon({"fake": profile})
+        (serving,) = restarted.logs("serving")
+        assert serving["runs_marked_interrupted"] == 1
+        assert serving["leftover_agent_processes_killed"] >= 1, "the agent's child outlived the daemon: swept"
+        assert run_statuses(tmp_path / "data" / "rcoder.db")[begin.run_id] == "interrupted"
+        for sid, remembered in sessions.items():
+            again = await client.chat(prompt="which?", session_id=sid)
+            assert text_of(again) == f"I remember: {remembered}", round_
+        await restarted.stop()
+        assert processes_mentioning(str(fake.state_dir)) == []
+        # the agent's own child, which outlived the killed daemon, was swept at the restart
+        child = int((fake.state_dir / "child.pid").read_text())
+        assert not alive(child)
+    print(f"daemon kills at {point}: {KILLS}, sessions resumed after each: {len(sessions)}")
+
+
+async def test_client_cuts_at_random_points_lose_nothing_on_resubscribe(make_daemon: DaemonFactory) -> None:
+    rng = random.Random(7)
+    _, client = await make_daemon()
+    cuts = 1000 if SOAK else 5
+    for i in range(cuts):
+        call, begin = await start_turn(client, prompt=f"remember {i} stream 40 pace 2 tool")
+        seen = [begin]
+        for _ in range(rng.randrange(0, 6)):
+            event = await call.read()
+            if event is grpc.aio.EOF:
+                break
+            seen.append(event)
+        call.cancel()
+        rest = [
+            e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=begin.run_id, after_seq=seen[-1].seq))
+        ]
+        everything = seen + rest
+        assert [e.seq for e in everything] == list(range(1, len(everything) + 1)), i
+        assert completed(everything).stop_reason == pb.STOP_REASON_END_TURN
+        full = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=begin.run_id))]
+        assert full == everything, "a replay returns exactly what the cut stream saw"
+        assert text_of(everything).endswith(f"I remember: {i}")
+    print(f"client cuts: {cuts}, every event exactly once after each")

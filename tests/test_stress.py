@@ -1,0 +1,90 @@
+"""Many runs through every path: zero leftover processes, no growth in descriptors or memory.
+
+`make test` runs a few hundred turns; `make soak` (RCODER_SOAK=1) ten thousand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory
+from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning
+from tests.turns import rest_of, start_turn
+
+SOAK = os.environ.get("RCODER_SOAK") == "1"
+TURNS_PER_SESSION = 13
+SESSIONS = 850 if SOAK else 24  # x TURNS_PER_SESSION turns
+CONCURRENCY = 4
+
+
+def daemon_usage(pid: int) -> tuple[int, int]:
+    """(open file descriptors, resident memory in KiB) of a process."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    rss = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("VmRSS")
+    )
+    return fds, rss
+
+
+async def one_session(client: Client, index: int) -> dict[str, int]:
+    """A session's life through every path: new, live, cancel, crash, close + resume, fallback."""
+    stops: dict[str, int] = {}
+
+    def count(events: list[pb.ChatStream]) -> None:
+        name = pb.StopReason.Name(completed(events).stop_reason)
+        stops[name] = stops.get(name, 0) + 1
+
+    first = await client.chat(prompt=f"remember {index}")
+    count(first)
+    sid = first[0].session_id
+    for turn in range(TURNS_PER_SESSION - 6):
+        count(await client.chat(prompt=f"turn {turn} tool stream 3", session_id=sid))
+    call, begin = await start_turn(client, prompt="hang", session_id=sid)
+    await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
+    count(await rest_of(call))
+    count(await client.chat(prompt="crash", session_id=sid))  # the agent dies: the next turn resumes
+    count(await client.chat(prompt="recovered?", session_id=sid))
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    count(await client.chat(prompt="after close", session_id=sid))
+    count(await client.chat(prompt="adopt me", session_id=f"unknown-{index}"))
+    return stops
+
+
+async def test_hundreds_of_runs_through_every_path_leak_nothing(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon(max_live_agents=8, run_retention=1, idle_timeout=30)
+    assert daemon.proc is not None
+    totals: dict[str, int] = {}
+    semaphore = asyncio.Semaphore(CONCURRENCY)
+
+    async def limited(index: int) -> dict[str, int]:
+        async with semaphore:
+            return await one_session(client, index)
+
+    async def batch(indexes: range) -> None:
+        for stops in await asyncio.gather(*(limited(i) for i in indexes)):
+            for name, n in stops.items():
+                totals[name] = totals.get(name, 0) + n
+
+    warm = min(8, SESSIONS)
+    await batch(range(warm))  # warm-up: imports, caches, pools reach their size
+    fds_before, rss_before = daemon_usage(daemon.proc.pid)
+    await batch(range(warm, SESSIONS))
+    fds_after, rss_after = daemon_usage(daemon.proc.pid)
+
+    runs = sum(totals.values())
+    print(f"runs={runs} stops={totals} fds {fds_before}->{fds_after} rss_kib {rss_before}->{rss_after}")
+    assert runs == SESSIONS * TURNS_PER_SESSION
+    assert totals.get("STOP_REASON_CANCELLED") == SESSIONS
+    assert totals.get("STOP_REASON_ERROR") == SESSIONS  # the crashes, and nothing else
+    assert fds_after <= fds_before + 8, "open descriptors grew"
+    assert rss_after <= rss_before + 40 * 1024, "memory grew"
+    for session in (await client.stub.ListSessions(pb.ListSessionsRequest(page_size=1000))).sessions:
+        await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
+    assert processes_mentioning(str(fake.state_dir)) == []

@@ -136,6 +136,8 @@ class Settings:
     # events kept per run for Subscribe replay; finished runs kept this many seconds
     run_buffer_events: int = 10000
     run_retention: float = 600.0
+    # host:port for Prometheus /metrics; empty: not served
+    metrics_listen: str = ""
     log_level: str = "info"
     log_format: str = "auto"  # auto | json | console
     # when a known session's agent lost it, prefix a summary of rcoder's transcript
@@ -233,7 +235,7 @@ _NUMBER_KEYS = {
 }
 _BOOL_KEYS = {"reseed_on_fallback"}
 _STRING_KEYS = {
-    "listen", "default_agent", "auth_token", "tls_cert", "tls_key", "log_level", "log_format",
+    "listen", "metrics_listen", "default_agent", "auth_token", "tls_cert", "tls_key", "log_level", "log_format",
 }  # fmt: skip
 _PATH_KEYS = {"data_dir", "workspace_root"}
 _PROFILE_KEYS = {"command", "args", "env", "resume", "warm_pool", "inherit_env", "provider_env", "permission_rules"}

@@ -14,6 +14,7 @@ from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
 from rcoder.logs import get_logger
+from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.queries import Queries
 from rcoder.session.runs import RunRegistry
@@ -31,7 +32,11 @@ class Daemon:
         self.launcher = AgentLauncher(settings)
         self.sessions = SessionManager(settings.max_live_agents, settings.idle_timeout)
         self.runs = RunRegistry(settings.run_retention)
-        self.worker = AcpWorker(settings, self.store, self.launcher, self.sessions, self.runs)
+        self.metrics = Metrics()
+        self.metrics.watch_agents(
+            lambda: {name: (self.sessions.live_count(name), self.sessions.warm_count(name)) for name in settings.agents}
+        )
+        self.worker = AcpWorker(settings, self.store, self.launcher, self.sessions, self.runs, self.metrics)
         queries = Queries(settings, self.store, self.sessions, self.launcher)
         tls = None
         if settings.tls_cert:
@@ -46,6 +51,9 @@ class Daemon:
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         await self.server.start()
+        if self.settings.metrics_listen:
+            port = self.metrics.serve(self.settings.metrics_listen)
+            log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
         self.worker.fill_warm_pools()
         host = self.settings.listen.rpartition(":")[0]
         log.info(
@@ -85,6 +93,7 @@ class Daemon:
         await self.worker.aclose()
         await self.server.stop(grace=1.0)
         await self.store.close()
+        self.metrics.close()
         log.info("stopped")
 
 

@@ -12,18 +12,24 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rcoder"
 # which rcoder packages each layer may import
 ALLOWED = {
     "api": {"api", "session", "domain", "errors", "logs", "v1", "config"},
-    "session": {"session", "agent", "store", "domain", "errors", "logs", "config"},
+    "session": {"session", "agent", "store", "domain", "errors", "logs", "config", "metrics"},
     "agent": {"agent", "domain", "errors", "logs", "config"},
     "store": {"store", "domain", "errors", "logs"},
     "domain": set(),
     "errors": set(),
     "config": {"domain", "errors"},
+    "metrics": set(),
     # beside the daemon: a gRPC client of it (the generated stubs only) and an ACP agent it runs
     "client_cli": {"v1"},
     "echo_agent": set(),
 }
 # third-party packages only these layers may import
-EDGES = {"grpc": {"api", "client_cli"}, "acp": {"agent", "echo_agent"}, "sqlite3": {"store"}}
+EDGES = {
+    "grpc": {"api", "client_cli"},
+    "acp": {"agent", "echo_agent"},
+    "sqlite3": {"store"},
+    "prometheus_client": {"metrics"},
+}
 
 
 def imports(path: Path) -> set[str]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,6 +51,7 @@ from rcoder.errors import (
     ShuttingDown,
 )
 from rcoder.logs import bind_context, get_logger
+from rcoder.metrics import Metrics
 from rcoder.session import reseed, trust
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Run, RunRegistry
@@ -103,6 +105,8 @@ class _Plan:
     action: Action
     # sent before the prompt on this turn only (a re-seed summary)
     preamble: str = ""
+    # when the request arrived (monotonic), for time to first event
+    received: float = field(default_factory=time.monotonic)
     # an initialised agent from the warm pool to open the session on
     warm: AgentConnection | None = None
 
@@ -115,9 +119,11 @@ class AcpWorker:
         launcher: AgentLauncher,
         sessions: SessionManager,
         runs: RunRegistry,
+        metrics: Metrics | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._settings = settings
+        self.metrics = metrics or Metrics()
         self._store = store
         self._launcher = launcher
         self._sessions = sessions
@@ -208,6 +214,8 @@ class AcpWorker:
                 raise
             return
         started.set_result(run)
+        self.metrics.time_to_first_event.labels(plan.profile.name).observe(time.monotonic() - plan.received)
+        self.metrics.resumes.labels(plan.profile.name, body.resume.value, body.resume_method.value).inc()
         await self._run_turn(plan, conn, run, body.resume)
 
     async def _open(self, plan: _Plan, live: AgentConnection | None) -> tuple[AgentConnection, RunStarted]:
@@ -231,8 +239,10 @@ class AcpWorker:
             if plan.warm is not None:
                 self.refill_warm(profile)
             launched = await self._launcher.launch(profile, config, warm=plan.warm)
-        except BaseException:
+        except BaseException as exc:
             self._sessions.unreserve_slot()
+            if isinstance(exc, AgentError):
+                self.metrics.spawn_failures.labels(profile.name, exc.reason).inc()
             raise
         conn = launched.connection
         self._sessions.adopt(plan.session_id, profile.name, turn.model_provider, conn)
@@ -377,6 +387,8 @@ class AcpWorker:
             self._sessions.release(plan.session_id)
             run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
             log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
+            self.metrics.runs.labels(plan.profile.name, outcome.value, stop.value).inc()
+            self.metrics.turn_duration.labels(plan.profile.name).observe(time.monotonic() - run.started_monotonic)
 
     # ------------------------------------------------------------ warm pool
 
@@ -401,6 +413,7 @@ class AcpWorker:
             self._sessions.unreserve_slot()
             if isinstance(exc, AgentError):  # logged once; refilled again only when one is taken
                 log.warning("warm_agent_failed", agent=profile.name, error=exc.summary)
+                self.metrics.spawn_failures.labels(profile.name, exc.reason).inc()
                 return
             raise
         finally:

@@ -11,6 +11,11 @@ Two rules keep this cheap when the agent writes faster than clients read:
   (up to ``MERGE_LIMIT`` characters) instead of becoming a new event. The
   sequence stays gapless, and a replay returns exactly the merged events the
   followers saw, because a taken event never changes again.
+- **Coalescing.** A follower that has just sent a text event holds the next
+  one while it is still growing, for at most ``COALESCE_WINDOW`` after the
+  last, so a fast agent reaches a client as a few large messages (a gRPC
+  client pays per message) rather than one per chunk. The first text event
+  of a burst goes out at once, and anything else ends the hold.
 - **Bounded buffer.** At most ``buffer_events`` events are kept for replay;
   older ones are dropped once every attached follower has read them, and in
   any case beyond four times the bound (that follower then gets OUT_OF_RANGE).
@@ -19,6 +24,7 @@ Two rules keep this cheap when the agent writes faster than clients read:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -29,6 +35,7 @@ from rcoder.domain import RunCompleted, RunEvent, RunEventBody, TextChunk
 from rcoder.errors import NotFound, OutOfRange
 
 MERGE_LIMIT = 64 * 1024  # characters in one merged text event
+COALESCE_WINDOW = 0.004  # seconds: at most one text event per follower per window while text streams
 HARD_LIMIT_FACTOR = 4
 
 
@@ -52,6 +59,7 @@ class Run:
         self._changed = asyncio.Event()
         self.completed: RunCompleted | None = None
         self.finished_at: float | None = None  # monotonic
+        self.started_monotonic = time.monotonic()
 
     @property
     def last_seq(self) -> int:
@@ -133,12 +141,21 @@ class Run:
         follower = next(self._follower_ids)
         self._positions[follower] = after_seq
         position = after_seq
+        text_sent = -COALESCE_WINDOW  # monotonic time this follower last took a text event
         try:
             while True:
                 changed = self._changed
                 if position < self._seq:
                     self._check_available(position, "this follower fell behind: ")
+                    hold = self._hold(position, text_sent)
+                    if hold > 0:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(hold):
+                                await changed.wait()
+                        continue
                     batch = self._take_from(position + 1)
+                    if isinstance(batch[-1].body, TextChunk):
+                        text_sent = time.monotonic()
                     for event in batch:
                         position = event.seq
                         self._positions[follower] = position
@@ -149,6 +166,15 @@ class Run:
                 await changed.wait()
         finally:
             self._positions.pop(follower, None)
+
+    def _hold(self, position: int, text_sent: float) -> float:
+        """Seconds to let the one event after ``position`` grow: a text chunk still open to merging."""
+        if position + 1 != self._seq or self.completed is not None:
+            return 0.0
+        body = self._events[-1].body
+        if not isinstance(body, TextChunk) or len(body.text) >= MERGE_LIMIT:
+            return 0.0
+        return text_sent + COALESCE_WINDOW - time.monotonic()
 
     def _check_available(self, after_seq: int, prefix: str) -> None:
         first = self._events[0].seq if self._events else self._seq + 1

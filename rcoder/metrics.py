@@ -1,0 +1,87 @@
+"""Prometheus metrics (``metrics_listen``): what operators watch.
+
+One ``Metrics`` object per daemon, with its own registry, passed to the
+core through its constructor. Gauges of live and warm agents are read at
+scrape time from a callback, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TURN_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+AgentCounts = Callable[[], Mapping[str, tuple[int, int]]]  # profile -> (live, warm)
+
+
+class _AgentGauges(Collector):
+    def __init__(self, counts: AgentCounts) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        live = GaugeMetricFamily("rcoder_live_agents", "Agent processes serving a session", labels=["agent"])
+        warm = GaugeMetricFamily("rcoder_warm_agents", "Initialised agents waiting in the warm pool", labels=["agent"])
+        for agent, (n_live, n_warm) in sorted(self._counts().items()):
+            live.add_metric([agent], n_live)
+            warm.add_metric([agent], n_warm)
+        yield live
+        yield warm
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.runs = Counter(
+            "rcoder_runs",
+            "Turns that ended, by agent, resume outcome and stop reason",
+            ["agent", "outcome", "stop_reason"],
+            registry=self.registry,
+        )
+        self.resumes = Counter(
+            "rcoder_session_opens",
+            "Sessions opened for a turn, by agent, resume outcome and route",
+            ["agent", "outcome", "route"],
+            registry=self.registry,
+        )
+        self.spawn_failures = Counter(
+            "rcoder_agent_start_failures",
+            "Agents that could not be started or initialised, by agent and reason",
+            ["agent", "reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_event = Histogram(
+            "rcoder_time_to_first_event_seconds",
+            "From a Chat request to its started event (agent start or reuse included)",
+            ["agent"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.turn_duration = Histogram(
+            "rcoder_turn_duration_seconds",
+            "From started to completed",
+            ["agent"],
+            buckets=TURN_BUCKETS,
+            registry=self.registry,
+        )
+        self._server: Any = None
+
+    def watch_agents(self, counts: AgentCounts) -> None:
+        self.registry.register(_AgentGauges(counts))
+
+    def serve(self, listen: str) -> int:
+        """Serve ``/metrics`` on ``host:port`` (a thread of prometheus_client's); returns the port."""
+        host, _, port = listen.rpartition(":")
+        self._server, _ = start_http_server(int(port), addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

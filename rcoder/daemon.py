@@ -54,7 +54,7 @@ class Daemon:
         if self.settings.metrics_listen:
             port = self.metrics.serve(self.settings.metrics_listen)
             log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
-        self.worker.fill_warm_pools()
+        self.worker.warm_pools.fill_all()
         host = self.settings.listen.rpartition(":")[0]
         log.info(
             "serving",

@@ -28,8 +28,8 @@ def base_settings(tmp_path: Path) -> dict[str, Any]:
         "data_dir": str(tmp_path / "data"),
         "workspace_root": str(tmp_path / "workspace"),
         "default_agent": "fake",
-        "initialize_timeout": 5,
-        "session_open_timeout": 5,
+        "initialize_timeout": 20,
+        "session_open_timeout": 20,
         "agent_stop_grace": 1,
     }
 

@@ -23,11 +23,8 @@ from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import (
-    AgentCapabilities,
     AgentEvent,
     ChatTurn,
-    Heartbeat,
-    ModelProvider,
     OpenMethod,
     ResumeOutcome,
     RunCompleted,
@@ -42,7 +39,6 @@ from rcoder.domain import (
 )
 from rcoder.errors import (
     AgentError,
-    AgentLimitReached,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -52,10 +48,11 @@ from rcoder.errors import (
 )
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
-from rcoder.session import reseed, trust
+from rcoder.session import content, reseed, trust
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.runs import Run, RunRegistry, heartbeats
 from rcoder.session.session_manager import SessionManager
+from rcoder.session.warm_pool import WarmPools
 from rcoder.session.workspace import project_dir
 from rcoder.store.base import SessionStore
 
@@ -132,7 +129,7 @@ class AcpWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._active: dict[str, _ActiveTurn] = {}
         self.permissions = PermissionBroker(settings.permission_timeout)
-        self._warming: dict[str, int] = {}  # warm agents being started, per profile
+        self.warm_pools = WarmPools(settings, launcher, sessions, self.metrics)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -144,7 +141,7 @@ class AcpWorker:
         plan = await self._plan(turn)
         trust.check(plan.profile, turn)
         seen = self._launcher.capabilities_seen.get(plan.profile.name)
-        self._check_content(plan.profile, turn, seen[0] if seen else None)
+        content.check(plan.profile, turn, seen[0] if seen else None)
         self._sessions.claim(plan.session_id, plan.run_id)
         live = None
         try:
@@ -237,7 +234,7 @@ class AcpWorker:
         )
         try:
             if plan.warm is not None:
-                self.refill_warm(profile)
+                self.warm_pools.refill(profile)
             launched = await self._launcher.launch(profile, config, warm=plan.warm)
         except BaseException as exc:
             self._sessions.unreserve_slot()
@@ -247,7 +244,7 @@ class AcpWorker:
         conn = launched.connection
         self._sessions.adopt(plan.session_id, profile.name, turn.model_provider, conn)
         try:
-            self._check_content(profile, turn, conn.capabilities)
+            content.check(profile, turn, conn.capabilities)
         except InvalidArgument:
             self._sessions.discard(plan.session_id)
             raise
@@ -336,7 +333,7 @@ class AcpWorker:
         error = ""
         status = RunStatus.COMPLETED
         active = self._active[run.run_id] = _ActiveTurn(conn, plan.session_id)
-        heartbeats = asyncio.create_task(self._heartbeats(run), name=f"heartbeats-{run.run_id}")
+        beats = asyncio.create_task(heartbeats(run, self._settings.heartbeat_interval), name=f"beats-{run.run_id}")
         try:
             blocks = prompt_blocks(plan.preamble + plan.turn.prompt, plan.turn.attachments)
             stop = await conn.prompt(blocks, on_event, decider)
@@ -353,7 +350,7 @@ class AcpWorker:
                                "rcoder stopped while the turn ran", None)  # fmt: skip
             raise
         finally:
-            heartbeats.cancel()
+            beats.cancel()
             self._active.pop(run.run_id, None)
             if active.kill_timer is not None:
                 active.kill_timer.cancel()
@@ -389,53 +386,6 @@ class AcpWorker:
             log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
             self.metrics.runs.labels(plan.profile.name, outcome.value, stop.value).inc()
             self.metrics.turn_duration.labels(plan.profile.name).observe(time.monotonic() - run.started_monotonic)
-
-    # ------------------------------------------------------------ warm pool
-
-    def refill_warm(self, profile: AgentProfile) -> None:
-        """Start agents in the background until ``profile``'s warm pool is full (within the limit)."""
-        name = profile.name
-        missing = profile.warm_pool - self._sessions.warm_count(name) - self._warming.get(name, 0)
-        for _ in range(max(0, missing)):
-            if self._closing:
-                return
-            try:
-                self._sessions.reserve_slot(for_warm=True)
-            except AgentLimitReached:
-                return
-            self._warming[name] = self._warming.get(name, 0) + 1
-            self._spawn(self._warm_one(profile), f"warm-{name}")
-
-    async def _warm_one(self, profile: AgentProfile) -> None:
-        try:
-            conn = await self._launcher.start(profile, str(self._settings.workspace_root.resolve()), ModelProvider())
-        except BaseException as exc:
-            self._sessions.unreserve_slot()
-            if isinstance(exc, AgentError):  # logged once; refilled again only when one is taken
-                log.warning("warm_agent_failed", agent=profile.name, error=exc.summary)
-                self.metrics.spawn_failures.labels(profile.name, exc.reason).inc()
-                return
-            raise
-        finally:
-            self._warming[profile.name] -= 1
-        self._sessions.add_warm(profile.name, conn)
-        log.info("warm_agent_ready", agent=profile.name, pid=conn.process.pid)
-        if self._closing:
-            await self._sessions.aclose()
-
-    def fill_warm_pools(self) -> None:
-        for profile in self._settings.agents.values():
-            if profile.warm_pool:
-                self.refill_warm(profile)
-
-    async def _heartbeats(self, run: Run) -> None:
-        """A heartbeat event whenever the turn was quiet for ``heartbeat_interval``."""
-        interval = self._settings.heartbeat_interval
-        if interval <= 0:
-            return
-        while not run.done:
-            if await run.quiet_for(interval) and not run.done:
-                run.publish(Heartbeat())
 
     # ------------------------------------------------------------ cancel and close
 
@@ -481,33 +431,6 @@ class AcpWorker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # ------------------------------------------------------------ checks
-
-    @staticmethod
-    def _check_content(profile: AgentProfile, turn: ChatTurn, caps: AgentCapabilities | None) -> None:
-        """Refuse content the agent said it cannot take (only once its capabilities are known)."""
-        if caps is None:
-            return
-        needs = {"image": caps.prompt_image, "resource": caps.prompt_embedded_context}
-        for index, att in enumerate(turn.attachments):
-            if not needs.get(att.kind, True):
-                cap = "image" if att.kind == "image" else "embeddedContext"
-                raise InvalidArgument(
-                    f"attachments[{index}]",
-                    f"agent {profile.name!r} does not accept {att.kind} attachments "
-                    f"(promptCapabilities.{cap} is false)",
-                    reason="ATTACHMENT_NOT_SUPPORTED",
-                )
-        transports = {"http": caps.mcp_http, "sse": caps.mcp_sse}
-        for index, server in enumerate(turn.mcp_servers):
-            if not transports.get(server.transport, True):
-                raise InvalidArgument(
-                    f"mcp_servers[{index}]",
-                    f"agent {profile.name!r} does not take {server.transport} MCP servers "
-                    f"(mcpCapabilities.{server.transport} is false)",
-                    reason="MCP_TRANSPORT_NOT_SUPPORTED",
-                )
-
     # ------------------------------------------------------------ shutdown
 
     def stop_accepting(self) -> None:
@@ -542,6 +465,7 @@ class AcpWorker:
     async def aclose(self) -> None:
         """Stop taking turns, end the ones running, end every agent. Idempotent."""
         self._closing = True
+        await self.warm_pools.aclose()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

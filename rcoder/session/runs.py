@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
-from rcoder.domain import RunCompleted, RunEvent, RunEventBody, TextChunk
+from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
 from rcoder.errors import NotFound, OutOfRange
 
 MERGE_LIMIT = 64 * 1024  # characters in one merged text event
@@ -192,6 +192,15 @@ class Run:
         if batch:
             self._taken = max(self._taken, batch[-1].seq)
         return batch
+
+
+async def heartbeats(run: Run, interval: float) -> None:
+    """Publish a heartbeat whenever ``run`` was quiet for ``interval`` seconds (0: never)."""
+    if interval <= 0:
+        return
+    while not run.done:
+        if await run.quiet_for(interval) and not run.done:
+            run.publish(Heartbeat())
 
 
 class RunRegistry:

@@ -223,3 +223,44 @@ async def test_an_agent_error_answering_the_prompt_ends_the_run_with_error(make_
 
     assert completed(events).stop_reason == pb.STOP_REASON_ERROR
     assert "scripted failure" in completed(events).error
+
+
+def nested(depth: int) -> dict[str, object]:
+    value: dict[str, object] = {"leaf": 1}
+    for _ in range(depth - 1):
+        value = {"n": value}
+    return value
+
+
+def struct(value: dict[str, object]) -> struct_pb2.Struct:
+    result = struct_pb2.Struct()
+    result.update(value)
+    return result
+
+
+TEXT = pb.Attachment(text=pb.TextAttachment(text="x"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "says"),
+    [
+        ({"prompt": "x" * ((1 << 20) + 1)}, "prompt", "too large"),
+        ({"system_prompt": "x" * ((256 << 10) + 1)}, "system_prompt", "too large"),
+        ({"extra_meta": struct(nested(9))}, "extra_meta", "nested deeper"),
+        ({"extra_meta": struct({"traceparent": "x" * (70 << 10)})}, "extra_meta", "too large"),
+        ({"mcp_servers": [pb.McpServer(name=f"s{i}", http=pb.McpHttp(url="http://h")) for i in range(33)]},
+         "mcp_servers", "at most 32"),
+        ({"attachments": [TEXT] * 33}, "attachments", "at most 32"),
+        ({"attachments": [pb.Attachment(image=pb.ImageAttachment(data=b"x" * (9 << 20), mime_type="image/png"))] * 2},
+         "attachments", "too large in total"),
+        ({"session_id": "s" * 300}, "session_id", "too long"),
+    ],
+)  # fmt: skip
+async def test_limits_are_clear_invalid_argument_errors(
+    make_daemon: DaemonFactory, fields: dict[str, object], field: str, says: str
+) -> None:
+    _, client = await make_daemon()
+    exc = await client.chat_error(**{"prompt": "hi", **fields})
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.details().startswith(field)
+    assert says in exc.details()

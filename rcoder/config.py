@@ -127,6 +127,8 @@ class Settings:
     # bounds on agent start-up steps, seconds
     initialize_timeout: float = 30.0
     session_open_timeout: float = 60.0
+    # agents spawning and initialising at the same moment, at most
+    agent_start_concurrency: int = 4
     # each step of ending an agent (close stdin, SIGTERM, SIGKILL) waits this long
     agent_stop_grace: float = 3.0
     # stderr bytes kept per agent for error messages
@@ -224,6 +226,7 @@ _NUMBER_KEYS = {
     "initialize_timeout": float,
     "session_open_timeout": float,
     "agent_stop_grace": float,
+    "agent_start_concurrency": int,
     "stderr_tail_bytes": int,
     "agent_line_limit": int,
     "run_buffer_events": int,

@@ -62,6 +62,7 @@ class AgentLauncher:
         self.capabilities_seen: dict[str, tuple[AgentCapabilities, datetime]] = {}
         # every agent process started and not yet collected, for kill_all()
         self._processes: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
+        self._start_slots = asyncio.Semaphore(max(1, settings.agent_start_concurrency))
         # per connection: set on each session/update the agent sends
         self._updates: weakref.WeakKeyDictionary[AgentConnection, asyncio.Event] = weakref.WeakKeyDictionary()
 
@@ -172,10 +173,17 @@ class AgentLauncher:
     async def start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
         """Spawn the agent and ``initialize`` it; no session yet.
 
-        The profile's kind writes the agent's config files into its home (for
-        this process's model provider: the request's, else the profile's
-        defaults) and adds its environment and arguments.
+        At most ``agent_start_concurrency`` agents start at once: a burst of new
+        sessions must not starve the daemon's own event loop of CPU (on 2 cores,
+        200 simultaneous starts left gRPC calls unaccepted for 30 s).
         """
+        async with self._start_slots:
+            return await self._start(profile, cwd, provider)
+
+    async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
+        """The profile's kind writes the agent's config files into its home (for
+        this process's model provider: the request's, else the profile's
+        defaults) and adds its environment and arguments."""
         provider = profile.model_provider(provider)
         home = self._settings.agent_home(profile)
         try:

@@ -49,6 +49,8 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                # accept calls even when the loop is briefly busy (bursts of agent starts)
+                ("grpc.server_max_unrequested_time_in_server", 120),
             ],
         )
         self._server.add_generic_rpc_handlers((_agent_runner_handlers(service),))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -46,8 +47,10 @@ class Run:
         session_id: str,
         buffer_events: int,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        coalesce_window: float = COALESCE_WINDOW,
     ) -> None:
         self.run_id = run_id
+        self._window = coalesce_window
         self.session_id = session_id
         self._events: deque[RunEvent] = deque()
         self._limit = max(1, buffer_events)
@@ -56,7 +59,8 @@ class Run:
         self._positions: dict[int, int] = {}  # attached follower -> last seq it took
         self._follower_ids = itertools.count()
         self._clock = clock
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # set on every publish
+        self._appended = asyncio.Event()  # set when a new event is appended (not on a merge)
         self.completed: RunCompleted | None = None
         self.finished_at: float | None = None  # monotonic
         self.started_monotonic = time.monotonic()
@@ -84,7 +88,7 @@ class Run:
             body = TextChunk(text[len(text) - (len(text) - 1) % MERGE_LIMIT - 1 :], body.thought)
         merged = self._merge(body)
         if merged is not None:
-            self._wake()
+            self._wake(appended=False)  # a holding follower sleeps on: its event only grew
             return merged
         self._seq += 1
         event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
@@ -93,7 +97,7 @@ class Run:
             self.completed = body
             self.finished_at = time.monotonic()
         self._trim()
-        self._wake()
+        self._wake(appended=True)
         return event
 
     def _merge(self, body: RunEventBody) -> RunEvent | None:
@@ -121,9 +125,12 @@ class Run:
         ):
             self._events.popleft()
 
-    def _wake(self) -> None:
+    def _wake(self, appended: bool) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        if appended:
+            self._appended.set()
+            self._appended = asyncio.Event()
 
     async def quiet_for(self, seconds: float) -> bool:
         """True when nothing was published for ``seconds`` (False as soon as something is)."""
@@ -141,17 +148,17 @@ class Run:
         follower = next(self._follower_ids)
         self._positions[follower] = after_seq
         position = after_seq
-        text_sent = -COALESCE_WINDOW  # monotonic time this follower last took a text event
+        text_sent = -math.inf  # monotonic time this follower last took a text event
         try:
             while True:
-                changed = self._changed
+                changed, appended = self._changed, self._appended
                 if position < self._seq:
                     self._check_available(position, "this follower fell behind: ")
                     hold = self._hold(position, text_sent)
-                    if hold > 0:
+                    if hold > 0:  # until the window ends or another event follows the growing one
                         with contextlib.suppress(TimeoutError):
                             async with asyncio.timeout(hold):
-                                await changed.wait()
+                                await appended.wait()
                         continue
                     batch = self._take_from(position + 1)
                     if isinstance(batch[-1].body, TextChunk):
@@ -174,7 +181,7 @@ class Run:
         body = self._events[-1].body
         if not isinstance(body, TextChunk) or len(body.text) >= MERGE_LIMIT:
             return 0.0
-        return text_sent + COALESCE_WINDOW - time.monotonic()
+        return text_sent + self._window - time.monotonic()
 
     def _check_available(self, after_seq: int, prefix: str) -> None:
         first = self._events[0].seq if self._events else self._seq + 1

@@ -68,6 +68,28 @@ async def test_a_chunk_a_follower_has_taken_never_changes() -> None:
     assert [e.body for e in [e async for e in run.follow(0)][:2]] == [TextChunk("a"), TextChunk("b")]
 
 
+async def test_a_follower_that_just_took_text_gets_the_next_burst_as_one_event() -> None:
+    run = Run("r", "s", buffer_events=100, coalesce_window=60)
+    taken: asyncio.Queue[str] = asyncio.Queue()
+
+    async def follow() -> None:
+        async for event in run.follow(0):
+            taken.put_nowait(event.body.text if isinstance(event.body, TextChunk) else "<other>")
+
+    follower = asyncio.create_task(follow())
+    async with asyncio.timeout(5):
+        run.publish(TextChunk("a"))
+        assert await taken.get() == "a"  # the first text of a burst goes out at once
+        for text in ("b", "c"):
+            run.publish(TextChunk(text))
+            await asyncio.sleep(0)  # the follower looks, and holds: the event is still growing
+        run.publish(DONE)  # anything else ends the hold at once, long before the window
+        assert await taken.get() == "bc"
+        assert await taken.get() == "<other>"
+        await follower
+    assert [e.seq async for e in run.follow(0)] == [1, 2, 3]
+
+
 def test_merging_stops_at_the_merge_limit() -> None:
     run = Run("r", "s", buffer_events=100)
     run.publish(TextChunk("x" * MERGE_LIMIT))

@@ -1,0 +1,666 @@
+"""Benchmarks: what rcoder adds to a turn, how fast it streams, how far it scales.
+
+    python scripts/bench.py [--smoke] [--json PATH] [--reps N]
+
+Every measure is a ratio against a baseline taken in the same run (the machines are shared and
+noisy): baseline and daemon repetitions are interleaved and medians compared. The baseline for a
+turn is a direct ACP client (the official SDK's client side, over pipes this script owns) driving
+the same fake agent command the daemon runs. Each line prints the ratio, the target and PASS or
+FAIL; everything goes to one JSON file. ``--smoke`` runs tiny sizes once, without gating (the
+test suite runs it so the benchmark never rots). The exit status is 0 unless something crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+import acp
+import grpc
+from acp import schema as acp_schema
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rcoder.config import builtin_profiles  # noqa: E402
+from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
+from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
+from tests.fakes.model_servers import AnthropicServer  # noqa: E402
+from tests.harness import FAKE_AGENT, Daemon, write_config  # noqa: E402
+
+LINE_LIMIT = 64 * 1024 * 1024
+CALL_TIMEOUT = 120.0
+
+
+# --------------------------------------------------------------------------- sizes and results
+
+
+@dataclass(frozen=True)
+class Sizes:
+    reps: int
+    paced_chunks: int
+    pace_ms: int
+    unpaced_chunks: int
+    flood_chunks: int
+    claude_reps: int
+    levels: tuple[int, ...]
+
+    @classmethod
+    def full(cls, reps: int) -> Sizes:
+        return cls(reps, 500, 2, 500, 20_000, max(3, reps - 2), (50, 100, 200))
+
+    @classmethod
+    def smoke(cls) -> Sizes:
+        return cls(1, 10, 1, 10, 200, 1, (2, 3))
+
+
+@dataclass
+class Result:
+    name: str
+    what: str
+    ratio: float | None  # None: a "report" line
+    target: str  # "<= 1.02", ">= 0.9", "report"
+    ok: bool | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def line(self, gate: bool) -> str:
+        value = f"{self.ratio:.3f}" if self.ratio is not None else "-"
+        verdict = ("PASS" if self.ok else "FAIL") if gate and self.ok is not None else "----"
+        extra = " ".join(f"{k}={_short(v)}" for k, v in self.details.items() if not isinstance(v, list | dict))
+        return f"{verdict}  {self.name:<28} ratio {value:>7}  target {self.target:<8}  {extra}"
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def judged(name: str, what: str, ratio: float, target: str, details: dict[str, Any]) -> Result:
+    op, bound = target.split()
+    ok = ratio <= float(bound) if op == "<=" else ratio >= float(bound)
+    return Result(name, what, ratio, target, ok, details)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# --------------------------------------------------------------------------- the direct baseline
+
+
+class _CountingClient:
+    """The ACP client side of the baseline: counts agent text, notes when the first chunk came."""
+
+    def __init__(self) -> None:
+        self.text_bytes = 0
+        self.first_chunk: float | None = None
+
+    def reset(self) -> None:
+        self.text_bytes, self.first_chunk = 0, None
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        if isinstance(update, acp_schema.AgentMessageChunk) and isinstance(update.content, acp_schema.TextContentBlock):
+            if self.first_chunk is None:
+                self.first_chunk = time.perf_counter()
+            self.text_bytes += len(update.content.text.encode())
+
+    async def request_permission(self, *args: Any, **kwargs: Any) -> acp_schema.RequestPermissionResponse:
+        return acp_schema.RequestPermissionResponse(outcome=acp_schema.DeniedOutcome(outcome="cancelled"))
+
+    async def ext_method(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        raise acp.RequestError.method_not_found(method)
+
+    async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
+        return None
+
+
+@dataclass
+class DirectAgent:
+    """The fake agent driven straight through the SDK, in a process group this script owns."""
+
+    proc: asyncio.subprocess.Process
+    conn: acp.ClientSideConnection
+    client: _CountingClient
+    session_id: str = ""
+
+    @classmethod
+    async def start(cls, argv: list[str], cwd: Path) -> DirectAgent:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=str(cwd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, limit=LINE_LIMIT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            client = _CountingClient()
+            conn = acp.connect_to_agent(cast(acp.Client, client), proc.stdin, proc.stdout)
+            agent = cls(proc, conn, client)
+            await conn.initialize(
+                protocol_version=acp.PROTOCOL_VERSION, client_capabilities=acp_schema.ClientCapabilities()
+            )
+            agent.session_id = (await conn.new_session(cwd=str(cwd), mcp_servers=[])).session_id
+        except BaseException:
+            await _kill_group(proc)
+            raise
+        return agent
+
+    async def prompt(self, text: str) -> None:
+        self.client.reset()
+        await self.conn.prompt(session_id=self.session_id, prompt=[acp.text_block(text)])
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.conn.close(), 2)
+        await _kill_group(self.proc)
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(proc.wait(), 10)
+
+
+# --------------------------------------------------------------------------- the daemon side
+
+
+@dataclass
+class Turn:
+    total: float  # request sent -> completed received
+    first_event: float
+    first_chunk: float | None
+    text_bytes: int
+    session_id: str
+    resume: str
+
+
+class Bench:
+    """One scratch directory, one fake-agent command, daemons started on demand."""
+
+    def __init__(self, root: Path, sizes: Sizes) -> None:
+        self.root = root
+        self.sizes = sizes
+        self.agent_argv = [sys.executable, str(FAKE_AGENT), "--state-dir", str(root / "agent-state")]
+        self.workspace = root / "workspace"
+        (self.workspace / "proj").mkdir(parents=True, exist_ok=True)
+        self._configs = 0
+
+    def config(self, profiles: dict[str, dict[str, Any]], **top: Any) -> Path:
+        self._configs += 1
+        settings = {
+            "data_dir": str(self.root / f"data-{self._configs}"),
+            "workspace_root": str(self.workspace),
+            "default_agent": "fake",
+            "initialize_timeout": 60,
+            "session_open_timeout": 60,
+            "agent_stop_grace": 1,
+            **top,
+        }
+        return write_config(self.root / f"rcoder-{self._configs}.toml", profiles, **settings)
+
+    def fake_profile(self) -> dict[str, Any]:
+        return {"command": self.agent_argv[0], "args": self.agent_argv[1:]}
+
+    @contextlib.asynccontextmanager
+    async def daemon(self, config: Path) -> AsyncIterator[tuple[Daemon, pb_grpc.AgentRunnerStub]]:
+        daemon = Daemon(config)
+        try:
+            await daemon.start()
+            channel = daemon.channel()
+            try:
+                yield daemon, pb_grpc.AgentRunnerStub(channel)
+            finally:
+                await channel.close()
+        finally:
+            try:
+                if daemon.proc is not None and daemon.proc.returncode is None:
+                    await daemon.stop()
+            finally:
+                await daemon.kill()
+
+    async def direct(self) -> DirectAgent:
+        return await DirectAgent.start(self.agent_argv, self.workspace / "proj")
+
+
+async def chat(stub: pb_grpc.AgentRunnerStub, prompt: str, session_id: str = "", agent: str = "") -> Turn:
+    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt, agent=agent)
+    start = time.perf_counter()
+    first_event = first_chunk = None
+    text_bytes, sid, resume = 0, session_id, ""
+    async with asyncio.timeout(CALL_TIMEOUT):
+        async for event in stub.Chat(request):
+            now = time.perf_counter()
+            first_event = first_event or now
+            kind = event.WhichOneof("event")
+            if kind == "started":
+                sid, resume = event.session_id, pb.ResumeOutcome.Name(event.started.resume)
+            elif kind == "agent_message":
+                first_chunk = first_chunk or now
+                text_bytes += len(event.agent_message.text.encode())
+            elif kind == "completed":
+                stop = pb.StopReason.Name(event.completed.stop_reason)
+                if stop != "STOP_REASON_END_TURN":
+                    raise RuntimeError(f"turn ended {stop}: {event.completed}")
+                return Turn(
+                    now - start, first_event - start, first_chunk and first_chunk - start, text_bytes, sid, resume
+                )
+    raise RuntimeError("the stream ended without a completed event")
+
+
+async def close_session(stub: pb_grpc.AgentRunnerStub, session_id: str) -> None:
+    await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
+
+
+async def timed(make: Callable[[], Awaitable[None]]) -> float:
+    start = time.perf_counter()
+    await make()
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- turn time and throughput
+
+
+async def turn_times(bench: Bench, prompt: str, name: str, live_target: str, cold_target: str) -> list[Result]:
+    """Live and cold turn time through the daemon against the direct SDK client, interleaved."""
+    direct_live: list[float] = []
+    direct_cold: list[float] = []
+    daemon_live: list[float] = []
+    daemon_cold: list[float] = []
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+        warm = await chat(stub, "stream 1")  # the daemon's first turn imports and opens its store
+        live_sid = warm.session_id
+        direct = await bench.direct()
+        try:
+            await direct.prompt("stream 1")
+            for _ in range(bench.sizes.reps):
+                direct_live.append(await timed(lambda: direct.prompt(prompt)))
+                daemon_live.append((await chat(stub, prompt, live_sid)).total)
+
+                async def direct_cold_turn() -> None:
+                    agent = await bench.direct()
+                    try:
+                        await agent.prompt(prompt)
+                    finally:
+                        await agent.aclose()
+
+                direct_cold.append(await timed(direct_cold_turn))
+                cold = await chat(stub, prompt)
+                daemon_cold.append(cold.total)
+                await close_session(stub, cold.session_id)
+        finally:
+            await direct.aclose()
+    results = []
+    for mode, target, ours, theirs in (
+        ("live", live_target, daemon_live, direct_live),
+        ("cold", cold_target, daemon_cold, direct_cold),
+    ):
+        details: dict[str, Any] = {
+            "daemon_ms": median(ours) * 1e3,
+            "direct_ms": median(theirs) * 1e3,
+            "reps": len(ours),
+        }
+        details |= {"daemon_all_ms": [x * 1e3 for x in ours], "direct_all_ms": [x * 1e3 for x in theirs]}
+        what = f"{mode} turn time, {prompt!r}, daemon / direct SDK client"
+        results.append(judged(f"{name}_{mode}", what, median(ours) / median(theirs), target, details))
+    return results
+
+
+async def flood(bench: Bench) -> Result:
+    """Agent text bytes per second reaching a gRPC client vs the direct client, one flooding turn."""
+    prompt = f"stream {bench.sizes.flood_chunks}"
+    ours: list[float] = []
+    theirs: list[float] = []
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+        sid = (await chat(stub, "stream 1")).session_id
+        direct = await bench.direct()
+        try:
+            await direct.prompt("stream 1")
+            for _ in range(bench.sizes.reps):
+                seconds = await timed(lambda: direct.prompt(prompt))
+                theirs.append(direct.client.text_bytes / seconds)
+                turn = await chat(stub, prompt, sid)
+                ours.append(turn.text_bytes / turn.total)
+        finally:
+            await direct.aclose()
+    details = {
+        "daemon_MBps": median(ours) / 1e6,
+        "direct_MBps": median(theirs) / 1e6,
+        "chunks": bench.sizes.flood_chunks,
+    }
+    what = f"text bytes/s of a {bench.sizes.flood_chunks}-chunk flood, daemon / direct"
+    return judged("flood_bytes_per_s", what, median(ours) / median(theirs), ">= 0.9", details)
+
+
+# --------------------------------------------------------------------------- first chunk: warm pool, resume
+
+
+class _ServerThread:
+    """The fake Anthropic API on an event loop of its own, so timing here never slows it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fake-anthropic", daemon=True)
+        self.thread.start()
+
+    def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        async def run() -> Any:
+            return await make()
+
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return future.result(timeout=30)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@contextlib.contextmanager
+def anthropic_api() -> Iterator[AnthropicServer]:
+    server = AnthropicServer()
+    thread = _ServerThread()
+    try:
+        thread.call(server.start)
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            thread.call(server.aclose)
+        thread.stop()
+
+
+def claude_profile(base_url: str, **keys: Any) -> dict[str, Any]:
+    builtin = builtin_profiles()["claude"]
+    proxy = dict.fromkeys(("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"), base_url)
+    no_proxy = dict.fromkeys(("NO_PROXY", "no_proxy"), "127.0.0.1,localhost")
+    return {
+        "kind": builtin.kind, "command": builtin.command, "args": list(builtin.args),
+        "model_base_url": base_url, "model_api_key": "sk-ant-fake", "env": proxy | no_proxy, **keys,
+    }  # fmt: skip
+
+
+async def warm_agents(stub: pb_grpc.AgentRunnerStub, profile: str) -> int:
+    response = await stub.ListAgents(pb.ListAgentsRequest(), timeout=30)
+    return next((a.warm_agents for a in response.agents if a.name == profile), 0)
+
+
+async def wait_warm(stub: pb_grpc.AgentRunnerStub, profile: str, timeout: float = 120.0) -> None:
+    async with asyncio.timeout(timeout):
+        # another process's state: nothing to wait on but polling it
+        while await warm_agents(stub, profile) < 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+
+
+async def warm_pool(bench: Bench) -> Result:
+    """Time to the first chunk of a new Claude session, with a warm pool vs without."""
+    warm: list[float] = []
+    cold: list[float] = []
+    opened: dict[str, list[float]] = {"claude-warm": [], "claude-cold": []}
+    with anthropic_api() as api:
+        profiles = {
+            "claude-warm": claude_profile(api.base_url, warm_pool=1),
+            "claude-cold": claude_profile(api.base_url),
+        }
+        config = bench.config(profiles, default_agent="claude-cold", initialize_timeout=120, session_open_timeout=120)
+        async with bench.daemon(config) as (daemon, stub):
+            await wait_warm(stub, "claude-warm")
+            # one unmeasured turn each: the daemon and the agent's disk caches get warm
+            for profile in ("claude-cold", "claude-warm"):
+                await close_session(stub, (await chat(stub, "hello", agent=profile)).session_id)
+            for _ in range(bench.sizes.claude_reps):
+                await wait_warm(stub, "claude-warm")
+                for profile, into in (("claude-warm", warm), ("claude-cold", cold)):
+                    sent = time.time()
+                    turn = await chat(stub, "remember 42", agent=profile)
+                    assert turn.first_chunk is not None, "no agent text"
+                    into.append(turn.first_chunk)
+                    opened[profile].append(session_opened_after(daemon, turn.session_id, sent))
+                    await close_session(stub, turn.session_id)
+    details = {"warm_ms": median(warm) * 1e3, "cold_ms": median(cold) * 1e3, "reps": len(warm)}
+    # where the time goes: request -> session opened (spawn, initialize, session/new), then -> first chunk
+    details |= {f"{p.split('-')[1]}_session_opened_ms": median(v) * 1e3 for p, v in opened.items()}
+    what = "time to first chunk of a new session (claude-agent-acp, fake model API), warm pool / none"
+    return judged("first_chunk_warm_pool", what, median(warm) / median(cold), "<= 0.25", details)
+
+
+def session_opened_after(daemon: Daemon, session_id: str, sent: float) -> float:
+    """Seconds from ``sent`` (wall clock) to the daemon's ``agent_session_opened`` log of that session."""
+    for row in daemon.logs("agent_session_opened"):
+        if row.get("session_id") == session_id:
+            return datetime.fromisoformat(row["timestamp"]).timestamp() - sent
+    return float("nan")
+
+
+async def resumed_first_chunk(bench: Bench) -> Result:
+    """Time to the first chunk of a RESUMED turn (agent closed, session/resume) vs a NEW turn."""
+    new: list[float] = []
+    resumed: list[float] = []
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+        sid = (await chat(stub, "remember 42 stream 1")).session_id
+        await close_session(stub, sid)
+        for _ in range(bench.sizes.reps):
+            turn = await chat(stub, "stream 3")
+            assert turn.first_chunk is not None and turn.resume == "RESUME_OUTCOME_NEW", turn
+            new.append(turn.first_chunk)
+            await close_session(stub, turn.session_id)
+            turn = await chat(stub, "stream 3", sid)
+            assert turn.first_chunk is not None and turn.resume == "RESUME_OUTCOME_RESUMED", turn
+            resumed.append(turn.first_chunk)
+            await close_session(stub, sid)
+    details = {"resumed_ms": median(resumed) * 1e3, "new_ms": median(new) * 1e3, "reps": len(new)}
+    what = "time to first chunk, resumed turn (fake agent, session/resume) / new turn"
+    return judged("first_chunk_resumed", what, median(resumed) / median(new), "<= 1.1", details)
+
+
+# --------------------------------------------------------------------------- scale, memory, start-up
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+SPAWN_CONCURRENCY = 8  # sessions opened at once while building up the live ones
+
+
+async def open_sessions(stub: pb_grpc.AgentRunnerStub, count: int) -> list[str]:
+    """``count`` new sessions, their agents left live; a few at a time (spawning is not measured here)."""
+    gate = asyncio.Semaphore(SPAWN_CONCURRENCY)
+
+    async def one() -> str:
+        async with gate:
+            return (await chat(stub, "stream 1")).session_id
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+async def scale(bench: Bench) -> list[Result]:
+    """N live sessions on fake agents, a turn on each at once, all completing; time to first event; memory."""
+    top = max(bench.sizes.levels)
+    config = bench.config({"fake": bench.fake_profile()}, max_live_agents=top + 8, idle_timeout=3600)
+    levels: dict[str, Any] = {}
+    errors: list[str] = []
+    failures = 0
+    memory: dict[str, Any] = {}
+    sessions: list[str] = []
+    async with bench.daemon(config) as (daemon, stub):
+        assert daemon.proc is not None
+        await close_session(stub, (await chat(stub, "stream 1")).session_id)
+        idle = rss_bytes(daemon.proc.pid)
+        for level in bench.sizes.levels:
+            sessions += await open_sessions(stub, level - len(sessions))
+            outcomes = await asyncio.gather(
+                *(chat(stub, "stream 5 pace 1", sid) for sid in sessions), return_exceptions=True
+            )
+            turns = [o for o in outcomes if isinstance(o, Turn)]
+            errors += [repr(o)[:300] for o in outcomes if not isinstance(o, Turn)]
+            failures += level - len(turns)
+            firsts = [t.first_event for t in turns]
+            levels[str(level)] = {
+                "completed": len(turns),
+                "errors": level - len(turns),
+                "live": sum(t.resume == "RESUME_OUTCOME_LIVE" for t in turns),
+                "p50_first_event_ms": median(firsts) * 1e3,
+                "p99_first_event_ms": percentile(firsts, 0.99) * 1e3,
+                "p50_turn_ms": median([t.total for t in turns]) * 1e3,
+            }
+            if level == top:
+                live = rss_bytes(daemon.proc.pid)
+                memory = {"idle_MB": idle / 1e6, "live_MB": live / 1e6, "sessions": len(sessions)}
+                memory["per_session_MB"] = (live - idle) / max(1, len(sessions)) / 1e6
+        await asyncio.gather(*(close_session(stub, sid) for sid in sessions), return_exceptions=True)
+        if errors:  # what the daemon said about them
+            warnings = [r for r in daemon.logs() if r.get("level") in ("warning", "error")]
+            errors += [json.dumps(r)[:400] for r in warnings[-5:]]
+    completed = levels[str(top)]["completed"]
+    ok = not failures and completed >= top
+    concurrency = Result(
+        "concurrent_sessions",
+        f"a turn on each of N live sessions at once (fake agents), all completing (N = {bench.sizes.levels})",
+        None,
+        f">= {top} ok",
+        ok,
+        {
+            "completed_at_top": completed,
+            "errors": failures,
+            "levels": levels,
+            "error_samples": errors[:3] + errors[-5:],
+        },
+    )
+    for n, row in levels.items():
+        concurrency.details[f"p50@{n}_ms"] = round(row["p50_first_event_ms"], 1)
+        concurrency.details[f"p99@{n}_ms"] = round(row["p99_first_event_ms"], 1)
+    per_session = memory.get("per_session_MB", float("nan"))
+    what = "daemon RSS per live session (agents excluded), over the idle daemon after one turn"
+    mem = judged("memory_per_session", what, per_session, "<= 1.0", memory)
+    mem.details["unit"] = "MB"
+    return [concurrency, mem]
+
+
+async def startup_and_added_latency(bench: Bench) -> list[Result]:
+    """Daemon start to SERVING, and what a LIVE turn that streams nothing costs over the direct call."""
+    starts: list[float] = []
+    for _ in range(bench.sizes.reps):
+        config = bench.config({"fake": bench.fake_profile()})
+        daemon = Daemon(config)
+        try:
+            began = time.perf_counter()
+            await daemon.start()
+            starts.append(time.perf_counter() - began)
+        finally:
+            await daemon.kill()
+    ours: list[float] = []
+    theirs: list[float] = []
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+        sid = (await chat(stub, "stream 1")).session_id
+        direct = await bench.direct()
+        try:
+            await direct.prompt("hello")
+            for _ in range(max(bench.sizes.reps * 3, 1)):
+                theirs.append(await timed(lambda: direct.prompt("hello")))
+                ours.append((await chat(stub, "hello", sid)).total)
+        finally:
+            await direct.aclose()
+    start = Result("daemon_start_to_serving", "daemon spawn to the serving log line", None, "report", None)
+    start.details = {"median_ms": median(starts) * 1e3, "all_ms": [s * 1e3 for s in starts]}
+    added = median(ours) - median(theirs)
+    latency = Result("live_turn_added_latency", "live turn streaming nothing: daemon - direct", None, "report", None)
+    latency.details = {"added_ms": added * 1e3, "daemon_ms": median(ours) * 1e3, "direct_ms": median(theirs) * 1e3}
+    return [start, latency]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine() -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    mem_kb = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemTotal:")), 0)
+    return {
+        "nproc": os.cpu_count(),
+        "memory_GiB": round(mem_kb / 1024 / 1024, 1),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+    }
+
+
+async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
+    paced = f"stream {sizes.paced_chunks} pace {sizes.pace_ms}"
+    measures: list[tuple[str, Callable[[Bench], Awaitable[list[Result]]]]] = [
+        ("paced", lambda b: turn_times(b, paced, "paced", "<= 1.02", "<= 1.02")),
+        ("unpaced", lambda b: turn_times(b, f"stream {sizes.unpaced_chunks}", "unpaced", "<= 1.3", "<= 1.05")),
+        ("flood", lambda b: _one(flood(b))),
+        ("warm_pool", lambda b: _one(warm_pool(b))),
+        ("resumed", lambda b: _one(resumed_first_chunk(b))),
+        ("scale", scale),
+        ("startup", startup_and_added_latency),
+    ]  # fmt: skip
+    # SIGTERM (a test's timeout) cancels the run, so every `finally` ends what it started
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="rcoder-bench-") as tmp:
+        bench = Bench(Path(tmp), sizes)
+        for key, measure in measures:
+            if only and key not in only:
+                continue
+            for result in await measure(bench):
+                results.append(result)
+                print(result.line(gate), flush=True)
+    return results
+
+
+async def _one(result: Awaitable[Result]) -> list[Result]:
+    return [await result]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition, no PASS/FAIL")
+    parser.add_argument("--json", type=Path, default=Path("bench-results.json"))
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--only", default="", help="comma-separated measures (paced,unpaced,flood,...)")
+    args = parser.parse_args(argv)
+    sizes = Sizes.smoke() if args.smoke else Sizes.full(args.reps)
+    only = {s for s in args.only.split(",") if s}
+    info = machine()
+    print(f"rcoder bench on {info['nproc']} cores, {info['memory_GiB']} GiB, {info['cpu_model']}", flush=True)
+    started, load_at_start = time.perf_counter(), os.getloadavg()
+    results = asyncio.run(run_all(sizes, not args.smoke, only))
+    report = {
+        "machine": info,
+        "smoke": args.smoke,
+        "sizes": asdict(sizes),
+        "seconds": round(time.perf_counter() - started, 1),
+        "load_average": {"start": load_at_start, "end": os.getloadavg()},  # other work on the machine
+        "results": {r.name: asdict(r) for r in results},
+    }
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    failed = [r.name for r in results if r.ok is False]
+    print(f"{len(results) - len(failed)}/{len(results)} lines pass; results in {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import sqlite3
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -110,9 +109,24 @@ def processes_inside(root: Path, exclude: set[int]) -> list[int]:
 
 
 async def _gone_within(root: Path, exclude: set[int], timeout: float) -> list[int]:
-    """Processes under ``root`` still alive after ``timeout`` (a killed group takes a moment to go)."""
-    deadline = time.monotonic() + timeout
-    # other processes' state: nothing to wait on but /proc
-    while (left := processes_inside(root, exclude)) and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.05)
-    return left
+    """Processes under ``root`` still alive after ``timeout`` (a killed group takes a moment to go):
+    each is waited for on its pidfd, which becomes readable when it exits."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(_exited(pid) for pid in processes_inside(root, exclude)))
+    return processes_inside(root, exclude)
+
+
+async def _exited(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)

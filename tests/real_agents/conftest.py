@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -132,15 +131,6 @@ def servers() -> Iterator[ModelServers]:
     made = ModelServers(AnthropicServer(), OpenAIResponsesServer(), GeminiServer(), OpenAIChatServer())
     with served(*made.all()):
         yield made
-
-
-async def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Wait, bounded, until ``check()`` holds (a short poll of state another process changes)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def log_events(daemon: Daemon, event: str, **match: Any) -> list[dict[str, Any]]:

@@ -14,8 +14,6 @@ from tests.real_agents.conftest import (
     AUTO_ROUTE,
     REAL_AGENTS,
     ModelServers,
-    eventually,
-    log_events,
     turn,
 )
 
@@ -39,7 +37,7 @@ async def test_a_session_the_agent_lost_is_reseeded_from_the_transcript_and_keep
 
 async def lose_and_reseed(client: Client, daemon: Daemon, agent: str, tmp_path: Path) -> None:
     first = await turn(client, agent, "remember 42")
-    await eventually(lambda: bool(log_events(daemon, "agent_stopped", agent=agent)), 30, f"{agent} to be closed")
+    await daemon.wait_log("agent_stopped", timeout=30, agent=agent)
     # the agent's own store is gone (its whole home), rcoder's record and transcript are not
     shutil.rmtree(tmp_path / "data" / "agents" / agent)
 

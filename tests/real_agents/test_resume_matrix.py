@@ -21,7 +21,6 @@ from tests.real_agents.conftest import (
     AUTO_ROUTE,
     REAL_AGENTS,
     ModelServers,
-    eventually,
     log_events,
     turn,
 )
@@ -50,7 +49,7 @@ async def new_live_closed(client: Client, daemon: Daemon, agent: str) -> str:
     assert started(second).resume == pb.RESUME_OUTCOME_LIVE, (agent, started(second))
     assert text_of(second) == "I remember: 42", agent
 
-    await eventually(lambda: bool(log_events(daemon, "agent_stopped", agent=agent)), 30, f"{agent} to be closed")
+    await daemon.wait_log("agent_stopped", timeout=30, agent=agent)
     asked_at = datetime.now(UTC)
     third = await turn(client, agent, "which number was it?", session_id)
     begin = started(third)

@@ -90,6 +90,8 @@ async def test_list_agents_shows_profiles_and_the_capabilities_seen(
     _, client = await make_daemon({"fake": fake.profile(), "other": fake.profile("--caps", "load")})
     before = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
     assert before["fake"].default and not before["other"].default
+    assert before["fake"].kind == "generic"
+    assert before["claude"].kind == "claude"
     assert not before["fake"].HasField("capabilities")
 
     await client.chat(prompt="hi")

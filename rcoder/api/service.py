@@ -169,6 +169,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 warm_pool=view.profile.warm_pool,
                 live_agents=view.live_agents,
                 warm_agents=view.warm_agents,
+                kind=view.profile.kind,
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

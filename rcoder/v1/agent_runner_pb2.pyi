@@ -777,6 +777,7 @@ class AgentInfo(_message.Message):
     WARM_POOL_FIELD_NUMBER: _builtins.int
     LIVE_AGENTS_FIELD_NUMBER: _builtins.int
     WARM_AGENTS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     command: _builtins.str
     resume: _builtins.str
@@ -787,6 +788,8 @@ class AgentInfo(_message.Message):
     """agents serving a session now"""
     warm_agents: _builtins.int
     """initialised agents waiting in the warm pool"""
+    kind: _builtins.str
+    """what rcoder knows about the agent: claude, codex, gemini, opencode, generic, ..."""
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -805,10 +808,11 @@ class AgentInfo(_message.Message):
         warm_pool: _builtins.int = ...,
         live_agents: _builtins.int = ...,
         warm_agents: _builtins.int = ...,
+        kind: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "live_agents", b"live_agents", "name", b"name", "resume", b"resume", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "live_agents", b"live_agents", "name", b"name", "resume", b"resume", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,10 +22,8 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -41,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from rcoder.config import builtin_profiles  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
-from tests.fakes.model_servers import AnthropicServer  # noqa: E402
+from tests.fakes.model_servers import AnthropicServer, served  # noqa: E402
 from tests.harness import FAKE_AGENT, Daemon, write_config  # noqa: E402
 
 LINE_LIMIT = 64 * 1024 * 1024
@@ -353,38 +351,11 @@ async def flood(bench: Bench) -> Result:
 # --------------------------------------------------------------------------- first chunk: warm pool, resume
 
 
-class _ServerThread:
-    """The fake Anthropic API on an event loop of its own, so timing here never slows it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fake-anthropic", daemon=True)
-        self.thread.start()
-
-    def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
-        async def run() -> Any:
-            return await make()
-
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(run(), self.loop)
-        return future.result(timeout=30)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
 @contextlib.contextmanager
 def anthropic_api() -> Iterator[AnthropicServer]:
     server = AnthropicServer()
-    thread = _ServerThread()
-    try:
-        thread.call(server.start)
+    with served(server):
         yield server
-    finally:
-        with contextlib.suppress(Exception):
-            thread.call(server.aclose)
-        thread.stop()
 
 
 def claude_profile(base_url: str, **keys: Any) -> dict[str, Any]:

@@ -43,10 +43,12 @@ import contextlib
 import itertools
 import json
 import re
+import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -60,6 +62,7 @@ __all__ = [
     "RecordedRequest",
     "Response",
     "remember_reply",
+    "served",
     "strip_injected",
 ]
 
@@ -948,3 +951,48 @@ class GeminiServer(FakeModelServer):
             body_bytes = json.dumps([payload(p, i == len(pieces) - 1) for i, p in enumerate(pieces)])
             return Response(body=body_bytes.encode())
         return Response.sse(events)
+
+
+class _ServerThread:
+    """An event loop in a thread of its own, so whoever uses the fakes never slows them."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fake-model-servers", daemon=True)
+        self.thread.start()
+
+    def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        async def run() -> Any:
+            return await make()
+
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return future.result(timeout=30)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@contextlib.contextmanager
+def served(*servers: FakeModelServer) -> Iterator[None]:
+    """Run ``servers`` on an event loop of their own (a thread) for as long as the block lasts."""
+    thread = _ServerThread()
+
+    async def start() -> None:
+        for server in servers:
+            await server.start()
+
+    async def stop() -> None:
+        for server in servers:
+            await server.aclose()
+
+    thread.call(start)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            thread.call(stop)
+        thread.stop()
+    errors = [e for server in servers for e in server.errors]
+    assert not errors, f"fake model servers failed: {errors}"

@@ -9,11 +9,7 @@ the commands, homes and config files are rcoder's own.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +23,7 @@ from tests.fakes.model_servers import (
     GeminiServer,
     OpenAIChatServer,
     OpenAIResponsesServer,
+    served,
 )
 from tests.harness import Client, Daemon, completed
 
@@ -83,47 +80,6 @@ def claude_table(base_url: str) -> dict[str, Any]:
             "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
         },
     }  # fmt: skip
-
-
-class _ServerThread:
-    """An event loop in a thread serving the fakes for a whole module."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fake-model-servers", daemon=True)
-        self.thread.start()
-
-    def call(self, make: Callable[[], Any]) -> Any:
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(make(), self.loop)
-        return future.result(timeout=30)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
-@contextlib.contextmanager
-def served(*servers: FakeModelServer) -> Iterator[None]:
-    """Run ``servers`` on an event loop of their own (a thread) for as long as the block lasts."""
-    thread = _ServerThread()
-
-    async def start() -> None:
-        for server in servers:
-            await server.start()
-
-    async def stop() -> None:
-        for server in servers:
-            await server.aclose()
-
-    thread.call(start)
-    try:
-        yield
-    finally:
-        thread.call(stop)
-        thread.stop()
-    errors = [e for server in servers for e in server.errors]
-    assert not errors, f"fake model servers failed: {errors}"
 
 
 @pytest.fixture(scope="module")

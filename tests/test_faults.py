@@ -45,6 +45,22 @@ async def test_a_20_mib_line_on_stdout_arrives_whole_in_bounded_messages(make_da
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
 
 
+async def test_a_line_over_agent_line_limit_ends_the_run_with_an_error_naming_the_limit(
+    make_daemon: DaemonFactory,
+) -> None:
+    _, client = await make_daemon(agent_line_limit=1024 * 1024)
+    first = await client.chat(prompt="remember 7")
+    events = await client.chat(prompt="bigline 3000000", session_id=first[0].session_id, timeout=60)
+
+    end = completed(events)
+    assert end.stop_reason == pb.STOP_REASON_ERROR
+    assert "agent_line_limit" in end.error and "1048576" in end.error
+    assert "x" * 1000 not in text_of(events)
+    again = await client.chat(prompt="what number?", session_id=first[0].session_id)
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED, "the agent was ended; the session resumes"
+    assert text_of(again) == "I remember: 7"
+
+
 async def test_garbage_on_stdout_is_skipped_and_the_turn_goes_on(make_daemon: DaemonFactory) -> None:
     _, client = await make_daemon()
     events = await client.chat(prompt="garbage remember 4")

@@ -1,10 +1,10 @@
 """Our side of ACP: what the agent may call on rcoder.
 
 One ``RcoderClient`` serves one agent process, which serves one session.
-``session/update`` is converted and handed on synchronously (the SDK runs
-each notification in its own task; doing no ``await`` first keeps their
-order). While a session is being opened updates are dropped: a
-``session/load`` replay is history, not this turn's output.
+``session/update`` arrives through ``on_update`` straight from the transport
+(raw JSON, synchronously, in the agent's order) and is handed on to the turn.
+While a session is being opened updates are dropped: a ``session/load``
+replay is history, not this turn's output.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pydantic
 from acp import RequestError
 from acp import schema as acp
 
-from rcoder.agent.convert import permission_options, update_to_event
+from rcoder.agent.convert import notification_to_event, permission_options, update_to_event
 from rcoder.domain import AgentEvent, PermissionRequest, new_id
 from rcoder.logs import get_logger
 
@@ -42,6 +43,8 @@ class RcoderClient:
         self._agent = agent
         self._turn: _Turn | None = None
         self.session_id = ""
+        # set on every session/update the agent sends (the launcher waits for a late replay to go quiet)
+        self.updated = asyncio.Event()
 
     # ------------------------------------------------------------ turn control
 
@@ -57,12 +60,30 @@ class RcoderClient:
         if self._turn is not None:
             self._turn.cancelled.set()
 
+    # ------------------------------------------------------------ session/update
+
+    def on_update(self, params: dict[str, Any]) -> None:
+        """One ``session/update`` notification as the agent wrote it (the transport's fast path)."""
+        self.updated.set()
+        turn = self._turn
+        if turn is None or (self.session_id and params.get("sessionId") != self.session_id):
+            return  # between turns, or replay while opening
+        try:
+            event = notification_to_event(params)
+        except pydantic.ValidationError as exc:
+            log.warning("agent_update_malformed", agent=self._agent, error=exc.errors()[0].get("msg", str(exc)))
+            return
+        if event is not None:
+            turn.on_event(event)
+
     # ------------------------------------------------------------ acp.Client
 
     async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        """Only reached over a transport without the fast path; same rules as ``on_update``."""
+        self.updated.set()
         turn = self._turn
         if turn is None or (self.session_id and session_id != self.session_id):
-            return  # between turns, or replay while opening
+            return
         event = update_to_event(update)
         if event is not None:
             turn.on_event(event)

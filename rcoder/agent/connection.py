@@ -21,6 +21,7 @@ from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.transport import PipeTransport
 from rcoder.domain import AgentCapabilities, OpenMethod, StopReason
 from rcoder.errors import (
     AgentAuthRequired,
@@ -65,6 +66,7 @@ class AgentConnection:
     def __init__(
         self,
         process: AgentProcess,
+        pipe: PipeTransport,
         conn: ClientSideConnection,
         client: RcoderClient,
         agent: str,
@@ -72,6 +74,7 @@ class AgentConnection:
         stop_grace: float,
     ) -> None:
         self.process = process
+        self._pipe = pipe
         self._conn = conn
         self._client = client
         self.agent = agent
@@ -84,6 +87,11 @@ class AgentConnection:
     @property
     def alive(self) -> bool:
         return not self._closed and self.process.is_running()
+
+    @property
+    def updated(self) -> asyncio.Event:
+        """Set on every ``session/update`` the agent sends; clear it to watch for the next."""
+        return self._client.updated
 
     # ------------------------------------------------------------ opening
 
@@ -166,7 +174,7 @@ class AgentConnection:
     # ------------------------------------------------------------ the edge
 
     async def _call(self, call: Coroutine[Any, Any, T], timeout: float | None, step: str, resuming: str = "") -> T:
-        return await call_agent(self.process, self.agent, call, timeout, step, resuming)
+        return await call_agent(self.process, self.agent, call, timeout, step, resuming, self._pipe)
 
 
 async def call_agent(
@@ -176,6 +184,7 @@ async def call_agent(
     timeout: float | None,
     step: str,
     resuming: str = "",
+    pipe: PipeTransport | None = None,
 ) -> T:
     """Await one ACP call, bounded, with every failure as one of our errors."""
     try:
@@ -190,6 +199,10 @@ async def call_agent(
     except RequestError as exc:
         raise _from_request_error(exc, process, agent, step, resuming) from exc
     except ConnectionError as exc:
+        if pipe is not None and pipe.fault:
+            raise AgentProtocolError(
+                f"agent {agent!r} {pipe.fault} during {step}", agent=agent, stderr_tail=process.stderr_tail()
+            ) from exc
         raise await _from_exit(process, agent, step, resuming) from exc
     except pydantic.ValidationError as exc:
         raise AgentProtocolError(

@@ -45,6 +45,27 @@ def stop_reason(value: str) -> StopReason:
     return _STOP_REASONS.get(value, StopReason.END_TURN)
 
 
+_TEXT_KINDS = {"agent_message_chunk": False, "agent_thought_chunk": True}
+
+
+def notification_to_event(params: dict[str, Any]) -> AgentEvent | None:
+    """A raw ``session/update`` notification's params as a domain event.
+
+    Text chunks, nearly all of a stream, are read straight from the JSON;
+    anything else is validated by the SDK's model first. Raises
+    ``pydantic.ValidationError`` for an update that does not fit the schema.
+    """
+    update = params.get("update")
+    if isinstance(update, dict):
+        thought = _TEXT_KINDS.get(update.get("sessionUpdate"))  # type: ignore[arg-type]
+        content = update.get("content")
+        if thought is not None and isinstance(content, dict) and content.get("type") == "text":
+            text = content.get("text")
+            if isinstance(text, str):
+                return TextChunk(text=text, thought=thought)
+    return update_to_event(acp.SessionNotification.model_validate(params).update)
+
+
 def update_to_event(update: Any) -> AgentEvent | None:
     """One ``session/update`` as a domain event; None for replayed user text."""
     if isinstance(update, acp.AgentMessageChunk | acp.AgentThoughtChunk):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import acp
 from acp import schema as acp_schema
@@ -26,6 +26,7 @@ from rcoder.agent.connection import AgentConnection, call_agent, capabilities_fr
 from rcoder.agent.kinds import AgentKind, kind_of
 from rcoder.agent.process import AgentProcess, sweep
 from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.transport import PipeTransport
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
 from rcoder.errors import AgentProtocolError, AgentUnavailable, SessionGone
@@ -63,8 +64,6 @@ class AgentLauncher:
         # every agent process started and not yet collected, for kill_all()
         self._processes: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
         self._start_slots = asyncio.Semaphore(max(1, settings.agent_start_concurrency))
-        # per connection: set on each session/update the agent sends
-        self._updates: weakref.WeakKeyDictionary[AgentConnection, asyncio.Event] = weakref.WeakKeyDictionary()
 
     @property
     def pid_dir(self) -> Path:
@@ -156,8 +155,8 @@ class AgentLauncher:
             if why is None:
                 raise
             raise SessionGone(rid, f"{step}: {why}", agent=profile.name, stderr_tail=exc.stderr_tail) from exc
-        if opened is OpenMethod.LOAD and kind.answers_load_before_replay and connection in self._updates:
-            await _replay_settled(self._updates[connection], REPLAY_QUIET, REPLAY_SETTLE_MAX)
+        if opened is OpenMethod.LOAD and kind.answers_load_before_replay:
+            await _replay_settled(connection.updated, REPLAY_QUIET, REPLAY_SETTLE_MAX)
         return opened
 
     async def _defer_load(self, profile: AgentProfile, session_id: str, not_before: datetime | None) -> None:
@@ -210,15 +209,20 @@ class AgentLauncher:
             cwd=cwd,
             env=env,
             name=profile.name,
-            line_limit=self._settings.agent_line_limit,
             stderr_tail_bytes=self._settings.stderr_tail_bytes,
             stop_grace=self._settings.agent_stop_grace,
             pid_dir=self.pid_dir,
         )
         self._processes.add(process)
         client = RcoderClient(profile.name)
-        watch = _UpdateWatch(client)
-        conn = acp.connect_to_agent(cast(acp.Client, watch), process.stdin, process.stdout)
+        pipe = PipeTransport(
+            process.stdout,
+            process.stdin,
+            client.on_update,
+            agent=profile.name,
+            line_limit=self._settings.agent_line_limit,
+        )
+        conn = acp.connect_to_agent(cast(acp.Client, client), pipe)
         try:
             init = await call_agent(
                 process,
@@ -230,6 +234,7 @@ class AgentLauncher:
                 ),
                 self._settings.initialize_timeout,
                 "initialize",
+                pipe=pipe,
             )
             if init.protocol_version != acp.PROTOCOL_VERSION:
                 raise AgentProtocolError(
@@ -244,9 +249,7 @@ class AgentLauncher:
             raise
         caps = capabilities_from_initialize(init)
         self.capabilities_seen[profile.name] = (caps, datetime.now(UTC))
-        connection = AgentConnection(process, conn, client, profile.name, caps, self._settings.agent_stop_grace)
-        self._updates[connection] = watch.updated
-        return connection
+        return AgentConnection(process, pipe, conn, client, profile.name, caps, self._settings.agent_stop_grace)
 
     @staticmethod
     def _route(profile: AgentProfile, caps: AgentCapabilities) -> OpenMethod | None:
@@ -274,21 +277,6 @@ def _kind_gone_reason(kind: AgentKind, step: str, exc: AgentProtocolError) -> st
     if not isinstance(cause, acp.RequestError):
         return None
     return kind.gone_reason(step, cause.code, str(cause), cause.data)
-
-
-class _UpdateWatch:
-    """The client as the SDK sees it: ours, plus an event set on every ``session/update``."""
-
-    def __init__(self, client: RcoderClient) -> None:
-        self._client = client
-        self.updated = asyncio.Event()
-
-    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
-        self.updated.set()
-        await self._client.session_update(session_id, update, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
 
 
 async def _replay_settled(updated: asyncio.Event, quiet: float, limit: float) -> None:

@@ -22,6 +22,9 @@ from rcoder.logs import get_logger
 log = get_logger("rcoder.agent.process")
 
 _SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin")
+# stdout is read in blocks and split by the transport (which bounds a line); past this
+# much unread output the agent waits on its pipe instead of the daemon buffering more
+_PIPE_BUFFER = 1 << 20
 
 
 class AgentProcess:
@@ -59,7 +62,6 @@ class AgentProcess:
         cwd: str,
         env: Mapping[str, str],
         name: str,
-        line_limit: int,
         stderr_tail_bytes: int,
         stop_grace: float,
         pid_dir: Path | None = None,
@@ -73,7 +75,7 @@ class AgentProcess:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                limit=line_limit,
+                limit=_PIPE_BUFFER,
                 start_new_session=True,
             )
         except OSError as exc:

@@ -153,11 +153,17 @@ class Daemon:
         return rows
 
     async def wait_log(self, event: str, count: int = 1, timeout: float = 20.0, **fields: Any) -> list[dict[str, Any]]:
-        """Wait (bounded) until the daemon has logged ``event`` (with ``fields``) ``count`` times."""
+        """Wait (bounded) until the daemon has logged ``event`` (with ``fields``) ``count`` times.
+
+        A field's value may be a predicate on the logged value instead of the value itself."""
+
+        def matches(row: dict[str, Any]) -> bool:
+            return all(v(row.get(k)) if callable(v) else row.get(k) == v for k, v in fields.items())
+
         async with asyncio.timeout(timeout):
             while True:
                 logged = self._logged
-                rows = [r for r in self.logs(event) if all(r.get(k) == v for k, v in fields.items())]
+                rows = [r for r in self.logs(event) if matches(r)]
                 if len(rows) >= count:
                     return rows
                 await logged.wait()

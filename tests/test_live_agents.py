@@ -6,10 +6,11 @@ import json
 from typing import Any
 
 import grpc
+import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, completed, error_info, processes_mentioning, started, text_of
+from tests.harness import Client, Daemon, FakeAgentSetup, completed, error_info, processes_mentioning, started, text_of
 from tests.turns import rest_of, start_turn
 
 
@@ -106,3 +107,58 @@ async def test_warm_agents_count_toward_the_limit(make_daemon: DaemonFactory, fa
 
 def _rows(fake: FakeAgentSetup) -> list[dict[str, Any]]:
     return [json.loads(line) for line in fake.record.read_text().splitlines()]
+
+
+async def _primed(daemon: Daemon, client: Client, project: str = "p") -> dict[str, Any]:
+    """Use ``project`` once; returns the log row of the warm agent then primed for it."""
+    await daemon.wait_log("warm_agent_ready", agent="fake")
+    first = await client.chat(project_id=project, prompt="remember 3")
+    assert started(first).resume == pb.RESUME_OUTCOME_NEW
+    (primed,) = await daemon.wait_log(
+        "warm_agent_ready", agent="fake", primed_cwd=lambda cwd: str(cwd).endswith(f"/{project}")
+    )
+    assert primed["provider_session_id"]
+    return primed
+
+
+async def test_the_pool_opens_a_session_ahead_where_the_last_new_one_was_and_the_next_takes_it(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1)})
+    primed = await _primed(daemon, client)
+    opened = len(fake.requests("session/new"))
+
+    events = await client.chat(project_id="p", prompt="remember 4")
+    assert started(events).resume == pb.RESUME_OUTCOME_NEW
+    assert started(events).provider_session_id == primed["provider_session_id"]
+    assert text_of(events) == "I remember: 4"
+    await daemon.wait_log("agent_session_opened", primed=True, pid=primed["pid"])
+    await daemon.wait_log("warm_agent_ready", count=3, agent="fake")  # the refill, primed again
+    assert len(fake.requests("session/new")) == opened + 1, "only the refill opened a session"
+
+    sid = events[0].session_id
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    again = await client.chat(project_id="p", session_id=sid, prompt="what number?")
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 4"
+
+
+@pytest.mark.parametrize(
+    ("project", "extra"),
+    [("q", {}), ("p", {"system_prompt": "be brief"})],
+    ids=["another-project", "own-system-prompt"],
+)
+async def test_a_request_the_primed_session_does_not_fit_closes_it_and_opens_its_own(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, project: str, extra: dict[str, Any]
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1)})
+    primed = await _primed(daemon, client)
+
+    events = await client.chat(project_id=project, prompt="remember 5", **extra)
+    assert started(events).resume == pb.RESUME_OUTCOME_NEW
+    assert started(events).provider_session_id != primed["provider_session_id"]
+    assert text_of(events) == "I remember: 5"
+    closed = [m["params"]["sessionId"] for m in fake.requests("session/close")]
+    assert primed["provider_session_id"] in closed
+    opened_on_it = [m for m in _rows(fake) if m["pid"] == primed["pid"] and m["message"].get("method") == "session/new"]
+    assert opened_on_it[-1]["message"]["params"]["cwd"].endswith(f"/{project}")

@@ -81,6 +81,8 @@ class AgentConnection:
         self.capabilities = capabilities
         self._stop_grace = stop_grace
         self.provider_session_id = ""
+        # set when the warm pool opened a plain session ahead of any request, for this cwd
+        self.primed_cwd = ""
         self._closed = False
         self._close_lock = asyncio.Lock()
 
@@ -122,6 +124,28 @@ class AgentConnection:
         self.provider_session_id = session_id
         self._client.session_id = session_id
         return method or OpenMethod.NEW
+
+    async def prime(self, cwd: str, timeout: float) -> None:
+        """Open a plain new session for ``cwd`` before any request wants it (the warm pool)."""
+        await self.open_session(AgentStartConfig(cwd=cwd), timeout)
+        self.primed_cwd = cwd
+
+    def primed_for(self, config: AgentStartConfig) -> bool:
+        """Whether the session opened ahead of time is the one ``config`` asks for."""
+        return bool(self.primed_cwd) and config.is_plain() and config.cwd == self.primed_cwd
+
+    async def drop_primed(self) -> None:
+        """Close the session opened ahead of time (the request wants another), where the agent can.
+
+        Bounded by the stop grace; an agent without ``session/close`` keeps it idle until it ends.
+        """
+        if not self.primed_cwd:
+            return
+        self.primed_cwd = ""
+        primed, self.provider_session_id = self.provider_session_id, ""
+        if self.capabilities.session_close and self.alive:
+            with contextlib.suppress(AgentError):
+                await self._call(self._conn.close_session(session_id=primed), self._stop_grace, "session/close")
 
     # ------------------------------------------------------------ turns
 

@@ -64,6 +64,9 @@ class AgentLauncher:
         # every agent process started and not yet collected, for kill_all()
         self._processes: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
         self._start_slots = asyncio.Semaphore(max(1, settings.agent_start_concurrency))
+        # profiles started successfully at least once, and the lock their first start holds
+        self._started_once: set[str] = set()
+        self._first_start: dict[str, asyncio.Lock] = {}
 
     @property
     def pid_dir(self) -> Path:
@@ -118,6 +121,13 @@ class AgentLauncher:
         connection = ready or await self.start(profile, config.cwd, config.model_provider)
         skipped = ""
         try:
+            if connection.primed_for(config):
+                log.info("agent_session_opened", agent=profile.name, pid=connection.process.pid,
+                         provider_session_id=connection.provider_session_id, method=OpenMethod.NEW.value,
+                         primed=True)  # fmt: skip
+                connection.primed_cwd = ""
+                return connection, OpenMethod.NEW, ""
+            await connection.drop_primed()
             if config.resume_session_id:
                 config = replace(config, resume_method=self._route(profile, connection.capabilities))
                 if config.resume_method is None:
@@ -174,10 +184,18 @@ class AgentLauncher:
 
         At most ``agent_start_concurrency`` agents start at once: a burst of new
         sessions must not starve the daemon's own event loop of CPU (on 2 cores,
-        200 simultaneous starts left gRPC calls unaccepted for 30 s).
+        200 simultaneous starts left gRPC calls unaccepted for 30 s). A profile's
+        first start runs alone: agents set their home up then, and two doing it
+        at once can fail (OpenCode: both migrate its fresh database).
         """
-        async with self._start_slots:
-            return await self._start(profile, cwd, provider)
+        if profile.name in self._started_once:
+            async with self._start_slots:
+                return await self._start(profile, cwd, provider)
+        async with self._first_start.setdefault(profile.name, asyncio.Lock()):
+            async with self._start_slots:
+                connection = await self._start(profile, cwd, provider)
+            self._started_once.add(profile.name)
+            return connection
 
     async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
         """The profile's kind writes the agent's config files into its home (for

@@ -24,6 +24,13 @@ class AgentStartConfig:
     def without_resume(self) -> AgentStartConfig:
         return replace(self, resume_session_id="", resume_method=None)
 
+    def is_plain(self) -> bool:
+        """A new session with nothing of the request's own: one the warm pool may open ahead of time."""
+        return (
+            not (self.resume_session_id or self.system_prompt or self.mcp_servers or self.extra_meta)
+            and self.model_provider.is_empty()
+        )
+
     def build_meta(self) -> dict[str, Any]:
         """``_meta`` for ``session/new``.
 

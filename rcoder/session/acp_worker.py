@@ -150,7 +150,10 @@ class AcpWorker:
                 if live is None:
                     plan.action = Action.RESUME
             if live is None and turn.model_provider.is_empty():
-                plan.warm = self._sessions.take_warm(plan.profile.name)
+                plain = self._start_config(plan).is_plain()
+                if plain:
+                    self.warm_pools.note_plain_session(plan.profile, plan.cwd)
+                plan.warm = self._sessions.take_warm(plan.profile.name, plan.cwd if plain else "")
             if live is None and plan.warm is None:
                 self._sessions.reserve_slot()
         except BaseException:
@@ -219,19 +222,8 @@ class AcpWorker:
         turn, profile = plan.turn, plan.profile
         if live is not None:
             return live, self._started(plan, live, ResumeOutcome.LIVE, OpenMethod.LIVE, "")
-        resume_id = ""
-        if plan.action is Action.RESUME and plan.record is not None:
-            resume_id = plan.record.provider_session_id
-        elif plan.action is Action.ADOPT:
-            resume_id = turn.session_id
-        config = AgentStartConfig(
-            cwd=plan.cwd,
-            system_prompt=turn.system_prompt,
-            mcp_servers=turn.mcp_servers,
-            extra_meta=turn.extra_meta,
-            model_provider=turn.model_provider,
-            resume_session_id=resume_id,
-        )
+        config = self._start_config(plan)
+        resume_id = config.resume_session_id
         try:
             if plan.warm is not None:
                 self.warm_pools.refill(profile)
@@ -255,6 +247,23 @@ class AcpWorker:
         else:
             outcome = ResumeOutcome.RESUMED
         return conn, self._started(plan, conn, outcome, launched.method, launched.fallback_reason)
+
+    @staticmethod
+    def _start_config(plan: _Plan) -> AgentStartConfig:
+        turn = plan.turn
+        resume_id = ""
+        if plan.action is Action.RESUME and plan.record is not None:
+            resume_id = plan.record.provider_session_id
+        elif plan.action is Action.ADOPT:
+            resume_id = turn.session_id
+        return AgentStartConfig(
+            cwd=plan.cwd,
+            system_prompt=turn.system_prompt,
+            mcp_servers=turn.mcp_servers,
+            extra_meta=turn.extra_meta,
+            model_provider=turn.model_provider,
+            resume_session_id=resume_id,
+        )
 
     async def _fallback_outcome(self, plan: _Plan) -> ResumeOutcome:
         """A known session the agent lost is re-seeded from rcoder's transcript, when configured."""

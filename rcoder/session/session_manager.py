@@ -108,13 +108,20 @@ class SessionManager:
             return len(self._warm.get(profile, ()))
         return sum(len(pool) for pool in self._warm.values())
 
-    def take_warm(self, profile: str) -> AgentConnection | None:
-        """An initialised agent of ``profile``; its slot becomes a reserved one."""
+    def take_warm(self, profile: str, cwd: str = "") -> AgentConnection | None:
+        """An initialised agent of ``profile``; its slot becomes a reserved one.
+
+        ``cwd``: the request would take a session opened ahead of time there. Such
+        an agent comes first, then one with no session (nothing to close), then any.
+        """
         pool = self._warm.get(profile)
         if not pool:
             return None
+        ranked = sorted(
+            range(len(pool)), key=lambda i: (pool[i].primed_cwd != cwd or not cwd, bool(pool[i].primed_cwd))
+        )
         self._reserved += 1
-        return pool.pop(0)
+        return pool.pop(ranked[0])
 
     def add_warm(self, profile: str, connection: AgentConnection) -> None:
         """Park a freshly started agent (its slot was reserved for it)."""

@@ -56,6 +56,10 @@ class Run:
         self._limit = max(1, buffer_events)
         self._seq = 0
         self._taken = 0  # highest seq any follower has taken: events up to it are frozen
+        # text merged into the last event and not folded in yet (appending to a list is O(1);
+        # the event is rebuilt once, when it is taken or another event follows)
+        self._open: list[str] = []
+        self._open_len = 0  # characters of the last event's text, merged parts included
         self._positions: dict[int, int] = {}  # attached follower -> last seq it took
         self._follower_ids = itertools.count()
         self._clock = clock
@@ -64,6 +68,7 @@ class Run:
         self._appended = asyncio.Event()
         self.completed: RunCompleted | None = None
         self.finished_at: float | None = None  # monotonic
+        self._done_callbacks: list[Callable[[Run], None]] = []
         self.started_monotonic = time.monotonic()
         self.last_published = self.started_monotonic  # monotonic, for heartbeats
 
@@ -75,10 +80,18 @@ class Run:
     def done(self) -> bool:
         return self.completed is not None
 
-    def publish(self, body: RunEventBody) -> RunEvent:
+    def add_done_callback(self, callback: Callable[[Run], None]) -> None:
+        """Call ``callback(run)`` when ``completed`` is published (at once if it was)."""
+        if self.completed is not None:
+            callback(self)
+        else:
+            self._done_callbacks.append(callback)
+
+    def publish(self, body: RunEventBody) -> int:
         """Number (or merge) and keep one event, and wake every follower. Never awaits.
 
-        Text longer than ``MERGE_LIMIT`` is split into several events, so no
+        Returns the event's seq (the one merged into, for merged text). Text
+        longer than ``MERGE_LIMIT`` is split into several events, so no
         message a client receives is larger than that (whatever the agent wrote).
         """
         if self.completed is not None:
@@ -89,37 +102,47 @@ class Run:
                 self.publish(TextChunk(text[start : start + MERGE_LIMIT], body.thought))
             body = TextChunk(text[len(text) - (len(text) - 1) % MERGE_LIMIT - 1 :], body.thought)
         self.last_published = time.monotonic()
-        merged = self._merge(body)
-        if merged is not None:
-            return merged
+        if isinstance(body, TextChunk) and self._merges(body):
+            self._open.append(body.text)
+            self._open_len += len(body.text)
+            return self._seq
+        self._seal()
         self._seq += 1
         event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
         self._events.append(event)
+        self._open_len = len(body.text) if isinstance(body, TextChunk) else 0
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
+            for callback in self._done_callbacks:
+                callback(self)
+            self._done_callbacks.clear()
         self._trim()
         self._appended.set()
         self._appended = asyncio.Event()
-        return event
+        return self._seq
 
-    def _merge(self, body: RunEventBody) -> RunEvent | None:
-        if not isinstance(body, TextChunk) or not self._events:
-            return None
+    def _merges(self, body: TextChunk) -> bool:
+        """Whether ``body`` grows the last event: text of its kind that no follower has taken."""
+        if not self._events or self._seq <= self._taken:
+            return False
+        prev = self._events[-1].body
+        return (
+            isinstance(prev, TextChunk)
+            and prev.thought == body.thought
+            and self._open_len + len(body.text) <= MERGE_LIMIT
+        )
+
+    def _seal(self) -> None:
+        """Fold the text merged into the last event into it (before anyone reads it or another follows)."""
+        if not self._open:
+            return
         last = self._events[-1]
         prev = last.body
-        if (
-            last.seq <= self._taken
-            or not isinstance(prev, TextChunk)
-            or prev.thought != body.thought
-            or len(prev.text) + len(body.text) > MERGE_LIMIT
-        ):
-            return None
-        merged = RunEvent(
-            last.run_id, last.session_id, last.seq, last.time, TextChunk(prev.text + body.text, prev.thought)
-        )
-        self._events[-1] = merged
-        return merged
+        assert isinstance(prev, TextChunk)
+        text = prev.text + "".join(self._open)
+        self._events[-1] = RunEvent(last.run_id, last.session_id, last.seq, last.time, TextChunk(text, prev.thought))
+        self._open.clear()
 
     def _trim(self) -> None:
         slowest = min(self._positions.values(), default=self._seq)
@@ -165,7 +188,7 @@ class Run:
         if position + 1 != self._seq or self.completed is not None:
             return 0.0
         body = self._events[-1].body
-        if not isinstance(body, TextChunk) or len(body.text) >= MERGE_LIMIT:
+        if not isinstance(body, TextChunk) or self._open_len >= MERGE_LIMIT:
             return 0.0
         return text_sent + self._window - time.monotonic()
 
@@ -180,6 +203,7 @@ class Run:
 
     def _take_from(self, seq: int) -> list[RunEvent]:
         """Events from ``seq`` on; from now on they are frozen (never merged into)."""
+        self._seal()
         start = self._events[0].seq
         batch = list(itertools.islice(self._events, seq - start, None))
         if batch:
@@ -208,10 +232,14 @@ class RunRegistry:
     def __init__(self, retention: float) -> None:
         self._runs: dict[str, Run] = {}
         self._retention = retention
+        # finished runs in the order they finished: pruning looks only at the oldest
+        # (a scan of every run on each add made a busy daemon's turns O(runs kept))
+        self._finished: deque[Run] = deque()
 
     def add(self, run: Run) -> None:
         self._prune()
         self._runs[run.run_id] = run
+        run.add_done_callback(self._finished.append)
 
     def get(self, run_id: str) -> Run:
         self._prune()
@@ -225,5 +253,8 @@ class RunRegistry:
 
     def _prune(self) -> None:
         cutoff = time.monotonic() - self._retention
-        for run_id in [k for k, r in self._runs.items() if r.finished_at is not None and r.finished_at < cutoff]:
-            del self._runs[run_id]
+        finished = self._finished
+        while finished and finished[0].finished_at is not None and finished[0].finished_at < cutoff:
+            run = finished.popleft()
+            if self._runs.get(run.run_id) is run:
+                del self._runs[run.run_id]

@@ -93,7 +93,7 @@ async def test_a_follower_that_just_took_text_gets_the_next_burst_as_one_event()
 def test_merging_stops_at_the_merge_limit() -> None:
     run = Run("r", "s", buffer_events=100)
     run.publish(TextChunk("x" * MERGE_LIMIT))
-    assert run.publish(TextChunk("y")).seq == 2
+    assert run.publish(TextChunk("y")) == 2
 
 
 async def test_a_follower_gets_live_events_until_completed() -> None:
@@ -159,3 +159,29 @@ def test_finished_runs_are_forgotten_after_the_retention() -> None:
     run.publish(DONE)
     with pytest.raises(NotFound):
         registry.get("r")
+
+
+def test_a_run_still_going_is_kept_while_runs_started_after_it_are_forgotten() -> None:
+    registry = RunRegistry(retention=0)
+    long, short = Run("long", "s", buffer_events=10), Run("short", "s", buffer_events=10)
+    registry.add(long)
+    registry.add(short)
+    short.publish(DONE)
+    with pytest.raises(NotFound):
+        registry.get("short")
+    assert registry.get("long") is long
+    assert registry.running() == [long]
+    long.publish(DONE)
+    with pytest.raises(NotFound):
+        registry.get("long")
+
+
+def test_a_done_callback_runs_once_at_completion_or_at_once_when_already_done() -> None:
+    run = Run("r", "s", buffer_events=10)
+    seen: list[str] = []
+    run.add_done_callback(lambda r: seen.append("before"))
+    run.publish(TextChunk("x"))
+    assert seen == []
+    run.publish(DONE)
+    run.add_done_callback(lambda r: seen.append("after"))
+    assert seen == ["before", "after"]

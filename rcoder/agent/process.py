@@ -22,9 +22,11 @@ from rcoder.logs import get_logger
 log = get_logger("rcoder.agent.process")
 
 _SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin")
-# stdout is read in blocks and split by the transport (which bounds a line); past this
-# much unread output the agent waits on its pipe instead of the daemon buffering more
-_PIPE_BUFFER = 1 << 20
+# The pipes' readers stop reading as soon as they hold unread data (limit 1: asyncio pauses
+# a pipe once its reader holds more than twice the limit): an agent's output waits in the
+# kernel pipe until the daemon asks for it, then comes in one read instead of a wakeup per
+# line (see transport.READ_COALESCE), and the daemon never buffers more than one read.
+_PIPE_BUFFER = 1
 
 
 class AgentProcess:
@@ -103,10 +105,6 @@ class AgentProcess:
     async def wait_exit(self) -> int:
         return await asyncio.shield(self._exited)
 
-    def exit_task(self) -> asyncio.Task[int]:
-        """Done when the process has exited (for racing against protocol calls)."""
-        return self._exited
-
     def stderr_tail(self) -> str:
         return bytes(self._tail).decode("utf-8", errors="replace").strip()
 
@@ -139,15 +137,25 @@ class AgentProcess:
             if self._closed:
                 return
             self._closed = True
+            discard = asyncio.get_running_loop().create_task(self._discard_stdout(), name=f"agent-stdout-{self.pid}")
             try:
                 await self._stop()
             finally:
                 if self._pid_file is not None:
                     self._pid_file.unlink(missing_ok=True)
-                self._stderr_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._stderr_task
+                for task in (discard, self._stderr_task):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._proc.returncode)
+
+    async def _discard_stdout(self) -> None:
+        """Read stdout to its end while the agent is ended: its reader pauses the pipe while
+        it holds unread data, a paused pipe never sees EOF, and ``wait()`` returns only once
+        every pipe has closed."""
+        with contextlib.suppress(Exception):  # RuntimeError: the connection still reads it
+            while await self.stdout.read(1 << 16):
+                pass
 
     async def _stop(self) -> None:
         if self.is_running():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import sqlite3
@@ -61,10 +62,15 @@ async def test_a_line_over_agent_line_limit_ends_the_run_with_an_error_naming_th
     assert text_of(again) == "I remember: 7"
 
 
-async def test_garbage_on_stdout_is_skipped_and_the_turn_goes_on(make_daemon: DaemonFactory) -> None:
+async def test_garbage_on_stdout_is_skipped_and_updates_outside_the_schema_are_passed_on_as_is(
+    make_daemon: DaemonFactory,
+) -> None:
     _, client = await make_daemon()
     events = await client.chat(prompt="garbage remember 4")
     assert text_of(events) == "I remember: 4"
+    updates = [(e.update.kind, json.loads(e.update.json)) for e in events if e.WhichOneof("event") == "update"]
+    assert ("future_kind", {"sessionUpdate": "future_kind", "n": 1}) in updates
+    assert ("tool_call", {"sessionUpdate": "tool_call"}) in updates
     again = await client.chat(prompt="and?", session_id=events[0].session_id)
     assert started(again).resume == pb.RESUME_OUTCOME_LIVE
 

@@ -18,7 +18,7 @@ import pydantic
 from acp import RequestError
 from acp import schema as acp
 
-from rcoder.agent.convert import notification_to_event, permission_options, update_to_event
+from rcoder.agent.convert import notification_to_event, opaque_update, permission_options, update_to_event
 from rcoder.domain import AgentEvent, PermissionRequest, new_id
 from rcoder.logs import get_logger
 
@@ -71,8 +71,10 @@ class RcoderClient:
         try:
             event = notification_to_event(params)
         except pydantic.ValidationError as exc:
-            log.warning("agent_update_malformed", agent=self._agent, error=exc.errors()[0].get("msg", str(exc)))
-            return
+            # lose nothing: a kind newer than our schema, or a malformed one, reaches the client as is
+            event = opaque_update(params)
+            log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind,
+                        error=exc.errors()[0].get("msg", str(exc)))  # fmt: skip
         if event is not None:
             turn.on_event(event)
 

@@ -66,6 +66,13 @@ def notification_to_event(params: dict[str, Any]) -> AgentEvent | None:
     return update_to_event(acp.SessionNotification.model_validate(params).update)
 
 
+def opaque_update(params: dict[str, Any]) -> AgentUpdate:
+    """An update the SDK's schema does not take (a newer kind, or malformed), passed on as the agent wrote it."""
+    update = params.get("update")
+    kind = update.get("sessionUpdate") if isinstance(update, dict) else None
+    return AgentUpdate(kind=kind if isinstance(kind, str) else "unknown", json=_json(update))
+
+
 def update_to_event(update: Any) -> AgentEvent | None:
     """One ``session/update`` as a domain event; None for replayed user text."""
     if isinstance(update, acp.AgentMessageChunk | acp.AgentThoughtChunk):

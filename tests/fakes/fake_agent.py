@@ -18,7 +18,8 @@ every `remember N` said in the session is recalled as "I remember: N, ...", whic
 
 Prompt directives (lowercase words anywhere in the text; combinable; run in this order):
     stderr N     write N bytes of log text to stderr (64 KiB writes)
-    garbage      write the line "this is not json" to stdout
+    garbage      write the line "this is not json" to stdout, then two session/updates the ACP
+                 schema does not take: kind "future_kind" and a "tool_call" without its fields
     think        an agent_thought_chunk "thinking..."
     tool         tool_call "call-1", a two-entry plan, tool_call_update completed "done"
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
@@ -414,6 +415,9 @@ class FakeAgent:
         if script.garbage:
             # Through the SDK's own writer: whole line, between two JSON-RPC messages.
             self.stdout.write(b"this is not json\n")
+            for update in ({"sessionUpdate": "future_kind", "n": 1}, {"sessionUpdate": "tool_call"}):
+                note = {"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": sid, "update": update}}
+                self.stdout.write(json.dumps(note).encode() + b"\n")
             await self.stdout.drain()
         if script.think:
             await self.conn.session_update(sid, update_agent_thought_text("thinking..."))

@@ -49,6 +49,13 @@ class Metrics:
             ["agent", "outcome", "route"],
             registry=self.registry,
         )
+        self.agent_sources = Counter(
+            "rcoder_session_agents",
+            "Agents that new or resumed sessions got, by where from: started for the request (cold), "
+            "the warm pool (warm), or the warm pool with the session already open (primed)",
+            ["agent", "source"],
+            registry=self.registry,
+        )
         self.spawn_failures = Counter(
             "rcoder_agent_start_failures",
             "Agents that could not be started or initialised, by agent and reason",

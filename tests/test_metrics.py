@@ -54,3 +54,10 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
     assert value("rcoder_turn_duration_seconds_count", agent="fake") == 3
     assert value("rcoder_live_agents", agent="fake") == 1
     assert value("rcoder_warm_agents", agent="fake") == 1
+    assert value("rcoder_session_agents_total", agent="fake", source="warm") == 1
+
+    # the refill opened a session in the project the first turn used: the next new one takes it
+    await client.chat(prompt="hello again")
+    m = await asyncio.to_thread(scrape, serving["address"])
+    assert value("rcoder_session_agents_total", agent="fake", source="primed") == 1
+    assert value("rcoder_session_agents_total", agent="fake", source="cold") == 0

@@ -51,6 +51,8 @@ class Launched:
     method: OpenMethod
     # set when a resume was asked for and the agent no longer had the session
     fallback_reason: str = ""
+    # the session was one the warm pool had opened ahead of time
+    primed: bool = False
 
 
 class AgentLauncher:
@@ -108,11 +110,12 @@ class AgentLauncher:
         if warm is not None and not warm.alive:
             await warm.aclose()  # it died while waiting: reap it, start fresh
             warm = None
+        primed = warm is not None and warm.primed_for(config)
         async for attempt in retrying:
             with attempt:
                 ready, warm = warm, None
                 connection, method, skipped = await self._launch_once(profile, config, ready)
-        return Launched(connection=connection, method=method, fallback_reason=fallback or skipped)
+        return Launched(connection=connection, method=method, fallback_reason=fallback or skipped, primed=primed)
 
     async def _launch_once(
         self, profile: AgentProfile, config: AgentStartConfig, ready: AgentConnection | None = None

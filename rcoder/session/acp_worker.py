@@ -234,6 +234,8 @@ class AcpWorker:
                 self.metrics.spawn_failures.labels(profile.name, exc.reason).inc()
             raise
         conn = launched.connection
+        source = "primed" if launched.primed else "warm" if plan.warm is not None else "cold"
+        self.metrics.agent_sources.labels(profile.name, source).inc()
         self._sessions.adopt(plan.session_id, profile.name, turn.model_provider, conn)
         try:
             content.check(profile, turn, conn.capabilities)

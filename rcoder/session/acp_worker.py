@@ -1,9 +1,9 @@
-"""The resume decision (DESIGN §3) and the life of one turn.
+"""The resume decision (DESIGN §3) and setting a turn up.
 
 ``AcpWorker.chat`` validates what only the daemon can (profile, session,
 project, busy, agent limit), starts or reuses the agent, and returns the
-run once ``started`` is published; the turn then goes on in a task the
-worker owns, whether or not anyone is still watching.
+run once ``started`` is published; the turn then goes on (``session.turn``)
+in a task the worker owns, whether or not anyone is still watching.
 """
 
 from __future__ import annotations
@@ -18,23 +18,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rcoder.agent.connection import AgentConnection
-from rcoder.agent.convert import prompt_blocks
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import (
-    AgentEvent,
     ChatTurn,
     OpenMethod,
     ResumeOutcome,
-    RunCompleted,
     RunRecord,
     RunStarted,
     RunStatus,
     SessionRecord,
-    StopReason,
-    TextChunk,
-    TranscriptEntry,
     new_id,
 )
 from rcoder.errors import (
@@ -50,8 +44,9 @@ from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, reseed, trust
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Run, RunRegistry, heartbeats
+from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.session_manager import SessionManager
+from rcoder.session.turn import TurnRunner, TurnSpec
 from rcoder.session.warm_pool import WarmPools
 from rcoder.session.workspace import project_dir
 from rcoder.store.base import SessionStore
@@ -59,7 +54,6 @@ from rcoder.store.base import SessionStore
 __all__ = ["AcpWorker", "Action", "AgentStartConfig", "decide"]
 
 log = get_logger("rcoder.session.worker")
-MAX_TRANSCRIPT_TEXT = 1 << 20
 RESEED_TURNS = 50
 
 
@@ -77,16 +71,6 @@ def decide(session_id: str, record: SessionRecord | None, live: bool) -> Action:
     if record is None:
         return Action.ADOPT
     return Action.LIVE if live else Action.RESUME
-
-
-@dataclass(slots=True)
-class _ActiveTurn:
-    """A turn whose prompt is with the agent: what ``cancel`` needs."""
-
-    conn: AgentConnection
-    session_id: str
-    cancelled: bool = False
-    kill_timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -127,8 +111,7 @@ class AcpWorker:
         self._runs = runs
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
-        self._active: dict[str, _ActiveTurn] = {}
-        self.permissions = PermissionBroker(settings.permission_timeout)
+        self.turns = TurnRunner(settings, store, sessions, self.metrics, clock, self._spawn)
         self.warm_pools = WarmPools(settings, launcher, sessions, self.metrics)
         self._closing = False
 
@@ -165,6 +148,10 @@ class AcpWorker:
         task.add_done_callback(self._tasks.discard)
         started.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
         return await asyncio.shield(started)
+
+    @property
+    def permissions(self) -> PermissionBroker:
+        return self.turns.permissions
 
     def run(self, run_id: str) -> Run:
         """A running or recently finished run (``NotFound`` otherwise)."""
@@ -216,7 +203,8 @@ class AcpWorker:
         started.set_result(run)
         self.metrics.time_to_first_event.labels(plan.profile.name).observe(time.monotonic() - plan.received)
         self.metrics.resumes.labels(plan.profile.name, body.resume.value, body.resume_method.value).inc()
-        await self._run_turn(plan, conn, run, body.resume)
+        spec = TurnSpec(plan.turn, plan.profile, plan.session_id, plan.preamble)
+        await self.turns.run(spec, conn, run, body.resume)
 
     async def _open(self, plan: _Plan, live: AgentConnection | None) -> tuple[AgentConnection, RunStarted]:
         turn, profile = plan.turn, plan.profile
@@ -329,75 +317,6 @@ class AcpWorker:
         )
         return run
 
-    async def _run_turn(self, plan: _Plan, conn: AgentConnection, run: Run, outcome: ResumeOutcome) -> None:
-        texts: list[str] = []
-        size = 0
-
-        def on_event(event: AgentEvent) -> None:
-            nonlocal size
-            if isinstance(event, TextChunk) and not event.thought and size < MAX_TRANSCRIPT_TEXT:
-                texts.append(event.text)
-                size += len(event.text)
-            run.publish(event)
-
-        decider = self.permissions.decider(run.run_id, plan.turn.permission_mode, plan.profile.permission_rules)
-        error = ""
-        status = RunStatus.COMPLETED
-        active = self._active[run.run_id] = _ActiveTurn(conn, plan.session_id)
-        beats = asyncio.create_task(heartbeats(run, self._settings.heartbeat_interval), name=f"beats-{run.run_id}")
-        try:
-            blocks = prompt_blocks(plan.preamble + plan.turn.prompt, plan.turn.attachments)
-            stop = await conn.prompt(blocks, on_event, decider)
-            if active.cancelled:
-                stop = StopReason.CANCELLED  # some agents answer end_turn to a cancel
-        except AgentError as exc:
-            self._sessions.discard(plan.session_id)  # the next turn resumes on a fresh agent
-            if active.cancelled:  # ended by its group after the cancel grace: still a cancel
-                stop = StopReason.CANCELLED
-            else:
-                stop, error, status = StopReason.ERROR, str(exc), RunStatus.FAILED
-        except asyncio.CancelledError:
-            await self._finish(plan, run, conn, outcome, StopReason.CANCELLED, RunStatus.INTERRUPTED,
-                               "rcoder stopped while the turn ran", None)  # fmt: skip
-            raise
-        finally:
-            beats.cancel()
-            self._active.pop(run.run_id, None)
-            if active.kill_timer is not None:
-                active.kill_timer.cancel()
-        transcript = TranscriptEntry(
-            session_id=plan.session_id,
-            run_id=run.run_id,
-            turn=0,
-            prompt=plan.turn.prompt,
-            response="".join(texts)[:MAX_TRANSCRIPT_TEXT],
-            created_at=self._clock(),
-        )
-        await self._finish(plan, run, conn, outcome, stop, status, error, transcript if not error else None)
-
-    async def _finish(
-        self,
-        plan: _Plan,
-        run: Run,
-        conn: AgentConnection,
-        outcome: ResumeOutcome,
-        stop: StopReason,
-        status: RunStatus,
-        error: str,
-        transcript: TranscriptEntry | None,
-    ) -> None:
-        """Store, free the session, then publish ``completed``: whoever sees it can go on at once."""
-        try:
-            await asyncio.shield(self._store.finish_run(run.run_id, status, stop, error, self._clock(), transcript))
-        except Exception:
-            log.exception("store_write_failed", run_id=run.run_id)
-        finally:
-            self._sessions.release(plan.session_id)
-            run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
-            log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
-            self.metrics.runs.labels(plan.profile.name, outcome.value, stop.value).inc()
-            self.metrics.turn_duration.labels(plan.profile.name).observe(time.monotonic() - run.started_monotonic)
-
     # ------------------------------------------------------------ cancel and close
 
     async def cancel(self, run_id: str, session_id: str) -> tuple[str, bool]:
@@ -416,17 +335,7 @@ class AcpWorker:
                     raise NotFound("session", session_id)
                 return record.last_run_id, False
         run = self._runs.get(run_id)
-        active = self._active.get(run_id)
-        if run.done or active is None:
-            return run_id, False
-        if not active.cancelled:
-            active.cancelled = True
-            log.info("run_cancel_requested", run_id=run_id, grace=self._settings.cancel_grace)
-            self._spawn(active.conn.cancel(), f"cancel-{run_id}")
-            active.kill_timer = asyncio.get_running_loop().call_later(
-                self._settings.cancel_grace, lambda: self._spawn(active.conn.aclose(), f"kill-{run_id}")
-            )
-        return run_id, True
+        return run_id, not run.done and self.turns.cancel(run_id)
 
     async def close_session(self, session_id: str) -> bool:
         """End the session's agent (the record stays). Returns whether one was live."""
@@ -453,7 +362,7 @@ class AcpWorker:
         wait (bounded) for them to end ``CANCELLED``."""
         if await self._wait_idle(grace):
             return
-        running = list(self._active)
+        running = self.turns.running()
         log.info("shutdown_cancelling_turns", runs=len(running))
         for run_id in running:
             with contextlib.suppress(RcoderError):

@@ -249,6 +249,20 @@ class Bench:
         return await DirectAgent.start(self.agent_argv, self.workspace / "proj")
 
 
+@contextlib.asynccontextmanager
+async def live_pair(bench: Bench) -> AsyncIterator[tuple[pb_grpc.AgentRunnerStub, str, DirectAgent]]:
+    """A daemon with a live session and a direct agent with a session, each one turn in (the
+    daemon's first turn imports and opens its store; the agents' first turns warm them)."""
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+        sid = (await chat(stub, "stream 1")).session_id
+        direct = await bench.direct()
+        try:
+            await direct.prompt("stream 1")
+            yield stub, sid, direct
+        finally:
+            await direct.aclose()
+
+
 async def chat(stub: pb_grpc.AgentRunnerStub, prompt: str, session_id: str = "", agent: str = "") -> Turn:
     request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt, agent=agent)
     start = time.perf_counter()
@@ -293,34 +307,27 @@ async def turn_times(bench: Bench, prompt: str, name: str, live_target: str, col
     direct_cold: list[float] = []
     daemon_live: list[float] = []
     daemon_cold: list[float] = []
-    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
-        warm = await chat(stub, "stream 1")  # the daemon's first turn imports and opens its store
-        live_sid = warm.session_id
-        direct = await bench.direct()
+
+    async def direct_cold_turn() -> None:
+        agent = await bench.direct()
         try:
-            await direct.prompt("stream 1")
-            for _ in range(bench.sizes.reps):
-                for i in range(LIVE_PER_COLD):
-                    # each pair back to back, in alternating order: neither side always goes first
-                    if i % 2:
-                        daemon_live.append((await chat(stub, prompt, live_sid)).total)
-                    direct_live.append(await timed(lambda: direct.prompt(prompt)))
-                    if not i % 2:
-                        daemon_live.append((await chat(stub, prompt, live_sid)).total)
-
-                async def direct_cold_turn() -> None:
-                    agent = await bench.direct()
-                    try:
-                        await agent.prompt(prompt)
-                    finally:
-                        await agent.aclose()
-
-                direct_cold.append(await timed(direct_cold_turn))
-                cold = await chat(stub, prompt)
-                daemon_cold.append(cold.total)
-                await close_session(stub, cold.session_id)
+            await agent.prompt(prompt)
         finally:
-            await direct.aclose()
+            await agent.aclose()
+
+    async with live_pair(bench) as (stub, live_sid, direct):
+        for _ in range(bench.sizes.reps):
+            for i in range(LIVE_PER_COLD):
+                # each pair back to back, in alternating order: neither side always goes first
+                if i % 2:
+                    daemon_live.append((await chat(stub, prompt, live_sid)).total)
+                direct_live.append(await timed(lambda: direct.prompt(prompt)))
+                if not i % 2:
+                    daemon_live.append((await chat(stub, prompt, live_sid)).total)
+            direct_cold.append(await timed(direct_cold_turn))
+            cold = await chat(stub, prompt)
+            daemon_cold.append(cold.total)
+            await close_session(stub, cold.session_id)
     results = []
     for mode, target, ours, theirs in (
         ("live", live_target, daemon_live, direct_live),
@@ -342,18 +349,12 @@ async def flood(bench: Bench) -> Result:
     prompt = f"stream {bench.sizes.flood_chunks}"
     ours: list[float] = []
     theirs: list[float] = []
-    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
-        sid = (await chat(stub, "stream 1")).session_id
-        direct = await bench.direct()
-        try:
-            await direct.prompt("stream 1")
-            for _ in range(bench.sizes.reps):
-                seconds = await timed(lambda: direct.prompt(prompt))
-                theirs.append(direct.client.text_bytes / seconds)
-                turn = await chat(stub, prompt, sid)
-                ours.append(turn.text_bytes / turn.total)
-        finally:
-            await direct.aclose()
+    async with live_pair(bench) as (stub, sid, direct):
+        for _ in range(bench.sizes.reps):
+            seconds = await timed(lambda: direct.prompt(prompt))
+            theirs.append(direct.client.text_bytes / seconds)
+            turn = await chat(stub, prompt, sid)
+            ours.append(turn.text_bytes / turn.total)
     details = {
         "daemon_MBps": median(ours) / 1e6,
         "direct_MBps": median(theirs) / 1e6,
@@ -558,16 +559,10 @@ async def startup_and_added_latency(bench: Bench) -> list[Result]:
             await daemon.kill()
     ours: list[float] = []
     theirs: list[float] = []
-    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
-        sid = (await chat(stub, "stream 1")).session_id
-        direct = await bench.direct()
-        try:
-            await direct.prompt("hello")
-            for _ in range(max(bench.sizes.reps * 3, 1)):
-                theirs.append(await timed(lambda: direct.prompt("hello")))
-                ours.append((await chat(stub, "hello", sid)).total)
-        finally:
-            await direct.aclose()
+    async with live_pair(bench) as (stub, sid, direct):
+        for _ in range(max(bench.sizes.reps * 3, 1)):
+            theirs.append(await timed(lambda: direct.prompt("hello")))
+            ours.append((await chat(stub, "hello", sid)).total)
     start = Result("daemon_start_to_serving", "daemon spawn to the serving log line", None, "report", None)
     start.details = {"median_ms": median(starts) * 1e3, "all_ms": [s * 1e3 for s in starts]}
     added = median(ours) - median(theirs)

@@ -18,7 +18,7 @@ import pydantic
 from acp import RequestError
 from acp import schema as acp
 
-from rcoder.agent.convert import notification_to_event, opaque_update, permission_options, update_to_event
+from rcoder.agent.convert import notification_to_event, opaque_update, permission_options
 from rcoder.domain import AgentEvent, PermissionRequest, new_id
 from rcoder.logs import get_logger
 
@@ -81,14 +81,8 @@ class RcoderClient:
     # ------------------------------------------------------------ acp.Client
 
     async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
-        """Only reached over a transport without the fast path; same rules as ``on_update``."""
-        self.updated.set()
-        turn = self._turn
-        if turn is None or (self.session_id and session_id != self.session_id):
-            return
-        event = update_to_event(update)
-        if event is not None:
-            turn.on_event(event)
+        """Not reached: ``PipeTransport`` hands every ``session/update`` to ``on_update``."""
+        self.on_update({"sessionId": session_id, "update": update.model_dump(mode="json", by_alias=True)})
 
     async def request_permission(
         self,

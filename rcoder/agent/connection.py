@@ -130,22 +130,18 @@ class AgentConnection:
         await self.open_session(AgentStartConfig(cwd=cwd), timeout)
         self.primed_cwd = cwd
 
-    def primed_for(self, config: AgentStartConfig) -> bool:
-        """Whether the session opened ahead of time is the one ``config`` asks for."""
-        return bool(self.primed_cwd) and config.is_plain() and config.cwd == self.primed_cwd
-
-    async def drop_primed(self) -> None:
-        """Close the session opened ahead of time (the request wants another), where the agent can.
-
-        Bounded by the stop grace; an agent without ``session/close`` keeps it idle until it ends.
-        """
-        if not self.primed_cwd:
-            return
-        self.primed_cwd = ""
+    async def take_primed(self, config: AgentStartConfig) -> bool:
+        """Whether the session opened ahead of time is the one ``config`` asks for (then it is
+        this request's). If not, it is closed where the agent can (bounded by the stop grace;
+        an agent without ``session/close`` keeps it idle until it ends)."""
+        cwd, self.primed_cwd = self.primed_cwd, ""
+        if not cwd or (config.is_plain() and config.cwd == cwd):
+            return bool(cwd)
         primed, self.provider_session_id = self.provider_session_id, ""
         if self.capabilities.session_close and self.alive:
             with contextlib.suppress(AgentError):
                 await self._call(self._conn.close_session(session_id=primed), self._stop_grace, "session/close")
+        return False
 
     # ------------------------------------------------------------ turns
 

@@ -110,33 +110,29 @@ class AgentLauncher:
         if warm is not None and not warm.alive:
             await warm.aclose()  # it died while waiting: reap it, start fresh
             warm = None
-        primed = warm is not None and warm.primed_for(config)
         async for attempt in retrying:
             with attempt:
                 ready, warm = warm, None
-                connection, method, skipped = await self._launch_once(profile, config, ready)
-        return Launched(connection=connection, method=method, fallback_reason=fallback or skipped, primed=primed)
+                launched = await self._launch_once(profile, config, ready)
+        return replace(launched, fallback_reason=fallback or launched.fallback_reason)
 
     async def _launch_once(
         self, profile: AgentProfile, config: AgentStartConfig, ready: AgentConnection | None = None
-    ) -> tuple[AgentConnection, OpenMethod, str]:
-        """One launch. The third value says why an asked-for resume did not happen."""
+    ) -> Launched:
+        """One launch; its ``fallback_reason`` says why an asked-for resume did not happen."""
         connection = ready or await self.start(profile, config.cwd, config.model_provider)
         skipped = ""
         try:
-            if connection.primed_for(config):
-                log.info("agent_session_opened", agent=profile.name, pid=connection.process.pid,
-                         provider_session_id=connection.provider_session_id, method=OpenMethod.NEW.value,
-                         primed=True)  # fmt: skip
-                connection.primed_cwd = ""
-                return connection, OpenMethod.NEW, ""
-            await connection.drop_primed()
-            if config.resume_session_id:
-                config = replace(config, resume_method=self._route(profile, connection.capabilities))
-                if config.resume_method is None:
-                    skipped = f'profile {profile.name!r} has resume = "none"'
-                    config = config.without_resume()
-            method = await self._open(profile, connection, config)
+            primed = await connection.take_primed(config)
+            if primed:
+                method = OpenMethod.NEW
+            else:
+                if config.resume_session_id:
+                    config = replace(config, resume_method=self._route(profile, connection.capabilities))
+                    if config.resume_method is None:
+                        skipped = f'profile {profile.name!r} has resume = "none"'
+                        config = config.without_resume()
+                method = await self._open(profile, connection, config)
         except BaseException:
             await connection.aclose()
             raise
@@ -150,8 +146,9 @@ class AgentLauncher:
             pid=connection.process.pid,
             provider_session_id=connection.provider_session_id,
             method=method.value,
+            primed=primed,
         )
-        return connection, method, skipped
+        return Launched(connection, method, skipped, primed)
 
     async def _open(self, profile: AgentProfile, connection: AgentConnection, config: AgentStartConfig) -> OpenMethod:
         """Open the session; what the agent's kind knows applies (a deferred load, its lost-session rule)."""

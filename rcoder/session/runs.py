@@ -215,7 +215,7 @@ async def heartbeats(run: Run, interval: float) -> None:
     """Publish a heartbeat whenever ``run`` was quiet for ``interval`` seconds (0: never).
 
     A timer, not a watcher: it wakes once per interval, never per published
-    event (waking on each one cost a streaming turn ~2 µs a chunk)."""
+    event (waking on each one cost ~7 µs a published chunk)."""
     if interval <= 0:
         return
     while not run.done:
@@ -254,7 +254,5 @@ class RunRegistry:
     def _prune(self) -> None:
         cutoff = time.monotonic() - self._retention
         finished = self._finished
-        while finished and finished[0].finished_at is not None and finished[0].finished_at < cutoff:
-            run = finished.popleft()
-            if self._runs.get(run.run_id) is run:
-                del self._runs[run.run_id]
+        while finished and (finished[0].finished_at or 0.0) < cutoff:
+            self._runs.pop(finished.popleft().run_id, None)

@@ -117,11 +117,9 @@ class SessionManager:
         pool = self._warm.get(profile)
         if not pool:
             return None
-        ranked = sorted(
-            range(len(pool)), key=lambda i: (pool[i].primed_cwd != cwd or not cwd, bool(pool[i].primed_cwd))
-        )
+        best = min(range(len(pool)), key=lambda i: (not cwd or pool[i].primed_cwd != cwd, bool(pool[i].primed_cwd)))
         self._reserved += 1
-        return pool.pop(ranked[0])
+        return pool.pop(best)
 
     def add_warm(self, profile: str, connection: AgentConnection) -> None:
         """Park a freshly started agent (its slot was reserved for it)."""

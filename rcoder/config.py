@@ -149,6 +149,9 @@ class Settings:
     cancel_grace: float = 10.0
     # seconds a permission request waits for ResolvePermission before it is rejected
     permission_timeout: float = 300.0
+    # seconds a turn's prompt may run, permission waits included, before it ends with an
+    # AGENT_TIMEOUT error (a model API that never answers must not hold a session forever)
+    turn_timeout: float = 3600.0
     # a heartbeat event after this many quiet seconds in a turn (0: none)
     heartbeat_interval: float = 15.0
     agents: Mapping[str, AgentProfile] = field(default_factory=dict)
@@ -234,6 +237,7 @@ _NUMBER_KEYS = {
     "reseed_max_bytes": int,
     "cancel_grace": float,
     "permission_timeout": float,
+    "turn_timeout": float,
     "heartbeat_interval": float,
 }
 _BOOL_KEYS = {"reseed_on_fallback"}

@@ -218,6 +218,8 @@ class RunCompleted:
     provider_session_id: str
     resume: ResumeOutcome
     error: str = ""
+    # the failure's kind (an RcoderError reason) when ``error`` is set
+    error_reason: str = ""
 
 
 RunEventBody = (

@@ -111,6 +111,7 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
                 provider_session_id=body.provider_session_id,
                 error=body.error,
                 resume=RESUME_OUTCOMES[body.resume],
+                error_reason=body.error_reason,
             )
         )
     return msg

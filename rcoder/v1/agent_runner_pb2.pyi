@@ -1228,11 +1228,16 @@ class RunCompleted(_message.Message):
     PROVIDER_SESSION_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    ERROR_REASON_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     provider_session_id: _builtins.str
     error: _builtins.str
     """set when stop_reason is ERROR (the agent's stderr tail included)"""
     resume: Global___ResumeOutcome.ValueType
+    error_reason: _builtins.str
+    """set with error: what kind of failure, as the ErrorInfo reasons of gRPC statuses say it
+    (AGENT_AUTH_REQUIRED, AGENT_TIMEOUT, AGENT_CRASHED, AGENT_PROTOCOL_ERROR, STORE_UNAVAILABLE, INTERNAL, ...)
+    """
     def __init__(
         self,
         *,
@@ -1240,10 +1245,11 @@ class RunCompleted(_message.Message):
         provider_session_id: _builtins.str = ...,
         error: _builtins.str = ...,
         resume: Global___ResumeOutcome.ValueType = ...,
+        error_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

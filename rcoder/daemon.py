@@ -16,9 +16,9 @@ from rcoder.config import Settings
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
+from rcoder.session.agent_pool import AgentPool
 from rcoder.session.queries import Queries
 from rcoder.session.runs import RunRegistry
-from rcoder.session.session_manager import SessionManager
 from rcoder.store.sqlite import SqliteStore
 
 log = get_logger("rcoder.daemon")
@@ -30,14 +30,11 @@ class Daemon:
         self.settings = settings
         self.store = SqliteStore(settings.data_dir / STORE_FILE)
         self.launcher = AgentLauncher(settings)
-        self.sessions = SessionManager(settings.max_live_agents, settings.idle_timeout)
         self.runs = RunRegistry(settings.run_retention)
         self.metrics = Metrics()
-        self.metrics.watch_agents(
-            lambda: {name: (self.sessions.live_count(name), self.sessions.warm_count(name)) for name in settings.agents}
-        )
-        self.worker = AcpWorker(settings, self.store, self.launcher, self.sessions, self.runs, self.metrics)
-        queries = Queries(settings, self.store, self.sessions, self.launcher)
+        self.pool = AgentPool(settings, self.launcher, self.metrics)
+        self.worker = AcpWorker(settings, self.store, self.launcher, self.pool, self.runs, self.metrics)
+        queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
         if settings.tls_cert:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
@@ -54,7 +51,7 @@ class Daemon:
         if self.settings.metrics_listen:
             port = self.metrics.serve(self.settings.metrics_listen)
             log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
-        self.worker.warm_pools.fill_all()
+        self.pool.fill()
         host = self.settings.listen.rpartition(":")[0]
         log.info(
             "serving",

@@ -24,6 +24,8 @@ class ResumeOutcome(enum.Enum):
     RESUMED = "resumed"
     FALLBACK_NEW = "fallback_new"
     FALLBACK_RESEEDED = "fallback_reseeded"
+    # the turn was cancelled before its session was opened
+    NOT_OPENED = "not_opened"
 
 
 class StopReason(enum.Enum):
@@ -53,6 +55,7 @@ class OpenMethod(enum.Enum):
     RESUME = "resume"
     LOAD = "load"
     META = "meta"
+    NOT_OPENED = "not_opened"  # cancelled before the session was opened
 
 
 class PermissionMode(enum.Enum):

@@ -108,6 +108,30 @@ class ShuttingDown(RcoderError):
         super().__init__("rcoder is shutting down; retry against another instance or after restart")
 
 
+class StoreError(RcoderError):
+    """The store could not do what was asked: unavailable, closed, or it refused the write."""
+
+    reason = "STORE_UNAVAILABLE"
+
+
+class RunCancelled(RcoderError):
+    """A turn was cancelled (``Cancel``) before its agent was ready."""
+
+    reason = "RUN_CANCELLED"
+
+    def __init__(self, run_id: str, phase: str) -> None:
+        super().__init__(f"run {run_id} was cancelled while {phase}", run_id=run_id)
+
+
+class Internal(RcoderError):
+    """Something rcoder did not expect: a bug. Logged with its traceback where it happened."""
+
+    reason = "INTERNAL"
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"internal error: {type(exc).__name__}: {exc}")
+
+
 # ---------------------------------------------------------------- agent failures
 
 
@@ -146,6 +170,12 @@ class AgentCrashed(AgentError):
     """The agent process ended while rcoder needed it."""
 
     reason = "AGENT_CRASHED"
+
+
+class AgentClosed(AgentError):
+    """rcoder itself ended the agent (a cancel past its grace, idle closing, shutdown): not a fault of the agent."""
+
+    reason = "AGENT_CLOSED"
 
 
 class AgentProtocolError(AgentError):

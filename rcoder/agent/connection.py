@@ -19,12 +19,14 @@ from acp.client.connection import ClientSideConnection
 from rcoder.agent.classify import AUTH_REQUIRED, gone_reason, gone_reason_from_stderr
 from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
+from rcoder.agent.kinds import GENERIC, AgentKind
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
 from rcoder.domain import AgentCapabilities, OpenMethod, StopReason
 from rcoder.errors import (
     AgentAuthRequired,
+    AgentClosed,
     AgentCrashed,
     AgentError,
     AgentProtocolError,
@@ -72,8 +74,10 @@ class AgentConnection:
         agent: str,
         capabilities: AgentCapabilities,
         stop_grace: float,
+        kind: AgentKind = GENERIC,
     ) -> None:
         self.process = process
+        self._kind = kind
         self._pipe = pipe
         self._conn = conn
         self._client = client
@@ -139,21 +143,29 @@ class AgentConnection:
             return bool(cwd)
         primed, self.provider_session_id = self.provider_session_id, ""
         if self.capabilities.session_close and self.alive:
-            with contextlib.suppress(AgentError):
+            try:
                 await self._call(self._conn.close_session(session_id=primed), self._stop_grace, "session/close")
+            except AgentError as exc:  # it stays idle in the agent until the agent ends
+                log.info("agent_session_not_closed", agent=self.agent, error=exc.summary)
         return False
 
     # ------------------------------------------------------------ turns
 
     async def prompt(
-        self, blocks: list[AcpContentBlock], on_event: EventSink, on_permission: PermissionDecider
+        self,
+        blocks: list[AcpContentBlock],
+        on_event: EventSink,
+        on_permission: PermissionDecider,
+        timeout: float | None = None,
     ) -> StopReason:
-        """Run one turn; updates go to ``on_event`` as they arrive."""
+        """Run one turn; updates go to ``on_event`` as they arrive. Not answered within
+        ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
         self._client.begin_turn(on_event, on_permission)
         try:
             response = await self._call(
-                self._conn.prompt(session_id=self.provider_session_id, prompt=blocks), None, "session/prompt"
-            )
+                self._conn.prompt(session_id=self.provider_session_id, prompt=blocks),
+                timeout, "session/prompt (turn_timeout)" if timeout else "session/prompt",
+            )  # fmt: skip
         finally:
             self._client.end_turn()
         return stop_reason(response.stop_reason)
@@ -162,8 +174,10 @@ class AgentConnection:
         """``session/cancel``; pending permission requests are answered ``cancelled``."""
         self._client.cancel_turn()
         if self.alive and self.provider_session_id:
-            with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            try:
                 await self._conn.cancel(session_id=self.provider_session_id)
+            except (ConnectionError, OSError) as exc:  # it is ending anyway: its group goes after the grace
+                log.info("agent_cancel_not_sent", agent=self.agent, error=str(exc))
 
     # ------------------------------------------------------------ ending
 
@@ -182,19 +196,35 @@ class AgentConnection:
     async def _close(self) -> None:
         try:
             if self.capabilities.session_close and self.provider_session_id and self.process.is_running():
-                with contextlib.suppress(Exception):  # best effort: the group is ended regardless
-                    async with asyncio.timeout(self._stop_grace):
-                        await self._conn.close_session(session_id=self.provider_session_id)
-            with contextlib.suppress(Exception):
+                try:  # best effort: the group is ended regardless
+                    await self._call(
+                        self._conn.close_session(session_id=self.provider_session_id), self._stop_grace,
+                        "session/close", closing=False,
+                    )  # fmt: skip
+                except AgentError as exc:
+                    log.info("agent_session_not_closed", agent=self.agent, error=exc.summary)
+            # the SDK's close cancels its handler tasks and waits for each: bounded, in case one lingers
+            try:
                 async with asyncio.timeout(self._stop_grace):
                     await self._conn.close()
+            except TimeoutError:
+                log.warning("agent_connection_close_timed_out", agent=self.agent, grace=self._stop_grace)
         finally:
             await self.process.aclose()
 
     # ------------------------------------------------------------ the edge
 
-    async def _call(self, call: Coroutine[Any, Any, T], timeout: float | None, step: str, resuming: str = "") -> T:
-        return await call_agent(self.process, self.agent, call, timeout, step, resuming, self._pipe)
+    async def _call(
+        self, call: Coroutine[Any, Any, T], timeout: float | None, step: str, resuming: str = "", closing: bool = True
+    ) -> T:
+        """One SDK call. A connection rcoder itself closed fails with ``AgentClosed``, never
+        as if the agent had broken (``closing=False``: the call is part of closing it)."""
+        try:
+            return await call_agent(self.process, self.agent, call, timeout, step, resuming, self._pipe, self._kind)
+        except AgentError as exc:
+            if closing and self._closed and not isinstance(exc, AgentClosed):
+                raise AgentClosed(f"rcoder ended agent {self.agent!r} during {step}", agent=self.agent) from exc
+            raise
 
 
 async def call_agent(
@@ -205,6 +235,7 @@ async def call_agent(
     step: str,
     resuming: str = "",
     pipe: PipeTransport | None = None,
+    kind: AgentKind = GENERIC,
 ) -> T:
     """Await one ACP call, bounded, with every failure as one of our errors."""
     try:
@@ -217,7 +248,7 @@ async def call_agent(
             stderr_tail=process.stderr_tail(),
         ) from None
     except RequestError as exc:
-        raise _from_request_error(exc, process, agent, step, resuming) from exc
+        raise _from_request_error(exc, process, agent, step, resuming, kind) from exc
     except ConnectionError as exc:
         if pipe is not None and pipe.fault:
             raise AgentProtocolError(
@@ -231,10 +262,13 @@ async def call_agent(
         ) from exc
 
 
-def _from_request_error(exc: RequestError, process: AgentProcess, agent: str, step: str, resuming: str) -> AgentError:
+def _from_request_error(
+    exc: RequestError, process: AgentProcess, agent: str, step: str, resuming: str, kind: AgentKind
+) -> AgentError:
     message = str(exc)
     if resuming:
-        why = gone_reason(exc.code, message, exc.data)
+        # "session gone" is decided here only: the rules every agent shares, then its kind's own
+        why = gone_reason(exc.code, message, exc.data) or kind.gone_reason(step, exc.code, message, exc.data)
         if why:
             return SessionGone(resuming, f"{step}: {why}", agent=agent)
     detail = exc.data.get("details") if isinstance(exc.data, dict) else exc.data

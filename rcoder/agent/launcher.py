@@ -23,7 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 from rcoder import __version__
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
-from rcoder.agent.kinds import AgentKind, kind_of
+from rcoder.agent.kinds import kind_of
 from rcoder.agent.process import AgentProcess, sweep
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
@@ -34,8 +34,6 @@ from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.launcher")
 
-# how a resume is asked for, by route (for error messages and the kinds' rules)
-_OPEN_STEP = {OpenMethod.RESUME: "session/resume", OpenMethod.LOAD: "session/load", OpenMethod.META: "session/new"}
 # the longest a load is deferred for an agent that needs it (Gemini: to the next minute)
 MAX_LOAD_DEFER = 62.0
 # an agent that answers session/load before its replay is out: the replay is over once no
@@ -157,14 +155,7 @@ class AgentLauncher:
         if rid and method is OpenMethod.LOAD:
             home = self._settings.agent_home(profile)
             await self._defer_load(profile, rid, await asyncio.to_thread(kind.load_not_before, home, rid))
-        try:
-            opened = await connection.open_session(config, self._settings.session_open_timeout)
-        except AgentProtocolError as exc:
-            step = _OPEN_STEP.get(method) if rid and method else None
-            why = _kind_gone_reason(kind, step, exc) if step else None
-            if why is None:
-                raise
-            raise SessionGone(rid, f"{step}: {why}", agent=profile.name, stderr_tail=exc.stderr_tail) from exc
+        opened = await connection.open_session(config, self._settings.session_open_timeout)
         if opened is OpenMethod.LOAD and kind.answers_load_before_replay:
             await _replay_settled(connection.updated, REPLAY_QUIET, REPLAY_SETTLE_MAX)
         return opened
@@ -241,6 +232,11 @@ class AgentLauncher:
             line_limit=self._settings.agent_line_limit,
         )
         conn = acp.connect_to_agent(cast(acp.Client, client), pipe)
+        kind = kind_of(profile.kind)
+        # owned from here on: a failed or cancelled initialize ends the agent through aclose()
+        connection = AgentConnection(
+            process, pipe, conn, client, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
+        )
         try:
             init = await call_agent(
                 process,
@@ -253,6 +249,7 @@ class AgentLauncher:
                 self._settings.initialize_timeout,
                 "initialize",
                 pipe=pipe,
+                kind=kind,
             )
             if init.protocol_version != acp.PROTOCOL_VERSION:
                 raise AgentProtocolError(
@@ -261,13 +258,11 @@ class AgentLauncher:
                     agent=profile.name,
                 )
         except BaseException:
-            with contextlib.suppress(Exception):
-                await conn.close()
-            await process.aclose()
+            await connection.aclose()
             raise
-        caps = capabilities_from_initialize(init)
-        self.capabilities_seen[profile.name] = (caps, datetime.now(UTC))
-        return AgentConnection(process, pipe, conn, client, profile.name, caps, self._settings.agent_stop_grace)
+        connection.capabilities = capabilities_from_initialize(init)
+        self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
+        return connection
 
     @staticmethod
     def _route(profile: AgentProfile, caps: AgentCapabilities) -> OpenMethod | None:
@@ -287,14 +282,6 @@ class AgentLauncher:
             return OpenMethod.LOAD
         # agents that take it (Claude's adapter) resume through session/new _meta
         return OpenMethod.META
-
-
-def _kind_gone_reason(kind: AgentKind, step: str, exc: AgentProtocolError) -> str | None:
-    """The kind's own "session gone" rule, applied to the agent's error as it answered."""
-    cause = exc.__cause__
-    if not isinstance(cause, acp.RequestError):
-        return None
-    return kind.gone_reason(step, cause.code, str(cause), cause.data)
 
 
 async def _replay_settled(updated: asyncio.Event, quiet: float, limit: float) -> None:

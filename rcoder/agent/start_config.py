@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from acp.client.connection import ClientSideConnection
+from acp.schema import NewSessionRequest
+
 from rcoder.domain import McpServer, ModelProvider, OpenMethod
+
+# session/new's own parameters, as the SDK takes them and as they go on the wire: the SDK
+# spreads _meta as keyword arguments, so a _meta key of one of these names would collide
+_NEW_SESSION_PARAMS = [
+    name
+    for name, param in inspect.signature(ClientSideConnection.new_session).parameters.items()
+    if name != "self" and param.kind is not inspect.Parameter.VAR_KEYWORD
+]
+_WIRE_NAMES = [f.alias for name, f in NewSessionRequest.model_fields.items() if name in _NEW_SESSION_PARAMS and f.alias]
+RESERVED_META_KEYS = frozenset(_NEW_SESSION_PARAMS + _WIRE_NAMES)
+
+
+def meta_collision(meta: dict[str, Any]) -> str | None:
+    """A key of ``extra_meta`` that would collide with a ``session/new`` parameter, if any."""
+    clash = RESERVED_META_KEYS & meta.keys()
+    return min(clash) if clash else None
 
 
 @dataclass(frozen=True, slots=True)

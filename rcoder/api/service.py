@@ -39,6 +39,8 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.SessionBusy, grpc.StatusCode.ABORTED),
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (errors.StoreError, grpc.StatusCode.UNAVAILABLE),
+    (errors.RunCancelled, grpc.StatusCode.CANCELLED),
     (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
     (errors.RcoderError, grpc.StatusCode.INTERNAL),

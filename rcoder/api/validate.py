@@ -20,8 +20,6 @@ MAX_ATTACHMENTS = 32
 MAX_ATTACHMENT_BYTES = 16 << 20
 MAX_META_BYTES = 64 << 10
 MAX_META_DEPTH = 8
-# session/new parameters: a _meta key of the same name would collide with them
-RESERVED_META_KEYS = frozenset({"cwd", "mcp_servers", "mcpServers", "additional_directories"})
 
 _PERMISSION_MODES = {
     pb.PERMISSION_MODE_UNSPECIFIED: PermissionMode.ALLOW,
@@ -113,9 +111,6 @@ def extra_meta(req: pb.ChatRequest) -> dict[str, Any]:
         raise InvalidArgument("extra_meta", f"too large ({size} bytes as JSON, at most {MAX_META_BYTES})")
     if _depth(meta) > MAX_META_DEPTH:
         raise InvalidArgument("extra_meta", f"nested deeper than {MAX_META_DEPTH} levels")
-    clash = RESERVED_META_KEYS & meta.keys()
-    if clash:
-        raise InvalidArgument(f"extra_meta.{sorted(clash)[0]}", "reserved: this is a session/new parameter, not _meta")
     return meta
 
 

@@ -10,7 +10,8 @@ from rcoder.agent.launcher import AgentLauncher
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, SessionRecord
 from rcoder.errors import NotFound
-from rcoder.session.session_manager import SessionManager
+from rcoder.session.agent_pool import AgentPool
+from rcoder.session.runs import RunRegistry
 from rcoder.store.base import SessionStore
 
 
@@ -32,17 +33,18 @@ class AgentView:
 
 class Queries:
     def __init__(
-        self, settings: Settings, store: SessionStore, sessions: SessionManager, launcher: AgentLauncher
+        self, settings: Settings, store: SessionStore, pool: AgentPool, runs: RunRegistry, launcher: AgentLauncher
     ) -> None:
         self._settings = settings
         self._store = store
-        self._sessions = sessions
+        self._pool = pool
+        self._runs = runs
         self._launcher = launcher
 
     def status(self, session_id: str) -> SessionStatus:
-        if self._sessions.busy_run(session_id):
+        if self._runs.holder(session_id) is not None:
             return SessionStatus.BUSY
-        return SessionStatus.LIVE if self._sessions.is_live(session_id) else SessionStatus.IDLE
+        return SessionStatus.LIVE if self._pool.is_live(session_id) else SessionStatus.IDLE
 
     async def session(self, session_id: str) -> tuple[SessionRecord, SessionStatus]:
         record = await self._store.get_session(session_id)
@@ -70,8 +72,8 @@ class Queries:
                     is_default=name == self._settings.default_agent,
                     capabilities=seen[0] if seen else None,
                     seen_at=seen[1] if seen else None,
-                    live_agents=self._sessions.live_count(name),
-                    warm_agents=self._sessions.warm_count(name),
+                    live_agents=self._pool.live_count(name),
+                    warm_agents=self._pool.warm_count(name),
                 )
             )
         return views

@@ -8,7 +8,7 @@ Two rules keep this cheap when the agent writes faster than clients read:
 
 - **Merging.** A text chunk that arrives while the previous event is a text
   chunk of the same kind *that no follower has taken yet* is appended to it
-  (up to ``MERGE_LIMIT`` characters) instead of becoming a new event. The
+  (up to ``MERGE_LIMIT`` bytes of UTF-8) instead of becoming a new event. The
   sequence stays gapless, and a replay returns exactly the merged events the
   followers saw, because a taken event never changes again.
 - **Coalescing.** A follower that has just sent a text event holds the next
@@ -33,9 +33,9 @@ from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
-from rcoder.errors import NotFound, OutOfRange
+from rcoder.errors import NotFound, OutOfRange, SessionBusy
 
-MERGE_LIMIT = 64 * 1024  # characters in one merged text event
+MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
 COALESCE_WINDOW = 0.004  # seconds: at most one text event per follower per window while text streams
 HARD_LIMIT_FACTOR = 4
 
@@ -59,7 +59,7 @@ class Run:
         # text merged into the last event and not folded in yet (appending to a list is O(1);
         # the event is rebuilt once, when it is taken or another event follows)
         self._open: list[str] = []
-        self._open_len = 0  # characters of the last event's text, merged parts included
+        self._open_len = 0  # UTF-8 bytes of the last event's text, merged parts included
         self._positions: dict[int, int] = {}  # attached follower -> last seq it took
         self._follower_ids = itertools.count()
         self._clock = clock
@@ -91,26 +91,31 @@ class Run:
         """Number (or merge) and keep one event, and wake every follower. Never awaits.
 
         Returns the event's seq (the one merged into, for merged text). Text
-        longer than ``MERGE_LIMIT`` is split into several events, so no
-        message a client receives is larger than that (whatever the agent wrote).
+        over ``MERGE_LIMIT`` bytes of UTF-8 is split into several events at
+        character boundaries, so no message a client receives is larger than
+        that, whatever the agent wrote and in whatever script.
         """
         if self.completed is not None:
             raise RuntimeError(f"run {self.run_id} already completed")
-        if isinstance(body, TextChunk) and len(body.text) > MERGE_LIMIT:
-            text = body.text
-            for start in range(0, len(text) - MERGE_LIMIT, MERGE_LIMIT):
-                self.publish(TextChunk(text[start : start + MERGE_LIMIT], body.thought))
-            body = TextChunk(text[len(text) - (len(text) - 1) % MERGE_LIMIT - 1 :], body.thought)
+        size = 0
+        if isinstance(body, TextChunk):
+            size = utf8_size(body.text)
+            if size > MERGE_LIMIT:
+                *head, last = split_utf8(body.text, MERGE_LIMIT)
+                for piece in head:
+                    self.publish(TextChunk(piece, body.thought))
+                body = TextChunk(last, body.thought)
+                size = utf8_size(last)
         self.last_published = time.monotonic()
-        if isinstance(body, TextChunk) and self._merges(body):
+        if isinstance(body, TextChunk) and self._merges(body, size):
             self._open.append(body.text)
-            self._open_len += len(body.text)
+            self._open_len += size
             return self._seq
         self._seal()
         self._seq += 1
         event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
         self._events.append(event)
-        self._open_len = len(body.text) if isinstance(body, TextChunk) else 0
+        self._open_len = size
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
@@ -122,16 +127,12 @@ class Run:
         self._appended = asyncio.Event()
         return self._seq
 
-    def _merges(self, body: TextChunk) -> bool:
+    def _merges(self, body: TextChunk, size: int) -> bool:
         """Whether ``body`` grows the last event: text of its kind that no follower has taken."""
         if not self._events or self._seq <= self._taken:
             return False
         prev = self._events[-1].body
-        return (
-            isinstance(prev, TextChunk)
-            and prev.thought == body.thought
-            and self._open_len + len(body.text) <= MERGE_LIMIT
-        )
+        return isinstance(prev, TextChunk) and prev.thought == body.thought and self._open_len + size <= MERGE_LIMIT
 
     def _seal(self) -> None:
         """Fold the text merged into the last event into it (before anyone reads it or another follows)."""
@@ -211,6 +212,25 @@ class Run:
         return batch
 
 
+def utf8_size(text: str) -> int:
+    """Bytes of ``text`` as UTF-8 (``isascii`` is O(1): most chunks cost nothing to measure)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def split_utf8(text: str, limit: int) -> list[str]:
+    """``text`` in pieces of at most ``limit`` bytes of UTF-8, cut between characters."""
+    data = text.encode("utf-8", "surrogatepass")
+    pieces = []
+    start = 0
+    while start < len(data):
+        end = min(start + limit, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # a continuation byte: back to the character's start
+            end -= 1
+        pieces.append(data[start:end].decode("utf-8", "surrogatepass"))
+        start = end
+    return pieces
+
+
 async def heartbeats(run: Run, interval: float) -> None:
     """Publish a heartbeat whenever ``run`` was quiet for ``interval`` seconds (0: never).
 
@@ -227,19 +247,45 @@ async def heartbeats(run: Run, interval: float) -> None:
 
 
 class RunRegistry:
-    """Runs by id; finished ones are forgotten after ``retention`` seconds."""
+    """Runs by id, and which run holds each session.
+
+    A run is registered when it claims its session, before its agent is even
+    started, so ``Cancel`` and shutdown see a turn in every phase. Finished
+    runs are forgotten after ``retention`` seconds.
+    """
 
     def __init__(self, retention: float) -> None:
         self._runs: dict[str, Run] = {}
+        self._holders: dict[str, Run] = {}  # session_id -> the run holding it
         self._retention = retention
         # finished runs in the order they finished: pruning looks only at the oldest
         # (a scan of every run on each add made a busy daemon's turns O(runs kept))
         self._finished: deque[Run] = deque()
 
-    def add(self, run: Run) -> None:
+    def claim(self, run: Run) -> None:
+        """Register ``run`` as its session's one running turn, or raise ``SessionBusy``."""
+        holder = self._holders.get(run.session_id)
+        if holder is not None:
+            raise SessionBusy(run.session_id, holder.run_id)
         self._prune()
+        self._holders[run.session_id] = run
         self._runs[run.run_id] = run
         run.add_done_callback(self._finished.append)
+
+    def release(self, run: Run) -> None:
+        """The run no longer holds its session (idempotent)."""
+        if self._holders.get(run.session_id) is run:
+            del self._holders[run.session_id]
+
+    def forget(self, run: Run) -> None:
+        """A run refused before it started: released, and never visible again."""
+        self.release(run)
+        if self._runs.get(run.run_id) is run:
+            del self._runs[run.run_id]
+
+    def holder(self, session_id: str) -> Run | None:
+        """The run holding ``session_id``, in any phase (opening its agent included)."""
+        return self._holders.get(session_id)
 
     def get(self, run_id: str) -> Run:
         self._prune()
@@ -249,7 +295,7 @@ class RunRegistry:
         return run
 
     def running(self) -> list[Run]:
-        return [r for r in self._runs.values() if not r.done]
+        return list(self._holders.values())
 
     def _prune(self) -> None:
         cutoff = time.monotonic() - self._retention

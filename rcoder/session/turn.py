@@ -1,9 +1,19 @@
-"""One turn whose run has started: the prompt, its events into the run, cancel, the end.
+"""One turn's whole life, owned by one scope: opened, started, prompted, cancelled, finished.
 
-``TurnRunner.run`` sends the prompt and publishes what the agent streams;
-``cancel`` asks the agent to stop and ends its process group after
-``cancel_grace``; every path ends in ``_finish``: the run stored, the session
-freed, then ``completed`` published, so whoever sees it can go on at once.
+The worker claims the session and registers the run, then starts
+``TurnRunner.run`` in a task of its own. Everything after that happens inside
+one ``TurnScope`` (``async with``), whose exit, on every path, stores the
+result, releases the session and its agent, and publishes ``completed``:
+an exception it did not expect becomes ``STOP_REASON_ERROR`` with the error's
+text, and a store that cannot record the end makes the turn an error too, so
+the stream never claims what the store does not hold.
+
+``cancel`` reaches a turn in any phase. While its agent is being started or
+its session opened (spawn, ``initialize``, a deferred load, a replay), that
+work is cancelled, which ends the agent's process group, and the run is
+recorded as started-then-cancelled (``RESUME_OUTCOME_NOT_OPENED``). Once the
+prompt is with the agent, ``session/cancel`` goes to it and its group is
+ended after ``cancel_grace``. Either way the turn ends ``CANCELLED``.
 """
 
 from __future__ import annotations
@@ -11,55 +21,199 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from datetime import datetime
+from types import TracebackType
 from typing import Any
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.convert import prompt_blocks
-from rcoder.config import AgentProfile, Settings
+from rcoder.config import Settings
 from rcoder.domain import (
     AgentEvent,
-    ChatTurn,
+    OpenMethod,
     ResumeOutcome,
     RunCompleted,
+    RunRecord,
+    RunStarted,
     RunStatus,
+    SessionRecord,
     StopReason,
     TextChunk,
     TranscriptEntry,
 )
-from rcoder.errors import AgentError
-from rcoder.logs import get_logger
+from rcoder.errors import AgentError, Internal, RcoderError, RunCancelled, ShuttingDown, StoreError
+from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
+from rcoder.session.agent_pool import AgentPool
+from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Run, heartbeats
-from rcoder.session.session_manager import SessionManager
+from rcoder.session.runs import Run, RunRegistry, heartbeats
 from rcoder.store.base import SessionStore
 
 log = get_logger("rcoder.session.turn")
 MAX_TRANSCRIPT_TEXT = 1 << 20
+# the longest the end of a turn waits for a start write still in flight when rcoder stops
+START_WRITE_BOUND = 5.0
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], None]
 
 
-@dataclass(frozen=True, slots=True)
-class TurnSpec:
-    """What a started turn runs: the request, on which profile and session."""
+class TurnScope:
+    """A claimed turn from its first step to ``completed`` (see the module docstring)."""
 
-    turn: ChatTurn
-    profile: AgentProfile
-    session_id: str
-    # sent before the prompt on this turn only (a re-seed summary)
-    preamble: str = ""
+    def __init__(self, runner: TurnRunner, plan: TurnPlan, run: Run, ready: asyncio.Future[Run]) -> None:
+        self._runner = runner
+        self.plan = plan
+        self.run = run
+        self._ready = ready
+        self.phase = "waiting to start its agent"
+        self.cancel_requested = False
+        self._opening: asyncio.Task[Opened] | None = None
+        self._start_write: asyncio.Future[None] | None = None
+        self.body: RunStarted | None = None  # the started event, once known
+        self.published = False  # started is out
+        self.conn: AgentConnection | None = None
+        self.kill_timer: asyncio.TimerHandle | None = None
+        # how it ended; set by the body of the scope, or by __aexit__ from what it raised
+        self.stop = StopReason.END_TURN
+        self.status = RunStatus.COMPLETED
+        self.error = ""
+        self.error_reason = ""
+        self.transcript: TranscriptEntry | None = None
 
+    # ------------------------------------------------------------ phases
 
-@dataclass(slots=True)
-class _ActiveTurn:
-    """A turn whose prompt is with the agent: what ``cancel`` needs."""
+    async def open(self, opener: SessionOpener) -> Opened:
+        """Open the session in a task of its own, so that ``cancel`` can stop just that."""
+        self.phase = "its agent was starting"
+        self._opening = asyncio.get_running_loop().create_task(opener.open(self.plan), name=f"open-{self.run.run_id}")
+        try:
+            opened = await self._opening
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.cancel_requested and current is not None and not current.cancelling():
+                raise RunCancelled(self.run.run_id, self.phase) from None
+            raise
+        finally:
+            self._opening = None
+        self.conn = opened.connection
+        return opened
 
-    conn: AgentConnection
-    cancelled: bool = False
-    kill_timer: asyncio.TimerHandle | None = None
+    async def start(self, body: RunStarted) -> None:
+        """Record the run (and a new session) in the store, then publish ``started``."""
+        self.phase = "it was being recorded"
+        self.body = body
+        self._start_write = asyncio.ensure_future(self._runner.record_start(self.plan, body))
+        await asyncio.shield(self._start_write)
+        self._publish_started()
+
+    def cancel(self) -> bool:
+        """Ask the turn to stop, whatever its phase. Asking twice is asking once."""
+        if self.cancel_requested:
+            return True
+        self.cancel_requested = True
+        log.info("run_cancel_requested", run_id=self.run.run_id, phase=self.phase)
+        if self._opening is not None:
+            self._opening.cancel()
+        elif self.conn is not None and self.phase == "prompting":
+            self._runner.ask_agent_to_stop(self)
+        return True
+
+    def _publish_started(self) -> None:
+        assert self.body is not None
+        if self.published:
+            return
+        self.published = True
+        self.run.publish(self.body)
+        if not self._ready.done():
+            self._ready.set_result(self.run)
+
+    # ------------------------------------------------------------ the end
+
+    async def __aenter__(self) -> TurnScope:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        stopping = isinstance(exc, asyncio.CancelledError)  # rcoder is shutting down
+        try:
+            if not self.published and not await self._started_anyway(exc):
+                self._refuse(exc)
+                return not stopping
+            self._judge(exc)
+            await self._runner.finish(self)
+        finally:
+            if self.kill_timer is not None:
+                self.kill_timer.cancel()
+            self._runner.forget(self)
+        return exc is not None and not stopping
+
+    async def _started_anyway(self, exc: BaseException | None) -> bool:
+        """Whether the run must be seen to start although ``started`` is not out: it was
+        cancelled before its session opened, or its start was written as rcoder stopped."""
+        if self.cancel_requested and not isinstance(exc, asyncio.CancelledError):
+            self.body = self.plan.started(
+                self.plan.record.provider_session_id if self.plan.record else "",
+                ResumeOutcome.NOT_OPENED,
+                OpenMethod.NOT_OPENED,
+                "",
+            )
+            try:
+                await self._runner.record_start(self.plan, self.body)
+            except StoreError as store_exc:
+                self._refuse(store_exc)
+                return False
+            self._publish_started()
+            return True
+        write = self._start_write
+        if write is None:
+            return False
+        done, _ = await asyncio.wait({write}, timeout=START_WRITE_BOUND)
+        if write not in done or write.cancelled() or write.exception() is not None:
+            return False
+        self._publish_started()
+        return True
+
+    def _refuse(self, exc: BaseException | None) -> None:
+        """Before ``started``: the caller of ``Chat`` gets the error as a gRPC status."""
+        if isinstance(exc, RcoderError):
+            error: RcoderError = exc
+        elif isinstance(exc, asyncio.CancelledError):
+            error = ShuttingDown()
+        else:
+            log.error("turn_failed_unexpectedly", exc_info=exc)
+            error = Internal(exc if exc is not None else RuntimeError("the turn ended without starting"))
+        if not self._ready.done():
+            self._ready.set_exception(error)
+        self._runner.refused(self)
+
+    def _judge(self, exc: BaseException | None) -> None:
+        """How a started turn ended, from what its body set and what it raised."""
+        if exc is None:
+            if self.cancel_requested:
+                self.stop = StopReason.CANCELLED  # some agents answer end_turn to a cancel
+            return
+        self.transcript = None
+        if isinstance(exc, RunCancelled | AgentError) and self.cancel_requested:
+            # ended by its group after the cancel grace, or before its session opened: still a cancel
+            self.stop, self.status = StopReason.CANCELLED, RunStatus.COMPLETED
+        elif isinstance(exc, asyncio.CancelledError):
+            self.stop, self.status = StopReason.CANCELLED, RunStatus.INTERRUPTED
+            self.error, self.error_reason = "rcoder stopped while the turn ran", ShuttingDown.reason
+        elif isinstance(exc, RcoderError):
+            self.stop, self.status, self.error, self.error_reason = (
+                StopReason.ERROR, RunStatus.FAILED, str(exc), exc.reason,
+            )  # fmt: skip
+        else:
+            log.error("turn_failed_unexpectedly", exc_info=exc)
+            self.stop, self.status = StopReason.ERROR, RunStatus.FAILED
+            self.error, self.error_reason = Internal(exc).message, Internal.reason
+
+    @property
+    def agent_broken(self) -> bool:
+        """Whether the session's agent must not serve another turn (an error, or ended by cancel)."""
+        return self.status is not RunStatus.COMPLETED or bool(self.error)
 
 
 class TurnRunner:
@@ -67,27 +221,52 @@ class TurnRunner:
         self,
         settings: Settings,
         store: SessionStore,
-        sessions: SessionManager,
+        pool: AgentPool,
+        runs: RunRegistry,
         metrics: Metrics,
         clock: Callable[[], datetime],
         spawn: Spawn,
     ) -> None:
         self._settings = settings
         self._store = store
-        self._sessions = sessions
+        self._pool = pool
+        self._runs = runs
         self._metrics = metrics
         self._clock = clock
         self._spawn = spawn  # background work the worker tracks (and waits for at shutdown)
-        self._active: dict[str, _ActiveTurn] = {}
+        self._opener = SessionOpener(settings, store, pool, metrics)
+        self._scopes: dict[str, TurnScope] = {}
         self.permissions = PermissionBroker(settings.permission_timeout)
 
     def running(self) -> list[str]:
-        """Runs whose prompt is with their agent."""
-        return list(self._active)
+        """Every claimed turn, whatever its phase."""
+        return list(self._scopes)
 
-    async def run(self, spec: TurnSpec, conn: AgentConnection, run: Run, outcome: ResumeOutcome) -> None:
+    def cancel(self, run_id: str) -> bool:
+        """Ask the turn to stop. False when it is no longer running."""
+        scope = self._scopes.get(run_id)
+        return scope is not None and scope.cancel()
+
+    async def run(self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run]) -> None:
+        """The turn, start to end (the task the worker starts for each claimed turn)."""
+        bind_context(run_id=plan.run_id, session_id=plan.session_id, project_id=plan.turn.project_id)
+        scope = self._scopes[run.run_id] = TurnScope(self, plan, run, ready)
+        async with scope:
+            opened = await scope.open(self._opener)
+            await scope.start(opened.started)
+            self._metrics.time_to_first_event.labels(plan.profile.name).observe(time.monotonic() - plan.received)
+            started = opened.started
+            self._metrics.resumes.labels(plan.profile.name, started.resume.value, started.resume_method.value).inc()
+            log.info("run_started", agent=plan.profile.name, resume=started.resume.value,
+                     method=started.resume_method.value, provider_session_id=started.provider_session_id,
+                     fallback_reason=started.fallback_reason or None)  # fmt: skip
+            if not scope.cancel_requested:
+                await self._prompt(scope, opened)
+
+    async def _prompt(self, scope: TurnScope, opened: Opened) -> None:
         texts: list[str] = []
         size = 0
+        run, plan = scope.run, scope.plan
 
         def on_event(event: AgentEvent) -> None:
             nonlocal size
@@ -96,78 +275,96 @@ class TurnRunner:
                 size += len(event.text)
             run.publish(event)
 
-        turn = spec.turn
-        decider = self.permissions.decider(run.run_id, turn.permission_mode, spec.profile.permission_rules)
-        error = ""
-        status = RunStatus.COMPLETED
-        active = self._active[run.run_id] = _ActiveTurn(conn)
+        turn = plan.turn
+        decider = self.permissions.decider(run.run_id, turn.permission_mode, plan.profile.permission_rules)
         beats = asyncio.create_task(heartbeats(run, self._settings.heartbeat_interval), name=f"beats-{run.run_id}")
+        scope.phase = "prompting"
         try:
-            stop = await conn.prompt(prompt_blocks(spec.preamble + turn.prompt, turn.attachments), on_event, decider)
-            if active.cancelled:
-                stop = StopReason.CANCELLED  # some agents answer end_turn to a cancel
-        except AgentError as exc:
-            self._sessions.discard(spec.session_id)  # the next turn resumes on a fresh agent
-            if active.cancelled:  # ended by its group after the cancel grace: still a cancel
-                stop = StopReason.CANCELLED
-            else:
-                stop, error, status = StopReason.ERROR, str(exc), RunStatus.FAILED
-        except asyncio.CancelledError:
-            await self._finish(spec, run, conn, outcome, StopReason.CANCELLED, RunStatus.INTERRUPTED,
-                               "rcoder stopped while the turn ran", None)  # fmt: skip
-            raise
+            blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
+            scope.stop = await opened.connection.prompt(blocks, on_event, decider, self._settings.turn_timeout or None)
         finally:
             beats.cancel()
-            self._active.pop(run.run_id, None)
-            if active.kill_timer is not None:
-                active.kill_timer.cancel()
-        transcript = TranscriptEntry(
-            session_id=spec.session_id,
+        scope.transcript = TranscriptEntry(
+            session_id=plan.session_id,
             run_id=run.run_id,
             turn=0,
             prompt=turn.prompt,
             response="".join(texts)[:MAX_TRANSCRIPT_TEXT],
             created_at=self._clock(),
         )
-        await self._finish(spec, run, conn, outcome, stop, status, error, transcript if not error else None)
 
-    def cancel(self, run_id: str) -> bool:
-        """Ask the turn to stop (``session/cancel``; its group is ended after ``cancel_grace``).
+    def ask_agent_to_stop(self, scope: TurnScope) -> None:
+        """``session/cancel`` now; the agent's group is ended after ``cancel_grace``."""
+        conn, run_id = scope.conn, scope.run.run_id
+        assert conn is not None
+        self._spawn(conn.cancel(), f"cancel-{run_id}")
+        scope.kill_timer = asyncio.get_running_loop().call_later(
+            self._settings.cancel_grace, lambda: self._spawn(conn.aclose(), f"kill-{run_id}")
+        )
 
-        False when its prompt is no longer with the agent. Asking twice is asking once.
-        """
-        active = self._active.get(run_id)
-        if active is None:
-            return False
-        if not active.cancelled:
-            active.cancelled = True
-            log.info("run_cancel_requested", run_id=run_id, grace=self._settings.cancel_grace)
-            self._spawn(active.conn.cancel(), f"cancel-{run_id}")
-            active.kill_timer = asyncio.get_running_loop().call_later(
-                self._settings.cancel_grace, lambda: self._spawn(active.conn.aclose(), f"kill-{run_id}")
+    # ------------------------------------------------------------ the store
+
+    async def record_start(self, plan: TurnPlan, body: RunStarted) -> None:
+        now = self._clock()
+        if plan.record is None:
+            record = SessionRecord(
+                session_id=plan.session_id,
+                project_id=plan.turn.project_id,
+                cwd=plan.cwd,
+                agent=plan.profile.name,
+                provider_session_id=body.provider_session_id,
+                created_at=now,
+                updated_at=now,
             )
-        return True
+            await self._store.create_session(record)
+            plan.record = record
+        elif body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
+            # written only from this session's own agent answer
+            await self._store.set_provider_session_id(plan.session_id, body.provider_session_id, now)
+        await self._store.start_run(
+            RunRecord(
+                run_id=plan.run_id,
+                session_id=plan.session_id,
+                status=RunStatus.RUNNING,
+                started_at=now,
+                resume=body.resume,
+                resume_method=body.resume_method.value,
+                fallback_reason=body.fallback_reason,
+                request_id=plan.turn.request_id,
+            )
+        )
 
-    async def _finish(
-        self,
-        spec: TurnSpec,
-        run: Run,
-        conn: AgentConnection,
-        outcome: ResumeOutcome,
-        stop: StopReason,
-        status: RunStatus,
-        error: str,
-        transcript: TranscriptEntry | None,
-    ) -> None:
-        """Store, free the session, then publish ``completed``: whoever sees it can go on at once."""
+    async def finish(self, scope: TurnScope) -> None:
+        """Store the end, free the session and its agent, then publish ``completed``: whoever
+        sees it can go on at once. A store that cannot record the end makes it an error."""
+        run, plan = scope.run, scope.plan
         try:
-            await asyncio.shield(self._store.finish_run(run.run_id, status, stop, error, self._clock(), transcript))
-        except Exception:
-            log.exception("store_write_failed", run_id=run.run_id)
+            await asyncio.shield(
+                self._store.finish_run(
+                    run.run_id, scope.status, scope.stop, scope.error, self._clock(), scope.transcript
+                )
+            )
+        except StoreError as exc:
+            log.error("run_end_not_stored", error=exc.message)  # noqa: TRY400 (the message says it all)
+            scope.stop, scope.status = StopReason.ERROR, RunStatus.FAILED
+            scope.error = f"rcoder could not record the end of this turn ({exc.message}); the agent's answer is lost"
+            scope.error_reason = exc.reason
         finally:
-            self._sessions.release(spec.session_id)
-            run.publish(RunCompleted(stop, conn.provider_session_id, outcome, error))
-            log.info("run_completed", stop_reason=stop.value, error=error[:500] or None)
-            agent = spec.profile.name
-            self._metrics.runs.labels(agent, outcome.value, stop.value).inc()
+            self._runs.release(run)
+            self._pool.release(plan.session_id, broken=scope.agent_broken)
+            body = scope.body
+            assert body is not None
+            provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
+            run.publish(RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason))
+            log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
+            agent = plan.profile.name
+            self._metrics.runs.labels(agent, body.resume.value, scope.stop.value).inc()
             self._metrics.turn_duration.labels(agent).observe(time.monotonic() - run.started_monotonic)
+
+    def refused(self, scope: TurnScope) -> None:
+        """A turn that never started: no trace of it but the caller's error."""
+        self._runs.forget(scope.run)
+        self._pool.release(scope.plan.session_id, broken=scope.plan.action is not Action.LIVE)
+
+    def forget(self, scope: TurnScope) -> None:
+        self._scopes.pop(scope.run.run_id, None)

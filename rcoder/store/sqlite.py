@@ -1,7 +1,9 @@
 """The embedded store: one SQLite file in WAL mode, touched by one worker thread only.
 
 Every call is handed to a single-thread executor, so the event loop never blocks
-and the connection never crosses threads. Each write is one transaction.
+and the connection never crosses threads. Each write is one transaction. What
+SQLite raises (``sqlite3.Error``), a missing row and a closed store leave this
+module as ``StoreError`` only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rcoder.domain import (
     StopReason,
     TranscriptEntry,
 )
+from rcoder.errors import StoreError
 
 T = TypeVar("T")
 
@@ -113,7 +116,7 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
 
 def _require_row(cursor: sqlite3.Cursor, what: str, key: str) -> None:
     if cursor.rowcount != 1:
-        raise LookupError(f"unknown {what} {key!r}")
+        raise StoreError(f"store: no {what} {key!r} to update", **{what: key})
 
 
 def _create_private_file(path: Path) -> None:
@@ -133,7 +136,7 @@ def _prepare(conn: sqlite3.Connection) -> int:
     conn.execute("PRAGMA busy_timeout=5000")
     mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
     if mode != "wal":
-        raise RuntimeError(f"SQLite refused WAL mode (journal_mode={mode})")
+        raise StoreError(f"store: SQLite refused WAL mode (journal_mode={mode})")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     with _transaction(conn):
@@ -142,7 +145,7 @@ def _prepare(conn: sqlite3.Connection) -> int:
             for statement in _SCHEMA:
                 conn.execute(statement)
         elif version != SCHEMA_VERSION:
-            raise RuntimeError(f"store schema version {version} is not supported (want {SCHEMA_VERSION})")
+            raise StoreError(f"store: schema version {version} is not supported (want {SCHEMA_VERSION})")
     with _transaction(conn):
         cursor = conn.execute(
             "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?",
@@ -194,13 +197,16 @@ class SqliteStore:
 
     async def open(self) -> int:
         if self._closed:
-            raise RuntimeError("store is closed")
+            raise StoreError("store: closed")
         if self._opened:
-            raise RuntimeError("store is already open")
+            raise StoreError("store: already open")
         self._opened = True
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, self._open_sync)
-        except Exception:
+        except sqlite3.Error as exc:
+            self._opened = False
+            raise StoreError(f"store: cannot open {self._path}: {exc}") from exc
+        except BaseException:
             self._opened = False
             raise
 
@@ -235,14 +241,17 @@ class SqliteStore:
 
     def _on_worker(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._conn is None:
-            raise RuntimeError("store is not open")
-        return fn(self._conn)
+            raise StoreError("store: not open")
+        try:
+            return fn(self._conn)
+        except sqlite3.Error as exc:
+            raise StoreError(f"store: {type(exc).__name__}: {exc}") from exc
 
     async def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
-            raise RuntimeError("store is closed")
+            raise StoreError("store: closed (rcoder is shutting down)")
         if not self._opened:
-            raise RuntimeError("store is not open")
+            raise StoreError("store: not open")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_worker, fn)
 
     async def _write(self, sql: str, params: tuple[object, ...], missing: tuple[str, str] | None) -> None:

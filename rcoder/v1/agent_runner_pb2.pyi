@@ -83,6 +83,8 @@ class _ResumeOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResumeO
     RESUME_OUTCOME_RESUMED: _ResumeOutcome.ValueType  # 3
     RESUME_OUTCOME_FALLBACK_NEW: _ResumeOutcome.ValueType  # 4
     RESUME_OUTCOME_FALLBACK_RESEEDED: _ResumeOutcome.ValueType  # 5
+    RESUME_OUTCOME_NOT_OPENED: _ResumeOutcome.ValueType  # 6
+    """cancelled before its session was opened (then completed is CANCELLED)"""
 
 class ResumeOutcome(_ResumeOutcome, metaclass=_ResumeOutcomeEnumTypeWrapper): ...
 
@@ -92,6 +94,8 @@ RESUME_OUTCOME_LIVE: ResumeOutcome.ValueType  # 2
 RESUME_OUTCOME_RESUMED: ResumeOutcome.ValueType  # 3
 RESUME_OUTCOME_FALLBACK_NEW: ResumeOutcome.ValueType  # 4
 RESUME_OUTCOME_FALLBACK_RESEEDED: ResumeOutcome.ValueType  # 5
+RESUME_OUTCOME_NOT_OPENED: ResumeOutcome.ValueType  # 6
+"""cancelled before its session was opened (then completed is CANCELLED)"""
 Global___ResumeOutcome: _TypeAlias = ResumeOutcome  # noqa: Y015
 
 class _StopReason:

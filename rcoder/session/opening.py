@@ -1,0 +1,139 @@
+"""Opening a turn's session (DESIGN §3): the live agent, or one from the pool with its
+session opened new, resumed, or fallen back to a fresh one.
+
+``TurnPlan`` is what the worker decided before the turn's task began; ``open``
+gets the turn an agent serving its session and says how (``RunStarted``).
+Nothing here touches the run: the turn's scope (``session.turn``) owns it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from rcoder.agent.connection import AgentConnection
+from rcoder.agent.start_config import AgentStartConfig
+from rcoder.config import AgentProfile, Settings
+from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunStarted, SessionRecord
+from rcoder.errors import AgentError
+from rcoder.metrics import Metrics
+from rcoder.session import content, reseed
+from rcoder.session.agent_pool import AgentPool
+from rcoder.store.base import SessionStore
+
+RESEED_TURNS = 50
+
+
+class Action(enum.Enum):
+    NEW = "new"  # start an agent, new session
+    LIVE = "live"  # prompt the session's live agent
+    RESUME = "resume"  # start an agent, resume the stored provider id
+    ADOPT = "adopt"  # start an agent, resume the unknown id as a provider id
+
+
+def decide(session_id: str, record: SessionRecord | None, live: bool) -> Action:
+    """The decision table of DESIGN §3 (busy sessions are refused before this)."""
+    if not session_id:
+        return Action.NEW
+    if record is None:
+        return Action.ADOPT
+    return Action.LIVE if live else Action.RESUME
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """What a turn was set up with, before its agent is opened."""
+
+    turn: ChatTurn
+    profile: AgentProfile
+    session_id: str
+    run_id: str
+    cwd: str
+    record: SessionRecord | None
+    action: Action
+    # when the request arrived (monotonic), for time to first event
+    received: float = field(default_factory=time.monotonic)
+
+    def start_config(self) -> AgentStartConfig:
+        turn = self.turn
+        resume_id = ""
+        if self.action is Action.RESUME and self.record is not None:
+            resume_id = self.record.provider_session_id
+        elif self.action is Action.ADOPT:
+            resume_id = turn.session_id
+        return AgentStartConfig(
+            cwd=self.cwd,
+            system_prompt=turn.system_prompt,
+            mcp_servers=turn.mcp_servers,
+            extra_meta=turn.extra_meta,
+            model_provider=turn.model_provider,
+            resume_session_id=resume_id,
+        )
+
+    def started(
+        self, provider_session_id: str, outcome: ResumeOutcome, method: OpenMethod, fallback: str
+    ) -> RunStarted:
+        return RunStarted(
+            provider_session_id=provider_session_id,
+            resume=outcome,
+            resume_method=method,
+            agent=self.profile.name,
+            project_id=self.turn.project_id,
+            fallback_reason=fallback,
+            request_id=self.turn.request_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    connection: AgentConnection
+    started: RunStarted
+    # sent before the prompt on this turn only (a re-seed summary)
+    preamble: str = ""
+
+
+class SessionOpener:
+    def __init__(self, settings: Settings, store: SessionStore, pool: AgentPool, metrics: Metrics) -> None:
+        self._settings = settings
+        self._store = store
+        self._pool = pool
+        self._metrics = metrics
+
+    async def open(self, plan: TurnPlan) -> Opened:
+        """An agent serving the plan's session, busy with this turn (the caller releases it)."""
+        turn, profile = plan.turn, plan.profile
+        if plan.action is Action.LIVE:
+            live = self._pool.take_live(plan.session_id, profile.name, turn.model_provider)
+            if live is not None:
+                return Opened(live, plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, ""))
+            plan.action = Action.RESUME
+        config = plan.start_config()
+        async with self._pool.checkout(profile, plan.cwd, turn.model_provider, config.is_plain()) as checkout:
+            try:
+                launched = await checkout.launch(config)
+            except AgentError as exc:
+                self._metrics.spawn_failures.labels(profile.name, exc.reason).inc()
+                raise
+            conn = launched.connection
+            content.check(profile, turn, conn.capabilities)
+            source = "primed" if launched.primed else "warm" if checkout.warm else "cold"
+            self._metrics.agent_sources.labels(profile.name, source).inc()
+            checkout.hand_over(plan.session_id)
+        preamble = ""
+        if not config.resume_session_id:
+            outcome = ResumeOutcome.NEW
+        elif launched.fallback_reason:
+            outcome, preamble = await self._fallback(plan)
+        else:
+            outcome = ResumeOutcome.RESUMED
+        body = plan.started(conn.provider_session_id, outcome, launched.method, launched.fallback_reason)
+        return Opened(conn, body, preamble)
+
+    async def _fallback(self, plan: TurnPlan) -> tuple[ResumeOutcome, str]:
+        """A known session the agent lost is re-seeded from rcoder's transcript, when configured."""
+        if plan.record is None or not self._settings.reseed_on_fallback:
+            return ResumeOutcome.FALLBACK_NEW, ""
+        entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
+        preamble = reseed.summary(entries, self._settings.reseed_max_bytes)
+        return (ResumeOutcome.FALLBACK_RESEEDED if preamble else ResumeOutcome.FALLBACK_NEW), preamble

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import grpc
-import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
@@ -66,42 +66,50 @@ async def test_when_every_agent_is_busy_a_new_turn_is_resource_exhausted(make_da
     assert completed(await client.chat(prompt="now")).stop_reason == pb.STOP_REASON_END_TURN
 
 
-async def test_a_new_session_takes_a_warm_agent_and_the_pool_is_refilled(
+async def test_the_pool_warms_agents_in_the_last_project_used_and_a_request_there_takes_one(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
     daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1)})
+    assert daemon.logs("warm_agent_ready") == [], "no project known yet: nothing to warm"
+    first = await client.chat(project_id="p", prompt="remember 8", system_prompt="terse")
     (ready,) = await daemon.wait_log("warm_agent_ready", agent="fake")
+    assert str(ready["cwd"]).endswith("/p") and ready["primed_cwd"] == "", "not plain: no session opened ahead"
+    assert os.readlink(f"/proc/{ready['pid']}/cwd").endswith("/p"), "a warm agent runs in its project, as cold ones"
 
-    events = await client.chat(prompt="remember 8")
+    events = await client.chat(project_id="p", prompt="remember 9", system_prompt="terse")
     assert started(events).resume == pb.RESUME_OUTCOME_NEW
-    opened_by = {m["pid"] for m in _rows(fake) if m["message"].get("method") == "session/new"}
-    assert opened_by == {ready["pid"]}, "the session was opened on the warm agent"
+    opened_by = [m["pid"] for m in _rows(fake) if m["message"].get("method") == "session/new"]
+    assert opened_by[-1] == ready["pid"], "the session was opened on the warm agent"
 
     await daemon.wait_log("warm_agent_ready", count=2, agent="fake")
     agents = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
-    assert agents["fake"].live_agents == 1
+    assert agents["fake"].live_agents == 2
     assert agents["fake"].warm_agents == 1
-    assert len(processes_mentioning(str(fake.state_dir))) == 2
+    assert len(processes_mentioning(str(fake.state_dir))) == 3
+    assert first[0].session_id != events[0].session_id
 
 
 async def test_a_request_with_its_own_model_provider_gets_a_cold_agent(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
     daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1, provider_env={"api_key": "FAKE_KEY"})})
+    await client.chat(prompt="hello")
     (ready,) = await daemon.wait_log("warm_agent_ready", agent="fake")
 
     events = await client.chat(prompt="env FAKE_KEY", model_provider=pb.ModelProvider(api_key="sk-mine"))
     assert "env[FAKE_KEY]=sk-mine" in text_of(events)
-    opened_by = {m["pid"] for m in _rows(fake) if m["message"].get("method") == "session/new"}
-    assert ready["pid"] not in opened_by
+    opened_by = [m["pid"] for m in _rows(fake) if m["message"].get("method") == "session/new"]
+    assert opened_by[-1] != ready["pid"], "another key: never the warm agent started with the profile's"
 
 
 async def test_warm_agents_count_toward_the_limit(make_daemon: DaemonFactory, fake: FakeAgentSetup) -> None:
     daemon, client = await make_daemon({"fake": fake.profile(warm_pool=3)}, max_live_agents=2)
-    await daemon.wait_log("warm_agent_ready", count=2, agent="fake")
-    # the pool stopped at the limit: a third warm agent was never started
+    await client.chat(prompt="hi")
+    await daemon.wait_log("warm_agent_ready", count=1, agent="fake")
+    # the refill stopped at the limit when it began (one live, one warm): no other was started
     assert len(processes_mentioning(str(fake.state_dir))) == 2
-    events = await client.chat(prompt="hi")
+    assert len(daemon.logs("agent_spawned")) == 2
+    events = await client.chat(prompt="hi again")
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
 
 
@@ -111,7 +119,6 @@ def _rows(fake: FakeAgentSetup) -> list[dict[str, Any]]:
 
 async def _primed(daemon: Daemon, client: Client, project: str = "p") -> dict[str, Any]:
     """Use ``project`` once; returns the log row of the warm agent then primed for it."""
-    await daemon.wait_log("warm_agent_ready", agent="fake")
     first = await client.chat(project_id=project, prompt="remember 3")
     assert started(first).resume == pb.RESUME_OUTCOME_NEW
     (primed,) = await daemon.wait_log(
@@ -133,7 +140,7 @@ async def test_the_pool_opens_a_session_ahead_where_the_last_new_one_was_and_the
     assert started(events).provider_session_id == primed["provider_session_id"]
     assert text_of(events) == "I remember: 4"
     await daemon.wait_log("agent_session_opened", primed=True, pid=primed["pid"])
-    await daemon.wait_log("warm_agent_ready", count=3, agent="fake")  # the refill, primed again
+    await daemon.wait_log("warm_agent_ready", count=2, agent="fake")  # the refill, primed again
     assert len(fake.requests("session/new")) == opened + 1, "only the refill opened a session"
 
     sid = events[0].session_id
@@ -143,22 +150,35 @@ async def test_the_pool_opens_a_session_ahead_where_the_last_new_one_was_and_the
     assert text_of(again) == "I remember: 4"
 
 
-@pytest.mark.parametrize(
-    ("project", "extra"),
-    [("q", {}), ("p", {"system_prompt": "be brief"})],
-    ids=["another-project", "own-system-prompt"],
-)
 async def test_a_request_the_primed_session_does_not_fit_closes_it_and_opens_its_own(
-    make_daemon: DaemonFactory, fake: FakeAgentSetup, project: str, extra: dict[str, Any]
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
     daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1)})
     primed = await _primed(daemon, client)
 
-    events = await client.chat(project_id=project, prompt="remember 5", **extra)
+    events = await client.chat(project_id="p", prompt="remember 5", system_prompt="be brief")
     assert started(events).resume == pb.RESUME_OUTCOME_NEW
     assert started(events).provider_session_id != primed["provider_session_id"]
     assert text_of(events) == "I remember: 5"
     closed = [m["params"]["sessionId"] for m in fake.requests("session/close")]
     assert primed["provider_session_id"] in closed
     opened_on_it = [m for m in _rows(fake) if m["pid"] == primed["pid"] and m["message"].get("method") == "session/new"]
-    assert opened_on_it[-1]["message"]["params"]["cwd"].endswith(f"/{project}")
+    assert opened_on_it[-1]["message"]["params"]["cwd"].endswith("/p")
+
+
+async def test_a_request_for_another_project_gets_a_cold_agent_and_the_pool_moves_there(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(warm_pool=1)})
+    primed = await _primed(daemon, client, "p")
+
+    events = await client.chat(project_id="q", prompt="remember 5")
+    assert started(events).resume == pb.RESUME_OUTCOME_NEW
+    assert text_of(events) == "I remember: 5"
+    opened = [m for m in _rows(fake) if m["message"].get("method") == "session/new"]
+    mine = [m for m in opened if m["message"]["params"]["cwd"].endswith("/q")]
+    assert mine and all(m["pid"] != primed["pid"] for m in mine), "an agent warmed in p never serves q"
+
+    await daemon.wait_log("agent_stopped", pid=primed["pid"])  # p's warm agent made way
+    (moved,) = await daemon.wait_log("warm_agent_ready", agent="fake", primed_cwd=lambda cwd: str(cwd).endswith("/q"))
+    assert moved["pid"] != primed["pid"]

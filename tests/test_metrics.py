@@ -29,15 +29,14 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
     profiles = {"fake": fake.profile(warm_pool=1), "broken": {"command": "no-such-agent"}}
     daemon, client = await make_daemon(profiles, metrics_listen="127.0.0.1:0", idle_timeout=30)
     (serving,) = await daemon.wait_log("metrics_serving")
-    await daemon.wait_log("warm_agent_ready")
 
-    first = await client.chat(prompt="remember 1")
+    first = await client.chat(prompt="remember 1")  # cold: the pool learns the project only now
+    await daemon.wait_log("warm_agent_ready")
     await client.chat(prompt="again", session_id=first[0].session_id)
     call, begin = await start_turn(client, prompt="hang", session_id=first[0].session_id)
     await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
     await rest_of(call)
     await client.chat_error(prompt="hi", agent="broken")
-    await daemon.wait_log("warm_agent_ready", count=2)
 
     m = await asyncio.to_thread(scrape, serving["address"])
 
@@ -54,10 +53,11 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
     assert value("rcoder_turn_duration_seconds_count", agent="fake") == 3
     assert value("rcoder_live_agents", agent="fake") == 1
     assert value("rcoder_warm_agents", agent="fake") == 1
-    assert value("rcoder_session_agents_total", agent="fake", source="warm") == 1
+    assert value("rcoder_session_agents_total", agent="fake", source="cold") == 1
 
-    # the refill opened a session in the project the first turn used: the next new one takes it
+    # the pool opened a session in the project the first turn used: the next new one takes it
     await client.chat(prompt="hello again")
     m = await asyncio.to_thread(scrape, serving["address"])
     assert value("rcoder_session_agents_total", agent="fake", source="primed") == 1
-    assert value("rcoder_session_agents_total", agent="fake", source="cold") == 0
+    assert value("rcoder_session_agents_total", agent="fake", source="cold") == 1
+    assert value("rcoder_live_agents", agent="fake") == 2

@@ -1,4 +1,5 @@
-"""Is an agent's error a lost session? Classified by code and known texts, never guessed.
+"""Is an agent's error a lost session, or refused credentials? Classified by code and
+known texts, never guessed.
 
 A lost session ("session gone") is the only error that makes rcoder fall back
 to a fresh session. The codes and texts come from the real agents
@@ -7,7 +8,12 @@ to a fresh session. The codes and texts come from the real agents
 ``data.details``; an agent may also exit during a resume with such a text
 on stderr. A rule that holds for one agent only (OpenCode's bare "service
 failure", a lost session only as the answer to a resume or load) is its
-kind's (``rcoder.agent.kinds``), applied by the launcher.
+kind's (``rcoder.agent.kinds``), applied with these.
+
+Refused model credentials (``AGENT_AUTH_REQUIRED``, never a fallback): ACP's
+-32000 "Authentication required" here; how each agent passes on its model
+API's 401 otherwise (a status as the code, a structured error, a fixed text of
+its own) is its kind's ``auth_reason``.
 """
 
 from __future__ import annotations
@@ -33,10 +39,18 @@ def gone_reason(code: int, message: str, data: Any) -> str | None:
     if code == RESOURCE_NOT_FOUND:
         return f"the agent answered {code} {message!r}"
     if code == INTERNAL_ERROR:
-        detail = _details(data)
+        detail = details(data)
         for text in (message, detail):
             if text and _GONE_TEXTS.search(text):
                 return f"the agent answered {code}: {text.strip().splitlines()[0]}"
+    return None
+
+
+def auth_reason(code: int, message: str, data: Any) -> str | None:
+    """Why this JSON-RPC error means the agent's model credentials are missing or were
+    refused, by the rule every ACP agent shares (-32000), or None."""
+    if code == AUTH_REQUIRED:
+        return f"the agent answered {code} {message!r}"
     return None
 
 
@@ -49,8 +63,9 @@ def gone_reason_from_stderr(stderr_tail: str) -> str | None:
     return f"the agent exited saying: {line.strip()[:300]}"
 
 
-def _details(data: Any) -> str:
+def details(data: Any) -> str:
+    """The text an error's ``data`` carries: its ``details``, else its ``message``, else itself."""
     if isinstance(data, dict):
-        details = data.get("details") or data.get("message") or ""
-        return details if isinstance(details, str) else ""
+        text = data.get("details") or data.get("message") or ""
+        return text if isinstance(text, str) else ""
     return data if isinstance(data, str) else ""

@@ -16,7 +16,7 @@ from acp import RequestError
 from acp import schema as acp
 from acp.client.connection import ClientSideConnection
 
-from rcoder.agent.classify import AUTH_REQUIRED, gone_reason, gone_reason_from_stderr
+from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
 from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
 from rcoder.agent.kinds import GENERIC, AgentKind
@@ -271,10 +271,10 @@ def _from_request_error(
         why = gone_reason(exc.code, message, exc.data) or kind.gone_reason(step, exc.code, message, exc.data)
         if why:
             return SessionGone(resuming, f"{step}: {why}", agent=agent)
-    detail = exc.data.get("details") if isinstance(exc.data, dict) else exc.data
+    detail = details(exc.data)
     text = f"agent {agent!r} answered {step} with error {exc.code} {message!r}" + (f": {detail}" if detail else "")
     tail = process.stderr_tail()
-    if exc.code == AUTH_REQUIRED:
+    if auth_reason(exc.code, message, exc.data) or kind.auth_reason(exc.code, message, exc.data):
         return AgentAuthRequired(text + " (check the model provider's key)", agent=agent, stderr_tail=tail)
     return AgentProtocolError(text, code=exc.code, agent=agent, stderr_tail=tail)
 

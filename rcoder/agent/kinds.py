@@ -4,8 +4,9 @@ A kind says, for one agent program, how to prepare its home directory
 (``<data_dir>/agents/<profile>``, stable across agent and daemon restarts,
 so the agent's own session store survives them), which environment and
 arguments carry the model provider to it, and what else about it rcoder
-must respect: an extra "session gone" rule (OpenCode) and the earliest time
-a session may be loaded (Gemini). ``generic`` knows nothing and changes
+must respect: an extra "session gone" rule (OpenCode), how it passes on a
+model API's refusal of its key (``auth_reason``) and the earliest time a
+session may be loaded (Gemini). ``generic`` knows nothing and changes
 nothing. The facts come from the real agents (``REAL_AGENTS.md``).
 
 API keys only ever travel in the agent's environment: never in a file, an
@@ -24,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
-from rcoder.agent.classify import INTERNAL_ERROR
+from rcoder.agent.classify import INTERNAL_ERROR, details
 from rcoder.config import AGENT_KINDS
 from rcoder.domain import ModelProvider
 
@@ -53,10 +54,21 @@ class AgentKind:
         """An extra "session gone" rule for an error answering ``step`` (beyond ``classify``)."""
         return None
 
+    def auth_reason(self, code: int, message: str, data: Any) -> str | None:
+        """Why this error means the model API refused the agent's credentials, where the agent
+        says so its own way (beyond ``classify.auth_reason``'s -32000); None otherwise."""
+        return None
+
     def load_not_before(self, home: Path, session_id: str) -> datetime | None:
         """The earliest time ``session/load`` of ``session_id`` is safe, when that matters."""
         return None
 
+
+# Claude Code's own texts for a model API that refused the key (after its retries): with
+# ANTHROPIC_API_KEY "Invalid API key · Fix external API key"; for another 401/403 "Failed to
+# authenticate. API Error: ..." or "Please run /login · API Error: ...". Both adapters answer
+# session/prompt -32603 "Internal error: <that text>" (the /login one they turn into -32000).
+_CLAUDE_AUTH_TEXTS = re.compile(r"invalid api key|failed to authenticate|please run /login", re.IGNORECASE)
 
 CLAUDE_MODEL_VARS = (
     "ANTHROPIC_MODEL",
@@ -90,6 +102,14 @@ class ClaudeKind(AgentKind):
             # session start: point them all at the model, or ANTHROPIC_MODEL alone is overridden
             env.update(dict.fromkeys(CLAUDE_MODEL_VARS, provider.model))
         return AgentSetup(env)
+
+    def auth_reason(self, code: int, message: str, data: Any) -> str | None:
+        if code != INTERNAL_ERROR:
+            return None
+        for text in (message, details(data)):
+            if _CLAUDE_AUTH_TEXTS.search(text):
+                return f"the agent answered {code} {text.strip().splitlines()[0][:300]!r}"
+        return None
 
 
 class ClaudeLegacyKind(ClaudeKind):
@@ -130,6 +150,19 @@ class CodexKind(AgentKind):
             env.update(_set(OPENAI_API_KEY=provider.api_key))
         return AgentSetup(env, tuple(args))
 
+    def auth_reason(self, code: int, message: str, data: Any) -> str | None:
+        # -32603 "Internal error", data {"message": "unexpected status 401 Unauthorized: <the API's
+        # text>, url: ...", "codex_error_info": "other"} ("unauthorized" is its own name for it)
+        if code != INTERNAL_ERROR or not isinstance(data, dict):
+            return None
+        text = details(data).strip()
+        if data.get("codex_error_info") == "unauthorized" or _CODEX_401.search(text):
+            return f"the agent answered {code}: {text[:300] or 'unauthorized'}"
+        return None
+
+
+_CODEX_401 = re.compile(r"\bunexpected status 401\b")
+
 
 def codex_config(provider: ModelProvider) -> str:
     """``config.toml`` for codex: no update checks, analytics or feedback; the provider block."""
@@ -158,6 +191,10 @@ def codex_config(provider: ModelProvider) -> str:
     lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
     return "\n".join(lines) + "\n"
 
+
+HTTP_BAD_REQUEST = 400
+HTTP_UNAUTHORIZED = 401
+_GEMINI_KEY_INVALID = re.compile(r'"reason"\s*:\s*"API_KEY_INVALID"')
 
 GEMINI_SETTINGS: dict[str, Any] = {
     "general": {
@@ -204,6 +241,14 @@ class GeminiKind(AgentKind):
         args = ("--model", provider.model) if provider.model else ()
         return AgentSetup(env, args)
 
+    def auth_reason(self, code: int, message: str, data: Any) -> str | None:
+        # gemini-cli answers a failed session/prompt with the model API's HTTP status as the
+        # JSON-RPC code and the API's error body as the message: 401 for refused credentials,
+        # and 400 with the ErrorInfo reason API_KEY_INVALID for a wrong key (the Gemini API's way)
+        if code == HTTP_UNAUTHORIZED or (code == HTTP_BAD_REQUEST and _GEMINI_KEY_INVALID.search(message)):
+            return f"the agent answered {code} (the model API's status): {message.strip()[:300]}"
+        return None
+
     def load_not_before(self, home: Path, session_id: str) -> datetime | None:
         short = session_id[:8]
         if not short or "/" in short:
@@ -238,7 +283,11 @@ class OpenCodeKind(AgentKind):
     The provider's values reach the config through ``{env:...}`` substitution, so
     the file is the same for every process of the profile. ``base_url`` is the
     OpenAI-style root, ``/v1`` included. OpenCode answers a resume or load of a
-    session it does not have with a bare "OpenCode service failure".
+    session it does not have with a bare "OpenCode service failure". A model API's
+    401 it answers -32603 "Internal error: <the API's own message>" with
+    ``data.errorName = "APIError"`` and no status: nothing of its own says "auth",
+    so it stays an error rcoder cannot act on (only a missing key, its
+    ``ProviderAuthError``, is -32000).
     """
 
     name = "opencode"
@@ -304,6 +353,9 @@ KINDS: dict[str, AgentKind] = {
     for kind in (AgentKind(), ClaudeKind(), ClaudeLegacyKind(), CodexKind(), GeminiKind(), OpenCodeKind())
 }
 assert set(KINDS) == set(AGENT_KINDS), "config.AGENT_KINDS and kinds.KINDS must name the same kinds"
+
+
+GENERIC = AgentKind()
 
 
 def kind_of(name: str) -> AgentKind:

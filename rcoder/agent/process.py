@@ -2,17 +2,26 @@
 
 The process is started with ``start_new_session=True`` so that ending it by
 its process group also reaches grandchildren (node → claude CLI, npx wrappers).
-Where util-linux ``setpriv`` is available the child also gets
-``PR_SET_PDEATHSIG=SIGKILL``, so the kernel ends it if the daemon dies.
+Where util-linux ``setpriv`` can, the child also gets ``PR_SET_PDEATHSIG=SIGKILL``,
+so the kernel ends it if the daemon dies; where it cannot, that is logged once
+(``pdeathsig_unavailable``) and ``AgentProcess.has_pdeathsig`` says so.
+
+Every wait is bounded. The exit of the process is observed on its own (the
+child watcher's report), never through ``Process.wait()``, which on 3.11 also
+waits for every pipe to close: a grandchild that left the group while holding
+the agent's stdout or stderr would make it wait forever. Once the group is
+ended our ends of the pipes are closed, whoever else still holds theirs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -21,12 +30,62 @@ from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.process")
 
-_SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin")
 # The pipes' readers stop reading as soon as they hold unread data (limit 1: asyncio pauses
 # a pipe once its reader holds more than twice the limit): an agent's output waits in the
 # kernel pipe until the daemon asks for it, then comes in one read instead of a wakeup per
 # line (see transport.READ_COALESCE), and the daemon never buffers more than one read.
 _PIPE_BUFFER = 1
+# How long a cancelled spawn waits for the process it was making, to end it before it returns.
+_SPAWN_SETTLE = 5.0
+_SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@functools.cache
+def _pdeathsig_prefix() -> tuple[str, ...]:
+    """The argv prefix that gives the agent ``PR_SET_PDEATHSIG=SIGKILL``, or ``()`` (logged once).
+
+    The death signal must be set by the child itself, between fork and exec or after it:
+    ``preexec_fn`` runs Python in a forked copy of a threaded daemon (grpc, the store's
+    executor), where a lock another thread held stays held forever, and it disables the fast
+    ``vfork`` spawn; a Python exec wrapper costs ~20 ms a spawn and turns exec failures into
+    exit codes. util-linux ``setpriv`` (2.33+, on virtually every distribution) does just this
+    exec. It is looked up on the system directories only (not the agent's PATH) and probed
+    for ``--pdeathsig`` once (older ones lack it and would fail every start). The signal is
+    sent when the *thread* that spawned the child ends: asyncio spawns on the loop's thread,
+    which lives as long as the daemon. Without it, a killed daemon's agents still see their
+    stdin close, and ``sweep`` ends what is left at the next start.
+    """
+    setpriv = shutil.which("setpriv", path=_SYSTEM_PATH)
+    if setpriv is None:
+        why = f"setpriv (util-linux) not found in {_SYSTEM_PATH}"
+    else:
+        try:
+            usage = subprocess.run([setpriv, "--help"], capture_output=True, timeout=5, check=False).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = f"{setpriv} --help failed: {exc}"
+        else:
+            if b"--pdeathsig" in usage:
+                return (setpriv, "--pdeathsig", "KILL", "--")
+            why = f"{setpriv} has no --pdeathsig (util-linux older than 2.33)"
+    log.warning("pdeathsig_unavailable", reason=why, effect="agents outlive a killed daemon until its next start")
+    return ()
+
+
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's stream protocol, plus ``exited``: set when the child watcher reports the exit,
+    whether or not the pipes have closed."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit, loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+_Creation = asyncio.Task[tuple[asyncio.SubprocessTransport, _Protocol]]
 
 
 class AgentProcess:
@@ -34,27 +93,32 @@ class AgentProcess:
 
     def __init__(
         self,
-        proc: asyncio.subprocess.Process,
+        transport: asyncio.SubprocessTransport,
+        protocol: _Protocol,
         name: str,
         stderr_tail_bytes: int,
         stop_grace: float,
         pid_dir: Path | None = None,
+        has_pdeathsig: bool = False,
     ) -> None:
-        self._proc = proc
+        loop = asyncio.get_running_loop()
+        self._transport = transport
+        self._proc = asyncio.subprocess.Process(transport, protocol, loop)
+        self._exited = protocol.exited
         self.name = name
-        self.pid = proc.pid
+        self.pid = self._proc.pid
+        self._has_pdeathsig = has_pdeathsig
         self._tail = bytearray()
         self._tail_limit = stderr_tail_bytes
         self._stop_grace = stop_grace
         self._closed = False
         self._close_lock = asyncio.Lock()
-        self._pid_file = _record(pid_dir, proc.pid) if pid_dir else None
+        self._pid_file = _record(pid_dir, self.pid) if pid_dir else None
+        self._pipe_inodes = _pipe_inodes(transport)
         # No await between spawn and taking ownership of stderr: a chatty agent
         # must never block on a full pipe.
-        self._stderr_task = asyncio.get_running_loop().create_task(
-            self._drain_stderr(), name=f"agent-stderr-{proc.pid}"
-        )
-        self._exited = asyncio.get_running_loop().create_task(proc.wait(), name=f"agent-wait-{proc.pid}")
+        self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
+        self._discard: asyncio.Task[None] | None = None
 
     @classmethod
     async def spawn(
@@ -68,22 +132,36 @@ class AgentProcess:
         stop_grace: float,
         pid_dir: Path | None = None,
     ) -> AgentProcess:
-        full = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *full,
+        prefix = _pdeathsig_prefix()
+        loop = asyncio.get_running_loop()
+        # The creation runs shielded: cancelled, it would leave asyncio to kill the direct
+        # child only (not its group) and wait for it without a bound.
+        creation: _Creation = loop.create_task(
+            loop.subprocess_exec(
+                lambda: _Protocol(_PIPE_BUFFER, loop),
+                *prefix,
+                *argv,
                 cwd=cwd,
                 env=dict(env),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                limit=_PIPE_BUFFER,
                 start_new_session=True,
-            )
+            ),
+            name=f"agent-spawn-{name}",
+        )
+        try:
+            transport, protocol = await asyncio.shield(creation)
+        except asyncio.CancelledError:
+            # whatever the creation makes is ended when it is made, even if we are cancelled again
+            creation.add_done_callback(_end_unowned)
+            await asyncio.wait({creation}, timeout=_SPAWN_SETTLE)
+            raise
         except OSError as exc:
             raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
-        log.info("agent_spawned", agent=name, pid=proc.pid, command=argv[0])
-        return cls(proc, name, stderr_tail_bytes, stop_grace, pid_dir)
+        process = cls(transport, protocol, name, stderr_tail_bytes, stop_grace, pid_dir, has_pdeathsig=bool(prefix))
+        log.info("agent_spawned", agent=name, pid=process.pid, command=argv[0], pdeathsig=bool(prefix))
+        return process
 
     @property
     def stdin(self) -> asyncio.StreamWriter:
@@ -99,31 +177,41 @@ class AgentProcess:
     def returncode(self) -> int | None:
         return self._proc.returncode
 
+    @property
+    def has_pdeathsig(self) -> bool:
+        """Whether the kernel SIGKILLs this process when the daemon dies (see ``_pdeathsig_prefix``)."""
+        return self._has_pdeathsig
+
     def is_running(self) -> bool:
         return self._proc.returncode is None
 
     async def wait_exit(self) -> int:
-        return await asyncio.shield(self._exited)
+        """Wait for the process to exit (not for its pipes to close); its exit code."""
+        await asyncio.shield(self._exited)
+        code = self._proc.returncode
+        assert code is not None  # set before the exit is reported
+        return code
 
     def stderr_tail(self) -> str:
         return bytes(self._tail).decode("utf-8", errors="replace").strip()
 
     async def settle_stderr(self, timeout: float = 1.0) -> None:
         """After the process exited, wait (bounded) until its stderr is fully read."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(self._stderr_task)
+        await asyncio.wait({self._stderr_task}, timeout=timeout)
 
     async def _drain_stderr(self) -> None:
         stream = self._proc.stderr
         assert stream is not None
-        while chunk := await stream.read(65536):
-            self._tail += chunk
-            if len(self._tail) > self._tail_limit:
-                del self._tail[: len(self._tail) - self._tail_limit]
-            text = chunk[:2000].decode("utf-8", errors="replace").rstrip()
-            if text:
-                log.debug("agent_stderr", agent=self.name, pid=self.pid, text=text, bytes=len(chunk))
+        try:
+            while chunk := await stream.read(65536):
+                self._tail += chunk
+                if len(self._tail) > self._tail_limit:
+                    del self._tail[: len(self._tail) - self._tail_limit]
+                text = chunk[:2000].decode("utf-8", errors="replace").rstrip()
+                if text:
+                    log.debug("agent_stderr", agent=self.name, pid=self.pid, text=text, bytes=len(chunk))
+        except OSError as exc:  # the pipe broke
+            log.debug("agent_stderr_broken", agent=self.name, pid=self.pid, error=str(exc))
 
     def kill(self) -> None:
         """SIGKILL the whole group at once (the daemon was told to stop now); reaped by ``aclose``."""
@@ -132,56 +220,137 @@ class AgentProcess:
         self._killpg(signal.SIGKILL)
 
     async def aclose(self) -> None:
-        """Close stdin → grace → SIGTERM the group → grace → SIGKILL the group; reap."""
+        """Close stdin → grace → SIGTERM the group → grace → SIGKILL the group → grace; let go.
+
+        Takes at most five ``stop_grace``; a second call waits for the first. A cancelled caller
+        still ends the group (SIGKILL, pipes closed, without waiting) and stays cancelled."""
         async with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-            discard = asyncio.get_running_loop().create_task(self._discard_stdout(), name=f"agent-stdout-{self.pid}")
+            self._discard = asyncio.get_running_loop().create_task(
+                self._discard_stdout(), name=f"agent-stdout-{self.pid}"
+            )
             try:
                 await self._stop()
+            except asyncio.CancelledError:
+                log.warning("agent_stop_cancelled", agent=self.name, pid=self.pid)  # _release kills the group
+                raise
             finally:
-                if self._pid_file is not None:
-                    self._pid_file.unlink(missing_ok=True)
-                for task in (discard, self._stderr_task):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                self._release()
+            await self._settle_readers()
         log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._proc.returncode)
 
     async def _discard_stdout(self) -> None:
-        """Read stdout to its end while the agent is ended: its reader pauses the pipe while
-        it holds unread data, a paused pipe never sees EOF, and ``wait()`` returns only once
-        every pipe has closed."""
-        with contextlib.suppress(Exception):  # RuntimeError: the connection still reads it
+        """Read stdout to its end while the agent is ended: its reader pauses the pipe while it
+        holds unread data, and an agent blocked writing to a paused pipe cannot see stdin close."""
+        try:
             while await self.stdout.read(1 << 16):
                 pass
+        except RuntimeError:
+            return  # the connection is still reading it (a StreamReader takes one reader at a time)
+        except OSError as exc:  # the pipe broke
+            log.debug("agent_stdout_broken", agent=self.name, pid=self.pid, error=str(exc))
 
     async def _stop(self) -> None:
         if self.is_running():
-            with contextlib.suppress(OSError, RuntimeError):
-                self.stdin.close()
-            if await self._wait(self._stop_grace):
-                self._killpg(signal.SIGKILL)  # stragglers of a leader that left
-                return
-            self._killpg(signal.SIGTERM)
-            if await self._wait(self._stop_grace):
-                self._killpg(signal.SIGKILL)
-                return
-        self._killpg(signal.SIGKILL)
-        await self._wait(None)
+            self.stdin.close()
+            if not await self._wait(self._stop_grace):
+                self._killpg(signal.SIGTERM)
+                if not await self._wait(self._stop_grace):
+                    self._killpg(signal.SIGKILL)
+                    if not await self._wait(self._stop_grace):
+                        log.error("agent_not_reaped", agent=self.name, pid=self.pid, waited=3 * self._stop_grace)
+        self._killpg(signal.SIGKILL)  # what is left of the group after its leader
+        # stderr ends once every holder has gone: one that left the group may hold it forever
+        done, _ = await asyncio.wait({self._stderr_task}, timeout=self._stop_grace)
+        if not done:
+            log.warning(
+                "agent_pipes_held",
+                agent=self.name,
+                pid=self.pid,
+                holders=_pipe_holders(self._pipe_inodes),
+                why="processes that left the agent's group still hold its output; closing our ends",
+            )
 
-    async def _wait(self, timeout: float | None) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(self._exited)
-        except TimeoutError:
-            return False
-        return True
+    async def _wait(self, timeout: float) -> bool:
+        """Whether the process exited within ``timeout``, whatever its pipes do."""
+        done, _ = await asyncio.wait({self._exited}, timeout=timeout)
+        return bool(done)
+
+    def _release(self) -> None:
+        """Let go at once of all we hold: the group, our ends of the pipes, the pid file."""
+        _let_go(self._transport, self._exited)
+        if self._pid_file is not None:
+            self._pid_file.unlink(missing_ok=True)
+
+    async def _settle_readers(self) -> None:
+        """The readers end at the EOF ``_release`` gave them (bounded); any that did not is cancelled."""
+        readers = {self._stderr_task, *([self._discard] if self._discard else [])}
+        _, pending = await asyncio.wait(readers, timeout=self._stop_grace)
+        for task in pending:
+            task.cancel()
 
     def _killpg(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, sig)
+        _killpg(self.pid, sig)
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _end_unowned(creation: _Creation) -> None:
+    """Done-callback of a spawn whose caller was cancelled: end the process it made, if any."""
+    if creation.cancelled() or creation.exception() is not None:
+        return
+    transport, protocol = creation.result()
+    _let_go(transport, protocol.exited)
+    log.warning("agent_spawn_cancelled", pid=transport.get_pid())
+
+
+def _let_go(transport: asyncio.SubprocessTransport, exited: asyncio.Future[None]) -> None:
+    """SIGKILL the group and close our ends of its pipes (its readers see EOF), waiting for nothing.
+
+    The transport itself is closed once the exit is reported: closed before, asyncio would
+    reap the child itself, racing the child watcher (which would then report a made-up 255).
+    """
+    _killpg(transport.get_pid(), signal.SIGKILL)
+    stdin = transport.get_pipe_transport(0)
+    # input the agent never read is moot now (close() would wait to flush it); asyncio's
+    # abort() fails on a pipe already closed
+    if isinstance(stdin, asyncio.WriteTransport) and (not stdin.is_closing() or stdin.get_write_buffer_size()):
+        stdin.abort()
+    for fd in (1, 2):
+        pipe = transport.get_pipe_transport(fd)
+        if pipe is not None:
+            pipe.close()
+    exited.add_done_callback(lambda _: transport.close())
+
+
+def _pipe_inodes(transport: asyncio.SubprocessTransport) -> set[int]:
+    """Inodes of the agent's stdout and stderr pipes, to name who holds them if they never end."""
+    inodes = set()
+    for fd in (1, 2):
+        pipe = transport.get_pipe_transport(fd)
+        file = pipe.get_extra_info("pipe") if pipe is not None else None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                inodes.add(os.fstat(file.fileno()).st_ino)
+    return inodes
+
+
+def _pipe_holders(inodes: set[int]) -> list[int]:
+    """Pids of the other processes (that we may inspect) holding one of these pipes open."""
+    links = {f"pipe:[{inode}]" for inode in inodes}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in links for fd in (entry / "fd").iterdir()):
+                found.append(int(entry.name))
+    return found
 
 
 # ---------------------------------------------------------------- leftovers of a killed daemon

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from rcoder.agent.start_config import AgentStartConfig
 from rcoder.domain import OpenMethod
-from rcoder.session.acp_worker import AgentStartConfig
 
 
 def test_no_system_prompt_no_resume_no_extra_gives_empty_meta() -> None:

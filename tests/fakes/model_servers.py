@@ -28,6 +28,15 @@ Servers:
 All of them refuse ``CONNECT`` (so they can be used as the agents' HTTP(S)
 proxy to keep every byte on loopback) with ``403`` and close the connection.
 
+Faults: ``faults`` maps an API key (as the dialect sends it: ``x-api-key``,
+``Authorization: Bearer``, ``x-goog-api-key`` or ``?key=``) to a
+:class:`Fault`, and ``fault`` applies one to every request:
+
+* ``Fault.UNAUTHORIZED``: ``401`` with the dialect's own error body (the real
+  API's answer to refused credentials);
+* ``Fault.HANG``: the request is read and recorded and never answered; the
+  connection is held until the server stops (``aclose`` releases it).
+
 Usage::
 
     async with AnthropicServer() as srv:
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import json
 import re
@@ -47,7 +57,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +66,7 @@ from urllib.parse import parse_qs, urlsplit
 __all__ = [
     "AnthropicServer",
     "FakeModelServer",
+    "Fault",
     "GeminiServer",
     "OpenAIChatServer",
     "OpenAIResponsesServer",
@@ -118,6 +129,13 @@ def remember_reply(user_texts: Iterable[str]) -> str:
 Responder = Callable[[list[str]], str]
 
 
+class Fault(enum.Enum):
+    """How a fake model API fails a request."""
+
+    UNAUTHORIZED = "unauthorized"  # 401 with the dialect's error body
+    HANG = "hang"  # never answered; held until the server stops
+
+
 # ---------------------------------------------------------------------------
 # A tiny HTTP/1.1 server
 
@@ -164,6 +182,7 @@ _REASONS = {
     100: "Continue",
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
@@ -193,7 +212,9 @@ class FakeModelServer:
     remember-rule (it gets the list of user texts, injected blocks already
     removed, and returns the answer text). ``delay`` waits that many seconds
     before each model answer; ``chunk_size`` splits the answer into deltas of
-    that many characters.
+    that many characters. ``faults`` (by API key) and ``fault`` (every
+    request) make it fail instead (see :class:`Fault`); both may be changed
+    while it runs.
     """
 
     def __init__(
@@ -203,16 +224,23 @@ class FakeModelServer:
         delay: float = 0.0,
         chunk_size: int = 8,
         host: str = "127.0.0.1",
+        faults: Mapping[str, Fault] | None = None,
+        fault: Fault | None = None,
     ) -> None:
         self.host = host
         self.responder: Responder = responder or remember_reply
         self.delay = delay
         self.chunk_size = max(1, chunk_size)
+        self.faults: dict[str, Fault] = dict(faults or {})
+        self.fault = fault
         self.requests: list[RecordedRequest] = []
+        self.held: list[RecordedRequest] = []  # requests a HANG fault is holding (or held)
         self.connect_attempts: list[str] = []  # CONNECT targets that were refused
         self.errors: list[str] = []  # handler exceptions (a test should assert this stays empty)
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._released: asyncio.Event | None = None
         self._port = 0
         self._ids = itertools.count(1)
 
@@ -229,17 +257,23 @@ class FakeModelServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> FakeModelServer:
+        self._released = asyncio.Event()
         self._server = await asyncio.start_server(self._serve, self.host, 0)
         self._port = self._server.sockets[0].getsockname()[1]
         return self
 
     async def aclose(self) -> None:
+        """Stop accepting, release held requests, close every connection; each wait bounded."""
         server, self._server = self._server, None
         if server is None:
             return
         server.close()
+        if self._released is not None:
+            self._released.set()
         for writer in list(self._writers):
             writer.close()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=5)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), 5)
 
@@ -269,10 +303,25 @@ class FakeModelServer:
     def route(self, req: RecordedRequest) -> Response:
         raise NotImplementedError
 
+    def api_key(self, req: RecordedRequest) -> str:
+        """The API key a request carries, as this dialect sends it."""
+        auth = req.header("authorization") or ""
+        return auth[len("bearer ") :].strip() if auth.lower().startswith("bearer ") else ""
+
+    def unauthorized(self, req: RecordedRequest) -> Response:
+        """The real API's 401 for refused credentials (subclasses give their dialect's body)."""
+        return Response.json({"error": {"message": "invalid api key"}}, status=401)
+
+    def fault_for(self, req: RecordedRequest) -> Fault | None:
+        return self.faults.get(self.api_key(req)) or self.fault
+
     # -- HTTP ---------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             while True:
                 try:
@@ -291,10 +340,19 @@ class FakeModelServer:
                     )
                     return
                 self.requests.append(req)
+                fault = self.fault_for(req)
+                if fault is Fault.HANG:
+                    self.held.append(req)
+                    assert self._released is not None
+                    await self._released.wait()  # until aclose: the connection is then closed
+                    return
                 try:
-                    if self.delay and req.method == "POST":
-                        await asyncio.sleep(self.delay)
-                    resp = self.route(req)
+                    if fault is Fault.UNAUTHORIZED:
+                        resp = self.unauthorized(req)
+                    else:
+                        if self.delay and req.method == "POST":
+                            await asyncio.sleep(self.delay)
+                        resp = self.route(req)
                 except Exception as exc:  # a bug in a fake must show up as a 500, not a hang
                     self.errors.append(f"{req.method} {req.target}: {exc!r}")
                     resp = Response.json({"error": {"message": repr(exc)}}, status=500)
@@ -306,6 +364,8 @@ class FakeModelServer:
             return
         finally:
             self._writers.discard(writer)
+            if task is not None:
+                self._handlers.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -476,6 +536,20 @@ class AnthropicServer(FakeModelServer):
     def model_requests(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.method == "POST" and r.path.rstrip("/").endswith("/messages")]
 
+    def api_key(self, req: RecordedRequest) -> str:
+        return req.header("x-api-key") or super().api_key(req)
+
+    def unauthorized(self, req: RecordedRequest) -> Response:
+        request_id = self.next_id("req_fake")
+        body = {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": "invalid x-api-key"},
+            "request_id": request_id,
+        }
+        resp = Response.json(body, status=401)
+        resp.headers["request-id"] = request_id
+        return resp
+
     @staticmethod
     def user_texts(body: Any) -> list[str]:
         texts: list[str] = []
@@ -585,6 +659,16 @@ class AnthropicServer(FakeModelServer):
 
 class _OpenAIBase(FakeModelServer):
     model = "gpt-5.4-mini"
+
+    def unauthorized(self, req: RecordedRequest) -> Response:
+        key = self.api_key(req)
+        shown = f"{key[:3]}***{key[-2:]}" if len(key) > 5 else key
+        message = (
+            f"Incorrect API key provided: {shown}. "
+            "You can find your API key at https://platform.openai.com/account/api-keys."
+        )
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        return Response.json({"error": error}, status=401)
 
     def _models(self, req: RecordedRequest) -> Response:
         # The OpenAI list shape; codex also reads a "models" key (its own catalogue shape) and falls
@@ -870,6 +954,23 @@ class GeminiServer(FakeModelServer):
 
     def model_requests(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.method == "POST" and "Content" in r.path.rsplit(":", 1)[-1]]
+
+    def api_key(self, req: RecordedRequest) -> str:
+        return req.header("x-goog-api-key") or (req.query.get("key") or [""])[0] or super().api_key(req)
+
+    def unauthorized(self, req: RecordedRequest) -> Response:
+        message = (
+            "Request had invalid authentication credentials. Expected OAuth 2 access token, login cookie "
+            "or other valid authentication credential. See "
+            "https://developers.google.com/identity/sign-in/web/devconsole-project."
+        )
+        detail = {
+            "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+            "reason": "ACCESS_TOKEN_TYPE_UNSUPPORTED",
+            "metadata": {"service": "generativelanguage.googleapis.com", "method": "GenerateContent"},
+        }
+        body = {"error": {"code": 401, "message": message, "status": "UNAUTHENTICATED", "details": [detail]}}
+        return Response.json(body, status=401)
 
     def json_requests(self) -> list[RecordedRequest]:
         """Requests that asked for a JSON answer (routing, next-speaker checks, …)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from rcoder.domain import SessionRecord
-from rcoder.session.acp_worker import Action, decide
+from rcoder.session.opening import Action, decide
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RECORD = SessionRecord("s1", "p", "/w/p", "claude", "prov-1", NOW, NOW)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from rcoder.domain import ResumeOutcome, RunCompleted, StopReason, TextChunk, ToolCall
-from rcoder.errors import NotFound, OutOfRange
+from rcoder.errors import NotFound, OutOfRange, SessionBusy
 from rcoder.session.runs import MERGE_LIMIT, Run, RunRegistry
 
 DONE = RunCompleted(StopReason.END_TURN, "p", ResumeOutcome.NEW)
@@ -154,26 +154,70 @@ def test_nothing_may_follow_completed() -> None:
 def test_finished_runs_are_forgotten_after_the_retention() -> None:
     registry = RunRegistry(retention=0)
     run = Run("r", "s", buffer_events=10)
-    registry.add(run)
+    registry.claim(run)
     assert registry.get("r") is run  # still running: kept
     run.publish(DONE)
+    registry.release(run)
     with pytest.raises(NotFound):
         registry.get("r")
 
 
 def test_a_run_still_going_is_kept_while_runs_started_after_it_are_forgotten() -> None:
     registry = RunRegistry(retention=0)
-    long, short = Run("long", "s", buffer_events=10), Run("short", "s", buffer_events=10)
-    registry.add(long)
-    registry.add(short)
+    long, short = Run("long", "s1", buffer_events=10), Run("short", "s2", buffer_events=10)
+    registry.claim(long)
+    registry.claim(short)
     short.publish(DONE)
+    registry.release(short)
     with pytest.raises(NotFound):
         registry.get("short")
     assert registry.get("long") is long
     assert registry.running() == [long]
     long.publish(DONE)
+    registry.release(long)
     with pytest.raises(NotFound):
         registry.get("long")
+
+
+def test_a_session_is_held_by_one_run_from_its_claim_until_released() -> None:
+    registry = RunRegistry(retention=60)
+    first, second = Run("a", "s", buffer_events=10), Run("b", "s", buffer_events=10)
+    registry.claim(first)
+    assert registry.holder("s") is first
+    assert registry.get("a") is first, "visible (Cancel, Subscribe) before anything is published"
+    with pytest.raises(SessionBusy) as busy:
+        registry.claim(second)
+    assert busy.value.metadata["run_id"] == "a"
+    registry.release(second)  # not the holder: changes nothing
+    assert registry.holder("s") is first
+    registry.release(first)
+    registry.release(first)  # twice is once
+    registry.claim(second)
+    assert registry.holder("s") is second
+
+
+def test_a_run_refused_before_it_started_is_forgotten_at_once() -> None:
+    registry = RunRegistry(retention=60)
+    run = Run("r", "s", buffer_events=10)
+    registry.claim(run)
+    registry.forget(run)
+    assert registry.holder("s") is None
+    with pytest.raises(NotFound):
+        registry.get("r")
+
+
+@pytest.mark.parametrize("char", ["a", "é", "中", "😀"], ids=["ascii", "2-byte", "3-byte", "4-byte"])
+def test_no_text_event_is_larger_than_the_limit_in_utf8_bytes_whatever_the_script(char: str) -> None:
+    run = Run("r", "s", buffer_events=1000)
+    text = char * (200_000 // len(char.encode()))
+    run.publish(TextChunk(text))
+    run.publish(TextChunk(char * 10))  # merges into the last piece while it has room
+    run.publish(DONE)
+    events = list(run._take_from(1))
+    pieces = [e.body.text for e in events if isinstance(e.body, TextChunk)]
+    assert "".join(pieces) == text + char * 10
+    assert all(len(p.encode()) <= MERGE_LIMIT for p in pieces)
+    assert len(pieces) == -(-len((text + char * 10).encode()) // MERGE_LIMIT)
 
 
 def test_a_done_callback_runs_once_at_completion_or_at_once_when_already_done() -> None:

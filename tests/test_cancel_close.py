@@ -117,3 +117,32 @@ async def test_a_second_turn_on_a_busy_session_is_aborted(make_daemon: DaemonFac
     assert "session busy" in exc.details()
     await client.stub.Cancel(pb.CancelRequest(session_id=begin.session_id))
     assert completed(await rest_of(call)).stop_reason == pb.STOP_REASON_CANCELLED
+
+
+@pytest.mark.parametrize("phase", ["initialize", "open"])
+async def test_cancel_by_session_reaches_a_turn_whose_agent_is_still_starting(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, phase: str
+) -> None:
+    first_daemon, first_client = await make_daemon()
+    sid = (await first_client.chat(prompt="remember 42"))[0].session_id
+    await first_daemon.stop()
+    # the same session, after a restart, on an agent that never finishes starting
+    daemon, client = await make_daemon({"fake": fake.profile("--hang", phase)})
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=sid, prompt="what number?"))
+    (spawned,) = await daemon.wait_log("agent_spawned")
+    if phase == "open":
+        await daemon.wait_log("agent_initialized", pid=spawned["pid"])
+
+    answer = await client.stub.Cancel(pb.CancelRequest(session_id=sid))
+    assert answer.cancelled, "a turn is cancellable before its agent is ready"
+    events = await rest_of(call)
+    assert [e.WhichOneof("event") for e in events] == ["started", "completed"]
+    assert events[0].run_id == answer.run_id
+    assert started(events).resume == pb.RESUME_OUTCOME_NOT_OPENED
+    assert completed(events).stop_reason == pb.STOP_REASON_CANCELLED
+    await daemon.wait_log("agent_stopped", pid=spawned["pid"])
+    session = await client.stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert session.status == pb.SESSION_STATUS_IDLE
+    assert session.last_run_id == answer.run_id
+    replay = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=answer.run_id))]
+    assert replay == events

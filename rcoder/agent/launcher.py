@@ -262,6 +262,8 @@ class AgentLauncher:
             raise
         connection.capabilities = capabilities_from_initialize(init)
         self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
+        log.info("agent_initialized", agent=profile.name, pid=process.pid,
+                 agent_name=connection.capabilities.agent_name, agent_version=connection.capabilities.agent_version)  # fmt: skip
         return connection
 
     @staticmethod

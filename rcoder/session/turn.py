@@ -25,6 +25,8 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.convert import prompt_blocks
 from rcoder.config import Settings
@@ -54,6 +56,8 @@ log = get_logger("rcoder.session.turn")
 MAX_TRANSCRIPT_TEXT = 1 << 20
 # the longest the end of a turn waits for a start write still in flight when rcoder stops
 START_WRITE_BOUND = 5.0
+# how long the end of a turn the store refused is retried
+END_RETRY_FOR = 60.0
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], None]
 
@@ -349,6 +353,7 @@ class TurnRunner:
             scope.stop, scope.status = StopReason.ERROR, RunStatus.FAILED
             scope.error = f"rcoder could not record the end of this turn ({exc.message}); the agent's answer is lost"
             scope.error_reason = exc.reason
+            self._spawn(self._record_end_later(scope), f"record-end-{run.run_id}")
         finally:
             self._runs.release(run)
             self._pool.release(plan.session_id, broken=scope.agent_broken)
@@ -360,6 +365,26 @@ class TurnRunner:
             agent = plan.profile.name
             self._metrics.runs.labels(agent, body.resume.value, scope.stop.value).inc()
             self._metrics.turn_duration.labels(agent).observe(time.monotonic() - run.started_monotonic)
+
+    async def _record_end_later(self, scope: TurnScope) -> None:
+        """Retry (bounded) storing the end the stream already published, so the store comes to
+        say the same; a daemon stopped meanwhile leaves it to the next start (``interrupted``)."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StoreError),
+            wait=wait_exponential(multiplier=0.2, max=5),
+            stop=stop_after_delay(END_RETRY_FOR),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self._store.finish_run(
+                        scope.run.run_id, scope.status, scope.stop, scope.error, self._clock(), None
+                    )
+        except StoreError as exc:
+            log.error("run_end_never_stored", run_id=scope.run.run_id, error=exc.message)  # noqa: TRY400
+            return
+        log.info("run_end_stored_late", run_id=scope.run.run_id)
 
     def refused(self, scope: TurnScope) -> None:
         """A turn that never started: no trace of it but the caller's error."""

@@ -408,9 +408,8 @@ async def warm_pool(bench: Bench) -> Result:
         }
         config = bench.config(profiles, default_agent="claude-cold", initialize_timeout=120, session_open_timeout=120)
         async with bench.daemon(config) as (daemon, stub):
-            await wait_warm(stub, "claude-warm")
             # one unmeasured turn each: the daemon and the agent's disk caches get warm, and the
-            # warm pool learns the project (its agents open a session there ahead of time)
+            # warm pool learns the project (it warms agents there, with a session opened ahead)
             for profile in ("claude-cold", "claude-warm"):
                 await close_session(stub, (await chat(stub, "hello", agent=profile)).session_id)
             for _ in range(bench.sizes.claude_reps):

@@ -205,3 +205,22 @@ async def test_two_sessions_driven_concurrently_never_cross(make_daemon: DaemonF
         record = await client.stub.GetSession(pb.GetSessionRequest(session_id=first[0].session_id))
         assert record.provider_session_id == started(first).provider_session_id == started(second).provider_session_id
     assert started(a1).provider_session_id != started(b1).provider_session_id
+
+
+async def test_a_replay_after_the_load_answer_that_stalls_never_leaks_into_the_new_turn(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    # Gemini's order: session/load is answered, then the history streams; this one stalls for
+    # 1.5 s (three times the quiet window the end of a replay was once guessed by) before the
+    # last answer. rcoder knows the replay is over by seeing the last turn it recorded.
+    flags = ("--caps", "load", "--replay-after-response", "--replay-pause", "1500")
+    daemon, client = await make_daemon({"fake": fake.profile(*flags, kind="gemini")})
+    first = await client.chat(prompt="remember 42")
+    await client.chat(prompt="remember 7", session_id=first[0].session_id)
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=first[0].session_id))
+
+    again = await client.chat(prompt="what number?", session_id=first[0].session_id)
+    assert started(again).resume_method == "load"
+    (over,) = await daemon.wait_log("session_replay_over")
+    assert over["known_by"] == "recognised"
+    assert text_of(again) == "I remember: 42, 7", "no history in the new turn"

@@ -25,6 +25,7 @@ from rcoder.logs import get_logger
 log = get_logger("rcoder.agent.client")
 
 EventSink = Callable[[AgentEvent], None]
+UpdateWatch = Callable[[dict[str, Any]], None]
 # decides a permission request: the chosen option id, or None for "cancelled"
 PermissionDecider = Callable[[PermissionRequest], Awaitable[str | None]]
 
@@ -43,8 +44,8 @@ class RcoderClient:
         self._agent = agent
         self._turn: _Turn | None = None
         self.session_id = ""
-        # set on every session/update the agent sends (the launcher waits for a late replay to go quiet)
-        self.updated = asyncio.Event()
+        # sees every session/update that arrives outside a turn (a replay while the session opens)
+        self.on_replay: UpdateWatch | None = None
 
     # ------------------------------------------------------------ turn control
 
@@ -64,9 +65,10 @@ class RcoderClient:
 
     def on_update(self, params: dict[str, Any]) -> None:
         """One ``session/update`` notification as the agent wrote it (the transport's fast path)."""
-        self.updated.set()
         turn = self._turn
         if turn is None or (self.session_id and params.get("sessionId") != self.session_id):
+            if self.on_replay is not None:
+                self.on_replay(params)
             return  # between turns, or replay while opening
         try:
             event = notification_to_event(params)

@@ -21,6 +21,7 @@ from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
 from rcoder.agent.kinds import GENERIC, AgentKind
 from rcoder.agent.process import AgentProcess
+from rcoder.agent.replay import ReplayWatch
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
 from rcoder.domain import AgentCapabilities, OpenMethod, StopReason
@@ -89,15 +90,22 @@ class AgentConnection:
         self.primed_cwd = ""
         self._closed = False
         self._close_lock = asyncio.Lock()
+        self._replay: ReplayWatch | None = None
 
     @property
     def alive(self) -> bool:
         return not self._closed and self.process.is_running()
 
-    @property
-    def updated(self) -> asyncio.Event:
-        """Set on every ``session/update`` the agent sends; clear it to watch for the next."""
-        return self._client.updated
+    async def replay_over(self, quiet: float, limit: float) -> str:
+        """Wait until the replay of the ``session/load`` just answered is over (``agent.replay``)."""
+        watch = self._replay
+        if watch is None:
+            return "none"
+        try:
+            return await watch.wait(quiet, limit)
+        finally:
+            self._replay = None
+            self._client.on_replay = None
 
     # ------------------------------------------------------------ opening
 
@@ -113,6 +121,8 @@ class AgentConnection:
             )  # fmt: skip
             session_id = rid
         elif method is OpenMethod.LOAD:
+            # watched from before the request: an agent that answers first may replay at once
+            self._replay = self._client.on_replay = ReplayWatch(config.replay_end)
             await self._call(
                 self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers),
                 timeout, "session/load", resuming=rid,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from rcoder.agent.classify import INTERNAL_ERROR, details
-from rcoder.config import AGENT_KINDS
+from rcoder.config import AGENT_KINDS, AgentProfile
 from rcoder.domain import ModelProvider
 
 
@@ -356,6 +356,11 @@ assert set(KINDS) == set(AGENT_KINDS), "config.AGENT_KINDS and kinds.KINDS must 
 
 
 GENERIC = AgentKind()
+
+
+def replays_after_load(profile: AgentProfile) -> bool:
+    """Whether the profile's agent answers ``session/load`` before its replay is out."""
+    return kind_of(profile.kind).answers_load_before_replay
 
 
 def kind_of(name: str) -> AgentKind:

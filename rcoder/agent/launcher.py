@@ -8,7 +8,6 @@ never answered with a silent fresh session.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -36,11 +35,11 @@ log = get_logger("rcoder.agent.launcher")
 
 # the longest a load is deferred for an agent that needs it (Gemini: to the next minute)
 MAX_LOAD_DEFER = 62.0
-# an agent that answers session/load before its replay is out: the replay is over once no
-# session/update came for REPLAY_QUIET seconds (at most REPLAY_SETTLE_MAX), so none of it
-# reaches the turn that follows
+# an agent that answers session/load before its replay is out (Gemini): the replay is over
+# once the session's last recorded turn was replayed, or, with none to recognise, once no
+# update came for REPLAY_QUIET seconds; at most REPLAY_SETTLE_MAX (rcoder.agent.replay)
 REPLAY_QUIET = 0.5
-REPLAY_SETTLE_MAX = 5.0
+REPLAY_SETTLE_MAX = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +156,8 @@ class AgentLauncher:
             await self._defer_load(profile, rid, await asyncio.to_thread(kind.load_not_before, home, rid))
         opened = await connection.open_session(config, self._settings.session_open_timeout)
         if opened is OpenMethod.LOAD and kind.answers_load_before_replay:
-            await _replay_settled(connection.updated, REPLAY_QUIET, REPLAY_SETTLE_MAX)
+            how = await connection.replay_over(REPLAY_QUIET, REPLAY_SETTLE_MAX)
+            log.info("session_replay_over", agent=profile.name, known_by=how)
         return opened
 
     async def _defer_load(self, profile: AgentProfile, session_id: str, not_before: datetime | None) -> None:
@@ -262,8 +262,9 @@ class AgentLauncher:
             raise
         connection.capabilities = capabilities_from_initialize(init)
         self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
-        log.info("agent_initialized", agent=profile.name, pid=process.pid,
-                 agent_name=connection.capabilities.agent_name, agent_version=connection.capabilities.agent_version)  # fmt: skip
+        caps = connection.capabilities
+        log.info("agent_initialized", agent=profile.name, pid=process.pid, agent_name=caps.agent_name,
+                 agent_version=caps.agent_version)  # fmt: skip
         return connection
 
     @staticmethod
@@ -284,16 +285,3 @@ class AgentLauncher:
             return OpenMethod.LOAD
         # agents that take it (Claude's adapter) resume through session/new _meta
         return OpenMethod.META
-
-
-async def _replay_settled(updated: asyncio.Event, quiet: float, limit: float) -> None:
-    """Return once no update came for ``quiet`` seconds, or after ``limit`` seconds."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(limit):
-            while True:
-                updated.clear()
-                try:
-                    async with asyncio.timeout(quiet):
-                        await updated.wait()
-                except TimeoutError:
-                    return

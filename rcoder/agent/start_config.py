@@ -40,9 +40,12 @@ class AgentStartConfig:
     resume_session_id: str = ""
     # the route chosen for resuming once the agent's capabilities are known
     resume_method: OpenMethod | None = None
+    # the session's last turn as rcoder recorded it (prompt, answer): how the replay of an agent
+    # that answers session/load before replaying is known to be over
+    replay_end: tuple[str, str] | None = None
 
     def without_resume(self) -> AgentStartConfig:
-        return replace(self, resume_session_id="", resume_method=None)
+        return replace(self, resume_session_id="", resume_method=None, replay_end=None)
 
     def is_plain(self) -> bool:
         """A new session with nothing of the request's own: one the warm pool may open ahead of time."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rcoder.agent.connection import AgentConnection
+from rcoder.agent.kinds import replays_after_load
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunStarted, SessionRecord
@@ -108,7 +109,7 @@ class SessionOpener:
             if live is not None:
                 return Opened(live, plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, ""))
             plan.action = Action.RESUME
-        config = plan.start_config()
+        config = await self._with_replay_end(plan, plan.start_config())
         async with self._pool.checkout(profile, plan.cwd, turn.model_provider, config.is_plain()) as checkout:
             try:
                 launched = await checkout.launch(config)
@@ -129,6 +130,14 @@ class SessionOpener:
             outcome = ResumeOutcome.RESUMED
         body = plan.started(conn.provider_session_id, outcome, launched.method, launched.fallback_reason)
         return Opened(conn, body, preamble)
+
+    async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:
+        """For an agent that replays after answering ``session/load``: the last turn rcoder
+        recorded, by which the end of the replay is recognised (``rcoder.agent.replay``)."""
+        if not config.resume_session_id or plan.record is None or not replays_after_load(plan.profile):
+            return config
+        last = await self._store.transcript(plan.session_id, limit=1)
+        return replace(config, replay_end=(last[-1].prompt, last[-1].response)) if last else config
 
     async def _fallback(self, plan: TurnPlan) -> tuple[ResumeOutcome, str]:
         """A known session the agent lost is re-seeded from rcoder's transcript, when configured."""

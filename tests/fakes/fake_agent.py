@@ -9,7 +9,7 @@ level: streaming, tools, permissions, sleeps, crashes).
     python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close]
         [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt]
         [--auth-required open|prompt] [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
-        [--replay-after-response] [--name NAME]
+        [--replay-after-response] [--replay-pause MS] [--name NAME]
 
 Sessions persist as DIR/sessions/<id>.json, so a new process with the same state dir can
 resume or load what an earlier one created. Answers are computed from the session's memory:
@@ -131,6 +131,7 @@ class Options:
     ignore_stdin_eof: bool
     spawn_child: bool
     replay_after_response: bool
+    replay_pause_ms: int
     name: str
 
     @classmethod
@@ -147,6 +148,8 @@ class Options:
         p.add_argument("--ignore-stdin-eof", action="store_true")
         p.add_argument("--spawn-child", action="store_true")
         p.add_argument("--replay-after-response", action="store_true")
+        # pause this long before replaying the last turn's answer (a replay that stalls)
+        p.add_argument("--replay-pause", type=int, default=0, dest="replay_pause_ms")
         p.add_argument("--name", default="fake-agent")
         return cls(**vars(p.parse_args(argv)))
 
@@ -305,8 +308,10 @@ class FakeAgent:
         return True
 
     async def _replay(self, session: Session) -> None:
-        for turn in session.history:
+        for index, turn in enumerate(session.history):
             await self.conn.session_update(session.id, update_user_message_text(turn["prompt"]))
+            if index == len(session.history) - 1 and self.opts.replay_pause_ms:
+                await asyncio.sleep(self.opts.replay_pause_ms / 1000)
             if turn["answer"]:
                 await self._say(session.id, turn["answer"])
 

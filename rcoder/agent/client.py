@@ -10,7 +10,6 @@ replay is history, not this turn's output.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -129,16 +128,21 @@ def _cancelled() -> acp.RequestPermissionResponse:
 
 
 async def _first(decision: Awaitable[str | None], cancelled: asyncio.Event) -> str | None:
-    """The decision, unless the turn is cancelled first (then None)."""
+    """The decision, unless the turn is cancelled first (then None). A decider that failed
+    counts as no answer ("cancelled"), and is logged; a cancel of the caller propagates."""
     decide = asyncio.ensure_future(decision)
     stop = asyncio.ensure_future(cancelled.wait())
     try:
         done, _ = await asyncio.wait({decide, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if decide in done and not decide.cancelled() and decide.exception() is None:
-            return decide.result()
-        return None
     finally:
         for task in (decide, stop):
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # our own children: waited for (they end at once once cancelled), never raised from
+        await asyncio.wait({decide, stop})
+    if decide not in done or decide.cancelled():
+        return None
+    error = decide.exception()
+    if error is not None:
+        log.error("permission_decider_failed", error=repr(error))
+        return None
+    return decide.result()

@@ -42,7 +42,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check rcoder tests scripts
 
 typecheck: $(STAMP)
-	$(BIN)/mypy rcoder scripts
+	$(BIN)/mypy rcoder scripts tests
 
 unit: $(STAMP) agents
 	$(BIN)/pytest -p no:cacheprovider --cov --cov-report=term:skip-covered

@@ -113,18 +113,24 @@ async def _gone_within(root: Path, exclude: set[int], timeout: float) -> list[in
     each is waited for on its pidfd, which becomes readable when it exits."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
-            await asyncio.gather(*(_exited(pid) for pid in processes_inside(root, exclude)))
+            await asyncio.gather(*(exited(pid) for pid in processes_inside(root, exclude)))
     return processes_inside(root, exclude)
 
 
-async def _exited(pid: int) -> None:
+async def exited(pid: int) -> None:
+    """Return once process ``pid`` has exited (at once if it is gone): its pidfd becomes readable."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
     loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
     try:
         await done
     finally:

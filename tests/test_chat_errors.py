@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -36,7 +37,7 @@ from tests.harness import FakeAgentSetup, completed, error_info, started, text_o
     ],
 )
 async def test_bad_chat_requests_get_invalid_argument_naming_the_field(
-    make_daemon: DaemonFactory, fields: dict[str, object], field: str, reason: str
+    make_daemon: DaemonFactory, fields: dict[str, Any], field: str, reason: str
 ) -> None:
     _, client = await make_daemon()
     request = {"prompt": "hello", **fields}
@@ -225,14 +226,18 @@ async def test_an_agent_error_answering_the_prompt_ends_the_run_with_error(make_
     assert "scripted failure" in completed(events).error
 
 
-def nested(depth: int) -> dict[str, object]:
-    value: dict[str, object] = {"leaf": 1}
+# what a Struct holds (the values these tests use)
+Json: TypeAlias = "str | float | dict[str, Json]"
+
+
+def nested(depth: int) -> dict[str, Json]:
+    value: dict[str, Json] = {"leaf": 1}
     for _ in range(depth - 1):
         value = {"n": value}
     return value
 
 
-def struct(value: dict[str, object]) -> struct_pb2.Struct:
+def struct(value: dict[str, Json]) -> struct_pb2.Struct:
     result = struct_pb2.Struct()
     result.update(value)
     return result
@@ -257,7 +262,7 @@ TEXT = pb.Attachment(text=pb.TextAttachment(text="x"))
     ],
 )  # fmt: skip
 async def test_limits_are_clear_invalid_argument_errors(
-    make_daemon: DaemonFactory, fields: dict[str, object], field: str, says: str
+    make_daemon: DaemonFactory, fields: dict[str, Any], field: str, says: str
 ) -> None:
     _, client = await make_daemon()
     exc = await client.chat_error(**{"prompt": "hi", **fields})

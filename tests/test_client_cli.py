@@ -277,7 +277,9 @@ async def test_sessions_lists_shows_and_closes_sessions(make_daemon: DaemonFacto
 # ---------------------------------------------------------------- token
 
 
-class MetadataRecorder(pb_grpc.AgentRunnerServicer):  # type: ignore[misc]
+class MetadataRecorder(pb_grpc.AgentRunnerServicer):
+    """Answers ListSessions only: the generated servicer's other methods answer UNIMPLEMENTED."""
+
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
 
@@ -287,7 +289,8 @@ class MetadataRecorder(pb_grpc.AgentRunnerServicer):  # type: ignore[misc]
 
 
 async def test_the_token_is_sent_as_bearer_authorization_from_the_flag_or_rcoder_token() -> None:
-    recorder = MetadataRecorder()
+    # the generated stub marks every method abstract; at run time each has a default (UNIMPLEMENTED)
+    recorder = MetadataRecorder()  # type: ignore[abstract]
     server = grpc.aio.server()
     pb_grpc.add_AgentRunnerServicer_to_server(recorder, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import DaemonFactory
+from tests.conftest import DaemonFactory, exited
 from tests.harness import FakeAgentSetup, completed, processes_mentioning, started, text_of
-from tests.turns import read_until, start_turn
+from tests.turns import read_until, rest_of, start_turn
 
 # `make soak` raises these counts (RCODER_SOAK=1); `make test` runs a few of each
 SOAK = os.environ.get("RCODER_SOAK") == "1"
@@ -87,16 +87,21 @@ async def test_the_same_session_asked_twice_at_once_runs_one_and_aborts_the_othe
     _, client = await make_daemon()
     first = await client.chat(prompt="remember 1")
     sid = first[0].session_id
+    # `hang`: the turn that wins runs until it is cancelled, so the other always finds the session busy
     results = await asyncio.gather(
-        client.chat(prompt="sleep 300", session_id=sid),
-        client.chat(prompt="sleep 300", session_id=sid),
+        start_turn(client, prompt="hang", session_id=sid),
+        start_turn(client, prompt="hang", session_id=sid),
         return_exceptions=True,
     )
     errors = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    runs = [r for r in results if isinstance(r, list)]
+    runs = [r for r in results if isinstance(r, tuple)]
     assert len(errors) == 1 and len(runs) == 1, results
     assert errors[0].code() == grpc.StatusCode.ABORTED
-    assert completed(runs[0]).stop_reason == pb.STOP_REASON_END_TURN
+    ((call, begin),) = runs
+    assert (await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))).cancelled
+    assert completed(await rest_of(call)).stop_reason == pb.STOP_REASON_CANCELLED
+    again = await client.chat(prompt="which?", session_id=sid)
+    assert text_of(again) == "I remember: 1", "the aborted request changed nothing"
 
 
 def alive(pid: int) -> bool:
@@ -135,11 +140,15 @@ async def test_a_daemon_killed_mid_turn_recovers_every_session_and_leaves_no_age
             await read_until(call, "permission_request")
         await daemon.kill()  # SIGKILL: no cleanup of its own
         call.cancel()
+        # the agent ends with the daemon (PR_SET_PDEATHSIG; without setpriv, at its stdin's EOF) but its
+        # child, in its group, does not: once the agent is gone, the child is all the restart finds
+        async with asyncio.timeout(10):
+            await asyncio.gather(*(exited(row["pid"]) for row in daemon.logs("agent_spawned")))
 
         restarted, client = await make_daemon({"fake": profile})
         (serving,) = restarted.logs("serving")
         assert serving["runs_marked_interrupted"] == 1
-        assert serving["leftover_agent_processes_killed"] >= 1, "the agent's child outlived the daemon: swept"
+        assert serving["leftover_agent_processes_killed"] == 1, "the agent's child outlived the daemon: swept"
         assert run_statuses(tmp_path / "data" / "rcoder.db")[begin.run_id] == "interrupted"
         for sid, remembered in sessions.items():
             again = await client.chat(prompt="which?", session_id=sid)

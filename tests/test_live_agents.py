@@ -15,7 +15,8 @@ from tests.turns import rest_of, start_turn
 
 
 async def status(client: Client, session_id: str) -> int:
-    return (await client.stub.GetSession(pb.GetSessionRequest(session_id=session_id))).status
+    session: pb.Session = await client.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
+    return session.status
 
 
 async def test_an_idle_agent_is_closed_after_idle_timeout_and_the_session_resumes(

@@ -91,7 +91,7 @@ async def test_generated_requests_get_deliberate_answers(make_daemon: DaemonFact
 
         @PROPERTY_SETTINGS
         @given(request=chat_requests)
-        @example(request=pb.ChatRequest(project_id="proj", prompt="hi", permission_mode=3))
+        @example(request=pb.ChatRequest(project_id="proj", prompt="hi", permission_mode=pb.PermissionMode.ValueType(3)))
         @example(request=pb.ChatRequest(project_id="p", prompt="\x00"))
         def chat(request: pb.ChatRequest) -> None:
             deliberate(lambda: list(stub.Chat(request, timeout=30)))

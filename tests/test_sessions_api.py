@@ -28,7 +28,7 @@ async def test_reflection_lists_the_agent_runner_service(make_daemon: DaemonFact
         call = stub.ServerReflectionInfo()
         await call.write(reflection_pb2.ServerReflectionRequest(**fields))
         await call.done_writing()
-        return await call.read()  # type: ignore[no-any-return]
+        return await call.read()
 
     listed = await ask(list_services="")
     names = {s.name for s in listed.list_services_response.service}

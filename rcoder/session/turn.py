@@ -72,6 +72,7 @@ class TurnScope:
         self._ready = ready
         self.phase = "waiting to start its agent"
         self.cancel_requested = False
+        self.judged = False  # how it ended is decided: a cancel from now on is too late
         self._opening: asyncio.Task[Opened] | None = None
         self._start_write: asyncio.Future[None] | None = None
         self.body: RunStarted | None = None  # the started event, once known
@@ -115,6 +116,8 @@ class TurnScope:
         """Ask the turn to stop, whatever its phase. Asking twice is asking once."""
         if self.cancel_requested:
             return True
+        if self.judged:
+            return False
         self.cancel_requested = True
         log.info("run_cancel_requested", run_id=self.run.run_id, phase=self.phase)
         if self._opening is not None:
@@ -145,6 +148,7 @@ class TurnScope:
             if not self.published and not await self._started_anyway(exc):
                 self._refuse(exc)
                 return not stopping
+            self.judged = True
             self._judge(exc)
             await self._runner.finish(self)
         finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import tomllib
@@ -14,7 +13,7 @@ import pytest
 
 from rcoder.agent.classify import gone_reason
 from rcoder.agent.kinds import GEMINI_LOAD_MARGIN, KINDS, kind_of
-from rcoder.agent.launcher import AgentLauncher, _replay_settled
+from rcoder.agent.launcher import AgentLauncher
 from rcoder.config import AGENT_KINDS, AgentProfile, Settings, builtin_profiles, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import ConfigError
@@ -272,19 +271,3 @@ def test_an_unknown_kind_is_a_config_error_naming_the_key(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as caught:
         load_settings(write(tmp_path, '[agents.x]\ncommand = "x"\nkind = "cobol"\n'), {})
     assert caught.value.key == "agents.x.kind"
-
-
-async def test_a_late_replay_is_waited_out_until_the_agent_goes_quiet() -> None:
-    updated = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for delay in (0.05, 0.1, 0.15):  # a replay still streaming after the load answer
-        loop.call_later(delay, updated.set)
-    began = time.monotonic()
-    await _replay_settled(updated, quiet=0.1, limit=2)
-    assert 0.24 < time.monotonic() - began < 1.5
-
-    for delay in range(1, 40):  # an agent that never goes quiet: bounded
-        loop.call_later(delay * 0.02, updated.set)
-    began = time.monotonic()
-    await _replay_settled(updated, quiet=0.1, limit=0.3)
-    assert time.monotonic() - began < 0.6

@@ -65,7 +65,7 @@ async def _exited(pid: int) -> None:
         return
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    loop.add_reader(fd, lambda: None if done.done() else done.set_result(None))
     try:
         await done
     finally:

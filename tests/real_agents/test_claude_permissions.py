@@ -20,9 +20,9 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.fakes.model_servers import AnthropicServer, RecordedRequest, Response, sse_event
+from tests.fakes.model_servers import AnthropicServer, RecordedRequest, Response, served, sse_event
 from tests.harness import completed, started
-from tests.real_agents.conftest import AGENT_TIMEOUTS, claude_table, served
+from tests.real_agents.conftest import AGENT_TIMEOUTS, claude_table
 
 _TOUCH = re.compile(r"please touch ([\w.-]+)")
 
@@ -45,7 +45,7 @@ class ToolCallingAnthropic(AnthropicServer):
 
     def _tool_use(self, tool_input: dict[str, Any]) -> Response:
         msg_id, tool_id = self.next_id("msg_fake"), self.next_id("toolu_fake")
-        message = {
+        message: dict[str, Any] = {
             "id": msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 1},
         }  # fmt: skip

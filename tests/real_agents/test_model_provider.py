@@ -15,9 +15,10 @@ from tests.fakes.model_servers import (
     GeminiServer,
     OpenAIChatServer,
     OpenAIResponsesServer,
+    served,
 )
 from tests.harness import Client, completed, started, text_of
-from tests.real_agents.conftest import AGENT_TIMEOUTS, REAL_AGENTS, ModelServers, served
+from tests.real_agents.conftest import AGENT_TIMEOUTS, REAL_AGENTS, ModelServers
 
 
 @pytest.fixture(scope="module")

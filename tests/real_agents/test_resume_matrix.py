@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -121,7 +122,7 @@ async def test_claude_remembers_by_every_route_a_profile_can_force(
     make_daemon: DaemonFactory, servers: ModelServers, base: str
 ) -> None:
     routes = ("resume", "load", "meta")
-    profiles = {}
+    profiles: dict[str, dict[str, Any]] = {}
     for route in routes:
         profiles |= servers.variant(f"{base}-{route}", base, resume=route)
     # idle_timeout = 0: every agent is closed right after its turn, so the next one resumes

@@ -109,9 +109,14 @@ class ShuttingDown(RcoderError):
 
 
 class StoreError(RcoderError):
-    """The store could not do what was asked: unavailable, closed, or it refused the write."""
+    """The store could not do what was asked: unavailable, closed, or it refused the write.
+    ``closed``: it is closed for good (rcoder is stopping), so trying again is pointless."""
 
     reason = "STORE_UNAVAILABLE"
+
+    def __init__(self, message: str, *, closed: bool = False, **metadata: str) -> None:
+        super().__init__(message, **metadata)
+        self.closed = closed
 
 
 class RunCancelled(RcoderError):

@@ -181,6 +181,63 @@ class DirectAgent:
         await _kill_group(self.proc)
 
 
+class RawDirect:
+    """The fastest direct client: raw JSON-RPC lines over the agent's pipes, its stdout read
+    through a buffer (``StreamReader.readline``), no SDK on our side. What rcoder's start of a
+    turn is held against."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self._ids = 0
+        self.session_id = ""
+
+    @classmethod
+    async def start(cls, argv: list[str], cwd: Path) -> RawDirect:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=str(cwd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, limit=LINE_LIMIT, start_new_session=True,
+        )  # fmt: skip
+        agent = cls(proc)
+        try:
+            await agent.call("initialize", {"protocolVersion": acp.PROTOCOL_VERSION, "clientCapabilities": {}})
+            result, _ = await agent.call("session/new", {"cwd": str(cwd), "mcpServers": []})
+            agent.session_id = result["sessionId"]
+        except BaseException:
+            await _kill_group(proc)
+            raise
+        return agent
+
+    async def call(self, method: str, params: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+        """Send a request; its result and when the first agent text chunk came (perf_counter)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._ids += 1
+        ident = self._ids
+        line = {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
+        self.proc.stdin.write(json.dumps(line).encode() + b"\n")
+        await self.proc.stdin.drain()
+        first_chunk = None
+        while raw := await self.proc.stdout.readline():
+            message = json.loads(raw)
+            if message.get("method") == "session/update" and first_chunk is None:
+                if message["params"]["update"].get("sessionUpdate") == "agent_message_chunk":
+                    first_chunk = time.perf_counter()
+            elif message.get("id") == ident and "method" not in message:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message["result"], first_chunk
+        raise RuntimeError(f"the agent closed its output during {method}")
+
+    async def prompt(self, text: str) -> float | None:
+        """One turn; seconds from sending the prompt to its first text chunk."""
+        sent = time.perf_counter()
+        prompt = [{"type": "text", "text": text}]
+        _, first = await self.call("session/prompt", {"sessionId": self.session_id, "prompt": prompt})
+        return None if first is None else first - sent
+
+    async def aclose(self) -> None:
+        await _kill_group(self.proc)
+
+
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -247,6 +304,9 @@ class Bench:
 
     async def direct(self) -> DirectAgent:
         return await DirectAgent.start(self.agent_argv, self.workspace / "proj")
+
+    async def raw(self) -> RawDirect:
+        return await RawDirect.start(self.agent_argv, self.workspace / "proj")
 
 
 @contextlib.asynccontextmanager
@@ -544,6 +604,65 @@ async def scale(bench: Bench) -> list[Result]:
     return [concurrency, mem]
 
 
+async def first_chunks(bench: Bench) -> list[Result]:
+    """When a turn's first text reaches the client (live session, quick and paced), and a cold
+    short first turn, against the fastest direct client (``RawDirect``), pairs back to back."""
+    quick, paced = "stream 3", f"stream 20 pace {bench.sizes.pace_ms}"
+    times: dict[str, tuple[list[float], list[float]]] = {"live": ([], []), "paced": ([], []), "cold": ([], [])}
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+        sid = (await chat(stub, quick)).session_id
+        raw = await bench.raw()
+        try:
+            await raw.prompt(quick)
+            for rep in range(bench.sizes.reps * LIVE_PER_COLD):
+                for key, prompt in (("live", quick), ("paced", paced)):
+                    ours, theirs = times[key]
+                    # back to back, in alternating order: neither side always goes first
+                    if rep % 2:
+                        ours.append(_first_chunk(await chat(stub, prompt, sid)))
+                    theirs.append(_seconds(await raw.prompt(prompt)))
+                    if not rep % 2:
+                        ours.append(_first_chunk(await chat(stub, prompt, sid)))
+        finally:
+            await raw.aclose()
+        for _ in range(bench.sizes.reps):
+            began = time.perf_counter()
+            cold_raw = await bench.raw()
+            try:
+                await cold_raw.prompt("hello")
+            finally:
+                times["cold"][1].append(time.perf_counter() - began)
+                await cold_raw.aclose()
+            cold = await chat(stub, "hello")
+            times["cold"][0].append(cold.total)
+            await close_session(stub, cold.session_id)
+    results = []
+    for key, name, target, what in (
+        ("live", "first_chunk_live", "<= 2.0", f"time to first text chunk, live session, {quick!r}"),
+        ("paced", "first_chunk_paced", "<= 1.2", f"time to first text chunk, live session, {paced!r}"),
+        ("cold", "cold_first_turn", "<= 1.2", "spawn to the end of a short first turn ('hello')"),
+    ):
+        ours, theirs = times[key]
+        details: dict[str, Any] = {
+            "daemon_ms": median(ours) * 1e3,
+            "direct_ms": median(theirs) * 1e3,
+            "reps": len(ours),
+        }
+        details |= {"daemon_all_ms": [x * 1e3 for x in ours], "direct_all_ms": [x * 1e3 for x in theirs]}
+        results.append(judged(name, what + ", daemon / raw direct client", paired_ratio(ours, theirs), target, details))
+    return results
+
+
+def _first_chunk(turn: Turn) -> float:
+    return _seconds(turn.first_chunk)
+
+
+def _seconds(value: float | None) -> float:
+    if value is None:
+        raise RuntimeError("the turn streamed no text")
+    return value
+
+
 async def startup_and_added_latency(bench: Bench) -> list[Result]:
     """Daemon start to SERVING, and what a LIVE turn that streams nothing costs over the direct call."""
     starts: list[float] = []
@@ -564,9 +683,10 @@ async def startup_and_added_latency(bench: Bench) -> list[Result]:
             ours.append((await chat(stub, "hello", sid)).total)
     start = Result("daemon_start_to_serving", "daemon spawn to the serving log line", None, "report", None)
     start.details = {"median_ms": median(starts) * 1e3, "all_ms": [s * 1e3 for s in starts]}
-    added = median(ours) - median(theirs)
-    latency = Result("live_turn_added_latency", "live turn streaming nothing: daemon - direct", None, "report", None)
-    latency.details = {"added_ms": added * 1e3, "daemon_ms": median(ours) * 1e3, "direct_ms": median(theirs) * 1e3}
+    added_ms = (median(ours) - median(theirs)) * 1e3
+    what = "live turn streaming nothing: daemon - direct SDK client, in ms (not a ratio)"
+    latency = judged("live_turn_added_latency", what, added_ms, "<= 1.0", {})
+    latency.details = {"added_ms": added_ms, "daemon_ms": median(ours) * 1e3, "direct_ms": median(theirs) * 1e3}
     return [start, latency]
 
 
@@ -595,6 +715,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("flood", lambda b: _one(flood(b))),
         ("warm_pool", lambda b: _one(warm_pool(b))),
         ("resumed", lambda b: _one(resumed_first_chunk(b))),
+        ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),
     ]  # fmt: skip
@@ -621,7 +742,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition, no PASS/FAIL")
     parser.add_argument("--json", type=Path, default=Path("bench-results.json"))
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--only", default="", help="comma-separated measures (paced,unpaced,flood,...)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated measures (paced,unpaced,flood,warm_pool,resumed,first_chunk,...)"
+    )
     args = parser.parse_args(argv)
     sizes = Sizes.smoke() if args.smoke else Sizes.full(args.reps)
     only = {s for s in args.only.split(",") if s}

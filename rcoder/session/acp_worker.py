@@ -196,4 +196,5 @@ class AcpWorker:
             _, late = await asyncio.wait(tasks, timeout=bound)
             if late:
                 log.warning("turns_not_ended_in_time", count=len(late), timeout=bound)
+        await self.turns.aclose()
         await self._pool.aclose(timeout=4 * self._settings.agent_stop_grace + 1)

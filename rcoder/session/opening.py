@@ -101,14 +101,23 @@ class SessionOpener:
         self._pool = pool
         self._metrics = metrics
 
+    def live(self, plan: TurnPlan) -> Opened | None:
+        """The session's live agent, busy with this turn, if it can serve it (no await: the
+        start of a live turn costs nothing here). Otherwise the turn resumes on a new one."""
+        if plan.action is not Action.LIVE:
+            return None
+        live = self._pool.take_live(plan.session_id, plan.profile.name, plan.turn.model_provider)
+        if live is None:
+            plan.action = Action.RESUME
+            return None
+        return Opened(live, plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, ""))
+
     async def open(self, plan: TurnPlan) -> Opened:
         """An agent serving the plan's session, busy with this turn (the caller releases it)."""
         turn, profile = plan.turn, plan.profile
-        if plan.action is Action.LIVE:
-            live = self._pool.take_live(plan.session_id, profile.name, turn.model_provider)
-            if live is not None:
-                return Opened(live, plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, ""))
-            plan.action = Action.RESUME
+        opened = self.live(plan)
+        if opened is not None:
+            return opened
         config = await self._with_replay_end(plan, plan.start_config())
         async with self._pool.checkout(profile, plan.cwd, turn.model_provider, config.is_plain()) as checkout:
             try:

@@ -11,11 +11,13 @@ Two rules keep this cheap when the agent writes faster than clients read:
   (up to ``MERGE_LIMIT`` bytes of UTF-8) instead of becoming a new event. The
   sequence stays gapless, and a replay returns exactly the merged events the
   followers saw, because a taken event never changes again.
-- **Coalescing.** A follower that has just sent a text event holds the next
-  one while it is still growing, for at most ``COALESCE_WINDOW`` after the
-  last, so a fast agent reaches a client as a few large messages (a gRPC
-  client pays per message) rather than one per chunk. The first text event
-  of a burst goes out at once, and anything else ends the hold.
+- **Backpressure, not a timer.** A follower takes whatever is there as soon
+  as it is free: the first text of a turn, and any text reaching an idle
+  follower, goes out at once. While a follower is busy handing an event to
+  its client (a gRPC write waits for the transport), the chunks that arrive
+  meanwhile merge into one event, so a fast agent reaches a slow client as a
+  few large messages (a gRPC client pays per message) and a quick client as
+  soon as each chunk is there.
 - **Bounded buffer.** At most ``buffer_events`` events are kept for replay;
   older ones are dropped once every attached follower has read them, and in
   any case beyond four times the bound (that follower then gets OUT_OF_RANGE).
@@ -24,9 +26,7 @@ Two rules keep this cheap when the agent writes faster than clients read:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +36,6 @@ from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextC
 from rcoder.errors import NotFound, OutOfRange, SessionBusy
 
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
-COALESCE_WINDOW = 0.004  # seconds: at most one text event per follower per window while text streams
 HARD_LIMIT_FACTOR = 4
 
 
@@ -47,10 +46,8 @@ class Run:
         session_id: str,
         buffer_events: int,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-        coalesce_window: float = COALESCE_WINDOW,
     ) -> None:
         self.run_id = run_id
-        self._window = coalesce_window
         self.session_id = session_id
         self._events: deque[RunEvent] = deque()
         self._limit = max(1, buffer_events)
@@ -64,7 +61,7 @@ class Run:
         self._follower_ids = itertools.count()
         self._clock = clock
         # set (and replaced) when an event is appended; a merge wakes nobody: the event that
-        # grew is one no follower has taken, and a holding follower sleeps on while it grows
+        # grew is one no follower has taken, so every follower is already awake for it
         self._appended = asyncio.Event()
         self.completed: RunCompleted | None = None
         self.finished_at: float | None = None  # monotonic
@@ -158,21 +155,12 @@ class Run:
         follower = next(self._follower_ids)
         self._positions[follower] = after_seq
         position = after_seq
-        text_sent = -math.inf  # monotonic time this follower last took a text event
         try:
             while True:
                 appended = self._appended
                 if position < self._seq:
                     self._check_available(position, "this follower fell behind: ")
-                    hold = self._hold(position, text_sent)
-                    if hold > 0:  # until the window ends or another event follows the growing one
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(hold):
-                                await appended.wait()
-                        continue
                     batch = self._take_from(position + 1)
-                    if isinstance(batch[-1].body, TextChunk):
-                        text_sent = time.monotonic()
                     for event in batch:
                         position = event.seq
                         self._positions[follower] = position
@@ -183,15 +171,6 @@ class Run:
                 await appended.wait()
         finally:
             self._positions.pop(follower, None)
-
-    def _hold(self, position: int, text_sent: float) -> float:
-        """Seconds to let the one event after ``position`` grow: a text chunk still open to merging."""
-        if position + 1 != self._seq or self.completed is not None:
-            return 0.0
-        body = self._events[-1].body
-        if not isinstance(body, TextChunk) or self._open_len >= MERGE_LIMIT:
-            return 0.0
-        return text_sent + self._window - time.monotonic()
 
     def _check_available(self, after_seq: int, prefix: str) -> None:
         first = self._events[0].seq if self._events else self._seq + 1
@@ -231,19 +210,35 @@ def split_utf8(text: str, limit: int) -> list[str]:
     return pieces
 
 
-async def heartbeats(run: Run, interval: float) -> None:
+class Heartbeats:
     """Publish a heartbeat whenever ``run`` was quiet for ``interval`` seconds (0: never).
 
-    A timer, not a watcher: it wakes once per interval, never per published
-    event (waking on each one cost ~7 µs a published chunk)."""
-    if interval <= 0:
-        return
-    while not run.done:
-        wait = run.last_published + interval - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        elif not run.done:
-            run.publish(Heartbeat())
+    A timer on the loop, not a task: it wakes once per interval, never per published
+    event (waking on each one cost ~7 µs a published chunk), and costs a turn nothing
+    to start or stop."""
+
+    def __init__(self, run: Run, interval: float) -> None:
+        self._run = run
+        self._interval = interval
+        self._handle: asyncio.TimerHandle | None = None
+        if interval > 0:
+            self._arm()
+
+    def _arm(self) -> None:
+        # the loop's clock is time.monotonic, as run.last_published
+        self._handle = asyncio.get_running_loop().call_at(self._run.last_published + self._interval, self._beat)
+
+    def _beat(self) -> None:
+        if self._run.done:
+            return
+        if time.monotonic() >= self._run.last_published + self._interval:
+            self._run.publish(Heartbeat())
+        self._arm()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class RunRegistry:

@@ -25,7 +25,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.convert import prompt_blocks
@@ -49,7 +49,7 @@ from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Run, RunRegistry, heartbeats
+from rcoder.session.runs import Heartbeats, Run, RunRegistry
 from rcoder.store.base import SessionStore
 
 log = get_logger("rcoder.session.turn")
@@ -89,7 +89,12 @@ class TurnScope:
     # ------------------------------------------------------------ phases
 
     async def open(self, opener: SessionOpener) -> Opened:
-        """Open the session in a task of its own, so that ``cancel`` can stop just that."""
+        """Open the session in a task of its own, so that ``cancel`` can stop just that (a live
+        agent is taken at once)."""
+        opened = opener.live(self.plan)
+        if opened is not None:
+            self.conn = opened.connection
+            return opened
         self.phase = "its agent was starting"
         self._opening = asyncio.get_running_loop().create_task(opener.open(self.plan), name=f"open-{self.run.run_id}")
         try:
@@ -244,7 +249,16 @@ class TurnRunner:
         self._spawn = spawn  # background work the worker tracks (and waits for at shutdown)
         self._opener = SessionOpener(settings, store, pool, metrics)
         self._scopes: dict[str, TurnScope] = {}
+        self._late_records: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
         self.permissions = PermissionBroker(settings.permission_timeout)
+
+    async def aclose(self) -> None:
+        """Stop retrying late store writes (the next start marks those runs ``interrupted``)."""
+        tasks = list(self._late_records)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def running(self) -> list[str]:
         """Every claimed turn, whatever its phase."""
@@ -285,13 +299,13 @@ class TurnRunner:
 
         turn = plan.turn
         decider = self.permissions.decider(run.run_id, turn.permission_mode, plan.profile.permission_rules)
-        beats = asyncio.create_task(heartbeats(run, self._settings.heartbeat_interval), name=f"beats-{run.run_id}")
+        beats = Heartbeats(run, self._settings.heartbeat_interval)
         scope.phase = "prompting"
         try:
             blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
             scope.stop = await opened.connection.prompt(blocks, on_event, decider, self._settings.turn_timeout or None)
         finally:
-            beats.cancel()
+            beats.stop()
         scope.transcript = TranscriptEntry(
             session_id=plan.session_id,
             run_id=run.run_id,
@@ -357,7 +371,10 @@ class TurnRunner:
             scope.stop, scope.status = StopReason.ERROR, RunStatus.FAILED
             scope.error = f"rcoder could not record the end of this turn ({exc.message}); the agent's answer is lost"
             scope.error_reason = exc.reason
-            self._spawn(self._record_end_later(scope), f"record-end-{run.run_id}")
+            if not exc.closed:
+                task = asyncio.create_task(self._record_end_later(scope), name=f"record-end-{run.run_id}")
+                self._late_records.add(task)  # not the worker's: shutdown never waits for it
+                task.add_done_callback(self._late_records.discard)
         finally:
             self._runs.release(run)
             self._pool.release(plan.session_id, broken=scope.agent_broken)
@@ -374,7 +391,7 @@ class TurnRunner:
         """Retry (bounded) storing the end the stream already published, so the store comes to
         say the same; a daemon stopped meanwhile leaves it to the next start (``interrupted``)."""
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(StoreError),
+            retry=retry_if_exception(lambda exc: isinstance(exc, StoreError) and not exc.closed),
             wait=wait_exponential(multiplier=0.2, max=5),
             stop=stop_after_delay(END_RETRY_FOR),
             reraise=True,

@@ -68,24 +68,29 @@ async def test_a_chunk_a_follower_has_taken_never_changes() -> None:
     assert [e.body for e in [e async for e in run.follow(0)][:2]] == [TextChunk("a"), TextChunk("b")]
 
 
-async def test_a_follower_that_just_took_text_gets_the_next_burst_as_one_event() -> None:
-    run = Run("r", "s", buffer_events=100, coalesce_window=60)
+async def test_text_that_arrives_while_the_follower_is_busy_reaches_it_as_one_event() -> None:
+    run = Run("r", "s", buffer_events=100)
     taken: asyncio.Queue[str] = asyncio.Queue()
+    client_free = asyncio.Event()  # the follower's client is still taking the last message
 
     async def follow() -> None:
         async for event in run.follow(0):
             taken.put_nowait(event.body.text if isinstance(event.body, TextChunk) else "<other>")
+            await client_free.wait()
+            client_free.clear()
 
     follower = asyncio.create_task(follow())
     async with asyncio.timeout(5):
         run.publish(TextChunk("a"))
-        assert await taken.get() == "a"  # the first text of a burst goes out at once
-        for text in ("b", "c"):
-            run.publish(TextChunk(text))
-            await asyncio.sleep(0)  # the follower looks, and holds: the event is still growing
-        run.publish(DONE)  # anything else ends the hold at once, long before the window
-        assert await taken.get() == "bc"
+        assert await taken.get() == "a"  # an idle follower gets text at once: no timer holds it
+        for text in ("b", "c", "d"):
+            run.publish(TextChunk(text))  # the follower is busy: they merge, unread
+        client_free.set()
+        assert await taken.get() == "bcd"
+        run.publish(DONE)
+        client_free.set()
         assert await taken.get() == "<other>"
+        client_free.set()
         await follower
     assert [e.seq async for e in run.follow(0)] == [1, 2, 3]
 

@@ -1,0 +1,335 @@
+"""AgentPool with real fake-agent processes: checkouts, the live limit, the warm pool, closing.
+
+No gRPC and no daemon: the pool is built from settings, a real ``AgentLauncher`` and
+``Metrics``. What the agents receive is read as it arrives from their request log, a FIFO
+(see ``AgentRequests``), so a test waits for "the agent got initialize" as an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rcoder.agent.launcher import AgentLauncher, Launched
+from rcoder.agent.start_config import AgentStartConfig
+from rcoder.config import AgentProfile, load_settings
+from rcoder.domain import ModelProvider
+from rcoder.errors import AgentLimitReached, ShuttingDown
+from rcoder.metrics import Metrics
+from rcoder.session.agent_pool import AgentPool
+from tests.conftest import base_settings, exited
+from tests.harness import FakeAgentSetup, processes_mentioning, write_config
+
+START_BOUND = 30.0  # an agent started and its session opened, on a loaded machine
+CLOSE_BOUND = 10.0  # an agent ended: stdin, SIGTERM and SIGKILL graces of 1 s, and slack
+PLAIN = ModelProvider()
+
+PoolFactory = Callable[..., tuple[AgentPool, AgentProfile]]
+
+
+@dataclass(frozen=True)
+class Request:
+    pid: int
+    method: str
+    params: dict[str, Any]
+
+
+class AgentRequests:
+    """What the fake agents receive, as it arrives: their ``--record`` file is a FIFO read here.
+
+    The test holds a write end of its own too, so the FIFO never reads as ended between agents.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, transport: asyncio.ReadTransport, write_fd: int) -> None:
+        self._reader = reader
+        self._transport = transport
+        self._write_fd = write_fd
+
+    @classmethod
+    async def open(cls, path: Path) -> AgentRequests:
+        os.mkfifo(path)
+        read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        write_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        reader = asyncio.StreamReader()
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
+        )
+        return cls(reader, transport, write_fd)
+
+    async def next(self, method: str) -> Request:
+        """The next request for ``method`` any agent received (earlier others are passed over)."""
+        async with asyncio.timeout(START_BOUND):
+            while True:
+                row = json.loads(await self._reader.readline())
+                message = row["message"]
+                if message.get("method") == method:
+                    return Request(row["pid"], method, message.get("params", {}))
+
+    def close(self) -> None:
+        self._transport.close()
+        os.close(self._write_fd)
+
+
+@pytest.fixture
+async def agent_requests(fake: FakeAgentSetup) -> AsyncIterator[AgentRequests]:
+    requests = await AgentRequests.open(fake.record)
+    yield requests
+    requests.close()
+
+
+@pytest.fixture
+async def make_pool(tmp_path: Path, fake: FakeAgentSetup, agent_requests: AgentRequests) -> AsyncIterator[PoolFactory]:
+    """Pools over the fake agent (``flags`` for it, ``warm_pool`` for its profile, top-level
+    keys as settings); on teardown each is closed and no agent process may be left."""
+    pools: list[AgentPool] = []
+
+    def make(*flags: str, warm_pool: int = 0, **top: Any) -> tuple[AgentPool, AgentProfile]:
+        config = write_config(
+            tmp_path / f"rcoder-{len(pools)}.toml",
+            {"fake": fake.profile(*flags, warm_pool=warm_pool)},
+            **{**base_settings(tmp_path), **top},
+        )
+        settings = load_settings(config, environ={})
+        pool = AgentPool(settings, AgentLauncher(settings), Metrics())
+        pools.append(pool)
+        profile = settings.profile("fake")
+        assert profile is not None
+        return pool, profile
+
+    try:
+        yield make
+    finally:
+        for pool in pools:
+            await pool.aclose(timeout=CLOSE_BOUND)
+        assert not processes_mentioning(str(fake.state_dir)), "agent processes left behind"
+
+
+def project(root: Path, name: str) -> str:
+    """A project directory, as the kernel names it (``/proc/<pid>/cwd``)."""
+    path = root / "workspace" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path.resolve())
+
+
+def cwd_of(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/cwd")
+
+
+async def live_agent(pool: AgentPool, profile: AgentProfile, cwd: str, session_id: str) -> Launched:
+    """An agent started through a checkout and handed over to ``session_id`` (busy)."""
+    async with asyncio.timeout(START_BOUND), pool.checkout(profile, cwd, PLAIN, plain=True) as checkout:
+        launched = await checkout.launch(AgentStartConfig(cwd=cwd))
+        checkout.hand_over(session_id)
+    return launched
+
+
+async def ended(pid: int) -> None:
+    """Return once process ``pid`` has exited; fail if it takes longer than ``CLOSE_BOUND``."""
+    async with asyncio.timeout(CLOSE_BOUND):
+        await exited(pid)
+
+
+def reaped(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def warm_ups_done(profile: str) -> None:
+    """Wait (bounded) until the warm-ups under way for ``profile`` are over: the pool's
+    ``warm-<profile>`` tasks, which end exactly when their agent turns warm (or fails).
+    One that ended already needs no wait: the caller checks ``warm_count`` after."""
+    tasks = {task for task in asyncio.all_tasks() if task.get_name() == f"warm-{profile}"}
+    if tasks:
+        async with asyncio.timeout(START_BOUND):
+            await asyncio.wait(tasks)
+
+
+# ---------------------------------------------------------------- checkouts
+
+
+async def test_a_handed_over_agent_stays_live_until_its_session_is_closed(
+    tmp_path: Path, make_pool: PoolFactory
+) -> None:
+    pool, profile = make_pool()
+    launched = await live_agent(pool, profile, project(tmp_path, "p"), "s1")
+    pid = launched.connection.process.pid
+
+    assert pool.live_count() == 1 and pool.is_live("s1") and pool.agent_count() == 1
+    pool.release("s1")
+    assert pool.is_live("s1"), "a released agent idles, still live"
+    assert not reaped(pid)
+
+    async with asyncio.timeout(CLOSE_BOUND):
+        assert await pool.close("s1") is True
+    assert reaped(pid), "close returns once the agent's process is gone"
+    assert not pool.is_live("s1") and pool.live_count() == 0 and pool.agent_count() == 0
+    assert await pool.close("s1") is False
+
+
+@pytest.mark.parametrize("how", ["returns", "raises"])
+async def test_an_agent_not_handed_over_is_closed_when_the_checkout_is_left(
+    tmp_path: Path, make_pool: PoolFactory, how: str
+) -> None:
+    class Abandoned(Exception):
+        pass
+
+    pool, profile = make_pool()
+    cwd = project(tmp_path, "p")
+    pids: list[int] = []
+    with pytest.raises(Abandoned) if how == "raises" else contextlib.nullcontext():
+        async with asyncio.timeout(START_BOUND), pool.checkout(profile, cwd, PLAIN, plain=True) as checkout:
+            launched = await checkout.launch(AgentStartConfig(cwd=cwd))
+            pids.append(launched.connection.process.pid)
+            assert pool.agent_count() == 1
+            if how == "raises":
+                raise Abandoned
+
+    assert pool.agent_count() == 0 and pool.live_count() == 0
+    await ended(pids[0])
+
+
+async def test_cancelling_a_checkout_while_its_agent_starts_ends_that_agent(
+    tmp_path: Path, make_pool: PoolFactory, agent_requests: AgentRequests
+) -> None:
+    pool, profile = make_pool("--hang", "initialize")
+    cwd = project(tmp_path, "p")
+
+    async def take() -> None:
+        async with pool.checkout(profile, cwd, PLAIN, plain=True) as checkout:
+            await checkout.launch(AgentStartConfig(cwd=cwd))
+            raise AssertionError("initialize hangs: the launch cannot return")
+
+    task = asyncio.create_task(take())
+    initialize = await agent_requests.next("initialize")
+    assert pool.agent_count() == 1
+    task.cancel()
+    async with asyncio.timeout(CLOSE_BOUND):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    assert pool.agent_count() == 0
+    assert reaped(initialize.pid), "the cancelled launch ends its agent before it returns"
+
+
+# ---------------------------------------------------------------- the limit
+
+
+async def test_at_the_limit_a_checkout_is_refused_while_all_are_busy_and_else_evicts_the_least_recently_used(
+    tmp_path: Path, make_pool: PoolFactory
+) -> None:
+    pool, profile = make_pool(max_live_agents=2)
+    cwd = project(tmp_path, "p")
+    first, second = await asyncio.gather(live_agent(pool, profile, cwd, "s1"), live_agent(pool, profile, cwd, "s2"))
+
+    with pytest.raises(AgentLimitReached):
+        async with pool.checkout(profile, cwd, PLAIN, plain=True):
+            pytest.fail("both live agents are busy: no slot to give")
+    assert pool.is_live("s1") and pool.is_live("s2")
+
+    pool.release("s2")  # idle first: the least recently used
+    pool.release("s1")
+    async with pool.checkout(profile, cwd, PLAIN, plain=True):
+        assert not pool.is_live("s2") and pool.is_live("s1")
+        assert pool.agent_count() == 2
+    await ended(second.connection.process.pid)
+    assert not reaped(first.connection.process.pid)
+
+
+# ---------------------------------------------------------------- the warm pool
+
+
+async def test_warm_agents_start_in_the_last_requested_project_and_serve_only_that_project(
+    tmp_path: Path, make_pool: PoolFactory, agent_requests: AgentRequests
+) -> None:
+    pool, profile = make_pool(warm_pool=1)
+    p, q = project(tmp_path, "p"), project(tmp_path, "q")
+
+    pool.fill()
+    assert pool.agent_count() == 0, "no project asked for yet: nothing to warm"
+
+    async with pool.checkout(profile, p, PLAIN, plain=True) as checkout:
+        assert not checkout.warm
+    await warm_ups_done("fake")
+    assert pool.warm_count() == 1 and pool.agent_count() == 1
+    warm = (await agent_requests.next("initialize")).pid
+    assert cwd_of(warm) == p
+
+    async with asyncio.timeout(START_BOUND), pool.checkout(profile, p, PLAIN, plain=True) as checkout:
+        assert checkout.warm
+        launched = await checkout.launch(AgentStartConfig(cwd=p))
+        checkout.hand_over("s1")
+    assert launched.connection.process.pid == warm
+    assert launched.primed, "a plain session in the warm agent's project is the one it opened ahead"
+
+    await warm_ups_done("fake")  # taking the warm agent started the next one, in p again
+    assert pool.warm_count() == 1
+    refill = (await agent_requests.next("initialize")).pid
+    assert refill != warm and cwd_of(refill) == p
+
+    async with pool.checkout(profile, q, PLAIN, plain=True) as checkout:
+        assert not checkout.warm, "a warm agent serves its own project only"
+    await ended(refill)  # q is asked for now: p's warm agent makes way for one in q
+    await warm_ups_done("fake")
+    assert pool.warm_count() == 1
+    in_q = (await agent_requests.next("initialize")).pid
+    assert cwd_of(in_q) == q
+    assert pool.live_count() == 1
+
+
+# ---------------------------------------------------------------- counts and closing
+
+
+async def test_counts_are_a_new_mapping_after_each_change_and_never_change_in_place(
+    tmp_path: Path, make_pool: PoolFactory
+) -> None:
+    pool, profile = make_pool()
+    cwd = project(tmp_path, "p")
+    seen = [pool.counts]
+    copies = [dict(pool.counts)]
+
+    def note() -> None:
+        assert pool.counts is not seen[-1], "the pool changed: the metrics thread must see a new mapping"
+        seen.append(pool.counts)
+        copies.append(dict(pool.counts))
+
+    async with asyncio.timeout(START_BOUND), pool.checkout(profile, cwd, PLAIN, plain=True) as checkout:
+        launched = await checkout.launch(AgentStartConfig(cwd=cwd))
+        checkout.hand_over("s1")
+        note()
+    pool.release("s1")
+    async with asyncio.timeout(CLOSE_BOUND):
+        await pool.close("s1")
+    note()
+
+    assert [dict(counts) for counts in seen] == copies
+    assert (copies[0].get("fake"), copies[1]["fake"], copies[2]["fake"]) == (None, (1, 0), (0, 0))
+    assert reaped(launched.connection.process.pid)
+
+
+async def test_closing_the_pool_twice_ends_every_agent_and_refuses_checkouts(
+    tmp_path: Path, make_pool: PoolFactory
+) -> None:
+    pool, profile = make_pool(warm_pool=1)
+    cwd = project(tmp_path, "p")
+    launched = await live_agent(pool, profile, cwd, "s1")  # and a warm agent starting in p
+
+    async with asyncio.timeout(2 * CLOSE_BOUND):
+        await pool.aclose(timeout=CLOSE_BOUND)
+        await pool.aclose(timeout=CLOSE_BOUND)
+
+    assert pool.agent_count() == 0 and pool.live_count() == 0 and pool.warm_count() == 0
+    assert reaped(launched.connection.process.pid)
+    with pytest.raises(ShuttingDown):
+        async with pool.checkout(profile, cwd, PLAIN, plain=True):
+            pytest.fail("a closed pool gives no agents")

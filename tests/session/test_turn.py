@@ -1,0 +1,377 @@
+"""TurnRunner with real fake-agent processes and a real SQLite store: how a turn ends.
+
+No gRPC and no daemon: the runner is built from its parts (store, pool, run registry,
+metrics, clock, spawn). What the agents receive is read as it arrives from their request
+log, a FIFO (see ``AgentRequests``), so a test acts "once the agent got the prompt".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rcoder.agent.launcher import AgentLauncher
+from rcoder.config import AgentProfile, Settings, load_settings
+from rcoder.domain import (
+    ChatTurn,
+    OpenMethod,
+    ResumeOutcome,
+    RunCompleted,
+    RunEventBody,
+    RunStarted,
+    RunStatus,
+    SessionRecord,
+    StopReason,
+    TextChunk,
+    new_id,
+)
+from rcoder.errors import AgentUnavailable, NotFound
+from rcoder.metrics import Metrics
+from rcoder.session.agent_pool import AgentPool
+from rcoder.session.opening import Action, TurnPlan
+from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.turn import TurnRunner
+from rcoder.store.sqlite import SqliteStore
+from tests.conftest import base_settings, exited
+from tests.harness import FakeAgentSetup, processes_mentioning, write_config
+
+START_BOUND = 30.0  # an agent started and its session opened, on a loaded machine
+CLOSE_BOUND = 10.0  # an agent ended: stdin, SIGTERM and SIGKILL graces of 1 s, and slack
+TURN_BOUND = START_BOUND + CLOSE_BOUND
+
+
+@dataclass(frozen=True)
+class Request:
+    pid: int
+    method: str
+    params: dict[str, Any]
+
+
+class AgentRequests:
+    """What the fake agents receive, as it arrives: their ``--record`` file is a FIFO read here.
+
+    The test holds a write end of its own too, so the FIFO never reads as ended between agents.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, transport: asyncio.ReadTransport, write_fd: int) -> None:
+        self._reader = reader
+        self._transport = transport
+        self._write_fd = write_fd
+
+    @classmethod
+    async def open(cls, path: Path) -> AgentRequests:
+        os.mkfifo(path)
+        read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        write_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        reader = asyncio.StreamReader()
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
+        )
+        return cls(reader, transport, write_fd)
+
+    async def next(self, method: str) -> Request:
+        """The next request for ``method`` any agent received (earlier others are passed over)."""
+        async with asyncio.timeout(START_BOUND):
+            while True:
+                row = json.loads(await self._reader.readline())
+                message = row["message"]
+                if message.get("method") == method:
+                    return Request(row["pid"], method, message.get("params", {}))
+
+    def close(self) -> None:
+        self._transport.close()
+        os.close(self._write_fd)
+
+
+class Tasks:
+    """The runner's ``spawn``: starts background work and keeps it, to be waited for."""
+
+    def __init__(self) -> None:
+        self.running: set[asyncio.Task[None]] = set()
+
+    def __call__(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    async def settled(self) -> None:
+        """Every turn and background step (a cancel, a kill) over, bounded."""
+        async with asyncio.timeout(TURN_BOUND):
+            while self.running:
+                await asyncio.wait(set(self.running))
+
+    async def aclose(self) -> None:
+        """Cancel what is still running (as the worker does when rcoder stops) and wait, bounded."""
+        for task in self.running:
+            task.cancel()
+        if self.running:
+            _, late = await asyncio.wait(set(self.running), timeout=TURN_BOUND)
+            assert not late, f"tasks still running: {late}"
+
+
+@dataclass
+class Turns:
+    """A TurnRunner over its real parts, and the turns it was given."""
+
+    settings: Settings
+    store: SqliteStore
+    pool: AgentPool
+    runs: RunRegistry
+    runner: TurnRunner
+    tasks: Tasks
+
+    @property
+    def profile(self) -> AgentProfile:
+        profile = self.settings.profile("fake")
+        assert profile is not None
+        return profile
+
+    def plan(self, prompt: str, record: SessionRecord | None = None, action: Action = Action.NEW) -> TurnPlan:
+        session_id = record.session_id if record else new_id()
+        cwd = record.cwd if record else str(self.settings.workspace_root / "proj")
+        os.makedirs(cwd, exist_ok=True)
+        return TurnPlan(
+            turn=ChatTurn(project_id="proj", prompt=prompt, session_id=session_id if record else ""),
+            profile=self.profile,
+            session_id=session_id,
+            run_id=new_id(),
+            cwd=cwd,
+            record=record,
+            action=action,
+        )
+
+    def start(self, plan: TurnPlan) -> tuple[Run, asyncio.Future[Run]]:
+        """Claim the session for a new run and start the turn, the way the worker does."""
+        run = Run(plan.run_id, plan.session_id, 1000)
+        self.runs.claim(run)
+        ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
+        self.tasks(self.runner.run(plan, run, ready), f"run-{plan.run_id}")
+        return run, ready
+
+
+TurnsFactory = Callable[..., Coroutine[Any, Any, Turns]]
+
+
+@pytest.fixture
+async def agent_requests(fake: FakeAgentSetup) -> AsyncIterator[AgentRequests]:
+    requests = await AgentRequests.open(fake.record)
+    yield requests
+    requests.close()
+
+
+@pytest.fixture
+async def make_turns(
+    tmp_path: Path, fake: FakeAgentSetup, agent_requests: AgentRequests
+) -> AsyncIterator[TurnsFactory]:
+    """A runner over the fake agent (``flags`` for it, ``agent`` keys for its profile, top-level
+    keys as settings); on teardown its turns end, its pool and store close, no agent is left."""
+    made: list[Turns] = []
+
+    async def make(*flags: str, agent: dict[str, Any] | None = None, **top: Any) -> Turns:
+        config = write_config(
+            tmp_path / "rcoder.toml",
+            {"fake": fake.profile(*flags, **(agent or {}))},
+            **{**base_settings(tmp_path), "heartbeat_interval": 0, **top},
+        )
+        settings = load_settings(config, environ={})
+        store = SqliteStore(tmp_path / "rcoder.db")
+        await store.open()
+        metrics = Metrics()
+        pool = AgentPool(settings, AgentLauncher(settings), metrics)
+        runs = RunRegistry(settings.run_retention)
+        tasks = Tasks()
+        runner = TurnRunner(settings, store, pool, runs, metrics, lambda: datetime.now(UTC), tasks)
+        turns = Turns(settings, store, pool, runs, runner, tasks)
+        made.append(turns)
+        return turns
+
+    try:
+        yield make
+    finally:
+        for turns in made:
+            try:
+                await turns.tasks.aclose()  # a retry of a store write may still be under way
+            finally:
+                await turns.pool.aclose(timeout=CLOSE_BOUND)
+                await turns.store.close()
+        assert not processes_mentioning(str(fake.state_dir)), "agent processes left behind"
+
+
+async def events_of(run: Run, within: float = TURN_BOUND) -> list[RunEventBody]:
+    """Every event of the run, through ``completed``, which must come ``within`` seconds."""
+    async with asyncio.timeout(within):
+        return [event.body async for event in run.follow()]
+
+
+async def bounded(ready: asyncio.Future[Run]) -> Run:
+    async with asyncio.timeout(TURN_BOUND):
+        return await ready
+
+
+def split(bodies: list[RunEventBody]) -> tuple[RunStarted, str, RunCompleted]:
+    """started, the agent's text, completed: checking that the run begins and ends so."""
+    started, *middle, completed = bodies
+    assert isinstance(started, RunStarted), bodies
+    assert isinstance(completed, RunCompleted), bodies
+    text = "".join(b.text for b in middle if isinstance(b, TextChunk) and not b.thought)
+    return started, text, completed
+
+
+async def ended(pid: int) -> None:
+    """Return once process ``pid`` has exited; fail if it takes longer than ``CLOSE_BOUND``."""
+    async with asyncio.timeout(CLOSE_BOUND):
+        await exited(pid)
+
+
+def reaped(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# ---------------------------------------------------------------- ending normally
+
+
+async def test_a_turn_completes_is_stored_frees_its_session_and_leaves_its_agent_live_for_the_next(
+    make_turns: TurnsFactory,
+) -> None:
+    turns = await make_turns()
+    plan = turns.plan("remember 7")
+    run, ready = turns.start(plan)
+
+    assert await bounded(ready) is run
+    started, text, completed = split(await events_of(run))
+    assert (started.resume, started.resume_method) == (ResumeOutcome.NEW, OpenMethod.NEW)
+    assert text == "I remember: 7"
+    assert completed == RunCompleted(StopReason.END_TURN, started.provider_session_id, ResumeOutcome.NEW)
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None
+    assert (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.END_TURN)
+    assert stored.ended_at is not None
+    assert turns.runs.holder(plan.session_id) is None
+    assert turns.pool.is_live(plan.session_id) and turns.pool.live_count() == 1
+
+    record = await turns.store.get_session(plan.session_id)
+    assert record is not None and record.provider_session_id == started.provider_session_id
+    again = turns.plan("remember 8", record, Action.LIVE)
+    run, _ = turns.start(again)
+    started, text, completed = split(await events_of(run))
+    assert (started.resume, started.provider_session_id) == (ResumeOutcome.LIVE, record.provider_session_id)
+    assert text == "I remember: 7, 8", "the same agent, idle between the turns, took the next"
+    assert completed.stop_reason is StopReason.END_TURN
+
+
+# ---------------------------------------------------------------- cancelled
+
+
+async def test_a_turn_cancelled_while_its_agent_initializes_starts_then_ends_cancelled_and_ends_the_agent(
+    make_turns: TurnsFactory, agent_requests: AgentRequests
+) -> None:
+    turns = await make_turns("--hang", "initialize", initialize_timeout=600)
+    plan = turns.plan("hello")
+    run, ready = turns.start(plan)
+    initialize = await agent_requests.next("initialize")
+
+    assert turns.runner.cancel(plan.run_id) is True
+    assert await bounded(ready) is run
+    bodies = await events_of(run, within=CLOSE_BOUND)  # at once, not at initialize_timeout
+
+    assert [type(body) for body in bodies] == [RunStarted, RunCompleted]
+    started, _, completed = split(bodies)
+    assert (started.resume, started.resume_method) == (ResumeOutcome.NOT_OPENED, OpenMethod.NOT_OPENED)
+    assert (completed.stop_reason, completed.resume, completed.error) == (
+        StopReason.CANCELLED, ResumeOutcome.NOT_OPENED, "",
+    )  # fmt: skip
+    assert reaped(initialize.pid), "the agent is ended before completed is out"
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
+    assert turns.runs.holder(plan.session_id) is None and turns.pool.agent_count() == 0
+
+
+async def test_a_turn_cancelled_during_its_prompt_ends_cancelled(
+    make_turns: TurnsFactory, agent_requests: AgentRequests
+) -> None:
+    turns = await make_turns(cancel_grace=600)
+    plan = turns.plan("hang")
+    run, ready = turns.start(plan)
+    await bounded(ready)
+    await agent_requests.next("session/prompt")
+
+    assert turns.runner.cancel(plan.run_id) is True
+    _, text, completed = split(await events_of(run, within=CLOSE_BOUND))  # the agent's answer, not a kill
+
+    assert (completed.stop_reason, completed.error, text) == (StopReason.CANCELLED, "", "")
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
+    assert turns.runs.holder(plan.session_id) is None
+    assert turns.runner.cancel(plan.run_id) is False, "a finished turn is no longer running"
+
+
+# ---------------------------------------------------------------- failing
+
+
+async def test_a_turn_refused_before_it_started_leaves_no_run_and_no_claim(
+    tmp_path: Path, make_turns: TurnsFactory
+) -> None:
+    turns = await make_turns(agent={"command": str(tmp_path / "no-such-agent")})
+    plan = turns.plan("hello")
+    run, ready = turns.start(plan)
+
+    with pytest.raises(AgentUnavailable, match="no-such-agent"):
+        await bounded(ready)
+    await turns.tasks.settled()
+
+    with pytest.raises(NotFound):
+        turns.runs.get(plan.run_id)
+    assert turns.runs.holder(plan.session_id) is None
+    assert run.last_seq == 0, "nothing was published"
+    assert await turns.store.get_run(plan.run_id) is None
+    assert await turns.store.get_session(plan.session_id) is None
+    assert turns.pool.agent_count() == 0
+
+
+async def test_a_turn_whose_end_cannot_be_stored_ends_as_a_store_error_and_frees_its_session(
+    make_turns: TurnsFactory,
+) -> None:
+    turns = await make_turns()
+    plan = turns.plan("sleep 300")
+    run, ready = turns.start(plan)
+    await bounded(ready)
+    # closed at once: the store is marked closed before the agent can even have the prompt
+    await turns.store.close()
+
+    _, _, completed = split(await events_of(run))
+
+    assert (completed.stop_reason, completed.error_reason) == (StopReason.ERROR, "STORE_UNAVAILABLE")
+    assert "could not record the end of this turn" in completed.error
+    assert turns.runs.holder(plan.session_id) is None
+    assert not turns.pool.is_live(plan.session_id), "the turn is an error: its agent does not serve another"
+
+
+async def test_a_turn_past_turn_timeout_ends_as_an_agent_timeout_and_ends_its_agent(
+    make_turns: TurnsFactory, agent_requests: AgentRequests
+) -> None:
+    turns = await make_turns(turn_timeout=0.5)
+    plan = turns.plan("hang")
+    run, _ = turns.start(plan)
+    prompt = await agent_requests.next("session/prompt")
+
+    _, _, completed = split(await events_of(run))
+
+    assert (completed.stop_reason, completed.error_reason) == (StopReason.ERROR, "AGENT_TIMEOUT")
+    assert "turn_timeout" in completed.error
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.FAILED, StopReason.ERROR)
+    assert turns.runs.holder(plan.session_id) is None
+    await ended(prompt.pid)
+    assert turns.pool.agent_count() == 0

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rcoder import __version__, client_cli, logs
-from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 
 
@@ -39,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.command in ("chat", "sessions"):
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
+    from rcoder.config import load_settings  # imported late: pydantic's start-up cost is the daemon's alone
+
     config_file = args.config or (Path(env["RCODER_CONFIG"]) if env.get("RCODER_CONFIG") else None)
     overrides = {
         "listen": args.listen,

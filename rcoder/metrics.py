@@ -77,6 +77,32 @@ class Metrics:
             registry=self.registry,
         )
         self._server: Any = None
+        self._started: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._ended: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def turn_started(self, agent: str, outcome: str, route: str, seconds: float) -> None:
+        """A turn's ``started`` is out, ``seconds`` after its request (label lookups cached:
+        a live turn should not pay for them each time)."""
+        key = (agent, outcome, route)
+        children = self._started.get(key)
+        if children is None:
+            children = self._started[key] = (
+                self.time_to_first_event.labels(agent),
+                self.resumes.labels(agent, outcome, route),
+            )
+        children[0].observe(seconds)
+        children[1].inc()
+
+    def turn_ended(self, agent: str, outcome: str, stop_reason: str, seconds: float) -> None:
+        key = (agent, outcome, stop_reason)
+        children = self._ended.get(key)
+        if children is None:
+            children = self._ended[key] = (
+                self.runs.labels(agent, outcome, stop_reason),
+                self.turn_duration.labels(agent),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def watch_agents(self, counts: AgentCounts) -> None:
         self.registry.register(_AgentGauges(counts))

@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"store", "domain", "errors", "logs"},
     "domain": set(),
     "errors": set(),
-    "config": {"domain", "errors"},
+    "config": {"domain", "errors", "builtin_agents"},
+    "builtin_agents": set(),  # the profiles rcoder ships, as plain tables
     "logs": set(),
     "metrics": set(),
     ROOT: set(),

@@ -276,9 +276,10 @@ class TurnRunner:
         async with scope:
             opened = await scope.open(self._opener)
             await scope.start(opened.started)
-            self._metrics.time_to_first_event.labels(plan.profile.name).observe(time.monotonic() - plan.received)
             started = opened.started
-            self._metrics.resumes.labels(plan.profile.name, started.resume.value, started.resume_method.value).inc()
+            self._metrics.turn_started(
+                plan.profile.name, started.resume.value, started.resume_method.value, time.monotonic() - plan.received
+            )
             log.info("run_started", agent=plan.profile.name, resume=started.resume.value,
                      method=started.resume_method.value, provider_session_id=started.provider_session_id,
                      fallback_reason=started.fallback_reason or None)  # fmt: skip
@@ -384,8 +385,9 @@ class TurnRunner:
             run.publish(RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason))
             log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
             agent = plan.profile.name
-            self._metrics.runs.labels(agent, body.resume.value, scope.stop.value).inc()
-            self._metrics.turn_duration.labels(agent).observe(time.monotonic() - run.started_monotonic)
+            self._metrics.turn_ended(
+                agent, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
+            )
 
     async def _record_end_later(self, scope: TurnScope) -> None:
         """Retry (bounded) storing the end the stream already published, so the store comes to

@@ -7,6 +7,7 @@ look like credentials are replaced, whatever logged them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import MutableMapping
@@ -17,9 +18,16 @@ import structlog
 _SECRET_MARKERS = ("api_key", "apikey", "token", "authorization", "secret", "password")
 
 
+@functools.lru_cache(maxsize=1024)
+def _is_secret(key: str) -> bool:
+    """Whether values under ``key`` are redacted (keys repeat: decided once per key)."""
+    lowered = key.lower()
+    return any(marker in lowered for marker in _SECRET_MARKERS)
+
+
 def _redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    for key in list(event):
-        if any(marker in key.lower() for marker in _SECRET_MARKERS) and event[key]:
+    for key in [k for k in event if _is_secret(k)]:
+        if event[key]:
             event[key] = "<redacted>"
     return event
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -42,10 +42,15 @@ STOP_REASONS = {
 }
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_DAY = 86400
+
+
 def timestamp(value: datetime) -> Timestamp:
-    ts = Timestamp()
-    ts.FromDatetime(value)
-    return ts
+    """``value`` (timezone-aware) as a Timestamp, in integer arithmetic (``FromDatetime`` took
+    ~10 µs of every streamed message)."""
+    since = value - _EPOCH
+    return Timestamp(seconds=since.days * _DAY + since.seconds, nanos=since.microseconds * 1000)
 
 
 def chat_stream(event: RunEvent) -> pb.ChatStream:

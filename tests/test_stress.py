@@ -9,6 +9,8 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning
@@ -55,6 +57,7 @@ async def one_session(client: Client, index: int) -> dict[str, int]:
     return stops
 
 
+@pytest.mark.timeout(300)  # ~100 agent starts (0.4 s of CPU each) among 312 turns
 async def test_hundreds_of_runs_through_every_path_leak_nothing(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:

@@ -78,7 +78,9 @@ class AcpWorker:
         ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
         self._spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
-        return await asyncio.shield(ready)
+        # not shielded (one hop less): a caller that leaves cancels only this future, which
+        # the turn never needs; the turn goes on in its own task
+        return await ready
 
     @property
     def permissions(self) -> PermissionBroker:

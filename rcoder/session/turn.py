@@ -54,8 +54,6 @@ from rcoder.store.base import SessionStore
 
 log = get_logger("rcoder.session.turn")
 MAX_TRANSCRIPT_TEXT = 1 << 20
-# the longest the end of a turn waits for a start write still in flight when rcoder stops
-START_WRITE_BOUND = 5.0
 # how long the end of a turn the store refused is retried
 END_RETRY_FOR = 60.0
 
@@ -74,7 +72,7 @@ class TurnScope:
         self.cancel_requested = False
         self.judged = False  # how it ended is decided: a cancel from now on is too late
         self._opening: asyncio.Task[Opened] | None = None
-        self._start_write: asyncio.Future[None] | None = None
+        self._start_recording = False  # the start was handed to the store (it may have landed)
         self.body: RunStarted | None = None  # the started event, once known
         self.published = False  # started is out
         self.conn: AgentConnection | None = None
@@ -113,8 +111,10 @@ class TurnScope:
         """Record the run (and a new session) in the store, then publish ``started``."""
         self.phase = "it was being recorded"
         self.body = body
-        self._start_write = asyncio.ensure_future(self._runner.record_start(self.plan, body))
-        await asyncio.shield(self._start_write)
+        # awaited in this task, no hop: the store's point writes run inline, and one it hands
+        # to its worker is finished even if this task is cancelled meanwhile (SqliteStore._call)
+        self._start_recording = True
+        await self._runner.record_start(self.plan, body)
         self._publish_started()
 
     def cancel(self) -> bool:
@@ -179,14 +179,15 @@ class TurnScope:
                 return False
             self._publish_started()
             return True
-        write = self._start_write
-        if write is None:
+        if not self._start_recording:
             return False
-        done, _ = await asyncio.wait({write}, timeout=START_WRITE_BOUND)
-        if write not in done or write.cancelled() or write.exception() is not None:
-            return False
-        self._publish_started()
-        return True
+        try:  # rcoder stopped while the start was being written: did it land?
+            landed = await self._runner.run_recorded(self.run.run_id)
+        except StoreError:
+            landed = False
+        if landed:
+            self._publish_started()
+        return landed
 
     def _refuse(self, exc: BaseException | None) -> None:
         """Before ``started``: the caller of ``Chat`` gets the error as a gRPC status."""
@@ -356,6 +357,9 @@ class TurnRunner:
                 request_id=plan.turn.request_id,
             )
         )
+
+    async def run_recorded(self, run_id: str) -> bool:
+        return await self._store.get_run(run_id) is not None
 
     async def finish(self, scope: TurnScope) -> None:
         """Store the end, free the session and its agent, then publish ``completed``: whoever

@@ -304,8 +304,14 @@ class SqliteStore:
                     self._checkpoint_now_and_then(inline.total_changes)
                 return result
         self._queued += 1
+        work = asyncio.get_running_loop().run_in_executor(self._executor, self._on_worker, fn)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._on_worker, fn)
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # the worker goes on regardless: let it finish before later calls may run inline,
+            # so that calls still take effect in order and a caller can ask what landed
+            await asyncio.wait({work})
+            raise
         finally:
             self._queued -= 1
 

@@ -18,6 +18,7 @@ from acp import RequestError
 from acp import schema as acp
 
 from rcoder.agent.convert import notification_to_event, opaque_update, permission_options
+from rcoder.agent.transport import LogBudget
 from rcoder.domain import AgentEvent, PermissionRequest, new_id
 from rcoder.logs import get_logger
 
@@ -42,6 +43,7 @@ class RcoderClient:
     def __init__(self, agent: str) -> None:
         self._agent = agent
         self._turn: _Turn | None = None
+        self._warnings = LogBudget()  # per kind of update our schema does not take
         self.session_id = ""
         # sees every session/update that arrives outside a turn (a replay while the session opens)
         self.on_replay: UpdateWatch | None = None
@@ -74,8 +76,9 @@ class RcoderClient:
         except pydantic.ValidationError as exc:
             # lose nothing: a kind newer than our schema, or a malformed one, reaches the client as is
             event = opaque_update(params)
-            log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind,
-                        error=exc.errors()[0].get("msg", str(exc)))  # fmt: skip
+            if seen := self._warnings.spend(event.kind):
+                log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind, seen=seen,
+                            error=exc.errors()[0].get("msg", str(exc)))  # fmt: skip
         if event is not None:
             turn.on_event(event)
 

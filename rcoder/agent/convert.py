@@ -57,7 +57,8 @@ def notification_to_event(params: dict[str, Any]) -> AgentEvent | None:
     """
     update = params.get("update")
     if isinstance(update, dict):
-        thought = _TEXT_KINDS.get(update.get("sessionUpdate"))  # type: ignore[arg-type]
+        kind = update.get("sessionUpdate")
+        thought = _TEXT_KINDS.get(kind) if isinstance(kind, str) else None  # any JSON: a list is unhashable
         content = update.get("content")
         if thought is not None and isinstance(content, dict) and content.get("type") == "text":
             text = content.get("text")

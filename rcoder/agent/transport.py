@@ -8,13 +8,21 @@ hands each ``session/update`` to ``on_update`` synchronously, in the order the
 agent wrote them, before the response that follows them reaches its caller.
 Everything else (requests to us, responses) goes to the SDK's connection as
 decoded messages, through the message-level seam ``connect_to_agent`` accepts.
+
+What an agent writes is never trusted to be well formed: a line that is not
+one JSON object is skipped, a lone UTF-16 surrogate (a ``\\ud800`` escape,
+which no UTF-8 encoder takes: protobuf, SQLite) becomes U+FFFD, and a
+response the SDK would choke on (an id no request of ours can have, an
+``error`` that is not an error object) is dropped or mended here, so no line
+can end the connection or leave a call unanswered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections import deque
+import re
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +36,35 @@ _READ_SIZE = 1 << 16
 # While an agent streams updates a line per write, the pipe is read at most once per
 # READ_COALESCE unless a read came back large. A wakeup costs ~25 µs of CPU on a small
 # VM, as long as an SDK agent takes to write a chunk, so reading each line as it came
-# kept a core busy beside the agent's. Clients see text coalesced over 4 ms anyway
-# (runs.COALESCE_WINDOW); an answer is read at most this much later.
+# kept a core busy beside the agent's. Only reads after an update wait: the first line
+# after a request or an answer is read at once; an answer is read at most this much later.
 READ_COALESCE = 0.0005
 _SMALL_READ = 16 * 1024
 _DECODER = json.JSONDecoder()
+# a \uD800-\uDFFF escape: the line may hold a lone surrogate (a valid pair is joined by the decoder).
+# Looked for only in lines with a backslash: a one-character search is ~20 ns, this one ~0.5 µs.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_INTERNAL_ERROR = -32603
+
+
+class LogBudget:
+    """Which of an agent's repeated warnings to log: the first few of each kind, then the
+    10th, 100th, 1000th, ... with their count. A log line costs ~100 µs, written synchronously:
+    an agent flooding bad lines must not turn into a flood of log lines that stalls the daemon."""
+
+    _KINDS = 64  # kinds counted apart (the agent names them: a bound on what is kept)
+
+    def __init__(self, first: int = 5) -> None:
+        self._first = first
+        self._seen: Counter[str] = Counter()
+
+    def spend(self, kind: str) -> int:
+        """Count one ``kind``; how many so far when this one is to be logged, else 0."""
+        kind = kind[:100] if kind in self._seen or len(self._seen) < self._KINDS else "(other)"
+        self._seen[kind] += 1
+        seen = self._seen[kind]
+        return seen if seen <= self._first or str(seen).rstrip("0") == "1" else 0
 
 
 class PipeTransport:
@@ -63,6 +95,7 @@ class PipeTransport:
         self._closed = False
         self._streaming = False  # the reads since the last message returned held only updates
         self._last_read = 0
+        self._warnings = LogBudget()
         self.fault = ""
 
     # ------------------------------------------------------------ Transport
@@ -70,7 +103,8 @@ class PipeTransport:
     async def send(self, message: dict[str, Any]) -> None:
         if self._closed or self._writer.is_closing():
             raise ConnectionError("agent connection closed")
-        self._writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        # default=str: an error's data (a validation error's details) may hold objects JSON has no form for
+        self._writer.write(json.dumps(message, separators=(",", ":"), default=str).encode() + b"\n")
         await self._writer.drain()
 
     async def receive(self) -> dict[str, Any] | None:
@@ -82,6 +116,10 @@ class PipeTransport:
                 if message.get("method") == "session/update" and "id" not in message:
                     self._deliver(message.get("params"))
                     continue
+                if message.get("method") is None and "id" in message:  # what the SDK takes for a response
+                    message = self._checked_response(message)
+                    if message is None:
+                        continue
                 self._streaming = False
                 return message
             if self._eof:
@@ -133,19 +171,72 @@ class PipeTransport:
             message, end = _DECODER.raw_decode(text)
             if end != len(text):
                 raise ValueError("data after the JSON value")
-        except ValueError:
-            log.warning("agent_wrote_non_json", agent=self._agent, line=line[:200].decode("utf-8", "replace"))
+            if "\\" in text and _SURROGATE_ESCAPE.search(text):
+                message = _scrub(message)
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
+            self._warn("agent_wrote_non_json", line=line[:200].decode("utf-8", "replace"))
             return None
         if not isinstance(message, dict):
-            log.warning("agent_wrote_non_object", agent=self._agent, line=line[:200].decode("utf-8", "replace"))
+            self._warn("agent_wrote_non_object", line=line[:200].decode("utf-8", "replace"))
             return None
+        return message
+
+    def _warn(self, event: str, **fields: Any) -> None:
+        if seen := self._warnings.spend(event):
+            log.warning(event, agent=self._agent, seen=seen, **fields)
+
+    def _checked_response(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """A response as the SDK can take it, or None when no request of ours can be its
+        question. The SDK looks its id up in a dict (an unhashable id ended the connection;
+        ``true`` answered request 1) and reads ``error`` as an object (anything else left the
+        call waiting forever)."""
+        rid = message["id"]
+        if type(rid) not in (int, str):  # our ids are ints: not bool, float, null, array, object
+            self._warn("agent_response_with_invalid_id", id=_clip(rid))
+            return None
+        if "result" not in message and "error" in message and not _is_error_object(message["error"]):
+            self._warn("agent_response_with_malformed_error", error=_clip(message["error"]))
+            message = {**message, "error": _error_object(message["error"])}
         return message
 
     def _deliver(self, params: Any) -> None:
         if not isinstance(params, dict):
-            log.warning("agent_update_without_params", agent=self._agent)
+            self._warn("agent_update_without_params")
             return
         try:
             self._on_update(params)
         except Exception:  # a bad update must not end the agent's connection
             log.exception("agent_update_failed", agent=self._agent)
+
+
+def _scrub(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings (keys too) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_scrub(v) for v in value]
+    if isinstance(value, dict):
+        return {_scrub(k): _scrub(v) for k, v in value.items()}
+    return value
+
+
+def _is_error_object(error: Any) -> bool:
+    return isinstance(error, dict) and type(error.get("code")) is int and isinstance(error.get("message", ""), str)
+
+
+def _error_object(error: Any) -> dict[str, Any]:
+    """An error object for what the agent sent instead of one (its code kept when it is an int)."""
+    fields = error if isinstance(error, dict) else {}
+    code, text = fields.get("code"), fields.get("message")
+    return {
+        "code": code if type(code) is int else _INTERNAL_ERROR,
+        "message": text if isinstance(text, str) else f"malformed error {_clip(error)}",
+        "data": fields.get("data"),
+    }
+
+
+def _clip(value: Any) -> str:
+    try:
+        return json.dumps(value, default=str)[:200]
+    except (ValueError, RecursionError):
+        return type(value).__name__

@@ -94,7 +94,8 @@ class AgentConnection:
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self.process.is_running()
+        # an agent whose output ended cannot answer, even while its process lingers
+        return not self._closed and self.process.is_running() and not self._pipe.ended
 
     async def replay_over(self, quiet: float, limit: float) -> str:
         """Wait until the replay of the ``session/load`` just answered is over (``agent.replay``)."""
@@ -174,8 +175,13 @@ class AgentConnection:
         try:
             response = await self._call(
                 self._conn.prompt(session_id=self.provider_session_id, prompt=blocks),
-                timeout, "session/prompt (turn_timeout)" if timeout else "session/prompt",
+                timeout, "session/prompt",
             )  # fmt: skip
+        except AgentTimeout as exc:
+            raise AgentTimeout(
+                f"agent {self.agent!r} did not finish the turn within turn_timeout ({timeout:g}s)",
+                agent=self.agent, stderr_tail=exc.stderr_tail,
+            ) from exc  # fmt: skip
         finally:
             self._client.end_turn()
         return stop_reason(response.stop_reason)

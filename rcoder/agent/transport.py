@@ -130,6 +130,11 @@ class PipeTransport:
             self._streaming = True  # until a read brings something other than updates
             await self._fill()
 
+    @property
+    def ended(self) -> bool:
+        """The agent's output ended (or was cut at ``agent_line_limit``): nothing more can come."""
+        return self._eof
+
     async def close(self) -> None:
         # the pipes belong to the AgentProcess, which closes them when it ends the agent
         self._closed = True

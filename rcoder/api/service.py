@@ -52,6 +52,7 @@ _SESSION_STATUS = {
     SessionStatus.BUSY: pb.SESSION_STATUS_BUSY,
 }
 MAX_PAGE_SIZE = 1000
+MAX_STATUS_MESSAGE_BYTES = 2048
 
 
 def status_for(exc: errors.RcoderError) -> grpc.Status:
@@ -59,7 +60,14 @@ def status_for(exc: errors.RcoderError) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN, metadata=exc.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    message = exc.message if len(exc.message) < 16000 else exc.message[:16000] + "…"
+    # the message travels twice in trailing metadata (grpc-message and the Status detail), and
+    # clients refuse trailers past 8-16 KiB: a long stderr tail must not turn a deliberate status
+    # into RESOURCE_EXHAUSTED "received metadata size exceeds", so it is cut to its last part
+    message = exc.message
+    if len(message.encode()) > MAX_STATUS_MESSAGE_BYTES:
+        head = exc.message.encode()[: MAX_STATUS_MESSAGE_BYTES // 2].decode(errors="ignore")
+        tail = exc.message.encode()[-MAX_STATUS_MESSAGE_BYTES // 2 :].decode(errors="ignore")
+        message = f"{head}\n…\n{tail}"
     return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 

@@ -31,9 +31,15 @@ def builtin_tables(data_dir: Path) -> dict[str, dict[str, Any]]:
         path = AGENTS_DIR / relative
         return str(path) if path.is_file() else path.name
 
-    # rcoder/echo_agent.py; -P: the project's cwd never shadows the rcoder package
-    echo_home = (data_dir / "agents" / "echo").absolute()  # Settings.agent_home
-    echo = {"command": sys.executable, "args": ["-P", "-m", "rcoder.echo_agent", "--state-dir", str(echo_home)]}
+    # rcoder/echo_agent.py; -P: the project's cwd never shadows the rcoder package. Confined, it
+    # reads the rcoder package and writes its state (no tools: it reaches nothing else anyway)
+    echo_home = (data_dir / "agents" / "echo").absolute()  # Settings.agent_homes
+    echo = {
+        "command": sys.executable,
+        "args": ["-P", "-m", "rcoder.echo_agent", "--state-dir", str(echo_home)],
+        "read_paths": [str(Path(__file__).resolve().parent)],
+        "write_paths": [str(echo_home)],
+    }
     return {"echo": echo} | {
         name: {"kind": name, "command": command(relative), "args": args, "inherit_env": inherit}
         for name, (relative, args, inherit) in _INSTALLED.items()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, Validati
 from pydantic.functional_validators import AfterValidator, WrapValidator
 from pydantic_core.core_schema import ValidationInfo, ValidatorFunctionWrapHandler
 
+from rcoder import landlock
 from rcoder.builtin_agents import AGENTS_DIR as AGENTS_DIR  # public here too
 from rcoder.builtin_agents import builtin_tables
 from rcoder.domain import ModelProvider, ResumeRoute
@@ -86,6 +87,11 @@ class ProfileKeys(_Schema):
     model_base_url: str = ""  # model provider defaults; a request's non-empty model_provider fields win
     model_api_key: str = Field(default="", repr=False)
     model: str = ""
+    # DESIGN §6.1: "auto" is landlock where the kernel has it (else none, logged); "landlock" refuses
+    # a kernel without it; "none" runs the agent with all the daemon's user may reach
+    sandbox: Literal["auto", "landlock", "none"] = "auto"
+    read_paths: Array[ConfigPath] = ()  # also readable (and executable) by the agent: toolchains, caches
+    write_paths: Array[ConfigPath] = ()  # also writable by the agent (made when missing)
 
 
 class AgentProfile(ProfileKeys):
@@ -143,6 +149,8 @@ class SettingsKeys(_Schema):
 class Settings(SettingsKeys):
     agents: Mapping[str, AgentProfile] = Field(default_factory=dict)
     daemon_env: Mapping[str, str] = Field(default_factory=dict)  # what agents may inherit (allow-list + inherit_env)
+    config_file: Path | None = None  # the file read, kept out of every agent's reach
+    landlock_abi: int = Field(default_factory=landlock.abi)  # the kernel's Landlock ABI version, 0: none
 
     def profile(self, name: str) -> AgentProfile | None:
         return self.agents.get(name)
@@ -153,9 +161,20 @@ class Settings(SettingsKeys):
         inherited = {k: self.daemon_env[k] for k in BASE_AGENT_ENV + profile.inherit_env if k in self.daemon_env}
         return {**inherited, **(kind_env or {}), **profile.env}
 
-    def agent_home(self, profile: AgentProfile) -> Path:
-        """``<data_dir>/agents/<profile>``: the agent's HOME, stable across restarts."""
+    def agent_homes(self, profile: AgentProfile) -> Path:
+        """``<data_dir>/agents/<profile>``: the folder of the profile's homes, one per project."""
         return (self.data_dir / "agents" / profile.name).absolute()
+
+    def agent_home(self, profile: AgentProfile, project_id: str) -> Path:
+        """``<data_dir>/agents/<profile>/<project_id>``: the HOME of the profile's agents in that
+        project, stable across restarts, never shared with another project (DESIGN §6.1)."""
+        return self.agent_homes(profile) / project_id
+
+    def sandbox_of(self, profile: AgentProfile) -> Literal["landlock", "none"]:
+        """What the profile's agents run under: its ``sandbox``, with "auto" decided by the kernel."""
+        if profile.sandbox == "auto":
+            return "landlock" if self.landlock_abi > 0 else "none"
+        return profile.sandbox
 
 
 class _File(SettingsKeys):
@@ -171,9 +190,14 @@ def builtin_profiles(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, AgentProfil
 
 
 def load_settings(
-    config_file: Path | None, environ: Mapping[str, str], overrides: Mapping[str, Any] | None = None
+    config_file: Path | None,
+    environ: Mapping[str, str],
+    overrides: Mapping[str, Any] | None = None,
+    landlock_abi: int | None = None,
 ) -> Settings:
-    """Build Settings from a TOML file, ``RCODER_<KEY>`` variables and flag overrides."""
+    """Build Settings from a TOML file, ``RCODER_<KEY>`` variables and flag overrides.
+
+    ``landlock_abi``: the kernel's Landlock ABI version (asked of the kernel when None)."""
     cwd = Path.cwd()
     base_dir = config_file.resolve().parent if config_file is not None else cwd
     file = _validate(_FILE, _read_toml(config_file) if config_file is not None else {}, base_dir)
@@ -193,12 +217,25 @@ def load_settings(
         for name, keys in _validate(_PROFILES, tables, base_dir, key=lambda key: f"agents.{key}").items()
     }
     visible = {*BASE_AGENT_ENV, *(name for profile in agents.values() for name in profile.inherit_env)}
-    settings = Settings(**values, agents=agents, daemon_env={k: environ[k] for k in visible if k in environ})
+    settings = Settings(
+        **values,
+        agents=agents,
+        daemon_env={k: environ[k] for k in visible if k in environ},
+        config_file=config_file.resolve() if config_file is not None else None,
+        landlock_abi=landlock.abi() if landlock_abi is None else landlock_abi,
+    )
     if settings.default_agent not in settings.agents:
         known = ", ".join(sorted(settings.agents))
         raise ConfigError("default_agent", f"no profile named {settings.default_agent!r} (profiles: {known})")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ConfigError("tls_key" if settings.tls_cert else "tls_cert", "set both tls_cert and tls_key, or neither")
+    for name, profile in settings.agents.items():
+        if profile.sandbox == "landlock" and not settings.landlock_abi:
+            raise ConfigError(
+                f"agents.{name}.sandbox",
+                'asks for "landlock" but this kernel offers no Landlock (Linux 5.13+ with landlock among its '
+                'LSMs); set sandbox = "none" to run this agent unconfined',
+            )
     return settings
 
 

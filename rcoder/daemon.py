@@ -46,6 +46,7 @@ class Daemon:
     async def start(self) -> None:
         interrupted = await self.store.open()
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
+        self.launcher.log_sandboxes()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         await self.server.start()
         if self.settings.metrics_listen:

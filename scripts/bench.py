@@ -283,7 +283,13 @@ class Bench:
         return write_config(self.root / f"rcoder-{self._configs}.toml", profiles, **settings)
 
     def fake_profile(self) -> dict[str, Any]:
-        return {"command": self.agent_argv[0], "args": self.agent_argv[1:]}
+        # confined like every agent: it reads its script and writes its state outside the project
+        return {
+            "command": self.agent_argv[0],
+            "args": self.agent_argv[1:],
+            "read_paths": [str(FAKE_AGENT.parent)],
+            "write_paths": [str(self.root / "agent-state")],
+        }
 
     @contextlib.asynccontextmanager
     async def daemon(self, config: Path) -> AsyncIterator[tuple[Daemon, pb_grpc.AgentRunnerStub]]:

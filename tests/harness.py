@@ -49,17 +49,28 @@ class FakeAgentSetup:
 
     root: Path
 
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def folder(self) -> Path:
+        """Everything the fake agents write: their one folder outside their project."""
+        return self.root / "fake-agent"
+
     @property
     def state_dir(self) -> Path:
-        return self.root / "agent-state"
+        return self.folder / "state"
 
     @property
     def record(self) -> Path:
-        return self.root / "agent-requests.jsonl"
+        return self.folder / "requests.jsonl"
 
     def profile(self, *flags: str, **keys: Any) -> dict[str, Any]:
+        """The fake agent's profile; confined (the default sandbox), it reads its script and
+        writes its state and record besides its project."""
         args = [str(FAKE_AGENT), "--state-dir", str(self.state_dir), "--record", str(self.record), *flags]
-        return {"command": sys.executable, "args": args, **keys}
+        reach = {"read_paths": [str(FAKE_AGENT.parent)], "write_paths": [str(self.folder)]}
+        return {"command": sys.executable, "args": args, **reach, **keys}
 
     def requests(self, method: str | None = None) -> list[dict[str, Any]]:
         """Every JSON-RPC message the fake agents received, oldest first."""

@@ -22,12 +22,13 @@ ROOT = "__init__"  # the layer of the package itself (``rcoder/__init__.py``: ``
 ALLOWED: dict[str, set[str]] = {
     "api": {"api", "session", "domain", "errors", "logs", "v1", "config"},
     "session": {"session", "agent", "store", "domain", "errors", "logs", "config", "metrics"},
-    "agent": {"agent", "domain", "errors", "logs", "config", ROOT},
+    "agent": {"agent", "domain", "errors", "logs", "config", "landlock", ROOT},
     "store": {"store", "domain", "errors", "logs"},
     "domain": set(),
     "errors": set(),
-    "config": {"domain", "errors", "builtin_agents"},
+    "config": {"domain", "errors", "builtin_agents", "landlock"},
     "builtin_agents": set(),  # the profiles rcoder ships, as plain tables
+    "landlock": set(),  # the kernel's Landlock, and the exec wrapper that confines agents (stdlib only)
     "logs": set(),
     "metrics": set(),
     ROOT: set(),

@@ -1,8 +1,9 @@
 """What rcoder knows about each kind of ACP agent (profile key ``kind``).
 
 A kind says, for one agent program, how to prepare its home directory
-(``<data_dir>/agents/<profile>``, stable across agent and daemon restarts,
-so the agent's own session store survives them), which environment and
+(``<data_dir>/agents/<profile>/<project_id>``, stable across agent and daemon
+restarts, so the agent's own session store survives them; how an old shared
+home is split between projects is ``rcoder.agent.homes``), which environment and
 arguments carry the model provider to it, and what else about it rcoder
 must respect: an extra "session gone" rule (OpenCode), how it passes on a
 model API's refusal of its key (``auth_reason``) and the earliest time a
@@ -91,6 +92,9 @@ class ClaudeKind(AgentKind):
         _mkdir(home)
         env = {
             "HOME": str(home),
+            # the CLI keeps its Bash tool's files in $CLAUDE_CODE_TMPDIR, else /tmp (not $TMPDIR): the
+            # home's private tmp, the only one a confined agent may write (rcoder.agent.homes)
+            "CLAUDE_CODE_TMPDIR": str(home / "tmp"),
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "DISABLE_TELEMETRY": "1",
             "DISABLE_AUTOUPDATER": "1",

@@ -22,8 +22,10 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, sto
 from rcoder import __version__
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
+from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.process import AgentProcess, sweep
+from rcoder.agent.sandbox import confinement
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
 from rcoder.config import AgentProfile, Settings
@@ -66,6 +68,7 @@ class AgentLauncher:
         # profiles started successfully at least once, and the lock their first start holds
         self._started_once: set[str] = set()
         self._first_start: dict[str, asyncio.Lock] = {}
+        self.homes = Homes(settings)
 
     @property
     def pid_dir(self) -> Path:
@@ -75,6 +78,18 @@ class AgentLauncher:
     def sweep_leftovers(self) -> int:
         """End agent groups a killed daemon left behind (call before starting any agent)."""
         return sweep(self.pid_dir)
+
+    def log_sandboxes(self) -> None:
+        """Say what each profile's agents run under (DESIGN §6.1: in the log at start)."""
+        abi = self._settings.landlock_abi
+        for name, profile in sorted(self._settings.agents.items()):
+            sandbox = self._settings.sandbox_of(profile)
+            if sandbox == "landlock":
+                log.info("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi)
+            else:
+                why = "the profile sets sandbox = none" if profile.sandbox == "none" else "the kernel has no Landlock"
+                log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, reason=why,
+                            effect="its agents reach all the daemon's user may")  # fmt: skip
 
     def kill_all(self) -> None:
         """SIGKILL every agent process group this launcher started (the daemon must stop now)."""
@@ -152,7 +167,7 @@ class AgentLauncher:
         kind = kind_of(profile.kind)
         rid, method = config.resume_session_id, config.resume_method
         if rid and method is OpenMethod.LOAD:
-            home = self._settings.agent_home(profile)
+            home = await self.homes.home(profile, config.cwd)
             await self._defer_load(profile, rid, await asyncio.to_thread(kind.load_not_before, home, rid))
         opened = await connection.open_session(config, self._settings.session_open_timeout)
         if opened is OpenMethod.LOAD and kind.answers_load_before_replay:
@@ -193,14 +208,15 @@ class AgentLauncher:
         this process's model provider: the request's, else the profile's
         defaults) and adds its environment and arguments."""
         provider = profile.model_provider(provider)
-        home = self._settings.agent_home(profile)
         try:
+            home = await self.homes.home(profile, cwd)
             setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider)
         except OSError as exc:
             raise AgentUnavailable(
-                f"agent {profile.name!r}: could not prepare its home {home}: {exc}", agent=profile.name
+                f"agent {profile.name!r}: could not prepare its home for {cwd}: {exc}", agent=profile.name
             ) from exc
-        env = self._settings.agent_env(profile, setup.env)
+        # its home and a private TMPDIR, for every kind (a kind's own env comes after, the profile's last)
+        env = self._settings.agent_env(profile, {"HOME": str(home), "TMPDIR": str(home / "tmp"), **setup.env})
         for field, var in profile.provider_env.items():
             value = getattr(provider, field)
             if value:
@@ -213,6 +229,7 @@ class AgentLauncher:
                 f"install it or fix agents.{profile.name}.command",
                 agent=profile.name,
             )
+        confined = await asyncio.to_thread(confinement, self._settings, profile, command, Path(cwd), home)
         process = await AgentProcess.spawn(
             [command, *profile.args, *setup.args],
             cwd=cwd,
@@ -221,6 +238,7 @@ class AgentLauncher:
             stderr_tail_bytes=self._settings.stderr_tail_bytes,
             stop_grace=self._settings.agent_stop_grace,
             pid_dir=self.pid_dir,
+            confinement=confined,
         )
         self._processes.add(process)
         client = RcoderClient(profile.name)

@@ -2,9 +2,11 @@
 
 The process is started with ``start_new_session=True`` so that ending it by
 its process group also reaches grandchildren (node → claude CLI, npx wrappers).
-Where util-linux ``setpriv`` can, the child also gets ``PR_SET_PDEATHSIG=SIGKILL``,
-so the kernel ends it if the daemon dies; where it cannot, that is logged once
-(``pdeathsig_unavailable``) and ``AgentProcess.has_pdeathsig`` says so.
+A confined agent (``rcoder.agent.sandbox``) starts through rcoder's Landlock exec
+wrapper, which also sets ``PR_SET_PDEATHSIG=SIGKILL``, so the kernel ends it if
+the daemon dies; an unconfined one gets it where util-linux ``setpriv`` can give
+it, and where it cannot, that is logged once (``pdeathsig_unavailable``).
+``AgentProcess.has_pdeathsig`` says which.
 
 Every wait is bounded. The exit of the process is observed on its own (the
 child watcher's report), never through ``Process.wait()``, which on 3.11 also
@@ -25,6 +27,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rcoder.agent.sandbox import Confinement
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 
@@ -48,8 +51,9 @@ def _pdeathsig_prefix() -> tuple[str, ...]:
     ``preexec_fn`` runs Python in a forked copy of a threaded daemon (grpc, the store's
     executor), where a lock another thread held stays held forever, and it disables the fast
     ``vfork`` spawn; a Python exec wrapper costs ~20 ms a spawn and turns exec failures into
-    exit codes. util-linux ``setpriv`` (2.33+, on virtually every distribution) does just this
-    exec. It is looked up on the system directories only (not the agent's PATH) and probed
+    exit codes (a confined agent pays that anyway: ``rcoder/landlock.py`` sets the signal for
+    it; this prefix is for unconfined ones). util-linux ``setpriv`` (2.33+, on virtually every
+    distribution) does just this exec. It is looked up on the system directories only (not the agent's PATH) and probed
     for ``--pdeathsig`` once (older ones lack it and would fail every start). The signal is
     sent when the *thread* that spawned the child ends: asyncio spawns on the loop's thread,
     which lives as long as the daemon. Without it, a killed daemon's agents still see their
@@ -131,16 +135,21 @@ class AgentProcess:
         stderr_tail_bytes: int,
         stop_grace: float,
         pid_dir: Path | None = None,
+        confinement: Confinement | None = None,
     ) -> AgentProcess:
-        prefix = _pdeathsig_prefix()
+        """Start ``argv``; confined by ``confinement`` when given (its wrapper sets the death signal)."""
+        if confinement is not None:
+            command, pdeathsig = confinement.argv(argv, os.getpid()), True
+        else:
+            prefix = _pdeathsig_prefix()
+            command, pdeathsig = [*prefix, *argv], bool(prefix)
         loop = asyncio.get_running_loop()
         # The creation runs shielded: cancelled, it would leave asyncio to kill the direct
         # child only (not its group) and wait for it without a bound.
         creation: _Creation = loop.create_task(
             loop.subprocess_exec(
                 lambda: _Protocol(_PIPE_BUFFER, loop),
-                *prefix,
-                *argv,
+                *command,
                 cwd=cwd,
                 env=dict(env),
                 stdin=asyncio.subprocess.PIPE,
@@ -159,8 +168,9 @@ class AgentProcess:
             raise
         except OSError as exc:
             raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
-        process = cls(transport, protocol, name, stderr_tail_bytes, stop_grace, pid_dir, has_pdeathsig=bool(prefix))
-        log.info("agent_spawned", agent=name, pid=process.pid, command=argv[0], pdeathsig=bool(prefix))
+        process = cls(transport, protocol, name, stderr_tail_bytes, stop_grace, pid_dir, has_pdeathsig=pdeathsig)
+        sandbox = f"landlock (ABI {confinement.abi})" if confinement else "none"
+        log.info("agent_spawned", agent=name, pid=process.pid, command=argv[0], pdeathsig=pdeathsig, sandbox=sandbox)
         return process
 
     @property

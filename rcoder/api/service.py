@@ -180,6 +180,8 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 live_agents=view.live_agents,
                 warm_agents=view.warm_agents,
                 kind=view.profile.kind,
+                sandbox=view.sandbox,
+                landlock_abi=view.landlock_abi,
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

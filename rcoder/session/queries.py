@@ -29,6 +29,8 @@ class AgentView:
     seen_at: datetime | None
     live_agents: int
     warm_agents: int
+    sandbox: str  # "landlock" or "none" (DESIGN §6.1)
+    landlock_abi: int  # the kernel's, when sandbox is "landlock"; else 0
 
 
 class Queries:
@@ -66,6 +68,7 @@ class Queries:
         views = []
         for name, profile in sorted(self._settings.agents.items()):
             seen = self._launcher.capabilities_seen.get(name)
+            sandbox = self._settings.sandbox_of(profile)
             views.append(
                 AgentView(
                     profile=profile,
@@ -74,6 +77,8 @@ class Queries:
                     seen_at=seen[1] if seen else None,
                     live_agents=self._pool.live_count(name),
                     warm_agents=self._pool.warm_count(name),
+                    sandbox=sandbox,
+                    landlock_abi=self._settings.landlock_abi if sandbox == "landlock" else 0,
                 )
             )
         return views

@@ -782,6 +782,8 @@ class AgentInfo(_message.Message):
     LIVE_AGENTS_FIELD_NUMBER: _builtins.int
     WARM_AGENTS_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    LANDLOCK_ABI_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     command: _builtins.str
     resume: _builtins.str
@@ -794,6 +796,10 @@ class AgentInfo(_message.Message):
     """initialised agents waiting in the warm pool"""
     kind: _builtins.str
     """what rcoder knows about the agent: claude, codex, gemini, opencode, generic, ..."""
+    sandbox: _builtins.str
+    """What its agents run under (DESIGN 6.1): "landlock" (confined to their project) or "none"."""
+    landlock_abi: _builtins.int
+    """the kernel's Landlock ABI version when sandbox is "landlock" """
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -813,10 +819,12 @@ class AgentInfo(_message.Message):
         live_agents: _builtins.int = ...,
         warm_agents: _builtins.int = ...,
         kind: _builtins.str = ...,
+        sandbox: _builtins.str = ...,
+        landlock_abi: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "live_agents", b"live_agents", "name", b"name", "resume", b"resume", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "live_agents", b"live_agents", "name", b"name", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -257,14 +257,14 @@ def test_a_table_named_like_a_built_in_profile_changes_only_its_keys(tmp_path: P
     assert "'k'" not in repr(profile), "the key must not show in a profile's repr"
 
 
-def test_a_profiles_kind_env_comes_before_its_own_env_and_its_home_is_under_data_dir(tmp_path: Path) -> None:
+def test_a_profiles_kind_env_comes_before_its_own_env_and_its_homes_are_under_data_dir(tmp_path: Path) -> None:
     text = f'data_dir = "{tmp_path / "d"}"\n[agents.x]\ncommand = "x"\nkind = "gemini"\nenv = {{ HOME = "/mine" }}\n'
     settings = load_settings(write(tmp_path, text), {"HOME": "/daemon", "IS_SANDBOX": "yes"})
     profile = settings.agents["x"]
     env = settings.agent_env(profile, {"HOME": "/kind", "GEMINI_CLI_HOME": "/kind"})
     assert env["HOME"] == "/mine" and env["GEMINI_CLI_HOME"] == "/kind"
     assert "IS_SANDBOX" not in env
-    assert settings.agent_home(profile) == tmp_path / "d" / "agents" / "x"
+    assert settings.agent_home(profile, "proj") == tmp_path / "d" / "agents" / "x" / "proj"
 
 
 def test_an_unknown_kind_is_a_config_error_naming_the_key(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rcoder import landlock
 from rcoder.agent.process import AgentProcess
 from tests.harness import ROOT, processes_mentioning
 
@@ -164,9 +165,12 @@ async def test_cancelling_aclose_propagates_and_still_ends_the_group(marker: str
         await process.aclose()
 
 
-async def test_the_agent_is_killed_when_the_process_that_spawned_it_dies(marker: str) -> None:
+@pytest.mark.parametrize("mode", ["parent", "confined-parent"])
+async def test_the_agent_is_killed_when_the_process_that_spawned_it_dies(marker: str, mode: str) -> None:
+    if mode == "confined-parent" and not landlock.abi():
+        pytest.skip("this kernel offers no Landlock")
     parent = await asyncio.create_subprocess_exec(
-        sys.executable, str(CHILD), "parent", marker,
+        sys.executable, str(CHILD), mode, marker,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True, cwd=marker, env={"PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -174,6 +178,7 @@ async def test_the_agent_is_killed_when_the_process_that_spawned_it_dies(marker:
     try:
         assert parent.stdout is not None
         child, pdeathsig = map(int, (await read_line(parent.stdout, timeout=30.0)).split())
+        assert pdeathsig or mode == "parent", "a confined agent gets its death signal from the wrapper"
         if not pdeathsig:
             pytest.skip("no setpriv with --pdeathsig here (logged as pdeathsig_unavailable)")
         os.kill(parent.pid, signal.SIGKILL)  # the child, in its own session, ignores SIGTERM and EOF

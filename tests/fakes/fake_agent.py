@@ -27,6 +27,10 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
     usage        a usage_update (used 10, size 1000)
     env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
+    readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
+    writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
+    child-readfile P, child-writefile P
+                 the same, done by a child process of the agent (" child-readfile[P]=...")
     deaf         wait forever, ignoring session/cancel (only killing the process ends it)
     sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang and pace at once:
                  stop reason "cancelled", no answer
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import re
@@ -98,6 +103,19 @@ PROMPT_CAPS = frozenset({"image", "audio", "embedded"})
 SCRIPTED_STOPS: tuple[StopReason, ...] = ("end_turn", "max_tokens", "max_turn_requests", "refusal")
 SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")  # session ids become file names: nothing else gets in
 REMEMBER = re.compile(r"remember\s+(\d+)", re.IGNORECASE)
+FILE_OP = re.compile(r"(?<![\w-])((?:child-)?(?:readfile|writefile))\s+(\S+)")
+# what a child process runs for child-readfile / child-writefile: prints the outcome
+CHILD_FILE_OP = """
+import errno, sys
+op, path = sys.argv[1:]
+try:
+    with open(path, "rb" if op == "readfile" else "ab") as f:
+        f.read() if op == "readfile" else f.write(b"written by the fake agent's child\\n")
+except OSError as exc:
+    print(errno.errorcode.get(exc.errno or 0, type(exc).__name__))
+else:
+    print("ok")
+"""
 LOG_CHUNK = 64 * 1024
 
 
@@ -216,6 +234,8 @@ class Script:
         self.fail = word("fail-prompt")
         # `env NAME`: the answer reports the agent's own environment variable NAME
         self.env_names = re.findall(r"\benv\s+([A-Za-z_][A-Za-z0-9_]*)", text)
+        # `readfile P`, `child-writefile P`, ...: (operation, path) in the order written
+        self.file_ops: list[tuple[str, str]] = FILE_OP.findall(text)
         stops = (s for s in SCRIPTED_STOPS if re.search(rf"\bstop\s+{s}\b", text))
         self.stop: StopReason = next(stops, "end_turn")
 
@@ -224,6 +244,30 @@ def recall(prompts: list[str]) -> str:
     """The memory answer: every `remember N` of the session, in order, without repeats."""
     numbers = list(dict.fromkeys(n for p in prompts for n in REMEMBER.findall(p)))
     return f"I remember: {', '.join(numbers)}" if numbers else "I remember nothing."
+
+
+async def file_op(op: str, path: str) -> str:
+    """Do a `readfile` / `writefile` (in a child process for `child-...`): "ok" or the errno's name."""
+    if op.startswith("child-"):
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", "-c", CHILD_FILE_OP, op.removeprefix("child-"), path,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await child.communicate()
+        return out.decode(errors="replace").strip() or f"exit {child.returncode}"
+    return file_op_here(op, path)
+
+
+def file_op_here(op: str, path: str) -> str:
+    try:
+        with open(path, "rb" if op == "readfile" else "ab") as file:
+            if op == "readfile":
+                file.read()
+            else:
+                file.write(b"written by the fake agent\n")
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+    return "ok"
 
 
 def write_stderr_log(total: int) -> None:
@@ -398,6 +442,8 @@ class FakeAgent:
         attachments = "".join(f" [got {b.type}]" for b in prompt if not isinstance(b, TextContentBlock))
         script = Script(text)
         attachments += "".join(f" env[{n}]={os.environ.get(n, '<unset>')}" for n in script.env_names)
+        for op, path in script.file_ops:
+            attachments += f" {op}[{path}]={await file_op(op, path)}"
 
         stop, suffix = await self._perform(session, script)
 

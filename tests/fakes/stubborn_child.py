@@ -10,6 +10,8 @@ MODE:
     chatty N      write N bytes to stderr ending in "END-OF-STDERR", print "done", then as polite
     parent        spawn an ignore-term child through AgentProcess, print "<its pid> <has_pdeathsig>",
                   then wait for stdin's end (tests SIGKILL it before that)
+    confined-parent
+                  the same, the child confined by Landlock (started through rcoder's wrapper)
 
 Trailing arguments are ignored: tests put a marker there to find their processes in /proc.
 Whatever never exits on its own ends itself after a while (SIGALRM) should a test die
@@ -22,8 +24,10 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 
 SELF_DESTRUCT = 120  # seconds
+HERE = Path(__file__).resolve().parent
 
 
 def hold_forever() -> None:
@@ -63,11 +67,15 @@ def chatty(total: int) -> None:
     polite()
 
 
-async def parent(marker: str) -> None:
+async def parent(marker: str, confined: bool = False) -> None:
+    from rcoder import landlock
     from rcoder.agent.process import AgentProcess
+    from rcoder.agent.sandbox import SYSTEM_READ, Confinement, python_dirs
     from rcoder.logs import configure
 
     configure(stream=sys.stderr)
+    read = (*map(Path, SYSTEM_READ), *python_dirs(), HERE)
+    confinement = Confinement(read=read, write=(), abi=landlock.abi()) if confined else None
     child = await AgentProcess.spawn(
         [sys.executable, __file__, "ignore-term", marker],
         cwd=os.getcwd(),
@@ -75,6 +83,7 @@ async def parent(marker: str) -> None:
         name="pdeathsig-child",
         stderr_tail_bytes=1024,
         stop_grace=1.0,
+        confinement=confinement,
     )
     ready = b""
     while not ready.endswith(b"\n"):
@@ -97,8 +106,8 @@ def main() -> None:
         escape()
     elif mode == "chatty":
         chatty(int(args[0]))
-    elif mode == "parent":
-        asyncio.run(parent(args[0] if args else ""))
+    elif mode in ("parent", "confined-parent"):
+        asyncio.run(parent(args[0] if args else "", confined=mode == "confined-parent"))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -1,0 +1,157 @@
+"""What an agent process may reach (DESIGN §6.1), as the argv that confines it.
+
+An agent under ``sandbox = "landlock"`` starts through ``rcoder/landlock.py`` (an exec wrapper
+run by the daemon's own interpreter with ``-I -S``), which confines the new process with the
+paths below before it executes the agent; the confinement is inherited by everything the
+agent starts. Read and write: the session's project, the agent's home for that project (its
+``TMPDIR`` inside) and the profile's ``write_paths``. Read and execute: the system, the
+toolchains rcoder knows of (the agent's install, the pinned agents, the daemon's Python) and
+the profile's ``read_paths``. Nothing else.
+
+What must stay out of reach (``data_dir``, ``workspace_root``, the config file, the TLS files)
+stays out even where a granted folder contains it, the project's own included: such a folder is
+granted child by child, around it (an ``/opt`` holding ``/opt/rcoder/data`` is granted without
+``/opt/rcoder/data``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rcoder import landlock
+from rcoder.config import AGENTS_DIR, AgentProfile, Settings
+
+WRAPPER = Path(landlock.__file__).resolve()
+
+# The system, read and execute.
+SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+# Of /proc and /sys, what runtimes read about the machine (node's os.cpus() and memory, glibc's
+# CPU count, cgroup limits), and the agent process's own /proc/<pid> ("/proc/self" as the wrapper
+# resolves it: the agent's, not its children's). Never /proc whole: Landlock keeps a confined
+# process from ptrace-reading others (their fd, cwd, mem), but /proc/<pid>/environ of every
+# process of the same user stays readable where /proc is (Linux 6.18 here) - the daemon's and
+# other projects' agents' keys. So a child of the agent cannot read its own /proc/self (node's
+# process.memoryUsage() throws EACCES there, `ps` shows nothing); a profile that needs it adds
+# "/proc" to read_paths and gives that up.
+PROC_READ = (
+    "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
+    "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu", "/sys/fs/cgroup",
+)  # fmt: skip
+# Devices every program expects, read and write (``> /dev/null`` truncates: write rights).
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# /etc entries that are often symlinks out of /etc (systemd-resolved keeps resolv.conf in /run).
+ETC_LINKS = ("/etc/resolv.conf", "/etc/hosts", "/etc/localtime")
+
+
+@dataclass(frozen=True, slots=True)
+class Confinement:
+    """The paths one agent process may read (and execute) and read and write."""
+
+    read: tuple[Path, ...]
+    write: tuple[Path, ...]
+    abi: int
+
+    def argv(self, command: Sequence[str], parent: int) -> list[str]:
+        """``command`` run through the wrapper (with the daemon's pid for its death signal)."""
+        wrapper = [sys.executable, "-I", "-S", "-B", str(WRAPPER), "--parent", str(parent)]
+        for path in self.read:
+            wrapper += ["--read", str(path)]
+        for path in self.write:
+            wrapper += ["--write", str(path)]
+        return [*wrapper, "--", *command]
+
+
+def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Path, home: Path) -> Confinement | None:
+    """What an agent of ``profile`` running ``command`` in ``cwd`` may reach; None: unconfined.
+
+    Touches the file system (resolving paths, creating missing ``write_paths`` folders): call it
+    off the event loop."""
+    if settings.sandbox_of(profile) != "landlock":
+        return None
+    hidden = protected(settings)
+    system = [Path(p) for p in (*SYSTEM_READ, *ETC_LINKS)]
+    own = [Path(p) for p in PROC_READ]  # resolved by the wrapper, in the agent's process (no around())
+    install = install_dirs(command, settings.daemon_env.get("HOME"))
+    read = [*system, *install, *python_dirs(), *profile.read_paths]
+    for path in profile.write_paths:
+        with contextlib.suppress(OSError):  # made when missing, so that the agent can use it
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # the project too is granted around what is hidden: a workspace_root holding data_dir makes
+    # data_dir a project's folder, and that project's agent must not get the store with it
+    write = [cwd, home, *profile.write_paths]
+    return Confinement(
+        read=(*_unique(p for path in read for p in around(path, hidden)), *own),
+        write=(*_unique(p for path in write for p in around(path, hidden)), *_devices()),
+        abi=settings.landlock_abi,
+    )
+
+
+def protected(settings: Settings) -> list[Path]:
+    """What no grant may contain: the store and homes, every project, the config and TLS files."""
+    paths = [settings.data_dir, settings.workspace_root]
+    paths += [Path(p) for p in (settings.config_file, settings.tls_cert, settings.tls_key) if p]
+    return [_real(p) for p in paths]
+
+
+def install_dirs(command: str, home: str | None = None) -> list[Path]:
+    """The agent's install: the pinned agents, and for ``command`` as named and as resolved, the
+    node package it is in, else the folder holding it (the installation above it, for a ``bin``
+    folder other than the daemon user's own ``~/bin``)."""
+    found = [AGENTS_DIR.parent]  # agents/: node_modules and the package.json node looks up
+    for path in {Path(command), _real(Path(command))}:
+        found.append(_package_of(path.parent, home))
+    return found
+
+
+def python_dirs() -> list[Path]:
+    """The daemon's Python: agents run by ``sys.executable`` (the ``echo`` profile, test agents)
+    need its installation and virtual environment."""
+    return [Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix), Path(sys.base_exec_prefix)]
+
+
+def around(grant: Path, hidden: Sequence[Path]) -> list[Path]:
+    """``grant`` resolved, or, when it contains a hidden path, its children granted around it
+    (each resolved in turn: a symlink child pointing into a hidden path is left out too).
+    A path that does not exist, or is the daemon's own ``/proc/<pid>``, grants nothing."""
+    real = _real(grant)
+    daemon = Path(f"/proc/{os.getpid()}")  # what "/proc/self" in a profile resolves to here: never the agent's
+    if real == daemon or daemon in real.parents:
+        return []
+    inside = [h for h in hidden if h == real or real in h.parents]
+    if not inside:
+        return [real] if os.path.exists(real) else []
+    if real in inside:
+        return []
+    try:
+        children = list(real.iterdir())
+    except OSError:
+        return []
+    return [p for child in children for p in around(child, hidden)]
+
+
+def _package_of(folder: Path, home: str | None) -> Path:
+    parts = folder.parts
+    if "node_modules" in parts:  # node_modules/<name> or node_modules/@scope/<name>
+        at = len(parts) - parts[::-1].index("node_modules")
+        size = 2 if at < len(parts) and parts[at].startswith("@") else 1
+        return Path(*parts[: at + size])
+    if folder.name == "bin" and str(folder.parent) not in (folder.anchor, home):
+        return folder.parent
+    return folder
+
+
+def _devices() -> tuple[Path, ...]:
+    return tuple(Path(d) for d in DEVICES if os.path.exists(d))
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _unique(paths: Iterable[Path]) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(paths))

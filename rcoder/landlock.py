@@ -1,0 +1,187 @@
+"""Linux Landlock by hand: the kernel's three system calls through ctypes, standard library only.
+
+Two uses. The daemon asks ``abi()`` which Landlock ABI the kernel offers (0: none). And an
+agent is started through this file run as a script, an exec wrapper::
+
+    python -I -S -B landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...
+
+which, in the new process and before the agent's program runs, sets ``PR_SET_PDEATHSIG=SIGKILL``
+(and exits if ``PID``, the daemon, is already gone), builds a Landlock ruleset — ``--read``
+paths readable and executable, ``--write`` paths readable and writable, nothing else on the
+file system — restricts itself with it (``no_new_privs`` first) and execs ``ARGV``. A Landlock
+domain is inherited by every process the agent starts and can never be lifted, only narrowed:
+shells, MCP servers and language servers live under it too.
+
+Why a script and not ``preexec_fn``: the daemon has threads (grpc, the store's executor), and
+Python code between fork and exec in a threaded process can deadlock on a lock another thread
+held. ``-I -S`` keeps the interpreter's start-up to ~10-20 ms (no site-packages, no
+environment); nothing is imported but ``os``, ``sys`` and ``ctypes``. A failure to confine is
+an exit with code 126 and a line on stderr, never an unconfined agent.
+
+Also scoped (ABI 6+): the agent cannot signal, or connect to abstract UNIX sockets of, processes
+outside its domain (the daemon, other projects' agents). The network is not restricted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import sys
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same on every architecture
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_SIGKILL = 9
+
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_ABI1_FS = (1 << 13) - 1  # EXECUTE .. MAKE_SYM: reading, writing, making and removing files and folders
+REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
+READ = EXECUTE | READ_FILE | READ_DIR
+# the rights a rule on a file (not a folder) may carry
+FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+EXIT_NOT_CONFINED = 126  # as a shell says "found but could not run"
+EXIT_NOT_FOUND = 127
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.prctl.restype = ctypes.c_int
+    return libc
+
+
+def _syscall(libc: ctypes.CDLL, number: int, *args: object) -> int:
+    """``syscall(2)``, every integer argument passed as a C long (as the kernel reads them)."""
+    values = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    return int(libc.syscall(ctypes.c_long(number), *values))
+
+
+def _prctl(libc: ctypes.CDLL, option: int, value: int) -> int:
+    return int(
+        libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    )
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def abi() -> int:
+    """The Landlock ABI version this kernel offers; 0 when it has none (or it is disabled)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    return max(_syscall(_libc(), _SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION), 0)
+
+
+def fs_rights(version: int) -> int:
+    """Every file-system right the kernel of ABI ``version`` can restrict."""
+    rights = _ABI1_FS
+    if version >= 2:
+        rights |= REFER
+    if version >= 3:
+        rights |= TRUNCATE
+    if version >= 5:
+        rights |= IOCTL_DEV
+    return rights
+
+
+def restrict(read: list[str], write: list[str]) -> int:
+    """Confine this process (and all it will start) to ``read`` and ``write``; the ABI used.
+
+    A path that does not exist is skipped (it cannot be reached either)."""
+    libc, version = _libc(), abi()
+    if version < 1:
+        raise OSError(0, "this kernel offers no Landlock")
+    handled = fs_rights(version)
+    attr = _RulesetAttr(handled, 0, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if version >= 6 else 0)
+    size = ctypes.sizeof(attr) if version >= 6 else 2 * ctypes.sizeof(ctypes.c_uint64)
+    ruleset = _check(_syscall(libc, _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0), "landlock_create_ruleset")
+    try:
+        for paths, rights in ((read, READ), (write, handled)):
+            for path in paths:
+                _allow(libc, ruleset, path, rights & handled)
+        _check(_prctl(libc, _PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _check(_syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return version
+
+
+def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            rights &= FILE_RIGHTS
+        rule = _PathBeneathAttr(rights, fd)
+        _check(_syscall(libc, _SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0), f"add_rule {path}")
+    finally:
+        os.close(fd)
+
+
+def _parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
+    """(parent pid or 0, read paths, write paths, the command)."""
+    parent, read, write = 0, list[str](), list[str]()
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            command = list(args)
+            if not command:
+                break
+            return parent, read, write, command
+        value = next(args, None)
+        if value is None or arg not in ("--parent", "--read", "--write"):
+            break
+        if arg == "--parent":
+            parent = int(value)
+        else:
+            (read if arg == "--read" else write).append(value)
+    raise ValueError("usage: landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...")
+
+
+def main(argv: list[str]) -> int:
+    """The exec wrapper: confine, then become ``ARGV`` (returns only on failure)."""
+    try:
+        parent, read, write, command = _parse(argv)
+        if parent:
+            libc = _libc()
+            _check(_prctl(libc, _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
+            if os.getppid() != parent:  # the daemon died before the death signal was armed
+                sys.stderr.write("rcoder-landlock: the daemon that started this agent is gone\n")
+                return EXIT_NOT_CONFINED
+        restrict(read, write)
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"rcoder-landlock: the agent was not started, it could not be confined: {exc}\n")
+        return EXIT_NOT_CONFINED
+    try:
+        os.execv(command[0], command)  # noqa: S606 - the agent, as its profile names it
+    except OSError as exc:
+        sys.stderr.write(f"rcoder-landlock: cannot run {command[0]}: {exc.strerror}\n")
+        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_CONFINED
+    raise AssertionError("execv returned")  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""rcoder/landlock.py, the exec wrapper that confines an agent before it runs, on its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rcoder import landlock
+from rcoder.agent.sandbox import SYSTEM_READ, WRAPPER, python_dirs
+
+pytestmark = pytest.mark.skipif(not landlock.abi(), reason="this kernel offers no Landlock")
+
+
+def wrapped(*args: str, command: list[str], read: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+    grants = [a for path in (*SYSTEM_READ, *python_dirs(), *read) for a in ("--read", str(path))]
+    argv = [sys.executable, "-I", "-S", "-B", str(WRAPPER), *grants, *args, "--", *command]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_the_wrapped_command_reads_and_writes_only_what_it_was_given(tmp_path: Path) -> None:
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for folder in (mine, other):
+        folder.mkdir()
+        (folder / "file").write_text(f"{folder.name}\n")
+    script = 'cat "$1/file"; echo new > "$1/new" && echo wrote; cat "$2/file" || echo denied; touch "$2/new" || echo no'
+
+    done = wrapped("--write", str(mine), command=["/bin/sh", "-c", script, "sh", str(mine), str(other)])
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mine", "wrote", "denied", "no"]
+    assert "Permission denied" in done.stderr and not (other / "new").exists()
+
+
+def test_a_path_that_does_not_exist_grants_nothing_and_is_no_failure(tmp_path: Path) -> None:
+    done = wrapped("--read", str(tmp_path / "missing"), command=["/bin/true"])
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_agent_whose_daemon_is_already_gone_is_not_started(tmp_path: Path) -> None:
+    done = wrapped("--parent", "1", command=["/bin/sh", "-c", f"touch {tmp_path / 'ran'}"])
+    assert done.returncode == landlock.EXIT_NOT_CONFINED
+    assert "is gone" in done.stderr and not (tmp_path / "ran").exists()
+
+
+def test_a_command_that_cannot_run_or_a_bad_argument_is_an_exit_code_and_a_line_on_stderr() -> None:
+    missing = wrapped(command=["/no/such/agent"])
+    assert missing.returncode == landlock.EXIT_NOT_FOUND and "cannot run /no/such/agent" in missing.stderr
+    bad = wrapped("--bogus", "x", command=["/bin/true"])
+    assert bad.returncode == landlock.EXIT_NOT_CONFINED and "usage" in bad.stderr
+
+
+def test_the_wrapper_needs_nothing_but_the_standard_library() -> None:
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", f"import runpy; runpy.run_path({str(WRAPPER)!r})"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={"PATH": os.defpath},
+    )
+    assert done.returncode == 0, done.stderr

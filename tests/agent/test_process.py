@@ -14,6 +14,7 @@ import pytest
 
 from rcoder import landlock
 from rcoder.agent.process import AgentProcess
+from tests.conftest import exited
 from tests.harness import ROOT, processes_mentioning
 
 CHILD = ROOT / "tests" / "fakes" / "stubborn_child.py"
@@ -56,22 +57,7 @@ async def read_line(stream: asyncio.StreamReader, timeout: float = 10.0) -> str:
 async def wait_gone(pids: list[int], timeout: float) -> None:
     """Wait (bounded) until each process has exited, on its pidfd (any process, not only our children)."""
     async with asyncio.timeout(timeout):
-        await asyncio.gather(*(_exited(pid) for pid in pids))
-
-
-async def _exited(pid: int) -> None:
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    loop.add_reader(fd, lambda: None if done.done() else done.set_result(None))
-    try:
-        await done
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
+        await asyncio.gather(*(exited(pid) for pid in pids))
 
 
 def call_after_steps(steps: int, callback: Callable[[], object]) -> None:

@@ -8,7 +8,6 @@ log, a FIFO (see ``AgentRequests``), so a test acts "once the agent got the prom
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
@@ -42,53 +41,11 @@ from rcoder.session.turn import TurnRunner
 from rcoder.store.sqlite import SqliteStore
 from tests.conftest import base_settings, exited
 from tests.harness import FakeAgentSetup, processes_mentioning, write_config
+from tests.session.conftest import AgentRequests
 
 START_BOUND = 30.0  # an agent started and its session opened, on a loaded machine
 CLOSE_BOUND = 10.0  # an agent ended: stdin, SIGTERM and SIGKILL graces of 1 s, and slack
 TURN_BOUND = START_BOUND + CLOSE_BOUND
-
-
-@dataclass(frozen=True)
-class Request:
-    pid: int
-    method: str
-    params: dict[str, Any]
-
-
-class AgentRequests:
-    """What the fake agents receive, as it arrives: their ``--record`` file is a FIFO read here.
-
-    The test holds a write end of its own too, so the FIFO never reads as ended between agents.
-    """
-
-    def __init__(self, reader: asyncio.StreamReader, transport: asyncio.ReadTransport, write_fd: int) -> None:
-        self._reader = reader
-        self._transport = transport
-        self._write_fd = write_fd
-
-    @classmethod
-    async def open(cls, path: Path) -> AgentRequests:
-        os.mkfifo(path)
-        read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        write_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        reader = asyncio.StreamReader()
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
-        )
-        return cls(reader, transport, write_fd)
-
-    async def next(self, method: str) -> Request:
-        """The next request for ``method`` any agent received (earlier others are passed over)."""
-        async with asyncio.timeout(START_BOUND):
-            while True:
-                row = json.loads(await self._reader.readline())
-                message = row["message"]
-                if message.get("method") == method:
-                    return Request(row["pid"], method, message.get("params", {}))
-
-    def close(self) -> None:
-        self._transport.close()
-        os.close(self._write_fd)
 
 
 class Tasks:
@@ -158,13 +115,6 @@ class Turns:
 
 
 TurnsFactory = Callable[..., Coroutine[Any, Any, Turns]]
-
-
-@pytest.fixture
-async def agent_requests(fake: FakeAgentSetup) -> AsyncIterator[AgentRequests]:
-    requests = await AgentRequests.open(fake.record)
-    yield requests
-    requests.close()
 
 
 @pytest.fixture

@@ -3,6 +3,12 @@
 ``bind_context(run_id=..., session_id=..., project_id=...)`` tags every line
 logged in that task. Secrets never reach the output: values under keys that
 look like credentials are replaced, whatever logged them.
+
+rcoder's own lines take structlog's native path (filtered by level before any
+work, rendered and written in one call): through stdlib ``logging`` a line cost
+~130 µs against ~45 µs, and a turn logs on its hot path. What other libraries
+log through stdlib (the ACP SDK, grpc) is rendered by the same processors into
+the same stream.
 """
 
 from __future__ import annotations
@@ -38,16 +44,16 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
     as_json = fmt == "json" or (fmt == "auto" and not out.isatty())
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
-        structlog.stdlib.add_log_level,
-        structlog.stdlib.add_logger_name,
+        structlog.processors.add_log_level,
+        _add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _redact,
     ]
     renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        logger_factory=_NamedWriteLoggerFactory(out),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(out)
@@ -67,7 +73,31 @@ def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = No
 
 
 def get_logger(name: str) -> Any:
-    return structlog.stdlib.get_logger(name)
+    return structlog.get_logger(name)
+
+
+class _NamedWriteLogger(structlog.WriteLogger):
+    """A ``WriteLogger`` that knows the name it was asked for (the ``logger`` field)."""
+
+    def __init__(self, file: TextIO, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+
+class _NamedWriteLoggerFactory:
+    def __init__(self, file: TextIO) -> None:
+        self._file = file
+
+    def __call__(self, *args: Any) -> _NamedWriteLogger:
+        return _NamedWriteLogger(self._file, str(args[0]) if args else "rcoder")
+
+
+def _add_logger_name(logger: Any, _: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    record = event.get("_record")
+    name = record.name if record is not None else getattr(logger, "name", None)
+    if name is not None:
+        event["logger"] = name
+    return event
 
 
 def bind_context(**values: str) -> None:

@@ -277,15 +277,19 @@ class TurnRunner:
         async with scope:
             opened = await scope.open(self._opener)
             await scope.start(opened.started)
-            started = opened.started
-            self._metrics.turn_started(
-                plan.profile.name, started.resume.value, started.resume_method.value, time.monotonic() - plan.received
-            )
-            log.info("run_started", agent=plan.profile.name, resume=started.resume.value,
-                     method=started.resume_method.value, provider_session_id=started.provider_session_id,
-                     fallback_reason=started.fallback_reason or None)  # fmt: skip
+            # noted on the loop's next pass: by then the prompt is written to the agent, which
+            # works on it meanwhile (the log line alone costs as long as the agent's first reply)
+            asyncio.get_running_loop().call_soon(self._note_started, plan, opened.started)
             if not scope.cancel_requested:
                 await self._prompt(scope, opened)
+
+    def _note_started(self, plan: TurnPlan, started: RunStarted) -> None:
+        self._metrics.turn_started(
+            plan.profile.name, started.resume.value, started.resume_method.value, time.monotonic() - plan.received
+        )
+        log.info("run_started", agent=plan.profile.name, resume=started.resume.value,
+                 method=started.resume_method.value, provider_session_id=started.provider_session_id,
+                 fallback_reason=started.fallback_reason or None)  # fmt: skip
 
     async def _prompt(self, scope: TurnScope, opened: Opened) -> None:
         texts: list[str] = []

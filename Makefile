@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 AGENTS_STAMP := agents/node_modules/.installed
 CONFIG ?=
 
-.PHONY: all run test lint typecheck unit soak bench proto check-proto venv agents clean
+.PHONY: all run test lint typecheck unit soak bench proto check-proto venv agents postgres clean
 
 all: test
 
@@ -44,8 +44,26 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-unit: $(STAMP) agents
-	$(BIN)/pytest -p no:cacheprovider --cov --cov-report=term:skip-covered
+unit: $(STAMP) agents postgres
+	$(BIN)/pytest -p no:cacheprovider --durations=25 --cov --cov-report=term:skip-covered
+
+## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
+## PostgreSQL store's tests. Installed when missing and we are root (no main cluster is created, no
+## service started); otherwise says what to install. Nothing to do when they are there.
+PG_BIN ?= /usr/lib/postgresql/15/bin
+postgres:
+	@test -x $(PG_BIN)/postgres || { \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "make: the PostgreSQL store's tests need $(PG_BIN)/postgres: install Debian's postgresql-15 (sudo apt-get install postgresql-15)" >&2; \
+			exit 1; \
+		fi; \
+		echo "installing Debian's postgresql-15 (the PostgreSQL store's tests need its server binaries)"; \
+		mkdir -p /etc/postgresql-common; \
+		test -e /etc/postgresql-common/createcluster.conf || echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.conf; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			-o Dpkg::Options::=--force-confold postgresql-15 >/dev/null; \
+		test -x $(PG_BIN)/postgres || { echo "make: postgresql-15 installed, but $(PG_BIN)/postgres is still missing" >&2; exit 1; }; \
+	}
 
 ## the long fault runs: a thousand client cuts, a hundred daemon kills, ten thousand turns
 soak: $(STAMP)

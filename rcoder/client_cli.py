@@ -12,7 +12,7 @@ Exit codes: 0 when the turn ends (``end_turn``, ``cancelled``, any other stop
 but an error), 1 on an error stop or a gRPC error (printed with its status and
 ``ErrorInfo`` reason), 2 on bad usage, 130 after a second Ctrl-C.
 
-Only the generated stubs of ``rcoder.v1`` are used: this is what any client does.
+It is a front end of ``rcoder.client``, the Python client: there is one client.
 """
 
 from __future__ import annotations
@@ -22,20 +22,30 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import grpc
-from google.protobuf import json_format
-from google.protobuf.message import Message
-from google.rpc import error_details_pb2, status_pb2
-
-from rcoder.v1 import agent_runner_pb2 as pb
-from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
+from rcoder.client import (
+    Completed,
+    Event,
+    PermissionMode,
+    PermissionRequest,
+    Plan,
+    RcoderClient,
+    RcoderClientError,
+    ResumeOutcome,
+    Session,
+    Started,
+    StopReason,
+    Text,
+    ToolCall,
+    ToolCallUpdate,
+    Turn,
+)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream
+CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
 PLAN_MARKS = {"completed": "[x]", "in_progress": "[>]"}
 
@@ -62,13 +72,12 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
     """Run ``chat`` or ``sessions``; returns the exit code."""
     target = args.target or env.get("RCODER_TARGET") or DEFAULT_TARGET
     token = args.token if args.token is not None else env.get("RCODER_TOKEN", "")
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
     screen = Screen(stdout, stderr, args.json)
     try:
         if args.command == "sessions":
             if args.action != "list" and not args.session_id:
                 return screen.usage(f"sessions {args.action} needs a session id")
-            return asyncio.run(sessions(target, metadata, args, screen))
+            return asyncio.run(sessions(target, token, args, screen))
         prompt = args.prompt
         if prompt is None or prompt == "-":
             if stdin.isatty():
@@ -76,23 +85,16 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
             prompt = stdin.read().rstrip("\n")
         if not prompt.strip():
             return screen.usage("the prompt is empty")
-        request = pb.ChatRequest(
-            project_id=args.project,
-            session_id=args.session,
-            agent=args.agent,
-            prompt=prompt,
-            permission_mode=pb.PERMISSION_MODE_ASK if args.ask else pb.PERMISSION_MODE_UNSPECIFIED,
-        )
         answers = None
         if args.ask:
             # the prompt came on stdin: the answers come from the terminal
             answers = stdin if args.prompt not in (None, "-") else open("/dev/tty", encoding="utf-8")  # noqa: SIM115
         try:
-            return asyncio.run(Turn(target, metadata, screen, answers).chat(request))
+            return asyncio.run(chat(target, token, args, prompt, screen, answers))
         finally:
             if answers is not None and answers is not stdin:
                 answers.close()
-    except grpc.aio.AioRpcError as exc:
+    except RcoderClientError as exc:
         return screen.rpc_error(exc, target)
     except KeyboardInterrupt:
         return INTERRUPTED
@@ -139,12 +141,7 @@ class Screen:
         self.err.write(line + "\n")
         self.err.flush()
 
-    def json_line(self, message: Message | dict[str, Any]) -> None:
-        data = (
-            message
-            if isinstance(message, dict)
-            else json_format.MessageToDict(message, preserving_proto_field_name=True)
-        )
+    def json_line(self, data: dict[str, Any]) -> None:
         self.out.write(json.dumps(data, ensure_ascii=False) + "\n")
         self.out.flush()
 
@@ -152,81 +149,65 @@ class Screen:
         self.note(f"rcoder: {problem}")
         return USAGE
 
-    def rpc_error(self, exc: grpc.aio.AioRpcError, target: str) -> int:
-        code, message = exc.code(), exc.details() or ""
-        info = error_info(exc)
+    def rpc_error(self, exc: RcoderClientError, target: str) -> int:
+        code, message = (exc.code.name if exc.code is not None else "ERROR"), exc.message
         if self.json:
-            error = {"code": code.name, "message": message}
-            if info is not None:
-                error |= {"reason": info.reason, "metadata": dict(info.metadata)}
+            error: dict[str, Any] = {"code": code, "message": message}
+            if exc.reason:
+                error |= {"reason": exc.reason, "metadata": exc.metadata}
             self.json_line({"error": error})
-        reason = f" ({info.reason})" if info is not None else ""
-        if code == grpc.StatusCode.UNAVAILABLE and info is None:
+        reason = f" ({exc.reason})" if exc.reason else ""
+        if code == "UNAVAILABLE" and not exc.reason:
             message = f"cannot reach the daemon at {target}: {message}"
-        self.note(f"rcoder: {code.name}{reason}: {message}")
+        self.note(f"rcoder: {code}{reason}: {message}")
         return FAILED
 
 
-def error_info(exc: grpc.aio.AioRpcError) -> Any:
-    """The ``google.rpc.ErrorInfo`` a failed call carries, or None."""
-    raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
-    if not raw:
-        return None
-    for detail in status_pb2.Status.FromString(raw).details:
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            return info
-    return None
-
-
-def enum_name(enum: Any, value: int, prefix: str) -> str:
-    return str(enum.Name(value)).removeprefix(prefix).lower()
-
-
-def summary(session_id: str, started: pb.RunStarted, done: pb.RunCompleted) -> str:
-    outcome = enum_name(pb.ResumeOutcome, started.resume, "RESUME_OUTCOME_").replace("_", "-")
-    method = f" ({started.resume_method})" if started.resume_method not in ("", outcome) else ""
-    stop = enum_name(pb.StopReason, done.stop_reason, "STOP_REASON_")
-    return f"session {session_id} · {outcome}{method} · {stop}"
+def summary(session_id: str, started: Started | None, done: Completed) -> str:
+    outcome = (started.resume if started else ResumeOutcome.UNSPECIFIED).replace("_", "-")
+    resume_method = started.resume_method if started else ""
+    method = f" ({resume_method})" if resume_method not in ("", outcome) else ""
+    return f"session {session_id} · {outcome}{method} · {done.stop_reason}"
 
 
 # ---------------------------------------------------------------- chat
 
 
-@dataclass
-class Turn:
-    """One ``Chat`` call, watched to its end; Ctrl-C cancels it, twice leaves."""
+async def chat(
+    target: str, token: str, args: argparse.Namespace, prompt: str, screen: Screen, answers: TextIO | None
+) -> int:
+    async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        turn = client.chat(
+            args.project,
+            prompt,
+            session_id=args.session,
+            agent=args.agent,
+            permission_mode=PermissionMode.ASK if args.ask else None,
+        )
+        return await Watch(client, turn, screen, answers).run()
 
-    target: str
-    metadata: tuple[tuple[str, str], ...]
+
+@dataclass
+class Watch:
+    """One turn, watched to its end; Ctrl-C cancels it, twice leaves."""
+
+    client: RcoderClient
+    turn: Turn
     screen: Screen
     answers: TextIO | None  # where --ask reads the user's choices; None: no --ask
-    run_id: str = ""
     interrupts: int = 0
-    stub: Any = None
-    call: Any = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     cancelling: set[asyncio.Task[None]] = field(default_factory=set)  # Cancel calls on their way
     asking: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def chat(self, request: pb.ChatRequest) -> int:
+    async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        async with grpc.aio.insecure_channel(self.target) as channel:
-            self.stub = pb_grpc.AgentRunnerStub(channel)
-            self.call = self.stub.Chat(request, metadata=self.metadata)
-            loop.add_signal_handler(signal.SIGINT, self.interrupt)
-            try:
-                return await self._watch()
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self.interrupts < 2 or (task is not None and task.cancelling()):
-                    raise  # not the call we cancelled ourselves
-                sent = f"; run {self.run_id} was asked to cancel" if self.run_id else ""
-                self.screen.note(f"rcoder: left the turn (Ctrl-C twice){sent}")
-                return INTERRUPTED
-            finally:
-                loop.remove_signal_handler(signal.SIGINT)
-                await self._settle()
+        loop.add_signal_handler(signal.SIGINT, self.interrupt)
+        try:
+            return await self._watch()
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            await self._settle()
 
     async def _settle(self) -> None:
         """A Cancel on its way still gets there (bounded); a question nobody answers is dropped."""
@@ -237,40 +218,40 @@ class Turn:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def _watch(self) -> int:
-        started, session_id = pb.RunStarted(), ""
-        async for event in self.call:
-            kind = event.WhichOneof("event")
+        async for event in self.turn:
             if self.screen.json:
-                self.screen.json_line(event)
-            if kind == "started":
-                started, session_id, self.run_id = event.started, event.session_id, event.run_id
-                if self.interrupts:
-                    self._send_cancel()
-            elif kind == "permission_request" and self.answers is not None:
-                self._spawn(self._ask(event.permission_request))
-            if kind == "completed":
-                done = event.completed
+                self.screen.json_line(event.to_dict())
+            if isinstance(event, Started) and self.interrupts:
+                self._send_cancel()
+            elif isinstance(event, PermissionRequest) and self.answers is not None:
+                self._spawn(self._ask(event))
+            if isinstance(event, Completed):
                 self.screen.end_line(always=True)  # the answer is a line, on a pipe too
-                if done.error and not self.screen.json:
-                    self.screen.note(f"error: {done.error}")
+                if event.error and not self.screen.json:
+                    self.screen.note(f"error: {event.error}")
                 if not self.screen.json:
-                    self.screen.note(summary(session_id, started, done))
-                return FAILED if done.stop_reason == pb.STOP_REASON_ERROR else 0
+                    self.screen.note(summary(self.turn.session_id, self.turn.started, event))
+                return FAILED if event.stop_reason is StopReason.ERROR else 0
             if not self.screen.json:
                 show(self.screen, event)
-        self.screen.note(f"rcoder: the stream ended before the turn did (run {self.run_id}; Subscribe to follow it)")
+        run_id = self.turn.run_id
+        if self.interrupts >= 2:  # the second Ctrl-C left the turn
+            sent = f"; run {run_id} was asked to cancel" if run_id else ""
+            self.screen.note(f"rcoder: left the turn (Ctrl-C twice){sent}")
+            return INTERRUPTED
+        self.screen.note(f"rcoder: the stream ended before the turn did (run {run_id}; Subscribe to follow it)")
         return FAILED
 
     def interrupt(self) -> None:
         self.interrupts += 1
         if self.interrupts == 1:
             self.screen.note("^C cancelling the turn… (Ctrl-C again to leave it running)")
-            if self.run_id:
+            if self.turn.run_id:
                 self._send_cancel()
         else:
-            self.call.cancel()
+            self.turn.leave()
 
-    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -283,11 +264,11 @@ class Turn:
 
     async def _cancel(self) -> None:
         try:
-            await self.stub.Cancel(pb.CancelRequest(run_id=self.run_id), metadata=self.metadata, timeout=CALL_TIMEOUT)
-        except grpc.aio.AioRpcError as exc:
-            self.screen.note(f"rcoder: Cancel failed: {exc.code().name}: {exc.details()}")
+            await self.client.cancel(run_id=self.turn.run_id)
+        except RcoderClientError as exc:
+            self.screen.note(f"rcoder: Cancel failed: {exc}")
 
-    async def _ask(self, request: pb.PermissionRequest) -> None:
+    async def _ask(self, request: PermissionRequest) -> None:
         async with self.asking:
             self.screen.note(f"permission? {request.title} [{request.kind}]")
             for i, option in enumerate(request.options, 1):
@@ -299,13 +280,10 @@ class Turn:
             option_id = ""
             if choice.isdigit() and 1 <= int(choice) <= len(request.options):
                 option_id = request.options[int(choice) - 1].option_id
-            resolve = pb.ResolvePermissionRequest(
-                run_id=self.run_id, permission_id=request.permission_id, option_id=option_id
-            )
             try:
-                await self.stub.ResolvePermission(resolve, metadata=self.metadata, timeout=CALL_TIMEOUT)
-            except grpc.aio.AioRpcError as exc:
-                self.screen.note(f"rcoder: ResolvePermission failed: {exc.code().name}: {exc.details()}")
+                await self.client.resolve_permission(request.run_id, request.permission_id, option_id)
+            except RcoderClientError as exc:
+                self.screen.note(f"rcoder: ResolvePermission failed: {exc}")
 
 
 async def read_line(stream: TextIO) -> str:
@@ -328,71 +306,52 @@ async def read_line(stream: TextIO) -> str:
         loop.remove_reader(fd)
 
 
-def show(screen: Screen, event: pb.ChatStream) -> None:
+def show(screen: Screen, event: Event) -> None:
     """One event, compactly: text as it comes, the rest as short notes."""
-    kind = event.WhichOneof("event")
-    if kind == "agent_message":
-        screen.text(event.agent_message.text)
-    elif kind == "agent_thought":
-        screen.thought(event.agent_thought.text)
-    elif kind == "started" and event.started.fallback_reason:
-        screen.note(f"fallback: {event.started.fallback_reason}")
-    elif kind == "tool_call":
-        call = event.tool_call
-        screen.note(f"tool: {call.title or call.tool_call_id} [{call.kind}] {call.status}".rstrip())
-    elif kind == "tool_call_update":
-        upd = event.tool_call_update
-        if upd.status:
-            screen.note(f"tool: {upd.title or upd.tool_call_id} → {upd.status}")
-    elif kind == "plan":
-        steps = [f"{PLAN_MARKS.get(e.status, '[ ]')} {e.content}" for e in event.plan.entries]
+    if isinstance(event, Text):
+        (screen.thought if event.thought else screen.text)(event.text)
+    elif isinstance(event, Started) and event.fallback_reason:
+        screen.note(f"fallback: {event.fallback_reason}")
+    elif isinstance(event, ToolCall):
+        screen.note(f"tool: {event.title or event.tool_call_id} [{event.kind}] {event.status}".rstrip())
+    elif isinstance(event, ToolCallUpdate):
+        if event.status:
+            screen.note(f"tool: {event.title or event.tool_call_id} → {event.status}")
+    elif isinstance(event, Plan):
+        steps = [f"{PLAN_MARKS.get(e.status, '[ ]')} {e.content}" for e in event.entries]
         screen.note("plan: " + " · ".join(steps))
-    elif kind == "permission_request":
-        request = event.permission_request
-        screen.note(f"permission: {request.title} [{request.kind}] (answered by the daemon's policy)")
+    elif isinstance(event, PermissionRequest):
+        screen.note(f"permission: {event.title} [{event.kind}] (answered by the daemon's policy)")
 
 
 # ---------------------------------------------------------------- sessions
 
 
-async def sessions(target: str, metadata: tuple[tuple[str, str], ...], args: argparse.Namespace, screen: Screen) -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.AgentRunnerStub(channel)
+async def sessions(target: str, token: str, args: argparse.Namespace, screen: Screen) -> int:
+    async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
         if args.action == "show":
-            session = await stub.GetSession(pb.GetSessionRequest(session_id=args.session_id), **_opts(metadata))
-            _show_session(screen, session)
+            _show_session(screen, await client.sessions.get(args.session_id))
         elif args.action == "close":
-            closed = await stub.CloseSession(pb.CloseSessionRequest(session_id=args.session_id), **_opts(metadata))
+            stopped = await client.sessions.close(args.session_id)
             if screen.json:
-                screen.json_line({"session_id": args.session_id, "agent_stopped": closed.agent_stopped})
+                screen.json_line({"session_id": args.session_id, "agent_stopped": stopped})
             else:
-                what = "its agent stopped" if closed.agent_stopped else "no live agent"
+                what = "its agent stopped" if stopped else "no live agent"
                 screen.text(f"session {args.session_id} closed: {what}\n")
         else:
-            await _list_sessions(stub, metadata, args.project, screen)
+            await _list_sessions(client, args.project, screen)
     return 0
 
 
-def _opts(metadata: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    return {"metadata": metadata, "timeout": CALL_TIMEOUT}
-
-
-async def _list_sessions(stub: Any, metadata: tuple[tuple[str, str], ...], project: str, screen: Screen) -> None:
-    token, rows = "", []
-    while True:
-        page = await stub.ListSessions(pb.ListSessionsRequest(project_id=project, page_token=token), **_opts(metadata))
-        for session in page.sessions:
-            if screen.json:
-                screen.json_line(session)
-            else:
-                status = enum_name(pb.SessionStatus, session.status, "SESSION_STATUS_")
-                updated = session.updated_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S")
-                rows.append(
-                    (session.session_id, session.project_id, session.agent, status, str(session.turns), updated)
-                )
-        token = page.next_page_token
-        if not token:
-            break
+async def _list_sessions(client: RcoderClient, project: str, screen: Screen) -> None:
+    rows = []
+    async for session in client.sessions.list(project):
+        if screen.json:
+            screen.json_line(session.to_dict())
+        else:
+            updated = session.updated_at.strftime("%Y-%m-%d %H:%M:%S") if session.updated_at else ""
+            status, turns = session.status.value, str(session.turns)
+            rows.append((session.session_id, session.project_id, session.agent, status, turns, updated))
     if not screen.json:
         table = [("SESSION", "PROJECT", "AGENT", "STATUS", "TURNS", "UPDATED (UTC)"), *rows]
         widths = [max(len(row[i]) for row in table) for i in range(6)]
@@ -400,21 +359,22 @@ async def _list_sessions(stub: Any, metadata: tuple[tuple[str, str], ...], proje
             screen.text("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
-def _show_session(screen: Screen, session: pb.Session) -> None:
+def _show_session(screen: Screen, session: Session) -> None:
+    record = session.to_dict()
     if screen.json:
-        screen.json_line(session)
+        screen.json_line(record)
         return
     fields = {
         "session": session.session_id,
         "project": session.project_id,
         "agent": session.agent,
-        "status": enum_name(pb.SessionStatus, session.status, "SESSION_STATUS_"),
+        "status": session.status.value,
         "turns": str(session.turns),
         "provider session": session.provider_session_id,
         "cwd": session.cwd,
         "last run": session.last_run_id,
-        "created": session.created_at.ToJsonString(),
-        "updated": session.updated_at.ToJsonString(),
+        "created": record.get("created_at", ""),
+        "updated": record.get("updated_at", ""),
     }
     for name, value in fields.items():
         screen.text(f"{name + ':':<18}{value}\n")

@@ -51,7 +51,22 @@ def _host_port(listen: str) -> str:
     return listen
 
 
+def _store_url(url: str) -> str:
+    # the problem names no part of the URL: it may hold a password
+    if url and not url.startswith(("postgresql://", "postgres://")):
+        raise ValueError('expected "" (SQLite in data_dir) or a postgresql:// (or postgres://) URL')
+    return url
+
+
+def _advertise(address: str) -> str:
+    return _host_port(address) if address else address
+
+
+HostId = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
 ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
+# "" is SQLite in data_dir; a postgresql:// URL the PostgreSQL store (rcoder.store.make_store);
+# kept out of repr: it may hold a password
+StoreUrl = Annotated[str, AfterValidator(_store_url), Field(repr=False)]
 
 
 class _Schema(BaseModel):
@@ -119,6 +134,12 @@ class SettingsKeys(_Schema):
 
     listen: Annotated[str, AfterValidator(_host_port)] = "127.0.0.1:50051"
     data_dir: ConfigPath = DEFAULT_DATA_DIR
+    store_url: StoreUrl = ""
+    # several hosts on one PostgreSQL store (DESIGN §7): this daemon's name ("": the hostname), the
+    # host:port other hosts dial ("": the listen address as bound), how long a session's lease lasts
+    host_id: HostId = ""
+    advertise_address: Annotated[str, AfterValidator(_advertise)] = ""
+    lease_ttl: Annotated[float, Field(gt=0)] = 15.0
     workspace_root: ConfigPath = Path("workspace")
     default_agent: str = "claude"
     auth_token: str = ""

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from pathlib import Path
 
+from rcoder import __version__
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
@@ -17,9 +19,10 @@ from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.runs import RunRegistry
-from rcoder.store.sqlite import SqliteStore
+from rcoder.store import make_coordination, make_store, redact_url
 
 log = get_logger("rcoder.daemon")
 STORE_FILE = "rcoder.db"
@@ -28,12 +31,19 @@ STORE_FILE = "rcoder.db"
 class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = SqliteStore(settings.data_dir / STORE_FILE)
+        # host_id: the host whose runs left running this daemon marks interrupted at start, and
+        # the owner of the session leases it takes (DESIGN §7)
+        self.host_id = settings.host_id or socket.gethostname()
+        self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
         self.launcher = AgentLauncher(settings)
         self.runs = RunRegistry(settings.run_retention)
         self.metrics = Metrics()
         self.pool = AgentPool(settings, self.launcher, self.metrics)
-        self.worker = AcpWorker(settings, self.store, self.launcher, self.pool, self.runs, self.metrics)
+        coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
+        self.leases = LeaseKeeper(coordination, settings.lease_ttl, self.metrics, on_store=self._on_store)
+        self.worker = AcpWorker(
+            settings, self.store, self.launcher, self.pool, self.runs, self.metrics, leases=self.leases
+        )
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
         if settings.tls_cert:
@@ -42,6 +52,21 @@ class Daemon:
             AgentRunnerService(self.worker, queries), settings.listen, auth_token=settings.auth_token, tls=tls
         )
         self._stopped = False
+        self._health: set[asyncio.Task[None]] = set()
+
+    def _on_store(self, reachable: bool) -> None:
+        """Readiness follows the store: NOT_SERVING while it cannot be reached."""
+        if self._stopped:
+            return
+        task = asyncio.get_running_loop().create_task(self.server.set_serving(reachable), name="readiness")
+        self._health.add(task)
+        task.add_done_callback(self._health.discard)
+
+    @property
+    def advertise_address(self) -> str:
+        """Where other hosts reach this one: ``advertise_address``, else the address as bound."""
+        host = self.settings.listen.rpartition(":")[0]
+        return self.settings.advertise_address or f"{host}:{self.server.port}"
 
     async def start(self) -> None:
         interrupted = await self.store.open()
@@ -49,6 +74,9 @@ class Daemon:
         self.launcher.log_sandboxes()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         await self.server.start()
+        await self.leases.coordination.register(self.advertise_address, __version__)
+        if self.leases.shared:
+            self.leases.start()
         if self.settings.metrics_listen:
             port = self.metrics.serve(self.settings.metrics_listen)
             log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
@@ -57,9 +85,12 @@ class Daemon:
         log.info(
             "serving",
             address=f"{host}:{self.server.port}",
+            host_id=self.host_id,
+            advertise_address=self.advertise_address,
             tls=bool(self.settings.tls_cert),
             auth=bool(self.settings.auth_token),
             data_dir=str(self.settings.data_dir),
+            store=redact_url(self.settings.store_url) if self.settings.store_url else "sqlite",
             workspace_root=str(self.settings.workspace_root),
             runs_marked_interrupted=interrupted,
             leftover_agent_processes_killed=swept,
@@ -89,6 +120,7 @@ class Daemon:
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)
         await self.worker.aclose()
+        await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
         await self.store.close()
         self.metrics.close()

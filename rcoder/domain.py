@@ -56,6 +56,14 @@ class OpenMethod(enum.Enum):
     LOAD = "load"
     META = "meta"
     NOT_OPENED = "not_opened"  # cancelled before the session was opened
+    FORK = "fork"  # a branch opened by the agent's session/fork (ForkSession)
+
+
+class ForkMethod(enum.Enum):
+    """How ``ForkSession`` made a branch."""
+
+    AGENT = "agent"  # the agent's session/fork: the branch has its own agent session at once
+    RESEEDED = "reseeded"  # no agent fork: the branch's first turn is re-seeded from the transcript
 
 
 class PermissionMode(enum.Enum):
@@ -263,6 +271,7 @@ class AgentCapabilities:
     session_resume: bool = False
     session_close: bool = False
     session_list: bool = False
+    session_fork: bool = False
     prompt_image: bool = False
     prompt_audio: bool = False
     prompt_embedded_context: bool = False
@@ -286,6 +295,15 @@ class SessionRecord:
     updated_at: datetime
     turns: int = 0
     last_run_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Forked:
+    """A branch ``ForkSession`` made: its record, how, and why not by the agent."""
+
+    record: SessionRecord
+    method: ForkMethod
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

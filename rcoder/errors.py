@@ -49,7 +49,7 @@ class NotFound(RcoderError):
     def __init__(self, kind: str, ident: str, hint: str = "") -> None:
         text = f"{kind} {ident!r} not found" + (f": {hint}" if hint else "")
         super().__init__(text, kind=kind, id=ident)
-        self.reason = f"{kind.upper()}_NOT_FOUND"
+        self.reason = f"{kind.upper().replace(' ', '_')}_NOT_FOUND"
 
 
 class PermissionDenied(RcoderError):
@@ -117,6 +117,40 @@ class StoreError(RcoderError):
     def __init__(self, message: str, *, closed: bool = False, **metadata: str) -> None:
         super().__init__(message, **metadata)
         self.closed = closed
+
+
+class LeaseLost(RcoderError):
+    """This host no longer holds the session's lease (another host took it over, or it expired
+    and was revoked): the write about the session was refused, and nothing more is written."""
+
+    reason = "LEASE_LOST"
+
+    def __init__(self, session_id: str, generation: int) -> None:
+        super().__init__(
+            f"this host lost the lease of session {session_id} (generation {generation}); another host "
+            "serves it now: retry, and the request reaches that host",
+            session_id=session_id,
+            generation=str(generation),
+        )
+        self.session_id = session_id
+        self.generation = generation
+
+
+class OwnedElsewhere(RcoderError):
+    """Another live host holds the session's (or the run's) lease: the request belongs there. The
+    API forwards it; a client sees this only when that host could not be reached in time."""
+
+    reason = "OWNED_BY_ANOTHER_HOST"
+
+    def __init__(self, kind: str, ident: str, host_id: str, address: str, retry_after: float = 1.0) -> None:
+        super().__init__(
+            f"{kind} {ident} is served by host {host_id!r} ({address or 'address unknown'}), which did not "
+            f"answer in time; its lease has not expired yet: retry in {retry_after:g} s",
+            **{kind: ident, "owner": host_id, "owner_address": address},
+        )
+        self.host_id = host_id
+        self.address = address
+        self.retry_after = retry_after
 
 
 class RunCancelled(RcoderError):

@@ -62,6 +62,33 @@ class Metrics:
             ["agent", "reason"],
             registry=self.registry,
         )
+        self.forks = Counter(
+            "rcoder_session_forks",
+            "Sessions forked (ForkSession), by agent and method: the agent's session/fork, or re-seeded",
+            ["agent", "method"],
+            registry=self.registry,
+        )
+        # several hosts (DESIGN §7): this host's share of the work of keeping ownership straight
+        self.lease_renewals = Counter(
+            "rcoder_lease_renewals",
+            "Lease renewal rounds (one statement each, for every lease this host holds), by result",
+            ["result"],
+            registry=self.registry,
+        )
+        self.leases_lost = Counter(
+            "rcoder_leases_lost", "Session leases this host found another host had taken", registry=self.registry
+        )
+        self.takeovers = Counter(
+            "rcoder_lease_takeovers",
+            "Sessions this host took over from a host whose lease had expired",
+            registry=self.registry,
+        )
+        self.forwards = Counter(
+            "rcoder_forwards",
+            "Requests forwarded to the host that owns their session or run, by method and result",
+            ["method", "result"],
+            registry=self.registry,
+        )
         self.time_to_first_event = Histogram(
             "rcoder_time_to_first_event_seconds",
             "From a Chat request to its started event (agent start or reuse included)",

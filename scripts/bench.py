@@ -523,6 +523,45 @@ async def resumed_first_chunk(bench: Bench) -> Result:
     return judged("first_chunk_resumed", what, paired_ratio(resumed, new), "<= 1.1", details)
 
 
+async def fallback_first_event(bench: Bench) -> Result:
+    """Time to the first event of a turn on a session id the agent does not have: with the
+    session/list check (the agent advertises list; not listed, so a new session on the same
+    agent) / without it (the resume is tried, refused, and a second agent opens a new one).
+    Each repetition is in a project of its own, so the check lists afresh (none is kept)."""
+    listing, plain = bench.fake_profile(), bench.fake_profile()
+    listing["args"] = [*listing["args"], "--caps", "resume,list"]
+    plain["args"] = [*plain["args"], "--caps", "resume"]
+    checked: list[float] = []
+    tried: list[float] = []
+    async with bench.daemon(bench.config({"listing": listing, "plain": plain}, default_agent="listing")) as (_, stub):
+        await _fallback_turn(stub, "listing", "fallback-warm")  # the daemon's first turn opens its store
+        for rep in range(bench.sizes.reps):
+            for agent, into in (("listing", checked), ("plain", tried))[:: 1 if rep % 2 else -1]:
+                into.append(await _fallback_turn(stub, agent, f"fallback-{agent}-{rep}"))
+    details = {"checked_ms": median(checked) * 1e3, "tried_ms": median(tried) * 1e3, "reps": len(checked)}
+    what = "time to the first event of a fallback (unknown session id, fake agent): session/list check / resume tried"
+    return judged("fallback_first_event", what, paired_ratio(checked, tried), "<= 1.0", details)
+
+
+async def _fallback_turn(stub: pb_grpc.AgentRunnerStub, agent: str, project: str) -> float:
+    """Seconds to the first event of a turn on an unknown session id; it must fall back to a new one."""
+    unknown = f"fake-unknown-{project}"
+    request = pb.ChatRequest(project_id=project, session_id=unknown, prompt="stream 1", agent=agent)
+    start = time.perf_counter()
+    first: float | None = None
+    session_id = ""
+    async with asyncio.timeout(CALL_TIMEOUT):
+        async for event in stub.Chat(request):
+            first = first or time.perf_counter() - start
+            if event.WhichOneof("event") == "started" and event.started.resume != pb.RESUME_OUTCOME_FALLBACK_NEW:
+                raise RuntimeError(f"expected a fallback: {event.started}")
+            session_id = event.session_id
+    if first is None:
+        raise RuntimeError("the stream ended without an event")
+    await close_session(stub, session_id)
+    return first
+
+
 # --------------------------------------------------------------------------- scale, memory, start-up
 
 
@@ -721,6 +760,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("flood", lambda b: _one(flood(b))),
         ("warm_pool", lambda b: _one(warm_pool(b))),
         ("resumed", lambda b: _one(resumed_first_chunk(b))),
+        ("fallback", lambda b: _one(fallback_first_event(b))),
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),

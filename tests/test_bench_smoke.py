@@ -19,6 +19,7 @@ MEASURES = {
     "flood_bytes_per_s",
     "first_chunk_warm_pool",
     "first_chunk_resumed",
+    "fallback_first_event",
     "first_chunk_live",
     "first_chunk_paced",
     "cold_first_turn",

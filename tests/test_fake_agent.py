@@ -185,3 +185,32 @@ async def test_cancel_ends_a_hanging_turn_as_cancelled(tmp_path: Path) -> None:
         response = await turn
 
     assert response.stop_reason == "cancelled"
+
+
+async def test_session_list_pages_the_stored_sessions_of_a_cwd_when_advertised(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    flags = ("--caps", "resume,list", "--list-page", "2", "--list-padding", "1")
+    async with fake_agent(tmp_path, *flags) as agent, asyncio.timeout(WAIT):
+        init = await agent.conn.initialize(protocol_version=PROTOCOL_VERSION)
+        mine = [(await agent.conn.new_session(cwd=str(tmp_path), mcp_servers=[])).session_id for _ in range(2)]
+        await agent.conn.new_session(cwd=str(other), mcp_servers=[])
+        first = await agent.conn.list_sessions(cwd=str(tmp_path))
+        assert first.next_cursor is not None
+        second = await agent.conn.list_sessions(cwd=str(tmp_path), cursor=first.next_cursor)
+
+    caps = init.agent_capabilities
+    assert caps is not None and caps.session_capabilities is not None and caps.session_capabilities.list is not None
+    assert [s.session_id for s in first.sessions] == ["listed-pad-0000", min(mine)]
+    assert [s.session_id for s in second.sessions] == [max(mine)] and second.next_cursor is None
+
+
+@pytest.mark.parametrize(("flags", "code"), [((), -32601), (("--caps", "list", "--list-fail"), -32603)])
+async def test_session_list_is_refused_unless_advertised_and_fails_when_told(
+    tmp_path: Path, flags: tuple[str, ...], code: int
+) -> None:
+    async with fake_agent(tmp_path, *flags) as agent, asyncio.timeout(WAIT):
+        with pytest.raises(RequestError) as caught:
+            await agent.conn.list_sessions(cwd=str(tmp_path))
+
+    assert caught.value.code == code

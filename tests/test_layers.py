@@ -37,8 +37,10 @@ ALLOWED: dict[str, set[str]] = {
     # argv → Settings → serve / chat; `daemon` is imported late, by `serve` only
     "cli": {"cli", "config", "errors", "logs", "client_cli", "daemon", ROOT},
     "__main__": {"cli"},
-    # beside the daemon: a gRPC client of it (the generated stubs only) and an ACP agent it runs
-    "client_cli": {"v1"},
+    # beside the daemon: the Python client of it (the generated stubs only), the CLI made on that
+    # client, and an ACP agent it runs
+    "client": {"client", "v1"},
+    "client_cli": {"client"},
     "echo_agent": set(),
 }
 # the composition root builds every layer and wires them together
@@ -46,13 +48,15 @@ ALLOWED["daemon"] = {*ALLOWED, "daemon"}
 
 # third-party packages only these layers may import
 EDGES = {
-    "grpc": {"api", "client_cli", "v1"},
+    "grpc": {"api", "client", "v1"},
     "grpc_health": {"api"},
     "grpc_reflection": {"api"},
-    "grpc_status": {"api"},
-    "google": {"api", "client_cli", "v1"},  # protobuf: the generated code and its converters
+    "grpc_status": {"api", "client"},
+    "google": {"api", "client", "v1"},  # protobuf: the generated code and its converters
     "acp": {"agent", "echo_agent"},
     "sqlite3": {"store"},
+    "psycopg": {"store"},  # PostgreSQL: the shared store, its leases and hosts
+    "psycopg_pool": {"store"},
     "prometheus_client": {"metrics"},
     "structlog": {"logs"},
 }
@@ -137,7 +141,9 @@ def test_every_layer_has_an_entry_naming_only_layers_that_exist() -> None:
         ("rcoder.agent.m", "from .. import store", "agent must not import rcoder.store"),
         ("rcoder.store.m", "from rcoder import __version__", "store must not import rcoder.__version__"),
         ("rcoder.domain", "from . import errors", "domain must not import rcoder.errors"),
-        ("rcoder.session.m", "import grpc", "only ['api', 'client_cli', 'v1'] may import grpc; rcoder.session.m does"),
+        ("rcoder.client.m", "from rcoder.session import runs", "client must not import rcoder.session.runs"),
+        ("rcoder.client_cli", "import grpc", "only ['api', 'client', 'v1'] may import grpc; rcoder.client_cli does"),
+        ("rcoder.session.m", "import grpc", "only ['api', 'client', 'v1'] may import grpc; rcoder.session.m does"),
         (
             "rcoder.session.m",
             "from ... import m",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import pydantic
@@ -53,6 +53,7 @@ def capabilities_from_initialize(init: acp.InitializeResponse) -> AgentCapabilit
         session_resume=sessions is not None and sessions.resume is not None,
         session_close=sessions is not None and sessions.close is not None,
         session_list=sessions is not None and sessions.list is not None,
+        session_fork=sessions is not None and sessions.fork is not None,
         prompt_image=bool(prompt and prompt.image),
         prompt_audio=bool(prompt and prompt.audio),
         prompt_embedded_context=bool(prompt and prompt.embedded_context),
@@ -91,6 +92,8 @@ class AgentConnection:
         self._closed = False
         self._close_lock = asyncio.Lock()
         self._replay: ReplayWatch | None = None
+        # told the provider session id after each turn (the launcher's session lists: ``agent.listing``)
+        self.on_active: Callable[[str], None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -140,6 +143,22 @@ class AgentConnection:
         self._client.session_id = session_id
         return method or OpenMethod.NEW
 
+    async def list_page(self, cwd: str, cursor: str | None, timeout: float) -> tuple[list[str], str | None]:
+        """One page of ``session/list`` for ``cwd``: the session ids and the next cursor (None: the end)."""
+        response = await self._call(self._conn.list_sessions(cwd=cwd, cursor=cursor), timeout, "session/list")
+        return [info.session_id for info in response.sessions], response.next_cursor or None
+
+    async def fork_session(self, config: AgentStartConfig, timeout: float) -> OpenMethod:
+        """Open a new session that branches from ``config.fork_from`` (``session/fork``)."""
+        servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
+        response = await self._call(
+            self._conn.fork_session(session_id=config.fork_from, cwd=config.cwd, mcp_servers=servers),
+            timeout, "session/fork", resuming=config.fork_from,
+        )  # fmt: skip
+        self.provider_session_id = response.session_id
+        self._client.session_id = response.session_id
+        return OpenMethod.FORK
+
     async def prime(self, cwd: str, timeout: float) -> None:
         """Open a plain new session for ``cwd`` before any request wants it (the warm pool)."""
         await self.open_session(AgentStartConfig(cwd=cwd), timeout)
@@ -184,6 +203,8 @@ class AgentConnection:
             ) from exc  # fmt: skip
         finally:
             self._client.end_turn()
+            if self.on_active is not None:
+                self.on_active(self.provider_session_id)
         return stop_reason(response.stop_reason)
 
     async def cancel(self) -> None:
@@ -307,6 +328,6 @@ async def _from_exit(process: AgentProcess, agent: str, step: str, resuming: str
         why = gone_reason_from_stderr(tail)
         if why:
             return SessionGone(resuming, f"{step}: {why}", agent=agent, stderr_tail=tail)
-    if step in {"initialize", "session/new", "session/load", "session/resume"}:
+    if step in {"initialize", "session/new", "session/load", "session/resume", "session/fork"}:
         return AgentUnavailable(f"agent {agent!r} {status} during {step}", agent=agent, stderr_tail=tail)
     return AgentCrashed(f"agent {agent!r} {status} during {step}", agent=agent, stderr_tail=tail)

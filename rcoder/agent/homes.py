@@ -67,10 +67,14 @@ class Homes:
             return path.relative_to(root).parts[0]
         return "@cwd-" + hashlib.sha256(cwd.encode()).hexdigest()[:16]
 
+    def path(self, profile: AgentProfile, cwd: str) -> Path:
+        """Where the home of ``profile``'s agents working in ``cwd`` is (made or not)."""
+        return self._settings.agent_homes(profile).resolve() / self.project_of(cwd)  # Settings.agent_home
+
     async def home(self, profile: AgentProfile, cwd: str) -> Path:
         """The home of ``profile``'s agents working in ``cwd``, ready (made and migrated)."""
-        homes = self._settings.agent_homes(profile).resolve()
-        home = homes / self.project_of(cwd)  # Settings.agent_home
+        home = self.path(profile, cwd)
+        homes = home.parent
         if (home / HOME_MARK).exists():
             return home
         async with self._locks.setdefault(profile.name, asyncio.Lock()):

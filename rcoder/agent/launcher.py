@@ -17,13 +17,14 @@ from typing import cast
 
 import acp
 from acp import schema as acp_schema
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from rcoder import __version__
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
+from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.process import AgentProcess, sweep
 from rcoder.agent.sandbox import confinement
 from rcoder.agent.start_config import AgentStartConfig
@@ -57,9 +58,16 @@ class Launched:
 class AgentLauncher:
     """Starts agents as the settings and their profiles say."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        lists: SessionLists | None = None,
+    ) -> None:
         self._settings = settings
         self._clock = clock
+        # the agents' session lists, kept a while per home and cwd (no doomed resumes)
+        self.lists = lists or SessionLists()
         # capabilities seen at the last initialize, and when, per profile
         self.capabilities_seen: dict[str, tuple[AgentCapabilities, datetime]] = {}
         # every agent process started and not yet collected, for kill_all()
@@ -114,7 +122,8 @@ class AgentLauncher:
             config = config.without_resume()
 
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(SessionGone),
+            # a fork whose source is gone is the caller's to handle: a fresh session is no branch
+            retry=retry_if_exception(lambda exc: isinstance(exc, SessionGone) and not config.fork_from),
             stop=stop_after_attempt(2),
             before_sleep=strip_resume,
             reraise=True,
@@ -134,20 +143,27 @@ class AgentLauncher:
         """One launch; its ``fallback_reason`` says why an asked-for resume did not happen."""
         connection = ready or await self.start(profile, config.cwd, config.model_provider)
         skipped = ""
+        key = (str(self.homes.path(profile, config.cwd)), config.cwd)
         try:
             primed = await connection.take_primed(config)
             if primed:
                 method = OpenMethod.NEW
+            elif config.fork_from:
+                if not connection.capabilities.session_fork:
+                    return Launched(connection, OpenMethod.NOT_OPENED, f"agent {profile.name!r} has no session/fork")
+                method = await connection.fork_session(config, self._settings.session_open_timeout)
             else:
                 if config.resume_session_id:
                     config = replace(config, resume_method=self._route(profile, connection.capabilities))
-                    if config.resume_method is None:
-                        skipped = f'profile {profile.name!r} has resume = "none"'
+                    skipped = await self._not_resumable(profile, connection, config, key)
+                    if skipped:
                         config = config.without_resume()
                 method = await self._open(profile, connection, config)
         except BaseException:
             await connection.aclose()
             raise
+        connection.on_active = lambda session_id: self.lists.active(key, session_id)
+        self.lists.active(key, connection.provider_session_id)
         if method is OpenMethod.META and connection.provider_session_id != config.resume_session_id:
             # the agent ignored _meta.claudeCode.options.resume: this is a new session
             skipped = "the agent does not resume through session/new _meta (it opened a new session)"
@@ -161,6 +177,25 @@ class AgentLauncher:
             primed=primed,
         )
         return Launched(connection, method, skipped, primed)
+
+    async def _not_resumable(
+        self, profile: AgentProfile, connection: AgentConnection, config: AgentStartConfig, key: ListKey
+    ) -> str:
+        """Why the resume ``config`` asks for is not tried ("" when it is): the profile says
+        never, or the agent's own session list does not have the session (``agent.listing``)."""
+        if config.resume_method is None:
+            return f'profile {profile.name!r} has resume = "none"'
+        if not connection.capabilities.session_list:
+            return ""
+        rid, cwd = config.resume_session_id, config.cwd
+        answer = await self.lists.check(key, rid, lambda cursor, left: connection.list_page(cwd, cursor, left))
+        listing = answer.listing
+        log.info("session_list_checked", agent=profile.name, provider_session_id=rid, verdict=answer.verdict.value,
+                 pages=listing.pages, cached=answer.cached, why=listing.why or None)  # fmt: skip
+        if answer.verdict is not Verdict.NOT_LISTED:
+            return ""
+        pages = f"{listing.pages} page{'s' if listing.pages != 1 else ''}"
+        return f"session/list: {rid!r} is not in the agent's session list for {cwd} ({pages}; no resume tried)"
 
     async def _open(self, profile: AgentProfile, connection: AgentConnection, config: AgentStartConfig) -> OpenMethod:
         """Open the session; what the agent's kind knows applies (a deferred load, its lost-session rule)."""

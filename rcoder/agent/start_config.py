@@ -43,14 +43,17 @@ class AgentStartConfig:
     # the session's last turn as rcoder recorded it (prompt, answer): how the replay of an agent
     # that answers session/load before replaying is known to be over
     replay_end: tuple[str, str] | None = None
+    # the provider's id of a session to branch from with session/fork (ForkSession); the
+    # launch opens no session when the agent cannot fork
+    fork_from: str = ""
 
     def without_resume(self) -> AgentStartConfig:
-        return replace(self, resume_session_id="", resume_method=None, replay_end=None)
+        return replace(self, resume_session_id="", resume_method=None, replay_end=None, fork_from="")
 
     def is_plain(self) -> bool:
         """A new session with nothing of the request's own: one the warm pool may open ahead of time."""
         return (
-            not (self.resume_session_id or self.system_prompt or self.mcp_servers or self.extra_meta)
+            not (self.resume_session_id or self.fork_from or self.system_prompt or self.mcp_servers or self.extra_meta)
             and self.model_provider.is_empty()
         )
 

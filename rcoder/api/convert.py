@@ -9,6 +9,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rcoder.domain import (
     AgentCapabilities,
     AgentUpdate,
+    ForkMethod,
     Heartbeat,
     PermissionRequest,
     Plan,
@@ -138,12 +139,16 @@ def session(record: SessionRecord, status: int) -> pb.Session:
     )
 
 
+FORK_METHODS = {ForkMethod.AGENT: pb.FORK_METHOD_AGENT, ForkMethod.RESEEDED: pb.FORK_METHOD_RESEEDED}
+
+
 def capabilities(caps: AgentCapabilities, seen_at: datetime | None) -> pb.AgentCapabilities:
     msg = pb.AgentCapabilities(
         load_session=caps.load_session,
         session_resume=caps.session_resume,
         session_close=caps.session_close,
         session_list=caps.session_list,
+        session_fork=caps.session_fork,
         prompt_image=caps.prompt_image,
         prompt_audio=caps.prompt_audio,
         prompt_embedded_context=caps.prompt_embedded_context,

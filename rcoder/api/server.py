@@ -72,8 +72,15 @@ class GrpcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def not_serving(self) -> None:
+        await self.set_serving(False)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Readiness: SERVING, or NOT_SERVING (stopping, or the store cannot be reached)."""
+        if self._stopped and serving:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(name, status)
 
     async def stop(self, grace: float | None) -> None:
         if self._stopped:

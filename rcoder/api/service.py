@@ -138,6 +138,22 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             await abort(context, exc)
         return pb.CloseSessionResponse(agent_stopped=stopped)
 
+    async def ForkSession(
+        self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ForkSessionResponse:
+        try:
+            validate.identifier(request.session_id, "session_id", required=True)
+            check_project_id(request.project_id)
+            forked = await self._worker.fork(request.session_id, request.project_id)
+            status = self._queries.status(forked.record.session_id)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.ForkSessionResponse(
+            session=convert.session(forked.record, _SESSION_STATUS[status]),
+            method=convert.FORK_METHODS[forked.method],
+            fallback_reason=forked.reason,
+        )
+
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.Session:

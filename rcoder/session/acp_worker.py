@@ -18,18 +18,21 @@ from typing import Any
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
-from rcoder.domain import ChatTurn, new_id
+from rcoder.domain import ChatTurn, Forked, new_id
 from rcoder.errors import InvalidArgument, NotFound, PermissionDenied, SessionBusy, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.forking import SessionForker
+from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.session.workspace import project_dir
 from rcoder.store.base import SessionStore
+from rcoder.store.cluster import LocalCoordination
 
 __all__ = ["AcpWorker", "Action", "decide"]
 
@@ -46,6 +49,7 @@ class AcpWorker:
         runs: RunRegistry,
         metrics: Metrics,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        leases: LeaseKeeper | None = None,
     ) -> None:
         self._settings = settings
         self.metrics = metrics
@@ -55,7 +59,12 @@ class AcpWorker:
         self._runs = runs
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
-        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn)
+        # one host on its own store unless told otherwise: every lease is this host's
+        self.leases = leases or LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
+        pool.on_session_closed = self.leases.release  # a session's lease lasts as long as its live agent
+        self.leases.on_lost = pool.drop  # and a lost lease ends the agent
+        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases)
+        self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -142,6 +151,12 @@ class AcpWorker:
             run_id = holder.run_id
         run = self._runs.get(run_id)
         return run_id, not run.done and self.turns.cancel(run_id)
+
+    async def fork(self, session_id: str, project_id: str) -> Forked:
+        """A new session branching from ``session_id`` (``session.forking``)."""
+        if self._closing:
+            raise ShuttingDown()
+        return await self._forker.fork(session_id, project_id)
 
     async def close_session(self, session_id: str) -> bool:
         """End the session's agent (the record stays). Returns whether one was live."""

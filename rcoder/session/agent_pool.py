@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,8 @@ class Checkout:
 class AgentPool:
     def __init__(self, settings: Settings, launcher: AgentLauncher, metrics: Metrics) -> None:
         self._settings = settings
+        # told (without awaiting) when a session no longer has a live agent: its lease goes
+        self.on_session_closed: Callable[[str], None] | None = None
         self.launcher = launcher
         self._metrics = metrics
         self._max = settings.max_live_agents
@@ -129,10 +131,10 @@ class AgentPool:
         if slot not in self._slots or slot.connection is None:
             raise ShuttingDown()  # the pool let go of it while it was opening (daemon closing)
         previous = self._live.get(session_id)
+        slot.state, slot.session_id, slot.busy = SlotState.LIVE, session_id, True
+        self._live[session_id] = slot  # first: the session keeps a live agent (and its lease)
         if previous is not None and previous is not slot:
             self._remove(previous)
-        slot.state, slot.session_id, slot.busy = SlotState.LIVE, session_id, True
-        self._live[session_id] = slot
         self._recount()
         return slot.connection
 
@@ -178,6 +180,13 @@ class AgentPool:
             await connection.aclose()  # idempotent: joins the close already under way
         return True
 
+    def drop(self, session_id: str) -> None:
+        """End the session's agent now, busy or not (its lease was lost: DESIGN §7)."""
+        slot = self._live.get(session_id)
+        if slot is not None:
+            log.warning("agent_ended_lease_lost", session_id=session_id)
+            self._remove(slot)
+
     # ------------------------------------------------------------ reading
 
     def is_live(self, session_id: str) -> bool:
@@ -208,6 +217,8 @@ class AgentPool:
         self._slots.discard(slot)
         if self._live.get(slot.session_id) is slot:
             del self._live[slot.session_id]
+            if self.on_session_closed is not None:
+                self.on_session_closed(slot.session_id)
         if slot.idle_timer is not None:
             slot.idle_timer.cancel()
         if slot.task is not None and slot.state is SlotState.WARMING:

@@ -21,9 +21,19 @@ from rcoder.errors import AgentError
 from rcoder.metrics import Metrics
 from rcoder.session import content, reseed
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.leases import LeaseKeeper
 from rcoder.store.base import SessionStore
+from rcoder.store.cluster import Lease
 
 RESEED_TURNS = 50
+UNOPENED_BRANCH = (
+    "this branch was forked without the agent's session/fork, so the agent holds no session for it; "
+    "re-seeded from rcoder's transcript"
+)
+UNOPENED_BRANCH_NOT_RESEEDED = (
+    "this branch was forked without the agent's session/fork, so the agent holds no session for it; "
+    "reseed_on_fallback is off, so it starts without its history"
+)
 
 
 class Action(enum.Enum):
@@ -55,6 +65,8 @@ class TurnPlan:
     action: Action
     # when the request arrived (monotonic), for time to first event
     received: float = field(default_factory=time.monotonic)
+    # this host's lease on the session, once its agent is opened (fenced writes carry it)
+    lease: Lease | None = None
 
     def start_config(self) -> AgentStartConfig:
         turn = self.turn
@@ -95,7 +107,10 @@ class Opened:
 
 
 class SessionOpener:
-    def __init__(self, settings: Settings, store: SessionStore, pool: AgentPool, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, store: SessionStore, pool: AgentPool, metrics: Metrics, leases: LeaseKeeper
+    ) -> None:
+        self._leases = leases
         self._settings = settings
         self._store = store
         self._pool = pool
@@ -106,18 +121,32 @@ class SessionOpener:
         start of a live turn costs nothing here). Otherwise the turn resumes on a new one."""
         if plan.action is not Action.LIVE:
             return None
-        live = self._pool.take_live(plan.session_id, plan.profile.name, plan.turn.model_provider)
+        lease = self._leases.lease(plan.session_id)  # held and renewed: nothing asked of the store
+        live = None
+        if lease is not None:
+            live = self._pool.take_live(plan.session_id, plan.profile.name, plan.turn.model_provider)
         if live is None:
             plan.action = Action.RESUME
             return None
+        plan.lease = lease
         return Opened(live, plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, ""))
 
     async def open(self, plan: TurnPlan) -> Opened:
-        """An agent serving the plan's session, busy with this turn (the caller releases it)."""
-        turn, profile = plan.turn, plan.profile
+        """An agent serving the plan's session, busy with this turn (the caller releases it), under
+        this host's lease on the session (taken first: ``OwnedElsewhere`` if another host holds it)."""
         opened = self.live(plan)
         if opened is not None:
             return opened
+        lease = plan.lease = await self._leases.acquire(plan.session_id)
+        try:
+            return await self._open_agent(plan)
+        except BaseException:
+            if not self._pool.is_live(plan.session_id):
+                self._leases.release(plan.session_id, lease)
+            raise
+
+    async def _open_agent(self, plan: TurnPlan) -> Opened:
+        turn, profile = plan.turn, plan.profile
         config = await self._with_replay_end(plan, plan.start_config())
         async with self._pool.checkout(profile, plan.cwd, turn.model_provider, config.is_plain()) as checkout:
             try:
@@ -130,14 +159,21 @@ class SessionOpener:
             source = "primed" if launched.primed else "warm" if checkout.warm else "cold"
             self._metrics.agent_sources.labels(profile.name, source).inc()
             checkout.hand_over(plan.session_id)
-        preamble = ""
+        preamble, reason = "", launched.fallback_reason
         if not config.resume_session_id:
             outcome = ResumeOutcome.NEW
+            if plan.record is not None and not plan.record.provider_session_id:
+                # a stored session the agent never opened: a branch ForkSession made without the
+                # agent's session/fork, whose history is the transcript rcoder copied into it
+                entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
+                if entries:
+                    outcome, preamble = await self._fallback(plan)
+                    reason = UNOPENED_BRANCH if preamble else UNOPENED_BRANCH_NOT_RESEEDED
         elif launched.fallback_reason:
             outcome, preamble = await self._fallback(plan)
         else:
             outcome = ResumeOutcome.RESUMED
-        body = plan.started(conn.provider_session_id, outcome, launched.method, launched.fallback_reason)
+        body = plan.started(conn.provider_session_id, outcome, launched.method, reason)
         return Opened(conn, body, preamble)
 
     async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:

@@ -43,14 +43,16 @@ from rcoder.domain import (
     TextChunk,
     TranscriptEntry,
 )
-from rcoder.errors import AgentError, Internal, RcoderError, RunCancelled, ShuttingDown, StoreError
+from rcoder.errors import AgentError, Internal, LeaseLost, RcoderError, RunCancelled, ShuttingDown, StoreError
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Heartbeats, Run, RunRegistry
 from rcoder.store.base import SessionStore
+from rcoder.store.cluster import LocalCoordination
 
 log = get_logger("rcoder.session.turn")
 MAX_TRANSCRIPT_TEXT = 1 << 20
@@ -174,7 +176,7 @@ class TurnScope:
             )
             try:
                 await self._runner.record_start(self.plan, self.body)
-            except StoreError as store_exc:
+            except (StoreError, LeaseLost) as store_exc:
                 self._refuse(store_exc)
                 return False
             self._publish_started()
@@ -183,7 +185,7 @@ class TurnScope:
             return False
         try:  # rcoder stopped while the start was being written: did it land?
             landed = await self._runner.run_recorded(self.run.run_id)
-        except StoreError:
+        except (StoreError, LeaseLost):
             landed = False
         if landed:
             self._publish_started()
@@ -240,6 +242,7 @@ class TurnRunner:
         metrics: Metrics,
         clock: Callable[[], datetime],
         spawn: Spawn,
+        leases: LeaseKeeper | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -248,7 +251,10 @@ class TurnRunner:
         self._metrics = metrics
         self._clock = clock
         self._spawn = spawn  # background work the worker tracks (and waits for at shutdown)
-        self._opener = SessionOpener(settings, store, pool, metrics)
+        if leases is None:  # one host on its own store: every lease is this host's
+            leases = LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
+            pool.on_session_closed = leases.release
+        self._opener = SessionOpener(settings, store, pool, metrics, leases)
         self._scopes: dict[str, TurnScope] = {}
         self._late_records: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
         self.permissions = PermissionBroker(settings.permission_timeout)
@@ -344,11 +350,11 @@ class TurnRunner:
                 created_at=now,
                 updated_at=now,
             )
-            await self._store.create_session(record)
+            await self._store.create_session(record, lease=plan.lease)
             plan.record = record
         elif body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
             # written only from this session's own agent answer
-            await self._store.set_provider_session_id(plan.session_id, body.provider_session_id, now)
+            await self._store.set_provider_session_id(plan.session_id, body.provider_session_id, now, lease=plan.lease)
         await self._store.start_run(
             RunRecord(
                 run_id=plan.run_id,
@@ -359,7 +365,8 @@ class TurnRunner:
                 resume_method=body.resume_method.value,
                 fallback_reason=body.fallback_reason,
                 request_id=plan.turn.request_id,
-            )
+            ),
+            lease=plan.lease,
         )
 
     async def run_recorded(self, run_id: str) -> bool:
@@ -372,9 +379,15 @@ class TurnRunner:
         try:
             await asyncio.shield(
                 self._store.finish_run(
-                    run.run_id, scope.status, scope.stop, scope.error, self._clock(), scope.transcript
+                    run.run_id, scope.status, scope.stop, scope.error, self._clock(), scope.transcript, plan.lease
                 )
             )
+        except LeaseLost as exc:  # another host serves the session now: nothing more is written
+            log.warning("run_end_refused_lease_lost", generation=exc.generation)
+            scope.stop, scope.status, scope.error, scope.error_reason = (
+                StopReason.ERROR, RunStatus.FAILED, exc.message, exc.reason,
+            )  # fmt: skip
+            scope.transcript = None
         except StoreError as exc:
             log.error("run_end_not_stored", error=exc.message)  # noqa: TRY400 (the message says it all)
             scope.stop, scope.status = StopReason.ERROR, RunStatus.FAILED
@@ -410,9 +423,9 @@ class TurnRunner:
             async for attempt in retrying:
                 with attempt:
                     await self._store.finish_run(
-                        scope.run.run_id, scope.status, scope.stop, scope.error, self._clock(), None
+                        scope.run.run_id, scope.status, scope.stop, scope.error, self._clock(), None, scope.plan.lease
                     )
-        except StoreError as exc:
+        except (StoreError, LeaseLost) as exc:
             log.error("run_end_never_stored", run_id=scope.run.run_id, error=exc.message)  # noqa: TRY400
             return
         log.info("run_end_stored_late", run_id=scope.run.run_id)

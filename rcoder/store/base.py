@@ -1,4 +1,5 @@
-"""The store protocol. ``sqlite.SqliteStore`` is the embedded default."""
+"""The store protocol. ``sqlite.SqliteStore`` is the embedded default; ``postgres.PostgresStore``
+the one several hosts share."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ from rcoder.domain import (
     StopReason,
     TranscriptEntry,
 )
+from rcoder.store.cluster import Lease
+
+# the error of a run that was running when its daemon stopped or died (set by ``open``)
+INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
 
 
 class SessionStore(Protocol):
     """Every method is safe to call from the event loop; none blocks it.
+
+    A write given a ``lease`` lands only while this host holds that lease of the session at that
+    generation; otherwise it changes nothing and raises ``LeaseLost`` (fencing, DESIGN §7; a
+    store of one host, SQLite, holds every lease and ignores it).
 
     Writes are atomic: a crash (even SIGKILL) leaves either the old or the
     new state, never half of one.
@@ -24,7 +33,8 @@ class SessionStore(Protocol):
 
     async def open(self) -> int:
         """Create or migrate the schema; mark runs left ``running`` by a previous
-        daemon as ``interrupted``. Returns how many were marked."""
+        daemon (of this host, where several share the store) as ``interrupted``.
+        Returns how many were marked."""
         ...
 
     async def close(self) -> None:
@@ -32,9 +42,14 @@ class SessionStore(Protocol):
         ...
 
     # sessions
-    async def create_session(self, record: SessionRecord) -> None: ...
+    async def create_session(self, record: SessionRecord, lease: Lease | None = None) -> None: ...
 
     async def get_session(self, session_id: str) -> SessionRecord | None: ...
+
+    async def fork_session(self, source_session_id: str, record: SessionRecord) -> None:
+        """Create ``record`` holding a copy of ``source_session_id``'s transcript, in one
+        transaction (``LookupError``-free: a missing source copies nothing)."""
+        ...
 
     async def find_session_by_provider_id(self, agent: str, provider_session_id: str) -> SessionRecord | None:
         """The session of ``agent`` whose provider id is this one, if any."""
@@ -46,10 +61,12 @@ class SessionStore(Protocol):
         """Sessions ordered by session_id, those after ``after_session_id`` (paging)."""
         ...
 
-    async def set_provider_session_id(self, session_id: str, provider_session_id: str, at: datetime) -> None: ...
+    async def set_provider_session_id(
+        self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
+    ) -> None: ...
 
     # runs
-    async def start_run(self, record: RunRecord) -> None:
+    async def start_run(self, record: RunRecord, lease: Lease | None = None) -> None:
         """Insert a ``running`` run and point its session's ``last_run_id`` at it."""
         ...
 
@@ -61,13 +78,19 @@ class SessionStore(Protocol):
         error: str,
         at: datetime,
         transcript: TranscriptEntry | None,
+        lease: Lease | None = None,
     ) -> None:
         """End a run; when ``transcript`` is given, append it and count the turn on
         its session, all in one transaction."""
         ...
 
     async def update_run_start(
-        self, run_id: str, resume: ResumeOutcome, resume_method: str, fallback_reason: str
+        self,
+        run_id: str,
+        resume: ResumeOutcome,
+        resume_method: str,
+        fallback_reason: str,
+        lease: Lease | None = None,
     ) -> None: ...
 
     async def get_run(self, run_id: str) -> RunRecord | None: ...
@@ -77,5 +100,6 @@ class SessionStore(Protocol):
         ...
 
     async def integrity_check(self) -> str:
-        """SQLite's ``PRAGMA integrity_check`` answer ("ok" when sound)."""
+        """The backend's own soundness check: "ok" when sound (SQLite: ``PRAGMA integrity_check``'s
+        answer; PostgreSQL: the schema is at this rcoder's version)."""
         ...

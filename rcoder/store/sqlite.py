@@ -34,6 +34,8 @@ from rcoder.domain import (
     TranscriptEntry,
 )
 from rcoder.errors import StoreError
+from rcoder.store.base import INTERRUPTED_ERROR
+from rcoder.store.cluster import Lease
 
 T = TypeVar("T")
 
@@ -41,7 +43,6 @@ T = TypeVar("T")
 CHECKPOINT_EVERY = 500
 
 SCHEMA_VERSION = 1
-INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
 
 _SCHEMA = (
     """CREATE TABLE sessions (
@@ -337,12 +338,30 @@ class SqliteStore:
 
     # sessions
 
-    async def create_session(self, record: SessionRecord) -> None:
+    async def create_session(self, record: SessionRecord, lease: Lease | None = None) -> None:
         params = (
             record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
             _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
         )  # fmt: skip
         await self._write("INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)", params, None)
+
+    async def fork_session(self, source_session_id: str, record: SessionRecord) -> None:
+        params = (
+            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
+            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
+        )  # fmt: skip
+
+        def work(conn: sqlite3.Connection) -> None:
+            with _transaction(conn):
+                conn.execute("INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)", params)
+                conn.execute(
+                    "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at) "
+                    "SELECT ?, run_id, turn, prompt, response, created_at FROM transcript "
+                    "WHERE session_id = ? ORDER BY turn, id",
+                    (record.session_id, source_session_id),
+                )
+
+        await self._call(work, point=False)
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         rows = await self._rows("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
@@ -364,13 +383,15 @@ class SqliteStore:
             sql, args = _LIST_PROJECT, (project_id, *args)
         return [_session(row) for row in await self._rows(sql, args, point=False)]
 
-    async def set_provider_session_id(self, session_id: str, provider_session_id: str, at: datetime) -> None:
+    async def set_provider_session_id(
+        self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
+    ) -> None:
         sql = "UPDATE sessions SET provider_session_id = ?, updated_at = ? WHERE session_id = ?"
         await self._write(sql, (provider_session_id, _ts(at), session_id), ("session", session_id))
 
     # runs
 
-    async def start_run(self, record: RunRecord) -> None:
+    async def start_run(self, record: RunRecord, lease: Lease | None = None) -> None:
         params = (
             record.run_id, record.session_id, record.status.value,
             None if record.stop_reason is None else record.stop_reason.value, record.error,
@@ -398,12 +419,18 @@ class SqliteStore:
         error: str,
         at: datetime,
         transcript: TranscriptEntry | None,
+        lease: Lease | None = None,
     ) -> None:
         end = (status, stop_reason, error, at)
         await self._call(lambda conn: _finish_run(conn, run_id, end, transcript))
 
     async def update_run_start(
-        self, run_id: str, resume: ResumeOutcome, resume_method: str, fallback_reason: str
+        self,
+        run_id: str,
+        resume: ResumeOutcome,
+        resume_method: str,
+        fallback_reason: str,
+        lease: Lease | None = None,
     ) -> None:
         sql = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
         await self._write(sql, (resume.value, resume_method, fallback_reason, run_id), ("run", run_id))

@@ -46,6 +46,27 @@ PERMISSION_MODE_DENY: PermissionMode.ValueType  # 2
 PERMISSION_MODE_ASK: PermissionMode.ValueType  # 3
 Global___PermissionMode: _TypeAlias = PermissionMode  # noqa: Y015
 
+class _ForkMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ForkMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ForkMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FORK_METHOD_UNSPECIFIED: _ForkMethod.ValueType  # 0
+    FORK_METHOD_AGENT: _ForkMethod.ValueType  # 1
+    """the agent's session/fork: the branch is live at once"""
+    FORK_METHOD_RESEEDED: _ForkMethod.ValueType  # 2
+    """the agent cannot fork: the branch's first turn is re-seeded"""
+
+class ForkMethod(_ForkMethod, metaclass=_ForkMethodEnumTypeWrapper): ...
+
+FORK_METHOD_UNSPECIFIED: ForkMethod.ValueType  # 0
+FORK_METHOD_AGENT: ForkMethod.ValueType  # 1
+"""the agent's session/fork: the branch is live at once"""
+FORK_METHOD_RESEEDED: ForkMethod.ValueType  # 2
+"""the agent cannot fork: the branch's first turn is re-seeded"""
+Global___ForkMethod: _TypeAlias = ForkMethod  # noqa: Y015
+
 class _SessionStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -684,6 +705,59 @@ class CloseSessionResponse(_message.Message):
 Global___CloseSessionResponse: _TypeAlias = CloseSessionResponse  # noqa: Y015
 
 @_typing.final
+class ForkSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """the session to branch from"""
+    project_id: _builtins.str
+    """must be the session's own project"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        project_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["project_id", b"project_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSessionRequest: _TypeAlias = ForkSessionRequest  # noqa: Y015
+
+@_typing.final
+class ForkSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    FALLBACK_REASON_FIELD_NUMBER: _builtins.int
+    method: Global___ForkMethod.ValueType
+    fallback_reason: _builtins.str
+    """set when method is FORK_METHOD_RESEEDED: why the agent did not fork"""
+    @_builtins.property
+    def session(self) -> Global___Session:
+        """the new branch"""
+
+    def __init__(
+        self,
+        *,
+        session: Global___Session | None = ...,
+        method: Global___ForkMethod.ValueType = ...,
+        fallback_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fallback_reason", b"fallback_reason", "method", b"method", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSessionResponse: _TypeAlias = ForkSessionResponse  # noqa: Y015
+
+@_typing.final
 class ListAgentsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -846,6 +920,7 @@ class AgentCapabilities(_message.Message):
     AGENT_NAME_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     SEEN_AT_FIELD_NUMBER: _builtins.int
+    SESSION_FORK_FIELD_NUMBER: _builtins.int
     load_session: _builtins.bool
     session_resume: _builtins.bool
     session_close: _builtins.bool
@@ -857,6 +932,8 @@ class AgentCapabilities(_message.Message):
     mcp_sse: _builtins.bool
     agent_name: _builtins.str
     agent_version: _builtins.str
+    session_fork: _builtins.bool
+    """session/fork: ForkSession branches through the agent"""
     @_builtins.property
     def seen_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -874,10 +951,11 @@ class AgentCapabilities(_message.Message):
         agent_name: _builtins.str = ...,
         agent_version: _builtins.str = ...,
         seen_at: _timestamp_pb2.Timestamp | None = ...,
+        session_fork: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["seen_at", b"seen_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "agent_version", b"agent_version", "load_session", b"load_session", "mcp_http", b"mcp_http", "mcp_sse", b"mcp_sse", "prompt_audio", b"prompt_audio", "prompt_embedded_context", b"prompt_embedded_context", "prompt_image", b"prompt_image", "seen_at", b"seen_at", "session_close", b"session_close", "session_list", b"session_list", "session_resume", b"session_resume"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "agent_version", b"agent_version", "load_session", b"load_session", "mcp_http", b"mcp_http", "mcp_sse", b"mcp_sse", "prompt_audio", b"prompt_audio", "prompt_embedded_context", b"prompt_embedded_context", "prompt_image", b"prompt_image", "seen_at", b"seen_at", "session_close", b"session_close", "session_fork", b"session_fork", "session_list", b"session_list", "session_resume", b"session_resume"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -74,6 +74,11 @@ class AgentRunnerStub:
                 request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListAgentsRequest.SerializeToString,
                 response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListAgentsResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/ForkSession',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
 
 
 class AgentRunnerServicer:
@@ -132,6 +137,14 @@ class AgentRunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """A new session that shares the history so far; later turns on either branch never reach
+        the other. A busy session is forked as it stands.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentRunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_AgentRunnerServicer_to_server(servicer, server):
                     servicer.ListAgents,
                     request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListAgentsRequest.FromString,
                     response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListAgentsResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +410,33 @@ class AgentRunner:
             '/rcoder.v1.AgentRunner/ListAgents',
             rcoder_dot_v1_dot_agent__runner__pb2.ListAgentsRequest.SerializeToString,
             rcoder_dot_v1_dot_agent__runner__pb2.ListAgentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/ForkSession',
+            rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

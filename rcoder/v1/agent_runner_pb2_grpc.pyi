@@ -48,6 +48,10 @@ class AgentRunnerStub:
     CloseSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.CloseSessionRequest, _agent_runner_pb2.CloseSessionResponse]
     """Stop a session's agent; the record is kept and the session stays resumable."""
     ListAgents: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListAgentsRequest, _agent_runner_pb2.ListAgentsResponse]
+    ForkSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ForkSessionRequest, _agent_runner_pb2.ForkSessionResponse]
+    """A new session that shares the history so far; later turns on either branch never reach
+    the other. A busy session is forked as it stands.
+    """
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
@@ -65,6 +69,10 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     CloseSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.CloseSessionRequest, _agent_runner_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """Stop a session's agent; the record is kept and the session stays resumable."""
     ListAgents: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListAgentsRequest, _agent_runner_pb2.ListAgentsResponse]  # type: ignore[assignment]
+    ForkSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ForkSessionRequest, _agent_runner_pb2.ForkSessionResponse]  # type: ignore[assignment]
+    """A new session that shares the history so far; later turns on either branch never reach
+    the other. A busy session is forked as it stands.
+    """
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -127,5 +135,15 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_runner_pb2.ListAgentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_runner_pb2.ListAgentsResponse, _abc.Awaitable[_agent_runner_pb2.ListAgentsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ForkSession(
+        self,
+        request: _agent_runner_pb2.ForkSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.ForkSessionResponse, _abc.Awaitable[_agent_runner_pb2.ForkSessionResponse]]:
+        """A new session that shares the history so far; later turns on either branch never reach
+        the other. A busy session is forked as it stands.
+        """
 
 def add_AgentRunnerServicer_to_server(servicer: AgentRunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

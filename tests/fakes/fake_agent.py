@@ -6,10 +6,18 @@ uses with Claude, Codex or Gemini. Its behaviour is chosen by command-line flags
 level: capabilities, failures, hangs) and by directives written in the prompt text (turn
 level: streaming, tools, permissions, sleeps, crashes).
 
-    python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close]
+    python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close,list,fork]
         [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt]
         [--auth-required open|prompt] [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
         [--replay-after-response] [--replay-pause MS] [--name NAME]
+        [--list-page N] [--list-padding N] [--list-fail] [--list-delay MS]
+
+`--caps` defaults to resume,load,meta,close; `list` (sessionCapabilities.list) and `fork`
+(sessionCapabilities.fork: `session/fork` copies a stored session's history into a new one) are
+advertised only when named. `session/list` lists the sessions of DIR/sessions whose cwd is the one asked for
+(all without one), sorted by id, after `--list-padding` made-up ones ("listed-pad-0000", ...), in
+pages of `--list-page` sessions (0: one page) joined by an opaque `nextCursor`. `--list-fail`
+answers it -32603; `--list-delay MS` answers it MS ms late.
 
 Sessions persist as DIR/sessions/<id>.json, so a new process with the same state dir can
 resume or load what an earlier one created. Answers are computed from the session's memory:
@@ -81,8 +89,10 @@ from acp.schema import (
     AgentCapabilities,
     AllowedOutcome,
     CloseSessionResponse,
+    ForkSessionResponse,
     Implementation,
     InitializeResponse,
+    ListSessionsResponse,
     LoadSessionResponse,
     NewSessionResponse,
     PermissionOption,
@@ -91,6 +101,9 @@ from acp.schema import (
     ResumeSessionResponse,
     SessionCapabilities,
     SessionCloseCapabilities,
+    SessionForkCapabilities,
+    SessionInfo,
+    SessionListCapabilities,
     SessionResumeCapabilities,
     StopReason,
     TextContentBlock,
@@ -98,7 +111,8 @@ from acp.schema import (
     UsageUpdate,
 )
 
-SESSION_CAPS = frozenset({"resume", "load", "meta", "close"})
+SESSION_CAPS = frozenset({"resume", "load", "meta", "close", "list", "fork"})
+DEFAULT_CAPS = SESSION_CAPS - {"list", "fork"}
 PROMPT_CAPS = frozenset({"image", "audio", "embedded"})
 SCRIPTED_STOPS: tuple[StopReason, ...] = ("end_turn", "max_tokens", "max_turn_requests", "refusal")
 SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")  # session ids become file names: nothing else gets in
@@ -151,13 +165,17 @@ class Options:
     replay_after_response: bool
     replay_pause_ms: int
     name: str
+    list_page: int
+    list_padding: int
+    list_fail: bool
+    list_delay_ms: int
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> Options:
         p = argparse.ArgumentParser(description="Scripted ACP agent for tests.")
         p.add_argument("--state-dir", type=Path, required=True)
         p.add_argument("--record", type=Path)
-        p.add_argument("--caps", type=_cap_list(SESSION_CAPS), default=SESSION_CAPS)
+        p.add_argument("--caps", type=_cap_list(SESSION_CAPS), default=DEFAULT_CAPS)
         p.add_argument("--prompt-caps", type=_cap_list(PROMPT_CAPS), default=frozenset({"image", "embedded"}))
         p.add_argument("--gone-style", choices=["32002", "32603", "exit"], default="32002")
         p.add_argument("--hang", choices=["initialize", "open", "prompt"])
@@ -169,6 +187,10 @@ class Options:
         # pause this long before replaying the last turn's answer (a replay that stalls)
         p.add_argument("--replay-pause", type=int, default=0, dest="replay_pause_ms")
         p.add_argument("--name", default="fake-agent")
+        p.add_argument("--list-page", type=int, default=0)
+        p.add_argument("--list-padding", type=int, default=0)
+        p.add_argument("--list-fail", action="store_true")
+        p.add_argument("--list-delay", type=int, default=0, dest="list_delay_ms")
         return cls(**vars(p.parse_args(argv)))
 
 
@@ -210,6 +232,18 @@ class SessionStore:
         except FileNotFoundError:
             return None
         return Session(session_id, data["cwd"], data.get("system_prompt"), list(data.get("history", [])))
+
+    def listed(self, cwd: str | None) -> list[SessionInfo]:
+        """Every stored session (of ``cwd``, when given), sorted by id."""
+        found = []
+        for path in sorted(self.dir.glob("[!.]*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                continue  # removed since the glob
+            if cwd is None or os.path.normpath(data["cwd"]) == os.path.normpath(cwd):
+                found.append(SessionInfo(session_id=path.stem, cwd=data["cwd"]))
+        return found
 
 
 # --------------------------------------------------------------------------- prompt script
@@ -376,6 +410,8 @@ class FakeAgent:
                 session_capabilities=SessionCapabilities(
                     resume=SessionResumeCapabilities() if "resume" in caps else None,
                     close=SessionCloseCapabilities() if "close" in caps else None,
+                    list=SessionListCapabilities() if "list" in caps else None,
+                    fork=SessionForkCapabilities() if "fork" in caps else None,
                 ),
             ),
             agent_info=Implementation(name=self.opts.name, version="1.0"),
@@ -405,6 +441,18 @@ class FakeAgent:
         self._open_stored(session_id, cwd)
         return ResumeSessionResponse()
 
+    async def fork_session(self, cwd: str, session_id: str, **kwargs: Any) -> ForkSessionResponse:
+        """A new session holding a copy of the stored one's history (and nothing said later in either)."""
+        self._require("fork", "session/fork")
+        await self._gate("open")
+        source = self.sessions.get(session_id) or self.store.load(session_id)
+        if source is None:
+            raise self._gone(session_id)
+        branch = Session(f"fake-{uuid.uuid4().hex}", cwd, source.system_prompt, [dict(t) for t in source.history])
+        self.store.save(branch)
+        self.sessions[branch.id] = branch
+        return ForkSessionResponse(session_id=branch.id)
+
     async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
         self._require("load", "session/load")
         await self._gate("open")
@@ -419,6 +467,21 @@ class FakeAgent:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return LoadSessionResponse()
+
+    async def list_sessions(
+        self, cwd: str | None = None, cursor: str | None = None, **kwargs: Any
+    ) -> ListSessionsResponse:
+        self._require("list", "session/list")
+        if self.opts.list_delay_ms:
+            await asyncio.sleep(self.opts.list_delay_ms / 1000)
+        if self.opts.list_fail:
+            raise RequestError(-32603, "Internal error", {"details": "scripted list failure"})
+        padding = [SessionInfo(session_id=f"listed-pad-{i:04d}", cwd=cwd or "/") for i in range(self.opts.list_padding)]
+        listed = padding + self.store.listed(cwd)
+        start = int(cursor.removeprefix("after-")) if cursor else 0
+        end = start + (self.opts.list_page or len(listed) or 1)
+        more = f"after-{end}" if end < len(listed) else None
+        return ListSessionsResponse(sessions=listed[start:end], next_cursor=more)
 
     async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
         self._require("close", "session/close")

@@ -20,6 +20,8 @@ from tests.harness import Client, Daemon, started, text_of
 from tests.real_agents.conftest import (
     AGENT_TIMEOUTS,
     AUTO_ROUTE,
+    LISTS_SESSIONS,
+    NOT_LISTED,
     REAL_AGENTS,
     ModelServers,
     log_events,
@@ -58,6 +60,9 @@ async def new_live_closed(client: Client, daemon: Daemon, agent: str) -> str:
     assert begin.resume_method == AUTO_ROUTE[agent], (agent, begin)
     assert begin.provider_session_id == provider_id and third[0].session_id == session_id
     assert text_of(third) == "I remember: 42", agent
+    if agent in LISTS_SESSIONS:  # checked in the agent's session list first, and found there
+        checked = log_events(daemon, "session_list_checked", agent=agent, provider_session_id=provider_id)
+        assert [row["verdict"] for row in checked] == ["listed"], (agent, checked)
     if agent == "gemini":
         # created and asked again in the same minute: the load waited for the next one, and remembered
         assert asked_at.replace(second=0, microsecond=0) == created_minute, "the test did not hit the same minute"
@@ -88,13 +93,14 @@ async def test_every_agent_remembers_live_after_its_process_closed_and_after_a_d
         assert text_of(events) == "I remember: 42", agent
 
 
-# what each agent really answers for a session it never had (FINDINGS), named in fallback_reason
+# what each agent really answers for a session it never had (FINDINGS), named in fallback_reason;
+# the agents with session/list are not asked: the id is not in their list, and the reason says so
 UNKNOWN_ID_ERROR = {
-    "claude": "-32002 'Resource not found",
-    "claude-legacy": "Query closed before response received",
-    "codex": "-32002 'Resource not found'",
+    "claude": NOT_LISTED,
+    "claude-legacy": NOT_LISTED,
+    "codex": NOT_LISTED,
     "gemini": "No previous sessions found for this project",
-    "opencode": "OpenCode service failure",
+    "opencode": NOT_LISTED,
 }
 
 
@@ -104,7 +110,8 @@ async def unknown_id_falls_back(client: Client, agent: str) -> None:
     begin = started(events)
     assert begin.resume == pb.RESUME_OUTCOME_FALLBACK_NEW, (agent, begin)
     assert begin.resume_method == "new", agent
-    assert f"session/{AUTO_ROUTE[agent]}" in begin.fallback_reason, (agent, begin.fallback_reason)
+    route = "list" if agent in LISTS_SESSIONS else AUTO_ROUTE[agent]
+    assert f"session/{route}" in begin.fallback_reason, (agent, begin.fallback_reason)
     assert UNKNOWN_ID_ERROR[agent] in begin.fallback_reason, (agent, begin.fallback_reason)
     assert events[0].session_id not in {"", unknown} and begin.provider_session_id != unknown
     assert text_of(events) == "I remember: 3", agent

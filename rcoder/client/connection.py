@@ -1,0 +1,241 @@
+"""``RcoderClient``: one daemon, one channel; its token and TLS; every call of the AgentRunner API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from rcoder.client.errors import ClientClosed, NotFound, from_rpc_error
+from rcoder.client.requests import Attachment, McpServer, ModelProvider, PermissionMode, chat_request
+from rcoder.client.resources import (
+    AgentInfo,
+    CancelResult,
+    Fork,
+    Session,
+    SessionPage,
+    agent_from_proto,
+    fork_from_proto,
+    session_from_proto,
+)
+from rcoder.client.turn import Turn
+from rcoder.v1 import agent_runner_pb2 as pb
+from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
+
+DEFAULT_TIMEOUT = 30.0  # seconds, for every call but the two streams
+MAX_MESSAGE_BYTES = 64 << 20  # as the daemon sends: an agent's single message may be large
+DEFAULT_OPTIONS: dict[str, Any] = {"grpc.max_receive_message_length": MAX_MESSAGE_BYTES}
+
+
+class RcoderClient:
+    """A client of one rcoder daemon: ``async with RcoderClient("host:port", token=...) as client``.
+
+    ``token`` is sent as ``authorization: Bearer <token>`` with every call (None or empty: not sent).
+    ``tls``: None or False for a plaintext channel; True for TLS with the system's root certificates;
+    PEM ``bytes`` of the root certificates to trust; or ``grpc.ssl_channel_credentials(...)`` as made.
+    ``options`` are gRPC channel arguments, over ``DEFAULT_OPTIONS``. ``timeout`` bounds every unary call
+    (None: no bound); ``chat`` and ``subscribe`` streams are unbounded unless given their own ``timeout``.
+
+    Make it inside a running event loop (its grpc.aio channel belongs to that loop). ``close()`` is
+    idempotent; a call after it raises ``ClientClosed``. Failed calls raise ``RcoderClientError`` subclasses."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls: bool | bytes | grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.target = target
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout
+        self._channel = _make_channel(target, tls, {**DEFAULT_OPTIONS, **dict(options)})
+        self._stub = pb_grpc.AgentRunnerStub(self._channel)
+        self._closed = False
+        self.sessions = Sessions(self._stub, self._unary)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel: calls still running end at once (after ``grace`` seconds, if given)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._channel.close(grace)
+
+    # ------------------------------------------------------------ turns
+
+    def chat(
+        self,
+        project_id: str,
+        prompt: str = "",
+        *,
+        session_id: str | None = None,
+        agent: str | None = None,
+        permission_mode: PermissionMode | None = None,
+        system_prompt: str = "",
+        request_id: str = "",
+        model_provider: ModelProvider | None = None,
+        mcp_servers: Sequence[McpServer] = (),
+        extra_meta: Mapping[str, Any] | None = None,
+        attachments: Sequence[Attachment] = (),
+        timeout: float | None = None,
+    ) -> Turn:
+        """One turn with an agent in the project's folder; its events stream from the returned ``Turn``.
+
+        ``session_id`` continues a conversation (a ``Started.session_id`` of an earlier turn); ``agent``
+        names a profile (None: the daemon's ``default_agent``); ``permission_mode`` None is the daemon's
+        default (``ALLOW``). The call starts when the turn is first read::
+
+            turn = client.chat("demo", "hello")
+            async for event in turn: ...          # or: text = await turn.text()
+        """
+        request = chat_request(
+            project_id,
+            prompt,
+            session_id=session_id,
+            agent=agent,
+            permission_mode=permission_mode,
+            system_prompt=system_prompt,
+            request_id=request_id,
+            model_provider=model_provider,
+            mcp_servers=mcp_servers,
+            extra_meta=extra_meta,
+            attachments=attachments,
+        )
+        return Turn(self._streaming(self._stub.Chat, request, timeout))
+
+    def subscribe(
+        self,
+        run_id: str | None = None,
+        *,
+        session_id: str | None = None,
+        after_seq: int = 0,
+        timeout: float | None = None,
+    ) -> Turn:
+        """Re-attach to a run: its events with ``seq > after_seq``, then live ones to its end.
+
+        Give ``run_id``, or ``session_id`` for that session's latest run (the running one, if any)."""
+        if bool(run_id) == bool(session_id):
+            raise ValueError("subscribe takes a run_id or a session_id (one of them)")
+
+        async def open_call() -> Any:
+            target = run_id or await self._last_run(session_id or "")
+            request = pb.SubscribeRequest(run_id=target, after_seq=after_seq)
+            return await self._streaming(self._stub.Subscribe, request, timeout)()
+
+        return Turn(open_call)
+
+    async def _last_run(self, session_id: str) -> str:
+        session = await self.sessions.get(session_id)
+        if not session.last_run_id:
+            raise NotFound(f"session {session_id!r} has had no run yet", reason="RUN_NOT_FOUND")
+        return session.last_run_id
+
+    async def cancel(self, run_id: str | None = None, *, session_id: str | None = None) -> CancelResult:
+        """Stop a running turn, by ``run_id`` or ``session_id`` (exactly one); its stream then ends
+        with ``Completed(stop_reason=CANCELLED)``. ``cancelled`` is False when it had already ended."""
+        request = pb.CancelRequest(run_id=run_id or "", session_id=session_id or "")
+        answer = await self._unary(self._stub.Cancel, request)
+        return CancelResult(run_id=answer.run_id, cancelled=answer.cancelled)
+
+    async def resolve_permission(self, run_id: str, permission_id: str, option_id: str | None = None) -> None:
+        """Answer a ``PermissionRequest`` of a turn run with ``PermissionMode.ASK`` with one of its options'
+        ``option_id`` (None: cancelled). Each request takes one answer: a second is ``NotFound``."""
+        request = pb.ResolvePermissionRequest(run_id=run_id, permission_id=permission_id, option_id=option_id or "")
+        await self._unary(self._stub.ResolvePermission, request)
+
+    # ------------------------------------------------------------ agents
+
+    async def agents(self) -> list[AgentInfo]:
+        """The daemon's agent profiles, with what each advertised and how many of its agents run."""
+        answer = await self._unary(self._stub.ListAgents, pb.ListAgentsRequest())
+        return [agent_from_proto(agent) for agent in answer.agents]
+
+    # ------------------------------------------------------------ plumbing
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"the client of {self.target} is closed")
+
+    def _streaming(self, method: Any, request: Any, timeout: float | None) -> Callable[[], Awaitable[Any]]:
+        """What opens a streaming call of ``method`` (the turn opens it at its first read)."""
+
+        async def open_call() -> Any:
+            self._check_open()
+            return method(request, metadata=self._metadata, timeout=timeout)
+
+        return open_call
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        self._check_open()
+        try:
+            return await method(request, metadata=self._metadata, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+
+
+class Sessions:
+    """``client.sessions``: the session records (``get``, ``page``, ``list``) and ``close``."""
+
+    def __init__(self, stub: pb_grpc.AgentRunnerStub, unary: Callable[[Any, Any], Awaitable[Any]]) -> None:
+        self._stub = stub
+        self._unary = unary  # the client's: its token, its timeout, its errors
+
+    async def get(self, session_id: str) -> Session:
+        request = pb.GetSessionRequest(session_id=session_id)
+        return session_from_proto(await self._unary(self._stub.GetSession, request))
+
+    async def fork(self, session_id: str, project_id: str) -> Fork:
+        """A new session sharing ``session_id``'s history so far; later turns on either branch never
+        reach the other (``ForkSession``). A busy session is forked as it stands."""
+        request = pb.ForkSessionRequest(session_id=session_id, project_id=project_id)
+        return fork_from_proto(await self._unary(self._stub.ForkSession, request))
+
+    async def close(self, session_id: str) -> bool:
+        """End the session's agent (the record stays; the next chat resumes it). True if one was live;
+        ``Busy`` while a turn runs."""
+        answer = await self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        return bool(answer.agent_stopped)
+
+    async def page(self, project_id: str | None = None, *, page_size: int = 0, page_token: str = "") -> SessionPage:
+        """One page of sessions, in the daemon's order (``page_size`` 0: its default, 100; at most 1000)."""
+        request = pb.ListSessionsRequest(project_id=project_id or "", page_size=page_size, page_token=page_token)
+        answer = await self._unary(self._stub.ListSessions, request)
+        return SessionPage(
+            sessions=tuple(session_from_proto(s) for s in answer.sessions), next_page_token=answer.next_page_token
+        )
+
+    async def list(self, project_id: str | None = None, *, page_size: int = 0) -> AsyncIterator[Session]:
+        """Every session (of ``project_id``, if given), page after page: ``async for s in client.sessions.list()``."""
+        token = ""
+        while True:
+            page = await self.page(project_id, page_size=page_size, page_token=token)
+            for session in page.sessions:
+                yield session
+            token = page.next_page_token
+            if not token:
+                return
+
+
+def _make_channel(target: str, tls: Any, options: dict[str, Any]) -> Any:
+    pairs = list(options.items())
+    if tls is None or tls is False:
+        return grpc.aio.insecure_channel(target, options=pairs)
+    if tls is True:
+        credentials = grpc.ssl_channel_credentials()
+    elif isinstance(tls, bytes):
+        credentials = grpc.ssl_channel_credentials(root_certificates=tls)
+    else:
+        credentials = tls
+    return grpc.aio.secure_channel(target, credentials, options=pairs)

@@ -1,0 +1,263 @@
+"""The events of a turn, one frozen dataclass per ``ChatStream`` variant, and the converter from the wire.
+
+Every event has the envelope: ``run_id``, ``session_id``, ``seq`` (per run, from 1, no gaps), ``time``
+and ``raw`` (the ``ChatStream`` message). A variant newer than this client arrives as
+``UnknownEvent`` with its ``raw`` message, never dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from rcoder.client._record import Record, enum_member, to_datetime
+from rcoder.v1 import agent_runner_pb2 as pb
+
+
+class ResumeOutcome(StrEnum):
+    """How a turn's agent session was opened (README "How resume works")."""
+
+    UNSPECIFIED = "unspecified"
+    NEW = "new"
+    LIVE = "live"
+    RESUMED = "resumed"
+    FALLBACK_NEW = "fallback_new"
+    FALLBACK_RESEEDED = "fallback_reseeded"
+    NOT_OPENED = "not_opened"  # cancelled before its session was opened (then stop_reason is CANCELLED)
+
+
+class StopReason(StrEnum):
+    """Why a turn ended; ``ERROR`` comes with ``Completed.error`` and ``error_reason``."""
+
+    UNSPECIFIED = "unspecified"
+    END_TURN = "end_turn"
+    MAX_TOKENS = "max_tokens"
+    MAX_TURN_REQUESTS = "max_turn_requests"
+    REFUSAL = "refusal"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Event(Record):
+    """What every event of a turn has."""
+
+    run_id: str
+    session_id: str
+    seq: int
+    raw: pb.ChatStream = field(repr=False, compare=False)
+
+    @property
+    def time(self) -> datetime:
+        """When the daemon recorded the event (UTC)."""
+        return to_datetime(self.raw.time)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Started(Event):
+    """First of every turn: the agent session is open (or the turn was cancelled before: ``NOT_OPENED``)."""
+
+    provider_session_id: str
+    resume: ResumeOutcome
+    resume_method: str  # new | live | resume | load | meta
+    fallback_reason: str  # why a resume fell back to a fresh session (FALLBACK_* only)
+    agent: str
+    project_id: str
+    request_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Text(Event):
+    """A chunk of the agent's answer, or of its thinking (``thought``). Adjacent chunks may arrive merged."""
+
+    text: str
+    thought: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolCall(Event):
+    tool_call_id: str
+    title: str
+    kind: str  # read, edit, delete, move, search, execute, think, fetch, switch_mode, other
+    status: str  # pending, in_progress, completed, failed
+    raw_input_json: str
+    locations: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToolCallUpdate(Event):
+    tool_call_id: str
+    title: str
+    kind: str
+    status: str
+    raw_output_json: str
+    content_text: str  # the text content of the update, if any
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEntry:
+    content: str
+    priority: str  # high, medium, low
+    status: str  # pending, in_progress, completed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan(Event):
+    entries: tuple[PlanEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionOption:
+    option_id: str
+    name: str
+    kind: str  # allow_once, allow_always, reject_once, reject_always
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PermissionRequest(Event):
+    """The agent asks permission; with ``PermissionMode.ASK`` answer it with ``resolve_permission``."""
+
+    permission_id: str
+    tool_call_id: str
+    title: str
+    kind: str
+    options: tuple[PermissionOption, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentUpdate(Event):
+    """Any other ACP session update, as the agent wrote it: ``kind`` is its discriminator (``usage_update``...)."""
+
+    kind: str
+    json: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Heartbeat(Event):
+    """The turn is alive but quiet."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Completed(Event):
+    """Last of every turn. ``error`` and ``error_reason`` (an ``ErrorInfo`` reason) are set with ``ERROR``."""
+
+    stop_reason: StopReason
+    provider_session_id: str
+    error: str
+    resume: ResumeOutcome
+    error_reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnknownEvent(Event):
+    """A variant this client does not know (a newer daemon's): ``kind`` is its name when the generated code
+    knows it, else empty; ``raw`` holds it whole."""
+
+    kind: str
+
+
+def _started(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    s = m.started
+    return Started(
+        provider_session_id=s.provider_session_id,
+        resume=_resume(s.resume),
+        resume_method=s.resume_method,
+        fallback_reason=s.fallback_reason,
+        agent=s.agent,
+        project_id=s.project_id,
+        request_id=s.request_id,
+        **envelope,
+    )
+
+
+def _tool_call(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    c = m.tool_call
+    return ToolCall(
+        tool_call_id=c.tool_call_id,
+        title=c.title,
+        kind=c.kind,
+        status=c.status,
+        raw_input_json=c.raw_input_json,
+        locations=tuple(c.locations),
+        **envelope,
+    )
+
+
+def _tool_call_update(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    u = m.tool_call_update
+    return ToolCallUpdate(
+        tool_call_id=u.tool_call_id,
+        title=u.title,
+        kind=u.kind,
+        status=u.status,
+        raw_output_json=u.raw_output_json,
+        content_text=u.content_text,
+        **envelope,
+    )
+
+
+def _plan(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    entries = tuple(PlanEntry(e.content, e.priority, e.status) for e in m.plan.entries)
+    return Plan(entries=entries, **envelope)
+
+
+def _permission_request(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    r = m.permission_request
+    return PermissionRequest(
+        permission_id=r.permission_id,
+        tool_call_id=r.tool_call_id,
+        title=r.title,
+        kind=r.kind,
+        options=tuple(PermissionOption(o.option_id, o.name, o.kind) for o in r.options),
+        **envelope,
+    )
+
+
+def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    c = m.completed
+    stop = enum_member(StopReason, pb.StopReason, c.stop_reason, "STOP_REASON_")
+    return Completed(
+        stop_reason=stop,
+        provider_session_id=c.provider_session_id,
+        error=c.error,
+        resume=_resume(c.resume),
+        error_reason=c.error_reason,
+        **envelope,
+    )
+
+
+def _resume(number: int) -> ResumeOutcome:
+    return enum_member(ResumeOutcome, pb.ResumeOutcome, number, "RESUME_OUTCOME_")
+
+
+# one converter per variant of ChatStream's `event` oneof (a test checks none is missing)
+CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
+    "started": _started,
+    "agent_message": lambda m, envelope: Text(text=m.agent_message.text, thought=False, **envelope),
+    "agent_thought": lambda m, envelope: Text(text=m.agent_thought.text, thought=True, **envelope),
+    "tool_call": _tool_call,
+    "tool_call_update": _tool_call_update,
+    "plan": _plan,
+    "permission_request": _permission_request,
+    "update": lambda m, envelope: AgentUpdate(kind=m.update.kind, json=m.update.json, **envelope),
+    "heartbeat": lambda m, envelope: Heartbeat(**envelope),
+    "completed": _completed,
+}
+
+
+def event_from_proto(message: pb.ChatStream) -> Event:
+    """The typed event of one ``ChatStream`` message; an unknown variant is an ``UnknownEvent``."""
+    envelope: dict[str, Any] = {
+        "run_id": message.run_id,
+        "session_id": message.session_id,
+        "seq": message.seq,
+        "raw": message,
+    }
+    kind = message.WhichOneof("event")
+    convert = CONVERTERS.get(kind) if kind is not None else None
+    if convert is None:
+        return UnknownEvent(kind=kind or "", **envelope)
+    return convert(message, envelope)

@@ -1,0 +1,163 @@
+"""What the unary calls answer: sessions, agents, the outcome of a cancel; and their converters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+
+from rcoder.client._record import Record, enum_member, optional_datetime
+from rcoder.v1 import agent_runner_pb2 as pb
+
+
+class SessionStatus(StrEnum):
+    UNSPECIFIED = "unspecified"
+    IDLE = "idle"  # no live agent; resumes on the next chat
+    LIVE = "live"  # agent process alive, ready for a turn
+    BUSY = "busy"  # a turn is running
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Session(Record):
+    """A session record (``GetSession``, ``ListSessions``)."""
+
+    session_id: str
+    project_id: str
+    agent: str
+    provider_session_id: str
+    cwd: str
+    created_at: datetime | None
+    updated_at: datetime | None
+    turns: int
+    last_run_id: str
+    status: SessionStatus
+    raw: pb.Session = field(repr=False, compare=False)
+
+
+class ForkMethod(StrEnum):
+    UNSPECIFIED = "unspecified"
+    AGENT = "agent"  # the agent's session/fork: the branch is live at once
+    RESEEDED = "reseeded"  # the agent cannot fork: the branch's first turn is re-seeded from the transcript
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fork:
+    """A branch ``ForkSession`` made (``client.sessions.fork``)."""
+
+    session: Session
+    method: ForkMethod
+    fallback_reason: str  # why the agent did not fork (method RESEEDED)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SessionPage:
+    """One page of ``ListSessions``; an empty ``next_page_token`` means it was the last."""
+
+    sessions: tuple[Session, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentCapabilities(Record):
+    """What an agent advertised at its last ``initialize``."""
+
+    load_session: bool
+    session_resume: bool
+    session_close: bool
+    session_list: bool
+    session_fork: bool
+    prompt_image: bool
+    prompt_audio: bool
+    prompt_embedded_context: bool
+    mcp_http: bool
+    mcp_sse: bool
+    agent_name: str
+    agent_version: str
+    seen_at: datetime | None
+    raw: pb.AgentCapabilities = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AgentInfo(Record):
+    """An agent profile (``ListAgents``); ``capabilities`` is None until the agent has run once."""
+
+    name: str
+    command: str
+    args: tuple[str, ...]
+    resume: str  # auto | resume | load | meta | none
+    default: bool
+    kind: str
+    capabilities: AgentCapabilities | None
+    warm_pool: int
+    live_agents: int
+    warm_agents: int
+    sandbox: str  # landlock | none
+    landlock_abi: int
+    raw: pb.AgentInfo = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CancelResult:
+    run_id: str  # the run that was asked to stop
+    cancelled: bool  # False when it had already finished
+
+
+def session_from_proto(m: pb.Session) -> Session:
+    return Session(
+        session_id=m.session_id,
+        project_id=m.project_id,
+        agent=m.agent,
+        provider_session_id=m.provider_session_id,
+        cwd=m.cwd,
+        created_at=optional_datetime(m, "created_at"),
+        updated_at=optional_datetime(m, "updated_at"),
+        turns=m.turns,
+        last_run_id=m.last_run_id,
+        status=enum_member(SessionStatus, pb.SessionStatus, m.status, "SESSION_STATUS_"),
+        raw=m,
+    )
+
+
+def fork_from_proto(m: pb.ForkSessionResponse) -> Fork:
+    return Fork(
+        session=session_from_proto(m.session),
+        method=enum_member(ForkMethod, pb.ForkMethod, m.method, "FORK_METHOD_"),
+        fallback_reason=m.fallback_reason,
+    )
+
+
+def agent_from_proto(m: pb.AgentInfo) -> AgentInfo:
+    capabilities = None
+    if m.HasField("capabilities"):
+        c = m.capabilities
+        capabilities = AgentCapabilities(
+            load_session=c.load_session,
+            session_resume=c.session_resume,
+            session_close=c.session_close,
+            session_list=c.session_list,
+            session_fork=c.session_fork,
+            prompt_image=c.prompt_image,
+            prompt_audio=c.prompt_audio,
+            prompt_embedded_context=c.prompt_embedded_context,
+            mcp_http=c.mcp_http,
+            mcp_sse=c.mcp_sse,
+            agent_name=c.agent_name,
+            agent_version=c.agent_version,
+            seen_at=optional_datetime(c, "seen_at"),
+            raw=c,
+        )
+    return AgentInfo(
+        name=m.name,
+        command=m.command,
+        args=tuple(m.args),
+        resume=m.resume,
+        default=m.default,
+        kind=m.kind,
+        capabilities=capabilities,
+        warm_pool=m.warm_pool,
+        live_agents=m.live_agents,
+        warm_agents=m.warm_agents,
+        sandbox=m.sandbox,
+        landlock_abi=m.landlock_abi,
+        raw=m,
+    )

@@ -1,0 +1,156 @@
+"""This host's session leases (DESIGN §7): taken when a session's agent is opened, renewed in one
+statement per tick while the agent lives, released when it ends, and lost ones acted on.
+
+A live turn on a session whose lease this host holds costs one dict lookup (``lease``): the
+lease is kept fresh by the renewal tick (every ``lease_ttl / 3``), never checked per turn. A
+renewal that finds a lease gone (another host took the session over after this one was paused
+or cut off) drops it and ends the session's agent (``on_lost``); the writes about the session
+carry the lost generation, so the store refuses whatever this host still tries to write.
+
+The same tick heartbeats this host in the hosts table; whether the store answered is reported
+(``on_store``) for readiness. With the SQLite store (``LocalCoordination``) nothing here waits
+on I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from rcoder.errors import OwnedElsewhere, StoreError
+from rcoder.logs import get_logger
+from rcoder.metrics import Metrics
+from rcoder.store.cluster import Coordination, Lease, Owner, Taken
+
+log = get_logger("rcoder.session.leases")
+RELEASE_TIMEOUT = 5.0
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        coordination: Coordination,
+        lease_ttl: float,
+        metrics: Metrics,
+        on_lost: Callable[[str], None] = lambda session_id: None,
+        on_store: Callable[[bool], None] = lambda reachable: None,
+    ) -> None:
+        self.coordination = coordination
+        self._ttl = lease_ttl
+        self._metrics = metrics
+        self.on_lost = on_lost  # set by the daemon once the pool exists
+        self.on_store = on_store
+        self._held: dict[str, Lease] = {}
+        self._to_release: list[Lease] = []
+        self._releasing: asyncio.Task[None] | None = None
+        self._ticking: asyncio.Task[None] | None = None
+        self._reachable: bool | None = None
+
+    @property
+    def host_id(self) -> str:
+        return self.coordination.host_id
+
+    @property
+    def shared(self) -> bool:
+        return self.coordination.shared
+
+    def lease(self, session_id: str) -> Lease | None:
+        """The lease this host holds on ``session_id`` (no I/O)."""
+        return self._held.get(session_id)
+
+    async def acquire(self, session_id: str) -> Lease:
+        """Take the session's lease (``OwnedElsewhere`` while another live host holds it)."""
+        result = await self.coordination.acquire(session_id)
+        if isinstance(result, Owner) and not result.host_id:  # released as we asked: ask once more
+            result = await self.coordination.acquire(session_id)
+        if isinstance(result, Taken):
+            taken = result
+            self._held[session_id] = taken.lease
+            if taken.previous_owner:
+                self._metrics.takeovers.inc()
+                log.warning("session_taken_over", session_id=session_id, previous_owner=taken.previous_owner,
+                            generation=taken.lease.generation, orphaned_runs=list(taken.orphaned_runs))  # fmt: skip
+            return taken.lease
+        raise OwnedElsewhere("session", session_id, result.host_id, result.advertise_address, self._ttl / 3)
+
+    def release(self, session_id: str, lease: Lease | None = None) -> None:
+        """Let go of the session's lease (``lease``: only if it is still that one). Batched: one
+        statement for every lease released on the same pass of the loop."""
+        held = self._held.get(session_id)
+        if held is None or (lease is not None and held != lease):
+            return
+        del self._held[session_id]
+        if not self.shared:
+            return
+        self._to_release.append(held)
+        if self._releasing is None:
+            self._releasing = asyncio.get_running_loop().create_task(self._flush(), name="lease-release")
+
+    async def _flush(self) -> None:
+        try:
+            while self._to_release:
+                batch, self._to_release = self._to_release, []
+                try:
+                    await self.coordination.release(batch)
+                except StoreError as exc:  # the leases expire by themselves
+                    log.warning("lease_release_failed", count=len(batch), error=exc.message)
+        finally:
+            self._releasing = None
+
+    # ------------------------------------------------------------ the tick
+
+    def start(self) -> None:
+        self._ticking = asyncio.get_running_loop().create_task(self._tick_forever(), name="lease-tick")
+
+    async def _tick_forever(self) -> None:
+        interval = self._ttl / 3
+        while True:
+            await self.tick()
+            await asyncio.sleep(interval)  # a period, not synchronisation
+
+    async def tick(self) -> None:
+        """Heartbeat, then renew every lease held (one statement); act on those lost."""
+        try:
+            async with asyncio.timeout(self._ttl / 3 * 2):
+                await self.coordination.heartbeat()
+                held = list(self._held.values())
+                lost = await self.coordination.renew(held) if self.shared else []
+        except (StoreError, TimeoutError) as exc:
+            self._metrics.lease_renewals.labels("failed").inc()
+            self._store_reachable(False, str(exc))
+            return
+        self._store_reachable(True, "")
+        self._metrics.lease_renewals.labels("renewed").inc()
+        for lease in lost:
+            if self._held.get(lease.session_id) != lease:
+                continue  # released or taken anew meanwhile
+            del self._held[lease.session_id]
+            self._metrics.leases_lost.inc()
+            log.warning("lease_lost", session_id=lease.session_id, generation=lease.generation)
+            self.on_lost(lease.session_id)
+
+    def _store_reachable(self, reachable: bool, error: str) -> None:
+        if reachable == self._reachable:
+            return
+        self._reachable = reachable
+        if reachable:
+            log.info("store_reachable")
+        else:
+            log.warning("store_unreachable", error=error[:300])
+        self.on_store(reachable)
+
+    async def aclose(self) -> None:
+        """Stop renewing and release every lease still held (one statement, bounded). Idempotent."""
+        ticking, self._ticking = self._ticking, None
+        if ticking is not None:
+            ticking.cancel()
+            await asyncio.wait({ticking})
+        for session_id in list(self._held):
+            self.release(session_id)
+        releasing = self._releasing
+        if releasing is not None:
+            try:
+                async with asyncio.timeout(RELEASE_TIMEOUT):
+                    await asyncio.shield(releasing)
+            except TimeoutError:
+                log.warning("leases_not_released", timeout=RELEASE_TIMEOUT)

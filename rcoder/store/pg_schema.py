@@ -1,0 +1,229 @@
+"""The PostgreSQL store's schema, numbered migrations applied in order by ``migrate`` at open,
+and every statement the store runs over it.
+
+``MIGRATIONS[n - 1]`` holds the SQL statements of version ``n``; the table
+``schema_migrations`` has one row per version applied. A migration that has shipped is never
+edited: the next change is the next migration. ``migrate`` runs in one transaction that first
+takes ``pg_advisory_xact_lock(MIGRATION_LOCK)``, so daemons starting at once apply each
+migration exactly once: the others wait for the lock, then find nothing left to do.
+
+Text columns that are compared or ordered (ids) use the "C" collation: byte order, as SQLite
+compares text, whatever the database's locale, and their indexes serve ``>`` and ``ORDER BY``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rcoder.errors import StoreError
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+
+# the key of the advisory lock held while migrating: "rcoder" and 1, as a signed 64-bit integer
+MIGRATION_LOCK = int.from_bytes(b"rcoder\x00\x01", "big")
+
+_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
+    version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"""
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1: sessions, runs (with the host that runs them) and transcripts
+        """CREATE TABLE sessions (
+            session_id text COLLATE "C" PRIMARY KEY, project_id text COLLATE "C" NOT NULL,
+            cwd text NOT NULL, agent text COLLATE "C" NOT NULL,
+            provider_session_id text COLLATE "C" NOT NULL, created_at timestamptz NOT NULL,
+            updated_at timestamptz NOT NULL, turns integer NOT NULL DEFAULT 0,
+            last_run_id text COLLATE "C" NOT NULL DEFAULT '')""",
+        """CREATE TABLE runs (
+            run_id text COLLATE "C" PRIMARY KEY,
+            session_id text COLLATE "C" NOT NULL REFERENCES sessions (session_id),
+            status text NOT NULL, stop_reason text, error text NOT NULL DEFAULT '', resume text,
+            resume_method text NOT NULL DEFAULT '', fallback_reason text NOT NULL DEFAULT '',
+            request_id text NOT NULL DEFAULT '', started_at timestamptz NOT NULL, ended_at timestamptz,
+            host_id text NOT NULL DEFAULT '')""",
+        """CREATE TABLE transcript (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            session_id text COLLATE "C" NOT NULL REFERENCES sessions (session_id),
+            run_id text COLLATE "C" NOT NULL, turn integer NOT NULL, prompt text NOT NULL,
+            response text NOT NULL, created_at timestamptz NOT NULL)""",
+        "CREATE INDEX sessions_by_project ON sessions (project_id, session_id)",
+        "CREATE INDEX sessions_by_provider ON sessions (agent, provider_session_id)",
+        "CREATE INDEX runs_by_session ON runs (session_id)",
+        "CREATE INDEX runs_running_by_host ON runs (host_id) WHERE status = 'running'",
+        "CREATE INDEX transcript_by_session ON transcript (session_id, turn)",
+    ),
+    (  # 2: several hosts: who they are, and who owns which session (leases with fencing)
+        """CREATE TABLE hosts (
+            id text COLLATE "C" PRIMARY KEY, advertise_address text NOT NULL, heartbeat timestamptz NOT NULL,
+            version text NOT NULL, started_at timestamptz NOT NULL)""",
+        """CREATE TABLE leases (
+            session_id text COLLATE "C" PRIMARY KEY, owner text COLLATE "C" NOT NULL,
+            generation bigint NOT NULL, expires timestamptz NOT NULL)""",
+        "CREATE INDEX leases_by_owner ON leases (owner)",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+async def migrate(conn: AsyncConnection[Any]) -> int:
+    """Bring the database to ``SCHEMA_VERSION``; returns the version it had before.
+
+    A database newer than this rcoder knows is refused (``StoreError``), never downgraded."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        await conn.execute(_MIGRATIONS_TABLE)
+        cursor = await conn.execute(CURRENT_VERSION)
+        row = await cursor.fetchone()
+        found = int(row[0]) if row is not None else 0
+        if found > SCHEMA_VERSION:
+            raise StoreError(f"store: schema version {found} is not supported (want {SCHEMA_VERSION})")
+        for version in range(found + 1, SCHEMA_VERSION + 1):
+            for statement in MIGRATIONS[version - 1]:
+                await conn.execute(statement)
+            await conn.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+    return found
+
+
+# ---------------------------------------------------------------- the statements
+
+# Every statement in full (no SQL is ever built from values); rows come back in record field order.
+INSERT_SESSION = (
+    "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at,"
+    " turns, last_run_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+SELECT_SESSIONS = (
+    "SELECT session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id"
+    " FROM sessions"
+)
+GET_SESSION = SELECT_SESSIONS + " WHERE session_id = %s"
+FIND_SESSION = SELECT_SESSIONS + " WHERE agent = %s AND provider_session_id = %s ORDER BY updated_at DESC LIMIT 1"
+LIST_ALL = SELECT_SESSIONS + " WHERE session_id > %s ORDER BY session_id LIMIT %s"
+LIST_PROJECT = SELECT_SESSIONS + " WHERE project_id = %s AND session_id > %s ORDER BY session_id LIMIT %s"
+COPY_TRANSCRIPT = (
+    "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
+    " SELECT %s, run_id, turn, prompt, response, created_at FROM transcript WHERE session_id = %s ORDER BY turn, id"
+)
+SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = %s, updated_at = %s WHERE session_id = %s"
+GET_RUN = (
+    "SELECT run_id, session_id, status, started_at, resume, resume_method, fallback_reason, request_id,"
+    " stop_reason, error, ended_at FROM runs WHERE run_id = %s"
+)
+START_RUN = (
+    "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
+    " fallback_reason, request_id, started_at, ended_at, host_id)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
+    " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
+)  # one statement, so atomic: an unknown session fails the insert (foreign key) and nothing lands
+END_RUN = "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s WHERE run_id = %s"
+COUNT_TURN = (
+    "WITH s AS (UPDATE sessions SET turns = turns + 1, updated_at = %s WHERE session_id = %s"
+    " RETURNING session_id, turns)"
+    " INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
+    " SELECT session_id, %s, turns, %s, %s, %s FROM s"
+)  # the session's row lock orders concurrent turns: each entry gets the count it made
+UPDATE_RUN_START = "UPDATE runs SET resume = %s, resume_method = %s, fallback_reason = %s WHERE run_id = %s"
+TRANSCRIPT = (
+    "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
+    "SELECT session_id, run_id, turn, prompt, response, created_at, id FROM transcript WHERE session_id = %s"
+    " ORDER BY turn DESC, id DESC LIMIT %s) AS last ORDER BY turn, id"
+)
+MARK_INTERRUPTED = "UPDATE runs SET status = %s, ended_at = %s, error = %s WHERE status = %s AND host_id = %s"
+CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"
+
+# ---------------------------------------------------------------- several hosts (cluster.py, pg_cluster.py)
+
+# fenced: the write lands only while ``owner`` holds the session's lease at ``generation``
+INSERT_SESSION_FENCED = (
+    "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at,"
+    " turns, last_run_id) SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s"
+    " WHERE EXISTS (SELECT 1 FROM leases l WHERE l.session_id = %s"
+    " AND l.owner = %s AND l.generation = %s)"
+)
+SET_PROVIDER_ID_FENCED = (
+    "UPDATE sessions SET provider_session_id = %s, updated_at = %s WHERE session_id = %s"
+    " AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = sessions.session_id"
+    " AND l.owner = %s AND l.generation = %s)"
+)
+START_RUN_FENCED = (
+    "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
+    " fallback_reason, request_id, started_at, ended_at, host_id)"
+    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
+    " WHERE EXISTS (SELECT 1 FROM leases l WHERE l.session_id = %s"
+    " AND l.owner = %s AND l.generation = %s) RETURNING session_id)"
+    " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
+)
+# a fenced end also needs the run still running: a run ended as orphaned stays ended
+END_RUN_FENCED = (
+    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s WHERE run_id = %s"
+    " AND status = 'running' AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id"
+    " AND l.owner = %s AND l.generation = %s)"
+)
+COUNT_TURN_FENCED = (
+    "WITH s AS (UPDATE sessions SET turns = turns + 1, updated_at = %s WHERE session_id = %s"
+    " AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = sessions.session_id"
+    " AND l.owner = %s AND l.generation = %s) RETURNING session_id, turns)"
+    " INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
+    " SELECT session_id, %s, turns, %s, %s, %s FROM s"
+)
+UPDATE_RUN_START_FENCED = (
+    "UPDATE runs SET resume = %s, resume_method = %s, fallback_reason = %s WHERE run_id = %s"
+    " AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id"
+    " AND l.owner = %s AND l.generation = %s)"
+)
+
+UPSERT_HOST = (
+    "INSERT INTO hosts (id, advertise_address, heartbeat, version, started_at) VALUES (%s, %s, now(), %s, now())"
+    " ON CONFLICT (id) DO UPDATE SET advertise_address = EXCLUDED.advertise_address, heartbeat = now(),"
+    " version = EXCLUDED.version, started_at = now()"
+)
+HEARTBEAT = (
+    "INSERT INTO hosts (id, advertise_address, heartbeat, version, started_at) VALUES (%s, %s, now(), %s, now())"
+    " ON CONFLICT (id) DO UPDATE SET heartbeat = now()"
+)
+LIST_HOSTS = (
+    "SELECT id, advertise_address, heartbeat, version, started_at,"
+    " heartbeat > now() - make_interval(secs => %s) FROM hosts ORDER BY id"
+)
+# free, expired, or this host's: a new generation each time (a late release of the last one is void)
+ACQUIRE = (
+    "WITH old AS (SELECT owner FROM leases WHERE session_id = %s)"
+    " INSERT INTO leases AS l (session_id, owner, generation, expires) VALUES (%s, %s, 1,"
+    " now() + make_interval(secs => %s))"
+    " ON CONFLICT (session_id) DO UPDATE SET owner = EXCLUDED.owner, generation = l.generation + 1,"
+    " expires = EXCLUDED.expires WHERE l.owner IN ('', EXCLUDED.owner) OR l.expires <= now()"
+    " RETURNING l.generation, coalesce((SELECT owner FROM old), '')"
+)
+END_ORPHANS = (
+    "UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now()"
+    " WHERE session_id = %s AND status = 'running' AND host_id <> %s RETURNING run_id"
+)
+RENEW = (
+    "UPDATE leases SET expires = now() + make_interval(secs => %s)"
+    " FROM unnest(%s::text[], %s::bigint[]) AS k(sid, gen)"
+    " WHERE leases.session_id = k.sid AND leases.generation = k.gen AND leases.owner = %s RETURNING leases.session_id"
+)
+RELEASE = (
+    "UPDATE leases SET owner = '', expires = now() FROM unnest(%s::text[], %s::bigint[]) AS k(sid, gen)"
+    " WHERE leases.session_id = k.sid AND leases.generation = k.gen AND leases.owner = %s"
+)
+SESSION_OWNER = (
+    "SELECT l.owner, coalesce(h.advertise_address, ''), l.expires > now() FROM leases l"
+    " LEFT JOIN hosts h ON h.id = l.owner WHERE l.session_id = %s AND l.owner <> ''"
+)
+RUN_OWNER = (
+    "SELECT r.host_id, coalesce(h.advertise_address, ''), coalesce(l.owner = r.host_id AND l.expires > now(), false)"
+    " FROM runs r LEFT JOIN leases l ON l.session_id = r.session_id LEFT JOIN hosts h ON h.id = r.host_id"
+    " WHERE r.run_id = %s"
+)
+# a run whose host lost its session's lease: the expired lease revoked (its host's next write
+# is refused), then the run ended
+REVOKE_FOR_RUN = (
+    "UPDATE leases SET owner = '', generation = generation + 1, expires = now()"
+    " FROM runs r WHERE r.run_id = %s AND leases.session_id = r.session_id AND leases.owner = r.host_id"
+    " AND leases.expires <= now()"
+)
+END_ORPHANED_RUN = (
+    "UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now()"
+    " WHERE run_id = %s AND status = 'running' AND NOT EXISTS (SELECT 1 FROM leases l"
+    " WHERE l.session_id = runs.session_id AND l.owner = runs.host_id AND l.expires > now())"
+)

@@ -1,0 +1,474 @@
+"""The shared store: PostgreSQL 15 through psycopg 3 (asyncio) and a ``psycopg_pool`` pool.
+
+Chosen by ``store_url = "postgresql://..."``; several daemons may share one database. The
+contract is the SQLite store's (``base.SessionStore``), method by method; how it is kept:
+
+- **Calls.** Each call takes a connection from the pool (autocommit: one statement is its
+  own transaction; a call of several statements runs them in one explicit transaction) and
+  gives it back; the pool grows and shrinks between ``min_size`` and ``max_size``.
+- **Reconnects.** Connections are not tested before each use (that would cost a round trip a
+  call). A call whose connection turns out broken (the server restarted) has the pool test
+  its idle connections and replace the broken ones; a read is then tried once more on
+  another connection, a write fails with ``StoreError`` (it may have landed: repeating it
+  could apply it twice). Calls after that find fresh connections.
+- **Bounds.** Waiting for a connection is bounded by ``timeout`` (also the connect
+  timeout); a whole call by ``call_timeout``, which is also the server's
+  ``statement_timeout``. Nothing waits for ever on a server that is down or hung.
+- **Cancellation.** A call, once made, runs to its end even if its caller is cancelled (the
+  caller waits for it, then its cancellation goes on), so the caller can ask what landed, as
+  with the SQLite store's worker. Calls from different tasks run side by side, each atomic;
+  PostgreSQL orders conflicting writes by row locks.
+- **Errors.** What psycopg and the pool raise, a missing row and a closed store leave this
+  module as ``StoreError`` only, never with the URL's password in them.
+- **Open.** ``open`` migrates the schema (``pg_schema``, under an advisory lock: daemons
+  starting at once do not race) and marks this host's runs left ``running`` as
+  ``interrupted``; other hosts' runs are theirs to judge.
+- **Text.** PostgreSQL text cannot hold NUL: a NUL in written text (an agent's answer, an
+  error) is stored as U+FFFD rather than failing the write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import psycopg
+from psycopg import AsyncConnection, AsyncCursor
+from psycopg_pool import AsyncConnectionPool
+
+from rcoder.domain import (
+    ResumeOutcome,
+    RunRecord,
+    RunStatus,
+    SessionRecord,
+    StopReason,
+    TranscriptEntry,
+)
+from rcoder.errors import LeaseLost, StoreError
+from rcoder.store import pg_schema, redact_url
+from rcoder.store.base import INTERRUPTED_ERROR
+from rcoder.store.cluster import Lease
+
+T = TypeVar("T")
+Row = tuple[Any, ...]
+Conn = AsyncConnection[Row]
+
+# how long the pool retries (with backoff) to replace a lost connection before it gives that up;
+# a call then starts a fresh attempt at once: so after an outage the pool is back within about this
+RECONNECT_WINDOW = 10.0
+
+# the pool logs every connection it hands out at INFO: keep its warnings (failed reconnects) only
+logging.getLogger("psycopg.pool").setLevel(logging.WARNING)
+
+# ---------------------------------------------------------------- conversions
+
+
+def _ts(at: datetime) -> datetime:
+    if at.utcoffset() is None:
+        raise ValueError(f"naive datetime {at!r}: the store keeps timezone-aware times only")
+    return at
+
+
+def _text(value: str) -> str:
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+
+
+def _params(*values: object) -> tuple[object, ...]:
+    return tuple(_text(v) if isinstance(v, str) else v for v in values)
+
+
+def _session(row: Row) -> SessionRecord:
+    return SessionRecord(*row)
+
+
+def _run(row: Row) -> RunRecord:
+    run_id, session_id, status, started_at, resume, method, fallback, request_id, stop, error, ended_at = row
+    return RunRecord(
+        run_id, session_id, RunStatus(status), started_at,
+        None if resume is None else ResumeOutcome(resume), method, fallback, request_id,
+        None if stop is None else StopReason(stop), error, ended_at,
+    )  # fmt: skip
+
+
+def _entry(row: Row) -> TranscriptEntry:
+    return TranscriptEntry(*row)
+
+
+def _positive(limit: int) -> int:
+    if limit < 1:
+        raise ValueError(f"limit must be positive, got {limit}")
+    return limit
+
+
+def _require_row(cursor: AsyncCursor[Row], what: str, key: str) -> None:
+    if cursor.rowcount != 1:
+        raise StoreError(f"store: no {what} {key!r} to update", key=key)
+
+
+# ---------------------------------------------------------------- the store
+
+
+class _Broken(Exception):
+    """A call's connection broke under it: the server restarted or went away, the network failed."""
+
+    def __init__(self, error: psycopg.OperationalError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class PostgresStore:
+    """``SessionStore`` on a PostgreSQL database; ``host_id`` names this daemon's host."""
+
+    def __init__(
+        self,
+        url: str,
+        host_id: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 16,
+        timeout: float = 5.0,
+        call_timeout: float = 30.0,
+    ) -> None:
+        self._url = url
+        self._host_id = host_id
+        self._sizes = (min_size, max_size)
+        self._timeout = timeout
+        self._call_timeout = call_timeout
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._calls: set[asyncio.Task[Any]] = set()  # in flight: close() lets them end
+        self._checking: asyncio.Task[None] | None = None  # the pool's sweep for broken connections
+        self._opened = False
+        self._closed = False
+
+    @property
+    def host_id(self) -> str:
+        return self._host_id
+
+    def _fence(self, lease: Lease) -> tuple[object, ...]:
+        return (self._host_id, lease.generation)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({redact_url(self._url)!r}, host_id={self._host_id!r})"
+
+    # ------------------------------------------------------------ opening and closing
+
+    def _connect_args(self) -> dict[str, Any]:
+        # libpq's connect_timeout is whole seconds, at least 2; a URL's application_name wins
+        timeout = max(2, round(self._timeout))
+        return {"autocommit": True, "connect_timeout": timeout, "fallback_application_name": "rcoder"}
+
+    async def _configure(self, conn: Conn) -> None:
+        """Every connection: times in UTC, every statement bounded by ``call_timeout``."""
+        await conn.execute(f"SET TIME ZONE 'UTC'; SET statement_timeout = {round(self._call_timeout * 1000):d}")
+
+    async def open(self) -> int:
+        if self._closed:
+            raise StoreError("store: closed")
+        if self._opened:
+            raise StoreError("store: already open")
+        self._opened = True
+        min_size, max_size = self._sizes
+        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            self._url, kwargs=self._connect_args(), min_size=min_size, max_size=max_size, open=False,
+            configure=self._configure, timeout=self._timeout, reconnect_timeout=RECONNECT_WINDOW,
+            name="rcoder-store",
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(self._call_timeout + self._timeout):
+                # a connection of its own first: its error says why (the pool's would only say "timeout")
+                async with await AsyncConnection.connect(self._url, **self._connect_args()) as conn:
+                    await self._configure(conn)
+                    await pg_schema.migrate(conn)
+                    cursor = await conn.execute(
+                        pg_schema.MARK_INTERRUPTED,
+                        _params(
+                            RunStatus.INTERRUPTED.value, datetime.now(UTC), INTERRUPTED_ERROR,
+                            RunStatus.RUNNING.value, self._host_id,
+                        ),
+                    )  # fmt: skip
+                    marked = cursor.rowcount
+                await pool.open(wait=True, timeout=self._timeout)
+        except BaseException as exc:
+            self._opened = False
+            await pool.close(timeout=self._timeout)
+            if isinstance(exc, psycopg.Error | TimeoutError):
+                raise self._error(exc, f"cannot open {redact_url(self._url)}") from exc
+            raise
+        self._pool = pool
+        return marked
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pool, self._pool = self._pool, None
+        checking, self._checking = self._checking, None
+        try:
+            if checking is not None:
+                checking.cancel()
+                await asyncio.wait({checking})
+            if self._calls:  # each is bounded by call_timeout; psycopg's own cancel by a few seconds more
+                await asyncio.wait(set(self._calls), timeout=self._call_timeout + 15.0)
+        finally:
+            if pool is not None:
+                await pool.close(timeout=self._timeout)
+
+    # ------------------------------------------------------------ calls
+
+    def _error(self, exc: BaseException, doing: str = "") -> StoreError:
+        if isinstance(exc, TimeoutError):
+            text = f"no answer from PostgreSQL within {self._call_timeout:g} s"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+        for secret in _secrets(self._url):
+            text = text.replace(secret, "***")
+        return StoreError(f"store: {doing + ': ' if doing else ''}{text}", closed=self._closed)
+
+    async def _call(self, fn: Callable[[Conn], Awaitable[T]], read: bool = False) -> T:
+        if self._closed:
+            raise StoreError("store: closed (rcoder is shutting down)", closed=True)
+        pool = self._pool
+        if pool is None:
+            raise StoreError("store: not open")
+        work = asyncio.get_running_loop().create_task(self._run(pool, fn, read))
+        self._calls.add(work)
+        work.add_done_callback(self._calls.discard)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # the call goes on regardless: let it end before the cancellation does, so that a
+            # caller can ask what landed
+            await asyncio.wait({work})
+            if not work.cancelled():
+                work.exception()  # retrieved: the caller was cancelled, its error is nobody's
+            raise
+
+    async def _run(self, pool: AsyncConnectionPool[Conn], fn: Callable[[Conn], Awaitable[T]], read: bool) -> T:
+        try:
+            async with asyncio.timeout(self._call_timeout):
+                try:
+                    return await self._once(pool, fn)
+                except _Broken:
+                    await self._sweep(pool)  # its idle siblings are likely broken too: the next calls find new ones
+                    if not read:  # a write may have landed before its connection broke: never repeated
+                        raise
+                return await self._once(pool, fn)  # a read is safe to repeat
+        except _Broken as broken:
+            doing = "connection lost" + ("" if read else " (the write may or may not have landed)")
+            raise self._error(broken.error, doing) from broken.error
+        except (psycopg.Error, TimeoutError) as exc:
+            raise self._error(exc) from exc
+
+    async def _once(self, pool: AsyncConnectionPool[Conn], fn: Callable[[Conn], Awaitable[T]]) -> T:
+        async with pool.connection(timeout=self._timeout) as conn:
+            try:
+                return await fn(conn)
+            except psycopg.OperationalError as exc:
+                if conn.broken:
+                    raise _Broken(exc) from exc
+                raise
+
+    async def _sweep(self, pool: AsyncConnectionPool[Conn]) -> None:
+        """Have the pool test its idle connections (an empty query each) and replace the broken
+        ones; calls that find broken connections meanwhile wait for the same sweep."""
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.get_running_loop().create_task(pool.check(), name="rcoder-store-check")
+        checking = self._checking
+        await asyncio.wait({checking})  # its end, whatever it is (close() cancels it), is the pool's business
+        if not checking.cancelled():
+            checking.exception()
+
+    async def _write(self, sql: str, params: tuple[object, ...], missing: tuple[str, str] | None) -> None:
+        async def work(conn: Conn) -> None:
+            cursor = await conn.execute(sql, params)
+            if missing is not None:
+                _require_row(cursor, *missing)  # autocommit: a statement that changed nothing, committed nothing
+
+        await self._call(work)
+
+    async def _rows(self, sql: str, params: tuple[object, ...]) -> list[Row]:
+        async def work(conn: Conn) -> list[Row]:
+            cursor = await conn.execute(sql, params)
+            return await cursor.fetchall()
+
+        return await self._call(work, read=True)
+
+    async def call(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run ``fn`` on a pooled connection (a write: never repeated), bounded like every call."""
+        return await self._call(fn)
+
+    async def execute(self, sql: str, params: tuple[object, ...]) -> None:
+        await self._write(sql, _params(*params), None)
+
+    async def rows(self, sql: str, params: tuple[object, ...], read: bool = True) -> list[Row]:
+        """The rows ``sql`` returns (``read=False``: it writes too, so it is never repeated)."""
+
+        async def work(conn: Conn) -> list[Row]:
+            cursor = await conn.execute(sql, _params(*params))
+            return await cursor.fetchall()
+
+        return await self._call(work, read=read)
+
+    async def _fenced(self, sql: str, params: tuple[object, ...], lease: Lease) -> None:
+        """A write that lands only while this host holds ``lease`` (else ``LeaseLost``)."""
+
+        async def work(conn: Conn) -> None:
+            cursor = await conn.execute(sql, params)
+            if cursor.rowcount != 1:
+                raise LeaseLost(lease.session_id, lease.generation)
+
+        await self._call(work)
+
+    # ------------------------------------------------------------ sessions
+
+    async def create_session(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        params = _params(
+            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
+            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
+        )  # fmt: skip
+        if lease is not None:
+            fence = (record.session_id, *self._fence(lease))
+            await self._fenced(pg_schema.INSERT_SESSION_FENCED, (*params, *fence), lease)
+            return
+        await self._write(pg_schema.INSERT_SESSION, params, None)
+
+    async def fork_session(self, source_session_id: str, record: SessionRecord) -> None:
+        params = _params(
+            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
+            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
+        )  # fmt: skip
+        copy = _params(record.session_id, source_session_id)
+
+        async def work(conn: Conn) -> None:
+            async with conn.transaction():
+                await conn.execute(pg_schema.INSERT_SESSION, params)
+                await conn.execute(pg_schema.COPY_TRANSCRIPT, copy)
+
+        await self._call(work)
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        rows = await self._rows(pg_schema.GET_SESSION, _params(session_id))
+        return _session(rows[0]) if rows else None
+
+    async def find_session_by_provider_id(self, agent: str, provider_session_id: str) -> SessionRecord | None:
+        if not provider_session_id:  # "" means "not opened yet", never an identity
+            return None
+        rows = await self._rows(pg_schema.FIND_SESSION, _params(agent, provider_session_id))
+        return _session(rows[0]) if rows else None
+
+    async def list_sessions(
+        self, project_id: str = "", limit: int = 100, after_session_id: str = ""
+    ) -> list[SessionRecord]:
+        args = _params(after_session_id, _positive(limit))
+        sql = pg_schema.LIST_ALL
+        if project_id:
+            sql, args = pg_schema.LIST_PROJECT, (_text(project_id), *args)
+        return [_session(row) for row in await self._rows(sql, args)]
+
+    async def set_provider_session_id(
+        self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
+    ) -> None:
+        if lease is not None:
+            params = (*_params(provider_session_id, _ts(at), session_id), *self._fence(lease))
+            await self._fenced(pg_schema.SET_PROVIDER_ID_FENCED, params, lease)
+            return
+        await self._write(
+            pg_schema.SET_PROVIDER_ID, _params(provider_session_id, _ts(at), session_id), ("session", session_id)
+        )
+
+    # ------------------------------------------------------------ runs
+
+    async def start_run(self, record: RunRecord, lease: Lease | None = None) -> None:
+        params = _params(
+            record.run_id, record.session_id, record.status.value,
+            None if record.stop_reason is None else record.stop_reason.value, record.error,
+            None if record.resume is None else record.resume.value, record.resume_method,
+            record.fallback_reason, record.request_id, _ts(record.started_at),
+            None if record.ended_at is None else _ts(record.ended_at), self._host_id,
+        )  # fmt: skip
+        pointer = _params(record.run_id, _ts(record.started_at))
+        if lease is not None:
+            fence = (record.session_id, *self._fence(lease))
+            await self._fenced(pg_schema.START_RUN_FENCED, (*params, *fence, *pointer), lease)
+            return
+        await self._write(pg_schema.START_RUN, (*params, *pointer), None)
+
+    async def finish_run(
+        self,
+        run_id: str,
+        status: RunStatus,
+        stop_reason: StopReason | None,
+        error: str,
+        at: datetime,
+        transcript: TranscriptEntry | None,
+        lease: Lease | None = None,
+    ) -> None:
+        stop = None if stop_reason is None else stop_reason.value
+        end = _params(status.value, stop, error, _ts(at), run_id)
+        fence: tuple[object, ...] = ()
+        end_sql, count_sql = pg_schema.END_RUN, pg_schema.COUNT_TURN
+        if lease is not None:
+            end_sql, count_sql, fence = pg_schema.END_RUN_FENCED, pg_schema.COUNT_TURN_FENCED, self._fence(lease)
+        if transcript is None:
+            if lease is not None:
+                await self._fenced(end_sql, (*end, *fence), lease)
+                return
+            await self._write(end_sql, end, ("run", run_id))
+            return
+        entry = transcript
+        counting = _params(_ts(at), entry.session_id)
+        turn = (*counting, *fence, *_params(entry.run_id, entry.prompt, entry.response, _ts(entry.created_at)))
+
+        async def work(conn: Conn) -> None:
+            # pipelined: BEGIN and both statements in one round trip, COMMIT (or ROLLBACK) in a second
+            async with conn.pipeline() as pipeline, conn.transaction():  # any error rolls back both
+                ended = await conn.execute(end_sql, (*end, *fence))
+                counted = await conn.execute(count_sql, turn)
+                await pipeline.sync()
+                if lease is not None and (ended.rowcount != 1 or counted.rowcount != 1):
+                    raise LeaseLost(lease.session_id, lease.generation)
+                _require_row(ended, "run", run_id)
+                _require_row(counted, "session", entry.session_id)
+
+        await self._call(work)
+
+    async def update_run_start(
+        self,
+        run_id: str,
+        resume: ResumeOutcome,
+        resume_method: str,
+        fallback_reason: str,
+        lease: Lease | None = None,
+    ) -> None:
+        params = _params(resume.value, resume_method, fallback_reason, run_id)
+        if lease is not None:
+            await self._fenced(pg_schema.UPDATE_RUN_START_FENCED, (*params, *self._fence(lease)), lease)
+            return
+        await self._write(pg_schema.UPDATE_RUN_START, params, ("run", run_id))
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        rows = await self._rows(pg_schema.GET_RUN, _params(run_id))
+        return _run(rows[0]) if rows else None
+
+    async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
+        rows = await self._rows(pg_schema.TRANSCRIPT, _params(session_id, _positive(limit)))
+        return [_entry(row) for row in rows]
+
+    async def integrity_check(self) -> str:
+        version = (await self._rows(pg_schema.CURRENT_VERSION, ()))[0][0]
+        want = pg_schema.SCHEMA_VERSION
+        return "ok" if version == want else f"schema version {version}, want {want}"
+
+
+def _secrets(url: str) -> set[str]:
+    """The passwords in ``url``, as written and decoded (to keep them out of error messages)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return set()
+    found = {parts.password or ""} | {v for k, v in parse_qsl(parts.query) if k.lower() in ("password", "sslpassword")}
+    return {text for secret in found if secret for text in (secret, unquote(secret))}

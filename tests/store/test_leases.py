@@ -1,0 +1,198 @@
+"""Leases with fencing on PostgreSQL (``pg_cluster``), between two stores of two hosts on one
+database: taking, refusing, renewing, releasing, taking over an expired lease, and writes of a
+host that lost its lease refused. An expired lease is made by a coordination whose ``lease_ttl``
+is 0 (it expires as it is taken): no test waits for a clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
+from rcoder.errors import LeaseLost
+from rcoder.store.cluster import OWNER_LOST, Lease, LocalCoordination, Owner, Taken
+from rcoder.store.pg_cluster import PgCoordination
+from rcoder.store.postgres import PostgresStore
+
+T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+TTL = 30.0
+
+
+@pytest.fixture
+async def stores(pg_url: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
+    a, b = PostgresStore(pg_url, "host-a"), PostgresStore(pg_url, "host-b")
+    await asyncio.gather(a.open(), b.open())
+    try:
+        yield a, b
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+def taken(result: Taken | Owner) -> Taken:
+    assert isinstance(result, Taken), result
+    return result
+
+
+def record(session_id: str) -> SessionRecord:
+    return SessionRecord(session_id, "proj", "/w/proj", "fake", "", T0, T0)
+
+
+async def test_a_lease_is_taken_once_and_another_host_is_told_who_holds_it(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = PgCoordination(stores[0], TTL), PgCoordination(stores[1], TTL)
+    await a.register("127.0.0.1:1111", "1")
+    first = taken(await a.acquire("s1"))
+    assert first.lease == Lease("s1", 1) and first.previous_owner == ""
+
+    assert await b.acquire("s1") == Owner("host-a", "127.0.0.1:1111", live=True)
+    assert await b.session_owner("s1") == Owner("host-a", "127.0.0.1:1111", live=True)
+    again = taken(await a.acquire("s1"))  # its own: a new generation, so a late release of the old is void
+    assert again.lease.generation == 2
+    await a.release([first.lease])
+    assert await b.session_owner("s1") == Owner("host-a", "127.0.0.1:1111", live=True)
+    await a.release([again.lease])
+    assert await b.session_owner("s1") is None
+    assert taken(await b.acquire("s1")).lease.generation == 3
+
+
+async def test_two_hosts_racing_for_a_free_lease_give_it_to_exactly_one(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = PgCoordination(stores[0], TTL), PgCoordination(stores[1], TTL)
+    for n in range(20):
+        results = await asyncio.gather(a.acquire(f"race-{n}"), b.acquire(f"race-{n}"))
+        assert sum(isinstance(r, Taken) for r in results) == 1, results
+
+
+async def test_two_hosts_racing_to_take_over_an_expired_lease_give_it_to_exactly_one(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    dead_store = PostgresStore(pg_url, "host-dead")
+    await dead_store.open()
+    try:
+        dead = PgCoordination(dead_store, 0.0)  # its leases expire as they are taken
+        a, b = PgCoordination(stores[0], TTL), PgCoordination(stores[1], TTL)
+        for n in range(10):
+            taken(await dead.acquire(f"over-{n}"))
+            results = await asyncio.gather(a.acquire(f"over-{n}"), b.acquire(f"over-{n}"))
+            winners = [r for r in results if isinstance(r, Taken)]
+            assert len(winners) == 1, results
+            assert winners[0].previous_owner == "host-dead" and winners[0].lease.generation == 2
+    finally:
+        await dead_store.close()
+
+
+async def test_renewal_is_one_statement_for_many_leases_and_names_those_lost(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a_short = PgCoordination(stores[0], 0.0)
+    a, b = PgCoordination(stores[0], TTL), PgCoordination(stores[1], TTL)
+    kept = [taken(await a.acquire(f"keep-{n}")).lease for n in range(5)]
+    doomed = taken(await a_short.acquire("doomed")).lease
+    taken(await b.acquire("doomed"))  # expired: b takes it over
+
+    assert await a.renew([*kept, doomed]) == [doomed]
+    assert await a.renew([]) == []
+
+
+async def test_writes_of_a_host_that_lost_the_lease_are_refused_and_change_nothing(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    store_a, store_b = stores
+    a_short, b = PgCoordination(store_a, 0.0), PgCoordination(store_b, TTL)
+    lease_a = taken(await a_short.acquire("s1")).lease
+    await store_a.create_session(record("s1"), lease=lease_a)
+    await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=lease_a)
+
+    takeover = taken(await b.acquire("s1"))  # a's lease expired: b takes it over
+    assert takeover.previous_owner == "host-a" and takeover.orphaned_runs == ("r1",)
+    ended = await store_b.get_run("r1")
+    assert ended is not None and ended.status is RunStatus.FAILED and ended.error == OWNER_LOST
+    assert ended.stop_reason is StopReason.ERROR
+
+    at = T0 + timedelta(minutes=1)
+    entry = TranscriptEntry("s1", "r1", 0, "hi", "late answer", at)
+    refused = [
+        store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry, lease=lease_a),
+        store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", at, None, lease=lease_a),
+        store_a.set_provider_session_id("s1", "p-late", at, lease=lease_a),
+        store_a.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0), lease=lease_a),
+        store_a.create_session(record("s2"), lease=lease_a),
+    ]
+    for write in refused:
+        with pytest.raises(LeaseLost) as caught:
+            await write
+        assert caught.value.session_id == "s1" and caught.value.generation == lease_a.generation
+
+    assert await store_b.get_run("r2") is None and await store_b.get_session("s2") is None
+    session = await store_b.get_session("s1")
+    assert session is not None and session.turns == 0 and session.provider_session_id == ""
+    assert await store_b.transcript("s1") == []
+    # the new owner's writes land
+    await store_b.start_run(RunRecord("r3", "s1", RunStatus.RUNNING, T0), lease=takeover.lease)
+    await store_b.finish_run("r3", RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry, lease=takeover.lease)
+    assert [e.response for e in await store_b.transcript("s1")] == ["late answer"]
+
+
+async def test_a_run_of_a_host_whose_lease_expired_is_ended_as_owner_lost_and_its_lease_revoked(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    store_a, store_b = stores
+    a_short, b = PgCoordination(store_a, 0.0), PgCoordination(store_b, TTL)
+    lease = taken(await a_short.acquire("s1")).lease
+    await store_a.create_session(record("s1"), lease=lease)
+    await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=lease)
+    assert await b.run_owner("r1") == Owner("host-a", "", live=False)
+
+    assert await b.end_orphaned_run("r1") is True
+    assert await b.end_orphaned_run("r1") is False  # ended already
+    run = await store_b.get_run("r1")
+    assert run is not None and run.status is RunStatus.FAILED and run.error == OWNER_LOST
+    assert await a_short.renew([lease]) == [lease]  # revoked: the old owner learns it lost
+    with pytest.raises(LeaseLost):
+        await store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, lease=lease)
+
+
+async def test_a_live_owners_run_is_not_ended_as_orphaned(stores: tuple[PostgresStore, PostgresStore]) -> None:
+    store_a, store_b = stores
+    a, b = PgCoordination(store_a, TTL), PgCoordination(store_b, TTL)
+    lease = taken(await a.acquire("s1")).lease
+    await store_a.create_session(record("s1"), lease=lease)
+    await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=lease)
+    assert await b.end_orphaned_run("r1") is False
+    assert await b.run_owner("r1") == Owner("host-a", "", live=True)
+    assert await b.run_owner("nope") is None
+
+
+async def test_hosts_register_heartbeat_and_are_listed_live_or_not(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b_stale = PgCoordination(stores[0], TTL), PgCoordination(stores[1], 0.0)
+    await a.register("127.0.0.1:1", "0.1.0")
+    await b_stale.register("127.0.0.1:2", "0.1.0")
+    await a.heartbeat()
+    hosts = await a.hosts()
+    assert [(h.host_id, h.advertise_address, h.version, h.live) for h in hosts] == [
+        ("host-a", "127.0.0.1:1", "0.1.0", True),
+        ("host-b", "127.0.0.1:2", "0.1.0", True),
+    ]
+    assert [h.live for h in await b_stale.hosts()] == [False, False]  # judged with a ttl of 0
+
+
+async def test_the_local_coordination_of_one_host_holds_every_lease_without_a_store() -> None:
+    local = LocalCoordination("solo", TTL)
+    await local.register("127.0.0.1:9", "0.1.0")
+    first = taken(await local.acquire("s1")).lease
+    second = taken(await local.acquire("s1")).lease
+    assert second.generation > first.generation
+    assert await local.renew([first, second]) == [first]
+    await local.release([first])  # void: not the one held
+    assert await local.renew([second]) == []
+    await local.release([second])
+    assert await local.renew([second]) == [second]
+    assert [h.host_id for h in await local.hosts()] == ["solo"]
+    assert await local.session_owner("s1") is None and await local.run_owner("r") is None

@@ -1,0 +1,420 @@
+"""The store contract, on both backends: SQLite (a file) and PostgreSQL (a fresh database of
+the test cluster). Records round-trip, runs count turns, failures are StoreErrors that change
+nothing, reopening keeps everything, and a SIGKILLed writer leaves a sound store."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from rcoder.domain import (
+    ResumeOutcome,
+    RunRecord,
+    RunStatus,
+    SessionRecord,
+    StopReason,
+    TranscriptEntry,
+)
+from rcoder.errors import StoreError
+from rcoder.store import make_store
+from rcoder.store.base import INTERRUPTED_ERROR, SessionStore
+from rcoder.store.postgres import PostgresStore
+from rcoder.store.sqlite import SqliteStore
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
+HOST = "host-a"
+
+StoreFactory = Callable[[], SessionStore]
+
+
+def session(session_id: str, project_id: str = "proj", agent: str = "claude", provider: str = "") -> SessionRecord:
+    return SessionRecord(session_id, project_id, "/work/proj", agent, provider, T0, T0)
+
+
+def entry(session_id: str, run_id: str, prompt: str) -> TranscriptEntry:
+    return TranscriptEntry(session_id, run_id, 0, prompt, f"answer to {prompt}", T0 + timedelta(seconds=1))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """The backend under test, as ``store_url`` says it: "" for SQLite, a fresh database's URL."""
+    return "" if request.param == "sqlite" else str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def new_store(store_url: str, tmp_path: Path) -> StoreFactory:
+    """Makes a store (not opened) on the test's one database: each call a new one on the same data."""
+    path = tmp_path / "state" / "rcoder.db"
+    return lambda: make_store(store_url, path, HOST)
+
+
+@pytest.fixture
+async def store(new_store: StoreFactory) -> AsyncIterator[SessionStore]:
+    opened = new_store()
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+async def run_turn(store: SessionStore, session_id: str, run_id: str, prompt: str) -> None:
+    await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, T0))
+    done = T0 + timedelta(minutes=1)
+    transcript = entry(session_id, run_id, prompt)
+    await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", done, transcript)
+
+
+@pytest.mark.parametrize("backend", [SqliteStore, PostgresStore])
+def test_each_store_satisfies_the_session_store_protocol(backend: type[SqliteStore | PostgresStore]) -> None:
+    # the types: checked by mypy; nothing is opened
+    _: SessionStore = SqliteStore(Path("unused.db"))
+    __: SessionStore = PostgresStore("postgresql://unused", HOST)
+    # and at run time: every method of the protocol, a coroutine taking the same parameters
+    methods = [name for name in vars(SessionStore) if not name.startswith("_")]
+    assert "finish_run" in methods and "open" in methods
+    for name in methods:
+        ours, protocol = getattr(backend, name), getattr(SessionStore, name)
+        assert inspect.iscoroutinefunction(ours), name
+        assert [(p.name, p.kind, p.default) for p in inspect.signature(ours).parameters.values()] == [
+            (p.name, p.kind, p.default) for p in inspect.signature(protocol).parameters.values()
+        ], name
+
+
+async def test_a_session_reads_back_exactly_as_written_even_from_another_timezone(store: SessionStore) -> None:
+    paris = timezone(timedelta(hours=2))
+    record = SessionRecord("s1", "proj", "/w", "claude", "prov-1", T0.astimezone(paris), T0, 3, "r9")
+    await store.create_session(record)
+    assert await store.get_session("s1") == record
+    assert await store.get_session("nope") is None
+
+
+async def test_a_naive_datetime_is_refused(store: SessionStore) -> None:
+    naive = SessionRecord("s1", "proj", "/w", "claude", "", datetime(2025, 1, 1), T0)
+    with pytest.raises(ValueError, match="naive"):
+        await store.create_session(naive)
+
+
+async def test_creating_a_session_twice_is_a_store_error_that_keeps_the_first(store: SessionStore) -> None:
+    await store.create_session(session("s1", provider="first"))
+    with pytest.raises(StoreError):
+        await store.create_session(session("s1", provider="second"))
+    got = await store.get_session("s1")
+    assert got is not None
+    assert got.provider_session_id == "first"
+
+
+async def test_setting_the_provider_session_id_updates_it_and_the_session_time(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    later = T0 + timedelta(hours=1)
+    await store.set_provider_session_id("s1", "prov-2", later)
+    got = await store.get_session("s1")
+    assert got is not None
+    assert (got.provider_session_id, got.updated_at) == ("prov-2", later)
+    with pytest.raises(StoreError):
+        await store.set_provider_session_id("missing", "prov-3", later)
+
+
+async def test_find_by_provider_id_is_scoped_to_the_agent(store: SessionStore) -> None:
+    await store.create_session(session("s1", agent="claude", provider="same"))
+    await store.create_session(session("s2", agent="gemini", provider="same"))
+    claude = await store.find_session_by_provider_id("claude", "same")
+    gemini = await store.find_session_by_provider_id("gemini", "same")
+    assert claude is not None
+    assert gemini is not None
+    assert (claude.session_id, gemini.session_id) == ("s1", "s2")
+    assert await store.find_session_by_provider_id("codex", "same") is None
+    assert await store.find_session_by_provider_id("claude", "") is None
+
+
+async def test_find_by_provider_id_answers_the_most_recently_updated_session(store: SessionStore) -> None:
+    await store.create_session(session("s1", provider="same"))
+    await store.create_session(session("s2", provider="same"))
+    await store.set_provider_session_id("s1", "same", T0 + timedelta(hours=1))
+    found = await store.find_session_by_provider_id("claude", "same")
+    assert found is not None
+    assert found.session_id == "s1"
+
+
+async def test_sessions_are_listed_in_id_order_page_by_page_and_filtered_by_project(
+    store: SessionStore,
+) -> None:
+    for sid in ["s5", "s1", "s4", "s2", "s3"]:
+        await store.create_session(session(sid, project_id="odd" if sid in {"s1", "s3", "s5"} else "even"))
+    first = await store.list_sessions(limit=2)
+    second = await store.list_sessions(limit=2, after_session_id=first[-1].session_id)
+    last = await store.list_sessions(limit=2, after_session_id=second[-1].session_id)
+    assert [[s.session_id for s in page] for page in (first, second, last)] == [
+        ["s1", "s2"],
+        ["s3", "s4"],
+        ["s5"],
+    ]
+    odd = await store.list_sessions(project_id="odd", after_session_id="s1")
+    assert [s.session_id for s in odd] == ["s3", "s5"]
+    with pytest.raises(ValueError, match="limit"):
+        await store.list_sessions(limit=0)
+
+
+async def test_session_ids_are_ordered_by_their_bytes_whatever_the_locale(store: SessionStore) -> None:
+    ids = ["b", "B", "a-2", "a_1", "a1", "é", "Z"]
+    for sid in ids:
+        await store.create_session(session(sid))
+    listed = [s.session_id for s in await store.list_sessions()]
+    assert listed == sorted(ids, key=lambda sid: sid.encode())
+    after = [s.session_id for s in await store.list_sessions(after_session_id="a_1")]
+    assert after == [sid for sid in listed if sid.encode() > b"a_1"]
+
+
+async def test_starting_a_run_points_the_session_at_it_and_update_run_start_records_the_resume(
+    store: SessionStore,
+) -> None:
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0, request_id="req-1"))
+    await store.update_run_start("r1", ResumeOutcome.FALLBACK_NEW, "resume", "provider lost it")
+    got_session = await store.get_session("s1")
+    assert got_session is not None
+    assert got_session.last_run_id == "r1"
+    expected = RunRecord(
+        "r1", "s1", RunStatus.RUNNING, T0, ResumeOutcome.FALLBACK_NEW, "resume", "provider lost it", "req-1"
+    )
+    assert await store.get_run("r1") == expected
+    assert await store.get_run("nope") is None
+    with pytest.raises(StoreError):
+        await store.update_run_start("nope", ResumeOutcome.NEW, "new", "")
+
+
+async def test_a_run_of_an_unknown_session_is_refused_and_nothing_lands(store: SessionStore) -> None:
+    with pytest.raises(StoreError):
+        await store.start_run(RunRecord("r1", "ghost", RunStatus.RUNNING, T0))
+    assert await store.get_run("r1") is None
+    assert await store.list_sessions() == []
+
+
+async def test_finishing_runs_with_transcripts_counts_turns_and_returns_the_last_ones_oldest_first(
+    store: SessionStore,
+) -> None:
+    await store.create_session(session("s1"))
+    for n in range(1, 5):
+        await run_turn(store, "s1", f"r{n}", f"prompt {n}")
+    got = await store.get_session("s1")
+    assert got is not None
+    assert (got.turns, got.last_run_id, got.updated_at) == (4, "r4", T0 + timedelta(minutes=1))
+    last_two = await store.transcript("s1", limit=2)
+    assert [(e.turn, e.prompt, e.run_id) for e in last_two] == [(3, "prompt 3", "r3"), (4, "prompt 4", "r4")]
+    assert last_two[0] == TranscriptEntry("s1", "r3", 3, "prompt 3", "answer to prompt 3", T0 + timedelta(seconds=1))
+    assert [e.turn for e in await store.transcript("s1")] == [1, 2, 3, 4]
+    run = await store.get_run("r4")
+    assert run is not None
+    assert (run.status, run.stop_reason, run.ended_at) == (
+        RunStatus.COMPLETED,
+        StopReason.END_TURN,
+        T0 + timedelta(minutes=1),
+    )
+    with pytest.raises(ValueError, match="limit"):
+        await store.transcript("s1", limit=0)
+
+
+async def test_turns_finished_at_once_on_one_session_each_get_their_own_number(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    for n in range(8):
+        await store.start_run(RunRecord(f"r{n}", "s1", RunStatus.RUNNING, T0))
+    await asyncio.gather(
+        *(
+            store.finish_run(f"r{n}", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry("s1", f"r{n}", f"p{n}"))
+            for n in range(8)
+        )
+    )
+    turns = await store.transcript("s1")
+    assert sorted(e.turn for e in turns) == list(range(1, 9))
+    got = await store.get_session("s1")
+    assert got is not None
+    assert got.turns == 8
+
+
+async def test_finishing_a_run_without_a_transcript_does_not_count_a_turn(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    await store.finish_run("r1", RunStatus.FAILED, StopReason.ERROR, "agent crashed", T0, None)
+    got = await store.get_session("s1")
+    run = await store.get_run("r1")
+    assert got is not None
+    assert run is not None
+    assert (got.turns, run.status, run.error) == (0, RunStatus.FAILED, "agent crashed")
+    assert await store.transcript("s1") == []
+
+
+async def test_a_failed_finish_leaves_the_run_untouched(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    stray = entry("ghost", "r1", "hello")  # unknown session: the whole transaction rolls back
+    with pytest.raises(StoreError):
+        await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, stray)
+    run = await store.get_run("r1")
+    assert run is not None
+    assert run.status is RunStatus.RUNNING
+    with pytest.raises(StoreError):
+        await store.finish_run("nope", RunStatus.COMPLETED, None, "", T0, None)
+    with pytest.raises(StoreError):  # an unknown run with a transcript: no turn is counted either
+        await store.finish_run("nope", RunStatus.COMPLETED, None, "", T0, entry("s1", "nope", "hi"))
+    got = await store.get_session("s1")
+    assert got is not None
+    assert got.turns == 0
+    assert await store.transcript("s1") == []
+
+
+async def test_reopening_after_close_keeps_everything(new_store: StoreFactory) -> None:
+    first = new_store()
+    assert await first.open() == 0
+    await first.create_session(session("s1"))
+    await run_turn(first, "s1", "r1", "hi")
+    before = (await first.get_session("s1"), await first.get_run("r1"), await first.transcript("s1"))
+    await first.close()
+    second = new_store()
+    assert await second.open() == 0
+    after = (await second.get_session("s1"), await second.get_run("r1"), await second.transcript("s1"))
+    await second.close()
+    assert after == before
+
+
+async def test_forking_copies_the_transcript_into_a_new_session_in_one_transaction(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    for n in range(1, 4):
+        await run_turn(store, "s1", f"r{n}", f"prompt {n}")
+    fork = SessionRecord("s2", "proj", "/work/proj", "claude", "", T0, T0, 3)
+    await store.fork_session("s1", fork)
+    assert await store.get_session("s2") == fork
+    copied = await store.transcript("s2")
+    assert [(e.session_id, e.turn, e.prompt, e.run_id) for e in copied] == [
+        ("s2", n, f"prompt {n}", f"r{n}") for n in range(1, 4)
+    ]
+    await store.fork_session("ghost", session("s3"))  # a missing source copies nothing
+    assert await store.transcript("s3") == []
+    with pytest.raises(StoreError):  # the new id is taken: nothing is copied either
+        await store.fork_session("s1", session("s3"))
+    assert await store.transcript("s3") == []
+    assert [e.turn for e in await store.transcript("s1")] == [1, 2, 3]
+
+
+async def test_a_run_left_running_is_marked_interrupted_on_reopen(new_store: StoreFactory) -> None:
+    first = new_store()
+    await first.open()
+    await first.create_session(session("s1"))
+    await first.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    await first.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0))
+    await first.finish_run("r2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None)
+    await first.close()
+    second = new_store()
+    assert await second.open() == 1
+    interrupted, completed = await second.get_run("r1"), await second.get_run("r2")
+    await second.close()
+    assert interrupted is not None
+    assert completed is not None
+    assert (interrupted.status, interrupted.error) == (RunStatus.INTERRUPTED, INTERRUPTED_ERROR)
+    assert interrupted.ended_at is not None
+    assert interrupted.ended_at > T0
+    assert completed.status is RunStatus.COMPLETED
+
+
+async def test_opening_twice_is_an_error(store: SessionStore) -> None:
+    with pytest.raises(StoreError, match="already open"):
+        await store.open()
+
+
+async def test_closing_twice_is_fine_and_use_after_close_raises(new_store: StoreFactory) -> None:
+    store = new_store()
+    await store.open()
+    await store.close()
+    await store.close()
+    with pytest.raises(StoreError, match="closed") as caught:
+        await store.get_session("s1")
+    assert caught.value.closed
+    with pytest.raises(StoreError, match="closed"):
+        await store.open()
+
+
+async def test_use_before_open_raises(new_store: StoreFactory) -> None:
+    store = new_store()
+    with pytest.raises(StoreError, match="not open"):
+        await store.get_session("s1")
+    await store.close()
+
+
+async def test_integrity_check_says_ok(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    assert await store.integrity_check() == "ok"
+
+
+CRASHING_WRITER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from datetime import UTC, datetime
+    from pathlib import Path
+    from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
+    from rcoder.store import make_store
+
+    async def main() -> None:
+        store = make_store(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+        await store.open()
+        n = 0
+        while True:
+            now = datetime.now(UTC)
+            sid, rid = f"s{n:06d}", f"r{n:06d}"
+            await store.create_session(SessionRecord(sid, "p", "/w", "claude", "", now, now))
+            await store.start_run(RunRecord(rid, sid, RunStatus.RUNNING, now))
+            if n % 2:
+                entry = TranscriptEntry(sid, rid, 0, "q", "a", now)
+                await store.finish_run(rid, RunStatus.COMPLETED, StopReason.END_TURN, "", now, entry)
+            print("ready" if n == 0 else n, flush=True)
+            n += 1
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_a_sigkilled_writer_leaves_a_sound_store_with_its_runs_interrupted(
+    store_url: str, tmp_path: Path, new_store: StoreFactory
+) -> None:
+    paths = [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    db_path = tmp_path / "state" / "rcoder.db"
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_WRITER, store_url, str(db_path), HOST, stdout=asyncio.subprocess.PIPE, env=env
+    )
+    assert child.stdout is not None
+    try:
+        async with asyncio.timeout(30):
+            assert await child.stdout.readline() == b"ready\n"
+            for _ in range(20):  # let it get well into its loop, then kill it mid-write
+                assert await child.stdout.readline()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        await child.communicate()
+    assert child.returncode == -signal.SIGKILL
+
+    store = new_store()
+    marked = await store.open()
+    try:
+        assert await store.integrity_check() == "ok"
+        sessions = await store.list_sessions(limit=10_000)
+        runs = [await store.get_run(s.last_run_id) for s in sessions if s.last_run_id]
+        assert len(runs) >= 21
+        statuses = {run.run_id: run.status for run in runs if run is not None}
+        last = max(statuses)  # the one run the kill may have cut between its start and its finish
+        for rid, status in statuses.items():
+            finished = int(rid[1:]) % 2 == 1  # the writer finishes odd runs only, even ones never
+            if rid != last or not finished:
+                assert status is (RunStatus.COMPLETED if finished else RunStatus.INTERRUPTED), rid
+        assert marked == sum(status is RunStatus.INTERRUPTED for status in statuses.values())
+        for s in sessions:  # a finished run and its turn were committed together, or not at all
+            assert s.turns == int(statuses.get(s.last_run_id) is RunStatus.COMPLETED)
+    finally:
+        await store.close()

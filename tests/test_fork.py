@@ -1,0 +1,142 @@
+"""ForkSession: a branch shares the history so far, and later turns on either branch never reach
+the other; through the agent's session/fork where it has one, re-seeded from the transcript where not."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from rcoder.session.opening import UNOPENED_BRANCH
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory
+from tests.harness import Client, FakeAgentSetup, completed, started, text_of
+from tests.turns import read_until, rest_of, start_turn
+
+FORKING = "resume,load,meta,close,fork"
+
+
+def remembered(answer: str) -> set[str]:
+    assert answer.startswith("I remember: "), answer
+    return set(answer.removeprefix("I remember: ").split(", "))
+
+
+async def fork(client: Client, session_id: str, project_id: str = "proj") -> pb.ForkSessionResponse:
+    request = pb.ForkSessionRequest(session_id=session_id, project_id=project_id)
+    response: pb.ForkSessionResponse = await client.stub.ForkSession(request, timeout=60)
+    return response
+
+
+async def test_a_fork_through_the_agent_is_live_and_the_branches_diverge(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    _, client = await make_daemon({"fake": fake.profile("--caps", FORKING)})
+    first = await client.chat(prompt="remember 1")
+    source = first[0].session_id
+
+    forked = await fork(client, source)
+
+    branch = forked.session.session_id
+    assert forked.method == pb.FORK_METHOD_AGENT and not forked.fallback_reason
+    assert branch != source and forked.session.project_id == "proj" and forked.session.agent == "fake"
+    assert forked.session.status == pb.SESSION_STATUS_LIVE
+    assert forked.session.provider_session_id not in {"", started(first).provider_session_id}
+    assert [r["params"]["sessionId"] for r in fake.requests("session/fork")] == [started(first).provider_session_id]
+
+    on_branch = await client.chat(prompt="remember 2", session_id=branch)
+    assert started(on_branch).resume == pb.RESUME_OUTCOME_LIVE
+    assert text_of(on_branch) == "I remember: 1, 2"
+    on_source = await client.chat(prompt="remember 3", session_id=source)
+    assert text_of(on_source) == "I remember: 1, 3"
+    again = await client.chat(prompt="and now?", session_id=branch)
+    assert text_of(again) == "I remember: 1, 2", "a turn on the source reached the branch"
+    got = await client.stub.GetSession(pb.GetSessionRequest(session_id=branch))
+    assert got.turns == 2 and got.provider_session_id == forked.session.provider_session_id
+
+
+async def test_without_session_fork_the_branch_is_reseeded_from_the_transcript(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    _, client = await make_daemon()
+    first = await client.chat(prompt="remember 1")
+    source = first[0].session_id
+    await client.chat(prompt="remember 2", session_id=source)
+
+    forked = await fork(client, source)
+
+    branch = forked.session.session_id
+    assert forked.method == pb.FORK_METHOD_RESEEDED
+    assert "session/fork" in forked.fallback_reason and "re-seeded" in forked.fallback_reason
+    assert forked.session.provider_session_id == "" and forked.session.status == pb.SESSION_STATUS_IDLE
+    assert not fake.requests("session/fork"), "an agent that does not advertise fork must not be asked"
+    await client.chat(prompt="remember 3", session_id=source)  # after the fork: never on the branch
+
+    on_branch = await client.chat(prompt="remember 4", session_id=branch)
+    opened = started(on_branch)
+    assert opened.resume == pb.RESUME_OUTCOME_FALLBACK_RESEEDED and opened.fallback_reason == UNOPENED_BRANCH
+    assert text_of(on_branch) == "I remember: 1, 2, 4"
+    assert opened.provider_session_id != started(first).provider_session_id
+
+    # a fork of the branch holds the branch's history: the source's history before the first fork,
+    # then the branch's own turns, and nothing the source said later
+    second = await fork(client, branch)
+    later = await client.chat(prompt="what?", session_id=second.session.session_id)
+    # (the re-seed summary lists the newest turns first, so only the set is fixed)
+    assert remembered(text_of(later)) == {"1", "2", "4"}
+
+
+async def test_a_busy_session_is_forked_as_it_stands(make_daemon: DaemonFactory, fake: FakeAgentSetup) -> None:
+    _, client = await make_daemon()
+    source = (await client.chat(prompt="remember 1"))[0].session_id
+    call, _ = await start_turn(client, prompt="remember 2 stream 1 hang", session_id=source)
+    await read_until(call, "agent_message")
+
+    forked = await fork(client, source)
+
+    assert forked.method == pb.FORK_METHOD_RESEEDED
+    await client.stub.Cancel(pb.CancelRequest(session_id=source), timeout=30)
+    assert completed(await rest_of(call)).stop_reason == pb.STOP_REASON_CANCELLED
+    on_branch = await client.chat(prompt="what?", session_id=forked.session.session_id)
+    assert text_of(on_branch) == "I remember: 1", "the branch got what the running turn had not stored"
+
+
+async def test_a_fork_the_agent_fails_falls_back_to_reseeding_and_says_why(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    # idle_timeout = 0: the fork runs in a new agent process, which finds no stored session
+    _, client = await make_daemon({"fake": fake.profile("--caps", FORKING)}, idle_timeout=0)
+    first = await client.chat(prompt="remember 1")
+    (fake.state_dir / "sessions" / f"{started(first).provider_session_id}.json").unlink()
+
+    forked = await fork(client, first[0].session_id)
+
+    assert forked.method == pb.FORK_METHOD_RESEEDED
+    assert "session/fork failed" in forked.fallback_reason, forked.fallback_reason
+    assert len(fake.requests("session/fork")) == 1
+    on_branch = await client.chat(prompt="what?", session_id=forked.session.session_id)
+    assert started(on_branch).resume == pb.RESUME_OUTCOME_FALLBACK_RESEEDED
+    assert text_of(on_branch) == "I remember: 1"
+
+
+@pytest.mark.parametrize(
+    ("session_id", "project_id", "code", "says"),
+    [
+        ("", "proj", grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
+        ("no-such-session", "proj", grpc.StatusCode.NOT_FOUND, "no-such-session"),
+        ("KNOWN", "other", grpc.StatusCode.PERMISSION_DENIED, "another project"),
+        ("KNOWN", "", grpc.StatusCode.INVALID_ARGUMENT, "project_id"),
+        ("KNOWN", "../etc", grpc.StatusCode.INVALID_ARGUMENT, "project_id"),
+    ],
+)
+async def test_a_bad_fork_request_is_refused_and_creates_nothing(
+    make_daemon: DaemonFactory, session_id: str, project_id: str, code: grpc.StatusCode, says: str
+) -> None:
+    _, client = await make_daemon()
+    known = (await client.chat(prompt="remember 1"))[0].session_id
+    request = pb.ForkSessionRequest(session_id=known if session_id == "KNOWN" else session_id, project_id=project_id)
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.stub.ForkSession(request, timeout=30)
+
+    assert caught.value.code() == code and says in (caught.value.details() or "")
+    listed = await client.stub.ListSessions(pb.ListSessionsRequest())
+    assert [s.session_id for s in listed.sessions] == [known]

@@ -40,7 +40,9 @@ from rcoder.client import (
     StopReason,
     Text,
     ToolCall,
+    ToolCalls,
     ToolCallUpdate,
+    ToolState,
     Turn,
 )
 
@@ -199,6 +201,7 @@ class Watch:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     cancelling: set[asyncio.Task[None]] = field(default_factory=set)  # Cancel calls on their way
     asking: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tools: ToolCalls = field(default_factory=ToolCalls)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -233,7 +236,7 @@ class Watch:
                     self.screen.note(summary(self.turn.session_id, self.turn.started, event))
                 return FAILED if event.stop_reason is StopReason.ERROR else 0
             if not self.screen.json:
-                show(self.screen, event)
+                show(self.screen, event, self.tools)
         run_id = self.turn.run_id
         if self.interrupts >= 2:  # the second Ctrl-C left the turn
             sent = f"; run {run_id} was asked to cancel" if run_id else ""
@@ -306,22 +309,38 @@ async def read_line(stream: TextIO) -> str:
         loop.remove_reader(fd)
 
 
-def show(screen: Screen, event: Event) -> None:
-    """One event, compactly: text as it comes, the rest as short notes."""
+def show(screen: Screen, event: Event, tools: ToolCalls) -> None:
+    """One event, compactly: text as it comes, the rest as short notes (``tools``: the turn's
+    tool calls so far, which an update only amends)."""
     if isinstance(event, Text):
         (screen.thought if event.thought else screen.text)(event.text)
     elif isinstance(event, Started) and event.fallback_reason:
         screen.note(f"fallback: {event.fallback_reason}")
     elif isinstance(event, ToolCall):
+        tools.fold(event)
         screen.note(f"tool: {event.title or event.tool_call_id} [{event.kind}] {event.status}".rstrip())
     elif isinstance(event, ToolCallUpdate):
-        if event.status:
-            screen.note(f"tool: {event.title or event.tool_call_id} → {event.status}")
+        state = tools.fold(event)
+        if state is not None and event.status:
+            for line in tool_lines(state):
+                screen.note(line)
     elif isinstance(event, Plan):
         steps = [f"{PLAN_MARKS.get(e.status, '[ ]')} {e.content}" for e in event.entries]
         screen.note("plan: " + " · ".join(steps))
     elif isinstance(event, PermissionRequest):
         screen.note(f"permission: {event.title} [{event.kind}] (answered by the daemon's policy)")
+
+
+def tool_lines(state: ToolState) -> list[str]:
+    """A tool call whose status changed: an edit as its paths and ``+added/-removed`` lines, a
+    command as itself and its exit status, anything else as its title and status."""
+    failed = " (failed)" if state.status == "failed" else ""
+    if state.finished and state.diffs:
+        return [f"edit: {d.path} +{d.line_counts()[0]}/-{d.line_counts()[1]}{failed}" for d in state.diffs]
+    if state.finished and state.kind == "execute":
+        end = f"exit {state.exit_code}" if state.exit_code is not None else state.status
+        return [f"ran: {state.command} → {end}"]
+    return [f"tool: {state.title or state.tool_call_id} → {state.status}"]
 
 
 # ---------------------------------------------------------------- sessions

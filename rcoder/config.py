@@ -58,6 +58,12 @@ def _store_url(url: str) -> str:
     return url
 
 
+def _otlp_endpoint(url: str) -> str:
+    if url and not url.startswith(("http://", "https://")):
+        raise ValueError('expected "" (no traces exported) or an http:// (plaintext) or https:// (TLS) URL')
+    return url
+
+
 def _advertise(address: str) -> str:
     return _host_port(address) if address else address
 
@@ -157,6 +163,8 @@ class SettingsKeys(_Schema):
     run_buffer_events: Count = 10000  # events kept per run for Subscribe replay
     run_retention: Seconds = 600.0  # finished runs stay subscribable this long
     metrics_listen: str = ""  # host:port for Prometheus /metrics; empty: not served
+    # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
+    otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = ""
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
     reseed_on_fallback: bool = True  # when an agent lost a known session, prefix a summary of the transcript

@@ -10,8 +10,10 @@ import signal
 import socket
 from pathlib import Path
 
-from rcoder import __version__
+from rcoder import __version__, tracing
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.api.forwarding import Forwarder
+from rcoder.api.routed import Routes
 from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
@@ -21,11 +23,18 @@ from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
+from rcoder.session.routing import Router
 from rcoder.session.runs import RunRegistry
 from rcoder.store import make_coordination, make_store, redact_url
 
 log = get_logger("rcoder.daemon")
 STORE_FILE = "rcoder.db"
+TRACE_FLUSH_TIMEOUT = 3.0
+
+
+def host_id_of(settings: Settings) -> str:
+    """This daemon's name among several hosts: ``host_id``, else the hostname."""
+    return settings.host_id or socket.gethostname()
 
 
 class Daemon:
@@ -33,7 +42,7 @@ class Daemon:
         self.settings = settings
         # host_id: the host whose runs left running this daemon marks interrupted at start, and
         # the owner of the session leases it takes (DESIGN §7)
-        self.host_id = settings.host_id or socket.gethostname()
+        self.host_id = host_id_of(settings)
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
         self.launcher = AgentLauncher(settings)
         self.runs = RunRegistry(settings.run_retention)
@@ -48,19 +57,33 @@ class Daemon:
         tls = None
         if settings.tls_cert:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
+        # calls to other hosts: the same token; with TLS, this host's certificate is the one they present
+        self.forwarder = Forwarder(
+            self.host_id, settings.auth_token, tls.cert_pem if tls else None, answer_timeout=settings.lease_ttl
+        )
+        router = Router(self.leases, self.runs, self.store, self.metrics)
+        routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries), settings.listen, auth_token=settings.auth_token, tls=tls
+            AgentRunnerService(self.worker, queries, routes), settings.listen, auth_token=settings.auth_token, tls=tls
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
+        self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
-    def _on_store(self, reachable: bool) -> None:
+    def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""
-        if self._stopped:
-            return
-        task = asyncio.get_running_loop().create_task(self.server.set_serving(reachable), name="readiness")
+        task = asyncio.get_running_loop().create_task(self._readiness(reachable, error), name="readiness")
         self._health.add(task)
         task.add_done_callback(self._health.discard)
+
+    async def _readiness(self, reachable: bool, error: str) -> None:
+        if self._stopped:
+            return
+        await self.server.set_serving(reachable)
+        if reachable:
+            log.info("store_reachable")
+        else:
+            log.warning("store_unreachable", error=error)
 
     @property
     def advertise_address(self) -> str:
@@ -69,6 +92,7 @@ class Daemon:
         return self.settings.advertise_address or f"{host}:{self.server.port}"
 
     async def start(self) -> None:
+        self.tracing = tracing.configure(self.settings.otlp_endpoint)
         interrupted = await self.store.open()
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         self.launcher.log_sandboxes()
@@ -122,8 +146,10 @@ class Daemon:
         await self.worker.aclose()
         await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
+        await self.forwarder.aclose()
         await self.store.close()
         self.metrics.close()
+        await self.tracing.aclose(TRACE_FLUSH_TIMEOUT)  # the last spans exported, bounded
         log.info("stopped")
 
 

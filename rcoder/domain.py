@@ -163,6 +163,15 @@ class TextChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolDiff:
+    """One file edit of a tool call: ``old_text`` None for a file the edit creates."""
+
+    path: str
+    old_text: str | None
+    new_text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCall:
     tool_call_id: str
     title: str
@@ -170,16 +179,25 @@ class ToolCall:
     status: str = ""
     raw_input_json: str = ""
     locations: tuple[str, ...] = ()
+    diffs: tuple[ToolDiff, ...] = ()
+    content_text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCallUpdate:
+    """What changed in a tool call (empty: unchanged)."""
+
     tool_call_id: str
     title: str = ""
     kind: str = ""
     status: str = ""
     raw_output_json: str = ""
     content_text: str = ""
+    locations: tuple[str, ...] = ()
+    diffs: tuple[ToolDiff, ...] = ()
+    output: str = ""  # a command's output: the text content, else what raw output holds
+    exit_code: int | None = None
+    raw_input_json: str = ""
 
 
 @dataclass(frozen=True, slots=True)

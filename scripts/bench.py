@@ -36,6 +36,8 @@ from acp import schema as acp_schema
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_multihost import multihost  # noqa: E402  (beside this script)
+
 from rcoder.config import builtin_profiles  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
@@ -46,6 +48,8 @@ LINE_LIMIT = 64 * 1024 * 1024
 CALL_TIMEOUT = 120.0
 # live turns are cheap and the noisiest (tens of ms on a shared 2-core machine): more of them per cold turn
 LIVE_PER_COLD = 5
+# measures run only when named in --only (they bring up a PostgreSQL cluster of their own)
+EXPLICIT_ONLY = {"multihost"}
 
 
 # --------------------------------------------------------------------------- sizes and results
@@ -764,6 +768,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),
+        ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)
     ]  # fmt: skip
     # SIGTERM (a test's timeout) cancels the run, so every `finally` ends what it started
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
@@ -771,7 +776,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="rcoder-bench-") as tmp:
         bench = Bench(Path(tmp), sizes)
         for key, measure in measures:
-            if only and key not in only:
+            if (only and key not in only) or (key in EXPLICIT_ONLY and key not in only):
                 continue
             for result in await measure(bench):
                 results.append(result)

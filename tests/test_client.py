@@ -45,7 +45,9 @@ from rcoder.client import (
     Text,
     TextAttachment,
     ToolCall,
+    ToolCalls,
     ToolCallUpdate,
+    ToolDiff,
     Turn,
     Unauthenticated,
     Unavailable,
@@ -143,6 +145,33 @@ async def test_chat_streams_one_typed_event_per_variant_in_order(client: RcoderC
     assert "".join(e.text for e in events if isinstance(e, Text) and not e.thought) == "c0 c1 I remember: 7"
     assert isinstance(started.time, datetime) and started.time <= done.time
     assert done.to_dict()["completed"]["stop_reason"] == "STOP_REASON_END_TURN"  # the message as grpcurl prints it
+
+
+@on_the_module_loop
+async def test_tool_calls_carry_their_diffs_locations_output_and_exit_status(client: RcoderClient) -> None:
+    events = await all_of(client.chat("c-edits", "edits"))
+
+    tools = ToolCalls()
+    states = [s for e in events if (s := tools.fold(e)) is not None]
+    edit, run = tools.calls["call-e"], tools.calls["call-x"]
+    assert (edit.kind, edit.status, edit.locations) == ("edit", "completed", ("notes.txt",))
+    assert edit.diffs == (ToolDiff(path="notes.txt", old_text="one\ntwo\n", new_text="one\nthree\nfour\n"),)
+    assert edit.diffs[0].line_counts() == (2, 1)
+    assert (run.kind, run.status, run.command, run.output, run.exit_code) == (
+        "execute",
+        "completed",
+        "ls -la",
+        "x\n",
+        2,
+    )
+    (update,) = [e for e in events if isinstance(e, ToolCallUpdate) and e.tool_call_id == "call-x"]
+    assert update.title == "" and update.exit_code == 2, "an update carries only what changed"
+    assert len(states) == 4
+
+
+def test_the_client_tool_call_events_have_every_field_of_the_proto() -> None:
+    for ours, theirs in ((ToolCall, pb.ToolCall), (ToolCallUpdate, pb.ToolCallUpdate), (ToolDiff, pb.ToolDiff)):
+        assert {f.name for f in theirs.DESCRIPTOR.fields} <= set(ours.__dataclass_fields__), theirs
 
 
 @on_the_module_loop

@@ -223,8 +223,19 @@ async def test_tool_calls_and_plans_go_to_stderr_compactly_and_the_text_to_stdou
     assert out == "I remember nothing.\n"
     assert "tool: touch file [edit] pending\n" in err
     assert "plan: [x] look around · [>] touch file\n" in err
-    assert "tool: call-1 → completed\n" in err
+    assert "tool: touch file → completed\n" in err  # the title its start gave
     assert SUMMARY.search(err)
+
+
+async def test_an_edit_shows_as_its_path_and_line_counts_and_a_command_as_itself_and_its_exit_status(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, _ = await make_daemon()
+
+    code, _, err = await rcoder("chat", "--project", "demo", "edits", env={"RCODER_TARGET": daemon.address})
+    assert code == 0
+    assert "edit: notes.txt +2/-1\n" in err  # "one\ntwo\n" → "one\nthree\nfour\n"
+    assert "ran: ls -la → exit 2\n" in err
 
 
 async def test_an_error_stop_exits_1_with_the_error(make_daemon: DaemonFactory) -> None:

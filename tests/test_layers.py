@@ -20,9 +20,9 @@ ROOT = "__init__"  # the layer of the package itself (``rcoder/__init__.py``: ``
 
 # which rcoder layers (top-level modules and packages) each layer may import
 ALLOWED: dict[str, set[str]] = {
-    "api": {"api", "session", "domain", "errors", "logs", "v1", "config"},
-    "session": {"session", "agent", "store", "domain", "errors", "logs", "config", "metrics"},
-    "agent": {"agent", "domain", "errors", "logs", "config", "landlock", ROOT},
+    "api": {"api", "session", "domain", "errors", "logs", "v1", "config", "tracing"},
+    "session": {"session", "agent", "store", "domain", "errors", "logs", "config", "metrics", "tracing"},
+    "agent": {"agent", "domain", "errors", "logs", "config", "landlock", "tracing", ROOT},
     "store": {"store", "domain", "errors", "logs"},
     "domain": set(),
     "errors": set(),
@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "landlock": set(),  # the kernel's Landlock, and the exec wrapper that confines agents (stdlib only)
     "logs": set(),
     "metrics": set(),
+    "tracing": {"logs", ROOT},  # OpenTelemetry: spans and W3C trace context, for every layer that makes spans
     ROOT: set(),
     # generated from the proto: its messages and stubs only
     "v1": {"v1"},
@@ -59,6 +60,7 @@ EDGES = {
     "psycopg_pool": {"store"},
     "prometheus_client": {"metrics"},
     "structlog": {"logs"},
+    "opentelemetry": {"tracing"},
 }
 
 LAYERS = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}

@@ -16,6 +16,7 @@ from acp import RequestError
 from acp import schema as acp
 from acp.client.connection import ClientSideConnection
 
+from rcoder import tracing
 from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
 from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
@@ -120,7 +121,7 @@ class AgentConnection:
         rid = config.resume_session_id
         if method is OpenMethod.RESUME:
             await self._call(
-                self._conn.resume_session(session_id=rid, cwd=config.cwd, mcp_servers=servers),
+                self._conn.resume_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),
                 timeout, "session/resume", resuming=rid,
             )  # fmt: skip
             session_id = rid
@@ -128,12 +129,12 @@ class AgentConnection:
             # watched from before the request: an agent that answers first may replay at once
             self._replay = self._client.on_replay = ReplayWatch(config.replay_end)
             await self._call(
-                self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers),
+                self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),
                 timeout, "session/load", resuming=rid,
             )  # fmt: skip
             session_id = rid
         else:
-            meta = config.build_meta()
+            meta = tracing.with_agent_meta(config.build_meta())  # the trace context's keys are rcoder's
             response = await self._call(
                 self._conn.new_session(cwd=config.cwd, mcp_servers=servers, **meta),
                 timeout, "session/new", resuming=rid if method is OpenMethod.META else "",
@@ -152,7 +153,9 @@ class AgentConnection:
         """Open a new session that branches from ``config.fork_from`` (``session/fork``)."""
         servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
         response = await self._call(
-            self._conn.fork_session(session_id=config.fork_from, cwd=config.cwd, mcp_servers=servers),
+            self._conn.fork_session(
+                session_id=config.fork_from, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()
+            ),
             timeout, "session/fork", resuming=config.fork_from,
         )  # fmt: skip
         self.provider_session_id = response.session_id
@@ -193,7 +196,7 @@ class AgentConnection:
         self._client.begin_turn(on_event, on_permission)
         try:
             response = await self._call(
-                self._conn.prompt(session_id=self.provider_session_id, prompt=blocks),
+                self._conn.prompt(session_id=self.provider_session_id, prompt=blocks, **tracing.agent_meta()),
                 timeout, "session/prompt",
             )  # fmt: skip
         except AgentTimeout as exc:

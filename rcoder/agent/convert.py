@@ -21,6 +21,7 @@ from rcoder.domain import (
     TextChunk,
     ToolCall,
     ToolCallUpdate,
+    ToolDiff,
 )
 
 AcpContentBlock = (
@@ -89,15 +90,23 @@ def update_to_event(update: Any) -> AgentEvent | None:
             status=update.status or "",
             raw_input_json=_json(update.raw_input),
             locations=tuple(loc.path for loc in update.locations or ()),
+            diffs=_tool_diffs(update.content),
+            content_text=_tool_content_text(update.content),
         )
     if isinstance(update, acp.ToolCallProgress):
+        text = _tool_content_text(update.content)
         return ToolCallUpdate(
             tool_call_id=update.tool_call_id,
             title=update.title or "",
             kind=update.kind or "",
             status=update.status or "",
             raw_output_json=_json(update.raw_output),
-            content_text=_tool_content_text(update.content),
+            content_text=text,
+            locations=tuple(loc.path for loc in update.locations or ()),
+            diffs=_tool_diffs(update.content),
+            output=_raw_output_text(update.raw_output) or text,
+            exit_code=_exit_code(update.raw_output),
+            raw_input_json=_json(update.raw_input),
         )
     if isinstance(update, acp.AgentPlanUpdate):
         return Plan(
@@ -169,13 +178,48 @@ def _content_text(content: Any) -> str:
 
 
 def _tool_content_text(content: Any) -> str:
-    parts = []
-    for item in content or ():
-        if isinstance(item, acp.ContentToolCallContent):
-            parts.append(_content_text(item.content))
-        elif isinstance(item, acp.FileEditToolCallContent):
-            parts.append(f"diff {item.path}")
+    """The text content of a tool call (its diffs are :func:`_tool_diffs`; a terminal's output
+    stays in the client's terminal, which rcoder does not offer)."""
+    parts = [_content_text(i.content) for i in content or () if isinstance(i, acp.ContentToolCallContent)]
     return "\n".join(p for p in parts if p)
+
+
+def _tool_diffs(content: Any) -> tuple[ToolDiff, ...]:
+    return tuple(
+        ToolDiff(path=i.path, old_text=i.old_text, new_text=i.new_text)
+        for i in content or ()
+        if isinstance(i, acp.FileEditToolCallContent)
+    )
+
+
+# where the agents put a command's output in raw_output: codex (aggregated_output, formatted_output,
+# stdout), opencode (output); claude sends the output as the string itself
+_OUTPUT_KEYS = ("aggregated_output", "formatted_output", "output", "stdout")
+
+
+def _raw_output_text(raw: Any) -> str:
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, dict):
+        return next((raw[k] for k in _OUTPUT_KEYS if isinstance(raw.get(k), str) and raw[k]), "")
+    return ""
+
+
+def _exit_code(raw: Any) -> int | None:
+    """A command's exit status in raw_output: codex ``exit_code``, opencode ``metadata.exit``,
+    an ACP terminal's ``exitCode``/``exit_status``."""
+    if not isinstance(raw, dict):
+        return None
+    metadata = raw.get("metadata")
+    exit_status = raw.get("exit_status")
+    candidates = (
+        raw.get("exit_code"),
+        raw.get("exitCode"),
+        metadata.get("exit") if isinstance(metadata, dict) else None,
+        exit_status.get("exitCode") if isinstance(exit_status, dict) else None,
+    )
+    code = next((c for c in candidates if isinstance(c, int) and not isinstance(c, bool)), None)
+    return code if code is None or -(2**31) <= code < 2**31 else None
 
 
 def _json(value: Any) -> str:

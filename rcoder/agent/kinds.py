@@ -47,8 +47,9 @@ class AgentKind:
     # answers session/load while its replay is still streaming (rcoder then waits it out)
     answers_load_before_replay: ClassVar[bool] = False
 
-    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
-        """Write the agent's config files under ``home`` for ``provider``; its env and args."""
+    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
+        """Write the agent's config files under ``home`` for ``provider``; its env and args.
+        ``confined``: rcoder's Landlock confines the agent (``sandbox = "landlock"``)."""
         return AgentSetup()
 
     def gone_reason(self, step: str, code: int, message: str, data: Any) -> str | None:
@@ -88,7 +89,7 @@ class ClaudeKind(AgentKind):
 
     name = "claude"
 
-    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         _mkdir(home)
         env = {
             "HOME": str(home),
@@ -138,10 +139,10 @@ class CodexKind(AgentKind):
 
     name = "codex"
 
-    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         codex_home = home / ".codex"
         _mkdir(codex_home)
-        _write(codex_home / "config.toml", codex_config(provider))
+        _write(codex_home / "config.toml", codex_config(provider, confined=confined))
         env = {"HOME": str(home), "CODEX_HOME": str(codex_home)}
         args: list[str] = []
         if provider.model:
@@ -168,8 +169,19 @@ class CodexKind(AgentKind):
 _CODEX_401 = re.compile(r"\bunexpected status 401\b")
 
 
-def codex_config(provider: ModelProvider) -> str:
-    """``config.toml`` for codex: no update checks, analytics or feedback; the provider block."""
+def codex_config(provider: ModelProvider, *, confined: bool = False) -> str:
+    """``config.toml`` for codex: no update checks, analytics or feedback; the provider block.
+
+    Codex asks before it edits a file or runs a command that is not known to be read-only
+    (``approval_policy = "untrusted"``), each ask an ACP permission request that the turn's
+    ``permission_mode`` and the profile's rules answer. Its own sandbox is ``workspace-write``,
+    which on Linux runs every command in bubblewrap. Under rcoder's Landlock that cannot work
+    (Landlock forbids mounting, so bwrap fails; Codex's legacy Landlock helper refuses the
+    workspace-write profile): there its sandbox is off (``danger-full-access``) and rcoder's
+    Landlock is what confines it, to its project, home and TMPDIR. A profile may still pass
+    ``-c sandbox_mode="read-only"`` in its ``args`` (they come before rcoder's, and win over
+    this file).
+    """
     lines = []
     if provider.model:
         lines.append(f"model = {_toml_str(provider.model)}")
@@ -177,8 +189,8 @@ def codex_config(provider: ModelProvider) -> str:
         lines.append(f"model_provider = {_toml_str(CODEX_PROVIDER)}")
     lines += [
         "check_for_update_on_startup = false",
-        'approval_policy = "never"',
-        'sandbox_mode = "read-only"',
+        'approval_policy = "untrusted"',
+        f"sandbox_mode = {_toml_str('danger-full-access' if confined else 'workspace-write')}",
     ]
     if provider.base_url:
         lines += [
@@ -211,6 +223,7 @@ GEMINI_SETTINGS: dict[str, Any] = {
     "telemetry": {"enabled": False},
     "security": {"folderTrust": {"enabled": False}, "auth": {"selectedType": "gemini-api-key"}},
     "ide": {"enabled": False},
+    "tools": {"shell": {"enableInteractiveShell": False}},
 }
 # chats/session-2026-11-30T04-09-<first 8 of the id>.jsonl, named to the UTC minute
 _GEMINI_CHAT = re.compile(r"^session-(\d{4}-\d{2}-\d{2}T\d{2}-\d{2})-")
@@ -232,7 +245,7 @@ class GeminiKind(AgentKind):
     name = "gemini"
     answers_load_before_replay = True
 
-    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         _mkdir(home / ".gemini")
         _write(home / ".gemini" / "settings.json", json.dumps(GEMINI_SETTINGS, indent=2) + "\n")
         env = {
@@ -296,7 +309,7 @@ class OpenCodeKind(AgentKind):
 
     name = "opencode"
 
-    def prepare(self, home: Path, provider: ModelProvider) -> AgentSetup:
+    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         xdg = {
             "XDG_CONFIG_HOME": home / ".config",
             "XDG_DATA_HOME": home / ".local" / "share",

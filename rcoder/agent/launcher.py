@@ -19,7 +19,7 @@ import acp
 from acp import schema as acp_schema
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
-from rcoder import __version__
+from rcoder import __version__, tracing
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.homes import Homes
@@ -245,7 +245,8 @@ class AgentLauncher:
         provider = profile.model_provider(provider)
         try:
             home = await self.homes.home(profile, cwd)
-            setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider)
+            landlocked = self._settings.sandbox_of(profile) == "landlock"
+            setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider, confined=landlocked)
         except OSError as exc:
             raise AgentUnavailable(
                 f"agent {profile.name!r}: could not prepare its home for {cwd}: {exc}", agent=profile.name
@@ -265,16 +266,18 @@ class AgentLauncher:
                 agent=profile.name,
             )
         confined = await asyncio.to_thread(confinement, self._settings, profile, command, Path(cwd), home)
-        process = await AgentProcess.spawn(
-            [command, *profile.args, *setup.args],
-            cwd=cwd,
-            env=env,
-            name=profile.name,
-            stderr_tail_bytes=self._settings.stderr_tail_bytes,
-            stop_grace=self._settings.agent_stop_grace,
-            pid_dir=self.pid_dir,
-            confinement=confined,
-        )
+        with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
+            process = await AgentProcess.spawn(
+                [command, *profile.args, *setup.args],
+                cwd=cwd,
+                env=env,
+                name=profile.name,
+                stderr_tail_bytes=self._settings.stderr_tail_bytes,
+                stop_grace=self._settings.agent_stop_grace,
+                pid_dir=self.pid_dir,
+                confinement=confined,
+            )
+            span.set_attribute("rcoder.agent.pid", process.pid)
         self._processes.add(process)
         client = RcoderClient(profile.name)
         pipe = PipeTransport(
@@ -291,19 +294,20 @@ class AgentLauncher:
             process, pipe, conn, client, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
         )
         try:
-            init = await call_agent(
-                process,
-                profile.name,
-                conn.initialize(
-                    protocol_version=acp.PROTOCOL_VERSION,
-                    client_capabilities=acp_schema.ClientCapabilities(),
-                    client_info=acp_schema.Implementation(name="rcoder", title="rcoder", version=__version__),
-                ),
-                self._settings.initialize_timeout,
-                "initialize",
-                pipe=pipe,
-                kind=kind,
-            )
+            with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):
+                init = await call_agent(
+                    process,
+                    profile.name,
+                    conn.initialize(
+                        protocol_version=acp.PROTOCOL_VERSION,
+                        client_capabilities=acp_schema.ClientCapabilities(),
+                        client_info=acp_schema.Implementation(name="rcoder", title="rcoder", version=__version__),
+                    ),
+                    self._settings.initialize_timeout,
+                    "initialize",
+                    pipe=pipe,
+                    kind=kind,
+                )
             if init.protocol_version != acp.PROTOCOL_VERSION:
                 raise AgentProtocolError(
                     f"agent {profile.name!r} speaks ACP version {init.protocol_version}, rcoder speaks "

@@ -22,6 +22,7 @@ from rcoder.domain import (
     TextChunk,
     ToolCall,
     ToolCallUpdate,
+    ToolDiff,
 )
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -45,6 +46,10 @@ STOP_REASONS = {
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _DAY = 86400
+
+
+def tool_diff(diff: ToolDiff) -> pb.ToolDiff:
+    return pb.ToolDiff(path=diff.path, old_text=diff.old_text, new_text=diff.new_text)
 
 
 def timestamp(value: datetime) -> Timestamp:
@@ -80,6 +85,8 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
                 status=body.status,
                 raw_input_json=body.raw_input_json,
                 locations=list(body.locations),
+                diffs=[tool_diff(d) for d in body.diffs],
+                content_text=body.content_text,
             )
         )
     elif isinstance(body, ToolCallUpdate):
@@ -91,6 +98,11 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
                 status=body.status,
                 raw_output_json=body.raw_output_json,
                 content_text=body.content_text,
+                locations=list(body.locations),
+                diffs=[tool_diff(d) for d in body.diffs],
+                output=body.output,
+                exit_code=body.exit_code,
+                raw_input_json=body.raw_input_json,
             )
         )
     elif isinstance(body, Plan):

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from rcoder import errors
+from rcoder import errors, tracing
 from rcoder.api.service import AgentRunnerService, abort, status_for
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -108,24 +108,39 @@ def _decoder(cls: type[pb_message.Message]) -> Callable[[bytes], Any]:
     return decode
 
 
-def _checked(behaviour: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-    """Refuse an undecodable request before the handler sees it."""
+def _checked(behaviour: Callable[..., Any], streaming: bool, method: str = "") -> Callable[..., Any]:
+    """Refuse an undecodable request before the handler sees it; the call's span around it
+    (``rcoder.tracing``: a child of the client's ``traceparent``, with the call's status)."""
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            if isinstance(request, _Undecodable):
-                await abort(context, _bad_request(request))
-            async for item in behaviour(request, context):
-                yield item
+            with tracing.server_span(method, context.invocation_metadata()) as span:
+                try:
+                    if isinstance(request, _Undecodable):
+                        await abort(context, _bad_request(request))
+                    async for item in behaviour(request, context):
+                        yield item
+                finally:
+                    _record_status(span, context)
 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        if isinstance(request, _Undecodable):
-            await abort(context, _bad_request(request))
-        return await behaviour(request, context)
+        with tracing.server_span(method, context.invocation_metadata()) as span:
+            try:
+                if isinstance(request, _Undecodable):
+                    await abort(context, _bad_request(request))
+                return await behaviour(request, context)
+            finally:
+                _record_status(span, context)
 
     return unary
+
+
+def _record_status(span: tracing.Span, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    if span.is_recording():
+        code = context.code() or grpc.StatusCode.OK
+        tracing.rpc_status(span, code.value[0], code.name, context.details() or "")
 
 
 def _bad_request(request: _Undecodable) -> errors.InvalidArgument:
@@ -139,7 +154,7 @@ def _agent_runner_handlers(service: AgentRunnerService) -> grpc.GenericRpcHandle
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
-        behaviour = _checked(getattr(service, method.name), method.server_streaming)
+        behaviour = _checked(getattr(service, method.name), method.server_streaming, f"{SERVICE_NAME}/{method.name}")
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             behaviour, request_deserializer=_decoder(request_cls), response_serializer=response_cls.SerializeToString

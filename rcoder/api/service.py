@@ -9,18 +9,21 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rcoder import errors
 from rcoder.api import convert, validate
+from rcoder.api.routed import Routes
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.queries import Queries, SessionStatus
+from rcoder.session.routing import HostRecord
 from rcoder.session.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
@@ -37,6 +40,8 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.SessionBusy, grpc.StatusCode.ABORTED),
+    (errors.LeaseLost, grpc.StatusCode.ABORTED),
+    (errors.OwnedElsewhere, grpc.StatusCode.UNAVAILABLE),
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (errors.StoreError, grpc.StatusCode.UNAVAILABLE),
@@ -60,6 +65,13 @@ def status_for(exc: errors.RcoderError) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(reason=exc.reason, domain=ERROR_DOMAIN, metadata=exc.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
+    details = [detail]
+    if isinstance(exc, errors.OwnedElsewhere):  # google.rpc.RetryInfo: when to try again
+        seconds = max(exc.retry_after, 0.0)
+        delay = duration_pb2.Duration(seconds=int(seconds), nanos=int((seconds % 1) * 1e9))
+        retry = any_pb2.Any()
+        retry.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        details.append(retry)
     # the message travels twice in trailing metadata (grpc-message and the Status detail), and
     # clients refuse trailers past 8-16 KiB: a long stderr tail must not turn a deliberate status
     # into RESOURCE_EXHAUSTED "received metadata size exceeds", so it is cut to its last part
@@ -68,42 +80,87 @@ def status_for(exc: errors.RcoderError) -> grpc.Status:
         head = exc.message.encode()[: MAX_STATUS_MESSAGE_BYTES // 2].decode(errors="ignore")
         tail = exc.message.encode()[-MAX_STATUS_MESSAGE_BYTES // 2 :].decode(errors="ignore")
         message = f"{head}\n…\n{tail}"
-    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=details))
 
 
-async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError) -> NoReturn:
+async def abort(
+    context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError, trailing: tuple[tuple[str, str], ...] = ()
+) -> NoReturn:
     status = status_for(exc)
     log.info("request_refused", code=status.code.name, reason=exc.reason, message=exc.message[:300])
-    await context.abort_with_status(status)
+    await context.abort(status.code, status.details, (*status.trailing_metadata, *trailing))
     raise AssertionError("abort_with_status returned")  # pragma: no cover
 
 
 class AgentRunnerService(pb_grpc.AgentRunnerServicer):
-    def __init__(self, worker: AcpWorker, queries: Queries) -> None:
+    """Each RPC about a session or a run is served here or at the host that owns it (``routed``)."""
+
+    def __init__(self, worker: AcpWorker, queries: Queries, routes: Routes) -> None:
         self._worker = worker
         self._queries = queries
+        self._routes = routes
+        self._router = routes.router
+
+    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError) -> NoReturn:
+        await abort(context, exc, self._routes.owner_metadata)
 
     async def Chat(
         self, request: pb.ChatRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ChatStream]:
         try:
             turn = validate.chat_turn(request)
-            run = await self._worker.chat(turn)
-            async for event in run.follow(0):
-                yield convert.chat_stream(event)
+            if not self._router.shared:  # one host: the stream as it always was, no extra hop per event
+                context.set_trailing_metadata(self._routes.owner_metadata)
+                run = await self._worker.chat(turn)
+                async for event in run.follow(0):
+                    yield convert.chat_stream(event)
+                return
+
+            async def here() -> AsyncIterator[pb.ChatStream]:
+                run = await self._worker.chat(turn)
+                async for event in run.follow(0):
+                    yield convert.chat_stream(event)
+
+            find = partial(self._router.session_owner, turn.session_id)
+            what = ("session", turn.session_id)
+            async for message in self._routes.stream("Chat", request, context, find, here, what, self._run_end):
+                yield message
         except errors.RcoderError as exc:
-            await abort(context, exc)
+            await self._abort(context, exc)
 
     async def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ChatStream]:
         try:
             validate.identifier(request.run_id, "run_id", required=True)
-            run = self._worker.run(request.run_id)
-            async for event in run.follow(request.after_seq):
-                yield convert.chat_stream(event)
+
+            async def here() -> AsyncIterator[pb.ChatStream]:
+                try:
+                    run = self._worker.run(request.run_id)
+                except errors.NotFound:
+                    if not self._router.shared:
+                        raise
+                    for stored in await self._router.stored_run(request.run_id, request.after_seq):
+                        yield convert.chat_stream(stored)  # a run another host left: its end, from the store
+                    return
+                async for event in run.follow(request.after_seq):
+                    yield convert.chat_stream(event)
+
+            find = partial(self._router.run_owner, request.run_id)
+            what = ("run", request.run_id)
+            async for message in self._routes.stream("Subscribe", request, context, find, here, what, self._run_end):
+                yield message
         except errors.RcoderError as exc:
-            await abort(context, exc)
+            await self._abort(context, exc)
+
+    async def _run_end(self, last: pb.ChatStream) -> AsyncIterator[pb.ChatStream]:
+        """The owner broke the stream after ``last`` and its lease expired: the run's end as the
+        store has it (ended "owner host lost" on the way)."""
+        owner = await self._router.run_owner(last.run_id)
+        if owner is not None:
+            raise errors.OwnedElsewhere("run", last.run_id, owner.host_id, owner.advertise_address)
+        for stored in await self._router.stored_run(last.run_id, last.seq):
+            yield convert.chat_stream(stored)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:
         try:
@@ -111,10 +168,19 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 raise errors.InvalidArgument("run_id", "set exactly one of run_id or session_id")
             validate.identifier(request.run_id, "run_id")
             validate.identifier(request.session_id, "session_id")
-            run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+
+            async def here() -> pb.CancelResponse:
+                run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+                return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
+
+            if request.run_id:
+                find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
+            else:
+                find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
+            response: pb.CancelResponse = await self._routes.unary("Cancel", request, context, find, here, what)
         except errors.RcoderError as exc:
-            await abort(context, exc)
-        return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
+            await self._abort(context, exc)
+        return response
 
     async def ResolvePermission(
         self, request: pb.ResolvePermissionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -123,20 +189,35 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             validate.identifier(request.run_id, "run_id", required=True)
             validate.identifier(request.permission_id, "permission_id", required=True)
             validate.identifier(request.option_id, "option_id")
-            self._worker.permissions.resolve(request.run_id, request.permission_id, request.option_id)
+
+            async def here() -> pb.ResolvePermissionResponse:
+                self._worker.permissions.resolve(request.run_id, request.permission_id, request.option_id)
+                return pb.ResolvePermissionResponse()
+
+            find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
+            response: pb.ResolvePermissionResponse = await self._routes.unary(
+                "ResolvePermission", request, context, find, here, what
+            )
         except errors.RcoderError as exc:
-            await abort(context, exc)
-        return pb.ResolvePermissionResponse()
+            await self._abort(context, exc)
+        return response
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionResponse:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
-            stopped = await self._worker.close_session(request.session_id)
+
+            async def here() -> pb.CloseSessionResponse:
+                return pb.CloseSessionResponse(agent_stopped=await self._worker.close_session(request.session_id))
+
+            find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
+            response: pb.CloseSessionResponse = await self._routes.unary(
+                "CloseSession", request, context, find, here, what
+            )
         except errors.RcoderError as exc:
-            await abort(context, exc)
-        return pb.CloseSessionResponse(agent_stopped=stopped)
+            await self._abort(context, exc)
+        return response
 
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -144,25 +225,49 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         try:
             validate.identifier(request.session_id, "session_id", required=True)
             check_project_id(request.project_id)
-            forked = await self._worker.fork(request.session_id, request.project_id)
-            status = self._queries.status(forked.record.session_id)
+
+            async def here() -> pb.ForkSessionResponse:
+                forked = await self._worker.fork(request.session_id, request.project_id)
+                status = self._queries.status(forked.record.session_id)
+                return pb.ForkSessionResponse(
+                    session=convert.session(forked.record, _SESSION_STATUS[status]),
+                    method=convert.FORK_METHODS[forked.method],
+                    fallback_reason=forked.reason,
+                )
+
+            find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
+            response: pb.ForkSessionResponse = await self._routes.unary(
+                "ForkSession", request, context, find, here, what
+            )
         except errors.RcoderError as exc:
-            await abort(context, exc)
-        return pb.ForkSessionResponse(
-            session=convert.session(forked.record, _SESSION_STATUS[status]),
-            method=convert.FORK_METHODS[forked.method],
-            fallback_reason=forked.reason,
-        )
+            await self._abort(context, exc)
+        return response
 
     async def GetSession(
         self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.Session:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
-            record, status = await self._queries.session(request.session_id)
+
+            async def here() -> pb.Session:
+                record, status = await self._queries.session(request.session_id)
+                return convert.session(record, _SESSION_STATUS[status])
+
+            find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
+            response: pb.Session = await self._routes.unary("GetSession", request, context, find, here, what)
         except errors.RcoderError as exc:
-            await abort(context, exc)
-        return convert.session(record, _SESSION_STATUS[status])
+            await self._abort(context, exc)
+        return response
+
+    async def ListHosts(
+        self, request: pb.ListHostsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListHostsResponse:
+        try:
+            hosts = await self._router.hosts()
+        except errors.RcoderError as exc:
+            await self._abort(context, exc)
+        context.set_trailing_metadata(self._routes.owner_metadata)
+        return pb.ListHostsResponse(hosts=[_host(h, h.host_id == self._router.host_id) for h in hosts])
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -203,6 +308,18 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))
             agents.append(info)
         return pb.ListAgentsResponse(agents=agents)
+
+
+def _host(record: HostRecord, this: bool) -> pb.Host:
+    return pb.Host(
+        host_id=record.host_id,
+        advertise_address=record.advertise_address,
+        heartbeat=convert.timestamp(record.heartbeat),
+        version=record.version,
+        started_at=convert.timestamp(record.started_at),
+        live=record.live,
+        self=this,
+    )
 
 
 def _encode_page_token(after: str) -> str:

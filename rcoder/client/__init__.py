@@ -52,6 +52,7 @@ from rcoder.client.events import (
     Text,
     ToolCall,
     ToolCallUpdate,
+    ToolDiff,
     UnknownEvent,
 )
 from rcoder.client.requests import (
@@ -76,6 +77,7 @@ from rcoder.client.resources import (
     SessionPage,
     SessionStatus,
 )
+from rcoder.client.tools import ToolCalls, ToolState
 from rcoder.client.turn import Turn, TurnResult
 
 __all__ = [
@@ -127,6 +129,9 @@ __all__ = [
     "TextAttachment",
     "ToolCall",
     "ToolCallUpdate",
+    "ToolCalls",
+    "ToolDiff",
+    "ToolState",
     "Turn",
     "TurnResult",
     "Unauthenticated",

@@ -7,7 +7,8 @@ and ``raw`` (the ``ChatStream`` message). A variant newer than this client arriv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -77,6 +78,25 @@ class Text(Event):
     thought: bool
 
 
+@dataclass(frozen=True, slots=True)
+class ToolDiff:
+    """One file edit: ``old_text`` None for a file the edit creates."""
+
+    path: str
+    old_text: str | None
+    new_text: str
+
+    def line_counts(self) -> tuple[int, int]:
+        """Lines added and removed, as ``diff`` counts them."""
+        old, new = (self.old_text or "").splitlines(), self.new_text.splitlines()
+        matcher = difflib.SequenceMatcher(a=old, b=new, autojunk=False)
+        added = removed = 0
+        for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+            if tag != "equal":
+                removed, added = removed + a1 - a0, added + b1 - b0
+        return added, removed
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ToolCall(Event):
     tool_call_id: str
@@ -84,17 +104,26 @@ class ToolCall(Event):
     kind: str  # read, edit, delete, move, search, execute, think, fetch, switch_mode, other
     status: str  # pending, in_progress, completed, failed
     raw_input_json: str
-    locations: tuple[str, ...]
+    locations: tuple[str, ...]  # the paths it touches
+    diffs: tuple[ToolDiff, ...]  # the edits it makes
+    content_text: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ToolCallUpdate(Event):
+    """What changed in a tool call; empty fields did not change."""
+
     tool_call_id: str
     title: str
     kind: str
     status: str
     raw_output_json: str
     content_text: str  # the text content of the update, if any
+    locations: tuple[str, ...]
+    diffs: tuple[ToolDiff, ...]
+    output: str  # a command's output
+    exit_code: int | None  # a command's exit status, where the agent says it
+    raw_input_json: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +211,8 @@ def _tool_call(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         status=c.status,
         raw_input_json=c.raw_input_json,
         locations=tuple(c.locations),
+        diffs=_diffs(c.diffs),
+        content_text=c.content_text,
         **envelope,
     )
 
@@ -195,7 +226,19 @@ def _tool_call_update(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         status=u.status,
         raw_output_json=u.raw_output_json,
         content_text=u.content_text,
+        locations=tuple(u.locations),
+        diffs=_diffs(u.diffs),
+        output=u.output,
+        exit_code=u.exit_code if u.HasField("exit_code") else None,
+        raw_input_json=u.raw_input_json,
         **envelope,
+    )
+
+
+def _diffs(diffs: Iterable[pb.ToolDiff]) -> tuple[ToolDiff, ...]:
+    return tuple(
+        ToolDiff(path=d.path, old_text=d.old_text if d.HasField("old_text") else None, new_text=d.new_text)
+        for d in diffs
     )
 
 

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rcoder import tracing
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.launcher import AgentLauncher, Launched
 from rcoder.agent.start_config import AgentStartConfig
@@ -309,6 +310,7 @@ class AgentPool:
             slot.task = asyncio.get_running_loop().create_task(self._warm_up(profile, slot), name=f"warm-{name}")
 
     async def _warm_up(self, profile: AgentProfile, slot: _Slot) -> None:
+        tracing.detach()  # started from some request's task: its spawn is no part of that request's trace
         try:
             connection = await self.launcher.start(profile, slot.cwd, ModelProvider())
             slot.connection = connection  # no await since start returned: the slot owns it

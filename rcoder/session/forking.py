@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 
+from rcoder import tracing
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import Settings
 from rcoder.domain import Forked, ForkMethod, ModelProvider, OpenMethod, SessionRecord, new_id
@@ -102,7 +103,10 @@ class SessionForker:
         config = AgentStartConfig(cwd=source.cwd, fork_from=source.provider_session_id)
         async with self._pool.checkout(profile, source.cwd, ModelProvider(), plain=False) as checkout:
             try:
-                launched = await checkout.launch(config)
+                with tracing.span("session.open", {"rcoder.agent": profile.name,
+                                                   "rcoder.session_id": branch.session_id}) as span:  # fmt: skip
+                    launched = await checkout.launch(config)
+                    span.set_attribute("rcoder.session.method", launched.method.value)
             except AgentError as exc:
                 log.warning("session_fork_failed", source=source.session_id, error=exc.summary)
                 return f"the agent's session/fork failed: {exc.summary}"

@@ -8,7 +8,7 @@ or cut off) drops it and ends the session's agent (``on_lost``); the writes abou
 carry the lost generation, so the store refuses whatever this host still tries to write.
 
 The same tick heartbeats this host in the hosts table; whether the store answered is reported
-(``on_store``) for readiness. With the SQLite store (``LocalCoordination``) nothing here waits
+(``on_store``, on each change) for readiness. With the SQLite store (``LocalCoordination``) nothing here waits
 on I/O.
 """
 
@@ -33,7 +33,7 @@ class LeaseKeeper:
         lease_ttl: float,
         metrics: Metrics,
         on_lost: Callable[[str], None] = lambda session_id: None,
-        on_store: Callable[[bool], None] = lambda reachable: None,
+        on_store: Callable[[bool, str], None] = lambda reachable, error: None,
     ) -> None:
         self.coordination = coordination
         self._ttl = lease_ttl
@@ -45,6 +45,10 @@ class LeaseKeeper:
         self._releasing: asyncio.Task[None] | None = None
         self._ticking: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
+
+    @property
+    def lease_ttl(self) -> float:
+        return self._ttl
 
     @property
     def host_id(self) -> str:
@@ -132,12 +136,9 @@ class LeaseKeeper:
     def _store_reachable(self, reachable: bool, error: str) -> None:
         if reachable == self._reachable:
             return
-        self._reachable = reachable
-        if reachable:
-            log.info("store_reachable")
-        else:
-            log.warning("store_unreachable", error=error[:300])
-        self.on_store(reachable)
+        first, self._reachable = self._reachable is None, reachable
+        if not (first and reachable):  # the daemon starts SERVING: only changes are told
+            self.on_store(reachable, error[:300])
 
     async def aclose(self) -> None:
         """Stop renewing and release every lease still held (one statement, bounded). Idempotent."""

@@ -16,6 +16,7 @@ import contextlib
 import fnmatch
 from collections.abc import Awaitable, Callable, Sequence
 
+from rcoder import tracing
 from rcoder.config import PermissionRule
 from rcoder.domain import PermissionMode, PermissionRequest
 from rcoder.errors import InvalidArgument, NotFound
@@ -48,6 +49,9 @@ class PermissionBroker:
         self._pending: dict[tuple[str, str], tuple[PermissionRequest, asyncio.Future[str | None]]] = {}
 
     def decider(self, run_id: str, mode: PermissionMode, rules: Sequence[PermissionRule]) -> Decider:
+        # the agent's requests arrive in the connection's own tasks: waits are spans of the turn that made this
+        trace = tracing.current()
+
         async def decide(request: PermissionRequest) -> str | None:
             rule = rule_for(rules, request)
             action = rule.action if rule else mode.value
@@ -58,11 +62,19 @@ class PermissionBroker:
                 return pick(request, ALLOW_KINDS)
             if action == "deny":
                 return pick(request, REJECT_KINDS)
-            return await self._ask(run_id, request)
+            return await self._ask(run_id, request, trace)
 
         return decide
 
-    async def _ask(self, run_id: str, request: PermissionRequest) -> str | None:
+    async def _ask(self, run_id: str, request: PermissionRequest, trace: object = None) -> str | None:
+        attributes = {"rcoder.run_id": run_id, "rcoder.permission.id": request.permission_id,
+                      "rcoder.permission.kind": request.kind, "rcoder.permission.title": request.title}  # fmt: skip
+        with tracing.span("permission.wait", attributes, parent=trace) as span:
+            answer = await self._wait(run_id, request)
+            span.set_attribute("rcoder.permission.answer", answer or "cancelled")  # the option id chosen
+            return answer
+
+    async def _wait(self, run_id: str, request: PermissionRequest) -> str | None:
         key = (run_id, request.permission_id)
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending[key] = (request, future)

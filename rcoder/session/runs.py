@@ -292,6 +292,10 @@ class RunRegistry:
     def running(self) -> list[Run]:
         return list(self._holders.values())
 
+    def known(self, run_id: str) -> bool:
+        """Whether this host has ``run_id`` (running, or finished within ``retention``)."""
+        return run_id in self._runs
+
     def _prune(self) -> None:
         cutoff = time.monotonic() - self._retention
         finished = self._finished

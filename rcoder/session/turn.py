@@ -27,6 +27,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from rcoder import tracing
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.convert import prompt_blocks
 from rcoder.config import Settings
@@ -90,7 +91,21 @@ class TurnScope:
 
     async def open(self, opener: SessionOpener) -> Opened:
         """Open the session in a task of its own, so that ``cancel`` can stop just that (a live
-        agent is taken at once)."""
+        agent is taken at once). Its span says by which route and with what outcome."""
+        plan = self.plan
+        attributes = {"rcoder.agent": plan.profile.name, "rcoder.session_id": plan.session_id,
+                      "rcoder.run_id": plan.run_id, "rcoder.project_id": plan.turn.project_id}  # fmt: skip
+        with tracing.span("session.open", attributes) as span:
+            opened = await self._open(opener)
+            if span.is_recording():
+                started = opened.started
+                span.set_attribute("rcoder.session.method", started.resume_method.value)
+                span.set_attribute("rcoder.session.outcome", f"RESUME_OUTCOME_{started.resume.name}")
+                if started.fallback_reason:
+                    span.set_attribute("rcoder.session.fallback_reason", started.fallback_reason)
+        return opened
+
+    async def _open(self, opener: SessionOpener) -> Opened:
         opened = opener.live(self.plan)
         if opened is not None:
             self.conn = opened.connection
@@ -310,14 +325,24 @@ class TurnRunner:
             run.publish(event)
 
         turn = plan.turn
-        decider = self.permissions.decider(run.run_id, turn.permission_mode, plan.profile.permission_rules)
         beats = Heartbeats(run, self._settings.heartbeat_interval)
         scope.phase = "prompting"
-        try:
-            blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
-            scope.stop = await opened.connection.prompt(blocks, on_event, decider, self._settings.turn_timeout or None)
-        finally:
-            beats.stop()
+        attributes = {
+            "rcoder.agent": plan.profile.name,
+            "rcoder.session_id": plan.session_id,
+            "rcoder.run_id": run.run_id,
+        }
+        # the prompt's span is current while it runs: session/prompt carries it to the agent in _meta
+        with tracing.span("session.prompt", attributes) as span:
+            # made inside the span: permission waits are its children
+            decider = self.permissions.decider(run.run_id, turn.permission_mode, plan.profile.permission_rules)
+            try:
+                blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
+                timeout = self._settings.turn_timeout or None
+                scope.stop = await opened.connection.prompt(blocks, on_event, decider, timeout)
+            finally:
+                beats.stop()
+            span.set_attribute("rcoder.stop_reason", scope.stop.value)
         scope.transcript = TranscriptEntry(
             session_id=plan.session_id,
             run_id=run.run_id,

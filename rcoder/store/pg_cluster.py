@@ -74,7 +74,7 @@ class PgCoordination:
         return Owner(str(rows[0][0]), str(rows[0][1]), bool(rows[0][2])) if rows else None
 
     async def run_owner(self, run_id: str) -> Owner | None:
-        rows = await self._store.rows(pg_schema.RUN_OWNER, (run_id,))
+        rows = await self._store.rows(pg_schema.RUN_OWNER, (self._ttl, run_id))
         return Owner(str(rows[0][0]), str(rows[0][1]), bool(rows[0][2])) if rows else None
 
     async def end_orphaned_run(self, run_id: str) -> bool:

@@ -210,8 +210,11 @@ SESSION_OWNER = (
     "SELECT l.owner, coalesce(h.advertise_address, ''), l.expires > now() FROM leases l"
     " LEFT JOIN hosts h ON h.id = l.owner WHERE l.session_id = %s AND l.owner <> ''"
 )
+# a running run is its host's while the host holds its session's lease; an ended one while the
+# host is alive (it keeps the run's events for Subscribe)
 RUN_OWNER = (
     "SELECT r.host_id, coalesce(h.advertise_address, ''), coalesce(l.owner = r.host_id AND l.expires > now(), false)"
+    " OR (r.status <> 'running' AND coalesce(h.heartbeat > now() - make_interval(secs => %s), false))"
     " FROM runs r LEFT JOIN leases l ON l.session_id = r.session_id LEFT JOIN hosts h ON h.id = r.host_id"
     " WHERE r.run_id = %s"
 )

@@ -758,6 +758,86 @@ class ForkSessionResponse(_message.Message):
 Global___ForkSessionResponse: _TypeAlias = ForkSessionResponse  # noqa: Y015
 
 @_typing.final
+class ListHostsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListHostsRequest: _TypeAlias = ListHostsRequest  # noqa: Y015
+
+@_typing.final
+class ListHostsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOSTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hosts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Host]: ...
+    def __init__(
+        self,
+        *,
+        hosts: _abc.Iterable[Global___Host] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hosts", b"hosts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListHostsResponse: _TypeAlias = ListHostsResponse  # noqa: Y015
+
+@_typing.final
+class Host(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    ADVERTISE_ADDRESS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    SELF_FIELD_NUMBER: _builtins.int
+    host_id: _builtins.str
+    advertise_address: _builtins.str
+    """where other hosts (and clients) reach it"""
+    version: _builtins.str
+    """rcoder's version on it"""
+    live: _builtins.bool
+    """its heartbeat is within lease_ttl"""
+    self: _builtins.bool
+    """the host that answered"""
+    @_builtins.property
+    def heartbeat(self) -> _timestamp_pb2.Timestamp:
+        """its last heartbeat, by the store's clock"""
+
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self_,  # pyright: ignore[reportSelfClsParameterName]
+        *,
+        host_id: _builtins.str = ...,
+        advertise_address: _builtins.str = ...,
+        heartbeat: _timestamp_pb2.Timestamp | None = ...,
+        version: _builtins.str = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        live: _builtins.bool = ...,
+        self: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "heartbeat", b"heartbeat", "host_id", b"host_id", "live", b"live", "self", b"self", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Host: _TypeAlias = Host  # noqa: Y015
+
+@_typing.final
 class ListAgentsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1096,6 +1176,8 @@ Global___TextChunk: _TypeAlias = TextChunk  # noqa: Y015
 
 @_typing.final
 class ToolCall(_message.Message):
+    """A tool call as the agent starts it. Every field is what the agent gave, empty where it gave none."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
@@ -1104,6 +1186,8 @@ class ToolCall(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     RAW_INPUT_JSON_FIELD_NUMBER: _builtins.int
     LOCATIONS_FIELD_NUMBER: _builtins.int
+    DIFFS_FIELD_NUMBER: _builtins.int
+    CONTENT_TEXT_FIELD_NUMBER: _builtins.int
     tool_call_id: _builtins.str
     title: _builtins.str
     kind: _builtins.str
@@ -1111,8 +1195,16 @@ class ToolCall(_message.Message):
     status: _builtins.str
     """pending, in_progress, completed, failed"""
     raw_input_json: _builtins.str
+    content_text: _builtins.str
+    """its text content, if any"""
     @_builtins.property
-    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the paths it touches"""
+
+    @_builtins.property
+    def diffs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDiff]:
+        """the edits it makes (ACP content of type "diff")"""
+
     def __init__(
         self,
         *,
@@ -1122,10 +1214,12 @@ class ToolCall(_message.Message):
         status: _builtins.str = ...,
         raw_input_json: _builtins.str = ...,
         locations: _abc.Iterable[_builtins.str] | None = ...,
+        diffs: _abc.Iterable[Global___ToolDiff] | None = ...,
+        content_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "locations", b"locations", "raw_input_json", b"raw_input_json", "status", b"status", "title", b"title", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_text", b"content_text", "diffs", b"diffs", "kind", b"kind", "locations", b"locations", "raw_input_json", b"raw_input_json", "status", b"status", "title", b"title", "tool_call_id", b"tool_call_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1133,6 +1227,8 @@ Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class ToolCallUpdate(_message.Message):
+    """What changed in a tool call; fields left empty did not change (ACP: only what is set is new)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
@@ -1141,6 +1237,11 @@ class ToolCallUpdate(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     RAW_OUTPUT_JSON_FIELD_NUMBER: _builtins.int
     CONTENT_TEXT_FIELD_NUMBER: _builtins.int
+    LOCATIONS_FIELD_NUMBER: _builtins.int
+    DIFFS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    RAW_INPUT_JSON_FIELD_NUMBER: _builtins.int
     tool_call_id: _builtins.str
     title: _builtins.str
     kind: _builtins.str
@@ -1148,6 +1249,18 @@ class ToolCallUpdate(_message.Message):
     raw_output_json: _builtins.str
     content_text: _builtins.str
     """text content of the update, if any"""
+    output: _builtins.str
+    """a command's (or any tool's) output: its text content, else the output the agent put in
+    raw_output (codex: aggregated_output, opencode: output, claude: the string itself)
+    """
+    exit_code: _builtins.int
+    """a command's exit status, where the agent says it"""
+    raw_input_json: _builtins.str
+    """the input, when the agent sends it (or changes it) here"""
+    @_builtins.property
+    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def diffs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDiff]: ...
     def __init__(
         self,
         *,
@@ -1157,14 +1270,50 @@ class ToolCallUpdate(_message.Message):
         status: _builtins.str = ...,
         raw_output_json: _builtins.str = ...,
         content_text: _builtins.str = ...,
+        locations: _abc.Iterable[_builtins.str] | None = ...,
+        diffs: _abc.Iterable[Global___ToolDiff] | None = ...,
+        output: _builtins.str = ...,
+        exit_code: _builtins.int | None = ...,
+        raw_input_json: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content_text", b"content_text", "kind", b"kind", "raw_output_json", b"raw_output_json", "status", b"status", "title", b"title", "tool_call_id", b"tool_call_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "content_text", b"content_text", "diffs", b"diffs", "exit_code", b"exit_code", "kind", b"kind", "locations", b"locations", "output", b"output", "raw_input_json", b"raw_input_json", "raw_output_json", b"raw_output_json", "status", b"status", "title", b"title", "tool_call_id", b"tool_call_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
 
 Global___ToolCallUpdate: _TypeAlias = ToolCallUpdate  # noqa: Y015
+
+@_typing.final
+class ToolDiff(_message.Message):
+    """One file edit: old_text unset for a file the edit creates."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    OLD_TEXT_FIELD_NUMBER: _builtins.int
+    NEW_TEXT_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    old_text: _builtins.str
+    new_text: _builtins.str
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        old_text: _builtins.str | None = ...,
+        new_text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_old_text", b"_old_text", "old_text", b"old_text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_old_text", b"_old_text", "new_text", b"new_text", "old_text", b"old_text", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__old_text: _TypeAlias = _typing.Literal["old_text"]  # noqa: Y015
+    _WhichOneofArgType__old_text: _TypeAlias = _typing.Literal["_old_text", b"_old_text"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__old_text) -> _WhichOneofReturnType__old_text | None: ...
+
+Global___ToolDiff: _TypeAlias = ToolDiff  # noqa: Y015
 
 @_typing.final
 class Plan(_message.Message):

@@ -79,6 +79,11 @@ class AgentRunnerStub:
                 request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionResponse.FromString,
                 _registered_method=True)
+        self.ListHosts = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/ListHosts',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsResponse.FromString,
+                _registered_method=True)
 
 
 class AgentRunnerServicer:
@@ -145,6 +150,13 @@ class AgentRunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListHosts(self, request, context):
+        """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentRunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +204,11 @@ def add_AgentRunnerServicer_to_server(servicer, server):
                     servicer.ForkSession,
                     request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionRequest.FromString,
                     response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionResponse.SerializeToString,
+            ),
+            'ListHosts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHosts,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -437,6 +454,33 @@ class AgentRunner:
             '/rcoder.v1.AgentRunner/ForkSession',
             rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionRequest.SerializeToString,
             rcoder_dot_v1_dot_agent__runner__pb2.ForkSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHosts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/ListHosts',
+            rcoder_dot_v1_dot_agent__runner__pb2.ListHostsRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.ListHostsResponse.FromString,
             options,
             channel_credentials,
             insecure,

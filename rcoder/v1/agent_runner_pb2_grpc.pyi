@@ -52,6 +52,8 @@ class AgentRunnerStub:
     """A new session that shares the history so far; later turns on either branch never reach
     the other. A busy session is forked as it stands.
     """
+    ListHosts: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListHostsRequest, _agent_runner_pb2.ListHostsResponse]
+    """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one."""
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
@@ -73,6 +75,8 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     """A new session that shares the history so far; later turns on either branch never reach
     the other. A busy session is forked as it stands.
     """
+    ListHosts: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListHostsRequest, _agent_runner_pb2.ListHostsResponse]  # type: ignore[assignment]
+    """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one."""
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -145,5 +149,13 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         """A new session that shares the history so far; later turns on either branch never reach
         the other. A busy session is forked as it stands.
         """
+
+    @_abc_1.abstractmethod
+    def ListHosts(
+        self,
+        request: _agent_runner_pb2.ListHostsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.ListHostsResponse, _abc.Awaitable[_agent_runner_pb2.ListHostsResponse]]:
+        """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one."""
 
 def add_AgentRunnerServicer_to_server(servicer: AgentRunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

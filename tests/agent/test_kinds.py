@@ -124,6 +124,17 @@ def test_codex_gets_a_config_toml_with_the_provider_block_and_the_key_by_env(tmp
     assert_key_only_in_env(tmp_path, setup.args)
 
 
+def test_codex_asks_before_edits_and_commands_and_its_own_sandbox_is_off_only_under_landlock(tmp_path: Path) -> None:
+    KINDS["codex"].prepare(tmp_path / "free", PROVIDER)
+    KINDS["codex"].prepare(tmp_path / "confined", PROVIDER, confined=True)
+
+    free = tomllib.loads((tmp_path / "free" / ".codex" / "config.toml").read_text())
+    confined = tomllib.loads((tmp_path / "confined" / ".codex" / "config.toml").read_text())
+    assert free["sandbox_mode"] == "workspace-write", "unconfined by rcoder, codex's own sandbox confines it"
+    assert confined["sandbox_mode"] == "danger-full-access", "bwrap cannot run under Landlock: rcoder's confines it"
+    assert free["approval_policy"] == confined["approval_policy"] == "untrusted"
+
+
 def test_codex_without_a_base_url_keeps_its_own_provider(tmp_path: Path) -> None:
     setup = KINDS["codex"].prepare(tmp_path, ModelProvider(api_key="sk-x"))
     config = tomllib.loads((tmp_path / ".codex" / "config.toml").read_text())

@@ -30,6 +30,8 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  schema does not take: kind "future_kind" and a "tool_call" without its fields
     think        an agent_thought_chunk "thinking..."
     tool         tool_call "call-1", a two-entry plan, tool_call_update completed "done"
+    edits        an edit of notes.txt completed with its diff ("one\ntwo\n" → "one\nthree\nfour\n"),
+                 then a command "ls -la" completed with output "x\n" and exit code 2
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
@@ -76,6 +78,7 @@ from acp import (
     stdio_streams,
     text_block,
     tool_content,
+    tool_diff_content,
     update_agent_message_text,
     update_agent_thought_text,
     update_plan,
@@ -107,6 +110,7 @@ from acp.schema import (
     SessionResumeCapabilities,
     StopReason,
     TextContentBlock,
+    ToolCallLocation,
     ToolCallUpdate,
     UsageUpdate,
 )
@@ -265,7 +269,7 @@ class Script:
         self.bigline, self.stderr_bytes = number("bigline"), number("stderr") or 0
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
-        self.fail = word("fail-prompt")
+        self.fail, self.edits = word("fail-prompt"), word("edits")
         # `env NAME`: the answer reports the agent's own environment variable NAME
         self.env_names = re.findall(r"\benv\s+([A-Za-z_][A-Za-z0-9_]*)", text)
         # `readfile P`, `child-writefile P`, ...: (operation, path) in the order written
@@ -537,6 +541,8 @@ class FakeAgent:
             await self.conn.session_update(sid, update_agent_thought_text("thinking..."))
         if script.tool:
             await self._tool_call(sid)
+        if script.edits:
+            await self._edits(sid)
         if script.permission:
             choice = await self._ask_permission(sid)
             suffix = f" permission={choice}"
@@ -578,6 +584,18 @@ class FakeAgent:
         await self.conn.session_update(sid, plan)
         done = update_tool_call("call-1", status="completed", content=[tool_content(text_block("done"))])
         await self.conn.session_update(sid, done)
+
+    async def _edits(self, sid: str) -> None:
+        where = [ToolCallLocation(path="notes.txt")]
+        edit = start_tool_call("call-e", "Edit notes.txt", kind="edit", status="pending", locations=where)
+        await self.conn.session_update(sid, edit)
+        diff = tool_diff_content("notes.txt", "one\nthree\nfour\n", "one\ntwo\n")
+        await self.conn.session_update(sid, update_tool_call("call-e", status="completed", content=[diff]))
+        run = start_tool_call("call-x", "Terminal", kind="execute", status="pending", raw_input={"command": "ls -la"})
+        await self.conn.session_update(sid, run)
+        raw_output = {"exit_code": 2, "aggregated_output": "x\n"}
+        ran = update_tool_call("call-x", status="completed", raw_output=raw_output)
+        await self.conn.session_update(sid, ran)
 
     async def _ask_permission(self, sid: str) -> str:
         """Ask the client; return the selected option id, or "cancelled"."""

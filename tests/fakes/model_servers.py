@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from tests.fakes.json_schema import instance_of
 from tests.fakes.model_http import (
     FakeModelServer,
     Fault,
@@ -32,6 +33,13 @@ from tests.fakes.model_http import (
     served,
     sse_event,
     strip_injected,
+)
+from tests.fakes.model_tools import (
+    anthropic_call,
+    codex_call,
+    gemini_call,
+    opencode_call,
+    planned,
 )
 
 __all__ = [
@@ -81,6 +89,10 @@ def _json_body(req: RecordedRequest) -> dict[str, Any]:
     return req.json if isinstance(req.json, dict) else {}
 
 
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
 # ---------------------------------------------------------------------------
 # Anthropic Messages
 
@@ -114,9 +126,22 @@ class AnthropicServer(FakeModelServer):
         model = {"type": "model", "id": self.model, "display_name": "Fake", "created_at": "2025-01-01T00:00:00Z"}
         return Response.json({"data": [model], "has_more": False, "first_id": self.model, "last_id": self.model})
 
+    @classmethod
+    def turns(cls, body: dict[str, Any]) -> list[tuple[str, int]]:
+        """Each message as (its user text, the tool calls in it)."""
+        out = []
+        for msg in _dicts(body.get("messages")):
+            calls = sum(1 for b in _dicts(msg.get("content")) if b.get("type") == "tool_use")
+            out.append((" ".join(cls.user_texts({"messages": [msg]})), calls))
+        return out
+
     def _messages(self, req: RecordedRequest) -> Response:
         body = _json_body(req)
-        text = self.answer_for(self.user_texts(body))
+        step, final = planned(self.turns(body))
+        tools = {t.get("name") for t in _dicts(body.get("tools"))}
+        if step is not None and body.get("stream") and (call := anthropic_call(step))[0] in tools:
+            return self._tool_use(*call)
+        text = final or self.answer_for(self.user_texts(body))
         usage = {"input_tokens": _tokens(req.body), "output_tokens": _tokens(text)}
         model = body.get("model") or self.model
         message = {"id": self.next_id("msg_fake"), "type": "message", "role": "assistant", "model": model}
@@ -138,6 +163,25 @@ class AnthropicServer(FakeModelServer):
                 ),
                 ("content_block_stop", {"index": 0}),
                 ("message_delta", {"delta": stop, "usage": {"output_tokens": usage["output_tokens"]}}),
+                ("message_stop", {}),
+            ]
+        )
+
+    def _tool_use(self, name: str, tool_input: dict[str, Any]) -> Response:
+        """A streamed ``tool_use`` block (its input as one ``input_json_delta``), stopping for the result."""
+        message: dict[str, Any] = {"id": self.next_id("msg_fake"), "type": "message", "role": "assistant"}
+        message |= {"model": self.model, "content": [], "stop_reason": None, "stop_sequence": None}
+        message["usage"] = {"input_tokens": 10, "output_tokens": 1}
+        block = {"type": "tool_use", "id": self.next_id("toolu_fake"), "name": name, "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input)}
+        stop = {"stop_reason": "tool_use", "stop_sequence": None}
+        return _typed_events(
+            [
+                ("message_start", {"message": message}),
+                ("content_block_start", {"index": 0, "content_block": block}),
+                ("content_block_delta", {"index": 0, "delta": delta}),
+                ("content_block_stop", {"index": 0}),
+                ("message_delta", {"delta": stop, "usage": {"output_tokens": 20}}),
                 ("message_stop", {}),
             ]
         )
@@ -189,8 +233,21 @@ class OpenAIResponsesServer(_OpenAIBase):
         messages = [i for i in items or [] if isinstance(i, dict) and i.get("type", "message") == "message"]
         return _user_texts(messages, ("input_text", "text"))
 
+    @classmethod
+    def turns(cls, body: dict[str, Any]) -> list[tuple[str, int]]:
+        """Each input item as (its user text, 1 for a tool call)."""
+        items = body.get("input")
+        if isinstance(items, str):
+            return [(items, 0)]
+        calls = ("function_call", "custom_tool_call")
+        return [(" ".join(cls.user_texts({"input": [i]})), int(i.get("type") in calls)) for i in _dicts(items)]
+
     def _respond(self, req: RecordedRequest, body: dict[str, Any]) -> Response:
-        text = self.answer_for(self.user_texts(body))
+        step, final = planned(self.turns(body))
+        tools = {t.get("name") for t in _dicts(body.get("tools"))}
+        if step is not None and body.get("stream") and (call := codex_call(step))[0] in tools:
+            return self._tool_call(body, *call)
+        text = final or self.answer_for(self.user_texts(body))
         head = {"id": self.next_id("resp_fake"), "object": "response", "created_at": int(time.time())}
         item_id, model = self.next_id("msg_fake"), body.get("model") or self.model
         usage_in, usage_out = _tokens(req.body), _tokens(text)
@@ -219,6 +276,29 @@ class OpenAIResponsesServer(_OpenAIBase):
         ]
         return _typed_events((kind, {"sequence_number": n, **data}) for n, (kind, data) in enumerate(events))
 
+    def _tool_call(self, body: dict[str, Any], name: str, payload: str) -> Response:
+        """One streamed tool call: ``apply_patch`` as a ``custom_tool_call`` (``input``: the patch),
+        anything else as a ``function_call`` (``arguments``: JSON)."""
+        head = {"id": self.next_id("resp_fake"), "object": "response", "created_at": int(time.time())}
+        call_id = self.next_id("call_fake")
+        item: dict[str, Any]
+        if name == "apply_patch":
+            item = {"id": self.next_id("ctc_fake"), "type": "custom_tool_call", "status": "completed"}
+            item |= {"call_id": call_id, "name": name, "input": payload}
+        else:
+            item = {"id": self.next_id("fc_fake"), "type": "function_call", "status": "completed"}
+            item |= {"call_id": call_id, "name": name, "arguments": payload}
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 20}
+        usage |= {"output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 30}
+        envelope = {**head, "model": body.get("model") or self.model}
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"response": {**envelope, "status": "in_progress", "output": [], "usage": None}}),
+            ("response.output_item.added", {"output_index": 0, "item": {**item, "status": "in_progress"}}),
+            ("response.output_item.done", {"output_index": 0, "item": item}),
+            ("response.completed", {"response": {**envelope, "status": "completed", "output": [item], "usage": usage}}),
+        ]
+        return _typed_events((kind, {"sequence_number": n, **data}) for n, (kind, data) in enumerate(events))
+
 
 class OpenAIChatServer(_OpenAIBase):
     """``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``."""
@@ -229,8 +309,21 @@ class OpenAIChatServer(_OpenAIBase):
     def user_texts(body: Any) -> list[str]:
         return _user_texts(body.get("messages"), ("text", "input_text")) if isinstance(body, dict) else []
 
+    @classmethod
+    def turns(cls, body: dict[str, Any]) -> list[tuple[str, int]]:
+        """Each message as (its user text, the tool calls in it)."""
+        out = []
+        for msg in _dicts(body.get("messages")):
+            calls = len(_dicts(msg.get("tool_calls")))
+            out.append((" ".join(cls.user_texts({"messages": [msg]})), calls))
+        return out
+
     def _respond(self, req: RecordedRequest, body: dict[str, Any]) -> Response:
-        text = self.answer_for(self.user_texts(body))
+        step, final = planned(self.turns(body))
+        tools = {(t.get("function") or {}).get("name") for t in _dicts(body.get("tools"))}
+        if step is not None and body.get("stream") and (call := opencode_call(step))[0] in tools:
+            return self._tool_call(body, *call)
+        text = final or self.answer_for(self.user_texts(body))
         model = body.get("model") or self.model
         head = {"id": self.next_id("chatcmpl-fake"), "created": int(time.time()), "model": model}
         usage = {"prompt_tokens": _tokens(req.body), "completion_tokens": _tokens(text)}
@@ -249,6 +342,19 @@ class OpenAIChatServer(_OpenAIBase):
         events.append(delta({}, "stop"))
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append(chunk([], usage=usage))
+        return Response.sse([*events, sse_event("[DONE]")])
+
+    def _tool_call(self, body: dict[str, Any], name: str, arguments: dict[str, Any]) -> Response:
+        """One streamed ``tool_calls`` delta, finishing ``tool_calls``."""
+        head = {"id": self.next_id("chatcmpl-fake"), "created": int(time.time()), "model": body.get("model")}
+        head |= {"object": "chat.completion.chunk"}
+        function = {"name": name, "arguments": json.dumps(arguments)}
+        call = {"index": 0, "id": self.next_id("call_fake"), "type": "function", "function": function}
+        deltas = [({"role": "assistant", "content": None, "tool_calls": [call]}, None), ({}, "tool_calls")]
+        events = [sse_event({**head, "choices": [{"index": 0, "delta": d, "finish_reason": f}]}) for d, f in deltas]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}
+            events.append(sse_event({**head, "choices": [], "usage": usage}))
         return Response.sse([*events, sse_event("[DONE]")])
 
 
@@ -270,36 +376,6 @@ _GOOGLE_401 = {
         }
     ],
 }
-
-
-def _instance_of(schema: Any, name: str = "") -> Any:
-    """A small value satisfying a JSON schema (as gemini-cli's JSON requests use them)."""
-    if not isinstance(schema, dict):
-        return "ok"
-    if "const" in schema:
-        return schema["const"]
-    if schema.get("enum"):
-        choices = list(schema["enum"])
-        return "user" if "user" in choices else choices[0]  # hand the turn back to the user when asked
-    if options := schema.get("anyOf") or schema.get("oneOf"):
-        return _instance_of(options[0], name)
-    if schema.get("allOf"):
-        return _instance_of({k: v for sub in schema["allOf"] if isinstance(sub, dict) for k, v in sub.items()}, name)
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "string")
-    kind = str(kind).lower() if kind else ("object" if "properties" in schema else "string")
-    if kind == "object":
-        return {key: _instance_of(sub, key) for key, sub in (schema.get("properties") or {}).items()}
-    if kind == "array":
-        return [_instance_of(schema.get("items"), name) for _ in range(max(1, int(schema.get("minItems", 1))))]
-    if kind in ("integer", "number"):
-        low = schema.get("minimum", 1)
-        if isinstance(schema.get("exclusiveMinimum"), (int, float)):
-            low = schema["exclusiveMinimum"] + 1
-        value = min(max(1, low), schema.get("maximum", max(1, low)))
-        return int(value) if kind == "integer" else float(value)
-    return {"boolean": False, "null": None}.get(kind, f"fake {name}".strip())
 
 
 class GeminiServer(FakeModelServer):
@@ -363,14 +439,27 @@ class GeminiServer(FakeModelServer):
             return not_found(req)
         return self._generate(req, match["model"], stream=match["method"] == "streamGenerateContent")
 
+    @classmethod
+    def turns(cls, body: dict[str, Any]) -> list[tuple[str, int]]:
+        """Each content as (its user text, the function calls in it)."""
+        out = []
+        for content in _dicts(body.get("contents")):
+            calls = sum(1 for p in _dicts(content.get("parts")) if p.get("functionCall"))
+            out.append((" ".join(cls.user_texts({"contents": [content]})), calls))
+        return out
+
     def _generate(self, req: RecordedRequest, model: str, *, stream: bool) -> Response:
         body = _json_body(req)
         schema = self._schema_of(body)
         if schema is not None:
-            value = _instance_of(schema) if schema else {}
+            value = instance_of(schema) if schema else {}
             text = json.dumps({**value, **self.json_overrides} if isinstance(value, dict) else value)
         else:
-            text = self.answer_for(self.user_texts(body))
+            step, final = planned(self.turns(body))
+            tools = {f.get("name") for t in _dicts(body.get("tools")) for f in _dicts(t.get("functionDeclarations"))}
+            if step is not None and stream and (call := gemini_call(step))[0] in tools:
+                return self._function_call(req, model, *call)
+            text = final or self.answer_for(self.user_texts(body))
         usage = {"promptTokenCount": _tokens(req.body), "candidatesTokenCount": _tokens(text)}
         usage["totalTokenCount"] = usage["promptTokenCount"] + usage["candidatesTokenCount"]
         response_id = self.next_id("fake")
@@ -387,3 +476,14 @@ class GeminiServer(FakeModelServer):
         if "sse" not in req.query.get("alt", []):
             return Response(body=json.dumps(payloads).encode())  # without alt=sse the API streams a JSON array
         return Response.sse([sse_event(p) for p in payloads])
+
+    def _function_call(self, req: RecordedRequest, model: str, name: str, args: dict[str, Any]) -> Response:
+        """One ``functionCall`` part, streamed as one chunk."""
+        usage = {"promptTokenCount": _tokens(req.body), "candidatesTokenCount": 20}
+        usage["totalTokenCount"] = usage["promptTokenCount"] + 20
+        content = {"role": "model", "parts": [{"functionCall": {"name": name, "args": args}}]}
+        payload = {"candidates": [{"content": content, "finishReason": "STOP", "index": 0}], "usageMetadata": usage}
+        payload |= {"modelVersion": model, "responseId": self.next_id("fake")}
+        if "sse" not in req.query.get("alt", []):
+            return Response(body=json.dumps([payload]).encode())
+        return Response.sse([sse_event(payload)])

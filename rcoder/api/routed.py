@@ -1,0 +1,116 @@
+"""Serving a request here or at its owner (DESIGN §7), for the AgentRunner handlers.
+
+``Routes.unary`` / ``Routes.stream`` take how to find the owner (``find``: None means "here") and
+how to serve the request here (``local``). A request whose owner is another live host goes
+there (``forwarding``); every answer carries ``rcoder-owner``. When the owner does not answer:
+
+- its lease has expired (``find`` now says "here"): it is treated as dead, and the request is
+  served here: a turn takes the session over, a run it left is ended "owner host lost";
+- its lease still holds: ``UNAVAILABLE`` (``OWNED_BY_ANOTHER_HOST``) with a ``RetryInfo``.
+
+A stream the owner broke after its first message ends the same way, for the run it was
+following (``resume``: how to go on here from the last event passed on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+
+from rcoder import errors
+from rcoder.api.forwarding import OWNER_KEY, Forwarder, OwnerUnreachable, forwarded
+from rcoder.logs import get_logger
+from rcoder.session.routing import Owner, Router
+
+log = get_logger("rcoder.api.routed")
+R = TypeVar("R")
+Find = Callable[[], Awaitable[Owner | None]]
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class Routes:
+    def __init__(self, router: Router, forwarder: Forwarder, advertise_address: Callable[[], str]) -> None:
+        self.router = router
+        self._forwarder = forwarder
+        self._address = advertise_address
+
+    @property
+    def owner_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((OWNER_KEY, self._address()),)
+
+    async def here(self, context: Context) -> None:
+        """Mark the answer as this host's; a forwarded request is told at once that it arrived."""
+        context.set_trailing_metadata(self.owner_metadata)
+        if forwarded(context):
+            await context.send_initial_metadata(())
+
+    async def owner(self, find: Find, context: Context) -> Owner | None:
+        if not self.router.shared or forwarded(context):
+            return None
+        return await find()
+
+    async def unary(
+        self,
+        method: str,
+        request: Any,
+        context: Context,
+        find: Find,
+        local: Callable[[], Awaitable[R]],
+        what: tuple[str, str],
+    ) -> R:
+        owner = await self.owner(find, context)
+        if owner is not None:
+            try:
+                response: R = await self._forwarder.unary(method, request, context, owner.advertise_address)
+            except OwnerUnreachable:
+                self.router.forwarded(method, "unreachable")
+                await self._judge(owner, find, what)
+            else:
+                self.router.forwarded(method, "ok")
+                return response
+        await self.here(context)
+        return await local()
+
+    async def stream(
+        self,
+        method: str,
+        request: Any,
+        context: Context,
+        find: Find,
+        local: Callable[[], AsyncIterator[Any]],
+        what: tuple[str, str],
+        resume: Callable[[Any], AsyncIterator[Any]] | None = None,
+    ) -> AsyncIterator[Any]:
+        """``resume(last)``: after the owner broke the stream past ``last`` (a message), how this
+        host ends it (the run's end from the store)."""
+        owner = await self.owner(find, context)
+        if owner is not None:
+            last = None
+            try:
+                async for message in self._forwarder.stream(method, request, context, owner.advertise_address):
+                    last = message
+                    yield message
+            except OwnerUnreachable:
+                self.router.forwarded(method, "unreachable")
+                await self._judge(owner, find, what)
+            else:
+                self.router.forwarded(method, "ok")
+                return
+            if last is not None and resume is not None:
+                await self.here(context)
+                async for message in resume(last):
+                    yield message
+                return
+        await self.here(context)
+        async for message in local():
+            yield message
+
+    async def _judge(self, owner: Owner, find: Find, what: tuple[str, str]) -> None:
+        """The owner did not answer: carry on here if its lease expired, else say to retry."""
+        now = await find()
+        if now is not None:
+            retry = max(0.2, self.router.lease_ttl / 3)
+            raise errors.OwnedElsewhere(*what, now.host_id, now.advertise_address, retry)
+        log.warning("owner_unreachable_taking_over", owner=owner.host_id, address=owner.advertise_address)

@@ -1,0 +1,108 @@
+"""Where a request for a session or a run is served (DESIGN §7): here, or at the live host that
+holds its lease. With one host (SQLite) nothing is asked: everything is served here.
+
+A session whose lease this host holds, or nobody holds, or whose owner's lease expired, is
+served here (a turn then takes the lease: a takeover when it expired). A run this host has (in
+its registry) is served here; a run of another host is that host's while its lease holds, and
+otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replayed from there.
+"""
+
+from __future__ import annotations
+
+from rcoder.domain import (
+    OpenMethod,
+    ResumeOutcome,
+    RunCompleted,
+    RunEvent,
+    RunStarted,
+    RunStatus,
+    StopReason,
+)
+from rcoder.errors import NotFound
+from rcoder.logs import get_logger
+from rcoder.metrics import Metrics
+from rcoder.session.leases import LeaseKeeper
+from rcoder.session.runs import RunRegistry
+from rcoder.store.base import SessionStore
+from rcoder.store.cluster import OWNER_LOST, HostRecord, Owner
+
+__all__ = ["HostRecord", "Owner", "Router"]  # the api names these through here
+
+log = get_logger("rcoder.session.routing")
+
+
+class Router:
+    def __init__(self, leases: LeaseKeeper, runs: RunRegistry, store: SessionStore, metrics: Metrics) -> None:
+        self._leases = leases
+        self._runs = runs
+        self._store = store
+        self._metrics = metrics
+
+    @property
+    def shared(self) -> bool:
+        return self._leases.shared
+
+    @property
+    def host_id(self) -> str:
+        return self._leases.host_id
+
+    @property
+    def lease_ttl(self) -> float:
+        return self._leases.lease_ttl
+
+    async def session_owner(self, session_id: str) -> Owner | None:
+        """The live host that serves ``session_id`` if not this one (None: serve it here)."""
+        if not self._leases.shared or not session_id or self._leases.lease(session_id) is not None:
+            return None
+        if self._runs.holder(session_id) is not None:
+            return None  # a turn of it is opening here
+        owner = await self._leases.coordination.session_owner(session_id)
+        return owner if owner is not None and owner.live and owner.host_id != self.host_id else None
+
+    async def run_owner(self, run_id: str) -> Owner | None:
+        """The live host that runs ``run_id`` if not this one (None: serve it here). A run of a
+        host whose lease expired is ended in the store as "owner host lost" on the way."""
+        if not self._leases.shared or not run_id or self._runs.known(run_id):
+            return None
+        owner = await self._leases.coordination.run_owner(run_id)
+        if owner is None or owner.host_id == self.host_id:
+            return None
+        if owner.live:
+            return owner
+        if await self._leases.coordination.end_orphaned_run(run_id):
+            log.warning("orphaned_run_ended", run_id=run_id, owner=owner.host_id)
+        return None
+
+    async def hosts(self) -> list[HostRecord]:
+        return await self._leases.coordination.hosts()
+
+    def forwarded(self, method: str, result: str) -> None:
+        self._metrics.forwards.labels(method, result).inc()
+
+    async def stored_run(self, run_id: str, after_seq: int) -> list[RunEvent]:
+        """A run this host never had, replayed from the store: what it holds of the run, ``started``
+        and its end (a run still ``running`` here is one no host will end: NOT_FOUND)."""
+        record = await self._store.get_run(run_id)
+        if record is None or record.status is RunStatus.RUNNING:
+            raise NotFound("run", run_id, "unknown, or finished longer ago than run_retention")
+        session = await self._store.get_session(record.session_id)
+        provider = session.provider_session_id if session is not None else ""
+        resume = record.resume or ResumeOutcome.NOT_OPENED
+        method = OpenMethod(record.resume_method) if record.resume_method else OpenMethod.NOT_OPENED
+        started = RunStarted(
+            provider_session_id=provider,
+            resume=resume,
+            resume_method=method,
+            agent=session.agent if session is not None else "",
+            project_id=session.project_id if session is not None else "",
+            fallback_reason=record.fallback_reason,
+            request_id=record.request_id,
+        )
+        error = record.error or (OWNER_LOST if record.status is not RunStatus.COMPLETED else "")
+        stop = record.stop_reason or StopReason.ERROR
+        reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else ""
+        completed = RunCompleted(stop, provider, resume, error, reason)
+        at = record.ended_at or record.started_at
+        events = [RunEvent(run_id, record.session_id, 1, record.started_at, started)] if after_seq == 0 else []
+        events.append(RunEvent(run_id, record.session_id, max(after_seq + 1, 2), at, completed))
+        return events

@@ -1,0 +1,220 @@
+"""A dead, paused or cut-off host loses no conversation (DESIGN §7): its lease expires, the next
+request takes the session over elsewhere (RESUMED: the fake agent's state is shared, as agent
+homes on shared storage), a turn it was running ends "owner host lost", and whatever it still
+tries to write once it wakes up is refused.
+
+Waiting for a lease to expire is done the way a client does it: an ``UNAVAILABLE`` answer says
+when to retry (``google.rpc.RetryInfo``), and the retry is made then, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import psycopg
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rcoder.store.cluster import OWNER_LOST
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import exited
+from tests.harness import completed, started, text_of
+from tests.multihost.conftest import AUTH_MD, LEASE_TTL, Host, Hosts, chat, first_events
+from tests.pg import PgCluster
+
+T = TypeVar("T")
+MakeHosts = Callable[..., contextlib.AbstractAsyncContextManager[Hosts]]
+
+
+def retry_delay(exc: grpc.aio.AioRpcError) -> float:
+    """The RetryInfo delay of an UNAVAILABLE answer (fails the test if there is none)."""
+    raw = dict(exc.trailing_metadata() or ()).get("grpc-status-details-bin")
+    assert exc.code() == grpc.StatusCode.UNAVAILABLE and raw, (exc.code(), exc.details())
+    for detail in status_pb2.Status.FromString(raw).details:
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return float(info.retry_delay.seconds + info.retry_delay.nanos / 1e9)
+    raise AssertionError(f"no RetryInfo: {exc.details()}")
+
+
+async def honouring_retry_info(attempt: Callable[[], Awaitable[T]], attempts: int = 20) -> tuple[T, int]:
+    """``attempt()`` until it succeeds, waiting what each UNAVAILABLE answer's RetryInfo says."""
+    for n in range(attempts):
+        try:
+            return await attempt(), n
+        except grpc.aio.AioRpcError as exc:
+            await asyncio.sleep(retry_delay(exc))  # the server's hint, as a client honours it
+    raise AssertionError(f"still UNAVAILABLE after {attempts} attempts")
+
+
+async def collect(call: Any) -> list[pb.ChatStream]:
+    return [event async for event in call]
+
+
+def owner_of(store_url: str, session_id: str) -> tuple[str, int] | None:
+    with psycopg.connect(store_url) as db:
+        row = db.execute("SELECT owner, generation FROM leases WHERE session_id = %s", (session_id,)).fetchone()
+    return None if row is None else (str(row[0]), int(row[1]))
+
+
+async def test_a_killed_owners_turn_ends_owner_host_lost_and_the_next_turn_resumes_on_another_host(
+    make_hosts: MakeHosts,
+) -> None:
+    async with make_hosts() as hosts:
+        a, b = await hosts.start("a", "b")
+        first, _ = await chat(a, prompt="remember 7")
+        session_id = first[0].session_id
+        call = a.stub.Chat(
+            pb.ChatRequest(project_id="proj", session_id=session_id, prompt="hang"), metadata=AUTH_MD, timeout=30
+        )
+        (begin,) = await first_events(call, 1)
+        await a.daemon.kill()  # kill -9, mid-turn
+        call.cancel()
+
+        def reattach() -> Awaitable[list[pb.ChatStream]]:
+            return collect(b.stub.Subscribe(pb.SubscribeRequest(run_id=begin.run_id, after_seq=1), metadata=AUTH_MD))
+
+        rest, _ = await honouring_retry_info(reattach)
+        assert completed(rest).stop_reason == pb.STOP_REASON_ERROR
+        assert completed(rest).error == OWNER_LOST
+        assert [e.seq for e in rest] == [2]
+
+        second, trailer = await chat(b, prompt="what number?", session_id=session_id)
+        assert started(second).resume == pb.RESUME_OUTCOME_RESUMED, started(second)
+        assert text_of(second) == "I remember: 7"
+        assert trailer["rcoder-owner"] == b.address
+        owner = owner_of(hosts.store_url, session_id)
+        # generation 1: a's; the re-attach revoked it (2) for the run a left; b took it (3)
+        assert owner == ("host-b", 3), owner
+        with psycopg.connect(hosts.store_url) as db:
+            row = db.execute(
+                "SELECT status, stop_reason, error FROM runs WHERE run_id = %s", (begin.run_id,)
+            ).fetchone()
+        assert row == ("failed", "error", OWNER_LOST)
+
+
+async def test_a_paused_owner_taken_over_has_its_late_writes_refused_and_ends_its_agent(
+    make_hosts: MakeHosts,
+) -> None:
+    async with make_hosts() as hosts:
+        a, b = await hosts.start("a", "b")
+        first, _ = await chat(a, prompt="remember 5")
+        session_id = first[0].session_id
+        agent_pid = {m["pid"] for m in _recorded(hosts) if m["method"] == "session/prompt"}.pop()
+        call = a.stub.Chat(
+            pb.ChatRequest(project_id="proj", session_id=session_id, prompt="sleep 1500"), metadata=AUTH_MD
+        )
+        (begin,) = await first_events(call, 1)
+        assert a.daemon.proc is not None
+        os.kill(a.daemon.proc.pid, signal.SIGSTOP)
+        try:
+            (second, _), _ = await honouring_retry_info(
+                lambda: chat(b, prompt="what number?", session_id=session_id, timeout=30)
+            )
+        finally:
+            os.kill(a.daemon.proc.pid, signal.SIGCONT)
+        assert started(second).resume == pb.RESUME_OUTCOME_RESUMED, started(second)
+        assert text_of(second) == "I remember: 5"
+
+        await a.daemon.wait_log("run_end_refused_lease_lost", run_id=begin.run_id)
+        async with asyncio.timeout(10):
+            await exited(agent_pid)  # a ended its agent
+        late = await collect(call)
+        assert completed(late).stop_reason == pb.STOP_REASON_ERROR
+        assert completed(late).error_reason in ("LEASE_LOST", "AGENT_CLOSED", "AGENT_CRASHED")
+        with psycopg.connect(hosts.store_url) as db:
+            run = db.execute("SELECT status, error FROM runs WHERE run_id = %s", (begin.run_id,)).fetchone()
+            turns = db.execute("SELECT turns FROM sessions WHERE session_id = %s", (session_id,)).fetchone()
+            transcript = db.execute(
+                "SELECT prompt FROM transcript WHERE session_id = %s ORDER BY turn", (session_id,)
+            ).fetchall()
+        assert run == ("failed", OWNER_LOST)
+        assert turns == (2,)
+        assert transcript == [("remember 5",), ("what number?",)]
+
+
+def _recorded(hosts: Hosts) -> list[dict[str, Any]]:
+    import json
+
+    rows = [json.loads(line) for line in hosts.fake.record.read_text().splitlines() if line.strip()]
+    return [{"pid": row["pid"], "method": row["message"].get("method")} for row in rows]
+
+
+async def test_two_hosts_racing_to_take_over_a_dead_hosts_session_leave_exactly_one_owner(
+    make_hosts: MakeHosts,
+) -> None:
+    async with make_hosts() as hosts:
+        a, b, c = await hosts.start("a", "b", "c")
+        first, _ = await chat(a, prompt="remember 3")
+        session_id = first[0].session_id
+        await a.daemon.kill()
+
+        async def turn(host: Host) -> list[pb.ChatStream]:
+            for _ in range(20):
+                try:
+                    events, _ = await chat(host, prompt="what number?", session_id=session_id)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.ABORTED:  # the other one's turn is running
+                        return []
+                    await asyncio.sleep(retry_delay(exc))
+                    continue
+                return events
+            raise AssertionError("no answer")
+
+        answers = await asyncio.gather(turn(b), turn(c))
+        takeovers = b.daemon.logs("session_taken_over") + c.daemon.logs("session_taken_over")
+        assert len(takeovers) == 1, takeovers
+        winner = "host-b" if b.daemon.logs("session_taken_over") else "host-c"
+        assert owner_of(hosts.store_url, session_id) == (winner, 2)
+        assert any(a and text_of(a) == "I remember: 3" for a in answers)
+
+
+async def test_postgresql_restarted_mid_run_the_daemons_reconnect_and_lose_no_session(
+    make_hosts: MakeHosts, pg_cluster: PgCluster
+) -> None:
+    async with make_hosts() as hosts:
+        a, b = await hosts.start("a", "b")
+        first, _ = await chat(a, prompt="remember 9")
+        session_id = first[0].session_id
+        call = a.stub.Chat(
+            pb.ChatRequest(project_id="proj", session_id=session_id, prompt="stream 4 pace 200"), metadata=AUTH_MD
+        )
+        await first_events(call, 1)
+        # on this thread, not a worker's: the server dies with the thread that started it (pdeathsig)
+        pg_cluster.restart()
+        during = await collect(call)
+        end = completed(during)
+        assert end.stop_reason == pb.STOP_REASON_END_TURN or "store" in end.error.lower(), end
+
+        (after, _), _ = await honouring_retry_info(lambda: chat(b, prompt="what number?", session_id=session_id))
+        assert text_of(after) == "I remember: 9"
+        hosts_seen = await b.stub.ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=10)
+        assert {h.host_id for h in hosts_seen.hosts if h.live} == {"host-a", "host-b"}
+
+
+async def test_readiness_is_not_serving_while_the_store_is_unreachable(
+    make_hosts: MakeHosts, pg_cluster: PgCluster
+) -> None:
+    async with make_hosts() as hosts:
+        (a,) = await hosts.start("a")
+        health = health_pb2_grpc.HealthStub(a.client.channel)
+
+        async def status() -> int:
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            return int(answer.status)
+
+        assert await status() == health_pb2.HealthCheckResponse.SERVING
+        pg_cluster.stop()  # (on this thread: see above)
+        try:
+            await a.daemon.wait_log("store_unreachable", timeout=LEASE_TTL * 5)
+            assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            pg_cluster.start()
+        await a.daemon.wait_log("store_reachable", timeout=30)
+        assert await status() == health_pb2.HealthCheckResponse.SERVING

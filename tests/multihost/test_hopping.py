@@ -1,0 +1,120 @@
+"""Any host answers for any session: a conversation hops hosts, and each request reaches the host
+that owns the session (forwarded), which the answer names in ``rcoder-owner``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.harness import completed, started, text_of
+from tests.multihost.conftest import AUTH_MD, OWNER_KEY, Hosts, chat, first_events
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def test_a_second_turn_through_another_host_answers_live_from_the_owner(three: Hosts) -> None:
+    a, b = three["a"], three["b"]
+    first, first_trailer = await chat(a, prompt="remember 42")
+    assert started(first).resume == pb.RESUME_OUTCOME_NEW
+    assert first_trailer[OWNER_KEY] == a.address
+    session_id = first[0].session_id
+
+    second, trailer = await chat(b, prompt="what number?", session_id=session_id)
+
+    assert started(second).resume == pb.RESUME_OUTCOME_LIVE, started(second)
+    assert text_of(second) == "I remember: 42"
+    assert completed(second).stop_reason == pb.STOP_REASON_END_TURN
+    assert trailer[OWNER_KEY] == a.address  # forwarded: the owner answered
+    assert await a.daemon.wait_log("run_started", resume="live", session_id=session_id)
+    assert not b.daemon.logs("run_started"), "b ran a turn of a's session"
+    forwarded = await b.stub.GetSession(pb.GetSessionRequest(session_id=session_id), metadata=AUTH_MD)
+    assert forwarded.turns == 2 and forwarded.status == pb.SESSION_STATUS_LIVE
+
+
+async def test_cancel_through_a_third_host_stops_the_owners_turn(three: Hosts) -> None:
+    a, c = three["a"], three["c"]
+    call = a.stub.Chat(pb.ChatRequest(project_id="proj", prompt="hang"), metadata=AUTH_MD, timeout=30)
+    (begin,) = await first_events(call, 1)
+
+    cancel = c.stub.Cancel(pb.CancelRequest(run_id=begin.run_id), metadata=AUTH_MD, timeout=10)
+    answer = await cancel
+    rest = [event async for event in call]
+
+    assert answer.cancelled and answer.run_id == begin.run_id
+    assert dict(await cancel.trailing_metadata())[OWNER_KEY] == a.address
+    assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
+
+
+async def test_resolve_permission_through_another_host_answers_the_owners_agent(three: Hosts) -> None:
+    a, b = three["a"], three["b"]
+    request = pb.ChatRequest(project_id="proj", prompt="permission", permission_mode=pb.PERMISSION_MODE_ASK)
+    call = a.stub.Chat(request, metadata=AUTH_MD, timeout=30)
+    begin, asked = await first_events(call, 2)
+    assert asked.WhichOneof("event") == "permission_request"
+
+    resolve = b.stub.ResolvePermission(
+        pb.ResolvePermissionRequest(
+            run_id=begin.run_id, permission_id=asked.permission_request.permission_id, option_id="allow"
+        ),
+        metadata=AUTH_MD,
+        timeout=10,
+    )
+    await resolve
+    rest = [event async for event in call]
+
+    assert dict(await resolve.trailing_metadata())[OWNER_KEY] == a.address
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(rest).endswith("permission=allow")
+
+
+async def test_subscribe_through_a_non_owner_re_attaches_without_losing_an_event(three: Hosts) -> None:
+    a, b = three["a"], three["b"]
+    call = a.stub.Chat(pb.ChatRequest(project_id="proj", prompt="stream 6 pace 100"), metadata=AUTH_MD, timeout=30)
+    seen = await first_events(call, 2)
+    call.cancel()  # the client goes away mid-turn; the turn goes on at a
+
+    sub = b.stub.Subscribe(pb.SubscribeRequest(run_id=seen[0].run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+    rest = [event async for event in sub]
+    whole = [
+        event
+        async for event in a.stub.Subscribe(pb.SubscribeRequest(run_id=seen[0].run_id), metadata=AUTH_MD, timeout=10)
+    ]
+
+    assert [e.seq for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+    assert seen + rest == whole
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert dict(await sub.trailing_metadata())[OWNER_KEY] == a.address
+
+
+async def test_list_hosts_shows_every_host_live_and_which_one_answered(three: Hosts) -> None:
+    answer = await three["b"].stub.ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=10)
+    listed = {h.host_id: h for h in answer.hosts}
+    assert set(listed) == {"host-a", "host-b", "host-c"}
+    assert all(h.live for h in listed.values())
+    assert [h.host_id for h in answer.hosts if h.self] == ["host-b"]
+    assert listed["host-c"].advertise_address == three["c"].address
+
+
+async def test_a_request_between_hosts_without_the_token_is_refused(three: Hosts) -> None:
+    # the hosts' calls to each other carry the auth_token: without it nobody is let in
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await three["a"].stub.ListHosts(pb.ListHostsRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_turns_on_many_sessions_through_every_host_each_run_once_at_their_owner(three: Hosts) -> None:
+    hosts = [three["a"], three["b"], three["c"]]
+    firsts = await asyncio.gather(*(chat(hosts[n % 3], prompt=f"remember {n}") for n in range(6)))
+    seconds = await asyncio.gather(
+        *(
+            chat(hosts[(n + 1) % 3], prompt="and?", session_id=events[0].session_id)
+            for n, (events, _) in enumerate(firsts)
+        )
+    )
+    for n, ((_, first_trailer), (second, trailer)) in enumerate(zip(firsts, seconds, strict=True)):
+        assert started(second).resume == pb.RESUME_OUTCOME_LIVE
+        assert text_of(second) == f"I remember: {n}"
+        assert trailer[OWNER_KEY] == first_trailer[OWNER_KEY] == hosts[n % 3].address

@@ -242,6 +242,33 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
+class Usage:
+    """What one turn cost, as the agent reported it; None where it reported nothing."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_read_tokens: int | None = None
+    cached_write_tokens: int | None = None
+    thought_tokens: int | None = None
+    total_tokens: int | None = None
+    context_used: int | None = None
+    context_size: int | None = None
+    cost_amount: float | None = None
+    cost_currency: str = ""
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        """The names of the fields the agent reported."""
+        return tuple(name for name in USAGE_FIELDS if getattr(self, name) is not None)
+
+
+USAGE_FIELDS = (
+    "input_tokens", "output_tokens", "cached_read_tokens", "cached_write_tokens", "thought_tokens",
+    "total_tokens", "context_used", "context_size", "cost_amount",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class RunCompleted:
     stop_reason: StopReason
     provider_session_id: str
@@ -249,6 +276,7 @@ class RunCompleted:
     error: str = ""
     # the failure's kind (an RcoderError reason) when ``error`` is set
     error_reason: str = ""
+    usage: Usage | None = None  # what the agent reported the turn cost
 
 
 RunEventBody = (

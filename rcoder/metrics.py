@@ -14,8 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rcoder.domain import Usage
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TURN_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+TOKEN_KINDS = ("input", "output", "cached_read", "cached_write", "thought")
 
 AgentCounts = Callable[[], Mapping[str, tuple[int, int]]]  # profile -> (live, warm)
 
@@ -60,6 +63,19 @@ class Metrics:
             "rcoder_agent_start_failures",
             "Agents that could not be started or initialised, by agent and reason",
             ["agent", "reason"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "rcoder_tokens",
+            "Tokens the agents reported their turns used, by agent, project and kind "
+            "(input, output, cached_read, cached_write, thought)",
+            ["agent", "project", "kind"],
+            registry=self.registry,
+        )
+        self.cost = Counter(
+            "rcoder_cost",
+            "Cost the agents reported for their turns, by agent, project and currency",
+            ["agent", "project", "currency"],
             registry=self.registry,
         )
         self.forks = Counter(
@@ -119,6 +135,15 @@ class Metrics:
             )
         children[0].observe(seconds)
         children[1].inc()
+
+    def turn_usage(self, agent: str, project: str, usage: Usage) -> None:
+        """Tokens and cost the agent reported for a turn (only what it reported)."""
+        for kind in TOKEN_KINDS:
+            count = getattr(usage, f"{kind}_tokens")
+            if count:
+                self.tokens.labels(agent, project, kind).inc(count)
+        if usage.cost_amount is not None and usage.cost_amount > 0:
+            self.cost.labels(agent, project, usage.cost_currency or "unknown").inc(usage.cost_amount)
 
     def turn_ended(self, agent: str, outcome: str, stop_reason: str, seconds: float) -> None:
         key = (agent, outcome, stop_reason)

@@ -124,7 +124,7 @@ async def failover_time(bench: Bench, url: str) -> Result:
 
 
 async def throughput(bench: Bench, url: str, sessions: int) -> Result:
-    from bench import chat, judged
+    from bench import Result, chat
 
     async def rate(stubs: list[pb_grpc.AgentRunnerStub]) -> float:
         ids = await asyncio.gather(*(chat(stubs[n % len(stubs)], "stream 1") for n in range(sessions)))
@@ -143,7 +143,7 @@ async def throughput(bench: Bench, url: str, sessions: int) -> Result:
     async with hosts(bench, url, 3) as started:
         three = await rate([stub for _, stub in started])
     details = {"one_host_turns_per_s": one, "three_hosts_turns_per_s": three, "sessions": sessions}
-    return judged("multihost_throughput", "turns/s across 3 hosts ÷ 1 host", three / one, "report", details)
+    return Result("multihost_throughput", "turns/s across 3 hosts ÷ 1 host", three / one, "report", None, details)
 
 
 async def multihost(bench: Bench) -> list[Result]:

@@ -19,7 +19,8 @@ from acp import schema as acp
 
 from rcoder.agent.convert import notification_to_event, opaque_update, permission_options
 from rcoder.agent.transport import LogBudget
-from rcoder.domain import AgentEvent, PermissionRequest, new_id
+from rcoder.agent.usage import USAGE_UPDATE, UsageMeter
+from rcoder.domain import AgentEvent, AgentUpdate, PermissionRequest, new_id
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.client")
@@ -47,11 +48,13 @@ class RcoderClient:
         self.session_id = ""
         # sees every session/update that arrives outside a turn (a replay while the session opens)
         self.on_replay: UpdateWatch | None = None
+        self.usage = UsageMeter()  # what the agent reports the turns cost
 
     # ------------------------------------------------------------ turn control
 
     def begin_turn(self, on_event: EventSink, on_permission: PermissionDecider) -> None:
         self._turn = _Turn(on_event, on_permission)
+        self.usage.begin_turn()
 
     def end_turn(self) -> None:
         turn, self._turn = self._turn, None
@@ -80,6 +83,8 @@ class RcoderClient:
                 log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind, seen=seen,
                             error=exc.errors()[0].get("msg", str(exc)))  # fmt: skip
         if event is not None:
+            if event.__class__ is AgentUpdate and event.kind == USAGE_UPDATE:
+                self.usage.note_update(event.json)
             turn.on_event(event)
 
     # ------------------------------------------------------------ acp.Client

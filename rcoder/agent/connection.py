@@ -25,7 +25,7 @@ from rcoder.agent.process import AgentProcess
 from rcoder.agent.replay import ReplayWatch
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
-from rcoder.domain import AgentCapabilities, OpenMethod, StopReason
+from rcoder.domain import AgentCapabilities, OpenMethod, StopReason, Usage
 from rcoder.errors import (
     AgentAuthRequired,
     AgentClosed,
@@ -93,6 +93,7 @@ class AgentConnection:
         self._closed = False
         self._close_lock = asyncio.Lock()
         self._replay: ReplayWatch | None = None
+        self.turn_usage: Usage | None = None  # what the agent reported its last turn cost
         # told the provider session id after each turn (the launcher's session lists: ``agent.listing``)
         self.on_active: Callable[[str], None] | None = None
 
@@ -194,6 +195,7 @@ class AgentConnection:
         """Run one turn; updates go to ``on_event`` as they arrive. Not answered within
         ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
         self._client.begin_turn(on_event, on_permission)
+        self.turn_usage = None
         try:
             response = await self._call(
                 self._conn.prompt(session_id=self.provider_session_id, prompt=blocks, **tracing.agent_meta()),
@@ -208,6 +210,7 @@ class AgentConnection:
             self._client.end_turn()
             if self.on_active is not None:
                 self.on_active(self.provider_session_id)
+        self.turn_usage = self._client.usage.end_turn(response.usage)
         return stop_reason(response.stop_reason)
 
     async def cancel(self) -> None:

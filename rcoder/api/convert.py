@@ -23,6 +23,7 @@ from rcoder.domain import (
     ToolCall,
     ToolCallUpdate,
     ToolDiff,
+    Usage,
 )
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -133,6 +134,16 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
                 error_reason=body.error_reason,
             )
         )
+        if body.usage is not None:
+            msg.completed.usage.CopyFrom(usage(body.usage))
+    return msg
+
+
+def usage(value: Usage) -> pb.Usage:
+    reported = value.reported
+    msg = pb.Usage(reported=reported, cost_currency=value.cost_currency)
+    for name in reported:
+        setattr(msg, name, getattr(value, name))
     return msg
 
 

@@ -54,6 +54,7 @@ from rcoder.client.events import (
     ToolCallUpdate,
     ToolDiff,
     UnknownEvent,
+    Usage,
 )
 from rcoder.client.requests import (
     Attachment,
@@ -138,4 +139,5 @@ __all__ = [
     "Unavailable",
     "Unimplemented",
     "UnknownEvent",
+    "Usage",
 ]

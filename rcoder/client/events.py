@@ -178,6 +178,43 @@ class Completed(Event):
     error: str
     resume: ResumeOutcome
     error_reason: str
+    usage: Usage | None  # what the agent reported the turn cost; None when it reported nothing
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Usage:
+    """Tokens and cost of a turn as the agent reported them: None where it reported nothing."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+    cached_read_tokens: int | None
+    cached_write_tokens: int | None
+    thought_tokens: int | None
+    total_tokens: int | None
+    context_used: int | None
+    context_size: int | None
+    cost_amount: float | None  # this turn's part of the session's cost
+    cost_currency: str
+    reported: tuple[str, ...]  # the fields that are set
+
+
+def _usage(m: pb.Usage) -> Usage:
+    def field(name: str) -> Any:
+        return getattr(m, name) if m.HasField(name) else None  # type: ignore[arg-type]
+
+    return Usage(
+        input_tokens=field("input_tokens"),
+        output_tokens=field("output_tokens"),
+        cached_read_tokens=field("cached_read_tokens"),
+        cached_write_tokens=field("cached_write_tokens"),
+        thought_tokens=field("thought_tokens"),
+        total_tokens=field("total_tokens"),
+        context_used=field("context_used"),
+        context_size=field("context_size"),
+        cost_amount=field("cost_amount"),
+        cost_currency=m.cost_currency,
+        reported=tuple(m.reported),
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,6 +305,7 @@ def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         error=c.error,
         resume=_resume(c.resume),
         error_reason=c.error_reason,
+        usage=_usage(c.usage) if c.HasField("usage") else None,
         **envelope,
     )
 

@@ -43,6 +43,7 @@ from rcoder.domain import (
     StopReason,
     TextChunk,
     TranscriptEntry,
+    Usage,
 )
 from rcoder.errors import AgentError, Internal, LeaseLost, RcoderError, RunCancelled, ShuttingDown, StoreError
 from rcoder.logs import bind_context, get_logger
@@ -86,6 +87,7 @@ class TurnScope:
         self.error = ""
         self.error_reason = ""
         self.transcript: TranscriptEntry | None = None
+        self.usage: Usage | None = None  # what the agent reported the turn cost
 
     # ------------------------------------------------------------ phases
 
@@ -343,6 +345,7 @@ class TurnRunner:
             finally:
                 beats.stop()
             span.set_attribute("rcoder.stop_reason", scope.stop.value)
+        scope.usage = opened.connection.turn_usage
         scope.transcript = TranscriptEntry(
             session_id=plan.session_id,
             run_id=run.run_id,
@@ -428,7 +431,10 @@ class TurnRunner:
             body = scope.body
             assert body is not None
             provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
-            run.publish(RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason))
+            usage = scope.usage
+            run.publish(RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage))
+            if usage is not None:
+                self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)
             log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
             agent = plan.profile.name
             self._metrics.turn_ended(

@@ -1468,6 +1468,7 @@ class RunCompleted(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     provider_session_id: _builtins.str
     error: _builtins.str
@@ -1477,6 +1478,10 @@ class RunCompleted(_message.Message):
     """set with error: what kind of failure, as the ErrorInfo reasons of gRPC statuses say it
     (AGENT_AUTH_REQUIRED, AGENT_TIMEOUT, AGENT_CRASHED, AGENT_PROTOCOL_ERROR, STORE_UNAVAILABLE, INTERNAL, ...)
     """
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """what the agent reported this turn cost; unset when it reported nothing"""
+
     def __init__(
         self,
         *,
@@ -1485,11 +1490,110 @@ class RunCompleted(_message.Message):
         error: _builtins.str = ...,
         resume: Global___ResumeOutcome.ValueType = ...,
         error_reason: _builtins.str = ...,
+        usage: Global___Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunCompleted: _TypeAlias = RunCompleted  # noqa: Y015
+
+@_typing.final
+class Usage(_message.Message):
+    """Tokens and cost of one turn, as the agent reported them: the prompt answer's `usage` (tokens)
+    and its last `usage_update` of the turn (context, cost). A field is set only when the agent
+    reported it (never an invented zero); `reported` names the fields that are set.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_READ_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_WRITE_TOKENS_FIELD_NUMBER: _builtins.int
+    THOUGHT_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    CONTEXT_USED_FIELD_NUMBER: _builtins.int
+    CONTEXT_SIZE_FIELD_NUMBER: _builtins.int
+    COST_AMOUNT_FIELD_NUMBER: _builtins.int
+    COST_CURRENCY_FIELD_NUMBER: _builtins.int
+    REPORTED_FIELD_NUMBER: _builtins.int
+    input_tokens: _builtins.int
+    output_tokens: _builtins.int
+    cached_read_tokens: _builtins.int
+    cached_write_tokens: _builtins.int
+    thought_tokens: _builtins.int
+    total_tokens: _builtins.int
+    context_used: _builtins.int
+    """tokens in the context after the turn"""
+    context_size: _builtins.int
+    """the context window"""
+    cost_amount: _builtins.float
+    """this turn's part of the session's cost: the agent reports a cumulative amount; rcoder sends
+    the difference since its previous report on the same agent process
+    """
+    cost_currency: _builtins.str
+    """ISO 4217, with cost_amount"""
+    @_builtins.property
+    def reported(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the names of the fields above that are set"""
+
+    def __init__(
+        self,
+        *,
+        input_tokens: _builtins.int | None = ...,
+        output_tokens: _builtins.int | None = ...,
+        cached_read_tokens: _builtins.int | None = ...,
+        cached_write_tokens: _builtins.int | None = ...,
+        thought_tokens: _builtins.int | None = ...,
+        total_tokens: _builtins.int | None = ...,
+        context_used: _builtins.int | None = ...,
+        context_size: _builtins.int | None = ...,
+        cost_amount: _builtins.float | None = ...,
+        cost_currency: _builtins.str = ...,
+        reported: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_read_tokens", b"_cached_read_tokens", "_cached_write_tokens", b"_cached_write_tokens", "_context_size", b"_context_size", "_context_used", b"_context_used", "_cost_amount", b"_cost_amount", "_input_tokens", b"_input_tokens", "_output_tokens", b"_output_tokens", "_thought_tokens", b"_thought_tokens", "_total_tokens", b"_total_tokens", "cached_read_tokens", b"cached_read_tokens", "cached_write_tokens", b"cached_write_tokens", "context_size", b"context_size", "context_used", b"context_used", "cost_amount", b"cost_amount", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "thought_tokens", b"thought_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_read_tokens", b"_cached_read_tokens", "_cached_write_tokens", b"_cached_write_tokens", "_context_size", b"_context_size", "_context_used", b"_context_used", "_cost_amount", b"_cost_amount", "_input_tokens", b"_input_tokens", "_output_tokens", b"_output_tokens", "_thought_tokens", b"_thought_tokens", "_total_tokens", b"_total_tokens", "cached_read_tokens", b"cached_read_tokens", "cached_write_tokens", b"cached_write_tokens", "context_size", b"context_size", "context_used", b"context_used", "cost_amount", b"cost_amount", "cost_currency", b"cost_currency", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "reported", b"reported", "thought_tokens", b"thought_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cached_read_tokens: _TypeAlias = _typing.Literal["cached_read_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_read_tokens: _TypeAlias = _typing.Literal["_cached_read_tokens", b"_cached_read_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__cached_write_tokens: _TypeAlias = _typing.Literal["cached_write_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_write_tokens: _TypeAlias = _typing.Literal["_cached_write_tokens", b"_cached_write_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__context_size: _TypeAlias = _typing.Literal["context_size"]  # noqa: Y015
+    _WhichOneofArgType__context_size: _TypeAlias = _typing.Literal["_context_size", b"_context_size"]  # noqa: Y015
+    _WhichOneofReturnType__context_used: _TypeAlias = _typing.Literal["context_used"]  # noqa: Y015
+    _WhichOneofArgType__context_used: _TypeAlias = _typing.Literal["_context_used", b"_context_used"]  # noqa: Y015
+    _WhichOneofReturnType__cost_amount: _TypeAlias = _typing.Literal["cost_amount"]  # noqa: Y015
+    _WhichOneofArgType__cost_amount: _TypeAlias = _typing.Literal["_cost_amount", b"_cost_amount"]  # noqa: Y015
+    _WhichOneofReturnType__input_tokens: _TypeAlias = _typing.Literal["input_tokens"]  # noqa: Y015
+    _WhichOneofArgType__input_tokens: _TypeAlias = _typing.Literal["_input_tokens", b"_input_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__output_tokens: _TypeAlias = _typing.Literal["output_tokens"]  # noqa: Y015
+    _WhichOneofArgType__output_tokens: _TypeAlias = _typing.Literal["_output_tokens", b"_output_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__thought_tokens: _TypeAlias = _typing.Literal["thought_tokens"]  # noqa: Y015
+    _WhichOneofArgType__thought_tokens: _TypeAlias = _typing.Literal["_thought_tokens", b"_thought_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__total_tokens: _TypeAlias = _typing.Literal["total_tokens"]  # noqa: Y015
+    _WhichOneofArgType__total_tokens: _TypeAlias = _typing.Literal["_total_tokens", b"_total_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_read_tokens) -> _WhichOneofReturnType__cached_read_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_write_tokens) -> _WhichOneofReturnType__cached_write_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__context_size) -> _WhichOneofReturnType__context_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__context_used) -> _WhichOneofReturnType__context_used | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cost_amount) -> _WhichOneofReturnType__cost_amount | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__input_tokens) -> _WhichOneofReturnType__input_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output_tokens) -> _WhichOneofReturnType__output_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__thought_tokens) -> _WhichOneofReturnType__thought_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__total_tokens) -> _WhichOneofReturnType__total_tokens | None: ...
+
+Global___Usage: _TypeAlias = Usage  # noqa: Y015

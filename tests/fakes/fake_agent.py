@@ -35,7 +35,9 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
-    usage        a usage_update (used 10, size 1000)
+    usage        a usage_update (used 10 x the turns with `usage` in this process, size 1000, cost 0.25 USD
+                 x those turns: cumulative per process) and the answer's usage (input 100, output 20,
+                 cached read 5, total 125)
     env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
     readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
     writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
@@ -92,6 +94,7 @@ from acp.schema import (
     AgentCapabilities,
     AllowedOutcome,
     CloseSessionResponse,
+    Cost,
     ForkSessionResponse,
     Implementation,
     InitializeResponse,
@@ -112,6 +115,7 @@ from acp.schema import (
     TextContentBlock,
     ToolCallLocation,
     ToolCallUpdate,
+    Usage,
     UsageUpdate,
 )
 
@@ -344,6 +348,7 @@ class FakeAgent:
         self.sessions: dict[str, Session] = {}  # sessions open in this process
         self.never = asyncio.Event()  # awaited by --hang; nobody sets it
         self.background: set[asyncio.Task[None]] = set()
+        self.usage_turns: dict[str, int] = {}  # turns that reported usage, per session, in this process
         self.conn: Client  # set by on_connect, which the SDK calls while building the connection
 
     def on_connect(self, conn: Client) -> None:
@@ -523,6 +528,9 @@ class FakeAgent:
         # Persisted before the response goes out, so a test that kills us right after it
         # still finds the turn on disk.
         self.store.save(session)
+        if script.usage:
+            tokens = Usage(input_tokens=100, output_tokens=20, cached_read_tokens=5, total_tokens=125)
+            return PromptResponse(stop_reason=stop, usage=tokens)
         return PromptResponse(stop_reason=stop)
 
     async def _perform(self, session: Session, script: Script) -> tuple[StopReason, str | None]:
@@ -553,7 +561,10 @@ class FakeAgent:
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
         if script.usage:
-            usage = UsageUpdate(session_update="usage_update", used=10, size=1000)
+            # the session's cost so far, counted by this process (as Claude's adapter does)
+            self.usage_turns[sid] = self.usage_turns.get(sid, 0) + 1
+            cost = Cost(amount=0.25 * self.usage_turns[sid], currency="USD")
+            usage = UsageUpdate(session_update="usage_update", used=10 * self.usage_turns[sid], size=1000, cost=cost)
             await self.conn.session_update(sid, usage)
         if script.sleep_ms is not None and await self._cancelled_within(session, script.sleep_ms):
             return "cancelled", None

@@ -1,0 +1,75 @@
+"""What a turn cost, from what the agent reported: ACP ``usage_update`` and the prompt answer's ``usage``.
+
+Agents report usage in two places. The ``session/prompt`` answer may carry ``usage``
+(unstable in ACP): the turn's tokens. A ``usage_update`` session update says how full the
+context is (``used`` of ``size``) and, optionally, the session's *cumulative* cost. rcoder
+reports a turn's cost as the difference since the previous report on the same agent process
+(a new process counts from zero: a session resumed there starts over), so that costs add up
+per session. Only what the agent reported is filled in; nothing becomes an invented zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import acp
+
+from rcoder.domain import Usage
+
+USAGE_UPDATE = "usage_update"
+
+
+class UsageMeter:
+    """One agent connection's reports, turn by turn."""
+
+    def __init__(self) -> None:
+        self._cost_seen: float | None = None  # the cumulative cost last reported on this process
+        self._update: dict[str, Any] | None = None  # the turn's last usage_update
+
+    def begin_turn(self) -> None:
+        self._update = None
+
+    def note_update(self, update_json: str) -> None:
+        """A ``usage_update`` as the agent wrote it (a malformed one is ignored)."""
+        try:
+            data = json.loads(update_json)
+        except ValueError:
+            return
+        if isinstance(data, dict):
+            self._update = data
+
+    def end_turn(self, answered: acp.Usage | None) -> Usage | None:
+        """The turn's usage from its last ``usage_update`` and the prompt answer's ``usage``."""
+        tokens: dict[str, Any] = {}
+        if answered is not None:
+            tokens = {
+                "input_tokens": answered.input_tokens,
+                "output_tokens": answered.output_tokens,
+                "cached_read_tokens": answered.cached_read_tokens,
+                "cached_write_tokens": answered.cached_write_tokens,
+                "thought_tokens": answered.thought_tokens,
+                "total_tokens": answered.total_tokens,
+            }
+        update = self._update or {}
+        used, size = _count(update.get("used")), _count(update.get("size"))
+        amount, currency = self._turn_cost(update.get("cost"))
+        usage = Usage(**tokens, context_used=used, context_size=size, cost_amount=amount, cost_currency=currency)
+        return usage if usage.reported else None
+
+    def _turn_cost(self, cost: Any) -> tuple[float | None, str]:
+        if not isinstance(cost, dict):
+            return None, ""
+        amount, currency = cost.get("amount"), cost.get("currency")
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount):
+            return None, ""
+        before = self._cost_seen or 0.0
+        self._cost_seen = float(amount)
+        # an agent whose count went down started over: all it reports is this turn's
+        turn = float(amount) - before if amount >= before else float(amount)
+        return turn, currency if isinstance(currency, str) else ""
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

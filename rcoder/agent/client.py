@@ -20,7 +20,7 @@ from acp import schema as acp
 from rcoder.agent.convert import notification_to_event, opaque_update, permission_options
 from rcoder.agent.transport import LogBudget
 from rcoder.agent.usage import USAGE_UPDATE, UsageMeter
-from rcoder.domain import AgentEvent, AgentUpdate, PermissionRequest, new_id
+from rcoder.domain import AgentEvent, AgentUpdate, PermissionRequest, ToolCall, new_id
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.client")
@@ -49,12 +49,16 @@ class RcoderClient:
         # sees every session/update that arrives outside a turn (a replay while the session opens)
         self.on_replay: UpdateWatch | None = None
         self.usage = UsageMeter()  # what the agent reports the turns cost
+        # the turn's tool calls as announced (id -> kind, title): a permission request's toolCall is
+        # an update that may leave out what the call already said (Claude's legacy adapter does)
+        self._tool_calls: dict[str, tuple[str, str]] = {}
 
     # ------------------------------------------------------------ turn control
 
     def begin_turn(self, on_event: EventSink, on_permission: PermissionDecider) -> None:
         self._turn = _Turn(on_event, on_permission)
         self.usage.begin_turn()
+        self._tool_calls.clear()
 
     def end_turn(self) -> None:
         turn, self._turn = self._turn, None
@@ -85,6 +89,8 @@ class RcoderClient:
         if event is not None:
             if event.__class__ is AgentUpdate and event.kind == USAGE_UPDATE:
                 self.usage.note_update(event.json)
+            elif event.__class__ is ToolCall:
+                self._tool_calls[event.tool_call_id] = (event.kind, event.title)
             turn.on_event(event)
 
     # ------------------------------------------------------------ acp.Client
@@ -103,11 +109,12 @@ class RcoderClient:
         turn = self._turn
         if turn is None or turn.cancelled.is_set():
             return _cancelled()
+        kind, title = self._tool_calls.get(tool_call.tool_call_id, ("", ""))
         request = PermissionRequest(
             permission_id=new_id(),
             tool_call_id=tool_call.tool_call_id,
-            title=tool_call.title or "",
-            kind=tool_call.kind or "",
+            title=tool_call.title or title,
+            kind=tool_call.kind or kind,
             options=permission_options(options),
         )
         turn.on_event(request)

@@ -102,10 +102,10 @@ NOT_LISTED = "is not in the agent's session list"
 TURN_TIMEOUT = 150.0
 
 
-async def turn(client: Client, agent: str, prompt: str, session_id: str = "") -> list[pb.ChatStream]:
-    """One turn on ``agent`` in a project of its own; it must end ``END_TURN``."""
+async def turn(client: Client, agent: str, prompt: str, session_id: str = "", project: str = "") -> list[pb.ChatStream]:
+    """One turn on ``agent`` in a project of its own (``proj-<agent>`` unless named); it must end ``END_TURN``."""
     events = await client.chat(
-        timeout=TURN_TIMEOUT, project_id=f"proj-{agent}", agent=agent, prompt=prompt, session_id=session_id
+        timeout=TURN_TIMEOUT, project_id=project or f"proj-{agent}", agent=agent, prompt=prompt, session_id=session_id
     )
     done = completed(events)
     assert done.stop_reason == pb.STOP_REASON_END_TURN, (agent, done)

@@ -547,6 +547,25 @@ async def fallback_first_event(bench: Bench) -> Result:
     return judged("fallback_first_event", what, paired_ratio(checked, tried), "<= 1.0", details)
 
 
+async def cold_start_confined(bench: Bench) -> Result:
+    """A cold short first turn (spawn to the end of 'hello') of an agent confined by Landlock / of
+    the same agent with ``sandbox = "none"``, pairs back to back in alternating order."""
+    confined, unconfined = bench.fake_profile(), {**bench.fake_profile(), "sandbox": "none"}
+    times: dict[str, list[float]] = {"confined": [], "unconfined": []}
+    config = bench.config({"confined": confined, "unconfined": unconfined}, default_agent="confined")
+    async with bench.daemon(config) as (_, stub):
+        await close_session(stub, (await chat(stub, "hello", agent="unconfined")).session_id)  # opens the store
+        for rep in range(bench.sizes.reps):
+            for agent in ("confined", "unconfined")[:: 1 if rep % 2 else -1]:
+                turn = await chat(stub, "hello", agent=agent)
+                times[agent].append(turn.total)
+                await close_session(stub, turn.session_id)
+    ours, theirs = times["confined"], times["unconfined"]
+    details = {"confined_ms": median(ours) * 1e3, "unconfined_ms": median(theirs) * 1e3, "reps": len(ours)}
+    what = "cold first turn ('hello', fake agent): Landlock-confined / sandbox = none"
+    return judged("cold_start_confined", what, paired_ratio(ours, theirs), "<= 1.1", details)
+
+
 async def _fallback_turn(stub: pb_grpc.AgentRunnerStub, agent: str, project: str) -> float:
     """Seconds to the first event of a turn on an unknown session id; it must fall back to a new one."""
     unknown = f"fake-unknown-{project}"
@@ -765,6 +784,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("warm_pool", lambda b: _one(warm_pool(b))),
         ("resumed", lambda b: _one(resumed_first_chunk(b))),
         ("fallback", lambda b: _one(fallback_first_event(b))),
+        ("confined", lambda b: _one(cold_start_confined(b))),
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),

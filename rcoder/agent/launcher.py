@@ -8,6 +8,7 @@ never answered with a silent fresh session.
 from __future__ import annotations
 
 import asyncio
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -253,6 +254,8 @@ class AgentLauncher:
             ) from exc
         # its home and a private TMPDIR, for every kind (a kind's own env comes after, the profile's last)
         env = self._settings.agent_env(profile, {"HOME": str(home), "TMPDIR": str(home / "tmp"), **setup.env})
+        if setup.path_first:
+            env["PATH"] = os.pathsep.join([*setup.path_first, *filter(None, [env.get("PATH", "")])])
         for field, var in profile.provider_env.items():
             value = getattr(provider, field)
             if value:

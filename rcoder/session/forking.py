@@ -20,7 +20,7 @@ from datetime import datetime
 
 from rcoder import tracing
 from rcoder.agent.start_config import AgentStartConfig
-from rcoder.config import Settings
+from rcoder.config import AgentProfile, Settings
 from rcoder.domain import Forked, ForkMethod, ModelProvider, OpenMethod, SessionRecord, new_id
 from rcoder.errors import AgentError, InvalidArgument, NotFound, PermissionDenied
 from rcoder.logs import get_logger
@@ -79,7 +79,7 @@ class SessionForker:
         elif seen is not None and not seen[0].session_fork:
             reason = f"agent {profile.name!r} has no session/fork"
         else:
-            forked = await self._by_agent(source, branch)
+            forked = await self._by_agent(profile, source, branch)
             if isinstance(forked, Forked):
                 return forked
             reason = forked
@@ -88,18 +88,16 @@ class SessionForker:
         log.info("session_forked", source=source.session_id, branch=branch.session_id, method="reseeded", reason=reason)
         return Forked(branch, ForkMethod.RESEEDED, reason + "; its first turn is re-seeded from rcoder's transcript")
 
-    async def _by_agent(self, source: SessionRecord, branch: SessionRecord) -> Forked | str:
+    async def _by_agent(self, profile: AgentProfile, source: SessionRecord, branch: SessionRecord) -> Forked | str:
         """The branch opened by the agent's ``session/fork`` and live for it, or why not."""
         lease = await self._leases.acquire(branch.session_id)  # this host opens the branch's agent
         try:
-            return await self._fork_by_agent(source, branch)
+            return await self._fork_by_agent(profile, source, branch)
         finally:
             if not self._pool.is_live(branch.session_id):
                 self._leases.release(branch.session_id, lease)
 
-    async def _fork_by_agent(self, source: SessionRecord, branch: SessionRecord) -> Forked | str:
-        profile = self._settings.profile(source.agent)
-        assert profile is not None
+    async def _fork_by_agent(self, profile: AgentProfile, source: SessionRecord, branch: SessionRecord) -> Forked | str:
         config = AgentStartConfig(cwd=source.cwd, fork_from=source.provider_session_id)
         async with self._pool.checkout(profile, source.cwd, ModelProvider(), plain=False) as checkout:
             try:

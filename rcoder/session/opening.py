@@ -16,7 +16,7 @@ from rcoder.agent.connection import AgentConnection
 from rcoder.agent.kinds import replays_after_load
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunStarted, SessionRecord
+from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunStarted, SessionRecord, TranscriptEntry
 from rcoder.errors import AgentError
 from rcoder.metrics import Metrics
 from rcoder.session import content, reseed
@@ -167,7 +167,7 @@ class SessionOpener:
                 # agent's session/fork, whose history is the transcript rcoder copied into it
                 entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
                 if entries:
-                    outcome, preamble = await self._fallback(plan)
+                    outcome, preamble = self._reseed(entries)
                     reason = UNOPENED_BRANCH if preamble else UNOPENED_BRANCH_NOT_RESEEDED
         elif launched.fallback_reason:
             outcome, preamble = await self._fallback(plan)
@@ -188,6 +188,11 @@ class SessionOpener:
         """A known session the agent lost is re-seeded from rcoder's transcript, when configured."""
         if plan.record is None or not self._settings.reseed_on_fallback:
             return ResumeOutcome.FALLBACK_NEW, ""
-        entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
+        return self._reseed(await self._store.transcript(plan.session_id, limit=RESEED_TURNS))
+
+    def _reseed(self, entries: list[TranscriptEntry]) -> tuple[ResumeOutcome, str]:
+        """The outcome and first-prompt summary of a new session carrying ``entries``, when configured."""
+        if not self._settings.reseed_on_fallback:
+            return ResumeOutcome.FALLBACK_NEW, ""
         preamble = reseed.summary(entries, self._settings.reseed_max_bytes)
         return (ResumeOutcome.FALLBACK_RESEEDED if preamble else ResumeOutcome.FALLBACK_NEW), preamble

@@ -10,18 +10,28 @@ from __future__ import annotations
 import os
 import shutil
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
-from pydantic.functional_validators import AfterValidator, WrapValidator
-from pydantic_core.core_schema import ValidationInfo, ValidatorFunctionWrapHandler
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter
 
 from rcoder import landlock
 from rcoder.builtin_agents import AGENTS_DIR as AGENTS_DIR  # public here too
 from rcoder.builtin_agents import builtin_tables
-from rcoder.domain import ModelProvider, ResumeRoute
+from rcoder.config_types import (
+    Advertise,
+    Array,
+    ConfigPath,
+    Count,
+    HostId,
+    HostPort,
+    OtlpEndpoint,
+    Seconds,
+    StoreUrl,
+    checked,
+)
+from rcoder.domain import ResumeRoute
 from rcoder.errors import ConfigError
 
 # What an agent inherits from the daemon; the rest (secrets, IS_SANDBOX, proxies) only if its profile says so.
@@ -30,49 +40,6 @@ BASE_AGENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", 
 KindName = Literal["generic", "claude", "claude-legacy", "codex", "gemini", "opencode"]
 AGENT_KINDS: tuple[str, ...] = get_args(KindName)
 DEFAULT_DATA_DIR = Path(".rcoder")
-T = TypeVar("T")
-# Strict everywhere but here: a TOML array becomes a tuple, a string a ResumeRoute or a Path.
-Array = Annotated[tuple[T, ...], Strict(False)]
-Count = Annotated[int, Field(ge=0)]
-Seconds = Annotated[float, Field(ge=0)]
-
-
-def _config_path(value: object, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Path:
-    """A path; a relative one starts at the context's ``base_dir`` (the file's folder, else the cwd)."""
-    if value == "":
-        raise ValueError("expected a path, got ''")
-    return Path((info.context or {}).get("base_dir", ""), handler(value))
-
-
-def _host_port(listen: str) -> str:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected host:port, got {listen!r}")
-    return listen
-
-
-def _store_url(url: str) -> str:
-    # the problem names no part of the URL: it may hold a password
-    if url and not url.startswith(("postgresql://", "postgres://")):
-        raise ValueError('expected "" (SQLite in data_dir) or a postgresql:// (or postgres://) URL')
-    return url
-
-
-def _otlp_endpoint(url: str) -> str:
-    if url and not url.startswith(("http://", "https://")):
-        raise ValueError('expected "" (no traces exported) or an http:// (plaintext) or https:// (TLS) URL')
-    return url
-
-
-def _advertise(address: str) -> str:
-    return _host_port(address) if address else address
-
-
-HostId = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
-ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
-# "" is SQLite in data_dir; a postgresql:// URL the PostgreSQL store (rcoder.store.make_store);
-# kept out of repr: it may hold a password
-StoreUrl = Annotated[str, AfterValidator(_store_url), Field(repr=False)]
 
 
 class _Schema(BaseModel):
@@ -121,12 +88,6 @@ class AgentProfile(ProfileKeys):
     name: str
     base_dir: Path = Field(default_factory=Path.cwd)  # the config file's folder: relative commands start there
 
-    def model_provider(self, request: ModelProvider) -> ModelProvider:
-        """The provider an agent of this profile runs with: the request's, else the profile's."""
-        return ModelProvider(
-            request.base_url or self.model_base_url, request.api_key or self.model_api_key, request.model or self.model
-        )
-
     def resolve_command(self, search_path: str) -> str | None:
         """The executable to run: a path (relative to the config file) or a name on PATH."""
         if os.sep in self.command:
@@ -138,13 +99,13 @@ class AgentProfile(ProfileKeys):
 class SettingsKeys(_Schema):
     """The top-level keys: in the file, as ``RCODER_<KEY>`` variables, some as flags."""
 
-    listen: Annotated[str, AfterValidator(_host_port)] = "127.0.0.1:50051"
+    listen: HostPort = "127.0.0.1:50051"
     data_dir: ConfigPath = DEFAULT_DATA_DIR
     store_url: StoreUrl = ""
     # several hosts on one PostgreSQL store (DESIGN §7): this daemon's name ("": the hostname), the
     # host:port other hosts dial ("": the listen address as bound), how long a session's lease lasts
     host_id: HostId = ""
-    advertise_address: Annotated[str, AfterValidator(_advertise)] = ""
+    advertise_address: Advertise = ""
     lease_ttl: Annotated[float, Field(gt=0)] = 15.0
     workspace_root: ConfigPath = Path("workspace")
     default_agent: str = "claude"
@@ -164,7 +125,7 @@ class SettingsKeys(_Schema):
     run_retention: Seconds = 600.0  # finished runs stay subscribable this long
     metrics_listen: str = ""  # host:port for Prometheus /metrics; empty: not served
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
-    otlp_endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = ""
+    otlp_endpoint: OtlpEndpoint = ""
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
     reseed_on_fallback: bool = True  # when an agent lost a known session, prefix a summary of the transcript
@@ -185,25 +146,10 @@ class Settings(SettingsKeys):
         return self.agents.get(name)
 
     def agent_env(self, profile: AgentProfile, kind_env: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment an agent of ``profile`` starts with (before model provider):
+        """The environment an agent of ``profile`` starts with (before its model provider):
         inherited variables, then its kind's, then the profile's own ``env``."""
         inherited = {k: self.daemon_env[k] for k in BASE_AGENT_ENV + profile.inherit_env if k in self.daemon_env}
         return {**inherited, **(kind_env or {}), **profile.env}
-
-    def agent_homes(self, profile: AgentProfile) -> Path:
-        """``<data_dir>/agents/<profile>``: the folder of the profile's homes, one per project."""
-        return (self.data_dir / "agents" / profile.name).absolute()
-
-    def agent_home(self, profile: AgentProfile, project_id: str) -> Path:
-        """``<data_dir>/agents/<profile>/<project_id>``: the HOME of the profile's agents in that
-        project, stable across restarts, never shared with another project (DESIGN §6.1)."""
-        return self.agent_homes(profile) / project_id
-
-    def sandbox_of(self, profile: AgentProfile) -> Literal["landlock", "none"]:
-        """What the profile's agents run under: its ``sandbox``, with "auto" decided by the kernel."""
-        if profile.sandbox == "auto":
-            return "landlock" if self.landlock_abi > 0 else "none"
-        return profile.sandbox
 
 
 class _File(SettingsKeys):
@@ -229,21 +175,21 @@ def load_settings(
     ``landlock_abi``: the kernel's Landlock ABI version (asked of the kernel when None)."""
     cwd = Path.cwd()
     base_dir = config_file.resolve().parent if config_file is not None else cwd
-    file = _validate(_FILE, _read_toml(config_file) if config_file is not None else {}, base_dir)
+    file = checked(_FILE, _read_toml(config_file) if config_file is not None else {}, base_dir)
     env = {key: environ[var] for key in SettingsKeys.model_fields if (var := f"RCODER_{key.upper()}") in environ}
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
     # variables and flags are strings: read leniently ("8" a number, "yes" true), still checked
     values = {
         **file.model_dump(exclude_unset=True, exclude={"agents"}),
-        **_validate(_KEYS, env, cwd, False, lambda key: f"RCODER_{key.upper()}").model_dump(exclude_unset=True),
-        **_validate(_KEYS, flags, cwd, False).model_dump(exclude_unset=True),
+        **checked(_KEYS, env, cwd, False, lambda key: f"RCODER_{key.upper()}").model_dump(exclude_unset=True),
+        **checked(_KEYS, flags, cwd, False).model_dump(exclude_unset=True),
     }
     builtin = builtin_tables(values.get("data_dir", DEFAULT_DATA_DIR))
     # a table named like a built-in profile changes only the keys it sets
     tables = builtin | {name: builtin.get(name, {}) | table for name, table in file.agents.items()}
     agents = {
         name: AgentProfile(**dict(keys), name=name, base_dir=base_dir if name in file.agents else AGENTS_DIR)
-        for name, keys in _validate(_PROFILES, tables, base_dir, key=lambda key: f"agents.{key}").items()
+        for name, keys in checked(_PROFILES, tables, base_dir, key=lambda key: f"agents.{key}").items()
     }
     visible = {*BASE_AGENT_ENV, *(name for profile in agents.values() for name in profile.inherit_env)}
     settings = Settings(
@@ -275,17 +221,3 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError("--config", f"file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
-
-
-def _validate(
-    schema: TypeAdapter[T], data: object, base_dir: Path, strict: bool | None = None, key: Callable[[str], str] = str
-) -> T:
-    """``data`` checked against ``schema``: its first problem as a ConfigError naming the key's path."""
-    try:
-        return schema.validate_python(data, strict=strict, context={"base_dir": base_dir})
-    except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"] if p != "[key]")
-        unknown = error["type"] == "extra_forbidden"
-        problem = "unknown key (see README, Configuration)" if unknown else error["msg"].removeprefix("Value error, ")
-        raise ConfigError(key(path.removeprefix(".")), problem) from exc

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from rcoder import landlock
+from rcoder.agent.profile import sandbox_of
 from rcoder.agent.sandbox import around, confinement, protected
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
@@ -223,7 +224,7 @@ def test_a_profile_asking_for_landlock_on_a_kernel_without_it_is_a_config_error(
 
     assert caught.value.key == "agents.x.sandbox"
     settings = load_settings(config, {}, landlock_abi=7)
-    assert settings.sandbox_of(settings.agents["x"]) == "landlock"
+    assert sandbox_of(settings, settings.agents["x"]) == "landlock"
 
 
 def test_the_default_sandbox_is_landlock_where_the_kernel_has_it_and_none_where_not(tmp_path: Path) -> None:
@@ -232,8 +233,8 @@ def test_the_default_sandbox_is_landlock_where_the_kernel_has_it_and_none_where_
     with_it, without = load_settings(config, {}, landlock_abi=7), load_settings(config, {}, landlock_abi=0)
 
     assert with_it.agents["x"].sandbox == "auto"
-    assert with_it.sandbox_of(with_it.agents["x"]) == "landlock"
-    assert without.sandbox_of(without.agents["x"]) == "none"
+    assert sandbox_of(with_it, with_it.agents["x"]) == "landlock"
+    assert sandbox_of(without, without.agents["x"]) == "none"
 
 
 def test_read_and_write_paths_are_relative_to_the_config_file_and_checked(tmp_path: Path) -> None:

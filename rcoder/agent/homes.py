@@ -40,6 +40,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from rcoder.agent.profile import agent_homes
 from rcoder.config import AgentProfile, Settings
 from rcoder.logs import get_logger
 
@@ -69,7 +70,7 @@ class Homes:
 
     def path(self, profile: AgentProfile, cwd: str) -> Path:
         """Where the home of ``profile``'s agents working in ``cwd`` is (made or not)."""
-        return self._settings.agent_homes(profile).resolve() / self.project_of(cwd)  # Settings.agent_home
+        return agent_homes(self._settings, profile).resolve() / self.project_of(cwd)  # profile.agent_home
 
     async def home(self, profile: AgentProfile, cwd: str) -> Path:
         """The home of ``profile``'s agents working in ``cwd``, ready (made and migrated)."""

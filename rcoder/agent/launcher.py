@@ -27,6 +27,7 @@ from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.process import AgentProcess, sweep
+from rcoder.agent.profile import model_provider, sandbox_of
 from rcoder.agent.sandbox import confinement
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
@@ -92,7 +93,7 @@ class AgentLauncher:
         """Say what each profile's agents run under (DESIGN §6.1: in the log at start)."""
         abi = self._settings.landlock_abi
         for name, profile in sorted(self._settings.agents.items()):
-            sandbox = self._settings.sandbox_of(profile)
+            sandbox = sandbox_of(self._settings, profile)
             if sandbox == "landlock":
                 log.info("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi)
             else:
@@ -243,10 +244,10 @@ class AgentLauncher:
         """The profile's kind writes the agent's config files into its home (for
         this process's model provider: the request's, else the profile's
         defaults) and adds its environment and arguments."""
-        provider = profile.model_provider(provider)
+        provider = model_provider(profile, provider)
         try:
             home = await self.homes.home(profile, cwd)
-            landlocked = self._settings.sandbox_of(profile) == "landlock"
+            landlocked = sandbox_of(self._settings, profile) == "landlock"
             setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider, confined=landlocked)
         except OSError as exc:
             raise AgentUnavailable(

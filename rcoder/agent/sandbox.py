@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcoder import landlock
+from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
 
 WRAPPER = Path(landlock.__file__).resolve()
@@ -71,7 +72,7 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
 
     Touches the file system (resolving paths, creating missing ``write_paths`` folders): call it
     off the event loop."""
-    if settings.sandbox_of(profile) != "landlock":
+    if sandbox_of(settings, profile) != "landlock":
         return None
     hidden = protected(settings)
     system = [Path(p) for p in (*SYSTEM_READ, *ETC_LINKS)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.profile import sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, SessionRecord
 from rcoder.errors import NotFound
@@ -68,7 +69,7 @@ class Queries:
         views = []
         for name, profile in sorted(self._settings.agents.items()):
             seen = self._launcher.capabilities_seen.get(name)
-            sandbox = self._settings.sandbox_of(profile)
+            sandbox = sandbox_of(self._settings, profile)
             views.append(
                 AgentView(
                     profile=profile,

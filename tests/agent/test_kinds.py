@@ -14,6 +14,7 @@ import pytest
 from rcoder.agent.classify import gone_reason
 from rcoder.agent.kinds import GEMINI_LOAD_MARGIN, KINDS, kind_of
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.profile import agent_home, model_provider
 from rcoder.config import AGENT_KINDS, AgentProfile, Settings, builtin_profiles, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import ConfigError
@@ -263,8 +264,8 @@ def test_a_table_named_like_a_built_in_profile_changes_only_its_keys(tmp_path: P
     text = '[agents.codex]\nmodel_base_url = "http://127.0.0.1:1/v1"\nmodel_api_key = "k"\nmodel = "m"\n'
     profile = load_settings(write(tmp_path, text), {}).agents["codex"]
     assert profile.kind == "codex" and profile.command == builtin_profiles()["codex"].command
-    assert profile.model_provider(ModelProvider()) == ModelProvider("http://127.0.0.1:1/v1", "k", "m")
-    assert profile.model_provider(ModelProvider(model="other")).model == "other", "the request wins"
+    assert model_provider(profile, ModelProvider()) == ModelProvider("http://127.0.0.1:1/v1", "k", "m")
+    assert model_provider(profile, ModelProvider(model="other")).model == "other", "the request wins"
     assert "'k'" not in repr(profile), "the key must not show in a profile's repr"
 
 
@@ -275,7 +276,7 @@ def test_a_profiles_kind_env_comes_before_its_own_env_and_its_homes_are_under_da
     env = settings.agent_env(profile, {"HOME": "/kind", "GEMINI_CLI_HOME": "/kind"})
     assert env["HOME"] == "/mine" and env["GEMINI_CLI_HOME"] == "/kind"
     assert "IS_SANDBOX" not in env
-    assert settings.agent_home(profile, "proj") == tmp_path / "d" / "agents" / "x" / "proj"
+    assert agent_home(settings, profile, "proj") == tmp_path / "d" / "agents" / "x" / "proj"
 
 
 def test_an_unknown_kind_is_a_config_error_naming_the_key(tmp_path: Path) -> None:

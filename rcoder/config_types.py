@@ -1,0 +1,77 @@
+"""The value types of the config schema (rcoder.config): paths relative to the config file,
+host:port addresses, store and collector URLs; and ``checked``, which turns pydantic's first
+error into a ConfigError naming the key's full path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+from pydantic import Field, Strict, TypeAdapter, ValidationError
+from pydantic.functional_validators import AfterValidator, WrapValidator
+from pydantic_core.core_schema import ValidationInfo, ValidatorFunctionWrapHandler
+
+from rcoder.errors import ConfigError
+
+T = TypeVar("T")
+# Strict everywhere but here: a TOML array becomes a tuple, a string a ResumeRoute or a Path.
+Array = Annotated[tuple[T, ...], Strict(False)]
+Count = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0)]
+
+
+def _config_path(value: object, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Path:
+    """A path; a relative one starts at the context's ``base_dir`` (the file's folder, else the cwd)."""
+    if value == "":
+        raise ValueError("expected a path, got ''")
+    return Path((info.context or {}).get("base_dir", ""), handler(value))
+
+
+def _host_port(listen: str) -> str:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected host:port, got {listen!r}")
+    return listen
+
+
+def _store_url(url: str) -> str:
+    # the problem names no part of the URL: it may hold a password
+    if url and not url.startswith(("postgresql://", "postgres://")):
+        raise ValueError('expected "" (SQLite in data_dir) or a postgresql:// (or postgres://) URL')
+    return url
+
+
+def _otlp_endpoint(url: str) -> str:
+    if url and not url.startswith(("http://", "https://")):
+        raise ValueError('expected "" (no traces exported) or an http:// (plaintext) or https:// (TLS) URL')
+    return url
+
+
+def _advertise(address: str) -> str:
+    return _host_port(address) if address else address
+
+
+HostId = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
+ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
+# "" is SQLite in data_dir; a postgresql:// URL the PostgreSQL store (rcoder.store.make_store);
+# kept out of repr: it may hold a password
+StoreUrl = Annotated[str, AfterValidator(_store_url), Field(repr=False)]
+HostPort = Annotated[str, AfterValidator(_host_port)]
+Advertise = Annotated[str, AfterValidator(_advertise)]  # "" or host:port
+# OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; "" exports none
+OtlpEndpoint = Annotated[str, AfterValidator(_otlp_endpoint)]
+
+
+def checked(
+    schema: TypeAdapter[T], data: object, base_dir: Path, strict: bool | None = None, key: Callable[[str], str] = str
+) -> T:
+    """``data`` checked against ``schema``: its first problem as a ConfigError naming the key's path."""
+    try:
+        return schema.validate_python(data, strict=strict, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"] if p != "[key]")
+        unknown = error["type"] == "extra_forbidden"
+        problem = "unknown key (see README, Configuration)" if unknown else error["msg"].removeprefix("Value error, ")
+        raise ConfigError(key(path.removeprefix(".")), problem) from exc

@@ -45,7 +45,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
 unit: $(STAMP) agents postgres
-	$(BIN)/pytest -p no:cacheprovider --durations=25 --cov --cov-report=term:skip-covered
+	$(BIN)/pytest -p no:cacheprovider -n 2 --dist loadfile --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
 ## PostgreSQL store's tests. Installed when missing and we are root (no main cluster is created, no

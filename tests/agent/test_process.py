@@ -70,10 +70,13 @@ def call_after_steps(steps: int, callback: Callable[[], object]) -> None:
 
 
 async def test_a_child_that_ends_on_stdin_close_is_closed_and_closing_again_is_a_no_op(marker: str) -> None:
-    process = await spawn(marker, "polite")
-    async with asyncio.timeout(CLOSE_BOUND):
+    # a grace long enough for the interpreter to start and reach its read on a loaded machine:
+    # closed at once, a child still starting would be SIGTERMed after a short one
+    polite_grace = 10.0
+    process = await spawn(marker, "polite", grace=polite_grace)
+    async with asyncio.timeout(polite_grace + 3.0):
         await asyncio.gather(process.aclose(), process.aclose())
-    assert process.returncode == 0
+    assert process.returncode == 0, "ended by a signal, not by its stdin's end"
     async with asyncio.timeout(1.0):
         await process.aclose()
     assert process.returncode == 0

@@ -25,7 +25,8 @@ from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.routing import Router
 from rcoder.session.runs import RunRegistry
-from rcoder.store import make_coordination, make_store, redact_url
+from rcoder.session.signals import SignalListener, SignalSender
+from rcoder.store import make_coordination, make_signals, make_store, redact_url
 
 log = get_logger("rcoder.daemon")
 STORE_FILE = "rcoder.db"
@@ -61,7 +62,11 @@ class Daemon:
         self.forwarder = Forwarder(
             self.host_id, settings.auth_token, tls.cert_pem if tls else None, answer_timeout=settings.lease_ttl
         )
-        router = Router(self.leases, self.runs, self.store, self.metrics)
+        # cancels and permission answers for an owner that does not answer: through the store
+        box = make_signals(self.store)  # None on SQLite: one host needs none
+        sender = SignalSender(box, self.store, self.metrics) if box is not None else None
+        self.signals = SignalListener(box, self.worker, self.metrics) if box is not None else None
+        router = Router(self.leases, self.runs, self.store, self.metrics, signals=sender)
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.server = GrpcServer(
             AgentRunnerService(self.worker, queries, routes), settings.listen, auth_token=settings.auth_token, tls=tls
@@ -101,6 +106,8 @@ class Daemon:
         await self.leases.coordination.register(self.advertise_address, __version__)
         if self.leases.shared:
             self.leases.start()
+        if self.signals is not None:
+            self.signals.start()
         if self.settings.metrics_listen:
             port = self.metrics.serve(self.settings.metrics_listen)
             log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
@@ -144,6 +151,8 @@ class Daemon:
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)
         await self.worker.aclose()
+        if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
+            await self.signals.aclose()
         await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
         await self.forwarder.aclose()

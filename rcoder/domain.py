@@ -266,6 +266,41 @@ USAGE_FIELDS = (
     "input_tokens", "output_tokens", "cached_read_tokens", "cached_write_tokens", "thought_tokens",
     "total_tokens", "context_used", "context_size", "cost_amount",
 )  # fmt: skip
+TOKEN_FIELDS = USAGE_FIELDS[:6]  # the counts that add up over turns (context and cost are not tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    amount: float
+    currency: str
+
+
+@dataclass(frozen=True, slots=True)
+class UsageTotals:
+    """A session's usage summed over its runs: each token count over the runs that reported it
+    (None when none did), its cost per currency (amounts of different currencies never add up)."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_read_tokens: int | None = None
+    cached_write_tokens: int | None = None
+    thought_tokens: int | None = None
+    total_tokens: int | None = None
+    costs: tuple[Cost, ...] = ()  # one per currency, in currency order
+    runs: int = 0  # the runs that reported any usage
+
+    @property
+    def reported(self) -> tuple[str, ...]:
+        """The names of the token counts some run reported, and "costs" when some run reported a cost."""
+        tokens = tuple(name for name in TOKEN_FIELDS if getattr(self, name) is not None)
+        return (*tokens, "costs") if self.costs else tokens
+
+
+class SessionOrder(enum.Enum):
+    """How ``ListSessions`` orders sessions."""
+
+    SESSION_ID = "session_id"
+    COST_DESC = "cost_desc"  # the most costly first, in one currency; sessions without cost in it last
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +400,7 @@ class RunRecord:
     stop_reason: StopReason | None = None
     error: str = ""
     ended_at: datetime | None = None
+    usage: Usage | None = None  # what the agent reported the run cost (set when it ends)
 
 
 @dataclass(frozen=True, slots=True)

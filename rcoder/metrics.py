@@ -105,6 +105,18 @@ class Metrics:
             ["method", "result"],
             registry=self.registry,
         )
+        self.signals_sent = Counter(
+            "rcoder_signals_sent",
+            "Cancels and permission answers left in the store for an owner that did not answer, by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.signals_applied = Counter(
+            "rcoder_signals_applied",
+            "Signals from other hosts this host read from the store and applied, by kind and result",
+            ["kind", "result"],
+            registry=self.registry,
+        )
         self.time_to_first_event = Histogram(
             "rcoder_time_to_first_event_seconds",
             "From a Chat request to its started event (agent start or reuse included)",

@@ -22,6 +22,7 @@ from rcoder.client import (
     Busy,
     ClientClosed,
     Completed,
+    Cost,
     Event,
     ForkMethod,
     Heartbeat,
@@ -39,6 +40,7 @@ from rcoder.client import (
     ResourceAttachment,
     ResourceLinkAttachment,
     ResumeOutcome,
+    SessionOrder,
     SessionStatus,
     Started,
     StopReason,
@@ -339,6 +341,27 @@ async def test_sessions_are_listed_paged_got_and_closed(client: RcoderClient) ->
 
 
 @on_the_module_loop
+async def test_a_session_carries_its_usage_totals_and_sessions_list_by_cost(client: RcoderClient) -> None:
+    cheap = await bounded(client.chat("c-usage", "usage").result())
+    dear = await bounded(client.chat("c-usage", "usage").result())
+    await bounded(client.chat("c-usage", "usage", session_id=dear.session_id).result())
+    free = await bounded(client.chat("c-usage", "hello").result())
+
+    record = await bounded(client.sessions.get(dear.session_id))
+    assert record.usage is not None and record.usage.runs == 2
+    assert (record.usage.input_tokens, record.usage.thought_tokens) == (200, None)
+    assert record.usage.costs == (Cost(amount=0.5, currency="USD"),)
+    assert (await bounded(client.sessions.get(free.session_id))).usage is None
+    by_cost = [
+        s.session_id async for s in client.sessions.list("c-usage", page_size=1, order_by=SessionOrder.COST_DESC)
+    ]
+    assert by_cost == [dear.session_id, cheap.session_id, free.session_id]
+    with pytest.raises(InvalidArgument) as caught:
+        await bounded(client.sessions.page("c-usage", cost_currency="USD"))
+    assert caught.value.metadata["field"] == "cost_currency"
+
+
+@on_the_module_loop
 async def test_a_fork_is_a_new_session_with_the_history_so_far(client: RcoderClient) -> None:
     source = await bounded(client.chat("c-fork", "remember 5").result())
 
@@ -461,6 +484,7 @@ def test_every_chat_stream_variant_has_its_event_class() -> None:
         (ResumeOutcome, pb.ResumeOutcome, "RESUME_OUTCOME_"),
         (StopReason, pb.StopReason, "STOP_REASON_"),
         (SessionStatus, pb.SessionStatus, "SESSION_STATUS_"),
+        (SessionOrder, pb.SessionOrder, "SESSION_ORDER_"),
         (PermissionMode, pb.PermissionMode, "PERMISSION_MODE_"),
     ],
 )

@@ -1,16 +1,23 @@
-"""Tokens and cost per turn: only what the agent reported, a turn's part of the session's cost."""
+"""Tokens and cost per turn: only what the agent reported, a turn's part of the session's cost;
+stored with the run, summed per session by GetSession, and the order of ListSessions by cost."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+from pathlib import Path
+
+import grpc
+import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import FakeAgentSetup, completed
+from tests.harness import Client, FakeAgentSetup, completed, error_info
 from tests.test_metrics import scrape
 
 TOKENS = ["input_tokens", "output_tokens", "cached_read_tokens", "total_tokens"]
 CONTEXT_AND_COST = ["context_used", "context_size", "cost_amount"]
+COST = pb.SESSION_ORDER_COST_DESC
 
 
 async def test_a_turn_carries_what_the_agent_reported_and_nothing_else(make_daemon: DaemonFactory) -> None:
@@ -59,3 +66,142 @@ async def test_a_resumed_session_on_a_new_agent_counts_its_cost_from_there(
 
     assert again.resume == pb.RESUME_OUTCOME_RESUMED
     assert again.usage.cost_amount == 0.25 and again.usage.context_used == 10
+
+
+async def test_each_turns_usage_is_stored_with_its_run_and_get_session_sums_it(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon()
+    first = await client.chat(prompt="usage")
+    sid = first[0].session_id
+    second = await client.chat(prompt="usage", session_id=sid)
+    plain = await client.chat(prompt="hello", session_id=sid)
+    session = await client.stub.GetSession(pb.GetSessionRequest(session_id=sid))
+
+    totals = session.usage
+    assert session.HasField("usage") and totals.runs == 2
+    assert (totals.input_tokens, totals.output_tokens, totals.cached_read_tokens, totals.total_tokens) == (
+        200, 40, 10, 250,
+    )  # fmt: skip
+    assert [(c.amount, c.currency) for c in totals.costs] == [(0.5, "USD")]
+    # what no turn reported stays unset, never a zero
+    assert not totals.HasField("thought_tokens") and not totals.HasField("cached_write_tokens")
+    assert list(totals.reported) == [*TOKENS, "costs"]
+
+    assert await daemon.stop() == 0
+    with sqlite3.connect(tmp_path / "data" / "rcoder.db") as db:
+        rows = db.execute(
+            "SELECT run_id, input_tokens, thought_tokens, context_used, cost_nanos, cost_currency FROM runs"
+        ).fetchall()
+    db.close()
+    assert sorted(rows) == sorted([
+        (first[0].run_id, 100, None, 10, 250_000_000, "USD"),
+        (second[0].run_id, 100, None, 20, 250_000_000, "USD"),
+        (plain[0].run_id, None, None, None, None, None),
+    ])  # fmt: skip
+
+
+async def test_session_totals_survive_a_daemon_restart(make_daemon: DaemonFactory) -> None:
+    daemon, client = await make_daemon()
+    sid = (await client.chat(prompt="usage"))[0].session_id
+    await client.chat(prompt="usage", session_id=sid)
+    before = await client.stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert await daemon.stop() == 0
+
+    _, again = await make_daemon()
+    after = await again.stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert after.usage == before.usage and after.usage.runs == 2
+    resumed = completed(await again.chat(prompt="usage", session_id=sid))  # a new agent process counts from there
+    assert resumed.resume == pb.RESUME_OUTCOME_RESUMED and resumed.usage.cost_amount == 0.25
+    total = await again.stub.GetSession(pb.GetSessionRequest(session_id=sid))
+    assert [(c.amount, c.currency) for c in total.usage.costs] == [(0.75, "USD")]
+    assert total.usage.input_tokens == 300
+
+
+async def _listed(client: Client, page_size: int, **fields: object) -> list[pb.Session]:
+    listed: list[pb.Session] = []
+    token = ""
+    while True:
+        request = pb.ListSessionsRequest(page_size=page_size, page_token=token, **fields)  # type: ignore[arg-type]
+        page = await client.stub.ListSessions(request)
+        assert len(page.sessions) <= page_size
+        listed += page.sessions
+        token = page.next_page_token
+        if not token:
+            return listed
+
+
+async def test_list_sessions_by_cost_pages_the_most_costly_first_those_without_last_and_keeps_to_its_order(
+    make_daemon: DaemonFactory,
+) -> None:
+    _, client = await make_daemon()
+    turns = {"cheap": 1, "dear": 3, "middle": 2, "free": 0}
+    ids = {}
+    for name, count in turns.items():
+        sid = (await client.chat(prompt="usage" if count else "hello", project_id=name))[0].session_id
+        for _ in range(count - 1):
+            await client.chat(prompt="usage", session_id=sid, project_id=name)
+        ids[sid] = name
+
+    by_cost = await _listed(client, 1, order_by=COST)
+    assert [ids[s.session_id] for s in by_cost] == ["dear", "middle", "cheap", "free"]
+    assert [[c.amount for c in s.usage.costs] for s in by_cost] == [[0.75], [0.5], [0.25], []]
+    assert not by_cost[-1].HasField("usage")
+    assert [s.session_id for s in await _listed(client, 3, order_by=COST)] == [s.session_id for s in by_cost]
+    # in a currency no agent reported: no session has a cost in it, all come by session_id
+    in_eur = await _listed(client, 2, order_by=COST, cost_currency="EUR")
+    assert [s.session_id for s in in_eur] == sorted(ids)
+    by_id = await _listed(client, 3, order_by=pb.SESSION_ORDER_ID)
+    assert [s.session_id for s in by_id] == sorted(ids)
+    assert [s.session_id for s in by_id] == [s.session_id for s in await _listed(client, 3)]
+
+    # a page token goes on only in the order (and currency) it was made for
+    cost_token = (await client.stub.ListSessions(pb.ListSessionsRequest(page_size=1, order_by=COST))).next_page_token
+    id_token = (await client.stub.ListSessions(pb.ListSessionsRequest(page_size=1))).next_page_token
+    mixed = [
+        pb.ListSessionsRequest(page_token=cost_token),
+        pb.ListSessionsRequest(page_token=cost_token, order_by=COST, cost_currency="EUR"),
+        pb.ListSessionsRequest(page_token=id_token, order_by=COST),
+    ]
+    for request in mixed:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.stub.ListSessions(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "send the order_by and cost_currency of the request it came from" in (caught.value.details() or "")
+    went_on = await client.stub.ListSessions(pb.ListSessionsRequest(page_token=cost_token, order_by=COST, page_size=1))
+    assert [ids[s.session_id] for s in went_on.sessions] == ["middle"]
+
+
+async def test_a_list_sessions_order_it_cannot_follow_is_invalid_argument_saying_what_to_send(
+    make_daemon: DaemonFactory,
+) -> None:
+    _, client = await make_daemon()
+    cases: list[tuple[dict[str, object], str, str]] = [
+        ({"order_by": 7}, "order_by", "use SESSION_ORDER_ID or SESSION_ORDER_COST_DESC"),
+        ({"cost_currency": "USD"}, "cost_currency", "only with order_by SESSION_ORDER_COST_DESC"),
+        ({"order_by": pb.SESSION_ORDER_COST_DESC, "cost_currency": "U S D"}, "cost_currency", "no spaces"),
+        ({"order_by": pb.SESSION_ORDER_COST_DESC, "page_token": "%%%"}, "page_token", "not a token"),
+    ]
+    for fields, field, says in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.stub.ListSessions(pb.ListSessionsRequest(**fields))  # type: ignore[arg-type]
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+        info = error_info(caught.value)
+        assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == field
+        assert says in (caught.value.details() or ""), caught.value.details()
+
+
+async def test_on_postgresql_another_daemon_sums_the_stored_usage_and_replays_a_runs_end_with_it(
+    make_daemon: DaemonFactory, pg_url: str, tmp_path: Path
+) -> None:
+    first_daemon, client = await make_daemon(store_url=pg_url, data_dir=str(tmp_path / "data-1"))
+    turn = await client.chat(prompt="usage")
+    assert await first_daemon.stop() == 0
+
+    _, other = await make_daemon(store_url=pg_url, data_dir=str(tmp_path / "data-2"))
+    session = await other.stub.GetSession(pb.GetSessionRequest(session_id=turn[0].session_id))
+    assert (session.usage.runs, session.usage.input_tokens) == (1, 100)
+    assert [(c.amount, c.currency) for c in session.usage.costs] == [(0.25, "USD")]
+    # a run this daemon never had: its end comes from the store, with the usage stored
+    replay = [e async for e in other.stub.Subscribe(pb.SubscribeRequest(run_id=turn[0].run_id))]
+    assert completed(replay).usage == completed(turn).usage

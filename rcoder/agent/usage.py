@@ -11,7 +11,6 @@ per session. Only what the agent reported is filled in; nothing becomes an inven
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import acp
@@ -19,6 +18,9 @@ import acp
 from rcoder.domain import Usage
 
 USAGE_UPDATE = "usage_update"
+# a count beyond this, or a cost beyond MAX_COST, is no report (a store column holds a signed 64-bit integer)
+MAX_COUNT = 2**63 - 1
+MAX_COST = 1e9
 
 
 class UsageMeter:
@@ -45,12 +47,12 @@ class UsageMeter:
         tokens: dict[str, Any] = {}
         if answered is not None:
             tokens = {
-                "input_tokens": answered.input_tokens,
-                "output_tokens": answered.output_tokens,
-                "cached_read_tokens": answered.cached_read_tokens,
-                "cached_write_tokens": answered.cached_write_tokens,
-                "thought_tokens": answered.thought_tokens,
-                "total_tokens": answered.total_tokens,
+                "input_tokens": _count(answered.input_tokens),
+                "output_tokens": _count(answered.output_tokens),
+                "cached_read_tokens": _count(answered.cached_read_tokens),
+                "cached_write_tokens": _count(answered.cached_write_tokens),
+                "thought_tokens": _count(answered.thought_tokens),
+                "total_tokens": _count(answered.total_tokens),
             }
         update = self._update or {}
         used, size = _count(update.get("used")), _count(update.get("size"))
@@ -62,7 +64,8 @@ class UsageMeter:
         if not isinstance(cost, dict):
             return None, ""
         amount, currency = cost.get("amount"), cost.get("currency")
-        if isinstance(amount, bool) or not isinstance(amount, int | float) or not math.isfinite(amount):
+        # not abs(...) <= MAX_COST: also NaN and the infinities (and no float() of a huge int, which raises)
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not abs(amount) <= MAX_COST:
             return None, ""
         before = self._cost_seen or 0.0
         self._cost_seen = float(amount)
@@ -72,4 +75,4 @@ class UsageMeter:
 
 
 def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT else None

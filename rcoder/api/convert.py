@@ -24,6 +24,7 @@ from rcoder.domain import (
     ToolCallUpdate,
     ToolDiff,
     Usage,
+    UsageTotals,
 )
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -147,8 +148,22 @@ def usage(value: Usage) -> pb.Usage:
     return msg
 
 
-def session(record: SessionRecord, status: int) -> pb.Session:
-    return pb.Session(
+_UINT64_MAX = 2**64 - 1
+
+
+def usage_totals(value: UsageTotals) -> pb.UsageTotals:
+    reported = value.reported
+    msg = pb.UsageTotals(
+        costs=[pb.Cost(amount=c.amount, currency=c.currency) for c in value.costs], runs=value.runs, reported=reported
+    )
+    for name in reported:
+        if name != "costs":  # a sum past uint64 (of absurd reports) is shown as its largest value
+            setattr(msg, name, min(getattr(value, name), _UINT64_MAX))
+    return msg
+
+
+def session(record: SessionRecord, status: int, usage: UsageTotals | None = None) -> pb.Session:
+    msg = pb.Session(
         session_id=record.session_id,
         project_id=record.project_id,
         agent=record.agent,
@@ -160,6 +175,9 @@ def session(record: SessionRecord, status: int) -> pb.Session:
         last_run_id=record.last_run_id,
         status=status,  # type: ignore[arg-type]
     )
+    if usage is not None:
+        msg.usage.CopyFrom(usage_totals(usage))
+    return msg
 
 
 FORK_METHODS = {ForkMethod.AGENT: pb.FORK_METHOD_AGENT, ForkMethod.RESEEDED: pb.FORK_METHOD_RESEEDED}

@@ -6,7 +6,10 @@ there (``forwarding``); every answer carries ``rcoder-owner``. When the owner do
 
 - its lease has expired (``find`` now says "here"): it is treated as dead, and the request is
   served here: a turn takes the session over, a run it left is ended "owner host lost";
-- its lease still holds: ``UNAVAILABLE`` (``OWNED_BY_ANOTHER_HOST``) with a ``RetryInfo``.
+- its lease still holds: a ``Cancel`` or ``ResolvePermission`` is left for it in the store
+  (``signal``: ``session.signals``) and answered as queued; any other request is answered
+  ``UNAVAILABLE`` (``OWNED_BY_ANOTHER_HOST``) with a ``RetryInfo`` of the time left on the
+  owner's lease (``RETRY_FLOOR`` at least): a retry then finds it renewed, or serves it here.
 
 A stream the owner broke after its first message ends the same way, for the run it was
 following (``resume``: how to go on here from the last event passed on).
@@ -28,6 +31,7 @@ log = get_logger("rcoder.api.routed")
 R = TypeVar("R")
 Find = Callable[[], Awaitable[Owner | None]]
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+RETRY_FLOOR = 0.1  # seconds: the least a retry hint says (the store's answer is already some ms old)
 
 
 class Routes:
@@ -59,14 +63,20 @@ class Routes:
         find: Find,
         local: Callable[[], Awaitable[R]],
         what: tuple[str, str],
+        signal: Callable[[Owner], Awaitable[R]] | None = None,
     ) -> R:
+        """``signal(owner)``: how to reach an owner that does not answer while its lease holds
+        (through the store); without it that is ``UNAVAILABLE`` with a retry hint."""
         owner = await self.owner(find, context)
         if owner is not None:
             try:
                 response: R = await self._forwarder.unary(method, request, context, owner.advertise_address)
             except OwnerUnreachable:
                 self.router.forwarded(method, "unreachable")
-                await self._judge(owner, find, what)
+                holder = await self._judge(owner, find, what, signalled=signal is not None and self.router.signals)
+                if holder is not None and signal is not None:
+                    context.set_trailing_metadata(((OWNER_KEY, holder.advertise_address),))
+                    return await signal(holder)
             else:
                 self.router.forwarded(method, "ok")
                 return response
@@ -107,10 +117,19 @@ class Routes:
         async for message in local():
             yield message
 
-    async def _judge(self, owner: Owner, find: Find, what: tuple[str, str]) -> None:
-        """The owner did not answer: carry on here if its lease expired, else say to retry."""
+    async def _judge(self, owner: Owner, find: Find, what: tuple[str, str], signalled: bool = False) -> Owner | None:
+        """The owner did not answer: carry on here (None) if its lease expired; else the holder
+        when the request can be signalled to it, or ``OwnedElsewhere`` saying when to retry."""
         now = await find()
         if now is not None:
-            retry = max(0.2, self.router.lease_ttl / 3)
-            raise errors.OwnedElsewhere(*what, now.host_id, now.advertise_address, retry)
+            if signalled:
+                return now
+            raise errors.OwnedElsewhere(*what, now.host_id, now.advertise_address, retry_hint(now))
         log.warning("owner_unreachable_taking_over", owner=owner.host_id, address=owner.advertise_address)
+        return None
+
+
+def retry_hint(owner: Owner) -> float:
+    """When a request ``owner`` did not answer is worth retrying: once its lease has expired (a
+    retry then takes over here), unless the owner renews it meanwhile."""
+    return max(RETRY_FLOOR, owner.expires_in)

@@ -6,8 +6,6 @@ error leaves with a ``google.rpc.ErrorInfo`` carrying its reason.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, NoReturn
@@ -18,12 +16,12 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rcoder import errors
-from rcoder.api import convert, validate
-from rcoder.api.routed import Routes
+from rcoder.api import convert, page_tokens, validate
+from rcoder.api.routed import Routes, retry_hint
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.queries import Queries, SessionStatus
-from rcoder.session.routing import HostRecord
+from rcoder.session.routing import HostRecord, Owner
 from rcoder.session.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
@@ -158,7 +156,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         store has it (ended "owner host lost" on the way)."""
         owner = await self._router.run_owner(last.run_id)
         if owner is not None:
-            raise errors.OwnedElsewhere("run", last.run_id, owner.host_id, owner.advertise_address)
+            raise errors.OwnedElsewhere("run", last.run_id, owner.host_id, owner.advertise_address, retry_hint(owner))
         for stored in await self._router.stored_run(last.run_id, last.seq):
             yield convert.chat_stream(stored)
 
@@ -173,11 +171,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
                 return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
 
+            async def queued(owner: Owner) -> pb.CancelResponse:  # the owner did not answer: through the store
+                sent = await self._router.signal_cancel(owner, request.run_id, request.session_id)
+                return pb.CancelResponse(run_id=sent.run_id, cancelled=sent.running, queued=sent.queued)
+
             if request.run_id:
                 find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
             else:
                 find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
-            response: pb.CancelResponse = await self._routes.unary("Cancel", request, context, find, here, what)
+            response: pb.CancelResponse = await self._routes.unary("Cancel", request, context, find, here, what, queued)
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
@@ -194,9 +196,13 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 self._worker.permissions.resolve(request.run_id, request.permission_id, request.option_id)
                 return pb.ResolvePermissionResponse()
 
+            async def queued(owner: Owner) -> pb.ResolvePermissionResponse:  # the owner did not answer
+                await self._router.signal_permission(owner, request.run_id, request.permission_id, request.option_id)
+                return pb.ResolvePermissionResponse(queued=True)
+
             find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
             response: pb.ResolvePermissionResponse = await self._routes.unary(
-                "ResolvePermission", request, context, find, here, what
+                "ResolvePermission", request, context, find, here, what, queued
             )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
@@ -250,8 +256,8 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             validate.identifier(request.session_id, "session_id", required=True)
 
             async def here() -> pb.Session:
-                record, status = await self._queries.session(request.session_id)
-                return convert.session(record, _SESSION_STATUS[status])
+                view = await self._queries.session(request.session_id)
+                return convert.session(view.record, _SESSION_STATUS[view.status], view.usage)
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.Session = await self._routes.unary("GetSession", request, context, find, here, what)
@@ -277,13 +283,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 check_project_id(request.project_id)
             if request.page_size > MAX_PAGE_SIZE:
                 raise errors.InvalidArgument("page_size", f"at most {MAX_PAGE_SIZE}")
-            after = _decode_page_token(request.page_token)
-            rows, next_after = await self._queries.sessions(request.project_id, request.page_size or 100, after)
+            order, currency = validate.session_order(request)
+            after = page_tokens.decode(request.page_token, order, currency)
+            limit = request.page_size or 100
+            views, next_after = await self._queries.sessions(request.project_id, limit, order, currency, after)
         except errors.RcoderError as exc:
             await abort(context, exc)
         return pb.ListSessionsResponse(
-            sessions=[convert.session(r, _SESSION_STATUS[s]) for r, s in rows],
-            next_page_token=_encode_page_token(next_after),
+            sessions=[convert.session(v.record, _SESSION_STATUS[v.status], v.usage) for v in views],
+            next_page_token=page_tokens.encode(order, currency, next_after),
         )
 
     async def ListAgents(
@@ -320,18 +328,3 @@ def _host(record: HostRecord, this: bool) -> pb.Host:
         live=record.live,
         self=this,
     )
-
-
-def _encode_page_token(after: str) -> str:
-    return base64.urlsafe_b64encode(after.encode()).decode() if after else ""
-
-
-def _decode_page_token(token: str) -> str:
-    if not token:
-        return ""
-    try:
-        after = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
-        validate.identifier(after, "page_token", required=True)
-    except (binascii.Error, UnicodeError, ValueError, errors.InvalidArgument):
-        raise errors.InvalidArgument("page_token", "not a token from a previous ListSessions answer") from None
-    return after

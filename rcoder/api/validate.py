@@ -7,7 +7,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from rcoder.domain import Attachment, ChatTurn, McpServer, ModelProvider, PermissionMode
+from rcoder.domain import Attachment, ChatTurn, McpServer, ModelProvider, PermissionMode, SessionOrder
 from rcoder.errors import InvalidArgument
 from rcoder.session.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -20,6 +20,8 @@ MAX_ATTACHMENTS = 32
 MAX_ATTACHMENT_BYTES = 16 << 20
 MAX_META_BYTES = 64 << 10
 MAX_META_DEPTH = 8
+MAX_CURRENCY_CHARS = 16
+DEFAULT_COST_CURRENCY = "USD"
 
 _PERMISSION_MODES = {
     pb.PERMISSION_MODE_UNSPECIFIED: PermissionMode.ALLOW,
@@ -54,6 +56,33 @@ def chat_turn(req: pb.ChatRequest) -> ChatTurn:
         permission_mode=mode,
         attachments=attachments(req.attachments),
     )
+
+
+_SESSION_ORDERS = {
+    pb.SESSION_ORDER_UNSPECIFIED: SessionOrder.SESSION_ID,
+    pb.SESSION_ORDER_ID: SessionOrder.SESSION_ID,
+    pb.SESSION_ORDER_COST_DESC: SessionOrder.COST_DESC,
+}
+
+
+def session_order(req: pb.ListSessionsRequest) -> tuple[SessionOrder, str]:
+    """The order a ``ListSessions`` asks for, and by cost the currency compared ("" otherwise)."""
+    order = _SESSION_ORDERS.get(req.order_by)
+    if order is None:
+        raise InvalidArgument(
+            "order_by", f"unknown value {req.order_by}; use SESSION_ORDER_ID or SESSION_ORDER_COST_DESC"
+        )
+    if order is not SessionOrder.COST_DESC:
+        if req.cost_currency:
+            raise InvalidArgument("cost_currency", "only with order_by SESSION_ORDER_COST_DESC (leave it empty)")
+        return order, ""
+    currency = req.cost_currency or DEFAULT_COST_CURRENCY
+    if len(currency) > MAX_CURRENCY_CHARS or any(not c.isprintable() or c.isspace() for c in currency):
+        raise InvalidArgument(
+            "cost_currency",
+            f"a currency code as the agents report it, e.g. USD (at most {MAX_CURRENCY_CHARS} characters, no spaces)",
+        )
+    return order, currency
 
 
 def identifier(value: str, field: str, required: bool = False) -> None:

@@ -72,11 +72,14 @@ from rcoder.client.resources import (
     AgentCapabilities,
     AgentInfo,
     CancelResult,
+    Cost,
     Fork,
     ForkMethod,
     Session,
+    SessionOrder,
     SessionPage,
     SessionStatus,
+    UsageTotals,
 )
 from rcoder.client.tools import ToolCalls, ToolState
 from rcoder.client.turn import Turn, TurnResult
@@ -92,6 +95,7 @@ __all__ = [
     "Cancelled",
     "ClientClosed",
     "Completed",
+    "Cost",
     "DeadlineExceeded",
     "Event",
     "FailedPrecondition",
@@ -121,6 +125,7 @@ __all__ = [
     "ResourceLinkAttachment",
     "ResumeOutcome",
     "Session",
+    "SessionOrder",
     "SessionPage",
     "SessionStatus",
     "Sessions",
@@ -140,4 +145,5 @@ __all__ = [
     "Unimplemented",
     "UnknownEvent",
     "Usage",
+    "UsageTotals",
 ]

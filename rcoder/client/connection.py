@@ -11,10 +11,12 @@ import grpc
 from rcoder.client.errors import ClientClosed, NotFound, from_rpc_error
 from rcoder.client.requests import Attachment, McpServer, ModelProvider, PermissionMode, chat_request
 from rcoder.client.resources import (
+    SESSION_ORDERS,
     AgentInfo,
     CancelResult,
     Fork,
     Session,
+    SessionOrder,
     SessionPage,
     agent_from_proto,
     fork_from_proto,
@@ -147,13 +149,16 @@ class RcoderClient:
         with ``Completed(stop_reason=CANCELLED)``. ``cancelled`` is False when it had already ended."""
         request = pb.CancelRequest(run_id=run_id or "", session_id=session_id or "")
         answer = await self._unary(self._stub.Cancel, request)
-        return CancelResult(run_id=answer.run_id, cancelled=answer.cancelled)
+        return CancelResult(run_id=answer.run_id, cancelled=answer.cancelled, queued=answer.queued)
 
-    async def resolve_permission(self, run_id: str, permission_id: str, option_id: str | None = None) -> None:
+    async def resolve_permission(self, run_id: str, permission_id: str, option_id: str | None = None) -> bool:
         """Answer a ``PermissionRequest`` of a turn run with ``PermissionMode.ASK`` with one of its options'
-        ``option_id`` (None: cancelled). Each request takes one answer: a second is ``NotFound``."""
+        ``option_id`` (None: cancelled). Each request takes one answer: a second is ``NotFound``.
+        True when the answer was queued: the owning host did not answer, and it was left for it in
+        the store (a second answer is then not refused here; the first one counts)."""
         request = pb.ResolvePermissionRequest(run_id=run_id, permission_id=permission_id, option_id=option_id or "")
-        await self._unary(self._stub.ResolvePermission, request)
+        answer = await self._unary(self._stub.ResolvePermission, request)
+        return bool(answer.queued)
 
     # ------------------------------------------------------------ agents
 
@@ -208,19 +213,41 @@ class Sessions:
         answer = await self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
         return bool(answer.agent_stopped)
 
-    async def page(self, project_id: str | None = None, *, page_size: int = 0, page_token: str = "") -> SessionPage:
-        """One page of sessions, in the daemon's order (``page_size`` 0: its default, 100; at most 1000)."""
-        request = pb.ListSessionsRequest(project_id=project_id or "", page_size=page_size, page_token=page_token)
+    async def page(
+        self,
+        project_id: str | None = None,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        order_by: SessionOrder = SessionOrder.UNSPECIFIED,
+        cost_currency: str = "",
+    ) -> SessionPage:
+        """One page of sessions (``page_size`` 0: the daemon's default, 100; at most 1000), by session_id
+        or, with ``order_by=SessionOrder.COST_DESC``, the most costly in ``cost_currency`` (default USD)
+        first. A ``page_token`` goes on only with the order and currency it was made in."""
+        request = pb.ListSessionsRequest(
+            project_id=project_id or "", page_size=page_size, page_token=page_token,
+            order_by=SESSION_ORDERS[order_by], cost_currency=cost_currency,
+        )  # fmt: skip
         answer = await self._unary(self._stub.ListSessions, request)
         return SessionPage(
             sessions=tuple(session_from_proto(s) for s in answer.sessions), next_page_token=answer.next_page_token
         )
 
-    async def list(self, project_id: str | None = None, *, page_size: int = 0) -> AsyncIterator[Session]:
+    async def list(
+        self,
+        project_id: str | None = None,
+        *,
+        page_size: int = 0,
+        order_by: SessionOrder = SessionOrder.UNSPECIFIED,
+        cost_currency: str = "",
+    ) -> AsyncIterator[Session]:
         """Every session (of ``project_id``, if given), page after page: ``async for s in client.sessions.list()``."""
         token = ""
         while True:
-            page = await self.page(project_id, page_size=page_size, page_token=token)
+            page = await self.page(
+                project_id, page_size=page_size, page_token=token, order_by=order_by, cost_currency=cost_currency
+            )
             for session in page.sessions:
                 yield session
             token = page.next_page_token

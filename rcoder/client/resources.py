@@ -17,6 +17,36 @@ class SessionStatus(StrEnum):
     BUSY = "busy"  # a turn is running
 
 
+class SessionOrder(StrEnum):
+    """How ``sessions.page`` and ``sessions.list`` order the sessions."""
+
+    UNSPECIFIED = "unspecified"  # as ID
+    ID = "id"  # by session_id
+    COST_DESC = "cost_desc"  # the most costly first (in one currency); those without a cost in it last
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cost:
+    amount: float
+    currency: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UsageTotals:
+    """A session's usage summed over its runs: each count over the runs that reported it (None when
+    none did), the cost per currency."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+    cached_read_tokens: int | None
+    cached_write_tokens: int | None
+    thought_tokens: int | None
+    total_tokens: int | None
+    costs: tuple[Cost, ...]  # one per currency, in currency order
+    runs: int  # the runs that reported any usage
+    reported: tuple[str, ...]  # the counts that are set, and "costs" when there are any
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Session(Record):
     """A session record (``GetSession``, ``ListSessions``)."""
@@ -31,6 +61,7 @@ class Session(Record):
     turns: int
     last_run_id: str
     status: SessionStatus
+    usage: UsageTotals | None  # its runs' usage summed; None when none reported any
     raw: pb.Session = field(repr=False, compare=False)
 
 
@@ -100,6 +131,9 @@ class AgentInfo(Record):
 class CancelResult:
     run_id: str  # the run that was asked to stop
     cancelled: bool  # False when it had already finished
+    # the owning host did not answer: the cancel was left for it in the store (run_id and
+    # cancelled are then what the store knows); the turn's stream ends CANCELLED once it is applied
+    queued: bool = False
 
 
 def session_from_proto(m: pb.Session) -> Session:
@@ -114,8 +148,33 @@ def session_from_proto(m: pb.Session) -> Session:
         turns=m.turns,
         last_run_id=m.last_run_id,
         status=enum_member(SessionStatus, pb.SessionStatus, m.status, "SESSION_STATUS_"),
+        usage=_usage_totals(m.usage) if m.HasField("usage") else None,
         raw=m,
     )
+
+
+def _usage_totals(m: pb.UsageTotals) -> UsageTotals:
+    def count(name: str) -> int | None:
+        return int(getattr(m, name)) if m.HasField(name) else None  # type: ignore[arg-type]
+
+    return UsageTotals(
+        input_tokens=count("input_tokens"),
+        output_tokens=count("output_tokens"),
+        cached_read_tokens=count("cached_read_tokens"),
+        cached_write_tokens=count("cached_write_tokens"),
+        thought_tokens=count("thought_tokens"),
+        total_tokens=count("total_tokens"),
+        costs=tuple(Cost(amount=c.amount, currency=c.currency) for c in m.costs),
+        runs=m.runs,
+        reported=tuple(m.reported),
+    )
+
+
+SESSION_ORDERS = {
+    SessionOrder.UNSPECIFIED: pb.SESSION_ORDER_UNSPECIFIED,
+    SessionOrder.ID: pb.SESSION_ORDER_ID,
+    SessionOrder.COST_DESC: pb.SESSION_ORDER_COST_DESC,
+}
 
 
 def fork_from_proto(m: pb.ForkSessionResponse) -> Fork:

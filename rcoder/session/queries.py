@@ -9,7 +9,7 @@ from datetime import datetime
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import sandbox_of
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import AgentCapabilities, SessionRecord
+from rcoder.domain import AgentCapabilities, SessionOrder, SessionRecord, UsageTotals
 from rcoder.errors import NotFound
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.runs import RunRegistry
@@ -20,6 +20,22 @@ class SessionStatus(enum.Enum):
     IDLE = "idle"
     LIVE = "live"
     BUSY = "busy"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    record: SessionRecord
+    status: SessionStatus
+    usage: UsageTotals | None  # its runs' usage summed; None when none reported any
+
+
+@dataclass(frozen=True, slots=True)
+class After:
+    """Where the next page of sessions starts: after this session, which had this cost (in nanos,
+    in the listing's currency; by cost only)."""
+
+    session_id: str
+    cost_nanos: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +65,29 @@ class Queries:
             return SessionStatus.BUSY
         return SessionStatus.LIVE if self._pool.is_live(session_id) else SessionStatus.IDLE
 
-    async def session(self, session_id: str) -> tuple[SessionRecord, SessionStatus]:
+    async def session(self, session_id: str) -> SessionView:
         record = await self._store.get_session(session_id)
         if record is None:
             raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
-        return record, self.status(session_id)
+        totals = await self._store.usage_totals([session_id])
+        return SessionView(record, self.status(session_id), totals.get(session_id))
 
     async def sessions(
-        self, project_id: str, limit: int, after: str
-    ) -> tuple[list[tuple[SessionRecord, SessionStatus]], str]:
-        """A page of sessions and the session_id to continue after ('' when done)."""
-        records = await self._store.list_sessions(project_id=project_id, limit=limit + 1, after_session_id=after)
-        more = len(records) > limit
-        records = records[:limit]
-        next_after = records[-1].session_id if more and records else ""
-        return [(r, self.status(r.session_id)) for r in records], next_after
+        self, project_id: str, limit: int, order: SessionOrder, currency: str = "", after: After | None = None
+    ) -> tuple[list[SessionView], After | None]:
+        """A page of sessions in ``order`` (by cost: in ``currency``) and where the next one starts
+        (None when this was the last)."""
+        if order is SessionOrder.COST_DESC:
+            key = None if after is None else (after.cost_nanos, after.session_id)
+            costed = await self._store.list_sessions_by_cost(currency, project_id, limit + 1, key)
+        else:
+            start = "" if after is None else after.session_id
+            costed = [(r, None) for r in await self._store.list_sessions(project_id, limit + 1, start)]
+        page = costed[:limit]
+        last = page[-1] if len(costed) > limit and page else None
+        totals = await self._store.usage_totals([r.session_id for r, _ in page])
+        views = [SessionView(r, self.status(r.session_id), totals.get(r.session_id)) for r, _ in page]
+        return views, None if last is None else After(last[0].session_id, last[1])
 
     def agents(self) -> list[AgentView]:
         views = []

@@ -23,20 +23,29 @@ from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.runs import RunRegistry
+from rcoder.session.signals import QueuedCancel, SignalSender
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import OWNER_LOST, HostRecord, Owner
 
-__all__ = ["HostRecord", "Owner", "Router"]  # the api names these through here
+__all__ = ["HostRecord", "Owner", "QueuedCancel", "Router"]  # the api names these through here
 
 log = get_logger("rcoder.session.routing")
 
 
 class Router:
-    def __init__(self, leases: LeaseKeeper, runs: RunRegistry, store: SessionStore, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        leases: LeaseKeeper,
+        runs: RunRegistry,
+        store: SessionStore,
+        metrics: Metrics,
+        signals: SignalSender | None = None,
+    ) -> None:
         self._leases = leases
         self._runs = runs
         self._store = store
         self._metrics = metrics
+        self._signals = signals  # several hosts only: what an owner that does not answer is left
 
     @property
     def shared(self) -> bool:
@@ -73,6 +82,21 @@ class Router:
             log.warning("orphaned_run_ended", run_id=run_id, owner=owner.host_id)
         return None
 
+    @property
+    def signals(self) -> bool:
+        """Whether a cancel or a permission answer can reach an owner through the store."""
+        return self._signals is not None
+
+    async def signal_cancel(self, owner: Owner, run_id: str, session_id: str) -> QueuedCancel:
+        """Leave a cancel for ``owner``, which did not answer while its lease holds."""
+        assert self._signals is not None, "signals are sent only where several hosts share the store"
+        return await self._signals.cancel(owner.host_id, run_id, session_id)
+
+    async def signal_permission(self, owner: Owner, run_id: str, permission_id: str, option_id: str) -> None:
+        """Leave a permission answer for ``owner``, which did not answer while its lease holds."""
+        assert self._signals is not None, "signals are sent only where several hosts share the store"
+        await self._signals.permission(owner.host_id, run_id, permission_id, option_id)
+
     async def hosts(self) -> list[HostRecord]:
         return await self._leases.coordination.hosts()
 
@@ -101,7 +125,7 @@ class Router:
         error = record.error or (OWNER_LOST if record.status is not RunStatus.COMPLETED else "")
         stop = record.stop_reason or StopReason.ERROR
         reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else ""
-        completed = RunCompleted(stop, provider, resume, error, reason)
+        completed = RunCompleted(stop, provider, resume, error, reason, record.usage)  # the usage as stored
         at = record.ended_at or record.started_at
         events = [RunEvent(run_id, record.session_id, 1, record.started_at, started)] if after_seq == 0 else []
         events.append(RunEvent(run_id, record.session_id, max(after_seq + 1, 2), at, completed))

@@ -407,7 +407,14 @@ class TurnRunner:
         try:
             await asyncio.shield(
                 self._store.finish_run(
-                    run.run_id, scope.status, scope.stop, scope.error, self._clock(), scope.transcript, plan.lease
+                    run.run_id,
+                    scope.status,
+                    scope.stop,
+                    scope.error,
+                    self._clock(),
+                    scope.transcript,
+                    plan.lease,
+                    usage=scope.usage,
                 )
             )
         except LeaseLost as exc:  # another host serves the session now: nothing more is written
@@ -454,7 +461,14 @@ class TurnRunner:
             async for attempt in retrying:
                 with attempt:
                     await self._store.finish_run(
-                        scope.run.run_id, scope.status, scope.stop, scope.error, self._clock(), None, scope.plan.lease
+                        scope.run.run_id,
+                        scope.status,
+                        scope.stop,
+                        scope.error,
+                        self._clock(),
+                        None,
+                        scope.plan.lease,
+                        usage=scope.usage,
                     )
         except (StoreError, LeaseLost) as exc:
             log.error("run_end_never_stored", run_id=scope.run.run_id, error=exc.message)  # noqa: TRY400

@@ -13,11 +13,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 from rcoder.errors import ConfigError
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Coordination, LocalCoordination
+from rcoder.store.signals import SignalBox
 
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 _SECRET_PARAMS = {"password", "sslpassword"}
 
-__all__ = ["POSTGRES_SCHEMES", "SessionStore", "make_coordination", "make_store", "redact_url"]
+__all__ = ["POSTGRES_SCHEMES", "SessionStore", "make_coordination", "make_signals", "make_store", "redact_url"]
 
 
 def make_store(store_url: str, sqlite_path: Path, host_id: str) -> SessionStore:
@@ -47,6 +48,21 @@ def make_coordination(store: SessionStore, host_id: str, lease_ttl: float) -> Co
     if not isinstance(store, PostgresStore):
         raise TypeError(f"no coordination for {type(store).__name__}")
     return PgCoordination(store, lease_ttl)
+
+
+def make_signals(store: SessionStore) -> SignalBox | None:
+    """Cross-host signals where several hosts share ``store`` (PostgreSQL); None for SQLite, whose
+    one host never needs them."""
+    from rcoder.store.sqlite import SqliteStore
+
+    if isinstance(store, SqliteStore):
+        return None
+    from rcoder.store.pg_signals import PgSignals
+    from rcoder.store.postgres import PostgresStore
+
+    if not isinstance(store, PostgresStore):
+        raise TypeError(f"no signals for {type(store).__name__}")
+    return PgSignals(store)
 
 
 def redact_url(url: str) -> str:

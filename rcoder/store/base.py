@@ -3,6 +3,7 @@ the one several hosts share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -13,6 +14,8 @@ from rcoder.domain import (
     SessionRecord,
     StopReason,
     TranscriptEntry,
+    Usage,
+    UsageTotals,
 )
 from rcoder.store.cluster import Lease
 
@@ -61,6 +64,19 @@ class SessionStore(Protocol):
         """Sessions ordered by session_id, those after ``after_session_id`` (paging)."""
         ...
 
+    async def list_sessions_by_cost(
+        self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
+    ) -> list[tuple[SessionRecord, int | None]]:
+        """Sessions with their cost in ``currency`` (in nanos, summed over their runs; None: no run
+        reported a cost in it), the most costly first, those without one last, ties by session_id;
+        those after ``after``, a (cost, session_id) this listing returned (paging)."""
+        ...
+
+    async def usage_totals(self, session_ids: Sequence[str]) -> dict[str, UsageTotals]:
+        """The usage of each of these sessions summed over its runs; a session none of whose runs
+        reported any usage is left out."""
+        ...
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None: ...
@@ -79,9 +95,10 @@ class SessionStore(Protocol):
         at: datetime,
         transcript: TranscriptEntry | None,
         lease: Lease | None = None,
+        usage: Usage | None = None,
     ) -> None:
-        """End a run; when ``transcript`` is given, append it and count the turn on
-        its session, all in one transaction."""
+        """End a run with the ``usage`` its agent reported; when ``transcript`` is given, append
+        it and count the turn on its session, all in one transaction (fenced as one write)."""
         ...
 
     async def update_run_start(

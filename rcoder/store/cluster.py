@@ -14,7 +14,7 @@ I/O (taking a lease there costs a dict update).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
 
@@ -55,6 +55,9 @@ class Owner:
     host_id: str
     advertise_address: str
     live: bool  # the lease has not expired
+    # seconds until it does (a run that ended: until its host's heartbeat is stale), by the store's
+    # clock: when a request its owner did not answer can be served elsewhere
+    expires_in: float = field(default=0.0, compare=False)
 
 
 OWNER_LOST = "owner host lost"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rcoder.store import pg_schema
 from rcoder.store.cluster import OWNER_LOST, HostRecord, Lease, Owner, Taken
-from rcoder.store.postgres import Conn, PostgresStore
+from rcoder.store.postgres import Conn, PostgresStore, Row
 
 
 class PgCoordination:
@@ -45,7 +45,7 @@ class PgCoordination:
                     owner = await cursor.fetchone()
                     if owner is None:  # released meanwhile: the caller asks again
                         return Owner("", "", live=False)
-                    return Owner(str(owner[0]), str(owner[1]), bool(owner[2]))
+                    return _owner(owner)
                 generation, previous = int(row[0]), str(row[1])
                 orphans: tuple[str, ...] = ()
                 if previous not in ("", self.host_id):
@@ -71,11 +71,11 @@ class PgCoordination:
 
     async def session_owner(self, session_id: str) -> Owner | None:
         rows = await self._store.rows(pg_schema.SESSION_OWNER, (session_id,))
-        return Owner(str(rows[0][0]), str(rows[0][1]), bool(rows[0][2])) if rows else None
+        return _owner(rows[0]) if rows else None
 
     async def run_owner(self, run_id: str) -> Owner | None:
-        rows = await self._store.rows(pg_schema.RUN_OWNER, (self._ttl, run_id))
-        return Owner(str(rows[0][0]), str(rows[0][1]), bool(rows[0][2])) if rows else None
+        rows = await self._store.rows(pg_schema.RUN_OWNER, (self._ttl, self._ttl, run_id))
+        return _owner(rows[0]) if rows else None
 
     async def end_orphaned_run(self, run_id: str) -> bool:
         async def work(conn: Conn) -> bool:
@@ -85,3 +85,8 @@ class PgCoordination:
                 return cursor.rowcount == 1
 
         return await self._store.call(work)
+
+
+def _owner(row: Row) -> Owner:
+    host_id, address, live, expires_in = row
+    return Owner(str(host_id), str(address), bool(live), float(expires_in or 0.0))

@@ -61,6 +61,23 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             generation bigint NOT NULL, expires timestamptz NOT NULL)""",
         "CREATE INDEX leases_by_owner ON leases (owner)",
     ),
+    (  # 3: what each run cost, as its agent reported it (NULL: not reported; the cost in nanos, store/usage.py)
+        "ALTER TABLE runs ADD COLUMN input_tokens bigint, ADD COLUMN output_tokens bigint,"
+        " ADD COLUMN cached_read_tokens bigint, ADD COLUMN cached_write_tokens bigint,"
+        " ADD COLUMN thought_tokens bigint, ADD COLUMN total_tokens bigint, ADD COLUMN context_used bigint,"
+        ' ADD COLUMN context_size bigint, ADD COLUMN cost_nanos bigint, ADD COLUMN cost_currency text COLLATE "C"',
+        "CREATE INDEX runs_cost ON runs (cost_currency, session_id) INCLUDE (cost_nanos) WHERE cost_nanos IS NOT NULL",
+    ),
+    (  # 4: cross-host signals: cancels and permission answers left for an owner that did not answer
+        """CREATE TABLE signals (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, target text COLLATE "C" NOT NULL,
+            kind text NOT NULL CHECK (kind IN ('cancel', 'permission')),
+            run_id text COLLATE "C" NOT NULL DEFAULT '', session_id text COLLATE "C" NOT NULL DEFAULT '',
+            payload jsonb NOT NULL DEFAULT '{}', sender text NOT NULL DEFAULT '',
+            created_at timestamptz NOT NULL DEFAULT now(), done_at timestamptz, result text NOT NULL DEFAULT '')""",
+        "CREATE INDEX signals_undone ON signals (target, id) WHERE done_at IS NULL",
+        "CREATE INDEX signals_by_age ON signals (created_at)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -104,9 +121,32 @@ COPY_TRANSCRIPT = (
     " SELECT %s, run_id, turn, prompt, response, created_at FROM transcript WHERE session_id = %s ORDER BY turn, id"
 )
 SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = %s, updated_at = %s WHERE session_id = %s"
+# a run's usage: the columns of store/usage.py USAGE_COLUMNS, in that order, after the record's
 GET_RUN = (
     "SELECT run_id, session_id, status, started_at, resume, resume_method, fallback_reason, request_id,"
-    " stop_reason, error, ended_at FROM runs WHERE run_id = %s"
+    " stop_reason, error, ended_at, input_tokens, output_tokens, cached_read_tokens, cached_write_tokens,"
+    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency FROM runs WHERE run_id = %s"
+)
+# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key)
+LIST_BY_COST = (
+    "WITH c AS (SELECT session_id, sum(cost_nanos) AS cost FROM runs"
+    " WHERE cost_currency = %s AND cost_nanos IS NOT NULL GROUP BY session_id),"
+    " k AS (SELECT s.session_id, s.project_id, s.cwd, s.agent, s.provider_session_id, s.created_at, s.updated_at,"
+    " s.turns, s.last_run_id, c.cost, (c.cost IS NULL)::int AS k1, -coalesce(c.cost, 0) AS k2"
+    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE %s IN ('', s.project_id))"
+    " SELECT session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id,"
+    " cost FROM k WHERE (k1, k2, session_id) > (%s, %s, %s) ORDER BY k1, k2, session_id LIMIT %s"
+)
+# per session, over its runs that reported usage: how many, and each token count's sum (NULL when none had it)
+USAGE_TOTALS = (
+    "SELECT session_id, count(*), sum(input_tokens), sum(output_tokens), sum(cached_read_tokens),"
+    " sum(cached_write_tokens), sum(thought_tokens), sum(total_tokens) FROM runs WHERE session_id = ANY(%s)"
+    " AND coalesce(input_tokens, output_tokens, cached_read_tokens, cached_write_tokens, thought_tokens,"
+    " total_tokens, context_used, context_size, cost_nanos) IS NOT NULL GROUP BY session_id"
+)
+COST_TOTALS = (
+    "SELECT session_id, cost_currency, sum(cost_nanos) FROM runs WHERE session_id = ANY(%s)"
+    " AND cost_nanos IS NOT NULL GROUP BY session_id, cost_currency ORDER BY session_id, cost_currency"
 )
 START_RUN = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
@@ -114,7 +154,11 @@ START_RUN = (
     " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
 )  # one statement, so atomic: an unknown session fails the insert (foreign key) and nothing lands
-END_RUN = "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s WHERE run_id = %s"
+END_RUN = (
+    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s, input_tokens = %s, output_tokens = %s,"
+    " cached_read_tokens = %s, cached_write_tokens = %s, thought_tokens = %s, total_tokens = %s, context_used = %s,"
+    " context_size = %s, cost_nanos = %s, cost_currency = %s WHERE run_id = %s"
+)
 COUNT_TURN = (
     "WITH s AS (UPDATE sessions SET turns = turns + 1, updated_at = %s WHERE session_id = %s"
     " RETURNING session_id, turns)"
@@ -154,7 +198,9 @@ START_RUN_FENCED = (
 )
 # a fenced end also needs the run still running: a run ended as orphaned stays ended
 END_RUN_FENCED = (
-    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s WHERE run_id = %s"
+    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s, input_tokens = %s, output_tokens = %s,"
+    " cached_read_tokens = %s, cached_write_tokens = %s, thought_tokens = %s, total_tokens = %s, context_used = %s,"
+    " context_size = %s, cost_nanos = %s, cost_currency = %s WHERE run_id = %s"
     " AND status = 'running' AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id"
     " AND l.owner = %s AND l.generation = %s)"
 )
@@ -207,14 +253,18 @@ RELEASE = (
     " WHERE leases.session_id = k.sid AND leases.generation = k.gen AND leases.owner = %s"
 )
 SESSION_OWNER = (
-    "SELECT l.owner, coalesce(h.advertise_address, ''), l.expires > now() FROM leases l"
+    "SELECT l.owner, coalesce(h.advertise_address, ''), l.expires > now(),"
+    " greatest(extract(epoch FROM l.expires - now()), 0)::float8 FROM leases l"
     " LEFT JOIN hosts h ON h.id = l.owner WHERE l.session_id = %s AND l.owner <> ''"
 )
 # a running run is its host's while the host holds its session's lease; an ended one while the
 # host is alive (it keeps the run's events for Subscribe)
 RUN_OWNER = (
     "SELECT r.host_id, coalesce(h.advertise_address, ''), coalesce(l.owner = r.host_id AND l.expires > now(), false)"
-    " OR (r.status <> 'running' AND coalesce(h.heartbeat > now() - make_interval(secs => %s), false))"
+    " OR (r.status <> 'running' AND coalesce(h.heartbeat > now() - make_interval(secs => %s), false)),"
+    " greatest(extract(epoch FROM CASE WHEN r.status = 'running' THEN"
+    " CASE WHEN l.owner = r.host_id THEN l.expires - now() END"
+    " ELSE h.heartbeat + make_interval(secs => %s) - now() END), 0)::float8"
     " FROM runs r LEFT JOIN leases l ON l.session_id = r.session_id LEFT JOIN hosts h ON h.id = r.host_id"
     " WHERE r.run_id = %s"
 )
@@ -229,4 +279,28 @@ END_ORPHANED_RUN = (
     "UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now()"
     " WHERE run_id = %s AND status = 'running' AND NOT EXISTS (SELECT 1 FROM leases l"
     " WHERE l.session_id = runs.session_id AND l.owner = runs.host_id AND l.expires > now())"
+)
+
+# ---------------------------------------------------------------- cross-host signals (signals.py, pg_signals.py)
+
+SIGNALS_CHANNEL = "rcoder_signals"  # the doorbell; its payload is the target's host id
+LISTEN_SIGNALS = "LISTEN rcoder_signals"  # the channel, as an identifier (LISTEN takes no parameter)
+CHECK_CONNECTION = "SELECT 1"
+# one statement, so one transaction: the doorbell (channel, target) rings at the row's commit, never without it
+SEND_SIGNAL = (
+    "WITH s AS (INSERT INTO signals (target, kind, run_id, session_id, payload, sender)"
+    " VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING id)"
+    " SELECT id, pg_notify(%s, %s) FROM s"
+)
+PENDING_SIGNALS = (
+    "SELECT id, kind, run_id, session_id, payload, sender FROM signals"
+    " WHERE target = %s AND done_at IS NULL ORDER BY id LIMIT %s"
+)
+SIGNALS_DONE = (
+    "UPDATE signals SET done_at = now(), result = k.result FROM unnest(%s::bigint[], %s::text[]) AS k(id, result)"
+    " WHERE signals.id = k.id AND signals.done_at IS NULL"
+)
+PRUNE_SIGNALS = (
+    "DELETE FROM signals WHERE id IN (SELECT id FROM signals"
+    " WHERE created_at < now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s) RETURNING id"
 )

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -47,11 +47,14 @@ from rcoder.domain import (
     SessionRecord,
     StopReason,
     TranscriptEntry,
+    Usage,
+    UsageTotals,
 )
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.store import pg_schema, redact_url
 from rcoder.store.base import INTERRUPTED_ERROR
 from rcoder.store.cluster import Lease
+from rcoder.store.usage import FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -86,11 +89,11 @@ def _session(row: Row) -> SessionRecord:
 
 
 def _run(row: Row) -> RunRecord:
-    run_id, session_id, status, started_at, resume, method, fallback, request_id, stop, error, ended_at = row
+    run_id, session_id, status, started_at, resume, method, fallback, request_id, stop, error, ended_at = row[:11]
     return RunRecord(
         run_id, session_id, RunStatus(status), started_at,
         None if resume is None else ResumeOutcome(resume), method, fallback, request_id,
-        None if stop is None else StopReason(stop), error, ended_at,
+        None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:]),
     )  # fmt: skip
 
 
@@ -313,6 +316,28 @@ class PostgresStore:
 
         return await self._call(work, read=read)
 
+    async def own_connection(self, application_name: str) -> Conn:
+        """A connection outside the pool, configured like the pool's (for ``LISTEN``: it must stay
+        the same connection); the caller closes it. ``StoreError`` when it cannot be made."""
+        if self._closed:
+            raise StoreError("store: closed (rcoder is shutting down)", closed=True)
+        args = {**self._connect_args(), "fallback_application_name": application_name}
+        try:
+            async with asyncio.timeout(self._timeout + self._call_timeout):
+                conn = await AsyncConnection.connect(self._url, **args)
+                try:
+                    await self._configure(conn)
+                except BaseException:
+                    await conn.close()
+                    raise
+        except (psycopg.Error, TimeoutError) as exc:
+            raise self._error(exc, "cannot connect") from exc
+        return conn
+
+    def error(self, exc: psycopg.Error | TimeoutError, doing: str = "") -> StoreError:
+        """``exc`` as the ``StoreError`` this store raises (never with the password in it)."""
+        return self._error(exc, doing)
+
     async def _fenced(self, sql: str, params: tuple[object, ...], lease: Lease) -> None:
         """A write that lands only while this host holds ``lease`` (else ``LeaseLost``)."""
 
@@ -369,6 +394,31 @@ class PostgresStore:
             sql, args = pg_schema.LIST_PROJECT, (_text(project_id), *args)
         return [_session(row) for row in await self._rows(sql, args)]
 
+    async def list_sessions_by_cost(
+        self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
+    ) -> list[tuple[SessionRecord, int | None]]:
+        key = FIRST_COST_KEY if after is None else cost_key(*after)
+        rows = await self._rows(pg_schema.LIST_BY_COST, _params(currency, project_id, *key, _positive(limit)))
+        return [(_session(row[:-1]), None if row[-1] is None else int(row[-1])) for row in rows]
+
+    async def usage_totals(self, session_ids: Sequence[str]) -> dict[str, UsageTotals]:
+        if not session_ids:
+            return {}
+        ids = [_text(session_id) for session_id in session_ids]
+
+        async def work(conn: Conn) -> tuple[list[Row], list[Row]]:
+            async with conn.transaction():  # both from one snapshot
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                totals = await (await conn.execute(pg_schema.USAGE_TOTALS, (ids,))).fetchall()
+                costs = await (await conn.execute(pg_schema.COST_TOTALS, (ids,))).fetchall()
+            return totals, costs
+
+        totals, costs = await self._call(work, read=True)
+        by_session: dict[str, list[tuple[str, Any]]] = {}
+        for session_id, currency, nanos in costs:
+            by_session.setdefault(session_id, []).append((currency, nanos))
+        return {row[0]: totals_of(row[1], row[2:], by_session.get(row[0], ())) for row in totals}
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None:
@@ -406,9 +456,10 @@ class PostgresStore:
         at: datetime,
         transcript: TranscriptEntry | None,
         lease: Lease | None = None,
+        usage: Usage | None = None,
     ) -> None:
         stop = None if stop_reason is None else stop_reason.value
-        end = _params(status.value, stop, error, _ts(at), run_id)
+        end = _params(status.value, stop, error, _ts(at), *usage_params(usage), run_id)
         fence: tuple[object, ...] = ()
         end_sql, count_sql = pg_schema.END_RUN, pg_schema.COUNT_TURN
         if lease is not None:

@@ -16,14 +16,15 @@ closed store leave this module as ``StoreError`` only.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rcoder.domain import (
     ResumeOutcome,
@@ -32,44 +33,103 @@ from rcoder.domain import (
     SessionRecord,
     StopReason,
     TranscriptEntry,
+    Usage,
+    UsageTotals,
 )
 from rcoder.errors import StoreError
 from rcoder.store.base import INTERRUPTED_ERROR
 from rcoder.store.cluster import Lease
+from rcoder.store.usage import FIRST_COST_KEY, USAGE_COLUMNS, cost_key, totals_of, usage_of, usage_params
 
 T = TypeVar("T")
 
 # inline commits between two checkpoints of the log (on the worker, never on the loop)
 CHECKPOINT_EVERY = 500
 
-SCHEMA_VERSION = 1
-
-_SCHEMA = (
-    """CREATE TABLE sessions (
-        session_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, cwd TEXT NOT NULL,
-        agent TEXT NOT NULL, provider_session_id TEXT NOT NULL, created_at TEXT NOT NULL,
-        updated_at TEXT NOT NULL, turns INTEGER NOT NULL DEFAULT 0,
-        last_run_id TEXT NOT NULL DEFAULT '')""",
-    """CREATE TABLE runs (
-        run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(session_id),
-        status TEXT NOT NULL, stop_reason TEXT, error TEXT NOT NULL DEFAULT '', resume TEXT,
-        resume_method TEXT NOT NULL DEFAULT '', fallback_reason TEXT NOT NULL DEFAULT '',
-        request_id TEXT NOT NULL DEFAULT '', started_at TEXT NOT NULL, ended_at TEXT)""",
-    """CREATE TABLE transcript (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        session_id TEXT NOT NULL REFERENCES sessions(session_id), run_id TEXT NOT NULL,
-        turn INTEGER NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
-        created_at TEXT NOT NULL)""",
-    "CREATE INDEX sessions_by_project ON sessions(project_id, session_id)",
-    "CREATE INDEX sessions_by_provider ON sessions(agent, provider_session_id)",
-    "CREATE INDEX runs_by_session ON runs(session_id)",
-    "CREATE INDEX transcript_by_session ON transcript(session_id, turn)",
-    f"PRAGMA user_version = {SCHEMA_VERSION:d}",
+# ``_MIGRATIONS[n - 1]`` brings the schema from version n - 1 to n (``PRAGMA user_version``); a
+# store of any earlier version is migrated at open, in one transaction. A migration that has
+# shipped is never edited: the next change is the next migration.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1: sessions, runs and transcripts
+        """CREATE TABLE sessions (
+            session_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, cwd TEXT NOT NULL,
+            agent TEXT NOT NULL, provider_session_id TEXT NOT NULL, created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL, turns INTEGER NOT NULL DEFAULT 0,
+            last_run_id TEXT NOT NULL DEFAULT '')""",
+        """CREATE TABLE runs (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(session_id),
+            status TEXT NOT NULL, stop_reason TEXT, error TEXT NOT NULL DEFAULT '', resume TEXT,
+            resume_method TEXT NOT NULL DEFAULT '', fallback_reason TEXT NOT NULL DEFAULT '',
+            request_id TEXT NOT NULL DEFAULT '', started_at TEXT NOT NULL, ended_at TEXT)""",
+        """CREATE TABLE transcript (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            session_id TEXT NOT NULL REFERENCES sessions(session_id), run_id TEXT NOT NULL,
+            turn INTEGER NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
+            created_at TEXT NOT NULL)""",
+        "CREATE INDEX sessions_by_project ON sessions(project_id, session_id)",
+        "CREATE INDEX sessions_by_provider ON sessions(agent, provider_session_id)",
+        "CREATE INDEX runs_by_session ON runs(session_id)",
+        "CREATE INDEX transcript_by_session ON transcript(session_id, turn)",
+    ),
+    (  # 2: what each run cost, as its agent reported it (NULL: not reported; the cost in nanos, store/usage.py)
+        "ALTER TABLE runs ADD COLUMN input_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN output_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN cached_read_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN cached_write_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN thought_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN total_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN context_used INTEGER",
+        "ALTER TABLE runs ADD COLUMN context_size INTEGER",
+        "ALTER TABLE runs ADD COLUMN cost_nanos INTEGER",
+        "ALTER TABLE runs ADD COLUMN cost_currency TEXT",
+        "CREATE INDEX runs_cost ON runs(cost_currency, session_id, cost_nanos) WHERE cost_nanos IS NOT NULL",
+    ),
 )
+SCHEMA_VERSION = len(_MIGRATIONS)
 
 # Rows are read and written in the column order of the tables above.
 _LIST_ALL = "SELECT * FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?"
 _LIST_PROJECT = "SELECT * FROM sessions WHERE project_id = ? AND session_id > ? ORDER BY session_id LIMIT ?"
+_SESSION_COLUMNS = (
+    "session_id", "project_id", "cwd", "agent", "provider_session_id", "created_at", "updated_at", "turns",
+    "last_run_id",
+)  # fmt: skip
+# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
+# total() of integers is exact below 2**53 and never overflows (sum() would fail the whole listing)
+_LIST_BY_COST = (
+    "WITH c AS (SELECT session_id, total(cost_nanos) AS cost FROM runs"
+    " WHERE cost_currency = ? AND cost_nanos IS NOT NULL GROUP BY session_id),"
+    " k AS (SELECT s.*, c.cost AS cost, c.cost IS NULL AS k1, -coalesce(c.cost, 0) AS k2"
+    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE ? IN ('', s.project_id))"
+    " SELECT * FROM k WHERE (k1, k2, session_id) > (?, ?, ?) ORDER BY k1, k2, session_id LIMIT ?"
+)
+_INSERT_RUN = (
+    "INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method, fallback_reason,"
+    " request_id, started_at, ended_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+)
+_END_RUN = (
+    "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = ?, output_tokens = ?,"
+    " cached_read_tokens = ?, cached_write_tokens = ?, thought_tokens = ?, total_tokens = ?, context_used = ?,"
+    " context_size = ?, cost_nanos = ?, cost_currency = ? WHERE run_id = ?"
+)
+# per session, over its runs that reported usage: how many, and each token count's total (NULL when none had it)
+_TOTALS = (
+    "SELECT session_id, count(*), CASE WHEN count(input_tokens) THEN total(input_tokens) END,"
+    " CASE WHEN count(output_tokens) THEN total(output_tokens) END,"
+    " CASE WHEN count(cached_read_tokens) THEN total(cached_read_tokens) END,"
+    " CASE WHEN count(cached_write_tokens) THEN total(cached_write_tokens) END,"
+    " CASE WHEN count(thought_tokens) THEN total(thought_tokens) END,"
+    " CASE WHEN count(total_tokens) THEN total(total_tokens) END"
+    " FROM runs WHERE session_id IN (SELECT value FROM json_each(?))"
+    " AND coalesce(input_tokens, output_tokens, cached_read_tokens, cached_write_tokens, thought_tokens,"
+    " total_tokens, context_used, context_size, cost_nanos) IS NOT NULL"
+    " GROUP BY session_id"
+)
+_COSTS = (
+    "SELECT session_id, cost_currency, total(cost_nanos) FROM runs"
+    " WHERE session_id IN (SELECT value FROM json_each(?)) AND cost_nanos IS NOT NULL"
+    " GROUP BY session_id, cost_currency ORDER BY session_id, cost_currency"
+)
 
 
 # ---------------------------------------------------------------- conversions
@@ -87,19 +147,21 @@ def _time(text: str | None) -> datetime | None:
 
 
 # Column names equal the record field names, so a row maps onto its record by name.
-def _session(row: sqlite3.Row) -> SessionRecord:
+def _session(row: sqlite3.Row | dict[str, Any]) -> SessionRecord:
     fields = {**dict(row), "created_at": _time(row["created_at"]), "updated_at": _time(row["updated_at"])}
     return SessionRecord(**fields)
 
 
 def _run(row: sqlite3.Row) -> RunRecord:
     fields = dict(row)
+    usage = usage_of([fields.pop(name) for name in USAGE_COLUMNS])
     fields.update(
         status=RunStatus(row["status"]),
         stop_reason=None if row["stop_reason"] is None else StopReason(row["stop_reason"]),
         resume=None if row["resume"] is None else ResumeOutcome(row["resume"]),
         started_at=_time(row["started_at"]),
         ended_at=_time(row["ended_at"]),
+        usage=usage,
     )
     return RunRecord(**fields)
 
@@ -171,11 +233,12 @@ def _prepare(conn: sqlite3.Connection) -> int:
     conn.execute("PRAGMA foreign_keys=ON")
     with _transaction(conn):
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version == 0:
-            for statement in _SCHEMA:
-                conn.execute(statement)
-        elif version != SCHEMA_VERSION:
+        if version > SCHEMA_VERSION:
             raise StoreError(f"store: schema version {version} is not supported (want {SCHEMA_VERSION})")
+        for migration in _MIGRATIONS[version:]:
+            for statement in migration:
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
     with _transaction(conn):
         cursor = conn.execute(
             "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?",
@@ -187,16 +250,13 @@ def _prepare(conn: sqlite3.Connection) -> int:
 def _finish_run(
     conn: sqlite3.Connection,
     run_id: str,
-    end: tuple[RunStatus, StopReason | None, str, datetime],
+    end: tuple[RunStatus, StopReason | None, str, datetime, Usage | None],
     entry: TranscriptEntry | None,
 ) -> None:
-    status, stop_reason, error, at = end
+    status, stop_reason, error, at, usage = end
     stop = None if stop_reason is None else stop_reason.value
     with _transaction(conn):
-        cursor = conn.execute(
-            "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ? WHERE run_id = ?",
-            (status.value, stop, error, _ts(at), run_id),
-        )
+        cursor = conn.execute(_END_RUN, (status.value, stop, error, _ts(at), *usage_params(usage), run_id))
         _require_row(cursor, "run", run_id)
         if entry is None:
             return
@@ -383,6 +443,35 @@ class SqliteStore:
             sql, args = _LIST_PROJECT, (project_id, *args)
         return [_session(row) for row in await self._rows(sql, args, point=False)]
 
+    async def list_sessions_by_cost(
+        self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
+    ) -> list[tuple[SessionRecord, int | None]]:
+        key = FIRST_COST_KEY if after is None else cost_key(*after)
+        rows = await self._rows(_LIST_BY_COST, (currency, project_id, *key, _positive(limit)), point=False)
+        return [
+            (
+                _session({name: row[name] for name in _SESSION_COLUMNS}),
+                None if row["cost"] is None else int(row["cost"]),
+            )
+            for row in rows
+        ]
+
+    async def usage_totals(self, session_ids: Sequence[str]) -> dict[str, UsageTotals]:
+        if not session_ids:
+            return {}
+        ids = json.dumps(list(session_ids))
+
+        def work(conn: sqlite3.Connection) -> tuple[list[sqlite3.Row], list[sqlite3.Row]]:
+            with conn:  # one read transaction: both from the same snapshot
+                conn.execute("BEGIN")
+                return conn.execute(_TOTALS, (ids,)).fetchall(), conn.execute(_COSTS, (ids,)).fetchall()
+
+        totals, costs = await self._call(work, point=len(session_ids) == 1)
+        by_session: dict[str, list[tuple[str, Any]]] = {}
+        for session_id, currency, nanos in costs:
+            by_session.setdefault(session_id, []).append((currency, nanos))
+        return {row[0]: totals_of(row[1], row[2:], by_session.get(row[0], ())) for row in totals}
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None:
@@ -403,7 +492,7 @@ class SqliteStore:
 
         def work(conn: sqlite3.Connection) -> None:
             with _transaction(conn):
-                conn.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?)", params)
+                conn.execute(_INSERT_RUN, params)
                 cursor = conn.execute(
                     "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE session_id = ?", pointer
                 )
@@ -420,8 +509,9 @@ class SqliteStore:
         at: datetime,
         transcript: TranscriptEntry | None,
         lease: Lease | None = None,
+        usage: Usage | None = None,
     ) -> None:
-        end = (status, stop_reason, error, at)
+        end = (status, stop_reason, error, at, usage)
         await self._call(lambda conn: _finish_run(conn, run_id, end, transcript))
 
     async def update_run_start(

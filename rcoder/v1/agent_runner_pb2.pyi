@@ -46,6 +46,34 @@ PERMISSION_MODE_DENY: PermissionMode.ValueType  # 2
 PERMISSION_MODE_ASK: PermissionMode.ValueType  # 3
 Global___PermissionMode: _TypeAlias = PermissionMode  # noqa: Y015
 
+class _SessionOrder:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SessionOrderEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionOrder.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SESSION_ORDER_UNSPECIFIED: _SessionOrder.ValueType  # 0
+    """as SESSION_ORDER_ID"""
+    SESSION_ORDER_ID: _SessionOrder.ValueType  # 1
+    """by session_id"""
+    SESSION_ORDER_COST_DESC: _SessionOrder.ValueType  # 2
+    """by the session's total cost in cost_currency, the most costly first (ties by session_id); the
+    sessions with no cost in that currency after them, by session_id
+    """
+
+class SessionOrder(_SessionOrder, metaclass=_SessionOrderEnumTypeWrapper):
+    """How ListSessions orders the sessions."""
+
+SESSION_ORDER_UNSPECIFIED: SessionOrder.ValueType  # 0
+"""as SESSION_ORDER_ID"""
+SESSION_ORDER_ID: SessionOrder.ValueType  # 1
+"""by session_id"""
+SESSION_ORDER_COST_DESC: SessionOrder.ValueType  # 2
+"""by the session's total cost in cost_currency, the most costly first (ties by session_id); the
+sessions with no cost in that currency after them, by session_id
+"""
+Global___SessionOrder: _TypeAlias = SessionOrder  # noqa: Y015
+
 class _ForkMethod:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -537,19 +565,27 @@ class CancelResponse(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     CANCELLED_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run that was asked to stop"""
     cancelled: _builtins.bool
     """false when it had already finished"""
+    queued: _builtins.bool
+    """The owning host did not answer (its lease still holds): the cancel was left for it in the
+    store, and it applies it when it reads it (at once while its store connection is up). The
+    turn's stream then ends CANCELLED. run_id and cancelled are then the store's view: the run
+    recorded as running (empty for a session whose turn has no run recorded yet).
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.str = ...,
         cancelled: _builtins.bool = ...,
+        queued: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "queued", b"queued", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -585,12 +621,20 @@ Global___ResolvePermissionRequest: _TypeAlias = ResolvePermissionRequest  # noqa
 class ResolvePermissionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    QUEUED_FIELD_NUMBER: _builtins.int
+    queued: _builtins.bool
+    """The owning host did not answer (its lease still holds): the answer was left for it in the
+    store, and it applies it when it reads it. Whether the request was still pending is then
+    not known here (a request answered twice keeps its first answer).
+    """
     def __init__(
         self,
+        *,
+        queued: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -622,21 +666,30 @@ class ListSessionsRequest(_message.Message):
     PROJECT_ID_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ORDER_BY_FIELD_NUMBER: _builtins.int
+    COST_CURRENCY_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """optional filter"""
     page_size: _builtins.int
     """default 100, at most 1000"""
     page_token: _builtins.str
+    """a previous answer's next_page_token, sent with the same order_by and cost_currency"""
+    order_by: Global___SessionOrder.ValueType
+    """default: by session_id"""
+    cost_currency: _builtins.str
+    """with SESSION_ORDER_COST_DESC: the currency whose totals are compared; default USD"""
     def __init__(
         self,
         *,
         project_id: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        order_by: Global___SessionOrder.ValueType = ...,
+        cost_currency: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "project_id", b"project_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_currency", b"cost_currency", "order_by", b"order_by", "page_size", b"page_size", "page_token", b"page_token", "project_id", b"project_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -888,6 +941,7 @@ class Session(_message.Message):
     TURNS_FIELD_NUMBER: _builtins.int
     LAST_RUN_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     project_id: _builtins.str
     agent: _builtins.str
@@ -900,6 +954,10 @@ class Session(_message.Message):
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def usage(self) -> Global___UsageTotals:
+        """its runs' usage summed; unset when none reported any"""
+
     def __init__(
         self,
         *,
@@ -913,14 +971,114 @@ class Session(_message.Message):
         turns: _builtins.int = ...,
         last_run_id: _builtins.str = ...,
         status: Global___SessionStatus.ValueType = ...,
+        usage: Global___UsageTotals | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class UsageTotals(_message.Message):
+    """A session's usage: what its runs reported, summed (a fork counts its own runs, not its source's)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_READ_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_WRITE_TOKENS_FIELD_NUMBER: _builtins.int
+    THOUGHT_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    COSTS_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    REPORTED_FIELD_NUMBER: _builtins.int
+    input_tokens: _builtins.int
+    """each summed over the runs that reported it; unset when none did"""
+    output_tokens: _builtins.int
+    cached_read_tokens: _builtins.int
+    cached_write_tokens: _builtins.int
+    thought_tokens: _builtins.int
+    total_tokens: _builtins.int
+    runs: _builtins.int
+    """the runs that reported any usage"""
+    @_builtins.property
+    def costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Cost]:
+        """the cost summed per currency, in currency order: amounts in different currencies never add up"""
+
+    @_builtins.property
+    def reported(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the names of the token fields that are set, and "costs" when it has any"""
+
+    def __init__(
+        self,
+        *,
+        input_tokens: _builtins.int | None = ...,
+        output_tokens: _builtins.int | None = ...,
+        cached_read_tokens: _builtins.int | None = ...,
+        cached_write_tokens: _builtins.int | None = ...,
+        thought_tokens: _builtins.int | None = ...,
+        total_tokens: _builtins.int | None = ...,
+        costs: _abc.Iterable[Global___Cost] | None = ...,
+        runs: _builtins.int = ...,
+        reported: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cached_read_tokens", b"_cached_read_tokens", "_cached_write_tokens", b"_cached_write_tokens", "_input_tokens", b"_input_tokens", "_output_tokens", b"_output_tokens", "_thought_tokens", b"_thought_tokens", "_total_tokens", b"_total_tokens", "cached_read_tokens", b"cached_read_tokens", "cached_write_tokens", b"cached_write_tokens", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "thought_tokens", b"thought_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cached_read_tokens", b"_cached_read_tokens", "_cached_write_tokens", b"_cached_write_tokens", "_input_tokens", b"_input_tokens", "_output_tokens", b"_output_tokens", "_thought_tokens", b"_thought_tokens", "_total_tokens", b"_total_tokens", "cached_read_tokens", b"cached_read_tokens", "cached_write_tokens", b"cached_write_tokens", "costs", b"costs", "input_tokens", b"input_tokens", "output_tokens", b"output_tokens", "reported", b"reported", "runs", b"runs", "thought_tokens", b"thought_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cached_read_tokens: _TypeAlias = _typing.Literal["cached_read_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_read_tokens: _TypeAlias = _typing.Literal["_cached_read_tokens", b"_cached_read_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__cached_write_tokens: _TypeAlias = _typing.Literal["cached_write_tokens"]  # noqa: Y015
+    _WhichOneofArgType__cached_write_tokens: _TypeAlias = _typing.Literal["_cached_write_tokens", b"_cached_write_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__input_tokens: _TypeAlias = _typing.Literal["input_tokens"]  # noqa: Y015
+    _WhichOneofArgType__input_tokens: _TypeAlias = _typing.Literal["_input_tokens", b"_input_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__output_tokens: _TypeAlias = _typing.Literal["output_tokens"]  # noqa: Y015
+    _WhichOneofArgType__output_tokens: _TypeAlias = _typing.Literal["_output_tokens", b"_output_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__thought_tokens: _TypeAlias = _typing.Literal["thought_tokens"]  # noqa: Y015
+    _WhichOneofArgType__thought_tokens: _TypeAlias = _typing.Literal["_thought_tokens", b"_thought_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__total_tokens: _TypeAlias = _typing.Literal["total_tokens"]  # noqa: Y015
+    _WhichOneofArgType__total_tokens: _TypeAlias = _typing.Literal["_total_tokens", b"_total_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_read_tokens) -> _WhichOneofReturnType__cached_read_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cached_write_tokens) -> _WhichOneofReturnType__cached_write_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__input_tokens) -> _WhichOneofReturnType__input_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__output_tokens) -> _WhichOneofReturnType__output_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__thought_tokens) -> _WhichOneofReturnType__thought_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__total_tokens) -> _WhichOneofReturnType__total_tokens | None: ...
+
+Global___UsageTotals: _TypeAlias = UsageTotals  # noqa: Y015
+
+@_typing.final
+class Cost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AMOUNT_FIELD_NUMBER: _builtins.int
+    CURRENCY_FIELD_NUMBER: _builtins.int
+    amount: _builtins.float
+    currency: _builtins.str
+    """as the agent reported it (ISO 4217, e.g. USD)"""
+    def __init__(
+        self,
+        *,
+        amount: _builtins.float = ...,
+        currency: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amount", b"amount", "currency", b"currency"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Cost: _TypeAlias = Cost  # noqa: Y015
 
 @_typing.final
 class AgentInfo(_message.Message):

@@ -57,8 +57,8 @@ class Hosts:
     def __getitem__(self, name: str) -> Host:
         return self.by_name[name]
 
-    async def start(self, *names: str) -> list[Host]:
-        """Start these hosts at once (each its own data_dir and port)."""
+    async def start(self, *names: str, each: dict[str, dict[str, Any]] | None = None) -> list[Host]:
+        """Start these hosts at once (each its own data_dir and port; ``each``: more keys by name)."""
 
         async def one(name: str) -> Host:
             settings = {
@@ -69,6 +69,7 @@ class Hosts:
                 "lease_ttl": LEASE_TTL,
                 "auth_token": AUTH,
                 **self.top,
+                **(each or {}).get(name, {}),
             }
             config = write_config(self.root / f"rcoder-{name}.toml", {"fake": self.fake.profile()}, **settings)
             daemon = await Daemon(config).start()

@@ -80,7 +80,8 @@ async def test_a_killed_owners_turn_ends_owner_host_lost_and_the_next_turn_resum
         def reattach() -> Awaitable[list[pb.ChatStream]]:
             return collect(b.stub.Subscribe(pb.SubscribeRequest(run_id=begin.run_id, after_seq=1), metadata=AUTH_MD))
 
-        rest, _ = await honouring_retry_info(reattach)
+        rest, retries = await honouring_retry_info(reattach)
+        assert retries == 1  # the hint was the time left on a's lease: the one retry it named took over
         assert completed(rest).stop_reason == pb.STOP_REASON_ERROR
         assert completed(rest).error == OWNER_LOST
         assert [e.seq for e in rest] == [2]
@@ -196,6 +197,34 @@ async def test_postgresql_restarted_mid_run_the_daemons_reconnect_and_lose_no_se
         assert text_of(after) == "I remember: 9"
         hosts_seen = await b.stub.ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=10)
         assert {h.host_id for h in hosts_seen.hosts if h.live} == {"host-a", "host-b"}
+
+
+async def test_a_signal_left_while_the_listener_heard_nothing_is_applied_when_it_reconnects_after_a_restart(
+    make_hosts: MakeHosts, pg_cluster: PgCluster
+) -> None:
+    async with make_hosts() as hosts:
+        (a,) = await hosts.start("a")
+        await a.daemon.wait_log("signal_listener_connected")
+        call = a.stub.Chat(pb.ChatRequest(project_id="proj", prompt="hang"), metadata=AUTH_MD, timeout=60)
+        (begin,) = await first_events(call, 1)
+        # the row alone, no doorbell: as when its NOTIFY reached no listener (a was reconnecting)
+        with psycopg.connect(hosts.store_url) as db:
+            db.execute(
+                "INSERT INTO signals (target, kind, run_id, sender) VALUES ('host-a', 'cancel', %s, 'test')",
+                (begin.run_id,),
+            )
+        pg_cluster.restart()  # (on this thread: see above)
+
+        rest = await collect(call)
+        (applied,) = await a.daemon.wait_log("signal_applied", run_id=begin.run_id)
+        assert applied["result"] == "cancelled" and applied["sender"] == "test"
+        assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
+        order = [row["event"] for row in a.daemon.logs() if row["event"].startswith("signal_")]
+        at = order.index("signal_applied")  # read by the rescan of a's listener once back, never before
+        assert "signal_listener_disconnected" in order[:at] and order[at - 1] == "signal_listener_connected", order
+        with psycopg.connect(hosts.store_url) as db:
+            row = db.execute("SELECT result, done_at IS NOT NULL FROM signals").fetchall()
+        assert row == [("cancelled", True)]
 
 
 async def test_readiness_is_not_serving_while_the_store_is_unreachable(

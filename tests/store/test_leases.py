@@ -168,6 +168,23 @@ async def test_a_live_owners_run_is_not_ended_as_orphaned(stores: tuple[Postgres
     assert await b.run_owner("nope") is None
 
 
+async def test_an_owner_says_how_long_its_lease_has_left_by_the_stores_clock(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    # what a request the owner did not answer is told to wait before its retry (RetryInfo)
+    store_a, store_b = stores
+    a, a_short, b = PgCoordination(store_a, TTL), PgCoordination(store_a, 0.0), PgCoordination(store_b, TTL)
+    lease = taken(await a.acquire("s1")).lease
+    await store_a.create_session(record("s1"), lease=lease)
+    await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=lease)
+    taken(await a_short.acquire("s2"))  # expired as taken
+
+    by_session, by_run, expired = await b.session_owner("s1"), await b.run_owner("r1"), await b.session_owner("s2")
+    assert by_session is not None and TTL - 5 < by_session.expires_in <= TTL, by_session
+    assert by_run is not None and TTL - 5 < by_run.expires_in <= TTL, by_run
+    assert expired is not None and not expired.live and expired.expires_in == 0.0
+
+
 async def test_hosts_register_heartbeat_and_are_listed_live_or_not(
     stores: tuple[PostgresStore, PostgresStore],
 ) -> None:

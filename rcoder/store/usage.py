@@ -1,0 +1,72 @@
+"""How both stores keep a run's usage (ten nullable columns of ``runs``) and read back a session's totals.
+
+A column is NULL where the agent reported nothing: never an invented zero. The cost is kept as
+``cost_nanos``, billionths of its currency (as ``google.type.Money`` keeps nanos), so that sums
+are exact and the same in whatever order the database adds them: a session's total compares
+equal from one query to the next (``ListSessions`` pages by it) and is the sum of its turns. An
+amount with up to nine decimals reads back as the very float it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from rcoder.domain import TOKEN_FIELDS, USAGE_FIELDS, Cost, Usage, UsageTotals
+
+NANOS = 1_000_000_000
+_INT64_MAX = 2**63 - 1
+_COUNTS = USAGE_FIELDS[:-1]  # the integer fields: tokens, context used and size
+
+# the columns of ``runs`` that hold a run's usage, in the order of ``usage_params``
+USAGE_COLUMNS = (*_COUNTS, "cost_nanos", "cost_currency")
+# a session's cursor before any other in cost order (see ``cost_key``)
+FIRST_COST_KEY = (-1, 0, "")
+
+
+def usage_params(usage: Usage | None) -> tuple[object, ...]:
+    """The values of ``USAGE_COLUMNS`` for a run that reported ``usage``."""
+    if usage is None:
+        return (None,) * len(USAGE_COLUMNS)
+    counts = tuple(_int64(getattr(usage, name)) for name in _COUNTS)
+    nanos = None if usage.cost_amount is None else _nanos(usage.cost_amount)
+    return (*counts, nanos, None if nanos is None else usage.cost_currency)
+
+
+def usage_of(values: Sequence[Any]) -> Usage | None:
+    """A run's usage from the values of ``USAGE_COLUMNS``; None when it reported nothing."""
+    *counts, nanos, currency = values
+    usage = Usage(
+        **dict(zip(_COUNTS, counts, strict=True)),
+        cost_amount=None if nanos is None else int(nanos) / NANOS,
+        cost_currency=currency or "",
+    )
+    return usage if usage.reported else None
+
+
+def totals_of(runs: Any, tokens: Sequence[Any], costs: Sequence[tuple[str, Any]]) -> UsageTotals:
+    """A session's totals from its aggregates: how many runs reported usage, the sum of each of
+    ``TOKEN_FIELDS`` (None where no run reported it), and (currency, sum of nanos) pairs in currency
+    order. Sums come as the database makes them (SQLite ``total()``: a float, exact below 2**53;
+    PostgreSQL ``sum()``: a numeric)."""
+    counts = {name: None if value is None else int(value) for name, value in zip(TOKEN_FIELDS, tokens, strict=True)}
+    return UsageTotals(**counts, costs=tuple(Cost(int(n) / NANOS, c) for c, n in costs), runs=int(runs))
+
+
+def cost_key(cost_nanos: int | None, session_id: str) -> tuple[int, int, str]:
+    """Where a session stands in cost order, as an ascending key: those with a cost first, the
+    most costly first, then by session_id."""
+    return (1, 0, session_id) if cost_nanos is None else (0, -cost_nanos, session_id)
+
+
+def _int64(value: int | None) -> int | None:
+    # UsageMeter reports no count outside this range; a column cannot hold one
+    return value if value is not None and 0 <= value <= _INT64_MAX else None
+
+
+def _nanos(amount: float) -> int | None:
+    if not math.isfinite(amount):
+        return None
+    nanos = round(amount * NANOS)
+    return nanos if abs(nanos) <= _INT64_MAX else None

@@ -6,6 +6,7 @@ The daemon owns every run and agent; the gRPC handlers only watch.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 from pathlib import Path
@@ -34,8 +35,16 @@ TRACE_FLUSH_TIMEOUT = 3.0
 
 
 def host_id_of(settings: Settings) -> str:
-    """This daemon's name among several hosts: ``host_id``, else the hostname."""
-    return settings.host_id or socket.gethostname()
+    """This daemon's name among several hosts: ``host_id``, else ``<hostname>:<port>``.
+
+    The port (advertised, else listened on) tells apart daemons that share a machine: under the
+    bare hostname two of them would be one host, each taking the other's leases for its own.
+    It stays the same across restarts; only a daemon on port 0 that advertises no address has
+    no port before it binds, and is ``<hostname>:pid<pid>``."""
+    if settings.host_id:
+        return settings.host_id
+    port = (settings.advertise_address or settings.listen).rpartition(":")[2]
+    return f"{socket.gethostname()}:{port if port != '0' else f'pid{os.getpid()}'}"
 
 
 class Daemon:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -14,7 +15,18 @@ from rcoder.errors import ConfigError
 def test_the_host_keys_default_to_this_host_and_fifteen_seconds() -> None:
     settings = load_settings(None, {})
     assert (settings.host_id, settings.advertise_address, settings.lease_ttl) == ("", "", 15.0)
-    assert host_id_of(settings) == socket.gethostname()
+    assert host_id_of(settings) == f"{socket.gethostname()}:50051", "the hostname and the port listened on"
+
+
+def test_daemons_sharing_a_machine_get_host_ids_of_their_own() -> None:
+    """Under the bare hostname two daemons on one machine would be one host."""
+    advertised = load_settings(None, {"RCODER_ADVERTISE_ADDRESS": "10.0.0.7:7001"})
+    listening = load_settings(None, {"RCODER_LISTEN": "0.0.0.0:7002"})
+    anywhere = load_settings(None, {"RCODER_LISTEN": "127.0.0.1:0"})
+    hostname = socket.gethostname()
+    assert host_id_of(advertised) == f"{hostname}:7001", "the advertised port, which other hosts know it by"
+    assert host_id_of(listening) == f"{hostname}:7002"
+    assert host_id_of(anywhere) == f"{hostname}:pid{os.getpid()}", "no port before binding: the process"
 
 
 def test_the_host_keys_are_read_from_the_environment() -> None:

@@ -4,6 +4,8 @@ that owns the session (forwarded), which the answer names in ``rcoder-owner``.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -118,3 +120,23 @@ async def test_turns_on_many_sessions_through_every_host_each_run_once_at_their_
         assert started(second).resume == pb.RESUME_OUTCOME_LIVE
         assert text_of(second) == f"I remember: {n}"
         assert trailer[OWNER_KEY] == first_trailer[OWNER_KEY] == hosts[n % 3].address
+
+
+async def test_two_daemons_on_one_machine_with_no_host_id_are_two_hosts(
+    make_hosts: Callable[..., contextlib.AbstractAsyncContextManager[Hosts]],
+) -> None:
+    """The default host_id is the hostname and port: under the bare hostname the two daemons
+    would be one host, each taking the other's leases for its own."""
+    async with make_hosts() as hosts:
+        a, b = await hosts.start("a", "b", each={"a": {"host_id": ""}, "b": {"host_id": ""}})
+        listed = await b.stub.ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=10)
+        ids = {h.advertise_address: h.host_id for h in listed.hosts if h.live}
+        assert ids.keys() == {a.address, b.address}
+        assert ids[a.address] != ids[b.address]
+        assert ids[a.address].endswith(":" + a.address.rpartition(":")[2]) or ":pid" in ids[a.address]
+
+        first, _ = await chat(a, prompt="remember 7")
+        second, trailer = await chat(b, prompt="what number?", session_id=first[0].session_id)
+        assert started(second).resume == pb.RESUME_OUTCOME_LIVE, started(second)
+        assert text_of(second) == "I remember: 7"
+        assert trailer[OWNER_KEY] == a.address, "forwarded to the daemon that owns the session"

@@ -3,21 +3,10 @@
 Chosen by ``store_url = "postgresql://..."``; several daemons may share one database. The
 contract is the SQLite store's (``base.SessionStore``), method by method; how it is kept:
 
-- **Calls.** Each call takes a connection from the pool (autocommit: one statement is its
-  own transaction; a call of several statements runs them in one explicit transaction) and
-  gives it back; the pool grows and shrinks between ``min_size`` and ``max_size``.
-- **Reconnects.** Connections are not tested before each use (that would cost a round trip a
-  call). A call whose connection turns out broken (the server restarted) has the pool test
-  its idle connections and replace the broken ones; a read is then tried once more on
-  another connection, a write fails with ``StoreError`` (it may have landed: repeating it
-  could apply it twice). Calls after that find fresh connections.
-- **Bounds.** Waiting for a connection is bounded by ``timeout`` (also the connect
-  timeout); a whole call by ``call_timeout``, which is also the server's
-  ``statement_timeout``. Nothing waits for ever on a server that is down or hung.
-- **Cancellation.** A call, once made, runs to its end even if its caller is cancelled (the
-  caller waits for it, then its cancellation goes on), so the caller can ask what landed, as
-  with the SQLite store's worker. Calls from different tasks run side by side, each atomic;
-  PostgreSQL orders conflicting writes by row locks.
+- **Calls.** Every statement runs through ``pg_pool.PgPool``: pooled connections, reconnects,
+  every call bounded and run to its end even if its caller is cancelled (the caller can ask
+  what landed, as with the SQLite store's worker). Calls from different tasks run side by
+  side, each atomic; PostgreSQL orders conflicting writes by row locks.
 - **Errors.** What psycopg and the pool raise, a missing row and a closed store leave this
   module as ``StoreError`` only, never with the URL's password in them.
 - **Open.** ``open`` migrates the schema (``pg_schema``, under an advisory lock: daemons
@@ -29,16 +18,12 @@ contract is the SQLite store's (``base.SessionStore``), method by method; how it
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
-from psycopg import AsyncConnection, AsyncCursor
-from psycopg_pool import AsyncConnectionPool
+from psycopg import AsyncCursor
 
 from rcoder.domain import (
     ResumeOutcome,
@@ -54,18 +39,12 @@ from rcoder.errors import LeaseLost, StoreError
 from rcoder.store import pg_schema, redact_url
 from rcoder.store.base import INTERRUPTED_ERROR
 from rcoder.store.cluster import Lease
+from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
+from rcoder.store.pg_pool import PgPool
+from rcoder.store.pg_pool import Row as Row
 from rcoder.store.usage import FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
 
 T = TypeVar("T")
-Row = tuple[Any, ...]
-Conn = AsyncConnection[Row]
-
-# how long the pool retries (with backoff) to replace a lost connection before it gives that up;
-# a call then starts a fresh attempt at once: so after an outage the pool is back within about this
-RECONNECT_WINDOW = 10.0
-
-# the pool logs every connection it hands out at INFO: keep its warnings (failed reconnects) only
-logging.getLogger("psycopg.pool").setLevel(logging.WARNING)
 
 # ---------------------------------------------------------------- conversions
 
@@ -115,14 +94,6 @@ def _require_row(cursor: AsyncCursor[Row], what: str, key: str) -> None:
 # ---------------------------------------------------------------- the store
 
 
-class _Broken(Exception):
-    """A call's connection broke under it: the server restarted or went away, the network failed."""
-
-    def __init__(self, error: psycopg.OperationalError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class PostgresStore:
     """``SessionStore`` on a PostgreSQL database; ``host_id`` names this daemon's host."""
 
@@ -138,14 +109,7 @@ class PostgresStore:
     ) -> None:
         self._url = url
         self._host_id = host_id
-        self._sizes = (min_size, max_size)
-        self._timeout = timeout
-        self._call_timeout = call_timeout
-        self._pool: AsyncConnectionPool[Conn] | None = None
-        self._calls: set[asyncio.Task[Any]] = set()  # in flight: close() lets them end
-        self._checking: asyncio.Task[None] | None = None  # the pool's sweep for broken connections
-        self._opened = False
-        self._closed = False
+        self._pool = PgPool(url, min_size=min_size, max_size=max_size, timeout=timeout, call_timeout=call_timeout)
 
     @property
     def host_id(self) -> str:
@@ -159,131 +123,25 @@ class PostgresStore:
 
     # ------------------------------------------------------------ opening and closing
 
-    def _connect_args(self) -> dict[str, Any]:
-        # libpq's connect_timeout is whole seconds, at least 2; a URL's application_name wins
-        timeout = max(2, round(self._timeout))
-        return {"autocommit": True, "connect_timeout": timeout, "fallback_application_name": "rcoder"}
-
-    async def _configure(self, conn: Conn) -> None:
-        """Every connection: times in UTC, every statement bounded by ``call_timeout``."""
-        await conn.execute(f"SET TIME ZONE 'UTC'; SET statement_timeout = {round(self._call_timeout * 1000):d}")
-
     async def open(self) -> int:
-        if self._closed:
-            raise StoreError("store: closed")
-        if self._opened:
-            raise StoreError("store: already open")
-        self._opened = True
-        min_size, max_size = self._sizes
-        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
-            self._url, kwargs=self._connect_args(), min_size=min_size, max_size=max_size, open=False,
-            configure=self._configure, timeout=self._timeout, reconnect_timeout=RECONNECT_WINDOW,
-            name="rcoder-store",
+        return await self._pool.open(self._prepare)
+
+    async def _prepare(self, conn: Conn) -> int:
+        """Migrate the schema and mark this host's runs left running interrupted; returns how many were."""
+        await pg_schema.migrate(conn)
+        cursor = await conn.execute(
+            pg_schema.MARK_INTERRUPTED,
+            _params(
+                RunStatus.INTERRUPTED.value, datetime.now(UTC), INTERRUPTED_ERROR,
+                RunStatus.RUNNING.value, self._host_id,
+            ),
         )  # fmt: skip
-        try:
-            async with asyncio.timeout(self._call_timeout + self._timeout):
-                # a connection of its own first: its error says why (the pool's would only say "timeout")
-                async with await AsyncConnection.connect(self._url, **self._connect_args()) as conn:
-                    await self._configure(conn)
-                    await pg_schema.migrate(conn)
-                    cursor = await conn.execute(
-                        pg_schema.MARK_INTERRUPTED,
-                        _params(
-                            RunStatus.INTERRUPTED.value, datetime.now(UTC), INTERRUPTED_ERROR,
-                            RunStatus.RUNNING.value, self._host_id,
-                        ),
-                    )  # fmt: skip
-                    marked = cursor.rowcount
-                await pool.open(wait=True, timeout=self._timeout)
-        except BaseException as exc:
-            self._opened = False
-            await pool.close(timeout=self._timeout)
-            if isinstance(exc, psycopg.Error | TimeoutError):
-                raise self._error(exc, f"cannot open {redact_url(self._url)}") from exc
-            raise
-        self._pool = pool
-        return marked
+        return cursor.rowcount
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        pool, self._pool = self._pool, None
-        checking, self._checking = self._checking, None
-        try:
-            if checking is not None:
-                checking.cancel()
-                await asyncio.wait({checking})
-            if self._calls:  # each is bounded by call_timeout; psycopg's own cancel by a few seconds more
-                await asyncio.wait(set(self._calls), timeout=self._call_timeout + 15.0)
-        finally:
-            if pool is not None:
-                await pool.close(timeout=self._timeout)
+        await self._pool.close()
 
     # ------------------------------------------------------------ calls
-
-    def _error(self, exc: BaseException, doing: str = "") -> StoreError:
-        if isinstance(exc, TimeoutError):
-            text = f"no answer from PostgreSQL within {self._call_timeout:g} s"
-        else:
-            text = f"{type(exc).__name__}: {exc}"
-        for secret in _secrets(self._url):
-            text = text.replace(secret, "***")
-        return StoreError(f"store: {doing + ': ' if doing else ''}{text}", closed=self._closed)
-
-    async def _call(self, fn: Callable[[Conn], Awaitable[T]], read: bool = False) -> T:
-        if self._closed:
-            raise StoreError("store: closed (rcoder is shutting down)", closed=True)
-        pool = self._pool
-        if pool is None:
-            raise StoreError("store: not open")
-        work = asyncio.get_running_loop().create_task(self._run(pool, fn, read))
-        self._calls.add(work)
-        work.add_done_callback(self._calls.discard)
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # the call goes on regardless: let it end before the cancellation does, so that a
-            # caller can ask what landed
-            await asyncio.wait({work})
-            if not work.cancelled():
-                work.exception()  # retrieved: the caller was cancelled, its error is nobody's
-            raise
-
-    async def _run(self, pool: AsyncConnectionPool[Conn], fn: Callable[[Conn], Awaitable[T]], read: bool) -> T:
-        try:
-            async with asyncio.timeout(self._call_timeout):
-                try:
-                    return await self._once(pool, fn)
-                except _Broken:
-                    await self._sweep(pool)  # its idle siblings are likely broken too: the next calls find new ones
-                    if not read:  # a write may have landed before its connection broke: never repeated
-                        raise
-                return await self._once(pool, fn)  # a read is safe to repeat
-        except _Broken as broken:
-            doing = "connection lost" + ("" if read else " (the write may or may not have landed)")
-            raise self._error(broken.error, doing) from broken.error
-        except (psycopg.Error, TimeoutError) as exc:
-            raise self._error(exc) from exc
-
-    async def _once(self, pool: AsyncConnectionPool[Conn], fn: Callable[[Conn], Awaitable[T]]) -> T:
-        async with pool.connection(timeout=self._timeout) as conn:
-            try:
-                return await fn(conn)
-            except psycopg.OperationalError as exc:
-                if conn.broken:
-                    raise _Broken(exc) from exc
-                raise
-
-    async def _sweep(self, pool: AsyncConnectionPool[Conn]) -> None:
-        """Have the pool test its idle connections (an empty query each) and replace the broken
-        ones; calls that find broken connections meanwhile wait for the same sweep."""
-        if self._checking is None or self._checking.done():
-            self._checking = asyncio.get_running_loop().create_task(pool.check(), name="rcoder-store-check")
-        checking = self._checking
-        await asyncio.wait({checking})  # its end, whatever it is (close() cancels it), is the pool's business
-        if not checking.cancelled():
-            checking.exception()
 
     async def _write(self, sql: str, params: tuple[object, ...], missing: tuple[str, str] | None) -> None:
         async def work(conn: Conn) -> None:
@@ -291,52 +149,30 @@ class PostgresStore:
             if missing is not None:
                 _require_row(cursor, *missing)  # autocommit: a statement that changed nothing, committed nothing
 
-        await self._call(work)
+        await self._pool.call(work)
 
     async def _rows(self, sql: str, params: tuple[object, ...]) -> list[Row]:
-        async def work(conn: Conn) -> list[Row]:
-            cursor = await conn.execute(sql, params)
-            return await cursor.fetchall()
-
-        return await self._call(work, read=True)
+        return await self._pool.rows(sql, params)
 
     async def call(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``fn`` on a pooled connection (a write: never repeated), bounded like every call."""
-        return await self._call(fn)
+        return await self._pool.call(fn)
 
     async def execute(self, sql: str, params: tuple[object, ...]) -> None:
         await self._write(sql, _params(*params), None)
 
     async def rows(self, sql: str, params: tuple[object, ...], read: bool = True) -> list[Row]:
         """The rows ``sql`` returns (``read=False``: it writes too, so it is never repeated)."""
-
-        async def work(conn: Conn) -> list[Row]:
-            cursor = await conn.execute(sql, _params(*params))
-            return await cursor.fetchall()
-
-        return await self._call(work, read=read)
+        return await self._pool.rows(sql, _params(*params), read)
 
     async def own_connection(self, application_name: str) -> Conn:
         """A connection outside the pool, configured like the pool's (for ``LISTEN``: it must stay
         the same connection); the caller closes it. ``StoreError`` when it cannot be made."""
-        if self._closed:
-            raise StoreError("store: closed (rcoder is shutting down)", closed=True)
-        args = {**self._connect_args(), "fallback_application_name": application_name}
-        try:
-            async with asyncio.timeout(self._timeout + self._call_timeout):
-                conn = await AsyncConnection.connect(self._url, **args)
-                try:
-                    await self._configure(conn)
-                except BaseException:
-                    await conn.close()
-                    raise
-        except (psycopg.Error, TimeoutError) as exc:
-            raise self._error(exc, "cannot connect") from exc
-        return conn
+        return await self._pool.own_connection(application_name)
 
     def error(self, exc: psycopg.Error | TimeoutError, doing: str = "") -> StoreError:
         """``exc`` as the ``StoreError`` this store raises (never with the password in it)."""
-        return self._error(exc, doing)
+        return self._pool.error(exc, doing)
 
     async def _fenced(self, sql: str, params: tuple[object, ...], lease: Lease) -> None:
         """A write that lands only while this host holds ``lease`` (else ``LeaseLost``)."""
@@ -346,7 +182,7 @@ class PostgresStore:
             if cursor.rowcount != 1:
                 raise LeaseLost(lease.session_id, lease.generation)
 
-        await self._call(work)
+        await self._pool.call(work)
 
     # ------------------------------------------------------------ sessions
 
@@ -373,7 +209,7 @@ class PostgresStore:
                 await conn.execute(pg_schema.INSERT_SESSION, params)
                 await conn.execute(pg_schema.COPY_TRANSCRIPT, copy)
 
-        await self._call(work)
+        await self._pool.call(work)
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         rows = await self._rows(pg_schema.GET_SESSION, _params(session_id))
@@ -413,7 +249,7 @@ class PostgresStore:
                 costs = await (await conn.execute(pg_schema.COST_TOTALS, (ids,))).fetchall()
             return totals, costs
 
-        totals, costs = await self._call(work, read=True)
+        totals, costs = await self._pool.call(work, read=True)
         by_session: dict[str, list[tuple[str, Any]]] = {}
         for session_id, currency, nanos in costs:
             by_session.setdefault(session_id, []).append((currency, nanos))
@@ -485,7 +321,7 @@ class PostgresStore:
                 _require_row(ended, "run", run_id)
                 _require_row(counted, "session", entry.session_id)
 
-        await self._call(work)
+        await self._pool.call(work)
 
     async def update_run_start(
         self,
@@ -513,13 +349,3 @@ class PostgresStore:
         version = (await self._rows(pg_schema.CURRENT_VERSION, ()))[0][0]
         want = pg_schema.SCHEMA_VERSION
         return "ok" if version == want else f"schema version {version}, want {want}"
-
-
-def _secrets(url: str) -> set[str]:
-    """The passwords in ``url``, as written and decoded (to keep them out of error messages)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return set()
-    found = {parts.password or ""} | {v for k, v in parse_qsl(parts.query) if k.lower() in ("password", "sslpassword")}
-    return {text for secret in found if secret for text in (secret, unquote(secret))}

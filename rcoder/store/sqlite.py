@@ -37,137 +37,18 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.errors import StoreError
+from rcoder.store import sqlite_schema
 from rcoder.store.base import INTERRUPTED_ERROR
 from rcoder.store.cluster import Lease
-from rcoder.store.usage import FIRST_COST_KEY, USAGE_COLUMNS, cost_key, totals_of, usage_of, usage_params
+from rcoder.store.sqlite_schema import entry_of, run_of, session_of, time_text
+from rcoder.store.usage import FIRST_COST_KEY, cost_key, totals_of, usage_params
 
 T = TypeVar("T")
 
 # inline commits between two checkpoints of the log (on the worker, never on the loop)
 CHECKPOINT_EVERY = 500
 
-# ``_MIGRATIONS[n - 1]`` brings the schema from version n - 1 to n (``PRAGMA user_version``); a
-# store of any earlier version is migrated at open, in one transaction. A migration that has
-# shipped is never edited: the next change is the next migration.
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
-    (  # 1: sessions, runs and transcripts
-        """CREATE TABLE sessions (
-            session_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, cwd TEXT NOT NULL,
-            agent TEXT NOT NULL, provider_session_id TEXT NOT NULL, created_at TEXT NOT NULL,
-            updated_at TEXT NOT NULL, turns INTEGER NOT NULL DEFAULT 0,
-            last_run_id TEXT NOT NULL DEFAULT '')""",
-        """CREATE TABLE runs (
-            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(session_id),
-            status TEXT NOT NULL, stop_reason TEXT, error TEXT NOT NULL DEFAULT '', resume TEXT,
-            resume_method TEXT NOT NULL DEFAULT '', fallback_reason TEXT NOT NULL DEFAULT '',
-            request_id TEXT NOT NULL DEFAULT '', started_at TEXT NOT NULL, ended_at TEXT)""",
-        """CREATE TABLE transcript (
-            id INTEGER PRIMARY KEY AUTOINCREMENT,
-            session_id TEXT NOT NULL REFERENCES sessions(session_id), run_id TEXT NOT NULL,
-            turn INTEGER NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
-            created_at TEXT NOT NULL)""",
-        "CREATE INDEX sessions_by_project ON sessions(project_id, session_id)",
-        "CREATE INDEX sessions_by_provider ON sessions(agent, provider_session_id)",
-        "CREATE INDEX runs_by_session ON runs(session_id)",
-        "CREATE INDEX transcript_by_session ON transcript(session_id, turn)",
-    ),
-    (  # 2: what each run cost, as its agent reported it (NULL: not reported; the cost in nanos, store/usage.py)
-        "ALTER TABLE runs ADD COLUMN input_tokens INTEGER",
-        "ALTER TABLE runs ADD COLUMN output_tokens INTEGER",
-        "ALTER TABLE runs ADD COLUMN cached_read_tokens INTEGER",
-        "ALTER TABLE runs ADD COLUMN cached_write_tokens INTEGER",
-        "ALTER TABLE runs ADD COLUMN thought_tokens INTEGER",
-        "ALTER TABLE runs ADD COLUMN total_tokens INTEGER",
-        "ALTER TABLE runs ADD COLUMN context_used INTEGER",
-        "ALTER TABLE runs ADD COLUMN context_size INTEGER",
-        "ALTER TABLE runs ADD COLUMN cost_nanos INTEGER",
-        "ALTER TABLE runs ADD COLUMN cost_currency TEXT",
-        "CREATE INDEX runs_cost ON runs(cost_currency, session_id, cost_nanos) WHERE cost_nanos IS NOT NULL",
-    ),
-)
-SCHEMA_VERSION = len(_MIGRATIONS)
-
-# Rows are read and written in the column order of the tables above.
-_LIST_ALL = "SELECT * FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?"
-_LIST_PROJECT = "SELECT * FROM sessions WHERE project_id = ? AND session_id > ? ORDER BY session_id LIMIT ?"
-_SESSION_COLUMNS = (
-    "session_id", "project_id", "cwd", "agent", "provider_session_id", "created_at", "updated_at", "turns",
-    "last_run_id",
-)  # fmt: skip
-# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
-# total() of integers is exact below 2**53 and never overflows (sum() would fail the whole listing)
-_LIST_BY_COST = (
-    "WITH c AS (SELECT session_id, total(cost_nanos) AS cost FROM runs"
-    " WHERE cost_currency = ? AND cost_nanos IS NOT NULL GROUP BY session_id),"
-    " k AS (SELECT s.*, c.cost AS cost, c.cost IS NULL AS k1, -coalesce(c.cost, 0) AS k2"
-    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE ? IN ('', s.project_id))"
-    " SELECT * FROM k WHERE (k1, k2, session_id) > (?, ?, ?) ORDER BY k1, k2, session_id LIMIT ?"
-)
-_INSERT_RUN = (
-    "INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method, fallback_reason,"
-    " request_id, started_at, ended_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
-)
-_END_RUN = (
-    "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = ?, output_tokens = ?,"
-    " cached_read_tokens = ?, cached_write_tokens = ?, thought_tokens = ?, total_tokens = ?, context_used = ?,"
-    " context_size = ?, cost_nanos = ?, cost_currency = ? WHERE run_id = ?"
-)
-# per session, over its runs that reported usage: how many, and each token count's total (NULL when none had it)
-_TOTALS = (
-    "SELECT session_id, count(*), CASE WHEN count(input_tokens) THEN total(input_tokens) END,"
-    " CASE WHEN count(output_tokens) THEN total(output_tokens) END,"
-    " CASE WHEN count(cached_read_tokens) THEN total(cached_read_tokens) END,"
-    " CASE WHEN count(cached_write_tokens) THEN total(cached_write_tokens) END,"
-    " CASE WHEN count(thought_tokens) THEN total(thought_tokens) END,"
-    " CASE WHEN count(total_tokens) THEN total(total_tokens) END"
-    " FROM runs WHERE session_id IN (SELECT value FROM json_each(?))"
-    " AND coalesce(input_tokens, output_tokens, cached_read_tokens, cached_write_tokens, thought_tokens,"
-    " total_tokens, context_used, context_size, cost_nanos) IS NOT NULL"
-    " GROUP BY session_id"
-)
-_COSTS = (
-    "SELECT session_id, cost_currency, total(cost_nanos) FROM runs"
-    " WHERE session_id IN (SELECT value FROM json_each(?)) AND cost_nanos IS NOT NULL"
-    " GROUP BY session_id, cost_currency ORDER BY session_id, cost_currency"
-)
-
-
-# ---------------------------------------------------------------- conversions
-
-
-def _ts(at: datetime) -> str:
-    """ISO-8601 UTC text; reading it back gives an equal (same instant) datetime."""
-    if at.utcoffset() is None:
-        raise ValueError(f"naive datetime {at!r}: the store keeps timezone-aware times only")
-    return at.astimezone(UTC).isoformat(timespec="microseconds")
-
-
-def _time(text: str | None) -> datetime | None:
-    return None if text is None else datetime.fromisoformat(text)
-
-
-# Column names equal the record field names, so a row maps onto its record by name.
-def _session(row: sqlite3.Row | dict[str, Any]) -> SessionRecord:
-    fields = {**dict(row), "created_at": _time(row["created_at"]), "updated_at": _time(row["updated_at"])}
-    return SessionRecord(**fields)
-
-
-def _run(row: sqlite3.Row) -> RunRecord:
-    fields = dict(row)
-    usage = usage_of([fields.pop(name) for name in USAGE_COLUMNS])
-    fields.update(
-        status=RunStatus(row["status"]),
-        stop_reason=None if row["stop_reason"] is None else StopReason(row["stop_reason"]),
-        resume=None if row["resume"] is None else ResumeOutcome(row["resume"]),
-        started_at=_time(row["started_at"]),
-        ended_at=_time(row["ended_at"]),
-        usage=usage,
-    )
-    return RunRecord(**fields)
-
-
-def _entry(row: sqlite3.Row) -> TranscriptEntry:
-    return TranscriptEntry(**{**dict(row), "created_at": _time(row["created_at"])})
+# ---------------------------------------------------------------- helpers
 
 
 def _positive(limit: int) -> int:
@@ -232,17 +113,11 @@ def _prepare(conn: sqlite3.Connection) -> int:
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     with _transaction(conn):
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise StoreError(f"store: schema version {version} is not supported (want {SCHEMA_VERSION})")
-        for migration in _MIGRATIONS[version:]:
-            for statement in migration:
-                conn.execute(statement)
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
+        sqlite_schema.migrate(conn)
     with _transaction(conn):
         cursor = conn.execute(
-            "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?",
-            (RunStatus.INTERRUPTED.value, _ts(datetime.now(UTC)), INTERRUPTED_ERROR, RunStatus.RUNNING.value),
+            sqlite_schema.MARK_INTERRUPTED,
+            (RunStatus.INTERRUPTED.value, time_text(datetime.now(UTC)), INTERRUPTED_ERROR, RunStatus.RUNNING.value),
         )
     return cursor.rowcount
 
@@ -256,20 +131,18 @@ def _finish_run(
     status, stop_reason, error, at, usage = end
     stop = None if stop_reason is None else stop_reason.value
     with _transaction(conn):
-        cursor = conn.execute(_END_RUN, (status.value, stop, error, _ts(at), *usage_params(usage), run_id))
+        cursor = conn.execute(
+            sqlite_schema.END_RUN, (status.value, stop, error, time_text(at), *usage_params(usage), run_id)
+        )
         _require_row(cursor, "run", run_id)
         if entry is None:
             return
         cursor = conn.execute(
-            "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
-            " SELECT session_id, ?, turns + 1, ?, ?, ? FROM sessions WHERE session_id = ?",
-            (entry.run_id, entry.prompt, entry.response, _ts(entry.created_at), entry.session_id),
+            sqlite_schema.ADD_TRANSCRIPT,
+            (entry.run_id, entry.prompt, entry.response, time_text(entry.created_at), entry.session_id),
         )
         _require_row(cursor, "session", entry.session_id)
-        conn.execute(
-            "UPDATE sessions SET turns = turns + 1, updated_at = ? WHERE session_id = ?",
-            (_ts(at), entry.session_id),
-        )
+        conn.execute(sqlite_schema.COUNT_TURN, (time_text(at), entry.session_id))
 
 
 # ---------------------------------------------------------------- the store
@@ -401,56 +274,50 @@ class SqliteStore:
     async def create_session(self, record: SessionRecord, lease: Lease | None = None) -> None:
         params = (
             record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
-            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
+            time_text(record.created_at), time_text(record.updated_at), record.turns, record.last_run_id,
         )  # fmt: skip
-        await self._write("INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)", params, None)
+        await self._write(sqlite_schema.INSERT_SESSION, params, None)
 
     async def fork_session(self, source_session_id: str, record: SessionRecord) -> None:
         params = (
             record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
-            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
+            time_text(record.created_at), time_text(record.updated_at), record.turns, record.last_run_id,
         )  # fmt: skip
 
         def work(conn: sqlite3.Connection) -> None:
             with _transaction(conn):
-                conn.execute("INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)", params)
-                conn.execute(
-                    "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at) "
-                    "SELECT ?, run_id, turn, prompt, response, created_at FROM transcript "
-                    "WHERE session_id = ? ORDER BY turn, id",
-                    (record.session_id, source_session_id),
-                )
+                conn.execute(sqlite_schema.INSERT_SESSION, params)
+                conn.execute(sqlite_schema.COPY_TRANSCRIPT, (record.session_id, source_session_id))
 
         await self._call(work, point=False)
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
-        rows = await self._rows("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
-        return _session(rows[0]) if rows else None
+        rows = await self._rows(sqlite_schema.GET_SESSION, (session_id,))
+        return session_of(rows[0]) if rows else None
 
     async def find_session_by_provider_id(self, agent: str, provider_session_id: str) -> SessionRecord | None:
         if not provider_session_id:  # "" means "not opened yet", never an identity
             return None
-        sql = "SELECT * FROM sessions WHERE agent = ? AND provider_session_id = ? ORDER BY updated_at DESC LIMIT 1"
-        rows = await self._rows(sql, (agent, provider_session_id))
-        return _session(rows[0]) if rows else None
+        rows = await self._rows(sqlite_schema.FIND_SESSION, (agent, provider_session_id))
+        return session_of(rows[0]) if rows else None
 
     async def list_sessions(
         self, project_id: str = "", limit: int = 100, after_session_id: str = ""
     ) -> list[SessionRecord]:
         args: tuple[object, ...] = (after_session_id, _positive(limit))
-        sql = _LIST_ALL
+        sql = sqlite_schema.LIST_ALL
         if project_id:
-            sql, args = _LIST_PROJECT, (project_id, *args)
-        return [_session(row) for row in await self._rows(sql, args, point=False)]
+            sql, args = sqlite_schema.LIST_PROJECT, (project_id, *args)
+        return [session_of(row) for row in await self._rows(sql, args, point=False)]
 
     async def list_sessions_by_cost(
         self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
     ) -> list[tuple[SessionRecord, int | None]]:
         key = FIRST_COST_KEY if after is None else cost_key(*after)
-        rows = await self._rows(_LIST_BY_COST, (currency, project_id, *key, _positive(limit)), point=False)
+        rows = await self._rows(sqlite_schema.LIST_BY_COST, (currency, project_id, *key, _positive(limit)), point=False)
         return [
             (
-                _session({name: row[name] for name in _SESSION_COLUMNS}),
+                session_of({name: row[name] for name in sqlite_schema.SESSION_COLUMNS}),
                 None if row["cost"] is None else int(row["cost"]),
             )
             for row in rows
@@ -464,7 +331,8 @@ class SqliteStore:
         def work(conn: sqlite3.Connection) -> tuple[list[sqlite3.Row], list[sqlite3.Row]]:
             with conn:  # one read transaction: both from the same snapshot
                 conn.execute("BEGIN")
-                return conn.execute(_TOTALS, (ids,)).fetchall(), conn.execute(_COSTS, (ids,)).fetchall()
+                totals = conn.execute(sqlite_schema.USAGE_TOTALS, (ids,)).fetchall()
+                return totals, conn.execute(sqlite_schema.COST_TOTALS, (ids,)).fetchall()
 
         totals, costs = await self._call(work, point=len(session_ids) == 1)
         by_session: dict[str, list[tuple[str, Any]]] = {}
@@ -475,8 +343,9 @@ class SqliteStore:
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None:
-        sql = "UPDATE sessions SET provider_session_id = ?, updated_at = ? WHERE session_id = ?"
-        await self._write(sql, (provider_session_id, _ts(at), session_id), ("session", session_id))
+        await self._write(
+            sqlite_schema.SET_PROVIDER_ID, (provider_session_id, time_text(at), session_id), ("session", session_id)
+        )
 
     # runs
 
@@ -485,17 +354,15 @@ class SqliteStore:
             record.run_id, record.session_id, record.status.value,
             None if record.stop_reason is None else record.stop_reason.value, record.error,
             None if record.resume is None else record.resume.value, record.resume_method,
-            record.fallback_reason, record.request_id, _ts(record.started_at),
-            None if record.ended_at is None else _ts(record.ended_at),
+            record.fallback_reason, record.request_id, time_text(record.started_at),
+            None if record.ended_at is None else time_text(record.ended_at),
         )  # fmt: skip
-        pointer = (record.run_id, _ts(record.started_at), record.session_id)
+        pointer = (record.run_id, time_text(record.started_at), record.session_id)
 
         def work(conn: sqlite3.Connection) -> None:
             with _transaction(conn):
-                conn.execute(_INSERT_RUN, params)
-                cursor = conn.execute(
-                    "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE session_id = ?", pointer
-                )
+                conn.execute(sqlite_schema.INSERT_RUN, params)
+                cursor = conn.execute(sqlite_schema.SET_LAST_RUN, pointer)
                 _require_row(cursor, "session", record.session_id)
 
         await self._call(work)
@@ -522,20 +389,17 @@ class SqliteStore:
         fallback_reason: str,
         lease: Lease | None = None,
     ) -> None:
-        sql = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
-        await self._write(sql, (resume.value, resume_method, fallback_reason, run_id), ("run", run_id))
+        await self._write(
+            sqlite_schema.UPDATE_RUN_START, (resume.value, resume_method, fallback_reason, run_id), ("run", run_id)
+        )
 
     async def get_run(self, run_id: str) -> RunRecord | None:
-        rows = await self._rows("SELECT * FROM runs WHERE run_id = ?", (run_id,))
-        return _run(rows[0]) if rows else None
+        rows = await self._rows(sqlite_schema.GET_RUN, (run_id,))
+        return run_of(rows[0]) if rows else None
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
-        sql = (
-            "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
-            "SELECT * FROM transcript WHERE session_id = ? ORDER BY turn DESC, id DESC LIMIT ?"
-            ") ORDER BY turn, id"
-        )
-        return [_entry(row) for row in await self._rows(sql, (session_id, _positive(limit)), point=limit == 1)]
+        rows = await self._rows(sqlite_schema.TRANSCRIPT, (session_id, _positive(limit)), point=limit == 1)
+        return [entry_of(row) for row in rows]
 
     async def integrity_check(self) -> str:
         rows = await self._rows("PRAGMA integrity_check", (), point=False)

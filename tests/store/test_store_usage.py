@@ -21,7 +21,8 @@ from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.pg_schema import MIGRATIONS
 from rcoder.store.postgres import PostgresStore
-from rcoder.store.sqlite import SCHEMA_VERSION, SqliteStore
+from rcoder.store.sqlite import SqliteStore
+from rcoder.store.sqlite_schema import SCHEMA_VERSION
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 HOST = "host-a"

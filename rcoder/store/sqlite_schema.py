@@ -1,0 +1,190 @@
+"""The SQLite store's schema, numbered migrations applied in order by ``migrate`` at open, and
+every statement the store runs over it.
+
+``MIGRATIONS[n - 1]`` brings the schema from version n - 1 to n (``PRAGMA user_version``); a
+store of any earlier version is migrated at open, in one transaction. A migration that has
+shipped is never edited: the next change is the next migration.
+
+Rows are read and written in the column order of the tables (``SELECT *``, ``INSERT ... VALUES``
+with every column), and column names equal the record field names, so a row maps onto its record
+by name (``session_of``, ``run_of``, ``entry_of``); times are kept as ISO-8601 UTC text
+(``time_text``). How connections are set up (pragmas, checkpoints) is the store's own business
+(``sqlite``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime
+from typing import Any
+
+from rcoder.domain import ResumeOutcome, RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
+from rcoder.errors import StoreError
+from rcoder.store.usage import USAGE_COLUMNS, usage_of
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1: sessions, runs and transcripts
+        """CREATE TABLE sessions (
+            session_id TEXT PRIMARY KEY, project_id TEXT NOT NULL, cwd TEXT NOT NULL,
+            agent TEXT NOT NULL, provider_session_id TEXT NOT NULL, created_at TEXT NOT NULL,
+            updated_at TEXT NOT NULL, turns INTEGER NOT NULL DEFAULT 0,
+            last_run_id TEXT NOT NULL DEFAULT '')""",
+        """CREATE TABLE runs (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL REFERENCES sessions(session_id),
+            status TEXT NOT NULL, stop_reason TEXT, error TEXT NOT NULL DEFAULT '', resume TEXT,
+            resume_method TEXT NOT NULL DEFAULT '', fallback_reason TEXT NOT NULL DEFAULT '',
+            request_id TEXT NOT NULL DEFAULT '', started_at TEXT NOT NULL, ended_at TEXT)""",
+        """CREATE TABLE transcript (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            session_id TEXT NOT NULL REFERENCES sessions(session_id), run_id TEXT NOT NULL,
+            turn INTEGER NOT NULL, prompt TEXT NOT NULL, response TEXT NOT NULL,
+            created_at TEXT NOT NULL)""",
+        "CREATE INDEX sessions_by_project ON sessions(project_id, session_id)",
+        "CREATE INDEX sessions_by_provider ON sessions(agent, provider_session_id)",
+        "CREATE INDEX runs_by_session ON runs(session_id)",
+        "CREATE INDEX transcript_by_session ON transcript(session_id, turn)",
+    ),
+    (  # 2: what each run cost, as its agent reported it (NULL: not reported; the cost in nanos, store/usage.py)
+        "ALTER TABLE runs ADD COLUMN input_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN output_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN cached_read_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN cached_write_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN thought_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN total_tokens INTEGER",
+        "ALTER TABLE runs ADD COLUMN context_used INTEGER",
+        "ALTER TABLE runs ADD COLUMN context_size INTEGER",
+        "ALTER TABLE runs ADD COLUMN cost_nanos INTEGER",
+        "ALTER TABLE runs ADD COLUMN cost_currency TEXT",
+        "CREATE INDEX runs_cost ON runs(cost_currency, session_id, cost_nanos) WHERE cost_nanos IS NOT NULL",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(conn: sqlite3.Connection) -> int:
+    """Bring the database to ``SCHEMA_VERSION``, inside the caller's write transaction; returns
+    the version it had before.
+
+    A database newer than this rcoder knows is refused (``StoreError``), never downgraded."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise StoreError(f"store: schema version {version} is not supported (want {SCHEMA_VERSION})")
+    for migration in MIGRATIONS[version:]:
+        for statement in migration:
+            conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
+    return version
+
+
+# ---------------------------------------------------------------- the statements
+
+# Every statement in full (no SQL is ever built from values).
+MARK_INTERRUPTED = "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?"
+
+# sessions
+INSERT_SESSION = "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)"
+SESSION_COLUMNS = (
+    "session_id", "project_id", "cwd", "agent", "provider_session_id", "created_at", "updated_at", "turns",
+    "last_run_id",
+)  # fmt: skip
+COPY_TRANSCRIPT = (
+    "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at) "
+    "SELECT ?, run_id, turn, prompt, response, created_at FROM transcript "
+    "WHERE session_id = ? ORDER BY turn, id"
+)
+GET_SESSION = "SELECT * FROM sessions WHERE session_id = ?"
+FIND_SESSION = "SELECT * FROM sessions WHERE agent = ? AND provider_session_id = ? ORDER BY updated_at DESC LIMIT 1"
+LIST_ALL = "SELECT * FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?"
+LIST_PROJECT = "SELECT * FROM sessions WHERE project_id = ? AND session_id > ? ORDER BY session_id LIMIT ?"
+# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
+# total() of integers is exact below 2**53 and never overflows (sum() would fail the whole listing)
+LIST_BY_COST = (
+    "WITH c AS (SELECT session_id, total(cost_nanos) AS cost FROM runs"
+    " WHERE cost_currency = ? AND cost_nanos IS NOT NULL GROUP BY session_id),"
+    " k AS (SELECT s.*, c.cost AS cost, c.cost IS NULL AS k1, -coalesce(c.cost, 0) AS k2"
+    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE ? IN ('', s.project_id))"
+    " SELECT * FROM k WHERE (k1, k2, session_id) > (?, ?, ?) ORDER BY k1, k2, session_id LIMIT ?"
+)
+# per session, over its runs that reported usage: how many, and each token count's total (NULL when none had it)
+USAGE_TOTALS = (
+    "SELECT session_id, count(*), CASE WHEN count(input_tokens) THEN total(input_tokens) END,"
+    " CASE WHEN count(output_tokens) THEN total(output_tokens) END,"
+    " CASE WHEN count(cached_read_tokens) THEN total(cached_read_tokens) END,"
+    " CASE WHEN count(cached_write_tokens) THEN total(cached_write_tokens) END,"
+    " CASE WHEN count(thought_tokens) THEN total(thought_tokens) END,"
+    " CASE WHEN count(total_tokens) THEN total(total_tokens) END"
+    " FROM runs WHERE session_id IN (SELECT value FROM json_each(?))"
+    " AND coalesce(input_tokens, output_tokens, cached_read_tokens, cached_write_tokens, thought_tokens,"
+    " total_tokens, context_used, context_size, cost_nanos) IS NOT NULL"
+    " GROUP BY session_id"
+)
+COST_TOTALS = (
+    "SELECT session_id, cost_currency, total(cost_nanos) FROM runs"
+    " WHERE session_id IN (SELECT value FROM json_each(?)) AND cost_nanos IS NOT NULL"
+    " GROUP BY session_id, cost_currency ORDER BY session_id, cost_currency"
+)
+SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = ?, updated_at = ? WHERE session_id = ?"
+
+# runs
+INSERT_RUN = (
+    "INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method, fallback_reason,"
+    " request_id, started_at, ended_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+)
+SET_LAST_RUN = "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE session_id = ?"
+# a run's usage in the order of store/usage.py USAGE_COLUMNS, then its run_id
+END_RUN = (
+    "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = ?, output_tokens = ?,"
+    " cached_read_tokens = ?, cached_write_tokens = ?, thought_tokens = ?, total_tokens = ?, context_used = ?,"
+    " context_size = ?, cost_nanos = ?, cost_currency = ? WHERE run_id = ?"
+)
+# a finished turn's entry, numbered after the session's count of turns (which COUNT_TURN then raises)
+ADD_TRANSCRIPT = (
+    "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
+    " SELECT session_id, ?, turns + 1, ?, ?, ? FROM sessions WHERE session_id = ?"
+)
+COUNT_TURN = "UPDATE sessions SET turns = turns + 1, updated_at = ? WHERE session_id = ?"
+UPDATE_RUN_START = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
+GET_RUN = "SELECT * FROM runs WHERE run_id = ?"
+# the last ``limit`` entries, oldest first
+TRANSCRIPT = (
+    "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
+    "SELECT * FROM transcript WHERE session_id = ? ORDER BY turn DESC, id DESC LIMIT ?"
+    ") ORDER BY turn, id"
+)
+
+
+# ---------------------------------------------------------------- rows and records
+
+
+def time_text(at: datetime) -> str:
+    """ISO-8601 UTC text; reading it back gives an equal (same instant) datetime."""
+    if at.utcoffset() is None:
+        raise ValueError(f"naive datetime {at!r}: the store keeps timezone-aware times only")
+    return at.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _time(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
+
+
+def session_of(row: sqlite3.Row | dict[str, Any]) -> SessionRecord:
+    fields = {**dict(row), "created_at": _time(row["created_at"]), "updated_at": _time(row["updated_at"])}
+    return SessionRecord(**fields)
+
+
+def run_of(row: sqlite3.Row) -> RunRecord:
+    fields = dict(row)
+    usage = usage_of([fields.pop(name) for name in USAGE_COLUMNS])
+    fields.update(
+        status=RunStatus(row["status"]),
+        stop_reason=None if row["stop_reason"] is None else StopReason(row["stop_reason"]),
+        resume=None if row["resume"] is None else ResumeOutcome(row["resume"]),
+        started_at=_time(row["started_at"]),
+        ended_at=_time(row["ended_at"]),
+        usage=usage,
+    )
+    return RunRecord(**fields)
+
+
+def entry_of(row: sqlite3.Row) -> TranscriptEntry:
+    return TranscriptEntry(**{**dict(row), "created_at": _time(row["created_at"])})

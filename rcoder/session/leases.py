@@ -141,7 +141,8 @@ class LeaseKeeper:
             self.on_store(reachable, error[:300])
 
     async def aclose(self) -> None:
-        """Stop renewing and release every lease still held (one statement, bounded). Idempotent."""
+        """Stop renewing, release every lease still held (one statement) and leave the hosts
+        table; each step bounded. Idempotent."""
         ticking, self._ticking = self._ticking, None
         if ticking is not None:
             ticking.cancel()
@@ -155,3 +156,8 @@ class LeaseKeeper:
                     await asyncio.shield(releasing)
             except TimeoutError:
                 log.warning("leases_not_released", timeout=RELEASE_TIMEOUT)
+        try:  # gone, not just quiet: nobody forwards to this host or waits out its heartbeat
+            async with asyncio.timeout(RELEASE_TIMEOUT):
+                await self.coordination.retire()
+        except (StoreError, TimeoutError) as exc:
+            log.warning("host_not_retired", error=str(exc))

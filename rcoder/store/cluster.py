@@ -75,6 +75,11 @@ class Coordination(Protocol):
         """Say this host is alive (``StoreError`` when the store cannot be reached)."""
         ...
 
+    async def retire(self) -> None:
+        """Leave the hosts table (graceful shutdown): no request waits on this host any more, and a
+        run it ended is answered from the store by any other host."""
+        ...
+
     async def hosts(self) -> list[HostRecord]: ...
 
     async def acquire(self, session_id: str) -> Taken | Owner:
@@ -122,6 +127,9 @@ class LocalCoordination:
         self._address, self._version = advertise_address, version
 
     async def heartbeat(self) -> None:
+        return None
+
+    async def retire(self) -> None:
         return None
 
     async def hosts(self) -> list[HostRecord]:

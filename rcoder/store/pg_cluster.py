@@ -29,6 +29,9 @@ class PgCoordination:
     async def heartbeat(self) -> None:
         await self._store.execute(pg_schema.HEARTBEAT, (self.host_id, self._address, self._version))
 
+    async def retire(self) -> None:
+        await self._store.execute(pg_schema.RETIRE_HOST, (self.host_id,))
+
     async def hosts(self) -> list[HostRecord]:
         rows = await self._store.rows(pg_schema.LIST_HOSTS, (self._ttl,))
         return [HostRecord(*row) for row in rows]

@@ -226,6 +226,7 @@ HEARTBEAT = (
     "INSERT INTO hosts (id, advertise_address, heartbeat, version, started_at) VALUES (%s, %s, now(), %s, now())"
     " ON CONFLICT (id) DO UPDATE SET heartbeat = now()"
 )
+RETIRE_HOST = "DELETE FROM hosts WHERE id = %s"
 LIST_HOSTS = (
     "SELECT id, advertise_address, heartbeat, version, started_at,"
     " heartbeat > now() - make_interval(secs => %s) FROM hosts ORDER BY id"

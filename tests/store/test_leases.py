@@ -213,3 +213,25 @@ async def test_the_local_coordination_of_one_host_holds_every_lease_without_a_st
     assert await local.renew([second]) == [second]
     assert [h.host_id for h in await local.hosts()] == ["solo"]
     assert await local.session_owner("s1") is None and await local.run_owner("r") is None
+
+
+async def test_a_retired_host_leaves_the_list_and_its_ended_runs_are_answered_by_others(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    store_a, store_b = stores
+    a, b = PgCoordination(store_a, TTL), PgCoordination(store_b, TTL)
+    await asyncio.gather(a.register("127.0.0.1:1111", "v"), b.register("127.0.0.1:2222", "v"))
+    lease = taken(await a.acquire("s1")).lease
+    await store_a.create_session(record("s1"), lease=lease)
+    await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=lease)
+    await store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, lease=lease)
+    await a.release([lease])
+    owner = await b.run_owner("r1")
+    assert owner is not None and owner.live, "an ended run is its host's while the host is alive"
+
+    await a.retire()
+    await a.retire()  # idempotent
+
+    assert [h.host_id for h in await b.hosts()] == ["host-b"]
+    owner = await b.run_owner("r1")
+    assert owner is not None and not owner.live, "a retired host waits for nothing: the store answers"

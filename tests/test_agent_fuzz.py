@@ -356,6 +356,9 @@ async def test_the_turn_after_an_agent_closed_its_output_resumes_on_a_new_agent(
     with grpc.insecure_channel(daemon.address) as channel:
         fuzzer = Fuzzer(pb_grpc.AgentRunnerStub(channel), script, record, daemon.proc.pid)
         first = await asyncio.to_thread(fuzzer.chat, "go first")
+        # the daemon has seen the output end: an agent that closes it as the next prompt goes
+        # out fails that turn (AGENT_CRASHED), which is another case
+        await daemon.wait_log("agent_output_ended", agent="fuzz")
         second = await asyncio.to_thread(fuzzer.chat, "go second", first.session_id)
         await asyncio.to_thread(
             fuzzer.stub.CloseSession, pb.CloseSessionRequest(session_id=first.session_id), timeout=CALL_BOUND

@@ -150,6 +150,9 @@ class PipeTransport:
         self._last_read = len(chunk)
         if not chunk:
             self._eof = True
+            # told once: an agent that closed its output is no longer live (its next turn resumes
+            # on a new agent) even while its process lingers
+            log.info("agent_output_ended", agent=self._agent)
             if self._partial:
                 self._lines.append(bytes(self._partial))
                 self._partial.clear()

@@ -53,17 +53,19 @@ class Forwarder:
         self._tls_ca = tls_ca
         self._answer_timeout = answer_timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.AgentRunnerStub] = {}  # made once: a stub is ten call objects
 
     def _stub(self, address: str) -> pb_grpc.AgentRunnerStub:
-        channel = self._channels.get(address)
-        if channel is None:
+        stub = self._stubs.get(address)
+        if stub is None:
             if self._tls_ca is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
                 channel = grpc.aio.secure_channel(address, credentials)
             else:
                 channel = grpc.aio.insecure_channel(address)
             self._channels[address] = channel
-        return pb_grpc.AgentRunnerStub(channel)
+            stub = self._stubs[address] = pb_grpc.AgentRunnerStub(channel)
+        return stub
 
     def _metadata(self, context: grpc.aio.ServicerContext[Any, Any]) -> list[tuple[str, str | bytes]]:
         passed = [(k, v) for k, v in context.invocation_metadata() or () if k not in _HOP_KEYS]
@@ -125,6 +127,7 @@ class Forwarder:
 
     async def aclose(self) -> None:
         channels, self._channels = self._channels, {}
+        self._stubs = {}
         for channel in channels.values():
             await channel.close(grace=None)
 

@@ -10,6 +10,7 @@ and nothing is written outside. Inside the project the same tools work.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -85,5 +86,23 @@ async def test_codex_unconfined_by_rcoder_runs_its_safe_commands_in_its_own_sand
 
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events)
     assert not [e for e in events if e.WhichOneof("event") == "permission_request"], "pwd needs no approval"
-    outputs = [e.tool_call_update for e in events if e.WhichOneof("event") == "tool_call_update"]
-    assert any(u.output.strip() == str(project) and u.exit_code == 0 for u in outputs), outputs
+    updates = [e.tool_call_update for e in events if e.WhichOneof("event") == "tool_call_update"]
+    ran = [u for u in updates if u.exit_code == 0]
+    assert ran, "pwd did not succeed in codex's own sandbox"
+    # codex's end-of-command event (what rcoder relays) can come without the output it printed,
+    # a known codex race (openai/codex#28207) seen once in CI; the copy codex hands its model is
+    # the command's real output, so either one must name the project
+    relayed = [u.output.strip() for u in ran]
+    seen_by_model = [output_for_model(servers, u.tool_call_id) for u in ran]
+    assert str(project) in relayed or any(str(project) in o for o in seen_by_model), (relayed, seen_by_model)
+
+
+def output_for_model(servers: ModelServers, call_id: str) -> str:
+    """The output codex sent its model for the tool call ``call_id`` (``function_call_output``), or ""."""
+    for req in servers.responses.model_requests():
+        items = req.json.get("input") if isinstance(req.json, dict) else None
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict) and item.get("type") == "function_call_output" and item.get("call_id") == call_id:
+                output = item.get("output")
+                return output if isinstance(output, str) else json.dumps(output)
+    return ""

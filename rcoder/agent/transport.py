@@ -33,12 +33,16 @@ log = get_logger("rcoder.agent.transport")
 UpdateSink = Callable[[dict[str, Any]], None]
 
 _READ_SIZE = 1 << 16
-# While an agent streams updates a line per write, the pipe is read at most once per
-# READ_COALESCE unless a read came back large. A wakeup costs ~25 µs of CPU on a small
-# VM, as long as an SDK agent takes to write a chunk, so reading each line as it came
-# kept a core busy beside the agent's. Only reads after an update wait: the first line
-# after a request or an answer is read at once; an answer is read at most this much later.
+# Once an agent has streamed COALESCE_AFTER reads of updates in a row, a line per write,
+# the pipe is read at most once per READ_COALESCE unless a read came back large. A wakeup
+# costs ~25 µs of CPU on a small VM, as long as an SDK agent takes to write a chunk, so
+# reading each line as it came kept a core busy beside the agent's through a long stream.
+# A short turn never waits: its first lines and its answer are read as they come (the
+# wait is ~1 ms, not 0.5, as epoll counts in milliseconds, and a quick turn of a few
+# chunks paid it once per line: ~3 ms of its end). Anything other than an update ends a
+# streak.
 READ_COALESCE = 0.0005
+COALESCE_AFTER = 8
 _SMALL_READ = 16 * 1024
 _DECODER = json.JSONDecoder()
 # a \uD800-\uDFFF escape: the line may hold a lone surrogate (a valid pair is joined by the decoder).
@@ -93,7 +97,7 @@ class PipeTransport:
         self._partial = bytearray()
         self._eof = False
         self._closed = False
-        self._streaming = False  # the reads since the last message returned held only updates
+        self._streak = 0  # reads in a row that held only updates
         self._last_read = 0
         self._warnings = LogBudget()
         self.fault = ""
@@ -120,14 +124,14 @@ class PipeTransport:
                     message = self._checked_response(message)
                     if message is None:
                         continue
-                self._streaming = False
+                self._streak = 0
                 return message
             if self._eof:
                 return None
-            if self._streaming and self._last_read < _SMALL_READ:
+            if self._streak >= COALESCE_AFTER and self._last_read < _SMALL_READ:
                 # the agent is streaming a line at a time: let a few more lines arrive
                 await asyncio.sleep(READ_COALESCE)
-            self._streaming = True  # until a read brings something other than updates
+            self._streak += 1  # reads since the last message that was not an update
             await self._fill()
 
     @property

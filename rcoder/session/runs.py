@@ -231,7 +231,8 @@ class Heartbeats:
     def _beat(self) -> None:
         if self._run.done:
             return
-        if time.monotonic() >= self._run.last_published + self._interval:
+        # never before started (seq 1): the prompt can be with the agent before started is out
+        if self._run.last_seq and time.monotonic() >= self._run.last_published + self._interval:
             self._run.publish(Heartbeat())
         self._arm()
 

@@ -8,6 +8,14 @@ an exception it did not expect becomes ``STOP_REASON_ERROR`` with the error's
 text, and a store that cannot record the end makes the turn an error too, so
 the stream never claims what the store does not hold.
 
+The prompt goes to the agent as soon as the session is open, before the run
+is recorded: the agent works on it while the store writes and ``started`` goes
+out. What the agent sends meanwhile waits in the scope and follows ``started``,
+so a client that has seen ``started`` can still rely on the run being in the
+store, and the stream still begins with it. A start the store refuses ends the
+prompt (``session/cancel``) and the agent, which heard a turn the store never
+held.
+
 ``cancel`` reaches a turn in any phase. While its agent is being started or
 its session opened (spawn, ``initialize``, a deferred load, a replay), that
 work is cancelled, which ends the agent's process group, and the run is
@@ -79,6 +87,8 @@ class TurnScope:
         self._start_recording = False  # the start was handed to the store (it may have landed)
         self.body: RunStarted | None = None  # the started event, once known
         self.published = False  # started is out
+        self.prompt_sent = False  # the agent has this turn's prompt
+        self._early: list[AgentEvent] = []  # what the agent sent before started was out
         self.conn: AgentConnection | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
         # how it ended; set by the body of the scope, or by __aexit__ from what it raised
@@ -128,7 +138,6 @@ class TurnScope:
 
     async def start(self, body: RunStarted) -> None:
         """Record the run (and a new session) in the store, then publish ``started``."""
-        self.phase = "it was being recorded"
         self.body = body
         # awaited in this task, no hop: the store's point writes run inline, and one it hands
         # to its worker is finished even if this task is cancelled meanwhile (SqliteStore._call)
@@ -150,12 +159,22 @@ class TurnScope:
             self._runner.ask_agent_to_stop(self)
         return True
 
+    def deliver(self, event: AgentEvent) -> None:
+        """Publish what the agent sent; before ``started`` is out it waits, in order."""
+        if self.published:
+            self.run.publish(event)
+        else:
+            self._early.append(event)
+
     def _publish_started(self) -> None:
         assert self.body is not None
         if self.published:
             return
         self.published = True
         self.run.publish(self.body)
+        for event in self._early:
+            self.run.publish(event)
+        self._early.clear()
         if not self._ready.done():
             self._ready.set_result(self.run)
 
@@ -248,6 +267,14 @@ class TurnScope:
         """Whether the session's agent must not serve another turn (an error, or ended by cancel)."""
         return self.status is not RunStatus.COMPLETED or bool(self.error)
 
+    async def abandon_prompt(self, prompting: asyncio.Task[None], grace: float) -> None:
+        """The start was not recorded: stop the prompt the agent already has (``session/cancel``,
+        then the task), bounded. The agent is not reused (``refused``)."""
+        if self.prompt_sent and self.conn is not None:
+            self._runner.ask_agent_to_stop(self)
+        prompting.cancel()
+        await asyncio.wait({prompting}, timeout=grace)
+
 
 class TurnRunner:
     def __init__(
@@ -299,12 +326,20 @@ class TurnRunner:
         scope = self._scopes[run.run_id] = TurnScope(self, plan, run, ready)
         async with scope:
             opened = await scope.open(self._opener)
-            await scope.start(opened.started)
-            # noted on the loop's next pass: by then the prompt is written to the agent, which
-            # works on it meanwhile (the log line alone costs as long as the agent's first reply)
-            asyncio.get_running_loop().call_soon(self._note_started, plan, opened.started)
-            if not scope.cancel_requested:
-                await self._prompt(scope, opened)
+            loop = asyncio.get_running_loop()
+            prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
+            try:
+                # one step for the prompt task: it writes the prompt to the agent before the
+                # store's write, which runs inline and would hold the loop (the module docstring)
+                await asyncio.sleep(0)
+                await scope.start(opened.started)
+            except BaseException:
+                await asyncio.shield(scope.abandon_prompt(prompting, self._settings.cancel_grace))
+                raise
+            # noted on the loop's next pass, after started reaches its followers (the log line
+            # alone costs as long as the agent's first reply)
+            loop.call_soon(self._note_started, plan, opened.started)
+            await prompting
 
     def _note_started(self, plan: TurnPlan, started: RunStarted) -> None:
         self._metrics.turn_started(
@@ -324,7 +359,7 @@ class TurnRunner:
             if isinstance(event, TextChunk) and not event.thought and size < MAX_TRANSCRIPT_TEXT:
                 texts.append(event.text)
                 size += len(event.text)
-            run.publish(event)
+            scope.deliver(event)
 
         turn = plan.turn
         beats = Heartbeats(run, self._settings.heartbeat_interval)
@@ -341,6 +376,7 @@ class TurnRunner:
             try:
                 blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
                 timeout = self._settings.turn_timeout or None
+                scope.prompt_sent = True
                 scope.stop = await opened.connection.prompt(blocks, on_event, decider, timeout)
             finally:
                 beats.stop()
@@ -476,9 +512,10 @@ class TurnRunner:
         log.info("run_end_stored_late", run_id=scope.run.run_id)
 
     def refused(self, scope: TurnScope) -> None:
-        """A turn that never started: no trace of it but the caller's error."""
+        """A turn that never started: no trace of it but the caller's error. An agent that
+        heard its prompt is not reused: it holds a turn the store does not."""
         self._runs.forget(scope.run)
-        self._pool.release(scope.plan.session_id, broken=scope.plan.action is not Action.LIVE)
+        self._pool.release(scope.plan.session_id, broken=scope.prompt_sent or scope.plan.action is not Action.LIVE)
 
     def forget(self, scope: TurnScope) -> None:
         self._scopes.pop(scope.run.run_id, None)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import psycopg
 
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -38,3 +44,79 @@ async def test_a_session_kept_in_postgresql_resumes_on_a_restarted_daemon_with_a
         (serving,) = daemon.logs("serving")
         assert serving["store"] == pg_url.replace(pg_cluster.password, "***")
         assert pg_cluster.password not in "\n".join(daemon.log_lines)
+
+
+# ---------------------------------------------------------------- the prompt goes out before the start is stored
+
+WAIT = 30.0
+
+
+@contextlib.contextmanager
+def heard(fifo: Path) -> Iterator[asyncio.Future[str]]:
+    """A FIFO the fake agent's ``writefile`` writes to: the future is what it wrote, once it did
+    (a thread reads it; on the way out a writer of our own ends a read still waiting)."""
+    os.mkfifo(fifo)
+    reading = asyncio.get_running_loop().run_in_executor(None, fifo.read_text)
+    try:
+        yield reading
+    finally:
+        if not reading.done():
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def waiting_inserts(db: psycopg.Connection[Any]) -> list[int]:
+    rows = db.execute(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%INSERT INTO runs%'"
+    ).fetchall()
+    return [pid for (pid,) in rows]
+
+
+async def test_the_agent_works_on_a_prompt_while_its_start_is_stored_and_the_stream_still_opens_with_started(
+    make_daemon: DaemonFactory, pg_url: str, tmp_path: Path
+) -> None:
+    _, client = await make_daemon(store_url=pg_url)
+    session_id = (await client.chat(prompt="hello"))[0].session_id
+    fifo = tmp_path / "workspace" / "proj" / "heard"
+
+    with psycopg.connect(pg_url) as db, heard(fifo) as reading:
+        db.execute("LOCK TABLE runs IN EXCLUSIVE MODE")  # the next run's INSERT waits for this transaction
+        turn = asyncio.create_task(client.chat(prompt=f"stream 3 writefile {fifo}", session_id=session_id))
+        # the agent streamed its three chunks and reached the file while the run was not yet stored
+        assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
+        assert not turn.done()
+        db.rollback()
+    events = await asyncio.wait_for(turn, WAIT)
+
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "started" and kinds[-1] == "completed", kinds
+    assert set(kinds[1:-1]) == {"agent_message"}, kinds
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert text_of(events) == f"c0 c1 c2 I remember nothing. writefile[{fifo}]=ok"
+    run_id = events[0].run_id
+    replay = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert replay == events
+
+
+async def test_a_start_the_store_refuses_ends_the_agent_that_already_has_the_prompt(
+    make_daemon: DaemonFactory, pg_url: str, tmp_path: Path
+) -> None:
+    _, client = await make_daemon(store_url=pg_url)
+    session_id = (await client.chat(prompt="hello"))[0].session_id
+    fifo = tmp_path / "workspace" / "proj" / "heard"
+
+    with psycopg.connect(pg_url, autocommit=True) as admin, psycopg.connect(pg_url) as db, heard(fifo) as reading:
+        db.execute("LOCK TABLE runs IN EXCLUSIVE MODE")
+        turn = asyncio.create_task(client.chat_error(prompt=f"stream 3 writefile {fifo}", session_id=session_id))
+        assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
+        (pid,) = waiting_inserts(db)
+        assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+        error = await asyncio.wait_for(turn, WAIT)
+        db.rollback()
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    # the agent heard a turn the store does not hold: it is not the session's live agent any more
+    after = await client.chat(prompt="hello", session_id=session_id)
+    assert started(after).resume == pb.RESUME_OUTCOME_RESUMED, started(after)
+    with psycopg.connect(pg_url) as db:
+        assert db.execute("SELECT count(*) FROM runs WHERE session_id = %s", (session_id,)).fetchone() == (2,)

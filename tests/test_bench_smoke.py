@@ -31,14 +31,21 @@ MEASURES = {
 }
 
 
+# ~105 s alone on 2 cores; beside the other test worker's real agents it took over 240 s once
+BOUND = 480
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(BOUND + 120)
 def test_the_benchmark_smoke_run_reports_every_measure(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--smoke", "--json", str(out)]
     bench = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        output, _ = bench.communicate(timeout=240)
+        output, _ = bench.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired as exc:
+        printed = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
+        pytest.fail(f"bench.py --smoke ran over {BOUND} s; the lines it had printed:\n{printed[-5000:]}")
     finally:
         if bench.poll() is None:  # SIGTERM: bench.py cancels its run and ends every daemon it started
             bench.terminate()

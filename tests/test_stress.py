@@ -57,7 +57,7 @@ async def one_session(client: Client, index: int) -> dict[str, int]:
     return stops
 
 
-@pytest.mark.timeout(300)  # ~100 agent starts (0.4 s of CPU each) among 312 turns
+@pytest.mark.timeout(480)  # ~100 agent starts (0.4 s of CPU each) among 312 turns: 150-210 s beside the other worker
 async def test_hundreds_of_runs_through_every_path_leak_nothing(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:

@@ -38,9 +38,8 @@ _READ_SIZE = 1 << 16
 # costs ~25 µs of CPU on a small VM, as long as an SDK agent takes to write a chunk, so
 # reading each line as it came kept a core busy beside the agent's through a long stream.
 # A short turn never waits: its first lines and its answer are read as they come (the
-# wait is ~1 ms, not 0.5, as epoll counts in milliseconds, and a quick turn of a few
-# chunks paid it once per line: ~3 ms of its end). Anything other than an update ends a
-# streak.
+# wait is ~1 ms, not 0.5, as epoll counts in milliseconds, and it held up a short turn's
+# answer by up to that much). Anything other than an update ends a streak.
 READ_COALESCE = 0.0005
 COALESCE_AFTER = 8
 _SMALL_READ = 16 * 1024

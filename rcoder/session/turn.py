@@ -13,8 +13,7 @@ is recorded: the agent works on it while the store writes and ``started`` goes
 out. What the agent sends meanwhile waits in the scope and follows ``started``,
 so a client that has seen ``started`` can still rely on the run being in the
 store, and the stream still begins with it. A start the store refuses ends the
-prompt (``session/cancel``) and the agent, which heard a turn the store never
-held.
+prompt and the agent, which heard a turn the store never held.
 
 ``cancel`` reaches a turn in any phase. While its agent is being started or
 its session opened (spawn, ``initialize``, a deferred load, a replay), that
@@ -267,14 +266,6 @@ class TurnScope:
         """Whether the session's agent must not serve another turn (an error, or ended by cancel)."""
         return self.status is not RunStatus.COMPLETED or bool(self.error)
 
-    async def abandon_prompt(self, prompting: asyncio.Task[None], grace: float) -> None:
-        """The start was not recorded: stop the prompt the agent already has (``session/cancel``,
-        then the task), bounded. The agent is not reused (``refused``)."""
-        if self.prompt_sent and self.conn is not None:
-            self._runner.ask_agent_to_stop(self)
-        prompting.cancel()
-        await asyncio.wait({prompting}, timeout=grace)
-
 
 class TurnRunner:
     def __init__(
@@ -334,7 +325,9 @@ class TurnRunner:
                 await asyncio.sleep(0)
                 await scope.start(opened.started)
             except BaseException:
-                await asyncio.shield(scope.abandon_prompt(prompting, self._settings.cancel_grace))
+                # the start was not recorded: the prompt ends here, its agent in ``refused``
+                prompting.cancel()
+                await asyncio.shield(asyncio.wait({prompting}, timeout=self._settings.cancel_grace))
                 raise
             # noted on the loop's next pass, after started reaches its followers (the log line
             # alone costs as long as the agent's first reply)

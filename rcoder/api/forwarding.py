@@ -52,20 +52,19 @@ class Forwarder:
         self._auth = f"Bearer {auth_token}" if auth_token else ""
         self._tls_ca = tls_ca
         self._answer_timeout = answer_timeout
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, pb_grpc.AgentRunnerStub] = {}  # made once: a stub is ten call objects
+        # one channel per owner address, and its stub made once (a stub is ten call objects)
+        self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.AgentRunnerStub]] = {}
 
     def _stub(self, address: str) -> pb_grpc.AgentRunnerStub:
-        stub = self._stubs.get(address)
-        if stub is None:
+        peer = self._peers.get(address)
+        if peer is None:
             if self._tls_ca is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
                 channel = grpc.aio.secure_channel(address, credentials)
             else:
                 channel = grpc.aio.insecure_channel(address)
-            self._channels[address] = channel
-            stub = self._stubs[address] = pb_grpc.AgentRunnerStub(channel)
-        return stub
+            peer = self._peers[address] = (channel, pb_grpc.AgentRunnerStub(channel))
+        return peer[1]
 
     def _metadata(self, context: grpc.aio.ServicerContext[Any, Any]) -> list[tuple[str, str | bytes]]:
         passed = [(k, v) for k, v in context.invocation_metadata() or () if k not in _HOP_KEYS]
@@ -126,9 +125,8 @@ class Forwarder:
         await context.abort(exc.code(), exc.details() or "", trailing)
 
     async def aclose(self) -> None:
-        channels, self._channels = self._channels, {}
-        self._stubs = {}
-        for channel in channels.values():
+        peers, self._peers = self._peers, {}
+        for channel, _ in peers.values():
             await channel.close(grace=None)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import psycopg
@@ -49,6 +50,7 @@ async def test_a_session_kept_in_postgresql_resumes_on_a_restarted_daemon_with_a
 # ---------------------------------------------------------------- the prompt goes out before the start is stored
 
 WAIT = 30.0
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -65,6 +67,21 @@ def heard(fifo: Path) -> Iterator[asyncio.Future[str]]:
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
+@contextlib.asynccontextmanager
+async def start_held_while_the_agent_answers(
+    pg_url: str, fifo: Path, chat: Callable[..., Coroutine[Any, Any, T]]
+) -> AsyncIterator[tuple[psycopg.Connection[Any], asyncio.Task[T]]]:
+    """The ``runs`` table locked (the next run's INSERT waits for this transaction) while
+    ``chat(prompt=...)`` sends a turn that streams three chunks and then writes to ``fifo``: yields once the
+    agent has written, the lock still held; the lock goes on the way out."""
+    with psycopg.connect(pg_url) as db, heard(fifo) as reading:
+        db.execute("LOCK TABLE runs IN EXCLUSIVE MODE")
+        turn = asyncio.create_task(chat(prompt=f"stream 3 writefile {fifo}"))
+        assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
+        yield db, turn
+        db.rollback()
+
+
 def waiting_inserts(db: psycopg.Connection[Any]) -> list[int]:
     rows = db.execute(
         "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%INSERT INTO runs%'"
@@ -79,13 +96,10 @@ async def test_the_agent_works_on_a_prompt_while_its_start_is_stored_and_the_str
     session_id = (await client.chat(prompt="hello"))[0].session_id
     fifo = tmp_path / "workspace" / "proj" / "heard"
 
-    with psycopg.connect(pg_url) as db, heard(fifo) as reading:
-        db.execute("LOCK TABLE runs IN EXCLUSIVE MODE")  # the next run's INSERT waits for this transaction
-        turn = asyncio.create_task(client.chat(prompt=f"stream 3 writefile {fifo}", session_id=session_id))
+    send = partial(client.chat, session_id=session_id)
+    async with start_held_while_the_agent_answers(pg_url, fifo, send) as (_, turn):
         # the agent streamed its three chunks and reached the file while the run was not yet stored
-        assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
         assert not turn.done()
-        db.rollback()
     events = await asyncio.wait_for(turn, WAIT)
 
     kinds = [e.WhichOneof("event") for e in events]
@@ -105,14 +119,12 @@ async def test_a_start_the_store_refuses_ends_the_agent_that_already_has_the_pro
     session_id = (await client.chat(prompt="hello"))[0].session_id
     fifo = tmp_path / "workspace" / "proj" / "heard"
 
-    with psycopg.connect(pg_url, autocommit=True) as admin, psycopg.connect(pg_url) as db, heard(fifo) as reading:
-        db.execute("LOCK TABLE runs IN EXCLUSIVE MODE")
-        turn = asyncio.create_task(client.chat_error(prompt=f"stream 3 writefile {fifo}", session_id=session_id))
-        assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
-        (pid,) = waiting_inserts(db)
-        assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
-        error = await asyncio.wait_for(turn, WAIT)
-        db.rollback()
+    send = partial(client.chat_error, session_id=session_id)
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        async with start_held_while_the_agent_answers(pg_url, fifo, send) as (db, turn):
+            (pid,) = waiting_inserts(db)
+            assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+            error = await asyncio.wait_for(turn, WAIT)
 
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     # the agent heard a turn the store does not hold: it is not the session's live agent any more

@@ -45,6 +45,7 @@ from tests.fakes.model_servers import AnthropicServer, served  # noqa: E402
 from tests.harness import FAKE_AGENT, Daemon, write_config  # noqa: E402
 
 LINE_LIMIT = 64 * 1024 * 1024
+FLOOR_RELAY = Path(__file__).resolve().parent / "grpc_floor.py"
 CALL_TIMEOUT = 120.0
 # live turns are cheap and the noisiest (tens of ms on a shared 2-core machine): more of them per cold turn
 LIVE_PER_COLD = 5
@@ -317,6 +318,23 @@ class Bench:
 
     async def raw(self) -> RawDirect:
         return await RawDirect.start(self.agent_argv, self.workspace / "proj")
+
+    @contextlib.asynccontextmanager
+    async def floor_relay(self) -> AsyncIterator[pb_grpc.AgentRunnerStub]:
+        """``grpc_floor.py`` relaying its own fake agent, in a process group ended on every path."""
+        argv = [sys.executable, str(FLOOR_RELAY), str(self.workspace / "proj"), *self.agent_argv]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), CALL_TIMEOUT)
+            if not line.startswith(b"port "):
+                raise RuntimeError(f"the floor relay did not start (exit {await proc.wait()})")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{int(line.split()[1])}") as channel:
+                yield pb_grpc.AgentRunnerStub(channel)
+        finally:
+            await _kill_group(proc)
 
 
 @contextlib.asynccontextmanager
@@ -674,23 +692,39 @@ async def scale(bench: Bench) -> list[Result]:
 
 async def first_chunks(bench: Bench) -> list[Result]:
     """When a turn's first text reaches the client (live session, quick and paced), and a cold
-    short first turn, against the fastest direct client (``RawDirect``), pairs back to back."""
-    quick, paced = "stream 3", f"stream 20 pace {bench.sizes.pace_ms}"
+    short first turn, against the fastest direct client (``RawDirect``), pairs back to back.
+
+    A third party runs beside the two on the live lines: the floor relay (``grpc_floor.py``), the
+    least a grpc.aio server can do to relay the agent. Its ratio to the direct client is what the
+    gRPC stack itself costs on this machine; rcoder's ratio to it is what rcoder adds on top."""
+    pace = bench.sizes.pace_ms
+    # paced: the agent thinks ``pace`` ms before its first chunk too (a model's time to first token)
+    quick, paced = "stream 3", f"ttft {pace} stream 20 pace {pace}"
     times: dict[str, tuple[list[float], list[float]]] = {"live": ([], []), "paced": ([], []), "cold": ([], [])}
-    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub):
+    floor: dict[str, list[float]] = {"live": [], "paced": []}
+    async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub), bench.floor_relay() as relay:
         sid = (await chat(stub, quick)).session_id
+        await chat(relay, quick)
         raw = await bench.raw()
         try:
             await raw.prompt(quick)
             for rep in range(bench.sizes.reps * LIVE_PER_COLD):
                 for key, prompt in (("live", quick), ("paced", paced)):
                     ours, theirs = times[key]
-                    # back to back, in alternating order: neither side always goes first
-                    if rep % 2:
-                        ours.append(_first_chunk(await chat(stub, prompt, sid)))
-                    theirs.append(_seconds(await raw.prompt(prompt)))
-                    if not rep % 2:
-                        ours.append(_first_chunk(await chat(stub, prompt, sid)))
+
+                    async def daemon_turn(into: list[float] = ours, prompt: str = prompt) -> None:
+                        into.append(_first_chunk(await chat(stub, prompt, sid)))
+
+                    async def floor_turn(into: list[float] = floor[key], prompt: str = prompt) -> None:
+                        into.append(_first_chunk(await chat(relay, prompt)))
+
+                    async def direct_turn(into: list[float] = theirs, prompt: str = prompt) -> None:
+                        into.append(_seconds(await raw.prompt(prompt)))
+
+                    # back to back, the order turning each repetition: none always goes first
+                    turns = [daemon_turn, floor_turn, direct_turn]
+                    for turn in turns[rep % 3 :] + turns[: rep % 3]:
+                        await turn()
         finally:
             await raw.aclose()
         for _ in range(bench.sizes.reps):
@@ -716,8 +750,15 @@ async def first_chunks(bench: Bench) -> list[Result]:
             "direct_ms": median(theirs) * 1e3,
             "reps": len(ours),
         }
+        if key in floor:
+            details |= {"floor_ms": median(floor[key]) * 1e3, "over_floor": paired_ratio(ours, floor[key])}
         details |= {"daemon_all_ms": [x * 1e3 for x in ours], "direct_all_ms": [x * 1e3 for x in theirs]}
         results.append(judged(name, what + ", daemon / raw direct client", paired_ratio(ours, theirs), target, details))
+        if key in floor:
+            what = "the same through the floor relay (grpc.aio, no store, no checks) / raw direct client"
+            stack = Result(f"{name}_grpc_floor", what, paired_ratio(floor[key], theirs), "report", None)
+            stack.details = {"floor_ms": median(floor[key]) * 1e3, "direct_ms": median(theirs) * 1e3}
+            results.append(stack)
     return results
 
 

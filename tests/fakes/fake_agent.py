@@ -35,6 +35,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
+    ttft MS      wait MS ms before anything else the turn sends (a model's time to first token)
     usage        a usage_update (used 10 x the turns with `usage` in this process, size 1000, cost 0.25 USD
                  x those turns: cumulative per process) and the answer's usage (input 100, output 20,
                  cached read 5, total 125)
@@ -44,7 +45,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     child-readfile P, child-writefile P
                  the same, done by a child process of the agent (" child-readfile[P]=...")
     deaf         wait forever, ignoring session/cancel (only killing the process ends it)
-    sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang and pace at once:
+    sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang, ttft and pace at once:
                  stop reason "cancelled", no answer
     crash        one chunk "partial", then "fake agent crashing" on stderr and exit code 3
     bigline N    one agent_message_chunk of N bytes of "x"
@@ -269,6 +270,7 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
+        self.ttft_ms = number("ttft") or 0
         self.sleep_ms, self.hang, self.deaf = number("sleep"), word("hang"), word("deaf")
         self.bigline, self.stderr_bytes = number("bigline"), number("stderr") or 0
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
@@ -536,6 +538,8 @@ class FakeAgent:
     async def _perform(self, session: Session, script: Script) -> tuple[StopReason, str | None]:
         """Run the directives; return the stop reason and a suffix for the answer (None: no answer)."""
         sid, suffix = session.id, ""
+        if script.ttft_ms and await self._cancelled_within(session, script.ttft_ms):
+            return "cancelled", None
         if script.stderr_bytes:
             write_stderr_log(script.stderr_bytes)
         if script.garbage:

@@ -103,7 +103,8 @@ class AcpWorker:
         name = turn.agent or self._settings.default_agent
         record = None
         if turn.session_id:
-            record = await self._store.get_session(turn.session_id)
+            # live here: the record its last turn stored (this host alone writes it meanwhile)
+            record = self._pool.live_record(turn.session_id) or await self._store.get_session(turn.session_id)
             if record is None:
                 record = await self._store.find_session_by_provider_id(name, turn.session_id)
         if record is not None:

@@ -37,7 +37,7 @@ from rcoder.agent.connection import AgentConnection
 from rcoder.agent.launcher import AgentLauncher, Launched
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import ModelProvider
+from rcoder.domain import ModelProvider, SessionRecord
 from rcoder.errors import AgentError, AgentLimitReached, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
@@ -64,6 +64,9 @@ class _Slot:
     last_used: float = field(default_factory=time.monotonic)
     idle_timer: asyncio.TimerHandle | None = None
     task: asyncio.Task[None] | None = None  # the warm-up of a WARMING slot
+    # the LIVE session's record as its last turn stored it: this host alone writes it while the
+    # agent is live here (under its lease), so a live turn need not read it back (``live_record``)
+    record: SessionRecord | None = None
 
 
 class Checkout:
@@ -132,7 +135,7 @@ class AgentPool:
         if slot not in self._slots or slot.connection is None:
             raise ShuttingDown()  # the pool let go of it while it was opening (daemon closing)
         previous = self._live.get(session_id)
-        slot.state, slot.session_id, slot.busy = SlotState.LIVE, session_id, True
+        slot.state, slot.session_id, slot.busy, slot.record = SlotState.LIVE, session_id, True, None
         self._live[session_id] = slot  # first: the session keeps a live agent (and its lease)
         if previous is not None and previous is not slot:
             self._remove(previous)
@@ -188,7 +191,20 @@ class AgentPool:
             log.warning("agent_ended_lease_lost", session_id=session_id)
             self._remove(slot)
 
+    def remember(self, record: SessionRecord) -> None:
+        """The live session's record, as a turn just stored it."""
+        slot = self._live.get(record.session_id)
+        if slot is not None:
+            slot.record = record
+
     # ------------------------------------------------------------ reading
+
+    def live_record(self, session_id: str) -> SessionRecord | None:
+        """The record of a session live here, as its last turn stored it (None: read the store)."""
+        slot = self._live.get(session_id)
+        if slot is None or slot.connection is None or not slot.connection.alive:
+            return None
+        return slot.record
 
     def is_live(self, session_id: str) -> bool:
         slot = self._live.get(session_id)

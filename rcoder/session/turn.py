@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
 from typing import Any
@@ -412,6 +413,7 @@ class TurnRunner:
         elif body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
             # written only from this session's own agent answer
             await self._store.set_provider_session_id(plan.session_id, body.provider_session_id, now, lease=plan.lease)
+            plan.record = replace(plan.record, provider_session_id=body.provider_session_id, updated_at=now)
         await self._store.start_run(
             RunRecord(
                 run_id=plan.run_id,
@@ -425,6 +427,7 @@ class TurnRunner:
             ),
             lease=plan.lease,
         )
+        self._pool.remember(plan.record)  # the next live turn plans from it, no store read
 
     async def run_recorded(self, run_id: str) -> bool:
         return await self._store.get_run(run_id) is not None

@@ -89,6 +89,17 @@ def waiting_inserts(db: psycopg.Connection[Any]) -> list[int]:
     return [pid for (pid,) in rows]
 
 
+async def the_waiting_insert(db: psycopg.Connection[Any]) -> int:
+    """The backend whose INSERT INTO runs waits for the lock. The agent can answer before the
+    daemon's INSERT reaches the lock, and PostgreSQL signals no lock wait: its view is polled,
+    bounded by WAIT."""
+    async with asyncio.timeout(WAIT):
+        while not (pids := waiting_inserts(db)):  # noqa: ASYNC110 (no event to wait on: see above)
+            await asyncio.sleep(0.01)
+    (pid,) = pids
+    return pid
+
+
 async def test_the_agent_works_on_a_prompt_while_its_start_is_stored_and_the_stream_still_opens_with_started(
     make_daemon: DaemonFactory, pg_url: str, tmp_path: Path
 ) -> None:
@@ -122,7 +133,7 @@ async def test_a_start_the_store_refuses_ends_the_agent_that_already_has_the_pro
     send = partial(client.chat_error, session_id=session_id)
     with psycopg.connect(pg_url, autocommit=True) as admin:
         async with start_held_while_the_agent_answers(pg_url, fifo, send) as (db, turn):
-            (pid,) = waiting_inserts(db)
+            pid = await the_waiting_insert(db)
             assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
             error = await asyncio.wait_for(turn, WAIT)
 

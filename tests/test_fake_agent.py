@@ -214,3 +214,20 @@ async def test_session_list_is_refused_unless_advertised_and_fails_when_told(
             await agent.conn.list_sessions(cwd=str(tmp_path))
 
     assert caught.value.code == code
+
+
+async def test_ttft_waits_before_the_turns_first_chunk_and_a_cancel_ends_the_wait(tmp_path: Path) -> None:
+    fifo = tmp_path / "heard"
+    os.mkfifo(fifo)
+    reading = asyncio.get_running_loop().run_in_executor(None, fifo.read_text)
+    async with fake_agent(tmp_path) as agent, asyncio.timeout(WAIT):
+        session_id = (await agent.conn.new_session(cwd=str(tmp_path), mcp_servers=[])).session_id
+        # the file is written first thing in the turn; then a minute's wait before the first chunk
+        script = f"writefile {fifo} ttft 60000 stream 2"
+        turn = asyncio.create_task(agent.conn.prompt(session_id=session_id, prompt=[text_block(script)]))
+        assert await reading == "written by the fake agent\n"
+        await agent.conn.cancel(session_id=session_id)
+        response = await turn
+
+    assert response.stop_reason == "cancelled"
+    assert agent.client.texts(AgentMessageChunk) == []

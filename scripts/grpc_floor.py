@@ -25,10 +25,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rcoder.v1 import agent_runner_pb2 as pb
-from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
 LINE_LIMIT = 64 * 1024 * 1024
 PROTOCOL_VERSION = 1
+SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"].full_name
 
 
 class RawAgent:
@@ -73,7 +73,9 @@ class RawAgent:
         raise RuntimeError(f"the agent closed its output during {method}")
 
 
-class FloorRelay(pb_grpc.AgentRunnerServicer):
+class FloorRelay:
+    """``AgentRunner.Chat``, and nothing else of the service."""
+
     def __init__(self, agent: RawAgent) -> None:
         self._agent = agent
         self._runs = itertools.count(1)
@@ -100,7 +102,12 @@ class FloorRelay(pb_grpc.AgentRunnerServicer):
 async def serve(cwd: str, argv: list[str]) -> None:
     agent = await RawAgent.start(argv, cwd)
     server = grpc.aio.server()
-    pb_grpc.add_AgentRunnerServicer_to_server(FloorRelay(agent), server)
+    chat = grpc.unary_stream_rpc_method_handler(
+        FloorRelay(agent).Chat,
+        request_deserializer=pb.ChatRequest.FromString,
+        response_serializer=pb.ChatStream.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Chat": chat}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"port {port}", flush=True)

@@ -88,7 +88,7 @@ class Result:
         value = f"{self.ratio:.3f}" if self.ratio is not None else "-"
         verdict = ("PASS" if self.ok else "FAIL") if gate and self.ok is not None else "----"
         extra = " ".join(f"{k}={_short(v)}" for k, v in self.details.items() if not isinstance(v, list | dict))
-        return f"{verdict}  {self.name:<28} ratio {value:>7}  target {self.target:<8}  {extra}"
+        return f"{verdict}  {self.name:<34} ratio {value:>7}  target {self.target:<8}  {extra}"
 
 
 def _short(value: Any) -> str:
@@ -786,17 +786,23 @@ async def startup_and_added_latency(bench: Bench) -> list[Result]:
             await daemon.kill()
     ours: list[float] = []
     theirs: list[float] = []
-    async with live_pair(bench) as (stub, sid, direct):
+    floor: list[float] = []
+    async with live_pair(bench) as (stub, sid, direct), bench.floor_relay() as relay:
+        await chat(relay, "hello")
         for _ in range(max(bench.sizes.reps * 3, 1)):
             theirs.append(await timed(lambda: direct.prompt("hello")))
             ours.append((await chat(stub, "hello", sid)).total)
+            floor.append((await chat(relay, "hello")).total)
     start = Result("daemon_start_to_serving", "daemon spawn to the serving log line", None, "report", None)
     start.details = {"median_ms": median(starts) * 1e3, "all_ms": [s * 1e3 for s in starts]}
     added_ms = (median(ours) - median(theirs)) * 1e3
     what = "live turn streaming nothing: daemon - direct SDK client, in ms (not a ratio)"
     latency = judged("live_turn_added_latency", what, added_ms, "<= 1.0", {})
     latency.details = {"added_ms": added_ms, "daemon_ms": median(ours) * 1e3, "direct_ms": median(theirs) * 1e3}
-    return [start, latency]
+    what = "the same through the floor relay (grpc.aio, no store, no checks): floor - direct, in ms"
+    stack = Result("live_turn_added_latency_grpc_floor", what, (median(floor) - median(theirs)) * 1e3, "report", None)
+    stack.details = {"floor_ms": median(floor) * 1e3, "direct_ms": median(theirs) * 1e3}
+    return [start, latency, stack]
 
 
 # --------------------------------------------------------------------------- main

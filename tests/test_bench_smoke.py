@@ -30,6 +30,7 @@ MEASURES = {
     "memory_per_session",
     "daemon_start_to_serving",
     "live_turn_added_latency",
+    "live_turn_added_latency_grpc_floor",
 }
 
 

@@ -53,6 +53,8 @@ class Hosts:
     store_url: str
     top: dict[str, Any] = field(default_factory=dict)
     by_name: dict[str, Host] = field(default_factory=dict)
+    # the clients' credentials when the hosts serve TLS (None: plaintext)
+    credentials: grpc.ChannelCredentials | None = None
 
     def __getitem__(self, name: str) -> Host:
         return self.by_name[name]
@@ -73,7 +75,12 @@ class Hosts:
             }
             config = write_config(self.root / f"rcoder-{name}.toml", {"fake": self.fake.profile()}, **settings)
             daemon = await Daemon(config).start()
-            host = Host(name, daemon, Client(daemon.channel()))
+            channel = (
+                daemon.channel()
+                if self.credentials is None
+                else grpc.aio.secure_channel(daemon.address, self.credentials)
+            )
+            host = Host(name, daemon, Client(channel))
             self.by_name[name] = host
             return host
 
@@ -92,10 +99,13 @@ AUTH_MD = (("authorization", f"Bearer {AUTH}"),)
 
 
 @contextlib.asynccontextmanager
-async def hosts_on(pg_cluster: PgCluster, root: Path, **top: Any) -> AsyncIterator[Hosts]:
-    """Hosts on a fresh schema of the test cluster; all stopped (and no agent left) at the end."""
+async def hosts_on(
+    pg_cluster: PgCluster, root: Path, credentials: grpc.ChannelCredentials | None = None, **top: Any
+) -> AsyncIterator[Hosts]:
+    """Hosts on a fresh schema of the test cluster; all stopped (and no agent left) at the end.
+    ``credentials``: what the clients dial with, when ``top`` makes the hosts serve TLS."""
     fake = FakeAgentSetup(root)
-    hosts = Hosts(root, fake, pg_cluster.create_schema(), dict(top))
+    hosts = Hosts(root, fake, pg_cluster.create_schema(), dict(top), credentials=credentials)
     try:
         yield hosts
     finally:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
+from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.harness import completed, started, text_of
 from tests.multihost.conftest import AUTH_MD, OWNER_KEY, Hosts, chat, first_events
+from tests.test_access import make_certificate
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -140,3 +143,28 @@ async def test_two_daemons_on_one_machine_with_no_host_id_are_two_hosts(
         assert started(second).resume == pb.RESUME_OUTCOME_LIVE, started(second)
         assert text_of(second) == "I remember: 7"
         assert trailer[OWNER_KEY] == a.address, "forwarded to the daemon that owns the session"
+
+
+async def test_hosts_serving_tls_forward_to_each_other_over_tls_and_refuse_plaintext(
+    make_hosts: Callable[..., contextlib.AbstractAsyncContextManager[Hosts]], tmp_path: Path
+) -> None:
+    """Every host presents one certificate (tls_cert, tls_key) and trusts it when it dials
+    another host: a turn sent to a host that does not own the session reaches the owner."""
+    cert, key = await asyncio.to_thread(make_certificate, tmp_path)
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    async with make_hosts(credentials=credentials, tls_cert=str(cert), tls_key=str(key)) as hosts:
+        a, b = await hosts.start("a", "b")
+        first, _ = await chat(a, prompt="remember 5")
+        second, trailer = await chat(b, prompt="what number?", session_id=first[0].session_id)
+
+        assert started(second).resume == pb.RESUME_OUTCOME_LIVE, started(second)
+        assert text_of(second) == "I remember: 5"
+        assert trailer[OWNER_KEY] == a.address, "forwarded to the owner, over TLS"
+        assert await a.daemon.wait_log("run_started", resume="live", session_id=first[0].session_id)
+        assert not b.daemon.logs("run_started"), "b ran a turn of a's session"
+
+        # what another host's forwarder would meet without TLS: refused at the connection
+        async with grpc.aio.insecure_channel(a.address) as plain:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await pb_grpc.AgentRunnerStub(plain).ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

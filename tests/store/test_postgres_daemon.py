@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import psycopg
@@ -50,7 +51,6 @@ async def test_a_session_kept_in_postgresql_resumes_on_a_restarted_daemon_with_a
 # ---------------------------------------------------------------- the prompt goes out before the start is stored
 
 WAIT = 30.0
-T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -67,37 +67,50 @@ def heard(fifo: Path) -> Iterator[asyncio.Future[str]]:
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
+# the advisory lock a test holds while a trigger makes the daemon's next INSERT INTO runs wait for it
+HOLD_KEY = 815_015
+
+
+@dataclass
+class HeldStart:
+    """A turn whose start the store holds (``start_held_while_the_agent_answers``)."""
+
+    db: psycopg.Connection[Any]
+    turn: asyncio.Task[Any]
+    held: bool = True
+
+    def let_go(self) -> None:
+        """The held INSERT goes on: it lands, or with ``refuse`` fails (idempotent)."""
+        if self.held:
+            self.held = False
+            self.db.execute("SELECT pg_advisory_unlock(%s)", (HOLD_KEY,))
+
+
 @contextlib.asynccontextmanager
 async def start_held_while_the_agent_answers(
-    pg_url: str, fifo: Path, chat: Callable[..., Coroutine[Any, Any, T]]
-) -> AsyncIterator[tuple[psycopg.Connection[Any], asyncio.Task[T]]]:
-    """The ``runs`` table locked (the next run's INSERT waits for this transaction) while
-    ``chat(prompt=...)`` sends a turn that streams three chunks and then writes to ``fifo``: yields once the
-    agent has written, the lock still held; the lock goes on the way out."""
-    with psycopg.connect(pg_url) as db, heard(fifo) as reading:
-        db.execute("LOCK TABLE runs IN EXCLUSIVE MODE")
-        turn = asyncio.create_task(chat(prompt=f"stream 3 writefile {fifo}"))
-        assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
-        yield db, turn
-        db.rollback()
-
-
-def waiting_inserts(db: psycopg.Connection[Any]) -> list[int]:
-    rows = db.execute(
-        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query ILIKE '%INSERT INTO runs%'"
-    ).fetchall()
-    return [pid for (pid,) in rows]
-
-
-async def the_waiting_insert(db: psycopg.Connection[Any]) -> int:
-    """The backend whose INSERT INTO runs waits for the lock. The agent can answer before the
-    daemon's INSERT reaches the lock, and PostgreSQL signals no lock wait: its view is polled,
-    bounded by WAIT."""
-    async with asyncio.timeout(WAIT):
-        while not (pids := waiting_inserts(db)):  # noqa: ASYNC110 (no event to wait on: see above)
-            await asyncio.sleep(0.01)
-    (pid,) = pids
-    return pid
+    pg_url: str, fifo: Path, chat: Callable[..., Coroutine[Any, Any, Any]], refuse: bool = False
+) -> AsyncIterator[HeldStart]:
+    """A trigger holds the daemon's next INSERT INTO runs until ``let_go`` (and with ``refuse``
+    then fails it), whenever that INSERT comes, while ``chat(prompt=...)`` sends a turn that
+    streams three chunks and then writes to ``fifo``. Yields once the agent has written; on the
+    way out the INSERT is let go and the trigger dropped (after the INSERT ends)."""
+    then = "RAISE EXCEPTION 'refused by the test'" if refuse else "RETURN NEW"
+    with psycopg.connect(pg_url, autocommit=True) as db, heard(fifo) as reading:
+        db.execute("SELECT pg_advisory_lock(%s)", (HOLD_KEY,))
+        db.execute(
+            "CREATE FUNCTION held_run() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"PERFORM pg_advisory_lock_shared({HOLD_KEY}); PERFORM pg_advisory_unlock_shared({HOLD_KEY}); "
+            f"{then}; END $$"
+        )
+        db.execute("CREATE TRIGGER held_run BEFORE INSERT ON runs FOR EACH ROW EXECUTE FUNCTION held_run()")
+        held = HeldStart(db, asyncio.create_task(chat(prompt=f"stream 3 writefile {fifo}")))
+        try:
+            assert await asyncio.wait_for(asyncio.shield(reading), WAIT) == "written by the fake agent\n"
+            yield held
+        finally:
+            held.let_go()
+            db.execute("DROP TRIGGER held_run ON runs")
+            db.execute("DROP FUNCTION held_run()")
 
 
 async def test_the_agent_works_on_a_prompt_while_its_start_is_stored_and_the_stream_still_opens_with_started(
@@ -108,10 +121,10 @@ async def test_the_agent_works_on_a_prompt_while_its_start_is_stored_and_the_str
     fifo = tmp_path / "workspace" / "proj" / "heard"
 
     send = partial(client.chat, session_id=session_id)
-    async with start_held_while_the_agent_answers(pg_url, fifo, send) as (_, turn):
+    async with start_held_while_the_agent_answers(pg_url, fifo, send) as held:
         # the agent streamed its three chunks and reached the file while the run was not yet stored
-        assert not turn.done()
-    events = await asyncio.wait_for(turn, WAIT)
+        assert not held.turn.done()
+    events = await asyncio.wait_for(held.turn, WAIT)
 
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "started" and kinds[-1] == "completed", kinds
@@ -131,11 +144,10 @@ async def test_a_start_the_store_refuses_ends_the_agent_that_already_has_the_pro
     fifo = tmp_path / "workspace" / "proj" / "heard"
 
     send = partial(client.chat_error, session_id=session_id)
-    with psycopg.connect(pg_url, autocommit=True) as admin:
-        async with start_held_while_the_agent_answers(pg_url, fifo, send) as (db, turn):
-            pid = await the_waiting_insert(db)
-            assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
-            error = await asyncio.wait_for(turn, WAIT)
+    async with start_held_while_the_agent_answers(pg_url, fifo, send, refuse=True) as held:
+        assert not held.turn.done()
+        held.let_go()  # the daemon's INSERT fails, whether it was waiting already or comes later
+        error = await asyncio.wait_for(held.turn, WAIT)
 
     assert error.code() == grpc.StatusCode.UNAVAILABLE, error
     # the agent heard a turn the store does not hold: it is not the session's live agent any more

@@ -700,31 +700,25 @@ async def first_chunks(bench: Bench) -> list[Result]:
     pace = bench.sizes.pace_ms
     # paced: the agent thinks ``pace`` ms before its first chunk too (a model's time to first token)
     quick, paced = "stream 3", f"ttft {pace} stream 20 pace {pace}"
-    times: dict[str, tuple[list[float], list[float]]] = {"live": ([], []), "paced": ([], []), "cold": ([], [])}
-    floor: dict[str, list[float]] = {"live": [], "paced": []}
+    # seconds to the first chunk, by line, then by side: rcoder, the floor relay, the direct client
+    times: dict[str, dict[str, list[float]]] = {key: {"daemon": [], "floor": [], "direct": []} for key in LINES}
     async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (_, stub), bench.floor_relay() as relay:
         sid = (await chat(stub, quick)).session_id
         await chat(relay, quick)
         raw = await bench.raw()
+        sides: dict[str, Callable[[str], Awaitable[float]]] = {
+            "daemon": lambda prompt: _first_chunk(chat(stub, prompt, sid)),
+            "floor": lambda prompt: _first_chunk(chat(relay, prompt)),
+            "direct": lambda prompt: _seconds(raw.prompt(prompt)),
+        }
+        order = list(sides)
         try:
             await raw.prompt(quick)
             for rep in range(bench.sizes.reps * LIVE_PER_COLD):
                 for key, prompt in (("live", quick), ("paced", paced)):
-                    ours, theirs = times[key]
-
-                    async def daemon_turn(into: list[float] = ours, prompt: str = prompt) -> None:
-                        into.append(_first_chunk(await chat(stub, prompt, sid)))
-
-                    async def floor_turn(into: list[float] = floor[key], prompt: str = prompt) -> None:
-                        into.append(_first_chunk(await chat(relay, prompt)))
-
-                    async def direct_turn(into: list[float] = theirs, prompt: str = prompt) -> None:
-                        into.append(_seconds(await raw.prompt(prompt)))
-
                     # back to back, the order turning each repetition: none always goes first
-                    turns = [daemon_turn, floor_turn, direct_turn]
-                    for turn in turns[rep % 3 :] + turns[: rep % 3]:
-                        await turn()
+                    for side in order[rep % 3 :] + order[: rep % 3]:
+                        times[key][side].append(await sides[side](prompt))
         finally:
             await raw.aclose()
         for _ in range(bench.sizes.reps):
@@ -733,40 +727,48 @@ async def first_chunks(bench: Bench) -> list[Result]:
             try:
                 await cold_raw.prompt("hello")
             finally:
-                times["cold"][1].append(time.perf_counter() - began)
+                times["cold"]["direct"].append(time.perf_counter() - began)
                 await cold_raw.aclose()
             cold = await chat(stub, "hello")
-            times["cold"][0].append(cold.total)
+            times["cold"]["daemon"].append(cold.total)
             await close_session(stub, cold.session_id)
     results = []
-    for key, name, target, what in (
-        ("live", "first_chunk_live", "<= 2.0", f"time to first text chunk, live session, {quick!r}"),
-        ("paced", "first_chunk_paced", "<= 1.2", f"time to first text chunk, live session, {paced!r}"),
-        ("cold", "cold_first_turn", "<= 1.2", "spawn to the end of a short first turn ('hello')"),
-    ):
-        ours, theirs = times[key]
+    for key, (name, target, what) in LINES.items():
+        what = what.format(quick=quick, paced=paced)
+        ours, floor, theirs = times[key]["daemon"], times[key]["floor"], times[key]["direct"]
         details: dict[str, Any] = {
             "daemon_ms": median(ours) * 1e3,
             "direct_ms": median(theirs) * 1e3,
             "reps": len(ours),
         }
-        if key in floor:
-            details |= {"floor_ms": median(floor[key]) * 1e3, "over_floor": paired_ratio(ours, floor[key])}
+        if floor:
+            details |= {"floor_ms": median(floor) * 1e3, "over_floor": paired_ratio(ours, floor)}
         details |= {"daemon_all_ms": [x * 1e3 for x in ours], "direct_all_ms": [x * 1e3 for x in theirs]}
         results.append(judged(name, what + ", daemon / raw direct client", paired_ratio(ours, theirs), target, details))
-        if key in floor:
+        if floor:
             what = "the same through the floor relay (grpc.aio, no store, no checks) / raw direct client"
-            stack = Result(f"{name}_grpc_floor", what, paired_ratio(floor[key], theirs), "report", None)
-            stack.details = {"floor_ms": median(floor[key]) * 1e3, "direct_ms": median(theirs) * 1e3}
+            stack = Result(f"{name}_grpc_floor", what, paired_ratio(floor, theirs), "report", None)
+            stack.details = {"floor_ms": median(floor) * 1e3, "direct_ms": median(theirs) * 1e3}
             results.append(stack)
     return results
 
 
-def _first_chunk(turn: Turn) -> float:
-    return _seconds(turn.first_chunk)
+LINES = {  # the first_chunks lines: name, target, what ({quick} and {paced}: the prompts)
+    "live": ("first_chunk_live", "<= 2.0", "time to first text chunk, live session, {quick!r}"),
+    "paced": ("first_chunk_paced", "<= 1.2", "time to first text chunk, live session, {paced!r}"),
+    "cold": ("cold_first_turn", "<= 1.2", "spawn to the end of a short first turn ('hello')"),
+}
 
 
-def _seconds(value: float | None) -> float:
+async def _first_chunk(turn: Awaitable[Turn]) -> float:
+    return _seconds_of((await turn).first_chunk)
+
+
+async def _seconds(value: Awaitable[float | None]) -> float:
+    return _seconds_of(await value)
+
+
+def _seconds_of(value: float | None) -> float:
     if value is None:
         raise RuntimeError("the turn streamed no text")
     return value

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_multihost import multihost  # noqa: E402  (beside this script)
+from grpc_floor import RawAgent  # noqa: E402
 
 from rcoder.config import builtin_profiles  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
@@ -186,61 +187,20 @@ class DirectAgent:
         await _kill_group(self.proc)
 
 
-class RawDirect:
+class RawDirect(RawAgent):
     """The fastest direct client: raw JSON-RPC lines over the agent's pipes, its stdout read
-    through a buffer (``StreamReader.readline``), no SDK on our side. What rcoder's start of a
-    turn is held against."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self._ids = 0
-        self.session_id = ""
-
-    @classmethod
-    async def start(cls, argv: list[str], cwd: Path) -> RawDirect:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=str(cwd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, limit=LINE_LIMIT, start_new_session=True,
-        )  # fmt: skip
-        agent = cls(proc)
-        try:
-            await agent.call("initialize", {"protocolVersion": acp.PROTOCOL_VERSION, "clientCapabilities": {}})
-            result, _ = await agent.call("session/new", {"cwd": str(cwd), "mcpServers": []})
-            agent.session_id = result["sessionId"]
-        except BaseException:
-            await _kill_group(proc)
-            raise
-        return agent
-
-    async def call(self, method: str, params: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
-        """Send a request; its result and when the first agent text chunk came (perf_counter)."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._ids += 1
-        ident = self._ids
-        line = {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
-        self.proc.stdin.write(json.dumps(line).encode() + b"\n")
-        await self.proc.stdin.drain()
-        first_chunk = None
-        while raw := await self.proc.stdout.readline():
-            message = json.loads(raw)
-            if message.get("method") == "session/update" and first_chunk is None:
-                if message["params"]["update"].get("sessionUpdate") == "agent_message_chunk":
-                    first_chunk = time.perf_counter()
-            elif message.get("id") == ident and "method" not in message:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message["result"], first_chunk
-        raise RuntimeError(f"the agent closed its output during {method}")
+    through a buffer, no SDK on our side. What rcoder's start of a turn is held against."""
 
     async def prompt(self, text: str) -> float | None:
         """One turn; seconds from sending the prompt to its first text chunk."""
         sent = time.perf_counter()
-        prompt = [{"type": "text", "text": text}]
-        _, first = await self.call("session/prompt", {"sessionId": self.session_id, "prompt": prompt})
-        return None if first is None else first - sent
-
-    async def aclose(self) -> None:
-        await _kill_group(self.proc)
+        first_chunk = None
+        params = {"sessionId": self.session_id, "prompt": [{"type": "text", "text": text}]}
+        async for message in self.replies(self.send("session/prompt", params), "session/prompt"):
+            update = message.get("params", {}).get("update", {}) if message.get("method") == "session/update" else {}
+            if first_chunk is None and update.get("sessionUpdate") == "agent_message_chunk":
+                first_chunk = time.perf_counter()
+        return None if first_chunk is None else first_chunk - sent
 
 
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -317,7 +277,7 @@ class Bench:
         return await DirectAgent.start(self.agent_argv, self.workspace / "proj")
 
     async def raw(self) -> RawDirect:
-        return await RawDirect.start(self.agent_argv, self.workspace / "proj")
+        return await RawDirect.start(self.agent_argv, str(self.workspace / "proj"), own_group=True)
 
     @contextlib.asynccontextmanager
     async def floor_relay(self) -> AsyncIterator[pb_grpc.AgentRunnerStub]:

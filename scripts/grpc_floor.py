@@ -13,12 +13,15 @@ cost on the machine at hand. Not a daemon: one caller at a time, for the benchma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -32,27 +35,47 @@ SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"].full_name
 
 
 class RawAgent:
-    """One ACP agent over its pipes, JSON lines written and read by hand."""
+    """One ACP agent over its pipes, JSON lines written and read by hand (its stdout read through
+    a buffer, ``StreamReader.readline``). The bench's direct client is one too (``RawDirect``)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, own_group: bool) -> None:
         assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self._own_group = own_group
         self._stdin, self._stdout = proc.stdin, proc.stdout
         self._ids = itertools.count(1)
         self.session_id = ""
 
     @classmethod
-    async def start(cls, argv: list[str], cwd: str) -> RawAgent:
+    async def start(cls, argv: list[str], cwd: str, own_group: bool = False) -> Self:
+        """The agent started, initialized and with a session open (``own_group``: in a process
+        group of its own, which ``aclose`` ends)."""
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=cwd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, limit=LINE_LIMIT,
+            stderr=asyncio.subprocess.DEVNULL, limit=LINE_LIMIT, start_new_session=own_group,
         )  # fmt: skip
-        agent = cls(proc)
-        init = {"protocolVersion": PROTOCOL_VERSION, "clientCapabilities": {}}
-        async for _ in agent.replies(agent.send("initialize", init), "initialize"):
-            pass
-        async for message in agent.replies(agent.send("session/new", {"cwd": cwd, "mcpServers": []}), "session/new"):
-            agent.session_id = message["result"]["sessionId"]
+        agent = cls(proc, own_group)
+        try:
+            init = {"protocolVersion": PROTOCOL_VERSION, "clientCapabilities": {}}
+            async for _ in agent.replies(agent.send("initialize", init), "initialize"):
+                pass
+            new = {"cwd": cwd, "mcpServers": []}
+            async for message in agent.replies(agent.send("session/new", new), "session/new"):
+                agent.session_id = message["result"]["sessionId"]
+        except BaseException:
+            await agent.aclose()
+            raise
         return agent
+
+    async def aclose(self) -> None:
+        """SIGKILL the agent (its whole group when it has one of its own) and reap it, bounded."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self._own_group:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                self.proc.kill()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.proc.wait(), 10)
 
     def send(self, method: str, params: dict[str, Any]) -> int:
         """Write a request (the pipe takes it at once); its id."""

@@ -201,14 +201,15 @@ class AgentPool:
 
     def live_record(self, session_id: str) -> SessionRecord | None:
         """The record of a session live here, as its last turn stored it (None: read the store)."""
-        slot = self._live.get(session_id)
-        if slot is None or slot.connection is None or not slot.connection.alive:
-            return None
-        return slot.record
+        slot = self._alive(session_id)
+        return slot.record if slot is not None else None
 
     def is_live(self, session_id: str) -> bool:
+        return self._alive(session_id) is not None
+
+    def _alive(self, session_id: str) -> _Slot | None:
         slot = self._live.get(session_id)
-        return slot is not None and slot.connection is not None and slot.connection.alive
+        return slot if slot is not None and slot.connection is not None and slot.connection.alive else None
 
     def live_count(self, profile: str | None = None) -> int:
         return sum(live for name, (live, _) in self.counts.items() if profile in (None, name))

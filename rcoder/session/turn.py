@@ -15,17 +15,30 @@ so a client that has seen ``started`` can still rely on the run being in the
 store, and the stream still begins with it. A start the store refuses ends the
 prompt and the agent, which heard a turn the store never held.
 
-``cancel`` reaches a turn in any phase. While its agent is being started or
-its session opened (spawn, ``initialize``, a deferred load, a replay), that
-work is cancelled, which ends the agent's process group, and the run is
-recorded as started-then-cancelled (``RESUME_OUTCOME_NOT_OPENED``). Once the
-prompt is with the agent, ``session/cancel`` goes to it and its group is
-ended after ``cancel_grace``. Either way the turn ends ``CANCELLED``.
+``cancel`` reaches a turn in any phase (``Phase``), from the claim on: the
+scope is registered when the worker starts the turn's task, not when the task
+first runs. Where a turn stands is one value, which only moves forward, and
+each step that begins work (opening the session, sending the prompt) first
+looks for a cancel, so a cancel between steps stops the next one:
+
+- claimed, its task not yet begun: the session is never opened;
+- opening (spawn, ``initialize``, a deferred load, a replay): that work is
+  cancelled, which ends the agent's process group;
+- opened, the prompt not yet sent: the prompt is never sent (a live agent
+  stays live and idle, having heard nothing of this turn);
+- prompting: ``session/cancel`` goes to the agent, and its group is ended
+  after ``cancel_grace``;
+- ended (how it ended is decided): too late, the cancel is refused.
+
+A turn cancelled before its session opened is recorded as started-then-
+cancelled (``RESUME_OUTCOME_NOT_OPENED``). Every cancel accepted ends the turn
+``CANCELLED``, even one the agent answers with ``end_turn``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
@@ -72,6 +85,20 @@ END_RETRY_FOR = 60.0
 Spawn = Callable[[Coroutine[Any, Any, None], str], None]
 
 
+class Phase(enum.Enum):
+    """Where a turn stands; it only moves forward (``TurnScope._enter``). What a cancel does
+    in each is in ``TurnScope.cancel`` and the module docstring."""
+
+    CLAIMED = "claimed"  # registered, its task not yet begun
+    OPENING = "opening"  # its agent starting, its session opening (``TurnScope._opening``)
+    OPENED = "opened"  # the session is open, the prompt not yet sent
+    PROMPTING = "prompting"  # the prompt is with the agent
+    ENDED = "ended"  # how it ended is decided: a cancel from now on is too late
+
+
+_ORDER = {phase: i for i, phase in enumerate(Phase)}
+
+
 class TurnScope:
     """A claimed turn from its first step to ``completed`` (see the module docstring)."""
 
@@ -80,14 +107,12 @@ class TurnScope:
         self.plan = plan
         self.run = run
         self._ready = ready
-        self.phase = "waiting to start its agent"
+        self.phase = Phase.CLAIMED
         self.cancel_requested = False
-        self.judged = False  # how it ended is decided: a cancel from now on is too late
-        self._opening: asyncio.Task[Opened] | None = None
+        self._opening: asyncio.Task[Opened] | None = None  # the work of ``Phase.OPENING``
         self._start_recording = False  # the start was handed to the store (it may have landed)
         self.body: RunStarted | None = None  # the started event, once known
         self.published = False  # started is out
-        self.prompt_sent = False  # the agent has this turn's prompt
         self._early: list[AgentEvent] = []  # what the agent sent before started was out
         self.conn: AgentConnection | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
@@ -100,6 +125,14 @@ class TurnScope:
         self.usage: Usage | None = None  # what the agent reported the turn cost
 
     # ------------------------------------------------------------ phases
+
+    def _enter(self, phase: Phase) -> None:
+        """The one place the phase changes. Work begins only here, so a cancel asked before it
+        stops it: ``RunCancelled`` instead of opening the session or sending the prompt."""
+        assert _ORDER[phase] > _ORDER[self.phase], (self.phase, phase)
+        if self.cancel_requested and phase in (Phase.OPENING, Phase.PROMPTING):
+            raise RunCancelled(self.run.run_id, f"{self.phase.value}, before {phase.value}")
+        self.phase = phase
 
     async def open(self, opener: SessionOpener) -> Opened:
         """Open the session in a task of its own, so that ``cancel`` can stop just that (a live
@@ -118,23 +151,28 @@ class TurnScope:
         return opened
 
     async def _open(self, opener: SessionOpener) -> Opened:
-        opened = opener.live(self.plan)
-        if opened is not None:
-            self.conn = opened.connection
-            return opened
-        self.phase = "its agent was starting"
-        self._opening = asyncio.get_running_loop().create_task(opener.open(self.plan), name=f"open-{self.run.run_id}")
-        try:
-            opened = await self._opening
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self.cancel_requested and current is not None and not current.cancelling():
-                raise RunCancelled(self.run.run_id, self.phase) from None
-            raise
-        finally:
-            self._opening = None
+        self._enter(Phase.OPENING)
+        opened = opener.live(self.plan)  # taken at once, no await: nothing to cancel meanwhile
+        if opened is None:
+            self._opening = asyncio.get_running_loop().create_task(
+                opener.open(self.plan), name=f"open-{self.run.run_id}"
+            )
+            try:
+                opened = await self._opening
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if self.cancel_requested and current is not None and not current.cancelling():
+                    raise RunCancelled(self.run.run_id, "its session was opening") from None
+                raise
+            finally:
+                self._opening = None
         self.conn = opened.connection
+        self._enter(Phase.OPENED)  # a cancel that came as it opened stops the prompt (``prompting``)
         return opened
+
+    def prompting(self) -> None:
+        """The prompt goes out now (``RunCancelled`` if a cancel came first: it never does)."""
+        self._enter(Phase.PROMPTING)
 
     async def start(self, body: RunStarted) -> None:
         """Record the run (and a new session) in the store, then publish ``started``."""
@@ -149,14 +187,17 @@ class TurnScope:
         """Ask the turn to stop, whatever its phase. Asking twice is asking once."""
         if self.cancel_requested:
             return True
-        if self.judged:
+        if self.phase is Phase.ENDED:
             return False
         self.cancel_requested = True
-        log.info("run_cancel_requested", run_id=self.run.run_id, phase=self.phase)
-        if self._opening is not None:
-            self._opening.cancel()
-        elif self.conn is not None and self.phase == "prompting":
-            self._runner.ask_agent_to_stop(self)
+        log.info("run_cancel_requested", run_id=self.run.run_id, phase=self.phase.value)
+        match self.phase:
+            case Phase.OPENING if self._opening is not None:
+                self._opening.cancel()
+            case Phase.PROMPTING:
+                self._runner.ask_agent_to_stop(self)
+            case _:  # claimed, opened (or a live agent being taken): the next step is never taken
+                pass
         return True
 
     def deliver(self, event: AgentEvent) -> None:
@@ -187,11 +228,13 @@ class TurnScope:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         stopping = isinstance(exc, asyncio.CancelledError)  # rcoder is shutting down
+        heard = self.phase is Phase.PROMPTING  # the agent has this turn's prompt
+        if self.phase is not Phase.ENDED:
+            self._enter(Phase.ENDED)
         try:
             if not self.published and not await self._started_anyway(exc):
-                self._refuse(exc)
+                self._refuse(exc, heard)
                 return not stopping
-            self.judged = True
             self._judge(exc)
             await self._runner.finish(self)
         finally:
@@ -213,7 +256,7 @@ class TurnScope:
             try:
                 await self._runner.record_start(self.plan, self.body)
             except (StoreError, LeaseLost) as store_exc:
-                self._refuse(store_exc)
+                self._refuse(store_exc, heard=False)
                 return False
             self._publish_started()
             return True
@@ -227,7 +270,7 @@ class TurnScope:
             self._publish_started()
         return landed
 
-    def _refuse(self, exc: BaseException | None) -> None:
+    def _refuse(self, exc: BaseException | None, heard: bool) -> None:
         """Before ``started``: the caller of ``Chat`` gets the error as a gRPC status."""
         if isinstance(exc, RcoderError):
             error: RcoderError = exc
@@ -238,7 +281,7 @@ class TurnScope:
             error = Internal(exc if exc is not None else RuntimeError("the turn ended without starting"))
         if not self._ready.done():
             self._ready.set_exception(error)
-        self._runner.refused(self)
+        self._runner.refused(self, heard)
 
     def _judge(self, exc: BaseException | None) -> None:
         """How a started turn ended, from what its body set and what it raised."""
@@ -312,10 +355,20 @@ class TurnRunner:
         scope = self._scopes.get(run_id)
         return scope is not None and scope.cancel()
 
-    async def run(self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run]) -> None:
-        """The turn, start to end (the task the worker starts for each claimed turn)."""
-        bind_context(run_id=plan.run_id, session_id=plan.session_id, project_id=plan.turn.project_id)
+    def phase(self, run_id: str) -> Phase | None:
+        """Where the claimed turn stands (None: not running here)."""
+        scope = self._scopes.get(run_id)
+        return scope.phase if scope is not None else None
+
+    def run(self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run]) -> Coroutine[Any, Any, None]:
+        """The turn, start to end, for the task the worker starts for each claimed turn. The turn
+        is registered now, so a cancel reaches it before that task first runs."""
         scope = self._scopes[run.run_id] = TurnScope(self, plan, run, ready)
+        return self._run(scope)
+
+    async def _run(self, scope: TurnScope) -> None:
+        plan, run = scope.plan, scope.run
+        bind_context(run_id=plan.run_id, session_id=plan.session_id, project_id=plan.turn.project_id)
         async with scope:
             opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
@@ -329,6 +382,8 @@ class TurnRunner:
                 # the start was not recorded: the prompt ends here, its agent in ``refused``
                 prompting.cancel()
                 await asyncio.shield(asyncio.wait({prompting}, timeout=self._settings.cancel_grace))
+                if prompting.done() and not prompting.cancelled():
+                    prompting.exception()  # seen (a cancel that kept the prompt back): the start's error is told
                 raise
             # noted on the loop's next pass, after started reaches its followers (the log line
             # alone costs as long as the agent's first reply)
@@ -357,7 +412,6 @@ class TurnRunner:
 
         turn = plan.turn
         beats = Heartbeats(run, self._settings.heartbeat_interval)
-        scope.phase = "prompting"
         attributes = {
             "rcoder.agent": plan.profile.name,
             "rcoder.session_id": plan.session_id,
@@ -370,7 +424,7 @@ class TurnRunner:
             try:
                 blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
                 timeout = self._settings.turn_timeout or None
-                scope.prompt_sent = True
+                scope.prompting()  # a cancel from here asks the agent to stop; one before: never sent
                 scope.stop = await opened.connection.prompt(blocks, on_event, decider, timeout)
             finally:
                 beats.stop()
@@ -507,11 +561,11 @@ class TurnRunner:
             return
         log.info("run_end_stored_late", run_id=scope.run.run_id)
 
-    def refused(self, scope: TurnScope) -> None:
+    def refused(self, scope: TurnScope, heard: bool) -> None:
         """A turn that never started: no trace of it but the caller's error. An agent that
-        heard its prompt is not reused: it holds a turn the store does not."""
+        ``heard`` its prompt is not reused: it holds a turn the store does not."""
         self._runs.forget(scope.run)
-        self._pool.release(scope.plan.session_id, broken=scope.prompt_sent or scope.plan.action is not Action.LIVE)
+        self._pool.release(scope.plan.session_id, broken=heard or scope.plan.action is not Action.LIVE)
 
     def forget(self, scope: TurnScope) -> None:
         self._scopes.pop(scope.run.run_id, None)

@@ -37,7 +37,7 @@ from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.opening import Action, TurnPlan
 from rcoder.session.runs import Run, RunRegistry
-from rcoder.session.turn import TurnRunner
+from rcoder.session.turn import Phase, TurnRunner
 from rcoder.store.sqlite import SqliteStore
 from tests.conftest import base_settings, exited
 from tests.harness import FakeAgentSetup, processes_mentioning, write_config
@@ -265,6 +265,88 @@ async def test_a_turn_cancelled_during_its_prompt_ends_cancelled(
     assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
     assert turns.runs.holder(plan.session_id) is None
     assert turns.runner.cancel(plan.run_id) is False, "a finished turn is no longer running"
+
+
+async def live_session(turns: Turns) -> SessionRecord:
+    """A session whose agent is live and idle, having heard ``remember 7``."""
+    first = turns.plan("remember 7")
+    run, _ = turns.start(first)
+    _, text, _ = split(await events_of(run))
+    assert text == "I remember: 7"
+    record = await turns.store.get_session(first.session_id)
+    assert record is not None
+    return record
+
+
+async def never_heard_and_still_live(turns: Turns, record: SessionRecord) -> None:
+    """The session's agent is still live and idle, and never had the cancelled prompt
+    (``remember 9``): the next turn is taken at once and recalls 7 and 8 only."""
+    run, _ = turns.start(turns.plan("remember 8", record, Action.LIVE))
+    started, text, completed = split(await events_of(run))
+    assert (started.resume, completed.stop_reason) == (ResumeOutcome.LIVE, StopReason.END_TURN)
+    assert text == "I remember: 7, 8"
+
+
+async def test_a_turn_cancelled_after_its_claim_before_its_task_began_ends_cancelled_never_opened(
+    make_turns: TurnsFactory,
+) -> None:
+    turns = await make_turns(cancel_grace=600)
+    record = await live_session(turns)
+    plan = turns.plan("remember 9 hang", record, Action.LIVE)
+    run, ready = turns.start(plan)
+
+    assert turns.runner.cancel(plan.run_id) is True, "claimed is running: Cancel reaches it"
+    assert await bounded(ready) is run
+    bodies = await events_of(run, within=CLOSE_BOUND)
+
+    assert [type(body) for body in bodies] == [RunStarted, RunCompleted]
+    started, _, completed = split(bodies)
+    assert (started.resume, completed.stop_reason, completed.error) == (
+        ResumeOutcome.NOT_OPENED, StopReason.CANCELLED, "",
+    )  # fmt: skip
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
+    await never_heard_and_still_live(turns, record)
+
+
+async def test_a_live_turn_cancelled_after_its_session_opened_before_its_prompt_went_out_never_sends_it(
+    make_turns: TurnsFactory,
+) -> None:
+    turns = await make_turns(cancel_grace=600)
+    record = await live_session(turns)
+    plan = turns.plan("remember 9 hang", record, Action.LIVE)
+    run, ready = turns.start(plan)
+    await asyncio.sleep(0)  # one step of the turn's task: the live agent taken, the prompt's task not yet run
+    assert turns.runner.phase(plan.run_id) is Phase.OPENED
+
+    assert turns.runner.cancel(plan.run_id) is True
+    assert await bounded(ready) is run
+    started, text, completed = split(await events_of(run, within=CLOSE_BOUND))  # at once, not at turn_timeout
+
+    assert (started.resume, completed.stop_reason, completed.error, text) == (
+        ResumeOutcome.LIVE, StopReason.CANCELLED, "", "",
+    )  # fmt: skip
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
+    await never_heard_and_still_live(turns, record)
+
+
+async def test_a_live_turn_cancelled_as_its_stream_opens_asks_the_agent_to_stop_and_ends_cancelled(
+    make_turns: TurnsFactory, agent_requests: AgentRequests
+) -> None:
+    turns = await make_turns(cancel_grace=600)
+    record = await live_session(turns)
+    plan = turns.plan("hang", record, Action.LIVE)
+    run, ready = turns.start(plan)
+    await bounded(ready)  # started is out: the prompt went to the agent before the run was stored
+    assert turns.runner.phase(plan.run_id) is Phase.PROMPTING
+
+    assert turns.runner.cancel(plan.run_id) is True
+    await agent_requests.next("session/cancel")
+    started, _, completed = split(await events_of(run, within=CLOSE_BOUND))  # the agent's answer, not a kill
+
+    assert (started.resume, completed.stop_reason, completed.error) == (ResumeOutcome.LIVE, StopReason.CANCELLED, "")
+    assert turns.pool.is_live(plan.session_id), "the agent answered the cancel: it serves the next turn"
 
 
 # ---------------------------------------------------------------- failing

@@ -131,9 +131,10 @@ class AcpWorker:
 
     # ------------------------------------------------------------ cancel and close
 
-    async def cancel(self, run_id: str, session_id: str) -> tuple[str, bool]:
+    async def cancel(self, run_id: str, session_id: str, follows: str | None = None) -> tuple[str, bool]:
         """Ask a running turn to stop, in whatever phase it is. Returns the run and whether it
-        was still running.
+        was still running. By ``session_id`` with ``follows`` (a cancel left in the store), only
+        the turn that follows run ``follows`` is meant: a later turn of the session is left be.
 
         While the agent starts or opens the session, that work is cancelled (the
         agent's group ended). Once the prompt is with the agent, ``session/cancel``
@@ -144,6 +145,8 @@ class AcpWorker:
         """
         if not run_id:
             holder = self._runs.holder(session_id)
+            if holder is not None and follows is not None and self.turns.follows(holder.run_id) != follows:
+                return holder.run_id, False  # the turn meant ended: this one came after it
             if holder is None:
                 record = await self._store.get_session(session_id)
                 if record is None:

@@ -69,8 +69,9 @@ class SignalSender:
 
     async def cancel(self, target: str, run_id: str, session_id: str) -> QueuedCancel:
         """Leave a cancel of ``run_id`` (or of ``session_id``'s turn) for host ``target``. A run
-        the store has ended needs none; a session's cancel is left whatever the store says (a
-        turn still opening has no run there yet)."""
+        the store has ended needs none. A session's cancel is left whatever the store says, for
+        the turn it means now, never a later one: the run the store has running, else (a turn
+        still opening has no run there yet) the turn that follows the session's last run."""
         if run_id:
             record = await self._store.get_run(run_id)
             if record is None:
@@ -83,9 +84,11 @@ class SignalSender:
         if session is None:
             raise NotFound("session", session_id)
         last = await self._store.get_run(session.last_run_id) if session.last_run_id else None
-        running = last is not None and last.status is RunStatus.RUNNING
-        await self._send(Signal(SignalKind.CANCEL, target, session_id=session_id))
-        return QueuedCancel(session.last_run_id if running else "", running=running, queued=True)
+        if last is not None and last.status is RunStatus.RUNNING:
+            await self._send(Signal(SignalKind.CANCEL, target, run_id=last.run_id, session_id=session_id))
+            return QueuedCancel(last.run_id, running=True, queued=True)
+        await self._send(Signal(SignalKind.CANCEL, target, session_id=session_id, follows=session.last_run_id))
+        return QueuedCancel("", running=False, queued=True)
 
     async def permission(self, target: str, run_id: str, permission_id: str, option_id: str) -> None:
         """Leave the answer to ``permission_id`` of ``run_id`` for host ``target`` (``NotFound``
@@ -101,7 +104,8 @@ class SignalSender:
         signal_id = await self._box.send(signal)
         self._metrics.signals_sent.labels(signal.kind.value).inc()
         log.info("signal_sent", signal_id=signal_id, kind=signal.kind.value, target=signal.target,
-                 run_id=signal.run_id or None, session_id=signal.session_id or None)  # fmt: skip
+                 run_id=signal.run_id or None, session_id=signal.session_id or None,
+                 follows=signal.follows)  # fmt: skip
 
 
 class SignalListener:
@@ -182,7 +186,7 @@ class SignalListener:
 
     async def _cancel(self, signal: Signal) -> str:
         try:
-            _, cancelled = await self._worker.cancel(signal.run_id, signal.session_id)
+            _, cancelled = await self._worker.cancel(signal.run_id, signal.session_id, signal.follows)
         except NotFound:
             return NOT_RUNNING if signal.run_id else SESSION_NOT_FOUND
         return CANCELLED if cancelled else NOT_RUNNING

@@ -109,6 +109,7 @@ class TurnScope:
         self._ready = ready
         self.phase = Phase.CLAIMED
         self.cancel_requested = False
+        self.follows = plan.record.last_run_id if plan.record is not None else ""  # the session's run before
         self._opening: asyncio.Task[Opened] | None = None  # the work of ``Phase.OPENING``
         self._start_recording = False  # the start was handed to the store (it may have landed)
         self.body: RunStarted | None = None  # the started event, once known
@@ -355,6 +356,11 @@ class TurnRunner:
         scope = self._scopes.get(run_id)
         return scope is not None and scope.cancel()
 
+    def follows(self, run_id: str) -> str | None:
+        """The run the claimed turn follows in its session ("" for its first; None: not running here)."""
+        scope = self._scopes.get(run_id)
+        return scope.follows if scope is not None else None
+
     def phase(self, run_id: str) -> Phase | None:
         """Where the claimed turn stands (None: not running here)."""
         scope = self._scopes.get(run_id)
@@ -481,7 +487,9 @@ class TurnRunner:
             ),
             lease=plan.lease,
         )
-        self._pool.remember(plan.record)  # the next live turn plans from it, no store read
+        # the next live turn plans from it, no store read: as the store has it now
+        plan.record = replace(plan.record, last_run_id=plan.run_id)
+        self._pool.remember(plan.record)
 
     async def run_recorded(self, run_id: str) -> bool:
         return await self._store.get_run(run_id) is not None

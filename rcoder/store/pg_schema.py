@@ -78,6 +78,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX signals_undone ON signals (target, id) WHERE done_at IS NULL",
         "CREATE INDEX signals_by_age ON signals (created_at)",
     ),
+    (  # 5: a cancel by session names the run its turn follows (NULL: from before, any turn of the session)
+        'ALTER TABLE signals ADD COLUMN follows text COLLATE "C"',
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -289,12 +292,12 @@ LISTEN_SIGNALS = "LISTEN rcoder_signals"  # the channel, as an identifier (LISTE
 CHECK_CONNECTION = "SELECT 1"
 # one statement, so one transaction: the doorbell (channel, target) rings at the row's commit, never without it
 SEND_SIGNAL = (
-    "WITH s AS (INSERT INTO signals (target, kind, run_id, session_id, payload, sender)"
-    " VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING id)"
+    "WITH s AS (INSERT INTO signals (target, kind, run_id, session_id, follows, payload, sender)"
+    " VALUES (%s, %s, %s, %s, %s, %s::jsonb, %s) RETURNING id)"
     " SELECT id, pg_notify(%s, %s) FROM s"
 )
 PENDING_SIGNALS = (
-    "SELECT id, kind, run_id, session_id, payload, sender FROM signals"
+    "SELECT id, kind, run_id, session_id, payload, sender, follows FROM signals"
     " WHERE target = %s AND done_at IS NULL ORDER BY id LIMIT %s"
 )
 SIGNALS_DONE = (

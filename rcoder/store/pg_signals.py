@@ -54,7 +54,7 @@ class PgSignals:
     async def send(self, signal: Signal) -> int:
         payload = json.dumps({"permission_id": signal.permission_id, "option_id": signal.option_id})
         params = (
-            signal.target, signal.kind.value, signal.run_id, signal.session_id, payload, self.host_id,
+            signal.target, signal.kind.value, signal.run_id, signal.session_id, signal.follows, payload, self.host_id,
             pg_schema.SIGNALS_CHANNEL, signal.target,
         )  # fmt: skip
         rows = await self._store.rows(pg_schema.SEND_SIGNAL, params, read=False)
@@ -65,12 +65,12 @@ class PgSignals:
         return [self._signal(row) for row in rows]
 
     def _signal(self, row: Row) -> Signal:
-        signal_id, kind, run_id, session_id, payload, sender = row
+        signal_id, kind, run_id, session_id, payload, sender, follows = row
         body = payload if isinstance(payload, dict) else {}
         permission_id, option_id = str(body.get("permission_id", "")), str(body.get("option_id", ""))
         return Signal(
             SignalKind(kind), self.host_id, str(run_id), str(session_id), permission_id, option_id, str(sender),
-            int(signal_id),
+            int(signal_id), None if follows is None else str(follows),
         )  # fmt: skip
 
     async def done(self, results: list[tuple[int, str]]) -> None:

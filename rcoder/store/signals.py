@@ -24,9 +24,11 @@ class SignalKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Signal:
-    """What the owner ``target`` is asked to do. A cancel names its run, or its session (a turn
-    still opening has no run in the store yet); a permission answer its run, request and option
-    ("" answers ``cancelled``). ``signal_id`` is the store's, 0 until stored."""
+    """What the owner ``target`` is asked to do. A cancel names its run, or its session and the
+    run its turn ``follows`` (the session's last run when the cancel was asked: a turn still
+    opening has no run in the store yet; None, in a row from before this was recorded: whichever
+    turn of the session runs); a permission answer its run, request and option ("" answers
+    ``cancelled``). ``signal_id`` is the store's, 0 until stored."""
 
     kind: SignalKind
     target: str
@@ -36,6 +38,7 @@ class Signal:
     option_id: str = ""
     sender: str = ""
     signal_id: int = 0
+    follows: str | None = None
 
 
 class Doorbell(Protocol):

@@ -9,11 +9,18 @@ host. The tests' own clients reach a at the address it bound.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
 import pytest_asyncio
 
+from rcoder.metrics import Metrics
+from rcoder.session.signals import QueuedCancel, SignalSender
+from rcoder.store.pg_signals import PgSignals
+from rcoder.store.postgres import PostgresStore
+from rcoder.store.signals import Signal
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.harness import completed, error_info, text_of
 from tests.multihost.conftest import AUTH_MD, LEASE_TTL, OWNER_KEY, Hosts, first_events, hosts_on
@@ -63,6 +70,90 @@ async def test_a_cancel_by_session_through_a_host_that_cannot_reach_the_owner_ca
     assert answer.queued and answer.cancelled and answer.run_id == begin.run_id
     assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
     await a.daemon.wait_log("signal_applied", kind="cancel", session_id=begin.session_id, result="cancelled")
+
+
+class HeldBack(PgSignals):
+    """A signal box whose rows are left later, by ``deliver``: the owner reads a row late (its
+    listener was away, reconnecting), here on cue."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        super().__init__(store)
+        self.held: list[Signal] = []
+
+    async def send(self, signal: Signal) -> int:
+        self.held.append(signal)
+        return 0
+
+    async def deliver(self) -> int:
+        (signal,) = self.held
+        return await PgSignals.send(self, replace(signal, sender=""))
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def held_back(cut_off: Hosts) -> AsyncIterator[tuple[SignalSender, HeldBack]]:
+    """What host b does with a cancel for host a, but with its row left only when told."""
+    store = PostgresStore(cut_off.store_url, "host-t")
+    await store.open()
+    box = HeldBack(store)
+    try:
+        yield SignalSender(box, store, Metrics()), box
+    finally:
+        await store.close()
+
+
+async def hanging_turn(cut_off: Hosts, session_id: str) -> tuple[Any, pb.ChatStream]:
+    request = pb.ChatRequest(project_id="proj", prompt="hang", session_id=session_id)
+    call = cut_off["a"].stub.Chat(request, metadata=AUTH_MD, timeout=60)
+    (begin,) = await first_events(call, 1)
+    return call, begin
+
+
+async def applied_and_still_running(cut_off: Hosts, box: HeldBack, call: Any, run_id: str) -> None:
+    """The held cancel, left now while ``run_id`` runs on a: a reads it and leaves that turn be,
+    which then ends only when cancelled itself."""
+    a = cut_off["a"]
+    signal_id = await box.deliver()
+    (applied,) = await a.daemon.wait_log("signal_applied", signal_id=signal_id)
+    assert applied["result"] == "not_running"
+    answer = await a.stub.Cancel(pb.CancelRequest(run_id=run_id), metadata=AUTH_MD, timeout=10)
+    assert answer.cancelled, "the later turn ran on: the queued cancel was not for it"
+    assert completed([event async for event in call]).stop_reason == pb.STOP_REASON_CANCELLED
+
+
+async def test_a_queued_cancel_by_session_for_its_running_turn_never_cancels_a_later_turn(
+    cut_off: Hosts, held_back: tuple[SignalSender, HeldBack]
+) -> None:
+    sender, box = held_back
+    first = await cut_off["a"].client.chat(prompt="hi", metadata=AUTH_MD, timeout=30)
+    session_id = first[0].session_id
+    call, meant = await hanging_turn(cut_off, session_id)
+
+    queued = await sender.cancel("host-a", "", session_id)
+    assert queued == QueuedCancel(meant.run_id, running=True, queued=True)
+    assert box.held[0].run_id == meant.run_id, "the row names the run it was asked for"
+    answer = await cut_off["a"].stub.Cancel(pb.CancelRequest(run_id=meant.run_id), metadata=AUTH_MD, timeout=10)
+    assert answer.cancelled
+    [event async for event in call]
+
+    call, later = await hanging_turn(cut_off, session_id)
+    await applied_and_still_running(cut_off, box, call, later.run_id)
+
+
+async def test_a_queued_cancel_by_session_for_a_turn_still_opening_never_cancels_a_later_turn(
+    cut_off: Hosts, held_back: tuple[SignalSender, HeldBack]
+) -> None:
+    sender, box = held_back
+    first = await cut_off["a"].client.chat(prompt="hi", metadata=AUTH_MD, timeout=30)
+    session_id, last = first[0].session_id, first[0].run_id
+
+    # the store has no turn running: one still opening on a would be the turn after ``last``
+    queued = await sender.cancel("host-a", "", session_id)
+    assert queued == QueuedCancel("", running=False, queued=True)
+    assert box.held[0].follows == last, "the row names the run its turn follows"
+    await cut_off["a"].client.chat(prompt="next", session_id=session_id, metadata=AUTH_MD, timeout=30)
+
+    call, later = await hanging_turn(cut_off, session_id)
+    await applied_and_still_running(cut_off, box, call, later.run_id)
 
 
 async def test_a_permission_answer_through_a_host_that_cannot_reach_the_owner_is_queued_and_let_through(

@@ -349,6 +349,27 @@ async def test_a_live_turn_cancelled_as_its_stream_opens_asks_the_agent_to_stop_
     assert turns.pool.is_live(plan.session_id), "the agent answered the cancel: it serves the next turn"
 
 
+async def test_a_turn_knows_from_its_claim_the_run_it_follows_in_its_session_live_or_not(
+    make_turns: TurnsFactory,
+) -> None:
+    turns = await make_turns()
+    first = turns.plan("hello")
+    run, _ = turns.start(first)
+    assert turns.runner.follows(first.run_id) == "", "a new session's first turn follows none"
+    await events_of(run)
+
+    previous = first
+    for _ in range(2):
+        live = turns.pool.live_record(first.session_id)  # how a live turn is planned: no store read
+        assert live is not None
+        plan = turns.plan("hello", live, Action.LIVE)
+        run, _ = turns.start(plan)
+        assert turns.runner.follows(plan.run_id) == previous.run_id
+        await events_of(run)
+        previous = plan
+    assert turns.runner.follows(plan.run_id) is None, "not running here any more"
+
+
 # ---------------------------------------------------------------- failing
 
 

@@ -56,6 +56,21 @@ async def test_a_signal_waits_for_its_target_alone_until_marked_done_with_its_re
     assert rows == [(first, "resolved", True), (second, "", False)]
 
 
+async def test_a_cancel_by_session_keeps_the_run_its_turn_follows_told_apart_from_none_recorded(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = PgSignals(stores[0]), PgSignals(stores[1])
+    sent = [
+        Signal(SignalKind.CANCEL, "host-b", session_id="s1", follows="r0"),
+        Signal(SignalKind.CANCEL, "host-b", session_id="s2", follows=""),  # its first turn
+        Signal(SignalKind.CANCEL, "host-b", session_id="s3"),  # as a row from before follows was kept
+    ]
+    for signal in sent:
+        await a.send(signal)
+
+    assert [s.follows for s in await b.pending(10)] == ["r0", "", None]
+
+
 async def test_sending_rings_the_doorbell_of_its_target_and_no_other(
     stores: tuple[PostgresStore, PostgresStore],
 ) -> None:

@@ -187,6 +187,20 @@ async def test_cancel_ends_a_hanging_turn_as_cancelled(tmp_path: Path) -> None:
     assert response.stop_reason == "cancelled"
 
 
+async def test_cancel_ends_a_shrugging_turn_as_if_it_were_done(tmp_path: Path) -> None:
+    async with fake_agent(tmp_path) as agent, asyncio.timeout(WAIT):
+        session_id = (await agent.conn.new_session(cwd=str(tmp_path), mcp_servers=[])).session_id
+        shrugging = agent.conn.prompt(session_id=session_id, prompt=[text_block("remember 4 think shrug")])
+        turn = asyncio.create_task(shrugging)
+        await agent.client.wait_for(lambda: bool(agent.client.updates))  # the turn is running
+        assert not turn.done()
+        await agent.conn.cancel(session_id=session_id)
+        response = await turn
+
+    assert response.stop_reason == "end_turn"
+    assert agent.client.texts(AgentMessageChunk) == ["I remember: 4"]
+
+
 async def test_session_list_pages_the_stored_sessions_of_a_cwd_when_advertised(tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()

@@ -45,6 +45,8 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     child-readfile P, child-writefile P
                  the same, done by a child process of the agent (" child-readfile[P]=...")
     deaf         wait forever, ignoring session/cancel (only killing the process ends it)
+    shrug        wait forever; session/cancel ends it as if it were done, as some agents answer a
+                 cancel: its answer, stop reason end_turn (or the `stop X` asked)
     sleep MS     wait MS ms; `hang` waits forever. session/cancel ends sleep, hang, ttft and pace at once:
                  stop reason "cancelled", no answer
     crash        one chunk "partial", then "fake agent crashing" on stderr and exit code 3
@@ -272,6 +274,7 @@ class Script:
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
         self.ttft_ms = number("ttft") or 0
         self.sleep_ms, self.hang, self.deaf = number("sleep"), word("hang"), word("deaf")
+        self.shrug = word("shrug")
         self.bigline, self.stderr_bytes = number("bigline"), number("stderr") or 0
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
@@ -577,6 +580,8 @@ class FakeAgent:
             return "cancelled", None
         if script.deaf:
             await self.never.wait()  # ignores session/cancel: only the process group ends it
+        if script.shrug:
+            await self._cancelled_within(session, None)  # then goes on to answer, as if done
         if script.crash:
             await self._say(sid, "partial")
             die("fake agent crashing", 3)

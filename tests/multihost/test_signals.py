@@ -156,6 +156,23 @@ async def test_a_queued_cancel_by_session_for_a_turn_still_opening_never_cancels
     await applied_and_still_running(cut_off, box, call, later.run_id)
 
 
+async def test_a_queued_cancel_by_session_for_a_turn_still_opening_cancels_that_turn_when_read_late(
+    cut_off: Hosts, held_back: tuple[SignalSender, HeldBack]
+) -> None:
+    a = cut_off["a"]
+    sender, box = held_back
+    first = await a.client.chat(prompt="hi", metadata=AUTH_MD, timeout=30)
+    session_id = first[0].session_id
+    await sender.cancel("host-a", "", session_id)  # the store has none running: for the turn after ``first``
+
+    call, _ = await hanging_turn(cut_off, session_id)
+    signal_id = await box.deliver()
+    (applied,) = await a.daemon.wait_log("signal_applied", signal_id=signal_id)
+
+    assert applied["result"] == "cancelled"
+    assert completed([event async for event in call]).stop_reason == pb.STOP_REASON_CANCELLED
+
+
 async def test_a_permission_answer_through_a_host_that_cannot_reach_the_owner_is_queued_and_let_through(
     cut_off: Hosts,
 ) -> None:

@@ -1,10 +1,11 @@
 """What an agent process may reach (DESIGN §6.1), as the argv that confines it.
 
-An agent under ``sandbox = "landlock"`` starts through ``rcoder/landlock.py`` (an exec wrapper
-run by the daemon's own interpreter with ``-I -S``), which confines the new process with the
-paths below before it executes the agent; the confinement is inherited by everything the
-agent starts. Read and write: the session's project, the agent's home for that project (its
-``TMPDIR`` inside) and the profile's ``write_paths``. Read and execute: the system, the
+An agent under ``sandbox = "landlock"`` is started by a thread that first confines itself with
+the paths below (``rcoder.agent.confined``), or through ``rcoder/landlock.py`` run as an exec
+wrapper; both read the ``Confinement`` as the wrapper's arguments (``wrapper_args``). The
+confinement is inherited by everything the agent starts. Read and write: the session's
+project, the agent's home for that project (its ``TMPDIR`` inside) and the profile's
+``write_paths``. Read and execute: the system, the
 toolchains rcoder knows of (the agent's install, the pinned agents, the daemon's Python) and
 the profile's ``read_paths``. Nothing else.
 
@@ -32,13 +33,15 @@ WRAPPER = Path(landlock.__file__).resolve()
 # The system, read and execute.
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 # Of /proc and /sys, what runtimes read about the machine (node's os.cpus() and memory, glibc's
-# CPU count, cgroup limits), and the agent process's own /proc/<pid> ("/proc/self" as the wrapper
-# resolves it: the agent's, not its children's). Never /proc whole: Landlock keeps a confined
-# process from ptrace-reading others (their fd, cwd, mem), but /proc/<pid>/environ of every
-# process of the same user stays readable where /proc is (Linux 6.18 here) - the daemon's and
-# other projects' agents' keys. So a child of the agent cannot read its own /proc/self (node's
-# process.memoryUsage() throws EACCES there, `ps` shows nothing); a profile that needs it adds
-# "/proc" to read_paths and gives that up.
+# CPU count, cgroup limits), and "/proc/self": the agent process's own /proc/<pid> where the exec
+# wrapper resolves it (in the agent's process: not its children's); where a thread of the daemon
+# confines itself to start the agent, it resolves to the daemon's and is left out (the agent's
+# pid does not exist yet). Never /proc whole: Landlock keeps a confined process from
+# ptrace-reading others (their fd, cwd, mem), but /proc/<pid>/environ of every process of the
+# same user stays readable where /proc is (Linux 6.18 here) - the daemon's and other projects'
+# agents' keys. So the agent's children, and the agent itself when started by a confined thread,
+# cannot read their own /proc/self (node's process.memoryUsage() throws EACCES there, `ps` shows
+# nothing); a profile that needs it adds "/proc" to read_paths and gives that up.
 PROC_READ = (
     "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
     "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu", "/sys/fs/cgroup",
@@ -59,12 +62,17 @@ class Confinement:
 
     def argv(self, command: Sequence[str], parent: int) -> list[str]:
         """``command`` run through the wrapper (with the daemon's pid for its death signal)."""
-        wrapper = [sys.executable, "-I", "-S", "-B", str(WRAPPER), "--parent", str(parent)]
+        return [sys.executable, "-I", "-S", "-B", str(WRAPPER), *self.wrapper_args(command, parent)]
+
+    def wrapper_args(self, command: Sequence[str], parent: int) -> list[str]:
+        """The wrapper's arguments: what confines ``command``, as ``landlock.parse`` reads them.
+        The spawn helper (``rcoder.agent.spawner``) is sent these same arguments."""
+        args = ["--parent", str(parent)]
         for path in self.read:
-            wrapper += ["--read", str(path)]
+            args += ["--read", str(path)]
         for path in self.write:
-            wrapper += ["--write", str(path)]
-        return [*wrapper, "--", *command]
+            args += ["--write", str(path)]
+        return [*args, "--", *command]
 
 
 def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Path, home: Path) -> Confinement | None:

@@ -123,8 +123,7 @@ def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
     try:
         for paths, rights in ((read, READ), (write, handled)):
             for path in paths:
-                if not (thread and _own_proc(path)):
-                    _allow(libc, ruleset, path, rights & handled)
+                _allow(libc, ruleset, path, rights & handled, thread)
         _check(_prctl(libc, _PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
         _check(_syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
     finally:
@@ -132,23 +131,27 @@ def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
     return version
 
 
-def _own_proc(path: str) -> bool:
-    real, own = os.path.realpath(path), f"/proc/{os.getpid()}"
-    return real == own or real.startswith(own + "/")
-
-
-def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int) -> None:
+def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int, thread: bool = False) -> None:
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         return
     try:
+        if thread and _in_own_proc(fd):
+            return
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             rights &= FILE_RIGHTS
         rule = _PathBeneathAttr(rights, fd)
         _check(_syscall(libc, _SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0), f"add_rule {path}")
     finally:
         os.close(fd)
+
+
+def _in_own_proc(fd: int) -> bool:
+    """Whether ``fd`` (as opened: every link followed, ``/dev/fd`` too) is in this process's own
+    ``/proc/<pid>``."""
+    where, own = os.readlink(f"/proc/self/fd/{fd}"), f"/proc/{os.getpid()}"
+    return where == own or where.startswith(own + "/")
 
 
 def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:

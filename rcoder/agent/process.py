@@ -186,11 +186,11 @@ class AgentProcess:
         pid_dir: Path | None = None,
         confinement: Confinement | None = None,
     ) -> AgentProcess:
-        """Start ``argv``; confined by ``confinement`` when given (by a thread that confines itself
-        first, ``rcoder.agent.confined``; through the exec wrapper where there is no ``setpriv``
-        to give the agent its death signal)."""
+        """Start ``argv``; confined by ``confinement`` when given: by a thread that confines itself
+        first (``rcoder.agent.confined``), or through the exec wrapper where the agent needs its
+        own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal."""
         prefix = _pdeathsig_prefix()
-        if confinement is not None and prefix:
+        if confinement is not None and prefix and not confinement.own_proc:
             try:
                 started = await spawn_confined(
                     confinement, argv, cwd=cwd, env=env, limit=_PIPE_BUFFER, prefix=prefix, name=name

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcoder import landlock
+from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
 
@@ -42,8 +43,9 @@ SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
 # agents' keys. So the agent's children, and the agent itself when started by a confined thread,
 # cannot read their own /proc/self (node's process.memoryUsage() throws EACCES there, `ps` shows
 # nothing); a profile that needs it adds "/proc" to read_paths and gives that up.
+OWN_PROC = "/proc/self"
 PROC_READ = (
-    "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
+    OWN_PROC, "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
     "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu", "/sys/fs/cgroup",
 )  # fmt: skip
 # Devices every program expects, read and write (``> /dev/null`` truncates: write rights).
@@ -59,6 +61,13 @@ class Confinement:
     read: tuple[Path, ...]
     write: tuple[Path, ...]
     abi: int
+
+    @property
+    def own_proc(self) -> bool:
+        """Whether it grants the agent its own ``/proc/<pid>`` ("/proc/self"): only the agent's
+        process can resolve that, so the agent must start through the exec wrapper."""
+        own = Path(OWN_PROC)
+        return any(p == own or own in p.parents for p in (*self.read, *self.write))
 
     def argv(self, command: Sequence[str], parent: int) -> list[str]:
         """``command`` run through the wrapper (with the daemon's pid for its death signal)."""
@@ -84,7 +93,10 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
         return None
     hidden = protected(settings)
     system = [Path(p) for p in (*SYSTEM_READ, *ETC_LINKS)]
-    own = [Path(p) for p in PROC_READ]  # resolved by the wrapper, in the agent's process (no around())
+    # resolved by the wrapper, in the agent's process (no around()); "/proc/self" only for a kind
+    # whose agent needs it (that makes it start through the wrapper: Confinement.own_proc)
+    own_proc = kind_of(profile.kind).own_proc
+    own = [Path(p) for p in PROC_READ if own_proc or p != OWN_PROC]
     install = install_dirs(command, settings.daemon_env.get("HOME"))
     read = [*system, *install, *python_dirs(), *profile.read_paths]
     for path in profile.write_paths:

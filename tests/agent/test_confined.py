@@ -114,11 +114,21 @@ async def test_many_confined_agents_started_at_once_each_get_their_own_pipes(tmp
     assert [(code, out.strip()) for code, out, _ in results] == [(0, str(i)) for i in range(8)]
 
 
-async def test_proc_self_granted_to_an_agent_never_grants_the_daemons_own_proc(tmp_path: Path) -> None:
-    """ "/proc/self" in a confinement means the agent's own /proc/<pid> to the exec wrapper; the
-    thread that confines itself in the daemon must not take it for the daemon's (its environ)."""
-    granted = confinement(read=(Path("/proc/self"), Path("/proc/thread-self")))
+async def test_a_grant_of_the_confining_threads_own_proc_never_grants_the_daemons(tmp_path: Path) -> None:
+    """Paths that resolve into the confining thread's own /proc/<pid> ("/proc/thread-self",
+    "/dev/fd") are the daemon's there, never the agent's: left out (its environ stays unread)."""
+    granted = confinement(read=(Path("/proc/thread-self"), Path("/dev/fd")))
+    assert not granted.own_proc, "started by the confining thread"
     environ = f"/proc/{os.getpid()}/environ"
     code, out, err = await run(["/bin/sh", "-c", f"cat {environ} | wc -c"], tmp_path, granted)
     assert (code, out.strip()) == (0, "0"), err
     assert "Permission denied" in err
+
+
+async def test_an_agent_granted_its_own_proc_can_read_it(tmp_path: Path) -> None:
+    """Bun (OpenCode) aborts without its own /proc/self/maps: where a confinement grants
+    "/proc/self", the agent process itself resolves it (the exec wrapper)."""
+    granted = confinement(read=(Path("/proc/self"),))
+    script = "read -r line < /proc/$$/status && echo own-ok || echo own-denied"  # $$: the agent itself
+    code, out, err = await run(["/bin/sh", "-c", script], tmp_path, granted)
+    assert (code, out.strip()) == (0, "own-ok"), err

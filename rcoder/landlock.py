@@ -2,8 +2,9 @@
 
 Three uses. The daemon asks ``abi()`` which Landlock ABI the kernel offers (0: none). A thread
 of the daemon confines itself with ``apply()`` before it starts an agent (``rcoder.agent.confined``;
-Landlock confines a thread and what it starts). And where that cannot give the agent its death
-signal (no ``setpriv``), an agent is started through this file run as a script, an exec wrapper::
+Landlock confines a thread and what it starts). And where that cannot do (an agent that needs
+its own ``/proc/<pid>``, or no ``setpriv`` for its death signal), an agent is started through
+this file run as a script, an exec wrapper::
 
     python -I -S -B landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...
 
@@ -35,7 +36,7 @@ _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the sa
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-_SIGKILL, _SIGPIPE, _SIGXFSZ = 9, 13, 25  # the same on x86 and arm
+_SIGKILL = 9
 
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _ABI1_FS = (1 << 13) - 1  # EXECUTE .. MAKE_SYM: reading, writing, making and removing files and folders
@@ -154,7 +155,7 @@ def _in_own_proc(fd: int) -> bool:
     return where == own or where.startswith(own + "/")
 
 
-def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
+def _parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
     """(parent pid or 0, read paths, write paths, the command)."""
     parent, read, write = 0, list[str](), list[str]()
     args = iter(argv)
@@ -174,59 +175,19 @@ def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
     raise ValueError("usage: landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...")
 
 
-def confine(parent: int, read: list[str], write: list[str], thread: bool = False) -> None:
-    """In the process about to become an agent: ``die_with(parent)`` (0: no death signal), then
-    Landlock. Raises ``OSError``."""
-    if parent:
-        die_with(parent)
-    restrict(read, write, thread)
-
-
-def die_with(parent: int) -> None:
-    """``PR_SET_PDEATHSIG=SIGKILL``: this process ends when ``parent`` (its parent) does; refused
-    (``OSError``) if ``parent`` is already gone."""
-    _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent:  # it died before the death signal was armed
-        raise OSError(0, "the daemon that started this agent is gone")
-
-
-def become(command: list[str], env: dict[str, str] | None = None) -> int:
-    """Exec ``command`` (with ``env``, else this environment); on failure a line on stderr and the
-    exit code to end with: 127 not found, 126 otherwise."""
-    _default_signals()
-    try:
-        if env is None:
-            os.execv(command[0], command)  # noqa: S606 - the agent, as its profile names it
-        else:
-            os.execve(command[0], command, env)  # noqa: S606
-    except OSError as exc:
-        os.write(2, f"rcoder-landlock: cannot run {command[0]}: {exc.strerror}\n".encode())
-        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_CONFINED
-    raise AssertionError("exec returned")  # pragma: no cover
-
-
-def _default_signals() -> None:
-    """SIGPIPE and SIGXFSZ back to their defaults: Python ignores them, and an ignored signal stays
-    ignored across exec (an agent's ``yes | head`` would never end on its broken pipe)."""
-    libc = _libc()
-    libc.signal.restype = ctypes.c_void_p
-    for number in (_SIGPIPE, _SIGXFSZ):
-        libc.signal(ctypes.c_int(number), ctypes.c_void_p(0))  # SIG_DFL
-
-
-def refused(exc: Exception) -> str:
-    """The line on stderr of an agent that was not started because it could not be confined."""
-    return f"rcoder-landlock: the agent was not started, it could not be confined: {exc}\n"
-
-
 def apply(argv: list[str], thread: bool = False) -> list[str]:
-    """Confine the calling thread (and all it will start) as the wrapper's arguments ``argv`` say;
-    the command they name. Raises ``OSError`` or ``ValueError``.
+    """Confine the calling thread (and all it will start) as the wrapper's arguments ``argv`` say,
+    ``PR_SET_PDEATHSIG`` first when they name a parent; the command they name. Raises ``OSError``
+    or ``ValueError``.
 
     The one implementation of "confine": the wrapper runs it in the process that becomes the
     agent, ``rcoder.agent.confined`` in a thread that then starts the agent (``thread``)."""
-    parent, read, write, command = parse(argv)
-    confine(parent, read, write, thread)
+    parent, read, write, command = _parse(argv)
+    if parent:
+        _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # the daemon died before the death signal was armed
+            raise OSError(0, "the daemon that started this agent is gone")
+    restrict(read, write, thread)
     return command
 
 
@@ -235,9 +196,14 @@ def main(argv: list[str]) -> int:
     try:
         command = apply(argv)
     except (OSError, ValueError) as exc:
-        sys.stderr.write(refused(exc))
+        sys.stderr.write(f"rcoder-landlock: the agent was not started, it could not be confined: {exc}\n")
         return EXIT_NOT_CONFINED
-    return become(command)
+    try:
+        os.execv(command[0], command)  # noqa: S606 - the agent, as its profile names it
+    except OSError as exc:
+        sys.stderr.write(f"rcoder-landlock: cannot run {command[0]}: {exc.strerror}\n")
+        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_CONFINED
+    raise AssertionError("execv returned")  # pragma: no cover
 
 
 if __name__ == "__main__":

@@ -114,6 +114,17 @@ def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
     A path that does not exist is skipped (it cannot be reached either). ``thread``: only the
     calling thread is confined, for what it starts; this process's own ``/proc/<pid>`` (what
     ``/proc/self`` resolves to here) is then never granted: it is not the agent's."""
+    ruleset, version = build(read, write, thread)
+    try:
+        enforce(ruleset)
+    finally:
+        os.close(ruleset)
+    return version
+
+
+def build(read: list[str], write: list[str], thread: bool = False) -> tuple[int, int]:
+    """The ruleset of ``restrict`` (its fd, the caller's to close; the ABI): it confines nothing
+    until ``enforce``, and may be enforced by several threads in turn."""
     libc, version = _libc(), abi()
     if version < 1:
         raise OSError(0, "this kernel offers no Landlock")
@@ -125,11 +136,17 @@ def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
         for paths, rights in ((read, READ), (write, handled)):
             for path in paths:
                 _allow(libc, ruleset, path, rights & handled, thread)
-        _check(_prctl(libc, _PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
-        _check(_syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
-    finally:
+    except BaseException:
         os.close(ruleset)
-    return version
+        raise
+    return ruleset, version
+
+
+def enforce(ruleset: int) -> None:
+    """Confine the calling thread, and all it will start, by ``ruleset`` (``no_new_privs`` first)."""
+    libc = _libc()
+    _check(_prctl(libc, _PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _check(_syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
 
 
 def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int, thread: bool = False) -> None:
@@ -155,7 +172,7 @@ def _in_own_proc(fd: int) -> bool:
     return where == own or where.startswith(own + "/")
 
 
-def _parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
+def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
     """(parent pid or 0, read paths, write paths, the command)."""
     parent, read, write = 0, list[str](), list[str]()
     args = iter(argv)
@@ -181,14 +198,26 @@ def apply(argv: list[str], thread: bool = False) -> list[str]:
     or ``ValueError``.
 
     The one implementation of "confine": the wrapper runs it in the process that becomes the
-    agent, ``rcoder.agent.confined`` in a thread that then starts the agent (``thread``)."""
-    parent, read, write, command = _parse(argv)
+    agent, ``rcoder.agent.confined`` (through ``ruleset_of``) in a thread that then starts the
+    agent (``thread``)."""
+    parent = parse(argv)[0]
     if parent:
         _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
         if os.getppid() != parent:  # the daemon died before the death signal was armed
             raise OSError(0, "the daemon that started this agent is gone")
-    restrict(read, write, thread)
+    ruleset, command, _ = ruleset_of(argv, thread)
+    try:
+        enforce(ruleset)
+    finally:
+        os.close(ruleset)
     return command
+
+
+def ruleset_of(argv: list[str], thread: bool = False) -> tuple[int, list[str], list[str]]:
+    """The ruleset the wrapper's arguments ``argv`` say (its fd, the caller's to close), the
+    command they name, and the paths its rules were bound to."""
+    _, read, write, command = parse(argv)
+    return build(read, write, thread)[0], command, [*read, *write]
 
 
 def main(argv: list[str]) -> int:

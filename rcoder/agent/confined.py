@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from rcoder import landlock
@@ -98,7 +99,7 @@ def _run(
 ) -> None:
     """The confined thread: confine itself, start the agent, report, wait for its exit, report."""
     try:
-        command = landlock.apply(args, thread=True)
+        command = _RULESETS.enforce(args)
         # stdin, stdout, stderr as given; every other descriptor closed in the child
         proc = subprocess.Popen(
             command, stdin=fds[0], stdout=fds[1], stderr=fds[2], cwd=cwd, env=env, start_new_session=True
@@ -137,6 +138,57 @@ def _end_unowned(started: asyncio.Future[int]) -> None:
 def _killpg(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+class _Rulesets:
+    """Rulesets built, by the wrapper arguments they were built from. Building one costs ~1 ms of
+    CPU (a system call or more per grant, the kernel's part the larger), several on a loaded
+    machine, and the agents of a profile in a project start with the same grants again and again.
+    A rule is bound to an inode, not a name: one is used again only while every granted path still
+    names the inode (or the absence) it had when built."""
+
+    def __init__(self, size: int = 32) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._built: OrderedDict[tuple[str, ...], tuple[int, tuple[tuple[int, int] | None, ...]]] = OrderedDict()
+
+    def enforce(self, args: list[str]) -> list[str]:
+        """Confine the calling thread as ``args`` say; the command they name."""
+        key = tuple(args[: args.index("--")] if "--" in args else args)
+        with self._lock:  # held while enforcing: an fd in use is never closed by another thread
+            cached = self._built.get(key)
+            if cached is not None and cached[1] == _identities(landlock.parse(args)[1:3]):
+                self._built.move_to_end(key)
+                landlock.enforce(cached[0])
+                return landlock.parse(args)[3]
+            ruleset, command, paths = landlock.ruleset_of(args, thread=True)
+            self._keep(key, ruleset, _identities((paths,)))
+            landlock.enforce(ruleset)
+            return command
+
+    def _keep(self, key: tuple[str, ...], ruleset: int, identities: tuple[tuple[int, int] | None, ...]) -> None:
+        old = self._built.pop(key, None)
+        if old is not None:
+            os.close(old[0])
+        self._built[key] = (ruleset, identities)
+        while len(self._built) > self._size:
+            os.close(self._built.popitem(last=False)[1][0])
+
+
+def _identities(groups: Sequence[Sequence[str]]) -> tuple[tuple[int, int] | None, ...]:
+    """(device, inode) of each path, links followed as the rules were bound; None where missing."""
+    found: list[tuple[int, int] | None] = []
+    for path in (p for group in groups for p in group):
+        try:
+            info = os.stat(path)
+        except OSError:
+            found.append(None)
+        else:
+            found.append((info.st_dev, info.st_ino))
+    return tuple(found)
+
+
+_RULESETS = _Rulesets()
 
 
 class _Exit:

@@ -132,3 +132,23 @@ async def test_an_agent_granted_its_own_proc_can_read_it(tmp_path: Path) -> None
     script = "read -r line < /proc/$$/status && echo own-ok || echo own-denied"  # $$: the agent itself
     code, out, err = await run(["/bin/sh", "-c", script], tmp_path, granted)
     assert (code, out.strip()) == (0, "own-ok"), err
+
+
+async def test_a_granted_folder_replaced_between_two_starts_is_granted_anew_and_the_old_one_not(
+    tmp_path: Path,
+) -> None:
+    """A rule binds the folder a path named when it was made: the next agent with the same grants
+    gets the folder the path names now, never the one moved away."""
+    granted, moved = tmp_path / "project", tmp_path / "moved-away"
+    granted.mkdir()
+    script = 'echo x > "$1/f" && echo wrote; echo y > "$2/f" 2>/dev/null && echo wrote-moved || echo moved-denied'
+    argv = ["/bin/sh", "-c", script, "sh", str(granted), str(moved)]
+    grants = confinement(write=(granted, Path("/dev/null")))
+    code, out, err = await run(argv, tmp_path, grants)
+    assert (code, out.split()) == (0, ["wrote", "moved-denied"]), err
+
+    granted.rename(moved)
+    granted.mkdir()
+    code, out, err = await run(argv, tmp_path, grants)
+
+    assert (code, out.split()) == (0, ["wrote", "moved-denied"]), err

@@ -2,8 +2,9 @@
 
 Landlock confines a *thread*, and what it starts (``landlock_restrict_self``, like
 ``no_new_privs``, acts on the calling thread only). So a confined agent is started by a new
-thread of the daemon that applies the confinement to itself (``landlock.apply``: the exec
-wrapper's own parsing and confining, one implementation) and then spawns the agent as an
+thread of the daemon that applies the confinement to itself (``landlock.ruleset_of`` and
+``landlock.enforce``: the exec wrapper's own parsing and confining, one implementation; the
+ruleset kept for the next agent with the same grants, ``_Rulesets``) and then spawns the agent as an
 unconfined one is spawned (``subprocess``: ``vfork`` and exec, no Python between them, its own
 session), with ``setpriv --pdeathsig KILL`` in front. The thread then waits for the agent's
 exit and reports it to the loop; it ends when the agent does, and never runs anything else.
@@ -12,8 +13,13 @@ Why not the exec wrapper: a Python start-up per agent (~15 ms). Why not a long-l
 process that forks, confines and execs per request: ``fork`` of a Python process costs
 milliseconds (page tables, then a copy of every page either side writes), and each request
 crosses two more processes, each a wakeup on a loaded machine; measured here +10 ms over an
-unconfined spawn against ~+0.5 ms for this. The death signal is tied to the thread that
+unconfined spawn against ~+0.5-2 ms for this. The death signal is tied to the thread that
 spawned the agent: it lives until the agent exits, and dies with the daemon.
+
+What this cannot do: grant the agent its own ``/proc/<pid>`` (it does not exist yet; here
+``/proc/self`` is the daemon's, and ``landlock`` leaves out whatever resolves into it). A
+confinement that grants it (``Confinement.own_proc``: Bun's OpenCode, unknown runtimes) starts
+through the exec wrapper, which resolves it in the agent's own process.
 
 What the confined thread runs is only this module's ``_run``: the Landlock calls, the spawn
 (``subprocess`` opens no file), ``waitpid`` and a write to the loop's wake-up pipe. (A

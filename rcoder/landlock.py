@@ -1,7 +1,10 @@
 """Linux Landlock by hand: the kernel's three system calls through ctypes, standard library only.
 
-Two uses. The daemon asks ``abi()`` which Landlock ABI the kernel offers (0: none). And an
-agent is started through this file run as a script, an exec wrapper::
+Three uses. The daemon asks ``abi()`` which Landlock ABI the kernel offers (0: none). A thread
+of the daemon confines itself with ``apply()`` before it starts an agent (``rcoder.agent.confined``;
+Landlock confines a thread and what it starts). And where that cannot do (an agent that needs
+its own ``/proc/<pid>``, or no ``setpriv`` for its death signal), an agent is started through
+this file run as a script, an exec wrapper::
 
     python -I -S -B landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...
 
@@ -105,10 +108,23 @@ def fs_rights(version: int) -> int:
     return rights
 
 
-def restrict(read: list[str], write: list[str]) -> int:
+def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
     """Confine this process (and all it will start) to ``read`` and ``write``; the ABI used.
 
-    A path that does not exist is skipped (it cannot be reached either)."""
+    A path that does not exist is skipped (it cannot be reached either). ``thread``: only the
+    calling thread is confined, for what it starts; this process's own ``/proc/<pid>`` (what
+    ``/proc/self`` resolves to here) is then never granted: it is not the agent's."""
+    ruleset, version = build(read, write, thread)
+    try:
+        enforce(ruleset)
+    finally:
+        os.close(ruleset)
+    return version
+
+
+def build(read: list[str], write: list[str], thread: bool = False) -> tuple[int, int]:
+    """The ruleset of ``restrict`` (its fd, the caller's to close; the ABI): it confines nothing
+    until ``enforce``, and may be enforced by several threads in turn."""
     libc, version = _libc(), abi()
     if version < 1:
         raise OSError(0, "this kernel offers no Landlock")
@@ -119,20 +135,28 @@ def restrict(read: list[str], write: list[str]) -> int:
     try:
         for paths, rights in ((read, READ), (write, handled)):
             for path in paths:
-                _allow(libc, ruleset, path, rights & handled)
-        _check(_prctl(libc, _PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
-        _check(_syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
-    finally:
+                _allow(libc, ruleset, path, rights & handled, thread)
+    except BaseException:
         os.close(ruleset)
-    return version
+        raise
+    return ruleset, version
 
 
-def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int) -> None:
+def enforce(ruleset: int) -> None:
+    """Confine the calling thread, and all it will start, by ``ruleset`` (``no_new_privs`` first)."""
+    libc = _libc()
+    _check(_prctl(libc, _PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _check(_syscall(libc, _SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+
+
+def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int, thread: bool = False) -> None:
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         return
     try:
+        if thread and _in_own_proc(fd):
+            return
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             rights &= FILE_RIGHTS
         rule = _PathBeneathAttr(rights, fd)
@@ -141,7 +165,14 @@ def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int) -> None:
         os.close(fd)
 
 
-def _parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
+def _in_own_proc(fd: int) -> bool:
+    """Whether ``fd`` (as opened: every link followed, ``/dev/fd`` too) is in this process's own
+    ``/proc/<pid>``."""
+    where, own = os.readlink(f"/proc/self/fd/{fd}"), f"/proc/{os.getpid()}"
+    return where == own or where.startswith(own + "/")
+
+
+def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
     """(parent pid or 0, read paths, write paths, the command)."""
     parent, read, write = 0, list[str](), list[str]()
     args = iter(argv)
@@ -161,17 +192,38 @@ def _parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
     raise ValueError("usage: landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...")
 
 
+def apply(argv: list[str], thread: bool = False) -> list[str]:
+    """Confine the calling thread (and all it will start) as the wrapper's arguments ``argv`` say,
+    ``PR_SET_PDEATHSIG`` first when they name a parent; the command they name. Raises ``OSError``
+    or ``ValueError``.
+
+    The one implementation of "confine": the wrapper runs it in the process that becomes the
+    agent, ``rcoder.agent.confined`` (through ``ruleset_of``) in a thread that then starts the
+    agent (``thread``)."""
+    parent = parse(argv)[0]
+    if parent:
+        _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # the daemon died before the death signal was armed
+            raise OSError(0, "the daemon that started this agent is gone")
+    ruleset, command, _ = ruleset_of(argv, thread)
+    try:
+        enforce(ruleset)
+    finally:
+        os.close(ruleset)
+    return command
+
+
+def ruleset_of(argv: list[str], thread: bool = False) -> tuple[int, list[str], list[str]]:
+    """The ruleset the wrapper's arguments ``argv`` say (its fd, the caller's to close), the
+    command they name, and the paths its rules were bound to."""
+    _, read, write, command = parse(argv)
+    return build(read, write, thread)[0], command, [*read, *write]
+
+
 def main(argv: list[str]) -> int:
     """The exec wrapper: confine, then become ``ARGV`` (returns only on failure)."""
     try:
-        parent, read, write, command = _parse(argv)
-        if parent:
-            libc = _libc()
-            _check(_prctl(libc, _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
-            if os.getppid() != parent:  # the daemon died before the death signal was armed
-                sys.stderr.write("rcoder-landlock: the daemon that started this agent is gone\n")
-                return EXIT_NOT_CONFINED
-        restrict(read, write)
+        command = apply(argv)
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"rcoder-landlock: the agent was not started, it could not be confined: {exc}\n")
         return EXIT_NOT_CONFINED

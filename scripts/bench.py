@@ -39,7 +39,10 @@ sys.path.insert(0, str(ROOT))
 from bench_multihost import multihost  # noqa: E402  (beside this script)
 from grpc_floor import RawAgent  # noqa: E402
 
-from rcoder.config import builtin_profiles  # noqa: E402
+from rcoder.agent.process import AgentProcess  # noqa: E402
+from rcoder.agent.sandbox import Confinement, confinement  # noqa: E402
+from rcoder.config import builtin_profiles, load_settings  # noqa: E402
+from rcoder.logs import configure as configure_logs  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
 from tests.fakes.model_servers import AnthropicServer, served  # noqa: E402
@@ -544,6 +547,57 @@ async def cold_start_confined(bench: Bench) -> Result:
     return judged("cold_start_confined", what, paired_ratio(ours, theirs), "<= 1.1", details)
 
 
+async def confined_spawn(bench: Bench) -> Result:
+    """What confining an agent adds to its start, in ms: spawn to the first byte of a fast agent
+    (``/bin/echo``) through rcoder's spawn path (``AgentProcess.spawn``, confined as the
+    launcher confines a profile's agent) minus the same unconfined, pairs back to back in
+    alternating order, the median of the pairs' differences. Beside it, the same for the exec
+    wrapper (``python -I -S landlock.py``), the way confined agents started before."""
+    fast = ["/bin/echo", "ready"]
+    configure_logs("warning")  # rcoder's spawn path logs each spawn; not into the bench's lines
+    # a native agent, of a kind that runs without its own /proc (codex's: Rust); the kinds that
+    # need it (opencode's: Bun; unknown runtimes) start through the exec wrapper: wrapper_added_ms
+    fast_profile = {"command": fast[0], "args": fast[1:], "kind": "codex"}
+    settings = load_settings(bench.config({"fast": fast_profile}, default_agent="fast"), {})
+    profile, project = settings.agents["fast"], bench.workspace / "proj"
+    home = bench.root / "fast-home"
+    home.mkdir(exist_ok=True)
+    confined = await asyncio.to_thread(confinement, settings, profile, fast[0], project, home)
+    if confined is None:
+        return Result("confined_spawn_added_ms", "no Landlock on this kernel", None, "report", None)
+    assert not confined.own_proc, "it would start through the wrapper"
+    wrapper = confined.argv(fast, os.getpid())
+    times: dict[str, list[float]] = {"confined": [], "unconfined": [], "wrapper": []}
+    for rep in range(bench.sizes.reps * 10):
+        for side in ("confined", "unconfined", "wrapper")[:: 1 if rep % 2 else -1]:
+            argv = wrapper if side == "wrapper" else fast
+            times[side].append(await _first_byte(argv, project, confined if side == "confined" else None))
+    added = median([c - u for c, u in zip(times["confined"], times["unconfined"], strict=True)]) * 1e3
+    details = {
+        "confined_ms": median(times["confined"]) * 1e3,
+        "unconfined_ms": median(times["unconfined"]) * 1e3,
+        "wrapper_added_ms": median([w - u for w, u in zip(times["wrapper"], times["unconfined"], strict=True)]) * 1e3,
+        "reps": len(times["confined"]),
+    }
+    what = "spawn to first byte of a fast agent (/bin/echo): confined - unconfined, in ms (not a ratio)"
+    return judged("confined_spawn_added_ms", what, added, "<= 3", details)
+
+
+async def _first_byte(argv: list[str], cwd: Path, confined: Confinement | None) -> float:
+    """Seconds from spawning ``argv`` (as rcoder spawns an agent) to its first byte on stdout."""
+    began = time.perf_counter()
+    process = await AgentProcess.spawn(
+        argv, cwd=str(cwd), env={}, name="fast", stderr_tail_bytes=4096, stop_grace=1.0, confinement=confined
+    )
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT):
+            if not await process.stdout.read(1):
+                raise RuntimeError(f"no output from {argv}: {process.stderr_tail()}")
+        return time.perf_counter() - began
+    finally:
+        await process.aclose()
+
+
 async def _fallback_turn(stub: pb_grpc.AgentRunnerStub, agent: str, project: str) -> float:
     """Seconds to the first event of a turn on an unknown session id; it must fall back to a new one."""
     unknown = f"fake-unknown-{project}"
@@ -701,10 +755,15 @@ async def first_chunks(bench: Bench) -> list[Result]:
             "direct_ms": median(theirs) * 1e3,
             "reps": len(ours),
         }
-        if floor:
-            details |= {"floor_ms": median(floor) * 1e3, "over_floor": paired_ratio(ours, floor)}
+        over_direct = paired_ratio(ours, theirs)
+        if floor:  # judged over the floor relay: what rcoder adds to what the gRPC stack costs
+            details |= {"floor_ms": median(floor) * 1e3, "over_direct": over_direct}
         details |= {"daemon_all_ms": [x * 1e3 for x in ours], "direct_all_ms": [x * 1e3 for x in theirs]}
-        results.append(judged(name, what + ", daemon / raw direct client", paired_ratio(ours, theirs), target, details))
+        if floor:
+            what += ", daemon / floor relay (grpc_floor.py)"
+            results.append(judged(name, what, paired_ratio(ours, floor), target, details))
+        else:
+            results.append(judged(name, what + ", daemon / raw direct client", over_direct, target, details))
         if floor:
             what = "the same through the floor relay (grpc.aio, no store, no checks) / raw direct client"
             stack = Result(f"{name}_grpc_floor", what, paired_ratio(floor, theirs), "report", None)
@@ -713,9 +772,13 @@ async def first_chunks(bench: Bench) -> list[Result]:
     return results
 
 
-LINES = {  # the first_chunks lines: name, target, what ({quick} and {paced}: the prompts)
-    "live": ("first_chunk_live", "<= 2.0", "time to first text chunk, live session, {quick!r}"),
-    "paced": ("first_chunk_paced", "<= 1.2", "time to first text chunk, live session, {paced!r}"),
+# the first_chunks lines: name, target, what ({quick} and {paced}: the prompts). The live lines
+# are judged over the floor relay (what rcoder adds; their ratio to the direct client, which the
+# gRPC stack alone puts above any target rcoder could meet, is in their details and the
+# _grpc_floor report lines); the cold line, with no floor relay, over the direct client.
+LINES = {
+    "live": ("first_chunk_live", "<= 1.15", "time to first text chunk, live session, {quick!r}"),
+    "paced": ("first_chunk_paced", "<= 1.05", "time to first text chunk, live session, {paced!r}"),
     "cold": ("cold_first_turn", "<= 1.2", "spawn to the end of a short first turn ('hello')"),
 }
 
@@ -757,10 +820,17 @@ async def startup_and_added_latency(bench: Bench) -> list[Result]:
             floor.append((await chat(relay, "hello")).total)
     start = Result("daemon_start_to_serving", "daemon spawn to the serving log line", None, "report", None)
     start.details = {"median_ms": median(starts) * 1e3, "all_ms": [s * 1e3 for s in starts]}
-    added_ms = (median(ours) - median(theirs)) * 1e3
-    what = "live turn streaming nothing: daemon - direct SDK client, in ms (not a ratio)"
-    latency = judged("live_turn_added_latency", what, added_ms, "<= 1.0", {})
-    latency.details = {"added_ms": added_ms, "daemon_ms": median(ours) * 1e3, "direct_ms": median(theirs) * 1e3}
+    # judged over the floor relay (pairs back to back): what rcoder adds to the gRPC stack's cost
+    added_ms = median([o - f for o, f in zip(ours, floor, strict=True)]) * 1e3
+    what = "live turn streaming nothing: daemon - floor relay, in ms (not a ratio)"
+    latency = judged("live_turn_added_latency", what, added_ms, "<= 0.5", {})
+    latency.details = {
+        "added_ms": added_ms,
+        "added_over_direct_ms": (median(ours) - median(theirs)) * 1e3,
+        "daemon_ms": median(ours) * 1e3,
+        "floor_ms": median(floor) * 1e3,
+        "direct_ms": median(theirs) * 1e3,
+    }
     what = "the same through the floor relay (grpc.aio, no store, no checks): floor - direct, in ms"
     stack = Result("live_turn_added_latency_grpc_floor", what, (median(floor) - median(theirs)) * 1e3, "report", None)
     stack.details = {"floor_ms": median(floor) * 1e3, "direct_ms": median(theirs) * 1e3}
@@ -794,6 +864,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("resumed", lambda b: _one(resumed_first_chunk(b))),
         ("fallback", lambda b: _one(fallback_first_event(b))),
         ("confined", lambda b: _one(cold_start_confined(b))),
+        ("confined_spawn", lambda b: _one(confined_spawn(b))),
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),

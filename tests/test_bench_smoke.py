@@ -21,6 +21,7 @@ MEASURES = {
     "first_chunk_resumed",
     "fallback_first_event",
     "cold_start_confined",
+    "confined_spawn_added_ms",
     "first_chunk_live",
     "first_chunk_live_grpc_floor",
     "first_chunk_paced",

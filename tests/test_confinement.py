@@ -288,6 +288,24 @@ def test_an_agents_confinement_grants_its_project_and_home_and_keeps_out_data_di
     assert confinement(settings.model_copy(update={"landlock_abi": 0}), profile, "x", project, home) is None
 
 
+def test_only_agents_that_read_their_own_proc_are_granted_it_and_start_through_the_wrapper(
+    tmp_path: Path, fake: FakeAgentSetup
+) -> None:
+    config = write_config(tmp_path / "rcoder.toml", {"fake": fake.profile()}, **base_settings(tmp_path))
+    settings = load_settings(config, {}, landlock_abi=7)
+    project, home = tmp_path / "workspace" / "proj", tmp_path / "home"
+    for path in (project, home):
+        path.mkdir(parents=True)
+    own: dict[str, bool] = {}
+    for name in ("fake", "opencode", "claude", "codex", "gemini"):
+        plan = confinement(settings, settings.agents[name], str(settings.agents[name].command), project, home)
+        assert plan is not None
+        own[name] = plan.own_proc
+        assert (Path("/proc/self") in plan.read) is plan.own_proc
+    # Bun (OpenCode) aborts without its /proc/self/maps; an unknown runtime may too
+    assert own == {"fake": True, "opencode": True, "claude": False, "codex": False, "gemini": False}
+
+
 def test_a_project_folder_holding_data_dir_is_granted_without_it(tmp_path: Path, fake: FakeAgentSetup) -> None:
     # workspace_root = the config's folder, data_dir inside it: the project ".rcoder" is data_dir
     top = {**base_settings(tmp_path), "workspace_root": str(tmp_path), "data_dir": str(tmp_path / ".rcoder")}

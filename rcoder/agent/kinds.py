@@ -49,6 +49,11 @@ class AgentKind:
     name: ClassVar[str] = "generic"
     # answers session/load while its replay is still streaming (rcoder then waits it out)
     answers_load_before_replay: ClassVar[bool] = False
+    # the agent process reads its own /proc/<pid> (Bun's JavaScriptCore and the JVM read
+    # /proc/self/maps for their stack bounds and abort without): confined, it starts through the
+    # exec wrapper, which grants it from inside the agent's process (~15 ms a start); without,
+    # from a thread that confines itself (~1 ms). Unknown runtimes get it (rcoder.agent.confined).
+    own_proc: ClassVar[bool] = True
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         """Write the agent's config files under ``home`` for ``provider``; its env and args.
@@ -89,6 +94,8 @@ class ClaudeKind(AgentKind):
     Sessions are transcripts under ``$HOME/.claude/projects/<cwd>/``. No config file
     is needed: the Anthropic endpoint, key and model are environment variables.
     """
+
+    own_proc = False  # node: only process.memoryUsage() needs it
 
     name = "claude"
 
@@ -139,6 +146,8 @@ class CodexKind(AgentKind):
     for different providers never read each other's file. ``base_url`` is the
     OpenAI-style root, ``/v1`` included.
     """
+
+    own_proc = False  # a native (Rust) binary
 
     name = "codex"
 
@@ -248,6 +257,8 @@ class GeminiKind(AgentKind):
     the one in the session's oldest chat file (``load_not_before``). Its load
     answer comes before the replay is out, so the launcher waits the replay out.
     """
+
+    own_proc = False  # node: only process.memoryUsage() needs it
 
     name = "gemini"
     answers_load_before_replay = True

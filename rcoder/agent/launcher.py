@@ -25,8 +25,9 @@ from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
+from rcoder.agent.leftovers import sweep
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
-from rcoder.agent.process import AgentProcess, sweep
+from rcoder.agent.process import AgentProcess
 from rcoder.agent.profile import model_provider, sandbox_of
 from rcoder.agent.sandbox import confinement
 from rcoder.agent.start_config import AgentStartConfig

@@ -2,10 +2,11 @@
 
 The process is started with ``start_new_session=True`` so that ending it by
 its process group also reaches grandchildren (node → claude CLI, npx wrappers).
-A confined agent (``rcoder.agent.sandbox``) starts through rcoder's Landlock exec
-wrapper, which also sets ``PR_SET_PDEATHSIG=SIGKILL``, so the kernel ends it if
-the daemon dies; an unconfined one gets it where util-linux ``setpriv`` can give
-it, and where it cannot, that is logged once (``pdeathsig_unavailable``).
+Every agent gets ``PR_SET_PDEATHSIG=SIGKILL`` where util-linux ``setpriv`` can give
+it, so the kernel ends it if the daemon dies. A confined agent (``rcoder.agent.sandbox``)
+is started by a thread that confines itself first (``rcoder.agent.confined``), or, where
+there is no ``setpriv``, through rcoder's Landlock exec wrapper, which sets the signal
+itself; an unconfined one without it is logged once (``pdeathsig_unavailable``).
 ``AgentProcess.has_pdeathsig`` says which.
 
 Every wait is bounded. The exit of the process is observed on its own (the
@@ -26,7 +27,10 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
+from rcoder.agent.confined import spawn_confined
+from rcoder.agent.leftovers import record
 from rcoder.agent.sandbox import Confinement
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
@@ -92,13 +96,59 @@ class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
 _Creation = asyncio.Task[tuple[asyncio.SubprocessTransport, _Protocol]]
 
 
+class _Child(Protocol):
+    """A started agent process, however it was started: an asyncio subprocess (``_Subprocess``)
+    or a confined one (``confined.ConfinedChild``)."""
+
+    pid: int
+    stdin: asyncio.StreamWriter
+    stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
+    # set when its exit is known, whether or not its pipes have closed
+    exited: asyncio.Future[None]
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def signal_group(self, sig: signal.Signals) -> None: ...
+
+    def let_go(self) -> None:
+        """SIGKILL the group and close our ends of its pipes (its readers see EOF), waiting for nothing."""
+
+    def pipe_inodes(self) -> set[int]: ...
+
+
+class _Subprocess:
+    """An asyncio subprocess as a ``_Child``."""
+
+    def __init__(self, transport: asyncio.SubprocessTransport, protocol: _Protocol) -> None:
+        self._transport = transport
+        self._proc = asyncio.subprocess.Process(transport, protocol, asyncio.get_running_loop())
+        assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
+        self.pid = self._proc.pid
+        self.stdin, self.stdout, self.stderr = self._proc.stdin, self._proc.stdout, self._proc.stderr
+        self.exited = protocol.exited
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        _killpg(self.pid, sig)
+
+    def let_go(self) -> None:
+        _let_go(self._transport, self.exited)
+
+    def pipe_inodes(self) -> set[int]:
+        return _pipe_inodes(self._transport)
+
+
 class AgentProcess:
     """Owns one child process and its group. ``aclose()`` is bounded and idempotent."""
 
     def __init__(
         self,
-        transport: asyncio.SubprocessTransport,
-        protocol: _Protocol,
+        child: _Child,
         name: str,
         stderr_tail_bytes: int,
         stop_grace: float,
@@ -106,19 +156,18 @@ class AgentProcess:
         has_pdeathsig: bool = False,
     ) -> None:
         loop = asyncio.get_running_loop()
-        self._transport = transport
-        self._proc = asyncio.subprocess.Process(transport, protocol, loop)
-        self._exited = protocol.exited
+        self._child = child
+        self._exited = child.exited
         self.name = name
-        self.pid = self._proc.pid
+        self.pid = child.pid
         self._has_pdeathsig = has_pdeathsig
         self._tail = bytearray()
         self._tail_limit = stderr_tail_bytes
         self._stop_grace = stop_grace
         self._closed = False
         self._close_lock = asyncio.Lock()
-        self._pid_file = _record(pid_dir, self.pid) if pid_dir else None
-        self._pipe_inodes = _pipe_inodes(transport)
+        self._pid_file = record(pid_dir, self.pid) if pid_dir else None
+        self._pipe_inodes = child.pipe_inodes()
         # No await between spawn and taking ownership of stderr: a chatty agent
         # must never block on a full pipe.
         self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
@@ -137,11 +186,22 @@ class AgentProcess:
         pid_dir: Path | None = None,
         confinement: Confinement | None = None,
     ) -> AgentProcess:
-        """Start ``argv``; confined by ``confinement`` when given (its wrapper sets the death signal)."""
+        """Start ``argv``; confined by ``confinement`` when given: by a thread that confines itself
+        first (``rcoder.agent.confined``), or through the exec wrapper where the agent needs its
+        own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal."""
+        prefix = _pdeathsig_prefix()
+        if confinement is not None and prefix and not confinement.own_proc:
+            try:
+                started = await spawn_confined(
+                    confinement, argv, cwd=cwd, env=env, limit=_PIPE_BUFFER, prefix=prefix, name=name
+                )
+            except (OSError, ValueError) as exc:
+                why = f"could not start agent {name!r} ({argv[0]}) confined: {exc}"
+                raise AgentUnavailable(why, agent=name) from exc
+            return cls._started(started, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0])
         if confinement is not None:
             command, pdeathsig = confinement.argv(argv, os.getpid()), True
         else:
-            prefix = _pdeathsig_prefix()
             command, pdeathsig = [*prefix, *argv], bool(prefix)
         loop = asyncio.get_running_loop()
         # The creation runs shielded: cancelled, it would leave asyncio to kill the direct
@@ -168,24 +228,37 @@ class AgentProcess:
             raise
         except OSError as exc:
             raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
-        process = cls(transport, protocol, name, stderr_tail_bytes, stop_grace, pid_dir, has_pdeathsig=pdeathsig)
+        child = _Subprocess(transport, protocol)
+        return cls._started(child, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0], pdeathsig)
+
+    @classmethod
+    def _started(
+        cls,
+        child: _Child,
+        name: str,
+        stderr_tail_bytes: int,
+        stop_grace: float,
+        pid_dir: Path | None,
+        confinement: Confinement | None,
+        command: str,
+        pdeathsig: bool = True,
+    ) -> AgentProcess:
+        process = cls(child, name, stderr_tail_bytes, stop_grace, pid_dir, has_pdeathsig=pdeathsig)
         sandbox = f"landlock (ABI {confinement.abi})" if confinement else "none"
-        log.info("agent_spawned", agent=name, pid=process.pid, command=argv[0], pdeathsig=pdeathsig, sandbox=sandbox)
+        log.info("agent_spawned", agent=name, pid=process.pid, command=command, pdeathsig=pdeathsig, sandbox=sandbox)
         return process
 
     @property
     def stdin(self) -> asyncio.StreamWriter:
-        assert self._proc.stdin is not None
-        return self._proc.stdin
+        return self._child.stdin
 
     @property
     def stdout(self) -> asyncio.StreamReader:
-        assert self._proc.stdout is not None
-        return self._proc.stdout
+        return self._child.stdout
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.returncode
+        return self._child.returncode
 
     @property
     def has_pdeathsig(self) -> bool:
@@ -193,12 +266,12 @@ class AgentProcess:
         return self._has_pdeathsig
 
     def is_running(self) -> bool:
-        return self._proc.returncode is None
+        return self._child.returncode is None
 
     async def wait_exit(self) -> int:
         """Wait for the process to exit (not for its pipes to close); its exit code."""
         await asyncio.shield(self._exited)
-        code = self._proc.returncode
+        code = self._child.returncode
         assert code is not None  # set before the exit is reported
         return code
 
@@ -210,8 +283,7 @@ class AgentProcess:
         await asyncio.wait({self._stderr_task}, timeout=timeout)
 
     async def _drain_stderr(self) -> None:
-        stream = self._proc.stderr
-        assert stream is not None
+        stream = self._child.stderr
         try:
             while chunk := await stream.read(65536):
                 self._tail += chunk
@@ -249,7 +321,7 @@ class AgentProcess:
             finally:
                 self._release()
             await self._settle_readers()
-        log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._proc.returncode)
+        log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._child.returncode)
 
     async def _discard_stdout(self) -> None:
         """Read stdout to its end while the agent is ended: its reader pauses the pipe while it
@@ -290,7 +362,7 @@ class AgentProcess:
 
     def _release(self) -> None:
         """Let go at once of all we hold: the group, our ends of the pipes, the pid file."""
-        _let_go(self._transport, self._exited)
+        self._child.let_go()
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
 
@@ -302,7 +374,7 @@ class AgentProcess:
             task.cancel()
 
     def _killpg(self, sig: signal.Signals) -> None:
-        _killpg(self.pid, sig)
+        self._child.signal_group(sig)
 
 
 def _killpg(pgid: int, sig: signal.Signals) -> None:
@@ -345,7 +417,8 @@ def _pipe_inodes(transport: asyncio.SubprocessTransport) -> set[int]:
         pipe = transport.get_pipe_transport(fd)
         file = pipe.get_extra_info("pipe") if pipe is not None else None
         if file is not None:
-            with contextlib.suppress(OSError):
+            # ValueError: a child that exited at once may have had its pipe read to EOF and closed
+            with contextlib.suppress(OSError, ValueError):
                 inodes.add(os.fstat(file.fileno()).st_ino)
     return inodes
 
@@ -361,57 +434,3 @@ def _pipe_holders(inodes: set[int]) -> list[int]:
             if any(os.readlink(fd) in links for fd in (entry / "fd").iterdir()):
                 found.append(int(entry.name))
     return found
-
-
-# ---------------------------------------------------------------- leftovers of a killed daemon
-#
-# Each agent's process group is recorded as <pid_dir>/<pid> holding the leader's
-# start time. PR_SET_PDEATHSIG ends the leader when the daemon dies, but not
-# its children; ``sweep`` at the next start ends whatever is left of each group.
-
-
-def _stat(pid: int | str) -> tuple[int, int] | None:
-    """(process group, start time in clock ticks) of a live process, or None."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] == "Z":
-        return None
-    return int(fields[2]), int(fields[19])
-
-
-def _record(pid_dir: Path, pid: int) -> Path | None:
-    stat = _stat(pid)
-    if stat is None:
-        return None
-    pid_dir.mkdir(parents=True, exist_ok=True)
-    path = pid_dir / str(pid)
-    path.write_text(str(stat[1]))
-    return path
-
-
-def sweep(pid_dir: Path) -> int:
-    """SIGKILL what is left of agent groups recorded by an earlier daemon; returns how many processes."""
-    if not pid_dir.is_dir():
-        return 0
-    groups: dict[int, int] = {}
-    for path in pid_dir.iterdir():
-        with contextlib.suppress(ValueError, OSError):
-            groups[int(path.name)] = int(path.read_text() or 0)
-        path.unlink(missing_ok=True)
-    if not groups:
-        return 0
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = _stat(entry.name)
-        # same group, started no earlier than its recorded leader: not a reused pid
-        if stat is not None and stat[0] in groups and stat[1] >= groups[stat[0]]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    if killed:
-        log.warning("leftover_agents_killed", processes=killed, groups=len(groups))
-    return killed

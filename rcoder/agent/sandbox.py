@@ -1,10 +1,11 @@
 """What an agent process may reach (DESIGN §6.1), as the argv that confines it.
 
-An agent under ``sandbox = "landlock"`` starts through ``rcoder/landlock.py`` (an exec wrapper
-run by the daemon's own interpreter with ``-I -S``), which confines the new process with the
-paths below before it executes the agent; the confinement is inherited by everything the
-agent starts. Read and write: the session's project, the agent's home for that project (its
-``TMPDIR`` inside) and the profile's ``write_paths``. Read and execute: the system, the
+An agent under ``sandbox = "landlock"`` is started by a thread that first confines itself with
+the paths below (``rcoder.agent.confined``), or through ``rcoder/landlock.py`` run as an exec
+wrapper; both read the ``Confinement`` as the wrapper's arguments (``wrapper_args``). The
+confinement is inherited by everything the agent starts. Read and write: the session's
+project, the agent's home for that project (its ``TMPDIR`` inside) and the profile's
+``write_paths``. Read and execute: the system, the
 toolchains rcoder knows of (the agent's install, the pinned agents, the daemon's Python) and
 the profile's ``read_paths``. Nothing else.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcoder import landlock
+from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
 
@@ -32,15 +34,18 @@ WRAPPER = Path(landlock.__file__).resolve()
 # The system, read and execute.
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 # Of /proc and /sys, what runtimes read about the machine (node's os.cpus() and memory, glibc's
-# CPU count, cgroup limits), and the agent process's own /proc/<pid> ("/proc/self" as the wrapper
-# resolves it: the agent's, not its children's). Never /proc whole: Landlock keeps a confined
-# process from ptrace-reading others (their fd, cwd, mem), but /proc/<pid>/environ of every
-# process of the same user stays readable where /proc is (Linux 6.18 here) - the daemon's and
-# other projects' agents' keys. So a child of the agent cannot read its own /proc/self (node's
-# process.memoryUsage() throws EACCES there, `ps` shows nothing); a profile that needs it adds
-# "/proc" to read_paths and gives that up.
+# CPU count, cgroup limits), and "/proc/self": the agent process's own /proc/<pid> where the exec
+# wrapper resolves it (in the agent's process: not its children's); where a thread of the daemon
+# confines itself to start the agent, it resolves to the daemon's and is left out (the agent's
+# pid does not exist yet). Never /proc whole: Landlock keeps a confined process from
+# ptrace-reading others (their fd, cwd, mem), but /proc/<pid>/environ of every process of the
+# same user stays readable where /proc is (Linux 6.18 here) - the daemon's and other projects'
+# agents' keys. So the agent's children, and the agent itself when started by a confined thread,
+# cannot read their own /proc/self (node's process.memoryUsage() throws EACCES there, `ps` shows
+# nothing); a profile that needs it adds "/proc" to read_paths and gives that up.
+OWN_PROC = "/proc/self"
 PROC_READ = (
-    "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
+    OWN_PROC, "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
     "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu", "/sys/fs/cgroup",
 )  # fmt: skip
 # Devices every program expects, read and write (``> /dev/null`` truncates: write rights).
@@ -57,14 +62,26 @@ class Confinement:
     write: tuple[Path, ...]
     abi: int
 
+    @property
+    def own_proc(self) -> bool:
+        """Whether it grants the agent its own ``/proc/<pid>`` ("/proc/self"): only the agent's
+        process can resolve that, so the agent must start through the exec wrapper."""
+        own = Path(OWN_PROC)
+        return any(p == own or own in p.parents for p in (*self.read, *self.write))
+
     def argv(self, command: Sequence[str], parent: int) -> list[str]:
         """``command`` run through the wrapper (with the daemon's pid for its death signal)."""
-        wrapper = [sys.executable, "-I", "-S", "-B", str(WRAPPER), "--parent", str(parent)]
+        return [sys.executable, "-I", "-S", "-B", str(WRAPPER), *self.wrapper_args(command, parent)]
+
+    def wrapper_args(self, command: Sequence[str], parent: int) -> list[str]:
+        """The wrapper's arguments: what confines ``command``, as ``landlock.parse`` reads them.
+        The spawn helper (``rcoder.agent.spawner``) is sent these same arguments."""
+        args = ["--parent", str(parent)]
         for path in self.read:
-            wrapper += ["--read", str(path)]
+            args += ["--read", str(path)]
         for path in self.write:
-            wrapper += ["--write", str(path)]
-        return [*wrapper, "--", *command]
+            args += ["--write", str(path)]
+        return [*args, "--", *command]
 
 
 def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Path, home: Path) -> Confinement | None:
@@ -76,7 +93,10 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
         return None
     hidden = protected(settings)
     system = [Path(p) for p in (*SYSTEM_READ, *ETC_LINKS)]
-    own = [Path(p) for p in PROC_READ]  # resolved by the wrapper, in the agent's process (no around())
+    # resolved by the wrapper, in the agent's process (no around()); "/proc/self" only for a kind
+    # whose agent needs it (that makes it start through the wrapper: Confinement.own_proc)
+    own_proc = kind_of(profile.kind).own_proc
+    own = [Path(p) for p in PROC_READ if own_proc or p != OWN_PROC]
     install = install_dirs(command, settings.daemon_env.get("HOME"))
     read = [*system, *install, *python_dirs(), *profile.read_paths]
     for path in profile.write_paths:

@@ -14,6 +14,7 @@ import pytest
 
 from rcoder import landlock
 from rcoder.agent.process import AgentProcess
+from rcoder.agent.sandbox import SYSTEM_READ, Confinement, python_dirs
 from tests.conftest import exited
 from tests.harness import ROOT, processes_mentioning
 
@@ -32,7 +33,23 @@ async def marker(tmp_path: Path) -> AsyncIterator[str]:
     assert not processes_mentioning(str(tmp_path)), "processes left behind"
 
 
-async def spawn(marker: str, mode: str, *args: str, grace: float = GRACE, tail: int = 4096) -> AgentProcess:
+@pytest.fixture(params=["unconfined", "confined"])
+def confined(request: pytest.FixtureRequest) -> bool:
+    """Run the test on an unconfined child and on one confined by Landlock (its own spawn path)."""
+    if request.param == "confined" and not landlock.abi():
+        pytest.skip("this kernel offers no Landlock")
+    return bool(request.param == "confined")
+
+
+def confinement_for(marker: str) -> Confinement:
+    """What a test child needs: the system, Python, its script; and its marker folder, writable."""
+    read = (*map(Path, SYSTEM_READ), *python_dirs(), CHILD.parent)
+    return Confinement(read=read, write=(Path(marker),), abi=landlock.abi())
+
+
+async def spawn(
+    marker: str, mode: str, *args: str, grace: float = GRACE, tail: int = 4096, confined: bool = False
+) -> AgentProcess:
     return await AgentProcess.spawn(
         [sys.executable, str(CHILD), mode, *args, marker],
         cwd=marker,
@@ -40,6 +57,7 @@ async def spawn(marker: str, mode: str, *args: str, grace: float = GRACE, tail: 
         name="test-child",
         stderr_tail_bytes=tail,
         stop_grace=grace,
+        confinement=confinement_for(marker) if confined else None,
     )
 
 
@@ -82,16 +100,18 @@ async def test_a_child_that_ends_on_stdin_close_is_closed_and_closing_again_is_a
     assert process.returncode == 0
 
 
-async def test_a_child_that_ignores_sigterm_is_sigkilled_within_the_bound(marker: str) -> None:
-    process = await spawn(marker, "ignore-term")
+async def test_a_child_that_ignores_sigterm_is_sigkilled_within_the_bound(marker: str, confined: bool) -> None:
+    process = await spawn(marker, "ignore-term", confined=confined)
     assert await read_line(process.stdout) == "ready"
     async with asyncio.timeout(CLOSE_BOUND):
         await process.aclose()
     assert process.returncode == -signal.SIGKILL
 
 
-async def test_a_grandchild_that_left_the_group_holding_the_pipes_does_not_hang_aclose(marker: str) -> None:
-    process = await spawn(marker, "escape")
+async def test_a_grandchild_that_left_the_group_holding_the_pipes_does_not_hang_aclose(
+    marker: str, confined: bool
+) -> None:
+    process = await spawn(marker, "escape", confined=confined)
     grandchild = 0
     try:
         grandchild = int(await read_line(process.stdout))
@@ -107,8 +127,8 @@ async def test_a_grandchild_that_left_the_group_holding_the_pipes_does_not_hang_
             await wait_gone([grandchild], timeout=5.0)
 
 
-async def test_a_chatty_child_never_blocks_on_stderr_and_its_tail_is_kept(marker: str) -> None:
-    process = await spawn(marker, "chatty", str(4 << 20), tail=1000)
+async def test_a_chatty_child_never_blocks_on_stderr_and_its_tail_is_kept(marker: str, confined: bool) -> None:
+    process = await spawn(marker, "chatty", str(4 << 20), tail=1000, confined=confined)
     # it prints "done" only once all 4 MiB went through a 64 KiB pipe
     assert await read_line(process.stdout, timeout=30.0) == "done"
     async with asyncio.timeout(CLOSE_BOUND):
@@ -118,13 +138,13 @@ async def test_a_chatty_child_never_blocks_on_stderr_and_its_tail_is_kept(marker
     assert tail.endswith("END-OF-STDERR") and 900 < len(tail) <= 1000
 
 
-async def test_cancelling_spawn_at_any_point_leaves_no_process_behind(marker: str) -> None:
+async def test_cancelling_spawn_at_any_point_leaves_no_process_behind(marker: str, confined: bool) -> None:
     """Cancelled after 1 turn of the loop, spawn has started making the process (its creation
     runs on, shielded); a few turns later the process exists and its pipes are being connected;
     later still, spawn has returned. Wherever the cancel lands, no process outlives it."""
     outcomes: list[str] = []
     for steps in range(1, 200):
-        task = asyncio.create_task(spawn(marker, "ignore-term"))
+        task = asyncio.create_task(spawn(marker, "ignore-term", confined=confined))
         call_after_steps(steps, task.cancel)
         await asyncio.wait({task}, timeout=10.0)
         assert task.done()
@@ -141,8 +161,8 @@ async def test_cancelling_spawn_at_any_point_leaves_no_process_behind(marker: st
     assert outcomes[0] == "cancelled" and outcomes[-1] == "spawned", outcomes
 
 
-async def test_cancelling_aclose_propagates_and_still_ends_the_group(marker: str) -> None:
-    process = await spawn(marker, "ignore-term", grace=60.0)
+async def test_cancelling_aclose_propagates_and_still_ends_the_group(marker: str, confined: bool) -> None:
+    process = await spawn(marker, "ignore-term", grace=60.0, confined=confined)
     assert await read_line(process.stdout) == "ready"
     closing = asyncio.create_task(process.aclose())
     call_after_steps(1, closing.cancel)  # aclose has closed stdin and waits out the first grace
@@ -167,7 +187,7 @@ async def test_the_agent_is_killed_when_the_process_that_spawned_it_dies(marker:
     try:
         assert parent.stdout is not None
         child, pdeathsig = map(int, (await read_line(parent.stdout, timeout=30.0)).split())
-        assert pdeathsig or mode == "parent", "a confined agent gets its death signal from the wrapper"
+        assert pdeathsig or mode == "parent", "a confined agent always gets its death signal"
         if not pdeathsig:
             pytest.skip("no setpriv with --pdeathsig here (logged as pdeathsig_unavailable)")
         os.kill(parent.pid, signal.SIGKILL)  # the child, in its own session, ignores SIGTERM and EOF

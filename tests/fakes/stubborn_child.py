@@ -11,7 +11,7 @@ MODE:
     parent        spawn an ignore-term child through AgentProcess, print "<its pid> <has_pdeathsig>",
                   then wait for stdin's end (tests SIGKILL it before that)
     confined-parent
-                  the same, the child confined by Landlock (started through rcoder's wrapper)
+                  the same, the child confined by Landlock (as rcoder starts confined agents)
 
 Trailing arguments are ignored: tests put a marker there to find their processes in /proc.
 Whatever never exits on its own ends itself after a while (SIGALRM) should a test die

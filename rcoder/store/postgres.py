@@ -4,9 +4,9 @@ Chosen by ``store_url = "postgresql://..."``; several daemons may share one data
 contract is the SQLite store's (``base.SessionStore``), method by method; how it is kept:
 
 - **Calls.** Every statement runs through ``pg_pool.PgPool``: pooled connections, reconnects,
-  every call bounded and run to its end even if its caller is cancelled (the caller can ask
-  what landed, as with the SQLite store's worker). Calls from different tasks run side by
-  side, each atomic; PostgreSQL orders conflicting writes by row locks.
+  every call bounded; a call whose caller is cancelled returns at once, its statement
+  cancelled in the server. Calls from different tasks run side by side, each atomic;
+  PostgreSQL orders conflicting writes by row locks.
 - **Errors.** What psycopg and the pool raise, a missing row and a closed store leave this
   module as ``StoreError`` only, never with the URL's password in them.
 - **Open.** ``open`` migrates the schema (``pg_schema``, under an advisory lock: daemons

@@ -248,14 +248,32 @@ SLACK = 1.0  # for the event loop of a loaded machine: these are correctness bou
 
 
 @contextlib.asynccontextmanager
-async def heartbeat_held(pg_url: str, host_id: str) -> AsyncIterator[None]:
+async def heartbeat_held(pg_url: str, host_id: str) -> AsyncIterator[psycopg.AsyncConnection[tuple[object, ...]]]:
     """The host's row locked by another transaction: its heartbeat, the first statement of every
-    renewal round, waits for as long as this lasts."""
+    renewal round, waits for as long as this lasts (and so does its retirement)."""
     async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as holder:
         await holder.execute("BEGIN")
         await holder.execute("SELECT 1 FROM hosts WHERE id = %s FOR UPDATE", (host_id,))
-        yield
+        yield holder
         await holder.execute("ROLLBACK")
+
+
+async def test_closing_the_keeper_while_its_round_waits_on_the_store_takes_its_bounds_only(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    keeper = LeaseKeeper(PgCoordination(stores[0], SLOW_TTL), SLOW_TTL, Metrics())
+    await keeper.coordination.register("127.0.0.1:1111", "v")
+    await keeper.acquire("s1")
+    async with heartbeat_held(pg_url, "host-a") as holder:
+        keeper.start()
+        async with asyncio.timeout(SLOW_TTL):  # until the round's heartbeat waits on the row lock
+            while not (await (await holder.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")).fetchall())[0][
+                0
+            ]:
+                pass
+        # the round is let go of at once; the release lands; the retirement waits on the row: its bound
+        await asyncio.wait_for(keeper.aclose(), RELEASE_TIMEOUT + SLACK)
+    assert await PgCoordination(stores[1], SLOW_TTL).session_owner("s1") is None, "the lease was not released"
 
 
 async def test_a_renewal_round_on_a_store_that_does_not_answer_ends_within_its_bound(

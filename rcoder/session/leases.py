@@ -234,7 +234,8 @@ class LeaseKeeper:
             try:
                 async with asyncio.timeout(RELEASE_TIMEOUT):
                     await asyncio.shield(releasing)
-            except TimeoutError:
+            except TimeoutError:  # let go of: the leases expire by themselves, and nothing waits on the store
+                releasing.cancel()
                 log.warning("leases_not_released", timeout=RELEASE_TIMEOUT)
         try:  # gone, not just quiet: nobody forwards to this host or waits out its heartbeat
             async with asyncio.timeout(RELEASE_TIMEOUT):

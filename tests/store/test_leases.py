@@ -344,3 +344,17 @@ async def test_renewal_that_dies_of_an_unexpected_error_is_logged_and_goes_on(
         await keeper.aclose()
     assert "lease_renewal_crashed" in capsys.readouterr().out
     assert metrics.registry.get_sample_value("rcoder_lease_renewals_total", {"result": "failed"}) == 1
+
+
+async def test_a_release_the_store_does_not_answer_at_shutdown_is_let_go_of_and_leaves_nothing_waiting(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    store = stores[0]
+    keeper = LeaseKeeper(PgCoordination(store, SLOW_TTL), SLOW_TTL, Metrics())
+    await keeper.coordination.register("127.0.0.1:1111", "v")
+    await keeper.acquire("s1")
+    async with heartbeat_held(pg_url, "host-a") as holder:
+        await holder.execute("SELECT 1 FROM leases WHERE session_id = 's1' FOR UPDATE")  # the release waits too
+        await asyncio.wait_for(keeper.aclose(), 2 * RELEASE_TIMEOUT + SLACK)
+        # the lease expires by itself: nothing of the keeper's still waits on the store to close it
+        await asyncio.wait_for(store.close(), SLACK)

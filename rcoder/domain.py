@@ -303,6 +303,11 @@ class SessionOrder(enum.Enum):
     COST_DESC = "cost_desc"  # the most costly first, in one currency; sessions without cost in it last
 
 
+# the widest session cost (in nanos, either sign) that orders sessions by cost: sessions beyond it
+# tie there (by session_id). A page token never holds a wider one (SQLite compares 64-bit integers)
+COST_ORDER_LIMIT_NANOS = 9 * 10**18
+
+
 @dataclass(frozen=True, slots=True)
 class RunCompleted:
     stop_reason: StopReason

@@ -3,13 +3,16 @@ the other; through the agent's session/fork where it has one, re-seeded from the
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import grpc
 import pytest
 
 from rcoder.session.opening import UNOPENED_BRANCH
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, completed, started, text_of
+from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning, started, text_of
 from tests.turns import read_until, rest_of, start_turn
 
 FORKING = "resume,load,meta,close,fork"
@@ -140,3 +143,25 @@ async def test_a_bad_fork_request_is_refused_and_creates_nothing(
     assert caught.value.code() == code and says in (caught.value.details() or "")
     listed = await client.stub.ListSessions(pb.ListSessionsRequest())
     assert [s.session_id for s in listed.sessions] == [known]
+
+
+async def test_a_fork_whose_agent_is_still_opening_the_branch_at_shutdown_is_ended_by_the_daemon(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    first_daemon, client = await make_daemon({"fake": fake.profile("--caps", FORKING)})
+    source = (await client.chat(prompt="remember 1"))[0].session_id
+    assert await first_daemon.stop() == 0
+    # the same store, but its agents never answer session/fork (nor session/new): the fork's launch is held
+    daemon, client = await make_daemon({"fake": fake.profile("--caps", FORKING, "--hang", "open")})
+    forking = asyncio.create_task(fork(client, source))
+    (spawned,) = await daemon.wait_log("agent_initialized", timeout=30)  # its session/fork is on its way
+
+    assert await daemon.stop() == 0
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await asyncio.wait_for(forking, 30)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+    # ended by the daemon before it exited (not by the kernel's parent-death signal after it)
+    assert [r["pid"] for r in daemon.logs("agent_stopped")] == [spawned["pid"]], daemon.logs("agent_stopped")
+    assert not [*(tmp_path / "data" / "agent-pids").glob("*")], "an agent's process group is still recorded"
+    assert processes_mentioning(str(fake.state_dir)) == []

@@ -4,13 +4,18 @@ stored with the run, summed per session by GetSession, and the order of ListSess
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import sqlite3
 from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from rcoder.v1 import agent_runner_pb2 as pb
+from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory
 from tests.harness import Client, FakeAgentSetup, completed, error_info
 from tests.test_metrics import scrape
@@ -18,6 +23,7 @@ from tests.test_metrics import scrape
 TOKENS = ["input_tokens", "output_tokens", "cached_read_tokens", "total_tokens"]
 CONTEXT_AND_COST = ["context_used", "context_size", "cost_amount"]
 COST = pb.SESSION_ORDER_COST_DESC
+MAX_COST_KEY = 9 * 10**18  # the widest cost a page token may hold (README: ListSessions)
 
 
 async def test_a_turn_carries_what_the_agent_reported_and_nothing_else(make_daemon: DaemonFactory) -> None:
@@ -189,6 +195,68 @@ async def test_a_list_sessions_order_it_cannot_follow_is_invalid_argument_saying
         info = error_info(caught.value)
         assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == field
         assert says in (caught.value.details() or ""), caught.value.details()
+
+
+def cost_token(*position: object) -> str:
+    """A page token by cost as a client could craft one: ``cost `` and a JSON array, base64url."""
+    return base64.urlsafe_b64encode(b"cost " + json.dumps(list(position)).encode()).decode()
+
+
+async def test_a_crafted_page_token_is_invalid_argument_saying_so_never_unknown(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon()
+    for name in ("a", "b"):
+        await client.chat(prompt="usage", project_id=name)
+    crafted = [
+        cost_token("USD", 10**30, "s1"),  # more than a 64-bit integer: the store cannot compare it
+        cost_token("USD", -(10**30), "s1"),
+        cost_token("USD", 2**63, "s1"),
+        cost_token("USD", 1.5, "s1"),
+        cost_token("USD", True, "s1"),
+        cost_token("USD", "250000000", "s1"),
+        cost_token("USD", 0, "s 1"),
+        cost_token("USD", 0, ""),
+        cost_token("USD", 0),
+        cost_token("USD", 0, "s1", "more"),
+        base64.urlsafe_b64encode(b"cost {}").decode(),
+        base64.urlsafe_b64encode(b"cost \xff").decode(),
+    ]
+    for token in crafted:
+        request = pb.ListSessionsRequest(page_token=token, order_by=COST, page_size=1)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.stub.ListSessions(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (token, caught.value.details())
+        assert error_info(caught.value).metadata["field"] == "page_token"
+        assert "not a token from a previous ListSessions answer" in (caught.value.details() or "")
+    # the largest position a token may hold goes on like any other
+    widest = pb.ListSessionsRequest(page_token=cost_token("USD", MAX_COST_KEY, "s1"), order_by=COST, page_size=5)
+    assert len((await client.stub.ListSessions(widest)).sessions) == 2
+
+
+async def test_any_page_token_by_cost_gets_a_page_or_invalid_argument(make_daemon: DaemonFactory) -> None:
+    daemon, client = await make_daemon()
+    await client.chat(prompt="usage")
+    with grpc.insecure_channel(daemon.address) as channel:  # sync client: hypothesis drives it
+        stub = pb_grpc.AgentRunnerStub(channel)
+
+        @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(
+            currency=st.sampled_from(["USD", "EUR", "", "U S D"]),
+            cost=st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=5), st.booleans()),
+            session_id=st.one_of(st.text(max_size=20), st.integers()),
+        )
+        @example(currency="USD", cost=10**30, session_id="s1")
+        def listed(currency: str, cost: object, session_id: object) -> None:
+            token = cost_token(currency, cost, session_id)
+            request = pb.ListSessionsRequest(page_token=token, order_by=COST, page_size=3)
+            code, details = grpc.StatusCode.OK, "page_token"
+            try:
+                stub.ListSessions(request, timeout=10)
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+            assert code in {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, (token, code, details)
+            assert "page_token" in details, details
+
+        await asyncio.to_thread(listed)  # in a thread: this loop must keep reading the daemon's logs
 
 
 async def test_on_postgresql_another_daemon_sums_the_stored_usage_and_replays_a_runs_end_with_it(

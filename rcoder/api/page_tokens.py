@@ -4,6 +4,8 @@ By session_id a token is the last session_id listed, base64url (as before there 
 so a token of an older daemon goes on working). By cost it is ``cost `` and the JSON array
 ``[currency, cost in nanos or null, session_id]``, base64url: the listing goes on after that session
 at that cost (keyset paging), so a page never repeats a session whose cost did not change meanwhile.
+The cost is a session's place in the order, never wider than ``COST_ORDER_LIMIT_NANOS`` (the
+stores hold it there): every part of a token is checked, and anything else is ``InvalidArgument``.
 A session_id has no spaces, so the two kinds never mix up.
 """
 
@@ -15,7 +17,7 @@ import json
 
 from rcoder import errors
 from rcoder.api import validate
-from rcoder.domain import SessionOrder
+from rcoder.domain import COST_ORDER_LIMIT_NANOS, SessionOrder
 from rcoder.session.queries import After
 
 _COST = "cost "
@@ -60,5 +62,7 @@ def _cost_position(text: str) -> tuple[tuple[SessionOrder, str], After]:
         raise TypeError(text)
     if cost is not None and (not isinstance(cost, int) or isinstance(cost, bool)):
         raise TypeError(text)
+    if cost is not None and abs(cost) > COST_ORDER_LIMIT_NANOS:  # the stores make none wider
+        raise ValueError(text)
     validate.identifier(session_id, "page_token", required=True)
     return (SessionOrder.COST_DESC, currency), After(session_id, cost)

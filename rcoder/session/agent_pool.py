@@ -63,7 +63,8 @@ class _Slot:
     busy: bool = False  # a turn holds this live agent
     last_used: float = field(default_factory=time.monotonic)
     idle_timer: asyncio.TimerHandle | None = None
-    task: asyncio.Task[None] | None = None  # the warm-up of a WARMING slot
+    # the warm-up of a WARMING slot, or the launch of a TAKEN one: cancelled when the slot is let go of
+    task: asyncio.Task[Any] | None = None
     # the LIVE session's record as its last turn stored it: this host alone writes it while the
     # agent is live here (under its lease), so a live turn need not read it back (``live_record``)
     record: SessionRecord | None = None
@@ -79,11 +80,9 @@ class Checkout:
         self.warm = slot.connection is not None
 
     async def launch(self, config: AgentStartConfig) -> Launched:
-        """Start the agent (or take up the warm one) and open the session ``config`` asks for."""
-        slot = self._slot
-        launched = await self._pool.launcher.launch(self._profile, config, warm=slot.connection)
-        slot.connection = launched.connection  # no await since the launch returned: the slot owns it
-        return launched
+        """Start the agent (or take up the warm one) and open the session ``config`` asks for
+        (``ShuttingDown`` when the pool closes meanwhile: the agent is ended first)."""
+        return await self._pool.launch(self._slot, self._profile, config)
 
     def hand_over(self, session_id: str) -> AgentConnection:
         """The agent now serves ``session_id`` (busy with its turn until ``AgentPool.release``)."""
@@ -130,6 +129,32 @@ class AgentPool:
         finally:
             if slot.state is not SlotState.LIVE:
                 self._remove(slot)
+
+    async def launch(self, slot: _Slot, profile: AgentProfile, config: AgentStartConfig) -> Launched:
+        """A checkout's launch, in a task the pool owns: a checkout runs in its caller's task (a
+        turn, or a ForkSession handler the worker knows nothing of), so closing the pool cancels
+        the launch itself, and waits for it, rather than leave its agent to whoever holds it."""
+        task = asyncio.get_running_loop().create_task(self._launching(slot, profile, config), name="launch-agent")
+        slot.task = task
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:  # the caller's: the launcher ends what it started (bounded)
+            task.cancel()
+            await asyncio.wait({task})
+            raise
+        finally:
+            slot.task = None
+        if task.cancelled():  # the pool let go of the slot while the agent started: it is closing
+            raise ShuttingDown()
+        return task.result()
+
+    async def _launching(self, slot: _Slot, profile: AgentProfile, config: AgentStartConfig) -> Launched:
+        launched = await self.launcher.launch(profile, config, warm=slot.connection)
+        if slot not in self._slots:  # let go of as the launch returned (its cancel came too late)
+            await launched.connection.aclose()
+            raise ShuttingDown()
+        slot.connection = launched.connection  # no await since the launch returned: the slot owns it
+        return launched
 
     def adopt(self, slot: _Slot, session_id: str) -> AgentConnection:
         if slot not in self._slots or slot.connection is None:
@@ -239,8 +264,8 @@ class AgentPool:
                 self.on_session_closed(slot.session_id)
         if slot.idle_timer is not None:
             slot.idle_timer.cancel()
-        if slot.task is not None and slot.state is SlotState.WARMING:
-            slot.task.cancel()  # its launcher ends what it started
+        if slot.task is not None:
+            slot.task.cancel()  # a warm-up or a checkout's launch: its launcher ends what it started
         if slot.connection is not None:
             self._own(slot.connection.aclose(), f"close-agent-{slot.session_id or slot.profile}")
         self._recount()
@@ -356,13 +381,13 @@ class AgentPool:
     # ------------------------------------------------------------ closing
 
     async def aclose(self, timeout: float) -> None:
-        """End every agent; wait (at most ``timeout`` seconds) until their groups are gone,
-        then SIGKILL what is left. Idempotent."""
+        """End every agent, those still starting too (warm-ups, checkouts' launches); wait (at most
+        ``timeout`` seconds) until their groups are gone, then SIGKILL what is left. Idempotent."""
         self._closing = True
-        warming = [s.task for s in self._slots if s.task is not None]
+        starting = [s.task for s in self._slots if s.task is not None]
         for slot in list(self._slots):
             self._remove(slot)
-        pending = {*warming, *self._closes}
+        pending = {*starting, *self._closes}
         if pending:
             _, late = await asyncio.wait(pending, timeout=timeout)
             if late:

@@ -7,9 +7,17 @@ renewal that finds a lease gone (another host took the session over after this o
 or cut off) drops it and ends the session's agent (``on_lost``); the writes about the session
 carry the lost generation, so the store refuses whatever this host still tries to write.
 
+A lease surely holds until ``lease_ttl`` after its taking or its last renewal was *sent* (the
+store's clock starts its term no earlier). A renewal that does not come back in time (a store
+that is slow, hung or cut off) therefore ends the session's agent (``on_lost``) a margin before
+that (``EXPIRY_MARGIN`` of ``lease_ttl``), by a timer of its own: this host stops serving the
+session while no other host can have taken it yet, and never waits on the store to find out.
+Every round is bounded too (``2/3 · lease_ttl``; a store call let go of returns at once), and a
+round that fails with an error nobody expected is logged and the renewal goes on.
+
 The same tick heartbeats this host in the hosts table; whether the store answered is reported
 (``on_store``, on each change) for readiness. With the SQLite store (``LocalCoordination``) nothing here waits
-on I/O.
+on I/O and leases never expire.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from rcoder.store.cluster import Coordination, Lease, Owner, Taken
 
 log = get_logger("rcoder.session.leases")
 RELEASE_TIMEOUT = 5.0
+# a lease not renewed in time is given up this share of lease_ttl before it could expire
+EXPIRY_MARGIN = 1 / 6
 
 
 class LeaseKeeper:
@@ -41,6 +51,10 @@ class LeaseKeeper:
         self.on_lost = on_lost  # set by the daemon once the pool exists
         self.on_store = on_store
         self._held: dict[str, Lease] = {}
+        # shared store: until when (loop time) each held lease surely holds, and the timer that
+        # gives up the first of them a margin before then
+        self._until: dict[str, float] = {}
+        self._expiry: asyncio.TimerHandle | None = None
         self._to_release: list[Lease] = []
         self._releasing: asyncio.Task[None] | None = None
         self._ticking: asyncio.Task[None] | None = None
@@ -64,12 +78,14 @@ class LeaseKeeper:
 
     async def acquire(self, session_id: str) -> Lease:
         """Take the session's lease (``OwnedElsewhere`` while another live host holds it)."""
+        sent = asyncio.get_running_loop().time()
         result = await self.coordination.acquire(session_id)
         if isinstance(result, Owner) and not result.host_id:  # released as we asked: ask once more
             result = await self.coordination.acquire(session_id)
         if isinstance(result, Taken):
             taken = result
             self._held[session_id] = taken.lease
+            self._hold_until(session_id, sent)
             if taken.previous_owner:
                 self._metrics.takeovers.inc()
                 log.warning("session_taken_over", session_id=session_id, previous_owner=taken.previous_owner,
@@ -83,7 +99,7 @@ class LeaseKeeper:
         held = self._held.get(session_id)
         if held is None or (lease is not None and held != lease):
             return
-        del self._held[session_id]
+        self._forget(session_id)
         if not self.shared:
             return
         self._to_release.append(held)
@@ -104,20 +120,37 @@ class LeaseKeeper:
     # ------------------------------------------------------------ the tick
 
     def start(self) -> None:
-        self._ticking = asyncio.get_running_loop().create_task(self._tick_forever(), name="lease-tick")
+        ticking = self._ticking = asyncio.get_running_loop().create_task(self._tick_forever(), name="lease-tick")
+        ticking.add_done_callback(self._tick_ended)
 
     async def _tick_forever(self) -> None:
         interval = self._ttl / 3
         while True:
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception as exc:  # a bug, not the store: the next round may fare better
+                self._metrics.lease_renewals.labels("failed").inc()
+                log.exception("lease_renewal_crashed", error=repr(exc),
+                              effect="renewed again next round; leases not renewed in time are given up")  # fmt: skip
             await asyncio.sleep(interval)  # a period, not synchronisation
+
+    def _tick_ended(self, ticking: asyncio.Task[None]) -> None:
+        """Renewal ended otherwise than by ``aclose``: nothing renews the leases any more, so
+        every session is given up now rather than served past its lease."""
+        if self._ticking is not ticking:
+            return
+        self._ticking = None
+        error = None if ticking.cancelled() else ticking.exception()
+        log.error("lease_renewal_stopped", error=repr(error), effect="every session held here is given up")
+        self._give_up(float("inf"))
 
     async def tick(self) -> None:
         """Heartbeat, then renew every lease held (one statement); act on those lost."""
+        sent = asyncio.get_running_loop().time()
+        held = list(self._held.values())
         try:
             async with asyncio.timeout(self._ttl / 3 * 2):
                 await self.coordination.heartbeat()
-                held = list(self._held.values())
                 lost = await self.coordination.renew(held) if self.shared else []
         except (StoreError, TimeoutError) as exc:
             self._metrics.lease_renewals.labels("failed").inc()
@@ -125,13 +158,57 @@ class LeaseKeeper:
             return
         self._store_reachable(True, "")
         self._metrics.lease_renewals.labels("renewed").inc()
+        if self.shared:
+            gone = set(lost)
+            for lease in held:
+                if self._held.get(lease.session_id) == lease and lease not in gone:
+                    self._until[lease.session_id] = sent + self._ttl
+            self._arm()
         for lease in lost:
             if self._held.get(lease.session_id) != lease:
                 continue  # released or taken anew meanwhile
-            del self._held[lease.session_id]
+            self._forget(lease.session_id)
             self._metrics.leases_lost.inc()
             log.warning("lease_lost", session_id=lease.session_id, generation=lease.generation)
             self.on_lost(lease.session_id)
+
+    # ------------------------------------------------------------ leases not renewed in time
+
+    def _hold_until(self, session_id: str, sent: float) -> None:
+        """The session's lease was taken or renewed by a statement sent at ``sent``."""
+        if not self.shared:
+            return
+        self._until[session_id] = sent + self._ttl
+        self._arm()
+
+    def _forget(self, session_id: str) -> None:
+        del self._held[session_id]
+        self._until.pop(session_id, None)
+
+    def _arm(self) -> None:
+        """The timer set for the first lease to give up (none while none is held)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if self._until:
+            at = min(self._until.values()) - self._ttl * EXPIRY_MARGIN
+            self._expiry = asyncio.get_running_loop().call_at(at, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        self._give_up(asyncio.get_running_loop().time() + self._ttl * EXPIRY_MARGIN)
+        self._arm()
+
+    def _give_up(self, horizon: float) -> None:
+        """End the sessions whose leases may not hold until ``horizon``: their renewal did not come back."""
+        for session_id, until in list(self._until.items()):
+            if until <= horizon and session_id in self._held:
+                lease = self._held[session_id]
+                self._forget(session_id)
+                self._metrics.leases_lost.inc()
+                log.warning("lease_not_renewed_in_time", session_id=session_id, generation=lease.generation,
+                            seconds_left=round(until - asyncio.get_running_loop().time(), 3))  # fmt: skip
+                self.on_lost(session_id)
 
     def _store_reachable(self, reachable: bool, error: str) -> None:
         if reachable == self._reachable:
@@ -146,7 +223,10 @@ class LeaseKeeper:
         ticking, self._ticking = self._ticking, None
         if ticking is not None:
             ticking.cancel()
-            await asyncio.wait({ticking})
+            await asyncio.wait({ticking})  # at once: a store call let go of does not wait for its statement
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         for session_id in list(self._held):
             self.release(session_id)
         releasing = self._releasing
@@ -154,7 +234,8 @@ class LeaseKeeper:
             try:
                 async with asyncio.timeout(RELEASE_TIMEOUT):
                     await asyncio.shield(releasing)
-            except TimeoutError:
+            except TimeoutError:  # let go of: the leases expire by themselves, and nothing waits on the store
+                releasing.cancel()
                 log.warning("leases_not_released", timeout=RELEASE_TIMEOUT)
         try:  # gone, not just quiet: nobody forwards to this host or waits out its heartbeat
             async with asyncio.timeout(RELEASE_TIMEOUT):

@@ -67,9 +67,10 @@ class SessionStore(Protocol):
     async def list_sessions_by_cost(
         self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
     ) -> list[tuple[SessionRecord, int | None]]:
-        """Sessions with their cost in ``currency`` (in nanos, summed over their runs; None: no run
-        reported a cost in it), the most costly first, those without one last, ties by session_id;
-        those after ``after``, a (cost, session_id) this listing returned (paging)."""
+        """Sessions with their cost in ``currency`` (in nanos, summed over their runs and held
+        within ±``COST_ORDER_LIMIT_NANOS``; None: no run reported a cost in it), the most costly
+        first, those without one last, ties by session_id; those after ``after``, a (cost,
+        session_id) this listing returned (paging)."""
         ...
 
     async def usage_totals(self, session_ids: Sequence[str]) -> dict[str, UsageTotals]:

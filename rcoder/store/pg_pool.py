@@ -12,10 +12,14 @@ calls (``postgres.PostgresStore`` runs every statement through them).
 - **Bounds.** Waiting for a connection is bounded by ``timeout`` (also the connect
   timeout); a whole call by ``call_timeout``, which is also the server's
   ``statement_timeout``. Nothing waits for ever on a server that is down or hung.
-- **Cancellation.** A call, once made, runs to its end even if its caller is cancelled (the
-  caller waits for it, then its cancellation goes on), so the caller can ask what landed, as
-  with the SQLite store's worker. Calls from different tasks run side by side, each atomic;
-  PostgreSQL orders conflicting writes by row locks.
+- **Cancellation.** A call whose caller is cancelled, or that runs past ``call_timeout``, is
+  let go of at once: its statement is cancelled in the server (psycopg sends the cancel
+  request; a write that had not committed never lands) and its connection goes back to the
+  pool when that is through, or is closed if the server does not answer it (the pool replaces
+  it). So every wait on the store ends within the bound its caller set (a lease renewal's
+  must end before the lease does). A caller that must know whether a cancelled write landed
+  asks the store again. Calls from different tasks run side by side, each atomic; PostgreSQL
+  orders conflicting writes by row locks.
 - **Errors.** What psycopg and the pool raise and a closed pool leave this module as
   ``StoreError`` only, never with the URL's password in them.
 """
@@ -120,7 +124,7 @@ class PgPool:
             if checking is not None:
                 checking.cancel()
                 await asyncio.wait({checking})
-            if self._calls:  # each is bounded by call_timeout; psycopg's own cancel by a few seconds more
+            if self._calls:  # each is bounded by call_timeout; one let go of by psycopg's cancel (~10 s)
                 await asyncio.wait(set(self._calls), timeout=self._call_timeout + 15.0)
         finally:
             if pool is not None:
@@ -149,26 +153,26 @@ class PgPool:
         work = asyncio.get_running_loop().create_task(self._run(pool, fn, read))
         self._calls.add(work)
         work.add_done_callback(self._calls.discard)
+        work.add_done_callback(_finished)
         try:
-            return await asyncio.shield(work)
+            await asyncio.wait({work}, timeout=self._call_timeout)
         except asyncio.CancelledError:
-            # the call goes on regardless: let it end before the cancellation does, so that a
-            # caller can ask what landed
-            await asyncio.wait({work})
-            if not work.cancelled():
-                work.exception()  # retrieved: the caller was cancelled, its error is nobody's
+            work.cancel()  # its statement is cancelled in the server; its end is the pool's business
             raise
+        if not work.done():
+            work.cancel()
+            raise self.error(TimeoutError())
+        return work.result()
 
     async def _run(self, pool: AsyncConnectionPool[Conn], fn: Callable[[Conn], Awaitable[T]], read: bool) -> T:
         try:
-            async with asyncio.timeout(self._call_timeout):
-                try:
-                    return await self._once(pool, fn)
-                except _Broken:
-                    await self._sweep(pool)  # its idle siblings are likely broken too: the next calls find new ones
-                    if not read:  # a write may have landed before its connection broke: never repeated
-                        raise
-                return await self._once(pool, fn)  # a read is safe to repeat
+            try:
+                return await self._once(pool, fn)
+            except _Broken:
+                await self._sweep(pool)  # its idle siblings are likely broken too: the next calls find new ones
+                if not read:  # a write may have landed before its connection broke: never repeated
+                    raise
+            return await self._once(pool, fn)  # a read is safe to repeat
         except _Broken as broken:
             doing = "connection lost" + ("" if read else " (the write may or may not have landed)")
             raise self.error(broken.error, doing) from broken.error
@@ -220,6 +224,13 @@ class PgPool:
         except (psycopg.Error, TimeoutError) as exc:
             raise self.error(exc, "cannot connect") from exc
         return conn
+
+
+def _finished(work: asyncio.Task[Any]) -> None:
+    """A call's end is retrieved whatever it is: a call let go of (its caller cancelled, or past
+    its bound) may still end in an error that nobody awaits."""
+    if not work.cancelled():
+        work.exception()
 
 
 def _secrets(url: str) -> set[str]:

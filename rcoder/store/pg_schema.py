@@ -130,9 +130,11 @@ GET_RUN = (
     " stop_reason, error, ended_at, input_tokens, output_tokens, cached_read_tokens, cached_write_tokens,"
     " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency FROM runs WHERE run_id = %s"
 )
-# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key)
+# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
+# the cost is held within its first two parameters (COST_BOUNDS), as the SQLite store's is (the same
+# pages, the same tokens)
 LIST_BY_COST = (
-    "WITH c AS (SELECT session_id, sum(cost_nanos) AS cost FROM runs"
+    "WITH c AS (SELECT session_id, greatest(%s, least(%s, sum(cost_nanos))) AS cost FROM runs"
     " WHERE cost_currency = %s AND cost_nanos IS NOT NULL GROUP BY session_id),"
     " k AS (SELECT s.session_id, s.project_id, s.cwd, s.agent, s.provider_session_id, s.created_at, s.updated_at,"
     " s.turns, s.last_run_id, c.cost, (c.cost IS NULL)::int AS k1, -coalesce(c.cost, 0) AS k2"

@@ -4,9 +4,9 @@ Chosen by ``store_url = "postgresql://..."``; several daemons may share one data
 contract is the SQLite store's (``base.SessionStore``), method by method; how it is kept:
 
 - **Calls.** Every statement runs through ``pg_pool.PgPool``: pooled connections, reconnects,
-  every call bounded and run to its end even if its caller is cancelled (the caller can ask
-  what landed, as with the SQLite store's worker). Calls from different tasks run side by
-  side, each atomic; PostgreSQL orders conflicting writes by row locks.
+  every call bounded; a call whose caller is cancelled returns at once, its statement
+  cancelled in the server. Calls from different tasks run side by side, each atomic;
+  PostgreSQL orders conflicting writes by row locks.
 - **Errors.** What psycopg and the pool raise, a missing row and a closed store leave this
   module as ``StoreError`` only, never with the URL's password in them.
 - **Open.** ``open`` migrates the schema (``pg_schema``, under an advisory lock: daemons
@@ -42,7 +42,7 @@ from rcoder.store.cluster import Lease
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
 from rcoder.store.pg_pool import PgPool
 from rcoder.store.pg_pool import Row as Row
-from rcoder.store.usage import FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
+from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
 
 T = TypeVar("T")
 
@@ -234,7 +234,9 @@ class PostgresStore:
         self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
     ) -> list[tuple[SessionRecord, int | None]]:
         key = FIRST_COST_KEY if after is None else cost_key(*after)
-        rows = await self._rows(pg_schema.LIST_BY_COST, _params(currency, project_id, *key, _positive(limit)))
+        rows = await self._rows(
+            pg_schema.LIST_BY_COST, _params(*COST_BOUNDS, currency, project_id, *key, _positive(limit))
+        )
         return [(_session(row[:-1]), None if row[-1] is None else int(row[-1])) for row in rows]
 
     async def usage_totals(self, session_ids: Sequence[str]) -> dict[str, UsageTotals]:

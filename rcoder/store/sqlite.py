@@ -41,7 +41,7 @@ from rcoder.store import sqlite_schema
 from rcoder.store.base import INTERRUPTED_ERROR
 from rcoder.store.cluster import Lease
 from rcoder.store.sqlite_schema import entry_of, run_of, session_of, time_text
-from rcoder.store.usage import FIRST_COST_KEY, cost_key, totals_of, usage_params
+from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_params
 
 T = TypeVar("T")
 
@@ -314,7 +314,8 @@ class SqliteStore:
         self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
     ) -> list[tuple[SessionRecord, int | None]]:
         key = FIRST_COST_KEY if after is None else cost_key(*after)
-        rows = await self._rows(sqlite_schema.LIST_BY_COST, (currency, project_id, *key, _positive(limit)), point=False)
+        params = (*COST_BOUNDS, currency, project_id, *key, _positive(limit))
+        rows = await self._rows(sqlite_schema.LIST_BY_COST, params, point=False)
         return [
             (
                 session_of({name: row[name] for name in sqlite_schema.SESSION_COLUMNS}),

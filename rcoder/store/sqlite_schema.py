@@ -97,9 +97,11 @@ FIND_SESSION = "SELECT * FROM sessions WHERE agent = ? AND provider_session_id =
 LIST_ALL = "SELECT * FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?"
 LIST_PROJECT = "SELECT * FROM sessions WHERE project_id = ? AND session_id > ? ORDER BY session_id LIMIT ?"
 # by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
-# total() of integers is exact below 2**53 and never overflows (sum() would fail the whole listing)
+# total() of integers is exact below 2**53 and never overflows (sum() would fail the whole listing); the
+# cost is held within its first two parameters (COST_BOUNDS), so that every key (and page token) is a
+# 64-bit integer
 LIST_BY_COST = (
-    "WITH c AS (SELECT session_id, total(cost_nanos) AS cost FROM runs"
+    "WITH c AS (SELECT session_id, max(?, min(?, total(cost_nanos))) AS cost FROM runs"
     " WHERE cost_currency = ? AND cost_nanos IS NOT NULL GROUP BY session_id),"
     " k AS (SELECT s.*, c.cost AS cost, c.cost IS NULL AS k1, -coalesce(c.cost, 0) AS k2"
     " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE ? IN ('', s.project_id))"

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rcoder.domain import TOKEN_FIELDS, USAGE_FIELDS, Cost, Usage, UsageTotals
+from rcoder.domain import COST_ORDER_LIMIT_NANOS, TOKEN_FIELDS, USAGE_FIELDS, Cost, Usage, UsageTotals
 
 NANOS = 1_000_000_000
 _INT64_MAX = 2**63 - 1
@@ -23,6 +23,8 @@ _COUNTS = USAGE_FIELDS[:-1]  # the integer fields: tokens, context used and size
 USAGE_COLUMNS = (*_COUNTS, "cost_nanos", "cost_currency")
 # a session's cursor before any other in cost order (see ``cost_key``)
 FIRST_COST_KEY = (-1, 0, "")
+# (low, high): the cost that orders a session is held within them, so that a key is a 64-bit integer
+COST_BOUNDS = (-COST_ORDER_LIMIT_NANOS, COST_ORDER_LIMIT_NANOS)
 
 
 def usage_params(usage: Usage | None) -> tuple[object, ...]:

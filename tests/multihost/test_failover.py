@@ -203,7 +203,9 @@ async def test_a_signal_left_while_the_listener_heard_nothing_is_applied_when_it
     make_hosts: MakeHosts, pg_cluster: PgCluster
 ) -> None:
     async with make_hosts() as hosts:
-        (a,) = await hosts.start("a")
+        # a lease far longer than the restart: a host whose renewal does not come back within its
+        # lease gives the session up (and its turn with it) before another host could take it
+        (a,) = await hosts.start("a", each={"a": {"lease_ttl": 30}})
         await a.daemon.wait_log("signal_listener_connected")
         call = a.stub.Chat(pb.ChatRequest(project_id="proj", prompt="hang"), metadata=AUTH_MD, timeout=60)
         (begin,) = await first_events(call, 1)

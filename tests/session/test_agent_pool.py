@@ -171,6 +171,29 @@ async def test_cancelling_a_checkout_while_its_agent_starts_ends_that_agent(
     assert reaped(initialize.pid), "the cancelled launch ends its agent before it returns"
 
 
+async def test_closing_the_pool_while_a_checkouts_agent_starts_ends_that_agent_before_it_returns(
+    tmp_path: Path, make_pool: PoolFactory, agent_requests: AgentRequests
+) -> None:
+    # a checkout runs in its caller's task (a ForkSession handler), not one the pool owns
+    pool, profile = make_pool("--hang", "initialize")
+    cwd = project(tmp_path, "p")
+
+    async def take() -> None:
+        async with pool.checkout(profile, cwd, PLAIN, plain=True) as checkout:
+            await checkout.launch(AgentStartConfig(cwd=cwd))
+            raise AssertionError("initialize hangs: the launch cannot return")
+
+    task = asyncio.create_task(take())
+    initialize = await agent_requests.next("initialize")
+    async with asyncio.timeout(CLOSE_BOUND):
+        await pool.aclose(timeout=CLOSE_BOUND)
+    assert reaped(initialize.pid), "the pool closed with an agent of its still running"
+    async with asyncio.timeout(CLOSE_BOUND):
+        with pytest.raises(ShuttingDown):
+            await task
+    assert pool.agent_count() == 0
+
+
 # ---------------------------------------------------------------- the limit
 
 

@@ -6,13 +6,17 @@ is 0 (it expires as it is taken): no test waits for a clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
 from rcoder.errors import LeaseLost
+from rcoder.metrics import Metrics
+from rcoder.session.leases import RELEASE_TIMEOUT, LeaseKeeper
 from rcoder.store.cluster import OWNER_LOST, Lease, LocalCoordination, Owner, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -235,3 +239,122 @@ async def test_a_retired_host_leaves_the_list_and_its_ended_runs_are_answered_by
     assert [h.host_id for h in await b.hosts()] == ["host-b"]
     owner = await b.run_owner("r1")
     assert owner is not None and not owner.live, "a retired host waits for nothing: the store answers"
+
+
+# ---------------------------------------------------------------- the renewal tick under a store that does not answer
+
+SLOW_TTL = 6.0  # long enough that "before the lease expires" leaves a second's slack on a loaded machine
+SLACK = 1.0  # for the event loop of a loaded machine: these are correctness bounds, not speed
+
+
+@contextlib.asynccontextmanager
+async def heartbeat_held(pg_url: str, host_id: str) -> AsyncIterator[psycopg.AsyncConnection[tuple[object, ...]]]:
+    """The host's row locked by another transaction: its heartbeat, the first statement of every
+    renewal round, waits for as long as this lasts (and so does its retirement)."""
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as holder:
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT 1 FROM hosts WHERE id = %s FOR UPDATE", (host_id,))
+        yield holder
+        await holder.execute("ROLLBACK")
+
+
+async def test_closing_the_keeper_while_its_round_waits_on_the_store_takes_its_bounds_only(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    keeper = LeaseKeeper(PgCoordination(stores[0], SLOW_TTL), SLOW_TTL, Metrics())
+    await keeper.coordination.register("127.0.0.1:1111", "v")
+    await keeper.acquire("s1")
+    async with heartbeat_held(pg_url, "host-a") as holder:
+        keeper.start()
+        async with asyncio.timeout(SLOW_TTL):  # until the round's heartbeat waits on the row lock
+            while not (await (await holder.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")).fetchall())[0][
+                0
+            ]:
+                pass
+        # the round is let go of at once; the release lands; the retirement waits on the row: its bound
+        await asyncio.wait_for(keeper.aclose(), RELEASE_TIMEOUT + SLACK)
+    assert await PgCoordination(stores[1], SLOW_TTL).session_owner("s1") is None, "the lease was not released"
+
+
+async def test_a_renewal_round_on_a_store_that_does_not_answer_ends_within_its_bound(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    metrics = Metrics()
+    keeper = LeaseKeeper(PgCoordination(stores[0], SLOW_TTL), SLOW_TTL, metrics)
+    await keeper.coordination.register("127.0.0.1:1111", "v")
+    async with heartbeat_held(pg_url, "host-a"):
+        await asyncio.wait_for(keeper.tick(), SLOW_TTL / 3 * 2 + SLACK)
+    assert metrics.registry.get_sample_value("rcoder_lease_renewals_total", {"result": "failed"}) == 1
+
+
+async def test_a_host_whose_renewal_does_not_come_back_stops_serving_the_session_before_its_lease_expires(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    lost: list[str] = []
+    dropped = asyncio.Event()
+
+    def on_lost(session_id: str) -> None:
+        lost.append(session_id)
+        dropped.set()
+
+    keeper = LeaseKeeper(PgCoordination(stores[0], SLOW_TTL), SLOW_TTL, Metrics(), on_lost=on_lost)
+    other = PgCoordination(stores[1], SLOW_TTL)
+    await keeper.coordination.register("127.0.0.1:1111", "v")
+    await keeper.acquire("s1")
+    try:
+        async with heartbeat_held(pg_url, "host-a"):
+            keeper.start()
+            async with asyncio.timeout(SLOW_TTL + SLACK):
+                await dropped.wait()
+            assert lost == ["s1"] and keeper.lease("s1") is None, "a live turn would still find the lease here"
+            # and all that while no other host could have taken the session
+            assert await other.acquire("s1") == Owner("host-a", "127.0.0.1:1111", live=True)
+    finally:
+        await asyncio.wait_for(keeper.aclose(), 2 * RELEASE_TIMEOUT + SLACK)
+
+
+class CrashingOnce(LocalCoordination):
+    """One host's coordination as a shared store's would be, whose first heartbeat fails with an
+    error no one expected (a bug); the later ones are counted."""
+
+    shared = True
+
+    def __init__(self) -> None:
+        super().__init__("host-a", TTL)
+        self.heartbeats = 0
+        self.again = asyncio.Event()
+
+    async def heartbeat(self) -> None:
+        self.heartbeats += 1
+        if self.heartbeats == 1:
+            raise RuntimeError("nobody expected this")
+        self.again.set()
+
+
+async def test_renewal_that_dies_of_an_unexpected_error_is_logged_and_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    coordination, metrics = CrashingOnce(), Metrics()
+    keeper = LeaseKeeper(coordination, 0.3, metrics)
+    keeper.start()
+    try:
+        async with asyncio.timeout(5.0):
+            await coordination.again.wait()
+    finally:
+        await keeper.aclose()
+    assert "lease_renewal_crashed" in capsys.readouterr().out
+    assert metrics.registry.get_sample_value("rcoder_lease_renewals_total", {"result": "failed"}) == 1
+
+
+async def test_a_release_the_store_does_not_answer_at_shutdown_is_let_go_of_and_leaves_nothing_waiting(
+    stores: tuple[PostgresStore, PostgresStore], pg_url: str
+) -> None:
+    store = stores[0]
+    keeper = LeaseKeeper(PgCoordination(store, SLOW_TTL), SLOW_TTL, Metrics())
+    await keeper.coordination.register("127.0.0.1:1111", "v")
+    await keeper.acquire("s1")
+    async with heartbeat_held(pg_url, "host-a") as holder:
+        await holder.execute("SELECT 1 FROM leases WHERE session_id = 's1' FOR UPDATE")  # the release waits too
+        await asyncio.wait_for(keeper.aclose(), 2 * RELEASE_TIMEOUT + SLACK)
+        # the lease expires by itself: nothing of the keeper's still waits on the store to close it
+        await asyncio.wait_for(store.close(), SLACK)

@@ -13,7 +13,17 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from rcoder.domain import Cost, RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry, Usage, UsageTotals
+from rcoder.domain import (
+    COST_ORDER_LIMIT_NANOS,
+    Cost,
+    RunRecord,
+    RunStatus,
+    SessionRecord,
+    StopReason,
+    TranscriptEntry,
+    Usage,
+    UsageTotals,
+)
 from rcoder.errors import LeaseLost
 from rcoder.store import make_store
 from rcoder.store.base import SessionStore
@@ -23,6 +33,7 @@ from rcoder.store.pg_schema import MIGRATIONS
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 from rcoder.store.sqlite_schema import SCHEMA_VERSION
+from rcoder.store.usage import NANOS
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 HOST = "host-a"
@@ -145,6 +156,29 @@ async def test_sessions_by_cost_come_most_costly_first_then_those_without_by_id_
     assert [(r.session_id, cost) for r, cost in by_eur] == [("c", 99_000_000_000), ("a", None), ("b", None)]
     assert (await store.list_sessions_by_cost("USD", after=(250_000_000, "a")))[0][0].session_id == "d"
     assert [r.session_id for r, _ in await store.list_sessions_by_cost("USD", after=(None, "c"))] == ["f"]
+
+
+async def test_sessions_costing_beyond_the_widest_key_tie_there_and_page_by_session_id(store: SessionStore) -> None:
+    # each run up to what a cost column holds (~9.2e9 units); their sums go beyond what SQLite
+    # can compare as an integer, so the order's key stops at COST_ORDER_LIMIT_NANOS
+    costs = {"a": 2, "b": 3, "c": 1}
+    for sid, count in costs.items():
+        await store.create_session(session(sid))
+        for n in range(count):
+            await run(store, sid, f"{sid}-{n}", Usage(cost_amount=9.2e9, cost_currency="USD"))
+    await store.create_session(session("d"))
+    await run(store, "d", "d-1", Usage(cost_amount=1.0, cost_currency="USD"))
+
+    listed: list[tuple[str, int | None]] = []
+    after: tuple[int | None, str] | None = None
+    while page := await store.list_sessions_by_cost("USD", limit=1, after=after):
+        listed += [(record.session_id, cost) for record, cost in page]
+        after = (page[-1][1], page[-1][0].session_id)
+    assert listed == [
+        ("a", COST_ORDER_LIMIT_NANOS), ("b", COST_ORDER_LIMIT_NANOS), ("c", COST_ORDER_LIMIT_NANOS), ("d", NANOS),
+    ]  # fmt: skip
+    totals = await store.usage_totals(["b"])
+    assert totals["b"].costs == (Cost(3 * 9.2e9, "USD"),), "the session's own total is not cut"
 
 
 async def test_a_sqlite_store_made_before_usage_existed_migrates_and_keeps_its_runs(tmp_path: Path) -> None:

@@ -59,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return asyncio.run(serve(settings))
+    except ConfigError as exc:  # what only the running daemon can find out (the store's access)
+        print(f"rcoder: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 1

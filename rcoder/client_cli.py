@@ -24,6 +24,7 @@ import os
 import signal
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from rcoder.client import (
@@ -45,6 +46,7 @@ from rcoder.client import (
     ToolState,
     Turn,
 )
+from rcoder.client.token import find_token
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
@@ -56,7 +58,12 @@ def add_commands(commands: Any) -> None:
     """Add ``chat`` and ``sessions`` to the ``rcoder`` subcommands."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", help=f"the daemon, host:port (default: $RCODER_TARGET or {DEFAULT_TARGET})")
-    common.add_argument("--token", help="sent as 'authorization: Bearer <token>' (default: $RCODER_TOKEN)")
+    common.add_argument(
+        "--token",
+        help="sent as 'authorization: Bearer <token>' (default: $RCODER_TOKEN, else the daemon's: its "
+        "auth_token, else <data_dir>/auth_token, found through --config)",
+    )
+    common.add_argument("--config", type=Path, help="the daemon's config file (default: $RCODER_CONFIG)")
     common.add_argument("--json", action="store_true", help="print one JSON object per line, for scripts")
     chat = commands.add_parser("chat", parents=[common], help="one turn with an agent, streamed")
     chat.add_argument("--project", required=True, help="project id (its folder under the daemon's workspace_root)")
@@ -73,7 +80,7 @@ def add_commands(commands: Any) -> None:
 def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     """Run ``chat`` or ``sessions``; returns the exit code."""
     target = args.target or env.get("RCODER_TARGET") or DEFAULT_TARGET
-    token = args.token if args.token is not None else env.get("RCODER_TOKEN", "")
+    token = args.token if args.token is not None else find_token(env, args.config)
     screen = Screen(stdout, stderr, args.json)
     try:
         if args.command == "sessions":

@@ -109,7 +109,10 @@ class SettingsKeys(_Schema):
     lease_ttl: Annotated[float, Field(gt=0)] = 15.0
     workspace_root: ConfigPath = Path("workspace")
     default_agent: str = "claude"
-    auth_token: str = ""
+    auth_token: str = ""  # "": one generated at first start into <data_dir>/auth_token (0600), kept
+    # DESIGN §6.2: true lets anyone who reaches the port, agents included, drive the daemon without a
+    # token when auth_token is empty, read /metrics, and skips the check that the store asks a password
+    open_to_agents: bool = False
     tls_cert: str = ""
     tls_key: str = ""
     max_live_agents: Annotated[int, Field(ge=1)] = 32
@@ -204,6 +207,12 @@ def load_settings(
         raise ConfigError("default_agent", f"no profile named {settings.default_agent!r} (profiles: {known})")
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ConfigError("tls_key" if settings.tls_cert else "tls_cert", "set both tls_cert and tls_key, or neither")
+    if settings.store_url and not settings.auth_token and not settings.open_to_agents:
+        raise ConfigError(
+            "auth_token",
+            "a PostgreSQL store_url means hosts that forward to each other, so they need one shared token: "
+            "set the same auth_token (or RCODER_AUTH_TOKEN) on every host, or open_to_agents = true",
+        )
     for name, profile in settings.agents.items():
         if profile.sandbox == "landlock" and not settings.landlock_abi:
             raise ConfigError(

@@ -13,11 +13,14 @@ from pathlib import Path
 
 from rcoder import __version__, tracing
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.profile import network_of
+from rcoder.api.access import access_of
 from rcoder.api.forwarding import Forwarder
 from rcoder.api.routed import Routes
 from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
+from rcoder.errors import ConfigError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
@@ -53,6 +56,7 @@ class Daemon:
         # host_id: the host whose runs left running this daemon marks interrupted at start, and
         # the owner of the session leases it takes (DESIGN §7)
         self.host_id = host_id_of(settings)
+        self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
         self.launcher = AgentLauncher(settings)
         self.runs = RunRegistry(settings.run_retention)
@@ -69,7 +73,7 @@ class Daemon:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
         # calls to other hosts: the same token; with TLS, this host's certificate is the one they present
         self.forwarder = Forwarder(
-            self.host_id, settings.auth_token, tls.cert_pem if tls else None, answer_timeout=settings.lease_ttl
+            self.host_id, self.access.token, tls.cert_pem if tls else None, answer_timeout=settings.lease_ttl
         )
         # cancels and permission answers for an owner that does not answer: through the store
         box = make_signals(self.store)  # None on SQLite: one host needs none
@@ -78,7 +82,7 @@ class Daemon:
         router = Router(self.leases, self.runs, self.store, self.metrics, signals=sender)
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes), settings.listen, auth_token=settings.auth_token, tls=tls
+            AgentRunnerService(self.worker, queries, routes), settings.listen, auth_token=self.access.token, tls=tls
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
@@ -107,9 +111,11 @@ class Daemon:
 
     async def start(self) -> None:
         self.tracing = tracing.configure(self.settings.otlp_endpoint)
+        await self._check_store_access()
         interrupted = await self.store.open()
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         self.launcher.log_sandboxes()
+        self._log_network()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         await self.server.start()
         await self.leases.coordination.register(self.advertise_address, __version__)
@@ -118,7 +124,7 @@ class Daemon:
         if self.signals is not None:
             self.signals.start()
         if self.settings.metrics_listen:
-            port = self.metrics.serve(self.settings.metrics_listen)
+            port = self.metrics.serve(self.settings.metrics_listen, self.access.token)
             log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
         self.pool.fill()
         host = self.settings.listen.rpartition(":")[0]
@@ -128,13 +134,48 @@ class Daemon:
             host_id=self.host_id,
             advertise_address=self.advertise_address,
             tls=bool(self.settings.tls_cert),
-            auth=bool(self.settings.auth_token),
+            auth=self.access.source,
+            auth_file=str(self.access.file or ""),  # where the token is (a key named "token" is redacted)
             data_dir=str(self.settings.data_dir),
             store=redact_url(self.settings.store_url) if self.settings.store_url else "sqlite",
             workspace_root=str(self.settings.workspace_root),
             runs_marked_interrupted=interrupted,
             leftover_agent_processes_killed=swept,
         )
+
+    async def _check_store_access(self) -> None:
+        """DESIGN §6.2: a PostgreSQL store that lets its user in without the password lets in
+        every agent (they run as the daemon's user and reach its port): refused, unless the
+        operator opens it by name."""
+        if not self.settings.store_url or self.settings.open_to_agents:
+            return
+        from rcoder.store.pg_access import opens_without_password  # psycopg only for a daemon that uses it
+
+        if await opens_without_password(self.settings.store_url):
+            raise ConfigError(
+                "store_url",
+                f"{redact_url(self.settings.store_url)} lets its user in without the password, so every agent "
+                "could use the store: require scram-sha-256 (or md5) for this user and host in pg_hba.conf, "
+                "or set open_to_agents = true",
+            )
+
+    def _log_network(self) -> None:
+        """Say what agents reach over the network (DESIGN §6.2), per profile, and warn when it is rcoder."""
+        if self.settings.open_to_agents:
+            log.warning(
+                "open_to_agents",
+                effect="agents can drive this daemon (every project's sessions and turns) and read /metrics"
+                if not self.access.token
+                else "the auth_token is still asked",
+                store="agents can reach the store: its password check was skipped" if self.settings.store_url else "",
+            )
+        for name, profile in sorted(self.settings.agents.items()):
+            reach = network_of(self.settings, profile)
+            opened = "open" in (reach.rcoder, reach.metrics, reach.store)
+            (log.warning if opened else log.info)(
+                "agent_network", agent=name, rcoder=reach.rcoder, metrics=reach.metrics, store=reach.store,
+                other=reach.other,
+            )  # fmt: skip
 
     async def stop(self, force: asyncio.Event | None = None) -> None:
         """Shut down in phases, each bounded; ``force`` (a second signal) skips to the end.

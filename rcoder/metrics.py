@@ -3,15 +3,22 @@
 One ``Metrics`` object per daemon, with its own registry, passed to the
 core through its constructor. Gauges of live and warm agents are read at
 scrape time from a callback, so they can never drift from the truth.
+``/metrics`` asks the daemon's token (``authorization: Bearer``) when it has one: an agent
+can reach the port but never read the token (DESIGN §6.2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import hmac
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from rcoder.domain import Usage
@@ -171,10 +178,18 @@ class Metrics:
     def watch_agents(self, counts: AgentCounts) -> None:
         self.registry.register(_AgentGauges(counts))
 
-    def serve(self, listen: str) -> int:
-        """Serve ``/metrics`` on ``host:port`` (a thread of prometheus_client's); returns the port."""
+    def serve(self, listen: str, token: str = "") -> int:
+        """Serve ``/metrics`` on ``host:port`` from a thread; returns the port. With ``token``, a
+        scrape without ``authorization: Bearer <token>`` gets 401."""
         host, _, port = listen.rpartition(":")
-        self._server, _ = start_http_server(int(port), addr=host, registry=self.registry)
+        host = host.strip("[]")
+        app = make_wsgi_app(self.registry)
+
+        class Server(ThreadingWSGIServer):  # a class per server: its address family is a class attribute
+            address_family = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM)[0][0]
+
+        self._server = make_server(host, int(port), _bearer(app, token) if token else app, Server, _Quiet)
+        threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True).start()
         return int(self._server.server_port)
 
     def close(self) -> None:
@@ -182,3 +197,25 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _bearer(app: WsgiApp, token: str) -> WsgiApp:
+    """``app`` for requests with ``authorization: Bearer <token>`` (compared in constant time); 401 otherwise."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        given = str(environ.get("HTTP_AUTHORIZATION", "")).encode()
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"send 'authorization: Bearer <auth_token>'\n"]
+
+    return guarded
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a line each on stderr."""

@@ -264,9 +264,9 @@ class Bench:
         daemon = Daemon(config)
         try:
             await daemon.start()
-            channel = daemon.channel()
+            channel = grpc.aio.insecure_channel(daemon.address)
             try:
-                yield daemon, pb_grpc.AgentRunnerStub(channel)
+                yield daemon, daemon.stub(channel)
             finally:
                 await channel.close()
         finally:

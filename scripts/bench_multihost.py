@@ -39,16 +39,17 @@ async def hosts(bench: Bench, url: str, count: int) -> AsyncIterator[list[tuple[
     async def one(n: int) -> tuple[Daemon, pb_grpc.AgentRunnerStub]:
         config = bench.config(
             {"fake": bench.fake_profile()}, store_url=url, host_id=f"bench-{n}", lease_ttl=LEASE_TTL,
+            auth_token="bench-hosts-token",
             max_live_agents=512,
         )  # fmt: skip
         daemon = Daemon(config)
         channel: grpc.aio.Channel | None = None
         try:
             await daemon.start()
-            channel = daemon.channel()
+            channel = grpc.aio.insecure_channel(daemon.address)
         finally:
             started.append((daemon, channel or grpc.aio.insecure_channel("unused")))
-        return daemon, pb_grpc.AgentRunnerStub(channel)
+        return daemon, daemon.stub(channel)
 
     try:
         yield list(await asyncio.gather(*(one(n) for n in range(count))))

@@ -15,6 +15,7 @@ import pytest
 from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, write_config
 from tests.pg import PgCluster, missing_binaries
 
+SHARED_TOKEN = "hosts-shared-token"
 DaemonFactory = Callable[..., Awaitable[tuple[Daemon, Client]]]
 
 # The two heaviest files, a worker's CPU for minutes each: the bench smoke run goes first and the
@@ -55,7 +56,10 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
         **top: Any,
     ) -> tuple[Daemon, Client]:
         """A daemon with these profiles and top-level keys (``env``: its extra environment;
-        ``channel``: how the client connects, e.g. with TLS credentials)."""
+        ``channel``: how the client connects, e.g. with TLS credentials). On PostgreSQL the daemons
+        share a token, as hosts must (an auth_token is required there)."""
+        if top.get("store_url") and not top.get("open_to_agents"):
+            top.setdefault("auth_token", SHARED_TOKEN)
         config = write_config(
             tmp_path / f"rcoder-{len(started)}.toml",
             profiles if profiles is not None else {"fake": fake.profile()},

@@ -42,6 +42,7 @@ INSTALL_HINT = (
 )
 OS_USER = "postgres"  # the unprivileged user the server runs as
 ROLE = "rcoder"  # the role tests connect as: owns its databases, no superuser
+TRUSTED_ROLE = "rcoder_trusted"  # a role let in without its password (trusting_url)
 SHARED_DB = "rcoder_tests"  # the database of the tests' schemas
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
@@ -140,6 +141,24 @@ class PgCluster:
         with self.admin() as conn:
             conn.execute(f"CREATE DATABASE {name} OWNER {ROLE} TEMPLATE template0")
         return self.url(name)
+
+    def trusting_url(self) -> str:
+        """A fresh schema of the shared database, owned by a role the server lets in from
+        127.0.0.1 with no password (``trust`` in pg_hba.conf): the store an agent could use. Its
+        URL carries a password, which the server never asks."""
+        self._created += 1
+        role, name = TRUSTED_ROLE, f"test_{self._created}"
+        hba = self.data / "pg_hba.conf"
+        line = f"host all {role} 127.0.0.1/32 trust\n"
+        if line not in hba.read_text():
+            hba.write_text(line + hba.read_text())  # first: the first line that matches decides
+            with self.admin() as conn:
+                conn.execute(f"CREATE ROLE {role} LOGIN")
+                conn.execute("SELECT pg_reload_conf()")
+        with self.admin(SHARED_DB) as conn:
+            conn.execute(f"CREATE SCHEMA {name} AUTHORIZATION {role}")
+        options = f"?options=-csearch_path%3D{name}"
+        return f"postgresql://{role}:never-asked@127.0.0.1:{self.port}/{SHARED_DB}{options}"
 
     # ------------------------------------------------------------ life cycle
 

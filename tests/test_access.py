@@ -19,12 +19,17 @@ from tests.harness import Daemon, FakeAgentSetup, completed, error_info, text_of
 TOKEN = "tok-3f9a-very-secret"
 
 
+def bare(daemon: Daemon) -> grpc.aio.Channel:
+    """A channel whose calls carry no token unless given one."""
+    return grpc.aio.insecure_channel(daemon.address)
+
+
 @pytest.mark.parametrize("via", ["config", "environment"])
 async def test_every_rpc_but_health_needs_the_bearer_token(make_daemon: DaemonFactory, via: str) -> None:
     if via == "config":
-        _, client = await make_daemon(auth_token=TOKEN)
+        _, client = await make_daemon(auth_token=TOKEN, channel=bare)
     else:
-        _, client = await make_daemon(env={"RCODER_AUTH_TOKEN": TOKEN})
+        _, client = await make_daemon(env={"RCODER_AUTH_TOKEN": TOKEN}, channel=bare)
 
     for metadata, problem in (((), "missing"), ((("authorization", "Bearer nope"),), "wrong")):
         exc = await client.chat_error(prompt="hi", metadata=metadata)
@@ -62,7 +67,8 @@ async def test_tls_is_served_when_cert_and_key_are_set(make_daemon: DaemonFactor
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
 
     def secure(daemon: Daemon) -> grpc.aio.Channel:
-        return grpc.aio.secure_channel(daemon.address, credentials)
+        token = grpc.access_token_call_credentials(daemon.token)
+        return grpc.aio.secure_channel(daemon.address, grpc.composite_channel_credentials(credentials, token))
 
     daemon, client = await make_daemon(tls_cert=str(cert), tls_key=str(key), channel=secure)
     events = await client.chat(prompt="remember 2")

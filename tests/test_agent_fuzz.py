@@ -275,7 +275,7 @@ async def test_whatever_an_agent_writes_every_turn_ends_and_the_session_goes_on(
 ) -> None:
     daemon, script, record = await fuzz_daemon(make_daemon, tmp_path)
     assert daemon.proc is not None
-    with grpc.insecure_channel(daemon.address) as channel:  # sync client: hypothesis drives it
+    with daemon.sync_channel() as channel:  # sync client: hypothesis drives it
         fuzzer = Fuzzer(pb_grpc.AgentRunnerStub(channel), script, record, daemon.proc.pid)
 
         @FUZZ_SETTINGS
@@ -313,7 +313,7 @@ async def test_a_prompt_the_agent_never_answers_ends_at_turn_timeout(
 ) -> None:
     daemon, script, record = await fuzz_daemon(make_daemon, tmp_path, HANG_TIMEOUT)
     assert daemon.proc is not None
-    with grpc.insecure_channel(daemon.address) as channel:
+    with daemon.sync_channel() as channel:
         bound = HANG_TIMEOUT + 10  # a turn_timeout that works ends it well before
         fuzzer = Fuzzer(pb_grpc.AgentRunnerStub(channel), script, record, daemon.proc.pid, bound)
 
@@ -340,7 +340,7 @@ async def test_a_start_failure_after_a_long_stderr_is_still_a_deliberate_status(
     assert daemon.proc is not None
     refuses = [{"op": "stderr", "size": 70_000}, answer({"error": {"code": -32603, "message": "no session"}})]
     case = Case({"session_id": SID, "open": refuses}, opens=False, resumes=False, stop=ERROR)
-    with grpc.insecure_channel(daemon.address) as channel:
+    with daemon.sync_channel() as channel:
         fuzzer = Fuzzer(pb_grpc.AgentRunnerStub(channel), script, record, daemon.proc.pid)
         first = await asyncio.to_thread(fuzzer.run, case)
     assert first.label() == "UNAVAILABLE"
@@ -353,7 +353,7 @@ async def test_the_turn_after_an_agent_closed_its_output_resumes_on_a_new_agent(
     assert daemon.proc is not None
     case = _example([END, {"op": "close_stdout"}], pb.STOP_REASON_END_TURN)
     script.write_text(json.dumps(case.script))
-    with grpc.insecure_channel(daemon.address) as channel:
+    with daemon.sync_channel() as channel:
         fuzzer = Fuzzer(pb_grpc.AgentRunnerStub(channel), script, record, daemon.proc.pid)
         first = await asyncio.to_thread(fuzzer.chat, "go first")
         # the daemon has seen the output end: an agent that closes it as the next prompt goes

@@ -97,7 +97,7 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tupl
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(served: tuple[Daemon, FakeAgentSetup]) -> AsyncIterator[RcoderClient]:
-    async with RcoderClient(served[0].address) as made:
+    async with RcoderClient(served[0].address, token=served[0].token) as made:
         yield made
 
 
@@ -461,7 +461,7 @@ async def test_a_token_and_tls_are_sent_and_a_missing_token_is_unauthenticated(t
         async with RcoderClient(daemon.address, token=TOKEN, tls=cert.read_bytes()) as good:
             assert await bounded(good.chat("c-token", "remember 9").text()) == "I remember: 9"
             assert [a.name for a in await bounded(good.agents()) if a.default] == ["fake"]
-        for token in (None, "wrong"):
+        for token in ("", "wrong"):
             async with RcoderClient(daemon.address, token=token, tls=cert.read_bytes()) as bad:
                 with pytest.raises(Unauthenticated) as caught:
                     await bounded(bad.chat("c-token", "hi").text())

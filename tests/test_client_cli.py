@@ -101,7 +101,7 @@ async def terminal() -> AsyncIterator[Any]:
     opened: list[Terminal] = []
 
     async def start(daemon: Daemon, *args: str) -> Terminal:
-        term = await Terminal().start(*args, env={"RCODER_TARGET": daemon.address})
+        term = await Terminal().start(*args, env={"RCODER_TARGET": daemon.address, "RCODER_CONFIG": str(daemon.config)})
         opened.append(term)
         return term
 
@@ -205,7 +205,17 @@ async def test_json_prints_one_event_per_line_and_the_prompt_may_come_on_stdin(m
     daemon, _ = await make_daemon()
 
     code, out, err = await rcoder(
-        "chat", "--project", "demo", "--agent", "echo", "--json", "--target", daemon.address, stdin=b"hello\n"
+        "chat",
+        "--project",
+        "demo",
+        "--agent",
+        "echo",
+        "--json",
+        "--target",
+        daemon.address,
+        "--config",
+        str(daemon.config),
+        stdin=b"hello\n",
     )
     assert code == 0, err
     events = [json.loads(line) for line in out.splitlines()]
@@ -218,7 +228,9 @@ async def test_json_prints_one_event_per_line_and_the_prompt_may_come_on_stdin(m
 async def test_tool_calls_and_plans_go_to_stderr_compactly_and_the_text_to_stdout(make_daemon: DaemonFactory) -> None:
     daemon, _ = await make_daemon()
 
-    code, out, err = await rcoder("chat", "--project", "demo", "tool", env={"RCODER_TARGET": daemon.address})
+    code, out, err = await rcoder(
+        "chat", "--project", "demo", "tool", env={"RCODER_TARGET": daemon.address, "RCODER_CONFIG": str(daemon.config)}
+    )
     assert code == 0
     assert out == "I remember nothing.\n"
     assert "tool: touch file [edit] pending\n" in err
@@ -232,7 +244,9 @@ async def test_an_edit_shows_as_its_path_and_line_counts_and_a_command_as_itself
 ) -> None:
     daemon, _ = await make_daemon()
 
-    code, _, err = await rcoder("chat", "--project", "demo", "edits", env={"RCODER_TARGET": daemon.address})
+    code, _, err = await rcoder(
+        "chat", "--project", "demo", "edits", env={"RCODER_TARGET": daemon.address, "RCODER_CONFIG": str(daemon.config)}
+    )
     assert code == 0
     assert "edit: notes.txt +2/-1\n" in err  # "one\ntwo\n" → "one\nthree\nfour\n"
     assert "ran: ls -la → exit 2\n" in err
@@ -241,7 +255,9 @@ async def test_an_edit_shows_as_its_path_and_line_counts_and_a_command_as_itself
 async def test_an_error_stop_exits_1_with_the_error(make_daemon: DaemonFactory) -> None:
     daemon, _ = await make_daemon()
 
-    code, _, err = await rcoder("chat", "--project", "demo", "--target", daemon.address, "crash")
+    code, _, err = await rcoder(
+        "chat", "--project", "demo", "--target", daemon.address, "--config", str(daemon.config), "crash"
+    )
     assert code == 1
     assert "error: " in err and "fake agent crashing" in err
     assert SUMMARY.search(err).group(4) == "error"  # type: ignore[union-attr]
@@ -250,10 +266,12 @@ async def test_an_error_stop_exits_1_with_the_error(make_daemon: DaemonFactory) 
 async def test_grpc_errors_print_their_status_and_error_info_reason_and_exit_1(make_daemon: DaemonFactory) -> None:
     daemon, _ = await make_daemon()
 
-    code, _, err = await rcoder("sessions", "show", "nope", "--target", daemon.address)
+    code, _, err = await rcoder("sessions", "show", "nope", "--target", daemon.address, "--config", str(daemon.config))
     assert code == 1
     assert err.startswith("rcoder: NOT_FOUND (SESSION_NOT_FOUND): session 'nope' not found")
-    code, out, _ = await rcoder("chat", "--project", "../up", "--json", "--target", daemon.address, "hi")
+    code, out, _ = await rcoder(
+        "chat", "--project", "../up", "--json", "--target", daemon.address, "--config", str(daemon.config), "hi"
+    )
     assert code == 1
     error = json.loads(out)["error"]
     assert error["code"] == "INVALID_ARGUMENT" and error["reason"] == "INVALID_ARGUMENT"
@@ -270,7 +288,7 @@ async def test_sessions_lists_shows_and_closes_sessions(make_daemon: DaemonFacto
     daemon, client = await make_daemon()
     events = await client.chat(project_id="demo", prompt="remember 1")
     session_id = events[0].session_id
-    target = ("--target", daemon.address)
+    target = ("--target", daemon.address, "--config", str(daemon.config))
 
     code, out, _ = await rcoder("sessions", "--project", "demo", *target)
     assert code == 0

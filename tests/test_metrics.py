@@ -13,8 +13,10 @@ from tests.harness import FakeAgentSetup
 from tests.turns import rest_of, start_turn
 
 
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+def scrape(address: str, token: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``/metrics`` as Prometheus reads it with ``authorization: {credentials_file: <data_dir>/auth_token}``."""
+    request = urllib.request.Request(f"http://{address}/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
         text = answer.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -38,7 +40,7 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
     await rest_of(call)
     await client.chat_error(prompt="hi", agent="broken")
 
-    m = await asyncio.to_thread(scrape, serving["address"])
+    m = await asyncio.to_thread(scrape, serving["address"], daemon.token)
 
     def value(name: str, **labels: str) -> float:
         return m.get((name, tuple(sorted(labels.items()))), 0.0)
@@ -57,7 +59,7 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
 
     # the pool opened a session in the project the first turn used: the next new one takes it
     await client.chat(prompt="hello again")
-    m = await asyncio.to_thread(scrape, serving["address"])
+    m = await asyncio.to_thread(scrape, serving["address"], daemon.token)
     assert value("rcoder_session_agents_total", agent="fake", source="primed") == 1
     assert value("rcoder_session_agents_total", agent="fake", source="cold") == 1
     assert value("rcoder_live_agents", agent="fake") == 2

@@ -86,7 +86,7 @@ def deliberate(call: Callable[[], Any]) -> None:
 
 async def test_generated_requests_get_deliberate_answers(make_daemon: DaemonFactory) -> None:
     daemon, _ = await make_daemon(permission_timeout=1, cancel_grace=1)
-    with grpc.insecure_channel(daemon.address) as channel:  # sync client: hypothesis drives it
+    with daemon.sync_channel() as channel:  # sync client: hypothesis drives it
         stub = pb_grpc.AgentRunnerStub(channel)
 
         @PROPERTY_SETTINGS

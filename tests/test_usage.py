@@ -55,7 +55,7 @@ async def test_the_cost_of_a_turn_is_its_part_of_the_cumulative_cost(
 
     assert [completed(first).usage.cost_amount, second.usage.cost_amount, third.usage.cost_amount] == [0.25] * 3
     assert third.usage.context_used == 30, "the context grows: the last usage_update of the turn"
-    m = await asyncio.to_thread(scrape, serving["address"])
+    m = await asyncio.to_thread(scrape, serving["address"], daemon.token)
     assert m[("rcoder_cost_total", (("agent", "fake"), ("currency", "USD"), ("project", "costly")))] == 0.75
     assert m[("rcoder_tokens_total", (("agent", "fake"), ("kind", "input"), ("project", "costly")))] == 300
     assert m[("rcoder_tokens_total", (("agent", "fake"), ("kind", "cached_read"), ("project", "costly")))] == 15

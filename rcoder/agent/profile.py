@@ -1,8 +1,9 @@
-"""What a profile means for the agent process it runs: its home, model provider and sandbox.
+"""What a profile means for the agent process it runs: its home, model provider, sandbox and network.
 Settings (rcoder.config) hold the keys; this reads them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -35,3 +36,28 @@ def sandbox_of(settings: Settings, profile: AgentProfile) -> Literal["landlock",
     if profile.sandbox == "auto":
         return "landlock" if settings.landlock_abi > 0 else "none"
     return profile.sandbox
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkReach:
+    """What the profile's agents reach over the network (DESIGN §6.2): rcoder's port (every host's)
+    and ``/metrics`` ("refused": they need the token, which a confined agent cannot read; "open";
+    metrics "off": not served), the store ("refused": PostgreSQL asks a password the agent
+    cannot read; "open"; "none": SQLite, no port) and everything else ("open": model APIs,
+    package registries, git remotes, servers the agent starts itself)."""
+
+    rcoder: str
+    metrics: str
+    store: str
+    other: str = "open"
+
+
+def network_of(settings: Settings, profile: AgentProfile) -> NetworkReach:
+    """What ``profile``'s agents reach: an unconfined agent reads the token file, the config and
+    the store's URL like the daemon, so for it everything is open."""
+    confined = sandbox_of(settings, profile) == "landlock"
+    token = confined and (bool(settings.auth_token) or not settings.open_to_agents)
+    rcoder = "refused" if token else "open"
+    metrics = rcoder if settings.metrics_listen else "off"
+    store = "refused" if confined and not settings.open_to_agents else "open"
+    return NetworkReach(rcoder, metrics, store if settings.store_url else "none")

@@ -7,6 +7,7 @@ error leaves with a ``google.rpc.ErrorInfo`` carrying its reason.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from functools import partial
 from typing import Any, NoReturn
 
@@ -311,6 +312,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 kind=view.profile.kind,
                 sandbox=view.sandbox,
                 landlock_abi=view.landlock_abi,
+                network=pb.NetworkReach(**asdict(view.network)),
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

@@ -22,6 +22,7 @@ from rcoder.client.resources import (
     fork_from_proto,
     session_from_proto,
 )
+from rcoder.client.token import find_token
 from rcoder.client.turn import Turn
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
@@ -34,7 +35,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {"grpc.max_receive_message_length": MAX_MESSAG
 class RcoderClient:
     """A client of one rcoder daemon: ``async with RcoderClient("host:port", token=...) as client``.
 
-    ``token`` is sent as ``authorization: Bearer <token>`` with every call (None or empty: not sent).
+    ``token`` is sent as ``authorization: Bearer <token>`` with every call ("": not sent; None: the one
+    ``find_token`` finds, as a daemon on this host with no ``auth_token`` keeps it in its data_dir).
     ``tls``: None or False for a plaintext channel; True for TLS with the system's root certificates;
     PEM ``bytes`` of the root certificates to trust; or ``grpc.ssl_channel_credentials(...)`` as made.
     ``options`` are gRPC channel arguments, over ``DEFAULT_OPTIONS``. ``timeout`` bounds every unary call
@@ -53,6 +55,7 @@ class RcoderClient:
         timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         self.target = target
+        token = find_token() if token is None else token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout
         self._channel = _make_channel(target, tls, {**DEFAULT_OPTIONS, **dict(options)})

@@ -1096,6 +1096,7 @@ class AgentInfo(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     SANDBOX_FIELD_NUMBER: _builtins.int
     LANDLOCK_ABI_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     command: _builtins.str
     resume: _builtins.str
@@ -1118,6 +1119,10 @@ class AgentInfo(_message.Message):
     def capabilities(self) -> Global___AgentCapabilities:
         """As seen at the last initialize; unset until the agent has run once."""
 
+    @_builtins.property
+    def network(self) -> Global___NetworkReach:
+        """what its agents reach over the network (DESIGN 6.2)"""
+
     def __init__(
         self,
         *,
@@ -1133,14 +1138,51 @@ class AgentInfo(_message.Message):
         kind: _builtins.str = ...,
         sandbox: _builtins.str = ...,
         landlock_abi: _builtins.int = ...,
+        network: Global___NetworkReach | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "live_agents", b"live_agents", "name", b"name", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "live_agents", b"live_agents", "name", b"name", "network", b"network", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentInfo: _TypeAlias = AgentInfo  # noqa: Y015
+
+@_typing.final
+class NetworkReach(_message.Message):
+    """What a profile's agents reach over the network. "refused": they need a credential they cannot
+    read; "open": they reach it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RCODER_FIELD_NUMBER: _builtins.int
+    METRICS_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    OTHER_FIELD_NUMBER: _builtins.int
+    rcoder: _builtins.str
+    """every rcoder host's port (its token): "refused" or "open" """
+    metrics: _builtins.str
+    """/metrics (the same token): "refused", "open", or "off" (not served)"""
+    store: _builtins.str
+    """PostgreSQL (its password): "refused", "open", or "none" (SQLite: no port)"""
+    other: _builtins.str
+    """the rest (model APIs, registries, git remotes, servers it starts): "open" """
+    def __init__(
+        self,
+        *,
+        rcoder: _builtins.str = ...,
+        metrics: _builtins.str = ...,
+        store: _builtins.str = ...,
+        other: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics", b"metrics", "other", b"other", "rcoder", b"rcoder", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkReach: _TypeAlias = NetworkReach  # noqa: Y015
 
 @_typing.final
 class AgentCapabilities(_message.Message):

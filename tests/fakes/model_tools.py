@@ -40,7 +40,8 @@ Op = Literal["write", "edit", "read", "run"]
 
 @dataclass(frozen=True)
 class Step:
-    """One tool call: ``write`` (path, content), ``edit`` (path, old, new), ``read`` (path), ``run`` (command)."""
+    """One tool call: ``write`` (path, content), ``edit`` (path, old, new), ``read`` (path), ``run``
+    (command; ``wait_ms``: how long Codex waits for it before answering "still running", else its 10 s)."""
 
     op: Op
     path: str = ""
@@ -48,6 +49,7 @@ class Step:
     old: str = ""
     new: str = ""
     command: str = ""
+    wait_ms: int = 0
 
 
 def write(path: str, content: str) -> Step:
@@ -62,8 +64,8 @@ def read(path: str) -> Step:
     return Step("read", path=path)
 
 
-def run(command: str) -> Step:
-    return Step("run", command=command)
+def run(command: str, wait_ms: int = 0) -> Step:
+    return Step("run", command=command, wait_ms=wait_ms)
 
 
 def tools_prompt(*steps: Step, intro: str = "Please do this.") -> str:
@@ -131,7 +133,8 @@ def codex_call(step: Step) -> tuple[str, str]:
         new = "".join(f"+{line}\n" for line in step.new.splitlines())
         return "apply_patch", f"*** Begin Patch\n*** Update File: {step.path}\n@@\n{old}{new}*** End Patch\n"
     command = f"cat {shlex.quote(step.path)}" if step.op == "read" else step.command
-    return "exec_command", json.dumps({"cmd": command})
+    wait = {"yield_time_ms": step.wait_ms} if step.wait_ms else {}
+    return "exec_command", json.dumps({"cmd": command, **wait})
 
 
 def next_step(user_texts_and_calls: list[tuple[str, int]]) -> tuple[list[Step], int] | None:

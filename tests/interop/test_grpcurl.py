@@ -6,17 +6,23 @@ import json
 from typing import Any
 
 from tests.conftest import DaemonFactory
+from tests.harness import Daemon
 from tests.interop.conftest import Finished, Run
 
 # grpcurl exits with 64 + the status code when the call fails
 NOT_FOUND_EXIT, INVALID_ARGUMENT_EXIT = 64 + 5, 64 + 3
 
 
+def bearer(daemon: Daemon) -> str:
+    """The header the README's grpcurl lines send: the token the daemon made in its data_dir."""
+    return f"authorization: Bearer {daemon.token}"
+
+
 async def grpcurl_call(
-    run: Run, grpcurl: str, address: str, method: str, body: dict[str, Any] | None = None
+    run: Run, grpcurl: str, daemon: Daemon, method: str, body: dict[str, Any] | None = None
 ) -> Finished:
     data = ["-d", json.dumps(body)] if body is not None else []
-    return await run([grpcurl, "-plaintext", "-format-error", *data, address, method])
+    return await run([grpcurl, "-plaintext", "-format-error", "-H", bearer(daemon), *data, daemon.address, method])
 
 
 async def test_grpcurl_lists_and_describes_the_services_by_reflection(
@@ -24,12 +30,18 @@ async def test_grpcurl_lists_and_describes_the_services_by_reflection(
 ) -> None:
     daemon, _ = await make_daemon()
 
-    listed = await run([grpcurl, "-plaintext", daemon.address, "list"])
+    refused = await run([grpcurl, "-plaintext", daemon.address, "list"])
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, "reflection asks the token too"
+    listed = await run([grpcurl, "-plaintext", "-H", bearer(daemon), daemon.address, "list"])
     assert listed.returncode == 0, listed.stderr
     assert {"rcoder.v1.AgentRunner", "grpc.health.v1.Health"} <= set(listed.stdout.split())
-    service = await run([grpcurl, "-plaintext", daemon.address, "describe", "rcoder.v1.AgentRunner"])
+    service = await run(
+        [grpcurl, "-plaintext", "-H", bearer(daemon), daemon.address, "describe", "rcoder.v1.AgentRunner"]
+    )
     assert "rpc Chat ( .rcoder.v1.ChatRequest ) returns ( stream .rcoder.v1.ChatStream );" in service.stdout
-    request = await run([grpcurl, "-plaintext", daemon.address, "describe", "rcoder.v1.ChatRequest"])
+    request = await run(
+        [grpcurl, "-plaintext", "-H", bearer(daemon), daemon.address, "describe", "rcoder.v1.ChatRequest"]
+    )
     assert "string project_id = 1;" in request.stdout and "string session_id = 2;" in request.stdout
 
 
@@ -41,7 +53,7 @@ async def test_grpcurl_streams_a_chat_with_the_echo_agent_and_resumes_it_with_th
     chat = "rcoder.v1.AgentRunner/Chat"
 
     first = await grpcurl_call(
-        run, grpcurl, daemon.address, chat, {"project_id": "demo", "agent": "echo", "prompt": "remember 42"}
+        run, grpcurl, daemon, chat, {"project_id": "demo", "agent": "echo", "prompt": "remember 42"}
     )
     assert first.returncode == 0, first.stderr
     events = first.json_values()
@@ -53,26 +65,24 @@ async def test_grpcurl_streams_a_chat_with_the_echo_agent_and_resumes_it_with_th
 
     session_id = events[0]["session_id"]
     body = {"project_id": "demo", "session_id": session_id, "agent": "echo", "prompt": "which number?"}
-    second = (await grpcurl_call(run, grpcurl, daemon.address, chat, body)).json_values()
+    second = (await grpcurl_call(run, grpcurl, daemon, chat, body)).json_values()
     assert second[0]["session_id"] == session_id
     assert second[0]["started"]["resume"] == "RESUME_OUTCOME_RESUMED"
     assert second[0]["started"]["resume_method"] == "resume"
     text = "".join(e["agent_message"]["text"] for e in second if "agent_message" in e)
     assert text == "echo: which number? (you said before: remember 42)"
 
-    session = await grpcurl_call(
-        run, grpcurl, daemon.address, "rcoder.v1.AgentRunner/GetSession", {"session_id": session_id}
-    )
+    session = await grpcurl_call(run, grpcurl, daemon, "rcoder.v1.AgentRunner/GetSession", {"session_id": session_id})
     assert session.json_values()[0]["turns"] == 2
 
 
 async def test_grpcurl_sees_the_health_service_serving(make_daemon: DaemonFactory, run: Run, grpcurl: str) -> None:
     daemon, _ = await make_daemon()
 
-    health = await grpcurl_call(run, grpcurl, daemon.address, "grpc.health.v1.Health/Check")
+    health = await grpcurl_call(run, grpcurl, daemon, "grpc.health.v1.Health/Check")
     assert health.json_values() == [{"status": "SERVING"}]
     named = await grpcurl_call(
-        run, grpcurl, daemon.address, "grpc.health.v1.Health/Check", {"service": "rcoder.v1.AgentRunner"}
+        run, grpcurl, daemon, "grpc.health.v1.Health/Check", {"service": "rcoder.v1.AgentRunner"}
     )
     assert named.json_values() == [{"status": "SERVING"}]
 
@@ -82,9 +92,7 @@ async def test_grpcurl_shows_error_statuses_with_their_error_info(
 ) -> None:
     daemon, _ = await make_daemon()
 
-    missing = await grpcurl_call(
-        run, grpcurl, daemon.address, "rcoder.v1.AgentRunner/GetSession", {"session_id": "nope"}
-    )
+    missing = await grpcurl_call(run, grpcurl, daemon, "rcoder.v1.AgentRunner/GetSession", {"session_id": "nope"})
     assert missing.returncode == NOT_FOUND_EXIT
     status = json.loads(missing.stdout + missing.stderr)
     assert status["code"] == 5
@@ -102,6 +110,8 @@ async def test_grpcurl_shows_error_statuses_with_their_error_info(
         [
             grpcurl,
             "-plaintext",
+            "-H",
+            bearer(daemon),
             "-d",
             '{"project_id": "../up", "prompt": "hi"}',
             daemon.address,

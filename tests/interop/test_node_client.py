@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import DaemonFactory
+from tests.harness import Daemon
 from tests.interop.conftest import Run
 
 
-async def node_chat(run: Run, client: Path, address: str, **request: Any) -> list[dict[str, Any]]:
+async def node_chat(run: Run, client: Path, daemon: Daemon, **request: Any) -> list[dict[str, Any]]:
     node = shutil.which("node")
     assert node
-    done = await run([node, str(client), address, json.dumps(request)])
+    done = await run([node, str(client), daemon.address, json.dumps(request)], env={"RCODER_TOKEN": daemon.token})
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     assert done.returncode == 0, (done.stdout, done.stderr)
     return lines
@@ -25,7 +26,7 @@ async def test_a_node_client_streams_a_chat_turn_and_resumes_it(
 ) -> None:
     daemon, _ = await make_daemon(idle_timeout=0)
 
-    first = await node_chat(run, node_client, daemon.address, project_id="demo", agent="echo", prompt="remember 42")
+    first = await node_chat(run, node_client, daemon, project_id="demo", agent="echo", prompt="remember 42")
     assert [m["event"] for m in (first[0], first[-1])] == ["started", "completed"]
     assert first[0]["started"]["resume"] == "RESUME_OUTCOME_NEW"
     assert [m["seq"] for m in first] == [str(n) for n in range(1, len(first) + 1)]
@@ -34,7 +35,7 @@ async def test_a_node_client_streams_a_chat_turn_and_resumes_it(
 
     session_id = first[0]["session_id"]
     second = await node_chat(
-        run, node_client, daemon.address, project_id="demo", session_id=session_id, prompt="which number?", agent="echo"
+        run, node_client, daemon, project_id="demo", session_id=session_id, prompt="which number?", agent="echo"
     )
     assert second[0]["session_id"] == session_id
     assert second[0]["started"]["resume"] == "RESUME_OUTCOME_RESUMED"
@@ -49,7 +50,8 @@ async def test_a_node_client_reads_the_error_info_of_a_refused_request(
     node = shutil.which("node")
     assert node
 
-    done = await run([node, str(node_client), daemon.address, json.dumps({"project_id": "../up", "prompt": "hi"})])
+    request = json.dumps({"project_id": "../up", "prompt": "hi"})
+    done = await run([node, str(node_client), daemon.address, request], env={"RCODER_TOKEN": daemon.token})
     assert done.returncode == 1
     error = json.loads(done.stdout)["error"]
     assert error["code"] == "INVALID_ARGUMENT"

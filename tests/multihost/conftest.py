@@ -76,7 +76,7 @@ class Hosts:
             config = write_config(self.root / f"rcoder-{name}.toml", {"fake": self.fake.profile()}, **settings)
             daemon = await Daemon(config).start()
             channel = (
-                daemon.channel()
+                grpc.aio.insecure_channel(daemon.address)  # the tests send AUTH_MD themselves
                 if self.credentials is None
                 else grpc.aio.secure_channel(daemon.address, self.credentials)
             )

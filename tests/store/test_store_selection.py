@@ -46,7 +46,7 @@ def test_a_postgresql_url_selects_the_postgresql_store(tmp_path: Path, url: str)
 
 @pytest.mark.parametrize("url", ["", "postgresql://u:pw@h/db", "postgres://h/db", "postgresql:///db?host=/run/pg"])
 def test_the_store_url_accepts_empty_and_postgresql_urls(url: str) -> None:
-    assert load_settings(None, {"RCODER_STORE_URL": url}).store_url == url
+    assert load_settings(None, {"RCODER_STORE_URL": url, "RCODER_AUTH_TOKEN": "hosts"}).store_url == url
 
 
 @pytest.mark.parametrize("url", ["sqlite:///x.db", "mysql://u:pw@h/db", "http://h/db", "/var/lib/rcoder.db", "pg"])
@@ -70,7 +70,7 @@ def test_any_other_store_url_is_a_config_error_naming_the_key_and_not_the_value(
 
 
 def test_the_settings_never_show_the_store_url() -> None:
-    settings = load_settings(None, {"RCODER_STORE_URL": "postgresql://u:s3cret@h/db"})
+    settings = load_settings(None, {"RCODER_STORE_URL": "postgresql://u:s3cret@h/db", "RCODER_AUTH_TOKEN": "hosts"})
     assert "s3cret" not in repr(settings)
     assert "s3cret" not in str(settings)
 

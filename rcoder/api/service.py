@@ -45,6 +45,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.StoreError, grpc.StatusCode.UNAVAILABLE),
     (errors.RunCancelled, grpc.StatusCode.CANCELLED),
     (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.UnsafePath, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
     (errors.RcoderError, grpc.StatusCode.INTERNAL),
 )

@@ -264,6 +264,22 @@ def test_a_granted_folder_holding_what_must_stay_hidden_is_granted_around_it(tmp
     assert around(Path("/proc/self"), hidden) == [], "resolved in the daemon, it would be the daemon's"
 
 
+def test_a_link_met_while_granting_around_a_hidden_path_grants_nothing_where_it_points(tmp_path: Path) -> None:
+    # a project holding data_dir (workspace_root = the config's folder): its agent makes the links itself
+    project, data, elsewhere = tmp_path / "proj", tmp_path / "proj" / ".rcoder", tmp_path / "elsewhere"
+    for path in (data / "agents" / "other-profile", project / "src", elsewhere):
+        path.mkdir(parents=True, exist_ok=True)
+    (project / "homes").symlink_to(data / "agents", target_is_directory=True)  # under the hidden data_dir
+    (project / "out").symlink_to(elsewhere, target_is_directory=True)
+    (project / "src" / "up").symlink_to(tmp_path, target_is_directory=True)  # a link beside no hidden path
+    hidden = [data.resolve()]
+
+    granted = around(project, hidden)
+
+    assert granted == [(project / "src").resolve()], "only the real folder beside the hidden one"
+    assert all(not p.is_symlink() for p in granted)
+
+
 def test_an_agents_confinement_grants_its_project_and_home_and_keeps_out_data_dir_config_and_workspace(
     tmp_path: Path, fake: FakeAgentSetup
 ) -> None:

@@ -27,6 +27,7 @@ from rcoder.config_types import (
     HostId,
     HostPort,
     OtlpEndpoint,
+    PeerHost,
     Seconds,
     StoreUrl,
     checked,
@@ -107,6 +108,9 @@ class SettingsKeys(_Schema):
     host_id: HostId = ""
     advertise_address: Advertise = ""
     lease_ttl: Annotated[float, Field(gt=0)] = 15.0
+    # without TLS, the hosts (IP networks, host name patterns) another host's address may name for
+    # a forwarded call, which carries the auth_token in plaintext (rcoder.api.forwarding)
+    peer_hosts: Array[PeerHost] = ("127.0.0.0/8", "::1", "localhost")
     workspace_root: ConfigPath = Path("workspace")
     default_agent: str = "claude"
     auth_token: str = ""

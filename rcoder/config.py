@@ -215,6 +215,15 @@ def load_settings(
                 'asks for "landlock" but this kernel offers no Landlock (Linux 5.13+ with landlock among its '
                 'LSMs); set sandbox = "none" to run this agent unconfined',
             )
+        if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
+            # asked for by name, the promise that other projects' files stay whole must hold
+            raise ConfigError(
+                f"agents.{name}.sandbox",
+                f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '
+                f"agent from truncating other projects' files, the store or the config (ABI "
+                f'{landlock.TRUNCATE_ABI}+, Linux 6.2+); set sandbox = "auto" to run confined with that said '
+                'in a warning, or "none"',
+            )
     return settings
 
 

@@ -312,6 +312,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 kind=view.profile.kind,
                 sandbox=view.sandbox,
                 landlock_abi=view.landlock_abi,
+                promises=pb.SandboxPromises(
+                    files=view.promises.files,
+                    truncate=view.promises.truncate,
+                    signals=view.promises.signals,
+                    abstract_unix_sockets=view.promises.abstract_unix_sockets,
+                    network=view.promises.network,
+                    socket_files=view.promises.socket_files,
+                    not_kept=view.promises.not_kept(),
+                ),
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

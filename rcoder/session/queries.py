@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.profile import sandbox_of
+from rcoder.agent.profile import SandboxPromises, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, SessionOrder, SessionRecord, UsageTotals
 from rcoder.errors import NotFound
@@ -48,6 +48,7 @@ class AgentView:
     warm_agents: int
     sandbox: str  # "landlock" or "none" (DESIGN §6.1)
     landlock_abi: int  # the kernel's, when sandbox is "landlock"; else 0
+    promises: SandboxPromises  # what the kernel keeps from its agents
 
 
 class Queries:
@@ -104,6 +105,7 @@ class Queries:
                     warm_agents=self._pool.warm_count(name),
                     sandbox=sandbox,
                     landlock_abi=self._settings.landlock_abi if sandbox == "landlock" else 0,
+                    promises=promises_of(self._settings, profile),
                 )
             )
         return views

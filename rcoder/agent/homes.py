@@ -53,6 +53,7 @@ SHARED = "@shared"
 HOME_MARK = ".rcoder-home"
 _NOT_ALNUM = re.compile(r"[^A-Za-z0-9]")
 _CWD_LINES = 50  # the lines of a Claude transcript read for its cwd
+_SMALL_LINES = 100_000  # bound on a registry or marker file read whole (they are a few lines)
 
 
 class Homes:
@@ -149,8 +150,7 @@ def _transcripts(homes: Path, folder: Path) -> list[Path]:
 
 def _claude_cwd(homes: Path, transcript: Path) -> str | None:
     """The cwd a Claude transcript records (None when it records none)."""
-    text = _read(homes, transcript)
-    for line in text.splitlines()[:_CWD_LINES]:
+    for line in _head(homes, transcript, _CWD_LINES):
         cwd = _json_field(line, "cwd")
         if cwd is not None:
             return cwd
@@ -162,7 +162,7 @@ def split_codex(homes: Path, cwd: Path, home: Path) -> list[Path]:
     moved = []
     for rollout in _rollouts(homes, sessions):
         try:
-            first = json.loads(_read(homes, rollout).partition("\n")[0] or "{}")
+            first = json.loads("".join(_head(homes, rollout, 1)) or "{}")
         except ValueError:
             continue
         payload = first.get("payload") if isinstance(first, dict) else None
@@ -229,17 +229,29 @@ def _move(homes: Path, source: Path, target: Path) -> list[Path]:
     return [target]
 
 
-def _read(homes: Path, path: Path) -> str:
-    """The text of a file of an old home ("" when it is missing, not a regular file, or unreadable);
-    a link on the way is refused."""
+def _head(homes: Path, path: Path, lines: int) -> list[str]:
+    """The first ``lines`` lines of a file of an old home ([] when it is missing, not a regular
+    file, or unreadable); a link on the way is refused."""
     try:
-        return safe_fs.read_text(homes, path) or ""
+        fh = safe_fs.open_text(homes, path)
     except UnsafePath:
         if safe_fs.kind(homes, path) == "link":
             raise
-        return ""  # a FIFO or a device where a file was: nothing to read
+        return []  # a FIFO or a device where a file was: nothing to read
     except OSError:
-        return ""
+        return []
+    if fh is None:
+        return []
+    with fh:
+        try:
+            return [line for _, line in zip(range(lines), fh, strict=False)]
+        except OSError:
+            return []
+
+
+def _read(homes: Path, path: Path) -> str:
+    """The whole text of a small file of an old home (as ``_head``)."""
+    return "".join(_head(homes, path, _SMALL_LINES))
 
 
 def _read_json(homes: Path, path: Path) -> dict[str, object]:

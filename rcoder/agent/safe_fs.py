@@ -22,7 +22,7 @@ import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 from rcoder.errors import UnsafePath
 
@@ -119,9 +119,9 @@ def listdir(root: Path, path: Path) -> list[str]:
         return [] if fd is None else sorted(os.listdir(fd))
 
 
-def read_text(root: Path, path: Path) -> str | None:
-    """The text of the regular file ``path``; None when it is missing. A link, or anything but
-    a regular file, is refused."""
+def open_text(root: Path, path: Path) -> TextIO | None:
+    """The regular file ``path`` open for reading text (the caller closes it); None when it is
+    missing. A link, or anything but a regular file, is refused."""
     parts = _parts(root, path)
     with _walk(root, parts[:-1], create=False) as dir_fd:
         if dir_fd is None:
@@ -134,9 +134,19 @@ def read_text(root: Path, path: Path) -> str | None:
             if exc.errno == errno.ELOOP:
                 raise _refused(path) from exc
             raise
-    with os.fdopen(fd, "r", encoding="utf-8", errors="replace") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise _refused(path, "is not a regular file")
+    fh = os.fdopen(fd, "r", encoding="utf-8", errors="replace")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        fh.close()
+        raise _refused(path, "is not a regular file")
+    return fh
+
+
+def read_text(root: Path, path: Path) -> str | None:
+    """The text of the regular file ``path``; None when it is missing (see ``open_text``)."""
+    fh = open_text(root, path)
+    if fh is None:
+        return None
+    with fh:
         return fh.read()
 
 

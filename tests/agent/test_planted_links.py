@@ -116,3 +116,21 @@ async def test_a_chat_whose_agent_home_holds_a_planted_link_fails_with_failed_pr
     assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
     assert error_info(exc).reason == "UNSAFE_PATH" and ".gemini" in exc.details()
     assert list(other.iterdir()) == []
+
+
+async def test_a_warm_agent_whose_home_holds_a_planted_link_is_not_started_and_the_refusal_is_logged(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile(kind="gemini", warm_pool=1)})
+    await client.chat(prompt="hello")
+    await daemon.wait_log("warm_agent_ready", agent="fake")  # started before the link is planted
+    home = tmp_path / "data" / "agents" / "fake" / "proj"
+    other = another_project(tmp_path)
+    (home / ".gemini").rename(tmp_path / "gemini-was")
+    (home / ".gemini").symlink_to(other, target_is_directory=True)
+
+    await client.chat(prompt="takes the warm one")  # and the pool refills, through the link
+    (refused,) = await daemon.wait_log("warm_agent_failed", agent="fake")
+
+    assert ".gemini" in refused["error"] and "link" in refused["error"]
+    assert list(other.iterdir()) == []

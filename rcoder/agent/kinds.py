@@ -17,6 +17,7 @@ argument or a log line.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -275,13 +276,27 @@ class GeminiKind(AgentKind):
         if not short or "/" in short:
             return None
         created = []
-        for path in (home / ".gemini" / "tmp").glob(f"*/chats/session-*-{short}.jsonl"):
-            match = _GEMINI_CHAT.match(path.name)
+        for name in _gemini_chats(home, short):
+            match = _GEMINI_CHAT.match(name)
             if match:
                 created.append(datetime.strptime(match.group(1), "%Y-%m-%dT%H-%M").replace(tzinfo=UTC))
         if not created:
             return None
         return min(created) + timedelta(minutes=1) + GEMINI_LOAD_MARGIN
+
+
+def _gemini_chats(home: Path, short: str) -> list[str]:
+    """The names of ``.gemini/tmp/*/chats/session-*-<short>.jsonl``, no link in the home followed
+    (a link on the way is refused: its agent may have planted it)."""
+    tmp = home / ".gemini" / "tmp"
+    if not os.path.isdir(home):
+        return []
+    found = []
+    for project in safe_fs.listdir(home, tmp):
+        if safe_fs.kind(home, tmp / project) == "dir" and safe_fs.kind(home, tmp / project / "chats") == "dir":
+            names = safe_fs.listdir(home, tmp / project / "chats")
+            found += [n for n in names if n.startswith("session-") and n.endswith(f"-{short}.jsonl")]
+    return found
 
 
 OPENCODE_PROVIDER = "rcoder"

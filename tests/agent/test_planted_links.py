@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from rcoder.agent.homes import HOME_MARK
+from rcoder.agent.kinds import kind_of
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import ModelProvider
@@ -134,3 +135,15 @@ async def test_a_warm_agent_whose_home_holds_a_planted_link_is_not_started_and_t
 
     assert ".gemini" in refused["error"] and "link" in refused["error"]
     assert list(other.iterdir()) == []
+
+
+def test_gemini_s_chats_are_never_looked_up_through_a_link_in_its_home(tmp_path: Path) -> None:
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    chats = elsewhere / "proj" / "chats"
+    chats.mkdir(parents=True)
+    (chats / "session-2026-11-30T22-20-0199c1d2.jsonl").write_text("{}\n")
+    (home / ".gemini").mkdir(parents=True)
+    (home / ".gemini" / "tmp").symlink_to(elsewhere, target_is_directory=True)
+
+    with pytest.raises(UnsafePath):
+        kind_of("gemini").load_not_before(home, "0199c1d2-7a3b-7cc0-9e4e-5f2a1b3c4d5e")

@@ -27,6 +27,7 @@ from rcoder.config_types import (
     HostId,
     HostPort,
     OtlpEndpoint,
+    PeerHost,
     Seconds,
     StoreUrl,
     checked,
@@ -107,6 +108,9 @@ class SettingsKeys(_Schema):
     host_id: HostId = ""
     advertise_address: Advertise = ""
     lease_ttl: Annotated[float, Field(gt=0)] = 15.0
+    # without TLS, the hosts (IP networks, host name patterns) another host's address may name for
+    # a forwarded call, which carries the auth_token in plaintext (rcoder.api.forwarding)
+    peer_hosts: Array[PeerHost] = ("127.0.0.0/8", "::1", "localhost")
     workspace_root: ConfigPath = Path("workspace")
     default_agent: str = "claude"
     auth_token: str = ""  # "": one generated at first start into <data_dir>/auth_token (0600), kept
@@ -219,6 +223,15 @@ def load_settings(
                 f"agents.{name}.sandbox",
                 'asks for "landlock" but this kernel offers no Landlock (Linux 5.13+ with landlock among its '
                 'LSMs); set sandbox = "none" to run this agent unconfined',
+            )
+        if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
+            # asked for by name, the promise that other projects' files stay whole must hold
+            raise ConfigError(
+                f"agents.{name}.sandbox",
+                f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '
+                f"agent from truncating other projects' files, the store or the config (ABI "
+                f'{landlock.TRUNCATE_ABI}+, Linux 6.2+); set sandbox = "auto" to run confined with that said '
+                'in a warning, or "none"',
             )
     return settings
 

@@ -4,6 +4,9 @@ error into a ConfigError naming the key's full path."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -48,6 +51,15 @@ def _otlp_endpoint(url: str) -> str:
     return url
 
 
+def _peer_host(pattern: str) -> str:
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_network(pattern, strict=False)
+        return pattern
+    if not re.fullmatch(r"[A-Za-z0-9*?.-]+", pattern):
+        raise ValueError(f"expected an IP network (10.0.0.0/8), an address or a host name pattern, got {pattern!r}")
+    return pattern
+
+
 def _advertise(address: str) -> str:
     return _host_port(address) if address else address
 
@@ -58,6 +70,7 @@ ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
 # kept out of repr: it may hold a password
 StoreUrl = Annotated[str, AfterValidator(_store_url), Field(repr=False)]
 HostPort = Annotated[str, AfterValidator(_host_port)]
+PeerHost = Annotated[str, AfterValidator(_peer_host)]  # "10.0.0.0/8", "::1", "rcoder-*.internal"
 Advertise = Annotated[str, AfterValidator(_advertise)]  # "" or host:port
 # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; "" exports none
 OtlpEndpoint = Annotated[str, AfterValidator(_otlp_endpoint)]

@@ -73,7 +73,11 @@ class Daemon:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
         # calls to other hosts: the same token; with TLS, this host's certificate is the one they present
         self.forwarder = Forwarder(
-            self.host_id, self.access.token, tls.cert_pem if tls else None, answer_timeout=settings.lease_ttl
+            self.host_id,
+            self.access.token,
+            tls.cert_pem if tls else None,
+            answer_timeout=settings.lease_ttl,
+            peer_hosts=settings.peer_hosts,
         )
         # cancels and permission answers for an owner that does not answer: through the store
         box = make_signals(self.store)  # None on SQLite: one host needs none

@@ -60,6 +60,18 @@ class PermissionDenied(RcoderError):
         self.reason = reason
 
 
+class UnsafePath(RcoderError):
+    """rcoder refused to act, unconfined, on a path an agent (or whoever wrote the store) controls:
+    a link planted where an agent can write, a session's stored cwd that is not its project's
+    folder. Trying again changes nothing until the operator removes the cause."""
+
+    reason = "UNSAFE_PATH"
+
+    def __init__(self, message: str, reason: str = "UNSAFE_PATH", **metadata: str) -> None:
+        super().__init__(message, **metadata)
+        self.reason = reason
+
+
 class OutOfRange(RcoderError):
     reason = "OUT_OF_RANGE"
 

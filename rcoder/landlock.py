@@ -46,6 +46,24 @@ READ = EXECUTE | READ_FILE | READ_DIR
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
 
+# What a Landlock domain keeps from a confined agent, and the ABI that brought each (the daemon
+# says at start and in ListAgents which hold on this kernel). Never at any ABI: connect() to a
+# UNIX socket file on disk (the PostgreSQL socket, docker.sock, D-Bus); nor is the network
+# restricted here.
+TRUNCATE_ABI, SCOPE_ABI = 3, 6
+PROMISES = (
+    ("files", 1),  # no reading, writing, making or removing files outside its grants
+    ("truncate", TRUNCATE_ABI),  # no truncating files outside its write grants
+    ("signals", SCOPE_ABI),  # no signal to processes outside its domain (the daemon, other agents)
+    ("abstract_unix_sockets", SCOPE_ABI),  # no connecting to abstract UNIX sockets outside it
+)
+
+
+def promises(version: int) -> dict[str, bool]:
+    """Which of ``PROMISES`` hold under the Landlock ABI ``version`` (0: none)."""
+    return {name: version >= needed for name, needed in PROMISES}
+
+
 EXIT_NOT_CONFINED = 126  # as a shell says "found but could not run"
 EXIT_NOT_FOUND = 127
 

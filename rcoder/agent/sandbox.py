@@ -137,8 +137,16 @@ def python_dirs() -> list[Path]:
 
 def around(grant: Path, hidden: Sequence[Path]) -> list[Path]:
     """``grant`` resolved, or, when it contains a hidden path, its children granted around it
-    (each resolved in turn: a symlink child pointing into a hidden path is left out too).
-    A path that does not exist, or is the daemon's own ``/proc/<pid>``, grants nothing."""
+    (each in turn). A path that does not exist, or is the daemon's own ``/proc/<pid>``, grants
+    nothing.
+
+    Only real children are granted, never a link met while expanding: the folder may be the
+    agent's own (a project holding ``data_dir``), so it makes such links itself, and one may point
+    anywhere (``data_dir/agents``, the daemon's home). Resolving a link and dropping what lands in
+    or under a hidden path would not do: the wrapper opens each path again later, and the agent
+    can point the link elsewhere in between; and a link's target lies outside the folder the
+    operator granted. A link inside a folder granted whole grants nothing either: Landlock
+    checks the file a path resolves to."""
     real = _real(grant)
     daemon = Path(f"/proc/{os.getpid()}")  # what "/proc/self" in a profile resolves to here: never the agent's
     if real == daemon or daemon in real.parents:
@@ -149,7 +157,7 @@ def around(grant: Path, hidden: Sequence[Path]) -> list[Path]:
     if real in inside:
         return []
     try:
-        children = list(real.iterdir())
+        children = [child for child in real.iterdir() if not child.is_symlink()]
     except OSError:
         return []
     return [p for child in children for p in around(child, hidden)]

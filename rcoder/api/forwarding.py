@@ -11,16 +11,30 @@ serves it or says why not.
 An owner that does not answer within ``answer_timeout`` (connection refused, a paused process)
 raises ``OwnerUnreachable``: the handler then judges by the owner's lease (failover once it
 expired; ``UNAVAILABLE`` with a retry hint while it holds).
+
+The owner's address comes from the store's ``hosts`` table, which is not the operator's word:
+whoever can write the store could name any address and receive the ``auth_token`` and the
+callers' requests. So an address is dialled only when it is a plain ``host:port`` (no gRPC
+target form: ``unix:``, ``dns:``, ``ipv4:``...), and then either over TLS, where the operator
+configured it (never plaintext then: the peer must present the certificate this host trusts,
+which proves it is one of ours wherever it is), or, without TLS, only when its host is on
+``peer_hosts`` (IP networks and host name patterns; loopback by default): in plaintext nothing
+else authenticates the peer. A refused address is ``OwnerUnreachable``, as one that does not
+answer: the lease decides, and cancels and permission answers go through the store.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import fnmatch
+import ipaddress
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
 
+from rcoder.logs import get_logger
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
 OWNER_KEY = "rcoder-owner"
@@ -29,6 +43,12 @@ FORWARDED_KEY = "rcoder-forwarded-by"
 _HOP_KEYS = {"authorization", "user-agent", "te", "content-type", "grpc-timeout", "grpc-accept-encoding",
              "grpc-encoding", ":authority"}  # fmt: skip
 _NOT_ANSWERING = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# host:port, the host a name or an IPv4 address, or an IPv6 one in brackets: nothing else
+_PLAIN = re.compile(
+    r"^(?:(?P<name>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)|\[(?P<v6>[0-9A-Fa-f:.]+)\]):(?P<port>\d{1,5})$"
+)
+
+log = get_logger("rcoder.api.forwarding")
 
 
 class OwnerUnreachable(Exception):
@@ -44,10 +64,46 @@ def forwarded(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
     return any(key == FORWARDED_KEY for key, _ in context.invocation_metadata() or ())
 
 
+def refusal(address: str, tls: bool, peer_hosts: Sequence[str]) -> str:
+    """Why this host will not dial ``address`` ("" when it will): see the module's docstring."""
+    plain = _PLAIN.fullmatch(address)
+    if plain is None or int(plain["port"]) > 65535:
+        return f"{address!r} is not a plain host:port (gRPC target forms such as unix: or dns: are never dialled)"
+    if tls:
+        return ""  # the peer proves itself with the certificate: reachable anywhere
+    host = (plain["name"] or plain["v6"]).lower()
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    for pattern in peer_hosts:
+        network = _network(pattern)
+        if network is not None and ip is not None and ip in network:
+            return ""
+        if network is None and fnmatch.fnmatchcase(host, pattern.lower()):
+            return ""
+    return f"host {host!r} is not on peer_hosts (without TLS the auth_token goes in plaintext only to those)"
+
+
+def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(pattern, strict=False)
+    except ValueError:
+        return None
+
+
 class Forwarder:
     """Channels to the other hosts (one per address, kept) and the calls made on them."""
 
-    def __init__(self, host_id: str, auth_token: str, tls_ca: bytes | None, answer_timeout: float) -> None:
+    def __init__(
+        self,
+        host_id: str,
+        auth_token: str,
+        tls_ca: bytes | None,
+        answer_timeout: float,
+        peer_hosts: Sequence[str] = ("127.0.0.0/8", "::1", "localhost"),
+    ) -> None:
+        self._peer_hosts = tuple(peer_hosts)
         self._host_id = host_id
         self._auth = f"Bearer {auth_token}" if auth_token else ""
         self._tls_ca = tls_ca
@@ -58,6 +114,10 @@ class Forwarder:
     def _stub(self, address: str) -> pb_grpc.AgentRunnerStub:
         peer = self._peers.get(address)
         if peer is None:
+            why = refusal(address, self._tls_ca is not None, self._peer_hosts)
+            if why:
+                log.warning("forward_refused", address=address, reason=why)
+                raise OwnerUnreachable(address, f"not dialled: {why}")
             if self._tls_ca is not None:
                 credentials = grpc.ssl_channel_credentials(root_certificates=self._tls_ca)
                 channel = grpc.aio.secure_channel(address, credentials)

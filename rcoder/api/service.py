@@ -46,6 +46,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.StoreError, grpc.StatusCode.UNAVAILABLE),
     (errors.RunCancelled, grpc.StatusCode.CANCELLED),
     (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.UnsafePath, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
     (errors.RcoderError, grpc.StatusCode.INTERNAL),
 )
@@ -313,6 +314,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 sandbox=view.sandbox,
                 landlock_abi=view.landlock_abi,
                 network=pb.NetworkReach(**asdict(view.network)),
+                promises=pb.SandboxPromises(
+                    files=view.promises.files,
+                    truncate=view.promises.truncate,
+                    signals=view.promises.signals,
+                    abstract_unix_sockets=view.promises.abstract_unix_sockets,
+                    network=view.promises.network,
+                    socket_files=view.promises.socket_files,
+                    not_kept=view.promises.not_kept(),
+                ),
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

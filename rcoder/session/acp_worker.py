@@ -30,7 +30,7 @@ from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.turn import TurnRunner
-from rcoder.session.workspace import project_dir
+from rcoder.session.workspace import project_dir, stored_cwd
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import LocalCoordination
 
@@ -124,7 +124,8 @@ class AcpWorker:
         if profile is None:
             known = ", ".join(sorted(self._settings.agents))
             raise InvalidArgument("agent", f"no agent profile named {name!r} (profiles: {known})")
-        cwd = record.cwd if record else str(project_dir(self._settings.workspace_root, turn.project_id))
+        root = self._settings.workspace_root
+        cwd = stored_cwd(root, record) if record else str(project_dir(root, turn.project_id))
         action = decide(turn.session_id, record, record is not None and self._pool.is_live(record.session_id))
         session_id = record.session_id if record else new_id()
         return TurnPlan(turn, profile, session_id, new_id(), cwd, record, action)

@@ -38,7 +38,7 @@ from rcoder.agent.launcher import AgentLauncher, Launched
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider, SessionRecord
-from rcoder.errors import AgentError, AgentLimitReached, ShuttingDown
+from rcoder.errors import AgentError, AgentLimitReached, ShuttingDown, UnsafePath
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 
@@ -361,8 +361,8 @@ class AgentPool:
                 return
             if profile.name in self._primes:
                 await connection.prime(slot.cwd, self._settings.session_open_timeout)
-        except AgentError as exc:  # logged once; refilled again only when one is taken
-            log.warning("warm_agent_failed", agent=profile.name, error=exc.summary)
+        except (AgentError, UnsafePath) as exc:  # logged once; refilled again only when one is taken
+            log.warning("warm_agent_failed", agent=profile.name, error=getattr(exc, "summary", exc.message))
             self._metrics.spawn_failures.labels(profile.name, exc.reason).inc()
             self._remove(slot)
             return

@@ -27,6 +27,7 @@ from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.leases import LeaseKeeper
+from rcoder.session.workspace import stored_cwd
 from rcoder.store.base import SessionStore
 
 log = get_logger("rcoder.session.fork")
@@ -65,6 +66,7 @@ class SessionForker:
 
     async def fork(self, session_id: str, project_id: str) -> Forked:
         source = await project_session(self._store, session_id, project_id)
+        stored_cwd(self._settings.workspace_root, source)  # the branch's agent gets its write grant
         profile = self._settings.profile(source.agent)
         if profile is None:
             raise InvalidArgument(

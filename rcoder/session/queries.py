@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.profile import NetworkReach, network_of, sandbox_of
+from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, SessionOrder, SessionRecord, UsageTotals
 from rcoder.errors import NotFound
@@ -49,6 +49,7 @@ class AgentView:
     sandbox: str  # "landlock" or "none" (DESIGN §6.1)
     landlock_abi: int  # the kernel's, when sandbox is "landlock"; else 0
     network: NetworkReach  # DESIGN §6.2
+    promises: SandboxPromises  # what the kernel keeps from its agents
 
 
 class Queries:
@@ -106,6 +107,7 @@ class Queries:
                     sandbox=sandbox,
                     landlock_abi=self._settings.landlock_abi if sandbox == "landlock" else 0,
                     network=network_of(self._settings, profile),
+                    promises=promises_of(self._settings, profile),
                 )
             )
         return views

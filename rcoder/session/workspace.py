@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from rcoder.errors import InvalidArgument, PermissionDenied
+from rcoder.domain import SessionRecord
+from rcoder.errors import InvalidArgument, PermissionDenied, UnsafePath
 
 PROJECT_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -35,3 +37,21 @@ def project_dir(workspace_root: Path, project_id: str) -> Path:
             project_id=project_id,
         )
     return real
+
+
+def stored_cwd(workspace_root: Path, record: SessionRecord) -> str:
+    """The working directory a stored session resumes in, checked: it becomes the agent's write
+    grant, so whoever can write the store could otherwise point it anywhere. It must be the
+    session's project folder (both resolved), or the turn is refused (FAILED_PRECONDITION: the
+    caller may use the session, but the stored record is not in a state rcoder acts on)."""
+    project = project_dir(workspace_root, record.project_id)
+    if os.path.realpath(record.cwd) != str(project):
+        raise UnsafePath(
+            f"session {record.session_id} is stored with cwd {record.cwd!r}, which is not its project's folder "
+            f"{str(project)!r}; refusing to grant an agent write access there (was the store edited, or "
+            "workspace_root moved?)",
+            reason="SESSION_CWD_MISMATCH",
+            session_id=record.session_id,
+            cwd=record.cwd,
+        )
+    return record.cwd

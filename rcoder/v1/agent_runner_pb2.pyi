@@ -1097,6 +1097,7 @@ class AgentInfo(_message.Message):
     SANDBOX_FIELD_NUMBER: _builtins.int
     LANDLOCK_ABI_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
+    PROMISES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     command: _builtins.str
     resume: _builtins.str
@@ -1123,6 +1124,10 @@ class AgentInfo(_message.Message):
     def network(self) -> Global___NetworkReach:
         """what its agents reach over the network (DESIGN 6.2)"""
 
+    @_builtins.property
+    def promises(self) -> Global___SandboxPromises:
+        """What the kernel keeps from its agents on this host (DESIGN 6.2); all false when unconfined."""
+
     def __init__(
         self,
         *,
@@ -1139,10 +1144,11 @@ class AgentInfo(_message.Message):
         sandbox: _builtins.str = ...,
         landlock_abi: _builtins.int = ...,
         network: Global___NetworkReach | None = ...,
+        promises: Global___SandboxPromises | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network", "promises", b"promises"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "live_agents", b"live_agents", "name", b"name", "network", b"network", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "live_agents", b"live_agents", "name", b"name", "network", b"network", "promises", b"promises", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1183,6 +1189,54 @@ class NetworkReach(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NetworkReach: _TypeAlias = NetworkReach  # noqa: Y015
+
+@_typing.final
+class SandboxPromises(_message.Message):
+    """Each a promise Landlock keeps, or not, by the kernel's ABI; the README's "What an agent can reach"."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILES_FIELD_NUMBER: _builtins.int
+    TRUNCATE_FIELD_NUMBER: _builtins.int
+    SIGNALS_FIELD_NUMBER: _builtins.int
+    ABSTRACT_UNIX_SOCKETS_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    SOCKET_FILES_FIELD_NUMBER: _builtins.int
+    NOT_KEPT_FIELD_NUMBER: _builtins.int
+    files: _builtins.bool
+    """no reading or writing files outside its grants (ABI 1+)"""
+    truncate: _builtins.bool
+    """no truncating other projects' files, the store, the config (ABI 3+)"""
+    signals: _builtins.bool
+    """no signal to the daemon or other projects' agents (ABI 6+)"""
+    abstract_unix_sockets: _builtins.bool
+    """no connecting to abstract UNIX sockets outside its confinement (ABI 6+)"""
+    network: _builtins.bool
+    """false: Landlock restricts no network here"""
+    socket_files: _builtins.bool
+    """false at every ABI: Landlock cannot refuse connect() to a socket file on disk"""
+    @_builtins.property
+    def not_kept(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what does not hold, each in words ("truncate: Landlock ABI 2 < 3 ...")"""
+
+    def __init__(
+        self,
+        *,
+        files: _builtins.bool = ...,
+        truncate: _builtins.bool = ...,
+        signals: _builtins.bool = ...,
+        abstract_unix_sockets: _builtins.bool = ...,
+        network: _builtins.bool = ...,
+        socket_files: _builtins.bool = ...,
+        not_kept: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abstract_unix_sockets", b"abstract_unix_sockets", "files", b"files", "network", b"network", "not_kept", b"not_kept", "signals", b"signals", "socket_files", b"socket_files", "truncate", b"truncate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxPromises: _TypeAlias = SandboxPromises  # noqa: Y015
 
 @_typing.final
 class AgentCapabilities(_message.Message):

@@ -9,7 +9,9 @@ Codex's ``.codex/sessions/Y/M/D/rollout-*.jsonl`` opening with ``session_meta``,
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from pathlib import Path
 
 from rcoder.agent.homes import HOME_MARK, LAYOUT_MARK, SHARED, Homes, ensure_home, set_aside
@@ -139,6 +141,21 @@ def test_a_migration_cut_short_goes_on_and_a_done_one_is_never_repeated(tmp_path
     # the layout is marked: a project named like an old entry (".codex") is a project like any other
     ensure_home(homes, homes / ".codex", "codex", tmp_path / "ws" / ".codex")
     assert (homes / ".codex" / HOME_MARK).is_file() and (homes / "a" / HOME_MARK).is_file()
+
+
+def test_a_fifo_where_an_old_transcript_was_is_left_unread_and_never_hangs_the_migration(tmp_path: Path) -> None:
+    homes, a = tmp_path / "agents" / "claude", tmp_path / "ws" / "a"
+    mine = claude_transcript(homes, a, "s-a")
+    os.mkfifo(mine.parent / "s-fifo.jsonl")  # an old agent's (its home was then the shared one)
+    done = threading.Event()
+
+    def migrate() -> None:
+        ensure_home(homes, homes / "a", "claude", a)
+        done.set()
+
+    threading.Thread(target=migrate, daemon=True).start()  # a daemon thread: a hang cannot hold the run
+    assert done.wait(10), "the migration blocked opening the FIFO"
+    assert (homes / "a" / ".claude" / "projects" / claude_dir(a) / mine.name).is_file()
 
 
 async def test_the_home_of_a_working_directory_is_its_projects(tmp_path: Path) -> None:

@@ -175,12 +175,27 @@ def _allow(libc: ctypes.CDLL, ruleset: int, path: str, rights: int, thread: bool
     try:
         if thread and _in_own_proc(fd):
             return
+        if not _as_named(fd, path):
+            return
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             rights &= FILE_RIGHTS
         rule = _PathBeneathAttr(rights, fd)
         _check(_syscall(libc, _SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0), f"add_rule {path}")
     finally:
         os.close(fd)
+
+
+def _as_named(fd: int, path: str) -> bool:
+    """Whether ``fd`` was opened at ``path`` itself, no link followed on the way. rcoder grants
+    paths it resolved itself (``sandbox.around``); a link there now was put there since, by an
+    agent that may write the folder around it, to have the rule bound to what the link points at
+    (another project, ``data_dir``): such a path grants nothing. Checked on the opened fd, so no
+    swap between the check and the rule is possible. ``/proc`` and ``/dev`` entries are named
+    unresolved on purpose (``/proc/self`` is the agent's own, resolved in its process)."""
+    named = os.path.normpath(os.path.abspath(path))
+    if named.startswith(("/proc/", "/dev/")):
+        return True
+    return os.readlink(f"/proc/self/fd/{fd}") == named
 
 
 def _in_own_proc(fd: int) -> bool:

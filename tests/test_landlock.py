@@ -63,3 +63,20 @@ def test_the_wrapper_needs_nothing_but_the_standard_library() -> None:
         env={"PATH": os.defpath},
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_granted_path_that_became_a_link_since_it_was_resolved_grants_nothing(tmp_path: Path) -> None:
+    # rcoder grants resolved paths; an agent that may write the folder around one swaps it for a
+    # link (to another project, data_dir) before the rule is bound: the rule must not follow it
+    project, secret = tmp_path / "project", tmp_path / "secret"
+    project.mkdir()
+    secret.mkdir()
+    (secret / "file").write_text("secret\n")
+    (project / "sub").symlink_to(secret)
+    script = 'cat "$1/file" || echo denied; touch "$1/new" || echo no'
+
+    done = wrapped("--write", str(project / "sub"), command=["/bin/sh", "-c", script, "sh", str(secret)])
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["denied", "no"]
+    assert not (secret / "new").exists()

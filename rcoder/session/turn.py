@@ -57,6 +57,7 @@ from rcoder.errors import AgentError, Internal, LeaseLost, RcoderError, RunCance
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.budget import EarlyEvents
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
@@ -88,7 +89,9 @@ class TurnScope:
         self.body: RunStarted | None = None  # the started event, once known
         self.published = False  # started is out
         self.prompt_sent = False  # the agent has this turn's prompt
-        self._early: list[AgentEvent] = []  # what the agent sent before started was out
+        # what the agent sent before started was out: merged, and bounded as the run is
+        settings = runner.settings
+        self._early = EarlyEvents(settings.run_buffer_bytes, settings.run_event_bytes)
         self.conn: AgentConnection | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
         # how it ended; set by the body of the scope, or by __aexit__ from what it raised
@@ -164,7 +167,7 @@ class TurnScope:
         if self.published:
             self.run.publish(event)
         else:
-            self._early.append(event)
+            self._early.add(event)
 
     def _publish_started(self) -> None:
         assert self.body is not None
@@ -172,9 +175,8 @@ class TurnScope:
             return
         self.published = True
         self.run.publish(self.body)
-        for event in self._early:
+        for event in self._early.drain():
             self.run.publish(event)
-        self._early.clear()
         if not self._ready.done():
             self._ready.set_result(self.run)
 
@@ -280,7 +282,7 @@ class TurnRunner:
         spawn: Spawn,
         leases: LeaseKeeper | None = None,
     ) -> None:
-        self._settings = settings
+        self._settings = self.settings = settings
         self._store = store
         self._pool = pool
         self._runs = runs

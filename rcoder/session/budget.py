@@ -27,6 +27,7 @@ MARKER_ROOM = 96  # bytes a cut's marker may take
 DROPPED_KIND = "rcoder_events_dropped"  # AgentUpdate.kind of the marker for events not kept
 
 T = TypeVar("T")
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by class
 
 
 def utf8_size(text: str) -> int:
@@ -35,14 +36,26 @@ def utf8_size(text: str) -> int:
 
 
 def body_size(value: object) -> int:
-    """UTF-8 bytes of every string in ``value`` (a domain event: dataclasses, tuples, strings)."""
-    if isinstance(value, str):
+    """UTF-8 bytes of every string in ``value`` (a domain event: dataclasses, tuples, strings).
+    Field names are looked up once per class: this runs for every event but text."""
+    if value.__class__ is str:
         return utf8_size(value)
-    if isinstance(value, tuple):
-        return sum(body_size(item) for item in value)
-    if dataclasses.is_dataclass(value):
-        return sum(body_size(getattr(value, f.name)) for f in dataclasses.fields(value))
-    return 8
+    names = _FIELDS.get(value.__class__)
+    if names is None:
+        fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
+        names = _FIELDS[value.__class__] = tuple(f.name for f in fields)
+    total = 0
+    for name in names:
+        item = getattr(value, name)
+        if item.__class__ is str:
+            total += len(item) if item.isascii() else utf8_size(item)
+        elif item.__class__ is tuple:
+            total += sum(body_size(part) for part in item)
+        elif dataclasses.is_dataclass(item):
+            total += body_size(item)
+        elif item is not None:
+            total += 8  # a number or a flag
+    return total
 
 
 def shrink(body: T, limit: int) -> tuple[T | AgentUpdate, int]:

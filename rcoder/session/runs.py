@@ -79,6 +79,7 @@ class Run:
         # the event is rebuilt once, when it is taken or another event follows)
         self._open: list[str] = []
         self._open_len = 0  # UTF-8 bytes of the last event's text, merged parts included
+        self._sealed_len = 0  # ... of which counted in ``bytes`` (the rest is counted when sealed)
         self._positions: dict[int, int] = {}  # attached follower -> last seq it took
         self._follower_ids = itertools.count()
         self._clock = clock
@@ -130,25 +131,20 @@ class Run:
             if size > self._event_bytes:
                 body, size = shrink(body, self._event_bytes)
         self.last_published = time.monotonic()
-        ledger = self._ledger
         if isinstance(body, TextChunk) and self._merges(body, size):
+            # counted when sealed (at most MERGE_LIMIT later): a merge stays two appends
             self._open.append(body.text)
             self._open_len += size
-            self._sizes[-1] += size
-            self.bytes += size
-            ledger.held += size
-            if self.bytes > self._byte_limit or ledger.held > ledger.limit:
-                self._trim()
-                self._check_ledger()
             return self._seq
         self._seal()
+        ledger = self._ledger
         self._seq += 1
         event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
         self._events.append(event)
         self._sizes.append(size + EVENT_OVERHEAD)
         self.bytes += size + EVENT_OVERHEAD
         ledger.held += size + EVENT_OVERHEAD
-        self._open_len = size
+        self._open_len = self._sealed_len = size
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
@@ -187,6 +183,11 @@ class Run:
         text = prev.text + "".join(self._open)
         self._events[-1] = RunEvent(last.run_id, last.session_id, last.seq, last.time, TextChunk(text, prev.thought))
         self._open.clear()
+        merged = self._open_len - self._sealed_len
+        self._sizes[-1] += merged
+        self.bytes += merged
+        self._ledger.held += merged
+        self._sealed_len = self._open_len
 
     def _trim(self) -> None:
         """Drop the oldest events past either bound once every follower read them, and past

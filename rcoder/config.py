@@ -129,6 +129,11 @@ class SettingsKeys(_Schema):
     stderr_tail_bytes: Count = 8192  # agent stderr kept for error messages
     agent_line_limit: Count = 64 * 1024 * 1024  # longest line an agent may write on stdout
     run_buffer_events: Count = 10000  # events kept per run for Subscribe replay
+    run_buffer_bytes: Count = 8 << 20  # bytes of events kept per run (4x while a follower lags)
+    run_event_bytes: Count = 1 << 20  # the largest event: longer strings are cut, with a marker
+    runs_total_bytes: Count = 256 << 20  # bytes all runs hold together: finished runs evicted past it
+    run_max_followers: Count = 64  # Chat and Subscribe streams on one run at once
+    max_concurrent_rpcs: Count = 1024  # AgentRunner calls in progress at once (health not counted)
     run_retention: Seconds = 600.0  # finished runs stay subscribable this long
     metrics_listen: str = ""  # host:port for Prometheus /metrics; empty: not served
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported

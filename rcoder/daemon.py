@@ -59,8 +59,9 @@ class Daemon:
         self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
         self.launcher = AgentLauncher(settings)
-        self.runs = RunRegistry(settings.run_retention)
+        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
         self.metrics = Metrics()
+        self.metrics.watch_runs(self.runs.held)
         self.pool = AgentPool(settings, self.launcher, self.metrics)
         coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
         self.leases = LeaseKeeper(coordination, settings.lease_ttl, self.metrics, on_store=self._on_store)
@@ -86,7 +87,11 @@ class Daemon:
         router = Router(self.leases, self.runs, self.store, self.metrics, signals=sender)
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes), settings.listen, auth_token=self.access.token, tls=tls
+            AgentRunnerService(self.worker, queries, routes),
+            settings.listen,
+            auth_token=self.access.token,
+            tls=tls,
+            max_calls=settings.max_concurrent_rpcs,
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()

@@ -113,6 +113,17 @@ class AgentLimitReached(RcoderError):
         )
 
 
+class ResourceExhausted(RcoderError):
+    """A bound on what rcoder holds was reached (followers of a run, calls at once); ``reason``
+    names which, and the message its config key."""
+
+    reason = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, reason: str, **metadata: str) -> None:
+        super().__init__(message, **metadata)
+        self.reason = reason
+
+
 class ShuttingDown(RcoderError):
     reason = "SHUTTING_DOWN"
 

@@ -28,6 +28,7 @@ TURN_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 TOKEN_KINDS = ("input", "output", "cached_read", "cached_write", "thought")
 
 AgentCounts = Callable[[], Mapping[str, tuple[int, int]]]  # profile -> (live, warm)
+RunsHeld = Callable[[], tuple[int, int]]  # (bytes, runs) kept for replay
 
 
 class _AgentGauges(Collector):
@@ -42,6 +43,21 @@ class _AgentGauges(Collector):
             warm.add_metric([agent], n_warm)
         yield live
         yield warm
+
+
+class _RunGauges(Collector):
+    def __init__(self, held: RunsHeld) -> None:
+        self._held = held
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        size, count = self._held()
+        yield GaugeMetricFamily(
+            "rcoder_run_buffer_bytes",
+            "Bytes of events runs hold for replay, running and finished (bounded by runs_total_bytes "
+            "for finished runs, run_buffer_bytes for each run)",
+            value=size,
+        )
+        yield GaugeMetricFamily("rcoder_runs_kept", "Runs kept in memory, running and finished", value=count)
 
 
 class Metrics:
@@ -177,6 +193,10 @@ class Metrics:
 
     def watch_agents(self, counts: AgentCounts) -> None:
         self.registry.register(_AgentGauges(counts))
+
+    def watch_runs(self, held: RunsHeld) -> None:
+        """Bytes and runs kept, read at scrape time (``RunRegistry.held``)."""
+        self.registry.register(_RunGauges(held))
 
     def serve(self, listen: str, token: str = "") -> int:
         """Serve ``/metrics`` on ``host:port`` from a thread; returns the port. With ``token``, a

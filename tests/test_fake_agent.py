@@ -22,6 +22,7 @@ from acp.schema import (
     AllowedOutcome,
     PermissionOption,
     RequestPermissionResponse,
+    ToolCallStart,
     ToolCallUpdate,
     UserMessageChunk,
 )
@@ -160,6 +161,17 @@ async def test_stream_sends_the_chunks_then_the_answer(tmp_path: Path) -> None:
     assert response.stop_reason == "end_turn"
     assert agent.client.texts(AgentThoughtChunk) == ["thinking..."]
     assert agent.client.texts(AgentMessageChunk) == ["c0 ", "c1 ", "c2 ", "c3 ", "c4 ", "I remember nothing."]
+
+
+async def test_bigtools_sends_that_many_tool_calls_each_with_a_text_body_of_that_size(tmp_path: Path) -> None:
+    async with fake_agent(tmp_path) as agent, asyncio.timeout(WAIT):
+        session_id = (await agent.conn.new_session(cwd=str(tmp_path), mcp_servers=[])).session_id
+        response = await agent.conn.prompt(session_id=session_id, prompt=[text_block("bigtools 3 1000")])
+
+    assert response.stop_reason == "end_turn"
+    calls = [u for u in agent.client.updates if isinstance(u, ToolCallStart)]
+    assert [c.tool_call_id for c in calls] == ["big-0", "big-1", "big-2"]
+    assert all(c.content and c.content[0].content.text == "y" * 1000 for c in calls)
 
 
 async def test_permission_round_trip_reports_the_chosen_option(tmp_path: Path) -> None:

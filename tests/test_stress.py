@@ -1,5 +1,9 @@
 """Many runs through every path: zero leftover processes, no growth in descriptors or memory.
 
+Finished runs are kept as they are in production (``run_retention`` of ten minutes, longer than
+the test), and each session sends 4 MiB of tool calls: kept whole they would grow the daemon by
+far more than the memory bound, so the bound holds only because ``runs_total_bytes`` does.
+
 `make test` runs a few hundred turns; `make soak` (RCODER_SOAK=1) ten thousand.
 """
 
@@ -14,10 +18,13 @@ import pytest
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning
+from tests.test_metrics import scrape
 from tests.turns import rest_of, start_turn
 
 SOAK = os.environ.get("RCODER_SOAK") == "1"
-TURNS_PER_SESSION = 13
+TURNS_PER_SESSION = 14
+MIB = 1 << 20
+RUNS_TOTAL_BYTES = 16 * MIB  # what all runs may hold: the 24 sessions' tool calls are 96 MiB
 SESSIONS = 850 if SOAK else 24  # x TURNS_PER_SESSION turns
 CONCURRENCY = 4
 
@@ -44,8 +51,9 @@ async def one_session(client: Client, index: int) -> dict[str, int]:
     first = await client.chat(prompt=f"remember {index}")
     count(first)
     sid = first[0].session_id
-    for turn in range(TURNS_PER_SESSION - 6):
+    for turn in range(TURNS_PER_SESSION - 7):
         count(await client.chat(prompt=f"turn {turn} tool stream 3", session_id=sid))
+    count(await client.chat(prompt=f"bigtools 4 {MIB}", session_id=sid))  # 4 MiB a finished run would keep
     call, begin = await start_turn(client, prompt="hang", session_id=sid)
     await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
     count(await rest_of(call))
@@ -57,12 +65,15 @@ async def one_session(client: Client, index: int) -> dict[str, int]:
     return stops
 
 
-@pytest.mark.timeout(480)  # ~100 agent starts (0.4 s of CPU each) among 312 turns: 150-210 s beside the other worker
+@pytest.mark.timeout(480)  # ~100 agent starts (0.4 s of CPU each) among 336 turns: 150-210 s beside the other worker
 async def test_hundreds_of_runs_through_every_path_leak_nothing(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
-    daemon, client = await make_daemon(max_live_agents=8, run_retention=1, idle_timeout=30)
+    daemon, client = await make_daemon(
+        max_live_agents=8, idle_timeout=30, runs_total_bytes=RUNS_TOTAL_BYTES, metrics_listen="127.0.0.1:0"
+    )
     assert daemon.proc is not None
+    (serving,) = await daemon.wait_log("metrics_serving")
     totals: dict[str, int] = {}
     semaphore = asyncio.Semaphore(CONCURRENCY)
 
@@ -88,6 +99,8 @@ async def test_hundreds_of_runs_through_every_path_leak_nothing(
     assert totals.get("STOP_REASON_ERROR") == SESSIONS  # the crashes, and nothing else
     assert fds_after <= fds_before + 8, "open descriptors grew"
     assert rss_after <= rss_before + 40 * 1024, "memory grew"
+    held = (await asyncio.to_thread(scrape, serving["address"], daemon.token))[("rcoder_run_buffer_bytes", ())]
+    assert held <= RUNS_TOTAL_BYTES, "finished runs were kept past runs_total_bytes"
     for session in (await client.stub.ListSessions(pb.ListSessionsRequest(page_size=1000))).sessions:
         await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
     assert processes_mentioning(str(fake.state_dir)) == []

@@ -40,7 +40,12 @@ class GrpcServer:
     """Owns the grpc.aio server; ``stop()`` is safe to call twice."""
 
     def __init__(
-        self, service: AgentRunnerService, listen: str, auth_token: str = "", tls: TlsFiles | None = None
+        self,
+        service: AgentRunnerService,
+        listen: str,
+        auth_token: str = "",
+        tls: TlsFiles | None = None,
+        max_calls: int = 1024,
     ) -> None:
         interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
         self._server = grpc.aio.server(
@@ -53,7 +58,7 @@ class GrpcServer:
                 ("grpc.server_max_unrequested_time_in_server", 120),
             ],
         )
-        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service),))
+        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, CallLimit(max_calls)),))
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
@@ -108,33 +113,71 @@ def _decoder(cls: type[pb_message.Message]) -> Callable[[bytes], Any]:
     return decode
 
 
-def _checked(behaviour: Callable[..., Any], streaming: bool, method: str = "") -> Callable[..., Any]:
-    """Refuse an undecodable request before the handler sees it; the call's span around it
-    (``rcoder.tracing``: a child of the client's ``traceparent``, with the call's status)."""
+class CallLimit:
+    """AgentRunner calls in progress at once (``max_concurrent_rpcs``; health is not counted, so
+    probes still answer). grpc's own ``maximum_concurrent_rpcs`` refuses with no ErrorInfo; this
+    one says which limit it is, as every refusal does."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.active = 0
+
+    def check(self) -> None:
+        if self.active >= self.limit:
+            raise errors.ResourceExhausted(
+                f"{self.limit} calls are in progress on this host (max_concurrent_rpcs); retry shortly",
+                reason="RPC_LIMIT_REACHED",
+                limit=str(self.limit),
+            )
+
+
+def _checked(
+    behaviour: Callable[..., Any], streaming: bool, method: str = "", calls: CallLimit | None = None
+) -> Callable[..., Any]:
+    """Refuse an undecodable request, or one past ``calls``, before the handler sees it; the
+    call's span around it (``rcoder.tracing``: a child of the client's ``traceparent``, with the
+    call's status)."""
+    limit = calls if calls is not None else CallLimit(1 << 30)
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with tracing.server_span(method, context.invocation_metadata()) as span:
+                counted = False
                 try:
-                    if isinstance(request, _Undecodable):
-                        await abort(context, _bad_request(request))
+                    _refuse_early(request, limit)
+                    limit.active += 1
+                    counted = True
                     async for item in behaviour(request, context):
                         yield item
+                except errors.RcoderError as exc:
+                    await abort(context, exc)
                 finally:
+                    limit.active -= counted
                     _record_status(span, context)
 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         with tracing.server_span(method, context.invocation_metadata()) as span:
+            counted = False
             try:
-                if isinstance(request, _Undecodable):
-                    await abort(context, _bad_request(request))
+                _refuse_early(request, limit)
+                limit.active += 1
+                counted = True
                 return await behaviour(request, context)
+            except errors.RcoderError as exc:
+                await abort(context, exc)
             finally:
+                limit.active -= counted
                 _record_status(span, context)
 
     return unary
+
+
+def _refuse_early(request: Any, calls: CallLimit) -> None:
+    if isinstance(request, _Undecodable):
+        raise _bad_request(request)
+    calls.check()
 
 
 def _record_status(span: tracing.Span, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -149,12 +192,13 @@ def _bad_request(request: _Undecodable) -> errors.InvalidArgument:
     )
 
 
-def _agent_runner_handlers(service: AgentRunnerService) -> grpc.GenericRpcHandler:
+def _agent_runner_handlers(service: AgentRunnerService, calls: CallLimit) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
-        behaviour = _checked(getattr(service, method.name), method.server_streaming, f"{SERVICE_NAME}/{method.name}")
+        name = f"{SERVICE_NAME}/{method.name}"
+        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, calls)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             behaviour, request_deserializer=_decoder(request_cls), response_serializer=response_cls.SerializeToString

@@ -42,6 +42,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.LeaseLost, grpc.StatusCode.ABORTED),
     (errors.OwnedElsewhere, grpc.StatusCode.UNAVAILABLE),
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),
     (errors.StoreError, grpc.StatusCode.UNAVAILABLE),
     (errors.RunCancelled, grpc.StatusCode.CANCELLED),

@@ -28,7 +28,7 @@ from rcoder.session.forking import SessionForker
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.runs import Run, RunLimits, RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.session.workspace import project_dir, stored_cwd
 from rcoder.store.base import SessionStore
@@ -82,7 +82,9 @@ class AcpWorker:
         content.check(plan.profile, turn, seen[0] if seen else None)
         if self._closing:  # checked again: the store reads above awaited
             raise ShuttingDown()
-        run = Run(plan.run_id, plan.session_id, self._settings.run_buffer_events, self._clock)
+        settings = self._settings
+        limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
+        run = Run(plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger)
         self._runs.claim(run)  # from here on Cancel and shutdown see the turn
         ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits

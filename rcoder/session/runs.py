@@ -18,9 +18,12 @@ Two rules keep this cheap when the agent writes faster than clients read:
   meanwhile merge into one event, so a fast agent reaches a slow client as a
   few large messages (a gRPC client pays per message) and a quick client as
   soon as each chunk is there.
-- **Bounded buffer.** At most ``buffer_events`` events are kept for replay;
+- **Bounded buffer.** At most ``buffer_events`` events, and ``buffer_bytes`` bytes
+  of them (``budget``: measured once, when published), are kept for replay;
   older ones are dropped once every attached follower has read them, and in
-  any case beyond four times the bound (that follower then gets OUT_OF_RANGE).
+  any case beyond four times either bound (that follower then gets
+  OUT_OF_RANGE). One event is never larger than ``event_bytes`` (``shrink``),
+  and at most ``followers`` follow a run at once (more: RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
@@ -30,13 +33,24 @@ import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
-from rcoder.errors import NotFound, OutOfRange, SessionBusy
+from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
+from rcoder.session.budget import EVENT_OVERHEAD, ByteLedger, body_size, shrink, utf8_size
 
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
 HARD_LIMIT_FACTOR = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    """A run's bounds (config keys ``run_buffer_bytes``, ``run_event_bytes``, ``run_max_followers``)."""
+
+    buffer_bytes: int = 8 << 20
+    event_bytes: int = 1 << 20
+    followers: int = 64
 
 
 class Run:
@@ -46,17 +60,26 @@ class Run:
         session_id: str,
         buffer_events: int,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        limits: RunLimits = RunLimits(),
+        ledger: ByteLedger | None = None,
     ) -> None:
         self.run_id = run_id
         self.session_id = session_id
         self._events: deque[RunEvent] = deque()
+        self._sizes: deque[int] = deque()  # bytes of each kept event, as measured when published
+        self.bytes = 0  # bytes of the kept events together
         self._limit = max(1, buffer_events)
+        self._byte_limit = max(1, limits.buffer_bytes)
+        self._event_bytes = max(1024, min(limits.event_bytes, self._byte_limit))
+        self._max_followers = max(1, limits.followers)
+        self._ledger = ledger if ledger is not None else ByteLedger(1 << 62)
         self._seq = 0
         self._taken = 0  # highest seq any follower has taken: events up to it are frozen
         # text merged into the last event and not folded in yet (appending to a list is O(1);
         # the event is rebuilt once, when it is taken or another event follows)
         self._open: list[str] = []
         self._open_len = 0  # UTF-8 bytes of the last event's text, merged parts included
+        self._sealed_len = 0  # ... of which counted in ``bytes`` (the rest is counted when sealed)
         self._positions: dict[int, int] = {}  # attached follower -> last seq it took
         self._follower_ids = itertools.count()
         self._clock = clock
@@ -103,16 +126,25 @@ class Run:
                     self.publish(TextChunk(piece, body.thought))
                 body = TextChunk(last, body.thought)
                 size = utf8_size(last)
+        else:
+            size = body_size(body)
+            if size > self._event_bytes:
+                body, size = shrink(body, self._event_bytes)
         self.last_published = time.monotonic()
         if isinstance(body, TextChunk) and self._merges(body, size):
+            # counted when sealed (at most MERGE_LIMIT later): a merge stays two appends
             self._open.append(body.text)
             self._open_len += size
             return self._seq
         self._seal()
+        ledger = self._ledger
         self._seq += 1
         event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
         self._events.append(event)
-        self._open_len = size
+        self._sizes.append(size + EVENT_OVERHEAD)
+        self.bytes += size + EVENT_OVERHEAD
+        ledger.held += size + EVENT_OVERHEAD
+        self._open_len = self._sealed_len = size
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
@@ -120,9 +152,19 @@ class Run:
                 callback(self)
             self._done_callbacks.clear()
         self._trim()
+        self._check_ledger()
         self._appended.set()
         self._appended = asyncio.Event()
         return self._seq
+
+    def _check_ledger(self) -> None:
+        if self._ledger.held > self._ledger.limit:
+            self._ledger.over()
+
+    def release_bytes(self) -> None:
+        """The registry no longer keeps this run: its bytes leave the ledger (idempotent)."""
+        self._ledger.held -= self.bytes
+        self._ledger = ByteLedger(1 << 62)  # a follower still reading it trims it on its own
 
     def _merges(self, body: TextChunk, size: int) -> bool:
         """Whether ``body`` grows the last event: text of its kind that no follower has taken."""
@@ -141,17 +183,38 @@ class Run:
         text = prev.text + "".join(self._open)
         self._events[-1] = RunEvent(last.run_id, last.session_id, last.seq, last.time, TextChunk(text, prev.thought))
         self._open.clear()
+        merged = self._open_len - self._sealed_len
+        self._sizes[-1] += merged
+        self.bytes += merged
+        self._ledger.held += merged
+        self._sealed_len = self._open_len
 
     def _trim(self) -> None:
+        """Drop the oldest events past either bound once every follower read them, and past
+        four times either bound in any case; the last event always stays."""
         slowest = min(self._positions.values(), default=self._seq)
-        while len(self._events) > self._limit and (
-            self._events[0].seq <= slowest or len(self._events) > self._limit * HARD_LIMIT_FACTOR
+        events, sizes, limit, byte_limit = self._events, self._sizes, self._limit, self._byte_limit
+        while len(events) > 1 and (
+            ((len(events) > limit or self.bytes > byte_limit) and events[0].seq <= slowest)
+            or len(events) > limit * HARD_LIMIT_FACTOR
+            or self.bytes > byte_limit * HARD_LIMIT_FACTOR
         ):
-            self._events.popleft()
+            events.popleft()
+            size = sizes.popleft()
+            self.bytes -= size
+            self._ledger.held -= size
 
     async def follow(self, after_seq: int = 0) -> AsyncIterator[RunEvent]:
         """Events with seq > ``after_seq``, then live ones, until ``completed``."""
         self._check_available(after_seq, "")
+        if len(self._positions) >= self._max_followers:
+            raise ResourceExhausted(
+                f"run {self.run_id} already has {self._max_followers} followers (run_max_followers); "
+                "retry when one of them leaves",
+                reason="RUN_FOLLOWERS_LIMIT",
+                run_id=self.run_id,
+                limit=str(self._max_followers),
+            )
         follower = next(self._follower_ids)
         self._positions[follower] = after_seq
         position = after_seq
@@ -171,6 +234,7 @@ class Run:
                 await appended.wait()
         finally:
             self._positions.pop(follower, None)
+            self._trim()  # what only this follower still needed may go now
 
     def _check_available(self, after_seq: int, prefix: str) -> None:
         first = self._events[0].seq if self._events else self._seq + 1
@@ -189,11 +253,6 @@ class Run:
         if batch:
             self._taken = max(self._taken, batch[-1].seq)
         return batch
-
-
-def utf8_size(text: str) -> int:
-    """Bytes of ``text`` as UTF-8 (``isascii`` is O(1): most chunks cost nothing to measure)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def split_utf8(text: str, limit: int) -> list[str]:
@@ -247,16 +306,19 @@ class RunRegistry:
 
     A run is registered when it claims its session, before its agent is even
     started, so ``Cancel`` and shutdown see a turn in every phase. Finished
-    runs are forgotten after ``retention`` seconds.
+    runs are forgotten after ``retention`` seconds, and earlier, oldest first,
+    while all runs together hold more than ``total_bytes`` (``ledger``).
     """
 
-    def __init__(self, retention: float) -> None:
+    def __init__(self, retention: float, total_bytes: int = 256 << 20) -> None:
         self._runs: dict[str, Run] = {}
         self._holders: dict[str, Run] = {}  # session_id -> the run holding it
         self._retention = retention
         # finished runs in the order they finished: pruning looks only at the oldest
         # (a scan of every run on each add made a busy daemon's turns O(runs kept))
         self._finished: deque[Run] = deque()
+        self.ledger = ByteLedger(total_bytes)  # new runs count their bytes here (``Run(ledger=...)``)
+        self.ledger.over = self._evict
 
     def claim(self, run: Run) -> None:
         """Register ``run`` as its session's one running turn, or raise ``SessionBusy``."""
@@ -268,6 +330,10 @@ class RunRegistry:
         self._runs[run.run_id] = run
         run.add_done_callback(self._finished.append)
 
+    def held(self) -> tuple[int, int]:
+        """Bytes all kept runs hold, and how many runs are kept (running and finished)."""
+        return self.ledger.held, len(self._runs)
+
     def release(self, run: Run) -> None:
         """The run no longer holds its session (idempotent)."""
         if self._holders.get(run.session_id) is run:
@@ -278,6 +344,7 @@ class RunRegistry:
         self.release(run)
         if self._runs.get(run.run_id) is run:
             del self._runs[run.run_id]
+            run.release_bytes()
 
     def holder(self, session_id: str) -> Run | None:
         """The run holding ``session_id``, in any phase (opening its agent included)."""
@@ -287,7 +354,11 @@ class RunRegistry:
         self._prune()
         run = self._runs.get(run_id)
         if run is None:
-            raise NotFound("run", run_id, "unknown, or finished longer ago than run_retention")
+            raise NotFound(
+                "run",
+                run_id,
+                "unknown, or finished longer ago than run_retention (or earlier, to keep runs_total_bytes)",
+            )
         return run
 
     def running(self) -> list[Run]:
@@ -301,4 +372,16 @@ class RunRegistry:
         cutoff = time.monotonic() - self._retention
         finished = self._finished
         while finished and (finished[0].finished_at or 0.0) < cutoff:
-            self._runs.pop(finished.popleft().run_id, None)
+            self._drop(finished.popleft())
+
+    def _evict(self) -> None:
+        """All runs hold more than their budget: forget finished runs, oldest first, until they
+        fit (running runs are bounded each by their own ``buffer_bytes``)."""
+        finished, ledger = self._finished, self.ledger
+        while finished and ledger.held > ledger.limit:
+            self._drop(finished.popleft())
+
+    def _drop(self, run: Run) -> None:
+        if self._runs.get(run.run_id) is run:
+            del self._runs[run.run_id]
+        run.release_bytes()

@@ -70,6 +70,7 @@ from rcoder.errors import AgentError, Internal, LeaseLost, RcoderError, RunCance
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.budget import EarlyEvents
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
@@ -114,7 +115,9 @@ class TurnScope:
         self._start_recording = False  # the start was handed to the store (it may have landed)
         self.body: RunStarted | None = None  # the started event, once known
         self.published = False  # started is out
-        self._early: list[AgentEvent] = []  # what the agent sent before started was out
+        # what the agent sent before started was out: merged, and bounded as the run is
+        settings = runner.settings
+        self._early = EarlyEvents(settings.run_buffer_bytes, settings.run_event_bytes)
         self.conn: AgentConnection | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
         # how it ended; set by the body of the scope, or by __aexit__ from what it raised
@@ -206,7 +209,7 @@ class TurnScope:
         if self.published:
             self.run.publish(event)
         else:
-            self._early.append(event)
+            self._early.add(event)
 
     def _publish_started(self) -> None:
         assert self.body is not None
@@ -214,9 +217,8 @@ class TurnScope:
             return
         self.published = True
         self.run.publish(self.body)
-        for event in self._early:
+        for event in self._early.drain():
             self.run.publish(event)
-        self._early.clear()
         if not self._ready.done():
             self._ready.set_result(self.run)
 
@@ -324,7 +326,7 @@ class TurnRunner:
         spawn: Spawn,
         leases: LeaseKeeper | None = None,
     ) -> None:
-        self._settings = settings
+        self._settings = self.settings = settings
         self._store = store
         self._pool = pool
         self._runs = runs

@@ -51,6 +51,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  stop reason "cancelled", no answer
     crash        one chunk "partial", then "fake agent crashing" on stderr and exit code 3
     bigline N    one agent_message_chunk of N bytes of "x"
+    bigtools N S N tool_calls "big-0", "big-1", ..., each with a text content of S bytes of "y"
     fail-prompt  answer with -32603 Internal error {"details": "scripted failure"}
     stop X       end with stop reason X (end_turn, max_tokens, max_turn_requests, refusal)
 
@@ -276,6 +277,8 @@ class Script:
         self.sleep_ms, self.hang, self.deaf = number("sleep"), word("hang"), word("deaf")
         self.shrug = word("shrug")
         self.bigline, self.stderr_bytes = number("bigline"), number("stderr") or 0
+        big = re.search(r"\bbigtools\s+(\d+)\s+(\d+)\b", text)
+        self.bigtools = (int(big.group(1)), int(big.group(2))) if big else (0, 0)
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
         self.fail, self.edits = word("fail-prompt"), word("edits")
@@ -587,6 +590,10 @@ class FakeAgent:
             die("fake agent crashing", 3)
         if script.bigline:
             await self._say(sid, "x" * script.bigline)
+        count, size = script.bigtools
+        for i in range(count):
+            body = [tool_content(text_block("y" * size))]
+            await self.conn.session_update(sid, start_tool_call(f"big-{i}", "big output", kind="read", content=body))
         if script.fail:
             raise RequestError(-32603, "Internal error", {"details": "scripted failure"})
         return script.stop, suffix

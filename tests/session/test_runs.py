@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
-from rcoder.domain import ResumeOutcome, RunCompleted, StopReason, TextChunk, ToolCall
-from rcoder.errors import NotFound, OutOfRange, SessionBusy
-from rcoder.session.runs import MERGE_LIMIT, Run, RunRegistry
+from rcoder.domain import AgentUpdate, ResumeOutcome, RunCompleted, StopReason, TextChunk, ToolCall, ToolDiff
+from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
+from rcoder.session.budget import DROPPED_KIND, EarlyEvents
+from rcoder.session.runs import MERGE_LIMIT, Run, RunLimits, RunRegistry
 
 DONE = RunCompleted(StopReason.END_TURN, "p", ResumeOutcome.NEW)
 
@@ -144,6 +145,12 @@ async def test_an_attached_follower_keeps_its_unread_events_up_to_the_hard_limit
         await drain(stream)
 
 
+async def aclosing(stream: AsyncIterator[object]) -> None:
+    """Detach a follower, as a stream that ends does (``follow`` returns an async generator)."""
+    assert isinstance(stream, AsyncGenerator)
+    await stream.aclose()
+
+
 async def drain(stream: AsyncIterator[object]) -> None:
     async for _ in stream:
         pass
@@ -234,3 +241,118 @@ def test_a_done_callback_runs_once_at_completion_or_at_once_when_already_done() 
     run.publish(DONE)
     run.add_done_callback(lambda r: seen.append("after"))
     assert seen == ["before", "after"]
+
+
+# ---------------------------------------------------------------- bounded in bytes
+
+KIB = 1024
+
+
+def big_tool(i: int, size: int) -> ToolCall:
+    return ToolCall(tool_call_id=str(i), title="t", content_text="y" * size)
+
+
+async def test_a_run_keeps_at_most_its_byte_budget_of_read_events_and_replay_past_it_is_out_of_range() -> None:
+    run = Run("r", "s", buffer_events=1000, limits=RunLimits(buffer_bytes=100 * KIB, event_bytes=64 * KIB))
+    for i in range(10):
+        run.publish(big_tool(i, 30 * KIB))
+    run.publish(DONE)
+    assert run.bytes <= 100 * KIB
+    with pytest.raises(OutOfRange):
+        await collect(run, after=0)
+    assert await collect(run, after=9) == [10, 11]
+
+
+async def test_an_attached_follower_keeps_its_unread_bytes_up_to_four_times_the_budget() -> None:
+    run = Run("r", "s", buffer_events=1000, limits=RunLimits(buffer_bytes=100 * KIB, event_bytes=64 * KIB))
+    stream = run.follow(0)
+    run.publish(big_tool(0, 30 * KIB))
+    assert (await anext(stream)).seq == 1
+    for i in range(8):  # 240 KiB it has not read
+        run.publish(big_tool(i, 30 * KIB))
+    assert (await anext(stream)).seq == 2
+    for i in range(20):
+        run.publish(big_tool(i, 30 * KIB))
+    assert run.bytes <= 400 * KIB
+    with pytest.raises(OutOfRange):
+        await drain(stream)
+
+
+def test_an_event_over_the_event_limit_is_cut_with_a_marker_and_counted_cut() -> None:
+    run = Run("r", "s", buffer_events=10, limits=RunLimits(buffer_bytes=1 << 20, event_bytes=64 * KIB))
+    diff = ToolDiff("a.txt", "o" * 100 * KIB, "n" * 100 * KIB)
+    run.publish(ToolCall(tool_call_id="id", title="edit", raw_input_json="{}", diffs=(diff,)))
+    (event,) = run._take_from(1)
+    body = event.body
+    assert isinstance(body, ToolCall)
+    assert (body.tool_call_id, body.title, body.raw_input_json) == ("id", "edit", "{}")  # short strings stay
+    new = body.diffs[0].new_text
+    assert new.startswith("nnn") and "cut by rcoder" in new
+    assert run.bytes <= 64 * KIB + 1024
+
+
+def test_an_event_of_too_many_strings_to_cut_is_replaced_by_a_marker() -> None:
+    run = Run("r", "s", buffer_events=10, limits=RunLimits(buffer_bytes=1 << 20, event_bytes=4 * KIB))
+    run.publish(ToolCall(tool_call_id="id", title="t", locations=tuple(f"file{i}" for i in range(5000))))
+    (event,) = run._take_from(1)
+    assert isinstance(event.body, AgentUpdate)
+    assert event.body.kind == DROPPED_KIND and "run_event_bytes" in event.body.json
+
+
+async def test_a_follower_past_the_limit_of_followers_is_refused_resource_exhausted() -> None:
+    run = Run("r", "s", buffer_events=10, limits=RunLimits(followers=2))
+    run.publish(tool(0))
+    first, second = run.follow(0), run.follow(0)
+    assert (await anext(first)).seq == 1
+    assert (await anext(second)).seq == 1
+    with pytest.raises(ResourceExhausted) as refused:
+        await anext(run.follow(0))
+    assert refused.value.reason == "RUN_FOLLOWERS_LIMIT"
+    await aclosing(first)  # one left: there is room again
+    third = run.follow(0)
+    assert (await anext(third)).seq == 1
+    await aclosing(second)
+    await aclosing(third)
+
+
+def test_finished_runs_are_evicted_oldest_first_when_all_runs_hold_more_than_the_total() -> None:
+    registry = RunRegistry(retention=600, total_bytes=250 * KIB)
+    limits = RunLimits(buffer_bytes=1 << 20, event_bytes=128 * KIB)
+    runs = [Run(name, name, 100, limits=limits, ledger=registry.ledger) for name in ("a", "b", "c")]
+    for run in runs:
+        registry.claim(run)
+        run.publish(big_tool(0, 100 * KIB))
+        run.publish(DONE)
+        registry.release(run)
+    with pytest.raises(NotFound):
+        registry.get("a")
+    assert registry.get("b") is runs[1] and registry.get("c") is runs[2]
+    held, kept = registry.held()
+    assert held <= 250 * KIB and kept == 2
+    assert held == runs[1].bytes + runs[2].bytes
+
+
+def test_a_running_run_is_never_evicted_for_the_total() -> None:
+    registry = RunRegistry(retention=600, total_bytes=50 * KIB)
+    run = Run("r", "s", 100, limits=RunLimits(buffer_bytes=1 << 20), ledger=registry.ledger)
+    registry.claim(run)
+    run.publish(big_tool(0, 100 * KIB))
+    assert registry.get("r") is run
+    registry.forget(run)
+    assert registry.held() == (0, 0)
+
+
+def test_what_waits_before_started_is_merged_bounded_in_bytes_and_a_marker_says_what_was_dropped() -> None:
+    early = EarlyEvents(limit=100 * KIB, event_bytes=64 * KIB)
+    for _ in range(1000):
+        early.add(TextChunk("ab"))
+    for i in range(40):
+        early.add(big_tool(i, 30 * KIB))
+    assert early.bytes <= 100 * KIB
+    events = early.drain()
+    assert events[0] == TextChunk("ab" * 1000)  # one event, not a thousand
+    assert all(isinstance(e, ToolCall) for e in events[1:-1])
+    marker = events[-1]
+    assert isinstance(marker, AgentUpdate) and marker.kind == DROPPED_KIND
+    assert '"events": ' in marker.json and "run_buffer_bytes" in marker.json
+    assert early.drain() == []

@@ -65,10 +65,11 @@ postgres:
 		test -x $(PG_BIN)/postgres || { echo "make: postgresql-15 installed, but $(PG_BIN)/postgres is still missing" >&2; exit 1; }; \
 	}
 
-## the long fault runs: a thousand client cuts, a hundred daemon kills, ten thousand turns
+## the long fault runs: a thousand client cuts, a hundred daemon kills at each of three points, ten
+## thousand turns; side by side (each its own daemons and folders), their counts printed at the end (-rP)
 soak: $(STAMP)
-	RCODER_SOAK=1 $(BIN)/pytest -p no:cacheprovider -s --timeout=0 tests/test_faults.py tests/test_stress.py \
-		-k "killed or cuts or hundreds"
+	RCODER_SOAK=1 $(BIN)/pytest -p no:cacheprovider -n 3 --dist load -rP --timeout=0 tests/test_faults.py \
+		tests/test_stress.py -k "killed or cuts or hundreds"
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

@@ -281,6 +281,26 @@ class Client:
         raise AssertionError(f"expected an error status, got {len(events)} events: {events[-1:]}")
 
 
+# log events that mean rcoder's own code failed (on what an agent wrote, or on a request)
+OWN_FAILURES = {
+    "agent_update_failed", "turn_failed_unexpectedly", "run_end_not_stored", "run_end_never_stored",
+    "agent_not_reaped", "permission_decider_failed",
+}  # fmt: skip
+# ... and what asyncio and grpc log for an exception nobody handled
+UNHANDLED = ("Task exception was never retrieved", "raised by servicer method", "Exception in callback")
+
+
+def assert_daemon_healthy(daemon: Daemon) -> None:
+    """The daemon is up and has logged no failure of its own code."""
+    assert daemon.proc is not None and daemon.proc.returncode is None, "the daemon is still up"
+    bad = [
+        r for r in daemon.logs()
+        if r.get("level") == "critical" or r.get("event") in OWN_FAILURES
+        or any(text in str(r.get("event")) for text in UNHANDLED)
+    ]  # fmt: skip
+    assert not bad, bad[:3]
+
+
 def text_of(events: Sequence[pb.ChatStream]) -> str:
     return "".join(e.agent_message.text for e in events if e.WhichOneof("event") == "agent_message")
 

@@ -48,7 +48,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory
 from tests.fuzz_scripts import ERROR, LINE_LIMIT, LONE_SURROGATE, SID, Action, Case, answer, cases, raw, rpc, send
-from tests.harness import ROOT, Daemon, processes_mentioning
+from tests.harness import ROOT, Daemon, assert_daemon_healthy, processes_mentioning
 
 FUZZ_AGENT = ROOT / "tests" / "fakes" / "fuzz_agent.py"
 # turn_timeout, initialize_timeout and session_open_timeout of the daemons: with scripts that
@@ -238,25 +238,6 @@ async def fuzz_daemon(
         agent_line_limit=LINE_LIMIT, heartbeat_interval=0, shutdown_grace=2, reseed_on_fallback=True,
     )  # fmt: skip
     return daemon, script, record
-
-
-# log events that mean rcoder's own code failed on what an agent wrote
-OWN_FAILURES = {
-    "agent_update_failed", "turn_failed_unexpectedly", "run_end_not_stored", "run_end_never_stored",
-    "agent_not_reaped", "permission_decider_failed",
-}  # fmt: skip
-# ... and what asyncio and grpc log for an exception nobody handled
-UNHANDLED = ("Task exception was never retrieved", "raised by servicer method", "Exception in callback")
-
-
-def assert_daemon_healthy(daemon: Daemon) -> None:
-    assert daemon.proc is not None and daemon.proc.returncode is None, "the daemon is still up"
-    bad = [
-        r for r in daemon.logs()
-        if r.get("level") == "critical" or r.get("event") in OWN_FAILURES
-        or any(text in str(r.get("event")) for text in UNHANDLED)
-    ]  # fmt: skip
-    assert not bad, bad[:3]
 
 
 PLAIN = Case({"session_id": SID}, opens=True, resumes=True, stop=pb.STOP_REASON_END_TURN)

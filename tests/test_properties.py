@@ -1,21 +1,24 @@
 """Property-based: generated requests to every RPC of a real daemon get OK or a deliberate
-status with a message, never INTERNAL, UNKNOWN, a crash or a hang."""
+status with a message, never INTERNAL, UNKNOWN, a crash or a hang; a turn a request started
+never ends as rcoder's own failure (``completed`` with error_reason INTERNAL, under gRPC OK)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from rcoder.errors import Internal
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory
+from tests.harness import assert_daemon_healthy, completed
 
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
 # prompt words that make the fake agent wait or flood on purpose
@@ -73,15 +76,25 @@ chat_requests = st.builds(
 )
 
 
-def deliberate(call: Callable[[], Any]) -> None:
-    """OK, or a status that is not FORBIDDEN and carries a message."""
-    code, details = grpc.StatusCode.OK, "ok"
+T = TypeVar("T")
+
+
+def deliberate(call: Callable[[], T]) -> T | None:
+    """OK (what the call returned), or a status that is not FORBIDDEN and carries a message (None)."""
     try:
-        call()
+        return call()
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
     assert code not in FORBIDDEN, (code, details)
     assert details, code
+    return None
+
+
+def not_internal(events: list[pb.ChatStream] | None) -> None:
+    """A turn that streamed ends with ``completed``, and not as a failure of rcoder's own code."""
+    if events is not None:
+        end = completed(events)
+        assert end.error_reason != Internal.reason, end
 
 
 async def test_generated_requests_get_deliberate_answers(make_daemon: DaemonFactory) -> None:
@@ -94,7 +107,7 @@ async def test_generated_requests_get_deliberate_answers(make_daemon: DaemonFact
         @example(request=pb.ChatRequest(project_id="proj", prompt="hi", permission_mode=pb.PermissionMode.ValueType(3)))
         @example(request=pb.ChatRequest(project_id="p", prompt="\x00"))
         def chat(request: pb.ChatRequest) -> None:
-            deliberate(lambda: list(stub.Chat(request, timeout=30)))
+            not_internal(deliberate(lambda: list(stub.Chat(request, timeout=30))))
 
         @PROPERTY_SETTINGS
         @given(run_id=ids, after=st.integers(0, 2**64 - 1), session_id=ids, option=st.text(max_size=10))
@@ -132,5 +145,4 @@ async def test_generated_requests_get_deliberate_answers(make_daemon: DaemonFact
         for prop in (chat, runs, sessions, raw_bytes):
             # in a thread: this loop must keep reading the daemon's logs meanwhile
             await asyncio.to_thread(prop)
-    assert daemon.proc is not None and daemon.proc.returncode is None, "the daemon is still up"
-    assert not [r for r in daemon.logs() if r.get("level") in {"critical"}]
+    assert_daemon_healthy(daemon)  # also: no turn failed unexpectedly, no exception went unhandled

@@ -20,11 +20,9 @@ from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import OpenMethod
 from rcoder.errors import AgentAuthRequired, AgentError, AgentTimeout, AgentUnavailable
-from tests.conftest import base_settings, exited
+from tests.conftest import base_settings
 from tests.harness import FakeAgentSetup, processes_mentioning, write_config
-
-LAUNCH_BOUND = 30.0  # agents started and their sessions opened, several at once, on a loaded machine
-CLOSE_BOUND = 10.0
+from tests.processes import START_BOUND, close_all, drain, reaped
 
 LauncherFactory = Callable[..., tuple[AgentLauncher, dict[str, AgentProfile]]]
 
@@ -43,10 +41,7 @@ async def make_launcher(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[L
         return AgentLauncher(settings), {name: settings.agents[name] for name in profiles}
 
     yield make
-    pids = processes_mentioning(str(fake.state_dir))
-    async with asyncio.timeout(CLOSE_BOUND):
-        await asyncio.gather(*(exited(pid) for pid in pids))
-    assert not pids, "agent processes left behind"
+    assert not await drain(str(fake.state_dir)), "agent processes left behind"
 
 
 @pytest.fixture
@@ -58,7 +53,7 @@ def cwd(tmp_path: Path) -> str:
 
 async def launched_all(launches: dict[str, Coroutine[Any, Any, Launched]]) -> dict[str, Launched]:
     """Run the launches at once (bounded); if any fails, close those that succeeded and raise."""
-    async with asyncio.timeout(LAUNCH_BOUND):
+    async with asyncio.timeout(START_BOUND):
         results = await asyncio.gather(*launches.values(), return_exceptions=True)
     done = {name: r for name, r in zip(launches, results, strict=True) if isinstance(r, Launched)}
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -68,18 +63,9 @@ async def launched_all(launches: dict[str, Coroutine[Any, Any, Launched]]) -> di
     return done
 
 
-async def close_all(launched: Any) -> None:
-    async with asyncio.timeout(CLOSE_BOUND):
-        await asyncio.gather(*(each.connection.aclose() for each in launched))
-
-
 def no_agent_running(fake: FakeAgentSetup) -> bool:
     """No fake agent is running, nor is one a zombie waiting to be reaped."""
     return not processes_mentioning(str(fake.state_dir)) and all(reaped(pid) for pid in fake.pids())
-
-
-def reaped(pid: int) -> bool:
-    return not os.path.exists(f"/proc/{pid}")
 
 
 def pids_of(fake: FakeAgentSetup, method: str) -> list[int]:
@@ -95,7 +81,7 @@ async def test_a_launch_starts_an_agent_with_a_new_session_open(
     make_launcher: LauncherFactory, fake: FakeAgentSetup, cwd: str
 ) -> None:
     launcher, profiles = make_launcher({"fake": fake.profile()})
-    async with asyncio.timeout(LAUNCH_BOUND):
+    async with asyncio.timeout(START_BOUND):
         launched = await launcher.launch(profiles["fake"], AgentStartConfig(cwd=cwd))
     try:
         assert (launched.method, launched.fallback_reason, launched.primed) == (OpenMethod.NEW, "", False)
@@ -123,7 +109,7 @@ async def test_a_known_session_is_resumed_by_the_route_its_profile_and_agent_all
             "never": fake.profile(resume="none"),
         }
     )
-    async with asyncio.timeout(LAUNCH_BOUND):
+    async with asyncio.timeout(START_BOUND):
         first = await launcher.launch(profiles["resume"], AgentStartConfig(cwd=cwd))
     known = first.connection.provider_session_id
     await close_all([first])
@@ -154,7 +140,7 @@ async def test_a_lost_session_falls_back_once_to_a_fresh_one_on_a_fresh_agent_an
     make_launcher: LauncherFactory, fake: FakeAgentSetup, cwd: str
 ) -> None:
     launcher, profiles = make_launcher({"fake": fake.profile("--caps", "resume", "--gone-style", "32002")})
-    async with asyncio.timeout(LAUNCH_BOUND):
+    async with asyncio.timeout(START_BOUND):
         launched = await launcher.launch(profiles["fake"], AgentStartConfig(cwd=cwd, resume_session_id="fake-lost"))
     try:
         assert launched.method is OpenMethod.NEW
@@ -179,7 +165,7 @@ async def test_an_auth_failure_is_raised_as_such_and_never_answered_with_a_fresh
     launcher, profiles = make_launcher({"fake": fake.profile("--auth-required", "open")})
 
     with pytest.raises(AgentAuthRequired):
-        async with asyncio.timeout(LAUNCH_BOUND):
+        async with asyncio.timeout(START_BOUND):
             await launcher.launch(profiles["fake"], AgentStartConfig(cwd=cwd, resume_session_id="fake-known"))
 
     assert no_agent_running(fake)
@@ -210,7 +196,7 @@ async def test_a_launch_that_fails_leaves_no_agent_process_when_it_raises(
     launcher, profiles = make_launcher({"fake": fake.profile(*flags, **keys)}, **top)
 
     with pytest.raises(error, match=text):
-        async with asyncio.timeout(LAUNCH_BOUND):
+        async with asyncio.timeout(START_BOUND):
             await launcher.launch(profiles["fake"], AgentStartConfig(cwd=cwd))
 
     assert no_agent_running(fake), "ended and reaped before the launch raised"

@@ -22,11 +22,10 @@ from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import OpenMethod
 from rcoder.errors import AgentProtocolError
-from tests.conftest import base_settings, exited
-from tests.harness import FakeAgentSetup, processes_mentioning, write_config
+from tests.conftest import base_settings
+from tests.harness import FakeAgentSetup, write_config
+from tests.processes import START_BOUND, close_all, drain
 
-LAUNCH_BOUND = 30.0
-CLOSE_BOUND = 10.0
 NOT_LISTED = "is not in the agent's session list"
 
 
@@ -64,10 +63,7 @@ async def make(tmp_path: Path, fake: FakeAgentSetup, clock: Clock) -> AsyncItera
         return AgentLauncher(settings, lists=lists), settings.agents["fake"]
 
     yield build
-    pids = processes_mentioning(str(fake.state_dir))
-    async with asyncio.timeout(CLOSE_BOUND):
-        await asyncio.gather(*(exited(pid) for pid in pids))
-    assert not pids, "agent processes left behind"
+    assert not await drain(str(fake.state_dir)), "agent processes left behind"
 
 
 @pytest.fixture
@@ -78,13 +74,12 @@ def cwd(tmp_path: Path) -> str:
 
 
 async def launch(launcher: AgentLauncher, profile: AgentProfile, cwd: str, resume: str = "") -> Launched:
-    async with asyncio.timeout(LAUNCH_BOUND):
+    async with asyncio.timeout(START_BOUND):
         return await launcher.launch(profile, AgentStartConfig(cwd=cwd, resume_session_id=resume))
 
 
 async def close(*launched: Launched) -> None:
-    async with asyncio.timeout(CLOSE_BOUND):
-        await asyncio.gather(*(each.connection.aclose() for each in launched))
+    await close_all(launched)
 
 
 async def stored_sessions(launcher: AgentLauncher, profile: AgentProfile, cwd: str, count: int) -> list[str]:
@@ -251,7 +246,7 @@ async def test_a_burst_of_doomed_resumes_lists_once_and_spends_no_resume(
 ) -> None:
     launcher, profile = make("--caps", "resume,list")
 
-    async with asyncio.timeout(LAUNCH_BOUND):
+    async with asyncio.timeout(START_BOUND):
         burst = await asyncio.gather(*(launch(launcher, profile, cwd, f"fake-lost-{i}") for i in range(3)))
     await close(*burst)
     assert all(each.method is OpenMethod.NEW and NOT_LISTED in each.fallback_reason for each in burst)

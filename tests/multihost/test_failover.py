@@ -27,6 +27,7 @@ from tests.conftest import exited
 from tests.harness import completed, started, text_of
 from tests.multihost.conftest import AUTH_MD, LEASE_TTL, Host, Hosts, chat, first_events
 from tests.pg import PgCluster
+from tests.turns import read_until, rest_of
 
 T = TypeVar("T")
 MakeHosts = Callable[..., contextlib.AbstractAsyncContextManager[Hosts]]
@@ -127,8 +128,11 @@ async def test_a_paused_owner_taken_over_has_its_late_writes_refused_and_ends_it
         async with asyncio.timeout(10):
             await exited(agent_pid)  # a ended its agent
         late = await collect(call)
+        # however a's turn itself ended once a woke (its agent's answer, or its agent ended under
+        # it as the lease was lost), storing that end is what is refused, and the refusal is the
+        # end a's client gets: one outcome, whichever came first inside a
         assert completed(late).stop_reason == pb.STOP_REASON_ERROR
-        assert completed(late).error_reason in ("LEASE_LOST", "AGENT_CLOSED", "AGENT_CRASHED")
+        assert completed(late).error_reason == "LEASE_LOST", completed(late)
         with psycopg.connect(hosts.store_url) as db:
             run = db.execute("SELECT status, error FROM runs WHERE run_id = %s", (begin.run_id,)).fetchone()
             turns = db.execute("SELECT turns FROM sessions WHERE session_id = %s", (session_id,)).fetchone()
@@ -176,27 +180,78 @@ async def test_two_hosts_racing_to_take_over_a_dead_hosts_session_leave_exactly_
         assert any(a and text_of(a) == "I remember: 3" for a in answers)
 
 
-async def test_postgresql_restarted_mid_run_the_daemons_reconnect_and_lose_no_session(
+async def waiting_for_permission(host: Host, session_id: str) -> tuple[Any, pb.ChatStream, pb.ChatStream]:
+    """A turn on ``host`` that holds until the test answers its permission request (the gate
+    that decides whether the store is up when the turn ends): the call, ``started``, the request."""
+    call = host.stub.Chat(
+        pb.ChatRequest(
+            project_id="proj", session_id=session_id, prompt="permission", permission_mode=pb.PERMISSION_MODE_ASK
+        ),
+        metadata=AUTH_MD,
+    )
+    seen, asked = await read_until(call, "permission_request")
+    return call, seen[0], asked
+
+
+async def allow(host: Host, begin: pb.ChatStream, asked: pb.ChatStream) -> None:
+    request = pb.ResolvePermissionRequest(
+        run_id=begin.run_id, permission_id=asked.permission_request.permission_id, option_id="allow"
+    )
+    await host.stub.ResolvePermission(request, metadata=AUTH_MD, timeout=10)
+
+
+def run_row(store_url: str, run_id: str) -> tuple[str, str, str] | None:
+    with psycopg.connect(store_url) as db:
+        row = db.execute("SELECT status, stop_reason, error FROM runs WHERE run_id = %s", (run_id,)).fetchone()
+    return None if row is None else (str(row[0]), str(row[1]), str(row[2]))
+
+
+async def test_postgresql_restarted_mid_run_the_daemons_reconnect_and_the_turn_ends_stored_as_usual(
     make_hosts: MakeHosts, pg_cluster: PgCluster
 ) -> None:
     async with make_hosts() as hosts:
         a, b = await hosts.start("a", "b")
         first, _ = await chat(a, prompt="remember 9")
         session_id = first[0].session_id
-        call = a.stub.Chat(
-            pb.ChatRequest(project_id="proj", session_id=session_id, prompt="stream 4 pace 200"), metadata=AUTH_MD
-        )
-        await first_events(call, 1)
+        call, begin, asked = await waiting_for_permission(a, session_id)
         # on this thread, not a worker's: the server dies with the thread that started it (pdeathsig)
         pg_cluster.restart()
-        during = await collect(call)
-        end = completed(during)
-        assert end.stop_reason == pb.STOP_REASON_END_TURN or "store" in end.error.lower(), end
+        # a's next lease tick finds its connections broken (the store unreachable), has the pool
+        # replace them, and the one after renews: only then does the turn go on to its end
+        await a.daemon.wait_log("store_unreachable", timeout=LEASE_TTL * 5)
+        await a.daemon.wait_log("store_reachable", timeout=30)
+        await allow(a, begin, asked)
 
+        end = completed(await rest_of(call))
+        assert (end.stop_reason, end.error_reason) == (pb.STOP_REASON_END_TURN, ""), end
+        assert run_row(hosts.store_url, begin.run_id) == ("completed", "end_turn", "")
         (after, _), _ = await honouring_retry_info(lambda: chat(b, prompt="what number?", session_id=session_id))
         assert text_of(after) == "I remember: 9"
         hosts_seen = await b.stub.ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=10)
         assert {h.host_id for h in hosts_seen.hosts if h.live} == {"host-a", "host-b"}
+
+
+async def test_postgresql_down_when_a_turn_ends_the_turn_says_its_end_was_not_stored_and_stores_it_once_back(
+    make_hosts: MakeHosts, pg_cluster: PgCluster
+) -> None:
+    async with make_hosts() as hosts:
+        a, b = await hosts.start("a", "b")
+        first, _ = await chat(a, prompt="remember 9")
+        session_id = first[0].session_id
+        call, begin, asked = await waiting_for_permission(a, session_id)
+        pg_cluster.stop()  # (on this thread: see above)
+        try:
+            await allow(a, begin, asked)  # the run is a's own: answered without the store
+            end = completed(await rest_of(call))
+        finally:
+            pg_cluster.start()
+        assert (end.stop_reason, end.error_reason) == (pb.STOP_REASON_ERROR, "STORE_UNAVAILABLE"), end
+        assert "could not record the end of this turn" in end.error, end
+        await a.daemon.wait_log("run_end_stored_late", run_id=begin.run_id, timeout=60)
+        assert run_row(hosts.store_url, begin.run_id) == ("failed", "error", end.error)
+
+        (after, _), _ = await honouring_retry_info(lambda: chat(b, prompt="what number?", session_id=session_id))
+        assert text_of(after) == "I remember: 9"
 
 
 async def test_a_signal_left_while_the_listener_heard_nothing_is_applied_when_it_reconnects_after_a_restart(

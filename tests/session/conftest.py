@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from tests.harness import FakeAgentSetup
-
-START_BOUND = 30.0  # an agent started and its session opened, on a loaded machine
+from tests.processes import START_BOUND
 
 
 @dataclass(frozen=True)

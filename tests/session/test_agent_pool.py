@@ -23,12 +23,11 @@ from rcoder.domain import ModelProvider
 from rcoder.errors import AgentLimitReached, ShuttingDown
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
-from tests.conftest import base_settings, exited
-from tests.harness import FakeAgentSetup, processes_mentioning, write_config
+from tests.conftest import base_settings
+from tests.harness import FakeAgentSetup, write_config
+from tests.processes import CLOSE_BOUND, START_BOUND, drain, ended, reaped
 from tests.session.conftest import AgentRequests
 
-START_BOUND = 30.0  # an agent started and its session opened, on a loaded machine
-CLOSE_BOUND = 10.0  # an agent ended: stdin, SIGTERM and SIGKILL graces of 1 s, and slack
 PLAIN = ModelProvider()
 
 PoolFactory = Callable[..., tuple[AgentPool, AgentProfile]]
@@ -58,7 +57,7 @@ async def make_pool(tmp_path: Path, fake: FakeAgentSetup, agent_requests: AgentR
     finally:
         for pool in pools:
             await pool.aclose(timeout=CLOSE_BOUND)
-        assert not processes_mentioning(str(fake.state_dir)), "agent processes left behind"
+        assert not await drain(str(fake.state_dir)), "agent processes left behind"
 
 
 def project(root: Path, name: str) -> str:
@@ -78,20 +77,6 @@ async def live_agent(pool: AgentPool, profile: AgentProfile, cwd: str, session_i
         launched = await checkout.launch(AgentStartConfig(cwd=cwd))
         checkout.hand_over(session_id)
     return launched
-
-
-async def ended(pid: int) -> None:
-    """Return once process ``pid`` has exited; fail if it takes longer than ``CLOSE_BOUND``."""
-    async with asyncio.timeout(CLOSE_BOUND):
-        await exited(pid)
-
-
-def reaped(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 async def warm_ups_done(profile: str) -> None:

@@ -39,12 +39,11 @@ from rcoder.session.opening import Action, TurnPlan
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.turn import Phase, TurnRunner
 from rcoder.store.sqlite import SqliteStore
-from tests.conftest import base_settings, exited
-from tests.harness import FakeAgentSetup, processes_mentioning, write_config
+from tests.conftest import base_settings
+from tests.harness import FakeAgentSetup, write_config
+from tests.processes import CLOSE_BOUND, START_BOUND, drain, ended, reaped
 from tests.session.conftest import AgentRequests
 
-START_BOUND = 30.0  # an agent started and its session opened, on a loaded machine
-CLOSE_BOUND = 10.0  # an agent ended: stdin, SIGTERM and SIGKILL graces of 1 s, and slack
 TURN_BOUND = START_BOUND + CLOSE_BOUND
 
 
@@ -152,7 +151,7 @@ async def make_turns(
             finally:
                 await turns.pool.aclose(timeout=CLOSE_BOUND)
                 await turns.store.close()
-        assert not processes_mentioning(str(fake.state_dir)), "agent processes left behind"
+        assert not await drain(str(fake.state_dir)), "agent processes left behind"
 
 
 async def events_of(run: Run, within: float = TURN_BOUND) -> list[RunEventBody]:
@@ -173,20 +172,6 @@ def split(bodies: list[RunEventBody]) -> tuple[RunStarted, str, RunCompleted]:
     assert isinstance(completed, RunCompleted), bodies
     text = "".join(b.text for b in middle if isinstance(b, TextChunk) and not b.thought)
     return started, text, completed
-
-
-async def ended(pid: int) -> None:
-    """Return once process ``pid`` has exited; fail if it takes longer than ``CLOSE_BOUND``."""
-    async with asyncio.timeout(CLOSE_BOUND):
-        await exited(pid)
-
-
-def reaped(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 # ---------------------------------------------------------------- ending normally

@@ -235,7 +235,7 @@ async def test_a_crafted_page_token_is_invalid_argument_saying_so_never_unknown(
 async def test_any_page_token_by_cost_gets_a_page_or_invalid_argument(make_daemon: DaemonFactory) -> None:
     daemon, client = await make_daemon()
     await client.chat(prompt="usage")
-    with grpc.insecure_channel(daemon.address) as channel:  # sync client: hypothesis drives it
+    with daemon.sync_channel() as channel:  # sync client: hypothesis drives it
         stub = pb_grpc.AgentRunnerStub(channel)
 
         @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))

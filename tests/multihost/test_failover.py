@@ -216,10 +216,14 @@ async def test_postgresql_restarted_mid_run_the_daemons_reconnect_and_the_turn_e
         call, begin, asked = await waiting_for_permission(a, session_id)
         # on this thread, not a worker's: the server dies with the thread that started it (pdeathsig)
         pg_cluster.restart()
-        # a's next lease tick finds its connections broken (the store unreachable), has the pool
-        # replace them, and the one after renews: only then does the turn go on to its end
-        await a.daemon.wait_log("store_unreachable", timeout=LEASE_TTL * 5)
-        await a.daemon.wait_log("store_reachable", timeout=30)
+        # a's signal listener finds its connection closed and connects anew; its first read of the
+        # signals left meanwhile (or a lease tick, whichever comes first) finds a pooled connection
+        # broken and has the pool test and replace every idle one. A read through a then waits for
+        # that same sweep, or does it itself: after it, a's pool holds only connections made since
+        # the restart, and the turn's end is written on one of them
+        await a.daemon.wait_log("signal_listener_connected", count=2, timeout=LEASE_TTL * 5)
+        request = pb.GetSessionRequest(session_id=session_id)
+        assert (await a.stub.GetSession(request, metadata=AUTH_MD, timeout=30)).session_id == session_id
         await allow(a, begin, asked)
 
         end = completed(await rest_of(call))

@@ -163,10 +163,12 @@ class _Rulesets:
         key = tuple(args[: args.index("--")] if "--" in args else args)
         with self._lock:  # held while enforcing: an fd in use is never closed by another thread
             cached = self._built.get(key)
-            if cached is not None and cached[1] == _identities(landlock.parse(args)[1:3]):
-                self._built.move_to_end(key)
-                landlock.enforce(cached[0])
-                return landlock.parse(args)[3]
+            if cached is not None:
+                _, read, write, command = landlock.parse(args)
+                if cached[1] == _identities((read, write)):
+                    self._built.move_to_end(key)
+                    landlock.enforce(cached[0])
+                    return command
             ruleset, command, paths = landlock.ruleset_of(args, thread=True)
             self._keep(key, ruleset, _identities((paths,)))
             landlock.enforce(ruleset)

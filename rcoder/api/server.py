@@ -9,7 +9,7 @@ not grpc's own INTERNAL "Exception deserializing request".
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +18,11 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from rcoder import errors, tracing
-from rcoder.api.service import AgentRunnerService, abort, status_for
+from rcoder.api.service import AgentRunnerService, abort
 from rcoder.v1 import agent_runner_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"]
@@ -47,9 +48,10 @@ class GrpcServer:
         tls: TlsFiles | None = None,
         max_calls: int = 1024,
     ) -> None:
-        interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+        # checked inside each handler, not by a server interceptor: grpc.aio runs an interceptor
+        # chain as coroutines before every call, which a live turn's first chunk paid for
+        token = BearerToken(auth_token) if auth_token else None
         self._server = grpc.aio.server(
-            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -58,10 +60,12 @@ class GrpcServer:
                 ("grpc.server_max_unrequested_time_in_server", 120),
             ],
         )
-        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, CallLimit(max_calls)),))
-        self.health = HealthServicer()
+        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, CallLimit(max_calls), token),))
+        self.health = HealthServicer()  # open to all: probes carry no token
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), self._server)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            TokenCheckedReflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), token), self._server
+        )
         if tls is not None:
             credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
             self.port = self._server.add_secure_port(listen, credentials)
@@ -132,11 +136,15 @@ class CallLimit:
 
 
 def _checked(
-    behaviour: Callable[..., Any], streaming: bool, method: str = "", calls: CallLimit | None = None
+    behaviour: Callable[..., Any],
+    streaming: bool,
+    method: str = "",
+    calls: CallLimit | None = None,
+    token: BearerToken | None = None,
 ) -> Callable[..., Any]:
-    """Refuse an undecodable request, or one past ``calls``, before the handler sees it; the
-    call's span around it (``rcoder.tracing``: a child of the client's ``traceparent``, with the
-    call's status)."""
+    """Refuse a call without the ``token``, an undecodable request, or one past ``calls``, before
+    the handler sees it; the call's span around it (``rcoder.tracing``: a child of the client's
+    ``traceparent``, with the call's status)."""
     limit = calls if calls is not None else CallLimit(1 << 30)
     if streaming:
 
@@ -144,7 +152,7 @@ def _checked(
             with tracing.server_span(method, context.invocation_metadata()) as span:
                 counted = False
                 try:
-                    _refuse_early(request, limit)
+                    _refuse_early(request, limit, token, context)
                     limit.active += 1
                     counted = True
                     async for item in behaviour(request, context):
@@ -161,7 +169,7 @@ def _checked(
         with tracing.server_span(method, context.invocation_metadata()) as span:
             counted = False
             try:
-                _refuse_early(request, limit)
+                _refuse_early(request, limit, token, context)
                 limit.active += 1
                 counted = True
                 return await behaviour(request, context)
@@ -174,7 +182,11 @@ def _checked(
     return unary
 
 
-def _refuse_early(request: Any, calls: CallLimit) -> None:
+def _refuse_early(
+    request: Any, calls: CallLimit, token: BearerToken | None, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    if token is not None:  # first: a caller without the token learns nothing of its request
+        token.check(context.invocation_metadata())
     if isinstance(request, _Undecodable):
         raise _bad_request(request)
     calls.check()
@@ -192,13 +204,15 @@ def _bad_request(request: _Undecodable) -> errors.InvalidArgument:
     )
 
 
-def _agent_runner_handlers(service: AgentRunnerService, calls: CallLimit) -> grpc.GenericRpcHandler:
+def _agent_runner_handlers(
+    service: AgentRunnerService, calls: CallLimit, token: BearerToken | None
+) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         name = f"{SERVICE_NAME}/{method.name}"
-        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, calls)
+        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, calls, token)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             behaviour, request_deserializer=_decoder(request_cls), response_serializer=response_cls.SerializeToString
@@ -209,43 +223,34 @@ def _agent_runner_handlers(service: AgentRunnerService, calls: CallLimit) -> grp
 # ---------------------------------------------------------------- auth
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class BearerToken:
     """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(f"/{HEALTH_NAME}/"):
-            return handler
-        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+    def check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+        given = next((v for k, v in metadata or () if k == "authorization"), "")
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_bytes, self._expected):
-            return handler
-        problem = "missing" if not given else "wrong"
-        return _deny(handler, errors.Unauthenticated(f"authorization {problem}: send 'authorization: Bearer <token>'"))
+        if not hmac.compare_digest(given_bytes, self._expected):
+            problem = "missing" if not given else "wrong"
+            raise errors.Unauthenticated(f"authorization {problem}: send 'authorization: Bearer <token>'")
 
 
-def _deny(handler: grpc.RpcMethodHandler, exc: errors.RcoderError) -> grpc.RpcMethodHandler:
-    status = status_for(exc)
+class TokenCheckedReflection(ReflectionServicer):  # type: ignore[misc]
+    """Reflection, behind the same token as AgentRunner: it names every RPC an agent could try."""
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort_with_status(status)
+    def __init__(self, service_names: Sequence[str], token: BearerToken | None) -> None:
+        super().__init__(service_names)
+        self._token = token
 
-    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort_with_status(status)
-        yield  # pragma: no cover
-
-    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+    async def ServerReflectionInfo(
+        self, request_iterator: AsyncIterable[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        if self._token is not None:
+            try:
+                self._token.check(context.invocation_metadata())
+            except errors.RcoderError as exc:
+                await abort(context, exc)
+        async for response in super().ServerReflectionInfo(request_iterator, context):
+            yield response

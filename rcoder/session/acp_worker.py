@@ -126,9 +126,14 @@ class AcpWorker:
         if profile is None:
             known = ", ".join(sorted(self._settings.agents))
             raise InvalidArgument("agent", f"no agent profile named {name!r} (profiles: {known})")
-        root = self._settings.workspace_root
-        cwd = stored_cwd(root, record) if record else str(project_dir(root, turn.project_id))
         action = decide(turn.session_id, record, record is not None and self._pool.is_live(record.session_id))
+        root = self._settings.workspace_root
+        if record is None:
+            cwd = str(project_dir(root, turn.project_id))
+        elif action is Action.LIVE:
+            cwd = record.cwd  # its agent already runs with the grant this host checked when it opened
+        else:
+            cwd = stored_cwd(root, record)  # the grant of the agent about to start: checked first
         session_id = record.session_id if record else new_id()
         return TurnPlan(turn, profile, session_id, new_id(), cwd, record, action)
 

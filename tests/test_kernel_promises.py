@@ -15,6 +15,7 @@ import structlog
 from rcoder import landlock
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import promises_of
+from rcoder.client import RcoderClient
 from rcoder.config import Settings, load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -95,3 +96,11 @@ async def test_list_agents_shows_what_the_kernel_keeps_from_each_profile(
         assert any(s.startswith("socket_files:") for s in promises.not_kept)
     (logged,) = [row for row in daemon.logs("agent_sandbox") if row["agent"] == "fake"]
     assert logged["not_kept"] == list(confined.not_kept)
+
+    # the Python client shows the same
+    async with RcoderClient(daemon.address, token=daemon.token) as rc:
+        seen = {a.name: a for a in await rc.agents()}
+    assert seen["fake"].promises.not_kept == tuple(confined.not_kept)
+    assert (seen["fake"].promises.truncate, seen["open"].promises.files) == (kept["truncate"], False)
+    assert seen["fake"].network.rcoder == agents["fake"].network.rcoder == "refused"
+    assert seen["open"].network.rcoder == "open"

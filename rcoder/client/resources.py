@@ -109,6 +109,31 @@ class AgentCapabilities(Record):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class NetworkReach:
+    """What a profile's agents reach over the network: "refused" (they need a credential they
+    cannot read), "open", or "off"/"none" where there is nothing to reach."""
+
+    rcoder: str  # every rcoder host's port
+    metrics: str  # /metrics; "off" when not served
+    store: str  # PostgreSQL; "none" with SQLite
+    other: str  # model APIs, registries, servers the agent starts: "open"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SandboxPromises:
+    """What the kernel keeps from a profile's agents on the host that answered (all False when
+    unconfined); ``not_kept`` says, in words, each that does not hold and why."""
+
+    files: bool
+    truncate: bool
+    signals: bool
+    abstract_unix_sockets: bool
+    network: bool
+    socket_files: bool
+    not_kept: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AgentInfo(Record):
     """An agent profile (``ListAgents``); ``capabilities`` is None until the agent has run once."""
 
@@ -124,6 +149,8 @@ class AgentInfo(Record):
     warm_agents: int
     sandbox: str  # landlock | none
     landlock_abi: int
+    network: NetworkReach
+    promises: SandboxPromises
     raw: pb.AgentInfo = field(repr=False, compare=False)
 
 
@@ -218,5 +245,17 @@ def agent_from_proto(m: pb.AgentInfo) -> AgentInfo:
         warm_agents=m.warm_agents,
         sandbox=m.sandbox,
         landlock_abi=m.landlock_abi,
+        network=NetworkReach(
+            rcoder=m.network.rcoder, metrics=m.network.metrics, store=m.network.store, other=m.network.other
+        ),
+        promises=SandboxPromises(
+            files=m.promises.files,
+            truncate=m.promises.truncate,
+            signals=m.promises.signals,
+            abstract_unix_sockets=m.promises.abstract_unix_sockets,
+            network=m.promises.network,
+            socket_files=m.promises.socket_files,
+            not_kept=tuple(m.promises.not_kept),
+        ),
         raw=m,
     )

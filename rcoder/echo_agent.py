@@ -10,7 +10,8 @@ atomically), so a new process resumes or loads what an earlier one created.
     python -m rcoder.echo_agent --state-dir DIR
 
 The built-in ``echo`` profile runs it with ``DIR = <data_dir>/agents/echo``. It
-imports nothing of rcoder's: it is an agent like any other, not part of the daemon.
+imports nothing of rcoder's but the SDK's quick import (``rcoder.agent.sdk``): it is an agent
+like any other, not part of the daemon.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from acp import (
+from rcoder.agent.sdk import import_acp
+
+import_acp()  # the SDK imported quickly (rcoder/agent/sdk.py): ~0.7 s less CPU per agent start
+
+# isort: split
+from acp import (  # noqa: E402
     Agent,
     Client,
     RequestError,
@@ -36,7 +42,7 @@ from acp import (
     update_agent_message_text,
     update_user_message_text,
 )
-from acp.schema import (
+from acp.schema import (  # noqa: E402
     AgentCapabilities,
     CloseSessionResponse,
     Implementation,

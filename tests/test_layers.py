@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     # client, and an ACP agent it runs
     "client": {"client", "v1"},
     "client_cli": {"client"},
-    "echo_agent": set(),
+    "echo_agent": {"agent"},  # rcoder.agent.sdk alone: the SDK imported quickly, as the daemon does
 }
 # the composition root builds every layer and wires them together
 ALLOWED["daemon"] = {*ALLOWED, "daemon"}

@@ -55,7 +55,8 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     fail-prompt  answer with -32603 Internal error {"details": "scripted failure"}
     stop X       end with stop reason X (end_turn, max_tokens, max_turn_requests, refusal)
 
-Only the standard library and the `acp` SDK are used.
+Only the standard library and the `acp` SDK are used (imported through rcoder.agent.sdk, which
+makes the import quick: ~0.7 s less CPU for each of the suite's many fake agents).
 """
 
 from __future__ import annotations
@@ -74,7 +75,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-from acp import (
+from rcoder.agent.sdk import import_acp
+
+import_acp()  # the SDK imported quickly (rcoder/agent/sdk.py): ~0.7 s less CPU per fake agent start
+
+# isort: split
+from acp import (  # noqa: E402
     Agent,
     Client,
     RequestError,
@@ -91,10 +97,10 @@ from acp import (
     update_tool_call,
     update_user_message_text,
 )
-from acp.connection import StreamDirection, StreamEvent
-from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES
-from acp.helpers import ContentBlock
-from acp.schema import (
+from acp.connection import StreamDirection, StreamEvent  # noqa: E402
+from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES  # noqa: E402
+from acp.helpers import ContentBlock  # noqa: E402
+from acp.schema import (  # noqa: E402
     AgentCapabilities,
     AllowedOutcome,
     CloseSessionResponse,

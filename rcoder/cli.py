@@ -44,18 +44,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.command in ("chat", "sessions"):
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
-    missing = missing_daemon_requirements()
-    if missing:
+    try:
+        # imported late: the daemon's modules and their dependencies (pydantic, structlog, the ACP
+        # SDK, ...) are the daemon's alone; `rcoder --help` and the client commands run without them
+        from rcoder import logs
+        from rcoder.config import load_settings
+        from rcoder.daemon import serve
+    except ModuleNotFoundError:
+        missing = missing_daemon_requirements()
+        if not missing:
+            raise
         print(
             f"rcoder: `rcoder serve` needs the daemon's dependencies, which this install lacks "
             f"(missing: {', '.join(missing)}): {DAEMON_INSTALL}",
             file=sys.stderr,
         )
         return 2
-    # imported late: the daemon's modules and their dependencies (pydantic, structlog, ...) are the
-    # daemon's alone; the client commands run without them
-    from rcoder import logs
-    from rcoder.config import load_settings
 
     config_file = args.config or (Path(env["RCODER_CONFIG"]) if env.get("RCODER_CONFIG") else None)
     overrides = {
@@ -72,7 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    from rcoder.daemon import serve  # imported late: `rcoder --help` stays fast
 
     try:
         return asyncio.run(serve(settings))
@@ -87,9 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def missing_daemon_requirements() -> list[str]:
     """The distributions of the ``daemon`` extra that this install lacks, by name.
 
-    Read from the installed metadata rather than tried by importing: every missing one is named at
-    once, including those imported only on some paths (psycopg, for a PostgreSQL store). A source
-    tree run without being installed has no metadata and is not checked.
+    Read from the installed metadata: every missing one is named at once, including those imported
+    only on some paths (psycopg, for a PostgreSQL store). Asked only once an import has failed: the
+    look-ups cost ~0.1 s, and a daemon's start should not pay them. A source tree run without being
+    installed has no metadata: nothing is named.
     """
     try:
         requirements = importlib.metadata.requires("rcoder") or []

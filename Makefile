@@ -46,7 +46,7 @@ tools: $(TOOLS_STAMP)
 run: $(STAMP) agents
 	$(BIN)/rcoder serve $(if $(CONFIG),--config $(CONFIG),)
 
-## lint, type check and the whole suite
+## the generated code and API checks, lint, type check and the whole suite
 test: $(STAMP) agents check-proto check-api lint typecheck unit
 
 lint: $(STAMP)

@@ -74,7 +74,7 @@ def test_a_renumbered_renamed_retyped_or_deleted_name_fails_the_breaking_check(
     tmp_path: Path, edit: tuple[str, str], says: str
 ) -> None:
     code, output = check(tmp_path, edit)
-    assert code == 1
+    assert code == 1, output
     assert "changed against api/baseline" in output and says in output
 
 
@@ -85,7 +85,7 @@ def test_a_new_rpc_breaking_a_rule_excepted_for_the_contracts_names_fails_lint(t
         ("service AgentRunner {\n", "service AgentRunner {\n  rpc Ping(PingRequest)\n      returns (Pong);\n"),
         ("message SubscribeRequest {", "message PingRequest {}\nmessage Pong {}\n\nmessage SubscribeRequest {"),
     )
-    assert code == 1
+    assert code == 1, output
     assert 'RPC response type "Pong" should be named "PingResponse"' in output
     assert "ChatStream" not in output and "GetSession" not in output  # the contract's names stay allowed
 
@@ -95,5 +95,5 @@ def test_buf_yaml_excepting_a_rule_the_check_does_not_run_again_fails(tmp_path: 
     code, output = check(
         tmp_path, buf_yaml=("    - SERVICE_SUFFIX\n", "    - SERVICE_SUFFIX\n    - ENUM_ZERO_VALUE_SUFFIX\n")
     )
-    assert code == 1
+    assert code == 1, output
     assert "buf.yaml's lint.except must be the rules of check_api.py's EXCEPTIONS" in output

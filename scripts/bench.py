@@ -46,7 +46,7 @@ from rcoder.logs import configure as configure_logs  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
 from tests.fakes.model_servers import AnthropicServer, served  # noqa: E402
-from tests.harness import FAKE_AGENT, Daemon, write_config  # noqa: E402
+from tests.harness import FAKE_AGENT, FAKE_AGENT_READS, Daemon, write_config  # noqa: E402
 
 LINE_LIMIT = 64 * 1024 * 1024
 FLOOR_RELAY = Path(__file__).resolve().parent / "grpc_floor.py"
@@ -255,7 +255,7 @@ class Bench:
         return {
             "command": self.agent_argv[0],
             "args": self.agent_argv[1:],
-            "read_paths": [str(FAKE_AGENT.parent)],
+            "read_paths": list(FAKE_AGENT_READS),
             "write_paths": [str(self.root / "agent-state")],
         }
 

@@ -27,6 +27,9 @@ from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_AGENT = ROOT / "tests" / "fakes" / "fake_agent.py"
+# what a confined fake agent reads: its script, and rcoder's package for the SDK's quick import
+# (rcoder.agent.sdk), which its first lines make
+FAKE_AGENT_READS = (str(FAKE_AGENT.parent), str(ROOT / "rcoder"))
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0
 
@@ -69,9 +72,9 @@ class FakeAgentSetup:
 
     def profile(self, *flags: str, **keys: Any) -> dict[str, Any]:
         """The fake agent's profile; confined (the default sandbox), it reads its script and
-        writes its state and record besides its project."""
+        rcoder's package (``FAKE_AGENT_READS``) and writes its state and record besides its project."""
         args = [str(FAKE_AGENT), "--state-dir", str(self.state_dir), "--record", str(self.record), *flags]
-        reach = {"read_paths": [str(FAKE_AGENT.parent)], "write_paths": [str(self.folder)]}
+        reach = {"read_paths": list(FAKE_AGENT_READS), "write_paths": [str(self.folder)]}
         return {"command": sys.executable, "args": args, **reach, **keys}
 
     def requests(self, method: str | None = None) -> list[dict[str, Any]]:

@@ -1,20 +1,56 @@
 """Sending while a session is busy (ChatRequest.busy): refused, queued in order, or interrupting.
 
 A turn is held running by a permission request asked of the client (``permission`` in ASK
-mode): it ends when the test answers it, never by a timer.
+mode): it ends when the test answers it, never by a timer. The tests share one daemon (each its
+own session), with ``max_queued_turns = 2``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
+import pytest_asyncio
 
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import DaemonFactory
-from tests.harness import Client, completed, error_info, started, text_of
+from tests.conftest import assert_stores_consistent, base_settings
+from tests.harness import (
+    Client,
+    Daemon,
+    FakeAgentSetup,
+    completed,
+    error_info,
+    processes_mentioning,
+    started,
+    text_of,
+    write_config,
+)
 from tests.turns import Call, read_until, rest_of, start_turn
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]:
+    root: Path = tmp_path_factory.mktemp("busy")
+    fake = FakeAgentSetup(root)
+    config = write_config(root / "rcoder.toml", {"fake": fake.profile()}, **base_settings(root), max_queued_turns=2)
+    daemon = await Daemon(config).start()
+    made = Client(daemon.channel())
+    try:
+        yield made
+    finally:
+        await made.channel.close()
+        try:
+            await daemon.stop()
+        finally:
+            await daemon.kill()
+        assert processes_mentioning(str(fake.state_dir)) == [], "agent processes left behind"
+        assert_stores_consistent(root)
 
 
 async def hold(client: Client, prompt: str = "remember 1", **fields: Any) -> tuple[Call, pb.ChatStream, str]:
@@ -31,7 +67,9 @@ async def release(client: Client, begin: pb.ChatStream, permission_id: str) -> N
     await client.stub.ResolvePermission(request, timeout=30)
 
 
-async def queue(client: Client, session_id: str, prompt: str, busy: int = pb.BUSY_POLICY_QUEUE) -> tuple[Call, pb.ChatStream]:
+async def queue(
+    client: Client, session_id: str, prompt: str, busy: int = pb.BUSY_POLICY_QUEUE
+) -> tuple[Call, pb.ChatStream]:
     """A turn sent while the session is busy, and the first message of its stream (``queued``)."""
     call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt, busy=busy))
     async with asyncio.timeout(30):
@@ -48,8 +86,7 @@ async def ended_with(call: Call) -> grpc.aio.AioRpcError:
     raise AssertionError(f"expected an error status, got {[e.WhichOneof('event') for e in events]}")
 
 
-async def test_queued_turns_run_after_the_running_one_in_the_order_they_came(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_queued_turns_run_after_the_running_one_in_the_order_they_came(client: Client) -> None:
     first, begin, asked = await hold(client)
     session_id = begin.session_id
 
@@ -68,8 +105,7 @@ async def test_queued_turns_run_after_the_running_one_in_the_order_they_came(mak
     assert completed(rest3).stop_reason == pb.STOP_REASON_END_TURN
 
 
-async def test_interrupt_cancels_the_running_turn_and_those_queued_then_runs(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_interrupt_cancels_the_running_turn_and_those_queued_then_runs(client: Client) -> None:
     first, begin, _ = await hold(client)
     queued, queued_first = await queue(client, begin.session_id, "remember 2")
 
@@ -89,8 +125,7 @@ async def test_interrupt_cancels_the_running_turn_and_those_queued_then_runs(mak
     assert gone.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_reject_is_the_default_and_answers_aborted(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_reject_is_the_default_and_answers_aborted(client: Client) -> None:
     first, begin, asked = await hold(client)
 
     for busy in (pb.BUSY_POLICY_UNSPECIFIED, pb.BUSY_POLICY_REJECT):
@@ -103,28 +138,27 @@ async def test_reject_is_the_default_and_answers_aborted(make_daemon: DaemonFact
     assert text_of(after) == "I remember: 1", "a refused turn reached the agent"
 
 
-async def test_past_max_queued_turns_a_queued_turn_is_refused_resource_exhausted(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon(max_queued_turns=1)
+async def test_past_max_queued_turns_a_queued_turn_is_refused_resource_exhausted(client: Client) -> None:
     first, begin, asked = await hold(client)
     waiting, _ = await queue(client, begin.session_id, "remember 2")
+    also, _ = await queue(client, begin.session_id, "remember 3")
 
-    refused = await client.chat_error(session_id=begin.session_id, prompt="remember 3", busy=pb.BUSY_POLICY_QUEUE)
+    refused = await client.chat_error(session_id=begin.session_id, prompt="remember 4", busy=pb.BUSY_POLICY_QUEUE)
 
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
     assert error_info(refused).reason == "QUEUED_TURNS_LIMIT" and "max_queued_turns" in (refused.details() or "")
     await release(client, begin, asked)
     await rest_of(first)
     assert text_of(await rest_of(waiting)) == "I remember: 1, 2"
+    assert text_of(await rest_of(also)) == "I remember: 1, 2, 3"
 
 
-async def test_unknown_busy_policy_is_invalid_argument(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_unknown_busy_policy_is_invalid_argument(client: Client) -> None:
     refused = await client.chat_error(prompt="hello", busy=7)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "busy" in (refused.details() or "")
 
 
-async def test_a_queued_turn_is_cancelled_by_its_run_id_and_never_runs(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_a_queued_turn_is_cancelled_by_its_run_id_and_never_runs(client: Client) -> None:
     first, begin, asked = await hold(client)
     dropped, queued = await queue(client, begin.session_id, "remember 2")
     kept, _ = await queue(client, begin.session_id, "remember 3")
@@ -139,8 +173,7 @@ async def test_a_queued_turn_is_cancelled_by_its_run_id_and_never_runs(make_daem
     assert text_of(await rest_of(kept)) == "I remember: 1, 3"
 
 
-async def test_cancel_by_session_stops_the_running_turn_and_every_queued_one(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_cancel_by_session_stops_the_running_turn_and_every_queued_one(client: Client) -> None:
     first, begin, _ = await hold(client)
     queued, _ = await queue(client, begin.session_id, "remember 2")
 
@@ -153,8 +186,7 @@ async def test_cancel_by_session_stops_the_running_turn_and_every_queued_one(mak
     assert text_of(after) == "I remember: 1"
 
 
-async def test_a_queued_turn_whose_client_left_still_runs(make_daemon: DaemonFactory) -> None:
-    _, client = await make_daemon()
+async def test_a_queued_turn_whose_client_left_still_runs(client: Client) -> None:
     first, begin, asked = await hold(client)
     gone, queued = await queue(client, begin.session_id, "remember 2")
 

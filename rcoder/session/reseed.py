@@ -14,7 +14,7 @@ HEADER = (
     "[rcoder: the earlier conversation of this session was lost by the agent. What was said before, oldest first:]\n"
 )
 CONTINUED_HEADER = (
-    "[rcoder: this conversation was held so far by another agent, {agent}, and continues with you. "
+    "[rcoder: this conversation was held so far by another agent (profile {agent!r}) and continues with you. "
     "What was said before, oldest first:]\n"
 )
 FOOTER = "[end of the earlier conversation; the new message follows]\n\n"

@@ -168,3 +168,39 @@ async def test_hosts_serving_tls_forward_to_each_other_over_tls_and_refuse_plain
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await pb_grpc.AgentRunnerStub(plain).ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=5)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_turn_queued_through_another_host_waits_at_the_owner_and_runs_there(three: Hosts) -> None:
+    a, b, c = three["a"], three["b"], three["c"]
+    request = pb.ChatRequest(project_id="proj", prompt="remember 5 permission", permission_mode=pb.PERMISSION_MODE_ASK)
+    call = a.stub.Chat(request, metadata=AUTH_MD, timeout=30)
+    begin, asked = await first_events(call, 2)
+    session_id = begin.session_id
+
+    queue = pb.ChatRequest(project_id="proj", session_id=session_id, prompt="remember 6", busy=pb.BUSY_POLICY_QUEUE)
+    queued_call = b.stub.Chat(queue, metadata=AUTH_MD, timeout=30)
+    (waiting,) = await first_events(queued_call, 1)
+    third_call = c.stub.Chat(
+        pb.ChatRequest(project_id="proj", session_id=session_id, prompt="remember 7", busy=pb.BUSY_POLICY_QUEUE),
+        metadata=AUTH_MD,
+        timeout=30,
+    )
+    (third,) = await first_events(third_call, 1)
+
+    assert waiting.WhichOneof("event") == "queued" and waiting.queued.position == 1
+    assert third.WhichOneof("event") == "queued" and third.queued.position == 2, "not queued at the owner"
+    assert await a.daemon.wait_log("run_queued", run_id=waiting.run_id)
+    permission = asked.permission_request.permission_id
+    await c.stub.ResolvePermission(
+        pb.ResolvePermissionRequest(run_id=begin.run_id, permission_id=permission, option_id="allow"),
+        metadata=AUTH_MD,
+        timeout=10,
+    )
+    assert completed([event async for event in call]).stop_reason == pb.STOP_REASON_END_TURN
+    rest = [event async for event in queued_call]
+    assert started(rest).resume == pb.RESUME_OUTCOME_LIVE and text_of(rest) == "I remember: 5, 6"
+    assert dict(await queued_call.trailing_metadata())[OWNER_KEY] == a.address
+    assert text_of([event async for event in third_call]) == "I remember: 5, 6, 7"
+    assert await a.daemon.wait_log("run_started", run_id=third.run_id)
+    for other in (b, c):
+        assert all(r.get("session_id") != session_id for r in other.daemon.logs("run_started")), other.name

@@ -68,7 +68,7 @@ async def release(client: Client, begin: pb.ChatStream, permission_id: str) -> N
 
 
 async def queue(
-    client: Client, session_id: str, prompt: str, busy: int = pb.BUSY_POLICY_QUEUE
+    client: Client, session_id: str, prompt: str, busy: pb.BusyPolicy.ValueType = pb.BUSY_POLICY_QUEUE
 ) -> tuple[Call, pb.ChatStream]:
     """A turn sent while the session is busy, and the first message of its stream (``queued``)."""
     call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt, busy=busy))

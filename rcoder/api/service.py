@@ -175,7 +175,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             validate.identifier(request.session_id, "session_id")
 
             async def here() -> pb.CancelResponse:
-                run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+                try:
+                    run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+                except errors.NotFound:
+                    # a turn queued at another host is in no store yet: the hosts are asked
+                    asked = await self._routes.ask_others("Cancel", request, context) if request.run_id else None
+                    if asked is None:
+                        raise
+                    answer: pb.CancelResponse = asked
+                    return answer
                 return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
 
             async def queued(owner: Owner) -> pb.CancelResponse:  # the owner did not answer: through the store

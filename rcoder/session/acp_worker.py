@@ -201,6 +201,10 @@ class AcpWorker:
         agent that has not ended the turn within ``cancel_grace`` is ended by its
         process group. The turn ends ``CANCELLED`` either way and the session
         stays resumable.
+
+        A queued turn (``session.queue``) is taken out of its line and never starts: its
+        followers get ``RunCancelled``. By ``session_id``, every turn queued is, besides the
+        running one: the session comes to rest.
         """
         if not run_id:
             holder = self._runs.holder(session_id)

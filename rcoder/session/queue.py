@@ -52,9 +52,14 @@ class TurnQueues:
         session_id = waiting.plan.session_id
         line = self._waiting.get(session_id)
         if len(line or ()) >= self._limit:
+            what = (
+                f"already has {self._limit} turns queued behind run {holder_run_id} (max_queued_turns); "
+                "wait for one to start, or send with busy INTERRUPT"
+                if self._limit
+                else f"runs run {holder_run_id}, and turns are not queued here (max_queued_turns = 0); wait for it"
+            )
             raise ResourceExhausted(
-                f"session {session_id} already has {self._limit} turns queued behind run {holder_run_id} "
-                "(max_queued_turns); wait for one to start, or send with busy INTERRUPT",
+                f"session {session_id} {what}",
                 reason="QUEUED_TURNS_LIMIT",
                 session_id=session_id,
                 limit=str(self._limit),

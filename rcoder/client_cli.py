@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rcoder.client import (
+    BusyPolicy,
     Completed,
     Event,
     PermissionMode,
     PermissionRequest,
     Plan,
+    Queued,
     RcoderClient,
     RcoderClientError,
     ResumeOutcome,
@@ -70,6 +72,12 @@ def add_commands(commands: Any) -> None:
     chat.add_argument("--session", default="", help="continue this session (the id a previous turn printed)")
     chat.add_argument("--agent", default="", help="agent profile (default: the daemon's default_agent)")
     chat.add_argument("--ask", action="store_true", help="ask at the terminal when the agent asks permission")
+    chat.add_argument(
+        "--busy",
+        choices=[p.value for p in BusyPolicy],
+        default=None,
+        help="while the session runs another turn: reject (the default), queue behind it, or interrupt it",
+    )
     chat.add_argument("prompt", nargs="?", help="what to say (default: read from stdin)")
     sessions = commands.add_parser("sessions", parents=[common], help="list, show or close sessions")
     sessions.add_argument("action", nargs="?", choices=["list", "show", "close"], default="list")
@@ -192,6 +200,7 @@ async def chat(
             session_id=args.session,
             agent=args.agent,
             permission_mode=PermissionMode.ASK if args.ask else None,
+            busy=BusyPolicy(args.busy) if args.busy else None,
         )
         return await Watch(client, turn, screen, answers).run()
 
@@ -205,6 +214,7 @@ class Watch:
     screen: Screen
     answers: TextIO | None  # where --ask reads the user's choices; None: no --ask
     interrupts: int = 0
+    cancel_sent: bool = False
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     cancelling: set[asyncio.Task[None]] = field(default_factory=set)  # Cancel calls on their way
     asking: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -231,8 +241,8 @@ class Watch:
         async for event in self.turn:
             if self.screen.json:
                 self.screen.json_line(event.to_dict())
-            if isinstance(event, Started) and self.interrupts:
-                self._send_cancel()
+            if isinstance(event, Started | Queued) and self.interrupts and not self.cancel_sent:
+                self._send_cancel()  # a Ctrl-C before the run id was known
             elif isinstance(event, PermissionRequest) and self.answers is not None:
                 self._spawn(self._ask(event))
             if isinstance(event, Completed):
@@ -268,6 +278,7 @@ class Watch:
         return task
 
     def _send_cancel(self) -> None:
+        self.cancel_sent = True
         task = self._spawn(self._cancel())
         self.cancelling.add(task)
         task.add_done_callback(self.cancelling.discard)
@@ -321,6 +332,8 @@ def show(screen: Screen, event: Event, tools: ToolCalls) -> None:
     tool calls so far, which an update only amends)."""
     if isinstance(event, Text):
         (screen.thought if event.thought else screen.text)(event.text)
+    elif isinstance(event, Queued):
+        screen.note(f"queued: {event.position} turn(s) before this one (run {event.run_id}; Ctrl-C cancels it)")
     elif isinstance(event, Started) and event.fallback_reason:
         screen.note(f"fallback: {event.fallback_reason}")
     elif isinstance(event, ToolCall):

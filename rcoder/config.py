@@ -133,6 +133,9 @@ class SettingsKeys(_Schema):
     run_event_bytes: Count = 1 << 20  # the largest event: longer strings are cut, with a marker
     runs_total_bytes: Count = 256 << 20  # bytes all runs hold together: finished runs evicted past it
     run_max_followers: Count = 64  # Chat and Subscribe streams on one run at once
+    # turns waiting behind a session's running turn (ChatRequest.busy QUEUE or INTERRUPT), at most:
+    # each holds its whole request until it runs; 0 refuses both policies
+    max_queued_turns: Count = 4
     max_concurrent_rpcs: Count = 1024  # AgentRunner calls in progress at once (health not counted)
     run_retention: Seconds = 600.0  # finished runs stay subscribable this long
     metrics_listen: str = ""  # host:port for Prometheus /metrics; empty: not served

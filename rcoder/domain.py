@@ -72,6 +72,14 @@ class PermissionMode(enum.Enum):
     ASK = "ask"
 
 
+class BusyPolicy(enum.Enum):
+    """What a turn for a session that already runs one does (``ChatRequest.busy``)."""
+
+    REJECT = "reject"  # refused: SessionBusy
+    QUEUE = "queue"  # waits, in order, behind the running turn and those queued before it
+    INTERRUPT = "interrupt"  # cancels the running turn and those queued, then runs next
+
+
 class RunStatus(enum.Enum):
     RUNNING = "running"
     COMPLETED = "completed"
@@ -138,6 +146,7 @@ class ChatTurn:
     request_id: str = ""
     permission_mode: PermissionMode = PermissionMode.ALLOW
     attachments: tuple[Attachment, ...] = ()
+    busy: BusyPolicy = BusyPolicy.REJECT
 
 
 # ---------------------------------------------------------------- run events

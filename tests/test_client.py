@@ -20,6 +20,8 @@ import pytest_asyncio
 
 from rcoder.client import (
     Busy,
+    BusyPolicy,
+    Cancelled,
     ClientClosed,
     Completed,
     Cost,
@@ -35,6 +37,7 @@ from rcoder.client import (
     PermissionMode,
     PermissionRequest,
     Plan,
+    Queued,
     RcoderClient,
     RcoderClientError,
     ResourceAttachment,
@@ -316,6 +319,27 @@ async def test_with_ask_a_permission_request_waits_for_resolve_permission(client
     assert again.value.metadata["id"] == asked.permission_id
 
 
+@on_the_module_loop
+async def test_a_chat_sent_while_busy_queues_or_is_cancelled_as_asked(client: RcoderClient) -> None:
+    first = client.chat("c-busy", "remember 1 permission", permission_mode=PermissionMode.ASK)
+    asked = (await read_until(first, PermissionRequest))[-1]
+    assert isinstance(asked, PermissionRequest)
+    with pytest.raises(Busy):
+        await bounded(client.chat("c-busy", "remember 2", session_id=first.session_id).text())
+    queued = client.chat("c-busy", "remember 2", session_id=first.session_id, busy=BusyPolicy.QUEUE)
+    dropped = client.chat("c-busy", "remember 3", session_id=first.session_id, busy=BusyPolicy.QUEUE)
+    waiting = (await read_until(queued, Queued))[0]
+    assert isinstance(waiting, Queued) and waiting.position == 1 and queued.run_id == waiting.run_id
+    gone = (await read_until(dropped, Queued))[0]
+
+    assert (await bounded(client.cancel(gone.run_id))).cancelled
+    with pytest.raises(Cancelled):
+        await bounded(dropped.text())
+    await bounded(client.resolve_permission(asked.run_id, asked.permission_id, "allow"))
+    assert await bounded(queued.text()) == "I remember: 1, 2"
+    assert queued.started is not None and queued.started.resume is ResumeOutcome.LIVE
+
+
 # ---------------------------------------------------------------- sessions and agents
 
 
@@ -374,6 +398,9 @@ async def test_a_fork_is_a_new_session_with_the_history_so_far(client: RcoderCli
     assert await bounded(branch.text()) == "I remember: 5"
     with pytest.raises(PermissionDenied):
         await bounded(client.sessions.fork(source.session_id, "c-elsewhere"))
+    with pytest.raises(InvalidArgument) as unknown:
+        await bounded(client.sessions.fork(source.session_id, "c-fork", agent="nobody"))
+    assert unknown.value.metadata["field"] == "agent"
 
 
 @on_the_module_loop

@@ -332,3 +332,27 @@ async def test_the_token_is_sent_as_bearer_authorization_from_the_flag_or_rcoder
     finally:
         await server.stop(None)
     assert [seen.get("authorization") for seen in recorder.seen] == ["Bearer from-env", "Bearer from-flag", None]
+
+
+async def test_with_busy_queue_rcoder_chat_waits_behind_the_running_turn_and_then_answers(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, client = await make_daemon()
+    first = client.stub.Chat(
+        pb.ChatRequest(project_id="demo", prompt="remember 1 permission", permission_mode=pb.PERMISSION_MODE_ASK)
+    )
+    begin = await first.read()
+    asked = await first.read()
+    assert asked.WhichOneof("event") == "permission_request", asked
+    args = ("chat", "--project", "demo", "--session", begin.session_id, "--busy", "queue", "--target", daemon.address)
+    waiting = asyncio.ensure_future(rcoder(*args, "--config", str(daemon.config), "remember 2"))
+    assert await daemon.wait_log("run_queued", timeout=60, session_id=begin.session_id)
+
+    permission = asked.permission_request.permission_id
+    await client.stub.ResolvePermission(
+        pb.ResolvePermissionRequest(run_id=begin.run_id, permission_id=permission, option_id="allow"), timeout=30
+    )
+    code, out, err = await waiting
+    assert code == 0, err
+    assert out.strip() == "I remember: 1, 2"
+    assert "queued: 1 turn(s) before this one" in err

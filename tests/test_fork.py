@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rcoder.session.opening import UNOPENED_BRANCH
+from rcoder.session.opening import CONTINUED, UNOPENED_BRANCH
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning, started, text_of
@@ -25,6 +25,12 @@ def remembered(answer: str) -> set[str]:
 
 async def fork(client: Client, session_id: str, project_id: str = "proj") -> pb.ForkSessionResponse:
     request = pb.ForkSessionRequest(session_id=session_id, project_id=project_id)
+    response: pb.ForkSessionResponse = await client.stub.ForkSession(request, timeout=60)
+    return response
+
+
+async def fork_into(client: Client, session_id: str, agent: str) -> pb.ForkSessionResponse:
+    request = pb.ForkSessionRequest(session_id=session_id, project_id="proj", agent=agent)
     response: pb.ForkSessionResponse = await client.stub.ForkSession(request, timeout=60)
     return response
 
@@ -165,3 +171,51 @@ async def test_a_fork_whose_agent_is_still_opening_the_branch_at_shutdown_is_end
     assert [r["pid"] for r in daemon.logs("agent_stopped")] == [spawned["pid"]], daemon.logs("agent_stopped")
     assert not [*(tmp_path / "data" / "agent-pids").glob("*")], "an agent's process group is still recorded"
     assert processes_mentioning(str(fake.state_dir)) == []
+
+
+async def test_a_fork_into_another_agent_continues_the_conversation_there(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    # two profiles of the fake agent, told apart by what their environment says; both can fork,
+    # and still no agent is asked to fork another's session
+    profiles = {
+        "first": fake.profile("--caps", FORKING, env={"WHO": "first"}),
+        "second": fake.profile("--caps", FORKING, env={"WHO": "second"}),
+    }
+    _, client = await make_daemon(profiles, default_agent="first")
+    source = (await client.chat(prompt="remember 1"))[0].session_id
+    await client.chat(prompt="remember 2", session_id=source)
+
+    forked = await fork_into(client, source, "second")
+
+    branch = forked.session.session_id
+    assert forked.method == pb.FORK_METHOD_RESEEDED and forked.session.agent == "second"
+    assert "continued from another agent" in forked.fallback_reason, forked.fallback_reason
+    assert not fake.requests("session/fork")
+    on_branch = await client.chat(prompt="remember 3 env WHO", session_id=branch)
+    opened = started(on_branch)
+    assert opened.resume == pb.RESUME_OUTCOME_FALLBACK_RESEEDED and opened.agent == "second"
+    assert opened.fallback_reason == CONTINUED
+    assert text_of(on_branch) == "I remember: 1, 2, 3 env[WHO]=second"
+    prompts = [r["params"]["prompt"][0]["text"] for r in fake.requests("session/prompt")]
+    assert "another agent (profile 'first')" in prompts[-1], prompts[-1][:300]
+    later = await client.chat(prompt="what? env WHO", session_id=branch)  # its next turn: live on "second"
+    assert started(later).agent == "second" and started(later).resume == pb.RESUME_OUTCOME_LIVE
+    assert text_of(later) == "I remember: 1, 2, 3 env[WHO]=second"
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=branch), timeout=30)
+    resumed = await client.chat(prompt="what? env WHO", session_id=branch)  # a new process: "second" again
+    assert started(resumed).agent == "second" and started(resumed).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(resumed) == "I remember: 1, 2, 3 env[WHO]=second"
+    on_source = await client.chat(prompt="what? env WHO", session_id=source)
+    assert text_of(on_source) == "I remember: 1, 2 env[WHO]=first", "the branch's turns reached the source"
+    wrong = await client.chat_error(prompt="hi", session_id=branch, agent="first")
+    assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_fork_into_an_unknown_agent_is_invalid_argument(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon()
+    source = (await client.chat(prompt="remember 1"))[0].session_id
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await fork_into(client, source, "nobody")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no agent profile named 'nobody'" in (caught.value.details() or "")

@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -51,6 +52,32 @@ async def test_sigterm_lets_a_running_turn_finish_and_refuses_new_ones(
     assert await daemon.stop() == 0
     assert processes_mentioning(str(fake.state_dir)) == []
     assert run_statuses(tmp_path) == {begin.run_id: "completed"}
+
+
+async def test_sigterm_refuses_the_turns_queued_and_lets_the_running_one_finish(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon(shutdown_grace=20)
+    call, begin = await start_turn(client, prompt="remember 4 permission", permission_mode=pb.PERMISSION_MODE_ASK)
+    _, asked = await read_until(call, "permission_request")
+    queued = client.stub.Chat(
+        pb.ChatRequest(project_id="proj", session_id=begin.session_id, prompt="remember 5", busy=pb.BUSY_POLICY_QUEUE)
+    )
+    assert (await queued.read()).WhichOneof("event") == "queued"
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await rest_of(queued)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(refused.value).reason == "SHUTTING_DOWN"
+    permission = asked.permission_request.permission_id
+    await client.stub.ResolvePermission(
+        pb.ResolvePermissionRequest(run_id=begin.run_id, permission_id=permission, option_id="allow"), timeout=10
+    )
+    assert completed(await rest_of(call)).stop_reason == pb.STOP_REASON_END_TURN
+    assert await daemon.stop() == 0
+    assert run_statuses(tmp_path) == {begin.run_id: "completed"}, "the queued turn left a run"
 
 
 async def test_a_turn_longer_than_the_grace_is_cancelled_and_the_daemon_exits_cleanly(

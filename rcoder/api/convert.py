@@ -61,6 +61,13 @@ def timestamp(value: datetime) -> Timestamp:
     return Timestamp(seconds=since.days * _DAY + since.seconds, nanos=since.microseconds * 1000)
 
 
+def queued(run_id: str, session_id: str, position: int) -> pb.ChatStream:
+    """The first message of a queued turn's stream: not one of the run's events (seq 0)."""
+    msg = pb.ChatStream(run_id=run_id, session_id=session_id, seq=0, time=timestamp(datetime.now(UTC)))
+    msg.queued.position = position
+    return msg
+
+
 def chat_stream(event: RunEvent) -> pb.ChatStream:
     msg = pb.ChatStream(run_id=event.run_id, session_id=event.session_id, seq=event.seq, time=timestamp(event.time))
     body = event.body

@@ -176,6 +176,23 @@ class Forwarder:
         finally:
             call.cancel()  # the caller left (or we are done): the owner's handler is told
 
+    async def unary_if_found(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str
+    ) -> Any | None:
+        """``unary``, where the peer's ``NOT_FOUND`` is None (asked of a host that may not have it)."""
+        try:
+            call = getattr(self._stub(address), method)(
+                request, metadata=self._metadata(context), timeout=self._answer_timeout
+            )
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.NOT_FOUND or exc.code() in _NOT_ANSWERING:
+                return None
+            await self._pass_error(exc, context, address)
+        except OwnerUnreachable:
+            return None
+        return None  # pragma: no cover (_pass_error aborts)
+
     async def _pass_error(
         self, exc: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext[Any, Any], address: str
     ) -> None:

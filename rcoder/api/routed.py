@@ -117,6 +117,21 @@ class Routes:
         async for message in local():
             yield message
 
+    async def ask_others(self, method: str, request: Any, context: Context) -> Any | None:
+        """Ask every other live host for what none is known to own (a queued turn is in no store
+        yet): the first answer that is not ``NOT_FOUND``, or None. A forwarded request is never
+        passed on again."""
+        if not self.router.shared or forwarded(context):
+            return None
+        for host in await self.router.hosts():
+            if host.live and host.host_id != self.router.host_id:
+                answer = await self._forwarder.unary_if_found(method, request, context, host.advertise_address)
+                if answer is not None:
+                    context.set_trailing_metadata(((OWNER_KEY, host.advertise_address),))
+                    self.router.forwarded(method, "asked")
+                    return answer
+        return None
+
     async def _judge(self, owner: Owner, find: Find, what: tuple[str, str], signalled: bool = False) -> Owner | None:
         """The owner did not answer: carry on here (None) if its lease expired; else the holder
         when the request can be signalled to it, or ``OwnedElsewhere`` saying when to retry."""

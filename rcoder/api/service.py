@@ -112,14 +112,18 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             turn = validate.chat_turn(request)
             if not self._router.shared:  # one host: the stream as it always was, no extra hop per event
                 context.set_trailing_metadata(self._routes.owner_metadata)
-                run = await self._worker.chat(turn)
-                async for event in run.follow(0):
+                ticket = await self._worker.submit(turn)
+                if ticket.position:
+                    yield convert.queued(ticket.run.run_id, ticket.run.session_id, ticket.position)
+                async for event in ticket.run.follow(0):
                     yield convert.chat_stream(event)
                 return
 
             async def here() -> AsyncIterator[pb.ChatStream]:
-                run = await self._worker.chat(turn)
-                async for event in run.follow(0):
+                ticket = await self._worker.submit(turn)
+                if ticket.position:
+                    yield convert.queued(ticket.run.run_id, ticket.run.session_id, ticket.position)
+                async for event in ticket.run.follow(0):
                     yield convert.chat_stream(event)
 
             find = partial(self._router.session_owner, turn.session_id)
@@ -171,7 +175,15 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             validate.identifier(request.session_id, "session_id")
 
             async def here() -> pb.CancelResponse:
-                run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+                try:
+                    run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+                except errors.NotFound:
+                    # a turn queued at another host is in no store yet: the hosts are asked
+                    asked = await self._routes.ask_others("Cancel", request, context) if request.run_id else None
+                    if asked is None:
+                        raise
+                    answer: pb.CancelResponse = asked
+                    return answer
                 return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
 
             async def queued(owner: Owner) -> pb.CancelResponse:  # the owner did not answer: through the store
@@ -234,9 +246,10 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         try:
             validate.identifier(request.session_id, "session_id", required=True)
             check_project_id(request.project_id)
+            validate.identifier(request.agent, "agent")
 
             async def here() -> pb.ForkSessionResponse:
-                forked = await self._worker.fork(request.session_id, request.project_id)
+                forked = await self._worker.fork(request.session_id, request.project_id, request.agent)
                 status = self._queries.status(forked.record.session_id)
                 return pb.ForkSessionResponse(
                     session=convert.session(forked.record, _SESSION_STATUS[status]),

@@ -7,7 +7,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from rcoder.domain import Attachment, ChatTurn, McpServer, ModelProvider, PermissionMode, SessionOrder
+from rcoder.domain import Attachment, BusyPolicy, ChatTurn, McpServer, ModelProvider, PermissionMode, SessionOrder
 from rcoder.errors import InvalidArgument
 from rcoder.session.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -55,7 +55,23 @@ def chat_turn(req: pb.ChatRequest) -> ChatTurn:
         request_id=req.request_id,
         permission_mode=mode,
         attachments=attachments(req.attachments),
+        busy=busy_policy(req.busy),
     )
+
+
+_BUSY_POLICIES: dict[int, BusyPolicy] = {
+    pb.BUSY_POLICY_UNSPECIFIED: BusyPolicy.REJECT,
+    pb.BUSY_POLICY_REJECT: BusyPolicy.REJECT,
+    pb.BUSY_POLICY_QUEUE: BusyPolicy.QUEUE,
+    pb.BUSY_POLICY_INTERRUPT: BusyPolicy.INTERRUPT,
+}
+
+
+def busy_policy(value: pb.BusyPolicy.ValueType) -> BusyPolicy:
+    policy = _BUSY_POLICIES.get(value)
+    if policy is None:
+        raise InvalidArgument("busy", f"unknown value {value}; use REJECT, QUEUE or INTERRUPT")
+    return policy
 
 
 _SESSION_ORDERS = {

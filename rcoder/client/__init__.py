@@ -46,6 +46,7 @@ from rcoder.client.events import (
     PermissionRequest,
     Plan,
     PlanEntry,
+    Queued,
     ResumeOutcome,
     Started,
     StopReason,
@@ -58,6 +59,7 @@ from rcoder.client.events import (
 )
 from rcoder.client.requests import (
     Attachment,
+    BusyPolicy,
     ImageAttachment,
     McpHttp,
     McpServer,
@@ -93,6 +95,7 @@ __all__ = [
     "AgentUpdate",
     "Attachment",
     "Busy",
+    "BusyPolicy",
     "CancelResult",
     "Cancelled",
     "ClientClosed",
@@ -121,6 +124,7 @@ __all__ = [
     "PermissionRequest",
     "Plan",
     "PlanEntry",
+    "Queued",
     "RcoderClient",
     "RcoderClientError",
     "ResourceAttachment",

@@ -9,7 +9,7 @@ from typing import Any, Self
 import grpc
 
 from rcoder.client.errors import ClientClosed, NotFound, from_rpc_error
-from rcoder.client.requests import Attachment, McpServer, ModelProvider, PermissionMode, chat_request
+from rcoder.client.requests import Attachment, BusyPolicy, McpServer, ModelProvider, PermissionMode, chat_request
 from rcoder.client.resources import (
     SESSION_ORDERS,
     AgentInfo,
@@ -94,13 +94,18 @@ class RcoderClient:
         mcp_servers: Sequence[McpServer] = (),
         extra_meta: Mapping[str, Any] | None = None,
         attachments: Sequence[Attachment] = (),
+        busy: BusyPolicy | None = None,
         timeout: float | None = None,
     ) -> Turn:
         """One turn with an agent in the project's folder; its events stream from the returned ``Turn``.
 
         ``session_id`` continues a conversation (a ``Started.session_id`` of an earlier turn); ``agent``
         names a profile (None: the daemon's ``default_agent``); ``permission_mode`` None is the daemon's
-        default (``ALLOW``). The call starts when the turn is first read::
+        default (``ALLOW``). ``busy`` says what happens while the session runs another turn: None or
+        ``BusyPolicy.REJECT`` raise ``rcoder.client.Busy``; ``BusyPolicy.QUEUE`` waits behind it, and
+        ``BusyPolicy.INTERRUPT`` cancels it (and the turns queued) first: the turn's first event is then
+        ``Queued`` (its ``run_id`` at once, to ``cancel`` it while it waits), and ``Started`` comes
+        when it starts. The call starts when the turn is first read::
 
             turn = client.chat("demo", "hello")
             async for event in turn: ...          # or: text = await turn.text()
@@ -117,6 +122,7 @@ class RcoderClient:
             mcp_servers=mcp_servers,
             extra_meta=extra_meta,
             attachments=attachments,
+            busy=busy,
         )
         return Turn(self._streaming(self._stub.Chat, request, timeout))
 
@@ -149,7 +155,9 @@ class RcoderClient:
 
     async def cancel(self, run_id: str | None = None, *, session_id: str | None = None) -> CancelResult:
         """Stop a running turn, by ``run_id`` or ``session_id`` (exactly one); its stream then ends
-        with ``Completed(stop_reason=CANCELLED)``. ``cancelled`` is False when it had already ended."""
+        with ``Completed(stop_reason=CANCELLED)``. ``cancelled`` is False when it had already ended.
+        A queued turn (``Queued``) never starts: its stream raises ``Cancelled``. By ``session_id``,
+        the running turn and every turn queued behind it are cancelled."""
         request = pb.CancelRequest(run_id=run_id or "", session_id=session_id or "")
         answer = await self._unary(self._stub.Cancel, request)
         return CancelResult(run_id=answer.run_id, cancelled=answer.cancelled, queued=answer.queued)
@@ -204,10 +212,11 @@ class Sessions:
         request = pb.GetSessionRequest(session_id=session_id)
         return session_from_proto(await self._unary(self._stub.GetSession, request))
 
-    async def fork(self, session_id: str, project_id: str) -> Fork:
+    async def fork(self, session_id: str, project_id: str, *, agent: str | None = None) -> Fork:
         """A new session sharing ``session_id``'s history so far; later turns on either branch never
-        reach the other (``ForkSession``). A busy session is forked as it stands."""
-        request = pb.ForkSessionRequest(session_id=session_id, project_id=project_id)
+        reach the other (``ForkSession``). A busy session is forked as it stands. ``agent``: continue
+        in that profile (None: the source's); its first turn is re-seeded from the transcript."""
+        request = pb.ForkSessionRequest(session_id=session_id, project_id=project_id, agent=agent or "")
         return fork_from_proto(await self._unary(self._stub.ForkSession, request))
 
     async def close(self, session_id: str) -> bool:

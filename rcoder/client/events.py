@@ -165,6 +165,14 @@ class AgentUpdate(Event):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Queued(Event):
+    """First of a turn sent with ``Busy.QUEUE`` or ``Busy.INTERRUPT`` that waits for the session's
+    running turn (``seq`` 0: not one of the run's events); ``Started`` follows when it starts."""
+
+    position: int  # turns that run or wait before this one, the running one included
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Heartbeat(Event):
     """The turn is alive but quiet."""
 
@@ -325,6 +333,7 @@ CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
     "permission_request": _permission_request,
     "update": lambda m, envelope: AgentUpdate(kind=m.update.kind, json=m.update.json, **envelope),
     "heartbeat": lambda m, envelope: Heartbeat(**envelope),
+    "queued": lambda m, envelope: Queued(position=m.queued.position, **envelope),
     "completed": _completed,
 }
 

@@ -28,6 +28,22 @@ _PERMISSION_MODES = {
 }
 
 
+class BusyPolicy(StrEnum):
+    """What a chat does when its session already runs a turn (None: the daemon's default, ``REJECT``)."""
+
+    REJECT = "reject"  # refused: ``rcoder.client.Busy`` (ABORTED)
+    QUEUE = "queue"  # runs after it, and after the turns queued before, in order
+    INTERRUPT = "interrupt"  # cancels it and the turns queued, then runs
+
+
+_BUSY_POLICIES = {
+    None: pb.BUSY_POLICY_UNSPECIFIED,
+    BusyPolicy.REJECT: pb.BUSY_POLICY_REJECT,
+    BusyPolicy.QUEUE: pb.BUSY_POLICY_QUEUE,
+    BusyPolicy.INTERRUPT: pb.BUSY_POLICY_INTERRUPT,
+}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelProvider:
     """The model the agent talks to, mapped to its environment by the profile's ``provider_env``."""
@@ -108,6 +124,7 @@ def chat_request(
     mcp_servers: Sequence[McpServer] = (),
     extra_meta: Mapping[str, Any] | None = None,
     attachments: Sequence[Attachment] = (),
+    busy: BusyPolicy | None = None,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` for these arguments (see ``RcoderClient.chat``)."""
     request = pb.ChatRequest(
@@ -120,6 +137,7 @@ def chat_request(
         request_id=request_id,
         mcp_servers=[_mcp_server(server) for server in mcp_servers],
         attachments=[_attachment(item) for item in attachments],
+        busy=_BUSY_POLICIES[busy],
     )
     if model_provider is not None:
         provider = model_provider

@@ -1,25 +1,29 @@
 """Taking a turn in: what only the daemon can check, the session's claim, the turn's task.
 
-``AcpWorker.chat`` checks the profile, session, project and content, claims
-the session for a new run (``SessionBusy`` otherwise) and starts the turn
-(``session.turn``) in a task the worker owns, then returns the run once
-``started`` is published. From the claim on, the run is registered: ``Cancel``
-and shutdown reach it in every phase, and the turn goes on whether or not
-anyone is still watching.
+``AcpWorker.submit`` checks the profile, session, project and content, claims
+the session for a new run and starts the turn (``session.turn``) in a task the
+worker owns, then returns the run once ``started`` is published. A session that
+already runs a turn is refused (``SessionBusy``) or, as the request's ``busy``
+asks, the turn waits for it (``session.queue``): then the run is returned at
+once, queued, and claims the session when the turns before it are done. From
+the claim on (from the queue on), the run is registered: ``Cancel`` and shutdown
+reach it in every phase, and the turn goes on whether or not anyone is still
+watching.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
-from rcoder.domain import ChatTurn, Forked, new_id
-from rcoder.errors import InvalidArgument, NotFound, PermissionDenied, SessionBusy, ShuttingDown
+from rcoder.domain import BusyPolicy, ChatTurn, Forked, new_id
+from rcoder.errors import InvalidArgument, NotFound, PermissionDenied, RunCancelled, SessionBusy, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
@@ -28,6 +32,7 @@ from rcoder.session.forking import SessionForker
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
+from rcoder.session.queue import TurnQueues, Waiting
 from rcoder.session.runs import Run, RunLimits, RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.session.workspace import project_dir, stored_cwd
@@ -37,6 +42,15 @@ from rcoder.store.cluster import LocalCoordination
 __all__ = ["AcpWorker", "Action", "decide"]
 
 log = get_logger("rcoder.session.worker")
+QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A turn taken in: its run, started (``position`` 0) or waiting behind ``position`` turns."""
+
+    run: Run
+    position: int = 0
 
 
 class AcpWorker:
@@ -65,12 +79,15 @@ class AcpWorker:
         self.leases.on_lost = pool.drop  # and a lost lease ends the agent
         self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases)
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
+        self._queues = TurnQueues(settings.max_queued_turns)
+        runs.on_released = self._next_turn
         self._closing = False
 
     # ------------------------------------------------------------ entry
 
-    async def chat(self, turn: ChatTurn) -> Run:
-        """Start a turn; returns its run once ``started`` is published."""
+    async def submit(self, turn: ChatTurn) -> Ticket:
+        """Take a turn in: its run once ``started`` is published, or at once when it waits for
+        the session's running turn (``Ticket.position``; ``session.queue``)."""
         if self._closing:
             raise ShuttingDown()
         clash = meta_collision(turn.extra_meta)
@@ -85,13 +102,52 @@ class AcpWorker:
         settings = self._settings
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
         run = Run(plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger)
-        self._runs.claim(run)  # from here on Cancel and shutdown see the turn
         ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        holder = self._runs.holder(plan.session_id)
+        if holder is not None:
+            return Ticket(run, self._queue(Waiting(plan, run, ready), holder))
+        self._runs.claim(run)  # from here on Cancel and shutdown see the turn
         self._spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
         # not shielded (one hop less): a caller that leaves cancels only this future, which
         # the turn never needs; the turn goes on in its own task
-        return await ready
+        return Ticket(await ready)
+
+    def _queue(self, waiting: Waiting, holder: Run) -> int:
+        """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""
+        policy, session_id = waiting.plan.turn.busy, holder.session_id
+        if policy is BusyPolicy.REJECT:
+            raise SessionBusy(session_id, holder.run_id)
+        if policy is BusyPolicy.INTERRUPT and self._queues.has_room():
+            for earlier in self._queues.take(session_id):
+                self._drop(earlier, "superseded by a turn sent with busy INTERRUPT")
+            self.turns.cancel(holder.run_id)
+        position = self._queues.add(waiting, holder.run_id)  # no await since the holder was read
+        self._runs.admit(waiting.run)
+        log.info("run_queued", run_id=waiting.run.run_id, session_id=session_id, policy=policy.value,
+                 position=position, behind=holder.run_id)  # fmt: skip
+        return position
+
+    def _next_turn(self, session_id: str) -> None:
+        """The session's running turn let go of it: the first turn waiting claims it now."""
+        waiting = self._queues.pop(session_id)
+        if waiting is None:
+            return
+        if self._closing:
+            waiting.refuse(ShuttingDown())
+            self._runs.forget(waiting.run)
+            return
+        run = waiting.run
+        self._runs.claim(run)
+        run.begin()
+        waiting.plan.received = run.started_monotonic
+        self._spawn(self.turns.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
+
+    def _drop(self, waiting: Waiting, why: str) -> None:
+        """A waiting turn that will never run: cancelled; its followers are told."""
+        log.info("queued_run_cancelled", run_id=waiting.run.run_id, why=why)
+        waiting.refuse(RunCancelled(waiting.run.run_id, f"{QUEUED}; {why}"))
+        self._runs.forget(waiting.run)
 
     @property
     def permissions(self) -> PermissionBroker:
@@ -150,11 +206,17 @@ class AcpWorker:
         agent that has not ended the turn within ``cancel_grace`` is ended by its
         process group. The turn ends ``CANCELLED`` either way and the session
         stays resumable.
+
+        A queued turn (``session.queue``) is taken out of its line and never starts: its
+        followers get ``RunCancelled``. By ``session_id``, every turn queued is, besides the
+        running one: the session comes to rest.
         """
         if not run_id:
             holder = self._runs.holder(session_id)
             if holder is not None and follows is not None and self.turns.follows(holder.run_id) != follows:
                 return holder.run_id, False  # the turn meant ended: this one came after it
+            for waiting in self._queues.take(session_id):  # the session comes to rest: none of them runs
+                self._drop(waiting, "the session's turns were cancelled")
             if holder is None:
                 record = await self._store.get_session(session_id)
                 if record is None:
@@ -162,13 +224,16 @@ class AcpWorker:
                 return record.last_run_id, False
             run_id = holder.run_id
         run = self._runs.get(run_id)
+        for waiting in self._queues.take(run.session_id, run_id):
+            self._drop(waiting, "cancelled")
+            return run_id, True
         return run_id, not run.done and self.turns.cancel(run_id)
 
-    async def fork(self, session_id: str, project_id: str) -> Forked:
-        """A new session branching from ``session_id`` (``session.forking``)."""
+    async def fork(self, session_id: str, project_id: str, agent: str = "") -> Forked:
+        """A new session branching from ``session_id``, on ``agent`` ("": its own; ``session.forking``)."""
         if self._closing:
             raise ShuttingDown()
-        return await self._forker.fork(session_id, project_id)
+        return await self._forker.fork(session_id, project_id, agent)
 
     async def close_session(self, session_id: str) -> bool:
         """End the session's agent (the record stays). Returns whether one was live."""
@@ -187,8 +252,14 @@ class AcpWorker:
     # ------------------------------------------------------------ shutdown
 
     def stop_accepting(self) -> None:
-        """New turns are refused with ``ShuttingDown`` from now on."""
+        """New turns are refused with ``ShuttingDown`` from now on, and so are those queued."""
         self._closing = True
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        for waiting in self._queues.take_all():
+            waiting.refuse(ShuttingDown())
+            self._runs.forget(waiting.run)
 
     async def drain(self, grace: float, cancel_grace: float) -> None:
         """Give running turns ``grace`` seconds to finish, then cancel the rest (in whatever
@@ -216,7 +287,7 @@ class AcpWorker:
 
     async def aclose(self) -> None:
         """Stop taking turns, end the ones running, end every agent; each step bounded. Idempotent."""
-        self._closing = True
+        self.stop_accepting()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -9,6 +9,10 @@ rcoder copied into it, and says so (``FALLBACK_RESEEDED``). Either way the
 branch holds a copy of the source's transcript, so a later re-seed of the branch
 tells its whole history.
 
+A branch may continue in another agent profile (``agent``): no agent can fork another's
+session, so its first turn is re-seeded from the transcript, as "continued from another
+agent" (``session.opening``), and every later turn runs on that profile.
+
 A busy source is forked as it stands: what the agent (or the store) holds of it.
 """
 
@@ -64,19 +68,25 @@ class SessionForker:
         self._metrics = metrics
         self._clock = clock
 
-    async def fork(self, session_id: str, project_id: str) -> Forked:
+    async def fork(self, session_id: str, project_id: str, agent: str = "") -> Forked:
+        """A branch of ``session_id``, on the profile ``agent`` ("": the source's own)."""
+        if agent and self._settings.profile(agent) is None:
+            known = ", ".join(sorted(self._settings.agents))
+            raise InvalidArgument("agent", f"no agent profile named {agent!r} (profiles: {known})")
         source = await project_session(self._store, session_id, project_id)
         stored_cwd(self._settings.workspace_root, source)  # the branch's agent gets its write grant
-        profile = self._settings.profile(source.agent)
+        profile = self._settings.profile(agent or source.agent)
         if profile is None:
             raise InvalidArgument(
                 "session_id", f"session {session_id} runs agent {source.agent!r}, no longer configured"
             )
         now = self._clock()
         branch = replace(source, session_id=new_id(), provider_session_id="", created_at=now, updated_at=now,
-                         turns=0, last_run_id="")  # fmt: skip
+                         turns=0, last_run_id="", agent=profile.name)  # fmt: skip
         seen = self._pool.launcher.capabilities_seen.get(profile.name)
-        if not source.provider_session_id:
+        if profile.name != source.agent:
+            reason = f"continued from another agent ({source.agent!r}, now {profile.name!r})"
+        elif not source.provider_session_id:
             reason = "the source session has no agent session yet"
         elif seen is not None and not seen[0].session_fork:
             reason = f"agent {profile.name!r} has no session/fork"

@@ -35,6 +35,9 @@ UNOPENED_BRANCH_NOT_RESEEDED = (
     "reseed_on_fallback is off, so it starts without its history"
 )
 
+CONTINUED = "continued from another agent"  # a branch ForkSession made on another profile
+CONTINUED_NOT_RESEEDED = f"{CONTINUED}; reseed_on_fallback is off, so it starts without its history"
+
 
 class Action(enum.Enum):
     NEW = "new"  # start an agent, new session
@@ -167,8 +170,13 @@ class SessionOpener:
                 # agent's session/fork, whose history is the transcript rcoder copied into it
                 entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
                 if entries:
-                    outcome, preamble = self._reseed(entries)
-                    reason = UNOPENED_BRANCH if preamble else UNOPENED_BRANCH_NOT_RESEEDED
+                    other = await self._other_agent(plan, entries[-1])
+                    header = reseed.CONTINUED_HEADER.format(agent=other) if other else reseed.HEADER
+                    outcome, preamble = self._reseed(entries, header)
+                    if other:
+                        reason = CONTINUED if preamble else CONTINUED_NOT_RESEEDED
+                    else:
+                        reason = UNOPENED_BRANCH if preamble else UNOPENED_BRANCH_NOT_RESEEDED
         elif launched.fallback_reason:
             outcome, preamble = await self._fallback(plan)
         else:
@@ -190,9 +198,17 @@ class SessionOpener:
             return ResumeOutcome.FALLBACK_NEW, ""
         return self._reseed(await self._store.transcript(plan.session_id, limit=RESEED_TURNS))
 
-    def _reseed(self, entries: list[TranscriptEntry]) -> tuple[ResumeOutcome, str]:
+    async def _other_agent(self, plan: TurnPlan, last: TranscriptEntry) -> str:
+        """The profile that held the branch's conversation last, when it is not the branch's own
+        (a fork into another agent): the session of the run its last copied turn was ("": the
+        same, or no longer known)."""
+        run = await self._store.get_run(last.run_id)
+        source = await self._store.get_session(run.session_id) if run is not None else None
+        return source.agent if source is not None and source.agent != plan.profile.name else ""
+
+    def _reseed(self, entries: list[TranscriptEntry], header: str = reseed.HEADER) -> tuple[ResumeOutcome, str]:
         """The outcome and first-prompt summary of a new session carrying ``entries``, when configured."""
         if not self._settings.reseed_on_fallback:
             return ResumeOutcome.FALLBACK_NEW, ""
-        preamble = reseed.summary(entries, self._settings.reseed_max_bytes)
+        preamble = reseed.summary(entries, self._settings.reseed_max_bytes, header)
         return (ResumeOutcome.FALLBACK_RESEEDED if preamble else ResumeOutcome.FALLBACK_NEW), preamble

@@ -13,13 +13,17 @@ from rcoder.domain import TranscriptEntry
 HEADER = (
     "[rcoder: the earlier conversation of this session was lost by the agent. What was said before, oldest first:]\n"
 )
+CONTINUED_HEADER = (
+    "[rcoder: this conversation was held so far by another agent (profile {agent!r}) and continues with you. "
+    "What was said before, oldest first:]\n"
+)
 FOOTER = "[end of the earlier conversation; the new message follows]\n\n"
 PER_TURN_BYTES = 4096
 
 
-def summary(entries: Sequence[TranscriptEntry], max_bytes: int) -> str:
+def summary(entries: Sequence[TranscriptEntry], max_bytes: int, header: str = HEADER) -> str:
     """The preamble for the new session's first prompt; '' when there is nothing to say or no room."""
-    budget = max_bytes - len(HEADER.encode()) - len(FOOTER.encode())
+    budget = max_bytes - len(header.encode()) - len(FOOTER.encode())
     kept: list[str] = []
     for entry in reversed(entries):
         turn = f"User: {_clip(entry.prompt)}\nAgent: {_clip(entry.response)}\n"
@@ -30,7 +34,7 @@ def summary(entries: Sequence[TranscriptEntry], max_bytes: int) -> str:
         budget -= size
     if not kept:
         return ""
-    return HEADER + "".join(reversed(kept)) + FOOTER
+    return header + "".join(reversed(kept)) + FOOTER
 
 
 def _clip(text: str) -> str:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
-from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
+from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted, SessionBusy
 from rcoder.session.budget import EVENT_OVERHEAD, ByteLedger, body_size, shrink, utf8_size
 
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
@@ -87,6 +87,8 @@ class Run:
         # grew is one no follower has taken, so every follower is already awake for it
         self._appended = asyncio.Event()
         self.completed: RunCompleted | None = None
+        # why the run never started (``fail``): its followers get it, as the caller of Chat does
+        self.failure: RcoderError | None = None
         self.finished_at: float | None = None  # monotonic
         self._done_callbacks: list[Callable[[Run], None]] = []
         self.started_monotonic = time.monotonic()
@@ -99,6 +101,20 @@ class Run:
     @property
     def done(self) -> bool:
         return self.completed is not None
+
+    def begin(self) -> None:
+        """The turn begins now: a queued one waited, and its durations and heartbeats count from here."""
+        self.started_monotonic = self.last_published = time.monotonic()
+
+    def fail(self, error: RcoderError) -> None:
+        """The run ends without ever starting (refused, or cancelled while it was queued): its
+        followers get ``error`` instead of waiting for a ``started`` that never comes. Only
+        before its first event; asking twice is asking once."""
+        if self.failure is not None or self._seq:
+            return
+        self.failure = error
+        self._appended.set()
+        self._appended = asyncio.Event()
 
     def add_done_callback(self, callback: Callable[[Run], None]) -> None:
         """Call ``callback(run)`` when ``completed`` is published (at once if it was)."""
@@ -231,6 +247,8 @@ class Run:
                     continue
                 if self.completed is not None:
                     return
+                if self.failure is not None:
+                    raise self.failure
                 await appended.wait()
         finally:
             self._positions.pop(follower, None)
@@ -319,6 +337,9 @@ class RunRegistry:
         self._finished: deque[Run] = deque()
         self.ledger = ByteLedger(total_bytes)  # new runs count their bytes here (``Run(ledger=...)``)
         self.ledger.over = self._evict
+        # told (without awaiting) the moment a session's running turn lets go of it: the first
+        # turn queued for it is claimed then, before anything else can be (``session.queue``)
+        self.on_released: Callable[[str], None] | None = None
 
     def claim(self, run: Run) -> None:
         """Register ``run`` as its session's one running turn, or raise ``SessionBusy``."""
@@ -330,6 +351,12 @@ class RunRegistry:
         self._runs[run.run_id] = run
         run.add_done_callback(self._finished.append)
 
+    def admit(self, run: Run) -> None:
+        """Register a queued ``run``: ``Subscribe`` and ``Cancel`` find it; its session it claims
+        later (``claim``), when the turns before it are done."""
+        self._prune()
+        self._runs[run.run_id] = run
+
     def held(self) -> tuple[int, int]:
         """Bytes all kept runs hold, and how many runs are kept (running and finished)."""
         return self.ledger.held, len(self._runs)
@@ -338,6 +365,8 @@ class RunRegistry:
         """The run no longer holds its session (idempotent)."""
         if self._holders.get(run.session_id) is run:
             del self._holders[run.session_id]
+            if self.on_released is not None:
+                self.on_released(run.session_id)
 
     def forget(self, run: Run) -> None:
         """A run refused before it started: released, and never visible again."""

@@ -66,7 +66,16 @@ from rcoder.domain import (
     TranscriptEntry,
     Usage,
 )
-from rcoder.errors import AgentError, Internal, LeaseLost, RcoderError, RunCancelled, ShuttingDown, StoreError
+from rcoder.errors import (
+    AgentError,
+    Internal,
+    LeaseLost,
+    NotFound,
+    RcoderError,
+    RunCancelled,
+    ShuttingDown,
+    StoreError,
+)
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
@@ -284,6 +293,7 @@ class TurnScope:
             error = Internal(exc if exc is not None else RuntimeError("the turn ended without starting"))
         if not self._ready.done():
             self._ready.set_exception(error)
+        self.run.fail(error)  # its followers (a queued turn's Chat stream, Subscribe) are told too
         self._runner.refused(self, heard)
 
     def _judge(self, exc: BaseException | None) -> None:
@@ -368,16 +378,21 @@ class TurnRunner:
         scope = self._scopes.get(run_id)
         return scope.phase if scope is not None else None
 
-    def run(self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run]) -> Coroutine[Any, Any, None]:
+    def run(
+        self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run], queued: bool = False
+    ) -> Coroutine[Any, Any, None]:
         """The turn, start to end, for the task the worker starts for each claimed turn. The turn
-        is registered now, so a cancel reaches it before that task first runs."""
+        is registered now, so a cancel reaches it before that task first runs. A ``queued`` turn
+        was planned before the turns it waited for: it reads its session again first."""
         scope = self._scopes[run.run_id] = TurnScope(self, plan, run, ready)
-        return self._run(scope)
+        return self._run(scope, queued)
 
-    async def _run(self, scope: TurnScope) -> None:
+    async def _run(self, scope: TurnScope, queued: bool) -> None:
         plan, run = scope.plan, scope.run
         bind_context(run_id=plan.run_id, session_id=plan.session_id, project_id=plan.turn.project_id)
         async with scope:
+            if queued:
+                await self._replan(scope)
             opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
             prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
@@ -397,6 +412,17 @@ class TurnRunner:
             # alone costs as long as the agent's first reply)
             loop.call_soon(self._note_started, plan, opened.started)
             await prompting
+
+    async def _replan(self, scope: TurnScope) -> None:
+        """The session as the turns before this one left it: its record (its provider id, its
+        last run) and whether its agent is still live here."""
+        plan = scope.plan
+        record = self._pool.live_record(plan.session_id) or await self._store.get_session(plan.session_id)
+        if record is None:
+            raise NotFound("session", plan.session_id, "deleted while this turn was queued")
+        plan.record = record
+        plan.action = Action.LIVE if self._pool.is_live(plan.session_id) else Action.RESUME
+        scope.follows = record.last_run_id
 
     def _note_started(self, plan: TurnPlan, started: RunStarted) -> None:
         self._metrics.turn_started(

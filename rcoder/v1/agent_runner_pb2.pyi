@@ -25,6 +25,43 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _BusyPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BusyPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BusyPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BUSY_POLICY_UNSPECIFIED: _BusyPolicy.ValueType  # 0
+    """treated as REJECT"""
+    BUSY_POLICY_REJECT: _BusyPolicy.ValueType  # 1
+    """ABORTED (SESSION_BUSY)"""
+    BUSY_POLICY_QUEUE: _BusyPolicy.ValueType  # 2
+    """Run after the running turn and any turn queued before this one, in order. The stream opens
+    at once with a ChatStream whose event is `queued` (seq 0, not stored); `started` (seq 1)
+    follows when the turn starts. At most max_queued_turns wait per session (RESOURCE_EXHAUSTED).
+    """
+    BUSY_POLICY_INTERRUPT: _BusyPolicy.ValueType  # 3
+    """Cancel the running turn (it ends CANCELLED) and every turn queued (their streams end with
+    status CANCELLED), then run this one next. It is `queued` until the cancelled turn has ended.
+    """
+
+class BusyPolicy(_BusyPolicy, metaclass=_BusyPolicyEnumTypeWrapper): ...
+
+BUSY_POLICY_UNSPECIFIED: BusyPolicy.ValueType  # 0
+"""treated as REJECT"""
+BUSY_POLICY_REJECT: BusyPolicy.ValueType  # 1
+"""ABORTED (SESSION_BUSY)"""
+BUSY_POLICY_QUEUE: BusyPolicy.ValueType  # 2
+"""Run after the running turn and any turn queued before this one, in order. The stream opens
+at once with a ChatStream whose event is `queued` (seq 0, not stored); `started` (seq 1)
+follows when the turn starts. At most max_queued_turns wait per session (RESOURCE_EXHAUSTED).
+"""
+BUSY_POLICY_INTERRUPT: BusyPolicy.ValueType  # 3
+"""Cancel the running turn (it ends CANCELLED) and every turn queued (their streams end with
+status CANCELLED), then run this one next. It is `queued` until the cancelled turn has ended.
+"""
+Global___BusyPolicy: _TypeAlias = BusyPolicy  # noqa: Y015
+
 class _PermissionMode:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -189,6 +226,7 @@ class ChatRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PERMISSION_MODE_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """Required. [A-Za-z0-9._-]{1,128}, not "." or "..": resolved under workspace_root."""
     session_id: _builtins.str
@@ -204,6 +242,10 @@ class ChatRequest(_message.Message):
     request_id: _builtins.str
     """Caller's correlation id; logged and stored with the run."""
     permission_mode: Global___PermissionMode.ValueType
+    busy: Global___BusyPolicy.ValueType
+    """What to do when the session already has a turn running: refuse (ABORTED, the default),
+    queue this turn after it (and any queued before), or cancel it and run this one next.
+    """
     @_builtins.property
     def mcp_servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___McpServer]: ...
     @_builtins.property
@@ -228,10 +270,11 @@ class ChatRequest(_message.Message):
         request_id: _builtins.str = ...,
         permission_mode: Global___PermissionMode.ValueType = ...,
         attachments: _abc.Iterable[Global___Attachment] | None = ...,
+        busy: Global___BusyPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["extra_meta", b"extra_meta", "model_provider", b"model_provider"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "attachments", b"attachments", "extra_meta", b"extra_meta", "mcp_servers", b"mcp_servers", "model_provider", b"model_provider", "permission_mode", b"permission_mode", "project_id", b"project_id", "prompt", b"prompt", "request_id", b"request_id", "session_id", b"session_id", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "attachments", b"attachments", "busy", b"busy", "extra_meta", b"extra_meta", "mcp_servers", b"mcp_servers", "model_provider", b"model_provider", "permission_mode", b"permission_mode", "project_id", b"project_id", "prompt", b"prompt", "request_id", b"request_id", "session_id", b"session_id", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -763,19 +806,26 @@ class ForkSessionRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     PROJECT_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """the session to branch from"""
     project_id: _builtins.str
     """must be the session's own project"""
+    agent: _builtins.str
+    """Continue in another agent profile (empty: the source's own). The branch runs on it; its
+    first turn is re-seeded from rcoder's transcript (RESUME_OUTCOME_FALLBACK_RESEEDED,
+    fallback_reason "continued from another agent").
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         project_id: _builtins.str = ...,
+        agent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["project_id", b"project_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "project_id", b"project_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1315,6 +1365,7 @@ class ChatStream(_message.Message):
     UPDATE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     session_id: _builtins.str
     seq: _builtins.int
@@ -1341,6 +1392,13 @@ class ChatStream(_message.Message):
     def heartbeat(self) -> Global___Heartbeat: ...
     @_builtins.property
     def completed(self) -> Global___RunCompleted: ...
+    @_builtins.property
+    def queued(self) -> Global___RunQueued:
+        """The turn waits behind the session's running turn (ChatRequest.busy QUEUE or INTERRUPT).
+        Only ever the first message of a Chat stream, with seq 0: not one of the run's events
+        (never stored nor replayed); `started` is still seq 1 when the turn starts.
+        """
+
     def __init__(
         self,
         *,
@@ -1358,16 +1416,37 @@ class ChatStream(_message.Message):
         update: Global___AgentUpdate | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         completed: Global___RunCompleted | None = ...,
+        queued: Global___RunQueued | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "completed", b"completed", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "completed", b"completed", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "completed", b"completed", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "completed", b"completed", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___ChatStream: _TypeAlias = ChatStream  # noqa: Y015
+
+@_typing.final
+class RunQueued(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POSITION_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    """how many turns run or wait before this one (the running one included)"""
+    def __init__(
+        self,
+        *,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunQueued: _TypeAlias = RunQueued  # noqa: Y015
 
 @_typing.final
 class RunStarted(_message.Message):

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.harness import completed, started, text_of
-from tests.multihost.conftest import AUTH_MD, OWNER_KEY, Hosts, chat, first_events
+from tests.multihost.conftest import AUTH_MD, OWNER_KEY, Host, Hosts, chat, first_events
 from tests.test_access import make_certificate
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -168,3 +169,45 @@ async def test_hosts_serving_tls_forward_to_each_other_over_tls_and_refuse_plain
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await pb_grpc.AgentRunnerStub(plain).ListHosts(pb.ListHostsRequest(), metadata=AUTH_MD, timeout=5)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_turn_queued_through_another_host_waits_at_the_owner_and_runs_there(three: Hosts) -> None:
+    a, b, c = three["a"], three["b"], three["c"]
+    request = pb.ChatRequest(project_id="proj", prompt="remember 5 permission", permission_mode=pb.PERMISSION_MODE_ASK)
+    call = a.stub.Chat(request, metadata=AUTH_MD, timeout=30)
+    begin, asked = await first_events(call, 2)
+    session_id = begin.session_id
+
+    async def queue(host: Host, prompt: str) -> tuple[Any, pb.ChatStream]:
+        queued = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt, busy=pb.BUSY_POLICY_QUEUE)
+        queued_call = host.stub.Chat(queued, metadata=AUTH_MD, timeout=30)
+        (first,) = await first_events(queued_call, 1)
+        assert first.WhichOneof("event") == "queued", first
+        return queued_call, first
+
+    second, waiting = await queue(b, "remember 6")
+    dropped, gone = await queue(c, "remember 7")
+    third, last = await queue(c, "remember 8")
+
+    assert [waiting.queued.position, gone.queued.position, last.queued.position] == [1, 2, 3], "not queued at a"
+    assert await a.daemon.wait_log("run_queued", run_id=waiting.run_id)
+    # by its run id, from a host that did not forward it: no store knows the queued turn yet
+    answer = await b.stub.Cancel(pb.CancelRequest(run_id=gone.run_id), metadata=AUTH_MD, timeout=10)
+    assert answer.cancelled and answer.run_id == gone.run_id
+    with pytest.raises(grpc.aio.AioRpcError) as cancelled:
+        [event async for event in dropped]
+    assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+    permission = asked.permission_request.permission_id
+    await c.stub.ResolvePermission(
+        pb.ResolvePermissionRequest(run_id=begin.run_id, permission_id=permission, option_id="allow"),
+        metadata=AUTH_MD,
+        timeout=10,
+    )
+    assert completed([event async for event in call]).stop_reason == pb.STOP_REASON_END_TURN
+    rest = [event async for event in second]
+    assert started(rest).resume == pb.RESUME_OUTCOME_LIVE and text_of(rest) == "I remember: 5, 6"
+    assert dict(await second.trailing_metadata())[OWNER_KEY] == a.address
+    assert text_of([event async for event in third]) == "I remember: 5, 6, 8"
+    assert await a.daemon.wait_log("run_started", run_id=last.run_id)
+    for other in (b, c):
+        assert all(r.get("session_id") != session_id for r in other.daemon.logs("run_started")), other.name

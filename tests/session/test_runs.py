@@ -356,3 +356,42 @@ def test_what_waits_before_started_is_merged_bounded_in_bytes_and_a_marker_says_
     assert isinstance(marker, AgentUpdate) and marker.kind == DROPPED_KIND
     assert '"events": ' in marker.json and "run_buffer_bytes" in marker.json
     assert early.drain() == []
+
+
+async def test_a_run_that_fails_before_it_starts_ends_its_followers_with_the_error() -> None:
+    run = Run("r", "s", buffer_events=100)
+    waiting = asyncio.ensure_future(collect(run))
+    await asyncio.sleep(0)  # one step: the follower is waiting for a first event
+    assert not waiting.done()
+
+    run.fail(SessionBusy("s", "other"))
+    run.fail(NotFound("run", "r"))  # asking twice is asking once
+
+    with pytest.raises(SessionBusy):
+        await asyncio.wait_for(waiting, 5)
+    with pytest.raises(SessionBusy):  # a follower that comes later is told the same
+        await collect(run)
+
+
+async def test_a_run_that_started_is_never_failed() -> None:
+    run = Run("r", "s", buffer_events=100)
+    run.publish(tool(1))
+    run.fail(NotFound("run", "r"))
+    run.publish(DONE)
+    assert await collect(run) == [1, 2]
+
+
+async def test_the_registry_hands_a_session_on_when_its_holder_lets_go_and_only_then() -> None:
+    registry = RunRegistry(retention=60)
+    released: list[str] = []
+    registry.on_released = released.append
+    holder, queued = Run("r1", "s", buffer_events=10), Run("r2", "s", buffer_events=10)
+    registry.claim(holder)
+    registry.admit(queued)
+    assert registry.get("r2") is queued and registry.holder("s") is holder
+
+    registry.forget(queued)  # a queued run dropped: the session is still its holder's
+    assert released == [] and registry.holder("s") is holder
+    registry.release(holder)
+    registry.release(holder)
+    assert released == ["s"] and registry.holder("s") is None

@@ -1,0 +1,105 @@
+"""Turns that wait for their session (``ChatRequest.busy``): per session, in order, bounded.
+
+A turn for a session that already runs one is refused (``REJECT``, the default), or waits here
+(``QUEUE``), or cancels what runs and waits before it (``INTERRUPT``) and every turn that
+waited too (they were asked for before it: the interrupter is what the agent should do next).
+At most ``max_queued_turns`` wait per session (``ResourceExhausted`` past it).
+
+Only the worker changes a queue, and never across an await: the running turn's run lets go of
+its session (``RunRegistry.release``) and the first waiting turn claims it in the same step, so
+a session with turns waiting always has a holder, and no new turn overtakes them.
+
+A waiting turn is already a run: ``Subscribe`` and ``Cancel`` find it by its id. A cancelled
+one never starts: it leaves no trace in the store, and its followers (its ``Chat`` stream) get
+``RunCancelled``. Waiting turns live in this process only: a daemon that stops refuses them
+(``ShuttingDown``), and they are not there after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+from rcoder.errors import RcoderError, ResourceExhausted
+from rcoder.session.opening import TurnPlan
+from rcoder.session.runs import Run
+
+
+@dataclass(eq=False, slots=True)
+class Waiting:
+    """A turn queued for its session: what it runs once it claims it."""
+
+    plan: TurnPlan
+    run: Run
+    ready: asyncio.Future[Run]
+
+    def refuse(self, error: RcoderError) -> None:
+        """It never starts: whoever follows it (or awaits it) gets ``error``."""
+        self.run.fail(error)
+        if not self.ready.done():
+            self.ready.set_exception(error)
+
+
+class TurnQueues:
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._waiting: dict[str, deque[Waiting]] = {}
+
+    def add(self, waiting: Waiting, holder_run_id: str) -> int:
+        """Queue ``waiting`` last; returns how many turns run or wait before it (the running one
+        included). ``ResourceExhausted`` when the session already has ``limit`` waiting."""
+        session_id = waiting.plan.session_id
+        line = self._waiting.get(session_id)
+        if len(line or ()) >= self._limit:
+            what = (
+                f"already has {self._limit} turns queued behind run {holder_run_id} (max_queued_turns); "
+                "wait for one to start, or send with busy INTERRUPT"
+                if self._limit
+                else f"runs run {holder_run_id}, and turns are not queued here (max_queued_turns = 0); wait for it"
+            )
+            raise ResourceExhausted(
+                f"session {session_id} {what}",
+                reason="QUEUED_TURNS_LIMIT",
+                session_id=session_id,
+                limit=str(self._limit),
+            )
+        if line is None:
+            line = self._waiting[session_id] = deque()
+        line.append(waiting)
+        return len(line)
+
+    def has_room(self) -> bool:
+        """Whether a turn can wait at all (``max_queued_turns`` is not 0)."""
+        return self._limit > 0
+
+    def pop(self, session_id: str) -> Waiting | None:
+        """The first turn waiting for ``session_id``, taken out of the line."""
+        line = self._waiting.get(session_id)
+        if not line:
+            return None
+        waiting = line.popleft()
+        if not line:
+            del self._waiting[session_id]
+        return waiting
+
+    def take(self, session_id: str, run_id: str = "") -> list[Waiting]:
+        """Take out the turn ``run_id`` waiting for ``session_id``, or every one ("")."""
+        line = self._waiting.get(session_id)
+        if not line:
+            return []
+        taken = [w for w in line if not run_id or w.run.run_id == run_id]
+        for waiting in taken:
+            line.remove(waiting)
+        if not line:
+            del self._waiting[session_id]
+        return taken
+
+    def take_all(self) -> list[Waiting]:
+        """Every waiting turn, of every session, taken out."""
+        taken = [w for line in self._waiting.values() for w in line]
+        self._waiting.clear()
+        return taken
+
+    def waiting(self, session_id: str) -> int:
+        return len(self._waiting.get(session_id) or ())

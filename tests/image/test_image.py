@@ -127,6 +127,7 @@ class Container:
 
     def processes(self) -> list[dict[str, str]]:
         """The container's processes as ``podman top`` reads them from the host."""
+        # its header: PID PPID USER STATE COMMAND
         lines = podman("top", self.name, "pid", "ppid", "user", "state", "comm").stdout.splitlines()
         keys = [key.lower() for key in lines[0].split()]
         return [dict(zip(keys, line.split(None, len(keys) - 1), strict=True)) for line in lines[1:] if line.strip()]
@@ -152,7 +153,7 @@ async def containers() -> AsyncIterator[list[Container]]:
     finally:
         for container in made:
             await container.remove()
-        left = podman("ps", "--all", "--quiet", "--filter", f"name={RUN}").stdout.split()
+        left = [c.name for c in made if podman("container", "exists", c.name, check=False).returncode == 0]
         assert not left, f"containers left: {left}"
 
 
@@ -222,7 +223,7 @@ async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confi
     async with asyncio.timeout(30):
         while len(rest := single.processes()) != 2:  # noqa: ASYNC110 - podman top is the only way to look
             await asyncio.sleep(0.2)
-    assert [p["comm"] for p in sorted(rest, key=lambda p: int(p["pid"]))] == ["tini", "rcoder"], rest
+    assert [p["command"] for p in sorted(rest, key=lambda p: int(p["pid"]))] == ["tini", "rcoder"], rest
     assert all(p["state"] != "Z" for p in rest), rest
 
 
@@ -242,15 +243,21 @@ async def test_sigterm_to_the_container_drains_the_daemon_which_exits_0(single: 
     assert single.logs("stopping")[0]["shutdown_grace"] == SHUTDOWN_GRACE
 
 
-async def test_under_a_seccomp_profile_that_refuses_landlock_auto_runs_agents_unconfined_and_says_why(
-    image: str, tmp_path: Path
-) -> None:
-    # podman's own default profile without the three Landlock calls: an older runtime's
+@pytest.fixture
+def seccomp_without_landlock(tmp_path: Path) -> Path:
+    """podman's own default seccomp profile without the three Landlock calls: an older runtime's."""
     default = json.loads(Path(DEFAULT_SECCOMP).read_text())
     for rule in default["syscalls"]:
         rule["names"] = [name for name in rule["names"] if not name.startswith("landlock_")]
     profile = tmp_path / "seccomp-without-landlock.json"
     profile.write_text(json.dumps(default))
+    return profile
+
+
+async def test_under_a_seccomp_profile_that_refuses_landlock_auto_runs_agents_unconfined_and_says_why(
+    image: str, seccomp_without_landlock: Path
+) -> None:
+    profile = seccomp_without_landlock
     async with containers() as made:
         container = Container(f"{RUN}-seccomp", free_port())
         made.append(container)

@@ -7,8 +7,9 @@ Standard library only (it runs before the venv exists). Steps:
 2. ``CONTAINERS_CONF`` is ``deploy/containers.conf`` unless the environment names one: runc and
    cgroupfs, which take the hybrid cgroups crun refuses; the machine's ``/etc`` is never edited.
 3. The base: ``--base IMAGE`` (e.g. ``debian:bookworm-slim`` where a registry is reached), else
-   ``localhost/rcoder-base:bookworm``, made once from Debian's packages (``mmdebstrap
-   --variant=minbase``, then ``podman import``): no image registry needed.
+   ``localhost/rcoder-base:bookworm-<recipe>``, made once from Debian's packages (``mmdebstrap
+   --variant=minbase``, slimmed as debian:bookworm-slim is, then ``podman import``): no image
+   registry needed.
 4. Reuse: the inputs (the Containerfile, the build context's files, the base image's id, the build
    arguments) are hashed into the label ``rcoder.inputs``; an image with that label is tagged
    and nothing is built.
@@ -35,7 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = "localhost/rcoder"
-MADE_BASE = "localhost/rcoder-base:bookworm"
 INPUTS_LABEL = "rcoder.inputs"
 CONTAINERS_CONF = ROOT / "deploy" / "containers.conf"
 # the build context (.dockerignore lets in only these): files and folders
@@ -47,6 +47,17 @@ DEBIAN_SOURCES = (
     "deb http://deb.debian.org/debian bookworm-updates main",
     "deb http://deb.debian.org/debian-security bookworm-security main",
 )
+# as debian:bookworm-slim has it: no documentation, manual pages or translations (the files stay
+# in the base, so what later layers install leaves them out too); copyright notices kept
+SLIM = (
+    "path-exclude=/usr/share/doc/*", "path-include=/usr/share/doc/*/copyright", "path-exclude=/usr/share/man/*",
+    "path-exclude=/usr/share/info/*", "path-exclude=/usr/share/locale/*", "path-exclude=/usr/share/groff/*",
+    "path-exclude=/usr/share/lintian/*",
+)  # fmt: skip
+MMDEBSTRAP = ["--variant=minbase", *(f"--dpkgopt={option}" for option in SLIM), "bookworm"]
+# the base made from Debian's packages, named by its recipe: a changed recipe makes a new one
+RECIPE = hashlib.sha256(repr((MMDEBSTRAP, DEBIAN_SOURCES)).encode()).hexdigest()[:8]
+MADE_BASE = f"localhost/rcoder-base:bookworm-{RECIPE}"
 HOST_CA = "/run/host-ca.crt"  # where the build sees the machine's CA bundle
 
 
@@ -116,7 +127,7 @@ def ensure_base(base: str) -> str:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rcoder-base-") as folder:
         rootfs = Path(folder) / "rootfs.tar"
-        argv = ["mmdebstrap", "--quiet", "--variant=minbase", "bookworm", str(rootfs), *DEBIAN_SOURCES]
+        argv = ["mmdebstrap", "--quiet", *MMDEBSTRAP, str(rootfs), *DEBIAN_SOURCES]
         done = subprocess.run(argv, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             raise ImageError(f"mmdebstrap failed ({done.returncode}): {done.stderr.strip()[-2000:]}")

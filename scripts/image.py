@@ -183,7 +183,7 @@ def build(base: str) -> str:
     tags = [f"{REPOSITORY}:{version()}", f"{REPOSITORY}:latest"]
     found = built_with(inputs)
     if found:
-        print(f"image: reused {found[:12]} (inputs {inputs} unchanged)", flush=True)
+        print(f"image: reused {found.removeprefix('sha256:')[:12]} (inputs {inputs} unchanged)", flush=True)
     else:
         print(f"image: building {tags[0]} on {base} (inputs {inputs})", flush=True)
         started = time.monotonic()
@@ -196,7 +196,7 @@ def build(base: str) -> str:
         found = built_with(inputs)
         if not found:
             raise ImageError(f"podman build ended, but no image carries {INPUTS_LABEL}={inputs}")
-        print(f"image: built {found[:12]} in {time.monotonic() - started:.0f} s", flush=True)
+        print(f"image: built {found.removeprefix('sha256:')[:12]} in {time.monotonic() - started:.0f} s", flush=True)
     for tag in tags:
         podman("tag", found, tag)
     return found

@@ -147,11 +147,12 @@ def context_files() -> list[Path]:
 
 
 def inputs_hash(base_id: str, build_args: Sequence[str]) -> str:
-    """What the image is made of: the context's files (names and bytes), base, build arguments."""
+    """What the image is made of: the context's files (names and bytes), base, build arguments,
+    and this script (how it builds)."""
     digest = hashlib.sha256()
     for part in (base_id, *build_args):
         digest.update(part.encode() + b"\0")
-    for path in context_files():
+    for path in [*context_files(), Path(__file__).resolve()]:
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()[:24]

@@ -10,7 +10,7 @@ AGENTS_STAMP := agents/node_modules/.installed
 TOOLS_STAMP := tools/node_modules/.installed
 CONFIG ?=
 
-.PHONY: all run test lint typecheck unit soak bench proto check-proto check-api api-baseline dist venv agents tools postgres clean
+.PHONY: all run test lint typecheck unit soak bench proto check-proto check-api api-baseline dist venv agents tools postgres image clean
 
 all: test
 
@@ -76,6 +76,13 @@ postgres:
 			-o Dpkg::Options::=--force-confold postgresql-15 >/dev/null; \
 		test -x $(PG_BIN)/postgres || { echo "make: postgresql-15 installed, but $(PG_BIN)/postgres is still missing" >&2; exit 1; }; \
 	}
+
+## the container image localhost/rcoder:<version>, tagged :latest (Containerfile; scripts/image.py): podman,
+## runc (and mmdebstrap for the base it makes from Debian's packages) installed when missing and we are
+## root; reused while its inputs are unchanged. BASE=debian:bookworm-slim builds on a registry's base.
+BASE ?=
+image:
+	$(PYTHON) scripts/image.py $(if $(BASE),--base $(BASE),)
 
 ## the long fault runs: a thousand client cuts, a hundred daemon kills at each of three points, ten
 ## thousand turns; side by side (each its own daemons and folders), their counts printed at the end (-rP)

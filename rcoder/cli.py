@@ -1,5 +1,6 @@
 """``rcoder serve``: argv and environment → Settings → the daemon; ``rcoder chat`` and
-``rcoder sessions``: a client of a running daemon (``rcoder.client_cli``).
+``rcoder sessions``: a client of a running daemon (``rcoder.client_cli``); ``rcoder health``:
+whether a daemon serves (``rcoder.health_check``).
 
 The only module that reads the environment or the config file.
 """
@@ -36,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", help="debug | info | warning | error")
     serve.add_argument("--log-format", help="auto | json | console")
     client_cli.add_commands(commands)
+    health = commands.add_parser("health", help="exit 0 when the daemon's health service says SERVING")
+    health.add_argument(
+        "--target", help="host:port (default: $RCODER_TARGET, else this host's daemon: the port of its listen)"
+    )
+    health.add_argument("--config", type=Path, help="the daemon's config, for its listen (default: $RCODER_CONFIG)")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
     return parser
 
 
@@ -44,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.command in ("chat", "sessions"):
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
+    if args.command == "health":
+        from rcoder import health_check
+        from rcoder.client.token import local_target
+
+        target = args.target or env.get("RCODER_TARGET") or local_target(env, args.config)
+        return health_check.check(target, args.timeout, sys.stdout, sys.stderr)
     try:
         # imported late: the daemon's modules and their dependencies (pydantic, structlog, the ACP
         # SDK, ...) are the daemon's alone; `rcoder --help` and the client commands run without them

@@ -48,7 +48,7 @@ from rcoder.client import (
     ToolState,
     Turn,
 )
-from rcoder.client.token import find_token
+from rcoder.client.token import find_token, local_target
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
@@ -59,7 +59,11 @@ PLAN_MARKS = {"completed": "[x]", "in_progress": "[>]"}
 def add_commands(commands: Any) -> None:
     """Add ``chat`` and ``sessions`` to the ``rcoder`` subcommands."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", help=f"the daemon, host:port (default: $RCODER_TARGET or {DEFAULT_TARGET})")
+    common.add_argument(
+        "--target",
+        help=f"the daemon, host:port (default: $RCODER_TARGET, else this host's daemon: the port of its listen, "
+        f"$RCODER_LISTEN or the config's, on loopback; else {DEFAULT_TARGET})",
+    )
     common.add_argument(
         "--token",
         help="sent as 'authorization: Bearer <token>' (default: $RCODER_TOKEN, else the daemon's: its "
@@ -87,7 +91,7 @@ def add_commands(commands: Any) -> None:
 
 def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     """Run ``chat`` or ``sessions``; returns the exit code."""
-    target = args.target or env.get("RCODER_TARGET") or DEFAULT_TARGET
+    target = args.target or env.get("RCODER_TARGET") or local_target(env, args.config)
     token = args.token if args.token is not None else find_token(env, args.config)
     screen = Screen(stdout, stderr, args.json)
     try:

@@ -227,10 +227,10 @@ def load_settings(
         )
     for name, profile in settings.agents.items():
         if profile.sandbox == "landlock" and not settings.landlock_abi:
+            why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
             raise ConfigError(
                 f"agents.{name}.sandbox",
-                'asks for "landlock" but this kernel offers no Landlock (Linux 5.13+ with landlock among its '
-                'LSMs); set sandbox = "none" to run this agent unconfined',
+                f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
             )
         if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
             # asked for by name, the promise that other projects' files stay whole must hold

@@ -28,6 +28,7 @@ outside its domain (the daemon, other projects' agents). The network is not rest
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import sys
@@ -112,6 +113,38 @@ def abi() -> int:
     if not sys.platform.startswith("linux"):
         return 0
     return max(_syscall(_libc(), _SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION), 0)
+
+
+# where abi() is 0, why (the errno of landlock_create_ruleset), so that an operator can act on it
+SECCOMP_FIX = (
+    "a seccomp filter refuses Landlock's system calls: in a container, a runtime whose default profile "
+    "allows them (podman 4.2+, Docker 23+, containerd 1.6+) or a profile that does (README: Container image)"
+)
+_WHY_NOT = {
+    errno.EOPNOTSUPP: "the kernel has Landlock but it is off: add landlock to the lsm= boot parameter",
+    errno.EPERM: SECCOMP_FIX,
+}
+
+
+def why_not() -> str:
+    """Why this process cannot use Landlock, in words an operator can act on ("" when it can)."""
+    if not sys.platform.startswith("linux"):
+        return "Landlock is Linux's"
+    if _syscall(_libc(), _SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION) >= 0:
+        return ""
+    code = ctypes.get_errno()
+    if code in _WHY_NOT:
+        return _WHY_NOT[code]
+    # ENOSYS: the kernel has no such calls (older than 5.13, or built without Landlock), or a
+    # seccomp filter that answers ENOSYS for calls it does not know (podman's before 4.2)
+    release = os.uname().release
+    try:
+        older = tuple(int(part) for part in release.split(".")[:2]) < (5, 13)
+    except ValueError:
+        older = False
+    if older:
+        return f"the kernel (Linux {release}) is older than Landlock (5.13)"
+    return f"Linux {release} without Landlock built in (CONFIG_SECURITY_LANDLOCK), or {SECCOMP_FIX}"
 
 
 def fs_rights(version: int) -> int:

@@ -356,3 +356,16 @@ async def test_with_busy_queue_rcoder_chat_waits_behind_the_running_turn_and_the
     assert code == 0, err
     assert out.strip() == "I remember: 1, 2"
     assert "queued: 1 turn(s) before this one" in err
+
+
+async def test_health_exits_0_while_the_daemon_serves_and_2_once_it_is_gone(make_daemon: DaemonFactory) -> None:
+    daemon, _ = await make_daemon()
+    port = daemon.address.rpartition(":")[2]
+
+    # no token: health asks none; the daemon found by its listen address, a wildcard as loopback
+    serving = await rcoder("health", env={"RCODER_LISTEN": f"0.0.0.0:{port}", "RCODER_TOKEN": ""})
+    await daemon.stop()
+    gone = await rcoder("health", "--target", daemon.address, "--timeout", "2")
+
+    assert serving[0] == 0 and serving[1] == f"127.0.0.1:{port}: SERVING\n", serving
+    assert gone[0] == 2 and "UNAVAILABLE" in gone[2], gone

@@ -104,7 +104,9 @@ class AgentLauncher:
                 log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said,
                             reason=f"Landlock ABI {abi} keeps less than the README says")  # fmt: skip
             else:
-                why = "the profile sets sandbox = none" if profile.sandbox == "none" else "the kernel has no Landlock"
+                # the kernel's own words where it refuses (a seccomp filter, Landlock off at boot)
+                why = ("the profile sets sandbox = none" if profile.sandbox == "none"
+                       else landlock.why_not() or "the kernel has no Landlock")  # fmt: skip
                 log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, reason=why, **said,
                             effect="its agents reach all the daemon's user may")  # fmt: skip
 

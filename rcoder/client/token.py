@@ -1,4 +1,5 @@
-"""The token a client on the daemon's own host sends when not told one (DESIGN §6.2).
+"""The token a client on the daemon's own host sends when not told one (DESIGN §6.2), and
+where that daemon answers.
 
 A daemon with no ``auth_token`` keeps a generated one in ``<data_dir>/auth_token`` (0600), so
 ``make run`` and then ``rcoder chat`` in the same folder just work: the client looks for it where
@@ -14,6 +15,9 @@ from pathlib import Path
 
 TOKEN_FILE = "auth_token"  # noqa: S105 (a file name) - the daemon's name for it (rcoder.api.access)
 DEFAULT_DATA_DIR = ".rcoder"
+DEFAULT_LISTEN = "127.0.0.1:50051"
+# a daemon listening on every address is reached on loopback
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}  # noqa: S104 - read, not bound
 
 
 def find_token(environ: Mapping[str, str] | None = None, config_file: Path | None = None) -> str:
@@ -42,3 +46,17 @@ def find_token(environ: Mapping[str, str] | None = None, config_file: Path | Non
         return (data_dir / TOKEN_FILE).read_text("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return ""
+
+
+def local_target(environ: Mapping[str, str], config_file: Path | None = None) -> str:
+    """Where this host's daemon answers: its listen address, a wildcard host as loopback."""
+    listen = environ.get("RCODER_LISTEN", "")
+    config = config_file or (Path(environ["RCODER_CONFIG"]) if environ.get("RCODER_CONFIG") else None)
+    if not listen and config is not None:
+        try:
+            value = tomllib.loads(config.read_text("utf-8")).get("listen")
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            value = None
+        listen = value if isinstance(value, str) else ""
+    host, _, port = (listen or DEFAULT_LISTEN).rpartition(":")
+    return f"{WILDCARDS.get(host, host)}:{port}"

@@ -37,21 +37,23 @@ ALLOWED: dict[str, set[str]] = {
     # generated from the proto: its messages and stubs only
     "v1": {"v1"},
     # argv → Settings → serve / chat; `daemon` is imported late, by `serve` only
-    "cli": {"cli", "config", "errors", "logs", "client_cli", "daemon", ROOT},
+    "cli": {"cli", "config", "errors", "logs", "client_cli", "client", "health_check", "daemon", ROOT},
     "__main__": {"cli"},
     # beside the daemon: the Python client of it (the generated stubs only), the CLI made on that
     # client, and an ACP agent it runs
     "client": {"client", "v1"},
     "client_cli": {"client"},
-    "echo_agent": {"agent"},  # rcoder.agent.sdk alone: the SDK imported quickly, as the daemon does
+    "echo_agent": {"agent"},
+    # `rcoder health`: the daemon's grpc.health.v1 on its own port (the image's HEALTHCHECK)
+    "health_check": set(),  # rcoder.agent.sdk alone: the SDK imported quickly, as the daemon does
 }
 # the composition root builds every layer and wires them together
 ALLOWED["daemon"] = {*ALLOWED, "daemon"}
 
 # third-party packages only these layers may import
 EDGES = {
-    "grpc": {"api", "client", "v1"},
-    "grpc_health": {"api"},
+    "grpc": {"api", "client", "v1", "health_check"},
+    "grpc_health": {"api", "health_check"},
     "grpc_reflection": {"api"},
     "grpc_status": {"api", "client"},
     "google": {"api", "client", "v1"},  # protobuf: the generated code and its converters
@@ -145,8 +147,16 @@ def test_every_layer_has_an_entry_naming_only_layers_that_exist() -> None:
         ("rcoder.store.m", "from rcoder import __version__", "store must not import rcoder.__version__"),
         ("rcoder.domain", "from . import errors", "domain must not import rcoder.errors"),
         ("rcoder.client.m", "from rcoder.session import runs", "client must not import rcoder.session.runs"),
-        ("rcoder.client_cli", "import grpc", "only ['api', 'client', 'v1'] may import grpc; rcoder.client_cli does"),
-        ("rcoder.session.m", "import grpc", "only ['api', 'client', 'v1'] may import grpc; rcoder.session.m does"),
+        (
+            "rcoder.client_cli",
+            "import grpc",
+            "only ['api', 'client', 'health_check', 'v1'] may import grpc; rcoder.client_cli does",
+        ),
+        (
+            "rcoder.session.m",
+            "import grpc",
+            "only ['api', 'client', 'health_check', 'v1'] may import grpc; rcoder.session.m does",
+        ),
         (
             "rcoder.session.m",
             "from ... import m",

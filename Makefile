@@ -46,8 +46,14 @@ tools: $(TOOLS_STAMP)
 run: $(STAMP) agents
 	$(BIN)/rcoder serve $(if $(CONFIG),--config $(CONFIG),)
 
-## the generated code and API checks, lint, type check and the whole suite
-test: $(STAMP) agents check-proto check-api lint typecheck unit
+## the generated code and API checks, lint, type check and the whole suite. The container image is
+## built meanwhile, in the background (its log: build/image.log; the build's whole process group is
+## ended when this ends); the image's tests run last and wait for that build (scripts/image.py's lock)
+test: $(STAMP) agents tools postgres
+	@mkdir -p build
+	@setsid $(PYTHON) scripts/image.py > build/image.log 2>&1 & image=$$!; \
+		trap 'kill -TERM -- -$$image 2>/dev/null; wait $$image 2>/dev/null' EXIT; trap 'exit 143' INT TERM; \
+		$(MAKE) --no-print-directory check-proto check-api lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check rcoder tests scripts

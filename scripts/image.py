@@ -16,12 +16,15 @@ Standard library only (it runs before the venv exists). Steps:
 5. Else ``podman build`` with the host's network (Debian's packages, PyPI and npm), the machine's
    CA bundle mounted for pip and npm (a TLS-intercepting proxy's CA is in it where there is one).
 
-Prints the image's id as its last line of stdout (the tests run by that id).
+Prints the image's id as its last line of stdout (the tests run by that id). One build at a time:
+a second run waits for the first (a lock file), then finds its image and reuses it - so `make
+test` builds in the background while the suite runs, and the image test, run last, waits for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import shutil
@@ -58,6 +61,8 @@ MMDEBSTRAP = ["--variant=minbase", *(f"--dpkgopt={option}" for option in SLIM), 
 # the base made from Debian's packages, named by its recipe: a changed recipe makes a new one
 RECIPE = hashlib.sha256(repr((MMDEBSTRAP, DEBIAN_SOURCES)).encode()).hexdigest()[:8]
 MADE_BASE = f"localhost/rcoder-base:bookworm-{RECIPE}"
+# held while building: one build at a time per user (podman's storage is per user)
+LOCK = Path(tempfile.gettempdir()) / f"rcoder-image-{os.getuid()}.lock"
 HOST_CA = "/run/host-ca.crt"  # where the build sees the machine's CA bundle
 
 
@@ -172,7 +177,14 @@ def ca_bundle() -> str:
 
 
 def build(base: str) -> str:
-    """The image's id, built or reused; tagged ``<version>`` and ``latest`` either way."""
+    """The image's id, built or reused; tagged ``<version>`` and ``latest`` either way. Waits
+    while another run of this script builds (``LOCK``)."""
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        return _build(base)
+
+
+def _build(base: str) -> str:
     ensure_tools("podman", "runc")
     base_id = ensure_base(base)
     build_args = [f"BASE={base}"]

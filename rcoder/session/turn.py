@@ -71,6 +71,7 @@ from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
+from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
@@ -216,6 +217,7 @@ class TurnScope:
         if self.published:
             return
         self.published = True
+        self._runner.history.track(self.run)
         self.run.publish(self.body)
         for event in self._early.drain():
             self.run.publish(event)
@@ -325,8 +327,10 @@ class TurnRunner:
         clock: Callable[[], datetime],
         spawn: Spawn,
         leases: LeaseKeeper | None = None,
+        history: History | None = None,
     ) -> None:
         self._settings = self.settings = settings
+        self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
         self._store = store
         self._pool = pool
         self._runs = runs
@@ -535,14 +539,21 @@ class TurnRunner:
             assert body is not None
             provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
             usage = scope.usage
-            run.publish(RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage))
-            if usage is not None:
-                self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)
-            log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
-            agent = plan.profile.name
-            self._metrics.turn_ended(
-                agent, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
+            end = run.prepare_end(
+                RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage)
             )
+            try:
+                # stored before it is published: whoever sees it can read the whole run back, anywhere
+                await asyncio.shield(self.history.end(run, end))
+            finally:  # cancelled meanwhile (rcoder stopping): published all the same, the write goes on
+                run.publish_end(end)
+                if usage is not None:
+                    self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)
+                log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
+                agent = plan.profile.name
+                self._metrics.turn_ended(
+                    agent, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
+                )
 
     async def _record_end_later(self, scope: TurnScope) -> None:
         """Retry (bounded) storing the end the stream already published, so the store comes to

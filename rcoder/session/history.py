@@ -221,9 +221,11 @@ class History:
         if record is None or record.status is RunStatus.RUNNING:
             raise NotFound("run", run_id, "unknown, or still running on a host that no longer answers")
         last = 0
-        async for event in self._read(run_id, after_seq):
-            last = event.seq
-            yield event
+        # from the event at after_seq itself: a completed there means the client has it all
+        async for event in self._read(run_id, max(after_seq - 1, 0)):
+            if event.seq > after_seq:
+                last = event.seq
+                yield event
             if event.body.__class__ is RunCompleted:
                 return
         for event in await self._made_of(record, after_seq, last):

@@ -504,6 +504,7 @@ class TurnRunner:
         """Store the end, free the session and its agent, then publish ``completed``: whoever
         sees it can go on at once. A store that cannot record the end makes it an error."""
         run, plan = scope.run, scope.plan
+        reachable = True  # the store took the run's end: its history is stored before completed goes out
         try:
             await asyncio.shield(
                 self._store.finish_run(
@@ -524,6 +525,7 @@ class TurnRunner:
             )  # fmt: skip
             scope.transcript = None
         except StoreError as exc:
+            reachable = False
             log.error("run_end_not_stored", error=exc.message)  # noqa: TRY400 (the message says it all)
             scope.stop, scope.status = StopReason.ERROR, RunStatus.FAILED
             scope.error = f"rcoder could not record the end of this turn ({exc.message}); the agent's answer is lost"
@@ -542,9 +544,15 @@ class TurnRunner:
             end = run.prepare_end(
                 RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage)
             )
+            storing = asyncio.ensure_future(self.history.end(run, end))
             try:
-                # stored before it is published: whoever sees it can read the whole run back, anywhere
-                await asyncio.shield(self.history.end(run, end))
+                # stored before it is published: whoever sees it can read the whole run back, anywhere;
+                # a store that just refused the run's end is not waited for again (tried all the same)
+                if reachable:
+                    await asyncio.shield(storing)
+                else:
+                    self._late_records.add(storing)
+                    storing.add_done_callback(self._late_records.discard)
             finally:  # cancelled meanwhile (rcoder stopping): published all the same, the write goes on
                 run.publish_end(end)
                 if usage is not None:

@@ -56,6 +56,7 @@ FLUSH_INTERVAL = 0.25  # seconds between two batches: what a crash mid-turn can 
 ROW_OVERHEAD = 100  # bytes a stored event takes beside its body: ids, seq, time, kind, index entries
 READ_PAGE = 1000  # events read from the store at once
 PRUNE_BATCH = 1000  # events deleted in one transaction
+MAX_SEQ = 2**63 - 2  # seqs beyond it are never stored (the stores keep signed 64-bit integers)
 CUT_KIND = "rcoder_history_cut"  # AgentUpdate.kind of the note standing for events not stored
 
 
@@ -101,6 +102,7 @@ class History:
         self._wake = asyncio.Event()  # a run is tracked: the flusher has work
         self._flusher: asyncio.Task[None] | None = None
         self._failing = False  # the last batch was refused (logged once until one lands)
+        self._ends: set[asyncio.Task[None]] = set()  # ends of runs being stored (``store_end``)
 
     # ------------------------------------------------------------ writing
 
@@ -123,6 +125,14 @@ class History:
             async with self._lock:
                 batches = [batch for entry in list(self._tracked.values()) if (batch := self._take(entry, None))]
                 await self._write(batches, "")
+
+    def store_end(self, run: Run, completed: RunEvent) -> asyncio.Task[None]:
+        """``end`` in a task of the writer's own: it goes on if the turn's task is cancelled, and
+        ``aclose`` waits for it (bounded)."""
+        task = asyncio.get_running_loop().create_task(self.end(run, completed), name=f"history-end-{run.run_id}")
+        self._ends.add(task)
+        task.add_done_callback(self._ends.discard)
+        return task
 
     async def end(self, run: Run, completed: RunEvent) -> None:
         """Store the rest of ``run`` and its ``completed`` (made by ``Run.prepare_end``); the run is
@@ -181,7 +191,10 @@ class History:
             entry.run.stored_seq = batch.seq
             entry.bytes, entry.cut = batch.bytes, batch.cut
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout: float = 10.0) -> None:
+        """Stop flushing; the ends being stored get ``timeout`` seconds to land."""
+        if self._ends:
+            await asyncio.wait(set(self._ends), timeout=timeout)
         flusher, self._flusher = self._flusher, None
         if flusher is not None:
             flusher.cancel()
@@ -217,6 +230,7 @@ class History:
         """A run from the store alone: its stored events after ``after_seq``, and an end made from
         its record when its ``completed`` was never stored (NOT_FOUND: the store has no such run,
         or it is still running on no host that could end it)."""
+        after_seq = min(after_seq, MAX_SEQ)  # a client's uint64, within what the stores' integers hold
         record = await self._store.get_run(run_id)
         if record is None or record.status is RunStatus.RUNNING:
             raise NotFound("run", run_id, "unknown, or still running on a host that no longer answers")

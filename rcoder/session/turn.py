@@ -544,15 +544,12 @@ class TurnRunner:
             end = run.prepare_end(
                 RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage)
             )
-            storing = asyncio.ensure_future(self.history.end(run, end))
+            storing = self.history.store_end(run, end)
             try:
                 # stored before it is published: whoever sees it can read the whole run back, anywhere;
                 # a store that just refused the run's end is not waited for again (tried all the same)
                 if reachable:
                     await asyncio.shield(storing)
-                else:
-                    self._late_records.add(storing)
-                    storing.add_done_callback(self._late_records.discard)
             finally:  # cancelled meanwhile (rcoder stopping): published all the same, the write goes on
                 run.publish_end(end)
                 if usage is not None:

@@ -47,6 +47,8 @@ T = TypeVar("T")
 
 # inline commits between two checkpoints of the log (on the worker, never on the loop)
 CHECKPOINT_EVERY = 500
+# history events written inline at most (~2 µs each); a larger batch goes to the worker thread
+INLINE_EVENTS = 64
 
 # ---------------------------------------------------------------- helpers
 
@@ -413,7 +415,9 @@ class SqliteStore:
             with _transaction(conn):
                 conn.executemany(sqlite_schema.INSERT_EVENT, params)
 
-        await self._call(work)
+        # a turn's last few events inline (its completed waits for them); a large batch on the
+        # worker, so the loop (every live stream) goes on meanwhile
+        await self._call(work, point=len(rows) <= INLINE_EVENTS)
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(sqlite_schema.RUN_EVENTS, (run_id, after_seq, _positive(limit)), point=False)

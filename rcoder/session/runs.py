@@ -23,13 +23,14 @@ Two rules keep this cheap when the agent writes faster than clients read:
   older ones are dropped once every attached follower has read them and the
   history has stored them (``stored_seq``), and in any case beyond four times
   either bound (that follower then gets OUT_OF_RANGE from the run; ``Subscribe``
-  reads what the history stored instead).
+  reads what the history stored instead). One event is never larger than
+  ``event_bytes`` (``shrink``), and at most ``followers`` follow a run at once
+  (more: RESOURCE_EXHAUSTED).
 - **History.** ``sealed`` hands the history writer (``session.history``) the
   events that can no longer change: all but the last, and the last once a
   follower took it or the run ended, so the stored list is the one the
   followers saw. ``prepare_end`` numbers ``completed`` without publishing it,
-  so that it can be stored first (``publish_end``). One event is never larger than ``event_bytes`` (``shrink``),
-  and at most ``followers`` follow a run at once (more: RESOURCE_EXHAUSTED).
+  so that it can be stored first (``publish_end``).
 """
 
 from __future__ import annotations

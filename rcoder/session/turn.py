@@ -501,8 +501,9 @@ class TurnRunner:
         return await self._store.get_run(run_id) is not None
 
     async def finish(self, scope: TurnScope) -> None:
-        """Store the end, free the session and its agent, then publish ``completed``: whoever
-        sees it can go on at once. A store that cannot record the end makes it an error."""
+        """Store the end, free the session and its agent, store the rest of the run's history
+        and ``completed`` itself, then publish ``completed``: whoever sees it can go on at once,
+        and read the whole run back anywhere. A store that cannot record the end makes it an error."""
         run, plan = scope.run, scope.plan
         reachable = True  # the store took the run's end: its history is stored before completed goes out
         try:

@@ -58,7 +58,7 @@ async def test_runs_are_read_back_whole_after_a_restart_from_any_seq_even_many_a
 ) -> None:
     daemon, client = await make_daemon()
     # concurrent turns on several sessions while their history is written
-    turns = await asyncio.gather(*(client.chat(prompt=RICH if i % 2 else "stream 40 pace 2") for i in range(6)))
+    turns = await asyncio.gather(*(client.chat(prompt=RICH if i % 2 else "stream 30 pace 2") for i in range(4)))
     assert all(completed(t).stop_reason == pb.STOP_REASON_END_TURN for t in turns)
     await daemon.stop()
     _, client = await make_daemon()  # the same data_dir: a restart

@@ -37,7 +37,7 @@ async def test_runs_are_read_back_whole_through_another_host_after_theirs_stoppe
     async with make_hosts() as hosts:
         a, b = await hosts.start("a", "b")
         # concurrent turns on several sessions while their history is written
-        turns = [events for events, _ in await asyncio.gather(*(chat(a, prompt=RICH) for _ in range(4)))]
+        turns = [events for events, _ in await asyncio.gather(*(chat(a, 90, prompt=RICH) for _ in range(3)))]
         assert all(completed(t).stop_reason == pb.STOP_REASON_END_TURN for t in turns)
         live = await replay(b, turns[0][0].run_id)  # a is up: forwarded there, served from its memory
         assert live == turns[0]

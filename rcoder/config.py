@@ -137,7 +137,11 @@ class SettingsKeys(_Schema):
     # each holds its whole request until it runs; 0 refuses both policies
     max_queued_turns: Count = 4
     max_concurrent_rpcs: Count = 1024  # AgentRunner calls in progress at once (health not counted)
-    run_retention: Seconds = 600.0  # finished runs stay subscribable this long
+    run_retention: Seconds = 600.0  # finished runs stay in memory this long (later Subscribe reads the store)
+    # history (DESIGN §8): days a run's stored events are kept (0: forever), and the most bytes of
+    # them one run stores (past it a note, then nothing but completed; 0: no bound)
+    history_retention: Annotated[float, Field(ge=0)] = 0.0
+    history_max_bytes_per_run: Count = 8 << 20
     metrics_listen: str = ""  # host:port for Prometheus /metrics; empty: not served
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
     otlp_endpoint: OtlpEndpoint = ""

@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 from rcoder import __version__, tracing
@@ -20,7 +21,7 @@ from rcoder.api.routed import Routes
 from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
-from rcoder.errors import ConfigError
+from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
@@ -35,6 +36,7 @@ from rcoder.store import make_coordination, make_signals, make_store, redact_url
 log = get_logger("rcoder.daemon")
 STORE_FILE = "rcoder.db"
 TRACE_FLUSH_TIMEOUT = 3.0
+HISTORY_PRUNE_EVERY = 3600.0  # seconds between two passes of history_retention, at most
 
 
 def host_id_of(settings: Settings) -> str:
@@ -95,6 +97,7 @@ class Daemon:
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
+        self._retention: asyncio.Task[None] | None = None  # history_retention's timer
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
     def _on_store(self, reachable: bool, error: str) -> None:
@@ -136,6 +139,8 @@ class Daemon:
             port = self.metrics.serve(self.settings.metrics_listen, self.access.token)
             log.info("metrics_serving", address=f"{self.settings.metrics_listen.rpartition(':')[0]}:{port}")
         self.pool.fill()
+        if self.settings.history_retention > 0:
+            self._retention = asyncio.create_task(self._prune_history(), name="history-retention")
         host = self.settings.listen.rpartition(":")[0]
         log.info(
             "serving",
@@ -151,6 +156,21 @@ class Daemon:
             runs_marked_interrupted=interrupted,
             leftover_agent_processes_killed=swept,
         )
+
+    async def _prune_history(self) -> None:
+        """Delete stored events older than ``history_retention`` days, now and then: every quarter
+        of the retention, at least every hour and at most every second."""
+        keep = timedelta(days=self.settings.history_retention)
+        every = min(HISTORY_PRUNE_EVERY, max(1.0, keep.total_seconds() / 4))
+        while True:
+            try:
+                deleted = await self.worker.history.prune(keep)
+            except StoreError as exc:
+                log.warning("history_prune_failed", error=exc.message, retry_in=every)
+            else:
+                if deleted:
+                    log.info("history_pruned", events=deleted, older_than_days=self.settings.history_retention)
+            await asyncio.sleep(every)  # a timer, not a synchronisation
 
     async def _check_store_access(self) -> None:
         """DESIGN §6.2: a PostgreSQL store that lets its user in without the password lets in
@@ -209,6 +229,9 @@ class Daemon:
         drain.cancel()
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)
+        if self._retention is not None:
+            self._retention.cancel()
+            await asyncio.gather(self._retention, return_exceptions=True)
         await self.worker.aclose()
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()

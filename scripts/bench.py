@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import signal
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -413,6 +414,65 @@ async def flood(bench: Bench) -> Result:
     }
     what = f"text bytes/s of a {bench.sizes.flood_chunks}-chunk flood, daemon / direct"
     return judged("flood_bytes_per_s", what, paired_ratio(ours, theirs), ">= 0.9", details)
+
+
+# --------------------------------------------------------------------------- history (DESIGN §8)
+
+
+def history_bytes(db: Path) -> int:
+    """Bytes the history's table and its indexes use in the store (SQLite's ``dbstat``: pages less unused bytes)."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(pgsize - unused), 0) FROM dbstat WHERE name LIKE '%run_events%'"
+        ).fetchone()
+    return int(row[0])
+
+
+async def history(bench: Bench) -> list[Result]:
+    """What the history costs: the store bytes a 500-chunk turn leaves (paced: a client that keeps
+    up takes every chunk as its own event, the most events such a turn makes; the unpaced one
+    merges), and Subscribe of a stored run (read from the store: run_retention = 0) ÷ the live
+    turn that made it."""
+    paced = f"stream {bench.sizes.paced_chunks} pace {bench.sizes.pace_ms}"
+    unpaced = f"stream {bench.sizes.unpaced_chunks}"
+    config = bench.config({"fake": bench.fake_profile()}, run_retention=0)
+    db = bench.root / f"data-{bench._configs}" / "rcoder.db"
+    sizes: dict[str, list[float]] = {paced: [], unpaced: []}
+    live: list[float] = []
+    stored: list[float] = []
+    async with bench.daemon(config) as (_, stub):
+        sid = (await chat(stub, "stream 1")).session_id
+        for _ in range(bench.sizes.reps):
+            for prompt, into in sizes.items():
+                before = history_bytes(db)
+                turn = await chat(stub, prompt, sid)
+                into.append((history_bytes(db) - before) / max(1, turn.text_bytes))
+            turn = await chat(stub, unpaced, sid)
+            live.append(turn.total)
+            run_id = await last_run(stub, sid)
+            start = time.perf_counter()
+            async with asyncio.timeout(CALL_TIMEOUT):
+                replayed = [e async for e in stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+            stored.append(time.perf_counter() - start)
+            assert replayed[-1].WhichOneof("event") == "completed" and replayed[0].WhichOneof("event") == "started"
+    per_text = median(sizes[paced])
+    text_bytes = turn.text_bytes
+    details: dict[str, Any] = {
+        "paced_bytes": per_text * text_bytes,
+        "unpaced_bytes": median(sizes[unpaced]) * text_bytes,
+        "text_bytes": text_bytes,
+    }
+    what = f"store bytes of a {paced!r} turn's history (table and indexes) ÷ its text bytes"
+    results = [Result("history_store_bytes", what, per_text, "report", None, details)]
+    details = {"subscribe_ms": median(stored) * 1e3, "live_ms": median(live) * 1e3, "reps": len(live)}
+    what = f"Subscribe of a stored {unpaced!r} run (from the store) ÷ the live turn"
+    results.append(judged("history_subscribe_stored", what, paired_ratio(stored, live), "<= 1.0", details))
+    return results
+
+
+async def last_run(stub: pb_grpc.AgentRunnerStub, session_id: str) -> str:
+    session = await stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=30)
+    return str(session.last_run_id)
 
 
 # --------------------------------------------------------------------------- first chunk: warm pool, resume
@@ -868,6 +928,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),
+        ("history", history),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)
     ]  # fmt: skip
     # SIGTERM (a test's timeout) cancels the run, so every `finally` ends what it started

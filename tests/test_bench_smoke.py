@@ -32,6 +32,8 @@ MEASURES = {
     "daemon_start_to_serving",
     "live_turn_added_latency",
     "live_turn_added_latency_grpc_floor",
+    "history_store_bytes",
+    "history_subscribe_stored",
 }
 
 

@@ -140,15 +140,8 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             validate.identifier(request.run_id, "run_id", required=True)
 
             async def here() -> AsyncIterator[pb.ChatStream]:
-                try:
-                    run = self._worker.run(request.run_id)
-                except errors.NotFound:
-                    if not self._router.shared:
-                        raise
-                    for stored in await self._router.stored_run(request.run_id, request.after_seq):
-                        yield convert.chat_stream(stored)  # a run another host left: its end, from the store
-                    return
-                async for event in run.follow(request.after_seq):
+                # from memory while this host keeps the run, else from the store (history)
+                async for event in self._worker.history.replay(request.run_id, request.after_seq):
                     yield convert.chat_stream(event)
 
             find = partial(self._router.run_owner, request.run_id)
@@ -164,7 +157,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         owner = await self._router.run_owner(last.run_id)
         if owner is not None:
             raise errors.OwnedElsewhere("run", last.run_id, owner.host_id, owner.advertise_address, retry_hint(owner))
-        for stored in await self._router.stored_run(last.run_id, last.seq):
+        async for stored in self._worker.history.stored(last.run_id, last.seq):
             yield convert.chat_stream(stored)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:

@@ -29,6 +29,7 @@ from rcoder.metrics import Metrics
 from rcoder.session import content, trust
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.forking import SessionForker
+from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
@@ -64,6 +65,7 @@ class AcpWorker:
         metrics: Metrics,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         leases: LeaseKeeper | None = None,
+        history: History | None = None,
     ) -> None:
         self._settings = settings
         self.metrics = metrics
@@ -77,7 +79,9 @@ class AcpWorker:
         self.leases = leases or LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
         pool.on_session_closed = self.leases.release  # a session's lease lasts as long as its live agent
         self.leases.on_lost = pool.drop  # and a lost lease ends the agent
-        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases)
+        # every run's events, stored as streamed, and read back by Subscribe
+        self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
+        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history)
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
         self._queues = TurnQueues(settings.max_queued_turns)
         runs.on_released = self._next_turn
@@ -297,4 +301,5 @@ class AcpWorker:
             if late:
                 log.warning("turns_not_ended_in_time", count=len(late), timeout=bound)
         await self.turns.aclose()
+        await self.history.aclose()
         await self._pool.aclose(timeout=4 * self._settings.agent_stop_grace + 1)

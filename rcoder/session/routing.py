@@ -4,28 +4,19 @@ holds its lease. With one host (SQLite) nothing is asked: everything is served h
 A session whose lease this host holds, or nobody holds, or whose owner's lease expired, is
 served here (a turn then takes the lease: a takeover when it expired). A run this host has (in
 its registry) is served here; a run of another host is that host's while its lease holds, and
-otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replayed from there.
+otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replayed from there
+(``session.history``).
 """
 
 from __future__ import annotations
 
-from rcoder.domain import (
-    OpenMethod,
-    ResumeOutcome,
-    RunCompleted,
-    RunEvent,
-    RunStarted,
-    RunStatus,
-    StopReason,
-)
-from rcoder.errors import NotFound
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.runs import RunRegistry
 from rcoder.session.signals import QueuedCancel, SignalSender
 from rcoder.store.base import SessionStore
-from rcoder.store.cluster import OWNER_LOST, HostRecord, Owner
+from rcoder.store.cluster import HostRecord, Owner
 
 __all__ = ["HostRecord", "Owner", "QueuedCancel", "Router"]  # the api names these through here
 
@@ -102,31 +93,3 @@ class Router:
 
     def forwarded(self, method: str, result: str) -> None:
         self._metrics.forwards.labels(method, result).inc()
-
-    async def stored_run(self, run_id: str, after_seq: int) -> list[RunEvent]:
-        """A run this host never had, replayed from the store: what it holds of the run, ``started``
-        and its end (a run still ``running`` here is one no host will end: NOT_FOUND)."""
-        record = await self._store.get_run(run_id)
-        if record is None or record.status is RunStatus.RUNNING:
-            raise NotFound("run", run_id, "unknown, or finished longer ago than run_retention")
-        session = await self._store.get_session(record.session_id)
-        provider = session.provider_session_id if session is not None else ""
-        resume = record.resume or ResumeOutcome.NOT_OPENED
-        method = OpenMethod(record.resume_method) if record.resume_method else OpenMethod.NOT_OPENED
-        started = RunStarted(
-            provider_session_id=provider,
-            resume=resume,
-            resume_method=method,
-            agent=session.agent if session is not None else "",
-            project_id=session.project_id if session is not None else "",
-            fallback_reason=record.fallback_reason,
-            request_id=record.request_id,
-        )
-        error = record.error or (OWNER_LOST if record.status is not RunStatus.COMPLETED else "")
-        stop = record.stop_reason or StopReason.ERROR
-        reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else ""
-        completed = RunCompleted(stop, provider, resume, error, reason, record.usage)  # the usage as stored
-        at = record.ended_at or record.started_at
-        events = [RunEvent(run_id, record.session_id, 1, record.started_at, started)] if after_seq == 0 else []
-        events.append(RunEvent(run_id, record.session_id, max(after_seq + 1, 2), at, completed))
-        return events

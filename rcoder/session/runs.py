@@ -20,10 +20,17 @@ Two rules keep this cheap when the agent writes faster than clients read:
   soon as each chunk is there.
 - **Bounded buffer.** At most ``buffer_events`` events, and ``buffer_bytes`` bytes
   of them (``budget``: measured once, when published), are kept for replay;
-  older ones are dropped once every attached follower has read them, and in
-  any case beyond four times either bound (that follower then gets
-  OUT_OF_RANGE). One event is never larger than ``event_bytes`` (``shrink``),
-  and at most ``followers`` follow a run at once (more: RESOURCE_EXHAUSTED).
+  older ones are dropped once every attached follower has read them and the
+  history has stored them (``stored_seq``), and in any case beyond four times
+  either bound (that follower then gets OUT_OF_RANGE from the run; ``Subscribe``
+  reads what the history stored instead). One event is never larger than
+  ``event_bytes`` (``shrink``), and at most ``followers`` follow a run at once
+  (more: RESOURCE_EXHAUSTED).
+- **History.** ``sealed`` hands the history writer (``session.history``) the
+  events that can no longer change: all but the last, and the last once a
+  follower took it or the run ended, so the stored list is the one the
+  followers saw. ``prepare_end`` numbers ``completed`` without publishing it,
+  so that it can be stored first (``publish_end``).
 """
 
 from __future__ import annotations
@@ -89,6 +96,9 @@ class Run:
         self.completed: RunCompleted | None = None
         # why the run never started (``fail``): its followers get it, as the caller of Chat does
         self.failure: RcoderError | None = None
+        # the history writer stored the events up to it (trim keeps the rest); None: no history
+        self.stored_seq: int | None = None
+        self._end: RunEvent | None = None  # completed, numbered and not yet published (``prepare_end``)
         self.finished_at: float | None = None  # monotonic
         self._done_callbacks: list[Callable[[Run], None]] = []
         self.started_monotonic = time.monotonic()
@@ -133,6 +143,10 @@ class Run:
         """
         if self.completed is not None:
             raise RuntimeError(f"run {self.run_id} already completed")
+        if self._end is not None:
+            # the turn is over (its completed is being stored): nothing of it can come any more
+            # but a heartbeat, which would take completed's seq
+            return self._seq
         size = 0
         if isinstance(body, TextChunk):
             size = utf8_size(body.text)
@@ -153,9 +167,44 @@ class Run:
             self._open_len += size
             return self._seq
         self._seal()
-        ledger = self._ledger
         self._seq += 1
-        event = RunEvent(run_id=self.run_id, session_id=self.session_id, seq=self._seq, time=self._clock(), body=body)
+        self._append(RunEvent(self.run_id, self.session_id, self._seq, self._clock(), body), size)
+        return self._seq
+
+    def prepare_end(self, body: RunCompleted) -> RunEvent:
+        """``completed`` numbered and timed, to be stored before ``publish_end`` publishes it; every
+        event before it is sealed from now on, and nothing else is published."""
+        self._seal()
+        self._taken = self._seq  # frozen: the last event is the one stored
+        self._end = RunEvent(self.run_id, self.session_id, self._seq + 1, self._clock(), body)
+        return self._end
+
+    def publish_end(self, event: RunEvent) -> None:
+        """Publish the ``completed`` that ``prepare_end`` made."""
+        assert event is self._end and isinstance(event.body, RunCompleted)
+        self._end = None
+        self.last_published = time.monotonic()
+        self._seq = event.seq
+        self._append(event, body_size(event.body))
+
+    def sealed(self) -> list[RunEvent]:
+        """The events after ``stored_seq`` that can no longer change (see the module docstring);
+        the caller advances ``stored_seq`` once it stored them. Events the buffer dropped past its
+        hard bound before they were taken are not there (they are missing from the history)."""
+        events, stored = self._events, self.stored_seq or 0
+        if not events or self._seq <= stored:
+            return []
+        final = self._seq <= self._taken or self._end is not None or self.completed is not None
+        last = self._seq if final else self._seq - 1
+        first = events[0].seq
+        start = max(stored + 1, first)
+        if last < start:
+            return []
+        return list(itertools.islice(events, start - first, last - first + 1))
+
+    def _append(self, event: RunEvent, size: int) -> None:
+        body = event.body
+        ledger = self._ledger
         self._events.append(event)
         self._sizes.append(size + EVENT_OVERHEAD)
         self.bytes += size + EVENT_OVERHEAD
@@ -171,7 +220,6 @@ class Run:
         self._check_ledger()
         self._appended.set()
         self._appended = asyncio.Event()
-        return self._seq
 
     def _check_ledger(self) -> None:
         if self._ledger.held > self._ledger.limit:
@@ -209,6 +257,8 @@ class Run:
         """Drop the oldest events past either bound once every follower read them, and past
         four times either bound in any case; the last event always stays."""
         slowest = min(self._positions.values(), default=self._seq)
+        if self.stored_seq is not None and self.stored_seq < slowest:
+            slowest = self.stored_seq  # the history has not stored them yet
         events, sizes, limit, byte_limit = self._events, self._sizes, self._limit, self._byte_limit
         while len(events) > 1 and (
             ((len(events) > limit or self.bytes > byte_limit) and events[0].seq <= slowest)
@@ -389,6 +439,11 @@ class RunRegistry:
                 "unknown, or finished longer ago than run_retention (or earlier, to keep runs_total_bytes)",
             )
         return run
+
+    def find(self, run_id: str) -> Run | None:
+        """The run if this host still keeps it (running, or finished within ``retention``)."""
+        self._prune()
+        return self._runs.get(run_id)
 
     def running(self) -> list[Run]:
         return list(self._holders.values())

@@ -80,6 +80,7 @@ from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
+from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
@@ -225,6 +226,7 @@ class TurnScope:
         if self.published:
             return
         self.published = True
+        self._runner.history.track(self.run)
         self.run.publish(self.body)
         for event in self._early.drain():
             self.run.publish(event)
@@ -335,8 +337,10 @@ class TurnRunner:
         clock: Callable[[], datetime],
         spawn: Spawn,
         leases: LeaseKeeper | None = None,
+        history: History | None = None,
     ) -> None:
         self._settings = self.settings = settings
+        self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
         self._store = store
         self._pool = pool
         self._runs = runs
@@ -523,9 +527,11 @@ class TurnRunner:
         return await self._store.get_run(run_id) is not None
 
     async def finish(self, scope: TurnScope) -> None:
-        """Store the end, free the session and its agent, then publish ``completed``: whoever
-        sees it can go on at once. A store that cannot record the end makes it an error."""
+        """Store the end, free the session and its agent, store the rest of the run's history
+        and ``completed`` itself, then publish ``completed``: whoever sees it can go on at once,
+        and read the whole run back anywhere. A store that cannot record the end makes it an error."""
         run, plan = scope.run, scope.plan
+        reachable = True  # the store took the run's end: its history is stored before completed goes out
         try:
             await asyncio.shield(
                 self._store.finish_run(
@@ -546,6 +552,7 @@ class TurnRunner:
             )  # fmt: skip
             scope.transcript = None
         except StoreError as exc:
+            reachable = False
             log.error("run_end_not_stored", error=exc.message)  # noqa: TRY400 (the message says it all)
             scope.stop, scope.status = StopReason.ERROR, RunStatus.FAILED
             scope.error = f"rcoder could not record the end of this turn ({exc.message}); the agent's answer is lost"
@@ -561,14 +568,24 @@ class TurnRunner:
             assert body is not None
             provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
             usage = scope.usage
-            run.publish(RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage))
-            if usage is not None:
-                self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)
-            log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
-            agent = plan.profile.name
-            self._metrics.turn_ended(
-                agent, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
+            end = run.prepare_end(
+                RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage)
             )
+            storing = self.history.store_end(run, end)
+            try:
+                # stored before it is published: whoever sees it can read the whole run back, anywhere;
+                # a store that just refused the run's end is not waited for again (tried all the same)
+                if reachable:
+                    await asyncio.shield(storing)
+            finally:  # cancelled meanwhile (rcoder stopping): published all the same, the write goes on
+                run.publish_end(end)
+                if usage is not None:
+                    self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)
+                log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
+                agent = plan.profile.name
+                self._metrics.turn_ended(
+                    agent, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
+                )
 
     async def _record_end_later(self, scope: TurnScope) -> None:
         """Retry (bounded) storing the end the stream already published, so the store comes to

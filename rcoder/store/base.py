@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from rcoder.domain import (
     ResumeOutcome,
@@ -21,6 +21,18 @@ from rcoder.store.cluster import Lease
 
 # the error of a run that was running when its daemon stopped or died (set by ``open``)
 INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
+
+
+class EventRow(NamedTuple):
+    """One stored event of a run (table ``run_events``): its ids, seq and time, and the event as
+    the session layer encoded it (``session.event_codec``: a kind and a JSON text)."""
+
+    session_id: str
+    run_id: str
+    seq: int
+    created_at: datetime
+    kind: str
+    body: str
 
 
 class SessionStore(Protocol):
@@ -115,6 +127,21 @@ class SessionStore(Protocol):
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         """The last ``limit`` turns of a session, oldest first."""
+        ...
+
+    # history (run_events)
+    async def append_events(self, rows: Sequence[EventRow]) -> None:
+        """Store these events, all in one transaction; an event already stored (same run_id and
+        seq) is left as it is."""
+        ...
+
+    async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
+        """The stored events of ``run_id`` with seq > ``after_seq``, at most ``limit``, by seq."""
+        ...
+
+    async def prune_events(self, before: datetime, limit: int) -> int:
+        """Delete at most ``limit`` stored events older than ``before`` (oldest first), in one
+        short transaction; returns how many were deleted (fewer than ``limit``: none are left)."""
         ...
 
     async def integrity_check(self) -> str:

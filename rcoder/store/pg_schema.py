@@ -81,6 +81,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (  # 5: a cancel by session names the run its turn follows (NULL: from before, any turn of the session)
         'ALTER TABLE signals ADD COLUMN follows text COLLATE "C"',
     ),
+    (  # 6: every event of every run, as streamed (history: Subscribe from the store; kind and body
+        # as session/event_codec.py encodes them); by session for deleting one, by age for retention
+        """CREATE TABLE run_events (
+            session_id text COLLATE "C" NOT NULL, run_id text COLLATE "C" NOT NULL, seq bigint NOT NULL,
+            created_at timestamptz NOT NULL, kind text NOT NULL, body text NOT NULL, PRIMARY KEY (run_id, seq))""",
+        "CREATE INDEX run_events_by_session ON run_events (session_id)",
+        "CREATE INDEX run_events_by_age ON run_events (created_at)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -175,6 +183,21 @@ TRANSCRIPT = (
     "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
     "SELECT session_id, run_id, turn, prompt, response, created_at, id FROM transcript WHERE session_id = %s"
     " ORDER BY turn DESC, id DESC LIMIT %s) AS last ORDER BY turn, id"
+)
+# history: a batch in one statement (arrays, one per column)
+INSERT_EVENTS = (
+    "INSERT INTO run_events (session_id, run_id, seq, created_at, kind, body)"
+    " SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::timestamptz[], %s::text[], %s::text[])"
+    " ON CONFLICT (run_id, seq) DO NOTHING"
+)
+RUN_EVENTS = (
+    "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
+    " WHERE run_id = %s AND seq > %s ORDER BY seq LIMIT %s"
+)
+# the oldest first, a bounded batch: one short statement, row locks on old rows only
+PRUNE_EVENTS = (
+    "DELETE FROM run_events WHERE (run_id, seq) IN"
+    " (SELECT run_id, seq FROM run_events WHERE created_at < %s ORDER BY created_at LIMIT %s)"
 )
 MARK_INTERRUPTED = "UPDATE runs SET status = %s, ended_at = %s, error = %s WHERE status = %s AND host_id = %s"
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"

@@ -37,7 +37,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.store import pg_schema, redact_url
-from rcoder.store.base import INTERRUPTED_ERROR
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow
 from rcoder.store.cluster import Lease
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
 from rcoder.store.pg_pool import PgPool
@@ -346,6 +346,28 @@ class PostgresStore:
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(pg_schema.TRANSCRIPT, _params(session_id, _positive(limit)))
         return [_entry(row) for row in rows]
+
+    # ------------------------------------------------------------ history
+
+    async def append_events(self, rows: Sequence[EventRow]) -> None:
+        if not rows:
+            return
+        columns = (
+            [_text(r.session_id) for r in rows], [_text(r.run_id) for r in rows], [r.seq for r in rows],
+            [_ts(r.created_at) for r in rows], [r.kind for r in rows], [_text(r.body) for r in rows],
+        )  # fmt: skip
+        await self._write(pg_schema.INSERT_EVENTS, columns, None)
+
+    async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
+        rows = await self._rows(pg_schema.RUN_EVENTS, _params(run_id, after_seq, _positive(limit)))
+        return [EventRow(*row) for row in rows]
+
+    async def prune_events(self, before: datetime, limit: int) -> int:
+        async def work(conn: Conn) -> int:
+            cursor = await conn.execute(pg_schema.PRUNE_EVENTS, (_ts(before), _positive(limit)))
+            return cursor.rowcount
+
+        return await self._pool.call(work)
 
     async def integrity_check(self) -> str:
         version = (await self._rows(pg_schema.CURRENT_VERSION, ()))[0][0]

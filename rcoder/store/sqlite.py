@@ -38,7 +38,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
-from rcoder.store.base import INTERRUPTED_ERROR
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow
 from rcoder.store.cluster import Lease
 from rcoder.store.sqlite_schema import entry_of, run_of, session_of, time_text
 from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_params
@@ -47,6 +47,8 @@ T = TypeVar("T")
 
 # inline commits between two checkpoints of the log (on the worker, never on the loop)
 CHECKPOINT_EVERY = 500
+# history events written inline at most (~2 µs each); a larger batch goes to the worker thread
+INLINE_EVENTS = 64
 
 # ---------------------------------------------------------------- helpers
 
@@ -401,6 +403,32 @@ class SqliteStore:
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(sqlite_schema.TRANSCRIPT, (session_id, _positive(limit)), point=limit == 1)
         return [entry_of(row) for row in rows]
+
+    # history
+
+    async def append_events(self, rows: Sequence[EventRow]) -> None:
+        if not rows:
+            return
+        params = [(r.session_id, r.run_id, r.seq, time_text(r.created_at), r.kind, r.body) for r in rows]
+
+        def work(conn: sqlite3.Connection) -> None:
+            with _transaction(conn):
+                conn.executemany(sqlite_schema.INSERT_EVENT, params)
+
+        # a turn's last few events inline (its completed waits for them); a large batch on the
+        # worker, so the loop (every live stream) goes on meanwhile
+        await self._call(work, point=len(rows) <= INLINE_EVENTS)
+
+    async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
+        rows = await self._rows(sqlite_schema.RUN_EVENTS, (run_id, after_seq, _positive(limit)), point=False)
+        return [EventRow(r[0], r[1], r[2], datetime.fromisoformat(r[3]), r[4], r[5]) for r in rows]
+
+    async def prune_events(self, before: datetime, limit: int) -> int:
+        def work(conn: sqlite3.Connection) -> int:
+            with _transaction(conn):
+                return conn.execute(sqlite_schema.PRUNE_EVENTS, (time_text(before), _positive(limit))).rowcount
+
+        return await self._call(work, point=False)
 
     async def integrity_check(self) -> str:
         rows = await self._rows("PRAGMA integrity_check", (), point=False)

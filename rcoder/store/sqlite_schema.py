@@ -57,6 +57,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE runs ADD COLUMN cost_currency TEXT",
         "CREATE INDEX runs_cost ON runs(cost_currency, session_id, cost_nanos) WHERE cost_nanos IS NOT NULL",
     ),
+    (  # 3: every event of every run, as streamed (history: Subscribe from the store; kind and body
+        # as session/event_codec.py encodes them); by session for deleting one, by age for retention
+        """CREATE TABLE run_events (
+            session_id TEXT NOT NULL, run_id TEXT NOT NULL, seq INTEGER NOT NULL, created_at TEXT NOT NULL,
+            kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))""",
+        "CREATE INDEX run_events_by_session ON run_events(session_id)",
+        "CREATE INDEX run_events_by_age ON run_events(created_at)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -147,6 +155,18 @@ ADD_TRANSCRIPT = (
 COUNT_TURN = "UPDATE sessions SET turns = turns + 1, updated_at = ? WHERE session_id = ?"
 UPDATE_RUN_START = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
 GET_RUN = "SELECT * FROM runs WHERE run_id = ?"
+
+# history
+INSERT_EVENT = "INSERT OR IGNORE INTO run_events VALUES (?,?,?,?,?,?)"
+RUN_EVENTS = (
+    "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
+    " WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+)
+# the oldest first, a bounded batch: one short write transaction each
+PRUNE_EVENTS = (
+    "DELETE FROM run_events WHERE rowid IN"
+    " (SELECT rowid FROM run_events WHERE created_at < ? ORDER BY created_at LIMIT ?)"
+)
 # the last ``limit`` entries, oldest first
 TRANSCRIPT = (
     "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("

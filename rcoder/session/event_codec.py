@@ -1,0 +1,147 @@
+"""A run's events as the store keeps them: a kind (text) and a body (compact JSON).
+
+The store never sees a protocol type, nor a domain one: it keeps ``(kind, body)`` next to the
+event's ids, seq and time. This module maps the domain's event bodies (``rcoder.domain``) to
+that pair and back, **table-driven**: ``KINDS`` names each stored kind and its dataclass, and the
+fields are encoded and decoded from the dataclass's own type hints (strings, numbers, flags,
+enums by value, optional values, tuples, nested dataclasses). A new event type is one entry in
+``KINDS``; a new field of an existing one needs nothing (an old row without it decodes to the
+field's default).
+
+A field equal to its default is left out, so a text chunk is ``{"text":"..."}`` and most events
+are their strings plus a few bytes. A kind not in the table (``Heartbeat``) is not stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from rcoder.domain import (
+    AgentUpdate,
+    PermissionRequest,
+    Plan,
+    RunCompleted,
+    RunEventBody,
+    RunStarted,
+    TextChunk,
+    ToolCall,
+    ToolCallUpdate,
+)
+
+# stored kind -> the domain type of its body. Names are stored: never rename one, add new ones
+KINDS: dict[str, type] = {
+    "started": RunStarted,
+    "text": TextChunk,
+    "tool_call": ToolCall,
+    "tool_call_update": ToolCallUpdate,
+    "plan": Plan,
+    "permission_request": PermissionRequest,
+    "update": AgentUpdate,
+    "completed": RunCompleted,
+}
+_KIND_OF: dict[type, str] = {cls: kind for kind, cls in KINDS.items()}
+
+Decode = Callable[[Any], Any]
+_MISSING = dataclasses.MISSING
+
+
+class UnknownKind(ValueError):
+    """A stored kind this rcoder does not know (written by a newer one)."""
+
+
+def stored(body: object) -> bool:
+    """Whether events like ``body`` are stored (heartbeats are not)."""
+    return body.__class__ in _KIND_OF
+
+
+def encode(body: RunEventBody) -> tuple[str, str]:
+    """``body`` as its stored kind and JSON text (``KeyError``: a kind that is not stored)."""
+    kind = _KIND_OF[body.__class__]
+    return kind, json.dumps(_plain(body), ensure_ascii=False, separators=(",", ":"))
+
+
+def decode(kind: str, text: str) -> RunEventBody:
+    """The body ``encode`` made (``UnknownKind``: a kind not in ``KINDS``)."""
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise UnknownKind(f"stored event kind {kind!r} is unknown to this rcoder")
+    body: RunEventBody = _decoder(cls)(json.loads(text))
+    return body
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _plain(value: Any) -> Any:
+    """A domain value as JSON-ready data: dataclasses as objects without their default fields."""
+    if value.__class__ in (str, int, float, bool) or value is None:
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    out = {}
+    for name, default in _defaults(value.__class__):
+        item = getattr(value, name)
+        if default is _MISSING or item != default:
+            out[name] = _plain(item)
+    return out
+
+
+_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    found = _DEFAULTS.get(cls)
+    if found is None:
+        found = _DEFAULTS[cls] = tuple((f.name, f.default) for f in dataclasses.fields(cls))
+    return found
+
+
+# ---------------------------------------------------------------- decoding
+
+
+_DECODERS: dict[Any, Decode] = {}
+
+
+def _decoder(annotation: Any) -> Decode:
+    """How to read a value of this type back (made once per type)."""
+    found = _DECODERS.get(annotation)
+    if found is None:
+        found = _DECODERS[annotation] = _make_decoder(annotation)
+    return found
+
+
+def _make_decoder(annotation: Any) -> Decode:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):  # X | None
+        (inner,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        decode_inner = _decoder(inner)
+        return lambda value: None if value is None else decode_inner(value)
+    if origin is tuple:
+        decode_item = _decoder(typing.get_args(annotation)[0])
+        return lambda value: tuple(decode_item(item) for item in value)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation
+    if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
+        return _dataclass_decoder(annotation)
+    if annotation is float:
+        return float  # JSON may have written 1.0 as 1
+    return lambda value: value  # str, int, bool
+
+
+def _dataclass_decoder(cls: type) -> Decode:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: _decoder(hints[f.name]) for f in dataclasses.fields(cls)}
+
+    def decode_object(value: dict[str, Any]) -> Any:
+        # a field this rcoder does not know (a newer one wrote it) is left out
+        return cls(**{name: fields[name](item) for name, item in value.items() if name in fields})
+
+    return decode_object

@@ -1,0 +1,300 @@
+"""History: every event of every run, stored as it was streamed, and read back (DESIGN §8).
+
+**Writing.** One writer per daemon (``History``). A run is tracked from ``started`` on; every
+``FLUSH_INTERVAL`` the writer takes each tracked run's sealed events (``Run.sealed``: those no
+merge can change any more, so the stored list is the one the followers saw), encodes them
+(``event_codec``) and stores them all in one batch. The agent and the live stream never wait for
+it: publishing an event costs nothing more, and the run's buffer keeps what is not stored yet
+(``Run.stored_seq``). A batch the store refuses stays in the buffer and is tried again at the
+next flush. At the end of a turn ``end`` stores what is left and ``completed`` itself, and only
+then is ``completed`` published: whoever sees it, on any host, can read the whole run back.
+Heartbeats are not stored (their seqs are gaps in the stored list).
+
+A run stores at most ``history_max_bytes_per_run`` bytes of encoded events; the first event past
+it is stored as a note (``CUT_KIND``) at that event's seq, the later ones not at all, and
+``completed`` always.
+
+**Reading.** ``replay(run_id, after_seq)``: a run this host has in memory is followed from its
+buffer, from the store first where the buffer no longer holds ``after_seq + 1`` (then joined
+without gap or duplicate: the buffer keeps every event the history has not stored). A run it
+does not have is read from the store; a run whose ``completed`` was never stored (its host died,
+or stopped, mid-turn) ends with one made from its record, as before there was history.
+
+**Retention.** ``prune`` deletes events older than ``history_retention`` days in batches of
+``PRUNE_BATCH``, each its own short transaction (the daemon runs it on a timer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from rcoder.domain import (
+    AgentUpdate,
+    OpenMethod,
+    ResumeOutcome,
+    RunCompleted,
+    RunEvent,
+    RunRecord,
+    RunStarted,
+    RunStatus,
+    StopReason,
+)
+from rcoder.errors import NotFound, OutOfRange, StoreError
+from rcoder.logs import get_logger
+from rcoder.session import event_codec
+from rcoder.session.runs import Run, RunRegistry
+from rcoder.store.base import EventRow, SessionStore
+from rcoder.store.cluster import OWNER_LOST
+
+log = get_logger("rcoder.session.history")
+
+FLUSH_INTERVAL = 0.25  # seconds between two batches: what a crash mid-turn can lose at most
+ROW_OVERHEAD = 100  # bytes a stored event takes beside its body: ids, seq, time, kind, index entries
+READ_PAGE = 1000  # events read from the store at once
+PRUNE_BATCH = 1000  # events deleted in one transaction
+MAX_SEQ = 2**63 - 2  # seqs beyond it are never stored (the stores keep signed 64-bit integers)
+CUT_KIND = "rcoder_history_cut"  # AgentUpdate.kind of the note standing for events not stored
+
+
+def cut_note(seq: int, limit: int) -> AgentUpdate:
+    """The note stored in place of the events of a run past ``history_max_bytes_per_run``."""
+    note = {"reason": "RESOURCE_EXHAUSTED", "limit": "history_max_bytes_per_run", "bytes": limit, "from_seq": seq,
+            "detail": "later events of this run were not stored (completed is)"}  # fmt: skip
+    return AgentUpdate(kind=CUT_KIND, json=json.dumps(note))
+
+
+@dataclass
+class _Tracked:
+    run: Run
+    bytes: int = 0  # encoded bytes stored so far
+    cut: bool = False  # past the bound: nothing but completed is stored any more
+
+
+@dataclass
+class _Batch:
+    entry: _Tracked
+    rows: list[EventRow]
+    seq: int  # the last seq it covers (stored or not: heartbeats, events past the bound)
+    bytes: int  # the run's stored bytes once it lands
+    cut: bool
+
+
+class History:
+    def __init__(
+        self,
+        store: SessionStore,
+        runs: RunRegistry,
+        max_bytes_per_run: int,
+        clock: Callable[[], datetime],
+        interval: float = FLUSH_INTERVAL,
+    ) -> None:
+        self._store = store
+        self._runs = runs
+        self._max_bytes = max_bytes_per_run or (1 << 62)
+        self._clock = clock
+        self._interval = interval
+        self._tracked: dict[str, _Tracked] = {}
+        self._lock = asyncio.Lock()  # one batch at a time: events land in order
+        self._wake = asyncio.Event()  # a run is tracked: the flusher has work
+        self._flusher: asyncio.Task[None] | None = None
+        self._failing = False  # the last batch was refused (logged once until one lands)
+        self._ends: set[asyncio.Task[None]] = set()  # ends of runs being stored (``store_end``)
+
+    # ------------------------------------------------------------ writing
+
+    def track(self, run: Run) -> None:
+        """Store ``run``'s events from now on (before its first event is published)."""
+        if run.stored_seq is None:
+            run.stored_seq = 0
+        self._tracked[run.run_id] = _Tracked(run)
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="history-flush")
+        self._wake.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._interval)  # the batching window, not a synchronisation
+            if not self._tracked:
+                self._wake.clear()
+                continue
+            async with self._lock:
+                batches = [batch for entry in list(self._tracked.values()) if (batch := self._take(entry, None))]
+                await self._write(batches, "")
+
+    def store_end(self, run: Run, completed: RunEvent) -> asyncio.Task[None]:
+        """``end`` in a task of the writer's own: it goes on if the turn's task is cancelled, and
+        ``aclose`` waits for it (bounded)."""
+        task = asyncio.get_running_loop().create_task(self.end(run, completed), name=f"history-end-{run.run_id}")
+        self._ends.add(task)
+        task.add_done_callback(self._ends.discard)
+        return task
+
+    async def end(self, run: Run, completed: RunEvent) -> None:
+        """Store the rest of ``run`` and its ``completed`` (made by ``Run.prepare_end``); the run is
+        no longer tracked afterwards. A store that refuses it is logged: the turn ends anyway."""
+        entry = self._tracked.get(run.run_id)
+        if entry is None:
+            return
+        async with self._lock:
+            batch = self._take(entry, completed)
+            self._tracked.pop(run.run_id, None)
+            if batch is not None:
+                await self._write([batch], run.run_id)
+
+    def _take(self, entry: _Tracked, completed: RunEvent | None) -> _Batch | None:
+        """The rows of ``entry``'s sealed events (and ``completed``), bounded by ``_max_bytes``."""
+        events = entry.run.sealed()
+        if completed is not None:
+            events.append(completed)
+        if not events:
+            return None
+        batch = _Batch(entry, [], events[-1].seq, entry.bytes, entry.cut)
+        for event in events:
+            body = event.body
+            if not event_codec.stored(body):
+                continue  # heartbeats
+            final = body.__class__ is RunCompleted
+            if batch.cut and not final:
+                continue
+            kind, text = event_codec.encode(body)
+            if not final and batch.bytes + len(text) + ROW_OVERHEAD > self._max_bytes:
+                batch.cut = True
+                kind, text = event_codec.encode(cut_note(event.seq, self._max_bytes))
+            batch.bytes += len(text) + ROW_OVERHEAD
+            batch.rows.append(EventRow(event.session_id, event.run_id, event.seq, event.time, kind, text))
+        return batch
+
+    async def _write(self, batches: list[_Batch], run_id: str) -> None:
+        """Store the batches in one transaction, and note how far each run's history reaches; a
+        batch refused stays in the runs' buffers, taken again by the next flush."""
+        if not batches:
+            return
+        try:
+            await self._store.append_events([row for batch in batches for row in batch.rows])
+        except StoreError as exc:
+            if run_id:
+                log.warning("history_end_not_stored", run_id=run_id, error=exc.message)
+            elif not self._failing:
+                log.warning("history_not_stored", error=exc.message, retry_in=self._interval)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("history_stored_again")
+        self._failing = False
+        for batch in batches:
+            entry = batch.entry
+            entry.run.stored_seq = batch.seq
+            entry.bytes, entry.cut = batch.bytes, batch.cut
+
+    async def aclose(self, timeout: float = 10.0) -> None:
+        """Stop flushing; the ends being stored get ``timeout`` seconds to land."""
+        if self._ends:
+            await asyncio.wait(set(self._ends), timeout=timeout)
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
+
+    # ------------------------------------------------------------ reading
+
+    async def replay(self, run_id: str, after_seq: int) -> AsyncIterator[RunEvent]:
+        """The events of ``run_id`` with seq > ``after_seq``, then live ones while it runs here."""
+        run = self._runs.find(run_id)
+        if run is None:
+            async for event in self.stored(run_id, after_seq):
+                yield event
+            return
+        position = after_seq
+        while True:
+            try:
+                async for event in run.follow(position):
+                    position = event.seq
+                    yield event
+            except OutOfRange:  # the buffer no longer has them: the history has (stored_seq)
+                stored = False
+                async for event in self._read(run_id, position):
+                    stored = True
+                    position = event.seq
+                    yield event
+                if not stored:
+                    raise
+            else:
+                return
+
+    async def stored(self, run_id: str, after_seq: int) -> AsyncIterator[RunEvent]:
+        """A run from the store alone: its stored events after ``after_seq``, and an end made from
+        its record when its ``completed`` was never stored (NOT_FOUND: the store has no such run,
+        or it is still running on no host that could end it)."""
+        after_seq = min(after_seq, MAX_SEQ)  # a client's uint64, within what the stores' integers hold
+        record = await self._store.get_run(run_id)
+        if record is None or record.status is RunStatus.RUNNING:
+            raise NotFound("run", run_id, "unknown, or still running on a host that no longer answers")
+        last = 0
+        # from the event at after_seq itself: a completed there means the client has it all
+        async for event in self._read(run_id, max(after_seq - 1, 0)):
+            if event.seq > after_seq:
+                last = event.seq
+                yield event
+            if event.body.__class__ is RunCompleted:
+                return
+        for event in await self._made_of(record, after_seq, last):
+            yield event
+
+    async def _read(self, run_id: str, after_seq: int) -> AsyncIterator[RunEvent]:
+        position = after_seq
+        while True:
+            rows = await self._store.run_events(run_id, position, READ_PAGE)
+            for row in rows:
+                try:
+                    body = event_codec.decode(row.kind, row.body)
+                except event_codec.UnknownKind:
+                    body = AgentUpdate(kind=row.kind, json=row.body)  # a newer rcoder's kind: as is
+                yield RunEvent(row.run_id, row.session_id, row.seq, row.created_at, body)
+            if len(rows) < READ_PAGE:
+                return
+            position = rows[-1].seq
+
+    async def _made_of(self, record: RunRecord, after_seq: int, last: int) -> list[RunEvent]:
+        """``started`` (when nothing of the run was stored and it is asked for) and the end, from
+        the run's record: a run of before history, or one whose host died or stopped mid-turn."""
+        session = await self._store.get_session(record.session_id)
+        provider = session.provider_session_id if session is not None else ""
+        resume = record.resume or ResumeOutcome.NOT_OPENED
+        events = []
+        if last == 0 and after_seq == 0:
+            method = OpenMethod(record.resume_method) if record.resume_method else OpenMethod.NOT_OPENED
+            started = RunStarted(
+                provider_session_id=provider,
+                resume=resume,
+                resume_method=method,
+                agent=session.agent if session is not None else "",
+                project_id=session.project_id if session is not None else "",
+                fallback_reason=record.fallback_reason,
+                request_id=record.request_id,
+            )
+            events.append(RunEvent(record.run_id, record.session_id, 1, record.started_at, started))
+            last = 1
+        error = record.error or (OWNER_LOST if record.status is not RunStatus.COMPLETED else "")
+        stop = record.stop_reason or StopReason.ERROR
+        reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else ""
+        completed = RunCompleted(stop, provider, resume, error, reason, record.usage)  # the usage as stored
+        at = record.ended_at or record.started_at
+        events.append(RunEvent(record.run_id, record.session_id, max(after_seq, last) + 1, at, completed))
+        return events
+
+    # ------------------------------------------------------------ retention
+
+    async def prune(self, retention: timedelta) -> int:
+        """Delete the events older than ``retention``, batch by batch; returns how many."""
+        before = self._clock() - retention
+        deleted = 0
+        while True:
+            count = await self._store.prune_events(before, PRUNE_BATCH)
+            deleted += count
+            if count < PRUNE_BATCH:
+                return deleted

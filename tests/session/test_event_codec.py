@@ -1,0 +1,75 @@
+"""The stored form of a run's events (rcoder.session.event_codec): every kind round-trips, fields
+at their default are left out, and every event type but the heartbeat has its entry."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from rcoder.domain import (
+    AgentUpdate,
+    Heartbeat,
+    OpenMethod,
+    PermissionOption,
+    PermissionRequest,
+    Plan,
+    PlanEntry,
+    ResumeOutcome,
+    RunCompleted,
+    RunEventBody,
+    RunStarted,
+    StopReason,
+    TextChunk,
+    ToolCall,
+    ToolCallUpdate,
+    ToolDiff,
+    Usage,
+)
+from rcoder.session import event_codec
+
+DIFFS = (ToolDiff("a.txt", None, "new\n"), ToolDiff("b.txt", "old", "né"))
+SAMPLES: list[RunEventBody] = [
+    RunStarted("prov-1", ResumeOutcome.FALLBACK_RESEEDED, OpenMethod.LOAD, "claude", "proj", "gone", "req-9"),
+    TextChunk("hello ✓"),
+    TextChunk("thinking", thought=True),
+    ToolCall("call-1", "Edit", "edit", "pending", '{"path":"a"}', ("a.txt", "b.txt"), DIFFS, "text"),
+    ToolCallUpdate("call-1", status="completed", output="x\n", exit_code=0, diffs=DIFFS),
+    ToolCallUpdate("call-2", exit_code=None),
+    Plan((PlanEntry("step", "high", "pending"), PlanEntry("two", "low", "completed"))),
+    PermissionRequest("perm-1", "call-1", "Write?", "edit", (PermissionOption("allow", "Allow", "allow_once"),)),
+    AgentUpdate("usage_update", '{"used": 10}'),
+    RunCompleted(StopReason.END_TURN, "prov-1", ResumeOutcome.LIVE),
+    RunCompleted(
+        StopReason.ERROR,
+        "",
+        ResumeOutcome.NEW,
+        "boom",
+        "AGENT_CRASHED",
+        Usage(input_tokens=100, output_tokens=0, cost_amount=0.25, cost_currency="USD"),
+    ),
+]
+
+
+@pytest.mark.parametrize("body", SAMPLES, ids=lambda body: type(body).__name__)
+def test_every_event_reads_back_equal_to_what_was_stored(body: RunEventBody) -> None:
+    kind, text = event_codec.encode(body)
+    assert event_codec.KINDS[kind] is type(body)
+    assert event_codec.decode(kind, text) == body
+
+
+def test_a_text_chunk_is_stored_as_its_text_and_little_else() -> None:
+    assert event_codec.encode(TextChunk("hi")) == ("text", '{"text":"hi"}')
+    assert event_codec.encode(TextChunk("hi", thought=True)) == ("text", '{"text":"hi","thought":true}')
+
+
+def test_every_event_type_but_the_heartbeat_has_its_entry_in_the_table() -> None:
+    types = set(typing.get_args(RunEventBody)) - {Heartbeat}
+    assert types == set(event_codec.KINDS.values())
+    assert not event_codec.stored(Heartbeat())
+
+
+def test_a_kind_this_rcoder_does_not_know_is_refused_by_name_and_unknown_fields_are_left_out() -> None:
+    with pytest.raises(event_codec.UnknownKind, match="'future'"):
+        event_codec.decode("future", "{}")
+    assert event_codec.decode("text", '{"text":"a","newer":1}') == TextChunk("a")

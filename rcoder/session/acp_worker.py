@@ -18,12 +18,13 @@ from typing import Any
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
-from rcoder.domain import ChatTurn, Forked, new_id
+from rcoder.domain import ChatTurn, Forked, SessionErased, new_id
 from rcoder.errors import InvalidArgument, NotFound, PermissionDenied, SessionBusy, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan, decide
@@ -65,6 +66,7 @@ class AcpWorker:
         self.leases.on_lost = pool.drop  # and a lost lease ends the agent
         self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases)
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
+        self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -173,6 +175,12 @@ class AcpWorker:
         if holder is not None:
             raise SessionBusy(session_id, holder.run_id)
         return await self._pool.close(session_id)
+
+    async def delete_session(self, session_id: str) -> SessionErased:
+        """Erase the session everywhere this host can (``session.erasing``)."""
+        if self._closing:
+            raise ShuttingDown()
+        return await self._eraser.erase(session_id)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)

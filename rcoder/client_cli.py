@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 from rcoder.client import (
     Completed,
+    Deletion,
     Event,
     PermissionMode,
     PermissionRequest,
@@ -71,9 +72,9 @@ def add_commands(commands: Any) -> None:
     chat.add_argument("--agent", default="", help="agent profile (default: the daemon's default_agent)")
     chat.add_argument("--ask", action="store_true", help="ask at the terminal when the agent asks permission")
     chat.add_argument("prompt", nargs="?", help="what to say (default: read from stdin)")
-    sessions = commands.add_parser("sessions", parents=[common], help="list, show or close sessions")
-    sessions.add_argument("action", nargs="?", choices=["list", "show", "close"], default="list")
-    sessions.add_argument("session_id", nargs="?", help="the session to show or close")
+    sessions = commands.add_parser("sessions", parents=[common], help="list, show, close or delete sessions")
+    sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
+    sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
     sessions.add_argument("--project", default="", help="list only this project's sessions")
 
 
@@ -357,6 +358,9 @@ async def sessions(target: str, token: str, args: argparse.Namespace, screen: Sc
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
         if args.action == "show":
             _show_session(screen, await client.sessions.get(args.session_id))
+            await _show_runs(client, args.session_id, screen)
+        elif args.action == "delete":
+            _show_deletion(screen, args.session_id, await client.sessions.delete(args.session_id))
         elif args.action == "close":
             stopped = await client.sessions.close(args.session_id)
             if screen.json:
@@ -404,3 +408,33 @@ def _show_session(screen: Screen, session: Session) -> None:
     }
     for name, value in fields.items():
         screen.text(f"{name + ':':<18}{value}\n")
+
+
+async def _show_runs(client: RcoderClient, session_id: str, screen: Screen) -> None:
+    """The conversation: each run, oldest first, with its prompt and how it ended."""
+    async for run in client.sessions.list_runs(session_id):
+        if screen.json:
+            screen.json_line(run.to_dict())
+            continue
+        started = run.started_at.strftime("%Y-%m-%d %H:%M:%S") if run.started_at else ""
+        outcome = run.status.value
+        if run.stop_reason.value != "unspecified":
+            outcome += f" · {run.stop_reason.value}"
+        screen.text(f"\n{started} · run {run.run_id} · {run.resume.value} · {outcome}\n")
+        for line in run.prompt.splitlines() or [""]:
+            screen.text(f"> {line}\n")
+        if run.error:
+            screen.text(f"error: {run.error.splitlines()[0] if run.error.strip() else run.error}\n")
+
+
+def _show_deletion(screen: Screen, session_id: str, deleted: Deletion) -> None:
+    if screen.json:
+        screen.json_line({"session_id": session_id, **deleted.to_dict()})
+        return
+    agent = "its agent stopped" if deleted.agent_stopped else "no live agent"
+    screen.text(f"session {session_id} deleted: {deleted.runs} runs, {deleted.transcript_entries} transcript "
+                f"entries, {agent}\n")  # fmt: skip
+    for path in deleted.agent_files:
+        screen.text(f"removed: {path}\n")
+    for why in deleted.left:
+        screen.text(f"left: {why}\n")

@@ -50,13 +50,13 @@ def erase_conversation(kind: str, home: Path, cwd: str, provider_session_id: str
     if not _SAFE_ID.match(provider_session_id):
         erased.left.append(f"the agent's session id {provider_session_id!r} is not a plain name: its files were left")
         return erased
-    if safe_fs.kind(home.parent, home) != "dir":
-        erased.left.append(f"no agent home {home} on this host: the agent's own copy, if any, is on another host")
-        return erased
     eraser = _ERASERS.get(kind)
     if eraser is None:
         why = _UNKNOWN.get(kind, "rcoder does not know where a {kind} agent keeps its conversations")
         erased.left.append(why.format(kind=kind, id=provider_session_id, home=home))
+        return erased
+    if not home.parent.is_dir() or safe_fs.kind(home.parent, home) != "dir":  # the parent is rcoder's own
+        erased.left.append(f"no agent home {home} on this host: the agent's own copy, if any, is on another host")
         return erased
     eraser(home, cwd, provider_session_id, erased)
     return erased

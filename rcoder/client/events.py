@@ -310,6 +310,9 @@ def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
     )
 
 
+usage_from_proto = _usage  # for resources (a run's usage in ListRuns)
+
+
 def _resume(number: int) -> ResumeOutcome:
     return enum_member(ResumeOutcome, pb.ResumeOutcome, number, "RESUME_OUTCOME_")
 
@@ -327,6 +330,9 @@ CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
     "heartbeat": lambda m, envelope: Heartbeat(**envelope),
     "completed": _completed,
 }
+
+
+resume_from_proto = _resume
 
 
 def event_from_proto(message: pb.ChatStream) -> Event:

@@ -32,6 +32,7 @@ MEASURES = {
     "daemon_start_to_serving",
     "live_turn_added_latency",
     "live_turn_added_latency_grpc_floor",
+    "list_runs_page_ms",
 }
 
 

@@ -37,6 +37,7 @@ from rcoder.client import (
     RcoderClient,
     RcoderClientError,
     ResumeOutcome,
+    RunInfo,
     Session,
     Started,
     StopReason,
@@ -357,8 +358,9 @@ def tool_lines(state: ToolState) -> list[str]:
 async def sessions(target: str, token: str, args: argparse.Namespace, screen: Screen) -> int:
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
         if args.action == "show":
-            _show_session(screen, await client.sessions.get(args.session_id))
-            await _show_runs(client, args.session_id, screen)
+            session = await client.sessions.get(args.session_id)
+            runs = [run async for run in client.sessions.list_runs(args.session_id)]
+            _show_session(screen, session, runs)
         elif args.action == "delete":
             _show_deletion(screen, args.session_id, await client.sessions.delete(args.session_id))
         elif args.action == "close":
@@ -389,10 +391,12 @@ async def _list_sessions(client: RcoderClient, project: str, screen: Screen) -> 
             screen.text("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
-def _show_session(screen: Screen, session: Session) -> None:
+def _show_session(screen: Screen, session: Session, runs: list[RunInfo]) -> None:
+    """The record, then the conversation: each run, oldest first, with its prompt and how it ended
+    (``--json``: one object, the record with its ``runs``)."""
     record = session.to_dict()
     if screen.json:
-        screen.json_line(record)
+        screen.json_line({**record, "runs": [run.to_dict() for run in runs]})
         return
     fields = {
         "session": session.session_id,
@@ -408,14 +412,7 @@ def _show_session(screen: Screen, session: Session) -> None:
     }
     for name, value in fields.items():
         screen.text(f"{name + ':':<18}{value}\n")
-
-
-async def _show_runs(client: RcoderClient, session_id: str, screen: Screen) -> None:
-    """The conversation: each run, oldest first, with its prompt and how it ended."""
-    async for run in client.sessions.list_runs(session_id):
-        if screen.json:
-            screen.json_line(run.to_dict())
-            continue
+    for run in runs:
         started = run.started_at.strftime("%Y-%m-%d %H:%M:%S") if run.started_at else ""
         outcome = run.status.value
         if run.stop_reason.value != "unspecified":
@@ -423,8 +420,8 @@ async def _show_runs(client: RcoderClient, session_id: str, screen: Screen) -> N
         screen.text(f"\n{started} · run {run.run_id} · {run.resume.value} · {outcome}\n")
         for line in run.prompt.splitlines() or [""]:
             screen.text(f"> {line}\n")
-        if run.error:
-            screen.text(f"error: {run.error.splitlines()[0] if run.error.strip() else run.error}\n")
+        if run.error.strip():
+            screen.text(f"error: {run.error.strip().splitlines()[0]}\n")
 
 
 def _show_deletion(screen: Screen, session_id: str, deleted: Deletion) -> None:

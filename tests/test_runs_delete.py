@@ -85,6 +85,7 @@ async def test_bad_list_runs_requests_get_their_status(make_daemon: DaemonFactor
         (pb.ListRunsRequest(), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
         (pb.ListRunsRequest(session_id="nope"), grpc.StatusCode.NOT_FOUND, ""),
         (pb.ListRunsRequest(session_id=one, page_size=1001), grpc.StatusCode.INVALID_ARGUMENT, "page_size"),
+        (pb.ListRunsRequest(session_id="a b"), grpc.StatusCode.INVALID_ARGUMENT, "session_id"),
         (pb.ListRunsRequest(session_id=one, page_token="not a token"), grpc.StatusCode.INVALID_ARGUMENT, "page_token"),
         (pb.ListRunsRequest(session_id=other, page_token=token), grpc.StatusCode.INVALID_ARGUMENT, "page_token"),
         (
@@ -99,6 +100,13 @@ async def test_bad_list_runs_requests_get_their_status(make_daemon: DaemonFactor
         assert caught.value.code() == code, request
         if field:
             assert error_info(caught.value).metadata["field"] == field
+    for request, code in (
+        (pb.DeleteSessionRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.DeleteSessionRequest(session_id="nope"), grpc.StatusCode.NOT_FOUND),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.stub.DeleteSession(request)
+        assert caught.value.code() == code and error_info(caught.value).reason
     # the good token goes on with the same session
     rest = await list_runs(client, one, page_size=1, token=token)
     assert [r.prompt for r in rest.runs] == ["remember 3"] and not rest.next_page_token

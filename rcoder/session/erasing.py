@@ -56,6 +56,8 @@ class SessionEraser:
             raise NotFound("session", session_id, "no session with this id (it may have been deleted)")
         with self._runs.deleting(session_id):
             cancelled = await self._end_turn(session_id)
+            if cancelled:  # the turn may have opened a new agent session (a fallback): as it left it
+                record = await self._store.get_session(session_id) or record
             stopped = await self._pool.close(session_id)
             deleted = await self._store.delete_session(session_id)
             if deleted is None:

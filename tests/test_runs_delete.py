@@ -100,12 +100,12 @@ async def test_bad_list_runs_requests_get_their_status(make_daemon: DaemonFactor
         assert caught.value.code() == code, request
         if field:
             assert error_info(caught.value).metadata["field"] == field
-    for request, code in (
+    for delete, code in (
         (pb.DeleteSessionRequest(), grpc.StatusCode.INVALID_ARGUMENT),
         (pb.DeleteSessionRequest(session_id="nope"), grpc.StatusCode.NOT_FOUND),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await client.stub.DeleteSession(request)
+            await client.stub.DeleteSession(delete)
         assert caught.value.code() == code and error_info(caught.value).reason
     # the good token goes on with the same session
     rest = await list_runs(client, one, page_size=1, token=token)

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 from rcoder.client import (
     BusyPolicy,
     Completed,
+    Deletion,
     Event,
     PermissionMode,
     PermissionRequest,
@@ -38,6 +39,7 @@ from rcoder.client import (
     RcoderClient,
     RcoderClientError,
     ResumeOutcome,
+    RunInfo,
     Session,
     Started,
     StopReason,
@@ -83,9 +85,9 @@ def add_commands(commands: Any) -> None:
         help="while the session runs another turn: reject (the default), queue behind it, or interrupt it",
     )
     chat.add_argument("prompt", nargs="?", help="what to say (default: read from stdin)")
-    sessions = commands.add_parser("sessions", parents=[common], help="list, show or close sessions")
-    sessions.add_argument("action", nargs="?", choices=["list", "show", "close"], default="list")
-    sessions.add_argument("session_id", nargs="?", help="the session to show or close")
+    sessions = commands.add_parser("sessions", parents=[common], help="list, show, close or delete sessions")
+    sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
+    sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
     sessions.add_argument("--project", default="", help="list only this project's sessions")
 
 
@@ -373,7 +375,11 @@ def tool_lines(state: ToolState) -> list[str]:
 async def sessions(target: str, token: str, args: argparse.Namespace, screen: Screen) -> int:
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
         if args.action == "show":
-            _show_session(screen, await client.sessions.get(args.session_id))
+            session = await client.sessions.get(args.session_id)
+            runs = [run async for run in client.sessions.list_runs(args.session_id)]
+            _show_session(screen, session, runs)
+        elif args.action == "delete":
+            _show_deletion(screen, args.session_id, await client.sessions.delete(args.session_id))
         elif args.action == "close":
             stopped = await client.sessions.close(args.session_id)
             if screen.json:
@@ -402,10 +408,12 @@ async def _list_sessions(client: RcoderClient, project: str, screen: Screen) -> 
             screen.text("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
-def _show_session(screen: Screen, session: Session) -> None:
+def _show_session(screen: Screen, session: Session, runs: list[RunInfo]) -> None:
+    """The record, then the conversation: each run, oldest first, with its prompt and how it ended
+    (``--json``: one object, the record with its ``runs``)."""
     record = session.to_dict()
     if screen.json:
-        screen.json_line(record)
+        screen.json_line({**record, "runs": [run.to_dict() for run in runs]})
         return
     fields = {
         "session": session.session_id,
@@ -421,3 +429,26 @@ def _show_session(screen: Screen, session: Session) -> None:
     }
     for name, value in fields.items():
         screen.text(f"{name + ':':<18}{value}\n")
+    for run in runs:
+        started = run.started_at.strftime("%Y-%m-%d %H:%M:%S") if run.started_at else ""
+        outcome = run.status.value
+        if run.stop_reason.value != "unspecified":
+            outcome += f" · {run.stop_reason.value}"
+        screen.text(f"\n{started} · run {run.run_id} · {run.resume.value} · {outcome}\n")
+        for line in run.prompt.splitlines() or [""]:
+            screen.text(f"> {line}\n")
+        if run.error.strip():
+            screen.text(f"error: {run.error.strip().splitlines()[0]}\n")
+
+
+def _show_deletion(screen: Screen, session_id: str, deleted: Deletion) -> None:
+    if screen.json:
+        screen.json_line({"session_id": session_id, **deleted.to_dict()})
+        return
+    agent = "its agent stopped" if deleted.agent_stopped else "no live agent"
+    screen.text(f"session {session_id} deleted: {deleted.runs} runs, {deleted.transcript_entries} transcript "
+                f"entries, {agent}\n")  # fmt: skip
+    for path in deleted.agent_files:
+        screen.text(f"removed: {path}\n")
+    for why in deleted.left:
+        screen.text(f"left: {why}\n")

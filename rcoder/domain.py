@@ -415,6 +415,7 @@ class RunRecord:
     error: str = ""
     ended_at: datetime | None = None
     usage: Usage | None = None  # what the agent reported the run cost (set when it ends)
+    prompt: str = ""  # the prompt's text, stored when the run starts (ListRuns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,3 +426,23 @@ class TranscriptEntry:
     prompt: str
     response: str
     created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What ``SessionStore.delete_session`` erased from the store."""
+
+    runs: int
+    transcript_entries: int
+    events: int = 0  # stored run events (the history; 0 before it is stored)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionErased:
+    """What ``DeleteSession`` erased: the store's part, the agent and the agent's own files."""
+
+    deleted: Deleted
+    agent_stopped: bool
+    turn_cancelled: bool
+    agent_files: tuple[str, ...] = ()  # paths removed
+    left: tuple[str, ...] = ()  # what is left, each with why

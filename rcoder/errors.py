@@ -101,6 +101,18 @@ class SessionBusy(RcoderError):
         )
 
 
+class SessionDeleting(RcoderError):
+    """The session is being deleted (``DeleteSession``): no new turn starts on it."""
+
+    reason = "SESSION_DELETING"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"session {session_id} is being deleted; once it is, its id is unknown (start a new session)",
+            session_id=session_id,
+        )
+
+
 class AgentLimitReached(RcoderError):
     """Every live agent slot is taken by a busy agent."""
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,6 +43,8 @@ from grpc_floor import RawAgent  # noqa: E402
 from rcoder.agent.process import AgentProcess  # noqa: E402
 from rcoder.agent.sandbox import Confinement, confinement  # noqa: E402
 from rcoder.config import builtin_profiles, load_settings  # noqa: E402
+from rcoder.daemon import STORE_FILE  # noqa: E402
+from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry  # noqa: E402
 from rcoder.logs import configure as configure_logs  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
@@ -70,6 +72,7 @@ class Sizes:
     flood_chunks: int
     claude_reps: int
     levels: tuple[int, ...]
+    history_runs: int = 1000  # the runs of the session ListRuns pages through
 
     @classmethod
     def full(cls, reps: int) -> Sizes:
@@ -77,7 +80,7 @@ class Sizes:
 
     @classmethod
     def smoke(cls) -> Sizes:
-        return cls(1, 10, 1, 10, 200, 1, (2, 3))
+        return cls(1, 10, 1, 10, 200, 1, (2, 3), history_runs=150)
 
 
 @dataclass
@@ -897,6 +900,72 @@ async def startup_and_added_latency(bench: Bench) -> list[Result]:
     return [start, latency, stack]
 
 
+# --------------------------------------------------------------------------- history
+
+LIST_RUNS_PAGE = 100  # the daemon's default page
+
+
+async def seed_runs(data_dir: Path, count: int) -> str:
+    """A session of ``count`` finished runs written straight into a fresh SQLite store (each with a
+    prompt, an end and a transcript entry, as a turn leaves them): ~1 s, where running as many
+    turns through the daemon and the fake agent would take minutes on two cores. Returns its id."""
+    from rcoder.store.sqlite import SqliteStore
+
+    store = SqliteStore(data_dir / STORE_FILE)
+    await store.open()
+    try:
+        t0 = datetime(2026, 1, 1, tzinfo=UTC)
+        session_id = "bench-history"
+        cwd = str(data_dir.parent / "workspace" / "proj")
+        await store.create_session(SessionRecord(session_id, "proj", cwd, "fake", "provider-1", t0, t0))
+        for n in range(count):
+            run_id, at = f"run-{n:05d}", t0 + timedelta(seconds=n)
+            prompt = f"turn {n}: " + "a prompt of some length " * 8
+            await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, at, prompt=prompt))
+            entry = TranscriptEntry(session_id, run_id, 0, prompt, "an answer " * 40, at)
+            await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry)
+    finally:
+        await store.close()
+    return session_id
+
+
+async def list_runs(bench: Bench) -> Result:
+    """``ListRuns`` of a 1,000-run session: each call (one page of 100) and the whole listing."""
+    count = bench.sizes.history_runs
+    data_dir = bench.root / "data-list-runs"
+    session_id = await seed_runs(data_dir, count)
+    config = bench.config({"fake": bench.fake_profile()}, data_dir=str(data_dir))
+    calls: list[float] = []
+    listings: list[float] = []
+    async with bench.daemon(config) as (_, stub):
+        for _ in range(max(bench.sizes.reps * 3, 2)):
+            token, began, listed = "", time.perf_counter(), 0
+            while True:
+                sent = time.perf_counter()
+                page = await stub.ListRuns(
+                    pb.ListRunsRequest(session_id=session_id, page_size=LIST_RUNS_PAGE, page_token=token),
+                    timeout=CALL_TIMEOUT,
+                )
+                calls.append(time.perf_counter() - sent)
+                listed += len(page.runs)
+                token = page.next_page_token
+                if not token:
+                    break
+            listings.append(time.perf_counter() - began)
+            if listed != count:
+                raise RuntimeError(f"ListRuns listed {listed} runs of {count}")
+    what = f"ListRuns of a {count}-run session (seeded in the store): one page of {LIST_RUNS_PAGE}, in ms"
+    result = Result("list_runs_page_ms", what, percentile(calls, 0.5) * 1e3, "report", None)
+    result.details = {
+        "p50_ms": percentile(calls, 0.5) * 1e3,
+        "p99_ms": percentile(calls, 0.99) * 1e3,
+        "whole_listing_p50_ms": percentile(listings, 0.5) * 1e3,
+        "calls": len(calls),
+        "runs": count,
+    }
+    return result
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -929,6 +998,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("scale", scale),
         ("startup", startup_and_added_latency),
         ("history", history),
+        ("list_runs", lambda b: _one(list_runs(b))),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)
     ]  # fmt: skip
     # SIGTERM (a test's timeout) cancels the run, so every `finally` ends what it started

@@ -34,6 +34,7 @@ MEASURES = {
     "live_turn_added_latency_grpc_floor",
     "history_store_bytes",
     "history_subscribe_stored",
+    "list_runs_page_ms",
 }
 
 

@@ -43,6 +43,7 @@ from rcoder.client import (
     ResourceAttachment,
     ResourceLinkAttachment,
     ResumeOutcome,
+    RunStatus,
     SessionOrder,
     SessionStatus,
     Started,
@@ -401,6 +402,29 @@ async def test_a_fork_is_a_new_session_with_the_history_so_far(client: RcoderCli
     with pytest.raises(InvalidArgument) as unknown:
         await bounded(client.sessions.fork(source.session_id, "c-fork", agent="nobody"))
     assert unknown.value.metadata["field"] == "agent"
+
+
+@on_the_module_loop
+async def test_a_sessions_runs_are_listed_oldest_first_and_a_deleted_session_is_not_found(
+    client: RcoderClient,
+) -> None:
+    first = await bounded(client.chat("c-runs", "remember 8", request_id="req-8").result())
+    await bounded(client.chat("c-runs", "which number?", session_id=first.session_id).result())
+
+    runs = [run async for run in client.sessions.list_runs(first.session_id, page_size=1)]
+    page = await bounded(client.sessions.runs_page(first.session_id, page_size=1))
+
+    assert [r.prompt for r in runs] == ["remember 8", "which number?"]
+    assert runs[0].status is RunStatus.COMPLETED and runs[0].stop_reason is StopReason.END_TURN
+    assert runs[0].resume is ResumeOutcome.NEW and runs[1].resume is ResumeOutcome.LIVE
+    assert runs[0].request_id == "req-8" and runs[0].run_id == first.run_id and runs[0].ended_at is not None
+    assert page.runs == tuple(runs[:1]) and page.next_page_token
+    deleted = await bounded(client.sessions.delete(first.session_id))
+    assert deleted.agent_stopped and (deleted.runs, deleted.transcript_entries) == (2, 2)
+    with pytest.raises(NotFound):
+        await bounded(client.sessions.runs_page(first.session_id))
+    with pytest.raises(NotFound):
+        await bounded(client.sessions.delete(first.session_id))
 
 
 @on_the_module_loop

@@ -295,12 +295,22 @@ async def test_sessions_lists_shows_and_closes_sessions(make_daemon: DaemonFacto
     header, row = out.splitlines()
     assert header.split()[:5] == ["SESSION", "PROJECT", "AGENT", "STATUS", "TURNS"]
     assert row.split()[:5] == [session_id, "demo", "fake", "live", "1"]
+    await client.chat(project_id="demo", prompt="two\nlines", session_id=session_id)
     code, out, _ = await rcoder("sessions", "show", session_id, *target)
     assert "status:           live\n" in out and f"session:          {session_id}\n" in out
+    conversation = out.split("\n\n", 1)[1]
+    assert [line for line in conversation.splitlines() if line.startswith("> ")] == ["> remember 1", "> two", "> lines"]
+    assert f"run {events[0].run_id} · new · completed · end_turn\n" in conversation
     code, out, _ = await rcoder("sessions", "close", session_id, *target)
     assert out == f"session {session_id} closed: its agent stopped\n"
     code, out, _ = await rcoder("sessions", "show", session_id, "--json", *target)
-    assert json.loads(out)["status"] == "SESSION_STATUS_IDLE"
+    shown = json.loads(out)
+    assert shown["status"] == "SESSION_STATUS_IDLE"
+    assert [run["prompt"] for run in shown["runs"]] == ["remember 1", "two\nlines"]
+    code, out, _ = await rcoder("sessions", "delete", session_id, *target)
+    assert code == 0 and out.startswith(f"session {session_id} deleted: 2 runs, 2 transcript entries, no live agent\n")
+    code, _, err = await rcoder("sessions", "show", session_id, *target)
+    assert code == 1 and "NOT_FOUND" in err
 
 
 # ---------------------------------------------------------------- token

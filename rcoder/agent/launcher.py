@@ -23,6 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from rcoder import __version__, landlock, tracing
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
+from rcoder.agent.erase import Erased, erase_conversation
 from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.leftovers import sweep
@@ -80,6 +81,16 @@ class AgentLauncher:
         self._started_once: set[str] = set()
         self._first_start: dict[str, asyncio.Lock] = {}
         self.homes = Homes(settings)
+
+    async def erase_conversation(self, profile: AgentProfile, cwd: str, provider_session_id: str) -> Erased:
+        """Remove the agent's own copy of a conversation from its home here (``rcoder.agent.erase``);
+        the home's session lists are read afresh from now on. ``UnsafePath`` on a planted link."""
+        home = self.homes.path(profile, cwd)
+        try:
+            erased = await asyncio.to_thread(erase_conversation, profile.kind, home, cwd, provider_session_id)
+        finally:
+            self.lists.forget(str(home))
+        return erased
 
     @property
     def pid_dir(self) -> Path:

@@ -95,6 +95,11 @@ class SessionLists:
                 break
             del recent[oldest]
 
+    def forget(self, home: str) -> None:
+        """Drop the listings kept for ``home`` (its sessions were just erased: list afresh)."""
+        for key in [k for k in self._listings if k[0] == home]:
+            del self._listings[key]
+
     async def check(self, key: ListKey, session_id: str, fetch: PageFetch) -> Answer:
         """Whether ``session_id`` is listed in ``key``'s home and cwd (``fetch`` reads one page)."""
         async with self._locks.setdefault(key, asyncio.Lock()):

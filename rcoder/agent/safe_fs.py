@@ -196,3 +196,44 @@ def rmdir(root: Path, path: Path) -> bool:
         except OSError:
             return False
         return True
+
+
+def size(root: Path, path: Path) -> int:
+    """The size in bytes of ``path`` itself (a link is not followed; 0 when it is missing)."""
+    parts = _parts(root, path)
+    with _walk(root, parts[:-1], create=False) as fd:
+        if fd is None:
+            return 0
+        try:
+            return os.stat(parts[-1], dir_fd=fd, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            return 0
+
+
+def remove_tree(root: Path, path: Path) -> bool:
+    """Remove ``path``: a file, a link (itself, never what it points to) or a folder with all it
+    holds, no link followed on the way; a link above it is refused. False when it was missing."""
+    parts = _parts(root, path)
+    if not parts:
+        raise ValueError(f"{path} is the root itself")
+    with _walk(root, parts[:-1], create=False) as fd:
+        if fd is None:
+            return False
+        return _remove_at(fd, parts[-1])
+
+
+def _remove_at(dir_fd: int, name: str) -> bool:
+    found = _kind_at(dir_fd, name)
+    if found == "missing":
+        return False
+    if found != "dir":
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    child = os.open(name, _DIR, dir_fd=dir_fd)  # O_NOFOLLOW: swapped for a link meanwhile, refused
+    try:
+        for entry in os.listdir(child):
+            _remove_at(child, entry)
+    finally:
+        os.close(child)
+    os.rmdir(name, dir_fd=dir_fd)
+    return True

@@ -16,7 +16,10 @@ from rcoder.domain import (
     ResumeOutcome,
     RunCompleted,
     RunEvent,
+    RunRecord,
     RunStarted,
+    RunStatus,
+    SessionErased,
     SessionRecord,
     StopReason,
     TextChunk,
@@ -185,6 +188,49 @@ def session(record: SessionRecord, status: int, usage: UsageTotals | None = None
     if usage is not None:
         msg.usage.CopyFrom(usage_totals(usage))
     return msg
+
+
+RUN_STATUSES = {
+    RunStatus.RUNNING: pb.RUN_STATUS_RUNNING,
+    RunStatus.COMPLETED: pb.RUN_STATUS_COMPLETED,
+    RunStatus.FAILED: pb.RUN_STATUS_FAILED,
+    RunStatus.INTERRUPTED: pb.RUN_STATUS_INTERRUPTED,
+}
+
+
+def run_info(record: RunRecord) -> pb.RunInfo:
+    info = pb.RunInfo(
+        run_id=record.run_id,
+        session_id=record.session_id,
+        prompt=record.prompt,
+        status=RUN_STATUSES[record.status],
+        started_at=timestamp(record.started_at),
+        error=record.error,
+        request_id=record.request_id,
+        resume_method=record.resume_method,
+        fallback_reason=record.fallback_reason,
+    )
+    if record.stop_reason is not None:
+        info.stop_reason = STOP_REASONS[record.stop_reason]
+    if record.resume is not None:
+        info.resume = RESUME_OUTCOMES[record.resume]
+    if record.ended_at is not None:
+        info.ended_at.CopyFrom(timestamp(record.ended_at))
+    if record.usage is not None:
+        info.usage.CopyFrom(usage(record.usage))
+    return info
+
+
+def session_erased(erased: SessionErased) -> pb.DeleteSessionResponse:
+    return pb.DeleteSessionResponse(
+        agent_stopped=erased.agent_stopped,
+        turn_cancelled=erased.turn_cancelled,
+        runs=erased.deleted.runs,
+        transcript_entries=erased.deleted.transcript_entries,
+        events=erased.deleted.events,
+        agent_files=list(erased.agent_files),
+        left=list(erased.left),
+    )
 
 
 FORK_METHODS = {ForkMethod.AGENT: pb.FORK_METHOD_AGENT, ForkMethod.RESEEDED: pb.FORK_METHOD_RESEEDED}

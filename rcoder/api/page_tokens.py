@@ -7,6 +7,10 @@ at that cost (keyset paging), so a page never repeats a session whose cost did n
 The cost is a session's place in the order, never wider than ``COST_ORDER_LIMIT_NANOS`` (the
 stores hold it there): every part of a token is checked, and anything else is ``InvalidArgument``.
 A session_id has no spaces, so the two kinds never mix up.
+
+``ListRuns`` tokens are ``runs `` and the JSON array ``[session_id, started_at, run_id]`` (the last
+run listed; ``started_at`` ISO-8601 with its offset), base64url: good only for that session's
+listing, every part checked as for sessions.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from datetime import datetime
 
 from rcoder import errors
 from rcoder.api import validate
@@ -21,6 +26,7 @@ from rcoder.domain import COST_ORDER_LIMIT_NANOS, SessionOrder
 from rcoder.session.queries import After
 
 _COST = "cost "
+_RUNS = "runs "
 _NOT_A_TOKEN = "not a token from a previous ListSessions answer"  # noqa: S105 (a message, not a password)
 
 
@@ -66,3 +72,35 @@ def _cost_position(text: str) -> tuple[tuple[SessionOrder, str], After]:
         raise ValueError(text)
     validate.identifier(session_id, "page_token", required=True)
     return (SessionOrder.COST_DESC, currency), After(session_id, cost)
+
+
+def encode_runs(session_id: str, after: tuple[datetime, str] | None) -> str:
+    if after is None:
+        return ""
+    text = _RUNS + json.dumps([session_id, after[0].isoformat(), after[1]])
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def decode_runs(token: str, session_id: str) -> tuple[datetime, str] | None:
+    """Where the ``ListRuns`` page ``token`` asks for starts; ``InvalidArgument`` when it is no
+    token of ours or was made for another session's runs."""
+    if not token:
+        return None
+    not_ours = "not a token from a previous ListRuns answer"
+    try:
+        text = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
+        if not text.startswith(_RUNS):
+            raise ValueError(text)
+        made_for, started, run_id = json.loads(text.removeprefix(_RUNS))
+        if not all(isinstance(part, str) for part in (made_for, started, run_id)):
+            raise TypeError(text)
+        at = datetime.fromisoformat(started)
+        if at.utcoffset() is None:
+            raise ValueError(started)
+        validate.identifier(made_for, "page_token", required=True)
+        validate.identifier(run_id, "page_token", required=True)
+    except (binascii.Error, UnicodeError, ValueError, TypeError, errors.InvalidArgument):
+        raise errors.InvalidArgument("page_token", not_ours) from None
+    if made_for != session_id:
+        raise errors.InvalidArgument("page_token", "made for another session's runs: send the session_id it came from")
+    return at, run_id

@@ -39,6 +39,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.SessionBusy, grpc.StatusCode.ABORTED),
+    (errors.SessionDeleting, grpc.StatusCode.ABORTED),
     (errors.LeaseLost, grpc.StatusCode.ABORTED),
     (errors.OwnedElsewhere, grpc.StatusCode.UNAVAILABLE),
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -232,6 +233,40 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
+
+    async def DeleteSession(
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DeleteSessionResponse:
+        try:
+            validate.identifier(request.session_id, "session_id", required=True)
+
+            async def here() -> pb.DeleteSessionResponse:
+                return convert.session_erased(await self._worker.delete_session(request.session_id))
+
+            # served by the owner, as CloseSession: the agent to end lives there
+            find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
+            response: pb.DeleteSessionResponse = await self._routes.unary(
+                "DeleteSession", request, context, find, here, what
+            )
+        except errors.RcoderError as exc:
+            await self._abort(context, exc)
+        return response
+
+    async def ListRuns(
+        self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListRunsResponse:
+        try:
+            validate.identifier(request.session_id, "session_id", required=True)
+            if request.page_size > MAX_PAGE_SIZE:
+                raise errors.InvalidArgument("page_size", f"at most {MAX_PAGE_SIZE}")
+            after = page_tokens.decode_runs(request.page_token, request.session_id)
+            runs, next_after = await self._queries.runs(request.session_id, request.page_size or 100, after)
+        except errors.RcoderError as exc:
+            await self._abort(context, exc)
+        return pb.ListRunsResponse(
+            runs=[convert.run_info(r) for r in runs],
+            next_page_token=page_tokens.encode_runs(request.session_id, next_after),
+        )
 
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -14,12 +14,17 @@ from rcoder.client.resources import (
     SESSION_ORDERS,
     AgentInfo,
     CancelResult,
+    Deletion,
     Fork,
+    RunInfo,
+    RunPage,
     Session,
     SessionOrder,
     SessionPage,
     agent_from_proto,
+    deletion_from_proto,
     fork_from_proto,
+    run_from_proto,
     session_from_proto,
 )
 from rcoder.client.token import find_token
@@ -202,7 +207,8 @@ class RcoderClient:
 
 
 class Sessions:
-    """``client.sessions``: the session records (``get``, ``page``, ``list``) and ``close``."""
+    """``client.sessions``: the session records (``get``, ``page``, ``list``), ``close``, ``fork``,
+    their runs (``runs_page``, ``list_runs``) and ``delete``."""
 
     def __init__(self, stub: pb_grpc.AgentRunnerStub, unary: Callable[[Any, Any], Awaitable[Any]]) -> None:
         self._stub = stub
@@ -224,6 +230,31 @@ class Sessions:
         ``Busy`` while a turn runs."""
         answer = await self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
         return bool(answer.agent_stopped)
+
+    async def delete(self, session_id: str) -> Deletion:
+        """Erase the conversation everywhere rcoder keeps it (``DeleteSession``): its agent ended (a
+        running turn cancelled first), its runs, transcript and record, and the agent's own copy where
+        rcoder knows where the agent keeps it. Its ids are unknown afterwards."""
+        request = pb.DeleteSessionRequest(session_id=session_id)
+        return deletion_from_proto(await self._unary(self._stub.DeleteSession, request))
+
+    async def runs_page(self, session_id: str, *, page_size: int = 0, page_token: str = "") -> RunPage:
+        """One page of the session's runs, oldest first (``page_size`` 0: the daemon's default, 100;
+        at most 1000)."""
+        request = pb.ListRunsRequest(session_id=session_id, page_size=page_size, page_token=page_token)
+        answer = await self._unary(self._stub.ListRuns, request)
+        return RunPage(runs=tuple(run_from_proto(r) for r in answer.runs), next_page_token=answer.next_page_token)
+
+    async def list_runs(self, session_id: str, *, page_size: int = 0) -> AsyncIterator[RunInfo]:
+        """Every run of the session, oldest first, page after page: ``async for r in client.sessions.list_runs(s)``."""
+        token = ""
+        while True:
+            page = await self.runs_page(session_id, page_size=page_size, page_token=token)
+            for run in page.runs:
+                yield run
+            token = page.next_page_token
+            if not token:
+                return
 
     async def page(
         self,

@@ -318,6 +318,9 @@ def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
     )
 
 
+usage_from_proto = _usage  # for resources (a run's usage in ListRuns)
+
+
 def _resume(number: int) -> ResumeOutcome:
     return enum_member(ResumeOutcome, pb.ResumeOutcome, number, "RESUME_OUTCOME_")
 
@@ -336,6 +339,9 @@ CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
     "queued": lambda m, envelope: Queued(position=m.queued.position, **envelope),
     "completed": _completed,
 }
+
+
+resume_from_proto = _resume
 
 
 def event_from_proto(message: pb.ChatStream) -> Event:

@@ -7,6 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from rcoder.client._record import Record, enum_member, optional_datetime
+from rcoder.client.events import ResumeOutcome, StopReason, Usage, resume_from_proto, usage_from_proto
 from rcoder.v1 import agent_runner_pb2 as pb
 
 
@@ -86,6 +87,88 @@ class SessionPage:
 
     sessions: tuple[Session, ...]
     next_page_token: str
+
+
+class RunStatus(StrEnum):
+    UNSPECIFIED = "unspecified"
+    RUNNING = "running"
+    COMPLETED = "completed"  # ended by the agent (or a cancel): stop_reason says how
+    FAILED = "failed"  # ended with an error
+    INTERRUPTED = "interrupted"  # its daemon stopped while it ran
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunInfo(Record):
+    """One turn of a session as the store has it (``ListRuns``)."""
+
+    run_id: str
+    session_id: str
+    prompt: str
+    status: RunStatus
+    stop_reason: StopReason  # UNSPECIFIED while running
+    resume: ResumeOutcome
+    resume_method: str
+    fallback_reason: str
+    started_at: datetime | None
+    ended_at: datetime | None  # None while running
+    error: str
+    request_id: str
+    usage: Usage | None
+    raw: pb.RunInfo = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunPage:
+    """One page of ``ListRuns``, oldest first; an empty ``next_page_token`` means it was the last."""
+
+    runs: tuple[RunInfo, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Deletion(Record):
+    """What ``DeleteSession`` erased (``client.sessions.delete``)."""
+
+    agent_stopped: bool
+    turn_cancelled: bool
+    runs: int
+    transcript_entries: int
+    events: int
+    agent_files: tuple[str, ...]  # the agent's own files removed
+    left: tuple[str, ...]  # what was left, each with why
+    raw: pb.DeleteSessionResponse = field(repr=False, compare=False)
+
+
+def run_from_proto(m: pb.RunInfo) -> RunInfo:
+    return RunInfo(
+        run_id=m.run_id,
+        session_id=m.session_id,
+        prompt=m.prompt,
+        status=enum_member(RunStatus, pb.RunStatus, m.status, "RUN_STATUS_"),
+        stop_reason=enum_member(StopReason, pb.StopReason, m.stop_reason, "STOP_REASON_"),
+        resume=resume_from_proto(m.resume),
+        resume_method=m.resume_method,
+        fallback_reason=m.fallback_reason,
+        started_at=optional_datetime(m, "started_at"),
+        ended_at=optional_datetime(m, "ended_at"),
+        error=m.error,
+        request_id=m.request_id,
+        usage=usage_from_proto(m.usage) if m.HasField("usage") else None,
+        raw=m,
+    )
+
+
+def deletion_from_proto(m: pb.DeleteSessionResponse) -> Deletion:
+    return Deletion(
+        agent_stopped=m.agent_stopped,
+        turn_cancelled=m.turn_cancelled,
+        runs=m.runs,
+        transcript_entries=m.transcript_entries,
+        events=m.events,
+        agent_files=tuple(m.agent_files),
+        left=tuple(m.left),
+        raw=m,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,12 +22,13 @@ from typing import Any
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
-from rcoder.domain import BusyPolicy, ChatTurn, Forked, new_id
+from rcoder.domain import BusyPolicy, ChatTurn, Forked, SessionErased, new_id
 from rcoder.errors import InvalidArgument, NotFound, PermissionDenied, RunCancelled, SessionBusy, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
@@ -85,6 +86,7 @@ class AcpWorker:
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
         self._queues = TurnQueues(settings.max_queued_turns)
         runs.on_released = self._next_turn
+        self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -247,6 +249,12 @@ class AcpWorker:
         if holder is not None:
             raise SessionBusy(session_id, holder.run_id)
         return await self._pool.close(session_id)
+
+    async def delete_session(self, session_id: str) -> SessionErased:
+        """Erase the session everywhere this host can (``session.erasing``)."""
+        if self._closing:
+            raise ShuttingDown()
+        return await self._eraser.erase(session_id)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)

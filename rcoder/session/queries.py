@@ -9,7 +9,7 @@ from datetime import datetime
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import AgentCapabilities, SessionOrder, SessionRecord, UsageTotals
+from rcoder.domain import AgentCapabilities, RunRecord, SessionOrder, SessionRecord, UsageTotals
 from rcoder.errors import NotFound
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.runs import RunRegistry
@@ -90,6 +90,18 @@ class Queries:
         totals = await self._store.usage_totals([r.session_id for r, _ in page])
         views = [SessionView(r, self.status(r.session_id), totals.get(r.session_id)) for r, _ in page]
         return views, None if last is None else After(last[0].session_id, last[1])
+
+    async def runs(
+        self, session_id: str, limit: int, after: tuple[datetime, str] | None = None
+    ) -> tuple[list[RunRecord], tuple[datetime, str] | None]:
+        """A page of the session's runs, oldest first, and where the next one starts (None when
+        this was the last). ``NotFound`` for a session the store does not have."""
+        if await self._store.get_session(session_id) is None:
+            raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
+        found = await self._store.list_runs(session_id, limit + 1, after)
+        page = found[:limit]
+        last = page[-1] if len(found) > limit and page else None
+        return page, None if last is None else (last.started_at, last.run_id)
 
     def agents(self) -> list[AgentView]:
         views = []

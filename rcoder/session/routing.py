@@ -62,7 +62,12 @@ class Router:
     async def run_owner(self, run_id: str) -> Owner | None:
         """The live host that runs ``run_id`` if not this one (None: serve it here). A run of a
         host whose lease expired is ended in the store as "owner host lost" on the way."""
-        if not self._leases.shared or not run_id or self._runs.known(run_id):
+        if not self._leases.shared or not run_id:
+            return None
+        if self._runs.known(run_id):
+            # a finished run kept here whose session another host deleted: forgotten, NOT_FOUND here
+            if self._runs.finished(run_id) and await self._store.get_run(run_id) is None:
+                self._runs.forget_finished(run_id)
             return None
         owner = await self._leases.coordination.run_owner(run_id)
         if owner is None or owner.host_id == self.host_id:

@@ -39,12 +39,13 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
-from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted, SessionBusy
+from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted, SessionBusy, SessionDeleting
 from rcoder.session.budget import EVENT_OVERHEAD, ByteLedger, body_size, shrink, utf8_size
 
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
@@ -390,12 +391,44 @@ class RunRegistry:
         # told (without awaiting) the moment a session's running turn lets go of it: the first
         # turn queued for it is claimed then, before anything else can be (``session.queue``)
         self.on_released: Callable[[str], None] | None = None
+        self._deleting: set[str] = set()  # sessions being deleted: no turn claims them
+
+    @contextmanager
+    def deleting(self, session_id: str) -> Iterator[None]:
+        """While in it, no new turn claims ``session_id`` (``SessionDeleting``)."""
+        if session_id in self._deleting:
+            raise SessionDeleting(session_id)
+        self._deleting.add(session_id)
+        try:
+            yield
+        finally:
+            self._deleting.discard(session_id)
+
+    def finished(self, run_id: str) -> bool:
+        """Whether ``run_id`` is kept here and has ended."""
+        run = self._runs.get(run_id)
+        return run is not None and run.done
+
+    def forget_finished(self, run_id: str) -> None:
+        """Forget the finished run ``run_id`` (its session was deleted, maybe by another host)."""
+        run = self._runs.get(run_id)
+        if run is not None and run.done:
+            self._drop(run)
+
+    def forget_session(self, session_id: str) -> int:
+        """Forget every finished run of ``session_id`` kept here (it was deleted); returns how many."""
+        gone = [run for run in self._runs.values() if run.session_id == session_id and run.done]
+        for run in gone:
+            self._drop(run)
+        return len(gone)
 
     def claim(self, run: Run) -> None:
         """Register ``run`` as its session's one running turn, or raise ``SessionBusy``."""
         holder = self._holders.get(run.session_id)
         if holder is not None:
             raise SessionBusy(run.session_id, holder.run_id)
+        if run.session_id in self._deleting:
+            raise SessionDeleting(run.session_id)
         self._prune()
         self._holders[run.session_id] = run
         self._runs[run.run_id] = run

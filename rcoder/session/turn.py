@@ -516,6 +516,7 @@ class TurnRunner:
                 resume_method=body.resume_method.value,
                 fallback_reason=body.fallback_reason,
                 request_id=plan.turn.request_id,
+                prompt=plan.turn.prompt,
             ),
             lease=plan.lease,
         )

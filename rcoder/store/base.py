@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from rcoder.domain import (
+    Deleted,
     ResumeOutcome,
     RunRecord,
     RunStatus,
@@ -124,6 +125,20 @@ class SessionStore(Protocol):
     ) -> None: ...
 
     async def get_run(self, run_id: str) -> RunRecord | None: ...
+
+    async def list_runs(
+        self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None
+    ) -> list[RunRecord]:
+        """A session's runs, oldest first (by start, then run_id), those after ``after``, a
+        (started_at, run_id) this listing returned (paging)."""
+        ...
+
+    async def delete_session(self, session_id: str) -> Deleted | None:
+        """Erase the session: its runs (and their events), transcript, record, and where several
+        hosts share the store its lease and signals, in one transaction. None when there is no
+        such session. The deleted text is gone from the store's files (SQLite: ``secure_delete``
+        and a truncated log; PostgreSQL: once vacuumed, see the README)."""
+        ...
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         """The last ``limit`` turns of a session, oldest first."""

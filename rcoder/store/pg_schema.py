@@ -89,6 +89,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX run_events_by_session ON run_events (session_id)",
         "CREATE INDEX run_events_by_age ON run_events (created_at)",
     ),
+    (  # 7: each run's prompt, stored when it starts (ListRuns), and a session's runs in start
+        # order for its pages
+        "ALTER TABLE runs ADD COLUMN prompt text NOT NULL DEFAULT ''",
+        "CREATE INDEX runs_by_session_start ON runs (session_id, started_at, run_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -133,11 +138,27 @@ COPY_TRANSCRIPT = (
 )
 SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = %s, updated_at = %s WHERE session_id = %s"
 # a run's usage: the columns of store/usage.py USAGE_COLUMNS, in that order, after the record's
-GET_RUN = (
+# (and its prompt last)
+SELECT_RUNS = (
     "SELECT run_id, session_id, status, started_at, resume, resume_method, fallback_reason, request_id,"
     " stop_reason, error, ended_at, input_tokens, output_tokens, cached_read_tokens, cached_write_tokens,"
-    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency FROM runs WHERE run_id = %s"
+    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency, prompt FROM runs"
 )
+GET_RUN = SELECT_RUNS + " WHERE run_id = %s"
+# a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
+LIST_RUNS = (
+    SELECT_RUNS + " WHERE session_id = %s AND (started_at, run_id) > (%s, %s) ORDER BY started_at, run_id LIMIT %s"
+)
+# DeleteSession, in one transaction: the session's row locked first (a turn's fenced writes wait
+# for it, then find no lease and are refused), its children, then itself
+LOCK_SESSION = "SELECT session_id FROM sessions WHERE session_id = %s FOR UPDATE"
+DELETE_SIGNALS = (
+    "DELETE FROM signals WHERE session_id = %s OR run_id IN (SELECT run_id FROM runs WHERE session_id = %s)"
+)
+DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = %s"
+DELETE_RUNS = "DELETE FROM runs WHERE session_id = %s"
+DELETE_LEASE = "DELETE FROM leases WHERE session_id = %s"
+DELETE_SESSION = "DELETE FROM sessions WHERE session_id = %s"
 # by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
 # the cost is held within its first two parameters (COST_BOUNDS), as the SQLite store's is (the same
 # pages, the same tokens)
@@ -163,8 +184,8 @@ COST_TOTALS = (
 )
 START_RUN = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
-    " fallback_reason, request_id, started_at, ended_at, host_id)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
+    " fallback_reason, request_id, started_at, ended_at, host_id, prompt)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
 )  # one statement, so atomic: an unknown session fails the insert (foreign key) and nothing lands
 END_RUN = (
@@ -218,8 +239,8 @@ SET_PROVIDER_ID_FENCED = (
 )
 START_RUN_FENCED = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
-    " fallback_reason, request_id, started_at, ended_at, host_id)"
-    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
+    " fallback_reason, request_id, started_at, ended_at, host_id, prompt)"
+    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
     " WHERE EXISTS (SELECT 1 FROM leases l WHERE l.session_id = %s"
     " AND l.owner = %s AND l.generation = %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"

@@ -26,6 +26,7 @@ import psycopg
 from psycopg import AsyncCursor
 
 from rcoder.domain import (
+    Deleted,
     ResumeOutcome,
     RunRecord,
     RunStatus,
@@ -45,6 +46,7 @@ from rcoder.store.pg_pool import Row as Row
 from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
 
 T = TypeVar("T")
+_BEFORE_ALL = datetime.min.replace(tzinfo=UTC)  # a start before every run's (the first page of runs)
 
 # ---------------------------------------------------------------- conversions
 
@@ -72,7 +74,7 @@ def _run(row: Row) -> RunRecord:
     return RunRecord(
         run_id, session_id, RunStatus(status), started_at,
         None if resume is None else ResumeOutcome(resume), method, fallback, request_id,
-        None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:]),
+        None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:21]), row[21],
     )  # fmt: skip
 
 
@@ -276,7 +278,7 @@ class PostgresStore:
             None if record.stop_reason is None else record.stop_reason.value, record.error,
             None if record.resume is None else record.resume.value, record.resume_method,
             record.fallback_reason, record.request_id, _ts(record.started_at),
-            None if record.ended_at is None else _ts(record.ended_at), self._host_id,
+            None if record.ended_at is None else _ts(record.ended_at), self._host_id, record.prompt,
         )  # fmt: skip
         pointer = _params(record.run_id, _ts(record.started_at))
         if lease is not None:
@@ -342,6 +344,30 @@ class PostgresStore:
     async def get_run(self, run_id: str) -> RunRecord | None:
         rows = await self._rows(pg_schema.GET_RUN, _params(run_id))
         return _run(rows[0]) if rows else None
+
+    async def list_runs(
+        self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None
+    ) -> list[RunRecord]:
+        start: tuple[object, ...] = (_BEFORE_ALL, "") if after is None else (_ts(after[0]), after[1])
+        rows = await self._rows(pg_schema.LIST_RUNS, _params(session_id, *start, _positive(limit)))
+        return [_run(row) for row in rows]
+
+    async def delete_session(self, session_id: str) -> Deleted | None:
+        key = _params(session_id)
+
+        async def work(conn: Conn) -> Deleted | None:
+            async with conn.transaction():
+                if not await (await conn.execute(pg_schema.LOCK_SESSION, key)).fetchall():
+                    return None
+                await conn.execute(pg_schema.DELETE_SIGNALS, (*key, *key))
+                # run_events: deleted here after the merge of the history
+                entries = (await conn.execute(pg_schema.DELETE_TRANSCRIPT, key)).rowcount
+                runs = (await conn.execute(pg_schema.DELETE_RUNS, key)).rowcount
+                await conn.execute(pg_schema.DELETE_LEASE, key)
+                await conn.execute(pg_schema.DELETE_SESSION, key)
+            return Deleted(runs=runs, transcript_entries=entries)
+
+        return await self._pool.call(work)
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(pg_schema.TRANSCRIPT, _params(session_id, _positive(limit)))

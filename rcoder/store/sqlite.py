@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rcoder.domain import (
+    Deleted,
     ResumeOutcome,
     RunRecord,
     RunStatus,
@@ -99,6 +100,7 @@ def _inline_connection(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("PRAGMA secure_delete=ON")  # per connection: see _prepare
     except BaseException:
         conn.close()
         raise
@@ -114,6 +116,9 @@ def _prepare(conn: sqlite3.Connection) -> int:
         raise StoreError(f"store: SQLite refused WAL mode (journal_mode={mode})")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
+    # deleted rows (DeleteSession) are overwritten with zeros in the pages, not just unlinked; the
+    # log's old frames are dropped by the TRUNCATE checkpoint after a delete (and at close)
+    conn.execute("PRAGMA secure_delete=ON")
     with _transaction(conn):
         sqlite_schema.migrate(conn)
     with _transaction(conn):
@@ -145,6 +150,22 @@ def _finish_run(
         )
         _require_row(cursor, "session", entry.session_id)
         conn.execute(sqlite_schema.COUNT_TURN, (time_text(at), entry.session_id))
+
+
+def _delete_session(conn: sqlite3.Connection, session_id: str) -> Deleted | None:
+    """Erase one session and everything of it in one transaction, then fold the log into the
+    database and truncate it: with ``secure_delete`` the deleted text is then in neither file."""
+    with _transaction(conn):
+        if not conn.execute(sqlite_schema.GET_SESSION, (session_id,)).fetchall():
+            return None
+        # run_events: deleted here after the merge of the history
+        entries = conn.execute(sqlite_schema.DELETE_TRANSCRIPT, (session_id,)).rowcount
+        runs = conn.execute(sqlite_schema.DELETE_RUNS, (session_id,)).rowcount
+        conn.execute(sqlite_schema.DELETE_SESSION, (session_id,))
+    # a reader holding an old snapshot can keep the log from being truncated now (busy_timeout
+    # bounds the wait); the checkpoints that follow, and the one at close, finish the job
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return Deleted(runs=runs, transcript_entries=entries)
 
 
 # ---------------------------------------------------------------- the store
@@ -358,7 +379,7 @@ class SqliteStore:
             None if record.stop_reason is None else record.stop_reason.value, record.error,
             None if record.resume is None else record.resume.value, record.resume_method,
             record.fallback_reason, record.request_id, time_text(record.started_at),
-            None if record.ended_at is None else time_text(record.ended_at),
+            None if record.ended_at is None else time_text(record.ended_at), record.prompt,
         )  # fmt: skip
         pointer = (record.run_id, time_text(record.started_at), record.session_id)
 
@@ -399,6 +420,16 @@ class SqliteStore:
     async def get_run(self, run_id: str) -> RunRecord | None:
         rows = await self._rows(sqlite_schema.GET_RUN, (run_id,))
         return run_of(rows[0]) if rows else None
+
+    async def list_runs(
+        self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None
+    ) -> list[RunRecord]:
+        start = ("", "") if after is None else (time_text(after[0]), after[1])
+        rows = await self._rows(sqlite_schema.LIST_RUNS, (session_id, *start, _positive(limit)), point=False)
+        return [run_of(row) for row in rows]
+
+    async def delete_session(self, session_id: str) -> Deleted | None:
+        return await self._call(lambda conn: _delete_session(conn, session_id), point=False)
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(sqlite_schema.TRANSCRIPT, (session_id, _positive(limit)), point=limit == 1)

@@ -65,6 +65,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX run_events_by_session ON run_events(session_id)",
         "CREATE INDEX run_events_by_age ON run_events(created_at)",
     ),
+    (  # 4: each run's prompt, stored when it starts (ListRuns), and a session's runs in start
+        # order for its pages
+        "ALTER TABLE runs ADD COLUMN prompt TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX runs_by_session_start ON runs(session_id, started_at, run_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -138,8 +143,16 @@ SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = ?, updated_at = ? W
 # runs
 INSERT_RUN = (
     "INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method, fallback_reason,"
-    " request_id, started_at, ended_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+    " request_id, started_at, ended_at, prompt) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
 )
+# a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
+LIST_RUNS = (
+    "SELECT * FROM runs WHERE session_id = ? AND (started_at, run_id) > (?, ?) ORDER BY started_at, run_id LIMIT ?"
+)
+# DeleteSession: everything of one session, children first (one transaction, the store's)
+DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = ?"
+DELETE_RUNS = "DELETE FROM runs WHERE session_id = ?"
+DELETE_SESSION = "DELETE FROM sessions WHERE session_id = ?"
 SET_LAST_RUN = "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE session_id = ?"
 # a run's usage in the order of store/usage.py USAGE_COLUMNS, then its run_id
 END_RUN = (

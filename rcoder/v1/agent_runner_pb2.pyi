@@ -132,6 +132,33 @@ FORK_METHOD_RESEEDED: ForkMethod.ValueType  # 2
 """the agent cannot fork: the branch's first turn is re-seeded"""
 Global___ForkMethod: _TypeAlias = ForkMethod  # noqa: Y015
 
+class _RunStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RUN_STATUS_UNSPECIFIED: _RunStatus.ValueType  # 0
+    RUN_STATUS_RUNNING: _RunStatus.ValueType  # 1
+    RUN_STATUS_COMPLETED: _RunStatus.ValueType  # 2
+    """ended by the agent (or a cancel): stop_reason says how"""
+    RUN_STATUS_FAILED: _RunStatus.ValueType  # 3
+    """ended with an error"""
+    RUN_STATUS_INTERRUPTED: _RunStatus.ValueType  # 4
+    """its daemon stopped while it ran"""
+
+class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper): ...
+
+RUN_STATUS_UNSPECIFIED: RunStatus.ValueType  # 0
+RUN_STATUS_RUNNING: RunStatus.ValueType  # 1
+RUN_STATUS_COMPLETED: RunStatus.ValueType  # 2
+"""ended by the agent (or a cancel): stop_reason says how"""
+RUN_STATUS_FAILED: RunStatus.ValueType  # 3
+"""ended with an error"""
+RUN_STATUS_INTERRUPTED: RunStatus.ValueType  # 4
+"""its daemon stopped while it ran"""
+Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
+
 class _SessionStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -939,6 +966,197 @@ class Host(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Host: _TypeAlias = Host  # noqa: Y015
+
+@_typing.final
+class ListRunsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """required"""
+    page_size: _builtins.int
+    """default 100, at most 1000"""
+    page_token: _builtins.str
+    """a previous answer's next_page_token, for the same session"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRunsRequest: _TypeAlias = ListRunsRequest  # noqa: Y015
+
+@_typing.final
+class ListRunsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """empty on the last page"""
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunInfo]:
+        """oldest first"""
+
+    def __init__(
+        self,
+        *,
+        runs: _abc.Iterable[Global___RunInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRunsResponse: _TypeAlias = ListRunsResponse  # noqa: Y015
+
+@_typing.final
+class RunInfo(_message.Message):
+    """One turn of a session, as the store has it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    RESUME_METHOD_FIELD_NUMBER: _builtins.int
+    FALLBACK_REASON_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    session_id: _builtins.str
+    prompt: _builtins.str
+    """the prompt's text, stored when the run started"""
+    status: Global___RunStatus.ValueType
+    stop_reason: Global___StopReason.ValueType
+    """unset while running"""
+    resume: Global___ResumeOutcome.ValueType
+    """how its session was opened"""
+    error: _builtins.str
+    request_id: _builtins.str
+    resume_method: _builtins.str
+    """new | live | resume | load | meta | not_opened"""
+    fallback_reason: _builtins.str
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def ended_at(self) -> _timestamp_pb2.Timestamp:
+        """unset while running"""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """unset when the agent reported nothing"""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        status: Global___RunStatus.ValueType = ...,
+        stop_reason: Global___StopReason.ValueType = ...,
+        resume: Global___ResumeOutcome.ValueType = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        ended_at: _timestamp_pb2.Timestamp | None = ...,
+        error: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        usage: Global___Usage | None = ...,
+        resume_method: _builtins.str = ...,
+        fallback_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunInfo: _TypeAlias = RunInfo  # noqa: Y015
+
+@_typing.final
+class DeleteSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteSessionRequest: _TypeAlias = DeleteSessionRequest  # noqa: Y015
+
+@_typing.final
+class DeleteSessionResponse(_message.Message):
+    """What DeleteSession erased, and what it could not."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_STOPPED_FIELD_NUMBER: _builtins.int
+    TURN_CANCELLED_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_ENTRIES_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    AGENT_FILES_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
+    agent_stopped: _builtins.bool
+    """a live agent of the session was ended"""
+    turn_cancelled: _builtins.bool
+    """a running turn was cancelled first"""
+    runs: _builtins.int
+    """runs deleted"""
+    transcript_entries: _builtins.int
+    """transcript entries deleted"""
+    events: _builtins.int
+    """stored run events deleted"""
+    @_builtins.property
+    def agent_files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the agent's own files removed (paths on the host that answered)"""
+
+    @_builtins.property
+    def left(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what is left, each with why (e.g. what the agent keeps where rcoder cannot erase it)"""
+
+    def __init__(
+        self,
+        *,
+        agent_stopped: _builtins.bool = ...,
+        turn_cancelled: _builtins.bool = ...,
+        runs: _builtins.int = ...,
+        transcript_entries: _builtins.int = ...,
+        events: _builtins.int = ...,
+        agent_files: _abc.Iterable[_builtins.str] | None = ...,
+        left: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_files", b"agent_files", "agent_stopped", b"agent_stopped", "events", b"events", "left", b"left", "runs", b"runs", "transcript_entries", b"transcript_entries", "turn_cancelled", b"turn_cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
 
 @_typing.final
 class ListAgentsRequest(_message.Message):

@@ -84,6 +84,16 @@ class AgentRunnerStub:
                 request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsRequest.SerializeToString,
                 response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsResponse.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/ListRuns',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListRunsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/DeleteSession',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
 
 
 class AgentRunnerServicer:
@@ -157,6 +167,22 @@ class AgentRunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRuns(self, request, context):
+        """A session's runs, oldest first, each with its prompt and outcome (paged).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
+        transcript and record, and the agent's own copy where rcoder knows the kind's layout.
+        Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentRunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +235,16 @@ def add_AgentRunnerServicer_to_server(servicer, server):
                     servicer.ListHosts,
                     request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsRequest.FromString,
                     response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListHostsResponse.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListRunsRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +517,60 @@ class AgentRunner:
             '/rcoder.v1.AgentRunner/ListHosts',
             rcoder_dot_v1_dot_agent__runner__pb2.ListHostsRequest.SerializeToString,
             rcoder_dot_v1_dot_agent__runner__pb2.ListHostsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/ListRuns',
+            rcoder_dot_v1_dot_agent__runner__pb2.ListRunsRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/DeleteSession',
+            rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,13 @@ class AgentRunnerStub:
     """
     ListHosts: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListHostsRequest, _agent_runner_pb2.ListHostsResponse]
     """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one."""
+    ListRuns: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListRunsRequest, _agent_runner_pb2.ListRunsResponse]
+    """A session's runs, oldest first, each with its prompt and outcome (paged)."""
+    DeleteSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.DeleteSessionRequest, _agent_runner_pb2.DeleteSessionResponse]
+    """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
+    transcript and record, and the agent's own copy where rcoder knows the kind's layout.
+    Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+    """
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
@@ -77,6 +84,13 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     """
     ListHosts: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListHostsRequest, _agent_runner_pb2.ListHostsResponse]  # type: ignore[assignment]
     """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one."""
+    ListRuns: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListRunsRequest, _agent_runner_pb2.ListRunsResponse]  # type: ignore[assignment]
+    """A session's runs, oldest first, each with its prompt and outcome (paged)."""
+    DeleteSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.DeleteSessionRequest, _agent_runner_pb2.DeleteSessionResponse]  # type: ignore[assignment]
+    """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
+    transcript and record, and the agent's own copy where rcoder knows the kind's layout.
+    Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+    """
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -157,5 +171,24 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_runner_pb2.ListHostsResponse, _abc.Awaitable[_agent_runner_pb2.ListHostsResponse]]:
         """The daemons sharing this one's store (several hosts on PostgreSQL); with SQLite, this one."""
+
+    @_abc_1.abstractmethod
+    def ListRuns(
+        self,
+        request: _agent_runner_pb2.ListRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.ListRunsResponse, _abc.Awaitable[_agent_runner_pb2.ListRunsResponse]]:
+        """A session's runs, oldest first, each with its prompt and outcome (paged)."""
+
+    @_abc_1.abstractmethod
+    def DeleteSession(
+        self,
+        request: _agent_runner_pb2.DeleteSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.DeleteSessionResponse, _abc.Awaitable[_agent_runner_pb2.DeleteSessionResponse]]:
+        """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
+        transcript and record, and the agent's own copy where rcoder knows the kind's layout.
+        Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+        """
 
 def add_AgentRunnerServicer_to_server(servicer: AgentRunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -211,3 +211,48 @@ async def test_a_turn_queued_through_another_host_waits_at_the_owner_and_runs_th
     assert await a.daemon.wait_log("run_started", run_id=last.run_id)
     for other in (b, c):
         assert all(r.get("session_id") != session_id for r in other.daemon.logs("run_started")), other.name
+
+
+async def test_delete_through_another_host_ends_the_owners_agent_and_every_host_forgets_the_session(
+    three: Hosts,
+) -> None:
+    a, b, c = three["a"], three["b"], three["c"]
+    first, _ = await chat(a, prompt="remember 42")
+    session_id, run_id = first[0].session_id, first[0].run_id
+
+    call = b.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), metadata=AUTH_MD, timeout=30)
+    answer = await call
+
+    assert dict(await call.trailing_metadata())[OWNER_KEY] == a.address  # forwarded: the owner deleted it
+    assert answer.agent_stopped and (answer.runs, answer.transcript_entries) == (1, 1)
+    assert await a.daemon.wait_log("session_deleted", session_id=session_id)
+    for host in (a, b, c):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await host.stub.GetSession(pb.GetSessionRequest(session_id=session_id), metadata=AUTH_MD)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await host.stub.ListRuns(pb.ListRunsRequest(session_id=session_id), metadata=AUTH_MD)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        subscribe = host.stub.Subscribe(pb.SubscribeRequest(run_id=run_id), metadata=AUTH_MD, timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            _ = [event async for event in subscribe]
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_run_another_host_still_keeps_is_not_found_once_its_session_was_deleted_elsewhere(
+    three: Hosts,
+) -> None:
+    a, b = three["a"], three["b"]
+    first, _ = await chat(a, prompt="remember 42")
+    session_id, run_id = first[0].session_id, first[0].run_id
+    await a.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=AUTH_MD)  # no owner now
+
+    call = b.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), metadata=AUTH_MD, timeout=30)
+    answer = await call
+
+    assert dict(await call.trailing_metadata())[OWNER_KEY] == b.address and not answer.agent_stopped
+    # a still keeps the finished run for Subscribe (run_retention): the store says it is gone
+    subscribe = a.stub.Subscribe(pb.SubscribeRequest(run_id=run_id), metadata=AUTH_MD, timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        _ = [event async for event in subscribe]
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -8,13 +8,17 @@ import ast
 import asyncio
 import re
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from rcoder.domain import RunRecord, RunStatus, SessionRecord
 from rcoder.errors import StoreError
 from rcoder.store import make_signals, pg_schema
+from rcoder.store.cluster import Taken
+from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.pg_signals import APPLICATION_NAME, PgSignals
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.signals import Signal, SignalKind
@@ -134,3 +138,25 @@ def _strings(path: Path) -> list[str]:
     """Every string literal of a module: its SQL, wherever it is written."""
     tree = ast.parse(path.read_text())
     return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+async def test_deleting_a_session_takes_its_lease_and_the_signals_left_for_it(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, _ = stores
+    now = datetime.now(UTC)
+    for session_id in ("s1", "s2"):
+        await a.create_session(SessionRecord(session_id, "proj", "/w", "fake", "", now, now))
+        taken = await PgCoordination(a, 15).acquire(session_id)
+        assert isinstance(taken, Taken)
+    await a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, now, prompt="hi"))
+    box = PgSignals(a)
+    await box.send(Signal(SignalKind.CANCEL, "host-b", session_id="s1"))
+    await box.send(Signal(SignalKind.PERMISSION, "host-b", run_id="r1", permission_id="p", option_id="o"))
+    await box.send(Signal(SignalKind.CANCEL, "host-b", session_id="s2"))
+
+    deleted = await a.delete_session("s1")
+
+    assert deleted is not None and deleted.runs == 1
+    assert await a.rows("SELECT session_id FROM leases ORDER BY session_id", ()) == [("s2",)]
+    assert await a.rows("SELECT session_id, run_id FROM signals", ()) == [("s2", "")]

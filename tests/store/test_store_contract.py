@@ -418,3 +418,40 @@ async def test_a_sigkilled_writer_leaves_a_sound_store_with_its_runs_interrupted
             assert s.turns == int(statuses.get(s.last_run_id) is RunStatus.COMPLETED)
     finally:
         await store.close()
+
+
+async def test_runs_list_oldest_first_in_pages_with_their_prompts(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    await store.create_session(session("s2"))
+    for n in range(5):  # started in reverse id order: the start orders them, the id breaks ties
+        record = RunRecord(f"r{9 - n}", "s1", RunStatus.RUNNING, T0 + timedelta(seconds=n // 2), prompt=f"p{n}")
+        await store.start_run(record)
+    await store.start_run(RunRecord("other", "s2", RunStatus.RUNNING, T0, prompt="elsewhere"))
+
+    first = await store.list_runs("s1", 3)
+    rest = await store.list_runs("s1", 3, (first[-1].started_at, first[-1].run_id))
+
+    assert [r.run_id for r in first + rest] == ["r8", "r9", "r6", "r7", "r5"]
+    assert [r.prompt for r in first + rest] == ["p1", "p0", "p3", "p2", "p4"]
+    assert await store.list_runs("nope") == []
+
+
+async def test_delete_session_erases_it_and_leaves_its_fork(store: SessionStore) -> None:
+    await store.create_session(session("s1", provider="p1"))
+    await run_turn(store, "s1", "r1", "first")
+    await run_turn(store, "s1", "r2", "second")
+    await store.fork_session("s1", session("fork"))
+    await store.create_session(session("s2"))
+    await run_turn(store, "s2", "r3", "kept")
+
+    deleted = await store.delete_session("s1")
+
+    assert deleted is not None and (deleted.runs, deleted.transcript_entries) == (2, 2)
+    assert await store.get_session("s1") is None
+    assert await store.get_run("r1") is None and await store.get_run("r2") is None
+    assert await store.transcript("s1") == [] and await store.list_runs("s1") == []
+    assert await store.find_session_by_provider_id("claude", "p1") is None
+    assert [e.prompt for e in await store.transcript("fork")] == ["first", "second"], "the fork keeps its copy"
+    assert await store.get_run("r3") is not None and len(await store.transcript("s2")) == 1
+    assert await store.delete_session("s1") is None
+    assert await store.integrity_check() == "ok"

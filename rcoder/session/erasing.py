@@ -1,0 +1,106 @@
+"""``DeleteSession`` on the host that serves the session (its owner, or any when none holds it).
+
+In order, while no new turn may claim the session (``RunRegistry.deleting``):
+
+1. a running turn is cancelled, and waited for (bounded) until it has ended;
+2. the session's live agent is ended (its lease released with it);
+3. the store erases its runs, their events, its transcript and record (and, with several hosts,
+   its lease and signals), in one transaction: a turn another host might start meanwhile finds
+   no lease and no record, and its writes are refused;
+4. this host forgets the runs it kept for ``Subscribe``;
+5. the agent's own copy of the conversation is removed from its home here, where rcoder knows
+   the kind's layout (``rcoder.agent.erase``): what could not be is said, never hidden.
+
+A fork is a session of its own and is left as it is. When another session names the same agent
+session (it adopted it), the agent's files are left for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rcoder.agent.launcher import AgentLauncher
+from rcoder.config import Settings
+from rcoder.domain import SessionErased, SessionRecord
+from rcoder.errors import NotFound, SessionBusy, UnsafePath
+from rcoder.logs import get_logger
+from rcoder.session.agent_pool import AgentPool
+from rcoder.session.runs import RunRegistry
+from rcoder.session.turn import TurnRunner
+from rcoder.store.base import SessionStore
+
+log = get_logger("rcoder.session.erasing")
+TURN_END_MARGIN = 5.0  # seconds past a cancelled turn's own bounds before the delete gives up
+
+
+class SessionEraser:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SessionStore,
+        launcher: AgentLauncher,
+        pool: AgentPool,
+        runs: RunRegistry,
+        turns: TurnRunner,
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._launcher = launcher
+        self._pool = pool
+        self._runs = runs
+        self._turns = turns
+
+    async def erase(self, session_id: str) -> SessionErased:
+        record = await self._store.get_session(session_id)
+        if record is None:
+            raise NotFound("session", session_id, "no session with this id (it may have been deleted)")
+        with self._runs.deleting(session_id):
+            cancelled = await self._end_turn(session_id)
+            if cancelled:  # the turn may have opened a new agent session (a fallback): as it left it
+                record = await self._store.get_session(session_id) or record
+            stopped = await self._pool.close(session_id)
+            deleted = await self._store.delete_session(session_id)
+            if deleted is None:
+                raise NotFound("session", session_id, "deleted meanwhile by another request")
+            self._runs.forget_session(session_id)
+            removed, left = await self._erase_agent_copy(record)
+        log.info("session_deleted", session_id=session_id, runs=deleted.runs, agent_stopped=stopped,
+                 turn_cancelled=cancelled, agent_files=len(removed), left=len(left))  # fmt: skip
+        return SessionErased(deleted, stopped, cancelled, tuple(removed), tuple(left))
+
+    async def _end_turn(self, session_id: str) -> bool:
+        """Cancel the session's running turn, if any, and wait until it has ended."""
+        holder = self._runs.holder(session_id)
+        if holder is None:
+            return False
+        ended = asyncio.Event()
+        holder.add_done_callback(lambda _: ended.set())
+        self._turns.cancel(holder.run_id)
+        settings = self._settings
+        bound = settings.cancel_grace + 4 * settings.agent_stop_grace + TURN_END_MARGIN
+        try:
+            async with asyncio.timeout(bound):
+                await ended.wait()
+        except TimeoutError:
+            raise SessionBusy(session_id, holder.run_id) from None
+        return True
+
+    async def _erase_agent_copy(self, record: SessionRecord) -> tuple[list[str], list[str]]:
+        provider_id = record.provider_session_id
+        if not provider_id:
+            return [], []
+        sharer = await self._store.find_session_by_provider_id(record.agent, provider_id)
+        if sharer is not None:
+            why = f"session {sharer.session_id} continues the agent's session {provider_id}: its files were left"
+            return [], [why]
+        profile = self._settings.profile(record.agent)
+        if profile is None:
+            why = f"no agent profile {record.agent!r} is configured: its files of session {provider_id} were left"
+            return [], [why]
+        try:
+            erased = await self._launcher.erase_conversation(profile, record.cwd, provider_id)
+        except (UnsafePath, OSError) as exc:
+            why = exc.message if isinstance(exc, UnsafePath) else f"{type(exc).__name__}: {exc}"
+            log.warning("agent_files_not_erased", provider_session_id=provider_id, error=why[:300])
+            return [], [f"the agent's files of session {provider_id} could not be removed: {why}"]
+        return erased.removed, erased.left

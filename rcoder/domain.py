@@ -434,7 +434,7 @@ class Deleted:
 
     runs: int
     transcript_entries: int
-    events: int = 0  # stored run events (the history; 0 before it is stored)
+    events: int = 0  # stored run events (the history)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,6 +125,8 @@ async def test_delete_cancels_the_running_turn_ends_the_agent_and_forgets_every_
 
     assert answer.turn_cancelled and answer.agent_stopped
     assert (answer.runs, answer.transcript_entries) == (2, 2)  # the cancelled turn has its entry too
+    # stored history: the first turn's started, text and completed, the cancelled one's started and completed
+    assert answer.events >= 5, answer.events
     assert completed(await rest_of(running)).stop_reason == pb.STOP_REASON_CANCELLED
     assert not processes_mentioning(str(fake.state_dir)), "the agent was ended"
     assert len(answer.left) == 1 and "does not know where this agent keeps" in answer.left[0]

@@ -155,6 +155,7 @@ LOCK_SESSION = "SELECT session_id FROM sessions WHERE session_id = %s FOR UPDATE
 DELETE_SIGNALS = (
     "DELETE FROM signals WHERE session_id = %s OR run_id IN (SELECT run_id FROM runs WHERE session_id = %s)"
 )
+DELETE_EVENTS = "DELETE FROM run_events WHERE session_id = %s"
 DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = %s"
 DELETE_RUNS = "DELETE FROM runs WHERE session_id = %s"
 DELETE_LEASE = "DELETE FROM leases WHERE session_id = %s"

@@ -360,12 +360,12 @@ class PostgresStore:
                 if not await (await conn.execute(pg_schema.LOCK_SESSION, key)).fetchall():
                     return None
                 await conn.execute(pg_schema.DELETE_SIGNALS, (*key, *key))
-                # run_events: deleted here after the merge of the history
+                events = (await conn.execute(pg_schema.DELETE_EVENTS, key)).rowcount
                 entries = (await conn.execute(pg_schema.DELETE_TRANSCRIPT, key)).rowcount
                 runs = (await conn.execute(pg_schema.DELETE_RUNS, key)).rowcount
                 await conn.execute(pg_schema.DELETE_LEASE, key)
                 await conn.execute(pg_schema.DELETE_SESSION, key)
-            return Deleted(runs=runs, transcript_entries=entries)
+            return Deleted(runs=runs, transcript_entries=entries, events=events)
 
         return await self._pool.call(work)
 

@@ -158,14 +158,14 @@ def _delete_session(conn: sqlite3.Connection, session_id: str) -> Deleted | None
     with _transaction(conn):
         if not conn.execute(sqlite_schema.GET_SESSION, (session_id,)).fetchall():
             return None
-        # run_events: deleted here after the merge of the history
+        events = conn.execute(sqlite_schema.DELETE_EVENTS, (session_id,)).rowcount
         entries = conn.execute(sqlite_schema.DELETE_TRANSCRIPT, (session_id,)).rowcount
         runs = conn.execute(sqlite_schema.DELETE_RUNS, (session_id,)).rowcount
         conn.execute(sqlite_schema.DELETE_SESSION, (session_id,))
     # a reader holding an old snapshot can keep the log from being truncated now (busy_timeout
     # bounds the wait); the checkpoints that follow, and the one at close, finish the job
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-    return Deleted(runs=runs, transcript_entries=entries)
+    return Deleted(runs=runs, transcript_entries=entries, events=events)
 
 
 # ---------------------------------------------------------------- the store

@@ -150,6 +150,7 @@ LIST_RUNS = (
     "SELECT * FROM runs WHERE session_id = ? AND (started_at, run_id) > (?, ?) ORDER BY started_at, run_id LIMIT ?"
 )
 # DeleteSession: everything of one session, children first (one transaction, the store's)
+DELETE_EVENTS = "DELETE FROM run_events WHERE session_id = ?"
 DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = ?"
 DELETE_RUNS = "DELETE FROM runs WHERE session_id = ?"
 DELETE_SESSION = "DELETE FROM sessions WHERE session_id = ?"

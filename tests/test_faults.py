@@ -15,7 +15,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited, processes_left_inside
-from tests.harness import FakeAgentSetup, completed, processes_mentioning, started, text_of
+from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning, started, text_of
 from tests.turns import read_until, rest_of, start_turn
 
 # `make soak` raises these counts (RCODER_SOAK=1); `make test` runs a few of each
@@ -24,6 +24,7 @@ KILLS = int(os.environ.get("RCODER_KILLS") or (100 if SOAK else 3))  # RCODER_KI
 # after each kill the newest session resumes, and this many older ones drawn at random; after
 # the last, every session: what each round checks stays, its cost does not grow with the rounds
 SAMPLE = 3
+RESUME_AT_ONCE = 4  # as many as the daemon starts at once (agent_start_concurrency)
 # one client cut in this many is of a new session's first turn, on an agent just started; the others
 # are of turns of that session on its live agent (an agent's start costs some fifty of its turns)
 COLD_EVERY = 20
@@ -169,8 +170,8 @@ async def test_a_daemon_killed_mid_turn_recovers_every_session_and_leaves_no_age
         # swept: nothing of the killed daemon's agents is left (their children work in the projects)
         assert await processes_left_inside(tmp_path, {daemon.pid}, timeout=10) == [], f"round {round_}"
         assert not alive(child)
-        for sid in resumed_after(round_, sessions, newest, rng):
-            again = await client.chat(prompt="which?", session_id=sid)
+        resumed = resumed_after(round_, sessions, newest, rng)
+        for sid, again in zip(resumed, await resume_all(client, resumed), strict=True):
             assert text_of(again) == f"I remember: {sessions[sid]}", f"round {round_}, seed {seed}"
     await daemon.stop()
     assert processes_mentioning(str(fake.state_dir)) == []
@@ -184,6 +185,18 @@ def resumed_after(round_: int, sessions: dict[str, int], newest: str, rng: rando
         return list(sessions)
     older = [sid for sid in sessions if sid != newest]
     return [newest, *rng.sample(older, min(SAMPLE, len(older)))]
+
+
+async def resume_all(client: Client, session_ids: list[str]) -> list[list[pb.ChatStream]]:
+    """A turn on each session, ``RESUME_AT_ONCE`` at a time: their agents start side by side, on
+    every core (an agent's start is most of what a round costs)."""
+    at_once = asyncio.Semaphore(RESUME_AT_ONCE)
+
+    async def resume(session_id: str) -> list[pb.ChatStream]:
+        async with at_once:
+            return await client.chat(prompt="which?", session_id=session_id)
+
+    return await asyncio.gather(*(resume(sid) for sid in session_ids))
 
 
 async def test_client_cuts_at_random_points_lose_nothing_on_resubscribe(make_daemon: DaemonFactory) -> None:

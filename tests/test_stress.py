@@ -24,10 +24,10 @@ from tests.turns import rest_of, start_turn
 SOAK = os.environ.get("RCODER_SOAK") == "1"
 MIB = 1 << 20
 RUNS_TOTAL_BYTES = 16 * MIB  # what all runs may hold: the 24 sessions' tool calls are 96 MiB
-# `make soak`: ten thousand turns as 100 sessions of 100 (each session's five agent starts cost
-# some 250 live turns: more sessions of fewer turns would not fit in the soak's time)
-SESSIONS = 100 if SOAK else 24
-TURNS_PER_SESSION = 100 if SOAK else 14  # every path once, the rest plain turns on the live agent
+# `make soak`: ten thousand turns as 50 sessions of 200 (a session's five agent starts cost what
+# some 400 live turns do: the 850 sessions of 14 it once ran took most of the soak's time alone)
+SESSIONS = 50 if SOAK else 24
+TURNS_PER_SESSION = 200 if SOAK else 14  # every path once, the rest plain turns on the live agent
 CONCURRENCY = 4
 
 

@@ -67,7 +67,9 @@ async def one_session(client: Client, index: int) -> dict[str, int]:
     return stops
 
 
-@pytest.mark.timeout(480)  # ~100 agent starts (0.4 s of CPU each) among 336 turns: 150-210 s beside the other worker
+# `make test`: ~100 agent starts (0.4 s of CPU each) among 336 turns, 150-210 s beside the other worker;
+# `make soak` sets no bound (a marker's would win over its --timeout=0)
+@pytest.mark.timeout(0 if SOAK else 480)
 async def test_hundreds_of_runs_through_every_path_leak_nothing(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:

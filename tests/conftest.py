@@ -84,7 +84,7 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
         leftovers = processes_mentioning(str(fake.state_dir))
         # real agents: anything still running in the test's folders (cwd) or with its HOME there
         daemons = {d.proc.pid for d, _ in started if d.proc is not None}
-        leftovers += await _gone_within(tmp_path, daemons, timeout=5.0)
+        leftovers += await processes_left_inside(tmp_path, daemons, timeout=5.0)
         for daemon, _ in started:
             await daemon.kill()
         assert not leftovers, f"agent processes left behind: {leftovers}"
@@ -126,7 +126,7 @@ def processes_inside(root: Path, exclude: set[int]) -> list[int]:
     return found
 
 
-async def _gone_within(root: Path, exclude: set[int], timeout: float) -> list[int]:
+async def processes_left_inside(root: Path, exclude: set[int], timeout: float) -> list[int]:
     """Processes under ``root`` still alive after ``timeout`` (a killed group takes a moment to go):
     each is waited for on its pidfd, which becomes readable when it exits."""
     with contextlib.suppress(TimeoutError):

@@ -11,7 +11,9 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -118,9 +120,24 @@ def processes_mentioning(marker: str) -> list[int]:
     return found
 
 
+@functools.cache
+def die_with_the_test() -> tuple[str, ...]:
+    """The argv prefix that gives a daemon ``PR_SET_PDEATHSIG=SIGKILL`` (util-linux ``setpriv``), so
+    that it ends with the test process that started it, even one killed with no cleanup (a pytest
+    worker killed, a timeout's ``os._exit``); its agents then end with it, by their own death signal.
+    The signal follows the thread that spawned it: the event loop's, which lives as long as the
+    test process. ``()`` where ``setpriv`` lacks ``--pdeathsig`` (util-linux older than 2.33)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ()
+    usage = subprocess.run([setpriv, "--help"], capture_output=True, timeout=10, check=False).stdout
+    return (setpriv, "--pdeathsig", "KILL", "--") if b"--pdeathsig" in usage else ()
+
+
 @dataclass
 class Daemon:
-    """``rcoder serve`` in its own process group, reporting the address it bound."""
+    """``rcoder serve`` in its own process group, reporting the address it bound; it dies with
+    the test process (``die_with_the_test``)."""
 
     config: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -133,6 +150,7 @@ class Daemon:
     async def start(self) -> Daemon:
         env = {**os.environ, **self.env, "RCODER_LOG_FORMAT": "json"}
         self.proc = await asyncio.create_subprocess_exec(
+            *die_with_the_test(),
             sys.executable, "-m", "rcoder", "serve", "--config", str(self.config), "--listen", "127.0.0.1:0",
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env=env, cwd=str(self.config.parent),
@@ -212,6 +230,11 @@ class Daemon:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
                     await self._stderr_task
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the daemon was started"
+        return self.proc.pid
 
     @property
     def token(self) -> str:

@@ -14,16 +14,20 @@ import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import DaemonFactory, exited
-from tests.harness import FakeAgentSetup, completed, processes_mentioning, started, text_of
+from tests.conftest import DaemonFactory, exited, processes_left_inside
+from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning, started, text_of
 from tests.turns import read_until, rest_of, start_turn
 
 # `make soak` raises these counts (RCODER_SOAK=1); `make test` runs a few of each
 SOAK = os.environ.get("RCODER_SOAK") == "1"
-KILLS = 100 if SOAK else 3
+KILLS = int(os.environ.get("RCODER_KILLS") or (100 if SOAK else 3))  # RCODER_KILLS: a shorter or longer run
 # after each kill the newest session resumes, and this many older ones drawn at random; after
 # the last, every session: what each round checks stays, its cost does not grow with the rounds
 SAMPLE = 3
+RESUME_AT_ONCE = 4  # as many as the daemon starts at once (agent_start_concurrency)
+# one client cut in this many is of a new session's first turn, on an agent just started; the others
+# are of turns of that session on its live agent (an agent's start costs some fifty of its turns)
+COLD_EVERY = 20
 
 
 async def test_an_agent_that_exits_at_once_is_started_once_per_request_no_retry_storm(
@@ -131,14 +135,17 @@ async def test_a_daemon_killed_mid_turn_recovers_every_session_and_leaves_no_age
     rng = random.Random(f"{point}-{seed}")
     profile = fake.profile("--spawn-child")
     sessions: dict[str, int] = {}
+    # each restarted daemon is the next round's victim: one daemon start a kill, and the agents
+    # of the sessions it resumed are live beside the turn that is killed
+    daemon, client = await make_daemon({"fake": profile})
     for round_ in range(KILLS):
-        daemon, client = await make_daemon({"fake": profile})
         number = rng.randrange(1000)
         first = await client.chat(prompt=f"remember {number}")
-        sessions[first[0].session_id] = number
+        newest = first[0].session_id
+        sessions[newest] = number
         prompt = {"started": "sleep 5000", "streaming": "stream 500 pace 10", "permission": "permission"}[point]
         mode = pb.PERMISSION_MODE_ASK if point == "permission" else pb.PERMISSION_MODE_ALLOW
-        call, begin = await start_turn(client, prompt=prompt, session_id=first[0].session_id, permission_mode=mode)
+        call, begin = await start_turn(client, prompt=prompt, session_id=newest, permission_mode=mode)
         if point == "streaming":
             for _ in range(rng.randrange(1, 20)):
                 await read_until(call, "agent_message")
@@ -146,24 +153,28 @@ async def test_a_daemon_killed_mid_turn_recovers_every_session_and_leaves_no_age
             await read_until(call, "permission_request")
         await daemon.kill()  # SIGKILL: no cleanup of its own
         call.cancel()
-        # the agent ends with the daemon (PR_SET_PDEATHSIG; without setpriv, at its stdin's EOF) but its
-        # child, in its group, does not: once the agent is gone, the child is all the restart finds
+        # the agents end with the daemon (PR_SET_PDEATHSIG; without setpriv, at their stdin's EOF) but
+        # their children, in their groups, do not: once the agents are gone, the children are all
+        # the restart finds
+        agents = [row["pid"] for row in daemon.logs("agent_spawned")]
         async with asyncio.timeout(10):
-            await asyncio.gather(*(exited(row["pid"]) for row in daemon.logs("agent_spawned")))
+            await asyncio.gather(*(exited(pid) for pid in agents))
+        child = int((fake.state_dir / "child.pid").read_text())  # the killed turn's agent's
+        assert alive(child), "the agent's child outlived the daemon, for the restart to find"
 
-        restarted, client = await make_daemon({"fake": profile})
-        (serving,) = restarted.logs("serving")
+        daemon, client = await make_daemon({"fake": profile})
+        (serving,) = daemon.logs("serving")
         assert serving["runs_marked_interrupted"] == 1
-        assert serving["leftover_agent_processes_killed"] == 1, "the agent's child outlived the daemon: swept"
+        assert serving["leftover_agent_processes_killed"] == len(agents), "each agent's child outlived it: swept"
         assert run_statuses(tmp_path / "data" / "rcoder.db")[begin.run_id] == "interrupted"
-        for sid in resumed_after(round_, sessions, first[0].session_id, rng):
-            again = await client.chat(prompt="which?", session_id=sid)
-            assert text_of(again) == f"I remember: {sessions[sid]}", f"round {round_}, seed {seed}"
-        await restarted.stop()
-        assert processes_mentioning(str(fake.state_dir)) == []
-        # the agent's own child, which outlived the killed daemon, was swept at the restart
-        child = int((fake.state_dir / "child.pid").read_text())
+        # swept: nothing of the killed daemon's agents is left (their children work in the projects)
+        assert await processes_left_inside(tmp_path, {daemon.pid}, timeout=10) == [], f"round {round_}"
         assert not alive(child)
+        resumed = resumed_after(round_, sessions, newest, rng)
+        for sid, again in zip(resumed, await resume_all(client, resumed), strict=True):
+            assert text_of(again) == f"I remember: {sessions[sid]}", f"round {round_}, seed {seed}"
+    await daemon.stop()
+    assert processes_mentioning(str(fake.state_dir)) == []
     print(f"daemon kills at {point}: {KILLS}, seed {seed}; all {len(sessions)} sessions resumed after the last")
 
 
@@ -176,12 +187,29 @@ def resumed_after(round_: int, sessions: dict[str, int], newest: str, rng: rando
     return [newest, *rng.sample(older, min(SAMPLE, len(older)))]
 
 
+async def resume_all(client: Client, session_ids: list[str]) -> list[list[pb.ChatStream]]:
+    """A turn on each session, ``RESUME_AT_ONCE`` at a time: their agents start side by side, on
+    every core (an agent's start is most of what a round costs)."""
+    at_once = asyncio.Semaphore(RESUME_AT_ONCE)
+
+    async def resume(session_id: str) -> list[pb.ChatStream]:
+        async with at_once:
+            return await client.chat(prompt="which?", session_id=session_id)
+
+    return await asyncio.gather(*(resume(sid) for sid in session_ids))
+
+
 async def test_client_cuts_at_random_points_lose_nothing_on_resubscribe(make_daemon: DaemonFactory) -> None:
     rng = random.Random(7)
     _, client = await make_daemon()
     cuts = 1000 if SOAK else 5
+    session_id, said = "", list[int]()
     for i in range(cuts):
-        call, begin = await start_turn(client, prompt=f"remember {i} stream 40 pace 2 tool")
+        if i % COLD_EVERY == 0:
+            session_id, said = "", []  # a new session
+        said.append(i)
+        call, begin = await start_turn(client, prompt=f"remember {i} stream 40 pace 2 tool", session_id=session_id)
+        session_id = begin.session_id
         seen = [begin]
         for _ in range(rng.randrange(0, 6)):
             event = await call.read()
@@ -197,5 +225,5 @@ async def test_client_cuts_at_random_points_lose_nothing_on_resubscribe(make_dae
         assert completed(everything).stop_reason == pb.STOP_REASON_END_TURN
         full = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=begin.run_id))]
         assert full == everything, "a replay returns exactly what the cut stream saw"
-        assert text_of(everything).endswith(f"I remember: {i}")
-    print(f"client cuts: {cuts}, every event exactly once after each")
+        assert text_of(everything).endswith(f"I remember: {', '.join(map(str, said))}")
+    print(f"client cuts: {cuts} ({-(-cuts // COLD_EVERY)} on new sessions), every event exactly once after each")

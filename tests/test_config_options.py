@@ -9,6 +9,14 @@ from typing import Any
 import grpc
 import pytest
 
+from rcoder.client import (
+    AvailableCommands,
+    ConfigOptionUpdate,
+    InvalidArgument,
+    RcoderClient,
+    SlashCommand,
+    Started,
+)
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Client, FakeAgentSetup, completed, error_info, started, text_of
@@ -210,3 +218,32 @@ async def test_the_config_options_map_is_bounded(make_daemon: DaemonFactory, fak
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, options
         assert problem in error.details(), (options, error.details())
     assert not fake.requests()  # no agent was started for any
+
+
+async def test_the_python_client_sends_config_options_and_reads_them_as_typed_events_and_session_fields(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    daemon, _ = await make_daemon({"fake": fake.profile(*OPTIONS, "--commands-at-open")})
+    async with RcoderClient(daemon.address, token=daemon.token) as client:
+        turn = client.chat("proj", "agent-mode ask", config_options={"model": "fake-large"})
+        events = [event async for event in turn]
+        begin = next(e for e in events if isinstance(e, Started))
+        model = {o.id: o for o in begin.config_options}["model"]
+        assert (model.current_value, model.chosen, model.value_ids()) == (
+            "fake-large",
+            True,
+            ("fake-small", "fake-large"),
+        )
+        update = next(e for e in events if isinstance(e, ConfigOptionUpdate))
+        assert {o.id: o.current_value for o in update.config_options} == {"model": "fake-large", "mode": "ask"}
+        listed = next(e for e in events if isinstance(e, AvailableCommands))
+        assert listed.commands[0] == SlashCommand("review", "Review the changes", "what to review")
+
+        session = await client.sessions.get(turn.session_id)
+        assert {o.id: (o.current_value, o.chosen) for o in session.config_options} == {
+            "model": ("fake-large", True),
+            "mode": ("ask", False),
+        }
+        assert [c.name for c in session.commands] == ["review", "compact"]
+        with pytest.raises(InvalidArgument, match="values offered: fake-small, fake-large"):
+            await client.chat("proj", "hi", session_id=turn.session_id, config_options={"model": "huge"}).text()

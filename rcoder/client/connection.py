@@ -94,13 +94,16 @@ class RcoderClient:
         mcp_servers: Sequence[McpServer] = (),
         extra_meta: Mapping[str, Any] | None = None,
         attachments: Sequence[Attachment] = (),
+        config_options: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> Turn:
         """One turn with an agent in the project's folder; its events stream from the returned ``Turn``.
 
         ``session_id`` continues a conversation (a ``Started.session_id`` of an earlier turn); ``agent``
         names a profile (None: the daemon's ``default_agent``); ``permission_mode`` None is the daemon's
-        default (``ALLOW``). The call starts when the turn is first read::
+        default (``ALLOW``). ``config_options`` sets the agent's session options before the prompt
+        (ACP config id -> value id, e.g. ``{"model": "opus", "mode": "plan"}``: ``Started.config_options``
+        lists what the agent offers); the session keeps them. The call starts when the turn is first read::
 
             turn = client.chat("demo", "hello")
             async for event in turn: ...          # or: text = await turn.text()
@@ -117,6 +120,7 @@ class RcoderClient:
             mcp_servers=mcp_servers,
             extra_meta=extra_meta,
             attachments=attachments,
+            config_options=config_options,
         )
         return Turn(self._streaming(self._stub.Chat, request, timeout))
 

@@ -108,6 +108,7 @@ def chat_request(
     mcp_servers: Sequence[McpServer] = (),
     extra_meta: Mapping[str, Any] | None = None,
     attachments: Sequence[Attachment] = (),
+    config_options: Mapping[str, str] | None = None,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` for these arguments (see ``RcoderClient.chat``)."""
     request = pb.ChatRequest(
@@ -121,6 +122,8 @@ def chat_request(
         mcp_servers=[_mcp_server(server) for server in mcp_servers],
         attachments=[_attachment(item) for item in attachments],
     )
+    if config_options:
+        request.config_options.update(config_options)
     if model_provider is not None:
         provider = model_provider
         request.model_provider.CopyFrom(

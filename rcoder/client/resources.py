@@ -7,6 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from rcoder.client._record import Record, enum_member, optional_datetime
+from rcoder.client.events import ConfigOption, SlashCommand, config_options, slash_commands
 from rcoder.v1 import agent_runner_pb2 as pb
 
 
@@ -62,6 +63,8 @@ class Session(Record):
     last_run_id: str
     status: SessionStatus
     usage: UsageTotals | None  # its runs' usage summed; None when none reported any
+    config_options: tuple[ConfigOption, ...]  # as its agent last reported them (live: now)
+    commands: tuple[SlashCommand, ...]  # the agent's slash commands, as it last listed them
     raw: pb.Session = field(repr=False, compare=False)
 
 
@@ -149,6 +152,8 @@ def session_from_proto(m: pb.Session) -> Session:
         last_run_id=m.last_run_id,
         status=enum_member(SessionStatus, pb.SessionStatus, m.status, "SESSION_STATUS_"),
         usage=_usage_totals(m.usage) if m.HasField("usage") else None,
+        config_options=config_options(m.config_options),
+        commands=slash_commands(m.commands),
         raw=m,
     )
 

@@ -131,6 +131,7 @@ class AgentConnection:
         servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
         method = config.resume_method if config.resume_session_id else OpenMethod.NEW
         rid = config.resume_session_id
+        self._opening(rid if method in (OpenMethod.RESUME, OpenMethod.LOAD) else "")
         response: Any
         if method is OpenMethod.RESUME:
             response = await self._call(
@@ -158,6 +159,12 @@ class AgentConnection:
         self._client.state.opened(response)
         return method or OpenMethod.NEW
 
+    def _opening(self, session_id: str) -> None:
+        """Before asking for a session: what the agent says of it from now on is its state (and
+        of its id, where known: a new session's updates may come before its answer is read)."""
+        self._client.session_id = session_id
+        self._client.state.opening()
+
     async def list_page(self, cwd: str, cursor: str | None, timeout: float) -> tuple[list[str], str | None]:
         """One page of ``session/list`` for ``cwd``: the session ids and the next cursor (None: the end)."""
         response = await self._call(self._conn.list_sessions(cwd=cwd, cursor=cursor), timeout, "session/list")
@@ -166,6 +173,7 @@ class AgentConnection:
     async def fork_session(self, config: AgentStartConfig, timeout: float) -> OpenMethod:
         """Open a new session that branches from ``config.fork_from`` (``session/fork``)."""
         servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
+        self._opening("")
         response = await self._call(
             self._conn.fork_session(
                 session_id=config.fork_from, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()

@@ -82,12 +82,17 @@ class SessionState:
             return self._config
         return (*self._config, modes)
 
+    def opening(self) -> None:
+        """A session is being opened: nothing is known of it yet. (Its commands may come before
+        the answer that opens it is read: Claude sends them right after.)"""
+        self._config, self._modes = (), None
+        self.commands, self.commands_untold = None, False
+
     def opened(self, response: Any) -> None:
         """What the answer that opened the session offers (new, load, resume, fork; None: nothing)."""
         self._config = acp_options(getattr(response, "config_options", None))
         modes = getattr(response, "modes", None)
         self._modes = mode_option(modes) if isinstance(modes, acp.SessionModeState) else None
-        self.commands, self.commands_untold = None, False
 
     def set_config(self, options: tuple[ConfigOption, ...]) -> None:
         """The whole list, as ``config_option_update`` or ``set_config_option``'s answer has it."""

@@ -107,6 +107,8 @@ class AgentConnection:
         self.turn_usage: Usage | None = None  # what the agent reported its last turn cost
         # told the provider session id after each turn (the launcher's session lists: ``agent.listing``)
         self.on_active: Callable[[str], None] | None = None
+        # the version of the options and commands the session's record holds (-1: none stored from here)
+        self.stored_state_version = -1
 
     @property
     def alive(self) -> bool:
@@ -211,6 +213,11 @@ class AgentConnection:
     def options(self) -> tuple[ConfigOption, ...]:
         """The session's config options as the agent reported them last, current values included."""
         return self._client.state.options
+
+    @property
+    def state_version(self) -> int:
+        """Changes with every change of the options or commands."""
+        return self._client.state.version
 
     @property
     def commands(self) -> tuple[SlashCommand, ...] | None:

@@ -73,6 +73,7 @@ class SessionState:
         self.commands: tuple[SlashCommand, ...] | None = None  # None: the agent never listed any
         # commands listed outside a turn, not yet told to a turn's stream
         self.commands_untold = False
+        self.version = 0  # counts changes: what a turn stored of them is known by it (no comparing)
 
     @property
     def options(self) -> tuple[ConfigOption, ...]:
@@ -87,16 +88,19 @@ class SessionState:
         the answer that opens it is read: Claude sends them right after.)"""
         self._config, self._modes = (), None
         self.commands, self.commands_untold = None, False
+        self.version += 1
 
     def opened(self, response: Any) -> None:
         """What the answer that opened the session offers (new, load, resume, fork; None: nothing)."""
         self._config = acp_options(getattr(response, "config_options", None))
         modes = getattr(response, "modes", None)
         self._modes = mode_option(modes) if isinstance(modes, acp.SessionModeState) else None
+        self.version += 1
 
     def set_config(self, options: tuple[ConfigOption, ...]) -> None:
         """The whole list, as ``config_option_update`` or ``set_config_option``'s answer has it."""
         self._config = options
+        self.version += 1
 
     def set_mode(self, mode_id: str) -> bool:
         """The agent's mode is now ``mode_id`` (``current_mode_update``, ``set_mode``'s success).
@@ -106,11 +110,13 @@ class SessionState:
             return False
         self._modes = ConfigOption(modes.id, modes.name, mode_id, modes.values, modes.category, modes.description,
                                    modes.type)  # fmt: skip
+        self.version += 1
         return self.options[-1] is self._modes
 
     def set_commands(self, commands: tuple[SlashCommand, ...], in_turn: bool) -> None:
         self.commands = commands
         self.commands_untold = not in_turn
+        self.version += 1
 
     def take_untold_commands(self) -> tuple[SlashCommand, ...] | None:
         """Commands listed since the last turn, once (a turn's stream starts with them)."""

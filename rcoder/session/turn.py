@@ -489,6 +489,8 @@ class TurnRunner:
             record = changed or record
             await self._store.create_session(record, lease=plan.lease)
             plan.record = record
+            if conn is not None:
+                conn.stored_state_version = conn.state_version
         else:
             if body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
                 # written only from this session's own agent answer
@@ -518,13 +520,18 @@ class TurnRunner:
         """Store the session's options and commands where this turn changed them (rarely: a
         turn that sets no option on an agent that lists nothing new writes nothing)."""
         assert plan.record is not None
-        changed = session_state(plan.record, plan.turn, conn)
-        if changed is None:
+        if conn is None:
             return
-        changed = replace(changed, updated_at=now)
-        await self._store.set_session_state(changed, lease=plan.lease)
-        plan.record = changed
-        self._pool.remember(changed)
+        version = conn.state_version
+        if version == conn.stored_state_version and not plan.turn.config_options:
+            return  # the record has what this agent process said (a turn's choices change it)
+        changed = session_state(plan.record, plan.turn, conn)
+        if changed is not None:
+            changed = replace(changed, updated_at=now)
+            await self._store.set_session_state(changed, lease=plan.lease)
+            plan.record = changed
+            self._pool.remember(changed)
+        conn.stored_state_version = version
 
     async def run_recorded(self, run_id: str) -> bool:
         return await self._store.get_run(run_id) is not None

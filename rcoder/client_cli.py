@@ -6,7 +6,10 @@ stderr, ``session <id> · <resume outcome> (<method>) · <stop reason>``. With
 ``--json`` every ``ChatStream`` event is one JSON line on stdout (with the
 .proto's field names, as grpcurl prints them). Ctrl-C sends ``Cancel`` and keeps streaming until the turn ends;
 a second Ctrl-C leaves at once. With ``--ask`` permission requests are asked at
-the terminal and answered with ``ResolvePermission``.
+the terminal and answered with ``ResolvePermission``. ``--option ID=VALUE`` sets one of
+the agent's session config options before the prompt (``model=opus``, ``mode=plan``).
+With no prompt on a terminal, the prompt is read there, with Tab completing the agent's
+slash commands (``/review``...) as the session (``--session``) last listed them.
 
 Exit codes: 0 when the turn ends (``end_turn``, ``cancelled``, any other stop
 but an error), 1 on an error stop or a gRPC error (printed with its status and
@@ -22,14 +25,17 @@ import asyncio
 import json
 import os
 import signal
+import sys
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from rcoder.client import (
+    AvailableCommands,
     BusyPolicy,
     Completed,
+    ConfigOptionUpdate,
     Deletion,
     Event,
     PermissionMode,
@@ -41,6 +47,7 @@ from rcoder.client import (
     ResumeOutcome,
     RunInfo,
     Session,
+    SlashCommand,
     Started,
     StopReason,
     Text,
@@ -84,7 +91,16 @@ def add_commands(commands: Any) -> None:
         default=None,
         help="while the session runs another turn: reject (the default), queue behind it, or interrupt it",
     )
-    chat.add_argument("prompt", nargs="?", help="what to say (default: read from stdin)")
+    chat.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="ID=VALUE",
+        help="set an agent config option before the prompt, e.g. model=opus or mode=plan (repeatable)",
+    )
+    chat.add_argument(
+        "prompt", nargs="?", help="what to say (default: read from stdin; on a terminal, Tab completes /commands)"
+    )
     sessions = commands.add_parser("sessions", parents=[common], help="list, show, close or delete sessions")
     sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
     sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
@@ -101,11 +117,17 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
             if args.action != "list" and not args.session_id:
                 return screen.usage(f"sessions {args.action} needs a session id")
             return asyncio.run(sessions(target, token, args, screen))
+        options = parse_options(args.option)
+        if options is None:
+            return screen.usage("--option takes ID=VALUE, e.g. --option model=opus")
+        args.config_options = options
         prompt = args.prompt
         if prompt is None or prompt == "-":
             if stdin.isatty():
-                return screen.usage('give the prompt as an argument or on stdin: rcoder chat --project P "hello"')
-            prompt = stdin.read().rstrip("\n")
+                commands = asyncio.run(session_commands(target, token, args.session)) if args.session else ()
+                prompt = read_prompt(commands)
+            else:
+                prompt = stdin.read().rstrip("\n")
         if not prompt.strip():
             return screen.usage("the prompt is empty")
         answers = None
@@ -207,8 +229,54 @@ async def chat(
             agent=args.agent,
             permission_mode=PermissionMode.ASK if args.ask else None,
             busy=BusyPolicy(args.busy) if args.busy else None,
+            config_options=args.config_options,
         )
         return await Watch(client, turn, screen, answers).run()
+
+
+def parse_options(items: list[str]) -> dict[str, str] | None:
+    """``--option ID=VALUE``s as a map; None when one is not ``ID=VALUE``."""
+    options = {}
+    for item in items:
+        option_id, sep, value = item.partition("=")
+        if not sep or not option_id or not value:
+            return None
+        options[option_id] = value
+    return options
+
+
+async def session_commands(target: str, token: str, session_id: str) -> tuple[SlashCommand, ...]:
+    """The slash commands the session's agent last listed (GetSession)."""
+    async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        return (await client.sessions.get(session_id)).commands
+
+
+def read_prompt(commands: tuple[SlashCommand, ...]) -> str:
+    """One line from the terminal, with Tab completing ``/`` commands (readline)."""
+    try:
+        import readline
+    except ImportError:  # a Python without it: the line as typed
+        return input("> ")
+    names = [f"/{c.name}" for c in commands]
+    readline.set_completer_delims(" \t\n")
+    readline.set_completer(lambda text, state: complete(names, readline.get_begidx(), text, state))
+    readline.parse_and_bind("tab: complete")
+    if commands:
+        hints = "  ".join(f"/{c.name}" + (f" <{c.input_hint}>" if c.input_hint else "") for c in commands)
+        print(f"commands (Tab completes): {hints}", file=sys.stderr)
+    try:
+        return input("> ").rstrip()
+    finally:
+        readline.set_completer(None)
+
+
+def complete(names: list[str], begin: int, text: str, state: int) -> str | None:
+    """readline's completer: the ``state``-th command starting with ``text`` (the word that
+    ``begin``s at that column), only as the line's first word."""
+    if begin != 0 or not text.startswith("/"):
+        return None
+    matches = [name + " " for name in names if name.startswith(text)]
+    return matches[state] if state < len(matches) else None
 
 
 @dataclass
@@ -355,6 +423,10 @@ def show(screen: Screen, event: Event, tools: ToolCalls) -> None:
         screen.note("plan: " + " · ".join(steps))
     elif isinstance(event, PermissionRequest):
         screen.note(f"permission: {event.title} [{event.kind}] (answered by the daemon's policy)")
+    elif isinstance(event, ConfigOptionUpdate):
+        screen.note("options: " + " ".join(f"{o.id}={o.current_value}" for o in event.config_options))
+    elif isinstance(event, AvailableCommands):
+        screen.note("commands: " + " ".join(f"/{c.name}" for c in event.commands))
 
 
 def tool_lines(state: ToolState) -> list[str]:
@@ -426,6 +498,8 @@ def _show_session(screen: Screen, session: Session, runs: list[RunInfo]) -> None
         "last run": session.last_run_id,
         "created": record.get("created_at", ""),
         "updated": record.get("updated_at", ""),
+        "options": " ".join(f"{o.id}={o.current_value}" + ("*" if o.chosen else "") for o in session.config_options),
+        "commands": " ".join(f"/{c.name}" for c in session.commands),
     }
     for name, value in fields.items():
         screen.text(f"{name + ':':<18}{value}\n")

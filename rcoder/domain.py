@@ -147,6 +147,67 @@ class ChatTurn:
     permission_mode: PermissionMode = PermissionMode.ALLOW
     attachments: tuple[Attachment, ...] = ()
     busy: BusyPolicy = BusyPolicy.REJECT
+    # ACP config options to set before the prompt: (config id, value id), in the order given
+    config_options: tuple[tuple[str, str], ...] = ()
+
+
+# ---------------------------------------------------------------- session options and commands
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigValue:
+    """A value a config option offers: ``value`` is its id (what is sent to set it)."""
+
+    value: str
+    name: str
+    description: str = ""
+
+
+# ``ConfigOption.type``: an ACP select option, a boolean one, or the agent's session modes (an
+# agent that offers ``modes`` without a "mode" config option), set with session/set_mode
+OPTION_SELECT = "select"
+OPTION_BOOLEAN = "boolean"
+OPTION_MODE = "mode"
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOption:
+    """One of a session's config options as its agent offers it, with its current value."""
+
+    id: str
+    name: str
+    current_value: str
+    values: tuple[ConfigValue, ...]
+    category: str = ""  # mode, model, model_config, thought_level, or the agent's own
+    description: str = ""
+    type: str = OPTION_SELECT
+    chosen: bool = False  # a client chose it for the session: applied again in a new agent process
+
+    def offers(self, value: str) -> bool:
+        return any(v.value == value for v in self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOptionUpdate:
+    """The agent changed its config options: all of them, as they are now."""
+
+    options: tuple[ConfigOption, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlashCommand:
+    """A command the agent runs for a prompt "/<name> <input>"."""
+
+    name: str
+    description: str = ""
+    input_hint: str = ""  # what to write after it; "" when it takes no input
+
+
+@dataclass(frozen=True, slots=True)
+class AvailableCommands:
+    """The agent's slash commands: the whole list, as it is now."""
+
+    commands: tuple[SlashCommand, ...]
 
 
 # ---------------------------------------------------------------- run events
@@ -161,6 +222,8 @@ class RunStarted:
     project_id: str
     fallback_reason: str = ""
     request_id: str = ""
+    # what the agent offers for the session, with its current values (the request's applied)
+    config_options: tuple[ConfigOption, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,10 +401,21 @@ RunEventBody = (
     | AgentUpdate
     | Heartbeat
     | RunCompleted
+    | ConfigOptionUpdate
+    | AvailableCommands
 )
 
 # What the agent layer emits during a turn (the run adds started/completed/heartbeats).
-AgentEvent = TextChunk | ToolCall | ToolCallUpdate | Plan | PermissionRequest | AgentUpdate
+AgentEvent = (
+    TextChunk
+    | ToolCall
+    | ToolCallUpdate
+    | Plan
+    | PermissionRequest
+    | AgentUpdate
+    | ConfigOptionUpdate
+    | AvailableCommands
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +464,11 @@ class SessionRecord:
     updated_at: datetime
     turns: int = 0
     last_run_id: str = ""
+    # the agent's config options as it last reported them (``chosen`` marks the clients' choices)
+    config_options: tuple[ConfigOption, ...] = ()
+    # what clients chose, (config id, value id): set again whenever the session opens in a new agent process
+    chosen_options: tuple[tuple[str, str], ...] = ()
+    commands: tuple[SlashCommand, ...] = ()  # the agent's slash commands, as it last listed them
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import pytest
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory
-from tests.harness import Daemon
+from tests.harness import Daemon, FakeAgentSetup
 
 # Makes the pseudo-terminal on stdin the controlling terminal of a new session, then runs rcoder:
 # Ctrl-C typed there reaches it as SIGINT from the terminal, as it does for a person.
@@ -379,3 +379,38 @@ async def test_health_exits_0_while_the_daemon_serves_and_2_once_it_is_gone(make
 
     assert serving[0] == 0 and serving[1] == f"127.0.0.1:{port}: SERVING\n", serving
     assert gone[0] == 2 and "UNAVAILABLE" in gone[2], gone
+
+
+# ---------------------------------------------------------------- options and slash commands
+
+
+async def test_options_are_set_with_option_and_tab_completes_the_sessions_slash_commands_at_the_terminal(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, terminal: Any
+) -> None:
+    daemon, _ = await make_daemon({"fake": fake.profile("--offer", "options", "--commands-at-open")})
+    env = {"RCODER_TARGET": daemon.address, "RCODER_CONFIG": str(daemon.config)}
+    code, out, err = await rcoder(
+        "chat", "--project", "demo", "--option", "model=fake-large", "show-options agent-mode plan", env=env
+    )
+    assert code == 0, err
+    assert out.endswith("options[model=fake-large mode=plan]\n")
+    assert "commands: /review /compact\n" in err
+    assert "options: model=fake-large mode=plan\n" in err
+    session_id = SUMMARY.search(err).group(1)  # type: ignore[union-attr]
+
+    _, shown, _ = await rcoder("sessions", "show", session_id, env=env)
+    assert re.search(r"options:\s+model=fake-large\* mode=plan\n", shown), shown
+    assert re.search(r"commands:\s+/review /compact\n", shown), shown
+
+    term = await terminal(daemon, "chat", "--project", "demo", "--session", session_id)
+    await term.expect(r"commands \(Tab completes\): /review <what to review>  /compact")
+    await term.expect("> ")
+    term.type(b"/rev\t")
+    await term.expect(r"> /review ")
+    term.type(b"the diff\r")
+    await term.expect(SUMMARY.pattern)
+    assert await term.exit_code() == 0
+    prompt = fake.requests("session/prompt")[-1]["params"]["prompt"]
+    assert prompt[0]["text"] == "/review the diff"
+
+    assert (await rcoder("chat", "--project", "demo", "--option", "model", "hi", env=env))[0] == 2

@@ -10,6 +10,7 @@ replay is history, not this turn's output.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,14 +19,26 @@ from acp import RequestError
 from acp import schema as acp
 
 from rcoder.agent.convert import notification_to_event, opaque_update, permission_options
+from rcoder.agent.options import SessionState
 from rcoder.agent.transport import LogBudget
 from rcoder.agent.usage import USAGE_UPDATE, UsageMeter
-from rcoder.domain import AgentEvent, AgentUpdate, PermissionRequest, ToolCall, new_id
+from rcoder.domain import (
+    AgentEvent,
+    AgentUpdate,
+    AvailableCommands,
+    ConfigOptionUpdate,
+    PermissionRequest,
+    ToolCall,
+    new_id,
+)
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.client")
 
 EventSink = Callable[[AgentEvent], None]
+CURRENT_MODE_UPDATE = "current_mode_update"
+# the updates that change a session's state (rcoder.agent.options), kept even between turns
+STATE_KINDS = frozenset({"config_option_update", CURRENT_MODE_UPDATE, "available_commands_update"})
 UpdateWatch = Callable[[dict[str, Any]], None]
 # decides a permission request: the chosen option id, or None for "cancelled"
 PermissionDecider = Callable[[PermissionRequest], Awaitable[str | None]]
@@ -52,6 +65,7 @@ class RcoderClient:
         # the turn's tool calls as announced (id -> kind, title): a permission request's toolCall is
         # an update that may leave out what the call already said (Claude's legacy adapter does)
         self._tool_calls: dict[str, tuple[str, str]] = {}
+        self.state = SessionState()  # the session's config options and slash commands
 
     # ------------------------------------------------------------ turn control
 
@@ -75,23 +89,68 @@ class RcoderClient:
         """One ``session/update`` notification as the agent wrote it (the transport's fast path)."""
         turn = self._turn
         if turn is None or (self.session_id and params.get("sessionId") != self.session_id):
+            self._outside_turn(params)
             if self.on_replay is not None:
                 self.on_replay(params)
             return  # between turns, or replay while opening
+        event = self._event(params)
+        if event is None:
+            return
+        cls = event.__class__
+        if cls is AgentUpdate:
+            assert isinstance(event, AgentUpdate)
+            if event.kind == USAGE_UPDATE:
+                self.usage.note_update(event.json)
+            elif event.kind == CURRENT_MODE_UPDATE and self._note_mode(event.json):
+                turn.on_event(event)
+                event = ConfigOptionUpdate(self.state.options)  # the mode shown as an option changed
+        elif cls is ToolCall:
+            assert isinstance(event, ToolCall)
+            self._tool_calls[event.tool_call_id] = (event.kind, event.title)
+        elif cls is ConfigOptionUpdate or cls is AvailableCommands:
+            assert isinstance(event, ConfigOptionUpdate | AvailableCommands)
+            event = self._note_state(event, in_turn=True)
+        turn.on_event(event)
+
+    def _event(self, params: dict[str, Any]) -> AgentEvent | None:
         try:
-            event = notification_to_event(params)
+            return notification_to_event(params)
         except pydantic.ValidationError as exc:
             # lose nothing: a kind newer than our schema, or a malformed one, reaches the client as is
             event = opaque_update(params)
             if seen := self._warnings.spend(event.kind):
                 log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind, seen=seen,
                             error=exc.errors()[0].get("msg", str(exc)))  # fmt: skip
-        if event is not None:
-            if event.__class__ is AgentUpdate and event.kind == USAGE_UPDATE:
-                self.usage.note_update(event.json)
-            elif event.__class__ is ToolCall:
-                self._tool_calls[event.tool_call_id] = (event.kind, event.title)
-            turn.on_event(event)
+            return event
+
+    def _outside_turn(self, params: dict[str, Any]) -> None:
+        """Between turns (or while the session opens) only the session's state is kept: its
+        options and commands, which agents change at any time."""
+        update = params.get("update")
+        kind = update.get("sessionUpdate") if isinstance(update, dict) else None
+        if kind not in STATE_KINDS or (self.session_id and params.get("sessionId") != self.session_id):
+            return
+        event = self._event(params)
+        if isinstance(event, AgentUpdate):
+            if event.kind == CURRENT_MODE_UPDATE:
+                self._note_mode(event.json)
+        elif isinstance(event, ConfigOptionUpdate | AvailableCommands):
+            self._note_state(event, in_turn=False)
+
+    def _note_state(self, event: ConfigOptionUpdate | AvailableCommands, in_turn: bool) -> AgentEvent:
+        """Keep what the update says; the event a turn tells (options: the whole list, modes too)."""
+        if isinstance(event, AvailableCommands):
+            self.state.set_commands(event.commands, in_turn)
+            return event
+        self.state.set_config(event.options)
+        return ConfigOptionUpdate(self.state.options)
+
+    def _note_mode(self, update_json: str) -> bool:
+        try:
+            mode = json.loads(update_json).get("currentModeId")
+        except (ValueError, AttributeError):
+            return False
+        return isinstance(mode, str) and self.state.set_mode(mode)
 
     # ------------------------------------------------------------ acp.Client
 

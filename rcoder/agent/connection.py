@@ -21,11 +21,22 @@ from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason
 from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
 from rcoder.agent.kinds import GENERIC, AgentKind
+from rcoder.agent.options import acp_options
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.replay import ReplayWatch
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
-from rcoder.domain import AgentCapabilities, OpenMethod, StopReason, Usage
+from rcoder.domain import (
+    OPTION_BOOLEAN,
+    OPTION_MODE,
+    AgentCapabilities,
+    AvailableCommands,
+    ConfigOption,
+    OpenMethod,
+    SlashCommand,
+    StopReason,
+    Usage,
+)
 from rcoder.errors import (
     AgentAuthRequired,
     AgentClosed,
@@ -96,6 +107,8 @@ class AgentConnection:
         self.turn_usage: Usage | None = None  # what the agent reported its last turn cost
         # told the provider session id after each turn (the launcher's session lists: ``agent.listing``)
         self.on_active: Callable[[str], None] | None = None
+        # the version of the options and commands the session's record holds (-1: none stored from here)
+        self.stored_state_version = -1
 
     @property
     def alive(self) -> bool:
@@ -120,8 +133,10 @@ class AgentConnection:
         servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
         method = config.resume_method if config.resume_session_id else OpenMethod.NEW
         rid = config.resume_session_id
+        self._opening(rid if method in (OpenMethod.RESUME, OpenMethod.LOAD) else "")
+        response: Any
         if method is OpenMethod.RESUME:
-            await self._call(
+            response = await self._call(
                 self._conn.resume_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),
                 timeout, "session/resume", resuming=rid,
             )  # fmt: skip
@@ -129,7 +144,7 @@ class AgentConnection:
         elif method is OpenMethod.LOAD:
             # watched from before the request: an agent that answers first may replay at once
             self._replay = self._client.on_replay = ReplayWatch(config.replay_end)
-            await self._call(
+            response = await self._call(
                 self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),
                 timeout, "session/load", resuming=rid,
             )  # fmt: skip
@@ -143,7 +158,14 @@ class AgentConnection:
             session_id = response.session_id
         self.provider_session_id = session_id
         self._client.session_id = session_id
+        self._client.state.opened(response)
         return method or OpenMethod.NEW
+
+    def _opening(self, session_id: str) -> None:
+        """Before asking for a session: what the agent says of it from now on is its state (and
+        of its id, where known: a new session's updates may come before its answer is read)."""
+        self._client.session_id = session_id
+        self._client.state.opening()
 
     async def list_page(self, cwd: str, cursor: str | None, timeout: float) -> tuple[list[str], str | None]:
         """One page of ``session/list`` for ``cwd``: the session ids and the next cursor (None: the end)."""
@@ -153,6 +175,7 @@ class AgentConnection:
     async def fork_session(self, config: AgentStartConfig, timeout: float) -> OpenMethod:
         """Open a new session that branches from ``config.fork_from`` (``session/fork``)."""
         servers: list[AcpMcpServer] = [mcp_server(s) for s in config.mcp_servers]
+        self._opening("")
         response = await self._call(
             self._conn.fork_session(
                 session_id=config.fork_from, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()
@@ -161,6 +184,7 @@ class AgentConnection:
         )  # fmt: skip
         self.provider_session_id = response.session_id
         self._client.session_id = response.session_id
+        self._client.state.opened(response)
         return OpenMethod.FORK
 
     async def prime(self, cwd: str, timeout: float) -> None:
@@ -183,6 +207,38 @@ class AgentConnection:
                 log.info("agent_session_not_closed", agent=self.agent, error=exc.summary)
         return False
 
+    # ------------------------------------------------------------ options
+
+    @property
+    def options(self) -> tuple[ConfigOption, ...]:
+        """The session's config options as the agent reported them last, current values included."""
+        return self._client.state.options
+
+    @property
+    def state_version(self) -> int:
+        """Changes with every change of the options or commands."""
+        return self._client.state.version
+
+    @property
+    def commands(self) -> tuple[SlashCommand, ...] | None:
+        """The session's slash commands as the agent listed them last (None: it never did)."""
+        return self._client.state.commands
+
+    async def set_option(self, option: ConfigOption, value: str, timeout: float) -> None:
+        """Set one option the agent offers to one of its values: ``session/set_config_option``,
+        or ``session/set_mode`` for its modes (``OPTION_MODE``)."""
+        state, sid = self._client.state, self.provider_session_id
+        if option.type == OPTION_MODE:
+            await self._call(self._conn.set_session_mode(session_id=sid, mode_id=value), timeout, "session/set_mode")
+            state.set_mode(value)
+            return
+        choice: str | bool = value == "true" if option.type == OPTION_BOOLEAN else value
+        response = await self._call(
+            self._conn.set_config_option(config_id=option.id, session_id=sid, value=choice),
+            timeout, "session/set_config_option",
+        )  # fmt: skip
+        state.set_config(acp_options(response.config_options))
+
     # ------------------------------------------------------------ turns
 
     async def prompt(
@@ -196,6 +252,9 @@ class AgentConnection:
         ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
         self._client.begin_turn(on_event, on_permission)
         self.turn_usage = None
+        untold = self._client.state.take_untold_commands()
+        if untold is not None:  # listed since the last turn (after session/new, say): this turn tells them
+            on_event(AvailableCommands(untold))
         try:
             response = await self._call(
                 self._conn.prompt(session_id=self.provider_session_id, prompt=blocks, **tracing.agent_meta()),

@@ -9,10 +9,13 @@ from typing import Any
 from acp import helpers
 from acp import schema as acp
 
+from rcoder.agent.options import acp_commands, acp_options
 from rcoder.domain import (
     AgentEvent,
     AgentUpdate,
     Attachment,
+    AvailableCommands,
+    ConfigOptionUpdate,
     McpServer,
     PermissionOption,
     Plan,
@@ -108,6 +111,10 @@ def update_to_event(update: Any) -> AgentEvent | None:
             exit_code=_exit_code(update.raw_output),
             raw_input_json=_json(update.raw_input),
         )
+    if isinstance(update, acp.ConfigOptionUpdate):
+        return ConfigOptionUpdate(acp_options(update.config_options))
+    if isinstance(update, acp.AvailableCommandsUpdate):
+        return AvailableCommands(acp_commands(update.available_commands))
     if isinstance(update, acp.AgentPlanUpdate):
         return Plan(
             entries=tuple(PlanEntry(content=e.content, priority=e.priority, status=e.status) for e in update.entries)

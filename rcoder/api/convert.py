@@ -9,6 +9,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rcoder.domain import (
     AgentCapabilities,
     AgentUpdate,
+    AvailableCommands,
+    ConfigOption,
+    ConfigOptionUpdate,
     ForkMethod,
     Heartbeat,
     PermissionRequest,
@@ -21,6 +24,7 @@ from rcoder.domain import (
     RunStatus,
     SessionErased,
     SessionRecord,
+    SlashCommand,
     StopReason,
     TextChunk,
     ToolCall,
@@ -84,6 +88,7 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
                 agent=body.agent,
                 project_id=body.project_id,
                 request_id=body.request_id,
+                config_options=config_options(body.config_options),
             )
         )
     elif isinstance(body, TextChunk):
@@ -135,6 +140,10 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
         msg.update.CopyFrom(pb.AgentUpdate(kind=body.kind, json=body.json))
     elif isinstance(body, Heartbeat):
         msg.heartbeat.SetInParent()
+    elif isinstance(body, ConfigOptionUpdate):
+        msg.config_option_update.config_options.extend(config_options(body.options))
+    elif isinstance(body, AvailableCommands):
+        msg.available_commands.commands.extend(commands(body.commands))
     elif isinstance(body, RunCompleted):
         msg.completed.CopyFrom(
             pb.RunCompleted(
@@ -148,6 +157,21 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
         if body.usage is not None:
             msg.completed.usage.CopyFrom(usage(body.usage))
     return msg
+
+
+def config_options(options: tuple[ConfigOption, ...]) -> list[pb.ConfigOption]:
+    return [
+        pb.ConfigOption(
+            id=o.id, name=o.name, category=o.category, current_value=o.current_value, description=o.description,
+            type=o.type, chosen=o.chosen,
+            values=[pb.ConfigValue(value=v.value, name=v.name, description=v.description) for v in o.values],
+        )
+        for o in options
+    ]  # fmt: skip
+
+
+def commands(items: tuple[SlashCommand, ...]) -> list[pb.SlashCommand]:
+    return [pb.SlashCommand(name=c.name, description=c.description, input_hint=c.input_hint) for c in items]
 
 
 def usage(value: Usage) -> pb.Usage:
@@ -184,6 +208,8 @@ def session(record: SessionRecord, status: int, usage: UsageTotals | None = None
         turns=record.turns,
         last_run_id=record.last_run_id,
         status=status,  # type: ignore[arg-type]
+        config_options=config_options(record.config_options),
+        commands=commands(record.commands),
     )
     if usage is not None:
         msg.usage.CopyFrom(usage_totals(usage))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf import json_format
@@ -21,6 +22,9 @@ MAX_ATTACHMENT_BYTES = 16 << 20
 MAX_META_BYTES = 64 << 10
 MAX_META_DEPTH = 8
 MAX_CURRENCY_CHARS = 16
+MAX_CONFIG_OPTIONS = 32
+MAX_CONFIG_ID_CHARS = 128
+MAX_CONFIG_VALUE_CHARS = 512
 DEFAULT_COST_CURRENCY = "USD"
 
 _PERMISSION_MODES = {
@@ -56,6 +60,7 @@ def chat_turn(req: pb.ChatRequest) -> ChatTurn:
         permission_mode=mode,
         attachments=attachments(req.attachments),
         busy=busy_policy(req.busy),
+        config_options=config_options(req.config_options),
     )
 
 
@@ -72,6 +77,27 @@ def busy_policy(value: pb.BusyPolicy.ValueType) -> BusyPolicy:
     if policy is None:
         raise InvalidArgument("busy", f"unknown value {value}; use REJECT, QUEUE or INTERRUPT")
     return policy
+
+
+def config_options(values: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """ACP config id -> value id, bounded; sorted by id (a map has no order on the wire)."""
+    if len(values) > MAX_CONFIG_OPTIONS:
+        raise InvalidArgument("config_options", f"at most {MAX_CONFIG_OPTIONS} options ({len(values)} given)")
+    for option_id, value in values.items():
+        where = f"config_options.{option_id[:MAX_CONFIG_ID_CHARS]}"
+        if not option_id:
+            raise InvalidArgument("config_options", "an empty config id; use the ids RunStarted.config_options lists")
+        if len(option_id) > MAX_CONFIG_ID_CHARS or not _bare(option_id):
+            raise InvalidArgument(
+                where, f"a config id is at most {MAX_CONFIG_ID_CHARS} characters, without spaces or control characters"
+            )
+        if not value:
+            raise InvalidArgument(where, "an empty value; send one of the values the option offers")
+        if len(value) > MAX_CONFIG_VALUE_CHARS or not value.isprintable():
+            raise InvalidArgument(
+                where, f"a value is at most {MAX_CONFIG_VALUE_CHARS} characters, without control characters"
+            )
+    return tuple(sorted(values.items()))
 
 
 _SESSION_ORDERS = {

@@ -100,6 +100,7 @@ class RcoderClient:
         extra_meta: Mapping[str, Any] | None = None,
         attachments: Sequence[Attachment] = (),
         busy: BusyPolicy | None = None,
+        config_options: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> Turn:
         """One turn with an agent in the project's folder; its events stream from the returned ``Turn``.
@@ -110,7 +111,10 @@ class RcoderClient:
         ``BusyPolicy.REJECT`` raise ``rcoder.client.Busy``; ``BusyPolicy.QUEUE`` waits behind it, and
         ``BusyPolicy.INTERRUPT`` cancels it (and the turns queued) first: the turn's first event is then
         ``Queued`` (its ``run_id`` at once, to ``cancel`` it while it waits), and ``Started`` comes
-        when it starts. The call starts when the turn is first read::
+        when it starts.
+        ``config_options`` sets the agent's session options before the prompt
+        (ACP config id -> value id, e.g. ``{"model": "opus", "mode": "plan"}``: ``Started.config_options``
+        lists what the agent offers); the session keeps them. The call starts when the turn is first read::
 
             turn = client.chat("demo", "hello")
             async for event in turn: ...          # or: text = await turn.text()
@@ -128,6 +132,7 @@ class RcoderClient:
             extra_meta=extra_meta,
             attachments=attachments,
             busy=busy,
+            config_options=config_options,
         )
         return Turn(self._streaming(self._stub.Chat, request, timeout))
 

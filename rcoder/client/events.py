@@ -57,6 +57,40 @@ class Event(Record):
         return to_datetime(self.raw.time)
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigValue:
+    value: str  # what to send in ``config_options``
+    name: str
+    description: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConfigOption:
+    """One of a session's config options (ACP), as its agent offers it: set it with
+    ``chat(config_options={id: value})``, one of ``values``."""
+
+    id: str
+    name: str
+    category: str  # mode, model, model_config, thought_level, or the agent's own; "" when unset
+    current_value: str
+    values: tuple[ConfigValue, ...]
+    description: str
+    type: str  # select | boolean | mode (the agent's session modes, set with session/set_mode)
+    chosen: bool  # chosen through config_options: set again whenever the session opens in a new agent process
+
+    def value_ids(self) -> tuple[str, ...]:
+        return tuple(v.value for v in self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class SlashCommand:
+    """A command the agent runs for a prompt ``/<name> <input>``."""
+
+    name: str
+    description: str
+    input_hint: str  # what to write after it; "" when it takes no input
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Started(Event):
     """First of every turn: the agent session is open (or the turn was cancelled before: ``NOT_OPENED``)."""
@@ -68,6 +102,21 @@ class Started(Event):
     agent: str
     project_id: str
     request_id: str
+    config_options: tuple[ConfigOption, ...]  # what the agent offers, at their current values (empty: none)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConfigOptionUpdate(Event):
+    """The agent changed its config options (all of them, as they are now)."""
+
+    config_options: tuple[ConfigOption, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AvailableCommands(Event):
+    """The agent's slash commands, the whole list (``client.sessions.get`` keeps the last one)."""
+
+    commands: tuple[SlashCommand, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,8 +292,24 @@ def _started(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         agent=s.agent,
         project_id=s.project_id,
         request_id=s.request_id,
+        config_options=config_options(s.config_options),
         **envelope,
     )
+
+
+def config_options(options: Iterable[pb.ConfigOption]) -> tuple[ConfigOption, ...]:
+    return tuple(
+        ConfigOption(
+            id=o.id, name=o.name, category=o.category, current_value=o.current_value,
+            values=tuple(ConfigValue(v.value, v.name, v.description) for v in o.values),
+            description=o.description, type=o.type, chosen=o.chosen,
+        )
+        for o in options
+    )  # fmt: skip
+
+
+def slash_commands(commands: Iterable[pb.SlashCommand]) -> tuple[SlashCommand, ...]:
+    return tuple(SlashCommand(c.name, c.description, c.input_hint) for c in commands)
 
 
 def _tool_call(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
@@ -338,6 +403,12 @@ CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
     "heartbeat": lambda m, envelope: Heartbeat(**envelope),
     "queued": lambda m, envelope: Queued(position=m.queued.position, **envelope),
     "completed": _completed,
+    "config_option_update": lambda m, envelope: ConfigOptionUpdate(
+        config_options=config_options(m.config_option_update.config_options), **envelope
+    ),
+    "available_commands": lambda m, envelope: AvailableCommands(
+        commands=slash_commands(m.available_commands.commands), **envelope
+    ),
 }
 
 

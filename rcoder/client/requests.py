@@ -125,6 +125,7 @@ def chat_request(
     extra_meta: Mapping[str, Any] | None = None,
     attachments: Sequence[Attachment] = (),
     busy: BusyPolicy | None = None,
+    config_options: Mapping[str, str] | None = None,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` for these arguments (see ``RcoderClient.chat``)."""
     request = pb.ChatRequest(
@@ -139,6 +140,8 @@ def chat_request(
         attachments=[_attachment(item) for item in attachments],
         busy=_BUSY_POLICIES[busy],
     )
+    if config_options:
+        request.config_options.update(config_options)
     if model_provider is not None:
         provider = model_provider
         request.model_provider.CopyFrom(

@@ -7,7 +7,17 @@ from datetime import datetime
 from enum import StrEnum
 
 from rcoder.client._record import Record, enum_member, optional_datetime
-from rcoder.client.events import ResumeOutcome, StopReason, Usage, resume_from_proto, usage_from_proto
+from rcoder.client.events import (
+    ConfigOption,
+    ResumeOutcome,
+    SlashCommand,
+    StopReason,
+    Usage,
+    config_options,
+    resume_from_proto,
+    slash_commands,
+    usage_from_proto,
+)
 from rcoder.v1 import agent_runner_pb2 as pb
 
 
@@ -63,6 +73,8 @@ class Session(Record):
     last_run_id: str
     status: SessionStatus
     usage: UsageTotals | None  # its runs' usage summed; None when none reported any
+    config_options: tuple[ConfigOption, ...]  # as its agent last reported them (live: now)
+    commands: tuple[SlashCommand, ...]  # the agent's slash commands, as it last listed them
     raw: pb.Session = field(repr=False, compare=False)
 
 
@@ -259,6 +271,8 @@ def session_from_proto(m: pb.Session) -> Session:
         last_run_id=m.last_run_id,
         status=enum_member(SessionStatus, pb.SessionStatus, m.status, "SESSION_STATUS_"),
         usage=_usage_totals(m.usage) if m.HasField("usage") else None,
+        config_options=config_options(m.config_options),
+        commands=slash_commands(m.commands),
         raw=m,
     )
 

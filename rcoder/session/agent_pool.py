@@ -229,6 +229,11 @@ class AgentPool:
         slot = self._alive(session_id)
         return slot.record if slot is not None else None
 
+    def live_connection(self, session_id: str) -> AgentConnection | None:
+        """The agent serving the session here, to read (never to use: ``take_live`` takes it)."""
+        slot = self._alive(session_id)
+        return slot.connection if slot is not None else None
+
     def is_live(self, session_id: str) -> bool:
         return self._alive(session_id) is not None
 

@@ -18,13 +18,15 @@ from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunStarted, SessionRecord, TranscriptEntry
 from rcoder.errors import AgentError
+from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session import content, reseed
+from rcoder.session import content, options, reseed
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.leases import LeaseKeeper
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Lease
 
+log = get_logger("rcoder.session.opening")
 RESEED_TURNS = 50
 UNOPENED_BRANCH = (
     "this branch was forked without the agent's session/fork, so the agent holds no session for it; "
@@ -107,6 +109,8 @@ class Opened:
     started: RunStarted
     # sent before the prompt on this turn only (a re-seed summary)
     preamble: str = ""
+    # config options still to set before the prompt (``SessionOpener.configure``), each with its value
+    pending: tuple[options.Change, ...] = ()
 
 
 class SessionOpener:
@@ -132,17 +136,51 @@ class SessionOpener:
             plan.action = Action.RESUME
             return None
         plan.lease = lease
-        return Opened(live, plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, ""))
+        started = plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, "")
+        return self._with_options(plan, Opened(live, started), fresh=False)
+
+    def _with_options(self, plan: TurnPlan, opened: Opened, fresh: bool) -> Opened:
+        """``opened`` with the options its turn must set (``InvalidArgument`` for one the agent does
+        not offer), or, with none to set, the options in its ``started``."""
+        requested, conn = plan.turn.config_options, opened.connection
+        stored = plan.record.chosen_options if plan.record is not None else ()
+        if not requested and not (fresh and stored):
+            return self._options_started(plan, opened)  # the common turn: nothing to check
+        want = options.wanted(requested, stored, fresh)
+        pending = options.changes(plan.profile.name, conn.options, want, requested)
+        if pending:
+            return replace(opened, pending=tuple(pending))
+        return self._options_started(plan, opened)
+
+    async def configure(self, plan: TurnPlan, opened: Opened) -> Opened:
+        """Set the options ``opened`` has pending, one by one, before the prompt."""
+        timeout = self._settings.session_open_timeout
+        for option, value in opened.pending:
+            await opened.connection.set_option(option, value, timeout)
+            log.info("config_option_set", agent=plan.profile.name, config_id=option.id, value=value,
+                     previous=option.current_value, via=option.type)  # fmt: skip
+        return self._options_started(plan, replace(opened, pending=()))
+
+    @staticmethod
+    def _options_started(plan: TurnPlan, opened: Opened) -> Opened:
+        offered = opened.connection.options
+        if not offered:
+            return opened
+        stored = plan.record.chosen_options if plan.record is not None else ()
+        chosen = options.chosen_after(stored, plan.turn.config_options, offered)
+        started = replace(opened.started, config_options=options.marked(offered, chosen))
+        return replace(opened, started=started)
 
     async def open(self, plan: TurnPlan) -> Opened:
         """An agent serving the plan's session, busy with this turn (the caller releases it), under
         this host's lease on the session (taken first: ``OwnedElsewhere`` if another host holds it)."""
         opened = self.live(plan)
         if opened is not None:
-            return opened
+            return await self.configure(plan, opened) if opened.pending else opened
         lease = plan.lease = await self._leases.acquire(plan.session_id)
         try:
-            return await self._open_agent(plan)
+            opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
+            return await self.configure(plan, opened) if opened.pending else opened
         except BaseException:
             if not self._pool.is_live(plan.session_id):
                 self._leases.release(plan.session_id, lease)

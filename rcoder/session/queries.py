@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from rcoder.agent.launcher import AgentLauncher
@@ -11,6 +11,7 @@ from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, prom
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, RunRecord, SessionOrder, SessionRecord, UsageTotals
 from rcoder.errors import NotFound
+from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.runs import RunRegistry
 from rcoder.store.base import SessionStore
@@ -72,7 +73,20 @@ class Queries:
         if record is None:
             raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
         totals = await self._store.usage_totals([session_id])
-        return SessionView(record, self.status(session_id), totals.get(session_id))
+        return SessionView(self._live_state(record), self.status(session_id), totals.get(session_id))
+
+    def _live_state(self, record: SessionRecord) -> SessionRecord:
+        """The record with its live agent's options and commands as they are now (the store has
+        them as of the last turn; an agent changes them between turns too)."""
+        conn = self._pool.live_connection(record.session_id)
+        if conn is None:
+            return record
+        commands = conn.commands
+        return replace(
+            record,
+            config_options=options.marked(conn.options, record.chosen_options),
+            commands=record.commands if commands is None else commands,
+        )
 
     async def sessions(
         self, project_id: str, limit: int, order: SessionOrder, currency: str = "", after: After | None = None

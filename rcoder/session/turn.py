@@ -54,6 +54,7 @@ from rcoder.agent.convert import prompt_blocks
 from rcoder.config import Settings
 from rcoder.domain import (
     AgentEvent,
+    ChatTurn,
     OpenMethod,
     ResumeOutcome,
     RunCompleted,
@@ -78,6 +79,7 @@ from rcoder.errors import (
 )
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
+from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
 from rcoder.session.history import History
@@ -94,6 +96,19 @@ MAX_TRANSCRIPT_TEXT = 1 << 20
 END_RETRY_FOR = 60.0
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], None]
+
+
+def session_state(record: SessionRecord, turn: ChatTurn, conn: AgentConnection | None) -> SessionRecord | None:
+    """``record`` with the options and commands its agent reports now, and the turn's choices;
+    None when nothing of them changed."""
+    if conn is None:
+        return None
+    offered = conn.options
+    chosen = options.chosen_after(record.chosen_options, turn.config_options, offered)
+    state = options.state_of(offered, chosen, conn.commands, record.commands)
+    if state == (record.config_options, record.chosen_options, record.commands):
+        return None
+    return replace(record, config_options=state[0], chosen_options=state[1], commands=state[2])
 
 
 class Phase(enum.Enum):
@@ -166,11 +181,11 @@ class TurnScope:
 
     async def _open(self, opener: SessionOpener) -> Opened:
         self._enter(Phase.OPENING)
-        opened = opener.live(self.plan)  # taken at once, no await: nothing to cancel meanwhile
-        if opened is None:
-            self._opening = asyncio.get_running_loop().create_task(
-                opener.open(self.plan), name=f"open-{self.run.run_id}"
-            )
+        plan = self.plan
+        opened = opener.live(plan)  # taken at once, no await: nothing to cancel meanwhile
+        if opened is None or opened.pending:  # a new agent, or options to set on the live one first
+            work = opener.open(plan) if opened is None else opener.configure(plan, opened)
+            self._opening = asyncio.get_running_loop().create_task(work, name=f"open-{self.run.run_id}")
             try:
                 opened = await self._opening
             except asyncio.CancelledError:
@@ -194,7 +209,7 @@ class TurnScope:
         # awaited in this task, no hop: the store's point writes run inline, and one it hands
         # to its worker is finished even if this task is cancelled meanwhile (SqliteStore._call)
         self._start_recording = True
-        await self._runner.record_start(self.plan, body)
+        await self._runner.record_start(self.plan, body, self.conn)
         self._publish_started()
 
     def cancel(self) -> bool:
@@ -268,7 +283,7 @@ class TurnScope:
                 "",
             )
             try:
-                await self._runner.record_start(self.plan, self.body)
+                await self._runner.record_start(self.plan, self.body, None)
             except (StoreError, LeaseLost) as store_exc:
                 self._refuse(store_exc, heard=False)
                 return False
@@ -488,7 +503,7 @@ class TurnRunner:
 
     # ------------------------------------------------------------ the store
 
-    async def record_start(self, plan: TurnPlan, body: RunStarted) -> None:
+    async def record_start(self, plan: TurnPlan, body: RunStarted, conn: AgentConnection | None) -> None:
         now = self._clock()
         if plan.record is None:
             record = SessionRecord(
@@ -500,12 +515,20 @@ class TurnRunner:
                 created_at=now,
                 updated_at=now,
             )
+            changed = session_state(record, plan.turn, conn)
+            record = changed or record
             await self._store.create_session(record, lease=plan.lease)
             plan.record = record
-        elif body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
-            # written only from this session's own agent answer
-            await self._store.set_provider_session_id(plan.session_id, body.provider_session_id, now, lease=plan.lease)
-            plan.record = replace(plan.record, provider_session_id=body.provider_session_id, updated_at=now)
+            if conn is not None:
+                conn.stored_state_version = conn.state_version
+        else:
+            if body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
+                # written only from this session's own agent answer
+                await self._store.set_provider_session_id(
+                    plan.session_id, body.provider_session_id, now, lease=plan.lease
+                )
+                plan.record = replace(plan.record, provider_session_id=body.provider_session_id, updated_at=now)
+            await self._store_state(plan, conn, now)
         await self._store.start_run(
             RunRecord(
                 run_id=plan.run_id,
@@ -524,6 +547,23 @@ class TurnRunner:
         plan.record = replace(plan.record, last_run_id=plan.run_id)
         self._pool.remember(plan.record)
 
+    async def _store_state(self, plan: TurnPlan, conn: AgentConnection | None, now: datetime) -> None:
+        """Store the session's options and commands where this turn changed them (rarely: a
+        turn that sets no option on an agent that lists nothing new writes nothing)."""
+        assert plan.record is not None
+        if conn is None:
+            return
+        version = conn.state_version
+        if version == conn.stored_state_version and not plan.turn.config_options:
+            return  # the record has what this agent process said (a turn's choices change it)
+        changed = session_state(plan.record, plan.turn, conn)
+        if changed is not None:
+            changed = replace(changed, updated_at=now)
+            await self._store.set_session_state(changed, lease=plan.lease)
+            plan.record = changed
+            self._pool.remember(changed)
+        conn.stored_state_version = version
+
     async def run_recorded(self, run_id: str) -> bool:
         return await self._store.get_run(run_id) is not None
 
@@ -534,6 +574,10 @@ class TurnRunner:
         run, plan = scope.run, scope.plan
         reachable = True  # the store took the run's end: its history is stored before completed goes out
         try:
+            try:  # what the agent changed during the turn (its options, its commands), before the end
+                await asyncio.shield(self._store_state(plan, scope.conn, self._clock()))
+            except StoreError as exc:
+                log.warning("session_state_not_stored", error=exc.message)
             await asyncio.shield(
                 self._store.finish_run(
                     run.run_id,

@@ -95,6 +95,10 @@ class SessionStore(Protocol):
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None: ...
 
+    async def set_session_state(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        """Store the record's config options, chosen options and commands (and ``updated_at``)."""
+        ...
+
     # runs
     async def start_run(self, record: RunRecord, lease: Lease | None = None) -> None:
         """Insert a ``running`` run and point its session's ``last_run_id`` at it."""

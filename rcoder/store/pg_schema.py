@@ -94,6 +94,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE runs ADD COLUMN prompt text NOT NULL DEFAULT ''",
         "CREATE INDEX runs_by_session_start ON runs (session_id, started_at, run_id)",
     ),
+    (  # 8: a session's config options as its agent last reported them, the values clients chose
+        # (set again in a new agent process) and
+        # its slash commands, each JSON text (store/session_state.py)
+        "ALTER TABLE sessions ADD COLUMN config_options text NOT NULL DEFAULT '[]',"
+        " ADD COLUMN chosen_options text NOT NULL DEFAULT '{}', ADD COLUMN commands text NOT NULL DEFAULT '[]'",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -122,11 +128,12 @@ async def migrate(conn: AsyncConnection[Any]) -> int:
 # Every statement in full (no SQL is ever built from values); rows come back in record field order.
 INSERT_SESSION = (
     "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at,"
-    " turns, last_run_id) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+    " turns, last_run_id, config_options, chosen_options, commands)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 SELECT_SESSIONS = (
-    "SELECT session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id"
-    " FROM sessions"
+    "SELECT session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id,"
+    " config_options, chosen_options, commands FROM sessions"
 )
 GET_SESSION = SELECT_SESSIONS + " WHERE session_id = %s"
 FIND_SESSION = SELECT_SESSIONS + " WHERE agent = %s AND provider_session_id = %s ORDER BY updated_at DESC LIMIT 1"
@@ -137,6 +144,9 @@ COPY_TRANSCRIPT = (
     " SELECT %s, run_id, turn, prompt, response, created_at FROM transcript WHERE session_id = %s ORDER BY turn, id"
 )
 SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = %s, updated_at = %s WHERE session_id = %s"
+SET_SESSION_STATE = (
+    "UPDATE sessions SET config_options = %s, chosen_options = %s, commands = %s, updated_at = %s WHERE session_id = %s"
+)
 # a run's usage: the columns of store/usage.py USAGE_COLUMNS, in that order, after the record's
 # (and its prompt last)
 SELECT_RUNS = (
@@ -167,10 +177,12 @@ LIST_BY_COST = (
     "WITH c AS (SELECT session_id, greatest(%s, least(%s, sum(cost_nanos))) AS cost FROM runs"
     " WHERE cost_currency = %s AND cost_nanos IS NOT NULL GROUP BY session_id),"
     " k AS (SELECT s.session_id, s.project_id, s.cwd, s.agent, s.provider_session_id, s.created_at, s.updated_at,"
-    " s.turns, s.last_run_id, c.cost, (c.cost IS NULL)::int AS k1, -coalesce(c.cost, 0) AS k2"
-    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE %s IN ('', s.project_id))"
+    " s.turns, s.last_run_id, s.config_options, s.chosen_options, s.commands, c.cost, (c.cost IS NULL)::int AS k1,"
+    " -coalesce(c.cost, 0) AS k2 FROM sessions s LEFT JOIN c ON c.session_id = s.session_id"
+    " WHERE %s IN ('', s.project_id))"
     " SELECT session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id,"
-    " cost FROM k WHERE (k1, k2, session_id) > (%s, %s, %s) ORDER BY k1, k2, session_id LIMIT %s"
+    " config_options, chosen_options, commands, cost FROM k WHERE (k1, k2, session_id) > (%s, %s, %s)"
+    " ORDER BY k1, k2, session_id LIMIT %s"
 )
 # per session, over its runs that reported usage: how many, and each token count's sum (NULL when none had it)
 USAGE_TOTALS = (
@@ -229,8 +241,14 @@ CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"
 # fenced: the write lands only while ``owner`` holds the session's lease at ``generation``
 INSERT_SESSION_FENCED = (
     "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at,"
-    " turns, last_run_id) SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s"
+    " turns, last_run_id, config_options, chosen_options, commands) SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s,"
+    " %s, %s, %s"
     " WHERE EXISTS (SELECT 1 FROM leases l WHERE l.session_id = %s"
+    " AND l.owner = %s AND l.generation = %s)"
+)
+SET_SESSION_STATE_FENCED = (
+    "UPDATE sessions SET config_options = %s, chosen_options = %s, commands = %s, updated_at = %s"
+    " WHERE session_id = %s AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = sessions.session_id"
     " AND l.owner = %s AND l.generation = %s)"
 )
 SET_PROVIDER_ID_FENCED = (

@@ -43,6 +43,7 @@ from rcoder.store.cluster import Lease
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
 from rcoder.store.pg_pool import PgPool
 from rcoder.store.pg_pool import Row as Row
+from rcoder.store.session_state import chosen_of, commands_of, options_of, state_params
 from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
 
 T = TypeVar("T")
@@ -66,7 +67,18 @@ def _params(*values: object) -> tuple[object, ...]:
 
 
 def _session(row: Row) -> SessionRecord:
-    return SessionRecord(*row)
+    session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id = row[:9]
+    return SessionRecord(
+        session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id,
+        options_of(row[9]), chosen_of(row[10]), commands_of(row[11]),
+    )  # fmt: skip
+
+
+def _session_params(record: SessionRecord) -> tuple[object, ...]:
+    return _params(
+        record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
+        _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id, *state_params(record),
+    )  # fmt: skip
 
 
 def _run(row: Row) -> RunRecord:
@@ -189,10 +201,7 @@ class PostgresStore:
     # ------------------------------------------------------------ sessions
 
     async def create_session(self, record: SessionRecord, lease: Lease | None = None) -> None:
-        params = _params(
-            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
-            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
-        )  # fmt: skip
+        params = _session_params(record)
         if lease is not None:
             fence = (record.session_id, *self._fence(lease))
             await self._fenced(pg_schema.INSERT_SESSION_FENCED, (*params, *fence), lease)
@@ -200,10 +209,7 @@ class PostgresStore:
         await self._write(pg_schema.INSERT_SESSION, params, None)
 
     async def fork_session(self, source_session_id: str, record: SessionRecord) -> None:
-        params = _params(
-            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
-            _ts(record.created_at), _ts(record.updated_at), record.turns, record.last_run_id,
-        )  # fmt: skip
+        params = _session_params(record)
         copy = _params(record.session_id, source_session_id)
 
         async def work(conn: Conn) -> None:
@@ -269,6 +275,13 @@ class PostgresStore:
         await self._write(
             pg_schema.SET_PROVIDER_ID, _params(provider_session_id, _ts(at), session_id), ("session", session_id)
         )
+
+    async def set_session_state(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        params = _params(*state_params(record), _ts(record.updated_at), record.session_id)
+        if lease is not None:
+            await self._fenced(pg_schema.SET_SESSION_STATE_FENCED, (*params, *self._fence(lease)), lease)
+            return
+        await self._write(pg_schema.SET_SESSION_STATE, params, ("session", record.session_id))
 
     # ------------------------------------------------------------ runs
 

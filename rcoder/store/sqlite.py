@@ -41,7 +41,8 @@ from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
 from rcoder.store.base import INTERRUPTED_ERROR, EventRow
 from rcoder.store.cluster import Lease
-from rcoder.store.sqlite_schema import entry_of, run_of, session_of, time_text
+from rcoder.store.session_state import state_params
+from rcoder.store.sqlite_schema import entry_of, run_of, session_of, session_params, time_text
 from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_params
 
 T = TypeVar("T")
@@ -295,17 +296,10 @@ class SqliteStore:
     # sessions
 
     async def create_session(self, record: SessionRecord, lease: Lease | None = None) -> None:
-        params = (
-            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
-            time_text(record.created_at), time_text(record.updated_at), record.turns, record.last_run_id,
-        )  # fmt: skip
-        await self._write(sqlite_schema.INSERT_SESSION, params, None)
+        await self._write(sqlite_schema.INSERT_SESSION, session_params(record), None)
 
     async def fork_session(self, source_session_id: str, record: SessionRecord) -> None:
-        params = (
-            record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
-            time_text(record.created_at), time_text(record.updated_at), record.turns, record.last_run_id,
-        )  # fmt: skip
+        params = session_params(record)
 
         def work(conn: sqlite3.Connection) -> None:
             with _transaction(conn):
@@ -370,6 +364,10 @@ class SqliteStore:
         await self._write(
             sqlite_schema.SET_PROVIDER_ID, (provider_session_id, time_text(at), session_id), ("session", session_id)
         )
+
+    async def set_session_state(self, record: SessionRecord, lease: Lease | None = None) -> None:
+        params = (*state_params(record), time_text(record.updated_at), record.session_id)
+        await self._write(sqlite_schema.SET_SESSION_STATE, params, ("session", record.session_id))
 
     # runs
 

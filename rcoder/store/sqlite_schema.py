@@ -20,6 +20,7 @@ from typing import Any
 
 from rcoder.domain import ResumeOutcome, RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
 from rcoder.errors import StoreError
+from rcoder.store.session_state import chosen_of, commands_of, options_of, state_params
 from rcoder.store.usage import USAGE_COLUMNS, usage_of
 
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -70,6 +71,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE runs ADD COLUMN prompt TEXT NOT NULL DEFAULT ''",
         "CREATE INDEX runs_by_session_start ON runs(session_id, started_at, run_id)",
     ),
+    (  # 5: a session's config options as its agent last reported them, the values clients chose
+        # (set again in a new agent process) and
+        # its slash commands, each JSON (store/session_state.py)
+        "ALTER TABLE sessions ADD COLUMN config_options TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE sessions ADD COLUMN chosen_options TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE sessions ADD COLUMN commands TEXT NOT NULL DEFAULT '[]'",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -95,10 +103,10 @@ def migrate(conn: sqlite3.Connection) -> int:
 MARK_INTERRUPTED = "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?"
 
 # sessions
-INSERT_SESSION = "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?)"
+INSERT_SESSION = "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
 SESSION_COLUMNS = (
     "session_id", "project_id", "cwd", "agent", "provider_session_id", "created_at", "updated_at", "turns",
-    "last_run_id",
+    "last_run_id", "config_options", "chosen_options", "commands",
 )  # fmt: skip
 COPY_TRANSCRIPT = (
     "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at) "
@@ -139,6 +147,9 @@ COST_TOTALS = (
     " GROUP BY session_id, cost_currency ORDER BY session_id, cost_currency"
 )
 SET_PROVIDER_ID = "UPDATE sessions SET provider_session_id = ?, updated_at = ? WHERE session_id = ?"
+SET_SESSION_STATE = (
+    "UPDATE sessions SET config_options = ?, chosen_options = ?, commands = ?, updated_at = ? WHERE session_id = ?"
+)
 
 # runs
 INSERT_RUN = (
@@ -204,8 +215,24 @@ def _time(text: str | None) -> datetime | None:
 
 
 def session_of(row: sqlite3.Row | dict[str, Any]) -> SessionRecord:
-    fields = {**dict(row), "created_at": _time(row["created_at"]), "updated_at": _time(row["updated_at"])}
+    fields = {
+        **dict(row),
+        "created_at": _time(row["created_at"]),
+        "updated_at": _time(row["updated_at"]),
+        "config_options": options_of(row["config_options"]),
+        "chosen_options": chosen_of(row["chosen_options"]),
+        "commands": commands_of(row["commands"]),
+    }
     return SessionRecord(**fields)
+
+
+def session_params(record: SessionRecord) -> tuple[object, ...]:
+    """A record's row, in the table's column order (``INSERT_SESSION``)."""
+    return (
+        record.session_id, record.project_id, record.cwd, record.agent, record.provider_session_id,
+        time_text(record.created_at), time_text(record.updated_at), record.turns, record.last_run_id,
+        *state_params(record),
+    )  # fmt: skip
 
 
 def run_of(row: sqlite3.Row) -> RunRecord:

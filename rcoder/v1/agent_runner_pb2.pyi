@@ -242,6 +242,26 @@ class ChatRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ConfigOptionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     PROJECT_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
@@ -254,6 +274,7 @@ class ChatRequest(_message.Message):
     PERMISSION_MODE_FIELD_NUMBER: _builtins.int
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     BUSY_FIELD_NUMBER: _builtins.int
+    CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """Required. [A-Za-z0-9._-]{1,128}, not "." or "..": resolved under workspace_root."""
     session_id: _builtins.str
@@ -283,6 +304,15 @@ class ChatRequest(_message.Message):
     def model_provider(self) -> Global___ModelProvider: ...
     @_builtins.property
     def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attachment]: ...
+    @_builtins.property
+    def config_options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """ACP session config options to set before the prompt: config id -> value id, e.g.
+        {"model": "opus", "mode": "plan"} (RunStarted.config_options says what the agent offers).
+        Only those that differ from the session's current values are sent to the agent; an id or a
+        value it does not offer is INVALID_ARGUMENT naming what it offers, and no prompt is sent.
+        Kept with the session and applied again whenever it opens in a new agent process.
+        """
+
     def __init__(
         self,
         *,
@@ -298,10 +328,11 @@ class ChatRequest(_message.Message):
         permission_mode: Global___PermissionMode.ValueType = ...,
         attachments: _abc.Iterable[Global___Attachment] | None = ...,
         busy: Global___BusyPolicy.ValueType = ...,
+        config_options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["extra_meta", b"extra_meta", "model_provider", b"model_provider"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "attachments", b"attachments", "busy", b"busy", "extra_meta", b"extra_meta", "mcp_servers", b"mcp_servers", "model_provider", b"model_provider", "permission_mode", b"permission_mode", "project_id", b"project_id", "prompt", b"prompt", "request_id", b"request_id", "session_id", b"session_id", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "attachments", b"attachments", "busy", b"busy", "config_options", b"config_options", "extra_meta", b"extra_meta", "mcp_servers", b"mcp_servers", "model_provider", b"model_provider", "permission_mode", b"permission_mode", "project_id", b"project_id", "prompt", b"prompt", "request_id", b"request_id", "session_id", b"session_id", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1210,6 +1241,8 @@ class Session(_message.Message):
     LAST_RUN_ID_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     project_id: _builtins.str
     agent: _builtins.str
@@ -1226,6 +1259,14 @@ class Session(_message.Message):
     def usage(self) -> Global___UsageTotals:
         """its runs' usage summed; unset when none reported any"""
 
+    @_builtins.property
+    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
+        """the session's config options as its agent last reported them (live: now), with their current values"""
+
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]:
+        """the agent's slash commands, as it last listed them"""
+
     def __init__(
         self,
         *,
@@ -1240,10 +1281,12 @@ class Session(_message.Message):
         last_run_id: _builtins.str = ...,
         status: Global___SessionStatus.ValueType = ...,
         usage: Global___UsageTotals | None = ...,
+        config_options: _abc.Iterable[Global___ConfigOption] | None = ...,
+        commands: _abc.Iterable[Global___SlashCommand] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "commands", b"commands", "config_options", b"config_options", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1584,6 +1627,8 @@ class ChatStream(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
+    CONFIG_OPTION_UPDATE_FIELD_NUMBER: _builtins.int
+    AVAILABLE_COMMANDS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     session_id: _builtins.str
     seq: _builtins.int
@@ -1617,6 +1662,14 @@ class ChatStream(_message.Message):
         (never stored nor replayed); `started` is still seq 1 when the turn starts.
         """
 
+    @_builtins.property
+    def config_option_update(self) -> Global___ConfigOptionUpdate:
+        """the agent changed its options (all of them, as now)"""
+
+    @_builtins.property
+    def available_commands(self) -> Global___AvailableCommands:
+        """the agent's slash commands (the whole list)"""
+
     def __init__(
         self,
         *,
@@ -1635,12 +1688,14 @@ class ChatStream(_message.Message):
         heartbeat: Global___Heartbeat | None = ...,
         completed: Global___RunCompleted | None = ...,
         queued: Global___RunQueued | None = ...,
+        config_option_update: Global___ConfigOptionUpdate | None = ...,
+        available_commands: Global___AvailableCommands | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "completed", b"completed", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "completed", b"completed", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued", "config_option_update", "available_commands"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -1677,6 +1732,7 @@ class RunStarted(_message.Message):
     AGENT_FIELD_NUMBER: _builtins.int
     PROJECT_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     provider_session_id: _builtins.str
     resume: Global___ResumeOutcome.ValueType
     resume_method: _builtins.str
@@ -1686,6 +1742,12 @@ class RunStarted(_message.Message):
     agent: _builtins.str
     project_id: _builtins.str
     request_id: _builtins.str
+    @_builtins.property
+    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
+        """what the agent offers for this session, with the current values (after ChatRequest.config_options
+        were applied); empty when it offers none
+        """
+
     def __init__(
         self,
         *,
@@ -1696,14 +1758,161 @@ class RunStarted(_message.Message):
         agent: _builtins.str = ...,
         project_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        config_options: _abc.Iterable[Global___ConfigOption] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "fallback_reason", b"fallback_reason", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "config_options", b"config_options", "fallback_reason", b"fallback_reason", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStarted: _TypeAlias = RunStarted  # noqa: Y015
+
+@_typing.final
+class ConfigOption(_message.Message):
+    """An ACP session config option (or the agent's session modes, as the option "mode")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    CATEGORY_FIELD_NUMBER: _builtins.int
+    CURRENT_VALUE_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    TYPE_FIELD_NUMBER: _builtins.int
+    CHOSEN_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """what ChatRequest.config_options names"""
+    name: _builtins.str
+    category: _builtins.str
+    """mode, model, model_config, thought_level, or the agent's own; "" when unset"""
+    current_value: _builtins.str
+    description: _builtins.str
+    type: _builtins.str
+    """"select"; "boolean" (values "true" and "false"); "mode": the agent offers session modes only
+    (set with session/set_mode)
+    """
+    chosen: _builtins.bool
+    """chosen through ChatRequest.config_options: applied again in a new agent process"""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigValue]:
+        """the values offered"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        category: _builtins.str = ...,
+        current_value: _builtins.str = ...,
+        values: _abc.Iterable[Global___ConfigValue] | None = ...,
+        description: _builtins.str = ...,
+        type: _builtins.str = ...,
+        chosen: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["category", b"category", "chosen", b"chosen", "current_value", b"current_value", "description", b"description", "id", b"id", "name", b"name", "type", b"type", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigOption: _TypeAlias = ConfigOption  # noqa: Y015
+
+@_typing.final
+class ConfigValue(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    value: _builtins.str
+    """the value id to send"""
+    name: _builtins.str
+    description: _builtins.str
+    def __init__(
+        self,
+        *,
+        value: _builtins.str = ...,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigValue: _TypeAlias = ConfigValue  # noqa: Y015
+
+@_typing.final
+class ConfigOptionUpdate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]: ...
+    def __init__(
+        self,
+        *,
+        config_options: _abc.Iterable[Global___ConfigOption] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_options", b"config_options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigOptionUpdate: _TypeAlias = ConfigOptionUpdate  # noqa: Y015
+
+@_typing.final
+class AvailableCommands(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]: ...
+    def __init__(
+        self,
+        *,
+        commands: _abc.Iterable[Global___SlashCommand] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AvailableCommands: _TypeAlias = AvailableCommands  # noqa: Y015
+
+@_typing.final
+class SlashCommand(_message.Message):
+    """A command the agent runs when the prompt starts with "/<name>" (ACP available_commands_update)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    INPUT_HINT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """without the slash"""
+    description: _builtins.str
+    input_hint: _builtins.str
+    """what to write after it; "" when it takes no input"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        input_hint: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "input_hint", b"input_hint", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlashCommand: _TypeAlias = SlashCommand  # noqa: Y015
 
 @_typing.final
 class TextChunk(_message.Message):

@@ -11,6 +11,7 @@ level: streaming, tools, permissions, sleeps, crashes).
         [--auth-required open|prompt] [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
         [--replay-after-response] [--replay-pause MS] [--name NAME]
         [--list-page N] [--list-padding N] [--list-fail] [--list-delay MS]
+        [--offer options|modes] [--commands-at-open]
 
 `--caps` defaults to resume,load,meta,close; `list` (sessionCapabilities.list) and `fork`
 (sessionCapabilities.fork: `session/fork` copies a stored session's history into a new one) are
@@ -18,6 +19,14 @@ advertised only when named. `session/list` lists the sessions of DIR/sessions wh
 (all without one), sorted by id, after `--list-padding` made-up ones ("listed-pad-0000", ...), in
 pages of `--list-page` sessions (0: one page) joined by an opaque `nextCursor`. `--list-fail`
 answers it -32603; `--list-delay MS` answers it MS ms late.
+
+`--offer options` offers two config options with every session it opens (new, load, resume, fork):
+"model" (category model: fake-small, fake-large; default fake-small) and "mode" (category mode:
+ask, code, plan; default code), and takes `session/set_config_option` for them (anything else is
+-32602). `--offer modes` offers the same modes as ACP `modes` only (`session/set_mode`, no config
+options). Each process starts every session it opens at the defaults, as real agents do.
+`--commands-at-open` sends an `available_commands_update` just after answering session/new (as
+Claude's adapter does), outside any turn.
 
 Sessions persist as DIR/sessions/<id>.json, so a new process with the same state dir can
 resume or load what an earlier one created. Answers are computed from the session's memory:
@@ -54,6 +63,10 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     bigtools N S N tool_calls "big-0", "big-1", ..., each with a text content of S bytes of "y"
     fail-prompt  answer with -32603 Internal error {"details": "scripted failure"}
     stop X       end with stop reason X (end_turn, max_tokens, max_turn_requests, refusal)
+    show-options the answer gets " options[model=<m> mode=<m>]": the session's values in this process
+    agent-mode X the agent moves itself to mode X: a config_option_update (--offer options) or a
+                 current_mode_update (--offer modes)
+    commands     an available_commands_update: /review (input hint "what to review") and /compact
 
 Only the standard library and the `acp` SDK are used (imported through rcoder.agent.sdk, which
 makes the import quick: ~0.7 s less CPU for each of the suite's many fake agents).
@@ -103,8 +116,13 @@ from acp.helpers import ContentBlock  # noqa: E402
 from acp.schema import (  # noqa: E402
     AgentCapabilities,
     AllowedOutcome,
+    AvailableCommand,
+    AvailableCommandInput,
+    AvailableCommandsUpdate,
     CloseSessionResponse,
+    ConfigOptionUpdate,
     Cost,
+    CurrentModeUpdate,
     ForkSessionResponse,
     Implementation,
     InitializeResponse,
@@ -117,14 +135,22 @@ from acp.schema import (  # noqa: E402
     ResumeSessionResponse,
     SessionCapabilities,
     SessionCloseCapabilities,
+    SessionConfigOptionBoolean,
+    SessionConfigOptionSelect,
+    SessionConfigSelectOption,
     SessionForkCapabilities,
     SessionInfo,
     SessionListCapabilities,
+    SessionMode,
+    SessionModeState,
     SessionResumeCapabilities,
+    SetSessionConfigOptionResponse,
+    SetSessionModeResponse,
     StopReason,
     TextContentBlock,
     ToolCallLocation,
     ToolCallUpdate,
+    UnstructuredCommandInput,
     Usage,
     UsageUpdate,
 )
@@ -149,6 +175,12 @@ else:
     print("ok")
 """
 LOG_CHUNK = 64 * 1024
+# what --offer offers: each option's values (id, name) and its default
+OFFERED = {
+    "model": ("Model", "model", [("fake-small", "Fake small"), ("fake-large", "Fake large")], "fake-small"),
+    "mode": ("Mode", "mode", [("ask", "Ask"), ("code", "Code"), ("plan", "Plan")], "code"),
+}
+COMMANDS = [("review", "Review the changes", "what to review"), ("compact", "Compact the conversation", "")]
 
 
 # --------------------------------------------------------------------------- options
@@ -187,6 +219,8 @@ class Options:
     list_padding: int
     list_fail: bool
     list_delay_ms: int
+    offer: str | None
+    commands_at_open: bool
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> Options:
@@ -209,6 +243,8 @@ class Options:
         p.add_argument("--list-padding", type=int, default=0)
         p.add_argument("--list-fail", action="store_true")
         p.add_argument("--list-delay", type=int, default=0, dest="list_delay_ms")
+        p.add_argument("--offer", choices=["options", "modes"])
+        p.add_argument("--commands-at-open", action="store_true")
         return cls(**vars(p.parse_args(argv)))
 
 
@@ -223,6 +259,8 @@ class Session:
     history: list[dict[str, str]] = field(default_factory=list)  # [{"prompt": ..., "answer": ...}]
     # Set by session/cancel (or session/close); cleared when a turn starts.
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # its config values in this process (--offer): the defaults whenever a process opens it
+    config: dict[str, str] = field(default_factory=lambda: {k: v[3] for k, v in OFFERED.items()})
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -279,6 +317,9 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
+        self.show_options, self.commands = word("show-options"), word("commands")
+        mode = re.search(r"\bagent-mode\s+(\w+)", text)
+        self.agent_mode = mode.group(1) if mode else None
         self.ttft_ms = number("ttft") or 0
         self.sleep_ms, self.hang, self.deaf = number("sleep"), word("hang"), word("deaf")
         self.shrug = word("shrug")
@@ -456,13 +497,16 @@ class FakeAgent:
             session = Session(f"fake-{uuid.uuid4().hex}", cwd, system_prompt)
             self.store.save(session)
             self.sessions[session.id] = session
-        return NewSessionResponse(session_id=session.id)
+        if self.opts.commands_at_open:
+            # after the response, as Claude's adapter does (queued before this task first runs)
+            self._background(self.conn.session_update(session.id, _commands_update()))
+        return NewSessionResponse(session_id=session.id, **self._offer(session))
 
     async def resume_session(self, session_id: str, cwd: str, **kwargs: Any) -> ResumeSessionResponse:
         self._require("resume", "session/resume")
         await self._gate("open")
-        self._open_stored(session_id, cwd)
-        return ResumeSessionResponse()
+        session = self._open_stored(session_id, cwd)
+        return ResumeSessionResponse(**self._offer(session))
 
     async def fork_session(self, cwd: str, session_id: str, **kwargs: Any) -> ForkSessionResponse:
         """A new session holding a copy of the stored one's history (and nothing said later in either)."""
@@ -474,7 +518,7 @@ class FakeAgent:
         branch = Session(f"fake-{uuid.uuid4().hex}", cwd, source.system_prompt, [dict(t) for t in source.history])
         self.store.save(branch)
         self.sessions[branch.id] = branch
-        return ForkSessionResponse(session_id=branch.id)
+        return ForkSessionResponse(session_id=branch.id, **self._offer(branch))
 
     async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
         self._require("load", "session/load")
@@ -482,14 +526,14 @@ class FakeAgent:
         session = self._open_stored(session_id, cwd)
         if not self.opts.replay_after_response:
             await self._replay(session)  # the spec: history first, then the response
-            return LoadSessionResponse()
+            return LoadSessionResponse(**self._offer(session))
         # Gemini's order: answer, then replay. The SDK queues our response for writing before
         # this task gets its first turn (no await between here and the queueing), so the
         # replay's notifications always follow the response on the wire.
         task = asyncio.create_task(self._replay(session))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
-        return LoadSessionResponse()
+        return LoadSessionResponse(**self._offer(session))
 
     async def list_sessions(
         self, cwd: str | None = None, cursor: str | None = None, **kwargs: Any
@@ -505,6 +549,40 @@ class FakeAgent:
         end = start + (self.opts.list_page or len(listed) or 1)
         more = f"after-{end}" if end < len(listed) else None
         return ListSessionsResponse(sessions=listed[start:end], next_cursor=more)
+
+    # ---- config options and modes (--offer)
+
+    def _offer(self, session: Session) -> dict[str, Any]:
+        """What a response that opens ``session`` offers: config options, or modes, or nothing."""
+        if self.opts.offer == "options":
+            return {"config_options": _config_options(session)}
+        if self.opts.offer == "modes":
+            return {"modes": _modes(session)}
+        return {}
+
+    async def set_config_option(
+        self, config_id: str, session_id: str, value: str | bool, **kwargs: Any
+    ) -> SetSessionConfigOptionResponse:
+        session = self.sessions.get(session_id)
+        if session is None or self.opts.offer != "options":
+            raise RequestError(-32602, f"Session not found or no config options: {session_id}")
+        offered = OFFERED.get(config_id)
+        if offered is None or value not in [v for v, _ in offered[2]]:
+            raise RequestError(-32602, f"Invalid params: no value {value!r} for {config_id!r}")
+        session.config[config_id] = str(value)
+        return SetSessionConfigOptionResponse(config_options=_config_options(session))
+
+    async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
+        session = self.sessions.get(session_id)
+        if session is None or self.opts.offer != "modes" or mode_id not in [v for v, _ in OFFERED["mode"][2]]:
+            raise RequestError(-32602, f"Invalid params: no mode {mode_id!r}")
+        session.config["mode"] = mode_id
+        return SetSessionModeResponse()
+
+    def _background(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
         self._require("close", "session/close")
@@ -576,6 +654,19 @@ class FakeAgent:
             if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
+        if script.agent_mode:  # the agent changes its own mode, and says so
+            session.config["mode"] = script.agent_mode
+            if self.opts.offer == "options":
+                options = _config_options(session)
+                await self.conn.session_update(sid, ConfigOptionUpdate(session_update="config_option_update",
+                                                                       config_options=options))  # fmt: skip
+            elif self.opts.offer == "modes":
+                mode = CurrentModeUpdate(session_update="current_mode_update", current_mode_id=script.agent_mode)
+                await self.conn.session_update(sid, mode)
+        if script.commands:
+            await self.conn.session_update(sid, _commands_update())
+        if script.show_options:
+            suffix += f" options[model={session.config['model']} mode={session.config['mode']}]"
         if script.usage:
             # the session's cost so far, counted by this process (as Claude's adapter does)
             self.usage_turns[sid] = self.usage_turns.get(sid, 0) + 1
@@ -644,6 +735,33 @@ class FakeAgent:
         )
         outcome = response.outcome
         return outcome.option_id if isinstance(outcome, AllowedOutcome) else "cancelled"
+
+
+def _config_options(session: Session) -> list[SessionConfigOptionSelect | SessionConfigOptionBoolean]:
+    return [
+        SessionConfigOptionSelect(
+            type="select", id=option_id, name=name, category=cast(Any, category),
+            current_value=session.config[option_id],
+            options=[SessionConfigSelectOption(value=v, name=n) for v, n in values],
+        )
+        for option_id, (name, category, values, _) in OFFERED.items()
+    ]  # fmt: skip
+
+
+def _modes(session: Session) -> SessionModeState:
+    modes = [SessionMode(id=v, name=n) for v, n in OFFERED["mode"][2]]
+    return SessionModeState(current_mode_id=session.config["mode"], available_modes=modes)
+
+
+def _commands_update() -> AvailableCommandsUpdate:
+    commands = [
+        AvailableCommand(
+            name=name, description=description,
+            input=AvailableCommandInput(root=UnstructuredCommandInput(hint=hint)) if hint else None,
+        )
+        for name, description, hint in COMMANDS
+    ]  # fmt: skip
+    return AvailableCommandsUpdate(session_update="available_commands_update", available_commands=commands)
 
 
 # --------------------------------------------------------------------------- process

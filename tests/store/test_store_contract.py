@@ -11,16 +11,20 @@ import signal
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from rcoder.domain import (
+    ConfigOption,
+    ConfigValue,
     ResumeOutcome,
     RunRecord,
     RunStatus,
     SessionRecord,
+    SlashCommand,
     StopReason,
     TranscriptEntry,
 )
@@ -455,3 +459,27 @@ async def test_delete_session_erases_it_and_leaves_its_fork(store: SessionStore)
     assert await store.get_run("r3") is not None and len(await store.transcript("s2")) == 1
     assert await store.delete_session("s1") is None
     assert await store.integrity_check() == "ok"
+
+
+async def test_a_sessions_options_and_commands_round_trip_and_a_fork_keeps_them(store: SessionStore) -> None:
+    values = (ConfigValue("sonnet", "Sonnet", "fast"), ConfigValue("opus", "Opus"))
+    model = ConfigOption("model", "Model", "opus", values, "model", "", "select", chosen=True)
+    mode = ConfigOption("mode", "Mode", "plan", (ConfigValue("plan", "Plan"),), "mode", "its modes", "mode")
+    made = replace(session("s-state"), config_options=(model,), chosen_options=(("model", "opus"),),
+                   commands=(SlashCommand("review", "Review", "what"), SlashCommand("compact")))  # fmt: skip
+    await store.create_session(made)
+    assert await store.get_session("s-state") == made
+    plain = session("s-plain")
+    await store.create_session(plain)
+    assert await store.get_session("s-plain") == plain  # nothing of them: empty, as the migration's defaults
+
+    later = replace(made, config_options=(model, mode), chosen_options=(("mode", "plan"), ("model", "opus")),
+                    commands=(), updated_at=T0 + timedelta(minutes=5))  # fmt: skip
+    await store.set_session_state(later)
+    assert await store.get_session("s-state") == later
+    assert (await store.list_sessions("proj"))[1] == later  # s-plain, s-state
+    assert [r for r, _ in await store.list_sessions_by_cost("USD", "proj")][1] == later
+    await store.fork_session("s-state", replace(later, session_id="s-branch"))
+    assert await store.get_session("s-branch") == replace(later, session_id="s-branch")
+    with pytest.raises(StoreError):
+        await store.set_session_state(session("no-such-session"))

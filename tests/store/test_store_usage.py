@@ -196,7 +196,9 @@ async def test_a_sqlite_store_made_before_usage_existed_migrates_and_keeps_its_r
     try:
         before = await store.get_run("r1")
         assert before is not None and before.status is RunStatus.COMPLETED and before.usage is None
-        assert before.prompt == "", "a run from before prompts were stored has none"
+        old_session = await store.get_session("s1")  # from before sessions kept options: none
+        assert old_session is not None and old_session.turns == 1
+        assert (old_session.config_options, old_session.chosen_options, old_session.commands) == ((), (), ())
         assert await store.usage_totals(["s1"]) == {}
         await run(store, "s1", "r2", CLAUDE_TURN)
         after = await store.get_run("r2")
@@ -206,7 +208,7 @@ async def test_a_sqlite_store_made_before_usage_existed_migrates_and_keeps_its_r
     finally:
         await store.close()
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 2
     conn.close()
 
 

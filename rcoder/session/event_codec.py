@@ -24,6 +24,8 @@ from typing import Any
 
 from rcoder.domain import (
     AgentUpdate,
+    AvailableCommands,
+    ConfigOptionUpdate,
     PermissionRequest,
     Plan,
     RunCompleted,
@@ -44,6 +46,8 @@ KINDS: dict[str, type] = {
     "permission_request": PermissionRequest,
     "update": AgentUpdate,
     "completed": RunCompleted,
+    "config_option_update": ConfigOptionUpdate,
+    "available_commands": AvailableCommands,
 }
 _KIND_OF: dict[type, str] = {cls: kind for kind, cls in KINDS.items()}
 

@@ -9,6 +9,10 @@ import pytest
 
 from rcoder.domain import (
     AgentUpdate,
+    AvailableCommands,
+    ConfigOption,
+    ConfigOptionUpdate,
+    ConfigValue,
     Heartbeat,
     OpenMethod,
     PermissionOption,
@@ -19,6 +23,7 @@ from rcoder.domain import (
     RunCompleted,
     RunEventBody,
     RunStarted,
+    SlashCommand,
     StopReason,
     TextChunk,
     ToolCall,
@@ -29,8 +34,13 @@ from rcoder.domain import (
 from rcoder.session import event_codec
 
 DIFFS = (ToolDiff("a.txt", None, "new\n"), ToolDiff("b.txt", "old", "né"))
+MODEL = ConfigOption("model", "Model", "opus", (ConfigValue("sonnet", "Sonnet", "fast"), ConfigValue("opus", "Opus")))
+MODE = ConfigOption("mode", "Mode", "plan", (ConfigValue("plan", "Plan"),), "mode", "its modes", "mode", chosen=True)
 SAMPLES: list[RunEventBody] = [
     RunStarted("prov-1", ResumeOutcome.FALLBACK_RESEEDED, OpenMethod.LOAD, "claude", "proj", "gone", "req-9"),
+    RunStarted("prov-2", ResumeOutcome.NEW, OpenMethod.NEW, "codex", "proj", config_options=(MODEL, MODE)),
+    ConfigOptionUpdate((MODE, MODEL)),
+    AvailableCommands((SlashCommand("review", "Review the diff", "what to review"), SlashCommand("compact"))),
     TextChunk("hello ✓"),
     TextChunk("thinking", thought=True),
     ToolCall("call-1", "Edit", "edit", "pending", '{"path":"a"}', ("a.txt", "b.txt"), DIFFS, "text"),

@@ -18,6 +18,10 @@ CHECK = ROOT / "scripts" / "check_api.py"
 PROTO = Path("proto") / "rcoder" / "v1" / "agent_runner.proto"
 
 
+# ChatRequest.prompt, by the comment above it (RunInfo has a field of the same name and number)
+ASKED = "// Required unless attachments are given.\n  "
+
+
 def check(tmp_path: Path, *edits: tuple[str, str], buf_yaml: tuple[str, str] | None = None) -> tuple[int, str]:
     """scripts/check_api.py on a copy of the contract with ``edits`` (old text -> new, each found once)."""
     for name in ("proto", "api"):
@@ -57,12 +61,20 @@ def test_additions_pass_fields_messages_and_rpcs(tmp_path: Path) -> None:
     ("edit", "says"),
     [
         pytest.param(
-            ("string prompt = 3;", "string prompt = 30;"), 'field "3" with name "prompt"', id="renumbered-field"
+            (ASKED + "string prompt = 3;", ASKED + "string prompt = 30;"),
+            'field "3" with name "prompt"',
+            id="renumbered-field",
         ),
         pytest.param(
-            ("string prompt = 3;", "string text = 3;"), 'changed name from "prompt" to "text"', id="renamed-field"
+            (ASKED + "string prompt = 3;", ASKED + "string text = 3;"),
+            'changed name from "prompt" to "text"',
+            id="renamed-field",
         ),
-        pytest.param(("string prompt = 3;", "bytes prompt = 3;"), 'type from "string" to "bytes"', id="retyped-field"),
+        pytest.param(
+            (ASKED + "string prompt = 3;", ASKED + "bytes prompt = 3;"),
+            'type from "string" to "bytes"',
+            id="retyped-field",
+        ),
         pytest.param(
             ("  rpc ListHosts(ListHostsRequest) returns (ListHostsResponse);\n", ""),
             'RPC "ListHosts" on service "AgentRunner" was deleted',

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import sys
@@ -143,7 +144,12 @@ async def test_cancelling_spawn_at_any_point_leaves_no_process_behind(marker: st
     runs on, shielded); a few turns later the process exists and its pipes are being connected;
     later still, spawn has returned. Wherever the cancel lands, no process outlives it."""
     outcomes: list[str] = []
-    for steps in range(1, 200):
+    # every step count at first, then growing by half each time: a confined spawn waits on a
+    # thread while the loop spins, so a loaded machine turns the loop far more than 200 times
+    # before spawn returns (CI did), and only growth is sure to reach past it
+    early = range(1, 60)
+    later = (int(60 * 1.5**k) for k in range(40))
+    for steps in itertools.chain(early, later):
         task = asyncio.create_task(spawn(marker, "ignore-term", confined=confined))
         call_after_steps(steps, task.cancel)
         await asyncio.wait({task}, timeout=10.0)

@@ -6,8 +6,9 @@ merge can change any more, so the stored list is the one the followers saw), enc
 (``event_codec``) and stores them all in one batch. The agent and the live stream never wait for
 it: publishing an event costs nothing more, and the run's buffer keeps what is not stored yet
 (``Run.stored_seq``). A batch the store refuses stays in the buffer and is tried again at the
-next flush. At the end of a turn ``end`` stores what is left and ``completed`` itself, and only
-then is ``completed`` published: whoever sees it, on any host, can read the whole run back.
+next flush. At the end of a turn ``end_with`` stores what is left and ``completed`` itself, in
+the transaction that stores the run's end (``end`` on its own, when that one was refused), and
+only then is ``completed`` published: whoever sees it, on any host, can read the whole run back.
 Heartbeats are not stored (their seqs are gaps in the stored list).
 
 A run stores at most ``history_max_bytes_per_run`` bytes of encoded events; the first event past
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -126,6 +127,21 @@ class History:
                 batches = [batch for entry in list(self._tracked.values()) if (batch := self._take(entry, None))]
                 await self._write(batches, "")
 
+    async def end_with(
+        self, run: Run, completed: RunEvent, finish: Callable[[Sequence[EventRow]], Awaitable[None]]
+    ) -> None:
+        """Store the rest of ``run`` and its ``completed`` through ``finish``: the store's end of
+        the run, taking them into its own transaction (one write a turn, not two); the run is no
+        longer tracked afterwards. What ``finish`` raises is raised, and the run stays tracked:
+        ``store_end`` then stores its history on its own."""
+        async with self._lock:
+            entry = self._tracked.get(run.run_id)
+            batch = self._take(entry, completed) if entry is not None else None
+            await finish(batch.rows if batch is not None else ())
+            self._tracked.pop(run.run_id, None)
+            if batch is not None:
+                self._landed(batch)
+
     def store_end(self, run: Run, completed: RunEvent) -> asyncio.Task[None]:
         """``end`` in a task of the writer's own: it goes on if the turn's task is cancelled, and
         ``aclose`` waits for it (bounded)."""
@@ -187,9 +203,14 @@ class History:
             log.info("history_stored_again")
         self._failing = False
         for batch in batches:
-            entry = batch.entry
-            entry.run.stored_seq = batch.seq
-            entry.bytes, entry.cut = batch.bytes, batch.cut
+            self._landed(batch)
+
+    @staticmethod
+    def _landed(batch: _Batch) -> None:
+        """Note how far the stored history of the batch's run now reaches, and its size."""
+        entry = batch.entry
+        entry.run.stored_seq = batch.seq
+        entry.bytes, entry.cut = batch.bytes, batch.cut
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """Stop flushing; the ends being stored get ``timeout`` seconds to land."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from datetime import datetime
 from types import TracebackType
@@ -58,6 +58,7 @@ from rcoder.domain import (
     OpenMethod,
     ResumeOutcome,
     RunCompleted,
+    RunEvent,
     RunRecord,
     RunStarted,
     RunStatus,
@@ -87,7 +88,7 @@ from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Heartbeats, Run, RunRegistry
-from rcoder.store.base import SessionStore
+from rcoder.store.base import EventRow, SessionStore
 from rcoder.store.cluster import LocalCoordination
 
 log = get_logger("rcoder.session.turn")
@@ -568,28 +569,29 @@ class TurnRunner:
         return await self._store.get_run(run_id) is not None
 
     async def finish(self, scope: TurnScope) -> None:
-        """Store the end, free the session and its agent, store the rest of the run's history
-        and ``completed`` itself, then publish ``completed``: whoever sees it can go on at once,
-        and read the whole run back anywhere. A store that cannot record the end makes it an error."""
-        run, plan = scope.run, scope.plan
+        """Store the end with the rest of the run's history and ``completed`` itself (one
+        transaction), free the session and its agent, then publish ``completed``: whoever sees it
+        can go on at once, and read the whole run back anywhere. A store that cannot record the
+        end makes it an error: that ``completed`` is stored on its own."""
+        run, plan, body = scope.run, scope.plan, scope.body
+        assert body is not None
+        end = self._prepare_end(scope)  # as it reads if the store takes the end
+        stored = False  # the end and the history with it
         reachable = True  # the store took the run's end: its history is stored before completed goes out
         try:
             try:  # what the agent changed during the turn (its options, its commands), before the end
                 await asyncio.shield(self._store_state(plan, scope.conn, self._clock()))
             except StoreError as exc:
                 log.warning("session_state_not_stored", error=exc.message)
-            await asyncio.shield(
-                self._store.finish_run(
-                    run.run_id,
-                    scope.status,
-                    scope.stop,
-                    scope.error,
-                    self._clock(),
-                    scope.transcript,
-                    plan.lease,
-                    usage=scope.usage,
-                )
-            )
+
+            async def store_end(events: Sequence[EventRow]) -> None:
+                await self._store.finish_run(
+                    run.run_id, scope.status, scope.stop, scope.error, self._clock(), scope.transcript,
+                    plan.lease, usage=scope.usage, events=events,
+                )  # fmt: skip
+
+            await asyncio.shield(self.history.end_with(run, end, store_end))
+            stored = True
         except LeaseLost as exc:  # another host serves the session now: nothing more is written
             log.warning("run_end_refused_lease_lost", generation=exc.generation)
             scope.stop, scope.status, scope.error, scope.error_reason = (
@@ -609,28 +611,32 @@ class TurnRunner:
         finally:
             self._runs.release(run)
             self._pool.release(plan.session_id, broken=scope.agent_broken)
-            body = scope.body
-            assert body is not None
-            provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
-            usage = scope.usage
-            end = run.prepare_end(
-                RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, usage)
-            )
-            storing = self.history.store_end(run, end)
             try:
-                # stored before it is published: whoever sees it can read the whole run back, anywhere;
-                # a store that just refused the run's end is not waited for again (tried all the same)
-                if reachable:
-                    await asyncio.shield(storing)
-            finally:  # cancelled meanwhile (rcoder stopping): published all the same, the write goes on
+                if not stored:  # the end refused, or this task cancelled (rcoder stopping): on its own
+                    end = self._prepare_end(scope)
+                    storing = self.history.store_end(run, end)
+                    # stored before it is published; a store that just refused the run's end is not
+                    # waited for again (tried all the same)
+                    if reachable:
+                        await asyncio.shield(storing)
+            finally:  # cancelled meanwhile: published all the same, the write goes on
                 run.publish_end(end)
+                usage = scope.usage
                 if usage is not None:
                     self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)
                 log.info("run_completed", stop_reason=scope.stop.value, error=scope.error[:500] or None)
-                agent = plan.profile.name
                 self._metrics.turn_ended(
-                    agent, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
+                    plan.profile.name, body.resume.value, scope.stop.value, time.monotonic() - run.started_monotonic
                 )
+
+    @staticmethod
+    def _prepare_end(scope: TurnScope) -> RunEvent:
+        """``completed`` as the turn stands (``Run.prepare_end``: numbered, every event before it sealed)."""
+        body = scope.body
+        assert body is not None
+        provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
+        completed = RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, scope.usage)
+        return scope.run.prepare_end(completed)
 
     async def _record_end_later(self, scope: TurnScope) -> None:
         """Retry (bounded) storing the end the stream already published, so the store comes to

@@ -114,9 +114,11 @@ class SessionStore(Protocol):
         transcript: TranscriptEntry | None,
         lease: Lease | None = None,
         usage: Usage | None = None,
+        events: Sequence[EventRow] = (),
     ) -> None:
         """End a run with the ``usage`` its agent reported; when ``transcript`` is given, append
-        it and count the turn on its session, all in one transaction (fenced as one write)."""
+        it and count the turn on its session; store ``events`` (the rest of its history, as
+        ``append_events``), all in one transaction (fenced as one write)."""
         ...
 
     async def update_run_start(

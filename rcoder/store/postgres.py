@@ -66,6 +66,14 @@ def _params(*values: object) -> tuple[object, ...]:
     return tuple(_text(v) if isinstance(v, str) else v for v in values)
 
 
+def _event_columns(rows: Sequence[EventRow]) -> tuple[list[object], ...]:
+    """Events as ``INSERT_EVENTS`` takes them: one array per column (a single statement, unnested)."""
+    return (
+        [_text(r.session_id) for r in rows], [_text(r.run_id) for r in rows], [r.seq for r in rows],
+        [_ts(r.created_at) for r in rows], [r.kind for r in rows], [_text(r.body) for r in rows],
+    )  # fmt: skip
+
+
 def _session(row: Row) -> SessionRecord:
     session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id = row[:9]
     return SessionRecord(
@@ -310,6 +318,7 @@ class PostgresStore:
         transcript: TranscriptEntry | None,
         lease: Lease | None = None,
         usage: Usage | None = None,
+        events: Sequence[EventRow] = (),
     ) -> None:
         stop = None if stop_reason is None else stop_reason.value
         end = _params(status.value, stop, error, _ts(at), *usage_params(usage), run_id)
@@ -317,26 +326,32 @@ class PostgresStore:
         end_sql, count_sql = pg_schema.END_RUN, pg_schema.COUNT_TURN
         if lease is not None:
             end_sql, count_sql, fence = pg_schema.END_RUN_FENCED, pg_schema.COUNT_TURN_FENCED, self._fence(lease)
-        if transcript is None:
+        if transcript is None and not events:
             if lease is not None:
                 await self._fenced(end_sql, (*end, *fence), lease)
                 return
             await self._write(end_sql, end, ("run", run_id))
             return
         entry = transcript
-        counting = _params(_ts(at), entry.session_id)
-        turn = (*counting, *fence, *_params(entry.run_id, entry.prompt, entry.response, _ts(entry.created_at)))
+        turn: tuple[object, ...] = ()
+        if entry is not None:
+            counting = _params(_ts(at), entry.session_id)
+            turn = (*counting, *fence, *_params(entry.run_id, entry.prompt, entry.response, _ts(entry.created_at)))
+        history = _event_columns(events)
 
         async def work(conn: Conn) -> None:
-            # pipelined: BEGIN and both statements in one round trip, COMMIT (or ROLLBACK) in a second
-            async with conn.pipeline() as pipeline, conn.transaction():  # any error rolls back both
+            # pipelined: BEGIN and the statements in one round trip, COMMIT (or ROLLBACK) in a second
+            async with conn.pipeline() as pipeline, conn.transaction():  # any error rolls back all
                 ended = await conn.execute(end_sql, (*end, *fence))
-                counted = await conn.execute(count_sql, turn)
+                counted = await conn.execute(count_sql, turn) if entry is not None else None
+                if events:
+                    await conn.execute(pg_schema.INSERT_EVENTS, history)
                 await pipeline.sync()
-                if lease is not None and (ended.rowcount != 1 or counted.rowcount != 1):
+                if lease is not None and (ended.rowcount != 1 or (counted is not None and counted.rowcount != 1)):
                     raise LeaseLost(lease.session_id, lease.generation)
                 _require_row(ended, "run", run_id)
-                _require_row(counted, "session", entry.session_id)
+                if counted is not None and entry is not None:
+                    _require_row(counted, "session", entry.session_id)
 
         await self._pool.call(work)
 
@@ -391,11 +406,7 @@ class PostgresStore:
     async def append_events(self, rows: Sequence[EventRow]) -> None:
         if not rows:
             return
-        columns = (
-            [_text(r.session_id) for r in rows], [_text(r.run_id) for r in rows], [r.seq for r in rows],
-            [_ts(r.created_at) for r in rows], [r.kind for r in rows], [_text(r.body) for r in rows],
-        )  # fmt: skip
-        await self._write(pg_schema.INSERT_EVENTS, columns, None)
+        await self._write(pg_schema.INSERT_EVENTS, _event_columns(rows), None)
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(pg_schema.RUN_EVENTS, _params(run_id, after_seq, _positive(limit)))

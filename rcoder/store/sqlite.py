@@ -135,10 +135,13 @@ def _finish_run(
     run_id: str,
     end: tuple[RunStatus, StopReason | None, str, datetime, Usage | None],
     entry: TranscriptEntry | None,
+    events: list[tuple[object, ...]],
 ) -> None:
     status, stop_reason, error, at, usage = end
     stop = None if stop_reason is None else stop_reason.value
     with _transaction(conn):
+        if events:
+            conn.executemany(sqlite_schema.INSERT_EVENT, events)
         cursor = conn.execute(
             sqlite_schema.END_RUN, (status.value, stop, error, time_text(at), *usage_params(usage), run_id)
         )
@@ -151,6 +154,10 @@ def _finish_run(
         )
         _require_row(cursor, "session", entry.session_id)
         conn.execute(sqlite_schema.COUNT_TURN, (time_text(at), entry.session_id))
+
+
+def _event_params(rows: Sequence[EventRow]) -> list[tuple[object, ...]]:
+    return [(r.session_id, r.run_id, r.seq, time_text(r.created_at), r.kind, r.body) for r in rows]
 
 
 def _delete_session(conn: sqlite3.Connection, session_id: str) -> Deleted | None:
@@ -399,9 +406,12 @@ class SqliteStore:
         transcript: TranscriptEntry | None,
         lease: Lease | None = None,
         usage: Usage | None = None,
+        events: Sequence[EventRow] = (),
     ) -> None:
         end = (status, stop_reason, error, at, usage)
-        await self._call(lambda conn: _finish_run(conn, run_id, end, transcript))
+        rows = _event_params(events)
+        inline = len(rows) <= INLINE_EVENTS  # as append_events: a turn's few last events inline
+        await self._call(lambda conn: _finish_run(conn, run_id, end, transcript, rows), point=inline)
 
     async def update_run_start(
         self,
@@ -438,7 +448,7 @@ class SqliteStore:
     async def append_events(self, rows: Sequence[EventRow]) -> None:
         if not rows:
             return
-        params = [(r.session_id, r.run_id, r.seq, time_text(r.created_at), r.kind, r.body) for r in rows]
+        params = _event_params(rows)
 
         def work(conn: sqlite3.Connection) -> None:
             with _transaction(conn):

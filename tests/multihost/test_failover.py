@@ -44,6 +44,11 @@ def retry_delay(exc: grpc.aio.AioRpcError) -> float:
     raise AssertionError(f"no RetryInfo: {exc.details()}")
 
 
+# the store's outages below are about the turn's writes, not about losing the session: a's lease
+# outlasts the outage (at the tests' 2 s, a restart on a loaded machine took it, and the turn)
+OUTLASTS_AN_OUTAGE = {"a": {"lease_ttl": 10.0}}
+
+
 async def honouring_retry_info(attempt: Callable[[], Awaitable[T]], attempts: int = 20) -> tuple[T, int]:
     """``attempt()`` until it succeeds, waiting what each UNAVAILABLE answer's RetryInfo says."""
     for n in range(attempts):
@@ -210,7 +215,7 @@ async def test_postgresql_restarted_mid_run_the_daemons_reconnect_and_the_turn_e
     make_hosts: MakeHosts, pg_cluster: PgCluster
 ) -> None:
     async with make_hosts() as hosts:
-        a, b = await hosts.start("a", "b")
+        a, b = await hosts.start("a", "b", each=OUTLASTS_AN_OUTAGE)
         first, _ = await chat(a, prompt="remember 9")
         session_id = first[0].session_id
         call, begin, asked = await waiting_for_permission(a, session_id)
@@ -239,7 +244,7 @@ async def test_postgresql_down_when_a_turn_ends_the_turn_says_its_end_was_not_st
     make_hosts: MakeHosts, pg_cluster: PgCluster
 ) -> None:
     async with make_hosts() as hosts:
-        a, b = await hosts.start("a", "b")
+        a, b = await hosts.start("a", "b", each=OUTLASTS_AN_OUTAGE)
         first, _ = await chat(a, prompt="remember 9")
         session_id = first[0].session_id
         call, begin, asked = await waiting_for_permission(a, session_id)

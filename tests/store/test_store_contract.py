@@ -30,7 +30,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import make_store
-from rcoder.store.base import INTERRUPTED_ERROR, SessionStore
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, SessionStore
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 
@@ -272,6 +272,29 @@ async def test_a_failed_finish_leaves_the_run_untouched(store: SessionStore) -> 
     assert got is not None
     assert got.turns == 0
     assert await store.transcript("s1") == []
+
+
+@pytest.mark.parametrize("transcript", [True, False], ids=["with-transcript", "without"])
+async def test_a_runs_last_events_are_stored_with_its_end_or_not_at_all(store: SessionStore, transcript: bool) -> None:
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    events = [EventRow("s1", "r1", seq, T0, "text", f'{{"text": "{seq}"}}') for seq in (1, 2, 3)]
+    turn = entry("s1", "r1", "hello") if transcript else None
+    await store.append_events(events[:1])
+    # refused (its transcript names no session, or the run is unknown): none of the events lands
+    with pytest.raises(StoreError):
+        await store.finish_run(
+            "r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry("ghost", "r1", "hi"), events=events[1:]
+        )
+    with pytest.raises(StoreError):
+        await store.finish_run("nope", RunStatus.COMPLETED, None, "", T0, turn, events=events[1:])
+    assert await store.run_events("r1") == events[:1]
+    # taken: the end and the events together, the one already stored left as it was
+    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, turn, events=events)
+    assert await store.run_events("r1") == events
+    run, got = await store.get_run("r1"), await store.get_session("s1")
+    assert run is not None and got is not None
+    assert (run.status, got.turns) == (RunStatus.COMPLETED, 1 if transcript else 0)
 
 
 async def test_reopening_after_close_keeps_everything(new_store: StoreFactory) -> None:

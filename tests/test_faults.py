@@ -23,7 +23,7 @@ SOAK = os.environ.get("RCODER_SOAK") == "1"
 KILLS = int(os.environ.get("RCODER_KILLS") or (100 if SOAK else 3))  # RCODER_KILLS: a shorter or longer run
 # after each kill the newest session resumes, and this many older ones drawn at random; after
 # the last, every session: what each round checks stays, its cost does not grow with the rounds
-SAMPLE = 3
+SAMPLE = 2
 RESUME_AT_ONCE = 4  # as many as the daemon starts at once (agent_start_concurrency)
 # one client cut in this many is of a new session's first turn, on an agent just started; the others
 # are of turns of that session on its live agent (an agent's start costs some fifty of its turns)

@@ -40,22 +40,31 @@ def body_size(value: object) -> int:
     Field names are looked up once per class: this runs for every event but text."""
     if value.__class__ is str:
         return utf8_size(value)
-    names = _FIELDS.get(value.__class__)
-    if names is None:
-        fields = dataclasses.fields(value) if dataclasses.is_dataclass(value) else ()
-        names = _FIELDS[value.__class__] = tuple(f.name for f in fields)
     total = 0
-    for name in names:
+    for name in _field_names(value.__class__):
         item = getattr(value, name)
-        if item.__class__ is str:
+        kind = item.__class__
+        if kind is str:
             total += len(item) if item.isascii() else utf8_size(item)
-        elif item.__class__ is tuple:
+        elif kind is tuple:
             total += sum(body_size(part) for part in item)
-        elif dataclasses.is_dataclass(item):
+        elif item is None:
+            continue
+        elif _field_names(kind):
             total += body_size(item)
-        elif item is not None:
-            total += 8  # a number or a flag
+        else:
+            total += 8  # a number, a flag or an enum's value
     return total
+
+
+def _field_names(kind: type) -> tuple[str, ...]:
+    """A dataclass's field names (none for any other class), found once per class: asking
+    ``dataclasses.is_dataclass`` of an enum member goes through the enum's ``__getattr__``."""
+    names = _FIELDS.get(kind)
+    if names is None:
+        fields = dataclasses.fields(kind) if dataclasses.is_dataclass(kind) else ()
+        names = _FIELDS[kind] = tuple(f.name for f in fields)
+    return names
 
 
 def shrink(body: T, limit: int) -> tuple[T | AgentUpdate, int]:

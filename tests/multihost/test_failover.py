@@ -44,9 +44,10 @@ def retry_delay(exc: grpc.aio.AioRpcError) -> float:
     raise AssertionError(f"no RetryInfo: {exc.details()}")
 
 
-# the store's outages below are about the turn's writes, not about losing the session: a's lease
-# outlasts the outage (at the tests' 2 s, a restart on a loaded machine took it, and the turn)
-OUTLASTS_AN_OUTAGE = {"a": {"lease_ttl": 10.0}}
+# the store's outages below are about the turn's writes, not about losing the session: the leases
+# outlast the outage (at the tests' 2 s, a restart on a loaded machine took a's, and the turn).
+# Both hosts alike: a host judges another's liveness by its own lease_ttl
+OUTLASTS_AN_OUTAGE = {name: {"lease_ttl": 10.0} for name in ("a", "b")}
 
 
 async def honouring_retry_info(attempt: Callable[[], Awaitable[T]], attempts: int = 20) -> tuple[T, int]:

@@ -125,7 +125,7 @@ class History:
                 continue
             async with self._lock:
                 batches = [batch for entry in list(self._tracked.values()) if (batch := self._take(entry, None))]
-                await self._write(batches, "")
+                await self._write(batches)
 
     async def end_with(
         self, run: Run, completed: RunEvent, finish: Callable[[Sequence[EventRow]], Awaitable[None]]
@@ -151,16 +151,14 @@ class History:
         return task
 
     async def end(self, run: Run, completed: RunEvent) -> None:
-        """Store the rest of ``run`` and its ``completed`` (made by ``Run.prepare_end``); the run is
-        no longer tracked afterwards. A store that refuses it is logged: the turn ends anyway."""
-        entry = self._tracked.get(run.run_id)
-        if entry is None:
-            return
-        async with self._lock:
-            batch = self._take(entry, completed)
+        """Store the rest of ``run`` and its ``completed`` (made by ``Run.prepare_end``) on their
+        own; the run is no longer tracked afterwards. A store that refuses them is logged: the
+        turn ends anyway."""
+        try:
+            await self.end_with(run, completed, self._store.append_events)
+        except StoreError as exc:
+            log.warning("history_end_not_stored", run_id=run.run_id, error=exc.message)
             self._tracked.pop(run.run_id, None)
-            if batch is not None:
-                await self._write([batch], run.run_id)
 
     def _take(self, entry: _Tracked, completed: RunEvent | None) -> _Batch | None:
         """The rows of ``entry``'s sealed events (and ``completed``), bounded by ``_max_bytes``."""
@@ -185,7 +183,7 @@ class History:
             batch.rows.append(EventRow(event.session_id, event.run_id, event.seq, event.time, kind, text))
         return batch
 
-    async def _write(self, batches: list[_Batch], run_id: str) -> None:
+    async def _write(self, batches: list[_Batch]) -> None:
         """Store the batches in one transaction, and note how far each run's history reaches; a
         batch refused stays in the runs' buffers, taken again by the next flush."""
         if not batches:
@@ -193,9 +191,7 @@ class History:
         try:
             await self._store.append_events([row for batch in batches for row in batch.rows])
         except StoreError as exc:
-            if run_id:
-                log.warning("history_end_not_stored", run_id=run_id, error=exc.message)
-            elif not self._failing:
+            if not self._failing:
                 log.warning("history_not_stored", error=exc.message, retry_in=self._interval)
             self._failing = True
             return

@@ -161,8 +161,11 @@ class SessionStore(Protocol):
         ...
 
     async def prune_events(self, before: datetime, limit: int) -> int:
-        """Delete at most ``limit`` stored events older than ``before`` (oldest first), in one
-        short transaction; returns how many were deleted (fewer than ``limit``: none are left)."""
+        """Delete at most ``limit`` stored events older than ``before``, in one short transaction,
+        with no index over every event's time (each would cost every stored event a write);
+        returns how many were deleted. Fewer than ``limit`` ends a pass: events are stored in
+        about the order of their times, and one stored ahead of its time can hold older ones
+        back (SQLite reads the first rows stored) until a later pass."""
         ...
 
     async def integrity_check(self) -> str:

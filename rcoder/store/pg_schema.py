@@ -100,6 +100,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE sessions ADD COLUMN config_options text NOT NULL DEFAULT '[]',"
         " ADD COLUMN chosen_options text NOT NULL DEFAULT '{}', ADD COLUMN commands text NOT NULL DEFAULT '[]'",
     ),
+    (  # 9: run_events' two B-tree indexes cost every stored event two more index writes in the
+        # turn's end. DeleteSession finds a session's events through its runs (runs_by_session);
+        # retention needs only rows older than a time, which a BRIN index over created_at finds
+        # at a fraction of the cost (rows are stored in about time order)
+        "DROP INDEX run_events_by_session",
+        "DROP INDEX run_events_by_age",
+        "CREATE INDEX run_events_by_age ON run_events USING brin (created_at)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -165,7 +173,7 @@ LOCK_SESSION = "SELECT session_id FROM sessions WHERE session_id = %s FOR UPDATE
 DELETE_SIGNALS = (
     "DELETE FROM signals WHERE session_id = %s OR run_id IN (SELECT run_id FROM runs WHERE session_id = %s)"
 )
-DELETE_EVENTS = "DELETE FROM run_events WHERE session_id = %s"
+DELETE_EVENTS = "DELETE FROM run_events WHERE run_id IN (SELECT run_id FROM runs WHERE session_id = %s)"
 DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = %s"
 DELETE_RUNS = "DELETE FROM runs WHERE session_id = %s"
 DELETE_LEASE = "DELETE FROM leases WHERE session_id = %s"
@@ -228,10 +236,11 @@ RUN_EVENTS = (
     "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
     " WHERE run_id = %s AND seq > %s ORDER BY seq LIMIT %s"
 )
-# the oldest first, a bounded batch: one short statement, row locks on old rows only
+# a bounded batch of rows older than the cut (any of them: all go), one short statement, row
+# locks on old rows only
 PRUNE_EVENTS = (
     "DELETE FROM run_events WHERE (run_id, seq) IN"
-    " (SELECT run_id, seq FROM run_events WHERE created_at < %s ORDER BY created_at LIMIT %s)"
+    " (SELECT run_id, seq FROM run_events WHERE created_at < %s LIMIT %s)"
 )
 MARK_INTERRUPTED = "UPDATE runs SET status = %s, ended_at = %s, error = %s WHERE status = %s AND host_id = %s"
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"

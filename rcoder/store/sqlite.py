@@ -465,7 +465,7 @@ class SqliteStore:
     async def prune_events(self, before: datetime, limit: int) -> int:
         def work(conn: sqlite3.Connection) -> int:
             with _transaction(conn):
-                return conn.execute(sqlite_schema.PRUNE_EVENTS, (time_text(before), _positive(limit))).rowcount
+                return conn.execute(sqlite_schema.PRUNE_EVENTS, (_positive(limit), time_text(before))).rowcount
 
         return await self._call(work, point=False)
 

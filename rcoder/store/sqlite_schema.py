@@ -78,6 +78,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE sessions ADD COLUMN chosen_options TEXT NOT NULL DEFAULT '{}'",
         "ALTER TABLE sessions ADD COLUMN commands TEXT NOT NULL DEFAULT '[]'",
     ),
+    (  # 6: run_events keeps only its key: each index cost every stored event a B-tree write in
+        # the turn's end transaction. DeleteSession finds a session's events through its runs
+        # (runs_by_session); retention reads the table in rowid order, which is the order rows
+        # were stored in, so the oldest come first (PRUNE_EVENTS)
+        "DROP INDEX run_events_by_session",
+        "DROP INDEX run_events_by_age",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -161,7 +168,7 @@ LIST_RUNS = (
     "SELECT * FROM runs WHERE session_id = ? AND (started_at, run_id) > (?, ?) ORDER BY started_at, run_id LIMIT ?"
 )
 # DeleteSession: everything of one session, children first (one transaction, the store's)
-DELETE_EVENTS = "DELETE FROM run_events WHERE session_id = ?"
+DELETE_EVENTS = "DELETE FROM run_events WHERE run_id IN (SELECT run_id FROM runs WHERE session_id = ?)"
 DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = ?"
 DELETE_RUNS = "DELETE FROM runs WHERE session_id = ?"
 DELETE_SESSION = "DELETE FROM sessions WHERE session_id = ?"
@@ -187,10 +194,13 @@ RUN_EVENTS = (
     "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
     " WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?"
 )
-# the oldest first, a bounded batch: one short write transaction each
+# a bounded batch, one short write transaction each: of the ``limit`` rows stored first (rowid
+# order, no index needed), those older than the cut. Rows are stored within seconds of their
+# time, so the first rows are the oldest; a batch that deletes fewer than ``limit`` ends the pass,
+# and what a newer row stored ahead of it held back goes in a later pass
 PRUNE_EVENTS = (
-    "DELETE FROM run_events WHERE rowid IN"
-    " (SELECT rowid FROM run_events WHERE created_at < ? ORDER BY created_at LIMIT ?)"
+    "DELETE FROM run_events WHERE rowid IN (SELECT rowid FROM"
+    " (SELECT rowid, created_at FROM run_events ORDER BY rowid LIMIT ?) WHERE created_at < ?)"
 )
 # the last ``limit`` entries, oldest first
 TRANSCRIPT = (

@@ -297,6 +297,28 @@ async def test_a_runs_last_events_are_stored_with_its_end_or_not_at_all(store: S
     assert (run.status, got.turns) == (RunStatus.COMPLETED, 1 if transcript else 0)
 
 
+async def test_events_older_than_the_cut_are_pruned_a_bounded_batch_at_a_time(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    for run in ("r-old", "r-new"):
+        await store.start_run(RunRecord(run, "s1", RunStatus.RUNNING, T0))
+    cut = T0 + timedelta(days=1)
+    # stored in the order of their times, as a daemon stores them
+    old = [EventRow("s1", "r-old", seq, T0 + timedelta(seconds=seq), "text", "{}") for seq in range(1, 6)]
+    new = [EventRow("s1", "r-new", seq, cut + timedelta(seconds=seq), "text", "{}") for seq in range(1, 4)]
+    await store.append_events(old)
+    await store.append_events(new)
+
+    assert await store.prune_events(cut, 2) == 2
+    assert len(await store.run_events("r-old")) == 3
+    assert await store.prune_events(cut, 2) == 2
+    assert await store.prune_events(cut, 2) == 1  # fewer than the batch: the pass ends
+    assert await store.run_events("r-old") == []
+    assert await store.run_events("r-new") == new, "nothing newer than the cut goes"
+    assert await store.prune_events(cut, 2) == 0
+    assert await store.prune_events(cut + timedelta(seconds=2), 10) == 1  # the cut moves on: so does the pruning
+    assert await store.run_events("r-new") == new[1:]
+
+
 async def test_reopening_after_close_keeps_everything(new_store: StoreFactory) -> None:
     first = new_store()
     assert await first.open() == 0
@@ -470,10 +492,16 @@ async def test_delete_session_erases_it_and_leaves_its_fork(store: SessionStore)
     await store.fork_session("s1", session("fork"))
     await store.create_session(session("s2"))
     await run_turn(store, "s2", "r3", "kept")
+    # a session's events are found through its runs (run_events has no index by session)
+    kept = [EventRow("s2", "r3", seq, T0, "text", "{}") for seq in (1, 2)]
+    await store.append_events([EventRow("s1", run, seq, T0, "text", "{}") for run in ("r1", "r2") for seq in (1, 2)])
+    await store.append_events(kept)
 
     deleted = await store.delete_session("s1")
 
-    assert deleted is not None and (deleted.runs, deleted.transcript_entries) == (2, 2)
+    assert deleted is not None and (deleted.runs, deleted.transcript_entries, deleted.events) == (2, 2, 4)
+    assert await store.run_events("r1") == [] and await store.run_events("r2") == []
+    assert await store.run_events("r3") == kept
     assert await store.get_session("s1") is None
     assert await store.get_run("r1") is None and await store.get_run("r2") is None
     assert await store.transcript("s1") == [] and await store.list_runs("s1") == []

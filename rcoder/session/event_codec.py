@@ -66,8 +66,13 @@ def stored(body: object) -> bool:
 
 def encode(body: RunEventBody) -> tuple[str, str]:
     """``body`` as its stored kind and JSON text (``KeyError``: a kind that is not stored)."""
-    kind = _KIND_OF[body.__class__]
-    return kind, json.dumps(_plain(body), ensure_ascii=False, separators=(",", ":"))
+    cls = body.__class__
+    kind = _KIND_OF[cls]
+    if cls is TextChunk:  # most of a run: its text straight into the JSON, no walk
+        assert isinstance(body, TextChunk)
+        text = _json_string(body.text)
+        return kind, '{"text":' + text + (',"thought":true}' if body.thought else "}")
+    return kind, _JSON.encode(_plain(body))
 
 
 def decode(kind: str, text: str) -> RunEventBody:
@@ -82,30 +87,43 @@ def decode(kind: str, text: str) -> RunEventBody:
 # ---------------------------------------------------------------- encoding
 
 
+# one encoder for every event (``json.dumps`` with arguments builds one a call); strings as they are
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_json_string: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
 def _plain(value: Any) -> Any:
     """A domain value as JSON-ready data: dataclasses as objects without their default fields."""
-    if value.__class__ in (str, int, float, bool) or value is None:
+    cls = value.__class__
+    if cls in _SCALARS:
         return value
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple):
-        return [_plain(item) for item in value]
-    out = {}
-    for name, default in _defaults(value.__class__):
-        item = getattr(value, name)
-        if default is _MISSING or item != default:
-            out[name] = _plain(item)
-    return out
+    to_plain = _TO_PLAIN.get(cls)
+    if to_plain is None:
+        to_plain = _TO_PLAIN[cls] = _make_to_plain(cls)
+    return to_plain(value)
 
 
-_DEFAULTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+_TO_PLAIN: dict[type, Callable[[Any], Any]] = {}
 
 
-def _defaults(cls: type) -> tuple[tuple[str, Any], ...]:
-    found = _DEFAULTS.get(cls)
-    if found is None:
-        found = _DEFAULTS[cls] = tuple((f.name, f.default) for f in dataclasses.fields(cls))
-    return found
+def _make_to_plain(cls: type) -> Callable[[Any], Any]:
+    """How to make a value of ``cls`` JSON-ready (made once per class)."""
+    if issubclass(cls, enum.Enum):
+        return lambda value: value.value
+    if issubclass(cls, tuple):
+        return lambda value: [_plain(item) for item in value]
+    fields = tuple((f.name, f.default) for f in dataclasses.fields(cls))
+
+    def to_plain(value: Any) -> dict[str, Any]:
+        out = {}
+        for name, default in fields:
+            item = getattr(value, name)
+            if default is _MISSING or item != default:
+                out[name] = _plain(item)
+        return out
+
+    return to_plain
 
 
 # ---------------------------------------------------------------- decoding

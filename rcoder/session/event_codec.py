@@ -89,7 +89,7 @@ def decode(kind: str, text: str) -> RunEventBody:
 
 # one encoder for every event (``json.dumps`` with arguments builds one a call); strings as they are
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-_json_string: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_json_string: Callable[[str], str] = json.encoder.encode_basestring
 _SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
@@ -107,7 +107,7 @@ def _plain(value: Any) -> Any:
 _TO_PLAIN: dict[type, Callable[[Any], Any]] = {}
 
 
-def _make_to_plain(cls: type) -> Callable[[Any], Any]:
+def _make_to_plain(cls: Any) -> Callable[[Any], Any]:
     """How to make a value of ``cls`` JSON-ready (made once per class)."""
     if issubclass(cls, enum.Enum):
         return lambda value: value.value

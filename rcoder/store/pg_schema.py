@@ -239,8 +239,7 @@ RUN_EVENTS = (
 # a bounded batch of rows older than the cut (any of them: all go), one short statement, row
 # locks on old rows only
 PRUNE_EVENTS = (
-    "DELETE FROM run_events WHERE (run_id, seq) IN"
-    " (SELECT run_id, seq FROM run_events WHERE created_at < %s LIMIT %s)"
+    "DELETE FROM run_events WHERE (run_id, seq) IN (SELECT run_id, seq FROM run_events WHERE created_at < %s LIMIT %s)"
 )
 MARK_INTERRUPTED = "UPDATE runs SET status = %s, ended_at = %s, error = %s WHERE status = %s AND host_id = %s"
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"

@@ -66,10 +66,8 @@ def stored(body: object) -> bool:
 
 def encode(body: RunEventBody) -> tuple[str, str]:
     """``body`` as its stored kind and JSON text (``KeyError``: a kind that is not stored)."""
-    cls = body.__class__
-    kind = _KIND_OF[cls]
-    if cls is TextChunk:  # most of a run: its text straight into the JSON, no walk
-        assert isinstance(body, TextChunk)
+    kind = _KIND_OF[body.__class__]
+    if isinstance(body, TextChunk):  # most of a run: its text straight into the JSON, no walk
         text = _json_string(body.text)
         return kind, '{"text":' + text + (',"thought":true}' if body.thought else "}")
     return kind, _JSON.encode(_plain(body))

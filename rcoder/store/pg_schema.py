@@ -101,7 +101,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         " ADD COLUMN chosen_options text NOT NULL DEFAULT '{}', ADD COLUMN commands text NOT NULL DEFAULT '[]'",
     ),
     (  # 9: run_events' two B-tree indexes cost every stored event two more index writes in the
-        # turn's end. DeleteSession finds a session's events through its runs (runs_by_session);
+        # turn's end. DeleteSession finds a session's events through its runs (indexed by session);
         # retention needs only rows older than a time, which a BRIN index over created_at finds
         # at a fraction of the cost (rows are stored in about time order)
         "DROP INDEX run_events_by_session",

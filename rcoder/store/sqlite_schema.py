@@ -80,8 +80,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     (  # 6: run_events keeps only its key: each index cost every stored event a B-tree write in
         # the turn's end transaction. DeleteSession finds a session's events through its runs
-        # (runs_by_session); retention reads the table in rowid order, which is the order rows
-        # were stored in, so the oldest come first (PRUNE_EVENTS)
+        # (an index of runs by session); retention reads the table in rowid order, the order
+        # rows were stored in, so the oldest come first (PRUNE_EVENTS)
         "DROP INDEX run_events_by_session",
         "DROP INDEX run_events_by_age",
     ),

@@ -15,6 +15,8 @@ Standard library only (it runs before the venv exists). Steps:
    and nothing is built.
 5. Else ``podman build`` with the host's network (Debian's packages, PyPI and npm), the machine's
    CA bundle mounted for pip and npm (a TLS-intercepting proxy's CA is in it where there is one).
+6. The machine can run ``deploy/compose.yaml``: under podman's CNI network backend, the dnsname
+   plugin its services find each other by, installed like podman when missing.
 
 Prints the image's id as its last line of stdout (the tests run by that id). One build at a time:
 a second run waits for the first (a lock file), then finds its image and reuses it - so `make
@@ -93,25 +95,45 @@ def podman(*args: str, check: bool = True, capture: bool = True) -> subprocess.C
 def ensure_tools(*needed: str) -> None:
     """Install Debian's packages for ``needed`` commands (package = command) when missing."""
     missing = [name for name in needed if shutil.which(name) is None]
-    if not missing:
+    install(missing, why="building the image needs them")
+    still = [name for name in missing if shutil.which(name) is None]
+    if still:
+        raise ImageError(f"installed {' '.join(missing)}, but {', '.join(still)} is still not on PATH")
+
+
+# where podman 4.3 looks for CNI plugins (containers.conf's cni_plugin_dirs, its default)
+CNI_PLUGIN_DIRS = ("/usr/local/libexec/cni", "/usr/libexec/cni", "/usr/local/lib/cni", "/usr/lib/cni", "/opt/cni/bin")
+DNSNAME_PACKAGE = "golang-github-containernetworking-plugin-dnsname"
+
+
+def ensure_compose_network() -> None:
+    """deploy/compose.yaml's services reach each other by name (``postgres``, ``rcoder-a``). Under
+    podman's CNI network backend, Debian 12's podman 4.3 default, that takes the dnsname plugin,
+    a package of its own that podman only recommends; netavark (podman 4.4+) has it built in."""
+    backend = podman("info", "--format", "{{.Host.NetworkBackend}}").stdout.strip()
+    if backend == "cni" and not any(Path(folder, "dnsname").exists() for folder in CNI_PLUGIN_DIRS):
+        install([DNSNAME_PACKAGE], why="deploy/compose.yaml's services find each other by name through it")
+
+
+def install(packages: Sequence[str], why: str) -> None:
+    """Install Debian's ``packages`` when we are root; otherwise say what to install."""
+    if not packages:
         return
+    names = " ".join(packages)
     if os.geteuid() != 0:
         raise ImageError(
-            f"{', '.join(missing)} missing: install Debian's {' '.join(missing)} (sudo apt-get install "
-            f"--no-install-recommends {' '.join(missing)}), or run `make image` as root to have it done"
+            f"{', '.join(packages)} missing: install Debian's {names} (sudo apt-get install "
+            f"--no-install-recommends {names}), or run `make image` as root to have it done"
         )
-    print(f"image: installing Debian's {' '.join(missing)} (building the image needs them)", flush=True)
+    print(f"image: installing Debian's {names} ({why})", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (
         ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
     ):
         done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise ImageError(f"{' '.join(argv[:2])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    still = [name for name in missing if shutil.which(name) is None]
-    if still:
-        raise ImageError(f"installed {' '.join(missing)}, but {', '.join(still)} is still not on PATH")
 
 
 def image_id(reference: str) -> str:
@@ -224,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        print(build(args.base))
+        built = build(args.base)
+        ensure_compose_network()
+        print(built)
     except ImageError as exc:
         print(f"image: {exc}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ DaemonFactory = Callable[..., Awaitable[tuple[Daemon, Client]]]
 FIRST_FILES = ("test_bench_smoke.py",)
 # The image's tests go last: `make test` builds the image in the background meanwhile (minutes on
 # a fresh machine), and their fixture waits for that build (scripts/image.py's lock) and reuses it.
-LAST_FILES = ("test_image.py",)
+LAST_FILES = ("test_image.py", "test_compose.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

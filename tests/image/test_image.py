@@ -13,10 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,46 +26,25 @@ import pytest_asyncio
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.fakes.model_servers import AnthropicServer, served
-from tests.harness import ROOT, bearer_credentials, completed, started, text_of, write_config
+from tests.harness import bearer_credentials, completed, started, text_of, write_config
+from tests.image.podman import BUILD_TIMEOUT, RUN, build_image, podman, podman_env
 from tests.pg import PgCluster, free_port
 from tests.real_agents.conftest import claude_table
 
-BUILD_TIMEOUT = 3600.0  # a cold build on a loaded two-core machine: Debian's packages, Node, agents
 START_TIMEOUT = 90.0  # a container to its "serving" line
 STOP_TIMEOUT = 60  # podman stop's wait before SIGKILL: more than the daemon's shutdown_grace
 SHUTDOWN_GRACE = 10
 TURN_TIMEOUT = 150.0  # Claude's first turn in a fresh container on a busy machine
-RUN = f"rcoder-test-{secrets.token_hex(4)}"  # every container and volume of this run starts so
-DAEMON_UID = "10001"  # the image's user rcoder
+DAEMON_ID = "10001"  # the image's user rcoder, and its group
 OWNER_KEY = "rcoder-owner"
 DEFAULT_SECCOMP = "/usr/share/containers/seccomp.json"  # podman's default profile (containers-common)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(BUILD_TIMEOUT + 600)]
 
 
-def podman_env() -> dict[str, str]:
-    """As scripts/image.py runs podman: the project's containers.conf unless one is named."""
-    return {"CONTAINERS_CONF": str(ROOT / "deploy" / "containers.conf"), **os.environ}
-
-
-def podman(*args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        ["podman", *args], env=podman_env(), capture_output=True, text=True, timeout=timeout, check=False,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert not check or done.returncode == 0, f"podman {' '.join(args)}: {done.returncode} {done.stderr}"
-    return done
-
-
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The image's id: built by `make image`'s script, or reused when its inputs are unchanged."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "image.py")], capture_output=True, text=True,
-        timeout=BUILD_TIMEOUT, check=False, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert done.returncode == 0, f"scripts/image.py failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done.stdout.split()[-1]
+    return build_image()
 
 
 @dataclass
@@ -217,7 +193,8 @@ async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confi
     assert closed.agent_stopped
     # tini, the daemon, and Claude's processes: all the image's user, none a zombie
     assert len(live) > 2 and {p["user"] for p in live} == {"rcoder"}, live
-    assert podman("exec", single.name, "id", "-u").stdout.strip() == DAEMON_UID
+    assert podman("exec", single.name, "id", "-u").stdout.strip() == DAEMON_ID
+    assert podman("exec", single.name, "id", "-g").stdout.strip() == DAEMON_ID
     # the session's agent ended with its whole tree: only tini and the daemon remain, nothing
     # left as a zombie (tini reaps what is handed to PID 1)
     async with asyncio.timeout(30):

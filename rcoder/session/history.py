@@ -11,6 +11,13 @@ the transaction that stores the run's end (``end`` on its own, when that one was
 only then is ``completed`` published: whoever sees it, on any host, can read the whole run back.
 Heartbeats are not stored (their seqs are gaps in the stored list).
 
+Every batch carries each run's lease (the one its turn started under): where several hosts share
+the store, a run's rows land only while this host holds that lease. A run whose lease was lost
+(another host took its session over) has its rows dropped, said once (``history_refused_lease_lost``)
+and is no longer tracked: nothing more of it is stored from here, its end included, so the run
+reads back as the host that took over ended it. The turn itself learns it at its next fenced
+write (its end is refused, ``LeaseLost``), as before; the other runs of the batch land.
+
 A run stores at most ``history_max_bytes_per_run`` bytes of encoded events; the first event past
 it is stored as a note (``CUT_KIND``) at that event's seq, the later ones not at all, and
 ``completed`` always.
@@ -49,7 +56,7 @@ from rcoder.logs import get_logger
 from rcoder.session import event_codec
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.store.base import EventRow, SessionStore
-from rcoder.store.cluster import OWNER_LOST
+from rcoder.store.cluster import OWNER_LOST, Lease
 
 log = get_logger("rcoder.session.history")
 
@@ -71,6 +78,7 @@ def cut_note(seq: int, limit: int) -> AgentUpdate:
 @dataclass
 class _Tracked:
     run: Run
+    lease: Lease | None = None  # the lease its turn started under: its rows land only under it
     bytes: int = 0  # encoded bytes stored so far
     cut: bool = False  # past the bound: nothing but completed is stored any more
 
@@ -107,11 +115,12 @@ class History:
 
     # ------------------------------------------------------------ writing
 
-    def track(self, run: Run) -> None:
-        """Store ``run``'s events from now on (before its first event is published)."""
+    def track(self, run: Run, lease: Lease | None = None) -> None:
+        """Store ``run``'s events from now on (before its first event is published), while this
+        host holds ``lease`` (None: unfenced)."""
         if run.stored_seq is None:
             run.stored_seq = 0
-        self._tracked[run.run_id] = _Tracked(run)
+        self._tracked[run.run_id] = _Tracked(run, lease)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="history-flush")
         self._wake.set()
@@ -152,13 +161,17 @@ class History:
 
     async def end(self, run: Run, completed: RunEvent) -> None:
         """Store the rest of ``run`` and its ``completed`` (made by ``Run.prepare_end``) on their
-        own; the run is no longer tracked afterwards. A store that refuses them is logged: the
-        turn ends anyway."""
-        try:
-            await self.end_with(run, completed, self._store.append_events)
-        except StoreError as exc:
-            log.warning("history_end_not_stored", run_id=run.run_id, error=exc.message)
-            self._tracked.pop(run.run_id, None)
+        own, under the run's lease like any batch; the run is no longer tracked afterwards. A
+        store that refuses them is logged: the turn ends anyway."""
+        async with self._lock:
+            entry = self._tracked.pop(run.run_id, None)
+            batch = self._take(entry, completed) if entry is not None else None
+            if batch is None:  # nothing left, or its lease was lost: nothing more is stored
+                return
+            try:
+                await self._store_batches([batch])
+            except StoreError as exc:
+                log.warning("history_end_not_stored", run_id=run.run_id, error=exc.message)
 
     def _take(self, entry: _Tracked, completed: RunEvent | None) -> _Batch | None:
         """The rows of ``entry``'s sealed events (and ``completed``), bounded by ``_max_bytes``."""
@@ -189,7 +202,7 @@ class History:
         if not batches:
             return
         try:
-            await self._store.append_events([row for batch in batches for row in batch.rows])
+            await self._store_batches(batches)
         except StoreError as exc:
             if not self._failing:
                 log.warning("history_not_stored", error=exc.message, retry_in=self._interval)
@@ -198,8 +211,28 @@ class History:
         if self._failing:
             log.info("history_stored_again")
         self._failing = False
+
+    async def _store_batches(self, batches: list[_Batch]) -> None:
+        """One ``append_events`` for the batches, each run under its lease; a run whose lease is
+        lost is dropped (``_lost``), the others have landed. ``StoreError``: none landed."""
+        rows = [row for batch in batches for row in batch.rows]
+        leases = {batch.entry.run.run_id: batch.entry.lease for batch in batches if batch.entry.lease is not None}
+        lost = await self._store.append_events(rows, leases)
         for batch in batches:
-            self._landed(batch)
+            if batch.entry.run.run_id in lost:
+                self._lost(batch.entry)
+            else:
+                self._landed(batch)
+
+    def _lost(self, entry: _Tracked) -> None:
+        """This host no longer holds the run's lease: nothing more of the run is stored here (once
+        untracked, no later batch takes it again, so this is said once for the run)."""
+        run, lease = entry.run, entry.lease
+        self._tracked.pop(run.run_id, None)
+        run.stored_seq = None  # no history to wait for: the buffer keeps only what followers need
+        log.warning("history_refused_lease_lost", run_id=run.run_id, session_id=run.session_id,
+                    generation=lease.generation if lease is not None else None,
+                    effect="this run's later events are not stored; another host serves its session")  # fmt: skip
 
     @staticmethod
     def _landed(batch: _Batch) -> None:

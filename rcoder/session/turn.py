@@ -242,7 +242,7 @@ class TurnScope:
         if self.published:
             return
         self.published = True
-        self._runner.history.track(self.run)
+        self._runner.history.track(self.run, self.plan.lease)
         self.run.publish(self.body)
         for event in self._early.drain():
             self.run.publish(event)
@@ -578,6 +578,7 @@ class TurnRunner:
         end = self._prepare_end(scope)  # as it reads if the store takes the end
         stored = False  # the end and the history with it
         reachable = True  # the store took the run's end: its history is stored before completed goes out
+        lost = False  # the lease is another host's: the run is as the store (that host) ended it
         try:
             try:  # what the agent changed during the turn (its options, its commands), before the end
                 await asyncio.shield(self._store_state(plan, scope.conn, self._clock()))
@@ -594,6 +595,7 @@ class TurnRunner:
             stored = True
         except LeaseLost as exc:  # another host serves the session now: nothing more is written
             log.warning("run_end_refused_lease_lost", generation=exc.generation)
+            lost = True
             scope.stop, scope.status, scope.error, scope.error_reason = (
                 StopReason.ERROR, RunStatus.FAILED, exc.message, exc.reason,
             )  # fmt: skip
@@ -621,6 +623,9 @@ class TurnRunner:
                         await asyncio.shield(storing)
             finally:  # cancelled meanwhile: published all the same, the write goes on
                 run.publish_end(end)
+                if lost:  # not kept for Subscribe: this end and the events after the loss are not
+                    # the run's history (the store's, which another host ended), so never served
+                    self._runs.forget_finished(run.run_id)
                 usage = scope.usage
                 if usage is not None:
                     self._metrics.turn_usage(plan.profile.name, plan.turn.project_id, usage)

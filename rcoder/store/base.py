@@ -3,7 +3,7 @@ the one several hosts share."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import NamedTuple, Protocol
 
@@ -151,9 +151,15 @@ class SessionStore(Protocol):
         ...
 
     # history (run_events)
-    async def append_events(self, rows: Sequence[EventRow]) -> None:
+    async def append_events(
+        self, rows: Sequence[EventRow], leases: Mapping[str, Lease] | None = None
+    ) -> frozenset[str]:
         """Store these events, all in one transaction; an event already stored (same run_id and
-        seq) is left as it is."""
+        seq) is left as it is. ``leases``: by run_id, the lease its turn started under. Where
+        several hosts share the store, a run's rows land only while this host still holds that
+        lease (one statement for the whole batch, as fenced as a turn's end); the rows of a run
+        whose lease is lost are dropped, the other runs' land, and those runs are returned.
+        A run not in ``leases`` is not fenced; the store of one host fences nothing."""
         ...
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:

@@ -232,6 +232,22 @@ INSERT_EVENTS = (
     " SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::timestamptz[], %s::text[], %s::text[])"
     " ON CONFLICT (run_id, seq) DO NOTHING"
 )
+# history, fenced: the runs named in the last three arrays (run, its session, the generation its
+# turn started under) whose lease this host (the last parameter) no longer holds are found once
+# per run, not per row; their rows are dropped, every other row goes in, and those runs come back.
+# One statement: one round trip however many runs the batch covers. A batch whose statement began
+# before a takeover committed is ordered before it, as every fenced write is
+INSERT_EVENTS_FENCED = (
+    "WITH lost AS (SELECT k.run_id FROM unnest(%s::text[], %s::text[], %s::bigint[]) AS k(run_id, session_id,"
+    " generation) WHERE NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = k.session_id"
+    " AND l.owner = %s AND l.generation = k.generation)),"
+    " stored AS (INSERT INTO run_events (session_id, run_id, seq, created_at, kind, body)"
+    " SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::timestamptz[], %s::text[], %s::text[])"
+    " AS e(session_id, run_id, seq, created_at, kind, body)"
+    " WHERE NOT EXISTS (SELECT 1 FROM lost WHERE lost.run_id = e.run_id)"
+    " ON CONFLICT (run_id, seq) DO NOTHING)"
+    " SELECT run_id FROM lost"
+)
 RUN_EVENTS = (
     "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
     " WHERE run_id = %s AND seq > %s ORDER BY seq LIMIT %s"

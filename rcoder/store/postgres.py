@@ -18,7 +18,7 @@ contract is the SQLite store's (``base.SessionStore``), method by method; how it
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -403,10 +403,23 @@ class PostgresStore:
 
     # ------------------------------------------------------------ history
 
-    async def append_events(self, rows: Sequence[EventRow]) -> None:
+    async def append_events(
+        self, rows: Sequence[EventRow], leases: Mapping[str, Lease] | None = None
+    ) -> frozenset[str]:
         if not rows:
-            return
-        await self._write(pg_schema.INSERT_EVENTS, _event_columns(rows), None)
+            return frozenset()
+        columns = _event_columns(rows)
+        if not leases:
+            await self._write(pg_schema.INSERT_EVENTS, columns, None)
+            return frozenset()
+        runs = {row.run_id for row in rows}
+        fenced = [(run_id, lease) for run_id, lease in leases.items() if run_id in runs]
+        fence = (
+            [_text(run_id) for run_id, _ in fenced], [_text(lease.session_id) for _, lease in fenced],
+            [lease.generation for _, lease in fenced], self._host_id,
+        )  # fmt: skip
+        lost = await self._pool.rows(pg_schema.INSERT_EVENTS_FENCED, (*fence, *columns), read=False)
+        return frozenset(str(row[0]) for row in lost)
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(pg_schema.RUN_EVENTS, _params(run_id, after_seq, _positive(limit)))

@@ -19,7 +19,7 @@ import asyncio
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -445,9 +445,12 @@ class SqliteStore:
 
     # history
 
-    async def append_events(self, rows: Sequence[EventRow]) -> None:
+    async def append_events(
+        self, rows: Sequence[EventRow], leases: Mapping[str, Lease] | None = None
+    ) -> frozenset[str]:
+        # one host: every lease is its own (LocalCoordination), nothing to fence
         if not rows:
-            return
+            return frozenset()
         params = _event_params(rows)
 
         def work(conn: sqlite3.Connection) -> None:
@@ -457,6 +460,7 @@ class SqliteStore:
         # a turn's last few events inline (its completed waits for them); a large batch on the
         # worker, so the loop (every live stream) goes on meanwhile
         await self._call(work, point=len(rows) <= INLINE_EVENTS)
+        return frozenset()
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(sqlite_schema.RUN_EVENTS, (run_id, after_seq, _positive(limit)), point=False)

@@ -17,6 +17,7 @@ from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, Trans
 from rcoder.errors import LeaseLost
 from rcoder.metrics import Metrics
 from rcoder.session.leases import RELEASE_TIMEOUT, LeaseKeeper
+from rcoder.store.base import EventRow
 from rcoder.store.cluster import OWNER_LOST, Lease, LocalCoordination, Owner, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -358,3 +359,30 @@ async def test_a_release_the_store_does_not_answer_at_shutdown_is_let_go_of_and_
         await asyncio.wait_for(keeper.aclose(), 2 * RELEASE_TIMEOUT + SLACK)
         # the lease expires by itself: nothing of the keeper's still waits on the store to close it
         await asyncio.wait_for(store.close(), SLACK)
+
+
+async def test_a_batch_of_events_lands_only_for_the_runs_whose_lease_still_holds_and_names_the_others(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    store_a, store_b = stores
+    a_short, a, b = PgCoordination(store_a, 0.0), PgCoordination(store_a, TTL), PgCoordination(store_b, TTL)
+    taken_over = taken(await a_short.acquire("s1")).lease  # expires as it is taken: b takes it over
+    held = taken(await a.acquire("s2")).lease
+    old = taken(await a.acquire("s3")).lease
+    renewed = taken(await a.acquire("s3")).lease  # a's own again, a generation on: the old one is void
+    taken(await b.acquire("s1"))
+
+    def rows(session_id: str, run_id: str) -> list[EventRow]:
+        return [EventRow(session_id, run_id, seq, T0, "text", f'{{"text":"{seq}"}}') for seq in (1, 2, 3)]
+
+    batch = [*rows("s1", "r1"), *rows("s2", "r2"), *rows("s3", "r3"), *rows("s3", "r4"), *rows("s4", "r5")]
+    leases = {"r1": taken_over, "r2": held, "r3": old, "r4": renewed}  # r5: not fenced
+    assert await store_a.append_events(batch, leases) == {"r1", "r3"}
+
+    assert await store_b.run_events("r1") == [] and await store_b.run_events("r3") == []
+    for session_id, run_id in (("s2", "r2"), ("s3", "r4"), ("s4", "r5")):
+        assert await store_b.run_events(run_id) == rows(session_id, run_id)
+    # stored again (a batch retried): left as it was, and still no run named but the lost one
+    assert await store_a.append_events(batch, leases) == {"r1", "r3"}
+    assert len(await store_b.run_events("r2")) == 3
+    assert await store_a.append_events([], leases) == frozenset()

@@ -31,6 +31,8 @@ from rcoder.domain import (
 from rcoder.errors import StoreError
 from rcoder.store import make_store
 from rcoder.store.base import INTERRUPTED_ERROR, EventRow, SessionStore
+from rcoder.store.cluster import Coordination, LocalCoordination, Taken
+from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 
@@ -295,6 +297,22 @@ async def test_a_runs_last_events_are_stored_with_its_end_or_not_at_all(store: S
     run, got = await store.get_run("r1"), await store.get_session("s1")
     assert run is not None and got is not None
     assert (run.status, got.turns) == (RunStatus.COMPLETED, 1 if transcript else 0)
+
+
+async def test_events_stored_under_a_lease_this_host_holds_land_and_no_run_is_named_lost(
+    store: SessionStore,
+) -> None:
+    coordination: Coordination = (
+        PgCoordination(store, 30.0) if isinstance(store, PostgresStore) else LocalCoordination(HOST, 30.0)
+    )
+    taken = await coordination.acquire("s1")
+    assert isinstance(taken, Taken)
+    await store.create_session(session("s1"), lease=taken.lease)
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=taken.lease)
+    events = [EventRow("s1", "r1", seq, T0, "text", "{}") for seq in (1, 2)]
+    assert await store.append_events(events, {"r1": taken.lease}) == frozenset()
+    assert await store.append_events([], {"r1": taken.lease}) == frozenset()
+    assert await store.run_events("r1") == events
 
 
 async def test_events_older_than_the_cut_are_pruned_a_bounded_batch_at_a_time(store: SessionStore) -> None:

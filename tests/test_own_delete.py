@@ -45,7 +45,7 @@ async def a_session(client: Client) -> tuple[str, str]:
 async def not_found(client: Client, session_id: str) -> bool:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await client.stub.GetSession(pb.GetSessionRequest(session_id=session_id))
-    return caught.value.code() == grpc.StatusCode.NOT_FOUND
+    return bool(caught.value.code() == grpc.StatusCode.NOT_FOUND)
 
 
 async def test_a_delete_command_that_hangs_is_ended_by_group_after_the_timeout_and_said_in_left(

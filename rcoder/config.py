@@ -127,6 +127,8 @@ class SettingsKeys(_Schema):
     agent_start_concurrency: Count = 4  # agents spawning and initialising at the same moment, at most
     agent_stop_grace: Seconds = 3.0  # each step of ending an agent (close stdin, SIGTERM, SIGKILL)
     stderr_tail_bytes: Count = 8192  # agent stderr kept for error messages
+    # DeleteSession: how long an agent's own delete command (OpenCode's `session delete`) may run
+    agent_erase_timeout: Seconds = 30.0
     agent_line_limit: Count = 64 * 1024 * 1024  # longest line an agent may write on stdout
     run_buffer_events: Count = 10000  # events kept per run for Subscribe replay
     run_buffer_bytes: Count = 8 << 20  # bytes of events kept per run (4x while a follower lags)

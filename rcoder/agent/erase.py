@@ -11,8 +11,9 @@ Each kind keeps its sessions in its home (``<data_dir>/agents/<profile>/<project
   history ``.codex/history.jsonl`` (``session_id``), which is rewritten without them.
 - Gemini: ``.gemini/tmp/<slug>/chats/session-<minute>-<first 8 of the id>.json[l]`` whose text
   names the whole id, and its entries in ``.gemini/tmp/<slug>/logs.json`` (``sessionId``).
-- OpenCode: nothing is removed. It keeps every session of a home in one database of its own,
-  which rcoder does not rewrite; what is left says so, with its own command for it.
+- OpenCode: nothing here. It keeps every session of a home in one database of its own, which
+  rcoder does not open: its own ``opencode session delete`` removes the session
+  (``rcoder.agent.own_delete``), after the same checks (``not_erasable``).
 - ``generic``: rcoder does not know where such an agent keeps anything; said as left.
 
 Everything is done below the home without following a link (``safe_fs``): a link met on the way
@@ -47,19 +48,29 @@ def erase_conversation(kind: str, home: Path, cwd: str, provider_session_id: str
     erased = Erased()
     if not provider_session_id:
         return erased  # never opened by the agent: it holds nothing of it
-    if not _SAFE_ID.match(provider_session_id):
-        erased.left.append(f"the agent's session id {provider_session_id!r} is not a plain name: its files were left")
-        return erased
     eraser = _ERASERS.get(kind)
     if eraser is None:
         why = _UNKNOWN.get(kind, "rcoder does not know where a {kind} agent keeps its conversations")
         erased.left.append(why.format(kind=kind, id=provider_session_id, home=home))
         return erased
-    if not home.parent.is_dir() or safe_fs.kind(home.parent, home) != "dir":  # the parent is rcoder's own
-        erased.left.append(f"no agent home {home} on this host: the agent's own copy, if any, is on another host")
-        return erased
-    eraser(home, cwd, provider_session_id, erased)
+    why_not = not_erasable(home, provider_session_id)
+    if why_not:
+        erased.left.append(why_not)
+    else:
+        eraser(home, cwd, provider_session_id, erased)
     return erased
+
+
+def not_erasable(home: Path, provider_session_id: str) -> str | None:
+    """Why nothing of ``provider_session_id`` can be erased in ``home`` here, or None.
+
+    The id must be a plain name: it becomes part of a path, or an argument of the agent's own
+    command (where a leading ``-`` would be read as an option)."""
+    if not _SAFE_ID.match(provider_session_id):
+        return f"the agent's session id {provider_session_id!r} is not a plain name: its files were left"
+    if not home.parent.is_dir() or safe_fs.kind(home.parent, home) != "dir":  # the parent is rcoder's own
+        return f"no agent home {home} on this host: the agent's own copy, if any, is on another host"
+    return None
 
 
 def _claude(home: Path, cwd: str, sid: str, erased: Erased) -> None:
@@ -96,10 +107,6 @@ def _gemini(home: Path, cwd: str, sid: str, erased: Erased) -> None:
 
 _ERASERS = {"claude": _claude, "claude-legacy": _claude, "codex": _codex, "gemini": _gemini}
 _UNKNOWN = {
-    "opencode": (
-        "OpenCode keeps session {id} in its own database under {home}/.local/share/opencode, which rcoder "
-        "does not rewrite; `opencode session delete {id}` run with that HOME and XDG_* folders removes it"
-    ),
     "generic": "rcoder does not know where this agent keeps its conversations: its session {id}, if kept, is left",
 }
 

@@ -43,6 +43,19 @@ class AgentSetup:
     path_first: tuple[str, ...] = ()  # folders put before the inherited PATH (tools the agent runs)
 
 
+@dataclass(frozen=True, slots=True)
+class OwnDelete:
+    """A kind's own command that deletes one of its sessions from a store rcoder does not read
+    (``DeleteSession``): the arguments after the profile's command (its ``args`` are the agent's,
+    not this command's), where that store is (said in the answer), and how the command says it did
+    not have the session (it then held nothing to erase)."""
+
+    name: str  # as said in the answer
+    args: tuple[str, ...]
+    store: Path
+    not_found: re.Pattern[str]
+
+
 class AgentKind:
     """``generic``: any ACP agent; its profile's ``env`` and ``provider_env`` say everything."""
 
@@ -71,6 +84,11 @@ class AgentKind:
 
     def load_not_before(self, home: Path, session_id: str) -> datetime | None:
         """The earliest time ``session/load`` of ``session_id`` is safe, when that matters."""
+        return None
+
+    def own_delete(self, home: Path, session_id: str) -> OwnDelete | None:
+        """The agent's own command that deletes ``session_id`` from ``home``; None: rcoder removes
+        the kind's files itself, where it knows them (``rcoder.agent.erase``)."""
         return None
 
 
@@ -334,7 +352,9 @@ class OpenCodeKind(AgentKind):
     401 it answers -32603 "Internal error: <the API's own message>" with
     ``data.errorName = "APIError"`` and no status: nothing of its own says "auth",
     so it stays an error rcoder cannot act on (only a missing key, its
-    ``ProviderAuthError``, is -32000).
+    ``ProviderAuthError``, is -32000). It keeps every session of a home in one
+    SQLite database of its own, which rcoder never opens: ``DeleteSession`` has
+    OpenCode delete the session itself (``own_delete``).
     """
 
     name = "opencode"
@@ -366,6 +386,17 @@ class OpenCodeKind(AgentKind):
             )
         )
         return AgentSetup(env)
+
+    def own_delete(self, home: Path, session_id: str) -> OwnDelete | None:
+        # opencode-ai 1.18.33, offline: `opencode session delete <id>` exits 0 ("Session <id> deleted"),
+        # or 1 with "Session not found: <id>" (both on stderr). It finds the session by id, whatever
+        # the cwd. --pure: no external plugins are loaded for it.
+        return OwnDelete(
+            "opencode session delete",
+            ("session", "delete", session_id, "--pure"),
+            home / ".local" / "share" / "opencode",
+            re.compile(rf"Session not found: {re.escape(session_id)}(?![\w.-])"),
+        )
 
     def gone_reason(self, step: str, code: int, message: str, data: Any) -> str | None:
         if step not in {"session/resume", "session/load"} or code != INTERNAL_ERROR:

@@ -8,9 +8,9 @@ never answered with a silent fresh session.
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,21 +21,22 @@ from acp import schema as acp_schema
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from rcoder import __version__, landlock, tracing
+from rcoder.agent import own_delete
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.erase import Erased, erase_conversation
-from rcoder.agent.homes import Homes
-from rcoder.agent.kinds import kind_of
+from rcoder.agent.homes import SHARED, Homes
+from rcoder.agent.kinds import OwnDelete, kind_of
 from rcoder.agent.leftovers import sweep
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
+from rcoder.agent.prepare import Prepared, prepared
 from rcoder.agent.process import AgentProcess
-from rcoder.agent.profile import model_provider, promises_of, sandbox_of
-from rcoder.agent.sandbox import confinement
+from rcoder.agent.profile import promises_of, sandbox_of
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
-from rcoder.errors import AgentProtocolError, AgentUnavailable, SessionGone
+from rcoder.errors import AgentProtocolError, SessionGone
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.launcher")
@@ -83,13 +84,40 @@ class AgentLauncher:
         self.homes = Homes(settings)
 
     async def erase_conversation(self, profile: AgentProfile, cwd: str, provider_session_id: str) -> Erased:
-        """Remove the agent's own copy of a conversation from its home here (``rcoder.agent.erase``);
-        the home's session lists are read afresh from now on. ``UnsafePath`` on a planted link."""
+        """Remove the agent's own copy of a conversation from its home here: its files
+        (``rcoder.agent.erase``), or, for a kind with a command of its own for it, by that command
+        (``rcoder.agent.own_delete``). The home's session lists are read afresh from now on.
+        ``UnsafePath`` on a planted link."""
         home = self.homes.path(profile, cwd)
         try:
-            erased = await asyncio.to_thread(erase_conversation, profile.kind, home, cwd, provider_session_id)
+            command = kind_of(profile.kind).own_delete(home, provider_session_id) if provider_session_id else None
+            if command is None:
+                erased = await asyncio.to_thread(erase_conversation, profile.kind, home, cwd, provider_session_id)
+            else:
+                erased = await self._delete_by_agent(profile, cwd, home, provider_session_id, command)
         finally:
             self.lists.forget(str(home))
+        return erased
+
+    async def _delete_by_agent(
+        self, profile: AgentProfile, cwd: str, home: Path, provider_session_id: str, command: OwnDelete
+    ) -> Erased:
+        """The agent's own delete command, run in its home, confined to it, as the agent runs
+        (``rcoder.agent.own_delete``): it finds the session by id and needs no project. Its start
+        takes a start slot, and waits for a first start of the profile (``_slot``)."""
+
+        async def spawn() -> AgentProcess:
+            ready = await prepared(self._settings, self.homes, profile, cwd, ModelProvider(), workdir=str(home))
+            return await self._spawn(profile, [ready.command, *command.args], str(home), ready)
+
+        settings = self._settings
+        erased = await own_delete.delete(command, home, provider_session_id, spawn, self._slot(profile),
+                                         settings.agent_erase_timeout, settings.stderr_tail_bytes)  # fmt: skip
+        shared = home.parent / SHARED  # rcoder's own folder: no agent can write there
+        if not erased.removed and not erased.left and await asyncio.to_thread(shared.is_dir):
+            # not in this project's home: an old shared home, set aside and never run in, may hold it
+            erased.left.append(f"the agent did not have session {provider_session_id} in {home}; the profile's "
+                               f"old shared home {shared} may hold it, and rcoder leaves that as it is")  # fmt: skip
         return erased
 
     @property
@@ -251,58 +279,43 @@ class AgentLauncher:
         first start runs alone: agents set their home up then, and two doing it
         at once can fail (OpenCode: both migrate its fresh database).
         """
+        async with self._slot(profile):
+            connection = await self._start(profile, cwd, provider)
+        self._started_once.add(profile.name)
+        return connection
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, profile: AgentProfile) -> AsyncIterator[None]:
+        """One of the ``agent_start_concurrency`` start slots; until a process of the profile has
+        started once, also the profile's first-start lock (one at a time)."""
         if profile.name in self._started_once:
             async with self._start_slots:
-                return await self._start(profile, cwd, provider)
-        async with self._first_start.setdefault(profile.name, asyncio.Lock()):
-            async with self._start_slots:
-                connection = await self._start(profile, cwd, provider)
-            self._started_once.add(profile.name)
-            return connection
+                yield
+            return
+        async with self._first_start.setdefault(profile.name, asyncio.Lock()), self._start_slots:
+            yield
+
+    async def _spawn(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
+        """``argv`` started as ``ready`` says, in ``cwd``; owned by this launcher until collected."""
+        process = await AgentProcess.spawn(
+            argv,
+            cwd=cwd,
+            env=ready.env,
+            name=profile.name,
+            stderr_tail_bytes=self._settings.stderr_tail_bytes,
+            stop_grace=self._settings.agent_stop_grace,
+            pid_dir=self.pid_dir,
+            confinement=ready.confinement,
+        )
+        self._processes.add(process)
+        return process
 
     async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
-        """The profile's kind writes the agent's config files into its home (for
-        this process's model provider: the request's, else the profile's
-        defaults) and adds its environment and arguments."""
-        provider = model_provider(profile, provider)
-        try:
-            home = await self.homes.home(profile, cwd)
-            landlocked = sandbox_of(self._settings, profile) == "landlock"
-            setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider, confined=landlocked)
-        except OSError as exc:
-            raise AgentUnavailable(
-                f"agent {profile.name!r}: could not prepare its home for {cwd}: {exc}", agent=profile.name
-            ) from exc
-        # its home and a private TMPDIR, for every kind (a kind's own env comes after, the profile's last)
-        env = self._settings.agent_env(profile, {"HOME": str(home), "TMPDIR": str(home / "tmp"), **setup.env})
-        if setup.path_first:
-            env["PATH"] = os.pathsep.join([*setup.path_first, *filter(None, [env.get("PATH", "")])])
-        for field, var in profile.provider_env.items():
-            value = getattr(provider, field)
-            if value:
-                env[var] = value
-        command = profile.resolve_command(env.get("PATH", ""))
-        if command is None:
-            where = "at that path" if "/" in profile.command else "on PATH"
-            raise AgentUnavailable(
-                f"agent {profile.name!r}: command {profile.command!r} not found {where}; "
-                f"install it or fix agents.{profile.name}.command",
-                agent=profile.name,
-            )
-        confined = await asyncio.to_thread(confinement, self._settings, profile, command, Path(cwd), home)
+        """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
+        ready = await prepared(self._settings, self.homes, profile, cwd, provider)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
-            process = await AgentProcess.spawn(
-                [command, *profile.args, *setup.args],
-                cwd=cwd,
-                env=env,
-                name=profile.name,
-                stderr_tail_bytes=self._settings.stderr_tail_bytes,
-                stop_grace=self._settings.agent_stop_grace,
-                pid_dir=self.pid_dir,
-                confinement=confined,
-            )
+            process = await self._spawn(profile, [ready.command, *profile.args, *ready.args], cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)
-        self._processes.add(process)
         client = RcoderClient(profile.name)
         pipe = PipeTransport(
             process.stdout,

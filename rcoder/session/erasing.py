@@ -8,8 +8,12 @@ In order, while no new turn may claim the session (``RunRegistry.deleting``):
    its lease and signals), in one transaction: a turn another host might start meanwhile finds
    no lease and no record, and its writes are refused;
 4. this host forgets the runs it kept for ``Subscribe``;
-5. the agent's own copy of the conversation is removed from its home here, where rcoder knows
-   the kind's layout (``rcoder.agent.erase``): what could not be is said, never hidden.
+5. the agent's own copy of the conversation is removed from its home here: its files, where
+   rcoder knows the kind's layout (``rcoder.agent.erase``), or by the agent's own delete command
+   where the kind keeps a store of its own (OpenCode: ``rcoder.agent.own_delete``, bounded by
+   ``agent_erase_timeout``, run only now that the session's agent has ended): what could not be
+   is said, never hidden. It comes last so that nothing it does can keep the store's erasure
+   from happening.
 
 A fork is a session of its own and is left as it is. When another session names the same agent
 session (it adopted it), the agent's files are left for it.

@@ -76,9 +76,8 @@ def test_gemini_loses_the_chat_that_names_the_whole_id_and_its_log_entries(tmp_p
     assert [entry["message"] for entry in json.loads(logs.read_text())] == ["kept"]
 
 
-def test_opencode_and_generic_agents_keep_their_files_and_say_so(tmp_path: Path) -> None:
+def test_generic_agents_keep_their_files_and_say_so(tmp_path: Path) -> None:
     home = home_of(tmp_path)
-    assert "opencode session delete" in erase_conversation("opencode", home, CWD, SID).left[0]
     assert "does not know" in erase_conversation("generic", home, CWD, SID).left[0]
 
 

@@ -1711,7 +1711,8 @@ class ChatStream(_message.Message):
     @_builtins.property
     def permission_resolved(self) -> Global___PermissionResolved:
         """How a permission_request was settled, published as the answer lands: exactly one follows
-        each permission_request of the run, before completed (stored and replayed like it).
+        each permission_request of the run, before completed (stored and replayed like it; a run
+        whose host died while the request waited ends without it).
         """
 
     def __init__(

@@ -1,12 +1,13 @@
 """``rcoder chat`` and ``rcoder sessions``: a gRPC client of a running daemon, for people.
 
 ``chat`` streams one turn: the agent's text to stdout as it arrives; tool calls,
-plan steps, permission requests and fallbacks to stderr, compactly; last, on
+plan steps, permission requests (and how each was settled) and fallbacks to stderr, compactly; last, on
 stderr, ``session <id> · <resume outcome> (<method>) · <stop reason>``. With
 ``--json`` every ``ChatStream`` event is one JSON line on stdout (with the
 .proto's field names, as grpcurl prints them). Ctrl-C sends ``Cancel`` and keeps streaming until the turn ends;
 a second Ctrl-C leaves at once. With ``--ask`` permission requests are asked at
-the terminal and answered with ``ResolvePermission``. ``--option ID=VALUE`` sets one of
+the terminal and answered with ``ResolvePermission`` (a question the daemon settled
+meanwhile, timed out or cancelled, is withdrawn). ``--option ID=VALUE`` sets one of
 the agent's session config options before the prompt (``model=opus``, ``mode=plan``).
 With no prompt on a terminal, the prompt is read there, with Tab completing the agent's
 slash commands (``/review``...) as the session (``--session``) last listed them.
@@ -39,7 +40,9 @@ from rcoder.client import (
     Deletion,
     Event,
     PermissionMode,
+    PermissionOutcome,
     PermissionRequest,
+    PermissionResolved,
     Plan,
     Queued,
     RcoderClient,
@@ -63,6 +66,12 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
 PLAN_MARKS = {"completed": "[x]", "in_progress": "[>]"}
+SETTLED = {  # how a permission request was settled, as "permission <this>: <option>"
+    PermissionOutcome.ANSWERED: "answered",
+    PermissionOutcome.POLICY: "answered by the daemon's policy",
+    PermissionOutcome.TIMED_OUT: "timed out",
+    PermissionOutcome.CANCELLED: "cancelled",
+}
 
 
 def add_commands(commands: Any) -> None:
@@ -292,6 +301,7 @@ class Watch:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     cancelling: set[asyncio.Task[None]] = field(default_factory=set)  # Cancel calls on their way
     asking: asyncio.Lock = field(default_factory=asyncio.Lock)
+    questions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # --ask's, by permission id
     tools: ToolCalls = field(default_factory=ToolCalls)
 
     async def run(self) -> int:
@@ -318,7 +328,12 @@ class Watch:
             if isinstance(event, Started | Queued) and self.interrupts and not self.cancel_sent:
                 self._send_cancel()  # a Ctrl-C before the run id was known
             elif isinstance(event, PermissionRequest) and self.answers is not None:
-                self._spawn(self._ask(event))
+                self.questions[event.permission_id] = self._spawn(self._ask(event))
+                continue  # _ask shows it
+            elif isinstance(event, PermissionResolved):
+                question = self.questions.pop(event.permission_id, None)
+                if question is not None and not question.done():
+                    question.cancel()  # settled without this terminal (timed out, cancelled): not asked any more
             if isinstance(event, Completed):
                 self.screen.end_line(always=True)  # the answer is a line, on a pipe too
                 if event.error and not self.screen.json:
@@ -422,7 +437,10 @@ def show(screen: Screen, event: Event, tools: ToolCalls) -> None:
         steps = [f"{PLAN_MARKS.get(e.status, '[ ]')} {e.content}" for e in event.entries]
         screen.note("plan: " + " · ".join(steps))
     elif isinstance(event, PermissionRequest):
-        screen.note(f"permission: {event.title} [{event.kind}] (answered by the daemon's policy)")
+        screen.note(f"permission: {event.title} [{event.kind}]")
+    elif isinstance(event, PermissionResolved):
+        chosen = f": {event.option_id}" + (f" [{event.option_kind}]" if event.option_kind else "")
+        screen.note(f"permission {SETTLED.get(event.outcome, event.outcome.value)}{chosen if event.option_id else ''}")
     elif isinstance(event, ConfigOptionUpdate):
         screen.note("options: " + " ".join(f"{o.id}={o.current_value}" for o in event.config_options))
     elif isinstance(event, AvailableCommands):

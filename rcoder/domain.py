@@ -72,6 +72,16 @@ class PermissionMode(enum.Enum):
     ASK = "ask"
 
 
+class PermissionOutcome(enum.Enum):
+    """How a permission request was settled (``PermissionResolved.outcome``)."""
+
+    ANSWERED = "answered"  # a client chose one of its options (ResolvePermission)
+    POLICY = "policy"  # rcoder answered at once: a profile's rule or the request's ALLOW / DENY
+    TIMED_OUT = "timed_out"  # nobody answered within permission_timeout: a reject option, if offered
+    # answered "cancelled": a client's empty option, or the turn cancelled or ended while it waited
+    CANCELLED = "cancelled"
+
+
 class BusyPolicy(enum.Enum):
     """What a turn for a session that already runs one does (``ChatRequest.busy``)."""
 
@@ -301,6 +311,25 @@ class PermissionRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PermissionAnswer:
+    """What decided a permission request: the option the agent is given ("" for none: it is told
+    ``cancelled``), and how it was chosen."""
+
+    option_id: str
+    outcome: PermissionOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class PermissionResolved:
+    """How a permission request was settled; one follows each ``PermissionRequest`` of a turn."""
+
+    permission_id: str
+    outcome: PermissionOutcome
+    option_id: str = ""  # the option the agent was given ("": it was told ``cancelled``)
+    option_kind: str = ""  # that option's kind: a watcher that missed the request still knows allow from reject
+
+
+@dataclass(frozen=True, slots=True)
 class AgentUpdate:
     """Any other session/update, kept as JSON so nothing is lost."""
 
@@ -398,6 +427,7 @@ RunEventBody = (
     | ToolCallUpdate
     | Plan
     | PermissionRequest
+    | PermissionResolved
     | AgentUpdate
     | Heartbeat
     | RunCompleted
@@ -412,6 +442,7 @@ AgentEvent = (
     | ToolCallUpdate
     | Plan
     | PermissionRequest
+    | PermissionResolved
     | AgentUpdate
     | ConfigOptionUpdate
     | AvailableCommands

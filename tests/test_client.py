@@ -35,7 +35,9 @@ from rcoder.client import (
     NotFound,
     PermissionDenied,
     PermissionMode,
+    PermissionOutcome,
     PermissionRequest,
+    PermissionResolved,
     Plan,
     Queued,
     RcoderClient,
@@ -313,6 +315,10 @@ async def test_with_ask_a_permission_request_waits_for_resolve_permission(client
     assert {o.kind for o in asked.options} == {"allow_once", "allow_always", "reject_once"}
 
     await bounded(client.resolve_permission(asked.run_id, asked.permission_id, "allow-always"))
+    resolved = (await read_until(turn, PermissionResolved))[-1]  # the answer, as every watcher sees it
+    assert isinstance(resolved, PermissionResolved) and resolved.permission_id == asked.permission_id
+    assert resolved.outcome is PermissionOutcome.ANSWERED
+    assert (resolved.option_id, resolved.option_kind) == ("allow-always", "allow_always")
     assert (await bounded(turn.text())).endswith("permission=allow-always")
     with pytest.raises(NotFound) as again:  # every request gets exactly one answer
         await bounded(client.resolve_permission(asked.run_id, asked.permission_id, "allow"))
@@ -537,6 +543,7 @@ def test_every_chat_stream_variant_has_its_event_class() -> None:
         (SessionStatus, pb.SessionStatus, "SESSION_STATUS_"),
         (SessionOrder, pb.SessionOrder, "SESSION_ORDER_"),
         (PermissionMode, pb.PermissionMode, "PERMISSION_MODE_"),
+        (PermissionOutcome, pb.PermissionOutcome, "PERMISSION_OUTCOME_"),
     ],
 )
 def test_every_enum_value_of_the_proto_has_its_member(ours: Any, theirs: Any, prefix: str) -> None:

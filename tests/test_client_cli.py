@@ -193,6 +193,21 @@ async def test_with_ask_a_permission_request_is_asked_at_the_terminal_and_answer
     await term.expect("choose 1-3")
 
     term.type(b"3\n")
+    await term.expect(r"permission answered: reject \[reject_once\]")
+    await term.expect("permission=reject")
+    assert (await term.expect(SUMMARY.pattern)).group(4) == "end_turn"
+    assert await term.exit_code() == 0
+    assert term.output.count("touch file") == 1  # asked once, not also shown as a note
+
+
+async def test_with_ask_a_question_the_daemon_settles_first_is_withdrawn_and_how_it_ended_shown(
+    make_daemon: DaemonFactory, terminal: Any
+) -> None:
+    daemon, _ = await make_daemon(permission_timeout=1)
+    term = await terminal(daemon, "chat", "--project", "demo", "--ask", "permission")
+    await term.expect("choose 1-3")
+
+    await term.expect(r"permission timed out: reject \[reject_once\]")  # nobody typed
     await term.expect("permission=reject")
     assert (await term.expect(SUMMARY.pattern)).group(4) == "end_turn"
     assert await term.exit_code() == 0

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from rcoder import tracing
-from rcoder.domain import PermissionMode, PermissionOption, PermissionRequest
+from rcoder.domain import PermissionAnswer, PermissionMode, PermissionOption, PermissionOutcome, PermissionRequest
 from rcoder.session.permissions import PermissionBroker
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
@@ -161,16 +161,18 @@ async def test_a_permission_wait_is_a_span_of_the_prompt_that_made_the_decider(
     )
 
     # asked from a task of its own with no trace context, as the ACP connection's handlers are
-    async def ask() -> str | None:
+    async def ask() -> PermissionAnswer:
         return await decide(request)
 
     answer = await asyncio.create_task(ask(), context=contextvars.Context())
 
-    assert answer == "reject"  # unanswered: rejected after the timeout
+    assert answer == PermissionAnswer("reject", PermissionOutcome.TIMED_OUT)  # unanswered: rejected after the timeout
     prompt, wait = sorted(recorded.get_finished_spans(), key=lambda s: s.name != "session.prompt")
     assert wait.name == "permission.wait"
     assert hex_ids(wait)[2] == hex_ids(prompt)[1]
-    assert dict(wait.attributes or {})["rcoder.permission.answer"] == "reject"
+    attributes = dict(wait.attributes or {})
+    assert attributes["rcoder.permission.answer"] == "reject"
+    assert attributes["rcoder.permission.outcome"] == "timed_out"
 
 
 def test_detach_gives_background_work_a_trace_of_its_own(recorded: InMemorySpanExporter) -> None:

@@ -5,6 +5,12 @@ One ``RcoderClient`` serves one agent process, which serves one session.
 (raw JSON, synchronously, in the agent's order) and is handed on to the turn.
 While a session is being opened updates are dropped: a ``session/load``
 replay is history, not this turn's output.
+
+Each permission request the agent makes during a turn is streamed as a
+``PermissionRequest`` and settled exactly once, streamed as a
+``PermissionResolved``: by the turn's decider, or as ``cancelled`` the moment
+the turn is cancelled or ends while it waits (synchronously, so it always
+comes before the turn's ``completed``). The agent is told what the event says.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from rcoder.domain import (
     AgentUpdate,
     AvailableCommands,
     ConfigOptionUpdate,
+    PermissionAnswer,
+    PermissionOutcome,
     PermissionRequest,
+    PermissionResolved,
     ToolCall,
     new_id,
 )
@@ -40,8 +49,9 @@ CURRENT_MODE_UPDATE = "current_mode_update"
 # the updates that change a session's state (rcoder.agent.options), kept even between turns
 STATE_KINDS = frozenset({"config_option_update", CURRENT_MODE_UPDATE, "available_commands_update"})
 UpdateWatch = Callable[[dict[str, Any]], None]
-# decides a permission request: the chosen option id, or None for "cancelled"
-PermissionDecider = Callable[[PermissionRequest], Awaitable[str | None]]
+# decides a permission request: the chosen option ("" for "cancelled") and how it was chosen
+PermissionDecider = Callable[[PermissionRequest], Awaitable[PermissionAnswer]]
+NO_ANSWER = PermissionAnswer("", PermissionOutcome.CANCELLED)
 
 
 class _Turn:
@@ -49,6 +59,22 @@ class _Turn:
         self.on_event = on_event
         self.on_permission = on_permission
         self.cancelled = asyncio.Event()
+        self.waiting: dict[str, PermissionRequest] = {}  # requests streamed and not yet settled, by id
+
+    def settle(self, permission_id: str, answer: PermissionAnswer) -> bool:
+        """Stream how the request was settled, the first time only (False: it was settled already)."""
+        request = self.waiting.pop(permission_id, None)
+        if request is None:
+            return False
+        kind = next((o.kind for o in request.options if o.option_id == answer.option_id), "")
+        self.on_event(PermissionResolved(permission_id, answer.outcome, answer.option_id, kind))
+        return True
+
+    def stop(self) -> None:
+        """Cancelled or ended: every request still waiting is answered ``cancelled``, now."""
+        self.cancelled.set()
+        for permission_id in list(self.waiting):
+            self.settle(permission_id, NO_ANSWER)
 
 
 class RcoderClient:
@@ -77,11 +103,11 @@ class RcoderClient:
     def end_turn(self) -> None:
         turn, self._turn = self._turn, None
         if turn is not None:
-            turn.cancelled.set()  # any permission still waiting is answered "cancelled"
+            turn.stop()  # any permission still waiting is answered "cancelled"
 
     def cancel_turn(self) -> None:
         if self._turn is not None:
-            self._turn.cancelled.set()
+            self._turn.stop()
 
     # ------------------------------------------------------------ session/update
 
@@ -176,10 +202,18 @@ class RcoderClient:
             kind=tool_call.kind or kind,
             options=permission_options(options),
         )
+        turn.waiting[request.permission_id] = request
         turn.on_event(request)
-        option_id = await _first(turn.on_permission(request), turn.cancelled)
-        valid = {o.option_id for o in options}
-        if option_id is None or option_id not in valid:
+        answer = NO_ANSWER  # also if this handler is cancelled (its connection closing)
+        try:
+            answer = await _first(turn.on_permission(request), turn.cancelled) or NO_ANSWER
+            if answer.option_id and answer.option_id not in {o.option_id for o in options}:
+                answer = NO_ANSWER
+        finally:
+            # a cancel or the turn's end may have settled it first: then the agent is told "cancelled"
+            settled = turn.settle(request.permission_id, answer)
+        option_id = answer.option_id
+        if not settled or not option_id:
             return _cancelled()
         log.info("permission_answered", agent=self._agent, option_id=option_id, tool_call_id=request.tool_call_id)
         return acp.RequestPermissionResponse(outcome=acp.AllowedOutcome(outcome="selected", option_id=option_id))
@@ -201,7 +235,7 @@ def _cancelled() -> acp.RequestPermissionResponse:
     return acp.RequestPermissionResponse(outcome=acp.DeniedOutcome(outcome="cancelled"))
 
 
-async def _first(decision: Awaitable[str | None], cancelled: asyncio.Event) -> str | None:
+async def _first(decision: Awaitable[PermissionAnswer], cancelled: asyncio.Event) -> PermissionAnswer | None:
     """The decision, unless the turn is cancelled first (then None). A decider that failed
     counts as no answer ("cancelled"), and is logged; a cancel of the caller propagates."""
     decide = asyncio.ensure_future(decision)

@@ -14,7 +14,9 @@ from rcoder.domain import (
     ConfigOptionUpdate,
     ForkMethod,
     Heartbeat,
+    PermissionOutcome,
     PermissionRequest,
+    PermissionResolved,
     Plan,
     ResumeOutcome,
     RunCompleted,
@@ -50,6 +52,12 @@ STOP_REASONS = {
     StopReason.REFUSAL: pb.STOP_REASON_REFUSAL,
     StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
     StopReason.ERROR: pb.STOP_REASON_ERROR,
+}
+PERMISSION_OUTCOMES = {
+    PermissionOutcome.ANSWERED: pb.PERMISSION_OUTCOME_ANSWERED,
+    PermissionOutcome.POLICY: pb.PERMISSION_OUTCOME_POLICY,
+    PermissionOutcome.TIMED_OUT: pb.PERMISSION_OUTCOME_TIMED_OUT,
+    PermissionOutcome.CANCELLED: pb.PERMISSION_OUTCOME_CANCELLED,
 }
 
 
@@ -136,6 +144,12 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
                 options=[pb.PermissionOption(option_id=o.option_id, name=o.name, kind=o.kind) for o in body.options],
             )
         )
+    elif isinstance(body, PermissionResolved):
+        resolved = msg.permission_resolved
+        resolved.permission_id = body.permission_id
+        resolved.outcome = PERMISSION_OUTCOMES[body.outcome]
+        resolved.option_id = body.option_id
+        resolved.option_kind = body.option_kind
     elif isinstance(body, AgentUpdate):
         msg.update.CopyFrom(pb.AgentUpdate(kind=body.kind, json=body.json))
     elif isinstance(body, Heartbeat):

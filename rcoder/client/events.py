@@ -42,6 +42,16 @@ class StopReason(StrEnum):
     ERROR = "error"
 
 
+class PermissionOutcome(StrEnum):
+    """How a permission request was settled (``PermissionResolved.outcome``)."""
+
+    UNSPECIFIED = "unspecified"
+    ANSWERED = "answered"  # a client chose the option (resolve_permission)
+    POLICY = "policy"  # the daemon answered at once: a profile's rule or the turn's ALLOW / DENY
+    TIMED_OUT = "timed_out"  # nobody answered within permission_timeout: a reject option, if any
+    CANCELLED = "cancelled"  # an empty answer, or the turn cancelled or ended while it waited
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Event(Record):
     """What every event of a turn has."""
@@ -203,6 +213,17 @@ class PermissionRequest(Event):
     title: str
     kind: str
     options: tuple[PermissionOption, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PermissionResolved(Event):
+    """How the ``PermissionRequest`` with this ``permission_id`` was settled; one follows each, before
+    ``Completed``. ``option_id`` is what the agent was given (empty: it was told "cancelled")."""
+
+    permission_id: str
+    outcome: PermissionOutcome
+    option_id: str
+    option_kind: str  # allow_once, allow_always, reject_once, reject_always; empty with no option
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -369,6 +390,17 @@ def _permission_request(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
     )
 
 
+def _permission_resolved(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
+    r = m.permission_resolved
+    return PermissionResolved(
+        permission_id=r.permission_id,
+        outcome=enum_member(PermissionOutcome, pb.PermissionOutcome, r.outcome, "PERMISSION_OUTCOME_"),
+        option_id=r.option_id,
+        option_kind=r.option_kind,
+        **envelope,
+    )
+
+
 def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
     c = m.completed
     stop = enum_member(StopReason, pb.StopReason, c.stop_reason, "STOP_REASON_")
@@ -399,6 +431,7 @@ CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
     "tool_call_update": _tool_call_update,
     "plan": _plan,
     "permission_request": _permission_request,
+    "permission_resolved": _permission_resolved,
     "update": lambda m, envelope: AgentUpdate(kind=m.update.kind, json=m.update.json, **envelope),
     "heartbeat": lambda m, envelope: Heartbeat(**envelope),
     "queued": lambda m, envelope: Queued(position=m.queued.position, **envelope),

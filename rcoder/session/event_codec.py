@@ -27,6 +27,7 @@ from rcoder.domain import (
     AvailableCommands,
     ConfigOptionUpdate,
     PermissionRequest,
+    PermissionResolved,
     Plan,
     RunCompleted,
     RunEventBody,
@@ -48,6 +49,7 @@ KINDS: dict[str, type] = {
     "completed": RunCompleted,
     "config_option_update": ConfigOptionUpdate,
     "available_commands": AvailableCommands,
+    "permission_resolved": PermissionResolved,
 }
 _KIND_OF: dict[type, str] = {cls: kind for kind, cls in KINDS.items()}
 

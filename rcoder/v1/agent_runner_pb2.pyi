@@ -236,6 +236,43 @@ STOP_REASON_CANCELLED: StopReason.ValueType  # 5
 STOP_REASON_ERROR: StopReason.ValueType  # 6
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
+class _PermissionOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PermissionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PermissionOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PERMISSION_OUTCOME_UNSPECIFIED: _PermissionOutcome.ValueType  # 0
+    PERMISSION_OUTCOME_ANSWERED: _PermissionOutcome.ValueType  # 1
+    """a client chose option_id (ResolvePermission)"""
+    PERMISSION_OUTCOME_POLICY: _PermissionOutcome.ValueType  # 2
+    """rcoder answered at once, by a profile's permission_rules or the request's permission_mode
+    (ALLOW, DENY); empty option_id: the agent offered no option of that kind
+    """
+    PERMISSION_OUTCOME_TIMED_OUT: _PermissionOutcome.ValueType  # 3
+    """nobody answered within permission_timeout: a reject option (empty: none offered, "cancelled")"""
+    PERMISSION_OUTCOME_CANCELLED: _PermissionOutcome.ValueType  # 4
+    """answered "cancelled": a client's empty option_id, or the turn cancelled, ended or stopped
+    (Cancel, busy INTERRUPT, turn_timeout, the agent gone, rcoder shutting down) while it waited
+    """
+
+class PermissionOutcome(_PermissionOutcome, metaclass=_PermissionOutcomeEnumTypeWrapper): ...
+
+PERMISSION_OUTCOME_UNSPECIFIED: PermissionOutcome.ValueType  # 0
+PERMISSION_OUTCOME_ANSWERED: PermissionOutcome.ValueType  # 1
+"""a client chose option_id (ResolvePermission)"""
+PERMISSION_OUTCOME_POLICY: PermissionOutcome.ValueType  # 2
+"""rcoder answered at once, by a profile's permission_rules or the request's permission_mode
+(ALLOW, DENY); empty option_id: the agent offered no option of that kind
+"""
+PERMISSION_OUTCOME_TIMED_OUT: PermissionOutcome.ValueType  # 3
+"""nobody answered within permission_timeout: a reject option (empty: none offered, "cancelled")"""
+PERMISSION_OUTCOME_CANCELLED: PermissionOutcome.ValueType  # 4
+"""answered "cancelled": a client's empty option_id, or the turn cancelled, ended or stopped
+(Cancel, busy INTERRUPT, turn_timeout, the agent gone, rcoder shutting down) while it waited
+"""
+Global___PermissionOutcome: _TypeAlias = PermissionOutcome  # noqa: Y015
+
 @_typing.final
 class ChatRequest(_message.Message):
     """---------------------------------------------------------------- requests"""
@@ -1629,6 +1666,7 @@ class ChatStream(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     CONFIG_OPTION_UPDATE_FIELD_NUMBER: _builtins.int
     AVAILABLE_COMMANDS_FIELD_NUMBER: _builtins.int
+    PERMISSION_RESOLVED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     session_id: _builtins.str
     seq: _builtins.int
@@ -1670,6 +1708,13 @@ class ChatStream(_message.Message):
     def available_commands(self) -> Global___AvailableCommands:
         """the agent's slash commands (the whole list)"""
 
+    @_builtins.property
+    def permission_resolved(self) -> Global___PermissionResolved:
+        """How a permission_request was settled, published as the answer lands: exactly one follows
+        each permission_request of the run, before completed (stored and replayed like it; a run
+        whose host died while the request waited ends without it).
+        """
+
     def __init__(
         self,
         *,
@@ -1690,12 +1735,13 @@ class ChatStream(_message.Message):
         queued: Global___RunQueued | None = ...,
         config_option_update: Global___ConfigOptionUpdate | None = ...,
         available_commands: Global___AvailableCommands | None = ...,
+        permission_resolved: Global___PermissionResolved | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "permission_resolved", b"permission_resolved", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "permission_resolved", b"permission_resolved", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued", "config_option_update", "available_commands"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued", "config_option_update", "available_commands", "permission_resolved"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
@@ -2179,6 +2225,37 @@ class PermissionOption(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PermissionOption: _TypeAlias = PermissionOption  # noqa: Y015
+
+@_typing.final
+class PermissionResolved(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PERMISSION_ID_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    OPTION_ID_FIELD_NUMBER: _builtins.int
+    OPTION_KIND_FIELD_NUMBER: _builtins.int
+    permission_id: _builtins.str
+    """the permission_request's"""
+    outcome: Global___PermissionOutcome.ValueType
+    option_id: _builtins.str
+    """the option the agent was given; empty: it was told "cancelled" """
+    option_kind: _builtins.str
+    """that option's kind (allow_once, ..., reject_always); empty with no option"""
+    def __init__(
+        self,
+        *,
+        permission_id: _builtins.str = ...,
+        outcome: Global___PermissionOutcome.ValueType = ...,
+        option_id: _builtins.str = ...,
+        option_kind: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["option_id", b"option_id", "option_kind", b"option_kind", "outcome", b"outcome", "permission_id", b"permission_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PermissionResolved: _TypeAlias = PermissionResolved  # noqa: Y015
 
 @_typing.final
 class AgentUpdate(_message.Message):

@@ -195,6 +195,12 @@ async def test_a_permission_answer_through_a_host_that_cannot_reach_the_owner_is
     assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
     assert text_of(rest).endswith("permission=allow")
     await a.daemon.wait_log("signal_applied", kind="permission", run_id=begin.run_id, result="resolved")
+    # how it was settled is in the owner's stream as for an answer given there
+    resolved = [e.permission_resolved for e in rest if e.WhichOneof("event") == "permission_resolved"]
+    pid = asked.permission_request.permission_id
+    assert [(r.permission_id, r.outcome, r.option_id) for r in resolved] == [
+        (pid, pb.PERMISSION_OUTCOME_ANSWERED, "allow")
+    ]
 
 
 async def test_a_run_the_store_has_ended_gets_no_signal_the_answer_says_it_ended(cut_off: Hosts) -> None:

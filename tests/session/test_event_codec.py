@@ -16,7 +16,9 @@ from rcoder.domain import (
     Heartbeat,
     OpenMethod,
     PermissionOption,
+    PermissionOutcome,
     PermissionRequest,
+    PermissionResolved,
     Plan,
     PlanEntry,
     ResumeOutcome,
@@ -48,6 +50,8 @@ SAMPLES: list[RunEventBody] = [
     ToolCallUpdate("call-2", exit_code=None),
     Plan((PlanEntry("step", "high", "pending"), PlanEntry("two", "low", "completed"))),
     PermissionRequest("perm-1", "call-1", "Write?", "edit", (PermissionOption("allow", "Allow", "allow_once"),)),
+    PermissionResolved("perm-1", PermissionOutcome.ANSWERED, "allow", "allow_once"),
+    PermissionResolved("perm-2", PermissionOutcome.CANCELLED),
     AgentUpdate("usage_update", '{"used": 10}'),
     RunCompleted(StopReason.END_TURN, "prov-1", ResumeOutcome.LIVE),
     RunCompleted(
@@ -83,3 +87,13 @@ def test_a_kind_this_rcoder_does_not_know_is_refused_by_name_and_unknown_fields_
     with pytest.raises(event_codec.UnknownKind, match="'future'"):
         event_codec.decode("future", "{}")
     assert event_codec.decode("text", '{"text":"a","newer":1}') == TextChunk("a")
+
+
+def test_a_settled_permission_is_stored_by_its_outcomes_value() -> None:
+    resolved = PermissionResolved("p", PermissionOutcome.TIMED_OUT, "reject", "reject_once")
+    assert event_codec.encode(resolved) == (
+        "permission_resolved",
+        '{"permission_id":"p","outcome":"timed_out","option_id":"reject","option_kind":"reject_once"}',
+    )
+    cancelled = PermissionResolved("p", PermissionOutcome.CANCELLED)
+    assert event_codec.encode(cancelled) == ("permission_resolved", '{"permission_id":"p","outcome":"cancelled"}')

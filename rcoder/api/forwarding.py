@@ -51,6 +51,14 @@ _PLAIN = re.compile(
 log = get_logger("rcoder.api.forwarding")
 
 
+class NotHeld(Exception):
+    """The host asked does not have what was asked for (its ``NOT_FOUND``, or no answer in time)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"{address} does not have it")
+        self.address = address
+
+
 class OwnerUnreachable(Exception):
     """The owner did not answer in time (or refused the connection): its liveness is in doubt."""
 
@@ -155,22 +163,35 @@ class Forwarder:
         return response
 
     async def stream(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str
+        self,
+        method: str,
+        request: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
+        address: str,
+        if_found: bool = False,
     ) -> AsyncIterator[Any]:
-        """The owner's stream, message by message; ``OwnerUnreachable`` only before the first."""
+        """The owner's stream, message by message; ``OwnerUnreachable`` only before the first.
+        ``if_found`` (asked of a host that may not have it): its ``NOT_FOUND`` before the first
+        message, or no answer, is ``NotHeld``."""
         call = getattr(self._stub(address), method)(
             request, metadata=self._metadata(context), timeout=self._timeout(context)
         )
+        first = True
         try:
             try:
                 async with asyncio.timeout(self._answer_timeout):
                     await call.initial_metadata()
             except TimeoutError:
+                if if_found:
+                    raise NotHeld(address) from None
                 raise OwnerUnreachable(address, f"no answer within {self._answer_timeout:g} s") from None
             try:
                 async for message in call:
+                    first = False
                     yield message
             except grpc.aio.AioRpcError as exc:
+                if if_found and first and (exc.code() is grpc.StatusCode.NOT_FOUND or exc.code() in _NOT_ANSWERING):
+                    raise NotHeld(address) from None
                 await self._pass_error(exc, context, address)
             context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
         finally:

@@ -23,7 +23,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 
 from rcoder import errors
-from rcoder.api.forwarding import OWNER_KEY, Forwarder, OwnerUnreachable, forwarded
+from rcoder.api.forwarding import OWNER_KEY, Forwarder, NotHeld, OwnerUnreachable, forwarded
 from rcoder.logs import get_logger
 from rcoder.session.routing import Owner, Router
 
@@ -131,6 +131,43 @@ class Routes:
                     self.router.forwarded(method, "asked")
                     return answer
         return None
+
+    async def stream_from_others(
+        self,
+        method: str,
+        request: Any,
+        context: Context,
+        resume: Callable[[Any], AsyncIterator[Any]] | None = None,
+    ) -> AsyncIterator[Any]:
+        """``ask_others`` for a stream: each other live host in turn, the stream of the first whose
+        answer is not ``NOT_FOUND`` before its first message (a queued turn's host sends nothing
+        until it starts); ``NotHeld`` when none has it. Each host not having it says so within
+        ``answer_timeout``; ``resume(last)`` as in ``stream``, when the host broke it after ``last``."""
+        if not self.router.shared or forwarded(context):
+            raise NotHeld("")
+        for host in await self.router.hosts():
+            if not host.live or host.host_id == self.router.host_id:
+                continue
+            last = None
+            try:
+                async for message in self._forwarder.stream(
+                    method, request, context, host.advertise_address, if_found=True
+                ):
+                    last = message
+                    yield message
+            except (NotHeld, OwnerUnreachable):
+                if last is None:
+                    continue  # not there (or not answering): the next host
+                self.router.forwarded(method, "unreachable")
+                if resume is None:
+                    raise
+                await self.here(context)
+                async for message in resume(last):
+                    yield message
+                return
+            self.router.forwarded(method, "asked")
+            return
+        raise NotHeld("")
 
     async def _judge(self, owner: Owner, find: Find, what: tuple[str, str], signalled: bool = False) -> Owner | None:
         """The owner did not answer: carry on here (None) if its lease expired; else the holder

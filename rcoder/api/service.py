@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 
 from rcoder import errors
 from rcoder.api import convert, page_tokens, validate
+from rcoder.api.forwarding import NotHeld
 from rcoder.api.routed import Routes, retry_hint
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
@@ -142,8 +143,22 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
 
             async def here() -> AsyncIterator[pb.ChatStream]:
                 # from memory while this host keeps the run, else from the store (history)
-                async for event in self._worker.history.replay(request.run_id, request.after_seq):
-                    yield convert.chat_stream(event)
+                seen = False
+                try:
+                    async for event in self._worker.history.replay(request.run_id, request.after_seq):
+                        seen = True
+                        yield convert.chat_stream(event)
+                except errors.NotFound as missing:
+                    if seen:
+                        raise
+                    # a turn queued at another host is in no store yet: the hosts are asked
+                    try:
+                        async for message in self._routes.stream_from_others(
+                            "Subscribe", request, context, self._run_end
+                        ):
+                            yield message
+                    except NotHeld:
+                        raise missing from None
 
             find = partial(self._router.run_owner, request.run_id)
             what = ("run", request.run_id)

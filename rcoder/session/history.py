@@ -259,6 +259,8 @@ class History:
             async for event in self.stored(run_id, after_seq):
                 yield event
             return
+        if not run.last_seq and run.failure is None:
+            log.info("run_followed_before_start", run_id=run_id)  # a Subscribe waits for its started
         position = after_seq
         while True:
             try:

@@ -213,6 +213,53 @@ async def test_a_turn_queued_through_another_host_waits_at_the_owner_and_runs_th
         assert all(r.get("session_id") != session_id for r in other.daemon.logs("run_started")), other.name
 
 
+async def test_subscribe_through_another_host_follows_a_turn_queued_at_the_owner_from_its_start(
+    three: Hosts,
+) -> None:
+    a, b = three["a"], three["b"]
+    request = pb.ChatRequest(project_id="proj", prompt="remember 3 permission", permission_mode=pb.PERMISSION_MODE_ASK)
+    call = a.stub.Chat(request, metadata=AUTH_MD, timeout=30)
+    begin, asked = await first_events(call, 2)
+    queued = pb.ChatRequest(
+        project_id="proj", session_id=begin.session_id, prompt="remember 4", busy=pb.BUSY_POLICY_QUEUE
+    )
+    second = a.stub.Chat(queued, metadata=AUTH_MD, timeout=30)
+    (waiting,) = await first_events(second, 1)
+    assert waiting.WhichOneof("event") == "queued", waiting
+
+    # by its run id, through a host the turn never went through: no store knows it yet
+    sub = b.stub.Subscribe(pb.SubscribeRequest(run_id=waiting.run_id), metadata=AUTH_MD, timeout=30)
+    following = asyncio.create_task(_all(sub))
+    asked_a = asyncio.create_task(a.daemon.wait_log("run_followed_before_start", run_id=waiting.run_id))
+    done, _ = await asyncio.wait({following, asked_a}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+    asked_a.cancel()  # done, or it never will be
+    assert asked_a in done, following.exception() if following in done else "a was not asked"
+    await a.stub.ResolvePermission(
+        pb.ResolvePermissionRequest(
+            run_id=begin.run_id, permission_id=asked.permission_request.permission_id, option_id="allow"
+        ),
+        metadata=AUTH_MD,
+        timeout=10,
+    )
+    assert completed([event async for event in call]).stop_reason == pb.STOP_REASON_END_TURN
+    streamed = [event async for event in second]
+    async with asyncio.timeout(20):
+        followed = await following
+
+    assert [e.seq for e in followed] == list(range(1, len(followed) + 1))
+    assert followed[0].WhichOneof("event") == "started" and completed(followed).stop_reason == pb.STOP_REASON_END_TURN
+    assert followed == streamed and text_of(followed) == "I remember: 3, 4"
+    assert dict(await sub.trailing_metadata())[OWNER_KEY] == a.address
+    unknown = b.stub.Subscribe(pb.SubscribeRequest(run_id="no-such-run"), metadata=AUTH_MD, timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        _ = [event async for event in unknown]
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def _all(call: Any) -> list[pb.ChatStream]:
+    return [event async for event in call]
+
+
 async def test_delete_through_another_host_ends_the_owners_agent_and_every_host_forgets_the_session(
     three: Hosts,
 ) -> None:

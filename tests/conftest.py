@@ -8,12 +8,15 @@ import os
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, write_config
 from tests.pg import PgCluster, missing_binaries
+
+if TYPE_CHECKING:
+    from rcoder.store.postgres import PostgresStore
 
 SHARED_TOKEN = "hosts-shared-token"
 DaemonFactory = Callable[..., Awaitable[tuple[Daemon, Client]]]
@@ -182,3 +185,16 @@ def pg_url(pg_cluster: PgCluster) -> Iterator[str]:
     yield pg_cluster.create_schema()
     if not pg_cluster.running:
         pg_cluster.start()
+
+
+@pytest.fixture
+async def stores(pg_url: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
+    """Two hosts' PostgreSQL stores (host-a, host-b) on one fresh place of the cluster."""
+    from rcoder.store.postgres import PostgresStore  # psycopg, only where a test asks for it
+
+    a, b = PostgresStore(pg_url, "host-a"), PostgresStore(pg_url, "host-b")
+    await asyncio.gather(a.open(), b.open())
+    try:
+        yield a, b
+    finally:
+        await asyncio.gather(a.close(), b.close())

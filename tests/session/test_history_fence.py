@@ -5,11 +5,7 @@ again. (The same through real daemons: tests/multihost/test_history_fence.py.)""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-
-import pytest
 
 from rcoder.domain import AgentUpdate, ResumeOutcome, RunCompleted, StopReason
 from rcoder.session.history import History
@@ -22,16 +18,6 @@ from tests.test_history import eventually
 
 TTL = 30.0
 FLUSH = 0.01  # the writer's batching window: short, so the test waits on the store only briefly
-
-
-@pytest.fixture
-async def stores(pg_url: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
-    a, b = PostgresStore(pg_url, "host-a"), PostgresStore(pg_url, "host-b")
-    await asyncio.gather(a.open(), b.open())
-    try:
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
 
 
 async def lease_of(coordination: PgCoordination, session_id: str) -> Lease:

@@ -26,16 +26,6 @@ T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 TTL = 30.0
 
 
-@pytest.fixture
-async def stores(pg_url: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
-    a, b = PostgresStore(pg_url, "host-a"), PostgresStore(pg_url, "host-b")
-    await asyncio.gather(a.open(), b.open())
-    try:
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
-
-
 def taken(result: Taken | Owner) -> Taken:
     assert isinstance(result, Taken), result
     return result

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import re
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -27,16 +26,6 @@ from tests.pg import PgCluster
 
 BOUND = 10.0
 PACKAGE = Path(__file__).resolve().parents[2] / "rcoder"
-
-
-@pytest.fixture
-async def stores(pg_url: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
-    a, b = PostgresStore(pg_url, "host-a"), PostgresStore(pg_url, "host-b")
-    await asyncio.gather(a.open(), b.open())
-    try:
-        yield a, b
-    finally:
-        await asyncio.gather(a.close(), b.close())
 
 
 async def test_a_signal_waits_for_its_target_alone_until_marked_done_with_its_result(

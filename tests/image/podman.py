@@ -24,7 +24,8 @@ def podman(*args: str, timeout: float = 120.0, check: bool = True) -> subprocess
         ["podman", *args], env=podman_env(), capture_output=True, text=True, timeout=timeout, check=False,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    assert not check or done.returncode == 0, f"podman {' '.join(args)}: {done.returncode} {done.stderr}"
+    if check:
+        assert done.returncode == 0, f"podman {' '.join(args)}: {done.returncode} {done.stderr}"
     return done
 
 

@@ -27,7 +27,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.fakes.model_servers import AnthropicServer, served
 from tests.harness import bearer_credentials, completed, started, text_of, write_config
-from tests.image.podman import BUILD_TIMEOUT, RUN, build_image, podman, podman_env
+from tests.image.podman import BUILD_TIMEOUT, RUN, podman, podman_env
 from tests.pg import PgCluster, free_port
 from tests.real_agents.conftest import claude_table
 
@@ -40,11 +40,6 @@ OWNER_KEY = "rcoder-owner"
 DEFAULT_SECCOMP = "/usr/share/containers/seccomp.json"  # podman's default profile (containers-common)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(BUILD_TIMEOUT + 600)]
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    return build_image()
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import logging
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -12,7 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, write_config
+from tests.harness import (
+    UNHANDLED,
+    Client,
+    Daemon,
+    FakeAgentSetup,
+    processes_mentioning,
+    unhandled_failures,
+    write_config,
+)
 from tests.pg import PgCluster, missing_binaries
 
 if TYPE_CHECKING:
@@ -33,6 +43,37 @@ LAST_FILES = ("test_image.py", "test_compose.py")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # stable: the rest keep their order
     items.sort(key=lambda item: (item.path.name not in FIRST_FILES) + 2 * (item.path.name in LAST_FILES))
+
+
+class _Unhandled(logging.Handler):
+    """What asyncio and grpc log in this process for an exception nobody handled."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if any(text in message for text in UNHANDLED):
+            self.seen.append(logging.Formatter().format(record))
+
+
+_UNHANDLED = _Unhandled()
+logging.getLogger().addHandler(_UNHANDLED)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Fail the test during which (its fixtures' teardown included) an exception went unseen: in a
+    daemon it started (its log) or here (asyncio's "Task exception was never retrieved", which a
+    collection reports; "Exception in callback")."""
+    result = yield
+    gc.collect()
+    found = [*unhandled_failures(), *_UNHANDLED.seen]
+    _UNHANDLED.seen.clear()
+    if found:
+        raise AssertionError(f"{item.nodeid}: unhandled failures were logged:\n" + "\n".join(found))
+    return result
 
 
 @pytest.fixture

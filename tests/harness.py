@@ -134,7 +134,7 @@ def die_with_the_test() -> tuple[str, ...]:
     return (setpriv, "--pdeathsig", "KILL", "--") if b"--pdeathsig" in usage else ()
 
 
-@dataclass
+@dataclass(eq=False)
 class Daemon:
     """``rcoder serve`` in its own process group, reporting the address it bound; it dies with
     the test process (``die_with_the_test``)."""
@@ -146,8 +146,10 @@ class Daemon:
     log_lines: list[str] = field(default_factory=list)
     _stderr_task: asyncio.Task[None] | None = None
     _logged: asyncio.Event = field(default_factory=asyncio.Event)
+    checked: int = 0  # log lines already looked at for unhandled failures (``unhandled_failures``)
 
     async def start(self) -> Daemon:
+        STARTED.append(self)  # its log is read for unhandled failures after every test (conftest)
         env = {**os.environ, **self.env, "RCODER_LOG_FORMAT": "json"}
         self.proc = await asyncio.create_subprocess_exec(
             *die_with_the_test(),
@@ -314,6 +316,38 @@ OWN_FAILURES = {
 }  # fmt: skip
 # ... and what asyncio and grpc log for an exception nobody handled
 UNHANDLED = ("Task exception was never retrieved", "raised by servicer method", "Exception in callback")
+
+
+# every daemon a test started, in this test process (module-scoped ones included)
+STARTED: list[Daemon] = []
+
+
+def unhandled_failure(row: dict[str, Any]) -> bool:
+    """A log line that says an exception went unhandled, or that a request failed INTERNAL: a bug
+    of ours whichever test was running (``tests/conftest.py`` fails that test)."""
+    event = str(row.get("event"))
+    return (
+        any(text in event for text in UNHANDLED)
+        or event in {"turn_end_step_failed", "background_task_failed"}
+        or (event == "request_refused" and row.get("code") == "INTERNAL")
+    )
+
+
+def unhandled_failures() -> list[str]:
+    """What every daemon started here logged of ``unhandled_failure`` since last asked, with its
+    traceback; daemons that have exited are forgotten once read."""
+    found = []
+    for daemon in list(STARTED):
+        lines, start = daemon.log_lines, daemon.checked
+        daemon.checked = len(lines)
+        for line in lines[start:]:
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and unhandled_failure(row):
+                    found.append(f"daemon {daemon.proc.pid if daemon.proc else '?'}: {line[:4000]}")
+        if daemon.proc is None or daemon.proc.returncode is not None:
+            STARTED.remove(daemon)
+    return found
 
 
 def assert_daemon_healthy(daemon: Daemon) -> None:

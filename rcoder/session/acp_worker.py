@@ -23,7 +23,16 @@ from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
 from rcoder.domain import BusyPolicy, ChatTurn, Forked, SessionErased, new_id
-from rcoder.errors import InvalidArgument, NotFound, PermissionDenied, RunCancelled, SessionBusy, ShuttingDown
+from rcoder.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    RcoderError,
+    RunCancelled,
+    SessionBusy,
+    SessionDeleting,
+    ShuttingDown,
+)
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
@@ -86,7 +95,7 @@ class AcpWorker:
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
         self._queues = TurnQueues(settings.max_queued_turns)
         runs.on_released = self._next_turn
-        self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns)
+        self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns, self._refuse_waiting)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -124,6 +133,8 @@ class AcpWorker:
         policy, session_id = waiting.plan.turn.busy, holder.session_id
         if policy is BusyPolicy.REJECT:
             raise SessionBusy(session_id, holder.run_id)
+        if self._runs.is_deleting(session_id):  # it would wait for a session about to be gone
+            raise SessionDeleting(session_id)
         if policy is BusyPolicy.INTERRUPT and self._queues.has_room():
             for earlier in self._queues.take(session_id):
                 self._drop(earlier, "superseded by a turn sent with busy INTERRUPT")
@@ -135,19 +146,34 @@ class AcpWorker:
         return position
 
     def _next_turn(self, session_id: str) -> None:
-        """The session's running turn let go of it: the first turn waiting claims it now."""
+        """The session's running turn let go of it: the first turn waiting claims it now. Called
+        from the end of that turn, so it never raises: a turn that cannot claim the session
+        (rcoder stopping, the session being deleted) is refused, and so is every one behind it."""
         waiting = self._queues.pop(session_id)
         if waiting is None:
             return
-        if self._closing:
-            waiting.refuse(ShuttingDown())
-            self._runs.forget(waiting.run)
-            return
         run = waiting.run
-        self._runs.claim(run)
+        try:
+            if self._closing:
+                raise ShuttingDown()
+            self._runs.claim(run)
+        except RcoderError as exc:
+            waiting.refuse(exc)
+            self._runs.forget(run)
+            self._refuse_waiting(session_id, exc)
+            return
         run.begin()
         waiting.plan.received = run.started_monotonic
         self._spawn(self.turns.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
+
+    def _refuse_waiting(self, session_id: str, error: RcoderError) -> int:
+        """Every turn waiting for ``session_id`` never runs: its followers get ``error``. Returns how many."""
+        line = self._queues.take(session_id)
+        for waiting in line:
+            log.info("queued_run_refused", run_id=waiting.run.run_id, reason=error.reason)
+            waiting.refuse(error)
+            self._runs.forget(waiting.run)
+        return len(line)
 
     def _drop(self, waiting: Waiting, why: str) -> None:
         """A waiting turn that will never run: cancelled; its followers are told."""
@@ -260,6 +286,7 @@ class AcpWorker:
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_seen)
 
     # ------------------------------------------------------------ shutdown
 
@@ -311,3 +338,14 @@ class AcpWorker:
         await self.turns.aclose()
         await self.history.aclose()
         await self._pool.aclose(timeout=4 * self._settings.agent_stop_grace + 1)
+
+
+def _seen(task: asyncio.Task[None]) -> None:
+    """A turn's task (or a cancel it sent) that raised is a bug of ours: logged with its traceback
+    (``background_task_failed``, which fails the tests) rather than left for asyncio's "never
+    retrieved" at some later collection."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("background_task_failed", task=task.get_name(), exc_info=exc)

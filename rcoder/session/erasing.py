@@ -2,7 +2,8 @@
 
 In order, while no new turn may claim the session (``RunRegistry.deleting``):
 
-1. a running turn is cancelled, and waited for (bounded) until it has ended;
+1. every turn queued for the session is refused (``SessionDeleting``: its stream ends ``ABORTED``),
+   then a running turn is cancelled, and waited for (bounded) until it has ended ``CANCELLED``;
 2. the session's live agent is ended (its lease released with it);
 3. the store erases its runs, their events, its transcript and record (and, with several hosts,
    its lease and signals), in one transaction: a turn another host might start meanwhile finds
@@ -22,11 +23,12 @@ session (it adopted it), the agent's files are left for it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.config import Settings
 from rcoder.domain import SessionErased, SessionRecord
-from rcoder.errors import NotFound, SessionBusy, UnsafePath
+from rcoder.errors import NotFound, RcoderError, SessionBusy, SessionDeleting, UnsafePath
 from rcoder.logs import get_logger
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.runs import RunRegistry
@@ -46,6 +48,7 @@ class SessionEraser:
         pool: AgentPool,
         runs: RunRegistry,
         turns: TurnRunner,
+        refuse_waiting: Callable[[str, RcoderError], int],
     ) -> None:
         self._settings = settings
         self._store = store
@@ -53,12 +56,15 @@ class SessionEraser:
         self._pool = pool
         self._runs = runs
         self._turns = turns
+        self._refuse_waiting = refuse_waiting  # the worker's queues: turns waiting for a session
 
     async def erase(self, session_id: str) -> SessionErased:
         record = await self._store.get_session(session_id)
         if record is None:
             raise NotFound("session", session_id, "no session with this id (it may have been deleted)")
         with self._runs.deleting(session_id):
+            # before the cancel: none of them may claim the session when the running turn lets go
+            refused = self._refuse_waiting(session_id, SessionDeleting(session_id))
             cancelled = await self._end_turn(session_id)
             if cancelled:  # the turn may have opened a new agent session (a fallback): as it left it
                 record = await self._store.get_session(session_id) or record
@@ -69,7 +75,8 @@ class SessionEraser:
             self._runs.forget_session(session_id)
             removed, left = await self._erase_agent_copy(record)
         log.info("session_deleted", session_id=session_id, runs=deleted.runs, agent_stopped=stopped,
-                 turn_cancelled=cancelled, agent_files=len(removed), left=len(left))  # fmt: skip
+                 turn_cancelled=cancelled, queued_refused=refused, agent_files=len(removed),
+                 left=len(left))  # fmt: skip
         return SessionErased(deleted, stopped, cancelled, tuple(removed), tuple(left))
 
     async def _end_turn(self, session_id: str) -> bool:

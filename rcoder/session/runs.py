@@ -46,7 +46,10 @@ from datetime import UTC, datetime
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
 from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted, SessionBusy, SessionDeleting
+from rcoder.logs import get_logger
 from rcoder.session.budget import EVENT_OVERHEAD, ByteLedger, body_size, shrink, utf8_size
+
+log = get_logger("rcoder.session.runs")
 
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
 HARD_LIMIT_FACTOR = 4
@@ -214,9 +217,10 @@ class Run:
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
-            for callback in self._done_callbacks:
-                callback(self)
-            self._done_callbacks.clear()
+            callbacks, self._done_callbacks = self._done_callbacks, []
+            for callback in callbacks:
+                # one that fails must not keep the end from the others, nor from the followers
+                guarded("run_done_callback", callback, self)
         self._trim()
         self._check_ledger()
         self._appended.set()
@@ -324,6 +328,16 @@ class Run:
         return batch
 
 
+def guarded(step: str, action: Callable[..., object], *args: object) -> None:
+    """Run one step of a turn's end that must not stop the rest of it (the next queued turn's
+    start, a waiter's wake-up): a failure is a bug of ours, logged (``turn_end_step_failed``,
+    which fails the tests) and passed over, so that every stream still gets its end."""
+    try:
+        action(*args)
+    except Exception:
+        log.exception("turn_end_step_failed", step=step)
+
+
 def split_utf8(text: str, limit: int) -> list[str]:
     """``text`` in pieces of at most ``limit`` bytes of UTF-8, cut between characters."""
     data = text.encode("utf-8", "surrogatepass")
@@ -404,6 +418,10 @@ class RunRegistry:
         finally:
             self._deleting.discard(session_id)
 
+    def is_deleting(self, session_id: str) -> bool:
+        """Whether ``DeleteSession`` is erasing ``session_id`` now."""
+        return session_id in self._deleting
+
     def finished(self, run_id: str) -> bool:
         """Whether ``run_id`` is kept here and has ended."""
         run = self._runs.get(run_id)
@@ -445,11 +463,12 @@ class RunRegistry:
         return self.ledger.held, len(self._runs)
 
     def release(self, run: Run) -> None:
-        """The run no longer holds its session (idempotent)."""
+        """The run no longer holds its session (idempotent). ``on_released`` failing is logged:
+        it never keeps the run that let go from ending."""
         if self._holders.get(run.session_id) is run:
             del self._holders[run.session_id]
             if self.on_released is not None:
-                self.on_released(run.session_id)
+                guarded("next_turn", self.on_released, run.session_id)
 
     def forget(self, run: Run) -> None:
         """A run refused before it started: released, and never visible again."""

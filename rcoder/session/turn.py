@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from datetime import datetime
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -87,7 +88,7 @@ from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Heartbeats, Run, RunRegistry
+from rcoder.session.runs import Heartbeats, Run, RunRegistry, guarded
 from rcoder.store.base import EventRow, SessionStore
 from rcoder.store.cluster import LocalCoordination
 
@@ -611,8 +612,9 @@ class TurnRunner:
                 self._late_records.add(task)  # not the worker's: shutdown never waits for it
                 task.add_done_callback(self._late_records.discard)
         finally:
-            self._runs.release(run)
-            self._pool.release(plan.session_id, broken=scope.agent_broken)
+            # neither may keep the end from its streams and the store (``guarded``)
+            guarded("release_session", self._runs.release, run)
+            guarded("release_agent", partial(self._pool.release, plan.session_id, broken=scope.agent_broken))
             try:
                 if not stored:  # the end refused, or this task cancelled (rcoder stopping): on its own
                     end = self._prepare_end(scope)
@@ -673,8 +675,9 @@ class TurnRunner:
     def refused(self, scope: TurnScope, heard: bool) -> None:
         """A turn that never started: no trace of it but the caller's error. An agent that
         ``heard`` its prompt is not reused: it holds a turn the store does not."""
-        self._runs.forget(scope.run)
-        self._pool.release(scope.plan.session_id, broken=heard or scope.plan.action is not Action.LIVE)
+        guarded("forget_run", self._runs.forget, scope.run)
+        broken = heard or scope.plan.action is not Action.LIVE
+        guarded("release_agent", partial(self._pool.release, scope.plan.session_id, broken=broken))
 
     def forget(self, scope: TurnScope) -> None:
         self._scopes.pop(scope.run.run_id, None)

@@ -8,10 +8,16 @@ level: streaming, tools, permissions, sleeps, crashes).
 
     python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close,list,fork]
         [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt]
-        [--auth-required open|prompt] [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
+        [--auth-required open|prompt] [--hang-if-exists FILE] [--tell SOCK]
+        [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
         [--replay-after-response] [--replay-pause MS] [--name NAME]
         [--list-page N] [--list-padding N] [--list-fail] [--list-delay MS]
         [--offer options|modes] [--commands-at-open]
+
+`--hang-if-exists FILE` hangs at initialize as `--hang initialize` does, but only when FILE exists
+then: a test makes one agent start hang (the file there) and lets every later one start (gone).
+Hanging so, it first says "hanging initialize" on the unix socket `--tell SOCK` (when given): the
+test awaits that line, then removes FILE, knowing the start it meant is the one hanging.
 
 `--caps` defaults to resume,load,meta,close; `list` (sessionCapabilities.list) and `fork`
 (sessionCapabilities.fork: `session/fork` copies a stored session's history into a new one) are
@@ -208,6 +214,8 @@ class Options:
     prompt_caps: frozenset[str]
     gone_style: str
     hang: str | None
+    hang_if_exists: Path | None
+    tell: Path | None
     auth_required: str | None
     exit_at_start: int | None
     ignore_stdin_eof: bool
@@ -232,6 +240,8 @@ class Options:
         p.add_argument("--gone-style", choices=["32002", "32603", "exit"], default="32002")
         p.add_argument("--hang", choices=["initialize", "open", "prompt"])
         p.add_argument("--auth-required", choices=["open", "prompt"])
+        p.add_argument("--hang-if-exists", type=Path)
+        p.add_argument("--tell", type=Path)
         p.add_argument("--exit-at-start", type=int)
         p.add_argument("--ignore-stdin-eof", action="store_true")
         p.add_argument("--spawn-child", action="store_true")
@@ -418,6 +428,13 @@ class FakeAgent:
     async def _gate(self, stage: str) -> None:
         """Apply --hang and --auth-required to the request stage `stage`."""
         if self.opts.hang == stage:
+            await self.never.wait()
+        if stage == "initialize" and self.opts.hang_if_exists is not None and self.opts.hang_if_exists.exists():
+            if self.opts.tell is not None:
+                _, writer = await asyncio.open_unix_connection(self.opts.tell)
+                writer.write(b"hanging initialize\n")
+                await writer.drain()
+                writer.close()
             await self.never.wait()
         if self.opts.auth_required == stage:
             raise RequestError(-32000, "Authentication required")

@@ -17,6 +17,7 @@ from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import network_of
 from rcoder.api.access import access_of
 from rcoder.api.forwarding import Forwarder
+from rcoder.api.host_auth import HostAuth
 from rcoder.api.routed import Routes
 from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
@@ -74,10 +75,14 @@ class Daemon:
         tls = None
         if settings.tls_cert:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
-        # calls to other hosts: the same token; with TLS, this host's certificate is the one they present
+        # calls between hosts: signed with a key derived from the shared token, for the address
+        # dialled (never the token itself); with TLS, this host's certificate is the one they present
+        host_auth = (
+            HostAuth(self.access.token, self.host_id, lambda: self.advertise_address) if self.access.token else None
+        )
         self.forwarder = Forwarder(
             self.host_id,
-            self.access.token,
+            host_auth,
             tls.cert_pem if tls else None,
             answer_timeout=settings.lease_ttl,
             peer_hosts=settings.peer_hosts,
@@ -94,6 +99,7 @@ class Daemon:
             auth_token=self.access.token,
             tls=tls,
             max_calls=settings.max_concurrent_rpcs,
+            host_auth=host_auth,
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()

@@ -109,7 +109,7 @@ class SettingsKeys(_Schema):
     advertise_address: Advertise = ""
     lease_ttl: Annotated[float, Field(gt=0)] = 15.0
     # without TLS, the hosts (IP networks, host name patterns) another host's address may name for
-    # a forwarded call, which carries the auth_token in plaintext (rcoder.api.forwarding)
+    # a forwarded call, which carries the caller's request in plaintext (rcoder.api.forwarding)
     peer_hosts: Array[PeerHost] = ("127.0.0.0/8", "::1", "localhost")
     workspace_root: ConfigPath = Path("workspace")
     default_agent: str = "claude"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import signal
 import socket
 from datetime import timedelta
@@ -17,6 +18,7 @@ from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import network_of
 from rcoder.api.access import access_of
 from rcoder.api.forwarding import Forwarder
+from rcoder.api.host_auth import HostAuth
 from rcoder.api.routed import Routes
 from rcoder.api.server import GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
@@ -74,10 +76,14 @@ class Daemon:
         tls = None
         if settings.tls_cert:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
-        # calls to other hosts: the same token; with TLS, this host's certificate is the one they present
+        # calls between hosts: signed with a key derived from the shared token, for the address
+        # dialled (never the token itself); with TLS, this host's certificate is the one they present
+        host_auth = (
+            HostAuth(self.access.token, self.host_id, lambda: self.advertise_address) if self.access.token else None
+        )
         self.forwarder = Forwarder(
             self.host_id,
-            self.access.token,
+            host_auth,
             tls.cert_pem if tls else None,
             answer_timeout=settings.lease_ttl,
             peer_hosts=settings.peer_hosts,
@@ -94,6 +100,7 @@ class Daemon:
             auth_token=self.access.token,
             tls=tls,
             max_calls=settings.max_concurrent_rpcs,
+            host_auth=host_auth,
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
@@ -173,20 +180,21 @@ class Daemon:
             await asyncio.sleep(every)  # a timer, not a synchronisation
 
     async def _check_store_access(self) -> None:
-        """DESIGN §6.2: a PostgreSQL store that lets its user in without the password lets in
-        every agent (they run as the daemon's user and reach its port): refused, unless the
-        operator opens it by name."""
+        """DESIGN §6.2: a PostgreSQL store that lets an agent in without the password, on any
+        route (its TCP address, a unix socket, loopback; ``pg_access``), lets in every agent (they
+        run as the daemon's uid and reach every route): refused, naming the first route found,
+        unless the operator opens it by name."""
         if not self.settings.store_url or self.settings.open_to_agents:
             return
-        from rcoder.store.pg_access import opens_without_password  # psycopg only for a daemon that uses it
+        from rcoder.store import pg_access  # psycopg only for a daemon that uses it
 
-        if await opens_without_password(self.settings.store_url):
-            raise ConfigError(
-                "store_url",
-                f"{redact_url(self.settings.store_url)} lets its user in without the password, so every agent "
-                "could use the store: require scram-sha-256 (or md5) for this user and host in pg_hba.conf, "
-                "or set open_to_agents = true",
-            )
+        # agents run as this uid (no agent_user yet): the probe, from this process, is what they could do
+        found = await pg_access.openings(self.settings.store_url, pwd.getpwuid(os.getuid()).pw_name)
+        if found:
+            log.error("store_open_to_agents", routes=[str(o.route or "store_url") for o in found],
+                      roles=sorted({o.role for o in found}))  # fmt: skip
+            raise ConfigError("store_url", pg_access.explain(found[0], redact_url(self.settings.store_url)))
+        log.info("store_refused_to_agents", effect="no route lets an agent in without the password")
 
     def _log_network(self) -> None:
         """Say what agents reach over the network (DESIGN §6.2), per profile, and warn when it is rcoder."""

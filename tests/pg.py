@@ -4,7 +4,11 @@
 ``initdb`` and ``postgres`` refuse to run as root, so both run through ``runuser``) and starts
 it on a free loopback port, its unix socket in that folder, durability off for speed.
 ``close()`` stops it and removes the folder; it is safe to call twice and runs every step
-whatever the one before did. Tests connect as the role ``rcoder`` (no superuser) with a
+whatever the one before did. Every route asks a password (``scram-sha-256`` on TCP and on the
+unix socket, the superuser's included, which ``admin()`` sends over TCP): a daemon checks at
+start that no route lets an agent in without one, and a cluster of its tests must pass. A
+cluster made with ``local_auth`` (``peer``, ``trust``) and ``hba_first`` lines is one that
+fails that check. Tests connect as the role ``rcoder`` (no superuser) with a
 password, over TCP, as a daemon would: ``create_schema()`` gives each test a fresh schema of
 one shared database (a millisecond), ``create_database()`` a whole fresh database.
 
@@ -74,10 +78,13 @@ def as_postgres(*argv: str) -> list[str]:
 class PgCluster:
     """One PostgreSQL server and its data folder; see the module's docstring."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, local_auth: str = "scram-sha-256", hba_first: tuple[str, ...] = ()) -> None:
         self.root = root
         self.data = root / "data"
         self.password = secrets.token_urlsafe(16)  # the role's, so URLs carry one (and logs must hide it)
+        self.superuser_password = secrets.token_urlsafe(16)
+        self.local_auth = local_auth
+        self.hba_first = hba_first
         self.port = 0
         self.log: list[str] = []
         self._proc: subprocess.Popen[bytes] | None = None
@@ -86,13 +93,15 @@ class PgCluster:
         self._closed = False
 
     @classmethod
-    def create(cls) -> PgCluster:
-        """A new, started cluster with the role ``rcoder``; fails with a hint where PostgreSQL 15 is missing."""
+    def create(cls, local_auth: str = "scram-sha-256", hba_first: tuple[str, ...] = ()) -> PgCluster:
+        """A new, started cluster with the role ``rcoder``; fails with a hint where PostgreSQL 15 is
+        missing. ``local_auth``: the method of the unix socket's ``local`` lines; ``hba_first``:
+        lines put before all others in pg_hba.conf (the first line that matches decides)."""
         missing = missing_binaries()
         if missing:
             raise RuntimeError(missing)
         root = Path(tempfile.mkdtemp(prefix="rcoder-pg-"))
-        cluster = cls(root)
+        cluster = cls(root, local_auth, hba_first)
         try:
             user = pwd.getpwnam(OS_USER)
             os.chown(root, user.pw_uid, user.pw_gid)
@@ -119,10 +128,16 @@ class PgCluster:
         return f"postgresql://{ROLE}:{self.password}@127.0.0.1:{self.port}/{dbname}{options}"
 
     def admin(self, dbname: str = "postgres") -> psycopg.Connection[tuple[object, ...]]:
-        """A superuser connection over the unix socket (trusted), autocommit."""
+        """A superuser connection over TCP with its password, autocommit."""
         return psycopg.connect(
-            host=str(self.root), port=self.port, user=OS_USER, dbname=dbname, autocommit=True, connect_timeout=10
-        )
+            host="127.0.0.1", port=self.port, user=OS_USER, password=self.superuser_password, dbname=dbname,
+            autocommit=True, connect_timeout=10,
+        )  # fmt: skip
+
+    @property
+    def socket(self) -> Path:
+        """The server's unix socket."""
+        return self.root / f".s.PGSQL.{self.port}"
 
     def create_schema(self) -> str:
         """A fresh empty schema of the shared database, owned by ``rcoder``: the URL of the
@@ -164,17 +179,21 @@ class PgCluster:
 
     def _initdb(self) -> None:
         pwfile = self.root / "pwfile"
-        pwfile.write_text(secrets.token_urlsafe(16) + "\n")  # the superuser's; tests use the socket instead
+        pwfile.write_text(self.superuser_password + "\n")
         user = pwd.getpwnam(OS_USER)
         os.chown(pwfile, user.pw_uid, user.pw_gid)
         pwfile.chmod(0o600)
         argv = as_postgres(
             str(PG_BIN / "initdb"), "-D", str(self.data), "-U", OS_USER, f"--pwfile={pwfile}",
-            "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync",
+            "--auth-host=scram-sha-256", f"--auth-local={self.local_auth}", "-E", "UTF8", "--locale=C.UTF-8",
+            "--no-sync",
         )  # fmt: skip
         done = subprocess.run(argv, capture_output=True, timeout=START_TIMEOUT, check=False, cwd=self.root)
         if done.returncode != 0:
             raise RuntimeError(f"initdb failed ({done.returncode}): {done.stderr.decode(errors='replace')}")
+        if self.hba_first:  # before the server starts: no reload to wait for
+            hba = self.data / "pg_hba.conf"
+            hba.write_text("".join(f"{line}\n" for line in self.hba_first) + hba.read_text())
 
     def start(self) -> None:
         """Start the server (on a free port the first time, on the same one after ``stop``)."""

@@ -1,4 +1,5 @@
-"""The auth_token goes only to peers whose address passes the check (rcoder.api.forwarding).
+"""Forwards go only to peers whose address passes the check (rcoder.api.forwarding), and carry
+no auth_token even there (rcoder.api.host_auth).
 
 An owner's address comes from the store's hosts table; whoever can write the store could name
 any address there. A real gRPC server stands in for that address and records what reached it.
@@ -15,6 +16,7 @@ import grpc
 import pytest
 
 from rcoder.api.forwarding import Forwarder, OwnerUnreachable, refusal
+from rcoder.api.host_auth import HEADER, HostAuth
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -100,8 +102,9 @@ async def test_the_token_reaches_an_allowed_peer_and_never_a_unix_socket_or_a_ho
     listener: tuple[Listener, str, str],
 ) -> None:
     servicer, tcp, socket = listener
-    allowed = Forwarder("me", TOKEN, None, answer_timeout=5.0, peer_hosts=DEFAULT)
-    elsewhere = Forwarder("me", TOKEN, None, answer_timeout=5.0, peer_hosts=("10.0.0.0/8",))
+    signer = HostAuth(TOKEN, "me", lambda: "me:1")
+    allowed = Forwarder("me", signer, None, answer_timeout=5.0, peer_hosts=DEFAULT)
+    elsewhere = Forwarder("me", signer, None, answer_timeout=5.0, peer_hosts=("10.0.0.0/8",))
     try:
         assert (await forward(allowed, tcp)).session_id == "s"
         with pytest.raises(OwnerUnreachable, match="not dialled"):
@@ -112,7 +115,11 @@ async def test_the_token_reaches_an_allowed_peer_and_never_a_unix_socket_or_a_ho
         await allowed.aclose()
         await elsewhere.aclose()
 
-    assert [call["authorization"] for call in servicer.calls] == [f"Bearer {TOKEN}"], "only the allowed call"
+    assert len(servicer.calls) == 1, "only the allowed call"
+    (call,) = servicer.calls
+    assert "authorization" not in call, "neither the caller's token nor the hosts' goes on"
+    assert TOKEN not in str(call)
+    assert call[HEADER].startswith("v1 ") and call["rcoder-forwarded-by"] == "me"
 
 
 def test_a_peer_host_that_is_neither_a_network_nor_a_name_pattern_is_a_config_error(tmp_path: Path) -> None:

@@ -1,25 +1,28 @@
 """Forwarding a request to the host that owns its session or run (DESIGN §7).
 
 A handler that finds the owner is another live host passes the request on over grpc.aio, with
-the caller's deadline (what remains of it), its metadata (``authorization`` replaced by this
-daemon's ``auth_token``: calls between hosts are authenticated like any other) and its
-cancellation (the caller leaving cancels the handler, which cancels the call). The owner's
-answer, status and trailing metadata (its ``rcoder-owner``) pass back unchanged. A forwarded
-request carries ``rcoder-forwarded-by`` and is never forwarded again: the host it reached
-serves it or says why not.
+the caller's deadline (what remains of it), its metadata (less ``authorization``: the caller's
+token stays here) and its cancellation (the caller leaving cancels the handler, which cancels
+the call). The forward is authenticated by a signature (``rcoder.api.host_auth``) made for the
+address dialled, this method and this session or run, good once for 30 s: never by the
+``auth_token``, which no forward carries. The owner's answer, status and trailing metadata (its
+``rcoder-owner``) pass back unchanged. A forwarded request carries ``rcoder-forwarded-by`` and
+is never forwarded again: the host it reached serves it or says why not.
 
 An owner that does not answer within ``answer_timeout`` (connection refused, a paused process)
 raises ``OwnerUnreachable``: the handler then judges by the owner's lease (failover once it
 expired; ``UNAVAILABLE`` with a retry hint while it holds).
 
 The owner's address comes from the store's ``hosts`` table, which is not the operator's word:
-whoever can write the store could name any address and receive the ``auth_token`` and the
-callers' requests. So an address is dialled only when it is a plain ``host:port`` (no gRPC
-target form: ``unix:``, ``dns:``, ``ipv4:``...), and then either over TLS, where the operator
-configured it (never plaintext then: the peer must present the certificate this host trusts,
-which proves it is one of ours wherever it is), or, without TLS, only when its host is on
-``peer_hosts`` (IP networks and host name patterns; loopback by default): in plaintext nothing
-else authenticates the peer. A refused address is ``OwnerUnreachable``, as one that does not
+whoever can write the store could name any address (its own host's heartbeat writes the
+address back, but meanwhile it stands). Such an address gets nothing it can use elsewhere
+(the signature above), but it would still get the callers' requests and could answer them. So
+an address is dialled only when it is a plain ``host:port`` (no gRPC target form: ``unix:``,
+``dns:``, ``ipv4:``...), and then either over TLS, where the operator configured it (never
+plaintext then: the peer must present the certificate this host trusts, which proves it is
+one of ours wherever it is), or, without TLS, only when its host is on ``peer_hosts`` (IP
+networks and host name patterns; loopback by default): in plaintext nothing else
+authenticates the peer. A refused address is ``OwnerUnreachable``, as one that does not
 answer: the lease decides, and cancels and permission answers go through the store.
 """
 
@@ -34,14 +37,14 @@ from typing import Any
 
 import grpc
 
+from rcoder.api.host_auth import FORWARDED_KEY, HEADER, HostAuth
 from rcoder.logs import get_logger
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
 OWNER_KEY = "rcoder-owner"
-FORWARDED_KEY = "rcoder-forwarded-by"
 # metadata that belongs to one hop, never passed on
-_HOP_KEYS = {"authorization", "user-agent", "te", "content-type", "grpc-timeout", "grpc-accept-encoding",
-             "grpc-encoding", ":authority"}  # fmt: skip
+_HOP_KEYS = {"authorization", HEADER, FORWARDED_KEY, "user-agent", "te", "content-type", "grpc-timeout",
+             "grpc-accept-encoding", "grpc-encoding", ":authority"}  # fmt: skip
 _NOT_ANSWERING = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # host:port, the host a name or an IPv4 address, or an IPv6 one in brackets: nothing else
 _PLAIN = re.compile(
@@ -90,7 +93,7 @@ def refusal(address: str, tls: bool, peer_hosts: Sequence[str]) -> str:
             return ""
         if network is None and fnmatch.fnmatchcase(host, pattern.lower()):
             return ""
-    return f"host {host!r} is not on peer_hosts (without TLS the auth_token goes in plaintext only to those)"
+    return f"host {host!r} is not on peer_hosts (without TLS the callers' requests go in plaintext only to those)"
 
 
 def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
@@ -106,14 +109,14 @@ class Forwarder:
     def __init__(
         self,
         host_id: str,
-        auth_token: str,
+        host_auth: HostAuth | None,
         tls_ca: bytes | None,
         answer_timeout: float,
         peer_hosts: Sequence[str] = ("127.0.0.0/8", "::1", "localhost"),
     ) -> None:
         self._peer_hosts = tuple(peer_hosts)
         self._host_id = host_id
-        self._auth = f"Bearer {auth_token}" if auth_token else ""
+        self._signer = host_auth  # None: the hosts ask no token (open_to_agents), so nothing to prove
         self._tls_ca = tls_ca
         self._answer_timeout = answer_timeout
         # one channel per owner address, and its stub made once (a stub is ten call objects)
@@ -134,11 +137,16 @@ class Forwarder:
             peer = self._peers[address] = (channel, pb_grpc.AgentRunnerStub(channel))
         return peer[1]
 
-    def _metadata(self, context: grpc.aio.ServicerContext[Any, Any]) -> list[tuple[str, str | bytes]]:
-        passed = [(k, v) for k, v in context.invocation_metadata() or () if k not in _HOP_KEYS]
-        passed.append((FORWARDED_KEY, self._host_id))
-        if self._auth:
-            passed.append(("authorization", self._auth))
+    def _metadata(
+        self, context: grpc.aio.ServicerContext[Any, Any], method: str, request: Any, address: str
+    ) -> list[tuple[str, str | bytes]]:
+        passed: list[tuple[str, str | bytes]] = [
+            (k, v) for k, v in context.invocation_metadata() or () if k not in _HOP_KEYS
+        ]
+        if self._signer is None:
+            passed.append((FORWARDED_KEY, self._host_id))
+        else:  # for this address only: a listener the store named gets a signature no host accepts
+            passed.extend(self._signer.sign(method, request, address))
         return passed
 
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
@@ -147,7 +155,7 @@ class Forwarder:
 
     async def unary(self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str) -> Any:
         call = getattr(self._stub(address), method)(
-            request, metadata=self._metadata(context), timeout=self._timeout(context)
+            request, metadata=self._metadata(context, method, request, address), timeout=self._timeout(context)
         )
         try:
             async with asyncio.timeout(self._answer_timeout):
@@ -174,7 +182,7 @@ class Forwarder:
         ``if_found`` (asked of a host that may not have it): its ``NOT_FOUND`` before the first
         message, or no answer, is ``NotHeld``."""
         call = getattr(self._stub(address), method)(
-            request, metadata=self._metadata(context), timeout=self._timeout(context)
+            request, metadata=self._metadata(context, method, request, address), timeout=self._timeout(context)
         )
         first = True
         try:
@@ -203,7 +211,7 @@ class Forwarder:
         """``unary``, where the peer's ``NOT_FOUND`` is None (asked of a host that may not have it)."""
         try:
             call = getattr(self._stub(address), method)(
-                request, metadata=self._metadata(context), timeout=self._answer_timeout
+                request, metadata=self._metadata(context, method, request, address), timeout=self._answer_timeout
             )
             return await call
         except grpc.aio.AioRpcError as exc:

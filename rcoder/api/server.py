@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from rcoder import errors, tracing
+from rcoder.api.host_auth import HostAuth
 from rcoder.api.service import AgentRunnerService, abort
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -47,10 +48,11 @@ class GrpcServer:
         auth_token: str = "",
         tls: TlsFiles | None = None,
         max_calls: int = 1024,
+        host_auth: HostAuth | None = None,
     ) -> None:
         # checked inside each handler, not by a server interceptor: grpc.aio runs an interceptor
         # chain as coroutines before every call, which a live turn's first chunk paid for
-        token = BearerToken(auth_token) if auth_token else None
+        token = BearerToken(auth_token, host_auth) if auth_token else None
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -152,7 +154,7 @@ def _checked(
             with tracing.server_span(method, context.invocation_metadata()) as span:
                 counted = False
                 try:
-                    _refuse_early(request, limit, token, context)
+                    _refuse_early(request, limit, token, context, method)
                     limit.active += 1
                     counted = True
                     async for item in behaviour(request, context):
@@ -169,7 +171,7 @@ def _checked(
         with tracing.server_span(method, context.invocation_metadata()) as span:
             counted = False
             try:
-                _refuse_early(request, limit, token, context)
+                _refuse_early(request, limit, token, context, method)
                 limit.active += 1
                 counted = True
                 return await behaviour(request, context)
@@ -183,12 +185,18 @@ def _checked(
 
 
 def _refuse_early(
-    request: Any, calls: CallLimit, token: BearerToken | None, context: grpc.aio.ServicerContext[Any, Any]
+    request: Any,
+    calls: CallLimit,
+    token: BearerToken | None,
+    context: grpc.aio.ServicerContext[Any, Any],
+    method: str = "",
 ) -> None:
     if token is not None:  # first: a caller without the token learns nothing of its request
-        token.check(context.invocation_metadata())
+        token.check(context.invocation_metadata(), method)
     if isinstance(request, _Undecodable):
         raise _bad_request(request)
+    if token is not None and token.hosts is not None:  # a forward: its request is what was signed
+        token.hosts.check_request(method, request, context.invocation_metadata())
     calls.check()
 
 
@@ -224,13 +232,19 @@ def _agent_runner_handlers(
 
 
 class BearerToken:
-    """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time)."""
+    """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time),
+    or, on a call forwarded by another host, that host's signature (``hosts``: ``host_auth``,
+    from metadata alone; the request is checked against it once decoded)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, hosts: HostAuth | None = None) -> None:
         self._expected = f"Bearer {token}".encode()
+        self.hosts = hosts
 
-    def check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
+    def check(self, metadata: Sequence[tuple[str, str | bytes]] | None, method: str = "") -> None:
         given = next((v for k, v in metadata or () if k == "authorization"), "")
+        if not given and self.hosts is not None and self.hosts.carried(metadata):
+            self.hosts.verify(method, metadata)  # a forward: never the bearer (rcoder.api.host_auth)
+            return
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
         if not hmac.compare_digest(given_bytes, self._expected):
             problem = "missing" if not given else "wrong"

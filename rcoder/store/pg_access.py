@@ -1,39 +1,179 @@
-"""Can an agent use the PostgreSQL store? Asked of the server at start (DESIGN §6.2).
+"""Can an agent use the PostgreSQL store? Asked of the server at start, on every route (DESIGN §6.2).
 
-An agent runs as the daemon's user and reaches every port the daemon reaches; rcoder cannot
-filter ports cheaply (Landlock's network rules are allow-lists: "all but one port" is ~65,000
-rules copied into every agent's domain). So the store must refuse who lacks the password, and
-the daemon checks that it does: it connects as an agent would, to the same host, port, database
-and user with a password the agent cannot know (a random one: a server that asks a password
-refuses it; one that trusts the user or the host lets it in whatever it is).
+An agent runs as the daemon's user and reaches every port and every socket file the daemon
+reaches; rcoder cannot filter ports cheaply (Landlock's network rules are allow-lists: "all but
+one port" is ~65,000 rules copied into every agent's domain) and Landlock cannot refuse
+``connect()`` to a socket file. So the store must refuse whoever lacks the password, and the
+daemon checks that it does, the way an agent would try: with a password it cannot know (a
+random one: a server that asks a password refuses it; one that trusts the user, the host or the
+uid lets it in whatever it is), on each route libpq could take:
+
+- the store's URL as configured (its hosts and ports, or libpq's defaults and ``PG*`` settings);
+- every PostgreSQL unix socket (``.s.PGSQL.<port>``) in the usual socket directories, in the
+  URL's socket directories, and wherever the kernel lists one bound (``/proc/net/unix``): a
+  ``local`` line with ``peer`` (Debian's default for a same-named user) or ``trust`` lets the
+  agent in there, whatever the TCP route asks;
+- TCP on loopback at each of those ports (``host`` lines for 127.0.0.1 and ::1).
+
+On each, as the store's role, as the role named like the agents' OS user (what ``peer``
+admits), and as ``postgres``. A login as the store's role is a way in; one as another role
+counts where that role is a superuser or a member of the store's role (it can then write the
+store). A login is counted only on the store's own server (same start time and port as the
+daemon's own connection): another server on the machine that trusts a same-named role is not
+the store.
+
+The probe connects from this process, so ``peer`` judges this process's uid: right while agents
+run as the daemon's uid. Where agents run under a uid of their own (a later ``agent_user``), the
+probe must connect under that uid, and a route that refuses it is closed to agents.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 PROBE_TIMEOUT = 5  # seconds (libpq's connect_timeout is whole seconds)
+PROBES_AT_ONCE = 8
+SOCKET_DIRS = ("/var/run/postgresql", "/run/postgresql", "/tmp")  # noqa: S108 (only looked in) - Debian's, PostgreSQL's
+UNIX_TABLE = Path("/proc/net/unix")
+_SOCKET = re.compile(r"^\.s\.PGSQL\.(\d{1,5})$")
+_IDENTITY = "SELECT extract(epoch FROM pg_postmaster_start_time())::text, current_setting('port')"
+_MIGHTY = (
+    "SELECT coalesce((SELECT rolsuper FROM pg_roles WHERE rolname = current_user), false)"
+    " OR EXISTS (SELECT 1 FROM pg_roles r WHERE r.rolname = %s AND pg_has_role(current_user, r.oid, 'MEMBER'))"
+)
 
 
-async def opens_without_password(url: str) -> bool:
-    """Whether the server at ``url`` lets in its user without the password (it was let in)."""
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One way to the server: ``host`` a TCP host or a socket directory ("" for libpq's defaults)."""
+
+    host: str
+    port: str
+
+    def __str__(self) -> str:
+        if self.host.startswith("/"):
+            return f"the unix socket {self.host.rstrip('/')}/.s.PGSQL.{self.port or 5432}"
+        return f"TCP {self.host}:{self.port or 5432}"
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """A route that let a role in without its password."""
+
+    route: Route | None  # None: the store's URL as configured
+    role: str
+    store_role: bool  # the store's own role (else a superuser or a member of it)
+
+
+async def openings(url: str, os_user: str, socket_dirs: Sequence[str] = SOCKET_DIRS) -> list[Opening]:
+    """Every route and role by which a process of ``os_user``'s uid, without the password, gets
+    into the store at ``url`` (none: the store is closed to agents)."""
     params = conninfo_to_dict(url)
-    params.update(
+    store_role = str(params.get("user") or os_user)
+    identity = await _identity(url)
+    routes: list[Route | None] = [None, *_routes(params, socket_dirs)]
+    roles = list(dict.fromkeys((store_role, os_user, "postgres")))
+    gate = asyncio.Semaphore(PROBES_AT_ONCE)
+
+    async def probe(route: Route | None, role: str) -> Opening | None:
+        async with gate:
+            return await _probe(params, route, role, store_role, identity)
+
+    found = await asyncio.gather(*(probe(route, role) for route in routes for role in roles))
+    return [opening for opening in found if opening is not None]
+
+
+def _routes(params: dict[str, Any], socket_dirs: Sequence[str]) -> list[Route]:
+    hosts = [h for h in str(params.get("host") or "").split(",") if h]
+    ports = [p for p in str(params.get("port") or "").split(",") if p] or ["5432"]
+    sockets: dict[Route, None] = {}
+    for folder in (*socket_dirs, *(h for h in hosts if h.startswith("/")), *_bound_socket_dirs()):
+        for port in _sockets_in(Path(folder)):
+            sockets[Route(folder, port)] = None
+    tcp_ports = dict.fromkeys([*ports, *(route.port for route in sockets)])
+    loopback = [Route(host, port) for port in tcp_ports for host in ("127.0.0.1", "::1")]
+    return list(dict.fromkeys([*sockets, *loopback]))
+
+
+def _sockets_in(folder: Path) -> list[str]:
+    try:
+        names = [entry.name for entry in folder.iterdir()]
+    except OSError:
+        return []
+    return [match[1] for name in names if (match := _SOCKET.fullmatch(name))]
+
+
+def _bound_socket_dirs(table: Path = UNIX_TABLE) -> Iterable[str]:
+    """The folders of every PostgreSQL socket bound in this network namespace."""
+    try:
+        lines = table.read_text().splitlines()[1:]
+    except OSError:
+        return []
+    paths = (line.split()[-1] for line in lines if len(line.split()) >= 8)
+    return dict.fromkeys(str(Path(p).parent) for p in paths if p.startswith("/") and _SOCKET.fullmatch(Path(p).name))
+
+
+async def _identity(url: str) -> tuple[str, str] | None:
+    """The store's server as the daemon reaches it (None: not reachable now; then any login counts)."""
+    try:
+        async with await psycopg.AsyncConnection.connect(url, connect_timeout=PROBE_TIMEOUT) as conn:
+            row = await (await conn.execute(_IDENTITY)).fetchone()
+    except psycopg.Error:
+        return None
+    return (str(row[0]), str(row[1])) if row else None
+
+
+async def _probe(
+    params: dict[str, Any], route: Route | None, role: str, store_role: str, identity: tuple[str, str] | None
+) -> Opening | None:
+    tried = dict(params)
+    tried.update(
+        user=role,
         password=secrets.token_urlsafe(16),  # none the agent could know; libpq then reads no passfile
         connect_timeout=PROBE_TIMEOUT,
         application_name="rcoder-access-probe",
         gssencmode="disable",  # a Kerberos ticket is the daemon's user's, not the agent's: not offered
     )
-    params.pop("sslcert", None)
-    params.pop("sslkey", None)
+    if route is not None:
+        tried.pop("hostaddr", None)
+        tried.update(host=route.host, port=route.port)
+    tried.pop("sslcert", None)
+    tried.pop("sslkey", None)
     if psycopg.pq.version() >= 160000:  # no client certificate: the daemon's home is out of the agent's reach
-        params["sslcertmode"] = "disable"
+        tried["sslcertmode"] = "disable"
     try:
-        conn = await psycopg.AsyncConnection.connect(make_conninfo("", **params))
+        async with await psycopg.AsyncConnection.connect(make_conninfo("", **tried)) as conn:
+            row = await (await conn.execute(_IDENTITY)).fetchone()
+            mighty = await (await conn.execute(_MIGHTY, (store_role,))).fetchone()
     except psycopg.Error:
-        return False
-    await conn.close()
-    return True
+        return None
+    if identity is not None and row is not None and (str(row[0]), str(row[1])) != identity:
+        return None  # another server: not the store
+    if role != store_role and not (mighty and mighty[0]):
+        return None  # a role that cannot touch the store
+    return Opening(route, role, role == store_role)
+
+
+def explain(opening: Opening, redacted_url: str) -> str:
+    """What the ConfigError says: the route, the role, and the fix."""
+    where = f"{redacted_url}" if opening.route is None else str(opening.route)
+    who = (
+        "lets its user in without the password"
+        if opening.store_role
+        else f"lets role {opening.role!r} (a superuser, or a member of the store's role) in without a password"
+    )
+    line = "a 'local' line" if opening.route is not None and opening.route.host.startswith("/") else "a 'host' line"
+    return (
+        f"{where} {who}, so every agent could use the store (it runs as this uid and reaches that route): "
+        f"require scram-sha-256 (or md5) there in pg_hba.conf ({line} for this role before any peer or trust "
+        "line), or set open_to_agents = true"
+    )

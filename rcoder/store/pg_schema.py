@@ -314,9 +314,11 @@ UPSERT_HOST = (
     " ON CONFLICT (id) DO UPDATE SET advertise_address = EXCLUDED.advertise_address, heartbeat = now(),"
     " version = EXCLUDED.version, started_at = now()"
 )
+# the address too: the row is this host's word, and anyone who can write the store could have
+# pointed it elsewhere meanwhile (rcoder.api.forwarding)
 HEARTBEAT = (
     "INSERT INTO hosts (id, advertise_address, heartbeat, version, started_at) VALUES (%s, %s, now(), %s, now())"
-    " ON CONFLICT (id) DO UPDATE SET heartbeat = now()"
+    " ON CONFLICT (id) DO UPDATE SET heartbeat = now(), advertise_address = EXCLUDED.advertise_address"
 )
 RETIRE_HOST = "DELETE FROM hosts WHERE id = %s"
 LIST_HOSTS = (

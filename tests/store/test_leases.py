@@ -195,6 +195,19 @@ async def test_hosts_register_heartbeat_and_are_listed_live_or_not(
     assert [h.live for h in await b_stale.hosts()] == [False, False]  # judged with a ttl of 0
 
 
+async def test_a_heartbeat_writes_back_the_hosts_own_address_over_one_written_meanwhile(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a = PgCoordination(stores[0], TTL)
+    await a.register("127.0.0.1:1", "0.1.0")
+    await stores[1].execute("UPDATE hosts SET advertise_address = %s WHERE id = %s", ("127.0.0.1:6666", "host-a"))
+    assert [h.advertise_address for h in await a.hosts()] == ["127.0.0.1:6666"]
+
+    await a.heartbeat()
+
+    assert [h.advertise_address for h in await a.hosts()] == ["127.0.0.1:1"]
+
+
 async def test_the_local_coordination_of_one_host_holds_every_lease_without_a_store() -> None:
     local = LocalCoordination("solo", TTL)
     await local.register("127.0.0.1:9", "0.1.0")

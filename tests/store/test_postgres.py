@@ -29,9 +29,9 @@ def session(session_id: str) -> SessionRecord:
 
 
 async def admin(cluster: PgCluster, url: str) -> psycopg.AsyncConnection[tuple[object, ...]]:
-    """A superuser connection to the database and schema of ``url`` (over the cluster's unix socket)."""
+    """A superuser connection to the database and schema of ``url`` (over TCP, with its password)."""
     return await psycopg.AsyncConnection.connect(
-        url, host=str(cluster.root), port=cluster.port, user="postgres", password="", autocommit=True
+        url, user="postgres", password=cluster.superuser_password, autocommit=True
     )
 
 

@@ -81,7 +81,7 @@ async def test_a_doorbell_whose_connection_is_ended_says_so_with_a_store_error(
     async with asyncio.timeout(BOUND), b.doorbell() as bell:
         waiting = asyncio.create_task(bell.wait(BOUND))
         async with await psycopg.AsyncConnection.connect(
-            pg_url, host=str(pg_cluster.root), port=pg_cluster.port, user="postgres", password="", autocommit=True
+            pg_url, user="postgres", password=pg_cluster.superuser_password, autocommit=True
         ) as admin:
             cursor = await admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",

@@ -158,8 +158,7 @@ class AcpWorker:
                 raise ShuttingDown()
             self._runs.claim(run)
         except RcoderError as exc:
-            waiting.refuse(exc)
-            self._runs.forget(run)
+            self._refuse(waiting, exc)
             self._refuse_waiting(session_id, exc)
             return
         run.begin()
@@ -171,15 +170,18 @@ class AcpWorker:
         line = self._queues.take(session_id)
         for waiting in line:
             log.info("queued_run_refused", run_id=waiting.run.run_id, reason=error.reason)
-            waiting.refuse(error)
-            self._runs.forget(waiting.run)
+            self._refuse(waiting, error)
         return len(line)
+
+    def _refuse(self, waiting: Waiting, error: RcoderError) -> None:
+        """A waiting turn that will never run: its followers get ``error``, and it is forgotten."""
+        waiting.refuse(error)
+        self._runs.forget(waiting.run)
 
     def _drop(self, waiting: Waiting, why: str) -> None:
         """A waiting turn that will never run: cancelled; its followers are told."""
         log.info("queued_run_cancelled", run_id=waiting.run.run_id, why=why)
-        waiting.refuse(RunCancelled(waiting.run.run_id, f"{QUEUED}; {why}"))
-        self._runs.forget(waiting.run)
+        self._refuse(waiting, RunCancelled(waiting.run.run_id, f"{QUEUED}; {why}"))
 
     @property
     def permissions(self) -> PermissionBroker:
@@ -297,8 +299,7 @@ class AcpWorker:
 
     def _refuse_queued(self) -> None:
         for waiting in self._queues.take_all():
-            waiting.refuse(ShuttingDown())
-            self._runs.forget(waiting.run)
+            self._refuse(waiting, ShuttingDown())
 
     async def drain(self, grace: float, cancel_grace: float) -> None:
         """Give running turns ``grace`` seconds to finish, then cancel the rest (in whatever

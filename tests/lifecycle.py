@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,12 +236,3 @@ def agent_pids(daemon: Daemon) -> set[int]:
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 alive.add(pid)
     return alive
-
-
-async def outcomes(scene: Scene) -> AsyncIterator[tuple[str, str]]:
-    for stream in scene.streams:
-        yield stream.role, await end_of(stream)
-
-
-def as_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True)

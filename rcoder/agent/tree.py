@@ -112,13 +112,16 @@ class Trees:
         self._own.discard(pid)
 
     def end(self, mark: str, root: int) -> int:
-        """End the tree of the agent ``root`` marked ``mark``; how many processes were killed."""
+        """End the tree of the agent ``root`` marked ``mark``; how many processes were killed. The
+        seam for a cgroup per agent: killing its cgroup (``cgroup.kill``) takes this walk's place."""
         me = os.getpid()
 
         def members() -> set[int]:
-            found = {root} if _alive(root) else set()
-            candidates = _children(me) if self._subreaper else _all_pids()
-            found |= {pid for pid in candidates if pid != me and _mark_of(pid) == mark}
+            # the agent itself while not reaped (once reaped, its pid may be another's)
+            found = {root} if root in self._own and _alive(root) else set()
+            # the other agents are ours, their marks their own: only orphans are read
+            candidates = _adopted(me) if self._subreaper else _all_pids()
+            found |= {pid for pid in candidates if pid not in self._own and _mark_of(pid) == mark}
             return _with_descendants(found)
 
         return end(members)
@@ -133,7 +136,7 @@ class Trees:
         if self._spawning:
             return
         reaped = []
-        for pid in _children(os.getpid()):
+        for pid in _adopted(os.getpid()):
             if pid in self._own or _state(pid) != "Z":
                 continue
             with contextlib.suppress(ChildProcessError):
@@ -189,6 +192,17 @@ def _with_descendants(roots: set[int]) -> set[int]:
         found.add(pid)
         todo.extend(_children(pid))
     return found
+
+
+def _adopted(me: int) -> list[int]:
+    """The children of our main thread: where the kernel re-parents orphans to a subreaper (its
+    first live thread), and the agents the loop spawned; a confined agent is its thread's child."""
+    try:
+        return [int(child) for child in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
+    except FileNotFoundError:
+        return _children_by_ppid(me)  # a kernel without CONFIG_PROC_CHILDREN
+    except OSError:
+        return []
 
 
 def _children(pid: int) -> list[int]:

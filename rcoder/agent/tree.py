@@ -161,10 +161,9 @@ def end(find: Callable[[], set[int]]) -> int:
                     _signal(held[pid], signal.SIGSTOP)
         else:
             log.warning("agent_tree_still_growing", processes=len(held), passes=_PASSES)
+    finally:  # whatever happened, nothing is left stopped
         for fd in held.values():
             _signal(fd, signal.SIGKILL)
-    finally:
-        for fd in held.values():
             os.close(fd)
     return len(held)
 

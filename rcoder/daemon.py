@@ -133,6 +133,8 @@ class Daemon:
         await self._check_store_access()
         interrupted = await self.store.open()
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
+        # orphans of agents come to the daemon, which ends them with their agent and reaps them
+        self.launcher.trees.start(asyncio.get_running_loop())
         self.launcher.log_sandboxes()
         self._log_network()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
@@ -218,8 +220,8 @@ class Daemon:
         """Shut down in phases, each bounded; ``force`` (a second signal) skips to the end.
 
         Not serving, new turns refused → running turns get ``shutdown_grace`` →
-        the rest are cancelled → every agent group ended → server stopped →
-        store closed.
+        the rest are cancelled → every agent group and tree ended, then whatever is still below
+        the daemon → server stopped → store closed.
         """
         if self._stopped:
             return
@@ -241,6 +243,7 @@ class Daemon:
             self._retention.cancel()
             await asyncio.gather(self._retention, return_exceptions=True)
         await self.worker.aclose()
+        self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()
         await self.leases.aclose()  # after the agents: their leases are released in one statement

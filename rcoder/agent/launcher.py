@@ -27,13 +27,14 @@ from rcoder.agent.connection import AgentConnection, call_agent, capabilities_fr
 from rcoder.agent.erase import Erased, erase_conversation
 from rcoder.agent.homes import SHARED, Homes
 from rcoder.agent.kinds import OwnDelete, kind_of
-from rcoder.agent.leftovers import sweep
+from rcoder.agent.leftovers import record_instance, sweep
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.prepare import Prepared, prepared
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.profile import promises_of, sandbox_of
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
+from rcoder.agent.tree import Trees
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
 from rcoder.errors import AgentProtocolError, SessionGone
@@ -82,6 +83,9 @@ class AgentLauncher:
         self._started_once: set[str] = set()
         self._first_start: dict[str, asyncio.Lock] = {}
         self.homes = Homes(settings)
+        # every agent's whole tree, marked with this daemon run's instance (recorded for the sweep)
+        self.trees = Trees()
+        self._instance_recorded = False
 
     async def erase_conversation(self, profile: AgentProfile, cwd: str, provider_session_id: str) -> Erased:
         """Remove the agent's own copy of a conversation from its home here: its files
@@ -126,8 +130,23 @@ class AgentLauncher:
         return self._settings.data_dir / "agent-pids"
 
     def sweep_leftovers(self) -> int:
-        """End agent groups a killed daemon left behind (call before starting any agent)."""
-        return sweep(self.pid_dir)
+        """End agent groups and trees a killed daemon left behind (call before starting any agent)."""
+        swept = sweep(self.pid_dir)
+        self._record_instance()
+        return swept
+
+    def _record_instance(self) -> None:
+        if not self._instance_recorded:
+            record_instance(self.pid_dir, self.trees.instance)
+            self._instance_recorded = True
+
+    def end_leftovers(self) -> int:
+        """End whatever is still below the daemon once every agent is closed (its stop): orphans
+        that lost their agent's mark; how many processes."""
+        ended = self.trees.end_all()
+        if ended:
+            log.warning("agent_leftovers_ended", processes=ended)
+        return ended
 
     def log_sandboxes(self) -> None:
         """Say what each profile's agents run under (DESIGN §6.1: in the log at start)."""
@@ -297,6 +316,7 @@ class AgentLauncher:
 
     async def _spawn(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
         """``argv`` started as ``ready`` says, in ``cwd``; owned by this launcher until collected."""
+        self._record_instance()
         process = await AgentProcess.spawn(
             argv,
             cwd=cwd,
@@ -306,6 +326,7 @@ class AgentLauncher:
             stop_grace=self._settings.agent_stop_grace,
             pid_dir=self.pid_dir,
             confinement=ready.confinement,
+            trees=self.trees,
         )
         self._processes.add(process)
         return process

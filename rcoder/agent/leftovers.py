@@ -1,17 +1,20 @@
-"""Leftovers of a killed daemon: each agent's process group is recorded, and ended at the next start.
+"""Leftovers of a killed daemon: each agent's process group and each daemon run's mark are
+recorded, and what is left of them ended at the next start.
 
-Each agent's process group is recorded as ``<pid_dir>/<pid>`` holding the leader's start time.
-``PR_SET_PDEATHSIG`` ends the leader when the daemon dies, but not its children; ``sweep`` at
-the next start ends whatever is left of each group.
+Each agent's process group is recorded as ``<pid_dir>/<pid>`` holding the leader's start time, and
+each daemon run as ``<pid_dir>/tree-<instance>`` before it starts an agent: its agents' trees carry
+``RCODER_AGENT_TREE=<instance>.<n>`` (``rcoder.agent.tree``). ``PR_SET_PDEATHSIG`` ends the leader
+when the daemon dies, but not what it started; ``sweep`` at the next start ends whatever is left of
+each group, and every process carrying a recorded run's mark, with its descendants (what left the
+group with ``setsid``, a double fork or as a daemon, re-parented to init once the daemon died).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 from pathlib import Path
 
+from rcoder.agent.tree import end, marked
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.process")
@@ -38,27 +41,46 @@ def record(pid_dir: Path, pid: int) -> Path | None:
     return path
 
 
+_INSTANCE = "tree-"
+
+
+def record_instance(pid_dir: Path, instance: str) -> None:
+    """Record a daemon run's mark (``rcoder.agent.tree``), before it starts any agent."""
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"{_INSTANCE}{instance}").touch()
+
+
 def sweep(pid_dir: Path) -> int:
-    """SIGKILL what is left of agent groups recorded by an earlier daemon; returns how many processes."""
+    """SIGKILL what is left of agent groups and trees recorded by an earlier daemon; how many processes."""
     if not pid_dir.is_dir():
         return 0
     groups: dict[int, int] = {}
+    instances: set[str] = set()
     for path in pid_dir.iterdir():
+        if path.name.startswith(_INSTANCE):
+            instances.add(path.name.removeprefix(_INSTANCE))
         with contextlib.suppress(ValueError, OSError):
             groups[int(path.name)] = int(path.read_text() or 0)
-        path.unlink(missing_ok=True)
-    if not groups:
+    if not groups and not instances:
         return 0
-    killed = 0
+    # stopped until nothing new is found, then killed: a leftover forking meanwhile leaves no child
+    killed = end(lambda: _in_groups(groups) | marked(instances))
+    for path in pid_dir.iterdir():  # once ended: a sweep cut short finds them again next time
+        path.unlink(missing_ok=True)
+    if killed:
+        log.warning("leftover_agents_killed", processes=killed, groups=len(groups), daemon_runs=len(instances))
+    return killed
+
+
+def _in_groups(groups: dict[int, int]) -> set[int]:
+    """Live processes of the recorded groups, started no earlier than their recorded leader (not a reused pid)."""
+    if not groups:
+        return set()
+    found = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         stat = _stat(entry.name)
-        # same group, started no earlier than its recorded leader: not a reused pid
         if stat is not None and stat[0] in groups and stat[1] >= groups[stat[0]]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-    if killed:
-        log.warning("leftover_agents_killed", processes=killed, groups=len(groups))
-    return killed
+            found.add(int(entry.name))
+    return found

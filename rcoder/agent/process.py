@@ -14,6 +14,10 @@ child watcher's report), never through ``Process.wait()``, which on 3.11 also
 waits for every pipe to close: a grandchild that left the group while holding
 the agent's stdout or stderr would make it wait forever. Once the group is
 ended our ends of the pipes are closed, whoever else still holds theirs.
+
+What the agent starts outside its group (``setsid``, a double fork, a daemon) is its tree
+(``rcoder.agent.tree``): marked in its environment, re-parented to the daemon, and ended as soon as
+the agent's exit is reported, and again when it is let go.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Protocol
 from rcoder.agent.confined import spawn_confined
 from rcoder.agent.leftovers import record
 from rcoder.agent.sandbox import Confinement
+from rcoder.agent.tree import MARK, Trees
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 
@@ -154,6 +159,8 @@ class AgentProcess:
         stop_grace: float,
         pid_dir: Path | None = None,
         has_pdeathsig: bool = False,
+        trees: Trees | None = None,
+        mark: str = "",
     ) -> None:
         loop = asyncio.get_running_loop()
         self._child = child
@@ -168,6 +175,10 @@ class AgentProcess:
         self._close_lock = asyncio.Lock()
         self._pid_file = record(pid_dir, self.pid) if pid_dir else None
         self._pipe_inodes = child.pipe_inodes()
+        self._trees, self._mark = trees, mark
+        if trees is not None:
+            trees.own(self.pid)
+            self._exited.add_done_callback(self._on_exit)
         # No await between spawn and taking ownership of stderr: a chatty agent
         # must never block on a full pipe.
         self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
@@ -185,11 +196,35 @@ class AgentProcess:
         stop_grace: float,
         pid_dir: Path | None = None,
         confinement: Confinement | None = None,
+        trees: Trees | None = None,
     ) -> AgentProcess:
         """Start ``argv``; confined by ``confinement`` when given: by a thread that confines itself
         first (``rcoder.agent.confined``), or through the exec wrapper where the agent needs its
-        own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal."""
+        own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal. With ``trees``,
+        its tree is marked, and ended when it exits (``rcoder.agent.tree``)."""
+        if trees is None:
+            return await cls._spawn(argv, cwd, env, name, stderr_tail_bytes, stop_grace, pid_dir, confinement)
+        mark = trees.new_mark()
+        with trees.spawning():
+            return await cls._spawn(argv, cwd, {**env, MARK: mark}, name, stderr_tail_bytes, stop_grace, pid_dir,
+                                    confinement, trees, mark)  # fmt: skip
+
+    @classmethod
+    async def _spawn(
+        cls,
+        argv: Sequence[str],
+        cwd: str,
+        env: Mapping[str, str],
+        name: str,
+        stderr_tail_bytes: int,
+        stop_grace: float,
+        pid_dir: Path | None,
+        confinement: Confinement | None,
+        trees: Trees | None = None,
+        mark: str = "",
+    ) -> AgentProcess:
         prefix = _pdeathsig_prefix()
+        owner = (trees, mark)
         if confinement is not None and prefix and not confinement.own_proc:
             try:
                 started = await spawn_confined(
@@ -198,7 +233,8 @@ class AgentProcess:
             except (OSError, ValueError) as exc:
                 why = f"could not start agent {name!r} ({argv[0]}) confined: {exc}"
                 raise AgentUnavailable(why, agent=name) from exc
-            return cls._started(started, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0])
+            return cls._started(started, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0],
+                                owner=owner)  # fmt: skip
         if confinement is not None:
             command, pdeathsig = confinement.argv(argv, os.getpid()), True
         else:
@@ -229,7 +265,8 @@ class AgentProcess:
         except OSError as exc:
             raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
         child = _Subprocess(transport, protocol)
-        return cls._started(child, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0], pdeathsig)
+        return cls._started(child, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0], pdeathsig,
+                            owner)  # fmt: skip
 
     @classmethod
     def _started(
@@ -242,8 +279,9 @@ class AgentProcess:
         confinement: Confinement | None,
         command: str,
         pdeathsig: bool = True,
+        owner: tuple[Trees | None, str] = (None, ""),
     ) -> AgentProcess:
-        process = cls(child, name, stderr_tail_bytes, stop_grace, pid_dir, has_pdeathsig=pdeathsig)
+        process = cls(child, name, stderr_tail_bytes, stop_grace, pid_dir, pdeathsig, *owner)
         sandbox = f"landlock (ABI {confinement.abi})" if confinement else "none"
         log.info("agent_spawned", agent=name, pid=process.pid, command=command, pdeathsig=pdeathsig, sandbox=sandbox)
         return process
@@ -363,8 +401,22 @@ class AgentProcess:
     def _release(self) -> None:
         """Let go at once of all we hold: the group, our ends of the pipes, the pid file."""
         self._child.let_go()
+        self._end_tree()  # the agent may not be reaped yet: what it started goes now
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
+
+    def _on_exit(self, _: asyncio.Future[None]) -> None:
+        """The agent's exit was reported (its waiter reaped it): what it started goes too."""
+        assert self._trees is not None
+        self._trees.disown(self.pid)
+        self._end_tree()
+
+    def _end_tree(self) -> None:
+        if self._trees is None:
+            return
+        killed = self._trees.end(self._mark, self.pid)
+        if killed:
+            log.info("agent_tree_ended", agent=self.name, pid=self.pid, processes=killed)
 
     async def _settle_readers(self) -> None:
         """The readers end at the EOF ``_release`` gave them (bounded); any that did not is cancelled."""

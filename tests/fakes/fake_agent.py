@@ -73,6 +73,10 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     agent-mode X the agent moves itself to mode X: a config_option_update (--offer options) or a
                  current_mode_update (--offer modes)
     commands     an available_commands_update: /review (input hint "what to review") and /compact
+    shell CMD    (a line of its own, the rest of the line: no other directive is read in it) run CMD
+                 with /bin/sh, stdin, stdout and stderr /dev/null, before anything else the turn does
+                 (`ttft` aside), and wait for that shell; the answer gets " shell=exit <code>". What
+                 CMD leaves running (`setsid ... &`, a daemon) is the daemon's to end
 
 Only the standard library and the `acp` SDK are used (imported through rcoder.agent.sdk, which
 makes the import quick: ~0.7 s less CPU for each of the suite's many fake agents).
@@ -167,6 +171,7 @@ PROMPT_CAPS = frozenset({"image", "audio", "embedded"})
 SCRIPTED_STOPS: tuple[StopReason, ...] = ("end_turn", "max_tokens", "max_turn_requests", "refusal")
 SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")  # session ids become file names: nothing else gets in
 REMEMBER = re.compile(r"remember\s+(\d+)", re.IGNORECASE)
+SHELL = re.compile(r"^shell (.+)$", re.MULTILINE)
 FILE_OP = re.compile(r"(?<![\w-])((?:child-)?(?:readfile|writefile))\s+(\S+)")
 # what a child process runs for child-readfile / child-writefile: prints the outcome
 CHILD_FILE_OP = """
@@ -319,6 +324,9 @@ class Script:
     """What one prompt asks the fake to do, parsed from its text (see the module docstring)."""
 
     def __init__(self, text: str) -> None:
+        self.shell: list[str] = SHELL.findall(text)
+        text = SHELL.sub("", text)
+
         def word(name: str) -> bool:
             return re.search(rf"\b{re.escape(name)}\b", text) is not None
 
@@ -363,6 +371,14 @@ async def file_op(op: str, path: str) -> str:
         out, _ = await child.communicate()
         return out.decode(errors="replace").strip() or f"exit {child.returncode}"
     return file_op_here(op, path)
+
+
+async def run_shell(command: str) -> int:
+    """``/bin/sh -c command`` with nothing of ours open to it; its exit code."""
+    shell = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    return await shell.wait()
 
 
 def file_op_here(op: str, path: str) -> str:
@@ -647,6 +663,8 @@ class FakeAgent:
         sid, suffix = session.id, ""
         if script.ttft_ms and await self._cancelled_within(session, script.ttft_ms):
             return "cancelled", None
+        for command in script.shell:
+            suffix += f" shell=exit {await run_shell(command)}"
         if script.stderr_bytes:
             write_stderr_log(script.stderr_bytes)
         if script.garbage:

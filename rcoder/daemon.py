@@ -18,7 +18,7 @@ from rcoder.agent.profile import network_of
 from rcoder.api.access import access_of
 from rcoder.api.forwarding import Forwarder
 from rcoder.api.routed import Routes
-from rcoder.api.server import GrpcServer, TlsFiles
+from rcoder.api.server import CallBounds, GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
 from rcoder.errors import ConfigError, StoreError
@@ -93,7 +93,10 @@ class Daemon:
             settings.listen,
             auth_token=self.access.token,
             tls=tls,
-            max_calls=settings.max_concurrent_rpcs,
+            bounds=CallBounds(
+                settings.max_concurrent_rpcs, settings.max_request_bytes, settings.max_request_bytes_in_flight
+            ),
+            on_refused=self.metrics.unauthenticated.inc,
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()

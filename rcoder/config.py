@@ -139,6 +139,12 @@ class SettingsKeys(_Schema):
     # each holds its whole request until it runs; 0 refuses both policies
     max_queued_turns: Count = 4
     max_concurrent_rpcs: Count = 1024  # AgentRunner calls in progress at once (health not counted)
+    # the largest request grpc reads: what a ChatRequest may carry (prompt 1 MiB, system prompt 256 KiB,
+    # attachments 16 MiB, extra_meta 64 KiB) and its ids, MCP servers and framing
+    max_request_bytes: Annotated[int, Field(ge=4096)] = 19 << 20
+    # bytes all requests in flight hold together: a call reserves max_request_bytes while its request
+    # is read, then its size until it ends; past it calls wait, then RESOURCE_EXHAUSTED
+    max_request_bytes_in_flight: Count = 256 << 20
     run_retention: Seconds = 600.0  # finished runs stay in memory this long (later Subscribe reads the store)
     # history (DESIGN §8): days a run's stored events are kept (0: forever), and the most bytes of
     # them one run stores (past it a note, then nothing but completed; 0: no bound)

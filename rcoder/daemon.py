@@ -20,7 +20,7 @@ from rcoder.api.access import access_of
 from rcoder.api.forwarding import Forwarder
 from rcoder.api.host_auth import HostAuth
 from rcoder.api.routed import Routes
-from rcoder.api.server import GrpcServer, TlsFiles
+from rcoder.api.server import CallBounds, GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
 from rcoder.errors import ConfigError, StoreError
@@ -99,7 +99,10 @@ class Daemon:
             settings.listen,
             auth_token=self.access.token,
             tls=tls,
-            max_calls=settings.max_concurrent_rpcs,
+            bounds=CallBounds(
+                settings.max_concurrent_rpcs, settings.max_request_bytes, settings.max_request_bytes_in_flight
+            ),
+            on_refused=self.metrics.unauthenticated.inc,
             host_auth=host_auth,
         )
         self._stopped = False

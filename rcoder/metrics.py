@@ -140,6 +140,11 @@ class Metrics:
             ["kind", "result"],
             registry=self.registry,
         )
+        self.unauthenticated = Counter(
+            "rcoder_unauthenticated_calls_refused",
+            "Calls refused before their request was read: no token, or a wrong one",
+            registry=self.registry,
+        )
         self.time_to_first_event = Histogram(
             "rcoder_time_to_first_event_seconds",
             "From a Chat request to its started event (agent start or reuse included)",

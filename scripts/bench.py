@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_multihost import multihost  # noqa: E402  (beside this script)
+from bench_unauth import LARGEST, unauth_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
 from rcoder.agent.process import AgentProcess  # noqa: E402
@@ -73,6 +74,8 @@ class Sizes:
     claude_reps: int
     levels: tuple[int, ...]
     history_runs: int = 1000  # the runs of the session ListRuns pages through
+    unauth_requests: int = 40  # unauth_flood_rss_mb: requests without the token at once, of unauth_bytes each
+    unauth_bytes: int = LARGEST - 64
 
     @classmethod
     def full(cls, reps: int) -> Sizes:
@@ -80,7 +83,7 @@ class Sizes:
 
     @classmethod
     def smoke(cls) -> Sizes:
-        return cls(1, 10, 1, 10, 200, 1, (2, 3), history_runs=150)
+        return cls(1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20)
 
 
 @dataclass
@@ -999,6 +1002,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("startup", startup_and_added_latency),
         ("history", history),
         ("list_runs", lambda b: _one(list_runs(b))),
+        ("unauth_flood", lambda b: _one(unauth_flood(b))),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)
     ]  # fmt: skip
     # SIGTERM (a test's timeout) cancels the run, so every `finally` ends what it started

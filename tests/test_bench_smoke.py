@@ -35,6 +35,7 @@ MEASURES = {
     "history_store_bytes",
     "history_subscribe_stored",
     "list_runs_page_ms",
+    "unauth_flood_rss_mb",
 }
 
 

@@ -46,6 +46,9 @@ OWNER_KEY = "rcoder-owner"
 _HOP_KEYS = {"authorization", HEADER, FORWARDED_KEY, "user-agent", "te", "content-type", "grpc-timeout",
              "grpc-accept-encoding", "grpc-encoding", ":authority"}  # fmt: skip
 _NOT_ANSWERING = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# what grpc's client makes of a peer that broke the connection or does not speak HTTP/2 ("Stream
+# removed", "Failed parsing HTTP/2"): the transport's, when the owner's own trailers are not there
+_TRANSPORT = {*_NOT_ANSWERING, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 # host:port, the host a name or an IPv4 address, or an IPv6 one in brackets: nothing else
 _PLAIN = re.compile(
     r"^(?:(?P<name>[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)|\[(?P<v6>[0-9A-Fa-f:.]+)\]):(?P<port>\d{1,5})$"
@@ -215,7 +218,7 @@ class Forwarder:
             )
             return await call
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.NOT_FOUND or exc.code() in _NOT_ANSWERING:
+            if exc.code() is grpc.StatusCode.NOT_FOUND or exc.code() in _NOT_ANSWERING or _broken(exc):
                 return None
             await self._pass_error(exc, context, address)
         except OwnerUnreachable:
@@ -225,15 +228,19 @@ class Forwarder:
     async def _pass_error(
         self, exc: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext[Any, Any], address: str
     ) -> None:
-        trailing = tuple(exc.trailing_metadata() or ())
-        if exc.code() in _NOT_ANSWERING and not any(k == OWNER_KEY for k, _ in trailing):
-            raise OwnerUnreachable(address, exc.details() or exc.code().name)  # the transport, not the owner
-        await context.abort(exc.code(), exc.details() or "", trailing)
+        if _broken(exc):  # the transport, not the owner: never passed on as the owner's UNKNOWN
+            raise OwnerUnreachable(address, exc.details() or exc.code().name)
+        await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
 
     async def aclose(self) -> None:
         peers, self._peers = self._peers, {}
         for channel, _ in peers.values():
             await channel.close(grace=None)
+
+
+def _broken(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the call failed in the transport (see ``_TRANSPORT``) rather than at the owner."""
+    return exc.code() in _TRANSPORT and not any(k == OWNER_KEY for k, _ in exc.trailing_metadata() or ())
 
 
 Unreachable = Callable[[OwnerUnreachable], None]

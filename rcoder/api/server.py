@@ -1,20 +1,20 @@
 """The grpc.aio server: AgentRunner, health and reflection; auth and TLS.
 
-The AgentRunner handlers are registered from the service descriptor with a
-request decoder that never raises: a request that is not valid protobuf
-(invalid UTF-8 in a string field, say) gets INVALID_ARGUMENT with a message,
-not grpc's own INTERNAL "Exception deserializing request".
+The AgentRunner handlers are registered from the service descriptor as request-streaming
+ones, so that each call passes ``rcoder.api.gate`` (token, calls in progress, request bytes
+in flight) from its metadata before grpc reads its message, with a request decoder that
+never raises: a request that is not valid protobuf (invalid UTF-8 in a string field, say)
+gets INVALID_ARGUMENT with a message, not grpc's own INTERNAL "Exception deserializing
+request". Health is open to all; reflection asks the token too.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from rcoder import errors, tracing
+from rcoder.api.gate import BearerToken, CallLimit, Gate, RequestBytes, decoder
 from rcoder.api.host_auth import HostAuth
 from rcoder.api.service import AgentRunnerService, abort
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -29,7 +30,8 @@ from rcoder.v1 import agent_runner_pb2 as pb
 SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"]
 SERVICE_NAME = SERVICE.full_name
 HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-MAX_MESSAGE_BYTES = 64 << 20
+# answers: a page of history or sessions, an event (run_event_bytes); a request is max_request_bytes
+MAX_SEND_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +40,18 @@ class TlsFiles:
     key_pem: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class CallBounds:
+    """``max_concurrent_rpcs``, ``max_request_bytes``, ``max_request_bytes_in_flight``."""
+
+    calls: int = 1024
+    request_bytes: int = 19 << 20
+    request_bytes_in_flight: int = 256 << 20
+
+
 class GrpcServer:
-    """Owns the grpc.aio server; ``stop()`` is safe to call twice."""
+    """Owns the grpc.aio server; ``stop()`` is safe to call twice. ``on_refused``: called for
+    each call refused for want of the token (a metric)."""
 
     def __init__(
         self,
@@ -47,22 +59,31 @@ class GrpcServer:
         listen: str,
         auth_token: str = "",
         tls: TlsFiles | None = None,
-        max_calls: int = 1024,
+        bounds: CallBounds | None = None,
+        on_refused: Callable[[], None] | None = None,
         host_auth: HostAuth | None = None,
     ) -> None:
-        # checked inside each handler, not by a server interceptor: grpc.aio runs an interceptor
-        # chain as coroutines before every call, which a live turn's first chunk paid for
-        token = BearerToken(auth_token, host_auth) if auth_token else None
+        # checked by each handler before it reads its request (rcoder.api.gate), not by a server
+        # interceptor: grpc.aio runs an interceptor chain as coroutines before every call, which a
+        # live turn's first chunk paid for, and an interceptor's handler would read the message anyway
+        token = BearerToken(auth_token, on_refused, hosts=host_auth) if auth_token else None
+        bounds = bounds or CallBounds()
         self._server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", bounds.request_bytes),
+                ("grpc.max_send_message_length", MAX_SEND_BYTES),
                 ("grpc.so_reuseport", 0),
+                # no window grown by bandwidth probes: a stream whose request is not read yet (a call
+                # being refused for want of the token) then buffers ~64 KiB, not megabytes; a request
+                # being read still gets a window of its size
+                ("grpc.http2.bdp_probe", 0),
                 # accept calls even when the loop is briefly busy (bursts of agent starts)
                 ("grpc.server_max_unrequested_time_in_server", 120),
             ],
         )
-        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, CallLimit(max_calls), token),))
+        request_bytes = RequestBytes(bounds.request_bytes_in_flight, bounds.request_bytes)
+        gate = Gate(token, CallLimit(bounds.calls), request_bytes)
+        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, gate),))
         self.health = HealthServicer()  # open to all: probes carry no token
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
@@ -101,103 +122,48 @@ class GrpcServer:
         await self._server.stop(grace)
 
 
-# ---------------------------------------------------------------- decoding
+# ---------------------------------------------------------------- handlers
 
 
-@dataclass(frozen=True, slots=True)
-class _Undecodable:
-    error: str
-
-
-def _decoder(cls: type[pb_message.Message]) -> Callable[[bytes], Any]:
-    def decode(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except pb_message.DecodeError as exc:
-            return _Undecodable(str(exc) or "not a valid protobuf message")
-
-    return decode
-
-
-class CallLimit:
-    """AgentRunner calls in progress at once (``max_concurrent_rpcs``; health is not counted, so
-    probes still answer). grpc's own ``maximum_concurrent_rpcs`` refuses with no ErrorInfo; this
-    one says which limit it is, as every refusal does."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self.active = 0
-
-    def check(self) -> None:
-        if self.active >= self.limit:
-            raise errors.ResourceExhausted(
-                f"{self.limit} calls are in progress on this host (max_concurrent_rpcs); retry shortly",
-                reason="RPC_LIMIT_REACHED",
-                limit=str(self.limit),
-            )
-
-
-def _checked(
-    behaviour: Callable[..., Any],
-    streaming: bool,
-    method: str = "",
-    calls: CallLimit | None = None,
-    token: BearerToken | None = None,
-) -> Callable[..., Any]:
-    """Refuse a call without the ``token``, an undecodable request, or one past ``calls``, before
-    the handler sees it; the call's span around it (``rcoder.tracing``: a child of the client's
-    ``traceparent``, with the call's status)."""
-    limit = calls if calls is not None else CallLimit(1 << 30)
+def _checked(behaviour: Callable[..., Any], streaming: bool, method: str, gate: Gate) -> Callable[..., Any]:
+    """``behaviour`` (a unary-request handler) as grpc's request-streaming one: the call passes
+    ``gate`` (token, call limit, request bytes) before its one message is read and decoded; the
+    call's span around it (``rcoder.tracing``: a child of the client's ``traceparent``, with the
+    call's status)."""
     if streaming:
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with tracing.server_span(method, context.invocation_metadata()) as span:
-                counted = False
+                entered = False
                 try:
-                    _refuse_early(request, limit, token, context, method)
-                    limit.active += 1
-                    counted = True
+                    request, held = await gate.enter(context, method)
+                    entered = True
                     async for item in behaviour(request, context):
                         yield item
                 except errors.RcoderError as exc:
                     await abort(context, exc)
                 finally:
-                    limit.active -= counted
+                    if entered:
+                        gate.leave(held)
                     _record_status(span, context)
 
         return stream
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def unary(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         with tracing.server_span(method, context.invocation_metadata()) as span:
-            counted = False
+            entered = False
             try:
-                _refuse_early(request, limit, token, context, method)
-                limit.active += 1
-                counted = True
+                request, held = await gate.enter(context, method)
+                entered = True
                 return await behaviour(request, context)
             except errors.RcoderError as exc:
                 await abort(context, exc)
             finally:
-                limit.active -= counted
+                if entered:
+                    gate.leave(held)
                 _record_status(span, context)
 
     return unary
-
-
-def _refuse_early(
-    request: Any,
-    calls: CallLimit,
-    token: BearerToken | None,
-    context: grpc.aio.ServicerContext[Any, Any],
-    method: str = "",
-) -> None:
-    if token is not None:  # first: a caller without the token learns nothing of its request
-        token.check(context.invocation_metadata(), method)
-    if isinstance(request, _Undecodable):
-        raise _bad_request(request)
-    if token is not None and token.hosts is not None:  # a forward: its request is what was signed
-        token.hosts.check_request(method, request, context.invocation_metadata())
-    calls.check()
 
 
 def _record_status(span: tracing.Span, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -206,49 +172,23 @@ def _record_status(span: tracing.Span, context: grpc.aio.ServicerContext[Any, An
         tracing.rpc_status(span, code.value[0], code.name, context.details() or "")
 
 
-def _bad_request(request: _Undecodable) -> errors.InvalidArgument:
-    return errors.InvalidArgument(
-        "request", f"could not decode it ({request.error}); string fields must be valid UTF-8", reason="BAD_REQUEST"
-    )
-
-
-def _agent_runner_handlers(
-    service: AgentRunnerService, calls: CallLimit, token: BearerToken | None
-) -> grpc.GenericRpcHandler:
+def _agent_runner_handlers(service: AgentRunnerService, gate: Gate) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         name = f"{SERVICE_NAME}/{method.name}"
-        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, calls, token)
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, gate)
+        # request-streaming at the grpc level: the handler reads the request (rcoder.api.gate)
+        streamed = method.server_streaming
+        make = grpc.stream_stream_rpc_method_handler if streamed else grpc.stream_unary_rpc_method_handler
         handlers[method.name] = make(
-            behaviour, request_deserializer=_decoder(request_cls), response_serializer=response_cls.SerializeToString
+            behaviour, request_deserializer=decoder(request_cls), response_serializer=response_cls.SerializeToString
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-# ---------------------------------------------------------------- auth
-
-
-class BearerToken:
-    """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time),
-    or, on a call forwarded by another host, that host's signature (``hosts``: ``host_auth``,
-    from metadata alone; the request is checked against it once decoded)."""
-
-    def __init__(self, token: str, hosts: HostAuth | None = None) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self.hosts = hosts
-
-    def check(self, metadata: Sequence[tuple[str, str | bytes]] | None, method: str = "") -> None:
-        given = next((v for k, v in metadata or () if k == "authorization"), "")
-        if not given and self.hosts is not None and self.hosts.carried(metadata):
-            self.hosts.verify(method, metadata)  # a forward: never the bearer (rcoder.api.host_auth)
-            return
-        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if not hmac.compare_digest(given_bytes, self._expected):
-            problem = "missing" if not given else "wrong"
-            raise errors.Unauthenticated(f"authorization {problem}: send 'authorization: Bearer <token>'")
+# ---------------------------------------------------------------- reflection
 
 
 class TokenCheckedReflection(ReflectionServicer):  # type: ignore[misc]
@@ -263,7 +203,7 @@ class TokenCheckedReflection(ReflectionServicer):  # type: ignore[misc]
     ) -> AsyncIterator[Any]:
         if self._token is not None:
             try:
-                self._token.check(context.invocation_metadata())
+                self._token.check(context)
             except errors.RcoderError as exc:
                 await abort(context, exc)
         async for response in super().ServerReflectionInfo(request_iterator, context):

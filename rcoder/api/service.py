@@ -90,7 +90,8 @@ async def abort(
     context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError, trailing: tuple[tuple[str, str], ...] = ()
 ) -> NoReturn:
     status = status_for(exc)
-    log.info("request_refused", code=status.code.name, reason=exc.reason, message=exc.message[:300])
+    if not isinstance(exc, errors.Unauthenticated):  # those: rcoder.api.gate's line a minute per peer
+        log.info("request_refused", code=status.code.name, reason=exc.reason, message=exc.message[:300])
     await context.abort(status.code, status.details, (*status.trailing_metadata, *trailing))
     raise AssertionError("abort_with_status returned")  # pragma: no cover
 

@@ -1,0 +1,266 @@
+"""What a call passes before its request is read: the token, the calls in progress, the bytes held.
+
+The AgentRunner handlers are registered as request-streaming at the grpc level (the wire is the
+same for the client), so grpc reads no message before the handler asks for it. ``Gate.enter``
+then checks, in this order, from the call's metadata alone:
+
+- the bearer token (``BearerToken``): a caller without it is refused before a byte of its
+  request is read or decoded, so it costs no more memory than grpc's flow-control window for the
+  stream; each refusal is counted (``on_refused``) and logged once a minute per peer
+  (``RefusalLog``), not once a call;
+- ``max_concurrent_rpcs`` (``CallLimit``);
+- ``max_request_bytes_in_flight`` (``RequestBytes``): the call reserves ``max_request_bytes``
+  (its size is unknown until read), keeps its message's size once read, and gives it back when
+  it ends.
+
+Only then is the message read (grpc refuses one past ``max_request_bytes`` with
+RESOURCE_EXHAUSTED) and decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import message as pb_message
+
+from rcoder import errors
+from rcoder.api.host_auth import HostAuth
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.api")
+REQUEST_WAIT = 10.0  # seconds a call waits for room under max_request_bytes_in_flight; then RESOURCE_EXHAUSTED
+REFUSAL_LOG_WINDOW = 60.0  # seconds: one log line per peer at most, for refused unauthenticated calls
+REFUSAL_LOG_PEERS = 4096  # peers remembered for that; past it the quiet ones are forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    error: str
+
+
+def decoder(cls: type[pb_message.Message]) -> Callable[[bytes], tuple[Any, int]]:
+    """grpc's request deserializer: (the message or ``Undecodable``, its size on the wire); never raises."""
+
+    def decode(data: bytes) -> tuple[Any, int]:
+        try:
+            return cls.FromString(data), len(data)
+        except pb_message.DecodeError as exc:
+            return Undecodable(str(exc) or "not a valid protobuf message"), len(data)
+
+    return decode
+
+
+class RefusalLog:
+    """``unauthenticated_refused`` lines: a peer's first refusal is logged at once, later ones at
+    most once a ``window``, each line with ``count``, the refusals since that peer's previous line
+    (a flood of bad calls is a few lines, not one a call)."""
+
+    def __init__(self, window: float = REFUSAL_LOG_WINDOW, clock: Callable[[], float] = time.monotonic) -> None:
+        self._window = window
+        self._clock = clock
+        self._peers: dict[str, tuple[float, int]] = {}  # peer -> (when its last line was, refused since)
+
+    def refused(self, peer: str, problem: str) -> None:
+        now = self._clock()
+        last, count = self._peers.get(peer, (-math.inf, 0))
+        count += 1
+        if now - last >= self._window:
+            log.info("unauthenticated_refused", peer=peer, count=count, problem=problem)
+            last, count = now, 0
+        self._peers[peer] = (last, count)
+        if len(self._peers) > REFUSAL_LOG_PEERS:
+            self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Drop the peers whose window is over (saying what they had left unsaid)."""
+        for peer, (last, count) in list(self._peers.items()):
+            if now - last >= self._window:
+                if count:
+                    log.info("unauthenticated_refused", peer=peer, count=count, problem="missing or wrong")
+                del self._peers[peer]
+
+
+def peer_host(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The caller's address without its port ("ipv4:127.0.0.1:5555" -> "ipv4:127.0.0.1"): one
+    peer, however many connections it opens."""
+    peer = context.peer() or "unknown"
+    host, colon, port = peer.rpartition(":")
+    return host if colon and port.isdigit() and not peer.startswith("unix:") else peer
+
+
+class BearerToken:
+    """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time),
+    or, on a call forwarded by another host, that host's signature (``hosts``: ``host_auth``,
+    from metadata alone; the request is checked against it once decoded)."""
+
+    def __init__(
+        self,
+        token: str,
+        on_refused: Callable[[], None] | None = None,
+        refusals: RefusalLog | None = None,
+        hosts: HostAuth | None = None,
+    ) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._on_refused = on_refused
+        self._refusals = refusals if refusals is not None else RefusalLog()
+        self.hosts = hosts
+
+    def check(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> None:
+        metadata = context.invocation_metadata()
+        if self.hosts is not None and self.hosts.carried(metadata) and not _authorization(metadata):
+            try:  # a forward: never the bearer (rcoder.api.host_auth)
+                self.hosts.verify(method, metadata)
+            except errors.Unauthenticated:
+                self._refused(context, "bad forward signature")
+                raise
+            return
+        problem = self.problem(metadata)
+        if problem:
+            self._refused(context, problem)
+            raise errors.Unauthenticated(f"authorization {problem}: send 'authorization: Bearer <token>'")
+
+    def _refused(self, context: grpc.aio.ServicerContext[Any, Any], problem: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused()
+        self._refusals.refused(peer_host(context), problem)
+
+    def check_request(self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """After decoding: a forward's request is what its signature names."""
+        if self.hosts is not None:
+            self.hosts.check_request(method, request, context.invocation_metadata())
+
+    def problem(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+        """ "missing", "wrong", or "" when ``metadata`` carries the token."""
+        given = _authorization(metadata)
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given_bytes, self._expected):
+            return ""
+        return "missing" if not given else "wrong"
+
+
+def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | bytes:
+    return next((v for k, v in metadata or () if k == "authorization"), "")
+
+
+class CallLimit:
+    """AgentRunner calls in progress at once (``max_concurrent_rpcs``; health is not counted, so
+    probes still answer). grpc's own ``maximum_concurrent_rpcs`` refuses with no ErrorInfo; this
+    one says which limit it is, as every refusal does."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.active = 0
+
+    def check(self) -> None:
+        if self.active >= self.limit:
+            raise errors.ResourceExhausted(
+                f"{self.limit} calls are in progress on this host (max_concurrent_rpcs); retry shortly",
+                reason="RPC_LIMIT_REACHED",
+                limit=str(self.limit),
+            )
+
+
+class RequestBytes:
+    """The bytes requests in flight hold together, at most ``total``: a call reserves ``largest``
+    (``max_request_bytes``) before its message is read, keeps the message's size once read (until
+    it ends). A call that finds no room waits, first come first served, up to ``wait`` seconds."""
+
+    def __init__(self, total: int, largest: int, wait: float = REQUEST_WAIT) -> None:
+        self.largest = largest
+        self.total = max(total, largest)
+        self.held = 0
+        self._wait = wait
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    async def reserve(self) -> None:
+        if not self._waiting and self.held + self.largest <= self.total:
+            self.held += self.largest
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self._waiting.append(granted)
+        try:
+            async with asyncio.timeout(self._wait):
+                await granted
+        except BaseException as exc:
+            if granted.done() and not granted.cancelled():
+                self.release(self.largest)  # granted as the wait ended: given back
+            else:
+                granted.cancel()
+            if isinstance(exc, TimeoutError):
+                raise errors.ResourceExhausted(
+                    f"requests in flight hold {self.held} bytes of max_request_bytes_in_flight ({self.total}); "
+                    "retry shortly",
+                    reason="REQUEST_BYTES_LIMIT_REACHED",
+                    limit=str(self.total),
+                ) from None
+            raise
+
+    def keep(self, size: int) -> None:
+        """The message read is ``size`` bytes: the rest of the reservation is given back."""
+        self.release(self.largest - min(size, self.largest))
+
+    def release(self, size: int) -> None:
+        self.held -= size
+        while self._waiting and self.held + self.largest <= self.total:
+            granted = self._waiting.popleft()
+            if not granted.done():
+                self.held += self.largest
+                granted.set_result(None)
+
+
+class Gate:
+    """``enter`` before a handler runs (see the module's docstring), ``leave`` when it ends."""
+
+    def __init__(self, token: BearerToken | None, calls: CallLimit, request_bytes: RequestBytes) -> None:
+        self.token = token
+        self.calls = calls
+        self.request_bytes = request_bytes
+
+    async def enter(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> tuple[Any, int]:
+        """The call's request and the bytes it holds, or raises why it is refused."""
+        if self.token is not None:  # first: a caller without the token learns nothing of its request
+            self.token.check(context, method)
+        self.calls.check()
+        budget = self.request_bytes
+        await budget.reserve()
+        try:
+            read = await context.read()
+        except BaseException:
+            budget.release(budget.largest)
+            raise
+        if read is grpc.aio.EOF:
+            budget.release(budget.largest)
+            raise errors.InvalidArgument(  # what the caller saw is grpc's RESOURCE_EXHAUSTED, if that
+                "request",
+                f"no request message: none was sent, or one over max_request_bytes ({budget.largest})",
+                reason="BAD_REQUEST",
+            )
+        request, size = read
+        if isinstance(request, Undecodable):
+            budget.release(budget.largest)
+            raise errors.InvalidArgument(
+                "request",
+                f"could not decode it ({request.error}); string fields must be valid UTF-8",
+                reason="BAD_REQUEST",
+            )
+        if self.token is not None:
+            try:
+                self.token.check_request(method, request, context)
+            except BaseException:
+                budget.release(budget.largest)
+                raise
+        budget.keep(size)
+        self.calls.active += 1
+        return request, min(size, budget.largest)
+
+    def leave(self, held: int) -> None:
+        self.calls.active -= 1
+        self.request_bytes.release(held)

@@ -56,6 +56,7 @@ class Scene:
     last_run_id: str  # the session's run before the scene's turns
     streams: list[Open] = field(default_factory=list)
     permission_id: str = ""
+    branch: str = ""  # a session forked from it (the call under test)
 
     def of(self, role: str) -> list[Open]:
         return [s for s in self.streams if s.role == role]
@@ -220,8 +221,9 @@ async def release(scene: Scene) -> None:
         await stub.Cancel(pb.CancelRequest(run_id=running.run_id), timeout=END_BOUND)
 
 
-async def next_turn_works(scene: Scene) -> None:
-    events = await collect(chat(scene.client, project_id=scene.project_id, session_id=scene.session_id,
+async def next_turn_works(scene: Scene, session_id: str = "") -> None:
+    """The session's next turn (``session_id``: another one of the project's, a branch) answers."""
+    events = await collect(chat(scene.client, project_id=scene.project_id, session_id=session_id or scene.session_id,
                                 prompt="remember 9"))  # fmt: skip
     assert events[-1].completed.stop_reason == pb.STOP_REASON_END_TURN, events[-1:]
     assert "9" in "".join(e.agent_message.text for e in events), events

@@ -13,9 +13,13 @@ ends; how each queued turn ends (``*2``: both, alike); whether the session is th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 import pytest_asyncio
 
@@ -25,6 +29,7 @@ from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, 
 from tests.lifecycle import (
     END_BOUND,
     GATE,
+    Open,
     STATES,
     TELL,
     Scene,
@@ -32,27 +37,74 @@ from tests.lifecycle import (
     agent_pids,
     answer,
     end_of,
+    chat,
     make_scene,
     next_turn_works,
+    release,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TABLE = """
-delete          idle        OK+agent_stopped                -                   -  gone
-delete          starting    OK+turn_cancelled               completed:CANCELLED -  gone
-delete          running     OK+turn_cancelled               completed:CANCELLED -  gone
-delete          permission  OK+turn_cancelled               completed:CANCELLED -  gone
-delete          queued1     OK+turn_cancelled               completed:CANCELLED ABORTED:SESSION_DELETING  gone
-delete          queued2     OK+turn_cancelled               completed:CANCELLED ABORTED:SESSION_DELETING*2  gone
-cancel_session  idle        OK                              -                   -  there
-cancel_session  starting    OK+cancelled                    completed:CANCELLED -  there
-cancel_session  running     OK+cancelled                    completed:CANCELLED -  there
-cancel_session  permission  OK+cancelled                    completed:CANCELLED -  there
-cancel_session  queued1     OK+cancelled                    completed:CANCELLED CANCELLED:RUN_CANCELLED  there
-cancel_session  queued2     OK+cancelled                    completed:CANCELLED CANCELLED:RUN_CANCELLED*2  there
+delete          idle        OK+agent_stopped      -                              -                           -                                      gone
+delete          starting    OK+turn_cancelled     completed:CANCELLED            -                           -                                      gone
+delete          running     OK+turn_cancelled     completed:CANCELLED            -                           -                                      gone
+delete          permission  OK+turn_cancelled     completed:CANCELLED            -                           -                                      gone
+delete          queued1     OK+turn_cancelled     completed:CANCELLED            ABORTED:SESSION_DELETING    -                                      gone
+delete          queued2     OK+turn_cancelled     completed:CANCELLED            ABORTED:SESSION_DELETING*2  -                                      gone
+cancel_session  idle        OK                    -                              -                           -                                      there
+cancel_session  starting    OK+cancelled          completed:CANCELLED            -                           -                                      there
+cancel_session  running     OK+cancelled          completed:CANCELLED            -                           -                                      there
+cancel_session  permission  OK+cancelled          completed:CANCELLED            -                           -                                      there
+cancel_session  queued1     OK+cancelled          completed:CANCELLED            CANCELLED:RUN_CANCELLED     -                                      there
+cancel_session  queued2     OK+cancelled          completed:CANCELLED            CANCELLED:RUN_CANCELLED*2   -                                      there
+close           idle        OK+agent_stopped      -                              -                           -                                      there
+close           starting    ABORTED:SESSION_BUSY  completed:CANCELLED            -                           -                                      there
+close           running     ABORTED:SESSION_BUSY  completed:CANCELLED            -                           -                                      there
+close           permission  ABORTED:SESSION_BUSY  completed:END_TURN             -                           -                                      there
+close           queued1     ABORTED:SESSION_BUSY  completed:CANCELLED            completed:END_TURN          -                                      there
+close           queued2     ABORTED:SESSION_BUSY  completed:CANCELLED            completed:END_TURN*2        -                                      there
+cancel_run      idle        OK                    -                              -                           -                                      there
+cancel_run      starting    OK+cancelled          completed:CANCELLED            -                           -                                      there
+cancel_run      running     OK+cancelled          completed:CANCELLED            -                           -                                      there
+cancel_run      permission  OK+cancelled          completed:CANCELLED            -                           -                                      there
+cancel_run      queued1     OK+cancelled          completed:CANCELLED            completed:END_TURN          -                                      there
+cancel_run      queued2     OK+cancelled          completed:CANCELLED            completed:END_TURN*2        -                                      there
+fork            idle        OK+RESEEDED           -                              -                           -                                      there
+fork            starting    OK+RESEEDED           completed:CANCELLED            -                           -                                      there
+fork            running     OK+RESEEDED           completed:CANCELLED            -                           -                                      there
+fork            permission  OK+RESEEDED           completed:END_TURN             -                           -                                      there
+fork            queued1     OK+RESEEDED           completed:CANCELLED            completed:END_TURN          -                                      there
+fork            queued2     OK+RESEEDED           completed:CANCELLED            completed:END_TURN*2        -                                      there
+chat_reject     idle        -                     -                              -                           completed:END_TURN                     there
+chat_reject     starting    -                     completed:CANCELLED            -                           ABORTED:SESSION_BUSY                   there
+chat_reject     running     -                     completed:CANCELLED            -                           ABORTED:SESSION_BUSY                   there
+chat_reject     permission  -                     completed:END_TURN             -                           ABORTED:SESSION_BUSY                   there
+chat_reject     queued1     -                     completed:CANCELLED            completed:END_TURN          ABORTED:SESSION_BUSY                   there
+chat_reject     queued2     -                     completed:CANCELLED            completed:END_TURN*2        ABORTED:SESSION_BUSY                   there
+chat_queue      idle        -                     -                              -                           completed:END_TURN                     there
+chat_queue      starting    -                     completed:CANCELLED            -                           completed:END_TURN                     there
+chat_queue      running     -                     completed:CANCELLED            -                           completed:END_TURN                     there
+chat_queue      permission  -                     completed:END_TURN             -                           completed:END_TURN                     there
+chat_queue      queued1     -                     completed:CANCELLED            completed:END_TURN          completed:END_TURN                     there
+chat_queue      queued2     -                     completed:CANCELLED            completed:END_TURN*2        RESOURCE_EXHAUSTED:QUEUED_TURNS_LIMIT  there
+chat_interrupt  idle        -                     -                              -                           completed:END_TURN                     there
+chat_interrupt  starting    -                     completed:CANCELLED            -                           completed:END_TURN                     there
+chat_interrupt  running     -                     completed:CANCELLED            -                           completed:END_TURN                     there
+chat_interrupt  permission  -                     completed:CANCELLED            -                           completed:END_TURN                     there
+chat_interrupt  queued1     -                     completed:CANCELLED            CANCELLED:RUN_CANCELLED     completed:END_TURN                     there
+chat_interrupt  queued2     -                     completed:CANCELLED            CANCELLED:RUN_CANCELLED*2   completed:END_TURN                     there
+agent_dies      idle        -                     -                              -                           -                                      there
+agent_dies      starting    -                     UNAVAILABLE:AGENT_UNAVAILABLE  -                           -                                      there
+agent_dies      running     -                     completed:ERROR                -                           -                                      there
+agent_dies      permission  -                     completed:ERROR                -                           -                                      there
+agent_dies      queued1     -                     completed:ERROR                completed:END_TURN          -                                      there
+agent_dies      queued2     -                     completed:ERROR                completed:END_TURN*2        -                                      there
 """
 PAIRS = {(row[0], row[1]): tuple(row[2:]) for row in (line.split() for line in TABLE.strip().splitlines())}
+# calls that leave the running turn be: it is released afterwards (``lifecycle.release``: its
+# permission answered "allow", else cancelled), so its end and the queued turns' are the release's
+LEAVES = {"close", "fork", "chat_reject", "chat_queue"}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -79,26 +131,81 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
 
 
 async def act(scene: Scene, call: str) -> str:
-    stub = scene.client.stub
+    """Make ``call`` on the scene's session; what it answered (``-``: nothing to answer: a Chat, whose
+    stream is the scene's "new" one, or the agent's death)."""
+    stub, session_id = scene.client.stub, scene.session_id
     if call == "delete":
-        deleted = stub.DeleteSession(pb.DeleteSessionRequest(session_id=scene.session_id), timeout=60)
+        deleted = stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=60)
         said = await answer(deleted)
         if said != "OK":
             return said
         got = await deleted
         return "OK" + "".join(f"+{f}" for f in ("agent_stopped", "turn_cancelled") if getattr(got, f) and
                               (f == "turn_cancelled" or not got.turn_cancelled))  # fmt: skip
-    if call == "cancel_session":
-        cancelled = stub.Cancel(pb.CancelRequest(session_id=scene.session_id), timeout=60)
+    if call in ("cancel_session", "cancel_run"):
+        running = scene.running
+        request = (
+            pb.CancelRequest(session_id=session_id)
+            if call == "cancel_session"
+            else pb.CancelRequest(run_id=running.run_id if running else scene.last_run_id)
+        )
+        cancelled = stub.Cancel(request, timeout=60)
         said = await answer(cancelled)
         return said if said != "OK" else "OK" + ("+cancelled" if (await cancelled).cancelled else "")
+    if call == "close":
+        closed = stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=60)
+        said = await answer(closed)
+        return said if said != "OK" else "OK" + ("+agent_stopped" if (await closed).agent_stopped else "")
+    if call == "fork":
+        forked = stub.ForkSession(pb.ForkSessionRequest(session_id=session_id, project_id=scene.project_id),
+                                  timeout=60)  # fmt: skip
+        said = await answer(forked)
+        if said != "OK":
+            return said
+        got = await forked
+        scene.branch = got.session.session_id
+        return f"OK+{pb.ForkMethod.Name(got.method).removeprefix('FORK_METHOD_')}"
+    if call.startswith("chat_"):
+        await send(scene, getattr(pb, f"BUSY_POLICY_{call.removeprefix('chat_').upper()}"))
+        return "-"
+    if call == "agent_dies":
+        pid = agent_of(scene)
+        os.kill(pid, signal.SIGKILL)
+        async with asyncio.timeout(END_BOUND):
+            await exited(pid)
+        return "-"
     raise AssertionError(call)
+
+
+async def send(scene: Scene, busy: int) -> None:
+    """A new turn for the session, sent with ``busy``: read up to its first message (``queued``,
+    ``started``, or the status it was refused with), so that it was taken in before what follows."""
+    call = chat(scene.client, project_id=scene.project_id, session_id=scene.session_id, prompt="remember 5",
+                busy=busy)  # fmt: skip
+    new = Open("new", call)
+    scene.streams.append(new)
+    with contextlib.suppress(grpc.aio.AioRpcError):  # refused: end_of reads the status again
+        async with asyncio.timeout(END_BOUND):
+            event = await call.read()
+        assert isinstance(event, pb.ChatStream), event
+        new.run_id, new.first = event.run_id, event
+        new.events.append(event)
+
+
+def agent_of(scene: Scene) -> int:
+    """The pid of the session's agent: the last one spawned for it (its log line)."""
+    rows = [row for row in scene.daemon.logs("agent_spawned") if row.get("session_id") == scene.session_id]
+    assert rows, f"no agent spawned for {scene.session_id}"
+    return int(rows[-1]["pid"])
 
 
 def together(ends: list[str]) -> str:
     if not ends:
         return "-"
     return ends[0] + "*2" if len(ends) == 2 and ends[0] == ends[1] else ",".join(ends)
+
+
+ROLES = ("running", "queued", "new")
 
 
 @pytest.mark.parametrize(("call", "state"), sorted(PAIRS), ids=lambda pair: pair)
@@ -109,15 +216,18 @@ async def test_every_stream_ends_and_the_call_answers_as_the_table_says(
     assert state in STATES
     scene = await make_scene(daemon, client, teller, gate, f"{call}-{state}", state)
     said = await act(scene, call)
-    ends = {role: [await end_of(s) for s in scene.of(role)] for role in ("running", "queued")}
-    got = (said, *(together(ends[role]) for role in ("running", "queued")))
+    if call in LEAVES:
+        await release(scene)
+    ends = {role: [await end_of(s) for s in scene.of(role)] for role in ROLES}
+    got = (said, *(together(ends[role]) for role in ROLES))
     session = client.stub.GetSession(pb.GetSessionRequest(session_id=scene.session_id), timeout=30)
     there = await answer(session)
     assert there in {"OK", "NOT_FOUND:SESSION_NOT_FOUND"}, there
     assert (*got, "there" if there == "OK" else "gone") == PAIRS[call, state]
-    if there == "OK":
-        await next_turn_works(scene)
-        await client.stub.CloseSession(pb.CloseSessionRequest(session_id=scene.session_id), timeout=30)
+    for session_id in (scene.session_id, scene.branch) if there == "OK" else ():
+        if session_id:
+            await next_turn_works(scene, session_id)
+            await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
     async with asyncio.timeout(END_BOUND):  # every agent of the module ends with its session
         for pid in agent_pids(daemon):
             await exited(pid)

@@ -88,7 +88,7 @@ class AcpWorker:
         # one host on its own store unless told otherwise: every lease is this host's
         self.leases = leases or LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
         pool.on_session_closed = self.leases.release  # a session's lease lasts as long as its live agent
-        self.leases.on_lost = pool.drop  # and a lost lease ends the agent
+        self.leases.on_lost = self._lease_lost  # and a lost lease ends the agent
         # every run's events, stored as streamed, and read back by Subscribe
         self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
         self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history)
@@ -127,6 +127,14 @@ class AcpWorker:
         # not shielded (one hop less): a caller that leaves cancels only this future, which
         # the turn never needs; the turn goes on in its own task
         return Ticket(await ready)
+
+    def _lease_lost(self, session_id: str, generation: int) -> None:
+        """Another host has the session now: its agent is ended here, and so is a start under way
+        (``TurnScope.lose_lease``): neither outlasts the lease, however long the start would take."""
+        self._pool.drop(session_id)
+        holder = self._runs.holder(session_id)
+        if holder is not None:
+            self.turns.lease_lost(holder.run_id, generation)
 
     def _queue(self, waiting: Waiting, holder: Run) -> int:
         """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""

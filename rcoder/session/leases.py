@@ -42,7 +42,7 @@ class LeaseKeeper:
         coordination: Coordination,
         lease_ttl: float,
         metrics: Metrics,
-        on_lost: Callable[[str], None] = lambda session_id: None,
+        on_lost: Callable[[str, int], None] = lambda session_id, generation: None,
         on_store: Callable[[bool, str], None] = lambda reachable, error: None,
     ) -> None:
         self.coordination = coordination
@@ -170,7 +170,7 @@ class LeaseKeeper:
             self._forget(lease.session_id)
             self._metrics.leases_lost.inc()
             log.warning("lease_lost", session_id=lease.session_id, generation=lease.generation)
-            self.on_lost(lease.session_id)
+            self.on_lost(lease.session_id, lease.generation)
 
     # ------------------------------------------------------------ leases not renewed in time
 
@@ -208,7 +208,7 @@ class LeaseKeeper:
                 self._metrics.leases_lost.inc()
                 log.warning("lease_not_renewed_in_time", session_id=session_id, generation=lease.generation,
                             seconds_left=round(until - asyncio.get_running_loop().time(), 3))  # fmt: skip
-                self.on_lost(session_id)
+                self.on_lost(session_id, lease.generation)
 
     def _store_reachable(self, reachable: bool, error: str) -> None:
         if reachable == self._reachable:

@@ -137,6 +137,7 @@ class TurnScope:
         self._ready = ready
         self.phase = Phase.CLAIMED
         self.cancel_requested = False
+        self.lost: LeaseLost | None = None  # the session's lease was lost while its agent opened
         self.follows = plan.record.last_run_id if plan.record is not None else ""  # the session's run before
         self._opening: asyncio.Task[Opened] | None = None  # the work of ``Phase.OPENING``
         self._start_recording = False  # the start was handed to the store (it may have landed)
@@ -192,8 +193,11 @@ class TurnScope:
                 opened = await self._opening
             except asyncio.CancelledError:
                 current = asyncio.current_task()
-                if self.cancel_requested and current is not None and not current.cancelling():
-                    raise RunCancelled(self.run.run_id, "its session was opening") from None
+                if current is not None and not current.cancelling():
+                    if self.cancel_requested:
+                        raise RunCancelled(self.run.run_id, "its session was opening") from None
+                    if self.lost is not None:
+                        raise self.lost from None
                 raise
             finally:
                 self._opening = None
@@ -230,6 +234,15 @@ class TurnScope:
             case _:  # claimed, opened (or a live agent being taken): the next step is never taken
                 pass
         return True
+
+    def lose_lease(self, generation: int) -> None:
+        """The session's lease was lost while its agent is starting or opening the session: that
+        work is stopped (the agent's group ended) and the turn, which nothing has seen start,
+        is refused ``LeaseLost``. In a later phase the agent ended with the lease ends it."""
+        if self.phase is Phase.OPENING and self._opening is not None and self.lost is None:
+            self.lost = LeaseLost(self.plan.session_id, generation)
+            log.warning("run_opening_lease_lost", run_id=self.run.run_id, generation=generation)
+            self._opening.cancel()
 
     def deliver(self, event: AgentEvent) -> None:
         """Publish what the agent sent; before ``started`` is out it waits, in order."""
@@ -388,6 +401,12 @@ class TurnRunner:
         """Ask the turn to stop. False when it is no longer running."""
         scope = self._scopes.get(run_id)
         return scope is not None and scope.cancel()
+
+    def lease_lost(self, run_id: str, generation: int) -> None:
+        """The lease of the turn's session was lost (``TurnScope.lose_lease``)."""
+        scope = self._scopes.get(run_id)
+        if scope is not None:
+            scope.lose_lease(generation)
 
     def follows(self, run_id: str) -> str | None:
         """The run the claimed turn follows in its session ("" for its first; None: not running here)."""

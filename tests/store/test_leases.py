@@ -297,7 +297,7 @@ async def test_a_host_whose_renewal_does_not_come_back_stops_serving_the_session
     lost: list[str] = []
     dropped = asyncio.Event()
 
-    def on_lost(session_id: str) -> None:
+    def on_lost(session_id: str, generation: int) -> None:
         lost.append(session_id)
         dropped.set()
 

@@ -11,7 +11,8 @@ A scene is one session in one state (``STATES``):
 
 Each open stream is an ``Open``: what it is, its call, and its run once known. ``end_of`` reads a
 stream to its end and says how it ended in one word, as the tables of the tests write it:
-``completed:<STOP_REASON>``, or ``<CODE>:<ErrorInfo reason>`` for a status.
+``completed:<STOP_REASON>`` (``/<error_reason>`` when it has one), or ``<CODE>:<ErrorInfo reason>``
+for a status.
 """
 
 from __future__ import annotations
@@ -142,6 +143,15 @@ async def make_scene(daemon: Daemon, client: Client, teller: Teller, gate: Path,
     return scene
 
 
+async def make_scenes(daemon: Daemon, client: Client, teller: Teller, gate: Path, prefix: str) -> list[Scene]:
+    """One scene in each of ``STATES`` (projects ``<prefix>-<state>``), in that order: the starting
+    one first, alone (its gate is the daemon's only hanging start), then the others at once."""
+    starting = await make_scene(daemon, client, teller, gate, f"{prefix}-starting", "starting")
+    others = [state for state in STATES if state != "starting"]
+    made = await asyncio.gather(*(make_scene(daemon, client, teller, gate, f"{prefix}-{s}", s) for s in others))
+    return sorted([starting, *made], key=lambda scene: STATES.index(scene.state))
+
+
 def spawned_run(daemon: Daemon) -> str:
     """The run of the last agent spawned: a starting turn's only name until it starts (its log line)."""
     rows = daemon.logs("agent_spawned")
@@ -191,7 +201,8 @@ async def end_of(stream: Open, timeout: float = END_BOUND) -> str:
     assert stream.events, f"the {stream.role} stream ended with nothing"
     last = stream.events[-1]
     assert last.WhichOneof("event") == "completed", last
-    return f"completed:{pb.StopReason.Name(last.completed.stop_reason).removeprefix('STOP_REASON_')}"
+    said = f"completed:{pb.StopReason.Name(last.completed.stop_reason).removeprefix('STOP_REASON_')}"
+    return said + (f"/{last.completed.error_reason}" if last.completed.error_reason else "")
 
 
 async def answer(call: object) -> str:

@@ -29,15 +29,15 @@ from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, 
 from tests.lifecycle import (
     END_BOUND,
     GATE,
-    Open,
     STATES,
     TELL,
+    Open,
     Scene,
     Teller,
     agent_pids,
     answer,
-    end_of,
     chat,
+    end_of,
     make_scene,
     next_turn_works,
     release,
@@ -96,11 +96,11 @@ chat_interrupt  queued1     -                     completed:CANCELLED           
 chat_interrupt  queued2     -                     completed:CANCELLED            CANCELLED:RUN_CANCELLED*2   completed:END_TURN                     there
 agent_dies      idle        -                     -                              -                           -                                      there
 agent_dies      starting    -                     UNAVAILABLE:AGENT_UNAVAILABLE  -                           -                                      there
-agent_dies      running     -                     completed:ERROR                -                           -                                      there
-agent_dies      permission  -                     completed:ERROR                -                           -                                      there
-agent_dies      queued1     -                     completed:ERROR                completed:END_TURN          -                                      there
-agent_dies      queued2     -                     completed:ERROR                completed:END_TURN*2        -                                      there
-"""
+agent_dies      running     -                     completed:ERROR/AGENT_CRASHED  -                           -                                      there
+agent_dies      permission  -                     completed:ERROR/AGENT_CRASHED  -                           -                                      there
+agent_dies      queued1     -                     completed:ERROR/AGENT_CRASHED  completed:END_TURN          -                                      there
+agent_dies      queued2     -                     completed:ERROR/AGENT_CRASHED  completed:END_TURN*2        -                                      there
+"""  # noqa: E501
 PAIRS = {(row[0], row[1]): tuple(row[2:]) for row in (line.split() for line in TABLE.strip().splitlines())}
 # calls that leave the running turn be: it is released afterwards (``lifecycle.release``: its
 # permission answered "allow", else cancelled), so its end and the queued turns' are the release's
@@ -130,10 +130,12 @@ async def live(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[
             assert_stores_consistent(root)
 
 
-async def act(scene: Scene, call: str) -> str:
-    """Make ``call`` on the scene's session; what it answered (``-``: nothing to answer: a Chat, whose
-    stream is the scene's "new" one, or the agent's death)."""
-    stub, session_id = scene.client.stub, scene.session_id
+async def act(scene: Scene, call: str, via: Client | None = None) -> str:
+    """Make ``call`` on the scene's session, through ``via`` (another host; default: the scene's
+    client); what it answered (``-``: nothing to answer: a Chat, whose stream is the scene's "new"
+    one, or the agent's death)."""
+    client = via or scene.client
+    stub, session_id = client.stub, scene.session_id
     if call == "delete":
         deleted = stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id), timeout=60)
         said = await answer(deleted)
@@ -166,7 +168,7 @@ async def act(scene: Scene, call: str) -> str:
         scene.branch = got.session.session_id
         return f"OK+{pb.ForkMethod.Name(got.method).removeprefix('FORK_METHOD_')}"
     if call.startswith("chat_"):
-        await send(scene, getattr(pb, f"BUSY_POLICY_{call.removeprefix('chat_').upper()}"))
+        await send(scene, getattr(pb, f"BUSY_POLICY_{call.removeprefix('chat_').upper()}"), client)
         return "-"
     if call == "agent_dies":
         pid = agent_of(scene)
@@ -177,11 +179,10 @@ async def act(scene: Scene, call: str) -> str:
     raise AssertionError(call)
 
 
-async def send(scene: Scene, busy: int) -> None:
+async def send(scene: Scene, busy: int, client: Client) -> None:
     """A new turn for the session, sent with ``busy``: read up to its first message (``queued``,
     ``started``, or the status it was refused with), so that it was taken in before what follows."""
-    call = chat(scene.client, project_id=scene.project_id, session_id=scene.session_id, prompt="remember 5",
-                busy=busy)  # fmt: skip
+    call = chat(client, project_id=scene.project_id, session_id=scene.session_id, prompt="remember 5", busy=busy)
     new = Open("new", call)
     scene.streams.append(new)
     with contextlib.suppress(grpc.aio.AioRpcError):  # refused: end_of reads the status again

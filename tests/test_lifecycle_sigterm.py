@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import assert_stores_consistent, base_settings, exited
 from tests.harness import Client, Daemon, FakeAgentSetup, processes_mentioning, write_config
-from tests.lifecycle import GATE, STATES, TELL, Teller, agent_pids, end_of, make_scene, next_turn_works
+from tests.lifecycle import GATE, STATES, TELL, Teller, agent_pids, end_of, make_scenes, next_turn_works
 from tests.test_lifecycle import together
 
 TABLE = """
@@ -47,14 +45,13 @@ async def test_a_sigterm_ends_every_stream_of_every_state_and_each_session_resum
         daemon = await Daemon(config).start()
         client = Client(daemon.channel())
         try:
-            scenes = [await make_scene(daemon, client, teller, gate, state, state) for state in STATES]
+            scenes = await make_scenes(daemon, client, teller, gate, "sigterm")
             async with asyncio.timeout(DRAIN_BOUND):
                 assert await daemon.stop() == 0
-            got = {
-                scene.state: tuple([together([await end_of(s, 0.5) for s in scene.of(role)])
-                                    for role in ("running", "queued")])  # fmt: skip
-                for scene in scenes
-            }
+            got = {}
+            for scene in scenes:  # each stream ended as the daemon went: read at once
+                ends = [together([await end_of(s, 0.5) for s in scene.of(role)]) for role in ("running", "queued")]
+                got[scene.state] = tuple(ends)
         finally:
             await client.channel.close()
             await daemon.kill()
@@ -67,7 +64,7 @@ async def test_a_sigterm_ends_every_stream_of_every_state_and_each_session_resum
         try:
             for scene in scenes:  # the same sessions, on the daemon started anew on the same data_dir
                 scene.daemon, scene.client = again, client
-                await next_turn_works(scene)
+            await asyncio.gather(*(next_turn_works(scene) for scene in scenes))
             async with asyncio.timeout(DRAIN_BOUND):
                 assert await again.stop() == 0
         finally:

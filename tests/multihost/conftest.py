@@ -55,6 +55,7 @@ class Hosts:
     by_name: dict[str, Host] = field(default_factory=dict)
     # the clients' credentials when the hosts serve TLS (None: plaintext)
     credentials: grpc.ChannelCredentials | None = None
+    agent_flags: tuple[str, ...] = ()  # the fake agent's flags, for the hosts started after they are set
 
     def __getitem__(self, name: str) -> Host:
         return self.by_name[name]
@@ -73,7 +74,8 @@ class Hosts:
                 **self.top,
                 **(each or {}).get(name, {}),
             }
-            config = write_config(self.root / f"rcoder-{name}.toml", {"fake": self.fake.profile()}, **settings)
+            profiles = {"fake": self.fake.profile(*self.agent_flags)}
+            config = write_config(self.root / f"rcoder-{name}.toml", profiles, **settings)
             daemon = await Daemon(config).start()
             channel = (
                 grpc.aio.insecure_channel(daemon.address)  # the tests send AUTH_MD themselves

@@ -6,8 +6,16 @@ or a status that is not UNKNOWN) within ``END_BOUND``, that the call answers as 
 that the session's next turn works where the session is still there, and that no agent process
 is left once the session is closed. States and how each is made: ``tests/lifecycle.py``.
 
-Columns: the call; the state; what the call answers; how the turn that ran (or was starting)
-ends; how each queued turn ends (``*2``: both, alike); whether the session is there afterwards. ``-``: nothing there.
+Calls: ``delete`` (DeleteSession), ``cancel_session`` and ``cancel_run`` (Cancel by session, and
+by the run id of the turn running or starting: of the last run when idle), ``close``
+(CloseSession), ``fork`` (ForkSession; the branch's first turn is asserted too), ``chat_<policy>``
+(a new Chat with that ``busy`` policy) and ``agent_dies`` (the session's agent SIGKILLed). After a
+call that leaves the running turn be (``LEAVES``) that turn is released: its permission answered
+"allow", else cancelled by its run id; the ends in its row are then the release's.
+
+Columns: the call; the state; what the call answers (``-``: a Chat, or the agent's death); how
+the turn that ran (or was starting) ends; how each queued turn ends (``*2``: both, alike); how
+the turn the call sent ends (a Chat); whether the session is there afterwards. ``-``: nothing there.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from rcoder.store.base import INTERRUPTED_ERROR, INTERRUPTED_REASON
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Client, completed
-from tests.turns import read_until, start_turn
+from tests.turns import read_until, rest_of, start_turn
 
 # a turn with every kind of event the fake agent makes: thoughts, tool calls and their updates
 # (a diff, output), a plan, text, usage
@@ -168,3 +168,26 @@ async def test_a_flood_no_client_reads_is_stored_whole_from_seq_1_the_agent_wait
     kinds = [e.WhichOneof("event") for e in replay]
     assert kinds[0] == "started" and kinds[-1] == "completed" and kinds.count("tool_call") == CALLS
     assert begun["run_id"] == run_id
+
+
+async def test_a_follower_behind_a_running_run_whose_history_was_cut_gets_a_gap_then_the_live_events(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    # the history keeps started and one chunk (400 bytes), the buffer four events
+    _, client = await make_daemon(history_max_bytes_per_run=400, run_buffer_events=4, heartbeat_interval=0)
+    call, first = await start_turn(client, prompt="stream 60 pace 40")
+    chat = [first]
+    while chat[-1].seq < 40:  # 1.5 s in: the history flushed (every 0.25 s) and the buffer let seq 3 go
+        chat.append(await call.read())
+    late = client.stub.Subscribe(pb.SubscribeRequest(run_id=first.run_id))
+    watched = [e async for e in late]
+    chat += await rest_of(call)
+
+    assert watched[:2] == chat[:2]  # started and the first chunk, from the store
+    gap = watched[2]
+    assert gap.WhichOneof("event") == "gap" and (gap.gap.from_seq, gap.gap.reason) == (3, "history_max_bytes_per_run")
+    assert gap.seq == gap.gap.to_seq and 3 < gap.gap.to_seq < 40
+    assert watched[3:] == [e for e in chat if e.seq > gap.seq]  # then every later event, live, to completed
+    # stored: the two, the gap open at 3 and closed before completed, completed
+    last = chat[-1].seq
+    assert stored_seqs(tmp_path / "data" / "rcoder.db", first.run_id) == [1, 2, 3, last - 1, last]

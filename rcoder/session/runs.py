@@ -110,6 +110,7 @@ class Run:
         self._unstored = 0  # bytes of the kept events after stored_seq (what room() bounds)
         self._room: asyncio.Event | None = None  # set once the history caught up (``room``)
         self._hurried = False  # on_behind was called since the last mark_stored
+        self.paced = 0  # how many times the agent's output waited for the history (``room``)
         # told (without awaiting) when the history falls half a bound behind: flush now, not at the timer
         self.on_behind: Callable[[], None] | None = None
         self._end: RunEvent | None = None  # completed, numbered and not yet published (``prepare_end``)
@@ -317,7 +318,9 @@ class Run:
             return None
         if self._room is None or self._room.is_set():
             self._room = asyncio.Event()
-            log.info("run_paced", run_id=self.run_id, behind=self._seq - self.stored_seq, bytes=self._unstored)
+            self.paced += 1
+            if self.paced == 1:  # said once a run: a flood pauses at every buffer, and a log line costs ~100 µs
+                log.info("run_paced", run_id=self.run_id, behind=self._seq - self.stored_seq, bytes=self._unstored)
             if self.on_behind is not None:
                 guarded("history_hurry", self.on_behind)
         return self._room

@@ -35,6 +35,7 @@ class StopReason(enum.Enum):
     REFUSAL = "refusal"
     CANCELLED = "cancelled"
     ERROR = "error"
+    INTERRUPTED = "interrupted"  # the daemon stopped mid-turn and never stored the end (marked at its next start)
 
 
 class ResumeRoute(enum.Enum):
@@ -342,6 +343,20 @@ class Heartbeat:
     pass
 
 
+GAP_HISTORY_CUT = "history_max_bytes_per_run"  # RunGap.reason: the stored history reached that bound
+
+
+@dataclass(frozen=True, slots=True)
+class RunGap:
+    """Events ``from_seq``..``to_seq`` of the run are not in this stream (``reason`` says why);
+    the event carrying it has seq ``to_seq``. ``to_seq`` 0: not known yet (stored at the cut, it is
+    closed by the next stored event, see ``session.history``)."""
+
+    from_seq: int
+    to_seq: int = 0
+    reason: str = GAP_HISTORY_CUT
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What one turn cost, as the agent reported it; None where it reported nothing."""
@@ -430,6 +445,7 @@ RunEventBody = (
     | PermissionResolved
     | AgentUpdate
     | Heartbeat
+    | RunGap
     | RunCompleted
     | ConfigOptionUpdate
     | AvailableCommands

@@ -76,6 +76,7 @@ class Sizes:
     history_runs: int = 1000  # the runs of the session ListRuns pages through
     unauth_requests: int = 40  # unauth_flood_rss_mb: requests without the token at once, of unauth_bytes each
     unauth_bytes: int = LARGEST - 64
+    history_flood_calls: int = 2000  # history_flood_bytes_per_s: tool calls of HISTORY_FLOOD_BYTES each
 
     @classmethod
     def full(cls, reps: int) -> Sizes:
@@ -83,7 +84,10 @@ class Sizes:
 
     @classmethod
     def smoke(cls) -> Sizes:
-        return cls(1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20)
+        return cls(
+            1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20,
+            history_flood_calls=50,
+        )  # fmt: skip
 
 
 @dataclass
@@ -474,6 +478,57 @@ async def history(bench: Bench) -> list[Result]:
     what = f"Subscribe of a stored {unpaced!r} run (from the store) ÷ the live turn"
     results.append(judged("history_subscribe_stored", what, paired_ratio(stored, live), "<= 1.0", details))
     return results
+
+
+HISTORY_FLOOD_BYTES = 60_000  # the text of each tool call of the history flood
+
+
+def stored_events(db: Path, run_id: str) -> int:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return int(conn.execute("SELECT count(*) FROM run_events WHERE run_id = ?", (run_id,)).fetchone()[0])
+
+
+async def history_flood(bench: Bench) -> Result:
+    """Tool-call bytes per second of a flood whose one client never reads its Chat stream (timed
+    to the run's end as the daemon logs it: the history must store all of it, the agent waiting for
+    the store rather than events being dropped) ÷ the direct client taking the same flood. The
+    share of the run's events the store holds is in the details (1.0: every one)."""
+    calls = bench.sizes.history_flood_calls
+    prompt, flood_bytes = f"bigtools {calls} {HISTORY_FLOOD_BYTES}", calls * HISTORY_FLOOD_BYTES
+    # no cut at history_max_bytes_per_run: every event goes through the store
+    config = bench.config({"fake": bench.fake_profile()}, heartbeat_interval=0, history_max_bytes_per_run=1 << 40)
+    db = bench.root / f"data-{bench._configs}" / "rcoder.db"
+    ours: list[float] = []
+    theirs: list[float] = []
+    kept: list[float] = []
+    async with bench.daemon(config) as (daemon, stub):
+        sid = (await chat(stub, "stream 1")).session_id
+        direct = await bench.direct()
+        try:
+            await direct.prompt("stream 1")
+            for _ in range(bench.sizes.reps):
+                theirs.append(flood_bytes / await timed(lambda: direct.prompt(prompt)))
+                ended = len(daemon.logs("run_completed")) + 1
+                start = time.perf_counter()
+                idle = stub.Chat(pb.ChatRequest(project_id="proj", session_id=sid, prompt=prompt))  # never read
+                try:
+                    await daemon.wait_log("run_completed", count=ended, timeout=CALL_TIMEOUT)
+                    ours.append(flood_bytes / (time.perf_counter() - start))
+                finally:
+                    idle.cancel()
+                end = daemon.logs("run_completed")[-1]
+                kept.append(stored_events(db, end["run_id"]) / (calls + 3))  # started, the calls, the answer, completed
+        finally:
+            await direct.aclose()
+    details = {
+        "daemon_MBps": median(ours) / 1e6,
+        "direct_MBps": median(theirs) / 1e6,
+        "stored_share": min(kept),
+        "calls": calls,
+        "call_bytes": HISTORY_FLOOD_BYTES,
+    }
+    what = f"bytes/s of {calls} tool calls of {HISTORY_FLOOD_BYTES} B no client reads, stored whole, daemon / direct"
+    return judged("history_flood_bytes_per_s", what, paired_ratio(ours, theirs), ">= 0.4", details)
 
 
 async def last_run(stub: pb_grpc.AgentRunnerStub, session_id: str) -> str:
@@ -1001,6 +1056,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("scale", scale),
         ("startup", startup_and_added_latency),
         ("history", history),
+        ("history_flood", lambda b: _one(history_flood(b))),
         ("list_runs", lambda b: _one(list_runs(b))),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)

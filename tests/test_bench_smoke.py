@@ -34,6 +34,7 @@ MEASURES = {
     "live_turn_added_latency_grpc_floor",
     "history_store_bytes",
     "history_subscribe_stored",
+    "history_flood_bytes_per_s",
     "list_runs_page_ms",
     "unauth_flood_rss_mb",
 }

@@ -27,6 +27,7 @@ from rcoder.client import (
     Cost,
     Event,
     ForkMethod,
+    Gap,
     Heartbeat,
     ImageAttachment,
     IncompleteTurn,
@@ -498,6 +499,21 @@ async def test_an_unreachable_daemon_is_unavailable_without_a_reason() -> None:
                 await nowhere.agents()
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.reason == ""
     assert caught.value.retryable
+
+
+async def test_a_run_whose_history_was_cut_reads_back_with_a_typed_gap_then_its_end(tmp_path: Path) -> None:
+    # a history of at most 2000 bytes, and the run read from it (run_retention 0: not kept in memory)
+    async with contextlib.AsyncExitStack() as stack:
+        daemon, _ = await stack.enter_async_context(serving(tmp_path, history_max_bytes_per_run=2000, run_retention=0))
+        client = await stack.enter_async_context(RcoderClient(daemon.address, token=daemon.token))
+        live = await all_of(client.chat("c-gap", "tool bigline 3000 bigtools 3 100"))
+        stored = await all_of(client.subscribe(live[0].run_id))
+    (gap,) = [e for e in stored if isinstance(e, Gap)]
+    kept = stored[: stored.index(gap)]
+    assert kept == live[: len(kept)] and stored[-1] == live[-1] and isinstance(stored[-1], Completed)
+    assert (gap.from_seq, gap.to_seq, gap.seq, gap.reason) == (
+        live[len(kept)].seq, live[-1].seq - 1, live[-1].seq - 1, "history_max_bytes_per_run",
+    )  # fmt: skip
 
 
 @on_the_module_loop

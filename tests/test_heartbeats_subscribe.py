@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import completed, text_of
+from tests.harness import Client, completed, error_info, text_of
 from tests.turns import Call, read_until, rest_of, start_turn
 
 
@@ -67,3 +70,31 @@ async def test_subscribing_before_the_replay_buffer_start_reads_those_events_fro
     last = events[-1].seq
     tail = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=events[0].run_id, after_seq=last - 3))]
     assert tail == events[-3:]
+
+
+async def past_the_end(client: Client, run_id: str, after_seq: int) -> grpc.aio.AioRpcError:
+    try:
+        async with asyncio.timeout(10):
+            events = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=after_seq))]
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError(f"Subscribe past the end answered {[e.WhichOneof('event') for e in events]}")
+
+
+@pytest.mark.parametrize("where", ["memory", "store"])
+async def test_subscribing_past_a_runs_last_event_is_out_of_range_naming_it_from_memory_and_from_the_store(
+    make_daemon: DaemonFactory, where: str
+) -> None:
+    # run_retention 0: the finished run is forgotten at once, and read from the store
+    _, client = await make_daemon(**({"run_retention": 0} if where == "store" else {}))
+    events = await client.chat(prompt="stream 3")
+    run_id, last = events[0].run_id, events[-1].seq
+
+    # at the end: nothing more, and no error (the client has it all)
+    async with asyncio.timeout(10):
+        assert [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=last))] == []
+    for after in (last + 1, 1_000_000_000):
+        refused = await past_the_end(client, run_id, after)
+        assert refused.code() == grpc.StatusCode.OUT_OF_RANGE, refused
+        assert f"(seq {last})" in (refused.details() or "")
+        assert error_info(refused).metadata["last_seq"] == str(last)

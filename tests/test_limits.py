@@ -50,12 +50,12 @@ async def test_forty_tool_calls_of_a_mib_leave_a_finished_run_holding_at_most_it
     assert sum(e.WhichOneof("event") == "tool_call" for e in events) == 40  # the live stream lost nothing
     run_id, last = events[-1].run_id, events[-1].seq
     # the oldest events left the replay buffer: they are read from the history, which keeps at most
-    # history_max_bytes_per_run (8 MiB) of them, then a note, then completed
+    # history_max_bytes_per_run (8 MiB) of them, then a gap naming the rest, then completed
     replay = await subscribe(client, run_id)
-    notes = [e for e in replay if e.WhichOneof("event") == "update"]
-    assert [n.update.kind for n in notes] == ["rcoder_history_cut"]
-    kept = replay[: replay.index(notes[0])]
-    assert 1 < len(kept) < 10 and kept == events[: len(kept)] and replay[-1] == events[-1]
+    (gap,) = [e for e in replay if e.WhichOneof("event") == "gap"]
+    kept = replay[: replay.index(gap)]
+    assert 1 < len(kept) < 10 and kept == events[: len(kept)] and replay[-2:] == [gap, events[-1]]
+    assert (gap.gap.from_seq, gap.gap.to_seq, gap.seq) == (events[len(kept)].seq, last - 1, last - 1)
     assert [e.seq for e in await subscribe(client, run_id, after_seq=last - 2)] == [last - 1, last]
     assert await held_bytes(serving["address"], daemon.token) <= 4 * MIB
 

@@ -25,7 +25,7 @@ from rcoder.agent.options import acp_options
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.replay import ReplayWatch
 from rcoder.agent.start_config import AgentStartConfig
-from rcoder.agent.transport import PipeTransport
+from rcoder.agent.transport import Pace, PipeTransport
 from rcoder.domain import (
     OPTION_BOOLEAN,
     OPTION_MODE,
@@ -247,10 +247,13 @@ class AgentConnection:
         on_event: EventSink,
         on_permission: PermissionDecider,
         timeout: float | None = None,
+        pace: Pace | None = None,
     ) -> StopReason:
-        """Run one turn; updates go to ``on_event`` as they arrive. Not answered within
+        """Run one turn; updates go to ``on_event`` as they arrive, and while ``pace`` answers an
+        event the agent's output is not read (``PipeTransport.pace``). Not answered within
         ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
         self._client.begin_turn(on_event, on_permission)
+        self._pipe.pace = pace
         self.turn_usage = None
         untold = self._client.state.take_untold_commands()
         if untold is not None:  # listed since the last turn (after session/new, say): this turn tells them
@@ -266,6 +269,7 @@ class AgentConnection:
                 agent=self.agent, stderr_tail=exc.stderr_tail,
             ) from exc  # fmt: skip
         finally:
+            self._pipe.unpace()
             self._client.end_turn()
             if self.on_active is not None:
                 self.on_active(self.provider_session_id)
@@ -292,6 +296,7 @@ class AgentConnection:
             if self._closed:
                 return
             self._closed = True
+            self._pipe.unpace()
             self._client.end_turn()
             await self._close()
 

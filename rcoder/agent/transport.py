@@ -9,6 +9,12 @@ agent wrote them, before the response that follows them reaches its caller.
 Everything else (requests to us, responses) goes to the SDK's connection as
 decoded messages, through the message-level seam ``connect_to_agent`` accepts.
 
+While a turn runs, ``pace`` is asked before each read: when it answers an event
+(the run's history is a buffer behind), nothing more is read until that event
+is set, so the agent blocks on its full pipe as on a slow terminal and nothing
+it wrote is dropped (``session.runs``, ``Run.room``). ``unpace`` ends that at
+the end of the turn, whatever the event.
+
 What an agent writes is never trusted to be well formed: a line that is not
 one JSON object is skipped, a lone UTF-16 surrogate (a ``\\ud800`` escape,
 which no UTF-8 encoder takes: protobuf, SQLite) becomes U+FFFD, and a
@@ -31,6 +37,8 @@ from rcoder.logs import get_logger
 log = get_logger("rcoder.agent.transport")
 
 UpdateSink = Callable[[dict[str, Any]], None]
+# asked before each read while a turn runs: None to read on, or an event to wait for first
+Pace = Callable[[], asyncio.Event | None]
 
 _READ_SIZE = 1 << 16
 # Once an agent has streamed COALESCE_AFTER reads of updates in a row, a line per write,
@@ -100,6 +108,8 @@ class PipeTransport:
         self._last_read = 0
         self._warnings = LogBudget()
         self.fault = ""
+        self.pace: Pace | None = None  # set for a turn (``AgentConnection.prompt``)
+        self._waiting: asyncio.Event | None = None  # what the reader waits for now (``pace``)
 
     # ------------------------------------------------------------ Transport
 
@@ -131,7 +141,24 @@ class PipeTransport:
                 # the agent is streaming a line at a time: let a few more lines arrive
                 await asyncio.sleep(READ_COALESCE)
             self._streak += 1  # reads since the last message that was not an update
+            if self.pace is not None:
+                await self._wait_for_room()
             await self._fill()
+
+    async def _wait_for_room(self) -> None:
+        """Read nothing more until the turn has room for it (``pace``; ``unpace`` ends the wait)."""
+        while (pace := self.pace) is not None and (room := pace()) is not None:
+            self._waiting = room
+            try:
+                await room.wait()
+            finally:
+                self._waiting = None
+
+    def unpace(self) -> None:
+        """The turn is over: read on, whatever it waited for."""
+        self.pace = None
+        if self._waiting is not None:
+            self._waiting.set()
 
     @property
     def ended(self) -> bool:

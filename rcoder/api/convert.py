@@ -21,6 +21,7 @@ from rcoder.domain import (
     ResumeOutcome,
     RunCompleted,
     RunEvent,
+    RunGap,
     RunRecord,
     RunStarted,
     RunStatus,
@@ -52,6 +53,7 @@ STOP_REASONS = {
     StopReason.REFUSAL: pb.STOP_REASON_REFUSAL,
     StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
     StopReason.ERROR: pb.STOP_REASON_ERROR,
+    StopReason.INTERRUPTED: pb.STOP_REASON_INTERRUPTED,
 }
 PERMISSION_OUTCOMES = {
     PermissionOutcome.ANSWERED: pb.PERMISSION_OUTCOME_ANSWERED,
@@ -154,6 +156,9 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
         msg.update.CopyFrom(pb.AgentUpdate(kind=body.kind, json=body.json))
     elif isinstance(body, Heartbeat):
         msg.heartbeat.SetInParent()
+    elif isinstance(body, RunGap):
+        gap = msg.gap
+        gap.from_seq, gap.to_seq, gap.reason = body.from_seq, body.to_seq, body.reason
     elif isinstance(body, ConfigOptionUpdate):
         msg.config_option_update.config_options.extend(config_options(body.options))
     elif isinstance(body, AvailableCommands):
@@ -252,6 +257,8 @@ def run_info(record: RunRecord) -> pb.RunInfo:
     )
     if record.stop_reason is not None:
         info.stop_reason = STOP_REASONS[record.stop_reason]
+    elif record.status is RunStatus.INTERRUPTED:  # marked so by an older rcoder, with no stop reason
+        info.stop_reason = pb.STOP_REASON_INTERRUPTED
     if record.resume is not None:
         info.resume = RESUME_OUTCOMES[record.resume]
     if record.ended_at is not None:

@@ -174,7 +174,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         owner = await self._router.run_owner(last.run_id)
         if owner is not None:
             raise errors.OwnedElsewhere("run", last.run_id, owner.host_id, owner.advertise_address, retry_hint(owner))
-        async for stored in self._worker.history.stored(last.run_id, last.seq):
+        async for stored in self._worker.history.stored(last.run_id, last.seq, seen=True):
             yield convert.chat_stream(stored)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:

@@ -1,8 +1,9 @@
 """The events of a turn, one frozen dataclass per ``ChatStream`` variant, and the converter from the wire.
 
-Every event has the envelope: ``run_id``, ``session_id``, ``seq`` (per run, from 1, no gaps), ``time``
-and ``raw`` (the ``ChatStream`` message). A variant newer than this client arrives as
-``UnknownEvent`` with its ``raw`` message, never dropped.
+Every event has the envelope: ``run_id``, ``session_id``, ``seq`` (per run, from 1, no gaps: a
+``Gap`` stands for the events a stream leaves out), ``time`` and ``raw`` (the ``ChatStream``
+message). A variant newer than this client arrives as ``UnknownEvent`` with its ``raw`` message,
+never dropped.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class StopReason(StrEnum):
     REFUSAL = "refusal"
     CANCELLED = "cancelled"
     ERROR = "error"
+    # the daemon stopped mid-turn and never stored its end (``error_reason`` DAEMON_STOPPED)
+    INTERRUPTED = "interrupted"
 
 
 class PermissionOutcome(StrEnum):
@@ -248,6 +251,16 @@ class Heartbeat(Event):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Gap(Event):
+    """Events ``from_seq``..``to_seq`` of the run are not in this stream (``seq`` is ``to_seq``):
+    ``reason`` "history_max_bytes_per_run", the run's stored history was cut there (README "History")."""
+
+    from_seq: int
+    to_seq: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Completed(Event):
     """Last of every turn. ``error`` and ``error_reason`` (an ``ErrorInfo`` reason) are set with ``ERROR``."""
 
@@ -434,6 +447,7 @@ CONVERTERS: dict[str, Callable[[pb.ChatStream, dict[str, Any]], Event]] = {
     "permission_resolved": _permission_resolved,
     "update": lambda m, envelope: AgentUpdate(kind=m.update.kind, json=m.update.json, **envelope),
     "heartbeat": lambda m, envelope: Heartbeat(**envelope),
+    "gap": lambda m, envelope: Gap(from_seq=m.gap.from_seq, to_seq=m.gap.to_seq, reason=m.gap.reason, **envelope),
     "queued": lambda m, envelope: Queued(position=m.queued.position, **envelope),
     "completed": _completed,
     "config_option_update": lambda m, envelope: ConfigOptionUpdate(

@@ -10,6 +10,9 @@ field's default).
 
 A field equal to its default is left out, so a text chunk is ``{"text":"..."}`` and most events
 are their strings plus a few bytes. A kind not in the table (``Heartbeat``) is not stored.
+
+Older rcoders stored a history cut as an ``AgentUpdate`` of kind ``CUT_KIND`` (JSON with its
+``from_seq``): it decodes as the open ``RunGap`` that now stands for it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rcoder.domain import (
     Plan,
     RunCompleted,
     RunEventBody,
+    RunGap,
     RunStarted,
     TextChunk,
     ToolCall,
@@ -50,7 +54,10 @@ KINDS: dict[str, type] = {
     "config_option_update": ConfigOptionUpdate,
     "available_commands": AvailableCommands,
     "permission_resolved": PermissionResolved,
+    "gap": RunGap,
 }
+COMPLETED_KIND = "completed"
+CUT_KIND = "rcoder_history_cut"  # AgentUpdate.kind older rcoders stored for a history cut
 _KIND_OF: dict[type, str] = {cls: kind for kind, cls in KINDS.items()}
 
 Decode = Callable[[Any], Any]
@@ -81,7 +88,20 @@ def decode(kind: str, text: str) -> RunEventBody:
     if cls is None:
         raise UnknownKind(f"stored event kind {kind!r} is unknown to this rcoder")
     body: RunEventBody = _decoder(cls)(json.loads(text))
+    if isinstance(body, AgentUpdate) and body.kind == CUT_KIND:
+        return _old_cut(body.json)
     return body
+
+
+def _old_cut(note: str) -> RunGap:
+    """The open gap an older rcoder's cut note stands for (``from_seq`` 0: a note without it,
+    which none wrote, reads as a gap from its reader's position)."""
+    try:
+        fields = json.loads(note)
+        start = int(fields.get("from_seq", 0)) if isinstance(fields, dict) else 0
+    except (ValueError, TypeError):
+        start = 0
+    return RunGap(max(start, 0))
 
 
 # ---------------------------------------------------------------- encoding

@@ -1,12 +1,15 @@
 """History: every event of every run, stored as it was streamed, and read back (DESIGN §8).
 
 **Writing.** One writer per daemon (``History``). A run is tracked from ``started`` on; every
-``FLUSH_INTERVAL`` the writer takes each tracked run's sealed events (``Run.sealed``: those no
-merge can change any more, so the stored list is the one the followers saw), encodes them
-(``event_codec``) and stores them all in one batch. The agent and the live stream never wait for
-it: publishing an event costs nothing more, and the run's buffer keeps what is not stored yet
-(``Run.stored_seq``). A batch the store refuses stays in the buffer and is tried again at the
-next flush. At the end of a turn ``end_with`` stores what is left and ``completed`` itself, in
+``FLUSH_INTERVAL`` (at once when a run falls half its buffer behind: ``hurry``) the writer takes
+each tracked run's sealed events (``Run.sealed``: those no merge can change any more, so the
+stored list is the one the followers saw), encodes them (``event_codec``) and stores them all in
+one batch. Publishing an event costs nothing more, and the run's buffer keeps every event not
+stored yet (``Run.stored_seq``): the writer never drops one. When it falls a whole buffer behind
+(a store slower than the agent), the agent's output is no longer read until it caught up
+(``Run.room``): the agent waits, the history stays whole. A batch the store refuses stays in the
+buffer and is tried again at the next flush (the agent waits meanwhile, as long as its turn may
+last). At the end of a turn ``end_with`` stores what is left and ``completed`` itself, in
 the transaction that stores the run's end (``end`` on its own, when that one was refused), and
 only then is ``completed`` published: whoever sees it, on any host, can read the whole run back.
 Heartbeats are not stored (their seqs are gaps in the stored list).
@@ -19,14 +22,18 @@ reads back as the host that took over ended it. The turn itself learns it at its
 write (its end is refused, ``LeaseLost``), as before; the other runs of the batch land.
 
 A run stores at most ``history_max_bytes_per_run`` bytes of encoded events; the first event past
-it is stored as a note (``CUT_KIND``) at that event's seq, the later ones not at all, and
-``completed`` always.
+it is stored as an open ``RunGap`` at that event's seq, the later ones not at all, and ``completed``
+always, after a ``RunGap`` that closes the open one (at the seq before ``completed``). Rows of older
+rcoders (an ``rcoder_history_cut`` update) read back as the open gap (``event_codec``).
 
 **Reading.** ``replay(run_id, after_seq)``: a run this host has in memory is followed from its
 buffer, from the store first where the buffer no longer holds ``after_seq + 1`` (then joined
 without gap or duplicate: the buffer keeps every event the history has not stored). A run it
 does not have is read from the store; a run whose ``completed`` was never stored (its host died,
-or stopped, mid-turn) ends with one made from its record, as before there was history.
+or stopped, mid-turn) ends with one made from its record, as before there was history
+(``STOP_REASON_INTERRUPTED`` for a run its daemon's next start marked interrupted). Events the
+stream leaves out come as one ``RunGap`` (seq: the last one left out); an ``after_seq`` past the
+run's last event is ``OutOfRange``, from memory as from the store: nothing is made up after it.
 
 **Retention.** ``prune`` deletes events older than ``history_retention`` days in batches of
 ``PRUNE_BATCH``, each its own short transaction (the daemon runs it on a timer).
@@ -35,7 +42,6 @@ or stopped, mid-turn) ends with one made from its record, as before there was hi
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -46,6 +52,7 @@ from rcoder.domain import (
     ResumeOutcome,
     RunCompleted,
     RunEvent,
+    RunGap,
     RunRecord,
     RunStarted,
     RunStatus,
@@ -55,7 +62,7 @@ from rcoder.errors import NotFound, OutOfRange, StoreError
 from rcoder.logs import get_logger
 from rcoder.session import event_codec
 from rcoder.session.runs import Run, RunRegistry
-from rcoder.store.base import EventRow, SessionStore
+from rcoder.store.base import INTERRUPTED_REASON, EventRow, SessionStore
 from rcoder.store.cluster import OWNER_LOST, Lease
 
 log = get_logger("rcoder.session.history")
@@ -65,14 +72,21 @@ ROW_OVERHEAD = 100  # bytes a stored event takes beside its body: ids, seq, time
 READ_PAGE = 1000  # events read from the store at once
 PRUNE_BATCH = 1000  # events deleted in one transaction
 MAX_SEQ = 2**63 - 2  # seqs beyond it are never stored (the stores keep signed 64-bit integers)
-CUT_KIND = "rcoder_history_cut"  # AgentUpdate.kind of the note standing for events not stored
 
 
-def cut_note(seq: int, limit: int) -> AgentUpdate:
-    """The note stored in place of the events of a run past ``history_max_bytes_per_run``."""
-    note = {"reason": "RESOURCE_EXHAUSTED", "limit": "history_max_bytes_per_run", "bytes": limit, "from_seq": seq,
-            "detail": "later events of this run were not stored (completed is)"}  # fmt: skip
-    return AgentUpdate(kind=CUT_KIND, json=json.dumps(note))
+def gap_event(event: RunEvent, from_seq: int, to_seq: int) -> RunEvent:
+    """The gap ``event`` stands for, as ``from_seq``..``to_seq``, carried at seq ``to_seq``."""
+    assert isinstance(event.body, RunGap)
+    return RunEvent(event.run_id, event.session_id, to_seq, event.time, RunGap(from_seq, to_seq, event.body.reason))
+
+
+def past_end(run_id: str, after_seq: int, last: int) -> OutOfRange:
+    return OutOfRange(
+        f"after_seq {after_seq} is past the last event of run {run_id} (seq {last}); "
+        f"subscribe with after_seq <= {last}",
+        run_id=run_id,
+        last_seq=str(last),
+    )
 
 
 @dataclass
@@ -80,7 +94,7 @@ class _Tracked:
     run: Run
     lease: Lease | None = None  # the lease its turn started under: its rows land only under it
     bytes: int = 0  # encoded bytes stored so far
-    cut: bool = False  # past the bound: nothing but completed is stored any more
+    cut: int = 0  # past the bound from this seq on (its open RunGap): nothing but completed is stored
 
 
 @dataclass
@@ -89,7 +103,7 @@ class _Batch:
     rows: list[EventRow]
     seq: int  # the last seq it covers (stored or not: heartbeats, events past the bound)
     bytes: int  # the run's stored bytes once it lands
-    cut: bool
+    cut: int
 
 
 class History:
@@ -112,6 +126,7 @@ class History:
         self._flusher: asyncio.Task[None] | None = None
         self._failing = False  # the last batch was refused (logged once until one lands)
         self._ends: set[asyncio.Task[None]] = set()  # ends of runs being stored (``store_end``)
+        self._hurry = asyncio.Event()  # a run is half a buffer behind: flush now (``hurry``)
 
     # ------------------------------------------------------------ writing
 
@@ -120,15 +135,26 @@ class History:
         host holds ``lease`` (None: unfenced)."""
         if run.stored_seq is None:
             run.stored_seq = 0
+        run.on_behind = self.hurry
         self._tracked[run.run_id] = _Tracked(run, lease)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="history-flush")
         self._wake.set()
 
+    def hurry(self) -> None:
+        """A run fell behind (``Run.on_behind``): the next batch goes now, not at the timer."""
+        self._hurry.set()
+
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
-            await asyncio.sleep(self._interval)  # the batching window, not a synchronisation
+            if not self._hurry.is_set():
+                try:  # the batching window, not a synchronisation: cut short by a run falling behind
+                    async with asyncio.timeout(self._interval):
+                        await self._hurry.wait()
+                except TimeoutError:
+                    pass
+            self._hurry.clear()
             if not self._tracked:
                 self._wake.clear()
                 continue
@@ -188,10 +214,13 @@ class History:
             final = body.__class__ is RunCompleted
             if batch.cut and not final:
                 continue
+            if final and batch.cut and event.seq - 1 > batch.cut:  # the gap closed: it ends before completed
+                kind, text = event_codec.encode(RunGap(batch.cut, event.seq - 1))
+                batch.rows.append(EventRow(event.session_id, event.run_id, event.seq - 1, event.time, kind, text))
             kind, text = event_codec.encode(body)
             if not final and batch.bytes + len(text) + ROW_OVERHEAD > self._max_bytes:
-                batch.cut = True
-                kind, text = event_codec.encode(cut_note(event.seq, self._max_bytes))
+                batch.cut = event.seq
+                kind, text = event_codec.encode(RunGap(event.seq))  # open: its end is not known yet
             batch.bytes += len(text) + ROW_OVERHEAD
             batch.rows.append(EventRow(event.session_id, event.run_id, event.seq, event.time, kind, text))
         return batch
@@ -229,7 +258,7 @@ class History:
         untracked, no later batch takes it again, so this is said once for the run)."""
         run, lease = entry.run, entry.lease
         self._tracked.pop(run.run_id, None)
-        run.stored_seq = None  # no history to wait for: the buffer keeps only what followers need
+        run.mark_stored(None)  # no history to wait for: the buffer keeps only what followers need
         log.warning("history_refused_lease_lost", run_id=run.run_id, session_id=run.session_id,
                     generation=lease.generation if lease is not None else None,
                     effect="this run's later events are not stored; another host serves its session")  # fmt: skip
@@ -238,8 +267,8 @@ class History:
     def _landed(batch: _Batch) -> None:
         """Note how far the stored history of the batch's run now reaches, and its size."""
         entry = batch.entry
-        entry.run.stored_seq = batch.seq
         entry.bytes, entry.cut = batch.bytes, batch.cut
+        entry.run.mark_stored(batch.seq)
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """Stop flushing; the ends being stored get ``timeout`` seconds to land."""
@@ -259,29 +288,47 @@ class History:
             async for event in self.stored(run_id, after_seq):
                 yield event
             return
+        if after_seq > run.last_seq:  # as from the store: nothing is made up past the last event
+            raise past_end(run_id, after_seq, run.last_seq)
         if not run.last_seq and run.failure is None:
             log.info("run_followed_before_start", run_id=run_id)  # a Subscribe waits for its started
         position = after_seq
+        cut: RunEvent | None = None  # the open gap of a run whose history was cut
         while True:
             try:
                 async for event in run.follow(position):
                     position = event.seq
                     yield event
             except OutOfRange:  # the buffer no longer has them: the history has (stored_seq)
-                stored = False
                 async for event in self._read(run_id, position):
-                    stored = True
+                    body = event.body
+                    if body.__class__ is RunGap and not body.to_seq:
+                        cut = event  # the later events were not stored: the buffer says where it ends
+                        break
                     position = event.seq
                     yield event
-                if not stored:
-                    raise
+                first = run.first_seq
+                if first <= position + 1:
+                    continue
+                entry = self._tracked.get(run_id)
+                if cut is None and entry is not None and entry.cut and entry.cut < first:
+                    # the follower is within the cut already (it resumed after a gap it was given)
+                    cut = RunEvent(run_id, run.session_id, entry.cut, self._clock(), RunGap(entry.cut))
+                if cut is not None:  # neither the store nor the buffer has them
+                    yield gap_event(cut, position + 1, first - 1)
+                elif run.stored_seq is None or run.stored_seq < first - 1:
+                    raise  # not stored (this host no longer stores the run): the follower fell behind
+                # else what is between is heartbeats (never stored) or the gap just yielded
+                position = first - 1
             else:
                 return
 
-    async def stored(self, run_id: str, after_seq: int) -> AsyncIterator[RunEvent]:
+    async def stored(self, run_id: str, after_seq: int, seen: bool = False) -> AsyncIterator[RunEvent]:
         """A run from the store alone: its stored events after ``after_seq``, and an end made from
         its record when its ``completed`` was never stored (NOT_FOUND: the store has no such run,
-        or it is still running on no host that could end it)."""
+        or it is still running on no host that could end it). ``after_seq`` past the run's last
+        event is ``OutOfRange``, unless the caller ``seen`` events up to it from the run's host
+        (which died before it stored them): the made end then follows them."""
         after_seq = min(after_seq, MAX_SEQ)  # a client's uint64, within what the stores' integers hold
         record = await self._store.get_run(run_id)
         if record is None or record.status is RunStatus.RUNNING:
@@ -289,16 +336,35 @@ class History:
         last = 0
         # from the event at after_seq itself: a completed there means the client has it all
         async for event in self._read(run_id, max(after_seq - 1, 0)):
+            body = event.body
+            if body.__class__ is RunGap and not body.to_seq:
+                # cut, then its host died: how many events followed is not known, one at least
+                event = gap_event(event, body.from_seq, body.from_seq)
             if event.seq > after_seq:
                 last = event.seq
+                if event.body.__class__ is RunGap:
+                    event = gap_event(event, max(event.body.from_seq, after_seq + 1), event.seq)
                 yield event
             if event.body.__class__ is RunCompleted:
                 return
+        if not last and not seen and after_seq:  # nothing from after_seq on: where does the run end?
+            top = await self._store.last_run_event(run_id)
+            if top is not None and top.kind == event_codec.COMPLETED_KIND:
+                end = top.seq
+            else:  # the end made from the record follows what was stored (started too, if nothing was)
+                end = top.seq + 1 if top is not None else 2
+            if after_seq > end:
+                raise past_end(run_id, after_seq, end)
+            if after_seq == end:
+                return  # the client has it all
         for event in await self._made_of(record, after_seq, last):
             yield event
 
     async def _read(self, run_id: str, after_seq: int) -> AsyncIterator[RunEvent]:
+        """The stored events after ``after_seq``; a gap as one event at its last seq (an open one,
+        not closed by any later row, last, with ``to_seq`` 0: the caller knows where it ends)."""
         position = after_seq
+        opened: RunEvent | None = None  # an open gap: the next row closes it
         while True:
             rows = await self._store.run_events(run_id, position, READ_PAGE)
             for row in rows:
@@ -306,10 +372,25 @@ class History:
                     body = event_codec.decode(row.kind, row.body)
                 except event_codec.UnknownKind:
                     body = AgentUpdate(kind=row.kind, json=row.body)  # a newer rcoder's kind: as is
-                yield RunEvent(row.run_id, row.session_id, row.seq, row.created_at, body)
+                event = RunEvent(row.run_id, row.session_id, row.seq, row.created_at, body)
+                if body.__class__ is RunGap:
+                    if not body.to_seq:  # open: stored at its first seq
+                        opened = opened or RunEvent(row.run_id, row.session_id, row.seq, row.created_at,
+                                                    RunGap(row.seq, 0, body.reason))  # fmt: skip
+                        continue
+                    start = opened.seq if opened is not None else body.from_seq  # an open one: at its first seq
+                    opened = None
+                    yield gap_event(event, max(start, after_seq + 1), body.to_seq)
+                    continue
+                if opened is not None:
+                    yield gap_event(opened, opened.seq, row.seq - 1)
+                    opened = None
+                yield event
             if len(rows) < READ_PAGE:
-                return
+                break
             position = rows[-1].seq
+        if opened is not None:
+            yield opened
 
     async def _made_of(self, record: RunRecord, after_seq: int, last: int) -> list[RunEvent]:
         """``started`` (when nothing of the run was stored and it is asked for) and the end, from
@@ -331,9 +412,11 @@ class History:
             )
             events.append(RunEvent(record.run_id, record.session_id, 1, record.started_at, started))
             last = 1
+        interrupted = record.status is RunStatus.INTERRUPTED
         error = record.error or (OWNER_LOST if record.status is not RunStatus.COMPLETED else "")
-        stop = record.stop_reason or StopReason.ERROR
-        reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else ""
+        # marked interrupted by its daemon's next start (older rcoders stored no stop reason then)
+        stop = record.stop_reason or (StopReason.INTERRUPTED if interrupted else StopReason.ERROR)
+        reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else INTERRUPTED_REASON if interrupted else ""
         completed = RunCompleted(stop, provider, resume, error, reason, record.usage)  # the usage as stored
         at = record.ended_at or record.started_at
         events.append(RunEvent(record.run_id, record.session_id, max(after_seq, last) + 1, at, completed))

@@ -72,6 +72,9 @@ class TurnPlan:
     received: float = field(default_factory=time.monotonic)
     # this host's lease on the session, once its agent is opened (fenced writes carry it)
     lease: Lease | None = None
+    # how its agent session was opened, once it is (its options may still be being set): a turn
+    # cancelled from then on says so in its started, not NOT_OPENED
+    opened: RunStarted | None = None
 
     def start_config(self) -> AgentStartConfig:
         turn = self.turn
@@ -136,7 +139,7 @@ class SessionOpener:
             plan.action = Action.RESUME
             return None
         plan.lease = lease
-        started = plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, "")
+        started = plan.opened = plan.started(live.provider_session_id, ResumeOutcome.LIVE, OpenMethod.LIVE, "")
         return self._with_options(plan, Opened(live, started), fresh=False)
 
     def _with_options(self, plan: TurnPlan, opened: Opened, fresh: bool) -> Opened:
@@ -219,7 +222,7 @@ class SessionOpener:
             outcome, preamble = await self._fallback(plan)
         else:
             outcome = ResumeOutcome.RESUMED
-        body = plan.started(conn.provider_session_id, outcome, launched.method, reason)
+        body = plan.opened = plan.started(conn.provider_session_id, outcome, launched.method, reason)
         return Opened(conn, body, preamble)
 
     async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:

@@ -21,16 +21,21 @@ Two rules keep this cheap when the agent writes faster than clients read:
 - **Bounded buffer.** At most ``buffer_events`` events, and ``buffer_bytes`` bytes
   of them (``budget``: measured once, when published), are kept for replay;
   older ones are dropped once every attached follower has read them and the
-  history has stored them (``stored_seq``), and in any case beyond four times
-  either bound (that follower then gets OUT_OF_RANGE from the run; ``Subscribe``
-  reads what the history stored instead). One event is never larger than
-  ``event_bytes`` (``shrink``), and at most ``followers`` follow a run at once
-  (more: RESOURCE_EXHAUSTED).
+  history has stored them (``stored_seq``), and beyond four times either bound
+  once the history has stored them, whoever still follows (that follower then
+  gets OUT_OF_RANGE from the run; ``Subscribe`` reads what the history stored
+  instead). One event is never larger than ``event_bytes`` (``shrink``), and at
+  most ``followers`` follow a run at once (more: RESOURCE_EXHAUSTED).
 - **History.** ``sealed`` hands the history writer (``session.history``) the
   events that can no longer change: all but the last, and the last once a
   follower took it or the run ended, so the stored list is the one the
   followers saw. ``prepare_end`` numbers ``completed`` without publishing it,
-  so that it can be stored first (``publish_end``).
+  so that it can be stored first (``publish_end``). An event the history has
+  not stored never leaves the buffer: instead, once the history is behind by
+  either bound, ``room`` tells the agent's reader to wait (the agent blocks on
+  its pipe, as on a slow terminal) until ``mark_stored`` says it caught up; at
+  half of it ``on_behind`` asks the writer to flush at once. A slow follower
+  therefore never slows the agent or the store, and the store never loses an event.
 """
 
 from __future__ import annotations
@@ -102,6 +107,12 @@ class Run:
         self.failure: RcoderError | None = None
         # the history writer stored the events up to it (trim keeps the rest); None: no history
         self.stored_seq: int | None = None
+        self._unstored = 0  # bytes of the kept events after stored_seq (what room() bounds)
+        self._room: asyncio.Event | None = None  # set once the history caught up (``room``)
+        self._hurried = False  # on_behind was called since the last mark_stored
+        self.paced = 0  # how many times the agent's output waited for the history (``room``)
+        # told (without awaiting) when the history falls half a bound behind: flush now, not at the timer
+        self.on_behind: Callable[[], None] | None = None
         self._end: RunEvent | None = None  # completed, numbered and not yet published (``prepare_end``)
         self.finished_at: float | None = None  # monotonic
         self._done_callbacks: list[Callable[[Run], None]] = []
@@ -111,6 +122,11 @@ class Run:
     @property
     def last_seq(self) -> int:
         return self._seq
+
+    @property
+    def first_seq(self) -> int:
+        """The seq of the oldest event the buffer keeps (``last_seq + 1`` when it keeps none)."""
+        return self._events[0].seq if self._events else self._seq + 1
 
     @property
     def done(self) -> bool:
@@ -193,8 +209,8 @@ class Run:
 
     def sealed(self) -> list[RunEvent]:
         """The events after ``stored_seq`` that can no longer change (see the module docstring);
-        the caller advances ``stored_seq`` once it stored them. Events the buffer dropped past its
-        hard bound before they were taken are not there (they are missing from the history)."""
+        the caller calls ``mark_stored`` once it stored them. None is ever missing: the buffer
+        keeps every event after ``stored_seq`` (``_trim``)."""
         events, stored = self._events, self.stored_seq or 0
         if not events or self._seq <= stored:
             return []
@@ -214,9 +230,11 @@ class Run:
         self.bytes += size + EVENT_OVERHEAD
         ledger.held += size + EVENT_OVERHEAD
         self._open_len = self._sealed_len = size
+        self._unstored += size + EVENT_OVERHEAD
         if isinstance(body, RunCompleted):
             self.completed = body
             self.finished_at = time.monotonic()
+            self._open_room()
             callbacks, self._done_callbacks = self._done_callbacks, []
             for callback in callbacks:
                 # one that fails must not keep the end from the others, nor from the followers
@@ -225,6 +243,10 @@ class Run:
         self._check_ledger()
         self._appended.set()
         self._appended = asyncio.Event()
+        if not self._hurried and self.stored_seq is not None and self._behind(2):
+            self._hurried = True
+            if self.on_behind is not None:
+                guarded("history_hurry", self.on_behind)
 
     def _check_ledger(self) -> None:
         if self._ledger.held > self._ledger.limit:
@@ -255,6 +277,7 @@ class Run:
         merged = self._open_len - self._sealed_len
         self._sizes[-1] += merged
         self.bytes += merged
+        self._unstored += merged
         self._ledger.held += merged
         self._sealed_len = self._open_len
 
@@ -265,15 +288,68 @@ class Run:
         if self.stored_seq is not None and self.stored_seq < slowest:
             slowest = self.stored_seq  # the history has not stored them yet
         events, sizes, limit, byte_limit = self._events, self._sizes, self._limit, self._byte_limit
+        stored = self.stored_seq
         while len(events) > 1 and (
             ((len(events) > limit or self.bytes > byte_limit) and events[0].seq <= slowest)
-            or len(events) > limit * HARD_LIMIT_FACTOR
-            or self.bytes > byte_limit * HARD_LIMIT_FACTOR
+            or (
+                (len(events) > limit * HARD_LIMIT_FACTOR or self.bytes > byte_limit * HARD_LIMIT_FACTOR)
+                and (stored is None or events[0].seq <= stored)  # never one the history still needs
+            )
         ):
             events.popleft()
             size = sizes.popleft()
             self.bytes -= size
             self._ledger.held -= size
+            if stored is None:
+                self._unstored = max(0, self._unstored - size)
+
+    # ------------------------------------------------------------ the history's pace
+
+    def _behind(self, divisor: int = 1) -> bool:
+        """Whether the history is behind by more than either bound (divided by ``divisor``), and
+        by two events at least: all but the last are sealed, so the writer can always catch up."""
+        count = self._seq - (self.stored_seq or 0)
+        return count > 1 and (count > self._limit // divisor or self._unstored > self._byte_limit // divisor)
+
+    def room(self) -> asyncio.Event | None:
+        """None while the history is within the bounds behind (or the run keeps none, or ended);
+        else an event set once it caught up: the agent's reader waits for it before reading on."""
+        if self.stored_seq is None or self.completed is not None or self._end is not None or not self._behind():
+            return None
+        if self._room is None or self._room.is_set():
+            self._room = asyncio.Event()
+            self.paced += 1
+            if self.paced == 1:  # said once a run: a flood pauses at every buffer, and a log line costs ~100 µs
+                log.info("run_paced", run_id=self.run_id, behind=self._seq - self.stored_seq, bytes=self._unstored)
+            if self.on_behind is not None:
+                guarded("history_hurry", self.on_behind)
+        return self._room
+
+    def mark_stored(self, seq: int | None) -> None:
+        """The history stored the events up to ``seq`` (None: it keeps no more of this run):
+        they may leave the buffer, and the agent's reader goes on once it is within the bounds."""
+        before = self.stored_seq or 0
+        self.stored_seq = seq
+        if seq is None:
+            self._open_room()
+            self._trim()
+            return
+        if self._events and seq > before:
+            first = self._events[0].seq
+            start, stop = max(before + 1 - first, 0), max(min(seq, self._seq) + 1 - first, 0)
+            self._unstored -= sum(itertools.islice(self._sizes, start, stop))
+            if seq >= self._seq:
+                # the last event too (the run's end): what is merged into it is counted with it
+                self._unstored = 0
+        self._hurried = False
+        if not self._behind():
+            self._open_room()
+        self._trim()
+
+    def _open_room(self) -> None:
+        room, self._room = self._room, None
+        if room is not None:
+            room.set()
 
     async def follow(self, after_seq: int = 0) -> AsyncIterator[RunEvent]:
         """Events with seq > ``after_seq``, then live ones, until ``completed``."""
@@ -310,7 +386,7 @@ class Run:
             self._trim()  # what only this follower still needed may go now
 
     def _check_available(self, after_seq: int, prefix: str) -> None:
-        first = self._events[0].seq if self._events else self._seq + 1
+        first = self.first_seq
         if after_seq + 1 < first:
             raise OutOfRange(
                 f"{prefix}events {after_seq + 1}..{first - 1} of run {self.run_id} have left the replay buffer; "

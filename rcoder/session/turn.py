@@ -31,8 +31,10 @@ looks for a cancel, so a cancel between steps stops the next one:
 - ended (how it ended is decided): too late, the cancel is refused.
 
 A turn cancelled before its session opened is recorded as started-then-
-cancelled (``RESUME_OUTCOME_NOT_OPENED``). Every cancel accepted ends the turn
-``CANCELLED``, even one the agent answers with ``end_turn``.
+cancelled (``RESUME_OUTCOME_NOT_OPENED``); one cancelled once it opened (while
+its options were being set, say) says how it opened (``TurnPlan.opened``).
+Every cancel accepted ends the turn ``CANCELLED``, even one the agent answers
+with ``end_turn``.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
-from rcoder.session.runs import Heartbeats, Run, RunRegistry, guarded
+from rcoder.session.runs import HARD_LIMIT_FACTOR, Heartbeats, Run, RunRegistry, guarded
 from rcoder.store.base import EventRow, SessionStore
 from rcoder.store.cluster import LocalCoordination
 
@@ -143,9 +145,12 @@ class TurnScope:
         self._start_recording = False  # the start was handed to the store (it may have landed)
         self.body: RunStarted | None = None  # the started event, once known
         self.published = False  # started is out
-        # what the agent sent before started was out: merged, and bounded as the run is
+        # what the agent sent before started was out: merged, and bounded as the run is (the
+        # agent's output is not read past run_buffer_bytes of it: ``room``; kept to 4x that)
         settings = runner.settings
-        self._early = EarlyEvents(settings.run_buffer_bytes, settings.run_event_bytes)
+        self._early_limit = settings.run_buffer_bytes
+        self._early = EarlyEvents(settings.run_buffer_bytes * HARD_LIMIT_FACTOR, settings.run_event_bytes)
+        self._started_out = asyncio.Event()  # set once started is out (or the turn is over)
         self.conn: AgentConnection | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
         # how it ended; set by the body of the scope, or by __aexit__ from what it raised
@@ -244,6 +249,13 @@ class TurnScope:
             log.warning("run_opening_lease_lost", run_id=self.run.run_id, generation=generation)
             self._opening.cancel()
 
+    def room(self) -> asyncio.Event | None:
+        """Whether the agent's output may be read on (None), or what to wait for first: the run's
+        history catching up (``Run.room``), or, before ``started`` is out, ``started``."""
+        if self.published:
+            return self.run.room()
+        return self._started_out if self._early.bytes >= self._early_limit else None
+
     def deliver(self, event: AgentEvent) -> None:
         """Publish what the agent sent; before ``started`` is out it waits, in order."""
         if self.published:
@@ -260,6 +272,7 @@ class TurnScope:
         self.run.publish(self.body)
         for event in self._early.drain():
             self.run.publish(event)
+        self._started_out.set()
         if not self._ready.done():
             self._ready.set_result(self.run)
 
@@ -282,6 +295,7 @@ class TurnScope:
             self._judge(exc)
             await self._runner.finish(self)
         finally:
+            self._started_out.set()
             if self.kill_timer is not None:
                 self.kill_timer.cancel()
             self._runner.forget(self)
@@ -289,10 +303,12 @@ class TurnScope:
 
     async def _started_anyway(self, exc: BaseException | None) -> bool:
         """Whether the run must be seen to start although ``started`` is not out: it was
-        cancelled before its session opened, or its start was written as rcoder stopped."""
+        cancelled before its prompt went out (its session opened or not: ``started`` says which),
+        or its start was written as rcoder stopped."""
         if self.cancel_requested and not isinstance(exc, asyncio.CancelledError):
-            self.body = self.plan.started(
-                self.plan.record.provider_session_id if self.plan.record else "",
+            plan = self.plan
+            self.body = plan.opened or plan.started(
+                plan.record.provider_session_id if plan.record else "",
                 ResumeOutcome.NOT_OPENED,
                 OpenMethod.NOT_OPENED,
                 "",
@@ -499,7 +515,7 @@ class TurnRunner:
                 blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
                 timeout = self._settings.turn_timeout or None
                 scope.prompting()  # a cancel from here asks the agent to stop; one before: never sent
-                scope.stop = await opened.connection.prompt(blocks, on_event, decider, timeout)
+                scope.stop = await opened.connection.prompt(blocks, on_event, decider, timeout, scope.room)
             finally:
                 beats.stop()
             span.set_attribute("rcoder.stop_reason", scope.stop.value)

@@ -22,6 +22,8 @@ from rcoder.store.cluster import Lease
 
 # the error of a run that was running when its daemon stopped or died (set by ``open``)
 INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
+# ... and its error_reason in the end a replay makes of it (stop reason ``interrupted``)
+INTERRUPTED_REASON = "DAEMON_STOPPED"
 
 
 class EventRow(NamedTuple):
@@ -164,6 +166,10 @@ class SessionStore(Protocol):
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         """The stored events of ``run_id`` with seq > ``after_seq``, at most ``limit``, by seq."""
+        ...
+
+    async def last_run_event(self, run_id: str) -> EventRow | None:
+        """The stored event of ``run_id`` with the highest seq (None: none stored)."""
         ...
 
     async def prune_events(self, before: datetime, limit: int) -> int:

@@ -252,12 +252,17 @@ RUN_EVENTS = (
     "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
     " WHERE run_id = %s AND seq > %s ORDER BY seq LIMIT %s"
 )
+LAST_RUN_EVENT = (
+    "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events WHERE run_id = %s ORDER BY seq DESC LIMIT 1"
+)
 # a bounded batch of rows older than the cut (any of them: all go), one short statement, row
 # locks on old rows only
 PRUNE_EVENTS = (
     "DELETE FROM run_events WHERE (run_id, seq) IN (SELECT run_id, seq FROM run_events WHERE created_at < %s LIMIT %s)"
 )
-MARK_INTERRUPTED = "UPDATE runs SET status = %s, ended_at = %s, error = %s WHERE status = %s AND host_id = %s"
+MARK_INTERRUPTED = (
+    "UPDATE runs SET status = %s, ended_at = %s, error = %s, stop_reason = %s WHERE status = %s AND host_id = %s"
+)
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"
 
 # ---------------------------------------------------------------- several hosts (cluster.py, pg_cluster.py)

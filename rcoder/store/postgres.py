@@ -155,7 +155,7 @@ class PostgresStore:
             pg_schema.MARK_INTERRUPTED,
             _params(
                 RunStatus.INTERRUPTED.value, datetime.now(UTC), INTERRUPTED_ERROR,
-                RunStatus.RUNNING.value, self._host_id,
+                StopReason.INTERRUPTED.value, RunStatus.RUNNING.value, self._host_id,
             ),
         )  # fmt: skip
         return cursor.rowcount
@@ -424,6 +424,10 @@ class PostgresStore:
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(pg_schema.RUN_EVENTS, _params(run_id, after_seq, _positive(limit)))
         return [EventRow(*row) for row in rows]
+
+    async def last_run_event(self, run_id: str) -> EventRow | None:
+        rows = await self._rows(pg_schema.LAST_RUN_EVENT, _params(run_id))
+        return next((EventRow(*row) for row in rows), None)
 
     async def prune_events(self, before: datetime, limit: int) -> int:
         async def work(conn: Conn) -> int:

@@ -125,7 +125,13 @@ def _prepare(conn: sqlite3.Connection) -> int:
     with _transaction(conn):
         cursor = conn.execute(
             sqlite_schema.MARK_INTERRUPTED,
-            (RunStatus.INTERRUPTED.value, time_text(datetime.now(UTC)), INTERRUPTED_ERROR, RunStatus.RUNNING.value),
+            (
+                RunStatus.INTERRUPTED.value,
+                time_text(datetime.now(UTC)),
+                INTERRUPTED_ERROR,
+                StopReason.INTERRUPTED.value,
+                RunStatus.RUNNING.value,
+            ),
         )
     return cursor.rowcount
 
@@ -465,6 +471,10 @@ class SqliteStore:
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(sqlite_schema.RUN_EVENTS, (run_id, after_seq, _positive(limit)), point=False)
         return [EventRow(r[0], r[1], r[2], datetime.fromisoformat(r[3]), r[4], r[5]) for r in rows]
+
+    async def last_run_event(self, run_id: str) -> EventRow | None:
+        rows = await self._rows(sqlite_schema.LAST_RUN_EVENT, (run_id,), point=False)
+        return next((EventRow(r[0], r[1], r[2], datetime.fromisoformat(r[3]), r[4], r[5]) for r in rows), None)
 
     async def prune_events(self, before: datetime, limit: int) -> int:
         def work(conn: sqlite3.Connection) -> int:

@@ -107,7 +107,7 @@ def migrate(conn: sqlite3.Connection) -> int:
 # ---------------------------------------------------------------- the statements
 
 # Every statement in full (no SQL is ever built from values).
-MARK_INTERRUPTED = "UPDATE runs SET status = ?, ended_at = ?, error = ? WHERE status = ?"
+MARK_INTERRUPTED = "UPDATE runs SET status = ?, ended_at = ?, error = ?, stop_reason = ? WHERE status = ?"
 
 # sessions
 INSERT_SESSION = "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
@@ -193,6 +193,9 @@ INSERT_EVENT = "INSERT OR IGNORE INTO run_events VALUES (?,?,?,?,?,?)"
 RUN_EVENTS = (
     "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events"
     " WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?"
+)
+LAST_RUN_EVENT = (
+    "SELECT session_id, run_id, seq, created_at, kind, body FROM run_events WHERE run_id = ? ORDER BY seq DESC LIMIT 1"
 )
 # a bounded batch, one short write transaction each: of the ``limit`` rows stored first (rowid
 # order, no index needed), those older than the cut. Rows are stored within seconds of their

@@ -224,6 +224,10 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     STOP_REASON_REFUSAL: _StopReason.ValueType  # 4
     STOP_REASON_CANCELLED: _StopReason.ValueType  # 5
     STOP_REASON_ERROR: _StopReason.ValueType  # 6
+    STOP_REASON_INTERRUPTED: _StopReason.ValueType  # 7
+    """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
+    when the next start of the daemon marks the run interrupted
+    """
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper): ...
 
@@ -234,6 +238,10 @@ STOP_REASON_MAX_TURN_REQUESTS: StopReason.ValueType  # 3
 STOP_REASON_REFUSAL: StopReason.ValueType  # 4
 STOP_REASON_CANCELLED: StopReason.ValueType  # 5
 STOP_REASON_ERROR: StopReason.ValueType  # 6
+STOP_REASON_INTERRUPTED: StopReason.ValueType  # 7
+"""the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
+when the next start of the daemon marks the run interrupted
+"""
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
 class _PermissionOutcome:
@@ -1667,10 +1675,11 @@ class ChatStream(_message.Message):
     CONFIG_OPTION_UPDATE_FIELD_NUMBER: _builtins.int
     AVAILABLE_COMMANDS_FIELD_NUMBER: _builtins.int
     PERMISSION_RESOLVED_FIELD_NUMBER: _builtins.int
+    GAP_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     session_id: _builtins.str
     seq: _builtins.int
-    """per run, from 1, no gaps"""
+    """per run, from 1, no gaps (a `gap` stands for the events it leaves out)"""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1715,6 +1724,14 @@ class ChatStream(_message.Message):
         whose host died while the request waited ends without it).
         """
 
+    @_builtins.property
+    def gap(self) -> Global___RunGap:
+        """Events this stream does not deliver: from_seq..to_seq (both included) were left out, and
+        `seq` of this message is to_seq, so a client that resumes from the last seq it saw goes on
+        after them. Today only a history cut past history_max_bytes_per_run makes one
+        (README "History"); a follower too slow for the run's buffer gets OUT_OF_RANGE instead.
+        """
+
     def __init__(
         self,
         *,
@@ -1736,16 +1753,47 @@ class ChatStream(_message.Message):
         config_option_update: Global___ConfigOptionUpdate | None = ...,
         available_commands: Global___AvailableCommands | None = ...,
         permission_resolved: Global___PermissionResolved | None = ...,
+        gap: Global___RunGap | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "permission_resolved", b"permission_resolved", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "gap", b"gap", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "permission_resolved", b"permission_resolved", "plan", b"plan", "queued", b"queued", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "permission_resolved", b"permission_resolved", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_message", b"agent_message", "agent_thought", b"agent_thought", "available_commands", b"available_commands", "completed", b"completed", "config_option_update", b"config_option_update", "event", b"event", "gap", b"gap", "heartbeat", b"heartbeat", "permission_request", b"permission_request", "permission_resolved", b"permission_resolved", "plan", b"plan", "queued", b"queued", "run_id", b"run_id", "seq", b"seq", "session_id", b"session_id", "started", b"started", "time", b"time", "tool_call", b"tool_call", "tool_call_update", b"tool_call_update", "update", b"update"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued", "config_option_update", "available_commands", "permission_resolved"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["started", "agent_message", "agent_thought", "tool_call", "tool_call_update", "plan", "permission_request", "update", "heartbeat", "completed", "queued", "config_option_update", "available_commands", "permission_resolved", "gap"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___ChatStream: _TypeAlias = ChatStream  # noqa: Y015
+
+@_typing.final
+class RunGap(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_SEQ_FIELD_NUMBER: _builtins.int
+    TO_SEQ_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    from_seq: _builtins.int
+    """the first event left out"""
+    to_seq: _builtins.int
+    """the last event left out (this message's seq)"""
+    reason: _builtins.str
+    """why, as a config key or ErrorInfo-style reason: "history_max_bytes_per_run" (the run's stored
+    history reached that bound; its later events were not stored, its completed was)
+    """
+    def __init__(
+        self,
+        *,
+        from_seq: _builtins.int = ...,
+        to_seq: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_seq", b"from_seq", "reason", b"reason", "to_seq", b"to_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunGap: _TypeAlias = RunGap  # noqa: Y015
 
 @_typing.final
 class RunQueued(_message.Message):

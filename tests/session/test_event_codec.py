@@ -24,6 +24,7 @@ from rcoder.domain import (
     ResumeOutcome,
     RunCompleted,
     RunEventBody,
+    RunGap,
     RunStarted,
     SlashCommand,
     StopReason,
@@ -53,6 +54,9 @@ SAMPLES: list[RunEventBody] = [
     PermissionResolved("perm-1", PermissionOutcome.ANSWERED, "allow", "allow_once"),
     PermissionResolved("perm-2", PermissionOutcome.CANCELLED),
     AgentUpdate("usage_update", '{"used": 10}'),
+    RunGap(7),
+    RunGap(7, 12, "history_max_bytes_per_run"),
+    RunCompleted(StopReason.INTERRUPTED, "prov-1", ResumeOutcome.NEW, "daemon stopped", "DAEMON_STOPPED"),
     RunCompleted(StopReason.END_TURN, "prov-1", ResumeOutcome.LIVE),
     RunCompleted(
         StopReason.ERROR,
@@ -87,6 +91,18 @@ def test_a_kind_this_rcoder_does_not_know_is_refused_by_name_and_unknown_fields_
     with pytest.raises(event_codec.UnknownKind, match="'future'"):
         event_codec.decode("future", "{}")
     assert event_codec.decode("text", '{"text":"a","newer":1}') == TextChunk("a")
+
+
+def test_an_older_rcoders_history_cut_note_reads_back_as_the_open_gap_it_stood_for() -> None:
+    # as rcoder stored it before RunGap: an update of kind rcoder_history_cut at the first seq not stored
+    note = (
+        '{"reason": "RESOURCE_EXHAUSTED", "limit": "history_max_bytes_per_run", "bytes": 2000, "from_seq": 9,'
+        ' "detail": "later events of this run were not stored (completed is)"}'
+    )
+    stored = event_codec.encode(AgentUpdate(event_codec.CUT_KIND, note))
+    assert stored[0] == "update"
+    assert event_codec.decode(*stored) == RunGap(9, 0, "history_max_bytes_per_run")
+    assert event_codec.decode("update", '{"kind":"usage_update","json":"{}"}') == AgentUpdate("usage_update", "{}")
 
 
 def test_a_settled_permission_is_stored_by_its_outcomes_value() -> None:

@@ -145,6 +145,29 @@ async def test_an_attached_follower_keeps_its_unread_events_up_to_the_hard_limit
         await drain(stream)
 
 
+def test_an_event_the_history_has_not_stored_never_leaves_the_buffer_and_the_agent_waits_instead() -> None:
+    run = Run("r", "s", buffer_events=3)
+    run.stored_seq = 0  # tracked by a history that has stored nothing yet
+    hurried: list[int] = []
+    run.on_behind = lambda: hurried.append(run.last_seq)
+    for i in range(2):
+        run.publish(tool(i))
+    assert run.room() is None and hurried == [2]  # within the bound; half of it: the writer is hurried
+    for i in range(30):  # far past the hard bound (4 x 3), with no follower at all
+        run.publish(tool(i))
+    assert [e.seq for e in run.sealed()] == list(range(1, 32))  # every one kept (the last still open)
+    room = run.room()
+    assert room is not None and not room.is_set()  # behind by more than the bound: the reader waits
+    run.mark_stored(31)  # the writer caught up (all but the last, still open to merging)
+    assert room.is_set() and run.room() is None
+    run.publish(tool(99))
+    assert run.first_seq >= 31 - 3  # stored: now they may go
+    run.mark_stored(None)  # the history no longer keeps the run: nothing to wait for
+    for i in range(30):
+        run.publish(tool(i))
+    assert run.room() is None
+
+
 async def aclosing(stream: AsyncIterator[object]) -> None:
     """Detach a follower, as a stream that ends does (``follow`` returns an async generator)."""
     assert isinstance(stream, AsyncGenerator)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -314,6 +314,29 @@ async def test_a_live_turn_cancelled_after_its_session_opened_before_its_prompt_
     stored = await turns.store.get_run(plan.run_id)
     assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
     await never_heard_and_still_live(turns, record)
+
+
+async def test_a_live_turn_cancelled_while_its_options_are_set_says_its_session_was_open_live(
+    make_turns: TurnsFactory,
+) -> None:
+    turns = await make_turns("--offer", "options", cancel_grace=600)
+    record = await live_session(turns)
+    plan = turns.plan("remember 9 hang", record, Action.LIVE)
+    plan.turn = replace(plan.turn, config_options=(("model", "fake-large"),))  # set before the prompt
+    run, ready = turns.start(plan)
+    await asyncio.sleep(0)  # one step of the turn's task: the live agent taken, its option still to set
+    assert turns.runner.phase(plan.run_id) is Phase.OPENING
+
+    assert turns.runner.cancel(plan.run_id) is True
+    assert await bounded(ready) is run
+    started, text, completed = split(await events_of(run, within=CLOSE_BOUND))
+
+    # the session was open (the live agent's): not NOT_OPENED, though the prompt never went out
+    assert (started.resume, started.resume_method, completed.stop_reason, text) == (
+        ResumeOutcome.LIVE, OpenMethod.LIVE, StopReason.CANCELLED, "",
+    )  # fmt: skip
+    stored = await turns.store.get_run(plan.run_id)
+    assert stored is not None and (stored.resume, stored.stop_reason) == (ResumeOutcome.LIVE, StopReason.CANCELLED)
 
 
 async def test_a_live_turn_cancelled_as_its_stream_opens_asks_the_agent_to_stop_and_ends_cancelled(

@@ -73,12 +73,16 @@ def _own_status() -> str:
         return f"Uid:\t{os.getuid()}\t{os.geteuid()}\n"  # no /proc: only root counts
 
 
-def resolve(settings: Settings, status: str | None = None) -> AgentUser:
-    """Who agents of this daemon run as; ``ConfigError`` for an explicit ``agent_user`` that does
-    not resolve, that the daemon cannot switch to, or that is root or the daemon's own uid.
-    ``status``: the daemon's ``/proc/self/status`` (read when None)."""
-    value = settings.agent_user
-    explicit = "agent_user" in settings.model_fields_set
+def resolve(settings: Settings) -> AgentUser:
+    """Who agents of this daemon run as (``agent_user``, set or its default); see ``resolve_value``."""
+    return resolve_value(settings.agent_user, "agent_user" in settings.model_fields_set)
+
+
+def resolve_value(value: str, explicit: bool, status: str | None = None) -> AgentUser:
+    """Who agents run as for ``agent_user = value`` (``explicit``: set, not the default);
+    ``ConfigError`` for an explicit value that does not resolve, that the daemon cannot switch
+    to, or for root or the daemon's own uid. ``status``: the ``/proc/<pid>/status`` of the
+    process that would switch (this one's when None)."""
     daemon_uid, daemon_gid = os.geteuid(), os.getegid()
     name_of = _name(daemon_uid)
 

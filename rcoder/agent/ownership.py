@@ -4,9 +4,9 @@ With ``agent_user`` in effect (``rcoder.agent.agent_user``), an agent's home and
 given to the agent's uid and gid (``give``: once, when the folder is not its yet: a new one, one
 made before, or one migrated from ``@shared``; later files rcoder writes into them take the
 folder's owner, ``safe_fs``). The folders above them (``data_dir``, ``data_dir/agents``, the
-profile's homes) are the daemon's and traversable only (search added for other uids, read not: 0700
-becomes 0711; nothing in them is readable by another uid unless its own mode says so): ``reach`` makes them so and names
-any folder above that the agent's uid cannot pass.
+profile's homes) are the daemon's and traversable only (0711: no listing; nothing in them is
+readable by another uid unless its own mode says so): ``reach`` makes them so, and ``blocked``
+names a folder above them that the agents' uid cannot pass.
 
 Every walk opens folders with ``O_NOFOLLOW`` and changes owners with ``lchown`` relative to an
 open folder: an agent that planted a link in its home or project gets the link itself given,
@@ -85,8 +85,8 @@ def _give_below(dir_fd: int, where: str, owner: tuple[int, int], kept: set[str])
 
 
 def reach(folders: Iterable[Path], up_to: Path) -> None:
-    """Make each of ``folders`` (the daemon's, at or under ``up_to``) and the daemon's folders
-    between it and ``up_to`` traversable by other uids (search added, read not)."""
+    """Make each of ``folders`` (rcoder's, at or under ``up_to``, its ``data_dir``) and the folders
+    between it and ``up_to`` the daemon's and traversable by other uids, not readable: 0711."""
     top = Path(os.path.realpath(up_to))
     for folder in folders:
         path = Path(os.path.realpath(folder))
@@ -95,9 +95,8 @@ def reach(folders: Iterable[Path], up_to: Path) -> None:
         for step in [path, *path.parents]:
             with contextlib.suppress(FileNotFoundError):
                 info = os.lstat(step)
-                mode = stat.S_IMODE(info.st_mode)
-                if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and mode & 0o111 != 0o111:
-                    os.chmod(step, mode | 0o111)  # noqa: S103 - search only, no read: what the agents' uid needs
+                if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != 0o711:
+                    os.chmod(step, 0o711)  # noqa: S103 - search only, no read: what the agents' uid needs
             if step == top:
                 break
 

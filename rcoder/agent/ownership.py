@@ -86,16 +86,18 @@ def _give_below(dir_fd: int, where: str, owner: tuple[int, int], kept: set[str])
 
 def reach(folders: Iterable[Path], up_to: Path) -> None:
     """Make each of ``folders`` (rcoder's, at or under ``up_to``, its ``data_dir``) and the folders
-    between it and ``up_to`` the daemon's and traversable by other uids, not readable: 0711."""
+    between it and ``up_to`` traversable by other uids, not readable: mode 0711 (whoever owns them:
+    a container's volume may be another uid's than the daemon's)."""
     top = Path(os.path.realpath(up_to))
     for folder in folders:
         path = Path(os.path.realpath(folder))
         if path != top and top not in path.parents:
             continue
         for step in [path, *path.parents]:
-            with contextlib.suppress(FileNotFoundError):
+            # PermissionError: a folder of another user's that this daemon may not change (blocked() names it)
+            with contextlib.suppress(FileNotFoundError, PermissionError):
                 info = os.lstat(step)
-                if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) != 0o711:
+                if stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) != 0o711:
                     os.chmod(step, 0o711)  # noqa: S103 - search only, no read: what the agents' uid needs
             if step == top:
                 break

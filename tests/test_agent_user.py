@@ -9,6 +9,7 @@ checkout is (``tests.agent_user_kit``)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -252,3 +253,101 @@ def test_only_root_or_cap_setuid_and_cap_setgid_can_switch_uid() -> None:
     assert resolve_value(AGENT_USER, explicit=False, status=caps).switch == (AGENT_UID, AGENT_GID)
     with pytest.raises(ConfigError, match="cannot switch uid"):
         resolve_value(AGENT_USER, explicit=True, status=plain)
+
+
+async def exited_within(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` exits within ``timeout`` (its pidfd turns readable)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+    try:
+        await asyncio.wait_for(done, timeout)
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return True
+
+
+async def test_the_agents_of_a_killed_daemon_die_with_it_under_their_own_uid(root: Path) -> None:
+    """The death signal is set after the switch (which clears it), on the thread's and the wrapper's way."""
+    fake = FakeAgentSetup(root)
+    give_fake(fake)
+    kit = AgentKit.make(root)
+    profiles = {"fake": kit.profile(fake), "threaded": kit.profile(fake, kind="codex")}
+    daemon = await start(root, profiles, agent_user=AGENT_USER)
+    client = Client(daemon.channel())
+    try:
+        pids = [(await pid_of_turn(daemon, client, agent, "remember 1"))[0] for agent in profiles]
+    finally:
+        await client.channel.close()
+        await daemon.kill()  # SIGKILL: no stop, no cleanup
+
+    assert [await exited_within(pid, 10) for pid in pids] == [True, True], pids
+
+
+async def test_an_agents_own_delete_command_runs_as_the_agent_user(root: Path) -> None:
+    fake = FakeAgentSetup(root)
+    give_fake(fake)
+    kit = AgentKit.make(root)
+    agent = kit.profile(fake)
+    said = fake.folder / "delete-uid"
+    script = root / "opencode-fake"
+    argv = " ".join(f'"{arg}"' for arg in [agent["command"], *agent["args"]])
+    script.write_text(f'#!/bin/sh\nif [ "$1" = session ]; then\n  id -u > "{said}"\n  exit 0\nfi\nexec {argv} "$@"\n')
+    script.chmod(0o755)
+    daemon = await start(root, {"oc": {**agent, "kind": "opencode", "command": str(script), "args": []}},
+                         agent_user=AGENT_USER)  # fmt: skip
+    client = Client(daemon.channel())
+    try:
+        events = await client.chat(agent="oc", prompt="remember 42", project_id="proj")
+        answer = await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=events[0].session_id), timeout=30)
+    finally:
+        await client.channel.close()
+        await daemon.stop()
+
+    assert answer.agent_files and not answer.left, answer
+    assert said.read_text().strip() == str(AGENT_UID)
+
+
+async def test_a_home_and_project_made_before_are_given_to_the_agent_user_without_following_links(root: Path) -> None:
+    """Agents ran as the daemon's user first (``agent_user = ""``): their home and project are the
+    daemon's. Under ``AGENT_USER`` they become its, links in them as links: what one points to
+    (outside) stays as it was."""
+    fake = FakeAgentSetup(root)
+    give_fake(fake)
+    kit = AgentKit.make(root)
+    outside = root / "outside.txt"
+    outside.write_text("not the agent's\n")
+    first = await start(root, {"fake": kit.profile(fake)}, agent_user="")
+    client = Client(first.channel())
+    try:
+        await pid_of_turn(first, client, "fake", "remember 3")
+    finally:
+        await client.channel.close()
+        await first.stop()
+    home, project = root / "data" / "agents" / "fake" / "proj", root / "ws" / "proj"
+    (project / "src").mkdir()
+    (project / "src" / "main.py").write_text("print(1)\n")
+    (project / "link").symlink_to(outside)
+    assert home.stat().st_uid == 0 and project.stat().st_uid == 0
+    give_fake(fake)  # its record and state, which the first agent made: a write_paths folder stays the operator's
+
+    second = await start(root, {"fake": kit.profile(fake)}, agent_user=AGENT_USER)
+    client = Client(second.channel())
+    try:
+        _, answer = await pid_of_turn(second, client, "fake", f"writefile {project / 'src' / 'main.py'}")
+    finally:
+        await client.channel.close()
+        await second.stop()
+
+    assert f"writefile[{project / 'src' / 'main.py'}]=ok" in answer, answer
+    for path in [home, *home.rglob("*"), project, *project.rglob("*")]:
+        assert (path.lstat().st_uid, path.lstat().st_gid) == (AGENT_UID, AGENT_GID), path
+    assert outside.stat().st_uid == 0, "the link's target is not given"
+    assert second.logs("project_given")[0]["entries"] == 4 and second.logs("agent_home_given")

@@ -335,6 +335,7 @@ async def test_a_home_and_project_made_before_are_given_to_the_agent_user_withou
     (project / "src").mkdir()
     (project / "src" / "main.py").write_text("print(1)\n")
     (project / "link").symlink_to(outside)
+    os.link(outside, project / "hard")  # another name of a file outside: never given
     assert home.stat().st_uid == 0 and project.stat().st_uid == 0
     give_fake(fake)  # its record and state, which the first agent made: a write_paths folder stays the operator's
 
@@ -348,6 +349,8 @@ async def test_a_home_and_project_made_before_are_given_to_the_agent_user_withou
 
     assert f"writefile[{project / 'src' / 'main.py'}]=ok" in answer, answer
     for path in [home, *home.rglob("*"), project, *project.rglob("*")]:
-        assert (path.lstat().st_uid, path.lstat().st_gid) == (AGENT_UID, AGENT_GID), path
-    assert outside.stat().st_uid == 0, "the link's target is not given"
+        if path.name != "hard":
+            assert (path.lstat().st_uid, path.lstat().st_gid) == (AGENT_UID, AGENT_GID), path
+    assert outside.stat().st_uid == 0, "neither the symbolic link's target nor the hard link is given"
     assert second.logs("project_given")[0]["entries"] == 4 and second.logs("agent_home_given")
+    assert second.logs("not_given_hard_link")[0]["path"] == str(project / "hard")

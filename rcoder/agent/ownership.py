@@ -10,7 +10,8 @@ names a folder above them that the agents' uid cannot pass.
 
 Every walk opens folders with ``O_NOFOLLOW`` and changes owners with ``lchown`` relative to an
 open folder: an agent that planted a link in its home or project gets the link itself given,
-never what it points to.
+never what it points to. A file with more than one hard link is not given at all (it may be
+another name of a file elsewhere: the token, the store), and logged.
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ def _give_below(dir_fd: int, where: str, owner: tuple[int, int], kept: set[str])
                 changed += _give_fd(child, owner) + _give_below(child, path, owner, kept)
             finally:
                 os.close(child)
+        elif info.st_nlink > 1 and not stat.S_ISLNK(info.st_mode):
+            # a hard link may be another name of a file outside (the store, the token, /etc/shadow):
+            # never given, whoever made it
+            if (info.st_uid, info.st_gid) != owner:
+                log.warning("not_given_hard_link", path=path, links=info.st_nlink)
         elif (info.st_uid, info.st_gid) != owner:
             with contextlib.suppress(FileNotFoundError):
                 os.chown(name, *owner, dir_fd=dir_fd, follow_symlinks=False)

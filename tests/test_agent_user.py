@@ -64,10 +64,15 @@ async def separate(root: Path) -> AsyncIterator[tuple[Daemon, Client, FakeAgentS
     fake = FakeAgentSetup(root)
     give_fake(fake)
     kit = AgentKit.make(root)
+    hidden = root / "closed-bin" / "agent"  # a command in a folder the agents' uid cannot pass
+    hidden.parent.mkdir(mode=0o700)
+    hidden.write_text("#!/bin/sh\n")
+    hidden.chmod(0o755)
     profiles = {
         "fake": kit.profile(fake),
         "threaded": kit.profile(fake, kind="codex"),
         "bare": kit.profile(fake, sandbox="none"),
+        "hidden": {"command": str(hidden)},
     }
     daemon = await start(root, profiles, agent_user=AGENT_USER)
     client = Client(daemon.channel())
@@ -139,7 +144,7 @@ async def test_without_landlock_the_agent_user_cannot_read_the_store_or_the_toke
 
 
 async def test_list_agents_and_the_start_log_name_the_agent_user(
-    separate: tuple[Daemon, Client, FakeAgentSetup],
+    separate: tuple[Daemon, Client, FakeAgentSetup], root: Path
 ) -> None:
     daemon, client, _ = separate
     runs_as = (await client.stub.ListAgents(pb.ListAgentsRequest())).runs_as
@@ -149,6 +154,10 @@ async def test_list_agents_and_the_start_log_name_the_agent_user(
     )  # fmt: skip
     assert daemon.logs("agents_run_as")[0]["uid"] == AGENT_UID
     assert not daemon.logs("agents_run_as_daemon_user")
+    # said at start: a profile whose command that uid cannot reach (the built-in ones' depend on the checkout)
+    unreachable = {row["agent"]: row for row in daemon.logs("agent_command_unreachable")}
+    assert unreachable["hidden"]["folder"] == str(root / "closed-bin") and "chmod o+x" in unreachable["hidden"]["fix"]
+    assert not {"fake", "threaded", "bare"} & set(unreachable), unreachable
 
 
 def passwd_without(name: str, root: Path) -> Path:

@@ -164,6 +164,14 @@ class AgentLauncher:
         for folder in homes:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         ownership.reach(homes, settings.data_dir)
+        for name, profile in sorted(settings.agents.items()):
+            # a profile's command the agents' uid cannot reach fails each start: said now, once
+            command = profile.resolve_command(settings.agent_env(profile).get("PATH", ""))
+            stop = ownership.blocked(Path(command), owner) if command else None
+            if stop is not None:
+                log.warning("agent_command_unreachable", agent=name, command=command, folder=str(stop),
+                            uid=owner[0], fix=f"chmod o+x {stop}, or install the agent where uid {owner[0]} can "
+                                              "read it")  # fmt: skip
         for path in [*homes, settings.workspace_root]:
             stop = ownership.blocked(path, owner)
             if stop is not None:

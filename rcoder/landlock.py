@@ -293,8 +293,6 @@ def apply(argv: list[str], thread: bool = False) -> list[str]:
     agent, ``rcoder.agent.confined`` (through ``ruleset_of``) in a thread that then starts the
     agent (``thread``; it never switches uid)."""
     parent, user = parse(argv)[0], user_of(argv)
-    if user is not None and thread:
-        raise ValueError("a thread of the daemon never switches uid: --user is the exec wrapper's")
     # the rules are bound as the daemon's uid, as a confining thread binds them: the agent's uid
     # may not be able to open a granted path at all (then it cannot reach it either)
     ruleset, command, _ = ruleset_of(argv, thread)
@@ -315,6 +313,8 @@ def ruleset_of(argv: list[str], thread: bool = False) -> tuple[int, list[str], l
     """The ruleset the wrapper's arguments ``argv`` say (its fd, the caller's to close), the
     command they name, and the paths its rules were bound to."""
     _, read, write, command = parse(argv)
+    if thread and user_of(argv) is not None:  # would be ignored here: the agent would keep the daemon's uid
+        raise ValueError("a thread of the daemon never switches uid: --user is the exec wrapper's")
     return build(read, write, thread)[0], command, [*read, *write]
 
 

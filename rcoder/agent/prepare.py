@@ -14,7 +14,7 @@ from rcoder.agent import ownership
 from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import model_provider, sandbox_of
-from rcoder.agent.sandbox import Confinement, confinement, protected
+from rcoder.agent.sandbox import Confinement, confinement, make_write_paths, protected
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import AgentUnavailable
@@ -74,9 +74,8 @@ async def prepared(
         )
     if homes.owner is not None:
         await asyncio.to_thread(_give_project, settings, Path(cwd), homes.owner)
-    confined = await asyncio.to_thread(
-        confinement, settings, profile, command, Path(workdir or cwd), home, owner=homes.owner
-    )
+    await asyncio.to_thread(make_write_paths, settings, profile, homes.owner)
+    confined = await asyncio.to_thread(confinement, settings, profile, command, Path(workdir or cwd), home)
     return Prepared(home, env, command, setup.args, confined)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcoder import landlock
+from rcoder.agent import ownership
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
@@ -86,21 +87,14 @@ class Confinement:
         return [*args, "--", *command]
 
 
-def confinement(
-    settings: Settings,
-    profile: AgentProfile,
-    command: str,
-    cwd: Path,
-    home: Path,
-    owner: tuple[int, int] | None = None,
-) -> Confinement | None:
+def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Path, home: Path) -> Confinement | None:
     """What an agent of ``profile`` running ``command`` in ``cwd`` may reach; None: unconfined.
 
-    Touches the file system (resolving paths, creating missing ``write_paths`` folders, given to
-    ``owner``, the agents' uid and gid, when given): call it off the event loop."""
+    Touches the file system (resolving paths, creating missing ``write_paths`` folders): call it
+    off the event loop."""
     if sandbox_of(settings, profile) != "landlock":
         return None
-    make_write_paths(profile, owner)
+    make_write_paths(settings, profile, None)  # already made, for the agents' uid where they have one (prepare)
     hidden = protected(settings)
     system = [Path(p) for p in (*SYSTEM_READ, *ETC_LINKS)]
     # resolved by the wrapper, in the agent's process (no around()); "/proc/self" only for a kind
@@ -119,16 +113,23 @@ def confinement(
     )
 
 
-def make_write_paths(profile: AgentProfile, owner: tuple[int, int] | None) -> None:
-    """The profile's ``write_paths`` made when missing, so that the agent can use them; the
-    folders made here are ``owner``'s (one that was there stays as it is: the operator's)."""
+def make_write_paths(settings: Settings, profile: AgentProfile, owner: tuple[int, int] | None) -> None:
+    """The profile's ``write_paths`` made when missing, so that the agent can use them; with
+    ``owner`` (the agents' uid and gid) the folders made are theirs, and so is one under
+    ``data_dir`` (rcoder's, e.g. the ``echo`` profile's sessions) made before; one elsewhere that
+    was there stays as it is: the operator's. Call it off the event loop."""
+    data_dir = _real(settings.data_dir)
     for path in profile.write_paths:
         missing = [p for p in (path, *path.parents) if not os.path.lexists(p)]
         with contextlib.suppress(OSError):
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if owner is not None:
-                for made in reversed(missing):
-                    os.chown(made, *owner, follow_symlinks=False)
+            if owner is None:
+                continue
+            for made in reversed(missing):
+                os.chown(made, *owner, follow_symlinks=False)
+            real = _real(path)
+            if data_dir in real.parents and not ownership.owned_by(real, owner):
+                ownership.give(real, owner)
 
 
 def protected(settings: Settings) -> list[Path]:

@@ -32,13 +32,15 @@ def builtin_tables(data_dir: Path) -> dict[str, dict[str, Any]]:
         return str(path) if path.is_file() else path.name
 
     # rcoder/echo_agent.py; -P: the project's cwd never shadows the rcoder package. Confined, it
-    # reads the rcoder package and writes its state (no tools: it reaches nothing else anyway)
+    # reads the rcoder package and writes its state, <state-dir>/sessions (no tools: it reaches
+    # nothing else anyway); that folder, not the profile's homes folder, is its grant: under a uid
+    # of its own (agent_user) it is the agent's, the homes folder rcoder's
     echo_home = (data_dir / "agents" / "echo").absolute()  # Settings.agent_homes
     echo = {
         "command": sys.executable,
         "args": ["-P", "-m", "rcoder.echo_agent", "--state-dir", str(echo_home)],
         "read_paths": [str(Path(__file__).resolve().parent)],
-        "write_paths": [str(echo_home)],
+        "write_paths": [str(echo_home / "sessions")],
     }
     return {"echo": echo} | {
         name: {"kind": name, "command": command(relative), "args": args, "inherit_env": inherit}

@@ -21,6 +21,7 @@ from rcoder.builtin_agents import AGENTS_DIR as AGENTS_DIR  # public here too
 from rcoder.builtin_agents import builtin_tables
 from rcoder.config_types import (
     Advertise,
+    AgentUserName,
     Array,
     ConfigPath,
     Count,
@@ -117,6 +118,9 @@ class SettingsKeys(_Schema):
     # DESIGN §6.2: true lets anyone who reaches the port, agents included, drive the daemon without a
     # token when auth_token is empty, read /metrics, and skips the check that the store asks a password
     open_to_agents: bool = False
+    # who agents run as where the daemon can switch uid (rcoder.agent.agent_user): a user name, or
+    # "UID:GID"; "" runs them as the daemon's user
+    agent_user: AgentUserName = "rcoder-agent"
     tls_cert: str = ""
     tls_key: str = ""
     max_live_agents: Annotated[int, Field(ge=1)] = 32

@@ -60,10 +60,21 @@ def _peer_host(pattern: str) -> str:
     return pattern
 
 
+_USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}[$]?|[0-9]{1,10}:[0-9]{1,10}")
+
+
+def _agent_user(value: str) -> str:
+    if value and not _USER_NAME.fullmatch(value):
+        raise ValueError(f'expected a user name (e.g. "rcoder-agent"), a numeric "UID:GID", or "", got {value!r}')
+    return value
+
+
 def _advertise(address: str) -> str:
     return _host_port(address) if address else address
 
 
+# a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.agent_user
+AgentUserName = Annotated[str, AfterValidator(_agent_user)]
 HostId = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
 ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
 # "" is SQLite in data_dir; a postgresql:// URL the PostgreSQL store (rcoder.store.make_store);

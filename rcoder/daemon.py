@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pwd
 import signal
 import socket
 from datetime import timedelta
@@ -135,6 +134,7 @@ class Daemon:
         self.tracing = tracing.configure(self.settings.otlp_endpoint)
         await self._check_store_access()
         interrupted = await self.store.open()
+        self.launcher.ready_for_user()  # after the store made data_dir: its way to the homes opened
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
         self.launcher.trees.start(asyncio.get_running_loop())
@@ -187,19 +187,26 @@ class Daemon:
     async def _check_store_access(self) -> None:
         """DESIGN §6.2: a PostgreSQL store that lets an agent in without the password, on any
         route (its TCP address, a unix socket, loopback; ``pg_access``), lets in every agent (they
-        run as the daemon's uid and reach every route): refused, naming the first route found,
-        unless the operator opens it by name."""
+        reach every route, as the daemon's uid or their own): refused, naming the first route
+        found, unless the operator opens it by name."""
         if not self.settings.store_url or self.settings.open_to_agents:
             return
-        from rcoder.store import pg_access  # psycopg only for a daemon that uses it
+        from rcoder.store import pg_access, probe_as  # psycopg only for a daemon that uses it
 
-        # agents run as this uid (no agent_user yet): the probe, from this process, is what they could do
-        found = await pg_access.openings(self.settings.store_url, pwd.getpwuid(os.getuid()).pw_name)
+        # agents under a uid of their own: every login tried as that uid (a child switched to it);
+        # as the daemon's: from this process, what they could do
+        user = self.launcher.user
+        try:
+            found = await pg_access.openings(self.settings.store_url, user.name, as_user=user.switch)
+        except probe_as.ProbeFailed as exc:
+            raise ConfigError("store_url", f"could not check that the store refuses agents: {exc}") from exc
+        agents = f"they run as uid {user.uid}" if user.separate else "they run as this uid"
         if found:
             log.error("store_open_to_agents", routes=[str(o.route or "store_url") for o in found],
-                      roles=sorted({o.role for o in found}))  # fmt: skip
-            raise ConfigError("store_url", pg_access.explain(found[0], redact_url(self.settings.store_url)))
-        log.info("store_refused_to_agents", effect="no route lets an agent in without the password")
+                      roles=sorted({o.role for o in found}), agents_uid=user.uid)  # fmt: skip
+            raise ConfigError("store_url", pg_access.explain(found[0], redact_url(self.settings.store_url), agents))
+        log.info("store_refused_to_agents", effect="no route lets an agent in without the password",
+                 agents_uid=user.uid)  # fmt: skip
 
     def _log_network(self) -> None:
         """Say what agents reach over the network (DESIGN §6.2), per profile, and warn when it is rcoder."""

@@ -6,10 +6,12 @@ Landlock confines a thread and what it starts). And where that cannot do (an age
 its own ``/proc/<pid>``, or no ``setpriv`` for its death signal), an agent is started through
 this file run as a script, an exec wrapper::
 
-    python -I -S -B landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...
+    python -I -S -B landlock.py [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV...
 
-which, in the new process and before the agent's program runs, sets ``PR_SET_PDEATHSIG=SIGKILL``
-(and exits if ``PID``, the daemon, is already gone), builds a Landlock ruleset — ``--read``
+which, in the new process and before the agent's program runs, builds a Landlock ruleset,
+switches to ``UID`` and ``GID`` with no supplementary groups when given
+(``rcoder.agent.agent_user``), sets ``PR_SET_PDEATHSIG=SIGKILL`` (after the switch, which clears
+it; and exits if ``PID``, the daemon, is already gone) — the ruleset's ``--read``
 paths readable and executable, ``--write`` paths readable and writable, nothing else on the
 file system — restricts itself with it (``no_new_privs`` first) and execs ``ARGV``. A Landlock
 domain is inherited by every process the agent starts and can never be lifted, only narrowed:
@@ -249,30 +251,58 @@ def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
                 break
             return parent, read, write, command
         value = next(args, None)
-        if value is None or arg not in ("--parent", "--read", "--write"):
+        if value is None or arg not in ("--parent", "--user", "--read", "--write"):
             break
         if arg == "--parent":
             parent = int(value)
-        else:
+        elif arg != "--user":  # read by user_of
             (read if arg == "--read" else write).append(value)
-    raise ValueError("usage: landlock.py [--parent PID] [--read PATH]... [--write PATH]... -- ARGV...")
+    raise ValueError(_USAGE)
+
+
+_USAGE = "usage: landlock.py [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV..."
+
+
+def user_of(argv: list[str]) -> tuple[int, int] | None:
+    """The (uid, gid) the wrapper's arguments ``argv`` switch to, or None."""
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    for arg, value in zip(head[::2], head[1::2], strict=False):
+        if arg == "--user":
+            uid, sep, gid = value.partition(":")
+            if not (sep and uid.isdigit() and gid.isdigit()):
+                raise ValueError(_USAGE)
+            return int(uid), int(gid)
+    return None
+
+
+def switch_user(uid: int, gid: int) -> None:
+    """Become ``uid`` and ``gid`` (real, effective and saved), with no supplementary groups: in
+    the process that becomes the agent, never in a thread of the daemon (glibc switches every
+    thread of a process)."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
 
 
 def apply(argv: list[str], thread: bool = False) -> list[str]:
     """Confine the calling thread (and all it will start) as the wrapper's arguments ``argv`` say,
-    ``PR_SET_PDEATHSIG`` first when they name a parent; the command they name. Raises ``OSError``
-    or ``ValueError``.
+    switching to their ``--user`` and then setting ``PR_SET_PDEATHSIG`` when they name a parent;
+    the command they name. Raises ``OSError`` or ``ValueError``.
 
     The one implementation of "confine": the wrapper runs it in the process that becomes the
     agent, ``rcoder.agent.confined`` (through ``ruleset_of``) in a thread that then starts the
-    agent (``thread``)."""
-    parent = parse(argv)[0]
-    if parent:
-        _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
-        if os.getppid() != parent:  # the daemon died before the death signal was armed
-            raise OSError(0, "the daemon that started this agent is gone")
+    agent (``thread``; it never switches uid)."""
+    parent, user = parse(argv)[0], user_of(argv)
+    # the rules are bound as the daemon's uid, as a confining thread binds them: the agent's uid
+    # may not be able to open a granted path at all (then it cannot reach it either)
     ruleset, command, _ = ruleset_of(argv, thread)
     try:
+        if user is not None:
+            switch_user(*user)  # before the death signal: a credential change clears it
+        if parent:
+            _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
+            if os.getppid() != parent:  # the daemon died before the death signal was armed
+                raise OSError(0, "the daemon that started this agent is gone")
         enforce(ruleset)
     finally:
         os.close(ruleset)
@@ -283,6 +313,8 @@ def ruleset_of(argv: list[str], thread: bool = False) -> tuple[int, list[str], l
     """The ruleset the wrapper's arguments ``argv`` say (its fd, the caller's to close), the
     command they name, and the paths its rules were bound to."""
     _, read, write, command = parse(argv)
+    if thread and user_of(argv) is not None:  # would be ignored here: the agent would keep the daemon's uid
+        raise ValueError("a thread of the daemon never switches uid: --user is the exec wrapper's")
     return build(read, write, thread)[0], command, [*read, *write]
 
 

@@ -89,6 +89,9 @@ def base_settings(tmp_path: Path) -> dict[str, Any]:
         "initialize_timeout": 20,
         "session_open_timeout": 20,
         "agent_stop_grace": 1,
+        # agents as the daemon's user, whatever the machine has (a daemon run as root where the
+        # user rcoder-agent exists would give them that uid): tests/test_agent_user.py tries both
+        "agent_user": "",
     }
 
 

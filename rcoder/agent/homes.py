@@ -40,7 +40,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from rcoder.agent import safe_fs
+from rcoder.agent import ownership, safe_fs
 from rcoder.agent.profile import agent_homes
 from rcoder.config import AgentProfile, Settings
 from rcoder.errors import UnsafePath
@@ -59,9 +59,11 @@ _SMALL_LINES = 100_000  # bound on a registry or marker file read whole (they ar
 class Homes:
     """Finds, creates and migrates homes; one migration at a time per profile."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, owner: tuple[int, int] | None = None) -> None:
         self._settings = settings
         self._locks: dict[str, asyncio.Lock] = {}
+        # the agents' own (uid, gid) where they run as one (rcoder.agent.agent_user): their homes are theirs
+        self.owner = owner
 
     def project_of(self, cwd: str) -> str:
         """The project a working directory is (its first folder under ``workspace_root``); for a
@@ -81,11 +83,22 @@ class Homes:
         Its agent may write it: nothing in it is followed if it is a link (``safe_fs``)."""
         home = self.path(profile, cwd)
         homes = home.parent
-        if is_ready(homes, home):
+        owner = self.owner
+        if is_ready(homes, home) and (owner is None or ownership.owned_by(home, owner)):
             return home
         async with self._locks.setdefault(profile.name, asyncio.Lock()):
             await asyncio.to_thread(ensure_home, homes, home, profile.kind, Path(cwd))
+            if owner is not None:
+                await asyncio.to_thread(self._give, homes, home, owner)
         return home
+
+    def _give(self, homes: Path, home: Path, owner: tuple[int, int]) -> None:
+        """The home made (or migrated, or made before agents had a uid of their own) given to the
+        agents' uid; the folders on the way to it traversable by it."""
+        ownership.reach([homes], self._settings.data_dir)
+        if not ownership.owned_by(home, owner):
+            changed = ownership.give(home, owner)
+            log.info("agent_home_given", home=str(home), uid=owner[0], gid=owner[1], entries=changed)
 
 
 def is_ready(homes: Path, home: Path) -> bool:

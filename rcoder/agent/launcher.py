@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import stat
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -21,7 +22,7 @@ from acp import schema as acp_schema
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from rcoder import __version__, landlock, tracing
-from rcoder.agent import own_delete
+from rcoder.agent import agent_user, own_delete, ownership
 from rcoder.agent.client import RcoderClient
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.erase import Erased, erase_conversation
@@ -31,13 +32,13 @@ from rcoder.agent.leftovers import record_instance, sweep
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.prepare import Prepared, prepared
 from rcoder.agent.process import AgentProcess
-from rcoder.agent.profile import promises_of, sandbox_of
+from rcoder.agent.profile import agent_homes, promises_of, sandbox_of
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import PipeTransport
 from rcoder.agent.tree import Trees
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
-from rcoder.errors import AgentProtocolError, SessionGone
+from rcoder.errors import AgentProtocolError, ConfigError, SessionGone
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.launcher")
@@ -82,7 +83,9 @@ class AgentLauncher:
         # profiles started successfully at least once, and the lock their first start holds
         self._started_once: set[str] = set()
         self._first_start: dict[str, asyncio.Lock] = {}
-        self.homes = Homes(settings)
+        # who agents run as (ConfigError here for an agent_user that cannot be)
+        self.user = agent_user.resolve(settings)
+        self.homes = Homes(settings, self.user.switch)
         # every agent's whole tree, marked with this daemon run's instance (recorded for the sweep)
         self.trees = Trees()
         self._instance_recorded = False
@@ -147,6 +150,36 @@ class AgentLauncher:
         if ended:
             log.warning("agent_leftovers_ended", processes=ended)
         return ended
+
+    def ready_for_user(self) -> None:
+        """Where agents run as their own uid: the folders on the way to their homes made
+        traversable (no more), and checked, with the workspace, to be reachable by that uid
+        (``ConfigError`` naming the folder that is not); said in the log either way."""
+        agent_user.log_agent_user(self.user)
+        owner = self.user.switch
+        if owner is None:
+            return
+        settings = self._settings
+        homes = [agent_homes(settings, profile) for profile in settings.agents.values()]
+        for folder in homes:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ownership.reach(homes, settings.data_dir)
+        for name, profile in sorted(settings.agents.items()):
+            # a profile's command the agents' uid cannot reach fails each start: said now, once
+            command = profile.resolve_command(settings.agent_env(profile).get("PATH", ""))
+            stop = ownership.blocked(Path(command), owner) if command else None
+            if stop is not None:
+                log.warning("agent_command_unreachable", agent=name, command=command, folder=str(stop),
+                            uid=owner[0], fix=f"chmod o+x {stop}, or install the agent where uid {owner[0]} can "
+                                              "read it")  # fmt: skip
+        for path in [*homes, settings.workspace_root]:
+            stop = ownership.blocked(path, owner)
+            if stop is not None:
+                mode = stat.S_IMODE(stop.stat().st_mode)
+                raise ConfigError("agent_user", f"agents run as uid {owner[0]}, which cannot reach {path}: {stop} "
+                                                f"(mode {mode:04o}) lets it not pass. Give other users search "
+                                                f"there (chmod o+x {stop}), or move data_dir and workspace_root "
+                                                "below folders they can pass, or set agent_user = \"\"")  # fmt: skip
 
     def log_sandboxes(self) -> None:
         """Say what each profile's agents run under (DESIGN §6.1: in the log at start)."""
@@ -327,6 +360,7 @@ class AgentLauncher:
             pid_dir=self.pid_dir,
             confinement=ready.confinement,
             trees=self.trees,
+            user=self.user.switch,
         )
         self._processes.add(process)
         return process

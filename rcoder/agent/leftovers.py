@@ -35,7 +35,7 @@ def record(pid_dir: Path, pid: int) -> Path | None:
     stat = _stat(pid)
     if stat is None:
         return None
-    pid_dir.mkdir(parents=True, exist_ok=True)
+    pid_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = pid_dir / str(pid)
     path.write_text(str(stat[1]))
     return path
@@ -46,7 +46,7 @@ _INSTANCE = "tree-"
 
 def record_instance(pid_dir: Path, instance: str) -> None:
     """Record a daemon run's mark (``rcoder.agent.tree``), before it starts any agent."""
-    pid_dir.mkdir(parents=True, exist_ok=True)
+    pid_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     (pid_dir / f"{_INSTANCE}{instance}").touch()
 
 

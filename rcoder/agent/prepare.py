@@ -10,13 +10,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rcoder.agent import ownership
 from rcoder.agent.homes import Homes
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import model_provider, sandbox_of
-from rcoder.agent.sandbox import Confinement, confinement
+from rcoder.agent.sandbox import Confinement, confinement, make_write_paths, protected
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import AgentUnavailable
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.agent.prepare")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,5 +72,16 @@ async def prepared(
             f"install it or fix agents.{profile.name}.command",
             agent=profile.name,
         )
+    if homes.owner is not None:
+        await asyncio.to_thread(_give_project, settings, Path(cwd), homes.owner)
+    await asyncio.to_thread(make_write_paths, settings, profile, homes.owner)
     confined = await asyncio.to_thread(confinement, settings, profile, command, Path(workdir or cwd), home)
     return Prepared(home, env, command, setup.args, confined)
+
+
+def _give_project(settings: Settings, cwd: Path, owner: tuple[int, int]) -> None:
+    """The project folder given to the agents' uid, once (a new one, or one made before they had
+    a uid of their own), rcoder's own folders inside it left out (``sandbox.protected``)."""
+    if cwd.is_relative_to(settings.workspace_root.resolve()) and not ownership.owned_by(cwd, owner):
+        changed = ownership.give(cwd, owner, keep=protected(settings))
+        log.info("project_given", cwd=str(cwd), uid=owner[0], gid=owner[1], entries=changed)

@@ -31,7 +31,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rcoder.agent.confined import spawn_confined
 from rcoder.agent.leftovers import record
@@ -82,6 +82,14 @@ def _pdeathsig_prefix() -> tuple[str, ...]:
             why = f"{setpriv} has no --pdeathsig (util-linux older than 2.33)"
     log.warning("pdeathsig_unavailable", reason=why, effect="agents outlive a killed daemon until its next start")
     return ()
+
+
+def _as_user(prefix: tuple[str, ...], user: tuple[int, int] | None) -> tuple[str, ...]:
+    """``prefix`` (setpriv's death signal) also switching to ``user`` (uid, gid) with no
+    supplementary groups; ``prefix`` itself without a user or without setpriv."""
+    if user is None or not prefix:
+        return prefix
+    return (prefix[0], f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *prefix[1:])
 
 
 class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
@@ -197,17 +205,20 @@ class AgentProcess:
         pid_dir: Path | None = None,
         confinement: Confinement | None = None,
         trees: Trees | None = None,
+        user: tuple[int, int] | None = None,
     ) -> AgentProcess:
         """Start ``argv``; confined by ``confinement`` when given: by a thread that confines itself
         first (``rcoder.agent.confined``), or through the exec wrapper where the agent needs its
         own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal. With ``trees``,
-        its tree is marked, and ended when it exits (``rcoder.agent.tree``)."""
+        its tree is marked, and ended when it exits (``rcoder.agent.tree``). With ``user`` (uid,
+        gid), it runs as that uid and gid with no supplementary groups (``rcoder.agent.agent_user``)."""
         if trees is None:
-            return await cls._spawn(argv, cwd, env, name, stderr_tail_bytes, stop_grace, pid_dir, confinement)
+            return await cls._spawn(argv, cwd, env, name, stderr_tail_bytes, stop_grace, pid_dir, confinement,
+                                    user=user)  # fmt: skip
         mark = trees.new_mark()
         with trees.spawning():
             return await cls._spawn(argv, cwd, {**env, MARK: mark}, name, stderr_tail_bytes, stop_grace, pid_dir,
-                                    confinement, trees, mark)  # fmt: skip
+                                    confinement, trees, mark, user)  # fmt: skip
 
     @classmethod
     async def _spawn(
@@ -222,23 +233,30 @@ class AgentProcess:
         confinement: Confinement | None,
         trees: Trees | None = None,
         mark: str = "",
+        user: tuple[int, int] | None = None,
     ) -> AgentProcess:
         prefix = _pdeathsig_prefix()
         owner = (trees, mark)
+        # setpriv switches uid and gid before it sets the death signal (a credential change clears it)
+        switched = _as_user(prefix, user)
         if confinement is not None and prefix and not confinement.own_proc:
             try:
                 started = await spawn_confined(
-                    confinement, argv, cwd=cwd, env=env, limit=_PIPE_BUFFER, prefix=prefix, name=name
+                    confinement, argv, cwd=cwd, env=env, limit=_PIPE_BUFFER, prefix=switched, name=name
                 )
             except (OSError, ValueError) as exc:
                 why = f"could not start agent {name!r} ({argv[0]}) confined: {exc}"
                 raise AgentUnavailable(why, agent=name) from exc
             return cls._started(started, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0],
-                                owner=owner)  # fmt: skip
+                                owner=owner, user=user)  # fmt: skip
+        # without setpriv, the wrapper switches itself (confined), or subprocess does (unconfined)
+        as_user: dict[str, Any] = {}
         if confinement is not None:
-            command, pdeathsig = confinement.argv(argv, os.getpid()), True
+            command, pdeathsig = confinement.argv(argv, os.getpid(), user), True
         else:
-            command, pdeathsig = [*prefix, *argv], bool(prefix)
+            command, pdeathsig = [*switched, *argv], bool(prefix)
+            if user is not None and not prefix:
+                as_user = {"user": user[0], "group": user[1], "extra_groups": []}
         loop = asyncio.get_running_loop()
         # The creation runs shielded: cancelled, it would leave asyncio to kill the direct
         # child only (not its group) and wait for it without a bound.
@@ -252,6 +270,7 @@ class AgentProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
+                **as_user,
             ),
             name=f"agent-spawn-{name}",
         )
@@ -266,7 +285,7 @@ class AgentProcess:
             raise AgentUnavailable(f"could not start agent {name!r} ({argv[0]}): {exc}", agent=name) from exc
         child = _Subprocess(transport, protocol)
         return cls._started(child, name, stderr_tail_bytes, stop_grace, pid_dir, confinement, argv[0], pdeathsig,
-                            owner)  # fmt: skip
+                            owner, user)  # fmt: skip
 
     @classmethod
     def _started(
@@ -280,10 +299,13 @@ class AgentProcess:
         command: str,
         pdeathsig: bool = True,
         owner: tuple[Trees | None, str] = (None, ""),
+        user: tuple[int, int] | None = None,
     ) -> AgentProcess:
         process = cls(child, name, stderr_tail_bytes, stop_grace, pid_dir, pdeathsig, *owner)
         sandbox = f"landlock (ABI {confinement.abi})" if confinement else "none"
-        log.info("agent_spawned", agent=name, pid=process.pid, command=command, pdeathsig=pdeathsig, sandbox=sandbox)
+        uid = user[0] if user else os.geteuid()
+        log.info("agent_spawned", agent=name, pid=process.pid, command=command, pdeathsig=pdeathsig, sandbox=sandbox,
+                 uid=uid)  # fmt: skip
         return process
 
     @property

@@ -58,9 +58,14 @@ def _walk(root: Path, parts: tuple[str, ...], *, create: bool) -> Iterator[int |
                 if not create:
                     yield None
                     return
-                with contextlib.suppress(FileExistsError):  # made meanwhile: opened below
+                made = True
+                try:
                     os.mkdir(name, 0o700, dir_fd=fd)
+                except FileExistsError:  # made meanwhile: opened below
+                    made = False
                 child = os.open(name, _DIR, dir_fd=fd)
+                if made:
+                    _take_owner(child, fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise _refused(root.joinpath(*parts[: i + 1]), _what(fd, name)) from exc
@@ -70,6 +75,16 @@ def _walk(root: Path, parts: tuple[str, ...], *, create: bool) -> Iterator[int |
         yield fd
     finally:
         os.close(fd)
+
+
+def _take_owner(fd: int, dir_fd: int) -> None:
+    """What rcoder makes in a folder is the folder owner's: in an agent's home, the agent's uid
+    (``rcoder.agent.agent_user``), so that it can read and write it; in rcoder's own folders the
+    daemon's (nothing to do)."""
+    owner = os.fstat(dir_fd)
+    if (owner.st_uid, owner.st_gid) != (os.geteuid(), os.getegid()):
+        with contextlib.suppress(PermissionError):  # a daemon that cannot switch uid cannot give files either
+            os.fchown(fd, owner.st_uid, owner.st_gid)
 
 
 def _what(dir_fd: int, name: str) -> str:
@@ -166,6 +181,7 @@ def write_text(root: Path, path: Path, text: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                _take_owner(fh.fileno(), dir_fd)
                 fh.write(text)
             # a rename replaces the entry itself: were a link put there meanwhile, it is replaced, not followed
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

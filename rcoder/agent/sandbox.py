@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcoder import landlock
+from rcoder.agent import ownership
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
@@ -69,9 +70,11 @@ class Confinement:
         own = Path(OWN_PROC)
         return any(p == own or own in p.parents for p in (*self.read, *self.write))
 
-    def argv(self, command: Sequence[str], parent: int) -> list[str]:
-        """``command`` run through the wrapper (with the daemon's pid for its death signal)."""
-        return [sys.executable, "-I", "-S", "-B", str(WRAPPER), *self.wrapper_args(command, parent)]
+    def argv(self, command: Sequence[str], parent: int, user: tuple[int, int] | None = None) -> list[str]:
+        """``command`` run through the wrapper (with the daemon's pid for its death signal), which
+        switches to ``user`` (uid, gid) first when given."""
+        switch = ["--user", f"{user[0]}:{user[1]}"] if user else []
+        return [sys.executable, "-I", "-S", "-B", str(WRAPPER), *switch, *self.wrapper_args(command, parent)]
 
     def wrapper_args(self, command: Sequence[str], parent: int) -> list[str]:
         """The wrapper's arguments: what confines ``command``, as ``landlock.parse`` reads them.
@@ -91,6 +94,7 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
     off the event loop."""
     if sandbox_of(settings, profile) != "landlock":
         return None
+    make_write_paths(settings, profile, None)  # already made, for the agents' uid where they have one (prepare)
     hidden = protected(settings)
     system = [Path(p) for p in (*SYSTEM_READ, *ETC_LINKS)]
     # resolved by the wrapper, in the agent's process (no around()); "/proc/self" only for a kind
@@ -99,9 +103,6 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
     own = [Path(p) for p in PROC_READ if own_proc or p != OWN_PROC]
     install = install_dirs(command, settings.daemon_env.get("HOME"))
     read = [*system, *install, *python_dirs(), *profile.read_paths]
-    for path in profile.write_paths:
-        with contextlib.suppress(OSError):  # made when missing, so that the agent can use it
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
     # the project too is granted around what is hidden: a workspace_root holding data_dir makes
     # data_dir a project's folder, and that project's agent must not get the store with it
     write = [cwd, home, *profile.write_paths]
@@ -110,6 +111,25 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
         write=(*_unique(p for path in write for p in around(path, hidden)), *_devices()),
         abi=settings.landlock_abi,
     )
+
+
+def make_write_paths(settings: Settings, profile: AgentProfile, owner: tuple[int, int] | None) -> None:
+    """The profile's ``write_paths`` made when missing, so that the agent can use them; with
+    ``owner`` (the agents' uid and gid) the folders made are theirs, and so is one under
+    ``data_dir`` (rcoder's, e.g. the ``echo`` profile's sessions) made before; one elsewhere that
+    was there stays as it is: the operator's. Call it off the event loop."""
+    data_dir = _real(settings.data_dir)
+    for path in profile.write_paths:
+        missing = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+        with contextlib.suppress(OSError):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if owner is None:
+                continue
+            for made in reversed(missing):
+                os.chown(made, *owner, follow_symlinks=False)
+            real = _real(path)
+            if data_dir in real.parents and not ownership.owned_by(real, owner):
+                ownership.give(real, owner)
 
 
 def protected(settings: Settings) -> list[Path]:

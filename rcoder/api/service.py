@@ -385,7 +385,10 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))
             agents.append(info)
-        return pb.ListAgentsResponse(agents=agents)
+        user = self._queries.agent_user()
+        runs_as = pb.AgentUser(uid=user.uid, gid=user.gid, name=user.name, separate=user.separate, reason=user.reason,
+                               fix=user.fix)  # fmt: skip
+        return pb.ListAgentsResponse(agents=agents, runs_as=runs_as)
 
 
 def _host(record: HostRecord, this: bool) -> pb.Host:

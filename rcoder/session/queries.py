@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from rcoder.agent.agent_user import AgentUser
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
@@ -116,6 +117,10 @@ class Queries:
         page = found[:limit]
         last = page[-1] if len(found) > limit and page else None
         return page, None if last is None else (last.started_at, last.run_id)
+
+    def agent_user(self) -> AgentUser:
+        """Who every agent of this daemon runs as (``rcoder.agent.agent_user``)."""
+        return self._launcher.user
 
     def agents(self) -> list[AgentView]:
         views = []

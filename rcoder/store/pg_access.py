@@ -22,9 +22,11 @@ store). A login is counted only on the store's own server (same start time and p
 daemon's own connection): another server on the machine that trusts a same-named role is not
 the store.
 
-The probe connects from this process, so ``peer`` judges this process's uid: right while agents
-run as the daemon's uid. Where agents run under a uid of their own (a later ``agent_user``), the
-probe must connect under that uid, and a route that refuses it is closed to agents.
+Where agents run as the daemon's uid, the probe connects from this process, so ``peer`` judges
+the uid agents have. Where they run under a uid of their own (``agent_user``), every login is
+tried from a child process switched to that uid (``probe_as``): a route that refuses that uid
+(``peer`` for another user, a socket folder it cannot pass) is closed to agents, and only then.
+The store's server is identified first, from this process.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from rcoder.store import probe_as
 
 PROBE_TIMEOUT = 5  # seconds (libpq's connect_timeout is whole seconds)
 PROBES_AT_ONCE = 8
@@ -74,14 +78,37 @@ class Opening:
     store_role: bool  # the store's own role (else a superuser or a member of it)
 
 
-async def openings(url: str, os_user: str, socket_dirs: Sequence[str] = SOCKET_DIRS) -> list[Opening]:
+async def openings(
+    url: str, os_user: str, socket_dirs: Sequence[str] = SOCKET_DIRS, as_user: tuple[int, int] | None = None
+) -> list[Opening]:
     """Every route and role by which a process of ``os_user``'s uid, without the password, gets
-    into the store at ``url`` (none: the store is closed to agents)."""
+    into the store at ``url`` (none: the store is closed to agents). ``as_user`` (uid, gid): the
+    agents' own uid, which the logins are tried as (``probe_as``); else this process's."""
     params = conninfo_to_dict(url)
     store_role = str(params.get("user") or os_user)
-    identity = await _identity(url)
+    identity = await _identity(url)  # as the daemon: the store's server, however the agents fare
     routes: list[Route | None] = [None, *_routes(params, socket_dirs)]
-    roles = list(dict.fromkeys((store_role, os_user, "postgres")))
+    roles = [role for role in dict.fromkeys((store_role, os_user, "postgres")) if role]
+    if as_user is None:
+        return await _probe_all(params, routes, roles, store_role, identity)
+
+    async def as_rows() -> list[tuple[str | None, str, str, bool]]:  # what the child sends back: JSON
+        found = await _probe_all(params, routes, roles, store_role, identity)
+        return [(o.route.host if o.route else None, o.route.port if o.route else "", o.role, o.store_role)
+                for o in found]  # fmt: skip
+
+    bound = PROBE_TIMEOUT * (len(routes) * len(roles) // PROBES_AT_ONCE + 2)
+    rows = await probe_as.run(as_user, as_rows(), bound)
+    return [Opening(None if host is None else Route(host, port), role, mine) for host, port, role, mine in rows]
+
+
+async def _probe_all(
+    params: dict[str, Any],
+    routes: list[Route | None],
+    roles: list[str],
+    store_role: str,
+    identity: tuple[str, str] | None,
+) -> list[Opening]:
     gate = asyncio.Semaphore(PROBES_AT_ONCE)
 
     async def probe(route: Route | None, role: str) -> Opening | None:
@@ -163,7 +190,7 @@ async def _probe(
     return Opening(route, role, role == store_role)
 
 
-def explain(opening: Opening, redacted_url: str) -> str:
+def explain(opening: Opening, redacted_url: str, agents: str = "it runs as this uid") -> str:
     """What the ConfigError says: the route, the role, and the fix."""
     where = f"{redacted_url}" if opening.route is None else str(opening.route)
     who = (
@@ -173,7 +200,7 @@ def explain(opening: Opening, redacted_url: str) -> str:
     )
     line = "a 'local' line" if opening.route is not None and opening.route.host.startswith("/") else "a 'host' line"
     return (
-        f"{where} {who}, so every agent could use the store (it runs as this uid and reaches that route): "
+        f"{where} {who}, so every agent could use the store ({agents} and reaches that route): "
         f"require scram-sha-256 (or md5) there in pg_hba.conf ({line} for this role before any peer or trust "
         "line), or set open_to_agents = true"
     )

@@ -1254,20 +1254,68 @@ class ListAgentsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENTS_FIELD_NUMBER: _builtins.int
+    RUNS_AS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentInfo]: ...
+    @_builtins.property
+    def runs_as(self) -> Global___AgentUser:
+        """the uid and gid every agent of this daemon runs as (config agent_user)"""
+
     def __init__(
         self,
         *,
         agents: _abc.Iterable[Global___AgentInfo] | None = ...,
+        runs_as: Global___AgentUser | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["runs_as", b"runs_as"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "runs_as", b"runs_as"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListAgentsResponse: _TypeAlias = ListAgentsResponse  # noqa: Y015
+
+@_typing.final
+class AgentUser(_message.Message):
+    """Who agents run as. With a uid of their own (separate), the kernel's file modes keep the store,
+    the auth_token file and the daemon's /proc from them even without Landlock.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UID_FIELD_NUMBER: _builtins.int
+    GID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    SEPARATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    FIX_FIELD_NUMBER: _builtins.int
+    uid: _builtins.int
+    gid: _builtins.int
+    name: _builtins.str
+    """its user name; "" when it has none (a numeric agent_user)"""
+    separate: _builtins.bool
+    """a uid of their own, not the daemon's"""
+    reason: _builtins.str
+    """when not separate: why agents run as the daemon's user"""
+    fix: _builtins.str
+    """when not separate: what gives them a uid of their own"""
+    def __init__(
+        self,
+        *,
+        uid: _builtins.int = ...,
+        gid: _builtins.int = ...,
+        name: _builtins.str = ...,
+        separate: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        fix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fix", b"fix", "gid", b"gid", "name", b"name", "reason", b"reason", "separate", b"separate", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentUser: _TypeAlias = AgentUser  # noqa: Y015
 
 @_typing.final
 class Session(_message.Message):

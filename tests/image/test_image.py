@@ -36,6 +36,7 @@ STOP_TIMEOUT = 60  # podman stop's wait before SIGKILL: more than the daemon's s
 SHUTDOWN_GRACE = 10
 TURN_TIMEOUT = 150.0  # Claude's first turn in a fresh container on a busy machine
 DAEMON_ID = "10001"  # the image's user rcoder, and its group
+AGENT_ID = "10002"  # the image's rcoder-agent, and its group
 OWNER_KEY = "rcoder-owner"
 DEFAULT_SECCOMP = "/usr/share/containers/seccomp.json"  # podman's default profile (containers-common)
 
@@ -173,7 +174,8 @@ async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confi
     token = podman("exec", single.name, "cat", "/var/lib/rcoder/auth_token").stdout.strip()
     channel, stub = client_of(single, token)
     async with channel:
-        agents = {agent.name: agent for agent in (await stub.ListAgents(pb.ListAgentsRequest(), timeout=30)).agents}
+        listed = await stub.ListAgents(pb.ListAgentsRequest(), timeout=30)
+        agents = {agent.name: agent for agent in listed.agents}
         events, _ = await chat(stub, project_id="demo", agent="claude", prompt="remember 42")
         session_id = events[0].session_id
         live = single.processes()
@@ -190,6 +192,10 @@ async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confi
     assert len(live) > 2 and {p["user"] for p in live} == {"rcoder"}, live
     assert podman("exec", single.name, "id", "-u").stdout.strip() == DAEMON_ID
     assert podman("exec", single.name, "id", "-g").stdout.strip() == DAEMON_ID
+    # rcoder-agent is there, but the image's user cannot switch to it: said in the log and ListAgents
+    warned = single.logs("agents_run_as_daemon_user")
+    assert len(warned) == 1 and "cannot switch uid" in warned[0]["reason"], warned
+    assert (listed.runs_as.uid, listed.runs_as.name, listed.runs_as.separate) == (int(DAEMON_ID), "rcoder", False)
     # the session's agent ended with its whole tree: only tini and the daemon remain, nothing
     # left as a zombie (tini reaps what is handed to PID 1)
     async with asyncio.timeout(30):
@@ -213,6 +219,31 @@ async def test_sigterm_to_the_container_drains_the_daemon_which_exits_0(single: 
     assert state["ExitCode"] == 0, state
     await single.wait_log("stopped")
     assert single.logs("stopping")[0]["shutdown_grace"] == SHUTDOWN_GRACE
+
+
+async def test_run_as_root_the_image_runs_its_agents_as_rcoder_agent(image: str) -> None:
+    """The container's root may switch uid: agents run as the image's rcoder-agent (10002), which
+    reaches what they run (the venv's Python for echo, /opt/rcoder/agents, node)."""
+    async with containers() as made:
+        container = Container(f"{RUN}-root", free_port())
+        made.append(container)
+        token = secrets.token_urlsafe(16)
+        await container.start(image, {"RCODER_LISTEN": container.address, "RCODER_AUTH_TOKEN": token}, "--user", "0")
+        channel, stub = client_of(container, token)
+        async with channel:
+            runs_as = (await stub.ListAgents(pb.ListAgentsRequest(), timeout=30)).runs_as
+            events, _ = await chat(stub, project_id="demo", agent="echo", prompt="remember 5")
+            users = {p["command"]: p["user"] for p in container.processes()}
+            node = podman("exec", "--user", AGENT_ID, container.name, "node", "--version", check=False)
+            claude = podman("exec", "--user", AGENT_ID, container.name, "test", "-r",
+                            "/opt/rcoder/agents/package.json", check=False)  # fmt: skip
+
+    assert (runs_as.uid, runs_as.gid, runs_as.name, runs_as.separate) == (int(AGENT_ID), int(AGENT_ID), "rcoder-agent",
+                                                                          True)  # fmt: skip
+    assert container.logs("agents_run_as")[0]["name"] == "rcoder-agent"
+    assert text_of(events) == "echo: remember 5", events[-1:]
+    assert users.get("rcoder") == "root" and "rcoder-agent" in users.values(), users
+    assert node.returncode == 0 and claude.returncode == 0, (node.stderr, claude.stderr)
 
 
 @pytest.fixture

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rcoder.store.pg_access import openings
+from tests import agent_user_kit
 from tests.conftest import DaemonFactory
 from tests.harness import Daemon, FakeAgentSetup, write_config
 from tests.pg import ROLE, SHARED_DB, PgCluster, missing_binaries
 
+OWN_DB = "rcoder_local_own"  # a database of LOCAL_TRUSTED's, for a daemon that starts on it
 LOCAL_TRUSTED = "rcoder_local"  # a role the open cluster's unix socket lets in with no password
 OS_USER = pwd.getpwuid(os.getuid()).pw_name  # the daemon's, and so its agents', user
 
@@ -45,11 +49,13 @@ def url_of(cluster: PgCluster, role: str) -> str:
     return f"postgresql://{role}:{cluster.password}@127.0.0.1:{cluster.port}/{SHARED_DB}"
 
 
-async def refused_start(tmp_path: Path, fake: FakeAgentSetup, store_url: str) -> str:
-    """Start a daemon on ``store_url``: it must exit 2 before serving; what it said."""
+async def refused_start(tmp_path: Path, fake: FakeAgentSetup, store_url: str, agent_user: str = "") -> str:
+    """Start a daemon on ``store_url``: it must exit 2 before serving; what it said. Its agents
+    run as its own user unless ``agent_user`` says otherwise."""
     config = write_config(
         tmp_path / "rcoder.toml", {"fake": fake.profile()}, store_url=store_url, auth_token="t",
         data_dir=str(tmp_path / "data"), workspace_root=str(tmp_path / "ws"), default_agent="fake",
+        agent_user=agent_user,
     )  # fmt: skip
     refused = Daemon(config)
     with pytest.raises(RuntimeError, match="daemon exited before serving") as caught:
@@ -106,3 +112,42 @@ async def test_a_store_that_asks_a_password_on_every_route_starts_beside_a_serve
     daemon, _ = await make_daemon(store_url=pg_url)
 
     assert daemon.logs("store_refused_to_agents")
+
+
+@pytest.fixture
+def open_root() -> Iterator[Path]:
+    folder = agent_user_kit.open_root()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="agents under a uid of their own need a daemon that can switch")
+async def test_with_agents_under_their_own_uid_the_logins_are_tried_as_that_uid(
+    open_cluster: PgCluster, fake: FakeAgentSetup, open_root: Path
+) -> None:
+    """The socket trusts ``rcoder_local`` (as ``peer`` would trust a same-named user), but its
+    folder lets only the server's user pass: refused to the agents' uid, so the daemon starts.
+    Once that uid can pass the folder, the same socket lets it in: refused start, naming it."""
+    with open_cluster.admin() as conn:
+        conn.execute(f"CREATE DATABASE {OWN_DB} OWNER {LOCAL_TRUSTED} TEMPLATE template0")
+    url = url_of(open_cluster, LOCAL_TRUSTED).rsplit("/", 1)[0] + f"/{OWN_DB}"
+    config = write_config(
+        open_root / "rcoder.toml", {"fake": fake.profile()}, store_url=url, auth_token="t",
+        data_dir=str(open_root / "data"), workspace_root=str(open_root / "ws"), default_agent="fake",
+        agent_user=agent_user_kit.AGENT_USER,
+    )  # fmt: skip
+    assert stat.S_IMODE(open_cluster.root.stat().st_mode) == 0o700
+    daemon = await Daemon(config).start()
+    await daemon.stop()
+    assert daemon.logs("store_refused_to_agents")[0]["agents_uid"] == agent_user_kit.AGENT_UID
+
+    (open_root / "again").mkdir()
+    open_cluster.root.chmod(0o711)
+    try:
+        said = await refused_start(open_root / "again", fake, url, agent_user=agent_user_kit.AGENT_USER)
+    finally:
+        open_cluster.root.chmod(0o700)
+    assert f"the unix socket {open_cluster.socket}" in said and "lets its user in without the password" in said, said
+    assert f"they run as uid {agent_user_kit.AGENT_UID}" in said, said

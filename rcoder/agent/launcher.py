@@ -28,7 +28,7 @@ from rcoder.agent.connection import AgentConnection, call_agent, capabilities_fr
 from rcoder.agent.erase import Erased, erase_conversation
 from rcoder.agent.homes import SHARED, Homes
 from rcoder.agent.kinds import OwnDelete, kind_of
-from rcoder.agent.leftovers import record_instance, sweep
+from rcoder.agent.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.prepare import Prepared, prepared
 from rcoder.agent.process import AgentProcess
@@ -149,6 +149,9 @@ class AgentLauncher:
         ended = self.trees.end_all()
         if ended:
             log.warning("agent_leftovers_ended", processes=ended)
+        if self._instance_recorded:  # nothing of this run is left to sweep: its mark goes too
+            forget_instance(self.pid_dir, self.trees.instance)
+            self._instance_recorded = False
         return ended
 
     def ready_for_user(self) -> None:

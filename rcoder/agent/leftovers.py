@@ -50,6 +50,11 @@ def record_instance(pid_dir: Path, instance: str) -> None:
     (pid_dir / f"{_INSTANCE}{instance}").touch()
 
 
+def forget_instance(pid_dir: Path, instance: str) -> None:
+    """A daemon run stopped with every process below it ended: nothing carries its mark to sweep."""
+    (pid_dir / f"{_INSTANCE}{instance}").unlink(missing_ok=True)
+
+
 def sweep(pid_dir: Path) -> int:
     """SIGKILL what is left of agent groups and trees recorded by an earlier daemon; how many processes."""
     if not pid_dir.is_dir():

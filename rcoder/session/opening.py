@@ -8,6 +8,8 @@ Nothing here touches the run: the turn's scope (``session.turn``) owns it.
 
 from __future__ import annotations
 
+import asyncio
+
 import enum
 import time
 from dataclasses import dataclass, field, replace
@@ -184,6 +186,10 @@ class SessionOpener:
         try:
             opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
             return await self.configure(plan, opened) if opened.pending else opened
+        except asyncio.CancelledError:
+            # a cancelled start: the turn still writes its end under the lease (``TurnRunner.forget``
+            # lets go of it once the turn is over, if no agent of the session is live by then)
+            raise
         except BaseException:
             if not self._pool.is_live(plan.session_id):
                 self._leases.release(plan.session_id, lease)

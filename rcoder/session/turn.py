@@ -396,6 +396,7 @@ class TurnRunner:
         if leases is None:  # one host on its own store: every lease is this host's
             leases = LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
             pool.on_session_closed = leases.release
+        self._leases = leases
         self._opener = SessionOpener(settings, store, pool, metrics, leases)
         self._scopes: dict[str, TurnScope] = {}
         self._late_records: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
@@ -715,4 +716,9 @@ class TurnRunner:
         guarded("release_agent", partial(self._pool.release, scope.plan.session_id, broken=broken))
 
     def forget(self, scope: TurnScope) -> None:
+        """The turn is over: its lease goes too when no agent of its session is live here (a
+        cancelled start keeps it until its end is written; ``SessionOpener.open``)."""
         self._scopes.pop(scope.run.run_id, None)
+        plan = scope.plan
+        if plan.lease is not None and not self._pool.is_live(plan.session_id):
+            self._leases.release(plan.session_id, plan.lease)

@@ -13,7 +13,7 @@ Columns: the state; how the turn that ran (or was starting) ends; how each queue
 
 **Forwarded calls** (``FORWARDED``): each call ``Chat`` (each ``busy`` policy), ``Cancel`` (by
 run and by session), ``CloseSession``, ``DeleteSession`` and ``ForkSession``, sent to host b
-for a session of host a, against the states in ``FORWARDED_STATES``. A forward answers as the
+for a session of host a, against every state (``FORWARDED_STATES``). A forward answers as the
 owner does: each pair must end and answer exactly as the same pair on one host
 (``tests/test_lifecycle.py``'s ``TABLE``).
 """
@@ -65,7 +65,7 @@ queued2     completed:ERROR/LEASE_LOST  UNAVAILABLE:OWNED_BY_ANOTHER_HOST*2
 """
 LOST_ENDS = {row[0]: tuple(row[1:]) for row in (line.split() for line in LOST.strip().splitlines())}
 FORWARDED = ("delete", "cancel_session", "cancel_run", "close", "fork", "chat_reject", "chat_queue", "chat_interrupt")
-FORWARDED_STATES = ("running", "queued1")
+FORWARDED_STATES = STATES  # every state: a forward must answer as the owner does in each
 
 
 @dataclass

@@ -9,7 +9,6 @@ Nothing here touches the run: the turn's scope (``session.turn``) owns it.
 from __future__ import annotations
 
 import asyncio
-
 import enum
 import time
 from dataclasses import dataclass, field, replace

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from rcoder.api.access import kept_token
 from rcoder.client.token import find_token
@@ -49,10 +49,16 @@ def get_metrics(address: str, token: str = "") -> int:
 
 async def reflection_answers(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> str:
     """ "listed", or the status code's name reflection answered with."""
-    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(metadata=metadata)
+    # One request sent as a unary-stream call (the same bytes on the wire): a stream's separate
+    # write can race the server's refusal, and grpc's client then reports its own INTERNAL
+    # ("Internal error from Core") in place of the status the server sent.
+    info = channel.unary_stream(
+        f"/{reflection.SERVICE_NAME}/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    call = info(reflection_pb2.ServerReflectionRequest(list_services=""), metadata=metadata)
     try:
-        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-        await call.done_writing()
         return "listed" if (await call.read()).list_services_response.service else "empty"
     except grpc.aio.AioRpcError as exc:
         return str(exc.code().name)

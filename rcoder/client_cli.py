@@ -306,6 +306,7 @@ class Watch:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        self.turn.on_named = self._named
         loop.add_signal_handler(signal.SIGINT, self.interrupt)
         try:
             return await self._watch()
@@ -326,7 +327,7 @@ class Watch:
             if self.screen.json:
                 self.screen.json_line(event.to_dict())
             if isinstance(event, Started | Queued) and self.interrupts and not self.cancel_sent:
-                self._send_cancel()  # a Ctrl-C before the run id was known
+                self._send_cancel()  # a Ctrl-C before the run id was known (a daemon sending no headers)
             elif isinstance(event, PermissionRequest) and self.answers is not None:
                 self.questions[event.permission_id] = self._spawn(self._ask(event))
                 continue  # _ask shows it
@@ -359,6 +360,12 @@ class Watch:
                 self._send_cancel()
         else:
             self.turn.leave()
+
+    def _named(self, turn: Turn) -> None:
+        """The run's id came in the response headers (its agent may still be starting): a Ctrl-C
+        typed before cancels it now."""
+        if self.interrupts == 1 and not self.cancel_sent:
+            self._send_cancel()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.create_task(coro)

@@ -122,7 +122,9 @@ async def make_scene(daemon: Daemon, client: Client, teller: Teller, gate: Path,
             await teller.hanging()
         finally:
             await asyncio.to_thread(gate.unlink)
-        scene.streams.append(Open("running", call, run_id=spawned_run(daemon)))
+        run_id, session_id = await named(call)  # its ids, in the headers, while its agent starts
+        assert session_id == scene.session_id and run_id != scene.last_run_id, (run_id, session_id)
+        scene.streams.append(Open("running", call, run_id=run_id))
         return scene
     if state == "permission":
         call = chat(client, project_id=project_id, session_id=scene.session_id, prompt="remember 2 permission",
@@ -152,11 +154,41 @@ async def make_scenes(daemon: Daemon, client: Client, teller: Teller, gate: Path
     return sorted([starting, *made], key=lambda scene: STATES.index(scene.state))
 
 
-def spawned_run(daemon: Daemon) -> str:
-    """The run of the last agent spawned: a starting turn's only name until it starts (its log line)."""
-    rows = daemon.logs("agent_spawned")
-    assert rows and rows[-1].get("run_id"), rows[-1:]
-    return str(rows[-1]["run_id"])
+async def named(call: Call, timeout: float = END_BOUND) -> tuple[str, str]:
+    """The run and session a Chat's response headers name (``rcoder-run-id``, ``rcoder-session-id``)."""
+    async with asyncio.timeout(timeout):
+        headers = dict(await call.initial_metadata() or ())
+    run_id, session_id = headers.get("rcoder-run-id", ""), headers.get("rcoder-session-id", "")
+    assert isinstance(run_id, str) and run_id and isinstance(session_id, str) and session_id, headers
+    return run_id, session_id
+
+
+async def start_new_session(client: Client, teller: Teller, gate: Path, project_id: str) -> tuple[Call, str, str]:
+    """A first turn of a new session of ``project_id`` whose agent hangs as it starts (and stays
+    so until ended): its call, and the run and session its headers named meanwhile."""
+    await asyncio.to_thread(gate.touch)
+    call = chat(client, project_id=project_id, prompt="remember 1")
+    try:
+        await teller.hanging()
+    finally:
+        await asyncio.to_thread(gate.unlink)
+    run_id, session_id = await named(call)
+    return call, run_id, session_id
+
+
+async def listed(client: Client, project_id: str) -> list[pb.Session]:
+    got = await client.stub.ListSessions(pb.ListSessionsRequest(project_id=project_id), timeout=30)
+    return list(got.sessions)
+
+
+async def cancelled_in_its_start(call: Call, run_id: str, session_id: str) -> None:
+    """The stream of a turn cancelled as its agent started: ``started`` (never opened) then
+    ``completed`` CANCELLED, both of the run and session its headers named."""
+    events = await collect(call)
+    assert [e.WhichOneof("event") for e in events] == ["started", "completed"], events
+    assert {(e.run_id, e.session_id) for e in events} == {(run_id, session_id)}, events
+    assert events[0].started.resume == pb.RESUME_OUTCOME_NOT_OPENED, events[0]
+    assert events[1].completed.stop_reason == pb.STOP_REASON_CANCELLED, events[1]
 
 
 async def collect(call: Call, timeout: float = END_BOUND) -> list[pb.ChatStream]:

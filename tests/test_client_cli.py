@@ -19,6 +19,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.conftest import DaemonFactory
 from tests.harness import Daemon, FakeAgentSetup
+from tests.lifecycle import GATE, TELL, Teller
 
 # Makes the pseudo-terminal on stdin the controlling terminal of a new session, then runs rcoder:
 # Ctrl-C typed there reaches it as SIGINT from the terminal, as it does for a person.
@@ -165,6 +166,26 @@ async def test_ctrl_c_in_rcoder_chat_sends_cancel_and_the_turn_ends_cancelled(
     assert await term.exit_code() == 0
     await daemon.wait_log("run_cancel_requested")
     await daemon.wait_log("run_completed", stop_reason="cancelled")
+
+
+async def test_ctrl_c_while_the_agent_of_a_new_session_starts_cancels_the_turn_there(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, terminal: Any
+) -> None:
+    gate, tell = fake.folder / GATE, fake.folder / TELL
+    async with Teller(tell) as teller:
+        daemon, _ = await make_daemon({"fake": fake.profile("--hang-if-exists", str(gate), "--tell", str(tell))})
+        gate.touch()
+        try:
+            term = await terminal(daemon, "chat", "--project", "demo", "remember 1")
+            await teller.hanging()  # its agent hangs as it starts, until it is ended
+        finally:
+            gate.unlink()
+        term.type(b"\x03")
+        await term.expect("cancelling")
+        summary = await term.expect(SUMMARY.pattern)
+        assert summary.group(2, 4) == ("not-opened", "cancelled"), term.output
+        assert await term.exit_code() == 0
+    await daemon.wait_log("run_cancel_requested", phase="opening")
 
 
 async def test_a_second_ctrl_c_leaves_rcoder_chat_at_once(make_daemon: DaemonFactory, terminal: Any) -> None:

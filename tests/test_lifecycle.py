@@ -44,11 +44,15 @@ from tests.lifecycle import (
     Teller,
     agent_pids,
     answer,
+    cancelled_in_its_start,
     chat,
+    collect,
     end_of,
+    listed,
     make_scene,
     next_turn_works,
     release,
+    start_new_session,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -241,3 +245,51 @@ async def test_every_stream_ends_and_the_call_answers_as_the_table_says(
         for pid in agent_pids(daemon):
             await exited(pid)
     assert agent_pids(daemon) == set()
+
+
+# ---------------------------------------------------------------- a new session, named from its first moment
+
+
+@pytest.mark.parametrize("by", ["run", "session"])
+async def test_a_new_session_is_named_and_listed_while_its_agent_starts_and_a_cancel_then_ends_it_cancelled(
+    live: tuple[Daemon, Client, Teller, Path], by: str
+) -> None:
+    daemon, client, teller, gate = live
+    project_id = f"named-{by}"
+    call, run_id, session_id = await start_new_session(client, teller, gate, project_id)
+    assert [s.session_id for s in await listed(client, project_id)] == [session_id]
+    starting = agent_pids(daemon)
+
+    request = pb.CancelRequest(run_id=run_id) if by == "run" else pb.CancelRequest(session_id=session_id)
+    cancelled = await client.stub.Cancel(request, timeout=30)
+    assert (cancelled.run_id, cancelled.cancelled) == (run_id, True)
+    await cancelled_in_its_start(call, run_id, session_id)
+    async with asyncio.timeout(END_BOUND):  # the agent that was starting is ended: it never heard a prompt
+        for pid in starting:
+            await exited(pid)
+    runs = await client.stub.ListRuns(pb.ListRunsRequest(session_id=session_id), timeout=30)
+    assert [(r.run_id, r.stop_reason) for r in runs.runs] == [(run_id, pb.STOP_REASON_CANCELLED)]
+
+    scene = Scene(daemon, client, project_id, session_id, "idle", run_id)
+    await next_turn_works(scene)
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
+
+
+async def test_a_new_session_whose_agent_dies_as_it_starts_stays_listed_with_no_run_and_opens_new_next_time(
+    live: tuple[Daemon, Client, Teller, Path],
+) -> None:
+    daemon, client, teller, gate = live
+    project_id = "named-dies"
+    before = agent_pids(daemon)
+    call, run_id, session_id = await start_new_session(client, teller, gate, project_id)
+    for pid in agent_pids(daemon) - before:
+        os.kill(pid, signal.SIGKILL)
+    assert await end_of(Open("running", call, run_id)) == "UNAVAILABLE:AGENT_UNAVAILABLE"
+    assert [s.session_id for s in await listed(client, project_id)] == [session_id]
+    runs = await client.stub.ListRuns(pb.ListRunsRequest(session_id=session_id), timeout=30)
+    assert list(runs.runs) == []
+
+    events = await collect(chat(client, project_id=project_id, session_id=session_id, prompt="remember 9"))
+    assert events[0].started.resume == pb.RESUME_OUTCOME_NEW, events[0]
+    assert events[-1].completed.stop_reason == pb.STOP_REASON_END_TURN, events[-1]
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)

@@ -78,6 +78,16 @@ def timestamp(value: datetime) -> Timestamp:
     return Timestamp(seconds=since.days * _DAY + since.seconds, nanos=since.microseconds * 1000)
 
 
+# A Chat stream's response headers (docs: the API page): its run and session, sent before the agent starts
+RUN_ID_HEADER = "rcoder-run-id"
+SESSION_ID_HEADER = "rcoder-session-id"
+RUN_HEADERS = (RUN_ID_HEADER, SESSION_ID_HEADER)
+
+
+def run_headers(run_id: str, session_id: str) -> tuple[tuple[str, str], ...]:
+    return ((RUN_ID_HEADER, run_id), (SESSION_ID_HEADER, session_id))
+
+
 def queued(run_id: str, session_id: str, position: int) -> pb.ChatStream:
     """The first message of a queued turn's stream: not one of the run's events (seq 0)."""
     msg = pb.ChatStream(run_id=run_id, session_id=session_id, seq=0, time=timestamp(datetime.now(UTC)))

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 
+from rcoder.api.convert import RUN_HEADERS
 from rcoder.api.host_auth import FORWARDED_KEY, HEADER, HostAuth
 from rcoder.logs import get_logger
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
@@ -191,11 +192,14 @@ class Forwarder:
         try:
             try:
                 async with asyncio.timeout(self._answer_timeout):
-                    await call.initial_metadata()
+                    headers = await call.initial_metadata()
             except TimeoutError:
                 if if_found:
                     raise NotHeld(address) from None
                 raise OwnerUnreachable(address, f"no answer within {self._answer_timeout:g} s") from None
+            names = tuple((key, value) for key, value in headers or () if key in RUN_HEADERS)
+            if names:  # a Chat's run ids: the caller has them from the owner as it would from us
+                await context.send_initial_metadata(names)
             try:
                 async for message in call:
                     first = False

@@ -44,10 +44,11 @@ class Routes:
     def owner_metadata(self) -> tuple[tuple[str, str], ...]:
         return ((OWNER_KEY, self._address()),)
 
-    async def here(self, context: Context) -> None:
-        """Mark the answer as this host's; a forwarded request is told at once that it arrived."""
+    async def here(self, context: Context, announced: bool = False) -> None:
+        """Mark the answer as this host's; a forwarded request is told at once that it arrived
+        (``announced``: the local answer sends its own headers, soon: ``Chat``'s run ids)."""
         context.set_trailing_metadata(self.owner_metadata)
-        if forwarded(context):
+        if forwarded(context) and not announced:
             await context.send_initial_metadata(())
 
     async def owner(self, find: Find, context: Context) -> Owner | None:
@@ -92,9 +93,10 @@ class Routes:
         local: Callable[[], AsyncIterator[Any]],
         what: tuple[str, str],
         resume: Callable[[Any], AsyncIterator[Any]] | None = None,
+        announced: bool = False,
     ) -> AsyncIterator[Any]:
         """``resume(last)``: after the owner broke the stream past ``last`` (a message), how this
-        host ends it (the run's end from the store)."""
+        host ends it (the run's end from the store). ``announced``: as in ``here``."""
         owner = await self.owner(find, context)
         if owner is not None:
             last = None
@@ -113,7 +115,7 @@ class Routes:
                 async for message in resume(last):
                     yield message
                 return
-        await self.here(context)
+        await self.here(context, announced)
         async for message in local():
             yield message
 

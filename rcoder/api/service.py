@@ -113,25 +113,29 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
     ) -> AsyncIterator[pb.ChatStream]:
         try:
             turn = validate.chat_turn(request)
-            if not self._router.shared:  # one host: the stream as it always was, no extra hop per event
-                context.set_trailing_metadata(self._routes.owner_metadata)
-                ticket = await self._worker.submit(turn)
-                if ticket.position:
-                    yield convert.queued(ticket.run.run_id, ticket.run.session_id, ticket.position)
-                async for event in ticket.run.follow(0):
-                    yield convert.chat_stream(event)
-                return
 
             async def here() -> AsyncIterator[pb.ChatStream]:
                 ticket = await self._worker.submit(turn)
+                # the run's ids as response headers once its session is listed, before its agent
+                # starts: the caller can Cancel it, or find it, from its first moment
+                await ticket.named
+                await context.send_initial_metadata(convert.run_headers(ticket.run.run_id, ticket.run.session_id))
                 if ticket.position:
                     yield convert.queued(ticket.run.run_id, ticket.run.session_id, ticket.position)
-                async for event in ticket.run.follow(0):
+                run = await ticket.started()
+                async for event in run.follow(0):
                     yield convert.chat_stream(event)
 
+            if not self._router.shared:  # one host: the stream as it always was, no extra hop per event
+                context.set_trailing_metadata(self._routes.owner_metadata)
+                async for message in here():
+                    yield message
+                return
             find = partial(self._router.session_owner, turn.session_id)
             what = ("session", turn.session_id)
-            async for message in self._routes.stream("Chat", request, context, find, here, what, self._run_end):
+            async for message in self._routes.stream(
+                "Chat", request, context, find, here, what, self._run_end, announced=True
+            ):
                 yield message
         except errors.RcoderError as exc:
             await self._abort(context, exc)

@@ -25,12 +25,20 @@ class TurnResult:
     completed: Completed
 
 
+# A Chat stream's response headers: its run and session, sent before the agent starts (the API docs)
+RUN_ID_HEADER = "rcoder-run-id"
+SESSION_ID_HEADER = "rcoder-session-id"
+
+
 class Turn:
     """The events of one turn, read once, in order: ``async for event in turn``.
 
-    The call starts at the first read. ``text()``, ``completed()`` and ``result()`` read what is left
-    and add it up with what was read before. ``leave()`` (or leaving ``async with``) stops watching;
-    the turn itself goes on in the daemon (``cancel`` stops it). One task reads a turn at a time."""
+    The call starts at the first read. ``run_id`` and ``session_id`` are known from the call's
+    response headers on, before the agent has started (``on_named`` is called then, from the first
+    read), or else from the first event. ``text()``, ``completed()`` and ``result()`` read what is
+    left and add it up with what was read before. ``leave()`` (or leaving ``async with``) stops
+    watching; the turn itself goes on in the daemon (``cancel`` stops it). One task reads a turn at
+    a time."""
 
     def __init__(self, open_call: Callable[[], Awaitable[Any]]) -> None:
         self._open_call = open_call
@@ -38,8 +46,9 @@ class Turn:
         self._ended = False
         self._left = False
         self._text: list[str] = []
-        self.run_id = ""  # known from the first event on
+        self.run_id = ""  # known from the response headers, or the first event, on
         self.session_id = ""
+        self.on_named: Callable[[Turn], None] | None = None
         self.started: Started | None = None
         self.final: Completed | None = None  # the ``completed`` event, once read
 
@@ -64,6 +73,7 @@ class Turn:
                     call.cancel()
                     raise StopAsyncIteration
                 self._call = call
+                self._named(await call.initial_metadata())
             message = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             self._ended = True
@@ -84,6 +94,15 @@ class Turn:
         event = event_from_proto(message)
         self._note(event)
         return event
+
+    def _named(self, headers: Any) -> None:
+        """The ids the headers carry (a Subscribe's, or an older daemon's, carry none)."""
+        sent = {key: value for key, value in headers or () if isinstance(value, str)}
+        run_id, session_id = sent.get(RUN_ID_HEADER, ""), sent.get(SESSION_ID_HEADER, "")
+        if run_id and session_id:
+            self.run_id, self.session_id = run_id, session_id
+            if self.on_named is not None:
+                self.on_named(self)
 
     def _note(self, event: Event) -> None:
         self.run_id, self.session_id = event.run_id, event.session_id

@@ -58,10 +58,19 @@ QUEUED = "queued behind the session's running turn (nothing of it reached the ag
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """A turn taken in: its run, started (``position`` 0) or waiting behind ``position`` turns."""
+    """A turn taken in: its run, about to start (``position`` 0) or waiting behind ``position``
+    turns. ``named`` is resolved once the run's session is in the store (at once for a known
+    session; for a new one once its record is written, before its agent starts), ``ready`` once
+    ``started`` is published; each carries the error of a turn refused before it."""
 
     run: Run
+    named: asyncio.Future[None]
+    ready: asyncio.Future[Run] | None = None  # None: queued (its followers hear how it starts)
     position: int = 0
+
+    async def started(self) -> Run:
+        """The run, once ``started`` is out (at once for a queued turn: followed, it says so)."""
+        return self.run if self.ready is None else await self.ready
 
 
 class AcpWorker:
@@ -117,16 +126,23 @@ class AcpWorker:
         settings = self._settings
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
         run = Run(plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger)
-        ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
-        ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[Run] = loop.create_future()
+        ready.add_done_callback(_retrieved)  # even if nobody waits
+        named = plan.named = loop.create_future()
+        named.add_done_callback(_retrieved)
         holder = self._runs.holder(plan.session_id)
         if holder is not None:
-            return Ticket(run, self._queue(Waiting(plan, run, ready), holder))
+            position = self._queue(Waiting(plan, run, ready), holder)
+            named.set_result(None)  # the session it waits for is the holder's, named before it
+            return Ticket(run, named, position=position)
+        if plan.record is not None:
+            named.set_result(None)
         self._runs.claim(run)  # from here on Cancel and shutdown see the turn
         self._spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
-        # not shielded (one hop less): a caller that leaves cancels only this future, which
-        # the turn never needs; the turn goes on in its own task
-        return Ticket(await ready)
+        # the caller awaits these futures unshielded (one hop less): one that leaves cancels only
+        # them, which the turn never needs; the turn goes on in its own task
+        return Ticket(run, named, ready)
 
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
@@ -347,6 +363,12 @@ class AcpWorker:
         await self.turns.aclose()
         await self.history.aclose()
         await self._pool.aclose(timeout=4 * self._settings.agent_stop_grace + 1)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """A future's error is retrieved, so asyncio never reports it as unseen."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _seen(task: asyncio.Task[None]) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.kinds import replays_after_load
@@ -76,6 +78,16 @@ class TurnPlan:
     # how its agent session was opened, once it is (its options may still be being set): a turn
     # cancelled from then on says so in its started, not NOT_OPENED
     opened: RunStarted | None = None
+    # resolved once the session is in the store, so that the caller can be told its ids (response
+    # headers) and find it listed: at once for a known session, for a new one by ``SessionOpener.name``
+    named: asyncio.Future[None] | None = None
+    # the record is the one this turn wrote for its new session before its agent opened (not a
+    # branch ForkSession made: the agent has never seen either, but only a branch has a history)
+    fresh_record: bool = False
+
+    def say_named(self) -> None:
+        if self.named is not None and not self.named.done():
+            self.named.set_result(None)
 
     def start_config(self) -> AgentStartConfig:
         turn = self.turn
@@ -119,9 +131,16 @@ class Opened:
 
 class SessionOpener:
     def __init__(
-        self, settings: Settings, store: SessionStore, pool: AgentPool, metrics: Metrics, leases: LeaseKeeper
+        self,
+        settings: Settings,
+        store: SessionStore,
+        pool: AgentPool,
+        metrics: Metrics,
+        leases: LeaseKeeper,
+        clock: Callable[[], datetime],
     ) -> None:
         self._leases = leases
+        self._clock = clock
         self._settings = settings
         self._store = store
         self._pool = pool
@@ -183,6 +202,8 @@ class SessionOpener:
             return await self.configure(plan, opened) if opened.pending else opened
         lease = plan.lease = await self._leases.acquire(plan.session_id)
         try:
+            if plan.record is None:
+                await self.name(plan, lease)
             opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
             return await self.configure(plan, opened) if opened.pending else opened
         except asyncio.CancelledError:
@@ -193,6 +214,32 @@ class SessionOpener:
             if not self._pool.is_live(plan.session_id):
                 self._leases.release(plan.session_id, lease)
             raise
+
+    async def name(self, plan: TurnPlan, lease: Lease) -> None:
+        """Store the new session's record before its agent starts (no provider id yet: the agent
+        has not said it), so that it is listed, and can be cancelled by id, from the first moment.
+        A cancel meanwhile waits for the write: the turn's end is recorded on top of it."""
+        now = self._clock()
+        record = SessionRecord(
+            session_id=plan.session_id,
+            project_id=plan.turn.project_id,
+            cwd=plan.cwd,
+            agent=plan.profile.name,
+            provider_session_id="",
+            created_at=now,
+            updated_at=now,
+        )
+        writing = asyncio.ensure_future(self._store.create_session(record, lease=lease))
+        try:
+            await asyncio.shield(writing)
+        except asyncio.CancelledError:
+            await asyncio.wait({writing})  # bounded by the store's own timeouts
+            if writing.cancelled() or writing.exception() is not None:
+                raise
+            plan.record, plan.fresh_record = record, True
+            raise
+        plan.record, plan.fresh_record = record, True
+        plan.say_named()
 
     async def _open_agent(self, plan: TurnPlan) -> Opened:
         turn, profile = plan.turn, plan.profile
@@ -211,7 +258,7 @@ class SessionOpener:
         preamble, reason = "", launched.fallback_reason
         if not config.resume_session_id:
             outcome = ResumeOutcome.NEW
-            if plan.record is not None and not plan.record.provider_session_id:
+            if plan.record is not None and not plan.record.provider_session_id and not plan.fresh_record:
                 # a stored session the agent never opened: a branch ForkSession made without the
                 # agent's session/fork, whose history is the transcript rcoder copied into it
                 entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
@@ -233,14 +280,15 @@ class SessionOpener:
     async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:
         """For an agent that replays after answering ``session/load``: the last turn rcoder
         recorded, by which the end of the replay is recognised (``rcoder.agent.replay``)."""
-        if not config.resume_session_id or plan.record is None or not replays_after_load(plan.profile):
+        fresh = plan.record is None or plan.fresh_record  # rcoder holds no turn of it
+        if not config.resume_session_id or fresh or not replays_after_load(plan.profile):
             return config
         last = await self._store.transcript(plan.session_id, limit=1)
         return replace(config, replay_end=(last[-1].prompt, last[-1].response)) if last else config
 
     async def _fallback(self, plan: TurnPlan) -> tuple[ResumeOutcome, str]:
         """A known session the agent lost is re-seeded from rcoder's transcript, when configured."""
-        if plan.record is None or not self._settings.reseed_on_fallback:
+        if plan.record is None or plan.fresh_record or not self._settings.reseed_on_fallback:
             return ResumeOutcome.FALLBACK_NEW, ""
         return self._reseed(await self._store.transcript(plan.session_id, limit=RESEED_TURNS))
 

@@ -273,6 +273,7 @@ class TurnScope:
         for event in self._early.drain():
             self.run.publish(event)
         self._started_out.set()
+        self.plan.say_named()  # a new session cancelled before it opened is stored with its start
         if not self._ready.done():
             self._ready.set_result(self.run)
 
@@ -339,8 +340,9 @@ class TurnScope:
         else:
             log.error("turn_failed_unexpectedly", exc_info=exc)
             error = Internal(exc if exc is not None else RuntimeError("the turn ended without starting"))
-        if not self._ready.done():
-            self._ready.set_exception(error)
+        for waiter in (self.plan.named, self._ready):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(error)
         self.run.fail(error)  # its followers (a queued turn's Chat stream, Subscribe) are told too
         self._runner.refused(self, heard)
 
@@ -397,7 +399,7 @@ class TurnRunner:
             leases = LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
             pool.on_session_closed = leases.release
         self._leases = leases
-        self._opener = SessionOpener(settings, store, pool, metrics, leases)
+        self._opener = SessionOpener(settings, store, pool, metrics, leases, clock)
         self._scopes: dict[str, TurnScope] = {}
         self._late_records: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
         self.permissions = PermissionBroker(settings.permission_timeout)
@@ -709,8 +711,10 @@ class TurnRunner:
         log.info("run_end_stored_late", run_id=scope.run.run_id)
 
     def refused(self, scope: TurnScope, heard: bool) -> None:
-        """A turn that never started: no trace of it but the caller's error. An agent that
-        ``heard`` its prompt is not reused: it holds a turn the store does not."""
+        """A turn that never started: no trace of it but the caller's error (and, for a new
+        session, its record, which the caller was told of: it stays, with no run, and a turn sent
+        to it later opens it new). An agent that ``heard`` its prompt is not reused: it holds a
+        turn the store does not."""
         guarded("forget_run", self._runs.forget, scope.run)
         broken = heard or scope.plan.action is not Action.LIVE
         guarded("release_agent", partial(self._pool.release, scope.plan.session_id, broken=broken))

@@ -43,11 +43,16 @@ from tests.lifecycle import (
     Teller,
     agent_pids,
     answer,
+    cancelled_in_its_start,
+    collect,
     end_of,
+    listed,
     make_scene,
     make_scenes,
+    named,
     next_turn_works,
     release,
+    start_new_session,
 )
 from tests.multihost.conftest import AUTH, Hosts, hosts_on
 from tests.pg import PgCluster
@@ -167,4 +172,28 @@ async def test_a_call_forwarded_to_the_owner_ends_every_stream_and_answers_as_on
             await next_turn_works(scene, session_id)
             closed = two.a.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
             assert await answer(closed) == "OK"
+    await no_agent_left(two)
+
+
+@pytest.mark.parametrize("by", ["run", "session"])
+async def test_a_new_session_starting_on_one_host_is_listed_and_cancelled_through_the_other(two: Two, by: str) -> None:
+    project_id = f"named-hosts-{by}"
+    call, run_id, session_id = await start_new_session(two.a, two.teller, two.gate, project_id)
+    assert [s.session_id for s in await listed(two.b, project_id)] == [session_id]  # the store has it
+
+    request = pb.CancelRequest(run_id=run_id) if by == "run" else pb.CancelRequest(session_id=session_id)
+    cancelled = await two.b.stub.Cancel(request, timeout=30)  # b has neither the run nor its agent
+    assert (cancelled.run_id, cancelled.cancelled) == (run_id, True)
+    await cancelled_in_its_start(call, run_id, session_id)
+
+    # its agent live on a again, a turn of it sent to b is forwarded to a, whose headers b passes on
+    await next_turn_works(Scene(two.daemons[0], two.a, project_id, session_id, "idle", run_id))
+    turn = two.b.stub.Chat(pb.ChatRequest(project_id=project_id, session_id=session_id, prompt="remember 9"))
+    next_run, named_session = await named(turn)
+    assert named_session == session_id and next_run != run_id
+    events = await collect(turn)
+    assert {e.run_id for e in events} == {next_run} and events[-1].completed.stop_reason == pb.STOP_REASON_END_TURN
+    assert dict(await turn.trailing_metadata() or ()).get("rcoder-owner") == two.hosts["a"].address
+    closed = two.a.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
+    assert await answer(closed) == "OK"
     await no_agent_left(two)

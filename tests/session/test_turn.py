@@ -381,7 +381,7 @@ async def test_a_turn_knows_from_its_claim_the_run_it_follows_in_its_session_liv
 # ---------------------------------------------------------------- failing
 
 
-async def test_a_turn_refused_before_it_started_leaves_no_run_and_no_claim(
+async def test_a_turn_refused_before_it_started_leaves_no_run_and_no_claim_and_its_new_session_empty(
     tmp_path: Path, make_turns: TurnsFactory
 ) -> None:
     turns = await make_turns(agent={"command": str(tmp_path / "no-such-agent")})
@@ -397,7 +397,9 @@ async def test_a_turn_refused_before_it_started_leaves_no_run_and_no_claim(
     assert turns.runs.holder(plan.session_id) is None
     assert run.last_seq == 0, "nothing was published"
     assert await turns.store.get_run(plan.run_id) is None
-    assert await turns.store.get_session(plan.session_id) is None
+    # the new session was stored before its agent was started (its id was told): it stays, unopened
+    session = await turns.store.get_session(plan.session_id)
+    assert session is not None and (session.provider_session_id, session.last_run_id) == ("", "")
     assert turns.pool.agent_count() == 0
 
 

@@ -30,7 +30,10 @@ looks for a cancel, so a cancel between steps stops the next one:
   after ``cancel_grace``;
 - ended (how it ended is decided): too late, the cancel is refused.
 
-A turn cancelled before its session opened is recorded as started-then-
+A new session is stored (with no provider id yet) before its agent starts
+(``SessionOpener.name``): from then on it is listed, and the caller, told its
+run and session in the response headers, can cancel it by either id. A turn
+cancelled before its session opened is recorded as started-then-
 cancelled (``RESUME_OUTCOME_NOT_OPENED``); one cancelled once it opened (while
 its options were being set, say) says how it opened (``TurnPlan.opened``).
 Every cancel accepted ends the turn ``CANCELLED``, even one the agent answers

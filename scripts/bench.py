@@ -1069,7 +1069,11 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         for key, measure in measures:
             if (only and key not in only) or (key in EXPLICIT_ONLY and key not in only):
                 continue
-            for result in await measure(bench):
+            began = time.perf_counter()
+            measured = await measure(bench)
+            took = round(time.perf_counter() - began, 1)
+            for result in measured:
+                result.details.setdefault("measure_s", took)  # the whole measure's wall time, its daemons' starts included
                 results.append(result)
                 print(result.line(gate), flush=True)
     return results

@@ -101,6 +101,9 @@ class AgentRunnerServicer:
 
     def Chat(self, request, context):
         """One turn: starts or reuses an agent, streams `started` ... `completed`.
+        Its response headers `rcoder-run-id` and `rcoder-session-id` name the run
+        and its session before the agent starts (a new session is listed from
+        then on), so the turn can be cancelled from its first moment.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

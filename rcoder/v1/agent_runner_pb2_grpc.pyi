@@ -36,7 +36,11 @@ class AgentRunnerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> AgentRunnerAsyncStub: ...
     Chat: _grpc.UnaryStreamMultiCallable[_agent_runner_pb2.ChatRequest, _agent_runner_pb2.ChatStream]
-    """One turn: starts or reuses an agent, streams `started` ... `completed`."""
+    """One turn: starts or reuses an agent, streams `started` ... `completed`.
+    Its response headers `rcoder-run-id` and `rcoder-session-id` name the run
+    and its session before the agent starts (a new session is listed from
+    then on), so the turn can be cancelled from its first moment.
+    """
     Subscribe: _grpc.UnaryStreamMultiCallable[_agent_runner_pb2.SubscribeRequest, _agent_runner_pb2.ChatStream]
     """Re-attach to a run: replays events with seq > after_seq, then follows live."""
     Cancel: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.CancelRequest, _agent_runner_pb2.CancelResponse]
@@ -66,7 +70,11 @@ class AgentRunnerStub:
 class AgentRunnerAsyncStub(AgentRunnerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Chat: _aio.UnaryStreamMultiCallable[_agent_runner_pb2.ChatRequest, _agent_runner_pb2.ChatStream]  # type: ignore[assignment]
-    """One turn: starts or reuses an agent, streams `started` ... `completed`."""
+    """One turn: starts or reuses an agent, streams `started` ... `completed`.
+    Its response headers `rcoder-run-id` and `rcoder-session-id` name the run
+    and its session before the agent starts (a new session is listed from
+    then on), so the turn can be cancelled from its first moment.
+    """
     Subscribe: _aio.UnaryStreamMultiCallable[_agent_runner_pb2.SubscribeRequest, _agent_runner_pb2.ChatStream]  # type: ignore[assignment]
     """Re-attach to a run: replays events with seq > after_seq, then follows live."""
     Cancel: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.CancelRequest, _agent_runner_pb2.CancelResponse]  # type: ignore[assignment]
@@ -99,7 +107,11 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_runner_pb2.ChatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_agent_runner_pb2.ChatStream], _abc.AsyncIterator[_agent_runner_pb2.ChatStream]]:
-        """One turn: starts or reuses an agent, streams `started` ... `completed`."""
+        """One turn: starts or reuses an agent, streams `started` ... `completed`.
+        Its response headers `rcoder-run-id` and `rcoder-session-id` name the run
+        and its session before the agent starts (a new session is listed from
+        then on), so the turn can be cancelled from its first moment.
+        """
 
     @_abc_1.abstractmethod
     def Subscribe(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable
 from datetime import datetime
@@ -443,6 +444,10 @@ async def test_agents_lists_the_profiles_with_what_they_advertised(client: Rcode
     assert fake.default and fake.command and fake.resume == "auto"
     assert fake.capabilities is not None and fake.capabilities.seen_at is not None
     assert "echo" in agents and not agents["echo"].default
+
+    runs_as = await bounded(client.agent_user())  # the tests' daemons: agent_user "" (the daemon's own)
+    assert (runs_as.uid, runs_as.gid, runs_as.separate) == (os.getuid(), os.getgid(), False), runs_as
+    assert runs_as.reason and runs_as.fix, runs_as
 
 
 # ---------------------------------------------------------------- errors

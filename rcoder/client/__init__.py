@@ -81,6 +81,7 @@ from rcoder.client.requests import (
 from rcoder.client.resources import (
     AgentCapabilities,
     AgentInfo,
+    AgentUser,
     CancelResult,
     Cost,
     Deletion,
@@ -105,6 +106,7 @@ __all__ = [
     "AgentCapabilities",
     "AgentInfo",
     "AgentUpdate",
+    "AgentUser",
     "Attachment",
     "AvailableCommands",
     "Busy",

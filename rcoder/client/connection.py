@@ -13,6 +13,7 @@ from rcoder.client.requests import Attachment, BusyPolicy, McpServer, ModelProvi
 from rcoder.client.resources import (
     SESSION_ORDERS,
     AgentInfo,
+    AgentUser,
     CancelResult,
     Deletion,
     Fork,
@@ -22,6 +23,7 @@ from rcoder.client.resources import (
     SessionOrder,
     SessionPage,
     agent_from_proto,
+    agent_user_from_proto,
     deletion_from_proto,
     fork_from_proto,
     run_from_proto,
@@ -187,6 +189,11 @@ class RcoderClient:
         """The daemon's agent profiles, with what each advertised and how many of its agents run."""
         answer = await self._unary(self._stub.ListAgents, pb.ListAgentsRequest())
         return [agent_from_proto(agent) for agent in answer.agents]
+
+    async def agent_user(self) -> AgentUser:
+        """Who the daemon's agents run as: their own uid (``separate``), or the daemon's and why."""
+        answer = await self._unary(self._stub.ListAgents, pb.ListAgentsRequest())
+        return agent_user_from_proto(answer.runs_as)
 
     # ------------------------------------------------------------ plumbing
 

@@ -250,6 +250,23 @@ class AgentInfo(Record):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AgentUser(Record):
+    """Who every agent of the daemon runs as (``ListAgents.runs_as``; config ``agent_user``)."""
+
+    uid: int
+    gid: int
+    name: str  # "" for a numeric agent_user
+    separate: bool  # a uid of their own, not the daemon's
+    reason: str  # when not separate: why agents run as the daemon's user
+    fix: str  # when not separate: what gives them a uid of their own
+    raw: pb.AgentUser = field(repr=False, compare=False)
+
+
+def agent_user_from_proto(m: pb.AgentUser) -> AgentUser:
+    return AgentUser(uid=m.uid, gid=m.gid, name=m.name, separate=m.separate, reason=m.reason, fix=m.fix, raw=m)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CancelResult:
     run_id: str  # the run that was asked to stop
     cancelled: bool  # False when it had already finished

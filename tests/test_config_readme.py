@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -53,3 +54,17 @@ def test_every_toml_example_in_the_docs_is_a_valid_config(tmp_path: Path, block:
     path = tmp_path / "rcoder.toml"
     path.write_text(block)
     load_settings(path, {})
+
+
+def test_the_generated_reference_lists_every_key_with_its_description() -> None:
+    """docs/config-reference.md is made from the model when the site is built: each key is a row."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import docs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    reference = docs_hooks.config_reference()
+    for model in (SettingsKeys, ProfileKeys, PermissionRule):
+        for key, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{key} has no description (a docstring under the key)"
+            assert f"| `{key}` |" in reference

@@ -82,7 +82,7 @@ class ProfileKeys(_Schema):
     """model_provider field -> variable, e.g. { api_key = "MY_KEY" } (generic agents)"""
     permission_rules: Array[PermissionRule] = ()  # for the agent's permission requests, first match wins
     """see Permissions"""
-    # what clients may set (DESIGN §6): extra_meta keys, MCP servers, the model's base URL
+    # what clients may set (docs/design.md#trust-boundaries): extra_meta keys, MCP servers, the model's base URL
     allow_meta_keys: Array[str] = ("traceparent", "tracestate", "baggage")  # W3C trace context, reserved by ACP
     """extra_meta key paths clients may set"""
     allow_mcp: Array[Literal["stdio", "http", "sse"]] = ()
@@ -100,7 +100,7 @@ class ProfileKeys(_Schema):
     """the model provider's default API key; a request's non-empty model_provider.api_key wins"""
     model: str = ""
     """the model provider's default model; a request's non-empty model_provider.model wins"""
-    # DESIGN §6.1: "auto" is landlock where the kernel has it (else none, logged); "landlock" refuses
+    # docs/design.md#confinement: "auto" is landlock where the kernel has it (else none, logged); "landlock" refuses
     # a kernel without it; "none" runs the agent with all the daemon's user may reach
     sandbox: Literal["auto", "landlock", "none"] = "auto"
     """auto (landlock where the kernel has it) | landlock | none; see What an agent can reach"""
@@ -133,7 +133,7 @@ class SettingsKeys(_Schema):
     """SQLite store (WAL, mode 0600), kept across restarts"""
     store_url: StoreUrl = ""
     """"": the SQLite store in data_dir; "postgresql://user:pw@host/db": PostgreSQL"""
-    # several hosts on one PostgreSQL store (DESIGN §7): this daemon's name ("": the hostname), the
+    # several hosts on one PostgreSQL store (docs/design.md#several-hosts): this daemon's name ("": the hostname), the
     # host:port other hosts dial ("": the listen address as bound), how long a session's lease lasts
     host_id: HostId = ""
     """this daemon's name among several hosts ("": <hostname>:<port>); see Several hosts"""
@@ -151,7 +151,7 @@ class SettingsKeys(_Schema):
     """the profile a request that names no agent runs"""
     auth_token: str = ""  # "": one generated at first start into <data_dir>/auth_token (0600), kept
     """every RPC but health (and /metrics) needs it; "": one made into <data_dir>/auth_token"""
-    # DESIGN §6.2: true lets anyone who reaches the port, agents included, drive the daemon without a
+    # docs/design.md#no-calls-back: true lets anyone who reaches the port, agents included, drive the daemon without a
     # token when auth_token is empty, read /metrics, and skips the check that the store asks a password
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
@@ -211,7 +211,7 @@ class SettingsKeys(_Schema):
     """bytes all requests in flight hold together (256 MiB); see Access"""
     run_retention: Seconds = 600.0  # finished runs stay in memory this long (later Subscribe reads the store)
     """seconds a finished run stays in memory (Subscribe then reads it from the store)"""
-    # history (DESIGN §8): days a run's stored events are kept (0: forever), and the most bytes of
+    # history (docs/design.md#history): days a run's stored events are kept (0: forever), and the most bytes of
     # them one run stores (past it a note, then nothing but completed; 0: no bound)
     history_retention: Annotated[float, Field(ge=0)] = 0.0
     """days a run's stored events are kept (0: forever); see History"""

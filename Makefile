@@ -128,7 +128,7 @@ api-baseline:
 	cp -r proto/rcoder api/baseline/
 
 ## the wheel and the sdist, into dist/, checked by twine (the base install is the client;
-## rcoder[daemon] adds the daemon: see README "Install")
+## rcoder[daemon] adds the daemon: see docs/install.md)
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .

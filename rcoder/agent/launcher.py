@@ -196,7 +196,7 @@ class AgentLauncher:
                 log.info("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said)
             elif sandbox == "landlock":  # an older kernel (config refuses sandbox = "landlock" below ABI 3)
                 log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said,
-                            reason=f"Landlock ABI {abi} keeps less than the README says")  # fmt: skip
+                            reason=f"Landlock ABI {abi} keeps less than docs/confinement.md says")  # fmt: skip
             else:
                 # the kernel's own words where it refuses (a seccomp filter, Landlock off at boot)
                 why = ("the profile sets sandbox = none" if profile.sandbox == "none"

@@ -98,7 +98,7 @@ class SandboxPromises:
         return said
 
     def kernel_short(self) -> bool:
-        """Whether a promise the README makes of a confined agent fails on this kernel."""
+        """Whether a promise docs/confinement.md makes of a confined agent fails on this kernel."""
         return self.files and not (self.truncate and self.signals)
 
 

@@ -145,7 +145,7 @@ class SessionStore(Protocol):
         """Erase the session: its runs (and their events), transcript, record, and where several
         hosts share the store its lease and signals, in one transaction. None when there is no
         such session. The deleted text is gone from the store's files (SQLite: ``secure_delete``
-        and a truncated log; PostgreSQL: once vacuumed, see the README)."""
+        and a truncated log; PostgreSQL: once vacuumed, see docs/api.md)."""
         ...
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:

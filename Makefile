@@ -10,7 +10,7 @@ AGENTS_STAMP := agents/node_modules/.installed
 TOOLS_STAMP := tools/node_modules/.installed
 CONFIG ?=
 
-.PHONY: all run test lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv agents tools postgres image clean
+.PHONY: all run test docs docs-serve lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv agents tools postgres image clean
 
 all: test
 
@@ -59,7 +59,16 @@ test: $(STAMP) agents tools postgres
 	@mkdir -p build
 	@setsid $(PYTHON) scripts/image.py > build/image.log 2>&1 & image=$$!; \
 		trap 'kill -TERM -- -$$image 2>/dev/null; wait $$image 2>/dev/null' EXIT; trap 'exit 143' INT TERM; \
-		$(MAKE) --no-print-directory check-proto check-api lint typecheck unit
+		$(MAKE) --no-print-directory check-proto check-api lint docs typecheck unit
+
+## the docs site (mkdocs.yml) into build/site, --strict: a broken link or anchor, a page missing from
+## the nav, a proto element without a comment or a config key without a description fails it
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+## the docs site served on 127.0.0.1:8000, rebuilt on every change
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 lint: $(STAMP)
 	$(BIN)/ruff check rcoder tests scripts
@@ -119,7 +128,7 @@ api-baseline:
 	cp -r proto/rcoder api/baseline/
 
 ## the wheel and the sdist, into dist/, checked by twine (the base install is the client;
-## rcoder[daemon] adds the daemon: see README "Install")
+## rcoder[daemon] adds the daemon: see docs/install.md)
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .

@@ -97,5 +97,5 @@ def checked(
         error = exc.errors(include_url=False)[0]
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"] if p != "[key]")
         unknown = error["type"] == "extra_forbidden"
-        problem = "unknown key (see README, Configuration)" if unknown else error["msg"].removeprefix("Value error, ")
+        problem = "unknown key (see docs/configuration.md)" if unknown else error["msg"].removeprefix("Value error, ")
         raise ConfigError(key(path.removeprefix(".")), problem) from exc

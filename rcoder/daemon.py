@@ -57,7 +57,7 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         # host_id: the host whose runs left running this daemon marks interrupted at start, and
-        # the owner of the session leases it takes (DESIGN §7)
+        # the owner of the session leases it takes (docs/design.md#several-hosts)
         self.host_id = host_id_of(settings)
         self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
@@ -185,7 +185,7 @@ class Daemon:
             await asyncio.sleep(every)  # a timer, not a synchronisation
 
     async def _check_store_access(self) -> None:
-        """DESIGN §6.2: a PostgreSQL store that lets an agent in without the password, on any
+        """docs/design.md#no-calls-back: a PostgreSQL store that lets an agent in without the password, on any
         route (its TCP address, a unix socket, loopback; ``pg_access``), lets in every agent (they
         reach every route, as the daemon's uid or their own): refused, naming the first route
         found, unless the operator opens it by name."""
@@ -209,7 +209,8 @@ class Daemon:
                  agents_uid=user.uid)  # fmt: skip
 
     def _log_network(self) -> None:
-        """Say what agents reach over the network (DESIGN §6.2), per profile, and warn when it is rcoder."""
+        """Say what agents reach over the network (docs/design.md#no-calls-back), per profile, and warn
+        when it is rcoder."""
         if self.settings.open_to_agents:
             log.warning(
                 "open_to_agents",

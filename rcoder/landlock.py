@@ -120,7 +120,7 @@ def abi() -> int:
 # where abi() is 0, why (the errno of landlock_create_ruleset), so that an operator can act on it
 SECCOMP_FIX = (
     "a seccomp filter refuses Landlock's system calls: in a container, a runtime whose default profile "
-    "allows them (podman 4.2+, Docker 23+, containerd 1.6+) or a profile that does (README: Container image)"
+    "allows them (podman 4.2+, Docker 23+, containerd 1.6+) or a profile that does (docs/container.md)"
 )
 _WHY_NOT = {
     errno.EOPNOTSUPP: "the kernel has Landlock but it is off: add landlock to the lsm= boot parameter",

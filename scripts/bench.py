@@ -426,7 +426,7 @@ async def flood(bench: Bench) -> Result:
     return judged("flood_bytes_per_s", what, paired_ratio(ours, theirs), ">= 0.9", details)
 
 
-# --------------------------------------------------------------------------- history (DESIGN §8)
+# --------------------------------------------------------------------------- history (docs/design.md#history)
 
 
 def history_bytes(db: Path) -> int:

@@ -1,4 +1,4 @@
-"""The keys of several hosts (DESIGN §7): host_id, advertise_address, lease_ttl."""
+"""The keys of several hosts (docs/design.md#several-hosts): host_id, advertise_address, lease_ttl."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What the kernel's Landlock keeps from an agent, said at start and in ListAgents, and refused
-where a profile asks for "landlock" by name (DESIGN §6.2).
+where a profile asks for "landlock" by name (docs/design.md#no-calls-back).
 
 The ABI is forced lower through ``load_settings(landlock_abi=...)`` where the daemon's own
 decisions are tested; the daemon run for ListAgents reports this kernel's.

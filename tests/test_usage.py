@@ -23,7 +23,7 @@ from tests.test_metrics import scrape
 TOKENS = ["input_tokens", "output_tokens", "cached_read_tokens", "total_tokens"]
 CONTEXT_AND_COST = ["context_used", "context_size", "cost_amount"]
 COST = pb.SESSION_ORDER_COST_DESC
-MAX_COST_KEY = 9 * 10**18  # the widest cost a page token may hold (README: ListSessions)
+MAX_COST_KEY = 9 * 10**18  # the widest cost a page token may hold (docs/api.md: ListSessions)
 
 
 async def test_a_turn_carries_what_the_agent_reported_and_nothing_else(make_daemon: DaemonFactory) -> None:

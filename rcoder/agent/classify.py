@@ -3,7 +3,7 @@ known texts, never guessed.
 
 A lost session ("session gone") is the only error that makes rcoder fall back
 to a fresh session. The codes and texts come from the real agents
-(README, "How resume works"): Claude's adapter ≥ 0.20 and Codex answer
+(docs/resume.md): Claude's adapter ≥ 0.20 and Codex answer
 -32002; Claude 0.16, Gemini (and TS Codex) answer -32603 with a telling
 ``data.details``; an agent may also exit during a resume with such a text
 on stderr. A rule that holds for one agent only (OpenCode's bare "service

@@ -185,7 +185,7 @@ class AgentLauncher:
                                                 "below folders they can pass, or set agent_user = \"\"")  # fmt: skip
 
     def log_sandboxes(self) -> None:
-        """Say what each profile's agents run under (DESIGN §6.1: in the log at start)."""
+        """Say what each profile's agents run under (docs/design.md#confinement: in the log at start)."""
         abi = self._settings.landlock_abi
         for name, profile in sorted(self._settings.agents.items()):
             sandbox = sandbox_of(self._settings, profile)
@@ -196,7 +196,7 @@ class AgentLauncher:
                 log.info("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said)
             elif sandbox == "landlock":  # an older kernel (config refuses sandbox = "landlock" below ABI 3)
                 log.warning("agent_sandbox", agent=name, sandbox=sandbox, landlock_abi=abi, **said,
-                            reason=f"Landlock ABI {abi} keeps less than the README says")  # fmt: skip
+                            reason=f"Landlock ABI {abi} keeps less than docs/confinement.md says")  # fmt: skip
             else:
                 # the kernel's own words where it refuses (a seccomp filter, Landlock off at boot)
                 why = ("the profile sets sandbox = none" if profile.sandbox == "none"

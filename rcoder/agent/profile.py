@@ -28,7 +28,7 @@ def agent_homes(settings: Settings, profile: AgentProfile) -> Path:
 
 def agent_home(settings: Settings, profile: AgentProfile, project_id: str) -> Path:
     """``<data_dir>/agents/<profile>/<project_id>``: the HOME of the profile's agents in that
-    project, stable across restarts, never shared with another project (DESIGN §6.1)."""
+    project, stable across restarts, never shared with another project (docs/design.md#confinement)."""
     return agent_homes(settings, profile) / project_id
 
 
@@ -41,7 +41,7 @@ def sandbox_of(settings: Settings, profile: AgentProfile) -> Literal["landlock",
 
 @dataclass(frozen=True, slots=True)
 class NetworkReach:
-    """What the profile's agents reach over the network (DESIGN §6.2): rcoder's port (every host's)
+    """What the profile's agents reach over the network (docs/design.md#no-calls-back): rcoder's port (every host's)
     and ``/metrics`` ("refused": they need the token, which a confined agent cannot read; "open";
     metrics "off": not served), the store ("refused": PostgreSQL asks a password the agent
     cannot read; "open"; "none": SQLite, no port) and everything else ("open": model APIs,
@@ -66,7 +66,7 @@ def network_of(settings: Settings, profile: AgentProfile) -> NetworkReach:
 
 @dataclass(frozen=True, slots=True)
 class SandboxPromises:
-    """What the kernel keeps from a profile's agents (DESIGN §6.2), by the Landlock ABI it runs
+    """What the kernel keeps from a profile's agents (docs/design.md#no-calls-back), by the Landlock ABI it runs
     under (none when unconfined). ``network`` and ``socket_files`` are never Landlock's here: it
     restricts no network, and it cannot refuse ``connect()`` to a UNIX socket file on disk."""
 
@@ -98,7 +98,7 @@ class SandboxPromises:
         return said
 
     def kernel_short(self) -> bool:
-        """Whether a promise the README makes of a confined agent fails on this kernel."""
+        """Whether a promise docs/confinement.md makes of a confined agent fails on this kernel."""
         return self.files and not (self.truncate and self.signals)
 
 

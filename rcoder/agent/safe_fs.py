@@ -1,6 +1,6 @@
 """Files where an agent can write, touched by the daemon without following the agent's links.
 
-The daemon runs unconfined (DESIGN §6.2). An agent may write its home, so between two starts it
+The daemon runs unconfined (docs/design.md#no-calls-back). An agent may write its home, so between two starts it
 can replace ``~/.gemini`` or ``~/.rcoder-home`` with a symlink to another project; were rcoder to
 follow it, rcoder would write there with its own rights. So every path here is given as a
 trusted ``root`` (a folder only the operator or rcoder writes: the profile's homes, or a home,

@@ -1,4 +1,4 @@
-"""Who may call the daemon: the token every RPC but health needs (DESIGN §6.2).
+"""Who may call the daemon: the token every RPC but health needs (docs/design.md#no-calls-back).
 
 An agent runs as the daemon's user and can reach its port, so a port open to every local process
 is open to every agent: the token is what tells a client from an agent. It is ``auth_token``

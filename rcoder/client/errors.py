@@ -1,6 +1,6 @@
 """The client's exceptions: a failed call becomes one of these, never a bare ``grpc.aio.AioRpcError``.
 
-Each gRPC status code the daemon uses has its class (see the README's Errors table); every error
+Each gRPC status code the daemon uses has its class (see the Errors table of docs/api.md); every error
 carries the status ``code``, its ``message`` and, when the daemon sent one, the ``google.rpc.ErrorInfo``
 detail as ``reason``, ``domain`` and ``metadata``. ``retryable`` says whether the same call may succeed
 later unchanged (the daemon was busy, full or unreachable) rather than needing a different request.

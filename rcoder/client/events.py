@@ -20,7 +20,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 
 
 class ResumeOutcome(StrEnum):
-    """How a turn's agent session was opened (README "How resume works")."""
+    """How a turn's agent session was opened (docs/resume.md)."""
 
     UNSPECIFIED = "unspecified"
     NEW = "new"
@@ -253,7 +253,7 @@ class Heartbeat(Event):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Gap(Event):
     """Events ``from_seq``..``to_seq`` of the run are not in this stream (``seq`` is ``to_seq``):
-    ``reason`` "history_max_bytes_per_run", the run's stored history was cut there (README "History")."""
+    ``reason`` "history_max_bytes_per_run", the run's stored history was cut there (docs/history.md)."""
 
     from_seq: int
     to_seq: int

@@ -48,9 +48,9 @@ class AgentView:
     seen_at: datetime | None
     live_agents: int
     warm_agents: int
-    sandbox: str  # "landlock" or "none" (DESIGN §6.1)
+    sandbox: str  # "landlock" or "none" (docs/design.md#confinement)
     landlock_abi: int  # the kernel's, when sandbox is "landlock"; else 0
-    network: NetworkReach  # DESIGN §6.2
+    network: NetworkReach  # docs/design.md#no-calls-back
     promises: SandboxPromises  # what the kernel keeps from its agents
 
 

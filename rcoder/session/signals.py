@@ -1,4 +1,4 @@
-"""Cancels and permission answers that reach a run's owner through the store (DESIGN §7).
+"""Cancels and permission answers that reach a run's owner through the store (docs/design.md#several-hosts).
 
 A ``Cancel`` or ``ResolvePermission`` for a run another live host owns is forwarded to it over
 gRPC first: that answers at once and exactly (whether the turn was still running; ``NOT_FOUND``

@@ -42,7 +42,7 @@ class SessionStore(Protocol):
     """Every method is safe to call from the event loop; none blocks it.
 
     A write given a ``lease`` lands only while this host holds that lease of the session at that
-    generation; otherwise it changes nothing and raises ``LeaseLost`` (fencing, DESIGN §7; a
+    generation; otherwise it changes nothing and raises ``LeaseLost`` (fencing, docs/design.md#several-hosts; a
     store of one host, SQLite, holds every lease and ignores it).
 
     Writes are atomic: a crash (even SIGKILL) leaves either the old or the
@@ -145,7 +145,7 @@ class SessionStore(Protocol):
         """Erase the session: its runs (and their events), transcript, record, and where several
         hosts share the store its lease and signals, in one transaction. None when there is no
         such session. The deleted text is gone from the store's files (SQLite: ``secure_delete``
-        and a truncated log; PostgreSQL: once vacuumed, see the README)."""
+        and a truncated log; PostgreSQL: once vacuumed, see docs/api.md)."""
         ...
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:

@@ -1,4 +1,4 @@
-"""Can an agent use the PostgreSQL store? Asked of the server at start, on every route (DESIGN §6.2).
+"""Can an agent use the PostgreSQL store? Asked of the server at start, on every route (docs/design.md#no-calls-back).
 
 An agent runs as the daemon's user and reaches every port and every socket file the daemon
 reaches; rcoder cannot filter ports cheaply (Landlock's network rules are allow-lists: "all but

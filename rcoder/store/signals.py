@@ -1,4 +1,4 @@
-"""Cross-host signals (DESIGN §7): a cancel or a permission answer for a run whose owner did not
+"""Cross-host signals (docs/design.md#several-hosts): a cancel or a permission answer for a run whose owner did not
 answer a forwarded call, left for that owner in the shared store.
 
 The row is the truth; ``LISTEN/NOTIFY`` is only a doorbell. The sender inserts the row and rings

@@ -3,7 +3,7 @@
 isort:skip_file
 rcoder: a daemon that runs coding agents (ACP) for other programs.
 
-Field names here are the public contract (see README "API"). Add freely;
+Field names here are the public contract (see docs/api.md). Add freely;
 rename nothing. Numbers of existing fields never change.
 """
 
@@ -1515,7 +1515,7 @@ class AgentInfo(_message.Message):
     kind: _builtins.str
     """what rcoder knows about the agent: claude, codex, gemini, opencode, generic, ..."""
     sandbox: _builtins.str
-    """What its agents run under (DESIGN 6.1): "landlock" (confined to their project) or "none"."""
+    """What its agents run under (docs/design.md#confinement): "landlock" (confined to their project) or "none"."""
     landlock_abi: _builtins.int
     """the kernel's Landlock ABI version when sandbox is "landlock" """
     @_builtins.property
@@ -1526,11 +1526,11 @@ class AgentInfo(_message.Message):
 
     @_builtins.property
     def network(self) -> Global___NetworkReach:
-        """what its agents reach over the network (DESIGN 6.2)"""
+        """what its agents reach over the network (docs/design.md#no-calls-back)"""
 
     @_builtins.property
     def promises(self) -> Global___SandboxPromises:
-        """What the kernel keeps from its agents on this host (DESIGN 6.2); all false when unconfined."""
+        """What the kernel keeps from its agents on this host (docs/design.md#no-calls-back); all false when unconfined."""
 
     def __init__(
         self,
@@ -1596,7 +1596,7 @@ Global___NetworkReach: _TypeAlias = NetworkReach  # noqa: Y015
 
 @_typing.final
 class SandboxPromises(_message.Message):
-    """Each a promise Landlock keeps, or not, by the kernel's ABI; the README's "What an agent can reach"."""
+    """Each a promise Landlock keeps, or not, by the kernel's ABI; docs/confinement.md, "What an agent can reach"."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1777,7 +1777,7 @@ class ChatStream(_message.Message):
         """Events this stream does not deliver: from_seq..to_seq (both included) were left out, and
         `seq` of this message is to_seq, so a client that resumes from the last seq it saw goes on
         after them. Today only a history cut past history_max_bytes_per_run makes one
-        (README "History"); a follower too slow for the run's buffer gets OUT_OF_RANGE instead.
+        (docs/history.md); a follower too slow for the run's buffer gets OUT_OF_RANGE instead.
         """
 
     def __init__(

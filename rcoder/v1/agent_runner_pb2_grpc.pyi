@@ -3,7 +3,7 @@
 isort:skip_file
 rcoder: a daemon that runs coding agents (ACP) for other programs.
 
-Field names here are the public contract (see README "API"). Add freely;
+Field names here are the public contract (see docs/api.md). Add freely;
 rename nothing. Numbers of existing fields never change.
 """
 

@@ -7,7 +7,7 @@ once the conversation the agent sends carries its call (the agent adds the resul
 so the fake answers step by step, whether or not a tool succeeded.
 
 The tools, by name and argument shape, as each agent offers them to its model (read from the
-``tools`` of the recorded requests; pinned versions in ``README.md``):
+``tools`` of the recorded requests; pinned versions in ``docs/configuration.md`` (the built-in profiles)):
 
 * Claude Code (``claude``, ``claude-legacy``), Anthropic ``tool_use``: ``Write {file_path,
   content}``, ``Edit {file_path, old_string, new_string}``, ``Read {file_path}``, ``Bash

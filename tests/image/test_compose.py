@@ -1,4 +1,4 @@
-"""``deploy/compose.yaml`` run as the README says: PostgreSQL and two rcoder hosts on it.
+"""``deploy/compose.yaml`` run as docs/container.md says: PostgreSQL and two rcoder hosts on it.
 
 podman-compose runs the file as written (podman 4.3 has no ``podman compose``): the services on
 a bridge network of their own, finding each other by name, the hosts' ports published on
@@ -132,7 +132,7 @@ async def serving(port: int) -> None:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def project(image: str, postgres_image: str) -> AsyncIterator[Project]:
-    """``up -d`` as the README's line, with the variables it names; ``down -v`` at the end."""
+    """``up -d`` as the line of docs/container.md, with the variables it names; ``down -v`` at the end."""
     ports = {host: free_port() for host in HOSTS}
     env = {
         "POSTGRES_PASSWORD": secrets.token_hex(16), "RCODER_AUTH_TOKEN": secrets.token_hex(16),

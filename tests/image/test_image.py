@@ -1,4 +1,4 @@
-"""The container image, as `make image` builds it, run under podman (README "Container image").
+"""The container image, as `make image` builds it, run under podman (docs/container.md).
 
 The image is built by ``scripts/image.py`` (what `make image` runs), or reused when its inputs
 did not change: a fresh machine builds it from nothing here (~10 min, once), later runs reuse
@@ -170,7 +170,7 @@ async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confi
     single: Container, anthropic: AnthropicServer
 ) -> None:
     health = podman("healthcheck", "run", single.name, check=False)
-    # the token the daemon made, read as the README says
+    # the token the daemon made, read as docs/container.md says
     token = podman("exec", single.name, "cat", "/var/lib/rcoder/auth_token").stdout.strip()
     channel, stub = client_of(single, token)
     async with channel:

@@ -14,7 +14,7 @@ NOT_FOUND_EXIT, INVALID_ARGUMENT_EXIT = 64 + 5, 64 + 3
 
 
 def bearer(daemon: Daemon) -> str:
-    """The header the README's grpcurl lines send: the token the daemon made in its data_dir."""
+    """The header the grpcurl lines of README.md send: the token the daemon made in its data_dir."""
     return f"authorization: Bearer {daemon.token}"
 
 

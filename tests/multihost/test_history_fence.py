@@ -1,4 +1,5 @@
-"""A host that lost a session's lease stores nothing more of that session's runs (DESIGN §7, §8):
+"""A host that lost a session's lease stores nothing more of that session's runs (docs/design.md#several-hosts,
+docs/design.md#history):
 neither the history writer's periodic batches nor the rest it stores once the turn's end is
 refused. What a run's history holds is what its host stored while it held the lease; the run's
 end, for a host that took the session over, is "owner host lost", and so it stays.

@@ -1,4 +1,4 @@
-"""History on PostgreSQL (DESIGN §8): a run is read back whole through another host, after its
+"""History on PostgreSQL (docs/design.md#history): a run is read back whole through another host, after its
 host stopped or restarted, and from a host that died mid-turn, what it stored and its end;
 ``history_retention`` deletes old events. (SQLite: tests/test_history.py.)"""
 

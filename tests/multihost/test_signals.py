@@ -1,4 +1,4 @@
-"""A cancel or a permission answer reaches an owner that the other hosts cannot call (DESIGN §7):
+"""A cancel or a permission answer reaches an owner that the other hosts cannot call (docs/design.md#several-hosts):
 through the store, a row as the truth and ``LISTEN/NOTIFY`` only as a doorbell.
 
 Host a advertises an address where nothing listens (a closed port on 127.0.0.1): every forward

@@ -1,4 +1,4 @@
-"""The resume decision table of DESIGN §3."""
+"""The resume decision table of docs/design.md#resume-decision-table."""
 
 from __future__ import annotations
 

@@ -1,0 +1,216 @@
+"""MkDocs hooks (mkdocs.yml ``hooks:``): the pages made at build time, never kept in git.
+
+- ``index.md``: README.md, the front page, with its ``docs/`` links made relative to the site;
+- ``api-reference.md``: every service, method, message, field, enum and value of the proto, with
+  the proto's own comments (read from ``protoc --include_source_info``'s descriptor set);
+- ``config-reference.md``: every config key of the settings model with its type, default,
+  environment variable and description (the docstring under the key in rcoder/config.py).
+
+A proto element without a comment, or a config key without a description, fails the build.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import subprocess
+import sys
+import tempfile
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import descriptor_pb2
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File, Files
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO = Path("rcoder/v1/agent_runner.proto")
+# The proto elements that had no comment when the API page began to be generated, one a line: the
+# list only shrinks (an element commented since fails the build until it is taken off), and an
+# element not on it without a comment fails the build.
+UNDOCUMENTED = ROOT / "scripts" / "proto_undocumented.txt"
+
+# FileDescriptorProto / DescriptorProto field numbers, as SourceCodeInfo paths name them
+_MESSAGE, _ENUM, _SERVICE = 4, 5, 6
+_FIELD, _NESTED, _NESTED_ENUM = 2, 3, 4
+_VALUE, _METHOD = 2, 2
+
+
+def _comment(comments: dict[tuple[int, ...], str], path: tuple[int, ...], name: str, missing: list[str]) -> str:
+    text = comments.get(path, "").strip()
+    if not text:
+        missing.append(name)
+    return " ".join(line.strip() for line in text.splitlines())
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def api_reference() -> str:
+    """The API reference page, from the proto's descriptor set with source info."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "set.pb"
+        subprocess.run(
+            [sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"), "--include_source_info",
+             f"--descriptor_set_out={out}", str(PROTO)],
+            check=True, cwd=ROOT,
+        )  # fmt: skip
+        fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    (proto,) = [f for f in fds.file if f.name == str(PROTO)]
+    comments = {
+        tuple(loc.path): loc.leading_comments or loc.trailing_comments for loc in proto.source_code_info.location
+    }
+    missing: list[str] = []
+    lines = [
+        "# API reference",
+        "",
+        f"Generated from `proto/{PROTO}` (package `{proto.package}`) and its comments when the site is built.",
+        "",
+    ]
+    for s, service in enumerate(proto.service):
+        lines += [f"## service {service.name}", "", _comment(comments, (_SERVICE, s), service.name, missing), ""]
+        lines += ["| method | request | response | what |", "|---|---|---|---|"]
+        for m, method in enumerate(service.method):
+            what = _comment(comments, (_SERVICE, s, _METHOD, m), f"{service.name}.{method.name}", missing)
+            stream = "stream " if method.server_streaming else ""
+            req, resp = method.input_type.rsplit(".", 1)[-1], method.output_type.rsplit(".", 1)[-1]
+            lines.append(f"| `{method.name}` | `{req}` | `{stream}{resp}` | {_cell(what)} |")
+        lines.append("")
+    for path, message, name in _messages(proto.message_type, (_MESSAGE,), ""):
+        lines += [f"## message {name}", "", _comment(comments, path, name, missing), ""]
+        if message.field:
+            lines += ["| field | type | what |", "|---|---|---|"]
+            for f, field in enumerate(message.field):
+                what = _comment(comments, (*path, _FIELD, f), f"{name}.{field.name}", missing)
+                lines.append(f"| `{field.name}` | `{_type(field)}` | {_cell(what)} |")
+            lines.append("")
+        for e, nested in enumerate(message.enum_type):
+            lines += _enum(nested, (*path, _NESTED_ENUM, e), f"{name}.{nested.name}", comments, missing)
+    for e, top in enumerate(proto.enum_type):
+        lines += _enum(top, (_ENUM, e), top.name, comments, missing)
+    known = set(UNDOCUMENTED.read_text().split())
+    if new := [name for name in missing if name not in known]:
+        raise PluginError(f"proto elements without a comment in proto/{PROTO}: {', '.join(new)}")
+    if done := sorted(known - set(missing)):
+        raise PluginError(f"commented now, so remove them from {UNDOCUMENTED.relative_to(ROOT)}: {', '.join(done)}")
+    return "\n".join(lines) + "\n"
+
+
+def _messages(
+    messages: Any, prefix: tuple[int, ...], outer: str
+) -> Iterator[tuple[tuple[int, ...], descriptor_pb2.DescriptorProto, str]]:
+    for i, message in enumerate(messages):
+        if message.options.map_entry:
+            continue
+        path, name = (*prefix, i), f"{outer}{message.name}"
+        yield path, message, name
+        yield from _messages(message.nested_type, (*path, _NESTED), f"{name}.")
+
+
+def _type(field: descriptor_pb2.FieldDescriptorProto) -> str:
+    if field.type_name:
+        kind = field.type_name.rsplit(".", 1)[-1]
+    else:
+        kind = descriptor_pb2.FieldDescriptorProto.Type.Name(field.type)[len("TYPE_") :].lower()
+    repeated = field.label == descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
+    return f"repeated {kind}" if repeated else kind
+
+
+def _enum(
+    values: descriptor_pb2.EnumDescriptorProto,
+    path: tuple[int, ...],
+    name: str,
+    comments: dict[tuple[int, ...], str],
+    missing: list[str],
+) -> list[str]:
+    lines = [f"## enum {name}", "", _comment(comments, path, name, missing), "", "| value | what |", "|---|---|"]
+    for v, value in enumerate(values.value):
+        what = _comment(comments, (*path, _VALUE, v), f"{name}.{value.name}", missing)
+        lines.append(f"| `{value.name}` | {_cell(what)} |")
+    return [*lines, ""]
+
+
+def config_reference() -> str:
+    """The configuration reference page, from the settings model's fields and their docstrings."""
+    from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys
+
+    missing: list[str] = []
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the settings model (`rcoder/config.py`) when the site is built: every key, its type,",
+        "its default and its description. Top-level keys are also read from `RCODER_<KEY>` variables",
+        "(see [Configuration](configuration.md) for the order in which file, variables and flags apply).",
+        "",
+    ]
+    tables: list[tuple[str, type[BaseModel], bool]] = [
+        ("Top-level keys", SettingsKeys, True),
+        ("`[agents.<name>]` keys", ProfileKeys, False),
+        ("`permission_rules` entries", PermissionRule, False),
+    ]
+    for title, model, env in tables:
+        lines += [f"## {title}", "", "| key | type | default | variable | description |", "|---|---|---|---|---|"]
+        for key, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{model.__name__}.{key}")
+            value = None if field.is_required() else field.get_default(call_default_factory=True)
+            default = "required" if field.is_required() else f"`{_default(value)}`"
+            variable = f"`RCODER_{key.upper()}`" if env else "—"
+            kind = _cell(_type_name(field.annotation))
+            described = _cell(" ".join((field.description or "").split()))
+            lines.append(f"| `{key}` | `{kind}` | {_cell(default)} | {variable} | {described} |")
+        lines.append("")
+    if missing:
+        raise PluginError(f"config keys without a description (a docstring under the key): {', '.join(missing)}")
+    return "\n".join(lines) + "\n"
+
+
+def _type_name(annotation: Any) -> str:
+    """A key's type as a reader writes it in TOML terms: str, float, list[str], "a" | "b"."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Literal:
+        return " | ".join(repr(arg).replace("'", '"') for arg in args)
+    if origin is tuple:
+        return f"list[{_type_name(args[0])}]"
+    if origin is not None and args:  # Mapping[K, V] and the like: a TOML table
+        return f"table[{', '.join(_type_name(arg) for arg in args)}]"
+    if isinstance(annotation, type):
+        return {"Path": "path", "ResumeRoute": "str"}.get(annotation.__name__, annotation.__name__)
+    return str(annotation)
+
+
+def _default(value: object) -> str:
+    """A default as TOML would write it."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_default(item) for item in value) + "]"
+    if isinstance(value, Path | str):
+        return '"' + str(value) + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{key} = {_default(item)}" for key, item in value.items()) + " }"
+    return repr(value)
+
+
+def front_page() -> str:
+    """README.md as the site's index: its links into docs/ made relative to the site."""
+    return re.sub(r"\]\(docs/", "](", (ROOT / "README.md").read_text())
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    for name, content in (
+        ("index.md", front_page()),
+        ("api-reference.md", api_reference()),
+        ("config-reference.md", config_reference()),
+    ):
+        files.append(File.generated(config, name, content=content))
+    return files

@@ -1073,7 +1073,8 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
             measured = await measure(bench)
             took = round(time.perf_counter() - began, 1)
             for result in measured:
-                result.details.setdefault("measure_s", took)  # the whole measure's wall time, its daemons' starts included
+                # the whole measure's wall time, its daemons' starts included
+                result.details.setdefault("measure_s", took)
                 results.append(result)
                 print(result.line(gate), flush=True)
     return results

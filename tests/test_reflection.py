@@ -11,13 +11,13 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha.reflection_pb2 import ServerReflectionRequest as Request
+from grpc_reflection.v1alpha.reflection_pb2 import ServerReflectionResponse as Response
 
 from rcoder.api.reflection import OPEN_REQUEST_BYTES, OPEN_REQUESTS, OPEN_SECONDS, OPEN_STREAMS
 from tests.conftest import DaemonFactory
 from tests.harness import Daemon, error_info
 
-Request = reflection_pb2.ServerReflectionRequest
-Response = reflection_pb2.ServerReflectionResponse
 HEALTH = "grpc.health.v1.Health"
 HEALTH_FILE = "grpc_health/v1/health.proto"
 METHOD = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"

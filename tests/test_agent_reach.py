@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from rcoder.api.access import kept_token
-from rcoder.client.token import find_token
+from rcoder.client.token import find_token, local_target
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -230,3 +230,22 @@ def test_a_client_finds_the_token_in_the_environment_the_config_or_the_daemons_d
     config.write_text('auth_token = "set"\ndata_dir = "state"\n')
     assert find_token({}, config) == "set"
     assert find_token({"RCODER_DATA_DIR": str(tmp_path / "none")}) == ""
+
+
+def test_a_client_reads_the_defaults_file_below_the_config_and_the_environment(tmp_path: Path) -> None:
+    """RCODER_DEFAULTS, as the container image sets it: `rcoder chat` and `rcoder health` inside
+    find the daemon where it listens and its token, whichever layer set them."""
+    (tmp_path / "image" / "state").mkdir(parents=True)
+    (tmp_path / "image" / "state" / "auth_token").write_text("from-defaults\n")
+    defaults = tmp_path / "image" / "defaults.toml"
+    defaults.write_text('listen = "0.0.0.0:1"\ndata_dir = "state"\n')
+    env = {"RCODER_DEFAULTS": str(defaults)}
+    assert (find_token(env), local_target(env)) == ("from-defaults", "127.0.0.1:1")
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "auth_token").write_text("from-config\n")
+    config = tmp_path / "rcoder.toml"
+    config.write_text('listen = "127.0.0.1:2"\ndata_dir = "mine"\n')
+    assert (find_token(env, config), local_target(env, config)) == ("from-config", "127.0.0.1:2")
+    env |= {"RCODER_CONFIG": str(config), "RCODER_LISTEN": "127.0.0.1:3"}
+    assert (find_token(env), local_target(env)) == ("from-config", "127.0.0.1:3")

@@ -12,6 +12,8 @@ from rcoder.config import load_settings
 from rcoder.domain import ResumeRoute
 from rcoder.errors import ConfigError
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "rcoder.toml"

@@ -11,6 +11,8 @@ import pytest
 
 from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys, builtin_profiles, load_settings
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 

@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     config_file = args.config or (Path(env["RCODER_CONFIG"]) if env.get("RCODER_CONFIG") else None)
+    defaults_file = Path(env["RCODER_DEFAULTS"]) if env.get("RCODER_DEFAULTS") else None
     overrides = {
         "listen": args.listen,
         "data_dir": args.data_dir,
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "log_format": args.log_format,
     }
     try:
-        settings = load_settings(config_file, env, overrides)
+        settings = load_settings(config_file, env, overrides, defaults_file=defaults_file)
     except ConfigError as exc:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,8 @@
-"""Settings and agent profiles: TOML file < ``RCODER_*`` environment < flags.
+"""Settings and agent profiles: defaults file < TOML file < ``RCODER_*`` environment < flags.
+
+The defaults file (``RCODER_DEFAULTS``, top-level keys only) is the lowest layer: what an
+installation sets for everyone, as the container image sets its ``listen``, ``data_dir`` and
+``workspace_root``, so that a config file mounted by its user still has the last word over them.
 
 Built once by ``cli`` and passed down; nothing below reads the environment or files.
 The pydantic models are the schema (strict types, unknown keys refused); every problem
@@ -42,6 +46,8 @@ BASE_AGENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", 
 KindName = Literal["generic", "claude", "claude-legacy", "codex", "gemini", "opencode"]
 AGENT_KINDS: tuple[str, ...] = get_args(KindName)
 DEFAULT_DATA_DIR = Path(".rcoder")
+# names the defaults file: the lowest layer, below the config file (set by the container image)
+DEFAULTS_VARIABLE = "RCODER_DEFAULTS"
 
 
 class _Schema(BaseModel):
@@ -244,6 +250,7 @@ class Settings(SettingsKeys):
     agents: Mapping[str, AgentProfile] = Field(default_factory=dict)
     daemon_env: Mapping[str, str] = Field(default_factory=dict)  # what agents may inherit (allow-list + inherit_env)
     config_file: Path | None = None  # the file read, kept out of every agent's reach
+    defaults_file: Path | None = None  # the defaults file read (RCODER_DEFAULTS), kept out of reach too
     landlock_abi: int = Field(default_factory=landlock.abi)  # the kernel's Landlock ABI version, 0: none
 
     def profile(self, name: str) -> AgentProfile | None:
@@ -273,17 +280,22 @@ def load_settings(
     environ: Mapping[str, str],
     overrides: Mapping[str, Any] | None = None,
     landlock_abi: int | None = None,
+    defaults_file: Path | None = None,
 ) -> Settings:
-    """Build Settings from a TOML file, ``RCODER_<KEY>`` variables and flag overrides.
+    """Build Settings from a defaults file, a TOML file, ``RCODER_<KEY>`` variables and flag
+    overrides, each over the one before.
 
+    ``defaults_file``: top-level keys only (``RCODER_DEFAULTS``), relative paths against its folder.
     ``landlock_abi``: the kernel's Landlock ABI version (asked of the kernel when None)."""
     cwd = Path.cwd()
     base_dir = config_file.resolve().parent if config_file is not None else cwd
+    defaults = _read_defaults(defaults_file) if defaults_file is not None else {}
     file = checked(_FILE, _read_toml(config_file) if config_file is not None else {}, base_dir)
     env = {key: environ[var] for key in SettingsKeys.model_fields if (var := f"RCODER_{key.upper()}") in environ}
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
     # variables and flags are strings: read leniently ("8" a number, "yes" true), still checked
     values = {
+        **defaults,
         **file.model_dump(exclude_unset=True, exclude={"agents"}),
         **checked(_KEYS, env, cwd, False, lambda key: f"RCODER_{key.upper()}").model_dump(exclude_unset=True),
         **checked(_KEYS, flags, cwd, False).model_dump(exclude_unset=True),
@@ -301,6 +313,7 @@ def load_settings(
         agents=agents,
         daemon_env={k: environ[k] for k in visible if k in environ},
         config_file=config_file.resolve() if config_file is not None else None,
+        defaults_file=defaults_file.resolve() if defaults_file is not None else None,
         landlock_abi=landlock.abi() if landlock_abi is None else landlock_abi,
     )
     if settings.default_agent not in settings.agents:
@@ -333,10 +346,21 @@ def load_settings(
     return settings
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_defaults(path: Path) -> dict[str, Any]:
+    """The defaults file's keys, checked, as set (its relative paths against its own folder)."""
+    table = _read_toml(path, DEFAULTS_VARIABLE)
+    if "agents" in table:
+        raise ConfigError(
+            DEFAULTS_VARIABLE, f"{path} holds top-level keys only: agent profiles go in the config file (--config)"
+        )
+    keys = checked(_KEYS, table, path.resolve().parent, key=lambda key: f"{key} (in {DEFAULTS_VARIABLE} {path})")
+    return keys.model_dump(exclude_unset=True)
+
+
+def _read_toml(path: Path, key: str = "--config") -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text("utf-8"))
     except FileNotFoundError:
-        raise ConfigError("--config", f"file {path} does not exist") from None
+        raise ConfigError(key, f"file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+        raise ConfigError(key, f"{path} is not valid TOML: {exc}") from None

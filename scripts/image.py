@@ -44,7 +44,14 @@ REPOSITORY = "localhost/rcoder"
 INPUTS_LABEL = "rcoder.inputs"
 CONTAINERS_CONF = ROOT / "deploy" / "containers.conf"
 # the build context (.dockerignore lets in only these): files and folders
-CONTEXT = ("Containerfile", ".dockerignore", "pyproject.toml", "agents/package.json", "agents/package-lock.json")
+CONTEXT = (
+    "Containerfile",
+    ".dockerignore",
+    "pyproject.toml",
+    "agents/package.json",
+    "agents/package-lock.json",
+    "deploy/image-defaults.toml",
+)
 CONTEXT_DIRS = ("rcoder",)
 # Debian 12 with its updates and security fixes, as debian:bookworm-slim has them
 DEBIAN_SOURCES = (

@@ -24,6 +24,7 @@ from tests.harness import (
     write_config,
 )
 from tests.pg import PgCluster, missing_binaries
+from tests.process_guard import ProcessGuard
 
 if TYPE_CHECKING:
     from rcoder.store.postgres import PostgresStore
@@ -45,6 +46,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (item.path.name not in FIRST_FILES) + 2 * (item.path.name in LAST_FILES))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection made (every test module, rcoder's modules, the items) moves out of the
+    garbage collector's view: the ``gc.collect()`` after each test (below) then walks what the
+    tests made, not that whole heap again (0.15 s a test otherwise)."""
+    gc.collect()
+    gc.freeze()
+
+
 class _Unhandled(logging.Handler):
     """What asyncio and grpc log in this process for an exception nobody handled."""
 
@@ -62,12 +71,30 @@ _UNHANDLED = _Unhandled()
 logging.getLogger().addHandler(_UNHANDLED)
 
 
+# The fast set (`make check`, `pytest -m fast`): tests that start no process, no daemon, agent,
+# PostgreSQL or tool. One that starts one fails, here and in `make test` alike (tests/process_guard.py).
+FAST = "fast"
+_GUARD = ProcessGuard()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker(FAST) is not None:
+        _GUARD.install()  # before its fixtures: they must start none either
+    return (yield)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Fail the test during which (its fixtures' teardown included) an exception went unseen: in a
     daemon it started (its log) or here (asyncio's "Task exception was never retrieved", which a
-    collection reports; "Exception in callback")."""
-    result = yield
+    collection reports; "Exception in callback"); and a test of the fast set that started a process."""
+    try:
+        result = yield
+    finally:
+        started = _GUARD.remove() if item.get_closest_marker(FAST) is not None else []
+    if started:
+        raise AssertionError(f"{item.nodeid} is marked fast but started a process: " + "; ".join(started))
     gc.collect()
     found = [*unhandled_failures(), *_UNHANDLED.seen]
     _UNHANDLED.seen.clear()

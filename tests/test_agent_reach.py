@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from rcoder.api.access import kept_token
-from rcoder.client.token import find_token
+from rcoder.client.token import find_token, local_target
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -48,7 +48,8 @@ def get_metrics(address: str, token: str = "") -> int:
 
 
 async def reflection_answers(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> str:
-    """ "listed", or the status code's name reflection answered with."""
+    """ "listed" (rcoder's service among the names), "health only" (what a caller without the
+    token is shown: tests/test_reflection.py), or the status code's name reflection answered with."""
     # One request sent as a unary-stream call (the same bytes on the wire): a stream's separate
     # write can race the server's refusal, and grpc's client then reports its own INTERNAL
     # ("Internal error from Core") in place of the status the server sent.
@@ -59,9 +60,12 @@ async def reflection_answers(channel: grpc.aio.Channel, metadata: tuple[tuple[st
     )
     call = info(reflection_pb2.ServerReflectionRequest(list_services=""), metadata=metadata)
     try:
-        return "listed" if (await call.read()).list_services_response.service else "empty"
+        names = {s.name for s in (await call.read()).list_services_response.service}
     except grpc.aio.AioRpcError as exc:
         return str(exc.code().name)
+    if "rcoder.v1.AgentRunner" in names:
+        return "listed"
+    return "health only" if names == {"grpc.health.v1.Health"} else f"other: {sorted(names)}"
 
 
 async def test_with_no_auth_token_the_daemon_makes_one_in_data_dir_keeps_it_and_asks_it_of_every_rpc_but_health(
@@ -77,7 +81,8 @@ async def test_with_no_auth_token_the_daemon_makes_one_in_data_dir_keeps_it_and_
         await client.stub.ListSessions(pb.ListSessionsRequest())
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert (await client.chat_error(prompt="hi", project_id="beta")).code() == grpc.StatusCode.UNAUTHENTICATED
-    assert await reflection_answers(client.channel) == "UNAUTHENTICATED"
+    assert await reflection_answers(client.channel) == "health only"
+    assert await reflection_answers(client.channel, bearer("wrong")) == "UNAUTHENTICATED"
     assert not list((tmp_path / "workspace").glob("beta")), "no turn started for a caller without the token"
     health = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -225,3 +230,22 @@ def test_a_client_finds_the_token_in_the_environment_the_config_or_the_daemons_d
     config.write_text('auth_token = "set"\ndata_dir = "state"\n')
     assert find_token({}, config) == "set"
     assert find_token({"RCODER_DATA_DIR": str(tmp_path / "none")}) == ""
+
+
+def test_a_client_reads_the_defaults_file_below_the_config_and_the_environment(tmp_path: Path) -> None:
+    """RCODER_DEFAULTS, as the container image sets it: `rcoder chat` and `rcoder health` inside
+    find the daemon where it listens and its token, whichever layer set them."""
+    (tmp_path / "image" / "state").mkdir(parents=True)
+    (tmp_path / "image" / "state" / "auth_token").write_text("from-defaults\n")
+    defaults = tmp_path / "image" / "defaults.toml"
+    defaults.write_text('listen = "0.0.0.0:1"\ndata_dir = "state"\n')
+    env = {"RCODER_DEFAULTS": str(defaults)}
+    assert (find_token(env), local_target(env)) == ("from-defaults", "127.0.0.1:1")
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "auth_token").write_text("from-config\n")
+    config = tmp_path / "rcoder.toml"
+    config.write_text('listen = "127.0.0.1:2"\ndata_dir = "mine"\n')
+    assert (find_token(env, config), local_target(env, config)) == ("from-config", "127.0.0.1:2")
+    env |= {"RCODER_CONFIG": str(config), "RCODER_LISTEN": "127.0.0.1:3"}
+    assert (find_token(env), local_target(env)) == ("from-config", "127.0.0.1:3")

@@ -12,6 +12,8 @@ from rcoder.config import load_settings
 from rcoder.domain import ResumeRoute
 from rcoder.errors import ConfigError
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "rcoder.toml"
@@ -99,3 +101,44 @@ def test_config_errors_name_the_key(tmp_path: Path, text: str, env: dict[str, st
 def test_a_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "absent.toml", {})
+
+
+def test_the_defaults_file_is_below_the_config_file_the_environment_and_the_flags(tmp_path: Path) -> None:
+    """RCODER_DEFAULTS (the container image's /etc/rcoder/defaults.toml): the lowest layer, key by key."""
+    (tmp_path / "image").mkdir()
+    defaults = tmp_path / "image" / "defaults.toml"
+    defaults.write_text('listen = "0.0.0.0:1"\ndata_dir = "state"\nworkspace_root = "/w"\nidle_timeout = 7\n')
+    config = write(tmp_path, 'listen = "127.0.0.1:2"\ndata_dir = "mine"\n')
+
+    alone = load_settings(None, {}, defaults_file=defaults)
+    assert (alone.listen, alone.workspace_root) == ("0.0.0.0:1", Path("/w"))
+    assert alone.data_dir == tmp_path / "image" / "state", "relative to the defaults file's folder"
+    assert alone.defaults_file == defaults and alone.config_file is None
+
+    layered = load_settings(config, {}, defaults_file=defaults)
+    assert (layered.listen, layered.data_dir) == ("127.0.0.1:2", tmp_path / "mine"), "the config file wins"
+    assert (layered.workspace_root, layered.idle_timeout) == (Path("/w"), 7.0), "what it leaves unset stays"
+
+    env = {"RCODER_LISTEN": "127.0.0.1:3", "RCODER_WORKSPACE_ROOT": "/v"}
+    over = load_settings(config, env, {"listen": "127.0.0.1:4"}, defaults_file=defaults)
+    assert (over.listen, over.workspace_root, over.data_dir) == ("127.0.0.1:4", Path("/v"), tmp_path / "mine")
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[agents.x]\ncommand = 'a'\n", "top-level keys only"),
+        ("listn = '0.0.0.0:1'\n", "listn (in RCODER_DEFAULTS"),
+        ("idle_timeout = '5'\n", "idle_timeout (in RCODER_DEFAULTS"),
+        ("not toml", "not valid TOML"),
+    ],
+)
+def test_a_wrong_defaults_file_is_a_config_error_naming_it(tmp_path: Path, text: str, problem: str) -> None:
+    defaults = tmp_path / "defaults.toml"
+    defaults.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_settings(None, {}, defaults_file=defaults)
+    assert problem in str(caught.value)
+    assert "RCODER_DEFAULTS" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"RCODER_DEFAULTS.*does not exist"):
+        load_settings(None, {}, defaults_file=tmp_path / "absent.toml")

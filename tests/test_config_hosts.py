@@ -11,6 +11,8 @@ from rcoder.config import load_settings
 from rcoder.daemon import host_id_of
 from rcoder.errors import ConfigError
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 
 def test_the_host_keys_default_to_this_host_and_fifteen_seconds() -> None:
     settings = load_settings(None, {})

@@ -9,6 +9,8 @@ import pytest
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 
 def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "rcoder.toml"

@@ -12,6 +12,8 @@ import pytest
 
 from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys, builtin_profiles, load_settings
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 PERMISSIONS = ROOT / "docs" / "permissions.md"

@@ -23,6 +23,8 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.harness import write_config
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 TOKEN = "the-shared-secret"
 DEFAULT = load_settings(None, {}).peer_hosts
 

@@ -11,6 +11,8 @@ from rcoder.api.host_auth import HEADER, WINDOW, HostAuth
 from rcoder.errors import Unauthenticated
 from rcoder.v1 import agent_runner_pb2 as pb
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 SECRET = "the-hosts-token"
 A, B = "127.0.0.1:7001", "127.0.0.1:7002"
 CHAT = "/rcoder.v1.AgentRunner/Chat"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 PACKAGE = Path(__file__).resolve().parent.parent / "rcoder"
 ROOT = "__init__"  # the layer of the package itself (``rcoder/__init__.py``: ``__version__``)
 

@@ -5,12 +5,13 @@ ones, so that each call passes ``rcoder.api.gate`` (token, calls in progress, re
 in flight) from its metadata before grpc reads its message, with a request decoder that
 never raises: a request that is not valid protobuf (invalid UTF-8 in a string field, say)
 gets INVALID_ARGUMENT with a message, not grpc's own INTERNAL "Exception deserializing
-request". Health is open to all; reflection asks the token too.
+request". Health is open to all; reflection describes all with the token and health alone without
+one (``rcoder.api.reflection``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,17 +20,16 @@ from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from rcoder import errors, tracing
 from rcoder.api.gate import BearerToken, CallLimit, Gate, RequestBytes, decoder
 from rcoder.api.host_auth import HostAuth
+from rcoder.api.reflection import HEALTH_NAME, Reflection
 from rcoder.api.service import AgentRunnerService, abort
 from rcoder.v1 import agent_runner_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"]
 SERVICE_NAME = SERVICE.full_name
-HEALTH_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # answers: a page of history or sessions, an event (run_event_bytes); a request is max_request_bytes
 MAX_SEND_BYTES = 64 << 20
 
@@ -87,7 +87,7 @@ class GrpcServer:
         self.health = HealthServicer()  # open to all: probes carry no token
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            TokenCheckedReflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), token), self._server
+            Reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), token), self._server
         )
         if tls is not None:
             credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
@@ -186,25 +186,3 @@ def _agent_runner_handlers(service: AgentRunnerService, gate: Gate) -> grpc.Gene
             behaviour, request_deserializer=decoder(request_cls), response_serializer=response_cls.SerializeToString
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
-
-
-# ---------------------------------------------------------------- reflection
-
-
-class TokenCheckedReflection(ReflectionServicer):  # type: ignore[misc]
-    """Reflection, behind the same token as AgentRunner: it names every RPC an agent could try."""
-
-    def __init__(self, service_names: Sequence[str], token: BearerToken | None) -> None:
-        super().__init__(service_names)
-        self._token = token
-
-    async def ServerReflectionInfo(
-        self, request_iterator: AsyncIterable[Any], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[Any]:
-        if self._token is not None:
-            try:
-                self._token.check(context)
-            except errors.RcoderError as exc:
-                await abort(context, exc)
-        async for response in super().ServerReflectionInfo(request_iterator, context):
-            yield response

@@ -21,42 +21,56 @@ WILDCARDS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}  # noqa: 
 
 
 def find_token(environ: Mapping[str, str] | None = None, config_file: Path | None = None) -> str:
-    """``RCODER_TOKEN``, else ``RCODER_AUTH_TOKEN``, else the config's ``auth_token``, else the file
-    in the daemon's data_dir (``RCODER_DATA_DIR``, else the config's ``data_dir``, else ``.rcoder``);
-    the config is ``config_file``, else ``RCODER_CONFIG``. "" when none of these says one."""
+    """``RCODER_TOKEN``, else the daemon's ``auth_token`` (``RCODER_AUTH_TOKEN``, the config's, the
+    defaults file's), else the file in the daemon's data_dir (``RCODER_DATA_DIR``, the config's,
+    the defaults file's, else ``.rcoder``); the config is ``config_file``, else ``RCODER_CONFIG``,
+    the defaults file ``RCODER_DEFAULTS``. "" when none of these says one."""
     environ = os.environ if environ is None else environ
-    for name in ("RCODER_TOKEN", "RCODER_AUTH_TOKEN"):
-        if environ.get(name):
-            return environ[name]
-    if config_file is None and environ.get("RCODER_CONFIG"):
-        config_file = Path(environ["RCODER_CONFIG"])
-    data_dir = Path(DEFAULT_DATA_DIR)
-    if config_file is not None:
-        try:
-            config = tomllib.loads(config_file.read_text("utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-            config = {}
-        if isinstance(config.get("auth_token"), str) and config["auth_token"]:
-            return str(config["auth_token"])
-        if isinstance(config.get("data_dir"), str):
-            data_dir = config_file.parent / config["data_dir"]  # relative to the file, as the daemon reads it
-    if environ.get("RCODER_DATA_DIR"):
-        data_dir = Path(environ["RCODER_DATA_DIR"])
+    if environ.get("RCODER_TOKEN"):
+        return environ["RCODER_TOKEN"]
+    layers = _layers(environ, config_file)
+    token = _key(layers, "auth_token")
+    if token:
+        return token
+    data_dir = _key(layers, "data_dir", path=True) or DEFAULT_DATA_DIR
     try:
-        return (data_dir / TOKEN_FILE).read_text("utf-8").strip()
+        return (Path(data_dir) / TOKEN_FILE).read_text("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return ""
 
 
 def local_target(environ: Mapping[str, str], config_file: Path | None = None) -> str:
     """Where this host's daemon answers: its listen address, a wildcard host as loopback."""
-    listen = environ.get("RCODER_LISTEN", "")
-    config = config_file or (Path(environ["RCODER_CONFIG"]) if environ.get("RCODER_CONFIG") else None)
-    if not listen and config is not None:
-        try:
-            value = tomllib.loads(config.read_text("utf-8")).get("listen")
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-            value = None
-        listen = value if isinstance(value, str) else ""
-    host, _, port = (listen or DEFAULT_LISTEN).rpartition(":")
+    listen = _key(_layers(environ, config_file), "listen") or DEFAULT_LISTEN
+    host, _, port = listen.rpartition(":")
     return f"{WILDCARDS.get(host, host)}:{port}"
+
+
+# a layer: its keys, and the folder its relative paths start from (None: the variables)
+Layer = tuple[Mapping[str, object], Path | None]
+
+
+def _layers(environ: Mapping[str, str], config_file: Path | None) -> list[Layer]:
+    """Where the daemon reads its keys, first the one that wins: ``RCODER_<KEY>`` variables, the
+    config file, the defaults file (rcoder.config). A file that cannot be read says nothing."""
+    variables = {name[7:].lower(): value for name, value in environ.items() if name.startswith("RCODER_")}
+    layers: list[Layer] = [(variables, None)]
+    if config_file is None and environ.get("RCODER_CONFIG"):
+        config_file = Path(environ["RCODER_CONFIG"])
+    for path in (config_file, Path(environ["RCODER_DEFAULTS"]) if environ.get("RCODER_DEFAULTS") else None):
+        if path is None:
+            continue
+        try:
+            layers.append((tomllib.loads(path.read_text("utf-8")), path.parent))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            continue
+    return layers
+
+
+def _key(layers: list[Layer], key: str, path: bool = False) -> str:
+    """The first non-empty string value of ``key``; a relative ``path`` against its file's folder."""
+    for table, folder in layers:
+        value = table.get(key)
+        if isinstance(value, str) and value:
+            return str(folder / value) if path and folder is not None else value
+    return ""

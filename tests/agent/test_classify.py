@@ -6,6 +6,8 @@ import pytest
 
 from rcoder.agent.classify import gone_reason, gone_reason_from_stderr
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 
 @pytest.mark.parametrize(
     ("code", "message", "data"),

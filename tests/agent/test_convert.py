@@ -11,6 +11,8 @@ import pytest
 from rcoder.agent.convert import notification_to_event, opaque_update
 from rcoder.domain import AgentUpdate, TextChunk
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 
 def notification(**update: Any) -> dict[str, Any]:
     return {"sessionId": "s", "update": update}

@@ -12,6 +12,8 @@ import pytest
 from rcoder.agent.erase import erase_conversation
 from rcoder.errors import UnsafePath
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 SID = "0b6f9c1e-2a4d-4c8e-9f10-5d3a7b2c1e00"
 OTHER = "0b6f9c1e-ffff-4c8e-9f10-5d3a7b2c1e99"  # the same first 8 characters: Gemini names files by them
 CWD = "/srv/workspace/demo"

@@ -14,10 +14,14 @@ import re
 import threading
 from pathlib import Path
 
+import pytest
+
 from rcoder.agent.homes import HOME_MARK, LAYOUT_MARK, SHARED, Homes, ensure_home, set_aside
 from rcoder.config import AgentProfile, load_settings
 from tests.conftest import base_settings
 from tests.harness import write_config
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
 
 def claude_dir(cwd: Path) -> str:

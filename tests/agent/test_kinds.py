@@ -19,6 +19,8 @@ from rcoder.config import AGENT_KINDS, AgentProfile, Settings, builtin_profiles,
 from rcoder.domain import ModelProvider
 from rcoder.errors import ConfigError
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 SID = "0199c1d2-7a3b-7cc0-9e4e-5f2a1b3c4d5e"
 PROVIDER = ModelProvider(base_url="http://127.0.0.1:9/v1", api_key="sk-secret-key", model="m-1")
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from rcoder.agent.replay import ReplayWatch
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
 
 def update(kind: str, text: str) -> dict[str, Any]:

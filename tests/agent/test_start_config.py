@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.domain import OpenMethod
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
 
 def test_no_system_prompt_no_resume_no_extra_gives_empty_meta() -> None:

@@ -12,6 +12,8 @@ import pytest
 
 from rcoder.agent.transport import LogBudget, PipeTransport
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 LIMIT = 4096
 
 

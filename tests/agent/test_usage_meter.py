@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import acp
+import pytest
 
 from rcoder.agent.usage import UsageMeter
 from rcoder.domain import Usage
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
 
 def test_a_count_or_cost_too_large_to_keep_is_left_unreported() -> None:

@@ -38,6 +38,9 @@ TURN_TIMEOUT = 150.0  # Claude's first turn in a fresh container on a busy machi
 DAEMON_ID = "10001"  # the image's user rcoder, and its group
 AGENT_ID = "10002"  # the image's rcoder-agent, and its group
 OWNER_KEY = "rcoder-owner"
+# the single container's, from its mounted config: inside the image's volumes, not their roots
+DATA_DIR = "/var/lib/rcoder/mounted"
+WORKSPACE_ROOT = "/workspace/mounted"
 DEFAULT_SECCOMP = "/usr/share/containers/seccomp.json"  # podman's default profile (containers-common)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(BUILD_TIMEOUT + 600)]
@@ -151,27 +154,40 @@ def anthropic() -> Iterator[AnthropicServer]:
 async def single(
     image: str, anthropic: AnthropicServer, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Container]:
-    """One container with the image's defaults but a config file (RCODER_CONFIG) pointing Claude
-    at the fake Anthropic API, and no auth_token: the daemon makes one in its data_dir."""
+    """One container with a config file mounted (RCODER_CONFIG) that sets listen, data_dir and
+    workspace_root over the image's defaults file and points Claude at the fake Anthropic API, and
+    no auth_token: the daemon makes one in its data_dir."""
+    container = Container(f"{RUN}-single", free_port())
     config = write_config(
         tmp_path_factory.mktemp("image") / "rcoder.toml",
         {"claude": claude_table(anthropic.base_url)},
+        listen=container.address, data_dir=DATA_DIR, workspace_root=WORKSPACE_ROOT,
         shutdown_grace=SHUTDOWN_GRACE, initialize_timeout=60, session_open_timeout=60,
     )  # fmt: skip
     async with containers() as made:
-        container = Container(f"{RUN}-single", free_port())
         made.append(container)
-        env = {"RCODER_CONFIG": "/etc/rcoder/rcoder.toml", "RCODER_LISTEN": container.address}
-        await container.start(image, env, "--volume", f"{config}:/etc/rcoder/rcoder.toml:ro")
+        await container.start(
+            image, {"RCODER_CONFIG": "/etc/rcoder/rcoder.toml"}, "--volume", f"{config}:/etc/rcoder/rcoder.toml:ro"
+        )
         yield container
+
+
+async def test_a_mounted_config_wins_over_the_images_defaults(single: Container) -> None:
+    serving = single.logs("serving")[0]
+    # the image's defaults file says 0.0.0.0:50051, /var/lib/rcoder and /workspace
+    assert (serving["address"], serving["data_dir"], serving["workspace_root"]) == (
+        single.address,
+        DATA_DIR,
+        WORKSPACE_ROOT,
+    ), serving
 
 
 async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confined_by_landlock(
     single: Container, anthropic: AnthropicServer
 ) -> None:
     health = podman("healthcheck", "run", single.name, check=False)
-    # the token the daemon made, read as docs/container.md says
-    token = podman("exec", single.name, "cat", "/var/lib/rcoder/auth_token").stdout.strip()
+    # the token the daemon made, in the data_dir of its mounted config (docs/container.md)
+    token = podman("exec", single.name, "cat", f"{DATA_DIR}/auth_token").stdout.strip()
     channel, stub = client_of(single, token)
     async with channel:
         listed = await stub.ListAgents(pb.ListAgentsRequest(), timeout=30)

@@ -30,8 +30,14 @@ async def test_grpcurl_lists_and_describes_the_services_by_reflection(
 ) -> None:
     daemon, _ = await make_daemon()
 
-    refused = await run([grpcurl, "-plaintext", daemon.address, "list"])
-    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, "reflection asks the token too"
+    # without the token, reflection shows health alone (rcoder.api.reflection)
+    bare = await run([grpcurl, "-plaintext", daemon.address, "list"])
+    assert bare.returncode == 0 and bare.stdout.split() == ["grpc.health.v1.Health"], bare
+    hidden = await run([grpcurl, "-plaintext", daemon.address, "describe", "rcoder.v1.AgentRunner"])
+    assert hidden.returncode != 0 and "rcoder.v1.AgentRunner" in hidden.stderr, hidden
+    assert "rpc Chat" not in hidden.stdout + hidden.stderr
+    wrong = await run([grpcurl, "-plaintext", "-H", "authorization: Bearer nope", daemon.address, "list"])
+    assert wrong.returncode != 0 and "Unauthenticated" in wrong.stderr, "a wrong token is refused"
     listed = await run([grpcurl, "-plaintext", "-H", bearer(daemon), daemon.address, "list"])
     assert listed.returncode == 0, listed.stderr
     assert {"rcoder.v1.AgentRunner", "grpc.health.v1.Health"} <= set(listed.stdout.split())
@@ -79,7 +85,9 @@ async def test_grpcurl_streams_a_chat_with_the_echo_agent_and_resumes_it_with_th
 async def test_grpcurl_sees_the_health_service_serving(make_daemon: DaemonFactory, run: Run, grpcurl: str) -> None:
     daemon, _ = await make_daemon()
 
-    health = await grpcurl_call(run, grpcurl, daemon, "grpc.health.v1.Health/Check")
+    # as the README writes it: no token (health, and the reflection grpcurl resolves it by, are open)
+    health = await run([grpcurl, "-plaintext", daemon.address, "grpc.health.v1.Health/Check"])
+    assert health.returncode == 0, health.stderr
     assert health.json_values() == [{"status": "SERVING"}]
     named = await grpcurl_call(
         run, grpcurl, daemon, "grpc.health.v1.Health/Check", {"service": "rcoder.v1.AgentRunner"}

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 from rcoder.domain import SessionRecord
 from rcoder.session.opening import Action, decide
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RECORD = SessionRecord("s1", "p", "/w/p", "claude", "prov-1", NOW, NOW)

@@ -36,6 +36,8 @@ from rcoder.domain import (
 )
 from rcoder.session import event_codec
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 DIFFS = (ToolDiff("a.txt", None, "new\n"), ToolDiff("b.txt", "old", "né"))
 MODEL = ConfigOption("model", "Model", "opus", (ConfigValue("sonnet", "Sonnet", "fast"), ConfigValue("opus", "Opus")))
 MODE = ConfigOption("mode", "Mode", "plan", (ConfigValue("plan", "Plan"),), "mode", "its modes", "mode", chosen=True)

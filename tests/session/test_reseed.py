@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 from rcoder.domain import TranscriptEntry
 from rcoder.session.reseed import summary
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

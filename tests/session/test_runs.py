@@ -12,6 +12,8 @@ from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
 from rcoder.session.budget import DROPPED_KIND, EarlyEvents
 from rcoder.session.runs import MERGE_LIMIT, Run, RunLimits, RunRegistry
 
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
 DONE = RunCompleted(StopReason.END_TURN, "p", ResumeOutcome.NEW)
 
 

@@ -45,7 +45,8 @@ class _BusyPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BusyPolicy
     status CANCELLED), then run this one next. It is `queued` until the cancelled turn has ended.
     """
 
-class BusyPolicy(_BusyPolicy, metaclass=_BusyPolicyEnumTypeWrapper): ...
+class BusyPolicy(_BusyPolicy, metaclass=_BusyPolicyEnumTypeWrapper):
+    """What a Chat does when its session already has a turn running (ChatRequest.busy)."""
 
 BUSY_POLICY_UNSPECIFIED: BusyPolicy.ValueType  # 0
 """treated as REJECT"""
@@ -71,16 +72,25 @@ class _PermissionModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Permis
     PERMISSION_MODE_UNSPECIFIED: _PermissionMode.ValueType  # 0
     """treated as ALLOW"""
     PERMISSION_MODE_ALLOW: _PermissionMode.ValueType  # 1
+    """rcoder answers at once with an allow option (allow_once before allow_always)"""
     PERMISSION_MODE_DENY: _PermissionMode.ValueType  # 2
+    """rcoder answers at once with a reject option (reject_once first); an `allow` rule does not override it"""
     PERMISSION_MODE_ASK: _PermissionMode.ValueType  # 3
+    """the request waits for ResolvePermission; unanswered within permission_timeout it is rejected"""
 
-class PermissionMode(_PermissionMode, metaclass=_PermissionModeEnumTypeWrapper): ...
+class PermissionMode(_PermissionMode, metaclass=_PermissionModeEnumTypeWrapper):
+    """How a turn's permission requests are answered when no permission_rule of the profile matches
+    (ChatRequest.permission_mode); every request is also streamed as a permission_request event.
+    """
 
 PERMISSION_MODE_UNSPECIFIED: PermissionMode.ValueType  # 0
 """treated as ALLOW"""
 PERMISSION_MODE_ALLOW: PermissionMode.ValueType  # 1
+"""rcoder answers at once with an allow option (allow_once before allow_always)"""
 PERMISSION_MODE_DENY: PermissionMode.ValueType  # 2
+"""rcoder answers at once with a reject option (reject_once first); an `allow` rule does not override it"""
 PERMISSION_MODE_ASK: PermissionMode.ValueType  # 3
+"""the request waits for ResolvePermission; unanswered within permission_timeout it is rejected"""
 Global___PermissionMode: _TypeAlias = PermissionMode  # noqa: Y015
 
 class _SessionOrder:
@@ -118,14 +128,17 @@ class _ForkMethod:
 class _ForkMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ForkMethod.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     FORK_METHOD_UNSPECIFIED: _ForkMethod.ValueType  # 0
+    """never sent"""
     FORK_METHOD_AGENT: _ForkMethod.ValueType  # 1
     """the agent's session/fork: the branch is live at once"""
     FORK_METHOD_RESEEDED: _ForkMethod.ValueType  # 2
     """the agent cannot fork: the branch's first turn is re-seeded"""
 
-class ForkMethod(_ForkMethod, metaclass=_ForkMethodEnumTypeWrapper): ...
+class ForkMethod(_ForkMethod, metaclass=_ForkMethodEnumTypeWrapper):
+    """How ForkSession made a branch."""
 
 FORK_METHOD_UNSPECIFIED: ForkMethod.ValueType  # 0
+"""never sent"""
 FORK_METHOD_AGENT: ForkMethod.ValueType  # 1
 """the agent's session/fork: the branch is live at once"""
 FORK_METHOD_RESEEDED: ForkMethod.ValueType  # 2
@@ -139,7 +152,9 @@ class _RunStatus:
 class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     RUN_STATUS_UNSPECIFIED: _RunStatus.ValueType  # 0
+    """never sent"""
     RUN_STATUS_RUNNING: _RunStatus.ValueType  # 1
+    """started and not ended yet"""
     RUN_STATUS_COMPLETED: _RunStatus.ValueType  # 2
     """ended by the agent (or a cancel): stop_reason says how"""
     RUN_STATUS_FAILED: _RunStatus.ValueType  # 3
@@ -147,10 +162,13 @@ class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.V
     RUN_STATUS_INTERRUPTED: _RunStatus.ValueType  # 4
     """its daemon stopped while it ran"""
 
-class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper): ...
+class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper):
+    """Where a run stands."""
 
 RUN_STATUS_UNSPECIFIED: RunStatus.ValueType  # 0
+"""never sent"""
 RUN_STATUS_RUNNING: RunStatus.ValueType  # 1
+"""started and not ended yet"""
 RUN_STATUS_COMPLETED: RunStatus.ValueType  # 2
 """ended by the agent (or a cancel): stop_reason says how"""
 RUN_STATUS_FAILED: RunStatus.ValueType  # 3
@@ -283,7 +301,10 @@ Global___PermissionOutcome: _TypeAlias = PermissionOutcome  # noqa: Y015
 
 @_typing.final
 class ChatRequest(_message.Message):
-    """---------------------------------------------------------------- requests"""
+    """---------------------------------------------------------------- requests
+
+    One turn for Chat. A bad field is INVALID_ARGUMENT with ErrorInfo metadata.field naming it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -324,31 +345,51 @@ class ChatRequest(_message.Message):
     """Required. [A-Za-z0-9._-]{1,128}, not "." or "..": resolved under workspace_root."""
     session_id: _builtins.str
     """Optional: continue this conversation (an rcoder session_id, or a provider
-    session id to adopt).
+    session id to adopt). At most 256 characters, no spaces or control characters.
     """
     prompt: _builtins.str
-    """Required unless attachments are given."""
+    """What the agent is to do: at most 1 MiB of UTF-8, no NUL characters.
+    Required unless attachments are given.
+    """
     agent: _builtins.str
     """Agent profile name; the daemon's default_agent when empty."""
     system_prompt: _builtins.str
-    """Appended to the agent's own system prompt (new sessions)."""
+    """Appended to the agent's own system prompt (new sessions). At most 256 KiB, no NUL characters."""
     request_id: _builtins.str
-    """Caller's correlation id; logged and stored with the run."""
+    """Caller's correlation id; logged and stored with the run. At most 256 characters, no spaces
+    or control characters.
+    """
     permission_mode: Global___PermissionMode.ValueType
+    """How the agent's permission requests are answered when no profile permission_rule decides;
+    unset is ALLOW.
+    """
     busy: Global___BusyPolicy.ValueType
     """What to do when the session already has a turn running: refuse (ABORTED, the default),
     queue this turn after it (and any queued before), or cancel it and run this one next.
     """
     @_builtins.property
-    def mcp_servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___McpServer]: ...
-    @_builtins.property
-    def extra_meta(self) -> _struct_pb2.Struct:
-        """Merged into the _meta of session/new (where the profile allows the keys)."""
+    def mcp_servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___McpServer]:
+        """MCP servers for the agent, passed to session/new, session/load or session/resume; at most 32.
+        Only transports on the profile's allow_mcp, and stdio commands on its allow_mcp_commands, pass
+        (PERMISSION_DENIED MCP_NOT_ALLOWED or MCP_COMMAND_NOT_ALLOWED otherwise).
+        """
 
     @_builtins.property
-    def model_provider(self) -> Global___ModelProvider: ...
+    def extra_meta(self) -> _struct_pb2.Struct:
+        """Merged into the _meta of session/new (where the profile allows the keys). At most 64 KiB
+        as JSON, nested at most 8 levels deep.
+        """
+
     @_builtins.property
-    def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attachment]: ...
+    def model_provider(self) -> Global___ModelProvider:
+        """The model endpoint, key and name for the agent, put in its environment by the profile's
+        provider_env; unset or empty fields are not passed.
+        """
+
+    @_builtins.property
+    def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attachment]:
+        """Content sent with the prompt: at most 32, at most 16 MiB of data and text in all."""
+
     @_builtins.property
     def config_options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """ACP session config options to set before the prompt: config id -> value id, e.g.
@@ -356,6 +397,7 @@ class ChatRequest(_message.Message):
         Only those that differ from the session's current values are sent to the agent; an id or a
         value it does not offer is INVALID_ARGUMENT naming what it offers, and no prompt is sent.
         Kept with the session and applied again whenever it opens in a new agent process.
+        At most 32; ids up to 128 characters without spaces, values up to 512 without control characters.
         """
 
     def __init__(
@@ -385,14 +427,23 @@ Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
 
 @_typing.final
 class ModelProvider(_message.Message):
+    """The model a turn's agent should use, mapped to the agent's environment variables by its
+    profile's provider_env. Each field at most 4096 bytes, no NUL characters.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     BASE_URL_FIELD_NUMBER: _builtins.int
     API_KEY_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     base_url: _builtins.str
+    """The model API's URL, http:// or https://; only with the profile's allow_client_base_url
+    (PERMISSION_DENIED BASE_URL_NOT_ALLOWED otherwise); empty: not set
+    """
     api_key: _builtins.str
+    """the model API's key; empty: not set"""
     model: _builtins.str
+    """the model's name as the agent's API takes it; empty: not set"""
     def __init__(
         self,
         *,
@@ -410,12 +461,16 @@ Global___ModelProvider: _TypeAlias = ModelProvider  # noqa: Y015
 
 @_typing.final
 class KeyValue(_message.Message):
+    """A name and its value: an environment variable (McpStdio.env) or an HTTP header (McpHttp.headers)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """the variable's or header's name"""
     value: _builtins.str
+    """its value"""
     def __init__(
         self,
         *,
@@ -432,6 +487,8 @@ Global___KeyValue: _TypeAlias = KeyValue  # noqa: Y015
 
 @_typing.final
 class McpServer(_message.Message):
+    """An MCP server the agent is given for the session (ACP mcpServers); exactly one transport."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
@@ -439,12 +496,25 @@ class McpServer(_message.Message):
     HTTP_FIELD_NUMBER: _builtins.int
     SSE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """Required: the server's name as the agent shows it; at most 256 characters, no spaces or
+    control characters.
+    """
     @_builtins.property
-    def stdio(self) -> Global___McpStdio: ...
+    def stdio(self) -> Global___McpStdio:
+        """a command the agent starts and talks to over stdio"""
+
     @_builtins.property
-    def http(self) -> Global___McpHttp: ...
+    def http(self) -> Global___McpHttp:
+        """streamable HTTP; INVALID_ARGUMENT (MCP_TRANSPORT_NOT_SUPPORTED) when the agent's
+        mcpCapabilities.http is false
+        """
+
     @_builtins.property
-    def sse(self) -> Global___McpHttp: ...
+    def sse(self) -> Global___McpHttp:
+        """server-sent events; INVALID_ARGUMENT (MCP_TRANSPORT_NOT_SUPPORTED) when the agent's
+        mcpCapabilities.sse is false
+        """
+
     def __init__(
         self,
         *,
@@ -465,16 +535,23 @@ Global___McpServer: _TypeAlias = McpServer  # noqa: Y015
 
 @_typing.final
 class McpStdio(_message.Message):
+    """An MCP server the agent runs as a subprocess, talking to it over stdio."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMAND_FIELD_NUMBER: _builtins.int
     ARGS_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     command: _builtins.str
+    """required: the program to run (the profile may restrict which)"""
     @_builtins.property
-    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """its arguments"""
+
     @_builtins.property
-    def env(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]: ...
+    def env(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]:
+        """environment variables set for it"""
+
     def __init__(
         self,
         *,
@@ -492,13 +569,18 @@ Global___McpStdio: _TypeAlias = McpStdio  # noqa: Y015
 
 @_typing.final
 class McpHttp(_message.Message):
+    """An MCP server the agent reaches over HTTP (streamable HTTP or SSE)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     URL_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
     url: _builtins.str
+    """required: an http:// or https:// URL"""
     @_builtins.property
-    def headers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]: ...
+    def headers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]:
+        """HTTP headers sent with every request to it"""
+
     def __init__(
         self,
         *,
@@ -526,15 +608,21 @@ class Attachment(_message.Message):
     RESOURCE_FIELD_NUMBER: _builtins.int
     RESOURCE_LINK_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def text(self) -> Global___TextAttachment: ...
+    def text(self) -> Global___TextAttachment:
+        """plain text, as a text block after the prompt"""
+
     @_builtins.property
-    def image(self) -> Global___ImageAttachment: ...
+    def image(self) -> Global___ImageAttachment:
+        """needs promptCapabilities.image"""
+
     @_builtins.property
     def resource(self) -> Global___ResourceAttachment:
         """embedded resource (text or blob)"""
 
     @_builtins.property
-    def resource_link(self) -> Global___ResourceLinkAttachment: ...
+    def resource_link(self) -> Global___ResourceLinkAttachment:
+        """a reference to a resource the agent reads itself"""
+
     def __init__(
         self,
         *,
@@ -555,10 +643,13 @@ Global___Attachment: _TypeAlias = Attachment  # noqa: Y015
 
 @_typing.final
 class TextAttachment(_message.Message):
+    """Text sent as an ACP text content block."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
+    """the text; no NUL characters"""
     def __init__(
         self,
         *,
@@ -574,14 +665,19 @@ Global___TextAttachment: _TypeAlias = TextAttachment  # noqa: Y015
 
 @_typing.final
 class ImageAttachment(_message.Message):
+    """An image sent as an ACP image content block."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     DATA_FIELD_NUMBER: _builtins.int
     MIME_TYPE_FIELD_NUMBER: _builtins.int
     URI_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
+    """required: the image's bytes (sent base64-encoded)"""
     mime_type: _builtins.str
+    """required: an image/* type, e.g. image/png"""
     uri: _builtins.str
+    """optional: where the image came from"""
     def __init__(
         self,
         *,
@@ -599,6 +695,8 @@ Global___ImageAttachment: _TypeAlias = ImageAttachment  # noqa: Y015
 
 @_typing.final
 class ResourceAttachment(_message.Message):
+    """A resource embedded in the prompt (ACP resource block); needs promptCapabilities.embeddedContext."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     URI_FIELD_NUMBER: _builtins.int
@@ -606,9 +704,13 @@ class ResourceAttachment(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     BLOB_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
+    """required: the resource's URI, e.g. file:///path"""
     mime_type: _builtins.str
+    """optional: its MIME type"""
     text: _builtins.str
+    """its text; no NUL characters"""
     blob: _builtins.bytes
+    """its bytes (sent base64-encoded)"""
     def __init__(
         self,
         *,
@@ -629,6 +731,8 @@ Global___ResourceAttachment: _TypeAlias = ResourceAttachment  # noqa: Y015
 
 @_typing.final
 class ResourceLinkAttachment(_message.Message):
+    """A link to a resource the agent may read itself (ACP resource_link block)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     URI_FIELD_NUMBER: _builtins.int
@@ -638,11 +742,17 @@ class ResourceLinkAttachment(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
+    """required: the resource's URI"""
     name: _builtins.str
+    """its name; empty: the uri is sent as the name"""
     mime_type: _builtins.str
+    """optional: its MIME type"""
     title: _builtins.str
+    """optional: a title for people"""
     description: _builtins.str
+    """optional: what it is"""
     size: _builtins.int
+    """its size in bytes; 0: not sent"""
     def __init__(
         self,
         *,
@@ -663,12 +773,18 @@ Global___ResourceLinkAttachment: _TypeAlias = ResourceLinkAttachment  # noqa: Y0
 
 @_typing.final
 class SubscribeRequest(_message.Message):
+    """A run to re-attach to, and where to resume in its events."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     AFTER_SEQ_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """required: the run (Chat's rcoder-run-id header, or ChatStream.run_id)"""
     after_seq: _builtins.int
+    """the last seq already seen: events with a greater seq are sent; 0: from the start. Past the
+    run's last event is OUT_OF_RANGE (ErrorInfo metadata.last_seq)
+    """
     def __init__(
         self,
         *,
@@ -685,12 +801,16 @@ Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
 
 @_typing.final
 class CancelRequest(_message.Message):
+    """The turn to stop: set exactly one of run_id or session_id (INVALID_ARGUMENT otherwise)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """a run: that turn, running or queued"""
     session_id: _builtins.str
+    """a session: its running turn and every turn queued behind it"""
     def __init__(
         self,
         *,
@@ -707,6 +827,8 @@ Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
 
 @_typing.final
 class CancelResponse(_message.Message):
+    """What Cancel did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
@@ -739,13 +861,17 @@ Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class ResolvePermissionRequest(_message.Message):
+    """An answer to one permission_request event. Answered once; a second answer is NOT_FOUND."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     PERMISSION_ID_FIELD_NUMBER: _builtins.int
     OPTION_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """required: the run whose stream carried the permission_request"""
     permission_id: _builtins.str
+    """required: PermissionRequest.permission_id"""
     option_id: _builtins.str
     """one of PermissionRequest.options; empty = cancelled"""
     def __init__(
@@ -765,6 +891,8 @@ Global___ResolvePermissionRequest: _TypeAlias = ResolvePermissionRequest  # noqa
 
 @_typing.final
 class ResolvePermissionResponse(_message.Message):
+    """What ResolvePermission did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUED_FIELD_NUMBER: _builtins.int
@@ -788,10 +916,13 @@ Global___ResolvePermissionResponse: _TypeAlias = ResolvePermissionResponse  # no
 
 @_typing.final
 class GetSessionRequest(_message.Message):
+    """The session for GetSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """required: an rcoder session_id"""
     def __init__(
         self,
         *,
@@ -807,6 +938,8 @@ Global___GetSessionRequest: _TypeAlias = GetSessionRequest  # noqa: Y015
 
 @_typing.final
 class ListSessionsRequest(_message.Message):
+    """A page of sessions for ListSessions; a bad field or page token is INVALID_ARGUMENT."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROJECT_ID_FIELD_NUMBER: _builtins.int
@@ -843,13 +976,18 @@ Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
 
 @_typing.final
 class ListSessionsResponse(_message.Message):
+    """One page of ListSessions."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """send it back for the next page; empty on the last page"""
     @_builtins.property
-    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]: ...
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
+        """in the order asked for, at most page_size"""
+
     def __init__(
         self,
         *,
@@ -866,10 +1004,13 @@ Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
 
 @_typing.final
 class CloseSessionRequest(_message.Message):
+    """The session for CloseSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """required: an rcoder session_id"""
     def __init__(
         self,
         *,
@@ -885,6 +1026,8 @@ Global___CloseSessionRequest: _TypeAlias = CloseSessionRequest  # noqa: Y015
 
 @_typing.final
 class CloseSessionResponse(_message.Message):
+    """What CloseSession did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_STOPPED_FIELD_NUMBER: _builtins.int
@@ -905,6 +1048,8 @@ Global___CloseSessionResponse: _TypeAlias = CloseSessionResponse  # noqa: Y015
 
 @_typing.final
 class ForkSessionRequest(_message.Message):
+    """The session to branch for ForkSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -936,12 +1081,15 @@ Global___ForkSessionRequest: _TypeAlias = ForkSessionRequest  # noqa: Y015
 
 @_typing.final
 class ForkSessionResponse(_message.Message):
+    """The branch ForkSession made."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_FIELD_NUMBER: _builtins.int
     METHOD_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
     method: Global___ForkMethod.ValueType
+    """how the branch was made"""
     fallback_reason: _builtins.str
     """set when method is FORK_METHOD_RESEEDED: why the agent did not fork"""
     @_builtins.property
@@ -965,6 +1113,8 @@ Global___ForkSessionResponse: _TypeAlias = ForkSessionResponse  # noqa: Y015
 
 @_typing.final
 class ListHostsRequest(_message.Message):
+    """ListHosts takes nothing."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -980,11 +1130,15 @@ Global___ListHostsRequest: _TypeAlias = ListHostsRequest  # noqa: Y015
 
 @_typing.final
 class ListHostsResponse(_message.Message):
+    """The hosts ListHosts knows."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HOSTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def hosts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Host]: ...
+    def hosts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Host]:
+        """every host registered in the store (one that died stays, not live); with SQLite, this one"""
+
     def __init__(
         self,
         *,
@@ -1000,6 +1154,8 @@ Global___ListHostsResponse: _TypeAlias = ListHostsResponse  # noqa: Y015
 
 @_typing.final
 class Host(_message.Message):
+    """One daemon registered in the store."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HOST_ID_FIELD_NUMBER: _builtins.int
@@ -1010,6 +1166,7 @@ class Host(_message.Message):
     LIVE_FIELD_NUMBER: _builtins.int
     SELF_FIELD_NUMBER: _builtins.int
     host_id: _builtins.str
+    """config host_id; by default <hostname>:<port>"""
     advertise_address: _builtins.str
     """where other hosts (and clients) reach it"""
     version: _builtins.str
@@ -1023,7 +1180,9 @@ class Host(_message.Message):
         """its last heartbeat, by the store's clock"""
 
     @_builtins.property
-    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """when the daemon started and registered"""
+
     def __init__(
         self_,  # pyright: ignore[reportSelfClsParameterName]
         *,
@@ -1045,6 +1204,8 @@ Global___Host: _TypeAlias = Host  # noqa: Y015
 
 @_typing.final
 class ListRunsRequest(_message.Message):
+    """A page of one session's runs for ListRuns; a bad field or page token is INVALID_ARGUMENT."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -1073,6 +1234,8 @@ Global___ListRunsRequest: _TypeAlias = ListRunsRequest  # noqa: Y015
 
 @_typing.final
 class ListRunsResponse(_message.Message):
+    """One page of ListRuns."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUNS_FIELD_NUMBER: _builtins.int
@@ -1117,21 +1280,29 @@ class RunInfo(_message.Message):
     RESUME_METHOD_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """the run's id (Subscribe takes it)"""
     session_id: _builtins.str
+    """its session"""
     prompt: _builtins.str
     """the prompt's text, stored when the run started"""
     status: Global___RunStatus.ValueType
+    """where it stands"""
     stop_reason: Global___StopReason.ValueType
     """unset while running"""
     resume: Global___ResumeOutcome.ValueType
     """how its session was opened"""
     error: _builtins.str
+    """why it failed or was interrupted; empty otherwise"""
     request_id: _builtins.str
+    """ChatRequest.request_id; empty when none was sent"""
     resume_method: _builtins.str
     """new | live | resume | load | meta | not_opened"""
     fallback_reason: _builtins.str
+    """why its session was opened new instead of resumed (resume FALLBACK_*); empty otherwise"""
     @_builtins.property
-    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """when the run started"""
+
     @_builtins.property
     def ended_at(self) -> _timestamp_pb2.Timestamp:
         """unset while running"""
@@ -1167,10 +1338,13 @@ Global___RunInfo: _TypeAlias = RunInfo  # noqa: Y015
 
 @_typing.final
 class DeleteSessionRequest(_message.Message):
+    """The session for DeleteSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """required: an rcoder session_id"""
     def __init__(
         self,
         *,
@@ -1236,6 +1410,8 @@ Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
 
 @_typing.final
 class ListAgentsRequest(_message.Message):
+    """ListAgents takes nothing."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -1251,12 +1427,16 @@ Global___ListAgentsRequest: _TypeAlias = ListAgentsRequest  # noqa: Y015
 
 @_typing.final
 class ListAgentsResponse(_message.Message):
+    """This daemon's agent profiles, and who their agents run as."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENTS_FIELD_NUMBER: _builtins.int
     RUNS_AS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentInfo]: ...
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentInfo]:
+        """every agent profile of this daemon (built-in and configured), by name"""
+
     @_builtins.property
     def runs_as(self) -> Global___AgentUser:
         """the uid and gid every agent of this daemon runs as (config agent_user)"""
@@ -1290,7 +1470,9 @@ class AgentUser(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     FIX_FIELD_NUMBER: _builtins.int
     uid: _builtins.int
+    """the numeric user id agents run as"""
     gid: _builtins.int
+    """the numeric group id agents run as"""
     name: _builtins.str
     """its user name; "" when it has none (a numeric agent_user)"""
     separate: _builtins.bool

@@ -184,6 +184,7 @@ class _SessionStatus:
 class _SessionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SESSION_STATUS_UNSPECIFIED: _SessionStatus.ValueType  # 0
+    """never sent"""
     SESSION_STATUS_IDLE: _SessionStatus.ValueType  # 1
     """no live agent; resumes on the next Chat"""
     SESSION_STATUS_LIVE: _SessionStatus.ValueType  # 2
@@ -191,9 +192,11 @@ class _SessionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Session
     SESSION_STATUS_BUSY: _SessionStatus.ValueType  # 3
     """a turn is running"""
 
-class SessionStatus(_SessionStatus, metaclass=_SessionStatusEnumTypeWrapper): ...
+class SessionStatus(_SessionStatus, metaclass=_SessionStatusEnumTypeWrapper):
+    """What a session's agent is doing, as the host that answered sees it."""
 
 SESSION_STATUS_UNSPECIFIED: SessionStatus.ValueType  # 0
+"""never sent"""
 SESSION_STATUS_IDLE: SessionStatus.ValueType  # 1
 """no live agent; resumes on the next Chat"""
 SESSION_STATUS_LIVE: SessionStatus.ValueType  # 2
@@ -1501,7 +1504,10 @@ Global___AgentUser: _TypeAlias = AgentUser  # noqa: Y015
 
 @_typing.final
 class Session(_message.Message):
-    """---------------------------------------------------------------- resources"""
+    """---------------------------------------------------------------- resources
+
+    A conversation as rcoder keeps it: stable across agent restarts, daemon restarts and fallbacks.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1519,17 +1525,31 @@ class Session(_message.Message):
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     COMMANDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """rcoder's id of the session: what ChatRequest.session_id sends back"""
     project_id: _builtins.str
+    """its project; every turn must name this one"""
     agent: _builtins.str
+    """the agent profile it runs on"""
     provider_session_id: _builtins.str
+    """the agent's own id of the session, the only id sent to the agent to resume it; empty until
+    the agent has opened the session
+    """
     cwd: _builtins.str
+    """the agent's working directory: <workspace_root>/<project_id>"""
     turns: _builtins.int
+    """turns the agent answered in this session (a fork counts from 0)"""
     last_run_id: _builtins.str
+    """its latest run; empty before its first run started"""
     status: Global___SessionStatus.ValueType
+    """idle, live or busy, as the host that answered sees it (GetSession is answered by the session's owner)"""
     @_builtins.property
-    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """when the session was stored, at its first Chat or fork"""
+
     @_builtins.property
-    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """the record's last change: a run's start, a turn counted, a new provider id, options or commands"""
+
     @_builtins.property
     def usage(self) -> Global___UsageTotals:
         """its runs' usage summed; unset when none reported any"""
@@ -1585,10 +1605,15 @@ class UsageTotals(_message.Message):
     input_tokens: _builtins.int
     """each summed over the runs that reported it; unset when none did"""
     output_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     cached_read_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     cached_write_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     thought_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     total_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     runs: _builtins.int
     """the runs that reported any usage"""
     @_builtins.property
@@ -1645,11 +1670,14 @@ Global___UsageTotals: _TypeAlias = UsageTotals  # noqa: Y015
 
 @_typing.final
 class Cost(_message.Message):
+    """An amount of money in one currency: the costs a session's runs reported in it, summed."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AMOUNT_FIELD_NUMBER: _builtins.int
     CURRENCY_FIELD_NUMBER: _builtins.int
     amount: _builtins.float
+    """the sum, exact to nine decimals (kept in billionths of the currency)"""
     currency: _builtins.str
     """as the agent reported it (ISO 4217, e.g. USD)"""
     def __init__(
@@ -1668,6 +1696,8 @@ Global___Cost: _TypeAlias = Cost  # noqa: Y015
 
 @_typing.final
 class AgentInfo(_message.Message):
+    """One agent profile of this daemon: its config, what its agent advertised, and its agents now."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
@@ -1685,11 +1715,15 @@ class AgentInfo(_message.Message):
     NETWORK_FIELD_NUMBER: _builtins.int
     PROMISES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """the profile's name: what ChatRequest.agent names"""
     command: _builtins.str
+    """the program the profile runs"""
     resume: _builtins.str
     """auto | resume | load | meta | none"""
     default: _builtins.bool
+    """it is the daemon's default_agent"""
     warm_pool: _builtins.int
+    """the profile's warm_pool: initialised agents kept waiting for new sessions (0: none)"""
     live_agents: _builtins.int
     """agents serving a session now"""
     warm_agents: _builtins.int
@@ -1701,7 +1735,9 @@ class AgentInfo(_message.Message):
     landlock_abi: _builtins.int
     """the kernel's Landlock ABI version when sandbox is "landlock" """
     @_builtins.property
-    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """its arguments"""
+
     @_builtins.property
     def capabilities(self) -> Global___AgentCapabilities:
         """As seen at the last initialize; unset until the agent has run once."""
@@ -1826,6 +1862,8 @@ Global___SandboxPromises: _TypeAlias = SandboxPromises  # noqa: Y015
 
 @_typing.final
 class AgentCapabilities(_message.Message):
+    """What a profile's agent advertised in its last ACP initialize answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LOAD_SESSION_FIELD_NUMBER: _builtins.int
@@ -1842,20 +1880,33 @@ class AgentCapabilities(_message.Message):
     SEEN_AT_FIELD_NUMBER: _builtins.int
     SESSION_FORK_FIELD_NUMBER: _builtins.int
     load_session: _builtins.bool
+    """agentCapabilities.loadSession: it takes session/load"""
     session_resume: _builtins.bool
+    """sessionCapabilities.resume: it takes session/resume (rcoder's first choice)"""
     session_close: _builtins.bool
+    """sessionCapabilities.close: it takes session/close"""
     session_list: _builtins.bool
+    """sessionCapabilities.list: rcoder checks a provider id is in its session/list before resuming it"""
     prompt_image: _builtins.bool
+    """promptCapabilities.image: image attachments are accepted"""
     prompt_audio: _builtins.bool
+    """promptCapabilities.audio: it takes audio content (no attachment kind sends it)"""
     prompt_embedded_context: _builtins.bool
+    """promptCapabilities.embeddedContext: resource attachments are accepted"""
     mcp_http: _builtins.bool
+    """mcpCapabilities.http: McpServer.http is accepted"""
     mcp_sse: _builtins.bool
+    """mcpCapabilities.sse: McpServer.sse is accepted"""
     agent_name: _builtins.str
+    """agentInfo.name; empty when it gave none"""
     agent_version: _builtins.str
+    """agentInfo.version; empty when it gave none"""
     session_fork: _builtins.bool
     """session/fork: ForkSession branches through the agent"""
     @_builtins.property
-    def seen_at(self) -> _timestamp_pb2.Timestamp: ...
+    def seen_at(self) -> _timestamp_pb2.Timestamp:
+        """when that initialize answer came"""
+
     def __init__(
         self,
         *,

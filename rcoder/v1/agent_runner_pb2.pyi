@@ -212,22 +212,43 @@ class _ResumeOutcome:
 class _ResumeOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResumeOutcome.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     RESUME_OUTCOME_UNSPECIFIED: _ResumeOutcome.ValueType  # 0
+    """unset (RunInfo): the run's session has not been opened (yet)"""
     RESUME_OUTCOME_NEW: _ResumeOutcome.ValueType  # 1
+    """a new agent session"""
     RESUME_OUTCOME_LIVE: _ResumeOutcome.ValueType  # 2
+    """the session's live agent was prompted"""
     RESUME_OUTCOME_RESUMED: _ResumeOutcome.ValueType  # 3
+    """a new agent process resumed the agent's session by its provider id"""
     RESUME_OUTCOME_FALLBACK_NEW: _ResumeOutcome.ValueType  # 4
+    """the agent's session could not be resumed (gone, or not in its session/list): a new one,
+    without the history; fallback_reason says why
+    """
     RESUME_OUTCOME_FALLBACK_RESEEDED: _ResumeOutcome.ValueType  # 5
+    """as FALLBACK_NEW, and the first prompt starts with a bounded summary of rcoder's transcript
+    of the session (reseed_on_fallback)
+    """
     RESUME_OUTCOME_NOT_OPENED: _ResumeOutcome.ValueType  # 6
     """cancelled before its session was opened (then completed is CANCELLED)"""
 
-class ResumeOutcome(_ResumeOutcome, metaclass=_ResumeOutcomeEnumTypeWrapper): ...
+class ResumeOutcome(_ResumeOutcome, metaclass=_ResumeOutcomeEnumTypeWrapper):
+    """How a run's session was opened (RunStarted.resume, RunCompleted.resume, RunInfo.resume)."""
 
 RESUME_OUTCOME_UNSPECIFIED: ResumeOutcome.ValueType  # 0
+"""unset (RunInfo): the run's session has not been opened (yet)"""
 RESUME_OUTCOME_NEW: ResumeOutcome.ValueType  # 1
+"""a new agent session"""
 RESUME_OUTCOME_LIVE: ResumeOutcome.ValueType  # 2
+"""the session's live agent was prompted"""
 RESUME_OUTCOME_RESUMED: ResumeOutcome.ValueType  # 3
+"""a new agent process resumed the agent's session by its provider id"""
 RESUME_OUTCOME_FALLBACK_NEW: ResumeOutcome.ValueType  # 4
+"""the agent's session could not be resumed (gone, or not in its session/list): a new one,
+without the history; fallback_reason says why
+"""
 RESUME_OUTCOME_FALLBACK_RESEEDED: ResumeOutcome.ValueType  # 5
+"""as FALLBACK_NEW, and the first prompt starts with a bounded summary of rcoder's transcript
+of the session (reseed_on_fallback)
+"""
 RESUME_OUTCOME_NOT_OPENED: ResumeOutcome.ValueType  # 6
 """cancelled before its session was opened (then completed is CANCELLED)"""
 Global___ResumeOutcome: _TypeAlias = ResumeOutcome  # noqa: Y015
@@ -239,26 +260,41 @@ class _StopReason:
 class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     STOP_REASON_UNSPECIFIED: _StopReason.ValueType  # 0
+    """unset: the run has not ended (RunInfo)"""
     STOP_REASON_END_TURN: _StopReason.ValueType  # 1
+    """the agent finished its answer"""
     STOP_REASON_MAX_TOKENS: _StopReason.ValueType  # 2
+    """the agent stopped at its token limit"""
     STOP_REASON_MAX_TURN_REQUESTS: _StopReason.ValueType  # 3
+    """the agent stopped at its limit of model requests in one turn"""
     STOP_REASON_REFUSAL: _StopReason.ValueType  # 4
+    """the agent refused to go on"""
     STOP_REASON_CANCELLED: _StopReason.ValueType  # 5
+    """cancelled (Cancel, busy INTERRUPT), or the agent ended the turn as cancelled"""
     STOP_REASON_ERROR: _StopReason.ValueType  # 6
+    """the turn failed: RunCompleted.error and error_reason say why"""
     STOP_REASON_INTERRUPTED: _StopReason.ValueType  # 7
     """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
     when the next start of the daemon marks the run interrupted
     """
 
-class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper): ...
+class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
+    """How a turn ended: the agent's ACP stopReason, or rcoder's ERROR and INTERRUPTED."""
 
 STOP_REASON_UNSPECIFIED: StopReason.ValueType  # 0
+"""unset: the run has not ended (RunInfo)"""
 STOP_REASON_END_TURN: StopReason.ValueType  # 1
+"""the agent finished its answer"""
 STOP_REASON_MAX_TOKENS: StopReason.ValueType  # 2
+"""the agent stopped at its token limit"""
 STOP_REASON_MAX_TURN_REQUESTS: StopReason.ValueType  # 3
+"""the agent stopped at its limit of model requests in one turn"""
 STOP_REASON_REFUSAL: StopReason.ValueType  # 4
+"""the agent refused to go on"""
 STOP_REASON_CANCELLED: StopReason.ValueType  # 5
+"""cancelled (Cancel, busy INTERRUPT), or the agent ended the turn as cancelled"""
 STOP_REASON_ERROR: StopReason.ValueType  # 6
+"""the turn failed: RunCompleted.error and error_reason say why"""
 STOP_REASON_INTERRUPTED: StopReason.ValueType  # 7
 """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
 when the next start of the daemon marks the run interrupted
@@ -272,6 +308,7 @@ class _PermissionOutcome:
 class _PermissionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PermissionOutcome.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     PERMISSION_OUTCOME_UNSPECIFIED: _PermissionOutcome.ValueType  # 0
+    """never sent"""
     PERMISSION_OUTCOME_ANSWERED: _PermissionOutcome.ValueType  # 1
     """a client chose option_id (ResolvePermission)"""
     PERMISSION_OUTCOME_POLICY: _PermissionOutcome.ValueType  # 2
@@ -285,9 +322,11 @@ class _PermissionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Per
     (Cancel, busy INTERRUPT, turn_timeout, the agent gone, rcoder shutting down) while it waited
     """
 
-class PermissionOutcome(_PermissionOutcome, metaclass=_PermissionOutcomeEnumTypeWrapper): ...
+class PermissionOutcome(_PermissionOutcome, metaclass=_PermissionOutcomeEnumTypeWrapper):
+    """Who or what settled a permission request."""
 
 PERMISSION_OUTCOME_UNSPECIFIED: PermissionOutcome.ValueType  # 0
+"""never sent"""
 PERMISSION_OUTCOME_ANSWERED: PermissionOutcome.ValueType  # 1
 """a client chose option_id (ResolvePermission)"""
 PERMISSION_OUTCOME_POLICY: PermissionOutcome.ValueType  # 2
@@ -1934,7 +1973,10 @@ Global___AgentCapabilities: _TypeAlias = AgentCapabilities  # noqa: Y015
 
 @_typing.final
 class ChatStream(_message.Message):
-    """---------------------------------------------------------------- the stream"""
+    """---------------------------------------------------------------- the stream
+
+    One message of a Chat or Subscribe stream: one event of a run, with its place in the run.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1958,31 +2000,55 @@ class ChatStream(_message.Message):
     PERMISSION_RESOLVED_FIELD_NUMBER: _builtins.int
     GAP_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """the run the event belongs to"""
     session_id: _builtins.str
+    """the run's session"""
     seq: _builtins.int
     """per run, from 1, no gaps (a `gap` stands for the events it leaves out)"""
     @_builtins.property
-    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """when the event was first streamed (a replay keeps that time)"""
+
     @_builtins.property
-    def started(self) -> Global___RunStarted: ...
+    def started(self) -> Global___RunStarted:
+        """the run's first event (seq 1): how its session was opened"""
+
     @_builtins.property
-    def agent_message(self) -> Global___TextChunk: ...
+    def agent_message(self) -> Global___TextChunk:
+        """text of the agent's answer (ACP agent_message_chunk)"""
+
     @_builtins.property
-    def agent_thought(self) -> Global___TextChunk: ...
+    def agent_thought(self) -> Global___TextChunk:
+        """text of the agent's thinking (ACP agent_thought_chunk)"""
+
     @_builtins.property
-    def tool_call(self) -> Global___ToolCall: ...
+    def tool_call(self) -> Global___ToolCall:
+        """the agent started a tool call"""
+
     @_builtins.property
-    def tool_call_update(self) -> Global___ToolCallUpdate: ...
+    def tool_call_update(self) -> Global___ToolCallUpdate:
+        """what changed in a tool call"""
+
     @_builtins.property
-    def plan(self) -> Global___Plan: ...
+    def plan(self) -> Global___Plan:
+        """the agent's plan, whole"""
+
     @_builtins.property
-    def permission_request(self) -> Global___PermissionRequest: ...
+    def permission_request(self) -> Global___PermissionRequest:
+        """the agent asks before a tool call"""
+
     @_builtins.property
-    def update(self) -> Global___AgentUpdate: ...
+    def update(self) -> Global___AgentUpdate:
+        """any other ACP session update, as JSON"""
+
     @_builtins.property
-    def heartbeat(self) -> Global___Heartbeat: ...
+    def heartbeat(self) -> Global___Heartbeat:
+        """the turn was quiet for heartbeat_interval seconds; never stored, so a replay skips its seq"""
+
     @_builtins.property
-    def completed(self) -> Global___RunCompleted: ...
+    def completed(self) -> Global___RunCompleted:
+        """the run's last event: how the turn ended"""
+
     @_builtins.property
     def queued(self) -> Global___RunQueued:
         """The turn waits behind the session's running turn (ChatRequest.busy QUEUE or INTERRUPT).
@@ -2048,6 +2114,8 @@ Global___ChatStream: _TypeAlias = ChatStream  # noqa: Y015
 
 @_typing.final
 class RunGap(_message.Message):
+    """Events a stream leaves out (ChatStream.gap)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     FROM_SEQ_FIELD_NUMBER: _builtins.int
@@ -2078,6 +2146,8 @@ Global___RunGap: _TypeAlias = RunGap  # noqa: Y015
 
 @_typing.final
 class RunQueued(_message.Message):
+    """The turn waits behind others in its session (ChatStream.queued)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     POSITION_FIELD_NUMBER: _builtins.int
@@ -2098,6 +2168,8 @@ Global___RunQueued: _TypeAlias = RunQueued  # noqa: Y015
 
 @_typing.final
 class RunStarted(_message.Message):
+    """The run's first event (seq 1): its session is open (or, NOT_OPENED, never will be)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROVIDER_SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -2109,14 +2181,19 @@ class RunStarted(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     provider_session_id: _builtins.str
+    """the agent's own id of the session, what resumes it later; empty when not opened (NOT_OPENED)"""
     resume: Global___ResumeOutcome.ValueType
+    """how the session was opened"""
     resume_method: _builtins.str
-    """How the session was opened: new | live | resume | load | meta."""
+    """How the session was opened: new | live | resume | load | meta, or not_opened (cancelled first)."""
     fallback_reason: _builtins.str
     """Why a resume fell back to a fresh session (FALLBACK_* only)."""
     agent: _builtins.str
+    """the agent profile the turn runs on"""
     project_id: _builtins.str
+    """the session's project"""
     request_id: _builtins.str
+    """ChatRequest.request_id; empty when none was sent"""
     @_builtins.property
     def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
         """what the agent offers for this session, with the current values (after ChatRequest.config_options
@@ -2160,10 +2237,13 @@ class ConfigOption(_message.Message):
     id: _builtins.str
     """what ChatRequest.config_options names"""
     name: _builtins.str
+    """its name for people"""
     category: _builtins.str
     """mode, model, model_config, thought_level, or the agent's own; "" when unset"""
     current_value: _builtins.str
+    """the value id it has now"""
     description: _builtins.str
+    """what it sets; "" when the agent gave none"""
     type: _builtins.str
     """"select"; "boolean" (values "true" and "false"); "mode": the agent offers session modes only
     (set with session/set_mode)
@@ -2196,6 +2276,8 @@ Global___ConfigOption: _TypeAlias = ConfigOption  # noqa: Y015
 
 @_typing.final
 class ConfigValue(_message.Message):
+    """One value a ConfigOption offers."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     VALUE_FIELD_NUMBER: _builtins.int
@@ -2204,7 +2286,9 @@ class ConfigValue(_message.Message):
     value: _builtins.str
     """the value id to send"""
     name: _builtins.str
+    """its name for people"""
     description: _builtins.str
+    """what it means; "" when the agent gave none"""
     def __init__(
         self,
         *,
@@ -2222,11 +2306,15 @@ Global___ConfigValue: _TypeAlias = ConfigValue  # noqa: Y015
 
 @_typing.final
 class ConfigOptionUpdate(_message.Message):
+    """The agent changed its config options during the turn."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]: ...
+    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
+        """every option it offers now, with the current values"""
+
     def __init__(
         self,
         *,
@@ -2242,11 +2330,15 @@ Global___ConfigOptionUpdate: _TypeAlias = ConfigOptionUpdate  # noqa: Y015
 
 @_typing.final
 class AvailableCommands(_message.Message):
+    """The agent's slash commands (ACP available_commands_update)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMANDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]: ...
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]:
+        """the whole list, replacing the one before; empty: none"""
+
     def __init__(
         self,
         *,
@@ -2272,6 +2364,7 @@ class SlashCommand(_message.Message):
     name: _builtins.str
     """without the slash"""
     description: _builtins.str
+    """what it does, as the agent says"""
     input_hint: _builtins.str
     """what to write after it; "" when it takes no input"""
     def __init__(
@@ -2291,6 +2384,8 @@ Global___SlashCommand: _TypeAlias = SlashCommand  # noqa: Y015
 
 @_typing.final
 class TextChunk(_message.Message):
+    """Text the agent streamed: its answer (agent_message) or its thinking (agent_thought)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
@@ -2324,12 +2419,15 @@ class ToolCall(_message.Message):
     DIFFS_FIELD_NUMBER: _builtins.int
     CONTENT_TEXT_FIELD_NUMBER: _builtins.int
     tool_call_id: _builtins.str
+    """the agent's id of the call; its updates and permission requests name it"""
     title: _builtins.str
+    """what the call does, in the agent's words"""
     kind: _builtins.str
     """read, edit, delete, move, search, execute, think, fetch, switch_mode, other"""
     status: _builtins.str
     """pending, in_progress, completed, failed"""
     raw_input_json: _builtins.str
+    """the tool's input, as JSON"""
     content_text: _builtins.str
     """its text content, if any"""
     @_builtins.property
@@ -2378,10 +2476,15 @@ class ToolCallUpdate(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     RAW_INPUT_JSON_FIELD_NUMBER: _builtins.int
     tool_call_id: _builtins.str
+    """the call it updates (ToolCall.tool_call_id)"""
     title: _builtins.str
+    """its new title"""
     kind: _builtins.str
+    """its new kind (the values of ToolCall.kind)"""
     status: _builtins.str
+    """its new status: pending, in_progress, completed, failed"""
     raw_output_json: _builtins.str
+    """the tool's result, as JSON, as the agent reported it"""
     content_text: _builtins.str
     """text content of the update, if any"""
     output: _builtins.str
@@ -2393,9 +2496,13 @@ class ToolCallUpdate(_message.Message):
     raw_input_json: _builtins.str
     """the input, when the agent sends it (or changes it) here"""
     @_builtins.property
-    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the paths it touches now"""
+
     @_builtins.property
-    def diffs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDiff]: ...
+    def diffs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDiff]:
+        """the edits it makes (ACP content of type "diff")"""
+
     def __init__(
         self,
         *,
@@ -2431,8 +2538,11 @@ class ToolDiff(_message.Message):
     OLD_TEXT_FIELD_NUMBER: _builtins.int
     NEW_TEXT_FIELD_NUMBER: _builtins.int
     path: _builtins.str
+    """the file, as the agent names it"""
     old_text: _builtins.str
+    """the file's text before the edit"""
     new_text: _builtins.str
+    """its text after the edit"""
     def __init__(
         self,
         *,
@@ -2452,11 +2562,15 @@ Global___ToolDiff: _TypeAlias = ToolDiff  # noqa: Y015
 
 @_typing.final
 class Plan(_message.Message):
+    """The agent's plan for the turn (ACP plan)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanEntry]: ...
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanEntry]:
+        """every step, in order: each plan replaces the one before"""
+
     def __init__(
         self,
         *,
@@ -2472,12 +2586,15 @@ Global___Plan: _TypeAlias = Plan  # noqa: Y015
 
 @_typing.final
 class PlanEntry(_message.Message):
+    """One step of a plan."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CONTENT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     content: _builtins.str
+    """what the step is, in the agent's words"""
     priority: _builtins.str
     """high, medium, low"""
     status: _builtins.str
@@ -2499,6 +2616,8 @@ Global___PlanEntry: _TypeAlias = PlanEntry  # noqa: Y015
 
 @_typing.final
 class PermissionRequest(_message.Message):
+    """The agent asks before a tool call (ACP session/request_permission); a permission_resolved follows."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PERMISSION_ID_FIELD_NUMBER: _builtins.int
@@ -2507,11 +2626,17 @@ class PermissionRequest(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
     permission_id: _builtins.str
+    """rcoder's id of the request: what ResolvePermission names"""
     tool_call_id: _builtins.str
+    """the tool call it asks about"""
     title: _builtins.str
+    """the tool call's title: the request's, else what its tool_call gave"""
     kind: _builtins.str
+    """the tool call's kind (the values of ToolCall.kind): the request's, else its tool_call's"""
     @_builtins.property
-    def options(self) -> _containers.RepeatedCompositeFieldContainer[Global___PermissionOption]: ...
+    def options(self) -> _containers.RepeatedCompositeFieldContainer[Global___PermissionOption]:
+        """the answers the agent offers"""
+
     def __init__(
         self,
         *,
@@ -2531,13 +2656,17 @@ Global___PermissionRequest: _TypeAlias = PermissionRequest  # noqa: Y015
 
 @_typing.final
 class PermissionOption(_message.Message):
+    """One answer the agent offers to a permission request."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     OPTION_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     option_id: _builtins.str
+    """what ResolvePermissionRequest.option_id sends"""
     name: _builtins.str
+    """its label for people"""
     kind: _builtins.str
     """allow_once, allow_always, reject_once, reject_always"""
     def __init__(
@@ -2557,6 +2686,8 @@ Global___PermissionOption: _TypeAlias = PermissionOption  # noqa: Y015
 
 @_typing.final
 class PermissionResolved(_message.Message):
+    """How a permission request was settled (ChatStream.permission_resolved)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PERMISSION_ID_FIELD_NUMBER: _builtins.int
@@ -2566,6 +2697,7 @@ class PermissionResolved(_message.Message):
     permission_id: _builtins.str
     """the permission_request's"""
     outcome: Global___PermissionOutcome.ValueType
+    """who or what settled it"""
     option_id: _builtins.str
     """the option the agent was given; empty: it was told "cancelled" """
     option_kind: _builtins.str
@@ -2588,6 +2720,10 @@ Global___PermissionResolved: _TypeAlias = PermissionResolved  # noqa: Y015
 
 @_typing.final
 class AgentUpdate(_message.Message):
+    """An ACP session update rcoder has no event of its own for (e.g. usage_update, or a kind newer
+    than rcoder's ACP schema), as the agent wrote it.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     KIND_FIELD_NUMBER: _builtins.int
@@ -2612,6 +2748,8 @@ Global___AgentUpdate: _TypeAlias = AgentUpdate  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
+    """Sent while a turn is quiet, so clients can tell a slow agent from a dead stream; carries nothing."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -2627,6 +2765,8 @@ Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class RunCompleted(_message.Message):
+    """The run's last event: how the turn ended."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     STOP_REASON_FIELD_NUMBER: _builtins.int
@@ -2636,10 +2776,13 @@ class RunCompleted(_message.Message):
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
+    """how the turn ended"""
     provider_session_id: _builtins.str
+    """the agent's own id of the session at the end; empty when it was never opened"""
     error: _builtins.str
     """set when stop_reason is ERROR (the agent's stderr tail included)"""
     resume: Global___ResumeOutcome.ValueType
+    """how the session was opened, as in started"""
     error_reason: _builtins.str
     """set with error: what kind of failure, as the ErrorInfo reasons of gRPC statuses say it
     (AGENT_AUTH_REQUIRED, AGENT_TIMEOUT, AGENT_CRASHED, AGENT_PROTOCOL_ERROR, STORE_UNAVAILABLE, INTERNAL, ...)
@@ -2687,11 +2830,17 @@ class Usage(_message.Message):
     COST_CURRENCY_FIELD_NUMBER: _builtins.int
     REPORTED_FIELD_NUMBER: _builtins.int
     input_tokens: _builtins.int
+    """tokens of input to the model"""
     output_tokens: _builtins.int
+    """tokens the model wrote"""
     cached_read_tokens: _builtins.int
+    """input tokens read from the model's cache"""
     cached_write_tokens: _builtins.int
+    """input tokens written to the model's cache"""
     thought_tokens: _builtins.int
+    """tokens of the model's thinking"""
     total_tokens: _builtins.int
+    """all tokens, as the agent counts them"""
     context_used: _builtins.int
     """tokens in the context after the turn"""
     context_size: _builtins.int

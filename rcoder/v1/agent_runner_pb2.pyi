@@ -45,7 +45,8 @@ class _BusyPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BusyPolicy
     status CANCELLED), then run this one next. It is `queued` until the cancelled turn has ended.
     """
 
-class BusyPolicy(_BusyPolicy, metaclass=_BusyPolicyEnumTypeWrapper): ...
+class BusyPolicy(_BusyPolicy, metaclass=_BusyPolicyEnumTypeWrapper):
+    """What a Chat does when its session already has a turn running (ChatRequest.busy)."""
 
 BUSY_POLICY_UNSPECIFIED: BusyPolicy.ValueType  # 0
 """treated as REJECT"""
@@ -71,16 +72,25 @@ class _PermissionModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Permis
     PERMISSION_MODE_UNSPECIFIED: _PermissionMode.ValueType  # 0
     """treated as ALLOW"""
     PERMISSION_MODE_ALLOW: _PermissionMode.ValueType  # 1
+    """rcoder answers at once with an allow option (allow_once before allow_always)"""
     PERMISSION_MODE_DENY: _PermissionMode.ValueType  # 2
+    """rcoder answers at once with a reject option (reject_once first); an `allow` rule does not override it"""
     PERMISSION_MODE_ASK: _PermissionMode.ValueType  # 3
+    """the request waits for ResolvePermission; unanswered within permission_timeout it is rejected"""
 
-class PermissionMode(_PermissionMode, metaclass=_PermissionModeEnumTypeWrapper): ...
+class PermissionMode(_PermissionMode, metaclass=_PermissionModeEnumTypeWrapper):
+    """How a turn's permission requests are answered when no permission_rule of the profile matches
+    (ChatRequest.permission_mode); every request is also streamed as a permission_request event.
+    """
 
 PERMISSION_MODE_UNSPECIFIED: PermissionMode.ValueType  # 0
 """treated as ALLOW"""
 PERMISSION_MODE_ALLOW: PermissionMode.ValueType  # 1
+"""rcoder answers at once with an allow option (allow_once before allow_always)"""
 PERMISSION_MODE_DENY: PermissionMode.ValueType  # 2
+"""rcoder answers at once with a reject option (reject_once first); an `allow` rule does not override it"""
 PERMISSION_MODE_ASK: PermissionMode.ValueType  # 3
+"""the request waits for ResolvePermission; unanswered within permission_timeout it is rejected"""
 Global___PermissionMode: _TypeAlias = PermissionMode  # noqa: Y015
 
 class _SessionOrder:
@@ -118,14 +128,17 @@ class _ForkMethod:
 class _ForkMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ForkMethod.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     FORK_METHOD_UNSPECIFIED: _ForkMethod.ValueType  # 0
+    """never sent"""
     FORK_METHOD_AGENT: _ForkMethod.ValueType  # 1
     """the agent's session/fork: the branch is live at once"""
     FORK_METHOD_RESEEDED: _ForkMethod.ValueType  # 2
     """the agent cannot fork: the branch's first turn is re-seeded"""
 
-class ForkMethod(_ForkMethod, metaclass=_ForkMethodEnumTypeWrapper): ...
+class ForkMethod(_ForkMethod, metaclass=_ForkMethodEnumTypeWrapper):
+    """How ForkSession made a branch."""
 
 FORK_METHOD_UNSPECIFIED: ForkMethod.ValueType  # 0
+"""never sent"""
 FORK_METHOD_AGENT: ForkMethod.ValueType  # 1
 """the agent's session/fork: the branch is live at once"""
 FORK_METHOD_RESEEDED: ForkMethod.ValueType  # 2
@@ -139,7 +152,9 @@ class _RunStatus:
 class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     RUN_STATUS_UNSPECIFIED: _RunStatus.ValueType  # 0
+    """never sent"""
     RUN_STATUS_RUNNING: _RunStatus.ValueType  # 1
+    """started and not ended yet"""
     RUN_STATUS_COMPLETED: _RunStatus.ValueType  # 2
     """ended by the agent (or a cancel): stop_reason says how"""
     RUN_STATUS_FAILED: _RunStatus.ValueType  # 3
@@ -147,10 +162,13 @@ class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.V
     RUN_STATUS_INTERRUPTED: _RunStatus.ValueType  # 4
     """its daemon stopped while it ran"""
 
-class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper): ...
+class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper):
+    """Where a run stands."""
 
 RUN_STATUS_UNSPECIFIED: RunStatus.ValueType  # 0
+"""never sent"""
 RUN_STATUS_RUNNING: RunStatus.ValueType  # 1
+"""started and not ended yet"""
 RUN_STATUS_COMPLETED: RunStatus.ValueType  # 2
 """ended by the agent (or a cancel): stop_reason says how"""
 RUN_STATUS_FAILED: RunStatus.ValueType  # 3
@@ -166,6 +184,7 @@ class _SessionStatus:
 class _SessionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SessionStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     SESSION_STATUS_UNSPECIFIED: _SessionStatus.ValueType  # 0
+    """never sent"""
     SESSION_STATUS_IDLE: _SessionStatus.ValueType  # 1
     """no live agent; resumes on the next Chat"""
     SESSION_STATUS_LIVE: _SessionStatus.ValueType  # 2
@@ -173,9 +192,11 @@ class _SessionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Session
     SESSION_STATUS_BUSY: _SessionStatus.ValueType  # 3
     """a turn is running"""
 
-class SessionStatus(_SessionStatus, metaclass=_SessionStatusEnumTypeWrapper): ...
+class SessionStatus(_SessionStatus, metaclass=_SessionStatusEnumTypeWrapper):
+    """What a session's agent is doing, as the host that answered sees it."""
 
 SESSION_STATUS_UNSPECIFIED: SessionStatus.ValueType  # 0
+"""never sent"""
 SESSION_STATUS_IDLE: SessionStatus.ValueType  # 1
 """no live agent; resumes on the next Chat"""
 SESSION_STATUS_LIVE: SessionStatus.ValueType  # 2
@@ -191,22 +212,43 @@ class _ResumeOutcome:
 class _ResumeOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResumeOutcome.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     RESUME_OUTCOME_UNSPECIFIED: _ResumeOutcome.ValueType  # 0
+    """unset (RunInfo): the run's session has not been opened (yet)"""
     RESUME_OUTCOME_NEW: _ResumeOutcome.ValueType  # 1
+    """a new agent session"""
     RESUME_OUTCOME_LIVE: _ResumeOutcome.ValueType  # 2
+    """the session's live agent was prompted"""
     RESUME_OUTCOME_RESUMED: _ResumeOutcome.ValueType  # 3
+    """a new agent process resumed the agent's session by its provider id"""
     RESUME_OUTCOME_FALLBACK_NEW: _ResumeOutcome.ValueType  # 4
+    """the agent's session could not be resumed (gone, or not in its session/list): a new one,
+    without the history; fallback_reason says why
+    """
     RESUME_OUTCOME_FALLBACK_RESEEDED: _ResumeOutcome.ValueType  # 5
+    """as FALLBACK_NEW, and the first prompt starts with a bounded summary of rcoder's transcript
+    of the session (reseed_on_fallback)
+    """
     RESUME_OUTCOME_NOT_OPENED: _ResumeOutcome.ValueType  # 6
     """cancelled before its session was opened (then completed is CANCELLED)"""
 
-class ResumeOutcome(_ResumeOutcome, metaclass=_ResumeOutcomeEnumTypeWrapper): ...
+class ResumeOutcome(_ResumeOutcome, metaclass=_ResumeOutcomeEnumTypeWrapper):
+    """How a run's session was opened (RunStarted.resume, RunCompleted.resume, RunInfo.resume)."""
 
 RESUME_OUTCOME_UNSPECIFIED: ResumeOutcome.ValueType  # 0
+"""unset (RunInfo): the run's session has not been opened (yet)"""
 RESUME_OUTCOME_NEW: ResumeOutcome.ValueType  # 1
+"""a new agent session"""
 RESUME_OUTCOME_LIVE: ResumeOutcome.ValueType  # 2
+"""the session's live agent was prompted"""
 RESUME_OUTCOME_RESUMED: ResumeOutcome.ValueType  # 3
+"""a new agent process resumed the agent's session by its provider id"""
 RESUME_OUTCOME_FALLBACK_NEW: ResumeOutcome.ValueType  # 4
+"""the agent's session could not be resumed (gone, or not in its session/list): a new one,
+without the history; fallback_reason says why
+"""
 RESUME_OUTCOME_FALLBACK_RESEEDED: ResumeOutcome.ValueType  # 5
+"""as FALLBACK_NEW, and the first prompt starts with a bounded summary of rcoder's transcript
+of the session (reseed_on_fallback)
+"""
 RESUME_OUTCOME_NOT_OPENED: ResumeOutcome.ValueType  # 6
 """cancelled before its session was opened (then completed is CANCELLED)"""
 Global___ResumeOutcome: _TypeAlias = ResumeOutcome  # noqa: Y015
@@ -218,26 +260,41 @@ class _StopReason:
 class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     STOP_REASON_UNSPECIFIED: _StopReason.ValueType  # 0
+    """unset: the run has not ended (RunInfo)"""
     STOP_REASON_END_TURN: _StopReason.ValueType  # 1
+    """the agent finished its answer"""
     STOP_REASON_MAX_TOKENS: _StopReason.ValueType  # 2
+    """the agent stopped at its token limit"""
     STOP_REASON_MAX_TURN_REQUESTS: _StopReason.ValueType  # 3
+    """the agent stopped at its limit of model requests in one turn"""
     STOP_REASON_REFUSAL: _StopReason.ValueType  # 4
+    """the agent refused to go on"""
     STOP_REASON_CANCELLED: _StopReason.ValueType  # 5
+    """cancelled (Cancel, busy INTERRUPT), or the agent ended the turn as cancelled"""
     STOP_REASON_ERROR: _StopReason.ValueType  # 6
+    """the turn failed: RunCompleted.error and error_reason say why"""
     STOP_REASON_INTERRUPTED: _StopReason.ValueType  # 7
     """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
     when the next start of the daemon marks the run interrupted
     """
 
-class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper): ...
+class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
+    """How a turn ended: the agent's ACP stopReason, or rcoder's ERROR and INTERRUPTED."""
 
 STOP_REASON_UNSPECIFIED: StopReason.ValueType  # 0
+"""unset: the run has not ended (RunInfo)"""
 STOP_REASON_END_TURN: StopReason.ValueType  # 1
+"""the agent finished its answer"""
 STOP_REASON_MAX_TOKENS: StopReason.ValueType  # 2
+"""the agent stopped at its token limit"""
 STOP_REASON_MAX_TURN_REQUESTS: StopReason.ValueType  # 3
+"""the agent stopped at its limit of model requests in one turn"""
 STOP_REASON_REFUSAL: StopReason.ValueType  # 4
+"""the agent refused to go on"""
 STOP_REASON_CANCELLED: StopReason.ValueType  # 5
+"""cancelled (Cancel, busy INTERRUPT), or the agent ended the turn as cancelled"""
 STOP_REASON_ERROR: StopReason.ValueType  # 6
+"""the turn failed: RunCompleted.error and error_reason say why"""
 STOP_REASON_INTERRUPTED: StopReason.ValueType  # 7
 """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
 when the next start of the daemon marks the run interrupted
@@ -251,6 +308,7 @@ class _PermissionOutcome:
 class _PermissionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PermissionOutcome.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     PERMISSION_OUTCOME_UNSPECIFIED: _PermissionOutcome.ValueType  # 0
+    """never sent"""
     PERMISSION_OUTCOME_ANSWERED: _PermissionOutcome.ValueType  # 1
     """a client chose option_id (ResolvePermission)"""
     PERMISSION_OUTCOME_POLICY: _PermissionOutcome.ValueType  # 2
@@ -264,9 +322,11 @@ class _PermissionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Per
     (Cancel, busy INTERRUPT, turn_timeout, the agent gone, rcoder shutting down) while it waited
     """
 
-class PermissionOutcome(_PermissionOutcome, metaclass=_PermissionOutcomeEnumTypeWrapper): ...
+class PermissionOutcome(_PermissionOutcome, metaclass=_PermissionOutcomeEnumTypeWrapper):
+    """Who or what settled a permission request."""
 
 PERMISSION_OUTCOME_UNSPECIFIED: PermissionOutcome.ValueType  # 0
+"""never sent"""
 PERMISSION_OUTCOME_ANSWERED: PermissionOutcome.ValueType  # 1
 """a client chose option_id (ResolvePermission)"""
 PERMISSION_OUTCOME_POLICY: PermissionOutcome.ValueType  # 2
@@ -283,7 +343,10 @@ Global___PermissionOutcome: _TypeAlias = PermissionOutcome  # noqa: Y015
 
 @_typing.final
 class ChatRequest(_message.Message):
-    """---------------------------------------------------------------- requests"""
+    """---------------------------------------------------------------- requests
+
+    One turn for Chat. A bad field is INVALID_ARGUMENT with ErrorInfo metadata.field naming it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -324,31 +387,51 @@ class ChatRequest(_message.Message):
     """Required. [A-Za-z0-9._-]{1,128}, not "." or "..": resolved under workspace_root."""
     session_id: _builtins.str
     """Optional: continue this conversation (an rcoder session_id, or a provider
-    session id to adopt).
+    session id to adopt). At most 256 characters, no spaces or control characters.
     """
     prompt: _builtins.str
-    """Required unless attachments are given."""
+    """What the agent is to do: at most 1 MiB of UTF-8, no NUL characters.
+    Required unless attachments are given.
+    """
     agent: _builtins.str
     """Agent profile name; the daemon's default_agent when empty."""
     system_prompt: _builtins.str
-    """Appended to the agent's own system prompt (new sessions)."""
+    """Appended to the agent's own system prompt (new sessions). At most 256 KiB, no NUL characters."""
     request_id: _builtins.str
-    """Caller's correlation id; logged and stored with the run."""
+    """Caller's correlation id; logged and stored with the run. At most 256 characters, no spaces
+    or control characters.
+    """
     permission_mode: Global___PermissionMode.ValueType
+    """How the agent's permission requests are answered when no profile permission_rule decides;
+    unset is ALLOW.
+    """
     busy: Global___BusyPolicy.ValueType
     """What to do when the session already has a turn running: refuse (ABORTED, the default),
     queue this turn after it (and any queued before), or cancel it and run this one next.
     """
     @_builtins.property
-    def mcp_servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___McpServer]: ...
-    @_builtins.property
-    def extra_meta(self) -> _struct_pb2.Struct:
-        """Merged into the _meta of session/new (where the profile allows the keys)."""
+    def mcp_servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___McpServer]:
+        """MCP servers for the agent, passed to session/new, session/load or session/resume; at most 32.
+        Only transports on the profile's allow_mcp, and stdio commands on its allow_mcp_commands, pass
+        (PERMISSION_DENIED MCP_NOT_ALLOWED or MCP_COMMAND_NOT_ALLOWED otherwise).
+        """
 
     @_builtins.property
-    def model_provider(self) -> Global___ModelProvider: ...
+    def extra_meta(self) -> _struct_pb2.Struct:
+        """Merged into the _meta of session/new (where the profile allows the keys). At most 64 KiB
+        as JSON, nested at most 8 levels deep.
+        """
+
     @_builtins.property
-    def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attachment]: ...
+    def model_provider(self) -> Global___ModelProvider:
+        """The model endpoint, key and name for the agent, put in its environment by the profile's
+        provider_env; unset or empty fields are not passed.
+        """
+
+    @_builtins.property
+    def attachments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attachment]:
+        """Content sent with the prompt: at most 32, at most 16 MiB of data and text in all."""
+
     @_builtins.property
     def config_options(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """ACP session config options to set before the prompt: config id -> value id, e.g.
@@ -356,6 +439,7 @@ class ChatRequest(_message.Message):
         Only those that differ from the session's current values are sent to the agent; an id or a
         value it does not offer is INVALID_ARGUMENT naming what it offers, and no prompt is sent.
         Kept with the session and applied again whenever it opens in a new agent process.
+        At most 32; ids up to 128 characters without spaces, values up to 512 without control characters.
         """
 
     def __init__(
@@ -385,14 +469,23 @@ Global___ChatRequest: _TypeAlias = ChatRequest  # noqa: Y015
 
 @_typing.final
 class ModelProvider(_message.Message):
+    """The model a turn's agent should use, mapped to the agent's environment variables by its
+    profile's provider_env. Each field at most 4096 bytes, no NUL characters.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     BASE_URL_FIELD_NUMBER: _builtins.int
     API_KEY_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     base_url: _builtins.str
+    """The model API's URL, http:// or https://; only with the profile's allow_client_base_url
+    (PERMISSION_DENIED BASE_URL_NOT_ALLOWED otherwise); empty: not set
+    """
     api_key: _builtins.str
+    """the model API's key; empty: not set"""
     model: _builtins.str
+    """the model's name as the agent's API takes it; empty: not set"""
     def __init__(
         self,
         *,
@@ -410,12 +503,16 @@ Global___ModelProvider: _TypeAlias = ModelProvider  # noqa: Y015
 
 @_typing.final
 class KeyValue(_message.Message):
+    """A name and its value: an environment variable (McpStdio.env) or an HTTP header (McpHttp.headers)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
     VALUE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """the variable's or header's name"""
     value: _builtins.str
+    """its value"""
     def __init__(
         self,
         *,
@@ -432,6 +529,8 @@ Global___KeyValue: _TypeAlias = KeyValue  # noqa: Y015
 
 @_typing.final
 class McpServer(_message.Message):
+    """An MCP server the agent is given for the session (ACP mcpServers); exactly one transport."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
@@ -439,12 +538,25 @@ class McpServer(_message.Message):
     HTTP_FIELD_NUMBER: _builtins.int
     SSE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """Required: the server's name as the agent shows it; at most 256 characters, no spaces or
+    control characters.
+    """
     @_builtins.property
-    def stdio(self) -> Global___McpStdio: ...
+    def stdio(self) -> Global___McpStdio:
+        """a command the agent starts and talks to over stdio"""
+
     @_builtins.property
-    def http(self) -> Global___McpHttp: ...
+    def http(self) -> Global___McpHttp:
+        """streamable HTTP; INVALID_ARGUMENT (MCP_TRANSPORT_NOT_SUPPORTED) when the agent's
+        mcpCapabilities.http is false
+        """
+
     @_builtins.property
-    def sse(self) -> Global___McpHttp: ...
+    def sse(self) -> Global___McpHttp:
+        """server-sent events; INVALID_ARGUMENT (MCP_TRANSPORT_NOT_SUPPORTED) when the agent's
+        mcpCapabilities.sse is false
+        """
+
     def __init__(
         self,
         *,
@@ -465,16 +577,23 @@ Global___McpServer: _TypeAlias = McpServer  # noqa: Y015
 
 @_typing.final
 class McpStdio(_message.Message):
+    """An MCP server the agent runs as a subprocess, talking to it over stdio."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMAND_FIELD_NUMBER: _builtins.int
     ARGS_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     command: _builtins.str
+    """required: the program to run (the profile may restrict which)"""
     @_builtins.property
-    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """its arguments"""
+
     @_builtins.property
-    def env(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]: ...
+    def env(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]:
+        """environment variables set for it"""
+
     def __init__(
         self,
         *,
@@ -492,13 +611,18 @@ Global___McpStdio: _TypeAlias = McpStdio  # noqa: Y015
 
 @_typing.final
 class McpHttp(_message.Message):
+    """An MCP server the agent reaches over HTTP (streamable HTTP or SSE)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     URL_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
     url: _builtins.str
+    """required: an http:// or https:// URL"""
     @_builtins.property
-    def headers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]: ...
+    def headers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyValue]:
+        """HTTP headers sent with every request to it"""
+
     def __init__(
         self,
         *,
@@ -526,15 +650,21 @@ class Attachment(_message.Message):
     RESOURCE_FIELD_NUMBER: _builtins.int
     RESOURCE_LINK_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def text(self) -> Global___TextAttachment: ...
+    def text(self) -> Global___TextAttachment:
+        """plain text, as a text block after the prompt"""
+
     @_builtins.property
-    def image(self) -> Global___ImageAttachment: ...
+    def image(self) -> Global___ImageAttachment:
+        """needs promptCapabilities.image"""
+
     @_builtins.property
     def resource(self) -> Global___ResourceAttachment:
         """embedded resource (text or blob)"""
 
     @_builtins.property
-    def resource_link(self) -> Global___ResourceLinkAttachment: ...
+    def resource_link(self) -> Global___ResourceLinkAttachment:
+        """a reference to a resource the agent reads itself"""
+
     def __init__(
         self,
         *,
@@ -555,10 +685,13 @@ Global___Attachment: _TypeAlias = Attachment  # noqa: Y015
 
 @_typing.final
 class TextAttachment(_message.Message):
+    """Text sent as an ACP text content block."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
+    """the text; no NUL characters"""
     def __init__(
         self,
         *,
@@ -574,14 +707,19 @@ Global___TextAttachment: _TypeAlias = TextAttachment  # noqa: Y015
 
 @_typing.final
 class ImageAttachment(_message.Message):
+    """An image sent as an ACP image content block."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     DATA_FIELD_NUMBER: _builtins.int
     MIME_TYPE_FIELD_NUMBER: _builtins.int
     URI_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
+    """required: the image's bytes (sent base64-encoded)"""
     mime_type: _builtins.str
+    """required: an image/* type, e.g. image/png"""
     uri: _builtins.str
+    """optional: where the image came from"""
     def __init__(
         self,
         *,
@@ -599,6 +737,8 @@ Global___ImageAttachment: _TypeAlias = ImageAttachment  # noqa: Y015
 
 @_typing.final
 class ResourceAttachment(_message.Message):
+    """A resource embedded in the prompt (ACP resource block); needs promptCapabilities.embeddedContext."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     URI_FIELD_NUMBER: _builtins.int
@@ -606,9 +746,13 @@ class ResourceAttachment(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     BLOB_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
+    """required: the resource's URI, e.g. file:///path"""
     mime_type: _builtins.str
+    """optional: its MIME type"""
     text: _builtins.str
+    """its text; no NUL characters"""
     blob: _builtins.bytes
+    """its bytes (sent base64-encoded)"""
     def __init__(
         self,
         *,
@@ -629,6 +773,8 @@ Global___ResourceAttachment: _TypeAlias = ResourceAttachment  # noqa: Y015
 
 @_typing.final
 class ResourceLinkAttachment(_message.Message):
+    """A link to a resource the agent may read itself (ACP resource_link block)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     URI_FIELD_NUMBER: _builtins.int
@@ -638,11 +784,17 @@ class ResourceLinkAttachment(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
+    """required: the resource's URI"""
     name: _builtins.str
+    """its name; empty: the uri is sent as the name"""
     mime_type: _builtins.str
+    """optional: its MIME type"""
     title: _builtins.str
+    """optional: a title for people"""
     description: _builtins.str
+    """optional: what it is"""
     size: _builtins.int
+    """its size in bytes; 0: not sent"""
     def __init__(
         self,
         *,
@@ -663,12 +815,18 @@ Global___ResourceLinkAttachment: _TypeAlias = ResourceLinkAttachment  # noqa: Y0
 
 @_typing.final
 class SubscribeRequest(_message.Message):
+    """A run to re-attach to, and where to resume in its events."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     AFTER_SEQ_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """required: the run (Chat's rcoder-run-id header, or ChatStream.run_id)"""
     after_seq: _builtins.int
+    """the last seq already seen: events with a greater seq are sent; 0: from the start. Past the
+    run's last event is OUT_OF_RANGE (ErrorInfo metadata.last_seq)
+    """
     def __init__(
         self,
         *,
@@ -685,12 +843,16 @@ Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
 
 @_typing.final
 class CancelRequest(_message.Message):
+    """The turn to stop: set exactly one of run_id or session_id (INVALID_ARGUMENT otherwise)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """a run: that turn, running or queued"""
     session_id: _builtins.str
+    """a session: its running turn and every turn queued behind it"""
     def __init__(
         self,
         *,
@@ -707,6 +869,8 @@ Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
 
 @_typing.final
 class CancelResponse(_message.Message):
+    """What Cancel did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
@@ -739,13 +903,17 @@ Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class ResolvePermissionRequest(_message.Message):
+    """An answer to one permission_request event. Answered once; a second answer is NOT_FOUND."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     PERMISSION_ID_FIELD_NUMBER: _builtins.int
     OPTION_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """required: the run whose stream carried the permission_request"""
     permission_id: _builtins.str
+    """required: PermissionRequest.permission_id"""
     option_id: _builtins.str
     """one of PermissionRequest.options; empty = cancelled"""
     def __init__(
@@ -765,6 +933,8 @@ Global___ResolvePermissionRequest: _TypeAlias = ResolvePermissionRequest  # noqa
 
 @_typing.final
 class ResolvePermissionResponse(_message.Message):
+    """What ResolvePermission did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUED_FIELD_NUMBER: _builtins.int
@@ -788,10 +958,13 @@ Global___ResolvePermissionResponse: _TypeAlias = ResolvePermissionResponse  # no
 
 @_typing.final
 class GetSessionRequest(_message.Message):
+    """The session for GetSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """required: an rcoder session_id"""
     def __init__(
         self,
         *,
@@ -807,6 +980,8 @@ Global___GetSessionRequest: _TypeAlias = GetSessionRequest  # noqa: Y015
 
 @_typing.final
 class ListSessionsRequest(_message.Message):
+    """A page of sessions for ListSessions; a bad field or page token is INVALID_ARGUMENT."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROJECT_ID_FIELD_NUMBER: _builtins.int
@@ -843,13 +1018,18 @@ Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
 
 @_typing.final
 class ListSessionsResponse(_message.Message):
+    """One page of ListSessions."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """send it back for the next page; empty on the last page"""
     @_builtins.property
-    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]: ...
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
+        """in the order asked for, at most page_size"""
+
     def __init__(
         self,
         *,
@@ -866,10 +1046,13 @@ Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
 
 @_typing.final
 class CloseSessionRequest(_message.Message):
+    """The session for CloseSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """required: an rcoder session_id"""
     def __init__(
         self,
         *,
@@ -885,6 +1068,8 @@ Global___CloseSessionRequest: _TypeAlias = CloseSessionRequest  # noqa: Y015
 
 @_typing.final
 class CloseSessionResponse(_message.Message):
+    """What CloseSession did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_STOPPED_FIELD_NUMBER: _builtins.int
@@ -905,6 +1090,8 @@ Global___CloseSessionResponse: _TypeAlias = CloseSessionResponse  # noqa: Y015
 
 @_typing.final
 class ForkSessionRequest(_message.Message):
+    """The session to branch for ForkSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -936,12 +1123,15 @@ Global___ForkSessionRequest: _TypeAlias = ForkSessionRequest  # noqa: Y015
 
 @_typing.final
 class ForkSessionResponse(_message.Message):
+    """The branch ForkSession made."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_FIELD_NUMBER: _builtins.int
     METHOD_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
     method: Global___ForkMethod.ValueType
+    """how the branch was made"""
     fallback_reason: _builtins.str
     """set when method is FORK_METHOD_RESEEDED: why the agent did not fork"""
     @_builtins.property
@@ -965,6 +1155,8 @@ Global___ForkSessionResponse: _TypeAlias = ForkSessionResponse  # noqa: Y015
 
 @_typing.final
 class ListHostsRequest(_message.Message):
+    """ListHosts takes nothing."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -980,11 +1172,15 @@ Global___ListHostsRequest: _TypeAlias = ListHostsRequest  # noqa: Y015
 
 @_typing.final
 class ListHostsResponse(_message.Message):
+    """The hosts ListHosts knows."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HOSTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def hosts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Host]: ...
+    def hosts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Host]:
+        """every host registered in the store (one that died stays, not live); with SQLite, this one"""
+
     def __init__(
         self,
         *,
@@ -1000,6 +1196,8 @@ Global___ListHostsResponse: _TypeAlias = ListHostsResponse  # noqa: Y015
 
 @_typing.final
 class Host(_message.Message):
+    """One daemon registered in the store."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HOST_ID_FIELD_NUMBER: _builtins.int
@@ -1010,6 +1208,7 @@ class Host(_message.Message):
     LIVE_FIELD_NUMBER: _builtins.int
     SELF_FIELD_NUMBER: _builtins.int
     host_id: _builtins.str
+    """config host_id; by default <hostname>:<port>"""
     advertise_address: _builtins.str
     """where other hosts (and clients) reach it"""
     version: _builtins.str
@@ -1023,7 +1222,9 @@ class Host(_message.Message):
         """its last heartbeat, by the store's clock"""
 
     @_builtins.property
-    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """when the daemon started and registered"""
+
     def __init__(
         self_,  # pyright: ignore[reportSelfClsParameterName]
         *,
@@ -1045,6 +1246,8 @@ Global___Host: _TypeAlias = Host  # noqa: Y015
 
 @_typing.final
 class ListRunsRequest(_message.Message):
+    """A page of one session's runs for ListRuns; a bad field or page token is INVALID_ARGUMENT."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -1073,6 +1276,8 @@ Global___ListRunsRequest: _TypeAlias = ListRunsRequest  # noqa: Y015
 
 @_typing.final
 class ListRunsResponse(_message.Message):
+    """One page of ListRuns."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     RUNS_FIELD_NUMBER: _builtins.int
@@ -1117,21 +1322,29 @@ class RunInfo(_message.Message):
     RESUME_METHOD_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """the run's id (Subscribe takes it)"""
     session_id: _builtins.str
+    """its session"""
     prompt: _builtins.str
     """the prompt's text, stored when the run started"""
     status: Global___RunStatus.ValueType
+    """where it stands"""
     stop_reason: Global___StopReason.ValueType
     """unset while running"""
     resume: Global___ResumeOutcome.ValueType
     """how its session was opened"""
     error: _builtins.str
+    """why it failed or was interrupted; empty otherwise"""
     request_id: _builtins.str
+    """ChatRequest.request_id; empty when none was sent"""
     resume_method: _builtins.str
     """new | live | resume | load | meta | not_opened"""
     fallback_reason: _builtins.str
+    """why its session was opened new instead of resumed (resume FALLBACK_*); empty otherwise"""
     @_builtins.property
-    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """when the run started"""
+
     @_builtins.property
     def ended_at(self) -> _timestamp_pb2.Timestamp:
         """unset while running"""
@@ -1167,10 +1380,13 @@ Global___RunInfo: _TypeAlias = RunInfo  # noqa: Y015
 
 @_typing.final
 class DeleteSessionRequest(_message.Message):
+    """The session for DeleteSession."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """required: an rcoder session_id"""
     def __init__(
         self,
         *,
@@ -1236,6 +1452,8 @@ Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
 
 @_typing.final
 class ListAgentsRequest(_message.Message):
+    """ListAgents takes nothing."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -1251,12 +1469,16 @@ Global___ListAgentsRequest: _TypeAlias = ListAgentsRequest  # noqa: Y015
 
 @_typing.final
 class ListAgentsResponse(_message.Message):
+    """This daemon's agent profiles, and who their agents run as."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENTS_FIELD_NUMBER: _builtins.int
     RUNS_AS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentInfo]: ...
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentInfo]:
+        """every agent profile of this daemon (built-in and configured), by name"""
+
     @_builtins.property
     def runs_as(self) -> Global___AgentUser:
         """the uid and gid every agent of this daemon runs as (config agent_user)"""
@@ -1290,7 +1512,9 @@ class AgentUser(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     FIX_FIELD_NUMBER: _builtins.int
     uid: _builtins.int
+    """the numeric user id agents run as"""
     gid: _builtins.int
+    """the numeric group id agents run as"""
     name: _builtins.str
     """its user name; "" when it has none (a numeric agent_user)"""
     separate: _builtins.bool
@@ -1319,7 +1543,10 @@ Global___AgentUser: _TypeAlias = AgentUser  # noqa: Y015
 
 @_typing.final
 class Session(_message.Message):
-    """---------------------------------------------------------------- resources"""
+    """---------------------------------------------------------------- resources
+
+    A conversation as rcoder keeps it: stable across agent restarts, daemon restarts and fallbacks.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1337,17 +1564,31 @@ class Session(_message.Message):
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     COMMANDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """rcoder's id of the session: what ChatRequest.session_id sends back"""
     project_id: _builtins.str
+    """its project; every turn must name this one"""
     agent: _builtins.str
+    """the agent profile it runs on"""
     provider_session_id: _builtins.str
+    """the agent's own id of the session, the only id sent to the agent to resume it; empty until
+    the agent has opened the session
+    """
     cwd: _builtins.str
+    """the agent's working directory: <workspace_root>/<project_id>"""
     turns: _builtins.int
+    """turns the agent answered in this session (a fork counts from 0)"""
     last_run_id: _builtins.str
+    """its latest run; empty before its first run started"""
     status: Global___SessionStatus.ValueType
+    """idle, live or busy, as the host that answered sees it (GetSession is answered by the session's owner)"""
     @_builtins.property
-    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    def created_at(self) -> _timestamp_pb2.Timestamp:
+        """when the session was stored, at its first Chat or fork"""
+
     @_builtins.property
-    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def updated_at(self) -> _timestamp_pb2.Timestamp:
+        """the record's last change: a run's start, a turn counted, a new provider id, options or commands"""
+
     @_builtins.property
     def usage(self) -> Global___UsageTotals:
         """its runs' usage summed; unset when none reported any"""
@@ -1403,10 +1644,15 @@ class UsageTotals(_message.Message):
     input_tokens: _builtins.int
     """each summed over the runs that reported it; unset when none did"""
     output_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     cached_read_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     cached_write_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     thought_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     total_tokens: _builtins.int
+    """summed as input_tokens; unset when no run reported it"""
     runs: _builtins.int
     """the runs that reported any usage"""
     @_builtins.property
@@ -1463,11 +1709,14 @@ Global___UsageTotals: _TypeAlias = UsageTotals  # noqa: Y015
 
 @_typing.final
 class Cost(_message.Message):
+    """An amount of money in one currency: the costs a session's runs reported in it, summed."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     AMOUNT_FIELD_NUMBER: _builtins.int
     CURRENCY_FIELD_NUMBER: _builtins.int
     amount: _builtins.float
+    """the sum, exact to nine decimals (kept in billionths of the currency)"""
     currency: _builtins.str
     """as the agent reported it (ISO 4217, e.g. USD)"""
     def __init__(
@@ -1486,6 +1735,8 @@ Global___Cost: _TypeAlias = Cost  # noqa: Y015
 
 @_typing.final
 class AgentInfo(_message.Message):
+    """One agent profile of this daemon: its config, what its agent advertised, and its agents now."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
@@ -1503,11 +1754,15 @@ class AgentInfo(_message.Message):
     NETWORK_FIELD_NUMBER: _builtins.int
     PROMISES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    """the profile's name: what ChatRequest.agent names"""
     command: _builtins.str
+    """the program the profile runs"""
     resume: _builtins.str
     """auto | resume | load | meta | none"""
     default: _builtins.bool
+    """it is the daemon's default_agent"""
     warm_pool: _builtins.int
+    """the profile's warm_pool: initialised agents kept waiting for new sessions (0: none)"""
     live_agents: _builtins.int
     """agents serving a session now"""
     warm_agents: _builtins.int
@@ -1519,7 +1774,9 @@ class AgentInfo(_message.Message):
     landlock_abi: _builtins.int
     """the kernel's Landlock ABI version when sandbox is "landlock" """
     @_builtins.property
-    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """its arguments"""
+
     @_builtins.property
     def capabilities(self) -> Global___AgentCapabilities:
         """As seen at the last initialize; unset until the agent has run once."""
@@ -1644,6 +1901,8 @@ Global___SandboxPromises: _TypeAlias = SandboxPromises  # noqa: Y015
 
 @_typing.final
 class AgentCapabilities(_message.Message):
+    """What a profile's agent advertised in its last ACP initialize answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     LOAD_SESSION_FIELD_NUMBER: _builtins.int
@@ -1660,20 +1919,33 @@ class AgentCapabilities(_message.Message):
     SEEN_AT_FIELD_NUMBER: _builtins.int
     SESSION_FORK_FIELD_NUMBER: _builtins.int
     load_session: _builtins.bool
+    """agentCapabilities.loadSession: it takes session/load"""
     session_resume: _builtins.bool
+    """sessionCapabilities.resume: it takes session/resume (rcoder's first choice)"""
     session_close: _builtins.bool
+    """sessionCapabilities.close: it takes session/close"""
     session_list: _builtins.bool
+    """sessionCapabilities.list: rcoder checks a provider id is in its session/list before resuming it"""
     prompt_image: _builtins.bool
+    """promptCapabilities.image: image attachments are accepted"""
     prompt_audio: _builtins.bool
+    """promptCapabilities.audio: it takes audio content (no attachment kind sends it)"""
     prompt_embedded_context: _builtins.bool
+    """promptCapabilities.embeddedContext: resource attachments are accepted"""
     mcp_http: _builtins.bool
+    """mcpCapabilities.http: McpServer.http is accepted"""
     mcp_sse: _builtins.bool
+    """mcpCapabilities.sse: McpServer.sse is accepted"""
     agent_name: _builtins.str
+    """agentInfo.name; empty when it gave none"""
     agent_version: _builtins.str
+    """agentInfo.version; empty when it gave none"""
     session_fork: _builtins.bool
     """session/fork: ForkSession branches through the agent"""
     @_builtins.property
-    def seen_at(self) -> _timestamp_pb2.Timestamp: ...
+    def seen_at(self) -> _timestamp_pb2.Timestamp:
+        """when that initialize answer came"""
+
     def __init__(
         self,
         *,
@@ -1701,7 +1973,10 @@ Global___AgentCapabilities: _TypeAlias = AgentCapabilities  # noqa: Y015
 
 @_typing.final
 class ChatStream(_message.Message):
-    """---------------------------------------------------------------- the stream"""
+    """---------------------------------------------------------------- the stream
+
+    One message of a Chat or Subscribe stream: one event of a run, with its place in the run.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1725,31 +2000,55 @@ class ChatStream(_message.Message):
     PERMISSION_RESOLVED_FIELD_NUMBER: _builtins.int
     GAP_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """the run the event belongs to"""
     session_id: _builtins.str
+    """the run's session"""
     seq: _builtins.int
     """per run, from 1, no gaps (a `gap` stands for the events it leaves out)"""
     @_builtins.property
-    def time(self) -> _timestamp_pb2.Timestamp: ...
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """when the event was first streamed (a replay keeps that time)"""
+
     @_builtins.property
-    def started(self) -> Global___RunStarted: ...
+    def started(self) -> Global___RunStarted:
+        """the run's first event (seq 1): how its session was opened"""
+
     @_builtins.property
-    def agent_message(self) -> Global___TextChunk: ...
+    def agent_message(self) -> Global___TextChunk:
+        """text of the agent's answer (ACP agent_message_chunk)"""
+
     @_builtins.property
-    def agent_thought(self) -> Global___TextChunk: ...
+    def agent_thought(self) -> Global___TextChunk:
+        """text of the agent's thinking (ACP agent_thought_chunk)"""
+
     @_builtins.property
-    def tool_call(self) -> Global___ToolCall: ...
+    def tool_call(self) -> Global___ToolCall:
+        """the agent started a tool call"""
+
     @_builtins.property
-    def tool_call_update(self) -> Global___ToolCallUpdate: ...
+    def tool_call_update(self) -> Global___ToolCallUpdate:
+        """what changed in a tool call"""
+
     @_builtins.property
-    def plan(self) -> Global___Plan: ...
+    def plan(self) -> Global___Plan:
+        """the agent's plan, whole"""
+
     @_builtins.property
-    def permission_request(self) -> Global___PermissionRequest: ...
+    def permission_request(self) -> Global___PermissionRequest:
+        """the agent asks before a tool call"""
+
     @_builtins.property
-    def update(self) -> Global___AgentUpdate: ...
+    def update(self) -> Global___AgentUpdate:
+        """any other ACP session update, as JSON"""
+
     @_builtins.property
-    def heartbeat(self) -> Global___Heartbeat: ...
+    def heartbeat(self) -> Global___Heartbeat:
+        """the turn was quiet for heartbeat_interval seconds; never stored, so a replay skips its seq"""
+
     @_builtins.property
-    def completed(self) -> Global___RunCompleted: ...
+    def completed(self) -> Global___RunCompleted:
+        """the run's last event: how the turn ended"""
+
     @_builtins.property
     def queued(self) -> Global___RunQueued:
         """The turn waits behind the session's running turn (ChatRequest.busy QUEUE or INTERRUPT).
@@ -1815,6 +2114,8 @@ Global___ChatStream: _TypeAlias = ChatStream  # noqa: Y015
 
 @_typing.final
 class RunGap(_message.Message):
+    """Events a stream leaves out (ChatStream.gap)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     FROM_SEQ_FIELD_NUMBER: _builtins.int
@@ -1845,6 +2146,8 @@ Global___RunGap: _TypeAlias = RunGap  # noqa: Y015
 
 @_typing.final
 class RunQueued(_message.Message):
+    """The turn waits behind others in its session (ChatStream.queued)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     POSITION_FIELD_NUMBER: _builtins.int
@@ -1865,6 +2168,8 @@ Global___RunQueued: _TypeAlias = RunQueued  # noqa: Y015
 
 @_typing.final
 class RunStarted(_message.Message):
+    """The run's first event (seq 1): its session is open (or, NOT_OPENED, never will be)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROVIDER_SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -1876,14 +2181,19 @@ class RunStarted(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     provider_session_id: _builtins.str
+    """the agent's own id of the session, what resumes it later; empty when not opened (NOT_OPENED)"""
     resume: Global___ResumeOutcome.ValueType
+    """how the session was opened"""
     resume_method: _builtins.str
-    """How the session was opened: new | live | resume | load | meta."""
+    """How the session was opened: new | live | resume | load | meta, or not_opened (cancelled first)."""
     fallback_reason: _builtins.str
     """Why a resume fell back to a fresh session (FALLBACK_* only)."""
     agent: _builtins.str
+    """the agent profile the turn runs on"""
     project_id: _builtins.str
+    """the session's project"""
     request_id: _builtins.str
+    """ChatRequest.request_id; empty when none was sent"""
     @_builtins.property
     def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
         """what the agent offers for this session, with the current values (after ChatRequest.config_options
@@ -1927,10 +2237,13 @@ class ConfigOption(_message.Message):
     id: _builtins.str
     """what ChatRequest.config_options names"""
     name: _builtins.str
+    """its name for people"""
     category: _builtins.str
     """mode, model, model_config, thought_level, or the agent's own; "" when unset"""
     current_value: _builtins.str
+    """the value id it has now"""
     description: _builtins.str
+    """what it sets; "" when the agent gave none"""
     type: _builtins.str
     """"select"; "boolean" (values "true" and "false"); "mode": the agent offers session modes only
     (set with session/set_mode)
@@ -1963,6 +2276,8 @@ Global___ConfigOption: _TypeAlias = ConfigOption  # noqa: Y015
 
 @_typing.final
 class ConfigValue(_message.Message):
+    """One value a ConfigOption offers."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     VALUE_FIELD_NUMBER: _builtins.int
@@ -1971,7 +2286,9 @@ class ConfigValue(_message.Message):
     value: _builtins.str
     """the value id to send"""
     name: _builtins.str
+    """its name for people"""
     description: _builtins.str
+    """what it means; "" when the agent gave none"""
     def __init__(
         self,
         *,
@@ -1989,11 +2306,15 @@ Global___ConfigValue: _TypeAlias = ConfigValue  # noqa: Y015
 
 @_typing.final
 class ConfigOptionUpdate(_message.Message):
+    """The agent changed its config options during the turn."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]: ...
+    def config_options(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigOption]:
+        """every option it offers now, with the current values"""
+
     def __init__(
         self,
         *,
@@ -2009,11 +2330,15 @@ Global___ConfigOptionUpdate: _TypeAlias = ConfigOptionUpdate  # noqa: Y015
 
 @_typing.final
 class AvailableCommands(_message.Message):
+    """The agent's slash commands (ACP available_commands_update)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMANDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]: ...
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]:
+        """the whole list, replacing the one before; empty: none"""
+
     def __init__(
         self,
         *,
@@ -2039,6 +2364,7 @@ class SlashCommand(_message.Message):
     name: _builtins.str
     """without the slash"""
     description: _builtins.str
+    """what it does, as the agent says"""
     input_hint: _builtins.str
     """what to write after it; "" when it takes no input"""
     def __init__(
@@ -2058,6 +2384,8 @@ Global___SlashCommand: _TypeAlias = SlashCommand  # noqa: Y015
 
 @_typing.final
 class TextChunk(_message.Message):
+    """Text the agent streamed: its answer (agent_message) or its thinking (agent_thought)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
@@ -2091,12 +2419,15 @@ class ToolCall(_message.Message):
     DIFFS_FIELD_NUMBER: _builtins.int
     CONTENT_TEXT_FIELD_NUMBER: _builtins.int
     tool_call_id: _builtins.str
+    """the agent's id of the call; its updates and permission requests name it"""
     title: _builtins.str
+    """what the call does, in the agent's words"""
     kind: _builtins.str
     """read, edit, delete, move, search, execute, think, fetch, switch_mode, other"""
     status: _builtins.str
     """pending, in_progress, completed, failed"""
     raw_input_json: _builtins.str
+    """the tool's input, as JSON"""
     content_text: _builtins.str
     """its text content, if any"""
     @_builtins.property
@@ -2145,10 +2476,15 @@ class ToolCallUpdate(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     RAW_INPUT_JSON_FIELD_NUMBER: _builtins.int
     tool_call_id: _builtins.str
+    """the call it updates (ToolCall.tool_call_id)"""
     title: _builtins.str
+    """its new title"""
     kind: _builtins.str
+    """its new kind (the values of ToolCall.kind)"""
     status: _builtins.str
+    """its new status: pending, in_progress, completed, failed"""
     raw_output_json: _builtins.str
+    """the tool's result, as JSON, as the agent reported it"""
     content_text: _builtins.str
     """text content of the update, if any"""
     output: _builtins.str
@@ -2160,9 +2496,13 @@ class ToolCallUpdate(_message.Message):
     raw_input_json: _builtins.str
     """the input, when the agent sends it (or changes it) here"""
     @_builtins.property
-    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def locations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the paths it touches now"""
+
     @_builtins.property
-    def diffs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDiff]: ...
+    def diffs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDiff]:
+        """the edits it makes (ACP content of type "diff")"""
+
     def __init__(
         self,
         *,
@@ -2198,8 +2538,11 @@ class ToolDiff(_message.Message):
     OLD_TEXT_FIELD_NUMBER: _builtins.int
     NEW_TEXT_FIELD_NUMBER: _builtins.int
     path: _builtins.str
+    """the file, as the agent names it"""
     old_text: _builtins.str
+    """the file's text before the edit"""
     new_text: _builtins.str
+    """its text after the edit"""
     def __init__(
         self,
         *,
@@ -2219,11 +2562,15 @@ Global___ToolDiff: _TypeAlias = ToolDiff  # noqa: Y015
 
 @_typing.final
 class Plan(_message.Message):
+    """The agent's plan for the turn (ACP plan)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanEntry]: ...
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanEntry]:
+        """every step, in order: each plan replaces the one before"""
+
     def __init__(
         self,
         *,
@@ -2239,12 +2586,15 @@ Global___Plan: _TypeAlias = Plan  # noqa: Y015
 
 @_typing.final
 class PlanEntry(_message.Message):
+    """One step of a plan."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CONTENT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     content: _builtins.str
+    """what the step is, in the agent's words"""
     priority: _builtins.str
     """high, medium, low"""
     status: _builtins.str
@@ -2266,6 +2616,8 @@ Global___PlanEntry: _TypeAlias = PlanEntry  # noqa: Y015
 
 @_typing.final
 class PermissionRequest(_message.Message):
+    """The agent asks before a tool call (ACP session/request_permission); a permission_resolved follows."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PERMISSION_ID_FIELD_NUMBER: _builtins.int
@@ -2274,11 +2626,17 @@ class PermissionRequest(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     OPTIONS_FIELD_NUMBER: _builtins.int
     permission_id: _builtins.str
+    """rcoder's id of the request: what ResolvePermission names"""
     tool_call_id: _builtins.str
+    """the tool call it asks about"""
     title: _builtins.str
+    """the tool call's title: the request's, else what its tool_call gave"""
     kind: _builtins.str
+    """the tool call's kind (the values of ToolCall.kind): the request's, else its tool_call's"""
     @_builtins.property
-    def options(self) -> _containers.RepeatedCompositeFieldContainer[Global___PermissionOption]: ...
+    def options(self) -> _containers.RepeatedCompositeFieldContainer[Global___PermissionOption]:
+        """the answers the agent offers"""
+
     def __init__(
         self,
         *,
@@ -2298,13 +2656,17 @@ Global___PermissionRequest: _TypeAlias = PermissionRequest  # noqa: Y015
 
 @_typing.final
 class PermissionOption(_message.Message):
+    """One answer the agent offers to a permission request."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     OPTION_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     option_id: _builtins.str
+    """what ResolvePermissionRequest.option_id sends"""
     name: _builtins.str
+    """its label for people"""
     kind: _builtins.str
     """allow_once, allow_always, reject_once, reject_always"""
     def __init__(
@@ -2324,6 +2686,8 @@ Global___PermissionOption: _TypeAlias = PermissionOption  # noqa: Y015
 
 @_typing.final
 class PermissionResolved(_message.Message):
+    """How a permission request was settled (ChatStream.permission_resolved)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PERMISSION_ID_FIELD_NUMBER: _builtins.int
@@ -2333,6 +2697,7 @@ class PermissionResolved(_message.Message):
     permission_id: _builtins.str
     """the permission_request's"""
     outcome: Global___PermissionOutcome.ValueType
+    """who or what settled it"""
     option_id: _builtins.str
     """the option the agent was given; empty: it was told "cancelled" """
     option_kind: _builtins.str
@@ -2355,6 +2720,10 @@ Global___PermissionResolved: _TypeAlias = PermissionResolved  # noqa: Y015
 
 @_typing.final
 class AgentUpdate(_message.Message):
+    """An ACP session update rcoder has no event of its own for (e.g. usage_update, or a kind newer
+    than rcoder's ACP schema), as the agent wrote it.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     KIND_FIELD_NUMBER: _builtins.int
@@ -2379,6 +2748,8 @@ Global___AgentUpdate: _TypeAlias = AgentUpdate  # noqa: Y015
 
 @_typing.final
 class Heartbeat(_message.Message):
+    """Sent while a turn is quiet, so clients can tell a slow agent from a dead stream; carries nothing."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -2394,6 +2765,8 @@ Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class RunCompleted(_message.Message):
+    """The run's last event: how the turn ended."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     STOP_REASON_FIELD_NUMBER: _builtins.int
@@ -2403,10 +2776,13 @@ class RunCompleted(_message.Message):
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
+    """how the turn ended"""
     provider_session_id: _builtins.str
+    """the agent's own id of the session at the end; empty when it was never opened"""
     error: _builtins.str
     """set when stop_reason is ERROR (the agent's stderr tail included)"""
     resume: Global___ResumeOutcome.ValueType
+    """how the session was opened, as in started"""
     error_reason: _builtins.str
     """set with error: what kind of failure, as the ErrorInfo reasons of gRPC statuses say it
     (AGENT_AUTH_REQUIRED, AGENT_TIMEOUT, AGENT_CRASHED, AGENT_PROTOCOL_ERROR, STORE_UNAVAILABLE, INTERNAL, ...)
@@ -2454,11 +2830,17 @@ class Usage(_message.Message):
     COST_CURRENCY_FIELD_NUMBER: _builtins.int
     REPORTED_FIELD_NUMBER: _builtins.int
     input_tokens: _builtins.int
+    """tokens of input to the model"""
     output_tokens: _builtins.int
+    """tokens the model wrote"""
     cached_read_tokens: _builtins.int
+    """input tokens read from the model's cache"""
     cached_write_tokens: _builtins.int
+    """input tokens written to the model's cache"""
     thought_tokens: _builtins.int
+    """tokens of the model's thinking"""
     total_tokens: _builtins.int
+    """all tokens, as the agent counts them"""
     context_used: _builtins.int
     """tokens in the context after the turn"""
     context_size: _builtins.int

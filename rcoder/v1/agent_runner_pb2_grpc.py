@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class AgentRunnerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Runs turns of coding agents over ACP, keeps their sessions resumable, and answers for the
+    sessions, runs, agent profiles and hosts of its store; any host of a shared store answers any call.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -97,7 +99,9 @@ class AgentRunnerStub:
 
 
 class AgentRunnerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Runs turns of coding agents over ACP, keeps their sessions resumable, and answers for the
+    sessions, runs, agent profiles and hosts of its store; any host of a shared store answers any call.
+    """
 
     def Chat(self, request, context):
         """One turn: starts or reuses an agent, streams `started` ... `completed`.
@@ -131,13 +135,15 @@ class AgentRunnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One session's record, status and usage totals; NOT_FOUND for an unknown session_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The sessions of the store (optionally of one project), paged, by session_id or by cost.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -150,7 +156,8 @@ class AgentRunnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAgents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """This daemon's agent profiles, what each agent advertised, how many run, and who they run as.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -258,7 +265,9 @@ def add_AgentRunnerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AgentRunner:
-    """Missing associated documentation comment in .proto file."""
+    """Runs turns of coding agents over ACP, keeps their sessions resumable, and answers for the
+    sessions, runs, agent profiles and hosts of its store; any host of a shared store answers any call.
+    """
 
     @staticmethod
     def Chat(request,

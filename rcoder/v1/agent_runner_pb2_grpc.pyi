@@ -31,6 +31,10 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class AgentRunnerStub:
+    """Runs turns of coding agents over ACP, keeps their sessions resumable, and answers for the
+    sessions, runs, agent profiles and hosts of its store; any host of a shared store answers any call.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -48,10 +52,13 @@ class AgentRunnerStub:
     ResolvePermission: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ResolvePermissionRequest, _agent_runner_pb2.ResolvePermissionResponse]
     """Answer a permission request raised with permission_mode ASK."""
     GetSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.GetSessionRequest, _agent_runner_pb2.Session]
+    """One session's record, status and usage totals; NOT_FOUND for an unknown session_id."""
     ListSessions: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListSessionsRequest, _agent_runner_pb2.ListSessionsResponse]
+    """The sessions of the store (optionally of one project), paged, by session_id or by cost."""
     CloseSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.CloseSessionRequest, _agent_runner_pb2.CloseSessionResponse]
     """Stop a session's agent; the record is kept and the session stays resumable."""
     ListAgents: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListAgentsRequest, _agent_runner_pb2.ListAgentsResponse]
+    """This daemon's agent profiles, what each agent advertised, how many run, and who they run as."""
     ForkSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ForkSessionRequest, _agent_runner_pb2.ForkSessionResponse]
     """A new session that shares the history so far; later turns on either branch never reach
     the other. A busy session is forked as it stands.
@@ -68,6 +75,10 @@ class AgentRunnerStub:
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
+    """Runs turns of coding agents over ACP, keeps their sessions resumable, and answers for the
+    sessions, runs, agent profiles and hosts of its store; any host of a shared store answers any call.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Chat: _aio.UnaryStreamMultiCallable[_agent_runner_pb2.ChatRequest, _agent_runner_pb2.ChatStream]  # type: ignore[assignment]
     """One turn: starts or reuses an agent, streams `started` ... `completed`.
@@ -82,10 +93,13 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     ResolvePermission: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ResolvePermissionRequest, _agent_runner_pb2.ResolvePermissionResponse]  # type: ignore[assignment]
     """Answer a permission request raised with permission_mode ASK."""
     GetSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.GetSessionRequest, _agent_runner_pb2.Session]  # type: ignore[assignment]
+    """One session's record, status and usage totals; NOT_FOUND for an unknown session_id."""
     ListSessions: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListSessionsRequest, _agent_runner_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """The sessions of the store (optionally of one project), paged, by session_id or by cost."""
     CloseSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.CloseSessionRequest, _agent_runner_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """Stop a session's agent; the record is kept and the session stays resumable."""
     ListAgents: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListAgentsRequest, _agent_runner_pb2.ListAgentsResponse]  # type: ignore[assignment]
+    """This daemon's agent profiles, what each agent advertised, how many run, and who they run as."""
     ForkSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ForkSessionRequest, _agent_runner_pb2.ForkSessionResponse]  # type: ignore[assignment]
     """A new session that shares the history so far; later turns on either branch never reach
     the other. A busy session is forked as it stands.
@@ -101,6 +115,10 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     """
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
+    """Runs turns of coding agents over ACP, keeps their sessions resumable, and answers for the
+    sessions, runs, agent profiles and hosts of its store; any host of a shared store answers any call.
+    """
+
     @_abc_1.abstractmethod
     def Chat(
         self,
@@ -142,14 +160,16 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _agent_runner_pb2.GetSessionRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_agent_runner_pb2.Session, _abc.Awaitable[_agent_runner_pb2.Session]]: ...
+    ) -> _typing.Union[_agent_runner_pb2.Session, _abc.Awaitable[_agent_runner_pb2.Session]]:
+        """One session's record, status and usage totals; NOT_FOUND for an unknown session_id."""
 
     @_abc_1.abstractmethod
     def ListSessions(
         self,
         request: _agent_runner_pb2.ListSessionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_agent_runner_pb2.ListSessionsResponse, _abc.Awaitable[_agent_runner_pb2.ListSessionsResponse]]: ...
+    ) -> _typing.Union[_agent_runner_pb2.ListSessionsResponse, _abc.Awaitable[_agent_runner_pb2.ListSessionsResponse]]:
+        """The sessions of the store (optionally of one project), paged, by session_id or by cost."""
 
     @_abc_1.abstractmethod
     def CloseSession(
@@ -164,7 +184,8 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _agent_runner_pb2.ListAgentsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_agent_runner_pb2.ListAgentsResponse, _abc.Awaitable[_agent_runner_pb2.ListAgentsResponse]]: ...
+    ) -> _typing.Union[_agent_runner_pb2.ListAgentsResponse, _abc.Awaitable[_agent_runner_pb2.ListAgentsResponse]]:
+        """This daemon's agent profiles, what each agent advertised, how many run, and who they run as."""
 
     @_abc_1.abstractmethod
     def ForkSession(

@@ -62,16 +62,16 @@ class PermissionRule(_Schema):
 
     action: Literal["allow", "deny", "ask"]
     """what a matching permission request gets: allow | deny | ask"""
-    kind: str = "*"  # a tool kind (read, edit, execute...), "*" for any
+    kind: str = "*"
     """a tool kind (read, edit, execute...), "*" for any"""
-    title: str = "*"  # a glob over the tool call's title
+    title: str = "*"
     """a glob over the tool call's title; "*" for any"""
 
 
 class ProfileKeys(_Schema):
     """The keys of an ``[agents.<name>]`` table."""
 
-    command: Annotated[str, Field(min_length=1)]  # argv[0]: a name on PATH or a path (relative to the file)
+    command: Annotated[str, Field(min_length=1)]
     """argv[0]: a name on PATH, or a path relative to the config file"""
     args: Array[str] = ()
     """arguments passed to command"""
@@ -81,26 +81,26 @@ class ProfileKeys(_Schema):
     """auto | resume | load | meta | none"""
     warm_pool: Count = 0
     """initialised agents (with a session opened ahead) kept waiting for the next new session"""
-    inherit_env: Array[str] = ()  # names of daemon environment variables passed through to the agent
-    """daemon variables passed through"""
+    inherit_env: Array[str] = ()
+    """names of the daemon's environment variables passed through to the agent"""
     # model_provider field -> environment variable, e.g. {"api_key": "ANTHROPIC_API_KEY"}
     provider_env: Mapping[Literal["base_url", "api_key", "model"], str] = Field(default_factory=dict)
     """model_provider field -> variable, e.g. { api_key = "MY_KEY" } (generic agents)"""
-    permission_rules: Array[PermissionRule] = ()  # for the agent's permission requests, first match wins
-    """see Permissions"""
+    permission_rules: Array[PermissionRule] = ()
+    """for the agent's permission requests, the first that matches answers; see Permissions"""
     # what clients may set (docs/design.md#trust-boundaries): extra_meta keys, MCP servers, the model's base URL
-    allow_meta_keys: Array[str] = ("traceparent", "tracestate", "baggage")  # W3C trace context, reserved by ACP
-    """extra_meta key paths clients may set"""
+    allow_meta_keys: Array[str] = ("traceparent", "tracestate", "baggage")
+    """extra_meta key paths clients may set (by default the W3C trace context, which ACP reserves)"""
     allow_mcp: Array[Literal["stdio", "http", "sse"]] = ()
     """MCP server kinds clients may pass: stdio | http | sse"""
     allow_mcp_commands: Array[str] = ()
     """the stdio MCP commands clients may pass (exact paths)"""
     allow_client_base_url: bool = False
     """may a request's model_provider.base_url choose where prompts go?"""
-    kind: KindName = "generic"  # what rcoder knows about the agent: its home, config files, quirks
+    kind: KindName = "generic"
     """what rcoder knows about the agent (its home, config files, quirks): claude | claude-legacy |
     codex | gemini | opencode | generic (knows nothing, changes nothing)"""
-    model_base_url: str = ""  # model provider defaults; a request's non-empty model_provider fields win
+    model_base_url: str = ""
     """the model provider's default base URL; a request's non-empty model_provider.base_url wins"""
     model_api_key: str = Field(default="", repr=False)
     """the model provider's default API key; a request's non-empty model_provider.api_key wins"""
@@ -110,9 +110,9 @@ class ProfileKeys(_Schema):
     # a kernel without it; "none" runs the agent with all the daemon's user may reach
     sandbox: Literal["auto", "landlock", "none"] = "auto"
     """auto (landlock where the kernel has it) | landlock | none; see What an agent can reach"""
-    read_paths: Array[ConfigPath] = ()  # also readable (and executable) by the agent: toolchains, caches
+    read_paths: Array[ConfigPath] = ()
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
-    write_paths: Array[ConfigPath] = ()  # also writable by the agent (made when missing)
+    write_paths: Array[ConfigPath] = ()
     """more folders the agent may read and write (made when missing)"""
 
 
@@ -155,8 +155,9 @@ class SettingsKeys(_Schema):
     """a project's cwd is <workspace_root>/<project_id>, created on first use"""
     default_agent: str = "claude"
     """the profile a request that names no agent runs"""
-    auth_token: str = ""  # "": one generated at first start into <data_dir>/auth_token (0600), kept
-    """every RPC but health (and /metrics) needs it; "": one made into <data_dir>/auth_token"""
+    auth_token: str = ""
+    """every RPC but health (and /metrics) needs it; "": one made at first start into
+    <data_dir>/auth_token (0600) and kept"""
     # docs/design.md#no-calls-back: true lets anyone who reaches the port, agents included, drive the daemon without a
     # token when auth_token is empty, read /metrics, and skips the check that the store asks a password
     open_to_agents: bool = False
@@ -176,36 +177,36 @@ class SettingsKeys(_Schema):
     """seconds an idle live agent is kept"""
     shutdown_grace: Seconds = 30.0
     """seconds running turns get to end on SIGTERM before their agents are ended"""
-    initialize_timeout: Seconds = 30.0  # bounds on agent start-up steps
+    initialize_timeout: Seconds = 30.0
     """seconds for the agent to answer initialize"""
     session_open_timeout: Seconds = 60.0
     """... and session/new, load or resume"""
-    agent_start_concurrency: Count = 4  # agents spawning and initialising at the same moment, at most
+    agent_start_concurrency: Count = 4
     """agents spawning + initialising at once (a burst waits its turn)"""
-    agent_stop_grace: Seconds = 3.0  # each step of ending an agent (close stdin, SIGTERM, SIGKILL)
+    agent_stop_grace: Seconds = 3.0
     """each step of ending an agent: close stdin, SIGTERM group, SIGKILL group"""
-    stderr_tail_bytes: Count = 8192  # agent stderr kept for error messages
+    stderr_tail_bytes: Count = 8192
     """agent stderr kept for error messages"""
     # DeleteSession: how long an agent's own delete command (OpenCode's `session delete`) may run
     agent_erase_timeout: Seconds = 30.0
     """seconds DeleteSession gives an agent's own delete command (OpenCode's); see A session's runs, and erasing one"""
-    agent_line_limit: Count = 64 * 1024 * 1024  # longest line an agent may write on stdout
+    agent_line_limit: Count = 64 * 1024 * 1024
     """longest stdout line accepted from an agent"""
-    run_buffer_events: Count = 10000  # events kept per run for Subscribe replay
+    run_buffer_events: Count = 10000
     """events kept per run for Subscribe"""
-    run_buffer_bytes: Count = 8 << 20  # bytes of events kept per run (4x while a follower lags)
+    run_buffer_bytes: Count = 8 << 20
     """bytes of events kept per run (8 MiB; 4x while a client lags behind)"""
-    run_event_bytes: Count = 1 << 20  # the largest event: longer strings are cut, with a marker
+    run_event_bytes: Count = 1 << 20
     """the largest event (1 MiB): longer strings are cut, with a marker"""
-    runs_total_bytes: Count = 256 << 20  # bytes all runs hold together: finished runs evicted past it
+    runs_total_bytes: Count = 256 << 20
     """bytes all runs hold together (256 MiB): finished runs evicted past it"""
-    run_max_followers: Count = 64  # Chat and Subscribe streams on one run at once
+    run_max_followers: Count = 64
     """Chat and Subscribe streams on one run at once"""
     # turns waiting behind a session's running turn (ChatRequest.busy QUEUE or INTERRUPT), at most:
     # each holds its whole request until it runs; 0 refuses both policies
     max_queued_turns: Count = 4
     """turns waiting per session (ChatRequest.busy QUEUE/INTERRUPT); 0: none"""
-    max_concurrent_rpcs: Count = 1024  # AgentRunner calls in progress at once (health not counted)
+    max_concurrent_rpcs: Count = 1024
     """AgentRunner calls in progress at once (health checks not counted)"""
     # the largest request grpc reads: what a ChatRequest may carry (prompt 1 MiB, system prompt 256 KiB,
     # attachments 16 MiB, extra_meta 64 KiB) and its ids, MCP servers and framing
@@ -215,7 +216,7 @@ class SettingsKeys(_Schema):
     # is read, then its size until it ends; past it calls wait, then RESOURCE_EXHAUSTED
     max_request_bytes_in_flight: Count = 256 << 20
     """bytes all requests in flight hold together (256 MiB); see Access"""
-    run_retention: Seconds = 600.0  # finished runs stay in memory this long (later Subscribe reads the store)
+    run_retention: Seconds = 600.0
     """seconds a finished run stays in memory (Subscribe then reads it from the store)"""
     # history (docs/design.md#history): days a run's stored events are kept (0: forever), and the most bytes of
     # them one run stores (past it a note, then nothing but completed; 0: no bound)
@@ -223,7 +224,7 @@ class SettingsKeys(_Schema):
     """days a run's stored events are kept (0: forever); see History"""
     history_max_bytes_per_run: Count = 8 << 20
     """stored bytes of one run's events (8 MiB; past it a note, then only completed)"""
-    metrics_listen: str = ""  # host:port for Prometheus /metrics; empty: not served
+    metrics_listen: str = ""
     """host:port for Prometheus /metrics (e.g. "127.0.0.1:9464"); empty: off"""
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
     otlp_endpoint: OtlpEndpoint = ""
@@ -232,17 +233,17 @@ class SettingsKeys(_Schema):
     """the least level logged: debug | info | warning | error"""
     log_format: Literal["auto", "json", "console"] = "auto"
     """auto (JSON unless on a terminal) | json | console"""
-    reseed_on_fallback: bool = True  # when an agent lost a known session, prefix a summary of the transcript
-    """re-seed a lost known session from rcoder's transcript"""
+    reseed_on_fallback: bool = True
+    """when an agent lost a known session, prefix its first prompt with a summary of rcoder's transcript"""
     reseed_max_bytes: Count = 16384
     """bound on that summary"""
-    cancel_grace: Seconds = 10.0  # for an agent to end a cancelled turn before its process group is ended
+    cancel_grace: Seconds = 10.0
     """seconds a cancelled turn gets before its agent is ended by group"""
-    permission_timeout: Seconds = 300.0  # a permission request waits this long for ResolvePermission
+    permission_timeout: Seconds = 300.0
     """seconds an ASK permission request waits before it is rejected"""
-    turn_timeout: Seconds = 3600.0  # for a prompt, permission waits included; then AGENT_TIMEOUT
+    turn_timeout: Seconds = 3600.0
     """seconds a turn may run before it ends with AGENT_TIMEOUT (permission waits included)"""
-    heartbeat_interval: Seconds = 15.0  # a heartbeat event after this many quiet seconds in a turn (0: none)
+    heartbeat_interval: Seconds = 15.0
     """a heartbeat event after this many quiet seconds in a turn (0: none)"""
 
 

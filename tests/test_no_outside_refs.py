@@ -17,8 +17,8 @@ def test_no_tracked_file_cites_a_document_outside_the_repository() -> None:
     found = subprocess.run(
         ["git", "grep", "-n", "-I", "-F", *args], cwd=ROOT, capture_output=True, text=True, check=False
     )
-    assert found.returncode in (0, 1), found.stderr  # 1: no match; anything else: git failed
-    assert found.stdout == "", f"citations of documents outside the repository:\n{found.stdout}"
+    # git grep exits 1 when nothing matches (0: a match, listed; anything else: git failed, said)
+    assert (found.returncode, found.stdout) == (1, ""), found.stdout or found.stderr
 
 
 def test_the_design_pages_are_in_the_repository() -> None:

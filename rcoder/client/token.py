@@ -53,7 +53,9 @@ Layer = tuple[Mapping[str, object], Path | None]
 def _layers(environ: Mapping[str, str], config_file: Path | None) -> list[Layer]:
     """Where the daemon reads its keys, first the one that wins: ``RCODER_<KEY>`` variables, the
     config file, the defaults file (rcoder.config). A file that cannot be read says nothing."""
-    variables = {name[7:].lower(): value for name, value in environ.items() if name.startswith("RCODER_")}
+    variables = {
+        name.removeprefix("RCODER_").lower(): value for name, value in environ.items() if name.startswith("RCODER_")
+    }
     layers: list[Layer] = [(variables, None)]
     if config_file is None and environ.get("RCODER_CONFIG"):
         config_file = Path(environ["RCODER_CONFIG"])

@@ -232,13 +232,11 @@ class SessionOpener:
         writing = asyncio.ensure_future(self._store.create_session(record, lease=lease))
         try:
             await asyncio.shield(writing)
-        except asyncio.CancelledError:
-            await asyncio.wait({writing})  # bounded by the store's own timeouts
-            if writing.cancelled() or writing.exception() is not None:
-                raise
-            plan.record, plan.fresh_record = record, True
-            raise
-        plan.record, plan.fresh_record = record, True
+        finally:
+            if not writing.done():  # cancelled meanwhile: the write is waited for (the store bounds it)
+                await asyncio.wait({writing})
+            if not writing.cancelled() and writing.exception() is None:
+                plan.record, plan.fresh_record = record, True
         plan.say_named()
 
     async def _open_agent(self, plan: TurnPlan) -> Opened:

@@ -193,7 +193,7 @@ async def test_a_new_session_starting_on_one_host_is_listed_and_cancelled_throug
     assert named_session == session_id and next_run != run_id
     events = await collect(turn)
     assert {e.run_id for e in events} == {next_run} and events[-1].completed.stop_reason == pb.STOP_REASON_END_TURN
-    assert dict(await turn.trailing_metadata() or ()).get("rcoder-owner") == two.hosts["a"].address
+    assert dict(await turn.trailing_metadata())["rcoder-owner"] == two.hosts["a"].address
     closed = two.a.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=30)
     assert await answer(closed) == "OK"
     await no_agent_left(two)

@@ -8,9 +8,12 @@ STAMP := $(VENV)/.installed
 AGENTS_STAMP := agents/node_modules/.installed
 # build-time tools from npm, pinned (tools/package-lock.json): buf, for the API contract's checks
 TOOLS_STAMP := tools/node_modules/.installed
+# twine in a venv of its own (tools/twine-requirements.txt says why)
+TWINE_VENV := .venv-twine
+TWINE_STAMP := $(TWINE_VENV)/.installed
 CONFIG ?=
 
-.PHONY: all run test check fast docs docs-serve lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv agents tools postgres image clean
+.PHONY: all run test check fast docs docs-serve lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres image clean
 
 all: test
 
@@ -21,6 +24,13 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+$(TWINE_STAMP): tools/twine-requirements.txt
+	@test -x $(TWINE_VENV)/bin/python || $(PYTHON) -m venv $(TWINE_VENV)
+	$(TWINE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r tools/twine-requirements.txt
+	@touch $(TWINE_STAMP)
+
+twine: $(TWINE_STAMP)
 
 ## install the pinned agents (claude, claude-legacy, codex, gemini, opencode) into agents/node_modules
 # `npm install` with the committed lock, not `npm ci`: the lock holds only the platform packages the
@@ -55,7 +65,7 @@ run: $(STAMP) agents bytecode
 ## the generated code and API checks, lint, type check and the whole suite. The container image is
 ## built meanwhile, in the background (its log: build/image.log; the build's whole process group is
 ## ended when this ends); the image's tests run last and wait for that build (scripts/image.py's lock)
-test: $(STAMP) agents tools postgres
+test: $(STAMP) agents tools twine postgres
 	@mkdir -p build
 	@setsid $(PYTHON) scripts/image.py > build/image.log 2>&1 & image=$$!; \
 		trap 'kill -TERM -- -$$image 2>/dev/null; wait $$image 2>/dev/null' EXIT; trap 'exit 143' INT TERM; \
@@ -88,7 +98,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-unit: $(STAMP) agents tools postgres bytecode
+unit: $(STAMP) agents tools twine postgres bytecode
 	$(BIN)/pytest -p no:cacheprovider -n 2 --dist loadfile --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
@@ -140,10 +150,10 @@ api-baseline:
 
 ## the wheel and the sdist, into dist/, checked by twine (the base install is the client;
 ## rcoder[daemon] adds the daemon: see docs/install.md)
-dist: $(STAMP)
+dist: $(STAMP) twine
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
-	$(BIN)/twine check --strict dist/*
+	$(TWINE_VENV)/bin/twine check --strict dist/*
 
 ## benchmarks against a direct-client baseline taken in the same run (never part of `make test`);
 ## prints ratio, target and PASS/FAIL per line, writes bench-results.json
@@ -151,4 +161,4 @@ bench: $(STAMP) agents bytecode
 	$(BIN)/python scripts/bench.py --json bench-results.json
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TWINE_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rcoder import __version__, client_cli
+from rcoder import __version__, client_args
 from rcoder.errors import ConfigError
 
 # The base install is the client; the daemon's dependencies are this extra (pyproject.toml).
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-agent", help="profile used when a request names none")
     serve.add_argument("--log-level", help="debug | info | warning | error")
     serve.add_argument("--log-format", help="auto | json | console")
-    client_cli.add_commands(commands)
+    client_args.add_commands(commands)
     health = commands.add_parser("health", help="exit 0 when the daemon's health service says SERVING")
     health.add_argument(
         "--target", help="host:port (default: $RCODER_TARGET, else this host's daemon: the port of its listen)"
@@ -50,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = dict(os.environ)
     if args.command in ("chat", "sessions"):
+        from rcoder import client_cli  # the client, for these commands alone (rcoder/client_args.py)
+
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
     if args.command == "health":
         from rcoder import health_check

@@ -29,7 +29,6 @@ import signal
 import sys
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TextIO
 
 from rcoder.client import (
@@ -62,7 +61,6 @@ from rcoder.client import (
 )
 from rcoder.client.token import find_token, local_target
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
 PLAN_MARKS = {"completed": "[x]", "in_progress": "[>]"}
@@ -72,48 +70,6 @@ SETTLED = {  # how a permission request was settled, as "permission <this>: <opt
     PermissionOutcome.TIMED_OUT: "timed out",
     PermissionOutcome.CANCELLED: "cancelled",
 }
-
-
-def add_commands(commands: Any) -> None:
-    """Add ``chat`` and ``sessions`` to the ``rcoder`` subcommands."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--target",
-        help=f"the daemon, host:port (default: $RCODER_TARGET, else this host's daemon: the port of its listen, "
-        f"$RCODER_LISTEN or the config's, on loopback; else {DEFAULT_TARGET})",
-    )
-    common.add_argument(
-        "--token",
-        help="sent as 'authorization: Bearer <token>' (default: $RCODER_TOKEN, else the daemon's: its "
-        "auth_token, else <data_dir>/auth_token, found through --config)",
-    )
-    common.add_argument("--config", type=Path, help="the daemon's config file (default: $RCODER_CONFIG)")
-    common.add_argument("--json", action="store_true", help="print one JSON object per line, for scripts")
-    chat = commands.add_parser("chat", parents=[common], help="one turn with an agent, streamed")
-    chat.add_argument("--project", required=True, help="project id (its folder under the daemon's workspace_root)")
-    chat.add_argument("--session", default="", help="continue this session (the id a previous turn printed)")
-    chat.add_argument("--agent", default="", help="agent profile (default: the daemon's default_agent)")
-    chat.add_argument("--ask", action="store_true", help="ask at the terminal when the agent asks permission")
-    chat.add_argument(
-        "--busy",
-        choices=[p.value for p in BusyPolicy],
-        default=None,
-        help="while the session runs another turn: reject (the default), queue behind it, or interrupt it",
-    )
-    chat.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="ID=VALUE",
-        help="set an agent config option before the prompt, e.g. model=opus or mode=plan (repeatable)",
-    )
-    chat.add_argument(
-        "prompt", nargs="?", help="what to say (default: read from stdin; on a terminal, Tab completes /commands)"
-    )
-    sessions = commands.add_parser("sessions", parents=[common], help="list, show, close or delete sessions")
-    sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
-    sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
-    sessions.add_argument("--project", default="", help="list only this project's sessions")
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from rcoder import client_args
 from rcoder.client import (
     Busy,
     BusyPolicy,
@@ -600,3 +601,8 @@ def test_the_request_carries_every_argument() -> None:
     assert request.permission_mode == pb.PERMISSION_MODE_DENY and request.system_prompt == "be brief"
     assert chat_request("p", "hi").permission_mode == pb.PERMISSION_MODE_UNSPECIFIED
     assert isinstance(RcoderClientError("x"), Exception) and str(RcoderClientError("plain")) == "plain"
+
+
+@pytest.mark.fast
+def test_the_busy_choices_of_rcoder_chat_are_the_clients_busy_policies() -> None:
+    assert tuple(policy.value for policy in BusyPolicy) == client_args.BUSY_POLICIES

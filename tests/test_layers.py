@@ -39,12 +39,13 @@ ALLOWED: dict[str, set[str]] = {
     # generated from the proto: its messages and stubs only
     "v1": {"v1"},
     # argv → Settings → serve / chat; `daemon` is imported late, by `serve` only
-    "cli": {"cli", "config", "errors", "logs", "client_cli", "client", "health_check", "daemon", ROOT},
+    "cli": {"cli", "config", "errors", "logs", "client_args", "client_cli", "client", "health_check", "daemon", ROOT},
     "__main__": {"cli"},
     # beside the daemon: the Python client of it (the generated stubs only), the CLI made on that
     # client, and an ACP agent it runs
     "client": {"client", "v1"},
-    "client_cli": {"client"},
+    "client_cli": {"client", "client_args"},
+    "client_args": set(),  # the client commands' arguments: stdlib only, as `rcoder serve` parses them too
     "echo_agent": {"agent"},
     # `rcoder health`: the daemon's grpc.health.v1 on its own port (the image's HEALTHCHECK)
     "health_check": set(),  # rcoder.agent.sdk alone: the SDK imported quickly, as the daemon does

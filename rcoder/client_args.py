@@ -1,0 +1,58 @@
+"""The arguments of ``rcoder chat`` and ``rcoder sessions``, apart from the client they drive.
+
+``rcoder serve`` builds the same parser as the client commands, so what the parser needs is kept
+here, in the standard library alone: importing the client (``rcoder.client_cli``) costs ~0.1 s of
+CPU, which every daemon's start paid before it was imported only by the commands that use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# rcoder.client.BusyPolicy's values, as ``--busy`` takes them (tests/test_client_cli.py checks the two agree)
+BUSY_POLICIES = ("reject", "queue", "interrupt")
+
+
+def add_commands(commands: Any) -> None:
+    """Add ``chat`` and ``sessions`` to the ``rcoder`` subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--target",
+        help=f"the daemon, host:port (default: $RCODER_TARGET, else this host's daemon: the port of its listen, "
+        f"$RCODER_LISTEN or the config's, on loopback; else {DEFAULT_TARGET})",
+    )
+    common.add_argument(
+        "--token",
+        help="sent as 'authorization: Bearer <token>' (default: $RCODER_TOKEN, else the daemon's: its "
+        "auth_token, else <data_dir>/auth_token, found through --config)",
+    )
+    common.add_argument("--config", type=Path, help="the daemon's config file (default: $RCODER_CONFIG)")
+    common.add_argument("--json", action="store_true", help="print one JSON object per line, for scripts")
+    chat = commands.add_parser("chat", parents=[common], help="one turn with an agent, streamed")
+    chat.add_argument("--project", required=True, help="project id (its folder under the daemon's workspace_root)")
+    chat.add_argument("--session", default="", help="continue this session (the id a previous turn printed)")
+    chat.add_argument("--agent", default="", help="agent profile (default: the daemon's default_agent)")
+    chat.add_argument("--ask", action="store_true", help="ask at the terminal when the agent asks permission")
+    chat.add_argument(
+        "--busy",
+        choices=BUSY_POLICIES,
+        default=None,
+        help="while the session runs another turn: reject (the default), queue behind it, or interrupt it",
+    )
+    chat.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="ID=VALUE",
+        help="set an agent config option before the prompt, e.g. model=opus or mode=plan (repeatable)",
+    )
+    chat.add_argument(
+        "prompt", nargs="?", help="what to say (default: read from stdin; on a terminal, Tab completes /commands)"
+    )
+    sessions = commands.add_parser("sessions", parents=[common], help="list, show, close or delete sessions")
+    sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
+    sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
+    sessions.add_argument("--project", default="", help="list only this project's sessions")

@@ -11,6 +11,8 @@ is a ``ConfigError`` naming the key's full path, e.g. ``agents.codex.warm_pool``
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 import shutil
 import tomllib
@@ -51,10 +53,10 @@ DEFAULTS_VARIABLE = "RCODER_DEFAULTS"
 
 
 class _Schema(BaseModel):
-    # the docstring under each key is its description: the configuration reference is made from it
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
-    )  # "8" is no number, 1 no boolean
+    # The docstring under each key is its description: the configuration reference is made from it
+    # (``key_descriptions``). Not pydantic's ``use_attribute_docstrings``: that reads and parses this
+    # file's source at every import, ~30 ms of every daemon's start, for text only the docs show.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "8" is no number, 1 no boolean
 
 
 class PermissionRule(_Schema):
@@ -365,3 +367,24 @@ def _read_toml(path: Path, key: str = "--config") -> dict[str, Any]:
         raise ConfigError(key, f"file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(key, f"{path} is not valid TOML: {exc}") from None
+
+
+def key_descriptions(model: type[BaseModel]) -> dict[str, str]:
+    """Each key of ``model`` (its bases' included) and the docstring written under it: the
+    configuration reference's descriptions (docs/config-reference.md), read from the source."""
+    described: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if not (isinstance(cls, type) and issubclass(cls, _Schema)):
+            continue
+        body = ast.parse(inspect.getsource(cls)).body[0]
+        assert isinstance(body, ast.ClassDef)
+        for key, text in zip(body.body, body.body[1:], strict=False):
+            if (
+                isinstance(key, ast.AnnAssign)
+                and isinstance(key.target, ast.Name)
+                and isinstance(text, ast.Expr)
+                and isinstance(text.value, ast.Constant)
+                and isinstance(text.value.value, str)
+            ):
+                described[key.target.id] = inspect.cleandoc(text.value.value)
+    return described

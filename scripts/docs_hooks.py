@@ -130,7 +130,7 @@ def _enum(
 
 def config_reference() -> str:
     """The configuration reference page, from the settings model's fields and their docstrings."""
-    from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys
+    from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys, key_descriptions
 
     missing: list[str] = []
     lines = [
@@ -148,14 +148,16 @@ def config_reference() -> str:
     ]
     for title, model, env in tables:
         lines += [f"## {title}", "", "| key | type | default | variable | description |", "|---|---|---|---|---|"]
+        descriptions = key_descriptions(model)
         for key, field in model.model_fields.items():
-            if not field.description:
+            description = descriptions.get(key, "")
+            if not description:
                 missing.append(f"{model.__name__}.{key}")
             value = None if field.is_required() else field.get_default(call_default_factory=True)
             default = "required" if field.is_required() else f"`{_default(value)}`"
             variable = f"`RCODER_{key.upper()}`" if env else "—"
             kind = _cell(_type_name(field.annotation))
-            described = _cell(" ".join((field.description or "").split()))
+            described = _cell(" ".join(description.split()))
             lines.append(f"| `{key}` | `{kind}` | {_cell(default)} | {variable} | {described} |")
         lines.append("")
     if missing:

@@ -1,10 +1,9 @@
 """A scripted ACP agent for rcoder's integration tests.
 
-It is a real process speaking real ACP (newline-delimited JSON-RPC over stdio) through the
-official SDK's agent side, so the daemon under test goes through exactly the code paths it
-uses with Claude, Codex or Gemini. Its behaviour is chosen by command-line flags (process
-level: capabilities, failures, hangs) and by directives written in the prompt text (turn
-level: streaming, tools, permissions, sleeps, crashes).
+It is a real process speaking real ACP (newline-delimited JSON-RPC 2.0 over stdio), so the daemon
+under test goes through exactly the code paths it uses with Claude, Codex or Gemini. Its behaviour
+is chosen by command-line flags (process level: capabilities, failures, hangs) and by directives
+written in the prompt text (turn level: streaming, tools, permissions, sleeps, crashes).
 
     python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close,list,fork]
         [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt]
@@ -78,8 +77,11 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  (`ttft` aside), and wait for that shell; the answer gets " shell=exit <code>". What
                  CMD leaves running (`setsid ... &`, a daemon) is the daemon's to end
 
-Only the standard library and the `acp` SDK are used (imported through rcoder.agent.sdk, which
-makes the import quick: ~0.7 s less CPU for each of the suite's many fake agents).
+It speaks the protocol directly, with the standard library only (no `acp` SDK, no rcoder): the
+suite starts it hundreds of times, and importing the SDK's pydantic schema cost ~0.5 s of CPU per
+start. What it sends is what the SDK's agent side sent for the same models (camelCase names, unset
+and null fields left out); the daemon validates every message with the SDK's models, so a malformed
+one fails the tests.
 """
 
 from __future__ import annotations
@@ -92,83 +94,17 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, cast
-
-from rcoder.agent.sdk import import_acp
-
-import_acp()  # the SDK imported quickly (rcoder/agent/sdk.py): ~0.7 s less CPU per fake agent start
-
-# isort: split
-from acp import (  # noqa: E402
-    Agent,
-    Client,
-    RequestError,
-    plan_entry,
-    run_agent,
-    start_tool_call,
-    stdio_streams,
-    text_block,
-    tool_content,
-    tool_diff_content,
-    update_agent_message_text,
-    update_agent_thought_text,
-    update_plan,
-    update_tool_call,
-    update_user_message_text,
-)
-from acp.connection import StreamDirection, StreamEvent  # noqa: E402
-from acp.core import DEFAULT_STDIO_BUFFER_LIMIT_BYTES  # noqa: E402
-from acp.helpers import ContentBlock  # noqa: E402
-from acp.schema import (  # noqa: E402
-    AgentCapabilities,
-    AllowedOutcome,
-    AvailableCommand,
-    AvailableCommandInput,
-    AvailableCommandsUpdate,
-    CloseSessionResponse,
-    ConfigOptionUpdate,
-    Cost,
-    CurrentModeUpdate,
-    ForkSessionResponse,
-    Implementation,
-    InitializeResponse,
-    ListSessionsResponse,
-    LoadSessionResponse,
-    NewSessionResponse,
-    PermissionOption,
-    PromptCapabilities,
-    PromptResponse,
-    ResumeSessionResponse,
-    SessionCapabilities,
-    SessionCloseCapabilities,
-    SessionConfigOptionBoolean,
-    SessionConfigOptionSelect,
-    SessionConfigSelectOption,
-    SessionForkCapabilities,
-    SessionInfo,
-    SessionListCapabilities,
-    SessionMode,
-    SessionModeState,
-    SessionResumeCapabilities,
-    SetSessionConfigOptionResponse,
-    SetSessionModeResponse,
-    StopReason,
-    TextContentBlock,
-    ToolCallLocation,
-    ToolCallUpdate,
-    UnstructuredCommandInput,
-    Usage,
-    UsageUpdate,
-)
+from typing import Any, NoReturn
 
 SESSION_CAPS = frozenset({"resume", "load", "meta", "close", "list", "fork"})
 DEFAULT_CAPS = SESSION_CAPS - {"list", "fork"}
 PROMPT_CAPS = frozenset({"image", "audio", "embedded"})
-SCRIPTED_STOPS: tuple[StopReason, ...] = ("end_turn", "max_tokens", "max_turn_requests", "refusal")
+SCRIPTED_STOPS = ("end_turn", "max_tokens", "max_turn_requests", "refusal")
 SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")  # session ids become file names: nothing else gets in
 REMEMBER = re.compile(r"remember\s+(\d+)", re.IGNORECASE)
 SHELL = re.compile(r"^shell (.+)$", re.MULTILINE)
@@ -304,8 +240,8 @@ class SessionStore:
             return None
         return Session(session_id, data["cwd"], data.get("system_prompt"), list(data.get("history", [])))
 
-    def listed(self, cwd: str | None) -> list[SessionInfo]:
-        """Every stored session (of ``cwd``, when given), sorted by id."""
+    def listed(self, cwd: str | None) -> list[dict[str, str]]:
+        """Every stored session (of ``cwd``, when given), sorted by id, as ACP SessionInfo objects."""
         found = []
         for path in sorted(self.dir.glob("[!.]*.json")):
             try:
@@ -313,7 +249,7 @@ class SessionStore:
             except FileNotFoundError:
                 continue  # removed since the glob
             if cwd is None or os.path.normpath(data["cwd"]) == os.path.normpath(cwd):
-                found.append(SessionInfo(session_id=path.stem, cwd=data["cwd"]))
+                found.append({"sessionId": path.stem, "cwd": data["cwd"]})
         return found
 
 
@@ -352,7 +288,7 @@ class Script:
         # `readfile P`, `child-writefile P`, ...: (operation, path) in the order written
         self.file_ops: list[tuple[str, str]] = FILE_OP.findall(text)
         stops = (s for s in SCRIPTED_STOPS if re.search(rf"\bstop\s+{s}\b", text))
-        self.stop: StopReason = next(stops, "end_turn")
+        self.stop: str = next(stops, "end_turn")
 
 
 def recall(prompts: list[str]) -> str:
@@ -416,30 +352,306 @@ def die(message: str, code: int) -> NoReturn:
     os._exit(code)
 
 
+# --------------------------------------------------------------------------- JSON-RPC over stdio
+
+# The longest line read whole: the SDK's acp.core.DEFAULT_STDIO_BUFFER_LIMIT_BYTES, which it gave
+# its stdin reader (a longer line is still read, in pieces joined again).
+STDIO_BUFFER_LIMIT_BYTES = 50 * 1024 * 1024
+
+JsonObject = dict[str, Any]
+
+
+class RequestError(Exception):
+    """An error answer. Its object always carries "data" (null when there is none), as the SDK's did."""
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+    def to_error_obj(self) -> JsonObject:
+        return {"code": self.code, "message": self.message, "data": self.data}
+
+
+def method_not_found(method: Any) -> RequestError:
+    return RequestError(-32601, "Method not found", {"method": method})
+
+
+def internal_error(exc: Exception) -> RequestError:
+    """An unexpected failure, answered as the SDK did: -32603, the exception's text as details."""
+    try:
+        data = json.loads(str(exc))
+    except ValueError:
+        data = {"details": str(exc)}
+    return RequestError(-32603, "Internal error", data)
+
+
+def params_of(params: Any, *required: str) -> JsonObject:
+    """The request's params, checked to hold the ``required`` (camelCase) fields: else -32602.
+
+    The SDK validated params with its pydantic models and answered a failure -32602 "Invalid
+    params" with pydantic's error list; this checks only presence, the errors in the same shape."""
+    if not isinstance(params, dict):
+        errors = [{"type": "model_type", "loc": [], "msg": "Input should be an object", "input": params}]
+        raise RequestError(-32602, "Invalid params", {"errors": errors})
+    if missing := [name for name in required if name not in params]:
+        errors = [{"type": "missing", "loc": [name], "msg": "Field required", "input": params} for name in missing]
+        raise RequestError(-32602, "Invalid params", {"errors": errors})
+    return params
+
+
+RequestHandler = Callable[[str, Any], Awaitable[Any]]
+
+
+class Connection:
+    """Newline-delimited JSON-RPC 2.0 on stdin/stdout, dispatched the way the SDK's Connection did.
+
+    Each incoming request or notification runs in a task of its own, started in arrival order (so
+    session/cancel is seen while a prompt runs); a request's answer is written when its handler
+    returns. Outgoing messages are written whole, in the order they are sent."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: Path | None) -> None:
+        self.reader, self.writer = reader, writer
+        self.on_request: RequestHandler | None = None
+        self.on_notification: RequestHandler | None = None
+        self.record = make_recorder(record) if record else None
+        self.next_request_id = 0  # for our requests to the client (session/request_permission)
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.handlers: set[asyncio.Task[None]] = set()
+
+    # ---- writing
+
+    def write_line(self, data: bytes) -> None:
+        """Queue raw bytes on stdout at once (no await: what is written first goes out first)."""
+        self.writer.write(data)
+
+    async def send(self, message: JsonObject) -> None:
+        self.write_line((json.dumps(message, separators=(",", ":")) + "\n").encode("utf-8"))
+        await self.writer.drain()
+
+    async def notify(self, method: str, params: JsonObject) -> None:
+        await self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def request(self, method: str, params: JsonObject) -> Any:
+        """Send a request to the client and await its result (its error is raised as RequestError)."""
+        request_id, self.next_request_id = self.next_request_id, self.next_request_id + 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = future
+        try:
+            await self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+            return await future
+        finally:
+            self.pending.pop(request_id, None)
+
+    # ---- reading
+
+    async def serve(self) -> None:
+        """Read and dispatch messages until stdin closes; then end what is still being handled."""
+        while (line := await self.read_line()) is not None:
+            message = parse_message(line)
+            if message is None:
+                continue
+            if self.record:
+                self.record(message)  # before dispatching, as the SDK's observers saw it
+            self.dispatch(message)
+        for future in self.pending.values():  # the client is gone: nobody will answer these
+            if not future.done():
+                future.set_exception(ConnectionError("Connection closed"))
+        for task in list(self.handlers):
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+
+    async def read_line(self) -> bytes | None:
+        """The next line (a longer one than the limit too, in pieces); None at end of input."""
+        chunks: list[bytes] = []
+        try:
+            while True:
+                try:
+                    chunks.append(await self.reader.readuntil(b"\n"))
+                except asyncio.LimitOverrunError as exc:
+                    chunks.append(await self.reader.readexactly(exc.consumed))
+                else:
+                    break
+        except asyncio.IncompleteReadError as exc:
+            chunks.append(exc.partial)
+        data = b"".join(chunks)
+        return data or None
+
+    def dispatch(self, message: JsonObject) -> None:
+        method = message.get("method")
+        if method is None:
+            if "id" in message:
+                self.settle(message)  # the client's answer to one of our requests
+            return
+        work = self.answer(message) if "id" in message else self.notified(message)
+        task = asyncio.create_task(work)
+        self.handlers.add(task)
+        task.add_done_callback(self.handlers.discard)
+
+    def settle(self, message: JsonObject) -> None:
+        future = self.pending.get(message["id"]) if isinstance(message["id"], int) else None
+        if future is None or future.done():
+            return
+        if "result" in message:
+            future.set_result(message["result"])
+        elif "error" in message:
+            error = message.get("error") or {}
+            future.set_exception(
+                RequestError(error.get("code", -32603), error.get("message", "Error"), error.get("data"))
+            )
+        else:
+            future.set_result(None)
+
+    async def answer(self, message: JsonObject) -> None:
+        assert self.on_request is not None
+        payload: JsonObject = {"jsonrpc": "2.0", "id": message["id"]}
+        try:
+            payload["result"] = await self.on_request(message["method"], message.get("params"))
+        except RequestError as exc:
+            payload["error"] = exc.to_error_obj()
+        except Exception as exc:
+            traceback.print_exc()  # the SDK logged these too, on stderr
+            payload["error"] = internal_error(exc).to_error_obj()
+        await self.send(payload)
+
+    async def notified(self, message: JsonObject) -> None:
+        assert self.on_notification is not None
+        try:
+            await self.on_notification(message["method"], message.get("params"))
+        except Exception:
+            traceback.print_exc()  # a notification has no answer: the SDK only logged its failure
+
+
+def parse_message(line: bytes) -> JsonObject | None:
+    """One JSON-RPC message; None for a blank line or one that is not a JSON object (skipped)."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        message = json.loads(line)
+    except ValueError:
+        print(f"fake agent: not JSON, skipped: {line[:200]!r}", file=sys.stderr)
+        return None
+    return message if isinstance(message, dict) else None
+
+
+async def stdio_streams() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Non-blocking streams on stdin and stdout, as the SDK's stdio_streams made them."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=STDIO_BUFFER_LIMIT_BYTES)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout)
+    return reader, asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+# --------------------------------------------------------------------------- ACP messages
+# What the SDK's models dumped to: camelCase names, unset and null fields left out.
+
+
+def text_block(text: str) -> JsonObject:
+    return {"type": "text", "text": text}
+
+
+def message_chunk(text: str, kind: str = "agent_message_chunk") -> JsonObject:
+    """An agent_message_chunk (or agent_thought_chunk, user_message_chunk) of text."""
+    return {"sessionUpdate": kind, "content": text_block(text)}
+
+
+def text_content(text: str) -> JsonObject:
+    """Tool call content: a text block."""
+    return {"type": "content", "content": text_block(text)}
+
+
+def tool_call(tool_call_id: str, title: str, **fields: Any) -> JsonObject:
+    """A tool_call update (the start of a tool call); ``fields`` already camelCase."""
+    return {"sessionUpdate": "tool_call", "toolCallId": tool_call_id, "title": title, **fields}
+
+
+def tool_call_update(tool_call_id: str, **fields: Any) -> JsonObject:
+    return {"sessionUpdate": "tool_call_update", "toolCallId": tool_call_id, **fields}
+
+
+def plan_entry(content: str, priority: str, status: str) -> JsonObject:
+    return {"content": content, "priority": priority, "status": status}
+
+
+def config_options(session: Session) -> list[JsonObject]:
+    """The --offer options: a select option per OFFERED entry, at the session's values."""
+    return [
+        {
+            "type": "select", "id": option_id, "name": name, "category": category,
+            "currentValue": session.config[option_id],
+            "options": [{"value": value, "name": label} for value, label in values],
+        }
+        for option_id, (name, category, values, _) in OFFERED.items()
+    ]  # fmt: skip
+
+
+def modes(session: Session) -> JsonObject:
+    """The --offer modes: an ACP SessionModeState."""
+    available = [{"id": value, "name": label} for value, label in OFFERED["mode"][2]]
+    return {"currentModeId": session.config["mode"], "availableModes": available}
+
+
+def commands_update() -> JsonObject:
+    commands = [
+        {"name": name, "description": description, **({"input": {"hint": hint}} if hint else {})}
+        for name, description, hint in COMMANDS
+    ]
+    return {"sessionUpdate": "available_commands_update", "availableCommands": commands}
+
+
+PERMISSION_OPTIONS = [
+    {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+    {"optionId": "allow-always", "name": "Always allow", "kind": "allow_always"},
+    {"optionId": "reject", "name": "Reject", "kind": "reject_once"},
+]
+PROMPT_USAGE = {"inputTokens": 100, "outputTokens": 20, "cachedReadTokens": 5, "totalTokens": 125}
+
+
 # --------------------------------------------------------------------------- the agent
 
 
 class FakeAgent:
-    """The ACP Agent. The SDK routes requests to these methods by name; missing ones answer -32601."""
+    """The ACP agent: a handler per method (the `requests` table); any other method answers -32601."""
 
-    def __init__(self, opts: Options, stdout: asyncio.StreamWriter) -> None:
+    def __init__(self, opts: Options, conn: Connection) -> None:
         self.opts = opts
-        self.stdout = stdout  # the SDK's own writer, used for the `garbage` line
+        self.conn = conn
         self.store = SessionStore(opts.state_dir)
         self.sessions: dict[str, Session] = {}  # sessions open in this process
         self.never = asyncio.Event()  # awaited by --hang; nobody sets it
         self.background: set[asyncio.Task[None]] = set()
         self.usage_turns: dict[str, int] = {}  # turns that reported usage, per session, in this process
-        self.conn: Client  # set by on_connect, which the SDK calls while building the connection
+        self.requests: dict[str, Callable[[Any], Awaitable[JsonObject]]] = {
+            "initialize": self.initialize,
+            "session/new": self.new_session,
+            "session/load": self.load_session,
+            "session/resume": self.resume_session,
+            "session/fork": self.fork_session,
+            "session/list": self.list_sessions,
+            "session/close": self.close_session,
+            "session/set_config_option": self.set_config_option,
+            "session/set_mode": self.set_session_mode,
+            "session/prompt": self.prompt,
+        }
+        conn.on_request, conn.on_notification = self.handle_request, self.handle_notification
 
-    def on_connect(self, conn: Client) -> None:
-        self.conn = conn
+    async def handle_request(self, method: str, params: Any) -> JsonObject:
+        handler = self.requests.get(method) if isinstance(method, str) else None
+        if handler is None:  # authenticate, extension methods ("_..."), anything unknown
+            raise method_not_found(method)
+        return await handler(params)
+
+    async def handle_notification(self, method: str, params: Any) -> None:
+        if method == "session/cancel":
+            await self.cancel(params)
+        # others: the SDK answered nothing and only logged them
 
     # ---- helpers
 
     def _require(self, cap: str, method: str) -> None:
         if cap not in self.opts.caps:
-            raise RequestError.method_not_found(method)
+            raise method_not_found(method)
 
     async def _gate(self, stage: str) -> None:
         """Apply --hang and --auth-required to the request stage `stage`."""
@@ -470,8 +682,12 @@ class FakeAgent:
         self.sessions[session.id] = session
         return session
 
+    async def _update(self, session_id: str, update: JsonObject) -> None:
+        """A session/update notification."""
+        await self.conn.notify("session/update", {"sessionId": session_id, "update": update})
+
     async def _say(self, session_id: str, text: str) -> None:
-        await self.conn.session_update(session_id=session_id, update=update_agent_message_text(text))
+        await self._update(session_id, message_chunk(text))
 
     async def _cancelled_within(self, session: Session, ms: int | None) -> bool:
         """Wait `ms` milliseconds (None: forever); True if the turn was cancelled meanwhile."""
@@ -484,42 +700,48 @@ class FakeAgent:
 
     async def _replay(self, session: Session) -> None:
         for index, turn in enumerate(session.history):
-            await self.conn.session_update(session.id, update_user_message_text(turn["prompt"]))
+            await self._update(session.id, message_chunk(turn["prompt"], "user_message_chunk"))
             if index == len(session.history) - 1 and self.opts.replay_pause_ms:
                 await asyncio.sleep(self.opts.replay_pause_ms / 1000)
             if turn["answer"]:
                 await self._say(session.id, turn["answer"])
 
+    def _background(self, work: Awaitable[None]) -> None:
+        """Run ``work`` after the current request's answer: the answer is written as soon as the
+        handler returns, before this task first runs."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     # ---- initialize and opening sessions
 
-    async def initialize(self, protocol_version: int, **kwargs: Any) -> InitializeResponse:
+    async def initialize(self, params: Any) -> JsonObject:
+        params_of(params, "protocolVersion")
         await self._gate("initialize")
         caps, prompt_caps = self.opts.caps, self.opts.prompt_caps
-        return InitializeResponse(
-            protocol_version=1,
-            agent_capabilities=AgentCapabilities(
-                load_session="load" in caps,
-                prompt_capabilities=PromptCapabilities(
-                    image="image" in prompt_caps,
-                    audio="audio" in prompt_caps,
-                    embedded_context="embedded" in prompt_caps,
-                ),
-                session_capabilities=SessionCapabilities(
-                    resume=SessionResumeCapabilities() if "resume" in caps else None,
-                    close=SessionCloseCapabilities() if "close" in caps else None,
-                    list=SessionListCapabilities() if "list" in caps else None,
-                    fork=SessionForkCapabilities() if "fork" in caps else None,
-                ),
-            ),
-            agent_info=Implementation(name=self.opts.name, version="1.0"),
-        )
+        # each session capability an empty object when advertised, left out when not
+        session_caps: JsonObject = {cap: {} for cap in ("fork", "list", "resume", "close") if cap in caps}
+        return {
+            "protocolVersion": 1,
+            "agentCapabilities": {
+                "loadSession": "load" in caps,
+                "promptCapabilities": {
+                    "image": "image" in prompt_caps,
+                    "audio": "audio" in prompt_caps,
+                    "embeddedContext": "embedded" in prompt_caps,
+                },
+                "sessionCapabilities": session_caps,
+            },
+            "agentInfo": {"name": self.opts.name, "version": "1.0"},
+        }
 
-    async def new_session(self, cwd: str, **kwargs: Any) -> NewSessionResponse:
-        # The SDK flattens `_meta` into kwargs: {"systemPrompt": {...}, "claudeCode": {...}}.
+    async def new_session(self, params: Any) -> JsonObject:
+        params = params_of(params, "cwd", "mcpServers")
+        cwd, meta = params["cwd"], params.get("_meta")  # _meta: {"systemPrompt": {...}, "claudeCode": {...}}
         await self._gate("open")
-        system_prompt = _dig(kwargs, "systemPrompt", "append")
+        system_prompt = _dig(meta, "systemPrompt", "append")
         system_prompt = system_prompt if isinstance(system_prompt, str) else None
-        resume_id = _dig(kwargs, "claudeCode", "options", "resume")
+        resume_id = _dig(meta, "claudeCode", "options", "resume")
         if "meta" in self.opts.caps and isinstance(resume_id, str):
             # Claude's adapter: session/new with _meta.claudeCode.options.resume reopens that id.
             session = self._open_stored(resume_id, cwd)
@@ -531,71 +753,70 @@ class FakeAgent:
             self.store.save(session)
             self.sessions[session.id] = session
         if self.opts.commands_at_open:
-            # after the response, as Claude's adapter does (queued before this task first runs)
-            self._background(self.conn.session_update(session.id, _commands_update()))
-        return NewSessionResponse(session_id=session.id, **self._offer(session))
+            self._background(self._update(session.id, commands_update()))  # after the answer, as Claude's adapter
+        return {"sessionId": session.id, **self._offer(session)}
 
-    async def resume_session(self, session_id: str, cwd: str, **kwargs: Any) -> ResumeSessionResponse:
+    async def resume_session(self, params: Any) -> JsonObject:
+        params = params_of(params, "sessionId", "cwd")
         self._require("resume", "session/resume")
         await self._gate("open")
-        session = self._open_stored(session_id, cwd)
-        return ResumeSessionResponse(**self._offer(session))
+        return self._offer(self._open_stored(params["sessionId"], params["cwd"]))
 
-    async def fork_session(self, cwd: str, session_id: str, **kwargs: Any) -> ForkSessionResponse:
+    async def fork_session(self, params: Any) -> JsonObject:
         """A new session holding a copy of the stored one's history (and nothing said later in either)."""
+        params = params_of(params, "sessionId", "cwd")
         self._require("fork", "session/fork")
         await self._gate("open")
+        session_id = params["sessionId"]
         source = self.sessions.get(session_id) or self.store.load(session_id)
         if source is None:
             raise self._gone(session_id)
-        branch = Session(f"fake-{uuid.uuid4().hex}", cwd, source.system_prompt, [dict(t) for t in source.history])
+        history = [dict(t) for t in source.history]
+        branch = Session(f"fake-{uuid.uuid4().hex}", params["cwd"], source.system_prompt, history)
         self.store.save(branch)
         self.sessions[branch.id] = branch
-        return ForkSessionResponse(session_id=branch.id, **self._offer(branch))
+        return {"sessionId": branch.id, **self._offer(branch)}
 
-    async def load_session(self, cwd: str, session_id: str, **kwargs: Any) -> LoadSessionResponse:
+    async def load_session(self, params: Any) -> JsonObject:
+        params = params_of(params, "mcpServers", "cwd", "sessionId")
         self._require("load", "session/load")
         await self._gate("open")
-        session = self._open_stored(session_id, cwd)
+        session = self._open_stored(params["sessionId"], params["cwd"])
         if not self.opts.replay_after_response:
             await self._replay(session)  # the spec: history first, then the response
-            return LoadSessionResponse(**self._offer(session))
-        # Gemini's order: answer, then replay. The SDK queues our response for writing before
-        # this task gets its first turn (no await between here and the queueing), so the
-        # replay's notifications always follow the response on the wire.
-        task = asyncio.create_task(self._replay(session))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return LoadSessionResponse(**self._offer(session))
+            return self._offer(session)
+        # Gemini's order: answer, then replay (the task first runs after the answer is written).
+        self._background(self._replay(session))
+        return self._offer(session)
 
-    async def list_sessions(
-        self, cwd: str | None = None, cursor: str | None = None, **kwargs: Any
-    ) -> ListSessionsResponse:
+    async def list_sessions(self, params: Any) -> JsonObject:
+        params = params_of(params)
         self._require("list", "session/list")
+        cwd, cursor = params.get("cwd"), params.get("cursor")
         if self.opts.list_delay_ms:
             await asyncio.sleep(self.opts.list_delay_ms / 1000)
         if self.opts.list_fail:
             raise RequestError(-32603, "Internal error", {"details": "scripted list failure"})
-        padding = [SessionInfo(session_id=f"listed-pad-{i:04d}", cwd=cwd or "/") for i in range(self.opts.list_padding)]
+        padding = [{"sessionId": f"listed-pad-{i:04d}", "cwd": cwd or "/"} for i in range(self.opts.list_padding)]
         listed = padding + self.store.listed(cwd)
         start = int(cursor.removeprefix("after-")) if cursor else 0
         end = start + (self.opts.list_page or len(listed) or 1)
-        more = f"after-{end}" if end < len(listed) else None
-        return ListSessionsResponse(sessions=listed[start:end], next_cursor=more)
+        more = {"nextCursor": f"after-{end}"} if end < len(listed) else {}
+        return {"sessions": listed[start:end], **more}
 
     # ---- config options and modes (--offer)
 
-    def _offer(self, session: Session) -> dict[str, Any]:
+    def _offer(self, session: Session) -> JsonObject:
         """What a response that opens ``session`` offers: config options, or modes, or nothing."""
         if self.opts.offer == "options":
-            return {"config_options": _config_options(session)}
+            return {"configOptions": config_options(session)}
         if self.opts.offer == "modes":
-            return {"modes": _modes(session)}
+            return {"modes": modes(session)}
         return {}
 
-    async def set_config_option(
-        self, config_id: str, session_id: str, value: str | bool, **kwargs: Any
-    ) -> SetSessionConfigOptionResponse:
+    async def set_config_option(self, params: Any) -> JsonObject:
+        params = params_of(params, "sessionId", "configId", "value")
+        session_id, config_id, value = params["sessionId"], params["configId"], params["value"]
         session = self.sessions.get(session_id)
         if session is None or self.opts.offer != "options":
             raise RequestError(-32602, f"Session not found or no config options: {session_id}")
@@ -603,40 +824,39 @@ class FakeAgent:
         if offered is None or value not in [v for v, _ in offered[2]]:
             raise RequestError(-32602, f"Invalid params: no value {value!r} for {config_id!r}")
         session.config[config_id] = str(value)
-        return SetSessionConfigOptionResponse(config_options=_config_options(session))
+        return {"configOptions": config_options(session)}
 
-    async def set_session_mode(self, session_id: str, mode_id: str, **kwargs: Any) -> SetSessionModeResponse:
-        session = self.sessions.get(session_id)
+    async def set_session_mode(self, params: Any) -> JsonObject:
+        params = params_of(params, "sessionId", "modeId")
+        session, mode_id = self.sessions.get(params["sessionId"]), params["modeId"]
         if session is None or self.opts.offer != "modes" or mode_id not in [v for v, _ in OFFERED["mode"][2]]:
             raise RequestError(-32602, f"Invalid params: no mode {mode_id!r}")
         session.config["mode"] = mode_id
-        return SetSessionModeResponse()
+        return {}
 
-    def _background(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def close_session(self, session_id: str, **kwargs: Any) -> CloseSessionResponse:
+    async def close_session(self, params: Any) -> JsonObject:
+        params = params_of(params, "sessionId")
         self._require("close", "session/close")
-        if session := self.sessions.pop(session_id, None):
+        if session := self.sessions.pop(params["sessionId"], None):
             session.cancelled.set()  # a running turn ends as cancelled
-        return CloseSessionResponse()
+        return {}
 
-    async def cancel(self, session_id: str, **kwargs: Any) -> None:
-        if session := self.sessions.get(session_id):
+    async def cancel(self, params: Any) -> None:
+        if session := self.sessions.get(params_of(params, "sessionId")["sessionId"]):
             session.cancelled.set()
 
     # ---- the prompt turn
 
-    async def prompt(self, session_id: str, prompt: list[ContentBlock], **kwargs: Any) -> PromptResponse:
+    async def prompt(self, params: Any) -> JsonObject:
+        params = params_of(params, "sessionId", "prompt")
         await self._gate("prompt")
+        session_id, blocks = params["sessionId"], params["prompt"]
         session = self.sessions.get(session_id)
         if session is None:
             raise RequestError(-32602, f"Session not found: {session_id}")
         session.cancelled.clear()
-        text = "\n".join(block.text for block in prompt if isinstance(block, TextContentBlock))
-        attachments = "".join(f" [got {b.type}]" for b in prompt if not isinstance(b, TextContentBlock))
+        text = "\n".join(block["text"] for block in blocks if block.get("type") == "text")
+        attachments = "".join(f" [got {b.get('type')}]" for b in blocks if b.get("type") != "text")
         script = Script(text)
         attachments += "".join(f" env[{n}]={os.environ.get(n, '<unset>')}" for n in script.env_names)
         for op, path in script.file_ops:
@@ -654,11 +874,10 @@ class FakeAgent:
         # still finds the turn on disk.
         self.store.save(session)
         if script.usage:
-            tokens = Usage(input_tokens=100, output_tokens=20, cached_read_tokens=5, total_tokens=125)
-            return PromptResponse(stop_reason=stop, usage=tokens)
-        return PromptResponse(stop_reason=stop)
+            return {"stopReason": stop, "usage": PROMPT_USAGE}
+        return {"stopReason": stop}
 
-    async def _perform(self, session: Session, script: Script) -> tuple[StopReason, str | None]:
+    async def _perform(self, session: Session, script: Script) -> tuple[str, str | None]:
         """Run the directives; return the stop reason and a suffix for the answer (None: no answer)."""
         sid, suffix = session.id, ""
         if script.ttft_ms and await self._cancelled_within(session, script.ttft_ms):
@@ -668,14 +887,9 @@ class FakeAgent:
         if script.stderr_bytes:
             write_stderr_log(script.stderr_bytes)
         if script.garbage:
-            # Through the SDK's own writer: whole line, between two JSON-RPC messages.
-            self.stdout.write(b"this is not json\n")
-            for update in ({"sessionUpdate": "future_kind", "n": 1}, {"sessionUpdate": "tool_call"}):
-                note = {"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": sid, "update": update}}
-                self.stdout.write(json.dumps(note).encode() + b"\n")
-            await self.stdout.drain()
+            await self._garbage(sid)
         if script.think:
-            await self.conn.session_update(sid, update_agent_thought_text("thinking..."))
+            await self._update(sid, message_chunk("thinking...", "agent_thought_chunk"))
         if script.tool:
             await self._tool_call(sid)
         if script.edits:
@@ -689,25 +903,14 @@ class FakeAgent:
             if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
-        if script.agent_mode:  # the agent changes its own mode, and says so
-            session.config["mode"] = script.agent_mode
-            if self.opts.offer == "options":
-                options = _config_options(session)
-                await self.conn.session_update(sid, ConfigOptionUpdate(session_update="config_option_update",
-                                                                       config_options=options))  # fmt: skip
-            elif self.opts.offer == "modes":
-                mode = CurrentModeUpdate(session_update="current_mode_update", current_mode_id=script.agent_mode)
-                await self.conn.session_update(sid, mode)
+        if script.agent_mode:
+            await self._change_own_mode(session, script.agent_mode)
         if script.commands:
-            await self.conn.session_update(sid, _commands_update())
+            await self._update(sid, commands_update())
         if script.show_options:
             suffix += f" options[model={session.config['model']} mode={session.config['mode']}]"
         if script.usage:
-            # the session's cost so far, counted by this process (as Claude's adapter does)
-            self.usage_turns[sid] = self.usage_turns.get(sid, 0) + 1
-            cost = Cost(amount=0.25 * self.usage_turns[sid], currency="USD")
-            usage = UsageUpdate(session_update="usage_update", used=10 * self.usage_turns[sid], size=1000, cost=cost)
-            await self.conn.session_update(sid, usage)
+            await self._usage_update(sid)
         if script.sleep_ms is not None and await self._cancelled_within(session, script.sleep_ms):
             return "cancelled", None
         if script.hang:
@@ -724,93 +927,80 @@ class FakeAgent:
             await self._say(sid, "x" * script.bigline)
         count, size = script.bigtools
         for i in range(count):
-            body = [tool_content(text_block("y" * size))]
-            await self.conn.session_update(sid, start_tool_call(f"big-{i}", "big output", kind="read", content=body))
+            body = [text_content("y" * size)]
+            await self._update(sid, tool_call(f"big-{i}", "big output", kind="read", content=body))
         if script.fail:
             raise RequestError(-32603, "Internal error", {"details": "scripted failure"})
         return script.stop, suffix
 
+    async def _garbage(self, sid: str) -> None:
+        """A line that is not JSON, then two session/updates the ACP schema does not take."""
+        self.conn.write_line(b"this is not json\n")  # whole line, between two JSON-RPC messages
+        for update in ({"sessionUpdate": "future_kind", "n": 1}, {"sessionUpdate": "tool_call"}):
+            note = {"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": sid, "update": update}}
+            self.conn.write_line(json.dumps(note).encode() + b"\n")
+        await self.conn.writer.drain()
+
     async def _tool_call(self, sid: str) -> None:
-        raw_input = {"path": "x"}
-        start = start_tool_call("call-1", "touch file", kind="edit", status="pending", raw_input=raw_input)
-        await self.conn.session_update(sid, start)
-        plan = update_plan(
-            [
-                plan_entry("look around", priority="high", status="completed"),
-                plan_entry("touch file", priority="medium", status="in_progress"),
-            ]
+        await self._update(
+            sid, tool_call("call-1", "touch file", kind="edit", status="pending", rawInput={"path": "x"})
         )
-        await self.conn.session_update(sid, plan)
-        done = update_tool_call("call-1", status="completed", content=[tool_content(text_block("done"))])
-        await self.conn.session_update(sid, done)
+        entries = [
+            plan_entry("look around", priority="high", status="completed"),
+            plan_entry("touch file", priority="medium", status="in_progress"),
+        ]
+        await self._update(sid, {"sessionUpdate": "plan", "entries": entries})
+        await self._update(sid, tool_call_update("call-1", status="completed", content=[text_content("done")]))
 
     async def _edits(self, sid: str) -> None:
-        where = [ToolCallLocation(path="notes.txt")]
-        edit = start_tool_call("call-e", "Edit notes.txt", kind="edit", status="pending", locations=where)
-        await self.conn.session_update(sid, edit)
-        diff = tool_diff_content("notes.txt", "one\nthree\nfour\n", "one\ntwo\n")
-        await self.conn.session_update(sid, update_tool_call("call-e", status="completed", content=[diff]))
-        run = start_tool_call("call-x", "Terminal", kind="execute", status="pending", raw_input={"command": "ls -la"})
-        await self.conn.session_update(sid, run)
+        where = [{"path": "notes.txt"}]
+        await self._update(sid, tool_call("call-e", "Edit notes.txt", kind="edit", status="pending", locations=where))
+        diff = {"type": "diff", "path": "notes.txt", "oldText": "one\ntwo\n", "newText": "one\nthree\nfour\n"}
+        await self._update(sid, tool_call_update("call-e", status="completed", content=[diff]))
+        run = tool_call("call-x", "Terminal", kind="execute", status="pending", rawInput={"command": "ls -la"})
+        await self._update(sid, run)
         raw_output = {"exit_code": 2, "aggregated_output": "x\n"}
-        ran = update_tool_call("call-x", status="completed", raw_output=raw_output)
-        await self.conn.session_update(sid, ran)
+        await self._update(sid, tool_call_update("call-x", status="completed", rawOutput=raw_output))
+
+    async def _change_own_mode(self, session: Session, mode: str) -> None:
+        """The agent moves itself to ``mode``, and says so in the way its --offer does."""
+        session.config["mode"] = mode
+        if self.opts.offer == "options":
+            update = {"sessionUpdate": "config_option_update", "configOptions": config_options(session)}
+            await self._update(session.id, update)
+        elif self.opts.offer == "modes":
+            await self._update(session.id, {"sessionUpdate": "current_mode_update", "currentModeId": mode})
+
+    async def _usage_update(self, sid: str) -> None:
+        """The session's usage so far, counted by this process (as Claude's adapter does)."""
+        turns = self.usage_turns[sid] = self.usage_turns.get(sid, 0) + 1
+        cost = {"amount": 0.25 * turns, "currency": "USD"}
+        await self._update(sid, {"sessionUpdate": "usage_update", "used": 10 * turns, "size": 1000, "cost": cost})
 
     async def _ask_permission(self, sid: str) -> str:
         """Ask the client; return the selected option id, or "cancelled"."""
-        tool_call = ToolCallUpdate(tool_call_id="call-p", title="touch file", kind="edit", status="pending")
-        response = await self.conn.request_permission(
-            session_id=sid,
-            tool_call=tool_call,
-            options=[
-                PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
-                PermissionOption(option_id="allow-always", name="Always allow", kind="allow_always"),
-                PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
-            ],
-        )
-        outcome = response.outcome
-        return outcome.option_id if isinstance(outcome, AllowedOutcome) else "cancelled"
-
-
-def _config_options(session: Session) -> list[SessionConfigOptionSelect | SessionConfigOptionBoolean]:
-    return [
-        SessionConfigOptionSelect(
-            type="select", id=option_id, name=name, category=cast(Any, category),
-            current_value=session.config[option_id],
-            options=[SessionConfigSelectOption(value=v, name=n) for v, n in values],
-        )
-        for option_id, (name, category, values, _) in OFFERED.items()
-    ]  # fmt: skip
-
-
-def _modes(session: Session) -> SessionModeState:
-    modes = [SessionMode(id=v, name=n) for v, n in OFFERED["mode"][2]]
-    return SessionModeState(current_mode_id=session.config["mode"], available_modes=modes)
-
-
-def _commands_update() -> AvailableCommandsUpdate:
-    commands = [
-        AvailableCommand(
-            name=name, description=description,
-            input=AvailableCommandInput(root=UnstructuredCommandInput(hint=hint)) if hint else None,
-        )
-        for name, description, hint in COMMANDS
-    ]  # fmt: skip
-    return AvailableCommandsUpdate(session_update="available_commands_update", available_commands=commands)
+        tool = {"toolCallId": "call-p", "title": "touch file", "kind": "edit", "status": "pending"}
+        params = {"sessionId": sid, "toolCall": tool, "options": PERMISSION_OPTIONS}
+        response = await self.conn.request("session/request_permission", params)
+        outcome = _dig(response, "outcome")
+        if _dig(outcome, "outcome") == "selected" and isinstance(_dig(outcome, "optionId"), str):
+            return str(outcome["optionId"])
+        if _dig(outcome, "outcome") == "cancelled":
+            return "cancelled"
+        # the SDK validated the answer as a RequestPermissionResponse: anything else failed the turn
+        raise RequestError(-32602, "Invalid params", {"errors": [{"msg": "not a RequestPermissionResponse"}]})
 
 
 # --------------------------------------------------------------------------- process
 
 
-def make_recorder(path: Path) -> Callable[[StreamEvent], None]:
-    """A connection observer appending every incoming message as one JSON line."""
+def make_recorder(path: Path) -> Callable[[JsonObject], None]:
+    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "message": ...}."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     pid = os.getpid()
 
-    def record(event: StreamEvent) -> None:
-        if event.direction is not StreamDirection.INCOMING:
-            return
-        data = (json.dumps({"pid": pid, "message": event.message}) + "\n").encode()
+    def record(message: JsonObject) -> None:
+        data = (json.dumps({"pid": pid, "message": message}) + "\n").encode()
         while data:  # unbuffered: on disk before the message is even dispatched
             data = data[os.write(fd, data) :]
 
@@ -829,12 +1019,10 @@ def spawn_grandchild(state_dir: Path) -> None:
 
 
 async def serve(opts: Options) -> None:
-    reader, writer = await stdio_streams(limit=DEFAULT_STDIO_BUFFER_LIMIT_BYTES)
-    agent = FakeAgent(opts, writer)
-    observers = [make_recorder(opts.record)] if opts.record else []
-    # session/resume and session/close are "unstable" routes in SDK 0.12.1: enable them.
-    # The cast: the SDK looks handlers up by name, and the ones we lack answer -32601.
-    await run_agent(cast(Agent, agent), writer, reader, use_unstable_protocol=True, observers=observers)
+    reader, writer = await stdio_streams()
+    conn = Connection(reader, writer, opts.record)
+    FakeAgent(opts, conn)
+    await conn.serve()
     if opts.ignore_stdin_eof:
         await asyncio.Event().wait()  # like real adapters: stdin closed, still alive
 

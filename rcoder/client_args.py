@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-# rcoder.client.BusyPolicy's values, as ``--busy`` takes them (tests/test_client_cli.py checks the two agree)
+# rcoder.client.BusyPolicy's values, as ``--busy`` takes them (tests/test_client.py checks the two agree)
 BUSY_POLICIES = ("reject", "queue", "interrupt")
 
 

@@ -67,6 +67,8 @@ EDGES = {
     "prometheus_client": {"metrics"},
     "structlog": {"logs"},
     "opentelemetry": {"tracing"},
+    "jwt": {"api"},  # PyJWT: scoped clients' bearer tokens (rcoder/api/jwt_tokens.py)
+    "cryptography": {"api"},  # PyJWT's RSA, EC and Ed25519 keys; nothing in rcoder calls it itself yet
 }
 
 LAYERS = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}

@@ -160,6 +160,7 @@ class ChatTurn:
     busy: BusyPolicy = BusyPolicy.REJECT
     # ACP config options to set before the prompt: (config id, value id), in the order given
     config_options: tuple[tuple[str, str], ...] = ()
+    client: str = ""  # who sent it (rcoder.api.callers): stored with its run (RunRecord.client)
 
 
 # ---------------------------------------------------------------- session options and commands
@@ -542,6 +543,7 @@ class RunRecord:
     ended_at: datetime | None = None
     usage: Usage | None = None  # what the agent reported the run cost (set when it ends)
     prompt: str = ""  # the prompt's text, stored when the run starts (ListRuns)
+    client: str = ""  # who started it (a caller's name: rcoder.api.callers), "" before tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -552,6 +554,20 @@ class TranscriptEntry:
     prompt: str
     response: str
     created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One call that changed something: who, which RPC, what it touched and how it ended (its
+    gRPC code's name). Kept when its session is deleted (docs/access.md#audit)."""
+
+    at: datetime
+    client: str
+    method: str
+    project_id: str
+    session_id: str
+    run_id: str
+    code: str
 
 
 @dataclass(frozen=True, slots=True)

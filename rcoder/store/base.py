@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from rcoder.domain import (
+    AuditEntry,
     Deleted,
     ResumeOutcome,
     RunRecord,
@@ -74,18 +75,31 @@ class SessionStore(Protocol):
         ...
 
     async def list_sessions(
-        self, project_id: str = "", limit: int = 100, after_session_id: str = ""
+        self,
+        project_id: str = "",
+        limit: int = 100,
+        after_session_id: str = "",
+        *,
+        projects: Sequence[str] | None = None,
     ) -> list[SessionRecord]:
-        """Sessions ordered by session_id, those after ``after_session_id`` (paging)."""
+        """Sessions ordered by session_id, those after ``after_session_id`` (paging); with
+        ``projects`` (fnmatch patterns, store/patterns.py), only those of a project one matches,
+        filtered in the query, so that a page is full of what the caller sees."""
         ...
 
     async def list_sessions_by_cost(
-        self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
+        self,
+        currency: str,
+        project_id: str = "",
+        limit: int = 100,
+        after: tuple[int | None, str] | None = None,
+        *,
+        projects: Sequence[str] | None = None,
     ) -> list[tuple[SessionRecord, int | None]]:
         """Sessions with their cost in ``currency`` (in nanos, summed over their runs and held
         within ±``COST_ORDER_LIMIT_NANOS``; None: no run reported a cost in it), the most costly
         first, those without one last, ties by session_id; those after ``after``, a (cost,
-        session_id) this listing returned (paging)."""
+        session_id) this listing returned (paging). ``projects`` as for ``list_sessions``."""
         ...
 
     async def usage_totals(self, session_ids: Sequence[str]) -> dict[str, UsageTotals]:
@@ -150,6 +164,15 @@ class SessionStore(Protocol):
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         """The last ``limit`` turns of a session, oldest first."""
+        ...
+
+    # the audit trail (docs/access.md#audit)
+    async def record_audit(self, entry: AuditEntry) -> None:
+        """Store one entry. Entries are kept when their session is deleted."""
+        ...
+
+    async def audit_entries(self, session_id: str = "", limit: int = 100) -> list[AuditEntry]:
+        """The last ``limit`` entries (of one session, or of every one), oldest first."""
         ...
 
     # history (run_events)

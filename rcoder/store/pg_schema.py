@@ -108,6 +108,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "DROP INDEX run_events_by_age",
         "CREATE INDEX run_events_by_age ON run_events USING brin (created_at)",
     ),
+    (  # 10: tenants (docs/access.md#tenants): who started each run, and the audit trail, one row
+        # per call that changed something, kept when its session is deleted (no foreign key)
+        "ALTER TABLE runs ADD COLUMN client text NOT NULL DEFAULT ''",
+        """CREATE TABLE audit (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, at timestamptz NOT NULL,
+            client text NOT NULL, method text NOT NULL, project_id text COLLATE "C" NOT NULL,
+            session_id text COLLATE "C" NOT NULL, run_id text COLLATE "C" NOT NULL, code text NOT NULL)""",
+        "CREATE INDEX audit_by_session ON audit (session_id, id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -147,6 +156,12 @@ GET_SESSION = SELECT_SESSIONS + " WHERE session_id = %s"
 FIND_SESSION = SELECT_SESSIONS + " WHERE agent = %s AND provider_session_id = %s ORDER BY updated_at DESC LIMIT 1"
 LIST_ALL = SELECT_SESSIONS + " WHERE session_id > %s ORDER BY session_id LIMIT %s"
 LIST_PROJECT = SELECT_SESSIONS + " WHERE project_id = %s AND session_id > %s ORDER BY session_id LIMIT %s"
+# ... of a caller's projects only: its patterns as regular expressions, one array (store/patterns.py)
+LIST_ALL_IN = SELECT_SESSIONS + " WHERE session_id > %s AND project_id ~ ANY(%s::text[]) ORDER BY session_id LIMIT %s"
+LIST_PROJECT_IN = (
+    SELECT_SESSIONS
+    + " WHERE project_id = %s AND session_id > %s AND project_id ~ ANY(%s::text[]) ORDER BY session_id LIMIT %s"
+)
 COPY_TRANSCRIPT = (
     "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
     " SELECT %s, run_id, turn, prompt, response, created_at FROM transcript WHERE session_id = %s ORDER BY turn, id"
@@ -156,11 +171,11 @@ SET_SESSION_STATE = (
     "UPDATE sessions SET config_options = %s, chosen_options = %s, commands = %s, updated_at = %s WHERE session_id = %s"
 )
 # a run's usage: the columns of store/usage.py USAGE_COLUMNS, in that order, after the record's
-# (and its prompt last)
+# (and its prompt and client last)
 SELECT_RUNS = (
     "SELECT run_id, session_id, status, started_at, resume, resume_method, fallback_reason, request_id,"
     " stop_reason, error, ended_at, input_tokens, output_tokens, cached_read_tokens, cached_write_tokens,"
-    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency, prompt FROM runs"
+    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency, prompt, client FROM runs"
 )
 GET_RUN = SELECT_RUNS + " WHERE run_id = %s"
 # a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
@@ -178,8 +193,9 @@ DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = %s"
 DELETE_RUNS = "DELETE FROM runs WHERE session_id = %s"
 DELETE_LEASE = "DELETE FROM leases WHERE session_id = %s"
 DELETE_SESSION = "DELETE FROM sessions WHERE session_id = %s"
-# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
-# the cost is held within its first two parameters (COST_BOUNDS), as the SQLite store's is (the same
+# by cost in one currency (of a caller's projects: its regular expressions twice, NULL for every
+# project): the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key); the
+# cost is held within its first two parameters (COST_BOUNDS), as the SQLite store's is (the same
 # pages, the same tokens)
 LIST_BY_COST = (
     "WITH c AS (SELECT session_id, greatest(%s, least(%s, sum(cost_nanos))) AS cost FROM runs"
@@ -187,7 +203,7 @@ LIST_BY_COST = (
     " k AS (SELECT s.session_id, s.project_id, s.cwd, s.agent, s.provider_session_id, s.created_at, s.updated_at,"
     " s.turns, s.last_run_id, s.config_options, s.chosen_options, s.commands, c.cost, (c.cost IS NULL)::int AS k1,"
     " -coalesce(c.cost, 0) AS k2 FROM sessions s LEFT JOIN c ON c.session_id = s.session_id"
-    " WHERE %s IN ('', s.project_id))"
+    " WHERE %s IN ('', s.project_id) AND (%s::text[] IS NULL OR s.project_id ~ ANY(%s::text[])))"
     " SELECT session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at, turns, last_run_id,"
     " config_options, chosen_options, commands, cost FROM k WHERE (k1, k2, session_id) > (%s, %s, %s)"
     " ORDER BY k1, k2, session_id LIMIT %s"
@@ -205,8 +221,8 @@ COST_TOTALS = (
 )
 START_RUN = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
-    " fallback_reason, request_id, started_at, ended_at, host_id, prompt)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
+    " fallback_reason, request_id, started_at, ended_at, host_id, prompt, client)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
 )  # one statement, so atomic: an unknown session fails the insert (foreign key) and nothing lands
 END_RUN = (
@@ -225,6 +241,18 @@ TRANSCRIPT = (
     "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
     "SELECT session_id, run_id, turn, prompt, response, created_at, id FROM transcript WHERE session_id = %s"
     " ORDER BY turn DESC, id DESC LIMIT %s) AS last ORDER BY turn, id"
+)
+# the audit trail: the last ``limit`` entries (of one session, or of all), oldest first
+INSERT_AUDIT = (
+    "INSERT INTO audit (at, client, method, project_id, session_id, run_id, code) VALUES (%s, %s, %s, %s, %s, %s, %s)"
+)
+AUDIT_ALL = (
+    "SELECT at, client, method, project_id, session_id, run_id, code FROM"
+    " (SELECT * FROM audit ORDER BY id DESC LIMIT %s) AS last ORDER BY id"
+)
+AUDIT_OF_SESSION = (
+    "SELECT at, client, method, project_id, session_id, run_id, code FROM"
+    " (SELECT * FROM audit WHERE session_id = %s ORDER BY id DESC LIMIT %s) AS last ORDER BY id"
 )
 # history: a batch in one statement (arrays, one per column)
 INSERT_EVENTS = (
@@ -287,8 +315,8 @@ SET_PROVIDER_ID_FENCED = (
 )
 START_RUN_FENCED = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
-    " fallback_reason, request_id, started_at, ended_at, host_id, prompt)"
-    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
+    " fallback_reason, request_id, started_at, ended_at, host_id, prompt, client)"
+    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
     " WHERE EXISTS (SELECT 1 FROM leases l WHERE l.session_id = %s"
     " AND l.owner = %s AND l.generation = %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"

@@ -26,6 +26,7 @@ import psycopg
 from psycopg import AsyncCursor
 
 from rcoder.domain import (
+    AuditEntry,
     Deleted,
     ResumeOutcome,
     RunRecord,
@@ -40,6 +41,7 @@ from rcoder.errors import LeaseLost, StoreError
 from rcoder.store import pg_schema, redact_url
 from rcoder.store.base import INTERRUPTED_ERROR, EventRow
 from rcoder.store.cluster import Lease
+from rcoder.store.patterns import regexes
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
 from rcoder.store.pg_pool import PgPool
 from rcoder.store.pg_pool import Row as Row
@@ -94,7 +96,7 @@ def _run(row: Row) -> RunRecord:
     return RunRecord(
         run_id, session_id, RunStatus(status), started_at,
         None if resume is None else ResumeOutcome(resume), method, fallback, request_id,
-        None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:21]), row[21],
+        None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:21]), row[21], row[22],
     )  # fmt: skip
 
 
@@ -238,20 +240,36 @@ class PostgresStore:
         return _session(rows[0]) if rows else None
 
     async def list_sessions(
-        self, project_id: str = "", limit: int = 100, after_session_id: str = ""
+        self,
+        project_id: str = "",
+        limit: int = 100,
+        after_session_id: str = "",
+        *,
+        projects: Sequence[str] | None = None,
     ) -> list[SessionRecord]:
-        args = _params(after_session_id, _positive(limit))
-        sql = pg_schema.LIST_ALL
-        if project_id:
-            sql, args = pg_schema.LIST_PROJECT, (_text(project_id), *args)
+        scoped = regexes(projects)
+        scope = () if scoped is None else (scoped,)
+        args = (*_params(*((project_id,) if project_id else ()), after_session_id), *scope, _positive(limit))
+        if scoped is None:
+            sql = pg_schema.LIST_PROJECT if project_id else pg_schema.LIST_ALL
+        else:
+            sql = pg_schema.LIST_PROJECT_IN if project_id else pg_schema.LIST_ALL_IN
         return [_session(row) for row in await self._rows(sql, args)]
 
     async def list_sessions_by_cost(
-        self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
+        self,
+        currency: str,
+        project_id: str = "",
+        limit: int = 100,
+        after: tuple[int | None, str] | None = None,
+        *,
+        projects: Sequence[str] | None = None,
     ) -> list[tuple[SessionRecord, int | None]]:
         key = FIRST_COST_KEY if after is None else cost_key(*after)
+        scoped = regexes(projects)
         rows = await self._rows(
-            pg_schema.LIST_BY_COST, _params(*COST_BOUNDS, currency, project_id, *key, _positive(limit))
+            pg_schema.LIST_BY_COST,
+            (*_params(*COST_BOUNDS, currency, project_id), scoped, scoped, *_params(*key, _positive(limit))),
         )
         return [(_session(row[:-1]), None if row[-1] is None else int(row[-1])) for row in rows]
 
@@ -300,6 +318,7 @@ class PostgresStore:
             None if record.resume is None else record.resume.value, record.resume_method,
             record.fallback_reason, record.request_id, _ts(record.started_at),
             None if record.ended_at is None else _ts(record.ended_at), self._host_id, record.prompt,
+            record.client,
         )  # fmt: skip
         pointer = _params(record.run_id, _ts(record.started_at))
         if lease is not None:
@@ -400,6 +419,21 @@ class PostgresStore:
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(pg_schema.TRANSCRIPT, _params(session_id, _positive(limit)))
         return [_entry(row) for row in rows]
+
+    # ------------------------------------------------------------ the audit trail
+
+    async def record_audit(self, entry: AuditEntry) -> None:
+        params = _params(
+            _ts(entry.at), entry.client, entry.method, entry.project_id, entry.session_id, entry.run_id, entry.code
+        )
+        await self._write(pg_schema.INSERT_AUDIT, params, None)
+
+    async def audit_entries(self, session_id: str = "", limit: int = 100) -> list[AuditEntry]:
+        if session_id:
+            rows = await self._rows(pg_schema.AUDIT_OF_SESSION, _params(session_id, _positive(limit)))
+        else:
+            rows = await self._rows(pg_schema.AUDIT_ALL, (_positive(limit),))
+        return [AuditEntry(*row) for row in rows]
 
     # ------------------------------------------------------------ history
 

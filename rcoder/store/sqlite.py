@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rcoder.domain import (
+    AuditEntry,
     Deleted,
     ResumeOutcome,
     RunRecord,
@@ -41,8 +42,9 @@ from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
 from rcoder.store.base import INTERRUPTED_ERROR, EventRow
 from rcoder.store.cluster import Lease
+from rcoder.store.patterns import globs_json
 from rcoder.store.session_state import state_params
-from rcoder.store.sqlite_schema import entry_of, run_of, session_of, session_params, time_text
+from rcoder.store.sqlite_schema import audit_of, entry_of, run_of, session_of, session_params, time_text
 from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_params
 
 T = TypeVar("T")
@@ -332,19 +334,34 @@ class SqliteStore:
         return session_of(rows[0]) if rows else None
 
     async def list_sessions(
-        self, project_id: str = "", limit: int = 100, after_session_id: str = ""
+        self,
+        project_id: str = "",
+        limit: int = 100,
+        after_session_id: str = "",
+        *,
+        projects: Sequence[str] | None = None,
     ) -> list[SessionRecord]:
-        args: tuple[object, ...] = (after_session_id, _positive(limit))
-        sql = sqlite_schema.LIST_ALL
-        if project_id:
-            sql, args = sqlite_schema.LIST_PROJECT, (project_id, *args)
+        globs = globs_json(projects)
+        scope = () if globs is None else (globs,)
+        args = (*((project_id,) if project_id else ()), after_session_id, *scope, _positive(limit))
+        if globs is None:
+            sql = sqlite_schema.LIST_PROJECT if project_id else sqlite_schema.LIST_ALL
+        else:
+            sql = sqlite_schema.LIST_PROJECT_IN if project_id else sqlite_schema.LIST_ALL_IN
         return [session_of(row) for row in await self._rows(sql, args, point=False)]
 
     async def list_sessions_by_cost(
-        self, currency: str, project_id: str = "", limit: int = 100, after: tuple[int | None, str] | None = None
+        self,
+        currency: str,
+        project_id: str = "",
+        limit: int = 100,
+        after: tuple[int | None, str] | None = None,
+        *,
+        projects: Sequence[str] | None = None,
     ) -> list[tuple[SessionRecord, int | None]]:
         key = FIRST_COST_KEY if after is None else cost_key(*after)
-        params = (*COST_BOUNDS, currency, project_id, *key, _positive(limit))
+        globs = globs_json(projects)
+        params = (*COST_BOUNDS, currency, project_id, globs, globs, *key, _positive(limit))
         rows = await self._rows(sqlite_schema.LIST_BY_COST, params, point=False)
         return [
             (
@@ -390,7 +407,7 @@ class SqliteStore:
             None if record.stop_reason is None else record.stop_reason.value, record.error,
             None if record.resume is None else record.resume.value, record.resume_method,
             record.fallback_reason, record.request_id, time_text(record.started_at),
-            None if record.ended_at is None else time_text(record.ended_at), record.prompt,
+            None if record.ended_at is None else time_text(record.ended_at), record.prompt, record.client,
         )  # fmt: skip
         pointer = (record.run_id, time_text(record.started_at), record.session_id)
 
@@ -448,6 +465,22 @@ class SqliteStore:
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(sqlite_schema.TRANSCRIPT, (session_id, _positive(limit)), point=limit == 1)
         return [entry_of(row) for row in rows]
+
+    # the audit trail
+
+    async def record_audit(self, entry: AuditEntry) -> None:
+        params = (
+            time_text(entry.at), entry.client, entry.method, entry.project_id, entry.session_id, entry.run_id,
+            entry.code,
+        )  # fmt: skip
+        await self._write(sqlite_schema.INSERT_AUDIT, params, None)
+
+    async def audit_entries(self, session_id: str = "", limit: int = 100) -> list[AuditEntry]:
+        if session_id:
+            rows = await self._rows(sqlite_schema.AUDIT_OF_SESSION, (session_id, _positive(limit)), point=False)
+        else:
+            rows = await self._rows(sqlite_schema.AUDIT_ALL, (_positive(limit),), point=False)
+        return [audit_of(row) for row in rows]
 
     # history
 

@@ -18,7 +18,7 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from rcoder.domain import ResumeOutcome, RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
+from rcoder.domain import AuditEntry, ResumeOutcome, RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
 from rcoder.errors import StoreError
 from rcoder.store.session_state import chosen_of, commands_of, options_of, state_params
 from rcoder.store.usage import USAGE_COLUMNS, usage_of
@@ -85,6 +85,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "DROP INDEX run_events_by_session",
         "DROP INDEX run_events_by_age",
     ),
+    (  # 7: tenants (docs/access.md#tenants): who started each run, and the audit trail, one row
+        # per call that changed something, kept when its session is deleted (no foreign key)
+        "ALTER TABLE runs ADD COLUMN client TEXT NOT NULL DEFAULT ''",
+        """CREATE TABLE audit (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, client TEXT NOT NULL,
+            method TEXT NOT NULL, project_id TEXT NOT NULL, session_id TEXT NOT NULL,
+            run_id TEXT NOT NULL, code TEXT NOT NULL)""",
+        "CREATE INDEX audit_by_session ON audit(session_id, id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -124,7 +133,17 @@ GET_SESSION = "SELECT * FROM sessions WHERE session_id = ?"
 FIND_SESSION = "SELECT * FROM sessions WHERE agent = ? AND provider_session_id = ? ORDER BY updated_at DESC LIMIT 1"
 LIST_ALL = "SELECT * FROM sessions WHERE session_id > ? ORDER BY session_id LIMIT ?"
 LIST_PROJECT = "SELECT * FROM sessions WHERE project_id = ? AND session_id > ? ORDER BY session_id LIMIT ?"
-# by cost in one currency: the key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
+# ... of a caller's projects only: its patterns as one JSON list of GLOBs (store/patterns.py)
+LIST_ALL_IN = (
+    "SELECT * FROM sessions WHERE session_id > ?"
+    " AND EXISTS (SELECT 1 FROM json_each(?) WHERE sessions.project_id GLOB value) ORDER BY session_id LIMIT ?"
+)
+LIST_PROJECT_IN = (
+    "SELECT * FROM sessions WHERE project_id = ? AND session_id > ?"
+    " AND EXISTS (SELECT 1 FROM json_each(?) WHERE sessions.project_id GLOB value) ORDER BY session_id LIMIT ?"
+)
+# by cost in one currency (of a caller's projects: its GLOBs twice, NULL for every project): the
+# key is (no cost, -cost, session_id), ascending (see store/usage.py cost_key);
 # total() of integers is exact below 2**53 and never overflows (sum() would fail the whole listing); the
 # cost is held within its first two parameters (COST_BOUNDS), so that every key (and page token) is a
 # 64-bit integer
@@ -132,7 +151,8 @@ LIST_BY_COST = (
     "WITH c AS (SELECT session_id, max(?, min(?, total(cost_nanos))) AS cost FROM runs"
     " WHERE cost_currency = ? AND cost_nanos IS NOT NULL GROUP BY session_id),"
     " k AS (SELECT s.*, c.cost AS cost, c.cost IS NULL AS k1, -coalesce(c.cost, 0) AS k2"
-    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE ? IN ('', s.project_id))"
+    " FROM sessions s LEFT JOIN c ON c.session_id = s.session_id WHERE ? IN ('', s.project_id)"
+    " AND (? IS NULL OR EXISTS (SELECT 1 FROM json_each(?) WHERE s.project_id GLOB value)))"
     " SELECT * FROM k WHERE (k1, k2, session_id) > (?, ?, ?) ORDER BY k1, k2, session_id LIMIT ?"
 )
 # per session, over its runs that reported usage: how many, and each token count's total (NULL when none had it)
@@ -161,7 +181,7 @@ SET_SESSION_STATE = (
 # runs
 INSERT_RUN = (
     "INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method, fallback_reason,"
-    " request_id, started_at, ended_at, prompt) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
+    " request_id, started_at, ended_at, prompt, client) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
 )
 # a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
 LIST_RUNS = (
@@ -187,6 +207,17 @@ ADD_TRANSCRIPT = (
 COUNT_TURN = "UPDATE sessions SET turns = turns + 1, updated_at = ? WHERE session_id = ?"
 UPDATE_RUN_START = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
 GET_RUN = "SELECT * FROM runs WHERE run_id = ?"
+
+# the audit trail: the last ``limit`` entries (of one session, or of all), oldest first
+INSERT_AUDIT = "INSERT INTO audit (at, client, method, project_id, session_id, run_id, code) VALUES (?,?,?,?,?,?,?)"
+AUDIT_ALL = (
+    "SELECT at, client, method, project_id, session_id, run_id, code FROM"
+    " (SELECT * FROM audit ORDER BY id DESC LIMIT ?) ORDER BY id"
+)
+AUDIT_OF_SESSION = (
+    "SELECT at, client, method, project_id, session_id, run_id, code FROM"
+    " (SELECT * FROM audit WHERE session_id = ? ORDER BY id DESC LIMIT ?) ORDER BY id"
+)
 
 # history
 INSERT_EVENT = "INSERT OR IGNORE INTO run_events VALUES (?,?,?,?,?,?)"
@@ -260,6 +291,10 @@ def run_of(row: sqlite3.Row) -> RunRecord:
         usage=usage,
     )
     return RunRecord(**fields)
+
+
+def audit_of(row: sqlite3.Row) -> AuditEntry:
+    return AuditEntry(**{**dict(row), "at": _time(row["at"])})
 
 
 def entry_of(row: sqlite3.Row) -> TranscriptEntry:

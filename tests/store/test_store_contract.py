@@ -552,3 +552,78 @@ async def test_a_sessions_options_and_commands_round_trip_and_a_fork_keeps_them(
     assert await store.get_session("s-branch") == replace(later, session_id="s-branch")
     with pytest.raises(StoreError):
         await store.set_session_state(session("no-such-session"))
+
+
+# ---------------------------------------------------------------- tenants (docs/access.md#tenants)
+
+# ids chosen so that each wildcard and bracket form decides at least one of them
+TENANT_PROJECTS = ["acme-1", "acme-2", "acme-x", "acme_1", "acmeX", "beta-1", "beta-2", "shared", "a.b", "axb"]
+PATTERN_SETS = [
+    ("acme-*",),
+    ("acme-?",),
+    ("acme-[12]",),
+    ("acme-[!x]",),
+    ("a.b",),
+    ("beta-[0-9]", "shared"),
+    ("nothing-*",),
+    ("acme_*",),
+]
+
+
+async def test_a_scoped_listing_holds_exactly_what_the_patterns_match_page_by_page(store: SessionStore) -> None:
+    import fnmatch
+
+    for number, project in enumerate(TENANT_PROJECTS):
+        for copy in range(2):
+            await store.create_session(session(f"s{number:02d}-{copy}", project_id=project))
+    await store.start_run(RunRecord("r-cost", "s00-0", RunStatus.RUNNING, T0))
+    for patterns in PATTERN_SETS:
+        want = sorted(
+            f"s{n:02d}-{c}"
+            for n, p in enumerate(TENANT_PROJECTS)
+            for c in range(2)
+            if any(fnmatch.fnmatchcase(p, pat) for pat in patterns)
+        )
+        seen: list[str] = []
+        after = ""
+        while page := await store.list_sessions(limit=3, after_session_id=after, projects=patterns):
+            assert len(page) <= 3
+            seen += [s.session_id for s in page]
+            after = page[-1].session_id
+        assert seen == want, patterns
+        by_cost = await store.list_sessions_by_cost("USD", limit=100, projects=patterns)
+        assert sorted(s.session_id for s, _ in by_cost) == want, patterns
+        one = await store.list_sessions(project_id="acme-1", projects=patterns)
+        assert [s.session_id for s in one] == [s for s in want if s.startswith("s00-")], patterns
+    assert len(await store.list_sessions(projects=None)) == 2 * len(TENANT_PROJECTS)
+    assert await store.list_sessions(projects=()) == [], "no pattern: nothing in scope"
+
+
+async def test_a_run_keeps_who_started_it(store: SessionStore) -> None:
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0, client="acme-chat"))
+    await store.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0 + timedelta(seconds=1)))
+    got = await store.get_run("r1")
+    assert got is not None and got.client == "acme-chat"
+    assert [r.client for r in await store.list_runs("s1")] == ["acme-chat", ""]
+
+
+async def test_audit_entries_are_kept_in_order_and_outlive_their_session(store: SessionStore) -> None:
+    from rcoder.domain import AuditEntry
+
+    await store.create_session(session("s1"))
+    await run_turn(store, "s1", "r1", "hello")
+    entries = [
+        AuditEntry(T0, "acme-chat", "Chat", "proj", "s1", "r1", "OK"),
+        AuditEntry(T0 + timedelta(seconds=1), "beta-ci", "Cancel", "", "s2", "", "NOT_FOUND"),
+        AuditEntry(T0 + timedelta(seconds=2), "admin", "DeleteSession", "proj", "s1", "", "OK"),
+    ]
+    for audit in entries:
+        await store.record_audit(audit)
+    assert await store.delete_session("s1") is not None
+    assert await store.audit_entries() == entries, "deleting a session keeps who did what to it"
+    assert await store.audit_entries("s1") == [entries[0], entries[2]]
+    assert await store.audit_entries(limit=1) == [entries[2]], "the last ones, oldest first"
+    assert await store.audit_entries("nope") == []
+    with pytest.raises(ValueError, match="limit"):
+        await store.audit_entries(limit=0)

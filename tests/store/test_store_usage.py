@@ -298,3 +298,59 @@ CREATE INDEX runs_by_session ON runs(session_id);
 CREATE INDEX transcript_by_session ON transcript(session_id, turn);
 PRAGMA user_version = 1;
 """
+
+
+async def test_a_sqlite_store_made_before_tenants_migrates_its_runs_to_no_client(tmp_path: Path) -> None:
+    from rcoder.store import sqlite_schema
+
+    path = tmp_path / "rcoder.db"
+    with sqlite3.connect(path) as old:  # the schema one version before tenants, with a run
+        for migration in sqlite_schema.MIGRATIONS[: sqlite_schema.SCHEMA_VERSION - 1]:
+            for statement in migration:
+                old.execute(statement)
+        old.execute(f"PRAGMA user_version = {sqlite_schema.SCHEMA_VERSION - 1}")
+        old.execute("INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at,"
+                    " updated_at) VALUES ('s1','proj','/w','claude','p1',?,?)", (T0.isoformat(),) * 2)  # fmt: skip
+        old.execute(
+            "INSERT INTO runs (run_id, session_id, status, started_at) VALUES ('r1','s1','completed',?)",
+            (T0.isoformat(),),
+        )
+    old.close()
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        before = await store.get_run("r1")
+        assert before is not None and before.client == ""
+        assert await store.audit_entries() == []
+        assert await store.integrity_check() == "ok"
+    finally:
+        await store.close()
+
+
+async def test_a_postgres_database_made_before_tenants_migrates_its_runs_to_no_client(pg_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as old:
+        await old.execute(
+            "CREATE TABLE schema_migrations (version integer PRIMARY KEY,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version in range(1, len(MIGRATIONS)):
+            for statement in MIGRATIONS[version - 1]:
+                await old.execute(statement)
+            await old.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+        await old.execute(
+            "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at)"
+            " VALUES ('s1', 'proj', '/w', 'claude', 'p1', %s, %s)",
+            (T0, T0),
+        )
+        await old.execute(
+            "INSERT INTO runs (run_id, session_id, status, started_at) VALUES ('r1', 's1', 'completed', %s)", (T0,)
+        )
+    store = PostgresStore(pg_url, HOST)
+    await store.open()
+    try:
+        before = await store.get_run("r1")
+        assert before is not None and before.client == ""
+        assert await store.audit_entries() == []
+        assert await store.integrity_check() == "ok"
+    finally:
+        await store.close()

@@ -29,16 +29,20 @@ from rcoder.config_types import (
     Advertise,
     AgentUserName,
     Array,
+    ClientName,
     ConfigPath,
     Count,
     HostId,
     HostPort,
     OtlpEndpoint,
     PeerHost,
+    ProjectPattern,
     Seconds,
     StoreUrl,
+    TokenDigest,
     checked,
 )
+from rcoder.config_types import check_project_pattern as check_project_pattern  # public here too (rcoder.api)
 from rcoder.domain import ResumeRoute
 from rcoder.errors import ConfigError
 
@@ -132,6 +136,21 @@ class AgentProfile(ProfileKeys):
         return shutil.which(self.command, path=search_path)
 
 
+class ClientKeys(_Schema):
+    """A ``[[clients]]`` entry: a scoped caller (docs/access.md#tenants)."""
+
+    name: ClientName
+    """who the caller is in logs, metrics and the audit trail"""
+    token_sha256: TokenDigest = ""
+    """the hex SHA-256 of its bearer token (the token itself is never in the config)"""
+    token_file: ConfigPath | None = None
+    """or a file holding the token, read at start (kept out of every agent's reach)"""
+    projects: Annotated[tuple[ProjectPattern, ...], Strict(False), Field(min_length=1)]
+    """fnmatch patterns over project_id (*, ?, [seq], [!seq]): the projects it sees and drives"""
+    role: Literal["reader", "operator", "admin"]
+    """reader: reads; operator: reads, turns, cancels, permissions, forks, closes, deletes; admin: all, everywhere"""
+
+
 class SettingsKeys(_Schema):
     """The top-level keys: in the file, as ``RCODER_<KEY>`` variables, some as flags."""
 
@@ -164,6 +183,13 @@ class SettingsKeys(_Schema):
     # token when auth_token is empty, read /metrics, and skips the check that the store asks a password
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
+    # scoped callers besides the admin token (rcoder.api.callers): JWTs from the platform's identity provider
+    jwt_jwks_file: str = ""
+    """a JWKS file: bearer JWTs signed by its keys are scoped callers ("": none); re-read when it changes"""
+    jwt_issuer: str = ""
+    """the iss a JWT must carry (required with jwt_jwks_file)"""
+    jwt_audience: str = ""
+    """the aud a JWT must carry (required with jwt_jwks_file)"""
     # who agents run as where the daemon can switch uid (rcoder.agent.agent_user): a user name, or
     # "UID:GID"; "" runs them as the daemon's user
     agent_user: AgentUserName = "rcoder-agent"
@@ -251,6 +277,7 @@ class SettingsKeys(_Schema):
 
 class Settings(SettingsKeys):
     agents: Mapping[str, AgentProfile] = Field(default_factory=dict)
+    clients: tuple[ClientKeys, ...] = ()  # [[clients]]: scoped callers (file only, never a variable)
     daemon_env: Mapping[str, str] = Field(default_factory=dict)  # what agents may inherit (allow-list + inherit_env)
     config_file: Path | None = None  # the file read, kept out of every agent's reach
     defaults_file: Path | None = None  # the defaults file read (RCODER_DEFAULTS), kept out of reach too
@@ -268,6 +295,7 @@ class Settings(SettingsKeys):
 
 class _File(SettingsKeys):
     agents: dict[str, dict[str, Any]] = Field(default_factory=dict)  # checked as ProfileKeys once merged
+    clients: Array[ClientKeys] = ()
 
 
 _FILE, _KEYS, _PROFILES = TypeAdapter(_File), TypeAdapter(SettingsKeys), TypeAdapter(dict[str, ProfileKeys])
@@ -299,7 +327,7 @@ def load_settings(
     # variables and flags are strings: read leniently ("8" a number, "yes" true), still checked
     values = {
         **defaults,
-        **file.model_dump(exclude_unset=True, exclude={"agents"}),
+        **file.model_dump(exclude_unset=True, exclude={"agents", "clients"}),
         **checked(_KEYS, env, cwd, False, lambda key: f"RCODER_{key.upper()}").model_dump(exclude_unset=True),
         **checked(_KEYS, flags, cwd, False).model_dump(exclude_unset=True),
     }
@@ -314,6 +342,7 @@ def load_settings(
     settings = Settings(
         **values,
         agents=agents,
+        clients=file.clients,
         daemon_env={k: environ[k] for k in visible if k in environ},
         config_file=config_file.resolve() if config_file is not None else None,
         defaults_file=defaults_file.resolve() if defaults_file is not None else None,
@@ -330,6 +359,7 @@ def load_settings(
             "a PostgreSQL store_url means hosts that forward to each other, so they need one shared token: "
             "set the same auth_token (or RCODER_AUTH_TOKEN) on every host, or open_to_agents = true",
         )
+    _check_callers(settings)
     for name, profile in settings.agents.items():
         if profile.sandbox == "landlock" and not settings.landlock_abi:
             why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
@@ -347,6 +377,39 @@ def load_settings(
                 'in a warning, or "none"',
             )
     return settings
+
+
+def _check_callers(settings: Settings) -> None:
+    """What the schema alone cannot say of ``[[clients]]`` and the JWT keys (docs/access.md#tenants)."""
+    seen: dict[str, int] = {}
+    digests: dict[str, int] = {}
+    for index, client in enumerate(settings.clients):
+        entry = f"clients[{index}] ({client.name})"
+        if client.name in seen:
+            raise ConfigError(f"{entry}.name", f"clients[{seen[client.name]}] has this name already: names are unique")
+        seen[client.name] = index
+        if bool(client.token_sha256) == (client.token_file is not None):
+            raise ConfigError(entry, "set exactly one of token_sha256 or token_file")
+        if client.token_sha256 in digests:
+            raise ConfigError(
+                f"{entry}.token_sha256",
+                f"clients[{digests[client.token_sha256]}] has this token: one token, one client",
+            )
+        if client.token_sha256:
+            digests[client.token_sha256] = index
+    jwt = {"jwt_jwks_file": settings.jwt_jwks_file, "jwt_issuer": settings.jwt_issuer,
+           "jwt_audience": settings.jwt_audience}  # fmt: skip
+    if any(jwt.values()) and not all(jwt.values()):
+        missing = ", ".join(key for key, value in jwt.items() if not value)
+        raise ConfigError(
+            missing.split(", ")[0], f"JWT callers need jwt_jwks_file, jwt_issuer and jwt_audience ({missing} unset)"
+        )
+    if (settings.clients or settings.jwt_jwks_file) and settings.open_to_agents and not settings.auth_token:
+        raise ConfigError(
+            "clients" if settings.clients else "jwt_jwks_file",
+            "scoped callers need a token to be asked: open_to_agents = true with no auth_token lets anyone in "
+            "as admin; set auth_token (the admin credential) or open_to_agents = false",
+        )
 
 
 def _read_defaults(path: Path) -> dict[str, Any]:

@@ -73,8 +73,33 @@ def _advertise(address: str) -> str:
     return _host_port(address) if address else address
 
 
+def check_project_pattern(pattern: str) -> str:
+    """An fnmatch pattern over project ids ([A-Za-z0-9._-]): *, ?, [seq] and [!seq]; nothing the
+    stores cannot match in SQL alike (rcoder.store)."""
+    if not 1 <= len(pattern) <= 128:
+        raise ValueError(f"expected a pattern of 1-128 characters, got {pattern[:40]!r}")
+    if not _PATTERN.fullmatch(pattern):
+        raise ValueError(
+            f"expected an fnmatch pattern over project ids ([A-Za-z0-9._-] with *, ?, [seq], [!seq]), got {pattern!r}"
+        )
+    return pattern
+
+
+_PATTERN = re.compile(r"(?:[A-Za-z0-9._*?-]|\[!?[A-Za-z0-9._-]+\])+")
+_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def _token_digest(value: str) -> str:
+    if value and not _DIGEST.fullmatch(value):
+        raise ValueError('expected the token\'s SHA-256 as 64 hex digits (printf %s "$TOKEN" | sha256sum)')
+    return value.lower()
+
+
 # a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.agent_user
 AgentUserName = Annotated[str, AfterValidator(_agent_user)]
+ProjectPattern = Annotated[str, AfterValidator(check_project_pattern)]
+TokenDigest = Annotated[str, AfterValidator(_token_digest)]
+ClientName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 HostId = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
 ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
 # "" is SQLite in data_dir; a postgresql:// URL the PostgreSQL store (rcoder.store.make_store);

@@ -16,6 +16,8 @@ from rcoder import __version__, tracing
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.profile import network_of
 from rcoder.api.access import access_of
+from rcoder.api.accounting import Accounting
+from rcoder.api.callers import ClientTable, jwt_callers
 from rcoder.api.forwarding import Forwarder
 from rcoder.api.host_auth import HostAuth
 from rcoder.api.routed import Routes
@@ -27,6 +29,7 @@ from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.audit import AuditTrail
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.routing import Router
@@ -93,6 +96,8 @@ class Daemon:
         self.signals = SignalListener(box, self.worker, self.metrics) if box is not None else None
         router = Router(self.leases, self.runs, self.store, self.metrics, signals=sender)
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
+        self.audit = AuditTrail(self.store, queries.project_of_session)
+        accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
         self.server = GrpcServer(
             AgentRunnerService(self.worker, queries, routes),
             settings.listen,
@@ -103,6 +108,9 @@ class Daemon:
             ),
             on_refused=self.metrics.unauthenticated.inc,
             host_auth=host_auth,
+            clients=ClientTable(settings.clients),
+            jwt=jwt_callers(settings.jwt_jwks_file, settings.jwt_issuer, settings.jwt_audience),
+            ended=accounting.ended,
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
@@ -260,6 +268,7 @@ class Daemon:
         await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
         await self.forwarder.aclose()
+        await self.audit.aclose()
         await self.store.close()
         self.metrics.close()
         await self.tracing.aclose(TRACE_FLUSH_TIMEOUT)  # the last spans exported, bounded

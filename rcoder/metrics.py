@@ -145,6 +145,14 @@ class Metrics:
             "Calls refused before their request was read: no token, or a wrong one",
             registry=self.registry,
         )
+        # label values are config names, "jwt" for every JWT caller, "admin", "unauthenticated":
+        # never a subject or a token (bounded, and nothing secret in a scrape)
+        self.requests = Counter(
+            "rcoder_requests",
+            "AgentRunner calls by caller, method and status code (a forward is counted where it arrived)",
+            ["client", "method", "code"],
+            registry=self.registry,
+        )
         self.time_to_first_event = Histogram(
             "rcoder_time_to_first_event_seconds",
             "From a Chat request to its started event (agent start or reuse included)",

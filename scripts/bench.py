@@ -37,7 +37,8 @@ from acp import schema as acp_schema
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_multihost import multihost  # noqa: E402  (beside this script)
+from bench_auth import auth_check  # noqa: E402  (beside this script)
+from bench_multihost import multihost  # noqa: E402
 from bench_unauth import LARGEST, unauth_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
@@ -1059,6 +1060,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("history_flood", lambda b: _one(history_flood(b))),
         ("list_runs", lambda b: _one(list_runs(b))),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
+        ("auth_check", auth_check),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)
     ]  # fmt: skip
     # SIGTERM (a test's timeout) cancels the run, so every `finally` ends what it started

@@ -95,11 +95,17 @@ class FakeAgentSetup:
         )
 
 
-def write_config(path: Path, profiles: dict[str, dict[str, Any]], **top: Any) -> Path:
+def write_config(
+    path: Path, profiles: dict[str, dict[str, Any]], *, clients: Sequence[dict[str, Any]] = (), **top: Any
+) -> Path:
+    """A config file: ``top`` keys, ``[agents.<name>]`` tables, ``[[clients]]`` entries."""
     lines = [f"{k} = {toml_value(v)}" for k, v in top.items()]
     for name, keys in profiles.items():
         lines.append(f"\n[agents.{name}]")
         lines.extend(f"{k} = {toml_value(v)}" for k, v in keys.items())
+    for client in clients:
+        lines.append("\n[[clients]]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in client.items())
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -12,6 +12,7 @@ import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -152,7 +153,11 @@ async def test_a_store_that_lets_its_user_in_without_the_password_is_refused_unl
     pg_cluster: PgCluster, fake: FakeAgentSetup, tmp_path: Path
 ) -> None:
     url = pg_cluster.trusting_url()
-    settings = {"data_dir": str(tmp_path / "data"), "workspace_root": str(tmp_path / "ws"), "default_agent": "fake"}
+    settings: dict[str, Any] = {
+        "data_dir": str(tmp_path / "data"),
+        "workspace_root": str(tmp_path / "ws"),
+        "default_agent": "fake",
+    }
     config = write_config(
         tmp_path / "trusting.toml", {"fake": fake.profile()}, store_url=url, auth_token="t", **settings
     )

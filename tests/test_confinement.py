@@ -323,7 +323,9 @@ def test_an_agents_confinement_grants_its_project_and_home_and_keeps_out_data_di
     tmp_path: Path, fake: FakeAgentSetup
 ) -> None:
     table = fake.profile(read_paths=[str(tmp_path)], write_paths=[str(tmp_path / "cache")])
-    config = write_config(tmp_path / "rcoder.toml", {"fake": table}, **base_settings(tmp_path))
+    token_file = tmp_path / "console.token"  # a client's token, in a folder agents may read
+    console = {"name": "console", "token_file": str(token_file), "projects": ["*"], "role": "reader"}
+    config = write_config(tmp_path / "rcoder.toml", {"fake": table}, clients=[console], **base_settings(tmp_path))
     settings = load_settings(config, {}, landlock_abi=7)
     profile = settings.agents["fake"]
     project, home = tmp_path / "workspace" / "proj", tmp_path / "data" / "agents" / "fake" / "proj"
@@ -337,7 +339,7 @@ def test_an_agents_confinement_grants_its_project_and_home_and_keeps_out_data_di
     assert (tmp_path / "cache").resolve() in plan.write and (tmp_path / "cache").is_dir(), "made when missing"
     assert (tmp_path / "notes").resolve() in plan.read, "a read path, granted around what is hidden"
     hidden = protected(settings)
-    assert config.resolve() in hidden
+    assert config.resolve() in hidden and token_file.resolve() in hidden
     for path in (*plan.read, *plan.write):
         assert not any(h == path or path in h.parents for h in hidden), f"{path} holds a hidden path"
     assert confinement(settings.model_copy(update={"landlock_abi": 0}), profile, "x", project, home) is None

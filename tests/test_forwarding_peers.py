@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from rcoder.api.callers import ADMIN
 from rcoder.api.forwarding import Forwarder, OwnerUnreachable, refusal
 from rcoder.api.host_auth import HEADER, HostAuth
 from rcoder.config import load_settings
@@ -71,7 +72,8 @@ async def listener(tmp_path: Path) -> AsyncIterator[tuple[Listener, str, str]]:
 async def forward(forwarder: Forwarder, address: str) -> pb.Session:
     async with asyncio.timeout(10):
         caller: Any = Caller()
-        result: pb.Session = await forwarder.unary("GetSession", pb.GetSessionRequest(session_id="s"), caller, address)
+        request = pb.GetSessionRequest(session_id="s")
+        result: pb.Session = await forwarder.unary("GetSession", request, caller, address, ADMIN)
         return result
 
 
@@ -121,7 +123,7 @@ async def test_the_token_reaches_an_allowed_peer_and_never_a_unix_socket_or_a_ho
     (call,) = servicer.calls
     assert "authorization" not in call, "neither the caller's token nor the hosts' goes on"
     assert TOKEN not in str(call)
-    assert call[HEADER].startswith("v1 ") and call["rcoder-forwarded-by"] == "me"
+    assert call[HEADER].startswith("v2 ") and call["rcoder-forwarded-by"] == "me"
 
 
 def test_a_peer_host_that_is_neither_a_network_nor_a_name_pattern_is_a_config_error(tmp_path: Path) -> None:

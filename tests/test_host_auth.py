@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from rcoder.api.host_auth import HEADER, WINDOW, HostAuth
+from rcoder.api.callers import ADMIN, Caller, Role
+from rcoder.api.host_auth import CALLER_KEY, HEADER, WINDOW, HostAuth
 from rcoder.errors import Unauthenticated
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -30,17 +31,30 @@ def host(audience: str, clock: Clock, secret: str = SECRET, host_id: str = "host
     return HostAuth(secret, host_id, lambda: audience, clock=clock)
 
 
-def signed(signer: HostAuth, address: str = A, method: str = CHAT, session_id: str = "s1") -> Sequence[tuple[str, str]]:
-    return signer.sign(method, pb.ChatRequest(session_id=session_id, prompt="hi"), address)
+def signed(
+    signer: HostAuth, address: str = A, method: str = CHAT, session_id: str = "s1", caller: Caller = ADMIN
+) -> Sequence[tuple[str, str]]:
+    return signer.sign(method, pb.ChatRequest(session_id=session_id, prompt="hi"), address, caller)
 
 
 def test_a_forward_signed_for_a_host_verifies_there_and_its_request_matches() -> None:
     clock = Clock()
     metadata = signed(host(B, clock))
     receiver = host(A, clock, host_id="host-a")
-    receiver.verify(CHAT, metadata)
+    assert receiver.verify(CHAT, metadata) == ADMIN
     receiver.check_request(CHAT, pb.ChatRequest(session_id="s1"), metadata)
     assert SECRET not in str(metadata), "the token itself never travels"
+
+
+def test_a_forward_carries_its_caller_signed_with_it() -> None:
+    clock = Clock()
+    tenant = Caller.of("sub with spaces, commas", Role.READER, ("acme-*", "b?"), "jwt")
+    metadata = signed(host(B, clock), caller=tenant)
+    assert host(A, clock).verify(CHAT, metadata) == tenant
+    for forged in ("admin admin admin %2A", "operator x x acme-%2A", ""):
+        edited = [(k, forged if k == CALLER_KEY else v) for k, v in signed(host(B, clock), caller=tenant)]
+        with pytest.raises(Unauthenticated, match="does not verify"):
+            host(A, clock).verify(CHAT, edited)
 
 
 def test_a_signature_made_for_another_address_is_refused_by_every_host() -> None:
@@ -107,7 +121,7 @@ def test_a_signature_under_another_secret_or_edited_is_refused() -> None:
 def test_cancel_by_run_or_by_session_signs_the_field_it_names() -> None:
     clock = Clock()
     cancel = "/rcoder.v1.AgentRunner/Cancel"
-    by_run = host(B, clock).sign(cancel, pb.CancelRequest(run_id="r1"), A)
+    by_run = host(B, clock).sign(cancel, pb.CancelRequest(run_id="r1"), A, ADMIN)
     receiver = host(A, clock)
     receiver.verify(cancel, by_run)
     receiver.check_request(cancel, pb.CancelRequest(run_id="r1"), by_run)

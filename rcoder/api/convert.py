@@ -264,6 +264,7 @@ def run_info(record: RunRecord) -> pb.RunInfo:
         request_id=record.request_id,
         resume_method=record.resume_method,
         fallback_reason=record.fallback_reason,
+        client=record.client,
     )
     if record.stop_reason is not None:
         info.stop_reason = STOP_REASONS[record.stop_reason]

@@ -2,8 +2,9 @@
 
 A handler that finds the owner is another live host passes the request on over grpc.aio, with
 the caller's deadline (what remains of it), its metadata (less ``authorization``: the caller's
-token stays here) and its cancellation (the caller leaving cancels the handler, which cancels
-the call). The forward is authenticated by a signature (``rcoder.api.host_auth``) made for the
+token stays here; who the caller is goes signed, ``rcoder-forward-caller``) and its
+cancellation (the caller leaving cancels the handler, which cancels the call).
+The forward is authenticated by a signature (``rcoder.api.host_auth``) made for the
 address dialled, this method and this session or run, good once for 30 s: never by the
 ``auth_token``, which no forward carries. The owner's answer, status and trailing metadata (its
 ``rcoder-owner``) pass back unchanged. A forwarded request carries ``rcoder-forwarded-by`` and
@@ -37,14 +38,15 @@ from typing import Any
 
 import grpc
 
+from rcoder.api.callers import Caller
 from rcoder.api.convert import RUN_HEADERS
-from rcoder.api.host_auth import FORWARDED_KEY, HEADER, HostAuth
+from rcoder.api.host_auth import CALLER_KEY, FORWARDED_KEY, HEADER, HostAuth
 from rcoder.logs import get_logger
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
 OWNER_KEY = "rcoder-owner"
 # metadata that belongs to one hop, never passed on
-_HOP_KEYS = {"authorization", HEADER, FORWARDED_KEY, "user-agent", "te", "content-type", "grpc-timeout",
+_HOP_KEYS = {"authorization", HEADER, CALLER_KEY, FORWARDED_KEY, "user-agent", "te", "content-type", "grpc-timeout",
              "grpc-accept-encoding", "grpc-encoding", ":authority"}  # fmt: skip
 _NOT_ANSWERING = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # what grpc's client makes of a peer that broke the connection or does not speak HTTP/2 ("Stream
@@ -142,7 +144,7 @@ class Forwarder:
         return peer[1]
 
     def _metadata(
-        self, context: grpc.aio.ServicerContext[Any, Any], method: str, request: Any, address: str
+        self, context: grpc.aio.ServicerContext[Any, Any], method: str, request: Any, address: str, caller: Caller
     ) -> list[tuple[str, str | bytes]]:
         passed: list[tuple[str, str | bytes]] = [
             (k, v) for k, v in context.invocation_metadata() or () if k not in _HOP_KEYS
@@ -150,16 +152,18 @@ class Forwarder:
         if self._signer is None:
             passed.append((FORWARDED_KEY, self._host_id))
         else:  # for this address only: a listener the store named gets a signature no host accepts
-            passed.extend(self._signer.sign(method, request, address))
+            passed.extend(self._signer.sign(method, request, address, caller))
         return passed
 
     def _timeout(self, context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
         remaining = context.time_remaining()
         return remaining if remaining is not None and remaining < 1e8 else None
 
-    async def unary(self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str) -> Any:
+    async def unary(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str, caller: Caller
+    ) -> Any:
         call = getattr(self._stub(address), method)(
-            request, metadata=self._metadata(context, method, request, address), timeout=self._timeout(context)
+            request, metadata=self._metadata(context, method, request, address, caller), timeout=self._timeout(context)
         )
         try:
             async with asyncio.timeout(self._answer_timeout):
@@ -180,13 +184,14 @@ class Forwarder:
         request: Any,
         context: grpc.aio.ServicerContext[Any, Any],
         address: str,
+        caller: Caller,
         if_found: bool = False,
     ) -> AsyncIterator[Any]:
         """The owner's stream, message by message; ``OwnerUnreachable`` only before the first.
         ``if_found`` (asked of a host that may not have it): its ``NOT_FOUND`` before the first
         message, or no answer, is ``NotHeld``."""
         call = getattr(self._stub(address), method)(
-            request, metadata=self._metadata(context, method, request, address), timeout=self._timeout(context)
+            request, metadata=self._metadata(context, method, request, address, caller), timeout=self._timeout(context)
         )
         first = True
         try:
@@ -213,12 +218,14 @@ class Forwarder:
             call.cancel()  # the caller left (or we are done): the owner's handler is told
 
     async def unary_if_found(
-        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str
+        self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any], address: str, caller: Caller
     ) -> Any | None:
         """``unary``, where the peer's ``NOT_FOUND`` is None (asked of a host that may not have it)."""
         try:
             call = getattr(self._stub(address), method)(
-                request, metadata=self._metadata(context, method, request, address), timeout=self._answer_timeout
+                request,
+                metadata=self._metadata(context, method, request, address, caller),
+                timeout=self._answer_timeout,
             )
             return await call
         except grpc.aio.AioRpcError as exc:

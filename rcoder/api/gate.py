@@ -4,7 +4,8 @@ The AgentRunner handlers are registered as request-streaming at the grpc level (
 same for the client), so grpc reads no message before the handler asks for it. ``Gate.enter``
 then checks, in this order, from the call's metadata alone:
 
-- the bearer token (``BearerToken``): a caller without it is refused before a byte of its
+- the bearer token (``BearerToken``), which says who the caller is (``rcoder.api.callers``): a
+  caller without one is refused before a byte of its
   request is read or decoded, so it costs no more memory than grpc's flow-control window for the
   stream; each refusal is counted (``on_refused``) and logged once a minute per peer
   (``RefusalLog``), not once a call;
@@ -32,7 +33,8 @@ import grpc
 from google.protobuf import message as pb_message
 
 from rcoder import errors
-from rcoder.api.host_auth import HostAuth
+from rcoder.api.callers import ADMIN, Caller, ClientTable
+from rcoder.api.host_auth import FORWARD_ONLY, HostAuth
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.api")
@@ -97,9 +99,12 @@ def peer_host(context: grpc.aio.ServicerContext[Any, Any]) -> str:
 
 
 class BearerToken:
-    """Every RPC but health needs ``authorization: Bearer <token>`` (compared in constant time),
-    or, on a call forwarded by another host, that host's signature (``hosts``: ``host_auth``,
-    from metadata alone; the request is checked against it once decoded)."""
+    """Every RPC but health needs ``authorization: Bearer <token>``: the admin's token (compared in
+    constant time), a configured client's (``clients``: by its SHA-256), or a JWT (``jwt``: verifies
+    one into its caller); or, on a call forwarded by another host, that host's signature
+    (``hosts``: ``host_auth``, from metadata alone, carrying the caller it was forwarded for; the
+    request is checked against it once decoded). ``check`` answers who the caller is
+    (``rcoder.api.callers``)."""
 
     def __init__(
         self,
@@ -107,25 +112,53 @@ class BearerToken:
         on_refused: Callable[[], None] | None = None,
         refusals: RefusalLog | None = None,
         hosts: HostAuth | None = None,
+        clients: ClientTable | None = None,
+        jwt: Callable[[str], Caller] | None = None,
     ) -> None:
         self._expected = f"Bearer {token}".encode()
         self._on_refused = on_refused
         self._refusals = refusals if refusals is not None else RefusalLog()
         self.hosts = hosts
+        self._clients = clients if clients else None
+        self._jwt = jwt
 
-    def check(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> None:
+    def check(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> Caller:
         metadata = context.invocation_metadata()
-        if self.hosts is not None and self.hosts.carried(metadata) and not _authorization(metadata):
+        given = _authorization(metadata)
+        if self.hosts is not None and self.hosts.carried(metadata) and not given:
             try:  # a forward: never the bearer (rcoder.api.host_auth)
-                self.hosts.verify(method, metadata)
+                return self.hosts.verify(method, metadata)
             except errors.Unauthenticated:
                 self._refused(context, "bad forward signature")
                 raise
-            return
-        problem = self.problem(metadata)
-        if problem:
-            self._refused(context, problem)
-            raise errors.Unauthenticated(f"authorization {problem}: send 'authorization: Bearer <token>'")
+        try:
+            return self._bearer(given, metadata)
+        except errors.Unauthenticated:
+            self._refused(context, "wrong" if given else "missing")
+            raise
+
+    def _bearer(self, given: str | bytes, metadata: Sequence[tuple[str, str | bytes]] | None) -> Caller:
+        if not given:
+            raise errors.Unauthenticated("authorization missing: send 'authorization: Bearer <token>'")
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        caller: Caller | None = ADMIN
+        if not hmac.compare_digest(given_bytes, self._expected):
+            scheme, _, token = given_bytes.partition(b" ")
+            caller = self._scoped(token) if scheme == b"Bearer" and token else None
+        if caller is None:
+            raise errors.Unauthenticated("authorization wrong: send 'authorization: Bearer <token>'")
+        if HostAuth.claims_forward(metadata):  # only a host's signed forward says whom it is for
+            raise errors.Unauthenticated(f"a client's call may not carry {' or '.join(FORWARD_ONLY)}")
+        return caller
+
+    def _scoped(self, token: bytes) -> Caller | None:
+        if self._clients is not None:
+            caller = self._clients.find(token)
+            if caller is not None:
+                return caller
+        if self._jwt is not None and token.count(b".") == 2:
+            return self._jwt(token.decode(errors="replace"))
+        return None
 
     def _refused(self, context: grpc.aio.ServicerContext[Any, Any], problem: str) -> None:
         if self._on_refused is not None:
@@ -137,13 +170,9 @@ class BearerToken:
         if self.hosts is not None:
             self.hosts.check_request(method, request, context.invocation_metadata())
 
-    def problem(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
-        """ "missing", "wrong", or "" when ``metadata`` carries the token."""
-        given = _authorization(metadata)
-        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_bytes, self._expected):
-            return ""
-        return "missing" if not given else "wrong"
+    def missing(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """Whether ``metadata`` carries no token at all (reflection's open part)."""
+        return not _authorization(metadata)
 
 
 def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | bytes:
@@ -224,10 +253,10 @@ class Gate:
         self.calls = calls
         self.request_bytes = request_bytes
 
-    async def enter(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> tuple[Any, int]:
-        """The call's request and the bytes it holds, or raises why it is refused."""
-        if self.token is not None:  # first: a caller without the token learns nothing of its request
-            self.token.check(context, method)
+    async def enter(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> tuple[Any, int, Caller]:
+        """The call's request, the bytes it holds and who it is from, or raises why it is refused."""
+        # first: a caller without the token learns nothing of its request
+        caller = self.token.check(context, method) if self.token is not None else ADMIN
         self.calls.check()
         budget = self.request_bytes
         await budget.reserve()
@@ -259,7 +288,7 @@ class Gate:
                 raise
         budget.keep(size)
         self.calls.active += 1
-        return request, min(size, budget.largest)
+        return request, min(size, budget.largest), caller
 
     def leave(self, held: int) -> None:
         self.calls.active -= 1

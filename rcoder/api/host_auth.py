@@ -6,12 +6,17 @@ anything elsewhere: instead of ``authorization: Bearer <auth_token>`` it carries
 that only the host it was meant for accepts, once, for 30 seconds, for one method and one
 session or run:
 
-    rcoder-forward-auth: v1 <unix ms> <nonce> <subject> <mac>
+    rcoder-forward-auth: v2 <unix ms> <nonce> <subject> <mac>
+    rcoder-forward-caller: <role> <label> <name> <patterns>
 
 ``mac`` is an HMAC-SHA256, under a key derived from the ``auth_token`` (HKDF, RFC 5869; the
 hosts share the token, so they share the key, and the token itself never leaves its host),
 over the method, the forwarding host (``rcoder-forwarded-by``), the **address it dialled**
-(the audience), the subject (``session_id=<id>`` or ``run_id=<id>``), the time and the nonce.
+(the audience), the subject (``session_id=<id>`` or ``run_id=<id>``), the caller it is for
+(``rcoder-forward-caller``: who the client was and what it may do, ``rcoder.api.callers``), the
+time and the nonce. The receiver takes the caller from that header and from nowhere else, only
+once the MAC holds: a client's own call carrying either header is refused (``rcoder.api.gate``),
+so no token makes itself a host or another caller.
 The receiver recomputes it with its *own* ``advertise_address`` as the audience: a signature
 captured by a listener the store pointed to was made for the listener's address, and no host
 accepts it. A signature is refused when its time is more than ``WINDOW`` seconds from the
@@ -42,10 +47,13 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from rcoder import errors
+from rcoder.api.callers import ROLES, Caller
 
 HEADER = "rcoder-forward-auth"
+CALLER_KEY = "rcoder-forward-caller"  # whom a forward is for: signed with it (rcoder.api.callers)
+FORWARD_ONLY = (HEADER, CALLER_KEY)  # what only a host's forward may carry
 FORWARDED_KEY = "rcoder-forwarded-by"  # the forwarding host's id (rcoder.api.forwarding sets it)
-VERSION = "v1"
+VERSION = "v2"
 WINDOW = 30.0  # seconds a signature is good for, either side of the receiver's clock
 SERVICE = "rcoder.v1.AgentRunner"
 # the methods a host forwards, each with the request field that names what it is about
@@ -59,7 +67,7 @@ SUBJECTS: dict[str, tuple[str, ...]] = {
     "ForkSession": ("session_id",),
     "GetSession": ("session_id",),
 }
-_INFO = b"rcoder forward signature v1"
+_INFO = b"rcoder forward signature v1"  # the key's derivation, not the format
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
@@ -116,12 +124,13 @@ class HostAuth:
 
     # ------------------------------------------------------------ the forwarding host
 
-    def sign(self, method: str, request: Any, address: str) -> tuple[tuple[str, str], tuple[str, str]]:
-        """The metadata that authenticates a forward of ``request`` to the host at ``address``."""
+    def sign(self, method: str, request: Any, address: str, caller: Caller) -> tuple[tuple[str, str], ...]:
+        """The metadata that authenticates a forward of ``request``, for ``caller``, to the host at ``address``."""
         stamp, nonce = str(int(self._clock() * 1000)), self._nonce()
         subject = quote(subject_of(method, request), safe="=")
-        mac = self._mac(method, self._host_id, address, subject, stamp, nonce)
-        return (FORWARDED_KEY, self._host_id), (HEADER, f"{VERSION} {stamp} {nonce} {subject} {mac}")
+        who = caller_header(caller)
+        mac = self._mac(method, self._host_id, address, subject, stamp, nonce, who)
+        return (FORWARDED_KEY, self._host_id), (CALLER_KEY, who), (HEADER, f"{VERSION} {stamp} {nonce} {subject} {mac}")
 
     # ------------------------------------------------------------ the receiving host
 
@@ -130,10 +139,15 @@ class HostAuth:
         """Whether a call says it is a signed forward (then ``verify`` decides)."""
         return any(k == HEADER for k, _ in metadata or ())
 
-    def verify(self, method: str, metadata: Metadata | None) -> None:
-        """From metadata alone: the call is a forward signed for this host, now, not seen before.
-        Raises ``Unauthenticated`` naming what is wrong (the nonce is remembered only once the
-        MAC holds, so nobody without the key fills the memory)."""
+    @staticmethod
+    def claims_forward(metadata: Metadata | None) -> bool:
+        """Whether a call carries what only a host's forward may (refused on a client's call)."""
+        return any(k in FORWARD_ONLY for k, _ in metadata or ())
+
+    def verify(self, method: str, metadata: Metadata | None) -> Caller:
+        """From metadata alone: the call is a forward signed for this host, now, not seen before;
+        the caller it was forwarded for. Raises ``Unauthenticated`` naming what is wrong (the
+        nonce is remembered only once the MAC holds, so nobody without the key fills the memory)."""
         parts = _value(metadata, HEADER).split(" ")
         sender = _value(metadata, FORWARDED_KEY)
         if len(parts) != 5 or parts[0] != VERSION or not sender or not parts[1].isdigit():
@@ -143,7 +157,8 @@ class HostAuth:
         _, stamp, nonce, subject, mac = parts
         if _short(method) not in SUBJECTS:
             raise errors.Unauthenticated(f"{HEADER} is accepted only on a forwarded method, not {method}")
-        expected = self._mac(method, sender, self._audience(), subject, stamp, nonce)
+        who = _value(metadata, CALLER_KEY)
+        expected = self._mac(method, sender, self._audience(), subject, stamp, nonce, who)
         if not hmac.compare_digest(mac.encode(), expected.encode()):
             raise errors.Unauthenticated(
                 f"{HEADER} does not verify: not signed with the hosts' auth_token for this method and this host"
@@ -160,6 +175,7 @@ class HostAuth:
             raise errors.Unauthenticated(f"{HEADER} replayed: this signature was used already")
         self._seen.add(nonce)
         self._seen_order.append((now + 2 * WINDOW, nonce))
+        return caller_of_header(who)
 
     def check_request(self, method: str, request: Any, metadata: Metadata | None) -> None:
         """After decoding: a signed forward's request is about what was signed (no-op for a call
@@ -171,11 +187,28 @@ class HostAuth:
         if subject_of(method, request) != signed:
             raise errors.Unauthenticated(f"{HEADER} was signed for {signed!r}, not for this request")
 
-    def _mac(self, method: str, sender: str, audience: str, subject: str, stamp: str, nonce: str) -> str:
-        message = "\n".join((VERSION, f"{SERVICE}/{_short(method)}", sender, audience, subject, stamp, nonce))
+    def _mac(self, method: str, sender: str, audience: str, subject: str, stamp: str, nonce: str, who: str) -> str:
+        message = "\n".join((VERSION, f"{SERVICE}/{_short(method)}", sender, audience, subject, stamp, nonce, who))
         digest = hmac.new(self._key, message.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
     def _forget_before(self, now: float) -> None:
         while self._seen_order and self._seen_order[0][0] < now:
             self._seen.discard(self._seen_order.popleft()[1])
+
+
+def caller_header(caller: Caller) -> str:
+    """``rcoder-forward-caller``'s value: role, label, name, patterns, each quoted (a JWT's subject
+    is anything)."""
+    parts = (caller.role.name.lower(), caller.label, caller.name, ",".join(caller.projects))
+    return " ".join(quote(part, safe="") for part in parts)
+
+
+def caller_of_header(value: str) -> Caller:
+    """The caller a verified forward names (a forward from a host that names none is refused:
+    every host of this version signs one)."""
+    parts = value.split(" ")
+    if len(parts) != 4 or unquote(parts[0]) not in ROLES:
+        raise errors.Unauthenticated(f"{CALLER_KEY} malformed: a forward carries '<role> <label> <name> <patterns>'")
+    role, label, name, patterns = (unquote(part) for part in parts)
+    return Caller.of(name, ROLES[role], tuple(p for p in patterns.split(",") if p), label)

@@ -92,7 +92,7 @@ class Reflection(ReflectionServicer):  # type: ignore[misc]
         assert self._token is not None
         metadata = context.invocation_metadata()
         carried = self._token.hosts is not None and self._token.hosts.carried(metadata)
-        return not carried and self._token.problem(metadata) == "missing"
+        return not carried and self._token.missing(metadata)
 
 
 class _OverBound(Exception):

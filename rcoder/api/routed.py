@@ -23,6 +23,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 
 from rcoder import errors
+from rcoder.api.callers import Caller
 from rcoder.api.forwarding import OWNER_KEY, Forwarder, NotHeld, OwnerUnreachable, forwarded
 from rcoder.logs import get_logger
 from rcoder.session.routing import Owner, Router
@@ -65,13 +66,15 @@ class Routes:
         local: Callable[[], Awaitable[R]],
         what: tuple[str, str],
         signal: Callable[[Owner], Awaitable[R]] | None = None,
+        *,
+        caller: Caller,
     ) -> R:
         """``signal(owner)``: how to reach an owner that does not answer while its lease holds
         (through the store); without it that is ``UNAVAILABLE`` with a retry hint."""
         owner = await self.owner(find, context)
         if owner is not None:
             try:
-                response: R = await self._forwarder.unary(method, request, context, owner.advertise_address)
+                response: R = await self._forwarder.unary(method, request, context, owner.advertise_address, caller)
             except OwnerUnreachable:
                 self.router.forwarded(method, "unreachable")
                 holder = await self._judge(owner, find, what, signalled=signal is not None and self.router.signals)
@@ -94,6 +97,8 @@ class Routes:
         what: tuple[str, str],
         resume: Callable[[Any], AsyncIterator[Any]] | None = None,
         announced: bool = False,
+        *,
+        caller: Caller,
     ) -> AsyncIterator[Any]:
         """``resume(last)``: after the owner broke the stream past ``last`` (a message), how this
         host ends it (the run's end from the store). ``announced``: as in ``here``."""
@@ -101,7 +106,7 @@ class Routes:
         if owner is not None:
             last = None
             try:
-                async for message in self._forwarder.stream(method, request, context, owner.advertise_address):
+                async for message in self._forwarder.stream(method, request, context, owner.advertise_address, caller):
                     last = message
                     yield message
             except OwnerUnreachable:
@@ -119,7 +124,7 @@ class Routes:
         async for message in local():
             yield message
 
-    async def ask_others(self, method: str, request: Any, context: Context) -> Any | None:
+    async def ask_others(self, method: str, request: Any, context: Context, caller: Caller) -> Any | None:
         """Ask every other live host for what none is known to own (a queued turn is in no store
         yet): the first answer that is not ``NOT_FOUND``, or None. A forwarded request is never
         passed on again."""
@@ -127,7 +132,7 @@ class Routes:
             return None
         for host in await self.router.hosts():
             if host.live and host.host_id != self.router.host_id:
-                answer = await self._forwarder.unary_if_found(method, request, context, host.advertise_address)
+                answer = await self._forwarder.unary_if_found(method, request, context, host.advertise_address, caller)
                 if answer is not None:
                     context.set_trailing_metadata(((OWNER_KEY, host.advertise_address),))
                     self.router.forwarded(method, "asked")
@@ -140,6 +145,8 @@ class Routes:
         request: Any,
         context: Context,
         resume: Callable[[Any], AsyncIterator[Any]] | None = None,
+        *,
+        caller: Caller,
     ) -> AsyncIterator[Any]:
         """``ask_others`` for a stream: each other live host in turn, the stream of the first whose
         answer is not ``NOT_FOUND`` before its first message (a queued turn's host sends nothing
@@ -153,7 +160,7 @@ class Routes:
             last = None
             try:
                 async for message in self._forwarder.stream(
-                    method, request, context, host.advertise_address, if_found=True
+                    method, request, context, host.advertise_address, caller, if_found=True
                 ):
                     last = message
                     yield message

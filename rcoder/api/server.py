@@ -11,6 +11,7 @@ one (``rcoder.api.reflection``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,15 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from rcoder import errors, tracing
+from rcoder.api.callers import Caller, ClientTable
 from rcoder.api.gate import BearerToken, CallLimit, Gate, RequestBytes, decoder
 from rcoder.api.host_auth import HostAuth
 from rcoder.api.reflection import HEALTH_NAME, Reflection
-from rcoder.api.service import AgentRunnerService, abort
+from rcoder.api.scope import Call, Scope
+from rcoder.api.service import AgentRunnerService, abort, status_for
 from rcoder.v1 import agent_runner_pb2 as pb
 
+CallEnded = Callable[[str, Call | None, str, "grpc.aio.ServicerContext[Any, Any]"], None]
 SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"]
 SERVICE_NAME = SERVICE.full_name
 # answers: a page of history or sessions, an event (run_event_bytes); a request is max_request_bytes
@@ -51,7 +55,10 @@ class CallBounds:
 
 class GrpcServer:
     """Owns the grpc.aio server; ``stop()`` is safe to call twice. ``on_refused``: called for
-    each call refused for want of the token (a metric)."""
+    each call refused for want of the token (a metric). ``clients``, ``jwt``: the scoped callers
+    besides the admin's ``auth_token`` (``rcoder.api.callers``). ``ended(method, call, code,
+    context)``: told as each AgentRunner call ends (``call`` None when it was refused before its
+    caller was known)."""
 
     def __init__(
         self,
@@ -62,11 +69,14 @@ class GrpcServer:
         bounds: CallBounds | None = None,
         on_refused: Callable[[], None] | None = None,
         host_auth: HostAuth | None = None,
+        clients: ClientTable | None = None,
+        jwt: Callable[[str], Caller] | None = None,
+        ended: CallEnded | None = None,
     ) -> None:
         # checked by each handler before it reads its request (rcoder.api.gate), not by a server
         # interceptor: grpc.aio runs an interceptor chain as coroutines before every call, which a
         # live turn's first chunk paid for, and an interceptor's handler would read the message anyway
-        token = BearerToken(auth_token, on_refused, hosts=host_auth) if auth_token else None
+        token = BearerToken(auth_token, on_refused, hosts=host_auth, clients=clients, jwt=jwt) if auth_token else None
         bounds = bounds or CallBounds()
         self._server = grpc.aio.server(
             options=[
@@ -83,7 +93,7 @@ class GrpcServer:
         )
         request_bytes = RequestBytes(bounds.request_bytes_in_flight, bounds.request_bytes)
         gate = Gate(token, CallLimit(bounds.calls), request_bytes)
-        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, gate),))
+        self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, gate, ended),))
         self.health = HealthServicer()  # open to all: probes carry no token
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
@@ -125,45 +135,77 @@ class GrpcServer:
 # ---------------------------------------------------------------- handlers
 
 
-def _checked(behaviour: Callable[..., Any], streaming: bool, method: str, gate: Gate) -> Callable[..., Any]:
+def _checked(
+    behaviour: Callable[..., Any], streaming: bool, method: str, gate: Gate, ended: CallEnded | None
+) -> Callable[..., Any]:
     """``behaviour`` (a unary-request handler) as grpc's request-streaming one: the call passes
-    ``gate`` (token, call limit, request bytes) before its one message is read and decoded; the
-    call's span around it (``rcoder.tracing``: a child of the client's ``traceparent``, with the
-    call's status)."""
+    ``gate`` (token, call limit, request bytes) before its one message is read and decoded, and
+    its caller's role must allow the method; ``ended`` is told how it ended (the audit trail, the
+    metrics); the call's span around it (``rcoder.tracing``: a child of the client's
+    ``traceparent``, with the call's status)."""
+    short = method.rpartition("/")[2]
     if streaming:
 
         async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             with tracing.server_span(method, context.invocation_metadata()) as span:
-                entered = False
+                entered, call, code = False, None, ""
                 try:
-                    request, held = await gate.enter(context, method)
+                    request, held, caller = await gate.enter(context, method)
                     entered = True
-                    async for item in behaviour(request, context):
+                    call = Call(short, caller)
+                    Scope.method(call, request)
+                    async for item in behaviour(request, context, call):
                         yield item
                 except errors.RcoderError as exc:
+                    code = status_for(exc).code.name
                     await abort(context, exc)
+                except asyncio.CancelledError:
+                    code = "CANCELLED"
+                    raise
+                except BaseException as exc:  # an owner's status passed on (aborted with it), or a fault
+                    code = _code(context) if isinstance(exc, grpc.aio.AbortError) else "UNKNOWN"
+                    raise
                 finally:
                     if entered:
                         gate.leave(held)
                     _record_status(span, context)
+                    if ended is not None:
+                        ended(short, call, code or _code(context), context)
 
         return stream
 
     async def unary(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         with tracing.server_span(method, context.invocation_metadata()) as span:
-            entered = False
+            entered, call, code = False, None, ""
             try:
-                request, held = await gate.enter(context, method)
+                request, held, caller = await gate.enter(context, method)
                 entered = True
-                return await behaviour(request, context)
+                call = Call(short, caller)
+                Scope.method(call, request)
+                return await behaviour(request, context, call)
             except errors.RcoderError as exc:
+                code = status_for(exc).code.name
                 await abort(context, exc)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except BaseException as exc:  # an owner's status passed on (aborted with it), or a fault
+                code = _code(context) if isinstance(exc, grpc.aio.AbortError) else "UNKNOWN"
+                raise
             finally:
                 if entered:
                     gate.leave(held)
                 _record_status(span, context)
+                if ended is not None:
+                    ended(short, call, code or _code(context), context)
 
     return unary
+
+
+def _code(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The call's status as set so far: a forwarded call's is the owner's (passed on); else OK."""
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
 
 
 def _record_status(span: tracing.Span, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -172,13 +214,13 @@ def _record_status(span: tracing.Span, context: grpc.aio.ServicerContext[Any, An
         tracing.rpc_status(span, code.value[0], code.name, context.details() or "")
 
 
-def _agent_runner_handlers(service: AgentRunnerService, gate: Gate) -> grpc.GenericRpcHandler:
+def _agent_runner_handlers(service: AgentRunnerService, gate: Gate, ended: CallEnded | None) -> grpc.GenericRpcHandler:
     handlers = {}
     for method in SERVICE.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         name = f"{SERVICE_NAME}/{method.name}"
-        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, gate)
+        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, gate, ended)
         # request-streaming at the grpc level: the handler reads the request (rcoder.api.gate)
         streamed = method.server_streaming
         make = grpc.stream_stream_rpc_method_handler if streamed else grpc.stream_unary_rpc_method_handler

@@ -7,7 +7,7 @@ error leaves with a ``google.rpc.ErrorInfo`` carrying its reason.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any, NoReturn
 
@@ -20,13 +20,13 @@ from rcoder import errors
 from rcoder.api import convert, page_tokens, validate
 from rcoder.api.forwarding import NotHeld
 from rcoder.api.routed import Routes, retry_hint
+from rcoder.api.scope import DELETED_MISSING, STORED_RUN_MISSING, Call, Scope
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.queries import Queries, SessionStatus
 from rcoder.session.routing import HostRecord, Owner
 from rcoder.session.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
-from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
 log = get_logger("rcoder.api")
 ERROR_DOMAIN = "rcoder.dev"
@@ -96,12 +96,16 @@ async def abort(
     raise AssertionError("abort_with_status returned")  # pragma: no cover
 
 
-class AgentRunnerService(pb_grpc.AgentRunnerServicer):
-    """Each RPC about a session or a run is served here or at the host that owns it (``routed``)."""
+class AgentRunnerService:
+    """Each RPC about a session or a run is served here or at the host that owns it (``routed``),
+    within what its caller may touch (``scope``: ``call`` is who the call is from, and what it
+    concerned). The methods are the AgentRunner's, with the call added (``rcoder.api.server``
+    registers them by name)."""
 
     def __init__(self, worker: AcpWorker, queries: Queries, routes: Routes) -> None:
         self._worker = worker
         self._queries = queries
+        self._scope = Scope(queries)
         self._routes = routes
         self._router = routes.router
 
@@ -109,16 +113,20 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         await abort(context, exc, self._routes.owner_metadata)
 
     async def Chat(
-        self, request: pb.ChatRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ChatRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> AsyncIterator[pb.ChatStream]:
         try:
             turn = validate.chat_turn(request)
+            self._scope.project(call, turn.project_id)
+            await self._scope.own_session(call, turn.session_id)
+            turn = replace(turn, client=call.caller.name)
 
             async def here() -> AsyncIterator[pb.ChatStream]:
                 ticket = await self._worker.submit(turn)
                 # the run's ids as response headers once its session is listed, before its agent
                 # starts: the caller can Cancel it, or find it, from its first moment
                 await ticket.named
+                call.run_id, call.session_id = ticket.run.run_id, ticket.run.session_id
                 await context.send_initial_metadata(convert.run_headers(ticket.run.run_id, ticket.run.session_id))
                 if ticket.position:
                     yield convert.queued(ticket.run.run_id, ticket.run.session_id, ticket.position)
@@ -134,17 +142,20 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             find = partial(self._router.session_owner, turn.session_id)
             what = ("session", turn.session_id)
             async for message in self._routes.stream(
-                "Chat", request, context, find, here, what, self._run_end, announced=True
+                "Chat", request, context, find, here, what, self._run_end, announced=True, caller=call.caller
             ):
+                call.run_id = call.run_id or message.run_id
                 yield message
         except errors.RcoderError as exc:
             await self._abort(context, exc)
 
     async def Subscribe(
-        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> AsyncIterator[pb.ChatStream]:
         try:
             validate.identifier(request.run_id, "run_id", required=True)
+            # out of scope: as a run neither this host nor the store has (history.stored's answer)
+            await self._scope.run(call, request.run_id, errors.NotFound("run", request.run_id, STORED_RUN_MISSING))
 
             async def here() -> AsyncIterator[pb.ChatStream]:
                 # from memory while this host keeps the run, else from the store (history)
@@ -159,7 +170,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                     # a turn queued at another host is in no store yet: the hosts are asked
                     try:
                         async for message in self._routes.stream_from_others(
-                            "Subscribe", request, context, self._run_end
+                            "Subscribe", request, context, self._run_end, caller=call.caller
                         ):
                             yield message
                     except NotHeld:
@@ -167,7 +178,9 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
 
             find = partial(self._router.run_owner, request.run_id)
             what = ("run", request.run_id)
-            async for message in self._routes.stream("Subscribe", request, context, find, here, what, self._run_end):
+            async for message in self._routes.stream(
+                "Subscribe", request, context, find, here, what, self._run_end, caller=call.caller
+            ):
                 yield message
         except errors.RcoderError as exc:
             await self._abort(context, exc)
@@ -181,19 +194,27 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         async for stored in self._worker.history.stored(last.run_id, last.seq, seen=True):
             yield convert.chat_stream(stored)
 
-    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.CancelResponse:
+    async def Cancel(
+        self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
+    ) -> pb.CancelResponse:
         try:
             if bool(request.run_id) == bool(request.session_id):
                 raise errors.InvalidArgument("run_id", "set exactly one of run_id or session_id")
             validate.identifier(request.run_id, "run_id")
             validate.identifier(request.session_id, "session_id")
+            await self._scope.run(call, request.run_id)
+            await self._scope.session(call, request.session_id, "")
 
             async def here() -> pb.CancelResponse:
                 try:
                     run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
                 except errors.NotFound:
                     # a turn queued at another host is in no store yet: the hosts are asked
-                    asked = await self._routes.ask_others("Cancel", request, context) if request.run_id else None
+                    asked = (
+                        await self._routes.ask_others("Cancel", request, context, call.caller)
+                        if request.run_id
+                        else None
+                    )
                     if asked is None:
                         raise
                     answer: pb.CancelResponse = asked
@@ -208,18 +229,24 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
                 find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
             else:
                 find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
-            response: pb.CancelResponse = await self._routes.unary("Cancel", request, context, find, here, what, queued)
+            response: pb.CancelResponse = await self._routes.unary(
+                "Cancel", request, context, find, here, what, queued, caller=call.caller
+            )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
 
     async def ResolvePermission(
-        self, request: pb.ResolvePermissionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ResolvePermissionRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.ResolvePermissionResponse:
         try:
             validate.identifier(request.run_id, "run_id", required=True)
             validate.identifier(request.permission_id, "permission_id", required=True)
             validate.identifier(request.option_id, "option_id")
+            missing = errors.NotFound(
+                "permission request", request.permission_id, f"no pending request with this id in run {request.run_id}"
+            )
+            await self._scope.run(call, request.run_id, missing)
 
             async def here() -> pb.ResolvePermissionResponse:
                 self._worker.permissions.resolve(request.run_id, request.permission_id, request.option_id)
@@ -231,34 +258,36 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
 
             find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
             response: pb.ResolvePermissionResponse = await self._routes.unary(
-                "ResolvePermission", request, context, find, here, what, queued
+                "ResolvePermission", request, context, find, here, what, queued, caller=call.caller
             )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
 
     async def CloseSession(
-        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.CloseSessionResponse:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
+            await self._scope.session(call, request.session_id, "")
 
             async def here() -> pb.CloseSessionResponse:
                 return pb.CloseSessionResponse(agent_stopped=await self._worker.close_session(request.session_id))
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.CloseSessionResponse = await self._routes.unary(
-                "CloseSession", request, context, find, here, what
+                "CloseSession", request, context, find, here, what, caller=call.caller
             )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
 
     async def DeleteSession(
-        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.DeleteSessionRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.DeleteSessionResponse:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
+            await self._scope.session(call, request.session_id, DELETED_MISSING)
 
             async def here() -> pb.DeleteSessionResponse:
                 return convert.session_erased(await self._worker.delete_session(request.session_id))
@@ -266,17 +295,18 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
             # served by the owner, as CloseSession: the agent to end lives there
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.DeleteSessionResponse = await self._routes.unary(
-                "DeleteSession", request, context, find, here, what
+                "DeleteSession", request, context, find, here, what, caller=call.caller
             )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
 
     async def ListRuns(
-        self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.ListRunsResponse:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
+            await self._scope.session(call, request.session_id)
             if request.page_size > MAX_PAGE_SIZE:
                 raise errors.InvalidArgument("page_size", f"at most {MAX_PAGE_SIZE}")
             after = page_tokens.decode_runs(request.page_token, request.session_id)
@@ -289,12 +319,14 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         )
 
     async def ForkSession(
-        self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.ForkSessionResponse:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
             check_project_id(request.project_id)
             validate.identifier(request.agent, "agent")
+            await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
+            self._scope.project(call, request.project_id)  # the branch's
 
             async def here() -> pb.ForkSessionResponse:
                 forked = await self._worker.fork(request.session_id, request.project_id, request.agent)
@@ -307,30 +339,33 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.ForkSessionResponse = await self._routes.unary(
-                "ForkSession", request, context, find, here, what
+                "ForkSession", request, context, find, here, what, caller=call.caller
             )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
 
     async def GetSession(
-        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.Session:
         try:
             validate.identifier(request.session_id, "session_id", required=True)
+            await self._scope.session(call, request.session_id)
 
             async def here() -> pb.Session:
                 view = await self._queries.session(request.session_id)
                 return convert.session(view.record, _SESSION_STATUS[view.status], view.usage)
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
-            response: pb.Session = await self._routes.unary("GetSession", request, context, find, here, what)
+            response: pb.Session = await self._routes.unary(
+                "GetSession", request, context, find, here, what, caller=call.caller
+            )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return response
 
     async def ListHosts(
-        self, request: pb.ListHostsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ListHostsRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.ListHostsResponse:
         try:
             hosts = await self._router.hosts()
@@ -340,17 +375,20 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         return pb.ListHostsResponse(hosts=[_host(h, h.host_id == self._router.host_id) for h in hosts])
 
     async def ListSessions(
-        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.ListSessionsResponse:
         try:
             if request.project_id:
                 check_project_id(request.project_id)
+                self._scope.project(call, request.project_id)
             if request.page_size > MAX_PAGE_SIZE:
                 raise errors.InvalidArgument("page_size", f"at most {MAX_PAGE_SIZE}")
             order, currency = validate.session_order(request)
             after = page_tokens.decode(request.page_token, order, currency)
             limit = request.page_size or 100
-            views, next_after = await self._queries.sessions(request.project_id, limit, order, currency, after)
+            views, next_after = await self._queries.sessions(
+                request.project_id, limit, order, currency, after, projects=call.caller.scope
+            )
         except errors.RcoderError as exc:
             await abort(context, exc)
         return pb.ListSessionsResponse(
@@ -359,7 +397,7 @@ class AgentRunnerService(pb_grpc.AgentRunnerServicer):
         )
 
     async def ListAgents(
-        self, request: pb.ListAgentsRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: pb.ListAgentsRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
     ) -> pb.ListAgentsResponse:
         agents = []
         for view in self._queries.agents():

@@ -125,7 +125,10 @@ class AcpWorker:
             raise ShuttingDown()
         settings = self._settings
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
-        run = Run(plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger)
+        run = Run(
+            plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger,
+            turn.project_id,
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[Run] = loop.create_future()
         ready.add_done_callback(_retrieved)  # even if nobody waits

@@ -71,6 +71,8 @@ FLUSH_INTERVAL = 0.25  # seconds between two batches: what a crash mid-turn can 
 ROW_OVERHEAD = 100  # bytes a stored event takes beside its body: ids, seq, time, kind, index entries
 READ_PAGE = 1000  # events read from the store at once
 PRUNE_BATCH = 1000  # events deleted in one transaction
+# a run the store does not have, or has as running on no host that could end it
+STORED_RUN_MISSING = "unknown, or still running on a host that no longer answers"
 MAX_SEQ = 2**63 - 2  # seqs beyond it are never stored (the stores keep signed 64-bit integers)
 
 
@@ -332,7 +334,7 @@ class History:
         after_seq = min(after_seq, MAX_SEQ)  # a client's uint64, within what the stores' integers hold
         record = await self._store.get_run(run_id)
         if record is None or record.status is RunStatus.RUNNING:
-            raise NotFound("run", run_id, "unknown, or still running on a host that no longer answers")
+            raise NotFound("run", run_id, STORED_RUN_MISSING)
         last = 0
         # from the event at after_seq itself: a completed there means the client has it all
         async for event in self._read(run_id, max(after_seq - 1, 0)):

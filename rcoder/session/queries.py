@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -16,6 +17,8 @@ from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.runs import RunRegistry
 from rcoder.store.base import SessionStore
+
+PROJECTS_KEPT = 65536  # sessions whose project is kept for scope checks (~10 MB at most)
 
 
 class SessionStatus(enum.Enum):
@@ -63,6 +66,34 @@ class Queries:
         self._pool = pool
         self._runs = runs
         self._launcher = launcher
+        self._projects: dict[str, str] = {}  # session_id -> its project (project_of_session)
+
+    async def project_of_session(self, session_id: str) -> str | None:
+        """The project ``session_id`` belongs to, None when there is no such session. A session's
+        project never changes, so the answers are kept (bounded): a scoped caller's check costs a
+        store read once per session."""
+        project = self._projects.get(session_id)
+        if project is None:
+            record = self._pool.live_record(session_id) or await self._store.get_session(session_id)
+            if record is None:
+                return None
+            project = self._keep(session_id, record.project_id)
+        return project
+
+    async def project_of_run(self, run_id: str) -> str | None:
+        """The project of run ``run_id``'s session: from the run while this host keeps it (a queued
+        turn is in no store yet), else the store's; None when neither has it."""
+        run = self._runs.find(run_id)
+        if run is not None:
+            return run.project_id or await self.project_of_session(run.session_id)
+        record = await self._store.get_run(run_id)
+        return None if record is None else await self.project_of_session(record.session_id)
+
+    def _keep(self, session_id: str, project_id: str) -> str:
+        if len(self._projects) >= PROJECTS_KEPT:
+            self._projects.pop(next(iter(self._projects)))  # the oldest: a dict keeps insertion order
+        self._projects[session_id] = project_id
+        return project_id
 
     def status(self, session_id: str) -> SessionStatus:
         if self._runs.holder(session_id) is not None:
@@ -90,16 +121,24 @@ class Queries:
         )
 
     async def sessions(
-        self, project_id: str, limit: int, order: SessionOrder, currency: str = "", after: After | None = None
+        self,
+        project_id: str,
+        limit: int,
+        order: SessionOrder,
+        currency: str = "",
+        after: After | None = None,
+        projects: Sequence[str] | None = None,
     ) -> tuple[list[SessionView], After | None]:
         """A page of sessions in ``order`` (by cost: in ``currency``) and where the next one starts
-        (None when this was the last)."""
+        (None when this was the last); only those whose project matches one of ``projects``
+        (fnmatch patterns; None: all), filtered by the store itself."""
         if order is SessionOrder.COST_DESC:
             key = None if after is None else (after.cost_nanos, after.session_id)
-            costed = await self._store.list_sessions_by_cost(currency, project_id, limit + 1, key)
+            costed = await self._store.list_sessions_by_cost(currency, project_id, limit + 1, key, projects=projects)
         else:
             start = "" if after is None else after.session_id
-            costed = [(r, None) for r in await self._store.list_sessions(project_id, limit + 1, start)]
+            listed = await self._store.list_sessions(project_id, limit + 1, start, projects=projects)
+            costed = [(r, None) for r in listed]
         page = costed[:limit]
         last = page[-1] if len(costed) > limit and page else None
         totals = await self._store.usage_totals([r.session_id for r, _ in page])

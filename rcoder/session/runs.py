@@ -56,6 +56,7 @@ from rcoder.session.budget import EVENT_OVERHEAD, ByteLedger, body_size, shrink,
 
 log = get_logger("rcoder.session.runs")
 
+RUN_MISSING = "unknown, or finished longer ago than run_retention (or earlier, to keep runs_total_bytes)"
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
 HARD_LIMIT_FACTOR = 4
 
@@ -78,9 +79,11 @@ class Run:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         limits: RunLimits = RunLimits(),
         ledger: ByteLedger | None = None,
+        project_id: str = "",
     ) -> None:
         self.run_id = run_id
         self.session_id = session_id
+        self.project_id = project_id  # its session's (a scoped caller's check: rcoder.api.scope)
         self._events: deque[RunEvent] = deque()
         self._sizes: deque[int] = deque()  # bytes of each kept event, as measured when published
         self.bytes = 0  # bytes of the kept events together
@@ -561,11 +564,7 @@ class RunRegistry:
         self._prune()
         run = self._runs.get(run_id)
         if run is None:
-            raise NotFound(
-                "run",
-                run_id,
-                "unknown, or finished longer ago than run_retention (or earlier, to keep runs_total_bytes)",
-            )
+            raise NotFound("run", run_id, RUN_MISSING)
         return run
 
     def find(self, run_id: str) -> Run | None:

@@ -583,6 +583,7 @@ class TurnRunner:
                 fallback_reason=body.fallback_reason,
                 request_id=plan.turn.request_id,
                 prompt=plan.turn.prompt,
+                client=plan.turn.client,
             ),
             lease=plan.lease,
         )

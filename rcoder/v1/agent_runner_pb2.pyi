@@ -1321,6 +1321,7 @@ class RunInfo(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     RESUME_METHOD_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
+    CLIENT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run's id (Subscribe takes it)"""
     session_id: _builtins.str
@@ -1341,6 +1342,10 @@ class RunInfo(_message.Message):
     """new | live | resume | load | meta | not_opened"""
     fallback_reason: _builtins.str
     """why its session was opened new instead of resumed (resume FALLBACK_*); empty otherwise"""
+    client: _builtins.str
+    """who started it: a [[clients]] name, a JWT's subject, "admin" (the auth_token); empty for
+    runs from before rcoder recorded it
+    """
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """when the run started"""
@@ -1369,10 +1374,11 @@ class RunInfo(_message.Message):
         usage: Global___Usage | None = ...,
         resume_method: _builtins.str = ...,
         fallback_reason: _builtins.str = ...,
+        client: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -16,14 +16,18 @@ the elided ids of a transcript. Nothing else of the text is changed.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
+from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -92,24 +96,93 @@ def test_the_front_page_marks_its_first_conversation() -> None:
 @pytest.mark.parametrize("example", marked_examples(), ids=str)
 async def test_a_marked_example_runs_as_written(make_daemon: DaemonFactory, tmp_path: Path, example: Example) -> None:
     daemon, _ = await make_daemon(profiles={}, data_dir=str(tmp_path / ".rcoder"), default_agent="echo")
-    bin_dir = str(Path(sys.executable).parent)  # grpcurl and rcoder, in .venv/bin as `make` puts them
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RCODER_TARGET": daemon.address}
-    env.pop("RCODER_TOKEN", None)
-    env.pop("RCODER_AUTH_TOKEN", None)
+    env = newcomers_env(daemon.address)
     if any(line.startswith("$ ") for line in example.text.splitlines()):
         await transcript(example, tmp_path, env, daemon.address)
         return
+    await script(example, tmp_path, env, daemon.address)
+
+
+def newcomers_env(address: str) -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)  # grpcurl and rcoder, in .venv/bin as `make` puts them
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RCODER_TARGET": address}
+    env.pop("RCODER_TOKEN", None)
+    env.pop("RCODER_AUTH_TOKEN", None)
+    return env
+
+
+async def script(example: Example, cwd: Path, env: dict[str, str], address: str) -> None:
+    """Each command of a script block, with what its comment lines say of its output: a line
+    ``# Code: …``, ``# Message: …`` (grpcurl's refusal), ``# rcoder: …`` (the CLI's) or ``# echo: …``
+    is printed as it stands, and a command that is refused exits non-zero; every other command
+    exits 0 and prints every ``RESUME_OUTCOME_*`` and ``STOP_REASON_*`` its comments name."""
     session, assignments = "", ""  # a variable the block sets (AUTH=...) holds for its later lines
     for command, comments in commands(example.text):
-        command = command.replace(DEFAULT_ADDRESS, daemon.address).replace("<S>", session)
-        code, output = await shell(assignments + command, tmp_path, env)
-        assert code == 0, f"{example}: {command!r} exited {code}:\n{output}"
+        command = command.replace(DEFAULT_ADDRESS, address).replace("<S>", session)
+        code, output = await shell(assignments + command, cwd, env)
+        printed = [c[2:] for c in comments if re.match(r"^# (Code|Message|rcoder|echo): ", c)]
+        refused = any(line.startswith(("Code: ", "rcoder: ")) for line in printed)
+        if refused:
+            assert code != 0, f"{example}: {command!r} was to be refused, and exited 0:\n{output}"
+        else:
+            assert code == 0, f"{example}: {command!r} exited {code}:\n{output}"
+        for line in printed:
+            assert line in output, f"{example}: {command!r} did not print {line!r}:\n{output}"
         if re.match(r"^\w+=", command):
             assignments += command + "\n"
         if not session and (found := SESSION.search(output)):
             session = found.group(1) or found.group(2)
         for word in re.findall(r"\b(?:RESUME_OUTCOME|STOP_REASON)_[A-Z_]+\b", " ".join(comments)):
             assert word in output, f"{example}: {command!r} printed no {word}:\n{output}"
+
+
+def named_block(name: str, lang: str) -> tuple[Example, str]:
+    """The block of ``lang`` after ``<!-- example: name -->``, on the one page that has it."""
+    mark = f"<!-- example: {name} -->"
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in re.finditer(rf"^{re.escape(mark)}\n```{lang}\n(.*?)^```", text, flags=re.M | re.S):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append(Example(str(page.relative_to(ROOT)), line, match.group(1)))
+    assert len(found) == 1, f"{mark} ```{lang}: {len(found)} blocks, want one"
+    return found[0], found[0].text
+
+
+async def test_the_tenants_example_runs_with_its_config(make_daemon: DaemonFactory, tmp_path: Path) -> None:
+    _, toml_text = named_block("tenants-config", "toml")
+    example, _ = named_block("tenants", "sh")
+    config = tomllib.loads(toml_text)
+    (tmp_path / "support.token").write_text("support-3Rt8\n")  # as the page says; beside the config
+    daemon, _ = await make_daemon(profiles={}, data_dir=str(tmp_path / ".rcoder"), default_agent="echo", **config)
+    await script(example, tmp_path, newcomers_env(daemon.address), daemon.address)
+
+
+async def test_the_jwt_setup_works_as_written(make_daemon: DaemonFactory, tmp_path: Path) -> None:
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from jwt.algorithms import ECAlgorithm
+
+    _, toml_text = named_block("jwt-config", "toml")
+    _, claims_text = named_block("jwt-claims", "json")
+    config, claims = tomllib.loads(toml_text), json.loads(claims_text)
+    key = ec.generate_private_key(ec.SECP256R1())  # the provider's
+    (tmp_path / config["jwt_jwks_file"]).write_text(
+        json.dumps({"keys": [{**ECAlgorithm.to_jwk(key.public_key(), as_dict=True), "kid": "idp-1"}]})
+    )
+    token = jwt.encode(claims, key, algorithm="ES256", headers={"kid": "idp-1"})
+    daemon, client = await make_daemon(profiles={}, data_dir=str(tmp_path / ".rcoder"), default_agent="echo", **config)
+    bearer = (("authorization", f"Bearer {token}"),)
+    events = await client.chat(project_id="acme-web", prompt="hi", metadata=bearer)
+    assert events[-1].completed.stop_reason == pb.STOP_REASON_END_TURN
+    refused = await client.chat_error(project_id="beta-api", prompt="hi", metadata=bearer)
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "'acme-ci-runner-12' may not use project 'beta-api'" in (refused.details() or "")
+    lines = await daemon.wait_log("audit", count=2)
+    assert [(r["client"], r["project_id"], r["code"]) for r in lines] == [
+        ("acme-ci-runner-12", "acme-web", "OK"),
+        ("acme-ci-runner-12", "beta-api", "PERMISSION_DENIED"),
+    ]
 
 
 def elided(part: str) -> str:

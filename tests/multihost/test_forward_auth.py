@@ -16,6 +16,7 @@ import grpc
 import psycopg
 import pytest
 
+from rcoder.api.callers import ADMIN
 from rcoder.api.host_auth import HEADER, SERVICE, HostAuth
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.multihost.conftest import AUTH, AUTH_MD, Host, Hosts, chat, code_of
@@ -142,7 +143,7 @@ async def test_a_listener_the_store_names_gets_no_credential_it_can_use_and_the_
             seen = dict(call.metadata)
             assert "authorization" not in seen, "no bearer token on a forward"
             assert AUTH not in str(call.metadata), "the token itself never travels"
-            assert seen[HEADER].startswith("v1 ") and seen["rcoder-forwarded-by"] == "host-b"
+            assert seen[HEADER].startswith("v2 ") and seen["rcoder-forwarded-by"] == "host-b"
             for target in (a, b):  # at once: well within the signature's 30 s
                 refused = await replay(target, call)
                 assert refused.code() == grpc.StatusCode.UNAUTHENTICATED, (target.name, refused.details())
@@ -172,7 +173,7 @@ async def test_a_host_accepts_a_forward_signed_for_it_once_and_only_about_the_si
         signer = HostAuth(AUTH, "host-b", lambda: "")
         get = "/rcoder.v1.AgentRunner/GetSession"
         request = pb.GetSessionRequest(session_id=session_id)
-        signed = signer.sign(get, request, a.address)
+        signed = signer.sign(get, request, a.address, ADMIN)
 
         answer = await a.stub.GetSession(request, metadata=signed, timeout=10)
         assert answer.session_id == session_id
@@ -180,7 +181,7 @@ async def test_a_host_accepts_a_forward_signed_for_it_once_and_only_about_the_si
             await a.stub.GetSession(request, metadata=signed, timeout=10)
         assert code_of(again.value) == grpc.StatusCode.UNAUTHENTICATED and "replayed" in (again.value.details() or "")
 
-        swapped = signer.sign(get, request, a.address)
+        swapped = signer.sign(get, request, a.address, ADMIN)
         with pytest.raises(grpc.aio.AioRpcError) as other:
             await a.stub.GetSession(pb.GetSessionRequest(session_id="another"), metadata=swapped, timeout=10)
         assert code_of(other.value) == grpc.StatusCode.UNAUTHENTICATED and "signed for" in (other.value.details() or "")

@@ -37,6 +37,8 @@ MEASURES = {
     "history_flood_bytes_per_s",
     "list_runs_page_ms",
     "unauth_flood_rss_mb",
+    "auth_check_us",
+    "auth_check_jwt_us",
 }
 
 

@@ -1,4 +1,4 @@
-"""JWT callers end to end (docs/access.md#jwts-from-your-identity-provider): a daemon configured with
+"""JWT callers end to end (docs/access.md#jwts-from-the-platforms-identity-provider): a daemon configured with
 a JWKS file takes bearer JWTs its keys signed, scoped by their claims, named by their subject in
 the audit trail and counted as "jwt"; every bad token is UNAUTHENTICATED saying what is wrong; the
 file rotated while the daemon runs takes effect at the next call."""

@@ -13,7 +13,7 @@ TWINE_VENV := .venv-twine
 TWINE_STAMP := $(TWINE_VENV)/.installed
 CONFIG ?=
 
-.PHONY: all run test check fast docs docs-serve lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres image clean
+.PHONY: all run test check fast docs docs-serve lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres helper image clean
 
 all: test
 
@@ -52,6 +52,20 @@ $(TOOLS_STAMP): tools/package.json tools/package-lock.json
 
 tools: $(TOOLS_STAMP)
 
+## the exec wrapper in C (rcoder/agent/confine.c), static: what agents that confine themselves in their
+## own process (generic profiles, OpenCode) start through, a bare exec instead of a Python start-up.
+## Without a C compiler it is left out, and they start through `python -I -S landlock.py` instead
+CONFINE_HELPER := rcoder/agent/rcoder-confine
+CC ?= cc
+$(CONFINE_HELPER): rcoder/agent/confine.c
+	@if command -v $(CC) >/dev/null; then \
+		$(CC) -O2 -s -static -Wall -Wextra -Werror -o $@.tmp $< && mv $@.tmp $@; \
+	else \
+		echo "make: no C compiler ($(CC)): agents that confine themselves start through python -I -S landlock.py (~15 ms more a start)" >&2; \
+	fi
+
+helper: $(CONFINE_HELPER)
+
 ## rcoder's and the tests' modules compiled ahead (quick when up to date). Where PYTHONDONTWRITEBYTECODE
 ## is set (as on this machine's base image) nothing else writes them, so every daemon and every fake
 ## agent the tests start would compile its modules again: a third of a daemon's start
@@ -59,13 +73,13 @@ bytecode: $(STAMP)
 	@PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q -j 0 rcoder tests scripts
 
 ## serve on 127.0.0.1:50051 with the default config (CONFIG=path for another)
-run: $(STAMP) agents bytecode
+run: $(STAMP) agents helper bytecode
 	$(BIN)/rcoder serve $(if $(CONFIG),--config $(CONFIG),)
 
 ## the generated code and API checks, lint, type check and the whole suite. The container image is
 ## built meanwhile, in the background (its log: build/image.log; the build's whole process group is
 ## ended when this ends); the image's tests run last and wait for that build (scripts/image.py's lock)
-test: $(STAMP) agents tools twine postgres
+test: $(STAMP) agents tools twine postgres helper
 	@mkdir -p build
 	@setsid $(PYTHON) scripts/image.py > build/image.log 2>&1 & image=$$!; \
 		trap 'kill -TERM -- -$$image 2>/dev/null; wait $$image 2>/dev/null' EXIT; trap 'exit 143' INT TERM; \
@@ -98,7 +112,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-unit: $(STAMP) agents tools twine postgres bytecode
+unit: $(STAMP) agents tools twine postgres helper bytecode
 	$(BIN)/pytest -p no:cacheprovider -n 2 --dist loadfile --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
@@ -123,12 +137,12 @@ postgres:
 ## runc (and mmdebstrap for the base it makes from Debian's packages) installed when missing and we are
 ## root; reused while its inputs are unchanged. BASE=debian:bookworm-slim builds on a registry's base.
 BASE ?=
-image:
+image: helper
 	$(PYTHON) scripts/image.py $(if $(BASE),--base $(BASE),)
 
 ## the long fault runs: a thousand client cuts, a hundred daemon kills at each of three points, ten
 ## thousand turns; side by side (each its own daemons and folders), their counts printed at the end (-rP)
-soak: $(STAMP) bytecode
+soak: $(STAMP) helper bytecode
 	RCODER_SOAK=1 $(BIN)/pytest -p no:cacheprovider -n 3 --dist load -rP --timeout=0 tests/test_faults.py \
 		tests/test_stress.py -k "killed or cuts or hundreds"
 
@@ -157,8 +171,8 @@ dist: $(STAMP) twine
 
 ## benchmarks against a direct-client baseline taken in the same run (never part of `make test`);
 ## prints ratio, target and PASS/FAIL per line, writes bench-results.json
-bench: $(STAMP) agents bytecode
+bench: $(STAMP) agents helper bytecode
 	$(BIN)/python scripts/bench.py --json bench-results.json
 
 clean:
-	rm -rf $(VENV) $(TWINE_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TWINE_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache $(CONFINE_HELPER)

@@ -4,7 +4,8 @@ Three uses. The daemon asks ``abi()`` which Landlock ABI the kernel offers (0: n
 of the daemon confines itself with ``apply()`` before it starts an agent (``rcoder.agent.confined``;
 Landlock confines a thread and what it starts). And where that cannot do (an agent that needs
 its own ``/proc/<pid>``, or no ``setpriv`` for its death signal), an agent is started through
-this file run as a script, an exec wrapper::
+an exec wrapper: ``rcoder/agent/confine.c`` built by ``make`` (the same steps in C, a bare
+exec), or where it is not built this file run as a script::
 
     python -I -S -B landlock.py [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV...
 

@@ -43,7 +43,7 @@ from bench_unauth import LARGEST, unauth_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
 from rcoder.agent.process import AgentProcess  # noqa: E402
-from rcoder.agent.sandbox import Confinement, confinement  # noqa: E402
+from rcoder.agent.sandbox import WRAPPER, Confinement, confinement, wrapper_command  # noqa: E402
 from rcoder.config import builtin_profiles, load_settings  # noqa: E402
 from rcoder.daemon import STORE_FILE  # noqa: E402
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry  # noqa: E402
@@ -669,49 +669,78 @@ async def cold_start_confined(bench: Bench) -> Result:
     return judged("cold_start_confined", what, paired_ratio(ours, theirs), "<= 1.1", details)
 
 
-async def confined_spawn(bench: Bench) -> Result:
-    """What confining an agent adds to its start, in ms: spawn to the first byte of a fast agent
-    (``/bin/echo``) through rcoder's spawn path (``AgentProcess.spawn``, confined as the
+# What confining adds to an agent's start, three ways an agent starts confined: a native kind
+# (codex's, Rust: from a thread of the daemon that confines itself), OpenCode's kind (Bun reads its
+# own /proc/self: through the exec wrapper, in C) and a generic profile (an unknown runtime: the
+# same), this one a Python ACP agent on the raw protocol (the fake agent) timed to its first
+# answer. Each beside the exec wrapper run by Python (`python -I -S landlock.py`), the way agents
+# that need their own /proc started before the C helper.
+SPAWN_LINES = (
+    ("confined_spawn_added_ms", "codex", "a fast native agent (/bin/echo as a codex-kind profile)"),
+    ("confined_spawn_added_ms_opencode", "opencode", "a fast agent of OpenCode's kind (/bin/echo)"),
+    ("confined_spawn_added_ms_generic", "generic", "a Python ACP agent (generic profile) to its initialize answer"),
+)
+_INITIALIZE = b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":1}}\n'
+
+
+async def confined_spawn(bench: Bench) -> list[Result]:
+    """What confining an agent adds to its start, in ms, for each of ``SPAWN_LINES``: spawn to the
+    first byte of the agent through rcoder's spawn path (``AgentProcess.spawn``, confined as the
     launcher confines a profile's agent) minus the same unconfined, pairs back to back in
-    alternating order, the median of the pairs' differences. Beside it, the same for the exec
-    wrapper (``python -I -S landlock.py``), the way confined agents started before."""
-    fast = ["/bin/echo", "ready"]
+    alternating order, the median of the pairs' differences."""
     configure_logs("warning")  # rcoder's spawn path logs each spawn; not into the bench's lines
-    # a native agent, of a kind that runs without its own /proc (codex's: Rust); the kinds that
-    # need it (opencode's: Bun; unknown runtimes) start through the exec wrapper: wrapper_added_ms
-    fast_profile = {"command": fast[0], "args": fast[1:], "kind": "codex"}
-    settings = load_settings(bench.config({"fast": fast_profile}, default_agent="fast"), {})
+    results = []
+    for name, kind, agent in SPAWN_LINES:
+        results.append(await _confined_spawn_of(bench, name, kind, agent))
+    return results
+
+
+async def _confined_spawn_of(bench: Bench, name: str, kind: str, agent: str) -> Result:
+    python = kind == "generic"
+    if python:
+        fast, profile_of = bench.agent_argv, {**bench.fake_profile(), "kind": kind}
+    else:
+        fast = ["/bin/echo", "ready"]
+        profile_of = {"command": fast[0], "args": fast[1:], "kind": kind}
+    settings = load_settings(bench.config({"fast": profile_of}, default_agent="fast"), {})
     profile, project = settings.agents["fast"], bench.workspace / "proj"
-    home = bench.root / "fast-home"
+    home = bench.root / f"fast-home-{kind}"
     home.mkdir(exist_ok=True)
     confined = await asyncio.to_thread(confinement, settings, profile, fast[0], project, home)
     if confined is None:
-        return Result("confined_spawn_added_ms", "no Landlock on this kernel", None, "report", None)
-    assert not confined.own_proc, "it would start through the wrapper"
-    wrapper = confined.argv(fast, os.getpid())
+        return Result(name, "no Landlock on this kernel", None, "report", None)
+    assert confined.own_proc is (kind != "codex"), f"{kind}: started another way than the line says"
+    python_wrapper = [sys.executable, "-I", "-S", "-B", str(WRAPPER), *confined.wrapper_args(fast, os.getpid())]
     times: dict[str, list[float]] = {"confined": [], "unconfined": [], "wrapper": []}
-    for rep in range(bench.sizes.reps * 10):
+    # a Python agent's start costs ~50 ms, an echo's ~3: as many pairs in about as long
+    for rep in range(bench.sizes.reps * (3 if python else 10)):
         for side in ("confined", "unconfined", "wrapper")[:: 1 if rep % 2 else -1]:
-            argv = wrapper if side == "wrapper" else fast
-            times[side].append(await _first_byte(argv, project, confined if side == "confined" else None))
+            argv = python_wrapper if side == "wrapper" else fast
+            start = _INITIALIZE if python else b""
+            times[side].append(await _first_byte(argv, project, confined if side == "confined" else None, start))
     added = median([c - u for c, u in zip(times["confined"], times["unconfined"], strict=True)]) * 1e3
     details = {
         "confined_ms": median(times["confined"]) * 1e3,
         "unconfined_ms": median(times["unconfined"]) * 1e3,
-        "wrapper_added_ms": median([w - u for w, u in zip(times["wrapper"], times["unconfined"], strict=True)]) * 1e3,
+        "python_wrapper_added_ms": median([w - u for w, u in zip(times["wrapper"], times["unconfined"], strict=True)])
+        * 1e3,
+        "through": "a confining thread" if kind == "codex" else " ".join(wrapper_command()),
         "reps": len(times["confined"]),
     }
-    what = "spawn to first byte of a fast agent (/bin/echo): confined - unconfined, in ms (not a ratio)"
-    return judged("confined_spawn_added_ms", what, added, "<= 3", details)
+    what = f"spawn to first byte of {agent}: confined - unconfined, in ms (not a ratio)"
+    return judged(name, what, added, "<= 3", details)
 
 
-async def _first_byte(argv: list[str], cwd: Path, confined: Confinement | None) -> float:
-    """Seconds from spawning ``argv`` (as rcoder spawns an agent) to its first byte on stdout."""
+async def _first_byte(argv: list[str], cwd: Path, confined: Confinement | None, send: bytes = b"") -> float:
+    """Seconds from spawning ``argv`` (as rcoder spawns an agent) to its first byte on stdout,
+    ``send`` written to its stdin first."""
     began = time.perf_counter()
     process = await AgentProcess.spawn(
         argv, cwd=str(cwd), env={}, name="fast", stderr_tail_bytes=4096, stop_grace=1.0, confinement=confined
     )
     try:
+        if send:
+            process.stdin.write(send)
         async with asyncio.timeout(CALL_TIMEOUT):
             if not await process.stdout.read(1):
                 raise RuntimeError(f"no output from {argv}: {process.stderr_tail()}")
@@ -1052,7 +1081,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("resumed", lambda b: _one(resumed_first_chunk(b))),
         ("fallback", lambda b: _one(fallback_first_event(b))),
         ("confined", lambda b: _one(cold_start_confined(b))),
-        ("confined_spawn", lambda b: _one(confined_spawn(b))),
+        ("confined_spawn", confined_spawn),
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),

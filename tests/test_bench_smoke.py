@@ -22,6 +22,8 @@ MEASURES = {
     "fallback_first_event",
     "cold_start_confined",
     "confined_spawn_added_ms",
+    "confined_spawn_added_ms_opencode",
+    "confined_spawn_added_ms_generic",
     "first_chunk_live",
     "first_chunk_live_grpc_floor",
     "first_chunk_paced",

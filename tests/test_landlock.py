@@ -1,8 +1,10 @@
-"""rcoder/landlock.py, the exec wrapper that confines an agent before it runs, on its own."""
+"""The exec wrapper that confines an agent before it runs, on its own: rcoder/landlock.py run by
+Python, and the same in C (rcoder/agent/confine.c, built by `make`), each test against both."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,46 +12,70 @@ from pathlib import Path
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.sandbox import SYSTEM_READ, WRAPPER, python_dirs
+from rcoder.agent.sandbox import HELPER, SYSTEM_READ, WRAPPER, python_dirs, wrapper_command
 
 pytestmark = pytest.mark.skipif(not landlock.abi(), reason="this kernel offers no Landlock")
 
+WRAPPERS = {"python": [sys.executable, "-I", "-S", "-B", str(WRAPPER)], "c": [str(HELPER)]}
 
-def wrapped(*args: str, command: list[str], read: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+
+@pytest.fixture(params=sorted(WRAPPERS))
+def wrapper(request: pytest.FixtureRequest) -> list[str]:
+    if request.param == "c" and not HELPER.exists():
+        pytest.fail(f"{HELPER} is not built: `make helper` builds it (a C compiler is needed)")
+    return WRAPPERS[request.param]
+
+
+def wrapped(
+    wrapper: list[str], *args: str, command: list[str], read: tuple[Path, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     grants = [a for path in (*SYSTEM_READ, *python_dirs(), *read) for a in ("--read", str(path))]
-    argv = [sys.executable, "-I", "-S", "-B", str(WRAPPER), *grants, *args, "--", *command]
+    argv = [*wrapper, *grants, *args, "--", *command]
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
 
 
-def test_the_wrapped_command_reads_and_writes_only_what_it_was_given(tmp_path: Path) -> None:
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: agents start through landlock.py")
+def test_where_a_c_compiler_is_the_helper_is_built_and_agents_start_through_it() -> None:
+    assert wrapper_command() == [str(HELPER)], "`make helper` builds rcoder/agent/rcoder-confine"
+
+
+def test_each_wrapper_grants_an_agent_its_own_proc_and_no_other_process_s(tmp_path: Path, wrapper: list[str]) -> None:
+    # the reason the wrapper exists: /proc/self resolves in the agent's own process, after the fork
+    script = "head -c 4 /proc/$$/status && echo; cat /proc/$PPID/environ >/dev/null 2>&1 && echo leaked || echo kept"
+    done = wrapped(wrapper, "--read", "/proc/self", command=["/bin/sh", "-c", script])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Name", "kept"]
+
+
+def test_the_wrapped_command_reads_and_writes_only_what_it_was_given(tmp_path: Path, wrapper: list[str]) -> None:
     mine, other = tmp_path / "mine", tmp_path / "other"
     for folder in (mine, other):
         folder.mkdir()
         (folder / "file").write_text(f"{folder.name}\n")
     script = 'cat "$1/file"; echo new > "$1/new" && echo wrote; cat "$2/file" || echo denied; touch "$2/new" || echo no'
 
-    done = wrapped("--write", str(mine), command=["/bin/sh", "-c", script, "sh", str(mine), str(other)])
+    done = wrapped(wrapper, "--write", str(mine), command=["/bin/sh", "-c", script, "sh", str(mine), str(other)])
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["mine", "wrote", "denied", "no"]
     assert "Permission denied" in done.stderr and not (other / "new").exists()
 
 
-def test_a_path_that_does_not_exist_grants_nothing_and_is_no_failure(tmp_path: Path) -> None:
-    done = wrapped("--read", str(tmp_path / "missing"), command=["/bin/true"])
+def test_a_path_that_does_not_exist_grants_nothing_and_is_no_failure(tmp_path: Path, wrapper: list[str]) -> None:
+    done = wrapped(wrapper, "--read", str(tmp_path / "missing"), command=["/bin/true"])
     assert done.returncode == 0, done.stderr
 
 
-def test_an_agent_whose_daemon_is_already_gone_is_not_started(tmp_path: Path) -> None:
-    done = wrapped("--parent", "1", command=["/bin/sh", "-c", f"touch {tmp_path / 'ran'}"])
+def test_an_agent_whose_daemon_is_already_gone_is_not_started(tmp_path: Path, wrapper: list[str]) -> None:
+    done = wrapped(wrapper, "--parent", "1", command=["/bin/sh", "-c", f"touch {tmp_path / 'ran'}"])
     assert done.returncode == landlock.EXIT_NOT_CONFINED
     assert "is gone" in done.stderr and not (tmp_path / "ran").exists()
 
 
-def test_a_command_that_cannot_run_or_a_bad_argument_is_an_exit_code_and_a_line_on_stderr() -> None:
-    missing = wrapped(command=["/no/such/agent"])
+def test_a_command_that_cannot_run_or_a_bad_argument_is_an_exit_code_and_a_line_on_stderr(wrapper: list[str]) -> None:
+    missing = wrapped(wrapper, command=["/no/such/agent"])
     assert missing.returncode == landlock.EXIT_NOT_FOUND and "cannot run /no/such/agent" in missing.stderr
-    bad = wrapped("--bogus", "x", command=["/bin/true"])
+    bad = wrapped(wrapper, "--bogus", "x", command=["/bin/true"])
     assert bad.returncode == landlock.EXIT_NOT_CONFINED and "usage" in bad.stderr
 
 
@@ -65,7 +91,9 @@ def test_the_wrapper_needs_nothing_but_the_standard_library() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_a_granted_path_that_became_a_link_since_it_was_resolved_grants_nothing(tmp_path: Path) -> None:
+def test_a_granted_path_that_became_a_link_since_it_was_resolved_grants_nothing(
+    tmp_path: Path, wrapper: list[str]
+) -> None:
     # rcoder grants resolved paths; an agent that may write the folder around one swaps it for a
     # link (to another project, data_dir) before the rule is bound: the rule must not follow it
     project, secret = tmp_path / "project", tmp_path / "secret"
@@ -75,7 +103,7 @@ def test_a_granted_path_that_became_a_link_since_it_was_resolved_grants_nothing(
     (project / "sub").symlink_to(secret)
     script = 'cat "$1/file" || echo denied; touch "$1/new" || echo no'
 
-    done = wrapped("--write", str(project / "sub"), command=["/bin/sh", "-c", script, "sh", str(secret)])
+    done = wrapped(wrapper, "--write", str(project / "sub"), command=["/bin/sh", "-c", script, "sh", str(secret)])
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["denied", "no"]

@@ -19,7 +19,8 @@ spawned the agent: it lives until the agent exits, and dies with the daemon.
 What this cannot do: grant the agent its own ``/proc/<pid>`` (it does not exist yet; here
 ``/proc/self`` is the daemon's, and ``landlock`` leaves out whatever resolves into it). A
 confinement that grants it (``Confinement.own_proc``: Bun's OpenCode, unknown runtimes) starts
-through the exec wrapper, which resolves it in the agent's own process.
+through the exec wrapper, which resolves it in the agent's own process (``sandbox.wrapper_command``:
+the C helper, a bare exec, where it is built).
 
 What the confined thread runs is only this module's ``_run``: the Landlock calls, the spawn
 (``subprocess`` opens no file), ``waitpid`` and a write to the loop's wake-up pipe. (A

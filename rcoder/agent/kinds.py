@@ -64,7 +64,8 @@ class AgentKind:
     answers_load_before_replay: ClassVar[bool] = False
     # the agent process reads its own /proc/<pid> (Bun's JavaScriptCore and the JVM read
     # /proc/self/maps for their stack bounds and abort without): confined, it starts through the
-    # exec wrapper, which grants it from inside the agent's process (~15 ms a start); without,
+    # exec wrapper, which grants it from inside the agent's process (the C helper: a bare exec;
+    # landlock.py by Python where it is not built, ~15 ms); without,
     # from a thread that confines itself (~1 ms). Unknown runtimes get it (rcoder.agent.confined).
     own_proc: ClassVar[bool] = True
 

@@ -1,12 +1,12 @@
 """What an agent process may reach (docs/design.md#confinement), as the argv that confines it.
 
 An agent under ``sandbox = "landlock"`` is started by a thread that first confines itself with
-the paths below (``rcoder.agent.confined``), or through ``rcoder/landlock.py`` run as an exec
-wrapper; both read the ``Confinement`` as the wrapper's arguments (``wrapper_args``). The
-confinement is inherited by everything the agent starts. Read and write: the session's
-project, the agent's home for that project (its ``TMPDIR`` inside) and the profile's
-``write_paths``. Read and execute: the system, the
-toolchains rcoder knows of (the agent's install, the pinned agents, the daemon's Python) and
+the paths below (``rcoder.agent.confined``), or through an exec wrapper (``wrapper_command``: the
+C helper ``rcoder-confine``, or ``rcoder/landlock.py`` run by Python); all read the
+``Confinement`` as the wrapper's arguments (``wrapper_args``). The confinement is inherited by
+everything the agent starts. Read and write: the session's project, the agent's home for that
+project (its ``TMPDIR`` inside) and the profile's ``write_paths``. Read and execute: the system,
+the toolchains rcoder knows of (the agent's install, the pinned agents, the daemon's Python) and
 the profile's ``read_paths``. Nothing else.
 
 What must stay out of reach (``data_dir``, ``workspace_root``, the config file, the TLS files)
@@ -31,6 +31,18 @@ from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
 
 WRAPPER = Path(landlock.__file__).resolve()
+# The same wrapper in C (rcoder/agent/confine.c, built by `make`): a bare exec of a static binary
+# instead of a Python start-up, for the agents that must confine themselves in their own process.
+HELPER = Path(__file__).resolve().parent / "rcoder-confine"
+
+
+def wrapper_command() -> list[str]:
+    """What runs the exec wrapper: the C helper where it is built, else ``landlock.py`` by Python
+    (the same arguments, the same confinement)."""
+    if os.access(HELPER, os.X_OK):
+        return [str(HELPER)]
+    return [sys.executable, "-I", "-S", "-B", str(WRAPPER)]
+
 
 # The system, read and execute.
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -74,7 +86,7 @@ class Confinement:
         """``command`` run through the wrapper (with the daemon's pid for its death signal), which
         switches to ``user`` (uid, gid) first when given."""
         switch = ["--user", f"{user[0]}:{user[1]}"] if user else []
-        return [sys.executable, "-I", "-S", "-B", str(WRAPPER), *switch, *self.wrapper_args(command, parent)]
+        return [*wrapper_command(), *switch, *self.wrapper_args(command, parent)]
 
     def wrapper_args(self, command: Sequence[str], parent: int) -> list[str]:
         """The wrapper's arguments: what confines ``command``, as ``landlock.parse`` reads them.

@@ -182,19 +182,25 @@ def around(grant: Path, hidden: Sequence[Path]) -> list[Path]:
     operator granted. A link inside a folder granted whole grants nothing either: Landlock
     checks the file a path resolves to."""
     real = _real(grant)
-    daemon = Path(f"/proc/{os.getpid()}")  # what "/proc/self" in a profile resolves to here: never the agent's
-    if real == daemon or daemon in real.parents:
+    # compared as text: pathlib's ``parents`` costs ~1 ms over a start's grants (docs/benchmarks.md)
+    daemon = f"/proc/{os.getpid()}"  # what "/proc/self" in a profile resolves to here: never the agent's
+    if _within(str(real), daemon):
         return []
-    inside = [h for h in hidden if h == real or real in h.parents]
+    inside = [h for h in map(str, hidden) if _within(h, str(real))]
     if not inside:
         return [real] if os.path.exists(real) else []
-    if real in inside:
+    if str(real) in inside:
         return []
     try:
         children = [child for child in real.iterdir() if not child.is_symlink()]
     except OSError:
         return []
     return [p for child in children for p in around(child, hidden)]
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or beneath it (both absolute and normalised)."""
+    return path == folder or path.startswith(folder if folder.endswith("/") else folder + "/")
 
 
 def _package_of(folder: Path, home: str | None) -> Path:

@@ -724,7 +724,7 @@ async def _confined_spawn_of(bench: Bench, name: str, kind: str, agent: str) -> 
         "unconfined_ms": median(times["unconfined"]) * 1e3,
         "python_wrapper_added_ms": median([w - u for w, u in zip(times["wrapper"], times["unconfined"], strict=True)])
         * 1e3,
-        "through": "a confining thread" if kind == "codex" else " ".join(wrapper_command()),
+        "through": "a confining thread" if kind == "codex" else Path(wrapper_command()[-1]).name,
         "reps": len(times["confined"]),
     }
     what = f"spawn to first byte of {agent}: confined - unconfined, in ms (not a ratio)"
@@ -1132,6 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run_all(sizes, not args.smoke, only))
     report = {
         "machine": info,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),  # the page's table says when (bench_table.py)
         "smoke": args.smoke,
         "sizes": asdict(sizes),
         "seconds": round(time.perf_counter() - started, 1),

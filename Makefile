@@ -56,7 +56,6 @@ tools: $(TOOLS_STAMP)
 ## own process (generic profiles, OpenCode) start through, a bare exec instead of a Python start-up.
 ## Without a C compiler it is left out, and they start through `python -I -S landlock.py` instead
 CONFINE_HELPER := rcoder/agent/rcoder-confine
-CC ?= cc
 $(CONFINE_HELPER): rcoder/agent/confine.c
 	@if command -v $(CC) >/dev/null; then \
 		$(CC) -O2 -s -static -Wall -Wextra -Werror -o $@.tmp $< && mv $@.tmp $@; \

@@ -43,7 +43,7 @@ from bench_unauth import LARGEST, unauth_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
 from rcoder.agent.process import AgentProcess  # noqa: E402
-from rcoder.agent.sandbox import WRAPPER, Confinement, confinement, wrapper_command  # noqa: E402
+from rcoder.agent.sandbox import PYTHON_WRAPPER, Confinement, confinement, wrapper_command  # noqa: E402
 from rcoder.config import builtin_profiles, load_settings  # noqa: E402
 from rcoder.daemon import STORE_FILE  # noqa: E402
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry  # noqa: E402
@@ -710,7 +710,7 @@ async def _confined_spawn_of(bench: Bench, name: str, kind: str, agent: str) -> 
     if confined is None:
         return Result(name, "no Landlock on this kernel", None, "report", None)
     assert confined.own_proc is (kind != "codex"), f"{kind}: started another way than the line says"
-    python_wrapper = [sys.executable, "-I", "-S", "-B", str(WRAPPER), *confined.wrapper_args(fast, os.getpid())]
+    python_wrapper = [*PYTHON_WRAPPER, *confined.wrapper_args(fast, os.getpid())]
     times: dict[str, list[float]] = {"confined": [], "unconfined": [], "wrapper": []}
     # a Python agent's start costs ~50 ms, an echo's ~3: as many pairs in about as long
     for rep in range(bench.sizes.reps * (3 if python else 10)):

@@ -31,6 +31,7 @@ from rcoder.agent.profile import sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings
 
 WRAPPER = Path(landlock.__file__).resolve()
+PYTHON_WRAPPER = (sys.executable, "-I", "-S", "-B", str(WRAPPER))  # the wrapper run by rcoder's Python
 # The same wrapper in C (rcoder/agent/confine.c, built by `make`): a bare exec of a static binary
 # instead of a Python start-up, for the agents that must confine themselves in their own process.
 HELPER = Path(__file__).resolve().parent / "rcoder-confine"
@@ -41,7 +42,7 @@ def wrapper_command() -> list[str]:
     (the same arguments, the same confinement)."""
     if os.access(HELPER, os.X_OK):
         return [str(HELPER)]
-    return [sys.executable, "-I", "-S", "-B", str(WRAPPER)]
+    return list(PYTHON_WRAPPER)
 
 
 # The system, read and execute.

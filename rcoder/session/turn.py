@@ -46,7 +46,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
 from types import TracebackType
@@ -132,6 +132,18 @@ class Phase(enum.Enum):
 _ORDER = {phase: i for i, phase in enumerate(Phase)}
 
 
+@dataclass(frozen=True)
+class StopCause:
+    """Why rcoder itself stopped a turn (a budget spent, a limit reached), and so how the turn
+    ends: with ``stop`` and the error text and reason, as a cancel would (``session/cancel``,
+    the group ended after ``cancel_grace``), instead of ``CANCELLED``. The agent is not broken
+    by it: it stays live for the next turn, which a guard may still refuse."""
+
+    stop: StopReason
+    error: str
+    error_reason: str
+
+
 class TurnScope:
     """A claimed turn from its first step to ``completed`` (see the module docstring)."""
 
@@ -142,6 +154,7 @@ class TurnScope:
         self._ready = ready
         self.phase = Phase.CLAIMED
         self.cancel_requested = False
+        self.cause: StopCause | None = None  # set when rcoder, not a client, stopped the turn
         self.lost: LeaseLost | None = None  # the session's lease was lost while its agent opened
         self.follows = plan.record.last_run_id if plan.record is not None else ""  # the session's run before
         self._opening: asyncio.Task[Opened] | None = None  # the work of ``Phase.OPENING``
@@ -226,14 +239,16 @@ class TurnScope:
         await self._runner.record_start(self.plan, body, self.conn)
         self._publish_started()
 
-    def cancel(self) -> bool:
-        """Ask the turn to stop, whatever its phase. Asking twice is asking once."""
+    def cancel(self, cause: StopCause | None = None) -> bool:
+        """Ask the turn to stop, whatever its phase; with ``cause``, rcoder stops it and the turn
+        ends as the cause says. Asking twice is asking once: the first cause stays."""
         if self.cancel_requested:
             return True
         if self.phase is Phase.ENDED:
             return False
-        self.cancel_requested = True
-        log.info("run_cancel_requested", run_id=self.run.run_id, phase=self.phase.value)
+        self.cancel_requested, self.cause = True, cause
+        log.info("run_cancel_requested", run_id=self.run.run_id, phase=self.phase.value,
+                 cause=cause.error_reason if cause is not None else None)  # fmt: skip
         match self.phase:
             case Phase.OPENING if self._opening is not None:
                 self._opening.cancel()
@@ -353,12 +368,12 @@ class TurnScope:
         """How a started turn ended, from what its body set and what it raised."""
         if exc is None:
             if self.cancel_requested:
-                self.stop = StopReason.CANCELLED  # some agents answer end_turn to a cancel
+                self._stopped()  # some agents answer end_turn to a cancel
             return
         self.transcript = None
         if isinstance(exc, RunCancelled | AgentError) and self.cancel_requested:
             # ended by its group after the cancel grace, or before its session opened: still a cancel
-            self.stop, self.status = StopReason.CANCELLED, RunStatus.COMPLETED
+            self._stopped()
         elif isinstance(exc, asyncio.CancelledError):
             self.stop, self.status = StopReason.CANCELLED, RunStatus.INTERRUPTED
             self.error, self.error_reason = "rcoder stopped while the turn ran", ShuttingDown.reason
@@ -371,9 +386,20 @@ class TurnScope:
             self.stop, self.status = StopReason.ERROR, RunStatus.FAILED
             self.error, self.error_reason = Internal(exc).message, Internal.reason
 
+    def _stopped(self) -> None:
+        """A turn a cancel ended: ``CANCELLED``, or as rcoder's cause for it says."""
+        self.status = RunStatus.COMPLETED
+        if self.cause is None:
+            self.stop = StopReason.CANCELLED
+        else:
+            self.stop, self.error, self.error_reason = self.cause.stop, self.cause.error, self.cause.error_reason
+
     @property
     def agent_broken(self) -> bool:
-        """Whether the session's agent must not serve another turn (an error, or ended by cancel)."""
+        """Whether the session's agent must not serve another turn: an error (a turn rcoder
+        stopped for a cause carries its text, but is a cancel to its agent)."""
+        if self.cause is not None and self.status is RunStatus.COMPLETED:
+            return False
         return self.status is not RunStatus.COMPLETED or bool(self.error)
 
 
@@ -419,10 +445,11 @@ class TurnRunner:
         """Every claimed turn, whatever its phase."""
         return list(self._scopes)
 
-    def cancel(self, run_id: str) -> bool:
-        """Ask the turn to stop. False when it is no longer running."""
+    def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
+        """Ask the turn to stop (for ``cause``, when rcoder stops it). False when it is no
+        longer running."""
         scope = self._scopes.get(run_id)
-        return scope is not None and scope.cancel()
+        return scope is not None and scope.cancel(cause)
 
     def lease_lost(self, run_id: str, generation: int) -> None:
         """The lease of the turn's session was lost (``TurnScope.lose_lease``)."""

@@ -94,6 +94,16 @@ async def test_a_cancel_after_the_turn_completed_finds_it_not_running_and_change
     await still_live_and_clean(daemon, client, session_id)
 
 
+def grpc_noise(record: dict[str, object]) -> bool:
+    """grpcio's own complaint, which its Cython layer logs at error level when a call that the
+    client cancelled just as it ended carries status details it cannot decode as UTF-8. The
+    bytes it shows are not any status rcoder sent. Seen once in about ten loaded runs (grpcio
+    1.85.1). Nothing of rcoder's went wrong, and the turn's events are checked whole above."""
+    return record.get("logger") == "grpc._cython.cygrpc" and str(record.get("event", "")).startswith(
+        "Invalid encoding on"
+    )
+
+
 async def test_a_client_leaving_as_its_turn_completes_loses_nothing(make_daemon: DaemonFactory) -> None:
     daemon, client = await make_daemon()
     for i in range(ROUNDS):
@@ -103,4 +113,4 @@ async def test_a_client_leaving_as_its_turn_completes_loses_nothing(make_daemon:
         assert replay[0] == begin
         assert completed(replay).stop_reason == pb.STOP_REASON_END_TURN
         assert text_of(replay).endswith(f"I remember: {i}")
-    assert not [r for r in daemon.logs() if r.get("level") in {"error", "critical", "exception"}]
+    assert not [r for r in daemon.logs() if r.get("level") in {"error", "critical", "exception"} and not grpc_noise(r)]

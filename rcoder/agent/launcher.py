@@ -139,8 +139,10 @@ class AgentLauncher:
     def sweep_leftovers(self) -> int:
         """End agent groups and trees a killed daemon left behind (call before starting any agent)."""
         swept = sweep(self.pid_dir)
-        if self.limits is not None:  # after the groups: what is left in this daemon's cgroups goes too
-            swept += self.limits.sweep()
+        if self.limits is not None:
+            # after the groups: what is left in this daemon's cgroups goes too, counted in a log line of its
+            # own (what the groups' sweep just killed may not have left its cgroup yet)
+            self.limits.sweep()
         self._record_instance()
         return swept
 
@@ -154,7 +156,7 @@ class AgentLauncher:
         that lost their agent's mark; how many processes."""
         ended = self.trees.end_all()
         if self.limits is not None:  # an agent cgroup whose removal was still being retried, then the subtree
-            ended += self.limits.sweep()
+            self.limits.sweep()
             self.limits.close()
         if ended:
             log.warning("agent_leftovers_ended", processes=ended)

@@ -345,13 +345,13 @@ class Cgroups:
     def sweep(self) -> int:
         """Kill whatever a killed daemon left in this daemon's agent cgroups, and remove them; how
         many processes were killed. Only this daemon's subtree is looked at: others' are theirs."""
-        killed = 0
+        killed: set[int] = set()  # on cgroup1 each process is in every hierarchy's folder
         for base in dict.fromkeys(self._bases.values()):
             with contextlib.suppress(OSError):
                 for folder in base.iterdir():
                     if not folder.is_dir() or not folder.name.startswith(AGENT_PREFIX):
                         continue
-                    killed += len(_procs(folder))
+                    killed.update(_procs(folder))
                     # one folder at a time: a cgroup1 agent's folders are found in each hierarchy
                     kind = self.mechanism.kind
                     left = AgentCgroup(kind, {"" if kind == "cgroup2" else "memory": folder}, Values(0, 0), "", 0)
@@ -362,8 +362,8 @@ class Cgroups:
                     else:
                         log.warning("leftover_cgroup_not_removed", folder=str(folder))
         if killed:
-            log.warning("leftover_cgroup_processes_killed", processes=killed)
-        return killed
+            log.warning("leftover_cgroup_processes_killed", processes=len(killed))
+        return len(killed)
 
     # ------------------------------------------------------------ per agent
 

@@ -19,6 +19,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
 from tests.harness import FakeAgentSetup, completed, processes_mentioning, started, text_of
 from tests.test_history import eventually
+from tests.test_metrics import scrape
 from tests.turns import rest_of, start_turn
 
 MIB = 1 << 20
@@ -60,7 +61,8 @@ def agent_cgroups(data_dir: Path) -> list[Path]:
 async def test_an_agent_past_memory_max_ends_its_turn_saying_so_and_its_session_resumes(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
-    _, client = await make_daemon({"fake": fake.profile(memory_max="256MiB")})
+    daemon, client = await make_daemon({"fake": fake.profile(memory_max="256MiB")}, metrics_listen="127.0.0.1:0")
+    (serving,) = await daemon.wait_log("metrics_serving")
     first = await client.chat(prompt="remember 1")
     session_id = first[0].session_id
     neighbour, _ = await start_turn(client, prompt="stream 30 pace 50")
@@ -78,6 +80,9 @@ async def test_an_agent_past_memory_max_ends_its_turn_saying_so_and_its_session_
     again = await client.chat(session_id=session_id, prompt="remember 2")
     assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
     assert "I remember: 1, 2" in text_of(again)
+    metrics = await asyncio.to_thread(scrape, serving["address"], daemon.token)
+    assert metrics[("rcoder_agent_oom_kills_total", (("agent", "fake"),))] == 1  # per profile, never per session
+    assert metrics[("rcoder_agent_memory_bytes", (("agent", "fake"),))] > 0  # the live agents now
 
 
 async def test_a_fork_bomb_is_contained_and_everything_else_keeps_working(
@@ -103,7 +108,9 @@ async def test_a_fork_bomb_is_contained_and_everything_else_keeps_working(
 async def test_a_spinning_agent_gets_cpu_max_and_get_session_shows_what_it_uses(
     make_daemon: DaemonFactory, fake: FakeAgentSetup
 ) -> None:
-    _, client = await make_daemon({"fake": fake.profile(cpu_max=0.25, memory_max="512MiB", pids_max=64)})
+    profile = fake.profile(cpu_max=0.25, memory_max="512MiB", pids_max=64)
+    daemon, client = await make_daemon({"fake": profile}, metrics_listen="127.0.0.1:0")
+    (serving,) = await daemon.wait_log("metrics_serving")
 
     events = await client.chat(prompt="spin 1200")
 
@@ -123,6 +130,9 @@ async def test_a_spinning_agent_gets_cpu_max_and_get_session_shows_what_it_uses(
     assert agents["fake"].limits in ("cgroup1", "cgroup2")
     assert {"memory", "pids", "cpu"} <= set(agents["fake"].limit_controllers)
     assert (agents["fake"].memory_max, agents["fake"].cpu_max) == (512 * MIB, 0.25)
+    metrics = await asyncio.to_thread(scrape, serving["address"], daemon.token)
+    assert metrics[("rcoder_agent_cpu_seconds_total", (("agent", "fake"),))] >= cpu
+    assert not any("session" in dict(labels) for _, labels in metrics), "never labelled per session"
 
 
 async def test_an_agents_cgroup_goes_when_its_session_closes(

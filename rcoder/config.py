@@ -29,6 +29,7 @@ from rcoder.config_types import (
     Advertise,
     AgentUserName,
     Array,
+    ByteSize,
     ClientName,
     ConfigPath,
     Count,
@@ -120,6 +121,17 @@ class ProfileKeys(_Schema):
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
     """more folders the agent may read and write (made when missing)"""
+    # docs/limits.md: each agent process in a cgroup of its own; "auto" runs unlimited where the kernel
+    # gives the daemon no cgroups (logged), "required" refuses to start then
+    limits: Literal["auto", "required"] = "auto"
+    """auto (cgroup limits where the kernel gives them, else none, logged) | required; see Limits"""
+    memory_max: ByteSize = 4 << 30
+    """the most memory an agent and all it starts may use: bytes, or "2GiB", "512MiB"; past it the
+    kernel kills it and the turn ends with an error saying so"""
+    pids_max: Annotated[int, Field(ge=1)] = 1024
+    """the most processes and threads an agent and all it starts may have at once"""
+    cpu_max: Annotated[float, Field(ge=0)] = 0.0
+    """the CPU cores an agent and all it starts may use together, e.g. 1.5 (0: no bound)"""
 
 
 class AgentProfile(ProfileKeys):

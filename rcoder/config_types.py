@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 from pydantic import Field, Strict, TypeAdapter, ValidationError
-from pydantic.functional_validators import AfterValidator, WrapValidator
+from pydantic.functional_validators import AfterValidator, BeforeValidator, WrapValidator
 from pydantic_core.core_schema import ValidationInfo, ValidatorFunctionWrapHandler
 
 from rcoder.errors import ConfigError
@@ -95,6 +95,29 @@ def _token_digest(value: str) -> str:
     return value.lower()
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "KB": 10**3, "M": 1 << 20, "MIB": 1 << 20, "MB": 10**6,
+          "G": 1 << 30, "GIB": 1 << 30, "GB": 10**9, "T": 1 << 40, "TIB": 1 << 40, "TB": 10**12}  # fmt: skip
+# the smallest memory_max taken: below it an agent's interpreter cannot even start (docs/limits.md#keys)
+MIN_MEMORY = 1 << 20
+
+
+def _byte_size(value: object) -> int:
+    """Bytes, as a whole number or a string with a unit ("2GiB", "256 MiB", "1.5G"; KiB, MiB, GiB
+    are powers of 1024, KB, MB, GB of 1000)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())) and match.group(2).upper() in _UNITS:
+        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    else:
+        raise ValueError(f'expected bytes (a number, or a string such as "2GiB" or "512MiB"), got {value!r}')
+    if size < MIN_MEMORY:
+        raise ValueError(f"expected at least 1 MiB ({MIN_MEMORY} bytes), got {value!r}")
+    return size
+
+
+# bytes: 4294967296, "4GiB", "512 MiB" (rcoder.agent.limits)
+ByteSize = Annotated[int, Strict(False), BeforeValidator(_byte_size)]
 # a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.agent_user
 AgentUserName = Annotated[str, AfterValidator(_agent_user)]
 ProjectPattern = Annotated[str, AfterValidator(check_project_pattern)]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rcoder import __version__, tracing
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.profile import network_of
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
@@ -64,10 +65,12 @@ class Daemon:
         self.host_id = host_id_of(settings)
         self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
-        self.launcher = AgentLauncher(settings)
+        self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
+        self.launcher = AgentLauncher(settings, limits=self.limits)
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
         self.metrics = Metrics()
         self.metrics.watch_runs(self.runs.held)
+        self.metrics.watch_limits(self.limits.per_profile)
         self.pool = AgentPool(settings, self.launcher, self.metrics)
         coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
         self.leases = LeaseKeeper(coordination, settings.lease_ttl, self.metrics, on_store=self._on_store)
@@ -140,6 +143,7 @@ class Daemon:
 
     async def start(self) -> None:
         self.tracing = tracing.configure(self.settings.otlp_endpoint)
+        check_limits(self.settings, self.limits.probe())  # docs/limits.md: ConfigError under "required"
         await self._check_store_access()
         interrupted = await self.store.open()
         self.launcher.ready_for_user()  # after the store made data_dir: its way to the homes opened

@@ -102,6 +102,19 @@ class RunStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class AgentResources:
+    """What a live agent's cgroup has used, and its limits
+    (docs/limits.md#what-a-client-sees-when-a-limit-is-hit)."""
+
+    memory_bytes: int
+    memory_peak_bytes: int
+    cpu_seconds: float
+    memory_max: int
+    pids_max: int
+    cpu_max: float  # 0: unbounded
+
+
+@dataclass(frozen=True, slots=True)
 class ModelProvider:
     base_url: str = ""
     api_key: str = ""

@@ -246,6 +246,16 @@ class AgentCrashed(AgentError):
     reason = "AGENT_CRASHED"
 
 
+class AgentStoppedAtLimit(AgentCrashed):
+    """The kernel stopped the agent at one of its profile's limits (docs/limits.md): its memory_max."""
+
+    reason = "AGENT_MEMORY_LIMIT"
+
+    def __init__(self, message: str, *, agent: str = "", limit: str = "", stderr_tail: str = "") -> None:
+        super().__init__(message, agent=agent, stderr_tail=stderr_tail, limit=limit)
+        self.limit = limit
+
+
 class AgentClosed(AgentError):
     """rcoder itself ended the agent (a cancel past its grace, idle closing, shutdown): not a fault of the agent."""
 

@@ -17,7 +17,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,31 @@ TOKEN_KINDS = ("input", "output", "cached_read", "cached_write", "thought")
 
 AgentCounts = Callable[[], Mapping[str, tuple[int, int]]]  # profile -> (live, warm)
 RunsHeld = Callable[[], tuple[int, int]]  # (bytes, runs) kept for replay
+# profile -> (memory now, largest peak, CPU seconds, OOM kills) of its agents' cgroups (docs/limits.md)
+AgentResourceTotals = Callable[[], Mapping[str, tuple[int, int, float, int]]]
+
+
+class _LimitGauges(Collector):
+    """What each profile's agents use, read from their cgroups at scrape time; never per session."""
+
+    def __init__(self, totals: AgentResourceTotals) -> None:
+        self._totals = totals
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        memory = GaugeMetricFamily("rcoder_agent_memory_bytes", "Memory the live agents of a profile use now, summed",
+                                   labels=["agent"])  # fmt: skip
+        peak = GaugeMetricFamily("rcoder_agent_memory_peak_bytes", "The largest memory peak among a profile's live "
+                                 "agents", labels=["agent"])  # fmt: skip
+        cpu = CounterMetricFamily("rcoder_agent_cpu_seconds", "CPU seconds a profile's agents used, ended and live",
+                                  labels=["agent"])  # fmt: skip
+        kills = CounterMetricFamily("rcoder_agent_oom_kills", "Processes the kernel killed at a profile's memory_max",
+                                    labels=["agent"])  # fmt: skip
+        for agent, (now, most, seconds, killed) in sorted(self._totals().items()):
+            memory.add_metric([agent], now)
+            peak.add_metric([agent], most)
+            cpu.add_metric([agent], seconds)
+            kills.add_metric([agent], killed)
+        yield from (memory, peak, cpu, kills)
 
 
 class _AgentGauges(Collector):
@@ -206,6 +231,9 @@ class Metrics:
 
     def watch_agents(self, counts: AgentCounts) -> None:
         self.registry.register(_AgentGauges(counts))
+
+    def watch_limits(self, totals: AgentResourceTotals) -> None:
+        self.registry.register(_LimitGauges(totals))
 
     def watch_runs(self, held: RunsHeld) -> None:
         """Bytes and runs kept, read at scrape time (``RunRegistry.held``)."""

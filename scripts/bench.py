@@ -42,6 +42,7 @@ from bench_multihost import multihost  # noqa: E402
 from bench_unauth import LARGEST, unauth_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
+from rcoder.agent.limits import CGROUP_ROOT, Cgroups, Values  # noqa: E402
 from rcoder.agent.process import AgentProcess  # noqa: E402
 from rcoder.agent.sandbox import PYTHON_WRAPPER, Confinement, confinement, wrapper_command  # noqa: E402
 from rcoder.config import builtin_profiles, load_settings  # noqa: E402
@@ -731,13 +732,26 @@ async def _confined_spawn_of(bench: Bench, name: str, kind: str, agent: str) -> 
     return judged(name, what, added, "<= 3", details)
 
 
-async def _first_byte(argv: list[str], cwd: Path, confined: Confinement | None, send: bytes = b"") -> float:
+async def _first_byte(
+    argv: list[str],
+    cwd: Path,
+    confined: Confinement | None,
+    send: bytes = b"",
+    limits: Cgroups | None = None,
+    values: Values | None = None,
+) -> float:
     """Seconds from spawning ``argv`` (as rcoder spawns an agent) to its first byte on stdout,
-    ``send`` written to its stdin first."""
+    ``send`` written to its stdin first; with ``limits``, put in a cgroup of its own with
+    ``values`` right after the spawn, as the launcher does."""
     began = time.perf_counter()
     process = await AgentProcess.spawn(
         argv, cwd=str(cwd), env={}, name="fast", stderr_tail_bytes=4096, stop_grace=1.0, confinement=confined
     )
+    if limits is not None and values is not None:
+        cgroup = limits.place("fast", process.pid, values)
+        if cgroup is None:
+            raise RuntimeError("the agent could not be put in a cgroup of its own")
+        process.enter(cgroup, limits.ended)
     try:
         if send:
             process.stdin.write(send)
@@ -747,6 +761,46 @@ async def _first_byte(argv: list[str], cwd: Path, confined: Confinement | None, 
         return time.perf_counter() - began
     finally:
         await process.aclose()
+
+
+async def limited_spawn(bench: Bench) -> Result:
+    """What an agent's cgroup adds to its start, in ms (docs/limits.md#how-an-agent-enters-its-cgroup):
+    spawn to the first byte of a fast native agent (/bin/cat as a codex-kind profile, answering the
+    line written to it) confined and put in a cgroup of its own as the launcher does (right after
+    the spawn, before anything is written to it) minus the same confined only, pairs back to
+    back in alternating order, the median of the pairs' differences."""
+    configure_logs("warning")
+    fast = ["/bin/cat"]
+    settings = load_settings(bench.config({"fast": {"command": fast[0], "kind": "codex"}}, default_agent="fast"), {})
+    profile, project = settings.agents["fast"], bench.workspace / "proj"
+    home = bench.root / "fast-home-limited"
+    home.mkdir(exist_ok=True)
+    confined = await asyncio.to_thread(confinement, settings, profile, fast[0], project, home)
+    cgroups = Cgroups(CGROUP_ROOT, bench.root / "limited-data")
+    held = cgroups.probe()
+    if held.kind == "none":
+        return Result("limited_spawn_added_ms", f"no cgroup limits hold here: {held.why}", None, "report", None)
+    values = Values(profile.memory_max, profile.pids_max, 1.0)
+    times: dict[str, list[float]] = {"limited": [], "confined": []}
+    try:
+        for rep in range(bench.sizes.reps * 10):
+            for side in ("limited", "confined")[:: 1 if rep % 2 else -1]:
+                limits = cgroups if side == "limited" else None
+                times[side].append(await _first_byte(fast, project, confined, b"x\n", limits, values))
+    finally:
+        cgroups.sweep()
+        cgroups.close()
+    added = median([c - u for c, u in zip(times["limited"], times["confined"], strict=True)]) * 1e3
+    details = {
+        "limited_ms": median(times["limited"]) * 1e3,
+        "confined_ms": median(times["confined"]) * 1e3,
+        "mechanism": held.kind,
+        "controllers": list(held.controllers),
+        "confined": confined is not None,
+        "reps": len(times["limited"]),
+    }
+    what = "spawn to first byte of /bin/cat (codex-kind, confined): in its own cgroup - without, in ms (not a ratio)"
+    return judged("limited_spawn_added_ms", what, added, "<= 2", details)
 
 
 async def _fallback_turn(stub: pb_grpc.AgentRunnerStub, agent: str, project: str) -> float:
@@ -1082,6 +1136,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("fallback", lambda b: _one(fallback_first_event(b))),
         ("confined", lambda b: _one(cold_start_confined(b))),
         ("confined_spawn", confined_spawn),
+        ("limited_spawn", lambda b: _one(limited_spawn(b))),
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),

@@ -24,6 +24,7 @@ MEASURES = {
     "confined_spawn_added_ms",
     "confined_spawn_added_ms_opencode",
     "confined_spawn_added_ms_generic",
+    "limited_spawn_added_ms",
     "first_chunk_live",
     "first_chunk_live_grpc_floor",
     "first_chunk_paced",

@@ -43,6 +43,7 @@ from rcoder.errors import (
     AgentCrashed,
     AgentError,
     AgentProtocolError,
+    AgentStoppedAtLimit,
     AgentTimeout,
     AgentUnavailable,
     SessionGone,
@@ -394,6 +395,14 @@ async def _from_exit(process: AgentProcess, agent: str, step: str, resuming: str
     tail = process.stderr_tail()
     code = process.returncode
     status = f"exited with code {code}" if code is not None else "closed its output"
+    # the kernel's limit stopped it: said as such (docs/limits.md#what-a-client-sees-when-a-limit-is-hit)
+    reached = process.limit_reached()
+    if reached:
+        return AgentStoppedAtLimit(
+            f"{reached} (memory_max of profile {agent!r}, during {step}): give the profile a larger memory_max, "
+            "or ask for work that needs less memory at once",
+            agent=agent, limit="memory_max", stderr_tail=tail,
+        )  # fmt: skip
     if resuming:
         why = gone_reason_from_stderr(tail)
         if why:

@@ -29,6 +29,7 @@ from rcoder.agent.erase import Erased, erase_conversation
 from rcoder.agent.homes import SHARED, Homes
 from rcoder.agent.kinds import OwnDelete, kind_of
 from rcoder.agent.leftovers import forget_instance, record_instance, sweep
+from rcoder.agent.limits import Cgroups, Values
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
 from rcoder.agent.prepare import Prepared, prepared
 from rcoder.agent.process import AgentProcess
@@ -70,8 +71,11 @@ class AgentLauncher:
         settings: Settings,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         lists: SessionLists | None = None,
+        limits: Cgroups | None = None,
     ) -> None:
         self._settings = settings
+        # each agent's cgroup (docs/limits.md); None: agents run unlimited
+        self.limits = limits
         self._clock = clock
         # the agents' session lists, kept a while per home and cwd (no doomed resumes)
         self.lists = lists or SessionLists()
@@ -135,6 +139,10 @@ class AgentLauncher:
     def sweep_leftovers(self) -> int:
         """End agent groups and trees a killed daemon left behind (call before starting any agent)."""
         swept = sweep(self.pid_dir)
+        if self.limits is not None:
+            # after the groups: what is left in this daemon's cgroups goes too, counted in a log line of its
+            # own (what the groups' sweep just killed may not have left its cgroup yet)
+            self.limits.sweep()
         self._record_instance()
         return swept
 
@@ -147,6 +155,9 @@ class AgentLauncher:
         """End whatever is still below the daemon once every agent is closed (its stop): orphans
         that lost their agent's mark; how many processes."""
         ended = self.trees.end_all()
+        if self.limits is not None:  # an agent cgroup whose removal was still being retried, then the subtree
+            self.limits.sweep()
+            self.limits.close()
         if ended:
             log.warning("agent_leftovers_ended", processes=ended)
         if self._instance_recorded:  # nothing of this run is left to sweep: its mark goes too
@@ -365,6 +376,11 @@ class AgentLauncher:
             trees=self.trees,
             user=self.user.switch,
         )
+        if self.limits is not None:
+            # docs/limits.md#how-an-agent-enters-its-cgroup: written by the daemon right after the spawn, before
+            # any ACP request (agents fork only in answer to one), on every one of the spawn's three paths alike
+            values = Values(profile.memory_max, profile.pids_max, profile.cpu_max or None)
+            process.enter(self.limits.place(profile.name, process.pid, values), self.limits.ended)
         self._processes.add(process)
         return process
 

@@ -29,12 +29,13 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from rcoder.agent.confined import spawn_confined
 from rcoder.agent.leftovers import record
+from rcoder.agent.limits import AgentCgroup
 from rcoder.agent.sandbox import Confinement
 from rcoder.agent.tree import MARK, Trees
 from rcoder.errors import AgentUnavailable
@@ -191,6 +192,18 @@ class AgentProcess:
         # must never block on a full pipe.
         self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
         self._discard: asyncio.Task[None] | None = None
+        self.cgroup: AgentCgroup | None = None  # its limits (``enter``), when it has any
+        self._cgroup_ended: Callable[[AgentCgroup], None] | None = None
+        self._cgroup_removal: asyncio.Task[None] | None = None
+
+    def enter(self, cgroup: AgentCgroup | None, ended: Callable[[AgentCgroup], None]) -> None:
+        """The agent is in ``cgroup`` (docs/limits.md#how-an-agent-enters-its-cgroup): removed once
+        the agent has exited and been let go, ``ended`` told first."""
+        self.cgroup, self._cgroup_ended = cgroup, ended
+
+    def limit_reached(self) -> str:
+        """Why the kernel stopped the agent, when one of its limits did it ("" otherwise)."""
+        return self.cgroup.limit_reached() if self.cgroup is not None else ""
 
     @classmethod
     async def spawn(
@@ -426,6 +439,18 @@ class AgentProcess:
         self._end_tree()  # the agent may not be reaped yet: what it started goes now
         if self._pid_file is not None:
             self._pid_file.unlink(missing_ok=True)
+        if self.cgroup is not None:
+            self._exited.add_done_callback(self._remove_cgroup)
+
+    def _remove_cgroup(self, _: asyncio.Future[None]) -> None:
+        """The agent exited and was let go: its cgroup goes, with whatever is left in it (bounded)."""
+        cgroup = self.cgroup
+        if cgroup is None or self._cgroup_removal is not None:
+            return
+        if self._cgroup_ended is not None:
+            self._cgroup_ended(cgroup)
+        if not cgroup.try_remove():  # its last processes are still being reaped: tried again, bounded
+            self._cgroup_removal = asyncio.get_running_loop().create_task(cgroup.remove(), name=f"cgroup-{self.pid}")
 
     def _on_exit(self, _: asyncio.Future[None]) -> None:
         """The agent's exit was reported (its waiter reaped it): what it started goes too."""

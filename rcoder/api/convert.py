@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from rcoder.config import AgentProfile
 from rcoder.domain import (
     AgentCapabilities,
+    AgentResources,
     AgentUpdate,
     AvailableCommands,
     ConfigOption,
@@ -225,7 +229,9 @@ def usage_totals(value: UsageTotals) -> pb.UsageTotals:
     return msg
 
 
-def session(record: SessionRecord, status: int, usage: UsageTotals | None = None) -> pb.Session:
+def session(
+    record: SessionRecord, status: int, usage: UsageTotals | None = None, resources: AgentResources | None = None
+) -> pb.Session:
     msg = pb.Session(
         session_id=record.session_id,
         project_id=record.project_id,
@@ -242,7 +248,36 @@ def session(record: SessionRecord, status: int, usage: UsageTotals | None = None
     )
     if usage is not None:
         msg.usage.CopyFrom(usage_totals(usage))
+    if resources is not None:
+        msg.resources.CopyFrom(pb.AgentResources(**asdict(resources)))
     return msg
+
+
+class _Limits(Protocol):
+    """What holds (``rcoder.agent.limits.Mechanism``), as the API reads it."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def controllers(self) -> tuple[str, ...]: ...
+    @property
+    def why(self) -> str: ...
+
+    def holds(self, cpu: bool) -> bool: ...
+
+
+def agent_limits(limits: _Limits, profile: AgentProfile) -> dict[str, Any]:
+    """``AgentInfo``'s limit fields: what holds for the profile's agents (docs/limits.md)."""
+    held = limits.kind != "none"
+    cpu = held and profile.cpu_max > 0 and limits.holds(cpu=True)
+    return {
+        "limits": limits.kind,
+        "limit_controllers": list(limits.controllers),
+        "memory_max": profile.memory_max if held else 0,
+        "pids_max": profile.pids_max if held else 0,
+        "cpu_max": profile.cpu_max if cpu else 0.0,
+        "limits_reason": limits.why if not held or (profile.cpu_max > 0 and not cpu) else "",
+    }
 
 
 RUN_STATUSES = {

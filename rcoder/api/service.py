@@ -354,7 +354,7 @@ class AgentRunnerService:
 
             async def here() -> pb.Session:
                 view = await self._queries.session(request.session_id)
-                return convert.session(view.record, _SESSION_STATUS[view.status], view.usage)
+                return convert.session(view.record, _SESSION_STATUS[view.status], view.usage, view.resources)
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.Session = await self._routes.unary(
@@ -423,6 +423,7 @@ class AgentRunnerService:
                     socket_files=view.promises.socket_files,
                     not_kept=view.promises.not_kept(),
                 ),
+                **convert.agent_limits(view.limits, view.profile),
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

@@ -9,9 +9,10 @@ from datetime import datetime
 
 from rcoder.agent.agent_user import AgentUser
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.limits import Mechanism
 from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import AgentCapabilities, RunRecord, SessionOrder, SessionRecord, UsageTotals
+from rcoder.domain import AgentCapabilities, AgentResources, RunRecord, SessionOrder, SessionRecord, UsageTotals
 from rcoder.errors import NotFound
 from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
@@ -32,6 +33,7 @@ class SessionView:
     record: SessionRecord
     status: SessionStatus
     usage: UsageTotals | None  # its runs' usage summed; None when none reported any
+    resources: AgentResources | None = None  # its live agent's cgroup: None without one (docs/limits.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class AgentView:
     landlock_abi: int  # the kernel's, when sandbox is "landlock"; else 0
     network: NetworkReach  # docs/design.md#no-calls-back
     promises: SandboxPromises  # what the kernel keeps from its agents
+    limits: Mechanism  # what limits its agents (docs/limits.md)
 
 
 class Queries:
@@ -105,7 +108,19 @@ class Queries:
         if record is None:
             raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
         totals = await self._store.usage_totals([session_id])
-        return SessionView(self._live_state(record), self.status(session_id), totals.get(session_id))
+        return SessionView(
+            self._live_state(record), self.status(session_id), totals.get(session_id), self._resources(session_id)
+        )
+
+    def _resources(self, session_id: str) -> AgentResources | None:
+        """What the session's live agent uses now, read from its cgroup (docs/limits.md)."""
+        conn = self._pool.live_connection(session_id)
+        cgroup = conn.process.cgroup if conn is not None else None
+        if cgroup is None:
+            return None
+        used, values = cgroup.usage(), cgroup.values
+        return AgentResources(used.memory_current, used.memory_peak, used.cpu_seconds, values.memory_max,
+                              values.pids_max, values.cpu_max or 0.0)  # fmt: skip
 
     def _live_state(self, record: SessionRecord) -> SessionRecord:
         """The record with its live agent's options and commands as they are now (the store has
@@ -178,6 +193,7 @@ class Queries:
                     landlock_abi=self._settings.landlock_abi if sandbox == "landlock" else 0,
                     network=network_of(self._settings, profile),
                     promises=promises_of(self._settings, profile),
+                    limits=self._launcher.limits.mechanism if self._launcher.limits else Mechanism("none"),
                 )
             )
         return views

@@ -1569,6 +1569,7 @@ class Session(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     COMMANDS_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """rcoder's id of the session: what ChatRequest.session_id sends back"""
     project_id: _builtins.str
@@ -1607,6 +1608,12 @@ class Session(_message.Message):
     def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlashCommand]:
         """the agent's slash commands, as it last listed them"""
 
+    @_builtins.property
+    def resources(self) -> Global___AgentResources:
+        """What the session's live agent, and all it started, uses now (its cgroup, docs/limits.md); unset
+        when it has no live agent, or its agent runs without limits ("limits: none")
+        """
+
     def __init__(
         self,
         *,
@@ -1623,14 +1630,57 @@ class Session(_message.Message):
         usage: Global___UsageTotals | None = ...,
         config_options: _abc.Iterable[Global___ConfigOption] | None = ...,
         commands: _abc.Iterable[Global___SlashCommand] | None = ...,
+        resources: Global___AgentResources | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "resources", b"resources", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "commands", b"commands", "config_options", b"config_options", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "commands", b"commands", "config_options", b"config_options", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "resources", b"resources", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class AgentResources(_message.Message):
+    """What a live agent's cgroup has used (docs/limits.md#what-a-client-sees-when-a-limit-is-hit)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _builtins.int
+    CPU_SECONDS_FIELD_NUMBER: _builtins.int
+    MEMORY_MAX_FIELD_NUMBER: _builtins.int
+    PIDS_MAX_FIELD_NUMBER: _builtins.int
+    CPU_MAX_FIELD_NUMBER: _builtins.int
+    memory_bytes: _builtins.int
+    """memory in use now, bytes (its page cache included, as the kernel counts it)"""
+    memory_peak_bytes: _builtins.int
+    """the most it used at once, bytes; 0 where the kernel keeps no peak"""
+    cpu_seconds: _builtins.float
+    """CPU time it used since it started, seconds"""
+    memory_max: _builtins.int
+    """its limit, bytes: the profile's memory_max"""
+    pids_max: _builtins.int
+    """its limit of processes and threads: the profile's pids_max"""
+    cpu_max: _builtins.float
+    """its limit in cores: the profile's cpu_max; 0 when unbounded"""
+    def __init__(
+        self,
+        *,
+        memory_bytes: _builtins.int = ...,
+        memory_peak_bytes: _builtins.int = ...,
+        cpu_seconds: _builtins.float = ...,
+        memory_max: _builtins.int = ...,
+        pids_max: _builtins.int = ...,
+        cpu_max: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_max", b"cpu_max", "cpu_seconds", b"cpu_seconds", "memory_bytes", b"memory_bytes", "memory_max", b"memory_max", "memory_peak_bytes", b"memory_peak_bytes", "pids_max", b"pids_max"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentResources: _TypeAlias = AgentResources  # noqa: Y015
 
 @_typing.final
 class UsageTotals(_message.Message):
@@ -1759,6 +1809,12 @@ class AgentInfo(_message.Message):
     LANDLOCK_ABI_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
     PROMISES_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    LIMIT_CONTROLLERS_FIELD_NUMBER: _builtins.int
+    MEMORY_MAX_FIELD_NUMBER: _builtins.int
+    PIDS_MAX_FIELD_NUMBER: _builtins.int
+    CPU_MAX_FIELD_NUMBER: _builtins.int
+    LIMITS_REASON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """the profile's name: what ChatRequest.agent names"""
     command: _builtins.str
@@ -1779,6 +1835,16 @@ class AgentInfo(_message.Message):
     """What its agents run under (docs/design.md#confinement): "landlock" (confined to their project) or "none"."""
     landlock_abi: _builtins.int
     """the kernel's Landlock ABI version when sandbox is "landlock" """
+    limits: _builtins.str
+    """What limits its agents (docs/limits.md): "cgroup2", "cgroup1" or "none" (they run unlimited)"""
+    memory_max: _builtins.int
+    """the profile's memory_max, bytes (held only when limits is not "none")"""
+    pids_max: _builtins.int
+    """the profile's pids_max (held only when limits is not "none")"""
+    cpu_max: _builtins.float
+    """the profile's cpu_max in cores; 0 when unbounded (held only with the cpu controller)"""
+    limits_reason: _builtins.str
+    """when a limit does not hold: why, in the kernel's or the filesystem's words"""
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """its arguments"""
@@ -1794,6 +1860,10 @@ class AgentInfo(_message.Message):
     @_builtins.property
     def promises(self) -> Global___SandboxPromises:
         """What the kernel keeps from its agents on this host (docs/design.md#no-calls-back); all false when unconfined."""
+
+    @_builtins.property
+    def limit_controllers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the cgroup controllers that hold: memory, pids, cpu, cpuacct"""
 
     def __init__(
         self,
@@ -1812,10 +1882,16 @@ class AgentInfo(_message.Message):
         landlock_abi: _builtins.int = ...,
         network: Global___NetworkReach | None = ...,
         promises: Global___SandboxPromises | None = ...,
+        limits: _builtins.str = ...,
+        limit_controllers: _abc.Iterable[_builtins.str] | None = ...,
+        memory_max: _builtins.int = ...,
+        pids_max: _builtins.int = ...,
+        cpu_max: _builtins.float = ...,
+        limits_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network", "promises", b"promises"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "live_agents", b"live_agents", "name", b"name", "network", b"network", "promises", b"promises", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "cpu_max", b"cpu_max", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "pids_max", b"pids_max", "promises", b"promises", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -72,6 +72,12 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     agent-mode X the agent moves itself to mode X: a config_option_update (--offer options) or a
                  current_mode_update (--offer modes)
     commands     an available_commands_update: /review (input hint "what to review") and /compact
+    hog MB       allocate MB MiB in the agent itself, 16 MiB at a time, every page touched (past its
+                 memory_max the kernel kills it); the answer gets " hog=<MB>"
+    forks N      fork up to N children that wait (a bounded loop; the first refused fork ends it),
+                 then end them; the answer gets " forks=<started> refused=<errno name or none>"
+    spin MS      two child processes spin the CPU for MS ms of wall time; the answer gets
+                 " spin[wall=<s> cpu=<s>]": the seconds it took and the CPU seconds they used
     shell CMD    (a line of its own, the rest of the line: no other directive is read in it) run CMD
                  with /bin/sh, stdin, stdout and stderr /dev/null, before anything else the turn does
                  (`ttft` aside), and wait for that shell; the answer gets " shell=exit <code>". What
@@ -287,6 +293,7 @@ class Script:
         self.env_names = re.findall(r"\benv\s+([A-Za-z_][A-Za-z0-9_]*)", text)
         # `readfile P`, `child-writefile P`, ...: (operation, path) in the order written
         self.file_ops: list[tuple[str, str]] = FILE_OP.findall(text)
+        self.hog_mb, self.forks, self.spin_ms = number("hog"), number("forks"), number("spin")
         stops = (s for s in SCRIPTED_STOPS if re.search(rf"\bstop\s+{s}\b", text))
         self.stop: str = next(stops, "end_turn")
 
@@ -327,6 +334,57 @@ def file_op_here(op: str, path: str) -> str:
     except OSError as exc:
         return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
     return "ok"
+
+
+HOG_CHUNK = 16 << 20
+
+
+def hog(megabytes: int) -> list[bytes]:
+    """``megabytes`` MiB held by this process, every page written (b"x" * n writes each byte)."""
+    held = []
+    for _ in range(0, megabytes << 20, HOG_CHUNK):
+        held.append(b"x" * HOG_CHUNK)
+    return held
+
+
+def fork_many(count: int) -> str:
+    """Fork up to ``count`` children that wait on a pipe; stop at the first refused fork; end them all."""
+    read_end, write_end = os.pipe()
+    children, refused = [], "none"
+    try:
+        for _ in range(count):
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                refused = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+                break
+            if pid == 0:  # the child: waits until the parent closes the pipe, then exits at once
+                os.close(write_end)
+                os.read(read_end, 1)
+                os._exit(0)
+            children.append(pid)
+    finally:
+        os.close(write_end)
+        os.close(read_end)
+        for pid in children:
+            os.waitpid(pid, 0)
+    return f" forks={len(children)} refused={refused}"
+
+
+SPINNER = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass\n"
+
+
+def spin(ms: int) -> str:
+    """Two children spin for ``ms`` ms of wall time; the wall time and the CPU seconds they used."""
+    import time
+
+    before, start = os.times(), time.monotonic()
+    spinners = [subprocess.Popen([sys.executable, "-I", "-S", "-c", SPINNER, str(ms / 1000)]) for _ in range(2)]
+    for child in spinners:
+        child.wait()
+    after, wall = os.times(), time.monotonic() - start
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    return f" spin[wall={wall:.3f} cpu={cpu:.3f}]"
 
 
 def write_stderr_log(total: int) -> None:
@@ -886,6 +944,14 @@ class FakeAgent:
             suffix += f" shell=exit {await run_shell(command)}"
         if script.stderr_bytes:
             write_stderr_log(script.stderr_bytes)
+        if script.hog_mb:
+            held = hog(script.hog_mb)
+            suffix += f" hog={len(held) * HOG_CHUNK >> 20}"
+            del held
+        if script.forks:
+            suffix += fork_many(script.forks)
+        if script.spin_ms:
+            suffix += await asyncio.to_thread(spin, script.spin_ms)
         if script.garbage:
             await self._garbage(sid)
         if script.think:

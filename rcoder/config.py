@@ -29,6 +29,7 @@ from rcoder.config_types import (
     Advertise,
     AgentUserName,
     Array,
+    ByteSize,
     ClientName,
     ConfigPath,
     Count,
@@ -120,6 +121,10 @@ class ProfileKeys(_Schema):
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
     """more folders the agent may read and write (made when missing)"""
+    # docs/limits.md#disk: checked after each turn and every disk_check_interval while one runs
+    workspace_max_bytes: ByteSize = 0
+    """the most a project's folder may hold (bytes, or "10GiB"); past it the running turn is stopped
+    and the next refused (RESOURCE_EXHAUSTED); 0: no bound. See Disk"""
 
 
 class AgentProfile(ProfileKeys):
@@ -271,6 +276,10 @@ class SettingsKeys(_Schema):
     """seconds an ASK permission request waits before it is rejected"""
     turn_timeout: Seconds = 3600.0
     """seconds a turn may run before it ends with AGENT_TIMEOUT (permission waits included)"""
+    # docs/limits.md#disk: a check costs about 0.2 s of du on 100,000 files, so one project is
+    # checked at most every max(this, 20 x its last check's time) while turns run in it
+    disk_check_interval: Annotated[float, Field(gt=0)] = 10.0
+    """seconds between checks of a project's size while a turn runs in it (workspace_max_bytes)"""
     heartbeat_interval: Seconds = 15.0
     """a heartbeat event after this many quiet seconds in a turn (0: none)"""
 

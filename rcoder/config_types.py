@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 from pydantic import Field, Strict, TypeAdapter, ValidationError
-from pydantic.functional_validators import AfterValidator, WrapValidator
+from pydantic.functional_validators import AfterValidator, BeforeValidator, WrapValidator
 from pydantic_core.core_schema import ValidationInfo, ValidatorFunctionWrapHandler
 
 from rcoder.errors import ConfigError
@@ -69,6 +69,25 @@ def _agent_user(value: str) -> str:
     return value
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, **{f"{u}ib": 1 << (10 * (i + 1)) for i, u in enumerate("kmgtp")},
+          **{f"{u}b": 1000 ** (i + 1) for i, u in enumerate("kmgtp")}}  # fmt: skip
+
+
+def parse_bytes(value: object) -> int:
+    """A size: a whole number of bytes, or a string such as "10GiB", "512 MiB", "1.5GB" (KiB, MiB,
+    GiB, TiB are powers of 1024; kB, MB, GB, TB of 1000)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number: float = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value)):
+        number = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    else:
+        raise ValueError(f'expected a size in bytes or a string such as "10GiB", got {value!r}')
+    if number < 0:
+        raise ValueError(f"expected a size of 0 bytes or more, got {value!r}")
+    return int(number)
+
+
 def _advertise(address: str) -> str:
     return _host_port(address) if address else address
 
@@ -95,6 +114,8 @@ def _token_digest(value: str) -> str:
     return value.lower()
 
 
+# bytes: 1073741824, or "1GiB" (parse_bytes)
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
 # a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.agent_user
 AgentUserName = Annotated[str, AfterValidator(_agent_user)]
 ProjectPattern = Annotated[str, AfterValidator(check_project_pattern)]

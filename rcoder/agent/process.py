@@ -29,7 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -191,6 +191,7 @@ class AgentProcess:
         # must never block on a full pipe.
         self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
         self._discard: asyncio.Task[None] | None = None
+        self.on_closed: Callable[[], None] | None = None  # run in a thread once the group is ended
 
     @classmethod
     async def spawn(
@@ -381,6 +382,8 @@ class AgentProcess:
             finally:
                 self._release()
             await self._settle_readers()
+            if self.on_closed is not None:  # its own TMPDIR (rcoder.agent.prepare.remove_tmpdir)
+                await asyncio.to_thread(self.on_closed)
         log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._child.returncode)
 
     async def _discard_stdout(self) -> None:

@@ -35,6 +35,7 @@ from rcoder.config_types import (
     Count,
     HostId,
     HostPort,
+    MemorySize,
     OtlpEndpoint,
     PeerHost,
     ProjectPattern,
@@ -125,13 +126,17 @@ class ProfileKeys(_Schema):
     # gives the daemon no cgroups (logged), "required" refuses to start then
     limits: Literal["auto", "required"] = "auto"
     """auto (cgroup limits where the kernel gives them, else none, logged) | required; see Limits"""
-    memory_max: ByteSize = 4 << 30
+    memory_max: MemorySize = 4 << 30
     """the most memory an agent and all it starts may use: bytes, or "2GiB", "512MiB"; past it the
     kernel kills it and the turn ends with an error saying so"""
     pids_max: Annotated[int, Field(ge=1)] = 1024
     """the most processes and threads an agent and all it starts may have at once"""
     cpu_max: Annotated[float, Field(ge=0)] = 0.0
     """the CPU cores an agent and all it starts may use together, e.g. 1.5 (0: no bound)"""
+    # docs/limits.md#disk: checked after each turn and every disk_check_interval while one runs
+    workspace_max_bytes: ByteSize = 0
+    """the most a project's folder may hold (bytes, or "10GiB"); past it the running turn is stopped
+    and the next refused (RESOURCE_EXHAUSTED); 0: no bound. See Disk"""
 
 
 class AgentProfile(ProfileKeys):
@@ -283,6 +288,10 @@ class SettingsKeys(_Schema):
     """seconds an ASK permission request waits before it is rejected"""
     turn_timeout: Seconds = 3600.0
     """seconds a turn may run before it ends with AGENT_TIMEOUT (permission waits included)"""
+    # docs/limits.md#disk: a check costs about 0.2 s of du on 100,000 files, so one project is
+    # checked at most every max(this, 20 x its last check's time) while turns run in it
+    disk_check_interval: Annotated[float, Field(gt=0)] = 10.0
+    """seconds between checks of a project's size while a turn runs in it (workspace_max_bytes)"""
     heartbeat_interval: Seconds = 15.0
     """a heartbeat event after this many quiet seconds in a turn (0: none)"""
 

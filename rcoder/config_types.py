@@ -69,6 +69,27 @@ def _agent_user(value: str) -> str:
     return value
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|[KMGTP]|B)?\s*", re.IGNORECASE)
+# "G" alone is read as GiB, as memory sizes usually are
+_UNITS = {"": 1, "b": 1, **{f"{u}ib": 1 << (10 * (i + 1)) for i, u in enumerate("kmgtp")},
+          **{u: 1 << (10 * (i + 1)) for i, u in enumerate("kmgtp")},
+          **{f"{u}b": 1000 ** (i + 1) for i, u in enumerate("kmgtp")}}  # fmt: skip
+
+
+def parse_bytes(value: object) -> int:
+    """A size: a whole number of bytes, or a string such as "10GiB", "512 MiB", "1.5GB" (KiB, MiB,
+    GiB, TiB are powers of 1024; kB, MB, GB, TB of 1000)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number: float = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value)):
+        number = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    else:
+        raise ValueError(f'expected a size in bytes or a string such as "10GiB", got {value!r}')
+    if number < 0:
+        raise ValueError(f"expected a size of 0 bytes or more, got {value!r}")
+    return int(number)
+
+
 def _advertise(address: str) -> str:
     return _host_port(address) if address else address
 
@@ -95,29 +116,20 @@ def _token_digest(value: str) -> str:
     return value.lower()
 
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "KB": 10**3, "M": 1 << 20, "MIB": 1 << 20, "MB": 10**6,
-          "G": 1 << 30, "GIB": 1 << 30, "GB": 10**9, "T": 1 << 40, "TIB": 1 << 40, "TB": 10**12}  # fmt: skip
 # the smallest memory_max taken: below it an agent's interpreter cannot even start (docs/limits.md#keys)
 MIN_MEMORY = 1 << 20
 
 
-def _byte_size(value: object) -> int:
-    """Bytes, as a whole number or a string with a unit ("2GiB", "256 MiB", "1.5G"; KiB, MiB, GiB
-    are powers of 1024, KB, MB, GB of 1000)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())) and match.group(2).upper() in _UNITS:
-        size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    else:
-        raise ValueError(f'expected bytes (a number, or a string such as "2GiB" or "512MiB"), got {value!r}')
+def _memory_size(size: int) -> int:
     if size < MIN_MEMORY:
-        raise ValueError(f"expected at least 1 MiB ({MIN_MEMORY} bytes), got {value!r}")
+        raise ValueError(f"expected at least 1 MiB ({MIN_MEMORY} bytes), got {size}")
     return size
 
 
-# bytes: 4294967296, "4GiB", "512 MiB" (rcoder.agent.limits)
-ByteSize = Annotated[int, Strict(False), BeforeValidator(_byte_size)]
+# bytes: 1073741824, or "1GiB" (parse_bytes)
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+# a memory limit: a ByteSize of at least 1 MiB (rcoder.agent.limits)
+MemorySize = Annotated[int, BeforeValidator(parse_bytes), AfterValidator(_memory_size)]
 # a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.agent_user
 AgentUserName = Annotated[str, AfterValidator(_agent_user)]
 ProjectPattern = Annotated[str, AfterValidator(check_project_pattern)]

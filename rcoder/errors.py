@@ -136,6 +136,32 @@ class ResourceExhausted(RcoderError):
         self.reason = reason
 
 
+class WorkspaceTooLarge(ResourceExhausted):
+    """A project's folder holds more than its profile's ``workspace_max_bytes``: no turn starts in
+    it until files are removed (docs/limits.md#disk)."""
+
+    def __init__(self, project_id: str, size: int, limit: int, agent: str) -> None:
+        super().__init__(
+            f"project {project_id!r} holds {human_bytes(size)} ({size} bytes) in its workspace, past "
+            f"agents.{agent}.workspace_max_bytes {human_bytes(limit)} ({limit} bytes); remove files from the "
+            "project (build outputs, caches) or raise the limit, then send the turn again",
+            reason="WORKSPACE_TOO_LARGE",
+            project_id=project_id,
+            size_bytes=str(size),
+            limit_bytes=str(limit),
+        )
+        self.project_id, self.size, self.limit = project_id, size, limit
+
+
+def human_bytes(count: int) -> str:
+    """``count`` bytes as a person reads them: "17 B", "512.0 KiB", "1.2 GiB"."""
+    value, units = float(count), ("B", "KiB", "MiB", "GiB", "TiB")
+    step = 0
+    while value >= 1024 and step < len(units) - 1:
+        value, step = value / 1024, step + 1
+    return f"{count} B" if step == 0 else f"{value:.1f} {units[step]}"
+
+
 class ShuttingDown(RcoderError):
     reason = "SHUTTING_DOWN"
 

@@ -49,6 +49,8 @@ from rcoder.config import builtin_profiles, load_settings  # noqa: E402
 from rcoder.daemon import STORE_FILE  # noqa: E402
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry  # noqa: E402
 from rcoder.logs import configure as configure_logs  # noqa: E402
+from rcoder.session.disk import measure as disk_measure  # noqa: E402
+from rcoder.session.disk import walk_size  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
 from tests.fakes.model_servers import AnthropicServer, served  # noqa: E402
@@ -79,6 +81,7 @@ class Sizes:
     unauth_requests: int = 40  # unauth_flood_rss_mb: requests without the token at once, of unauth_bytes each
     unauth_bytes: int = LARGEST - 64
     history_flood_calls: int = 2000  # history_flood_bytes_per_s: tool calls of HISTORY_FLOOD_BYTES each
+    workspace_files: int = 100_000  # workspace_size_ms_100k_files: files in the project measured
 
     @classmethod
     def full(cls, reps: int) -> Sizes:
@@ -88,7 +91,7 @@ class Sizes:
     def smoke(cls) -> Sizes:
         return cls(
             1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20,
-            history_flood_calls=50,
+            history_flood_calls=50, workspace_files=200,
         )  # fmt: skip
 
 
@@ -1108,6 +1111,34 @@ async def list_runs(bench: Bench) -> Result:
     return result
 
 
+async def workspace_size(bench: Bench) -> Result:
+    """One check of a project's size (docs/limits.md#disk): ``du`` as the daemon runs it, and the
+    Python walk it falls back to, on a project of ``workspace_files`` small files in 100 a folder."""
+    project = bench.root / "workspace-size"
+    count = bench.sizes.workspace_files
+
+    def make() -> None:
+        for n in range(count):
+            folder = project / f"d{n // 10_000}" / f"s{n // 100}"
+            if n % 100 == 0:
+                folder.mkdir(parents=True)
+            (folder / f"f{n}.txt").write_bytes(b"x" * 100)
+
+    await asyncio.to_thread(make)
+    du, walked = [], []
+    for _ in range(max(bench.sizes.reps, 1)):
+        began = time.perf_counter()
+        size = await disk_measure(str(project))
+        du.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        await asyncio.to_thread(walk_size, str(project))
+        walked.append(time.perf_counter() - began)
+    what = f"one check of a project's size, {count} files: du -skx (the daemon's), in ms"
+    result = Result("workspace_size_ms_100k_files", what, median(du) * 1e3, "report", None)
+    result.details = {"files": count, "python_walk_ms": median(walked) * 1e3, "bytes": size, "reps": len(du)}
+    return result
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -1143,6 +1174,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("history", history),
         ("history_flood", lambda b: _one(history_flood(b))),
         ("list_runs", lambda b: _one(list_runs(b))),
+        ("workspace_size", lambda b: _one(workspace_size(b))),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
         ("auth_check", auth_check),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)

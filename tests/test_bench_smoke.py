@@ -39,6 +39,7 @@ MEASURES = {
     "history_subscribe_stored",
     "history_flood_bytes_per_s",
     "list_runs_page_ms",
+    "workspace_size_ms_100k_files",
     "unauth_flood_rss_mb",
     "auth_check_us",
     "auth_check_jwt_us",

@@ -45,10 +45,11 @@ def test_memory_max_takes_bytes_or_a_size_with_its_unit(tmp_path: Path, value: s
 @pytest.mark.parametrize(
     ("keys", "key", "words"),
     [
-        ('memory_max = "lots"', "agents.x.memory_max", 'such as "2GiB"'),
-        ("memory_max = -1", "agents.x.memory_max", "at least 1 MiB"),
-        ('memory_max = "-2GiB"', "agents.x.memory_max", "expected bytes"),
-        ("memory_max = true", "agents.x.memory_max", "expected bytes"),
+        ('memory_max = "lots"', "agents.x.memory_max", 'such as "10GiB"'),
+        ("memory_max = -1", "agents.x.memory_max", "0 bytes or more"),
+        ("memory_max = 1000", "agents.x.memory_max", "at least 1 MiB"),
+        ('memory_max = "-2GiB"', "agents.x.memory_max", "expected a size"),
+        ("memory_max = true", "agents.x.memory_max", "expected a size"),
         ("pids_max = -5", "agents.x.pids_max", "greater than or equal to 1"),
         ("pids_max = 0", "agents.x.pids_max", "greater than or equal to 1"),
         ("cpu_max = -1.5", "agents.x.cpu_max", "greater than or equal to 0"),

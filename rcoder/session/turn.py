@@ -89,6 +89,7 @@ from rcoder.metrics import Metrics
 from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
+from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
@@ -432,9 +433,13 @@ class TurnRunner:
         self._scopes: dict[str, TurnScope] = {}
         self._late_records: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
         self.permissions = PermissionBroker(settings.permission_timeout)
+        # workspace_max_bytes (docs/limits.md#disk): a turn past it is stopped, the next refused
+        self.disk = DiskGuard(settings, lambda run_id, error, reason: self.cancel(
+            run_id, StopCause(StopReason.CANCELLED, error, reason)))  # fmt: skip
 
     async def aclose(self) -> None:
         """Stop retrying late store writes (the next start marks those runs ``interrupted``)."""
+        await self.disk.aclose()
         tasks = list(self._late_records)
         for task in tasks:
             task.cancel()
@@ -482,6 +487,9 @@ class TurnRunner:
         async with scope:
             if queued:
                 await self._replan(scope)
+            # refused before any agent starts in a project past its profile's workspace_max_bytes
+            await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
+            self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
             opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
             prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
@@ -755,5 +763,6 @@ class TurnRunner:
         cancelled start keeps it until its end is written; ``SessionOpener.open``)."""
         self._scopes.pop(scope.run.run_id, None)
         plan = scope.plan
+        self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
         if plan.lease is not None and not self._pool.is_live(plan.session_id):
             self._leases.release(plan.session_id, plan.lease)

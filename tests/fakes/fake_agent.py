@@ -49,6 +49,9 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
     stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
+    fill N       write N files of 1 MiB (fill-<turn>-<i>.bin) into its cwd, one after another, `pace MS`
+                 between them too; session/cancel stops it at once (stop reason "cancelled", no answer),
+                 else the answer gets " filled=N"
     ttft MS      wait MS ms before anything else the turn sends (a model's time to first token)
     usage        a usage_update (used 10 x the turns with `usage` in this process, size 1000, cost 0.25 USD
                  x those turns: cumulative per process) and the answer's usage (input 100, output 20,
@@ -128,6 +131,7 @@ else:
     print("ok")
 """
 LOG_CHUNK = 64 * 1024
+FILL_CHUNK = b"f" * (1 << 20)  # what `fill` writes per file: real blocks on disk (not sparse)
 # what --offer offers: each option's values (id, name) and its default
 OFFERED = {
     "model": ("Model", "model", [("fake-small", "Fake small"), ("fake-large", "Fake large")], "fake-small"),
@@ -277,6 +281,7 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
+        self.fill = number("fill") or 0
         self.show_options, self.commands = word("show-options"), word("commands")
         mode = re.search(r"\bagent-mode\s+(\w+)", text)
         self.agent_mode = mode.group(1) if mode else None
@@ -969,6 +974,10 @@ class FakeAgent:
             if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
+        if script.fill:
+            if not await self._fill(session, script):
+                return "cancelled", None
+            suffix += f" filled={script.fill}"
         if script.agent_mode:
             await self._change_own_mode(session, script.agent_mode)
         if script.commands:
@@ -998,6 +1007,17 @@ class FakeAgent:
         if script.fail:
             raise RequestError(-32603, "Internal error", {"details": "scripted failure"})
         return script.stop, suffix
+
+    async def _fill(self, session: Session, script: Script) -> bool:
+        """`fill N`: N files of 1 MiB in the cwd, `pace` apart; False when a cancel stopped it."""
+        turn = uuid.uuid4().hex[:8]
+        for i in range(script.fill):
+            if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
+                return False
+            if session.cancelled.is_set():
+                return False
+            await asyncio.to_thread(Path(f"fill-{turn}-{i}.bin").write_bytes, FILL_CHUNK)
+        return True
 
     async def _garbage(self, sid: str) -> None:
         """A line that is not JSON, then two session/updates the ACP schema does not take."""

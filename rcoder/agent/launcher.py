@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import stat
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +31,7 @@ from rcoder.agent.kinds import OwnDelete, kind_of
 from rcoder.agent.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.limits import Cgroups, Values
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
-from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
+from rcoder.agent.prepare import Prepared, prepared
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.profile import agent_homes, promises_of, sandbox_of
 from rcoder.agent.start_config import AgentStartConfig
@@ -145,8 +144,6 @@ class AgentLauncher:
             # own (what the groups' sweep just killed may not have left its cgroup yet)
             self.limits.sweep()
         self._record_instance()
-        # what their TMPDIRs held goes too (docs/limits.md#disk)
-        sweep_tmpdirs([agent_homes(self._settings, profile) for profile in self._settings.agents.values()])
         return swept
 
     def _record_instance(self) -> None:
@@ -385,7 +382,6 @@ class AgentLauncher:
             values = Values(profile.memory_max, profile.pids_max, profile.cpu_max or None)
             process.enter(self.limits.place(profile.name, process.pid, values), self.limits.ended)
         self._processes.add(process)
-        process.on_closed = functools.partial(remove_tmpdir, ready.home, ready.tmpdir)
         return process
 
     async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:

@@ -7,6 +7,7 @@ project's daily ledger when its sessions are deleted."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +23,7 @@ from tests.harness import Client, FakeAgentSetup, completed, error_info
 COSTLY = "costs 3 hang"
 
 
-async def refusal(client: Client, **fields: object) -> grpc.aio.AioRpcError:
+async def refusal(client: Client, **fields: Any) -> grpc.aio.AioRpcError:
     refused = await client.chat_error(prompt="hello", **fields)
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
     assert error_info(refused).reason == "BUDGET_EXCEEDED"

@@ -52,10 +52,30 @@ class Cap:
     def text(self, value: int) -> str:
         return usd(value) if self.cost else f"{value} tokens"
 
+    def of(self, spend: Spend) -> int:
+        """What of ``spend`` this cap bounds: its USD nanos or its tokens."""
+        return spend.cost_nanos if self.cost else spend.tokens
+
+    def stored(self, before: SpendSoFar) -> Spend:
+        """What the store held, when the turn started, of what this cap bounds (a turn's own: nothing)."""
+        match self.scope:
+            case "session":
+                return before.session
+            case "project":
+                return before.project_day
+            case _:
+                return Spend()
+
 
 def usd(nanos: int) -> str:
     """USD nanos as a person reads them: "0.25 USD", "0.000123 USD"."""
     return f"{nanos / NANOS:.9f}".rstrip("0").rstrip(".") + " USD"
+
+
+def _nanos_cap(dollars: float) -> int:
+    """A cost cap in nanos: at least one, so that a cap below a nano is still a cap (0 nanos would
+    count as spent before anything was)."""
+    return max(1, round(dollars * NANOS))
 
 
 def profile_caps(settings: Settings, profile: AgentProfile) -> tuple[Cap, ...]:
@@ -69,7 +89,7 @@ def profile_caps(settings: Settings, profile: AgentProfile) -> tuple[Cap, ...]:
         own = getattr(profile.budgets, key) is not None
         name = f"agents.{profile.name}.budgets.{key}" if own else f"budgets.{key}"
         cost = "cost" in key
-        limit = round(value * NANOS) if cost else value
+        limit = _nanos_cap(value) if cost else value
         caps.append(Cap(name, key.split("_", 1)[0], cost, limit))
     return tuple(caps)
 
@@ -102,12 +122,12 @@ class TurnSpend:
     def check(self, turn: Spend) -> None:
         """Stop the turn at the first cap its spend so far (with the stored spend) reaches."""
         for cap in self.caps:
-            base = Spend() if cap.scope == "turn" else getattr(self.before, _SCOPE[cap.scope])
-            spent = (base + turn).cost_nanos if cap.cost else (base + turn).tokens
+            base = cap.stored(self.before)
+            spent = cap.of(base + turn)
             if spent < cap.limit:
                 continue
             self.stopped = True
-            before = base.cost_nanos if cap.cost else base.tokens
+            before = cap.of(base)
             error = (
                 f"rcoder stopped the turn: {_whose(cap, self.ids)} has spent {cap.text(spent)}, at or past "
                 f"{cap.key} {cap.text(cap.limit)} ({cap.text(before)} before this turn)"
@@ -115,9 +135,6 @@ class TurnSpend:
             log.warning("turn_stopped_budget_exceeded", run_id=self.run_id, budget=cap.key, cap=cap.limit, spent=spent)
             self._guard.stop(self.run_id, error)
             return
-
-
-_SCOPE = {"session": "session", "project": "project_day"}
 
 
 def _whose(cap: Cap, ids: dict[str, str]) -> str:
@@ -152,7 +169,7 @@ class SpendGuard:
         if caps is None:
             caps = self._caps[profile.name] = profile_caps(self._settings, profile)
         if max_cost:
-            caps = (*caps, Cap("max_cost_usd", "turn", True, round(max_cost * NANOS)))
+            caps = (*caps, Cap("max_cost_usd", "turn", True, _nanos_cap(max_cost)))
         if not caps:
             return
         day = utc_day(self._clock())
@@ -161,11 +178,8 @@ class SpendGuard:
         if any(cap.scope != "turn" for cap in caps):
             before = await self._store.spend(session_id, project_id, day)
         for cap in caps:
-            if cap.scope == "turn":
-                continue
-            stored = getattr(before, _SCOPE[cap.scope])
-            spent = stored.cost_nanos if cap.cost else stored.tokens
-            if spent >= cap.limit:
+            spent = cap.of(cap.stored(before))
+            if cap.scope != "turn" and spent >= cap.limit:
                 log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent)
                 raise _refusal(cap, spent, ids)
         self._turns[run_id] = TurnSpend(self, run_id, caps, before, ids)

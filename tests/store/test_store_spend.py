@@ -5,24 +5,28 @@ adds nothing."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry, Usage
 from rcoder.errors import LeaseLost
-from rcoder.store import make_store
+from rcoder.store import make_store, pg_schema, sqlite_schema
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
+from rcoder.store.sqlite import SqliteStore
 from rcoder.store.usage import NANOS, Spend, SpendSoFar, spend_of
 
 T0 = datetime(2025, 3, 1, 23, 59, 0, tzinfo=UTC)
 DAY = "2025-03-01"
 HOST = "host-a"
+SQLITE_BUDGETS, PG_BUDGETS = 8, 11  # the migrations that added the project_spend ledger
 StoreFactory = Callable[[], SessionStore]
 
 CLAUDE_TURN = Usage(input_tokens=100, output_tokens=20, total_tokens=125, cost_amount=0.25, cost_currency="USD")
@@ -156,3 +160,56 @@ async def test_a_fenced_end_that_is_refused_adds_nothing_to_the_projects_day(pg_
     finally:
         await store_a.close()
         await store_b.close()
+
+
+async def test_a_sqlite_store_made_before_budgets_migrates_and_counts_spend_from_then(tmp_path: Path) -> None:
+    path = tmp_path / "rcoder.db"
+    with sqlite3.connect(path) as old:  # the schema one version before budgets (8), with a run that cost
+        for migration in sqlite_schema.MIGRATIONS[: SQLITE_BUDGETS - 1]:
+            for statement in migration:
+                old.execute(statement)
+        old.execute(f"PRAGMA user_version = {SQLITE_BUDGETS - 1}")
+        old.execute("INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at,"
+                    " updated_at) VALUES ('s1','proj','/w','claude','p1',?,?)", (T0.isoformat(),) * 2)  # fmt: skip
+        old.execute(
+            "INSERT INTO runs (run_id, session_id, status, started_at, cost_nanos, cost_currency, total_tokens)"
+            " VALUES ('r1','s1','completed',?, 250000000, 'USD', 125)",
+            (T0.isoformat(),),
+        )
+    old.close()
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        # the session's spend is its runs'; the project's day starts with the ledger, at the upgrade
+        assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.25), 125), Spend())
+        await run(store, "s1", "r2", CLAUDE_TURN, turn=False)
+        assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.5), 250), Spend(usd(0.25), 125))
+        assert await store.integrity_check() == "ok"
+    finally:
+        await store.close()
+
+
+async def test_a_postgres_database_made_before_budgets_migrates_and_counts_spend_from_then(pg_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as old:
+        await old.execute(
+            "CREATE TABLE schema_migrations (version integer PRIMARY KEY,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version in range(1, PG_BUDGETS):  # the schema one version before budgets (11)
+            for statement in pg_schema.MIGRATIONS[version - 1]:
+                await old.execute(statement)
+            await old.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+        await old.execute(
+            "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at)"
+            " VALUES ('s1', 'proj', '/w', 'claude', 'p1', %s, %s)",
+            (T0, T0),
+        )
+    store = PostgresStore(pg_url, HOST)
+    await store.open()
+    try:
+        assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(), Spend())
+        await run(store, "s1", "r1", CLAUDE_TURN, turn=False)
+        assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.25), 125), Spend(usd(0.25), 125))
+        assert await store.integrity_check() == "ok"
+    finally:
+        await store.close()

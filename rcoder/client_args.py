@@ -50,6 +50,14 @@ def add_commands(commands: Any) -> None:
         help="set an agent config option before the prompt, e.g. model=opus or mode=plan (repeatable)",
     )
     chat.add_argument(
+        "--max-cost-usd",
+        type=float,
+        default=0.0,
+        metavar="USD",
+        help="the most this turn may cost, as the agent reports it (default: 0, no cap of its own; the "
+        "daemon's budgets still hold)",
+    )
+    chat.add_argument(
         "prompt", nargs="?", help="what to say (default: read from stdin; on a terminal, Tab completes /commands)"
     )
     sessions = commands.add_parser("sessions", parents=[common], help="list, show, close or delete sessions")

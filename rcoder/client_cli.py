@@ -195,6 +195,7 @@ async def chat(
             permission_mode=PermissionMode.ASK if args.ask else None,
             busy=BusyPolicy(args.busy) if args.busy else None,
             config_options=args.config_options,
+            max_cost_usd=args.max_cost_usd,
         )
         return await Watch(client, turn, screen, answers).run()
 
@@ -297,7 +298,8 @@ class Watch:
                     self.screen.note(f"error: {event.error}")
                 if not self.screen.json:
                     self.screen.note(summary(self.turn.session_id, self.turn.started, event))
-                return FAILED if event.stop_reason is StopReason.ERROR else 0
+                # a turn stopped at a budget did not finish its work: a script must not take it for done
+                return FAILED if event.stop_reason in (StopReason.ERROR, StopReason.BUDGET_EXCEEDED) else 0
             if not self.screen.json:
                 show(self.screen, event, self.tools)
         run_id = self.turn.run_id

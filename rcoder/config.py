@@ -56,6 +56,8 @@ AGENT_KINDS: tuple[str, ...] = get_args(KindName)
 DEFAULT_DATA_DIR = Path(".rcoder")
 # names the defaults file: the lowest layer, below the config file (set by the container image)
 DEFAULTS_VARIABLE = "RCODER_DEFAULTS"
+# top-level keys that are tables: set in a file only, never by a variable
+FILE_ONLY = frozenset({"budgets"})
 
 
 class _Schema(BaseModel):
@@ -74,6 +76,36 @@ class PermissionRule(_Schema):
     """a tool kind (read, edit, execute...), "*" for any"""
     title: str = "*"
     """a glob over the tool call's title; "*" for any"""
+
+
+# docs/budgets.md: an amount of US dollars (finite, 0 or more) and a count of tokens; 0 is no cap
+Dollars = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class BudgetKeys(_Schema):
+    """The ``[budgets]`` table: caps on what agents report they spent (docs/budgets.md); 0: no cap."""
+
+    session_max_cost_usd: Dollars = 0.0
+    """the most one session may cost over all its turns, in USD as its agent reports it (0: no cap)"""
+    session_max_tokens: Count = 0
+    """the most tokens one session may use over all its turns (0: no cap)"""
+    project_max_cost_usd_per_day: Dollars = 0.0
+    """the most a project's turns may cost in one UTC day, in USD (0: no cap)"""
+    project_max_tokens_per_day: Count = 0
+    """the most tokens a project's turns may use in one UTC day (0: no cap)"""
+
+
+class ProfileBudgetKeys(_Schema):
+    """An ``[agents.<name>.budgets]`` table: the profile's own caps, each unset key as ``[budgets]`` says."""
+
+    session_max_cost_usd: Dollars | None = None
+    """as [budgets] session_max_cost_usd, for this profile's turns (unset: the [budgets] value)"""
+    session_max_tokens: Count | None = None
+    """as [budgets] session_max_tokens, for this profile's turns (unset: the [budgets] value)"""
+    project_max_cost_usd_per_day: Dollars | None = None
+    """as [budgets] project_max_cost_usd_per_day, for this profile's turns (unset: the [budgets] value)"""
+    project_max_tokens_per_day: Count | None = None
+    """as [budgets] project_max_tokens_per_day, for this profile's turns (unset: the [budgets] value)"""
 
 
 class ProfileKeys(_Schema):
@@ -137,6 +169,9 @@ class ProfileKeys(_Schema):
     workspace_max_bytes: ByteSize = 0
     """the most a project's folder may hold (bytes, or "10GiB"); past it the running turn is stopped
     and the next refused (RESOURCE_EXHAUSTED); 0: no bound. See Disk"""
+    budgets: ProfileBudgetKeys = Field(default_factory=ProfileBudgetKeys)
+    """this profile's own budget caps, a table with the keys of [budgets]; a key it leaves unset is
+    the [budgets] one. See Budgets"""
 
 
 class AgentProfile(ProfileKeys):
@@ -294,6 +329,9 @@ class SettingsKeys(_Schema):
     """seconds between checks of a project's size while a turn runs in it (workspace_max_bytes)"""
     heartbeat_interval: Seconds = 15.0
     """a heartbeat event after this many quiet seconds in a turn (0: none)"""
+    budgets: BudgetKeys = Field(default_factory=BudgetKeys)
+    """caps on what agents report they spent, per session and per project and UTC day (a table, file
+    only); see Budgets"""
 
 
 class Settings(SettingsKeys):
@@ -306,6 +344,11 @@ class Settings(SettingsKeys):
 
     def profile(self, name: str) -> AgentProfile | None:
         return self.agents.get(name)
+
+    def budgets_of(self, profile: AgentProfile) -> BudgetKeys:
+        """The caps on the turns of ``profile``: its own ``budgets``, each unset key from ``[budgets]``."""
+        own = profile.budgets.model_dump(exclude_none=True)
+        return self.budgets.model_copy(update=own) if own else self.budgets
 
     def agent_env(self, profile: AgentProfile, kind_env: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment an agent of ``profile`` starts with (before its model provider):
@@ -343,7 +386,11 @@ def load_settings(
     base_dir = config_file.resolve().parent if config_file is not None else cwd
     defaults = _read_defaults(defaults_file) if defaults_file is not None else {}
     file = checked(_FILE, _read_toml(config_file) if config_file is not None else {}, base_dir)
-    env = {key: environ[var] for key in SettingsKeys.model_fields if (var := f"RCODER_{key.upper()}") in environ}
+    env = {
+        key: environ[var]
+        for key in SettingsKeys.model_fields
+        if key not in FILE_ONLY and (var := f"RCODER_{key.upper()}") in environ
+    }
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
     # variables and flags are strings: read leniently ("8" a number, "yes" true), still checked
     values = {

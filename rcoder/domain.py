@@ -36,6 +36,7 @@ class StopReason(enum.Enum):
     CANCELLED = "cancelled"
     ERROR = "error"
     INTERRUPTED = "interrupted"  # the daemon stopped mid-turn and never stored the end (marked at its next start)
+    BUDGET_EXCEEDED = "budget_exceeded"  # rcoder stopped the turn when its spend crossed a budget (docs/budgets.md)
 
 
 class ResumeRoute(enum.Enum):
@@ -174,6 +175,7 @@ class ChatTurn:
     # ACP config options to set before the prompt: (config id, value id), in the order given
     config_options: tuple[tuple[str, str], ...] = ()
     client: str = ""  # who sent it (rcoder.api.callers): stored with its run (RunRecord.client)
+    max_cost_usd: float = 0.0  # the most this turn may cost in USD (0: no cap of its own; docs/budgets.md)
 
 
 # ---------------------------------------------------------------- session options and commands

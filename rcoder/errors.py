@@ -153,6 +153,16 @@ class WorkspaceTooLarge(ResourceExhausted):
         self.project_id, self.size, self.limit = project_id, size, limit
 
 
+class BudgetExceeded(ResourceExhausted):
+    """A budget (docs/budgets.md) is spent: ``spent`` is at or past ``cap`` of the config key
+    ``budget``, so no turn that it bounds starts until the budget is raised (or, for a project's
+    day, the next UTC day). ``message`` says whose spend and what to do."""
+
+    def __init__(self, message: str, budget: str, cap: str, spent: str, **ids: str) -> None:
+        super().__init__(message, reason="BUDGET_EXCEEDED", budget=budget, cap=cap, spent=spent, **ids)
+        self.budget, self.cap, self.spent = budget, cap, spent
+
+
 def human_bytes(count: int) -> str:
     """``count`` bytes as a person reads them: "17 B", "512.0 KiB", "1.2 GiB"."""
     value, units = float(count), ("B", "KiB", "MiB", "GiB", "TiB")

@@ -1111,6 +1111,36 @@ async def list_runs(bench: Bench) -> Result:
     return result
 
 
+async def budget_turn(bench: Bench) -> Result:
+    """What budgets add to a live turn, in ms (docs/budgets.md): a turn that reports a cost mid-turn
+    and tokens at its end ("stream 1 usage") on a daemon with every [budgets] cap set (its start
+    reads the session's and project's spend, its cost report is checked, its end adds to the
+    project's day) minus the same turn on a daemon with none, pairs back to back in alternating
+    order, the median of the pairs' differences."""
+    prompt, big = "stream 1 usage", 1_000_000_000
+    caps = {"session_max_cost_usd": big, "session_max_tokens": big,
+            "project_max_cost_usd_per_day": big, "project_max_tokens_per_day": big}  # fmt: skip
+    times: dict[str, list[float]] = {"budgets": [], "none": []}
+    profiles = {"fake": bench.fake_profile()}
+    async with (
+        bench.daemon(bench.config(profiles, budgets=caps)) as (_, capped),
+        bench.daemon(bench.config(profiles)) as (_, plain),
+    ):
+        sessions = {"budgets": (capped, (await chat(capped, prompt)).session_id),
+                    "none": (plain, (await chat(plain, prompt)).session_id)}  # fmt: skip
+        for rep in range(bench.sizes.reps * 20):
+            for side in ("budgets", "none")[:: 1 if rep % 2 else -1]:
+                stub, sid = sessions[side]
+                times[side].append((await chat(stub, prompt, sid)).total)
+    added = median([b - n for b, n in zip(times["budgets"], times["none"], strict=True)]) * 1e3
+    details = {"budgets_ms": median(times["budgets"]) * 1e3, "none_ms": median(times["none"]) * 1e3,
+               "reps": len(times["none"])}  # fmt: skip
+    what = f"live turn {prompt!r} with every budget set - with none, in ms (not a ratio)"
+    result = Result("budget_turn_added_ms", what, added, "report", None)
+    result.details = details
+    return result
+
+
 async def workspace_size(bench: Bench) -> Result:
     """One check of a project's size (docs/limits.md#disk): ``du`` as the daemon runs it, and the
     Python walk it falls back to, on a project of ``workspace_files`` small files in 100 a folder."""
@@ -1175,6 +1205,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("history_flood", lambda b: _one(history_flood(b))),
         ("list_runs", lambda b: _one(list_runs(b))),
         ("workspace_size", lambda b: _one(workspace_size(b))),
+        ("budgets", lambda b: _one(budget_turn(b))),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
         ("auth_check", auth_check),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)

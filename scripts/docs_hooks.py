@@ -130,7 +130,15 @@ def _enum(
 
 def config_reference() -> str:
     """The configuration reference page, from the settings model's fields and their docstrings."""
-    from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys, key_descriptions
+    from rcoder.config import (
+        FILE_ONLY,
+        BudgetKeys,
+        PermissionRule,
+        ProfileBudgetKeys,
+        ProfileKeys,
+        SettingsKeys,
+        key_descriptions,
+    )
 
     missing: list[str] = []
     lines = [
@@ -145,6 +153,8 @@ def config_reference() -> str:
         ("Top-level keys", SettingsKeys, True),
         ("`[agents.<name>]` keys", ProfileKeys, False),
         ("`permission_rules` entries", PermissionRule, False),
+        ("`[budgets]` keys", BudgetKeys, False),
+        ("`[agents.<name>.budgets]` keys", ProfileBudgetKeys, False),
     ]
     for title, model, env in tables:
         lines += [f"## {title}", "", "| key | type | default | variable | description |", "|---|---|---|---|---|"]
@@ -155,7 +165,11 @@ def config_reference() -> str:
                 missing.append(f"{model.__name__}.{key}")
             value = None if field.is_required() else field.get_default(call_default_factory=True)
             default = "required" if field.is_required() else f"`{_default(value)}`"
-            variable = f"`RCODER_{key.upper()}`" if env else "—"
+            if isinstance(value, BaseModel):  # a table of its own: its keys are listed below
+                default = "its keys' defaults"
+            elif value is None and not field.is_required():
+                default = "unset"
+            variable = f"`RCODER_{key.upper()}`" if env and key not in FILE_ONLY else "—"
             kind = _cell(_type_name(field.annotation))
             described = _cell(" ".join(description.split()))
             lines.append(f"| `{key}` | `{kind}` | {_cell(default)} | {variable} | {described} |")
@@ -172,10 +186,14 @@ def _type_name(annotation: Any) -> str:
         return _type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(repr(arg).replace("'", '"') for arg in args)
+    if type(None) in args:  # an optional key (X | None): unset is a value of its own, not one TOML writes
+        return " | ".join(_type_name(arg) for arg in args if arg is not type(None))
     if origin is tuple:
         return f"list[{_type_name(args[0])}]"
     if origin is not None and args:  # Mapping[K, V] and the like: a TOML table
         return f"table[{', '.join(_type_name(arg) for arg in args)}]"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "table"
     if isinstance(annotation, type):
         return {"Path": "path", "ResumeRoute": "str"}.get(annotation.__name__, annotation.__name__)
     return str(annotation)

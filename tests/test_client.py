@@ -216,6 +216,14 @@ async def test_an_agent_failure_after_started_is_a_completed_error_not_an_except
 
 
 @on_the_module_loop
+async def test_a_turn_past_its_max_cost_usd_completes_budget_exceeded(client: RcoderClient) -> None:
+    # the fake's `costs 3` reports 0.1, 0.2, 0.3 USD mid-turn; `hang` waits for the cancel
+    done = await bounded(client.chat("c-budget", "costs 3 hang", max_cost_usd=0.15).completed())
+    assert done.stop_reason is StopReason.BUDGET_EXCEEDED
+    assert done.error_reason == "BUDGET_EXCEEDED" and "max_cost_usd 0.15 USD" in done.error
+
+
+@on_the_module_loop
 async def test_attachments_mcp_servers_and_meta_reach_the_agent(
     client: RcoderClient, served: tuple[Daemon, FakeAgentSetup]
 ) -> None:

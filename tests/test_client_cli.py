@@ -299,6 +299,16 @@ async def test_an_error_stop_exits_1_with_the_error(make_daemon: DaemonFactory) 
     assert SUMMARY.search(err).group(4) == "error"  # type: ignore[union-attr]
 
 
+async def test_a_turn_stopped_at_its_max_cost_usd_exits_1_and_says_why(make_daemon: DaemonFactory) -> None:
+    daemon, _ = await make_daemon()
+    where = ("--target", daemon.address, "--config", str(daemon.config))
+    # the fake's `costs 3` reports 0.1, 0.2, 0.3 USD mid-turn; `hang` waits for the cancel
+    code, _, err = await rcoder("chat", "--project", "demo", *where, "--max-cost-usd", "0.15", "costs 3 hang")
+    assert code == 1
+    assert "error: rcoder stopped the turn" in err and "max_cost_usd 0.15 USD" in err
+    assert SUMMARY.search(err).group(4) == "budget_exceeded"  # type: ignore[union-attr]
+
+
 async def test_grpc_errors_print_their_status_and_error_info_reason_and_exit_1(make_daemon: DaemonFactory) -> None:
     daemon, _ = await make_daemon()
 

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 
-from rcoder.config import PermissionRule, ProfileKeys, SettingsKeys, builtin_profiles, key_descriptions, load_settings
+from rcoder.config import (
+    BudgetKeys,
+    PermissionRule,
+    ProfileBudgetKeys,
+    ProfileKeys,
+    SettingsKeys,
+    builtin_profiles,
+    key_descriptions,
+    load_settings,
+)
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
@@ -66,7 +75,7 @@ def test_the_generated_reference_lists_every_key_with_its_description() -> None:
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     reference = docs_hooks.config_reference()
-    for model in (SettingsKeys, ProfileKeys, PermissionRule):
+    for model in (SettingsKeys, ProfileKeys, PermissionRule, BudgetKeys, ProfileBudgetKeys):
         descriptions = key_descriptions(model)
         for key in model.model_fields:
             assert descriptions.get(key), f"{model.__name__}.{key} has no description (a docstring under the key)"

@@ -111,6 +111,11 @@ class AgentConnection:
         # the version of the options and commands the session's record holds (-1: none stored from here)
         self.stored_state_version = -1
 
+    def turn_cost(self) -> tuple[float | None, str]:
+        """The running turn's cost and currency as the agent's last ``usage_update`` says (None: none
+        reported yet); ``turn_usage`` once it ended."""
+        return self._client.usage.cost_so_far()
+
     @property
     def alive(self) -> bool:
         # an agent whose output ended cannot answer, even while its process lingers

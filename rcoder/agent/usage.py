@@ -60,7 +60,19 @@ class UsageMeter:
         usage = Usage(**tokens, context_used=used, context_size=size, cost_amount=amount, cost_currency=currency)
         return usage if usage.reported else None
 
+    def cost_so_far(self) -> tuple[float | None, str]:
+        """The turn's cost (and its currency) as its last ``usage_update`` says, while it runs:
+        what ``end_turn`` will report unless a later update says more (docs/budgets.md)."""
+        return self._cost_of((self._update or {}).get("cost"))
+
     def _turn_cost(self, cost: Any) -> tuple[float | None, str]:
+        turn, currency = self._cost_of(cost)
+        if turn is not None:
+            self._cost_seen = float(cost["amount"])
+        return turn, currency
+
+    def _cost_of(self, cost: Any) -> tuple[float | None, str]:
+        """This turn's part of the session's cumulative ``cost``, and its currency (None: no report)."""
         if not isinstance(cost, dict):
             return None, ""
         amount, currency = cost.get("amount"), cost.get("currency")
@@ -68,7 +80,6 @@ class UsageMeter:
         if isinstance(amount, bool) or not isinstance(amount, int | float) or not abs(amount) <= MAX_COST:
             return None, ""
         before = self._cost_seen or 0.0
-        self._cost_seen = float(amount)
         # an agent whose count went down started over: all it reports is this turn's
         turn = float(amount) - before if amount >= before else float(amount)
         return turn, currency if isinstance(currency, str) else ""

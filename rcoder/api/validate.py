@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,7 +62,15 @@ def chat_turn(req: pb.ChatRequest) -> ChatTurn:
         attachments=attachments(req.attachments),
         busy=busy_policy(req.busy),
         config_options=config_options(req.config_options),
+        max_cost_usd=max_cost_usd(req.max_cost_usd),
     )
+
+
+def max_cost_usd(value: float) -> float:
+    """A turn's own cost cap in USD: 0 (none) or a finite positive amount (docs/budgets.md)."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument("max_cost_usd", f"expected 0 (no cap) or a positive number of US dollars, got {value!r}")
+    return value
 
 
 _BUSY_POLICIES: dict[int, BusyPolicy] = {

@@ -103,6 +103,7 @@ class RcoderClient:
         attachments: Sequence[Attachment] = (),
         busy: BusyPolicy | None = None,
         config_options: Mapping[str, str] | None = None,
+        max_cost_usd: float = 0.0,
         timeout: float | None = None,
     ) -> Turn:
         """One turn with an agent in the project's folder; its events stream from the returned ``Turn``.
@@ -116,7 +117,9 @@ class RcoderClient:
         when it starts.
         ``config_options`` sets the agent's session options before the prompt
         (ACP config id -> value id, e.g. ``{"model": "opus", "mode": "plan"}``: ``Started.config_options``
-        lists what the agent offers); the session keeps them. The call starts when the turn is first read::
+        lists what the agent offers); the session keeps them. ``max_cost_usd`` caps this turn's own cost in
+        USD (0: no cap of its own): past it the turn ends ``StopReason.BUDGET_EXCEEDED``; it can lower the
+        daemon's budgets, never raise them. The call starts when the turn is first read::
 
             turn = client.chat("demo", "hello")
             async for event in turn: ...          # or: text = await turn.text()
@@ -135,6 +138,7 @@ class RcoderClient:
             attachments=attachments,
             busy=busy,
             config_options=config_options,
+            max_cost_usd=max_cost_usd,
         )
         return Turn(self._streaming(self._stub.Chat, request, timeout))
 

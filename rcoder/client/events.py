@@ -43,6 +43,9 @@ class StopReason(StrEnum):
     ERROR = "error"
     # the daemon stopped mid-turn and never stored its end (``error_reason`` DAEMON_STOPPED)
     INTERRUPTED = "interrupted"
+    # rcoder stopped the turn when its spend crossed a budget (``error`` names it, its cap and the
+    # spend; ``error_reason`` BUDGET_EXCEEDED)
+    BUDGET_EXCEEDED = "budget_exceeded"
 
 
 class PermissionOutcome(StrEnum):

@@ -126,6 +126,7 @@ def chat_request(
     attachments: Sequence[Attachment] = (),
     busy: BusyPolicy | None = None,
     config_options: Mapping[str, str] | None = None,
+    max_cost_usd: float = 0.0,
 ) -> pb.ChatRequest:
     """The ``ChatRequest`` for these arguments (see ``RcoderClient.chat``)."""
     request = pb.ChatRequest(
@@ -139,6 +140,7 @@ def chat_request(
         mcp_servers=[_mcp_server(server) for server in mcp_servers],
         attachments=[_attachment(item) for item in attachments],
         busy=_BUSY_POLICIES[busy],
+        max_cost_usd=max_cost_usd,
     )
     if config_options:
         request.config_options.update(config_options)

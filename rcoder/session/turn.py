@@ -95,6 +95,8 @@ from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import HARD_LIMIT_FACTOR, Heartbeats, Run, RunRegistry, guarded
+from rcoder.session.spend_guard import REASON as BUDGET_EXCEEDED
+from rcoder.session.spend_guard import SpendGuard
 from rcoder.store.base import EventRow, SessionStore
 from rcoder.store.cluster import LocalCoordination
 
@@ -436,6 +438,9 @@ class TurnRunner:
         # workspace_max_bytes (docs/limits.md#disk): a turn past it is stopped, the next refused
         self.disk = DiskGuard(settings, lambda run_id, error, reason: self.cancel(
             run_id, StopCause(StopReason.CANCELLED, error, reason)))  # fmt: skip
+        # [budgets] and max_cost_usd (docs/budgets.md): a turn past one is stopped, the next refused
+        self.spend = SpendGuard(settings, store, clock, lambda run_id, error: self.cancel(
+            run_id, StopCause(StopReason.BUDGET_EXCEEDED, error, BUDGET_EXCEEDED)))  # fmt: skip
 
     async def aclose(self) -> None:
         """Stop retrying late store writes (the next start marks those runs ``interrupted``)."""
@@ -489,6 +494,10 @@ class TurnRunner:
                 await self._replan(scope)
             # refused before any agent starts in a project past its profile's workspace_max_bytes
             await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
+            # ... and in a session or project past a budget (no store read when none is set)
+            await self.spend.admit(
+                run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd
+            )
             self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
             opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
@@ -533,6 +542,7 @@ class TurnRunner:
         texts: list[str] = []
         size = 0
         run, plan = scope.run, scope.plan
+        spend = self.spend.watch(run.run_id, opened.connection)  # None: no budget bounds the turn
 
         def on_event(event: AgentEvent) -> None:
             nonlocal size
@@ -540,6 +550,8 @@ class TurnRunner:
                 texts.append(event.text)
                 size += len(event.text)
             scope.deliver(event)
+            if spend is not None:
+                spend(event)  # a cost reported mid-turn, checked against the budgets
 
         turn = plan.turn
         beats = Heartbeats(run, self._settings.heartbeat_interval)
@@ -764,5 +776,6 @@ class TurnRunner:
         self._scopes.pop(scope.run.run_id, None)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
+        self.spend.ended(scope.run.run_id)
         if plan.lease is not None and not self._pool.is_live(plan.session_id):
             self._leases.release(plan.session_id, plan.lease)

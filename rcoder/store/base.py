@@ -20,6 +20,7 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.store.cluster import Lease
+from rcoder.store.usage import SpendSoFar
 
 # the error of a run that was running when its daemon stopped or died (set by ``open``)
 INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
@@ -107,6 +108,12 @@ class SessionStore(Protocol):
         reported any usage is left out."""
         ...
 
+    async def spend(self, session_id: str, project_id: str, day: str) -> SpendSoFar:
+        """What counts towards budgets (docs/budgets.md), as one read: the session's spend summed
+        over its runs, and ``project_id``'s on UTC ``day`` ("2026-12-05") from the ledger that
+        ``finish_run`` adds each run's spend to (kept when sessions are deleted)."""
+        ...
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None: ...
@@ -134,7 +141,8 @@ class SessionStore(Protocol):
     ) -> None:
         """End a run with the ``usage`` its agent reported; when ``transcript`` is given, append
         it and count the turn on its session; store ``events`` (the rest of its history, as
-        ``append_events``), all in one transaction (fenced as one write)."""
+        ``append_events``); add the run's spend (``store.usage.spend_of``) to its project's UTC day
+        of ``at``, once (only a run still running adds); all in one transaction (fenced as one write)."""
         ...
 
     async def update_run_start(

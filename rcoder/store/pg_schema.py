@@ -117,6 +117,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             session_id text COLLATE "C" NOT NULL, run_id text COLLATE "C" NOT NULL, code text NOT NULL)""",
         "CREATE INDEX audit_by_session ON audit (session_id, id)",
     ),
+    (  # 11: budgets (docs/budgets.md): what each project spent per UTC day, in USD nanos and tokens,
+        # added to in the transaction that ends each run; no foreign key, so that deleting a session
+        # never gives its project's day back. Runs ended before this migration are not counted in it
+        """CREATE TABLE project_spend (
+            project_id text COLLATE "C" NOT NULL, day date NOT NULL, cost_nanos bigint NOT NULL DEFAULT 0,
+            tokens bigint NOT NULL DEFAULT 0, PRIMARY KEY (project_id, day))""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -236,6 +243,27 @@ COUNT_TURN = (
     " INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
     " SELECT session_id, %s, turns, %s, %s, %s FROM s"
 )  # the session's row lock orders concurrent turns: each entry gets the count it made
+# budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
+# running (before the end, in its transaction: an end stored twice counts once; a fenced end that
+# is refused rolls it back), each sum held at store/usage.py SPEND_LIMIT rather than overflow
+ADD_PROJECT_SPEND = (
+    "INSERT INTO project_spend AS p (project_id, day, cost_nanos, tokens)"
+    " SELECT s.project_id, %s::date, %s, %s FROM runs r JOIN sessions s ON s.session_id = r.session_id"
+    " WHERE r.run_id = %s AND r.status = 'running'"
+    " ON CONFLICT (project_id, day) DO UPDATE SET"
+    " cost_nanos = least(p.cost_nanos::numeric + EXCLUDED.cost_nanos, 9000000000000000000)::bigint,"
+    " tokens = least(p.tokens::numeric + EXCLUDED.tokens, 9000000000000000000)::bigint"
+)
+# a session's spend over its runs (cost in USD, any case; a run's tokens: its total, else the sum of
+# its counts; sums as numeric, never overflowing) and its project's on one day
+SPEND = (
+    "SELECT r.cost, r.tokens, coalesce(p.cost_nanos, 0), coalesce(p.tokens, 0) FROM"
+    " (SELECT coalesce(sum(CASE WHEN lower(cost_currency) = 'usd' AND cost_nanos > 0 THEN cost_nanos END), 0)"
+    " AS cost, coalesce(sum(coalesce(total_tokens, coalesce(input_tokens, 0)::numeric + coalesce(output_tokens, 0)"
+    " + coalesce(cached_read_tokens, 0) + coalesce(cached_write_tokens, 0) + coalesce(thought_tokens, 0))), 0)"
+    " AS tokens FROM runs WHERE session_id = %s) AS r"
+    " LEFT JOIN project_spend p ON p.project_id = %s AND p.day = %s::date"
+)
 UPDATE_RUN_START = "UPDATE runs SET resume = %s, resume_method = %s, fallback_reason = %s WHERE run_id = %s"
 TRANSCRIPT = (
     "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("

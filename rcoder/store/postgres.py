@@ -46,7 +46,18 @@ from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connec
 from rcoder.store.pg_pool import PgPool
 from rcoder.store.pg_pool import Row as Row
 from rcoder.store.session_state import chosen_of, commands_of, options_of, state_params
-from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_of, usage_params
+from rcoder.store.usage import (
+    COST_BOUNDS,
+    FIRST_COST_KEY,
+    Spend,
+    SpendSoFar,
+    cost_key,
+    spend_of,
+    totals_of,
+    usage_of,
+    usage_params,
+    utc_day,
+)
 
 T = TypeVar("T")
 _BEFORE_ALL = datetime.min.replace(tzinfo=UTC)  # a start before every run's (the first page of runs)
@@ -291,6 +302,11 @@ class PostgresStore:
             by_session.setdefault(session_id, []).append((currency, nanos))
         return {row[0]: totals_of(row[1], row[2:], by_session.get(row[0], ())) for row in totals}
 
+    async def spend(self, session_id: str, project_id: str, day: str) -> SpendSoFar:
+        rows = await self._rows(pg_schema.SPEND, _params(session_id, project_id, day))
+        cost, tokens, project_cost, project_tokens = rows[0]
+        return SpendSoFar(Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)))
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None:
@@ -345,7 +361,9 @@ class PostgresStore:
         end_sql, count_sql = pg_schema.END_RUN, pg_schema.COUNT_TURN
         if lease is not None:
             end_sql, count_sql, fence = pg_schema.END_RUN_FENCED, pg_schema.COUNT_TURN_FENCED, self._fence(lease)
-        if transcript is None and not events:
+        spend = spend_of(usage)
+        spent = (utc_day(at), spend.cost_nanos, spend.tokens, run_id) if spend.cost_nanos or spend.tokens else None
+        if transcript is None and not events and spent is None:
             if lease is not None:
                 await self._fenced(end_sql, (*end, *fence), lease)
                 return
@@ -361,6 +379,8 @@ class PostgresStore:
         async def work(conn: Conn) -> None:
             # pipelined: BEGIN and the statements in one round trip, COMMIT (or ROLLBACK) in a second
             async with conn.pipeline() as pipeline, conn.transaction():  # any error rolls back all
+                if spent is not None:  # before the end: only a run still running adds to the day
+                    await conn.execute(pg_schema.ADD_PROJECT_SPEND, _params(*spent))
                 ended = await conn.execute(end_sql, (*end, *fence))
                 counted = await conn.execute(count_sql, turn) if entry is not None else None
                 if events:

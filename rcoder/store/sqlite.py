@@ -45,7 +45,17 @@ from rcoder.store.cluster import Lease
 from rcoder.store.patterns import globs_json
 from rcoder.store.session_state import state_params
 from rcoder.store.sqlite_schema import audit_of, entry_of, run_of, session_of, session_params, time_text
-from rcoder.store.usage import COST_BOUNDS, FIRST_COST_KEY, cost_key, totals_of, usage_params
+from rcoder.store.usage import (
+    COST_BOUNDS,
+    FIRST_COST_KEY,
+    Spend,
+    SpendSoFar,
+    cost_key,
+    spend_of,
+    totals_of,
+    usage_params,
+    utc_day,
+)
 
 T = TypeVar("T")
 
@@ -147,9 +157,12 @@ def _finish_run(
 ) -> None:
     status, stop_reason, error, at, usage = end
     stop = None if stop_reason is None else stop_reason.value
+    spend = spend_of(usage)
     with _transaction(conn):
         if events:
             conn.executemany(sqlite_schema.INSERT_EVENT, events)
+        if spend.cost_nanos or spend.tokens:  # before the end: only a run still running adds to the day
+            conn.execute(sqlite_schema.ADD_PROJECT_SPEND, (utc_day(at), spend.cost_nanos, spend.tokens, run_id))
         cursor = conn.execute(
             sqlite_schema.END_RUN, (status.value, stop, error, time_text(at), *usage_params(usage), run_id)
         )
@@ -387,6 +400,11 @@ class SqliteStore:
         for session_id, currency, nanos in costs:
             by_session.setdefault(session_id, []).append((currency, nanos))
         return {row[0]: totals_of(row[1], row[2:], by_session.get(row[0], ())) for row in totals}
+
+    async def spend(self, session_id: str, project_id: str, day: str) -> SpendSoFar:
+        rows = await self._rows(sqlite_schema.SPEND, (session_id, project_id, day))
+        cost, tokens, project_cost, project_tokens = rows[0]
+        return SpendSoFar(Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)))
 
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None

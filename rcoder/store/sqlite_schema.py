@@ -94,6 +94,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             run_id TEXT NOT NULL, code TEXT NOT NULL)""",
         "CREATE INDEX audit_by_session ON audit(session_id, id)",
     ),
+    (  # 8: budgets (docs/budgets.md): what each project spent per UTC day ("2026-12-05"), in USD
+        # nanos and tokens, added to in the transaction that ends each run; no foreign key, so that
+        # deleting a session never gives its project's day back. Runs ended before this migration
+        # are not counted in it (a session's own spend is summed from its runs, and is)
+        """CREATE TABLE project_spend (
+            project_id TEXT NOT NULL, day TEXT NOT NULL, cost_nanos INTEGER NOT NULL DEFAULT 0,
+            tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (project_id, day))""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -198,6 +206,27 @@ END_RUN = (
     "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = ?, output_tokens = ?,"
     " cached_read_tokens = ?, cached_write_tokens = ?, thought_tokens = ?, total_tokens = ?, context_used = ?,"
     " context_size = ?, cost_nanos = ?, cost_currency = ? WHERE run_id = ?"
+)
+# budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
+# running (before END_RUN, in its transaction: an end stored twice counts once), each sum held at
+# store/usage.py SPEND_LIMIT (past 2**63 SQLite's + gives a float, which min() turns back)
+ADD_PROJECT_SPEND = (
+    "INSERT INTO project_spend (project_id, day, cost_nanos, tokens)"
+    " SELECT s.project_id, ?, ?, ? FROM runs r JOIN sessions s ON s.session_id = r.session_id"
+    " WHERE r.run_id = ? AND r.status = 'running'"
+    " ON CONFLICT (project_id, day) DO UPDATE SET"
+    " cost_nanos = min(cost_nanos + excluded.cost_nanos, 9000000000000000000),"
+    " tokens = min(tokens + excluded.tokens, 9000000000000000000)"
+)
+# a session's spend over its runs (cost in USD, any case; a run's tokens: its total, else the sum of
+# its counts; total() is a float, exact below 2**53) and its project's on one day
+SPEND = (
+    "SELECT r.cost, r.tokens, coalesce(p.cost_nanos, 0), coalesce(p.tokens, 0) FROM"
+    " (SELECT total(CASE WHEN lower(cost_currency) = 'usd' AND cost_nanos > 0 THEN cost_nanos END) AS cost,"
+    " total(coalesce(total_tokens, coalesce(input_tokens, 0) + coalesce(output_tokens, 0)"
+    " + coalesce(cached_read_tokens, 0) + coalesce(cached_write_tokens, 0) + coalesce(thought_tokens, 0)))"
+    " AS tokens FROM runs WHERE session_id = ?) AS r"
+    " LEFT JOIN project_spend p ON p.project_id = ? AND p.day = ?"
 )
 # a finished turn's entry, numbered after the session's count of turns (which COUNT_TURN then raises)
 ADD_TRANSCRIPT = (

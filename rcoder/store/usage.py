@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from rcoder.domain import COST_ORDER_LIMIT_NANOS, TOKEN_FIELDS, USAGE_FIELDS, Cost, Usage, UsageTotals
@@ -60,6 +62,55 @@ def cost_key(cost_nanos: int | None, session_id: str) -> tuple[int, int, str]:
     """Where a session stands in cost order, as an ascending key: those with a cost first, the
     most costly first, then by session_id."""
     return (1, 0, session_id) if cost_nanos is None else (0, -cost_nanos, session_id)
+
+
+# the most a spend sum holds (nanos or tokens): the ledger's sums stop there rather than overflow a
+# 64-bit column and fail the turn's end with it
+SPEND_LIMIT = 9 * 10**18
+BUDGET_CURRENCY = "usd"  # the only currency that counts towards cost caps, in any case ("USD", "usd")
+
+
+@dataclass(frozen=True, slots=True)
+class Spend:
+    """What counts towards budgets (docs/budgets.md): a cost in USD nanos and a count of tokens."""
+
+    cost_nanos: int = 0
+    tokens: int = 0
+
+    def __add__(self, other: Spend) -> Spend:
+        return Spend(self.cost_nanos + other.cost_nanos, self.tokens + other.tokens)
+
+    @property
+    def cost_usd(self) -> float:
+        return self.cost_nanos / NANOS
+
+
+@dataclass(frozen=True, slots=True)
+class SpendSoFar:
+    """A session's spend over all its runs, and its project's on one UTC day (the ledger's)."""
+
+    session: Spend
+    project_day: Spend
+
+
+def spend_of(usage: Usage | None) -> Spend:
+    """What one run's ``usage`` counts towards budgets: its cost where reported in USD (any case),
+    never below 0; its ``total_tokens`` where reported, else the sum of the token counts it reported."""
+    if usage is None:
+        return Spend()
+    nanos = 0
+    if usage.cost_amount is not None and usage.cost_currency.lower() == BUDGET_CURRENCY:
+        nanos = max(0, min(_nanos(usage.cost_amount) or 0, SPEND_LIMIT))
+    tokens = usage.total_tokens
+    if tokens is None:
+        counts = (getattr(usage, name) for name in TOKEN_FIELDS[:-1])
+        tokens = sum(count for count in counts if count is not None)
+    return Spend(nanos, min(tokens, SPEND_LIMIT))
+
+
+def utc_day(at: datetime) -> str:
+    """The UTC day of ``at`` as the ledger keys it: "2026-12-05"."""
+    return at.astimezone(UTC).date().isoformat()
 
 
 def _int64(value: int | None) -> int | None:

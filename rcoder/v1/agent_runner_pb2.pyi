@@ -277,6 +277,11 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
     when the next start of the daemon marks the run interrupted
     """
+    STOP_REASON_BUDGET_EXCEEDED: _StopReason.ValueType  # 8
+    """rcoder stopped the turn (session/cancel to the agent) when its spend crossed a budget
+    (docs/budgets.md): RunCompleted.error names the budget, its cap and the spend, and
+    error_reason is BUDGET_EXCEEDED
+    """
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
     """How a turn ended: the agent's ACP stopReason, or rcoder's ERROR and INTERRUPTED."""
@@ -298,6 +303,11 @@ STOP_REASON_ERROR: StopReason.ValueType  # 6
 STOP_REASON_INTERRUPTED: StopReason.ValueType  # 7
 """the daemon stopped (was killed) while the turn ran and the turn's end was never stored: set
 when the next start of the daemon marks the run interrupted
+"""
+STOP_REASON_BUDGET_EXCEEDED: StopReason.ValueType  # 8
+"""rcoder stopped the turn (session/cancel to the agent) when its spend crossed a budget
+(docs/budgets.md): RunCompleted.error names the budget, its cap and the spend, and
+error_reason is BUDGET_EXCEEDED
 """
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
@@ -383,6 +393,7 @@ class ChatRequest(_message.Message):
     ATTACHMENTS_FIELD_NUMBER: _builtins.int
     BUSY_FIELD_NUMBER: _builtins.int
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
+    MAX_COST_USD_FIELD_NUMBER: _builtins.int
     project_id: _builtins.str
     """Required. [A-Za-z0-9._-]{1,128}, not "." or "..": resolved under workspace_root."""
     session_id: _builtins.str
@@ -408,6 +419,12 @@ class ChatRequest(_message.Message):
     busy: Global___BusyPolicy.ValueType
     """What to do when the session already has a turn running: refuse (ABORTED, the default),
     queue this turn after it (and any queued before), or cancel it and run this one next.
+    """
+    max_cost_usd: _builtins.float
+    """The most this turn may cost, in US dollars, as the agent reports its cost (docs/budgets.md):
+    one more cap besides the [budgets] of the config, on this turn's own spend. It can lower a cap,
+    never raise one. Past it the turn is stopped (STOP_REASON_BUDGET_EXCEEDED). 0 (unset): no
+    per-turn cap. Negative, NaN or infinite: INVALID_ARGUMENT.
     """
     @_builtins.property
     def mcp_servers(self) -> _containers.RepeatedCompositeFieldContainer[Global___McpServer]:
@@ -458,10 +475,11 @@ class ChatRequest(_message.Message):
         attachments: _abc.Iterable[Global___Attachment] | None = ...,
         busy: Global___BusyPolicy.ValueType = ...,
         config_options: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        max_cost_usd: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["extra_meta", b"extra_meta", "model_provider", b"model_provider"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "attachments", b"attachments", "busy", b"busy", "config_options", b"config_options", "extra_meta", b"extra_meta", "mcp_servers", b"mcp_servers", "model_provider", b"model_provider", "permission_mode", b"permission_mode", "project_id", b"project_id", "prompt", b"prompt", "request_id", b"request_id", "session_id", b"session_id", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "attachments", b"attachments", "busy", b"busy", "config_options", b"config_options", "extra_meta", b"extra_meta", "max_cost_usd", b"max_cost_usd", "mcp_servers", b"mcp_servers", "model_provider", b"model_provider", "permission_mode", b"permission_mode", "project_id", b"project_id", "prompt", b"prompt", "request_id", b"request_id", "session_id", b"session_id", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

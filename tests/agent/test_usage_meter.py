@@ -33,3 +33,17 @@ def test_a_cost_that_is_not_a_number_is_left_unreported_and_the_next_one_counts_
     meter.begin_turn()
     meter.note_update(json.dumps({"used": 2, "size": 10, "cost": {"amount": 0.5, "currency": "USD"}}))
     assert meter.end_turn(None) == Usage(context_used=2, context_size=10, cost_amount=0.5, cost_currency="USD")
+
+
+def test_the_cost_so_far_is_the_turns_part_of_the_last_report_and_changes_nothing() -> None:
+    meter = UsageMeter()
+    meter.begin_turn()
+    assert meter.cost_so_far() == (None, "")
+    meter.note_update(json.dumps({"cost": {"amount": 0.25, "currency": "USD"}}))
+    assert meter.cost_so_far() == (0.25, "USD")
+    assert meter.end_turn(None) == Usage(cost_amount=0.25, cost_currency="USD")
+    meter.begin_turn()
+    meter.note_update(json.dumps({"cost": {"amount": 0.5, "currency": "usd"}}))
+    assert meter.cost_so_far() == (0.25, "usd")  # the cumulative 0.5 less the 0.25 before this turn
+    assert meter.cost_so_far() == (0.25, "usd")  # asked again: the same (nothing moved)
+    assert meter.end_turn(None) == Usage(cost_amount=0.25, cost_currency="usd")

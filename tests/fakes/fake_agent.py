@@ -56,6 +56,8 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     usage        a usage_update (used 10 x the turns with `usage` in this process, size 1000, cost 0.25 USD
                  x those turns: cumulative per process) and the answer's usage (input 100, output 20,
                  cached read 5, total 125)
+    costs N      N usage_updates, each 0.10 USD more than the last (the session's cost so far in this
+                 process, as `usage` counts it: 0.25 USD a turn), with no tokens: a cost reported mid-turn
     env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
     readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
     writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
@@ -293,6 +295,7 @@ class Script:
         self.bigtools = (int(big.group(1)), int(big.group(2))) if big else (0, 0)
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
+        self.costs = number("costs") or 0
         self.fail, self.edits = word("fail-prompt"), word("edits")
         # `env NAME`: the answer reports the agent's own environment variable NAME
         self.env_names = re.findall(r"\benv\s+([A-Za-z_][A-Za-z0-9_]*)", text)
@@ -685,6 +688,7 @@ class FakeAgent:
         self.never = asyncio.Event()  # awaited by --hang; nobody sets it
         self.background: set[asyncio.Task[None]] = set()
         self.usage_turns: dict[str, int] = {}  # turns that reported usage, per session, in this process
+        self.cost: dict[str, float] = {}  # the cost reported so far, per session, in this process
         self.requests: dict[str, Callable[[Any], Awaitable[JsonObject]]] = {
             "initialize": self.initialize,
             "session/new": self.new_session,
@@ -986,6 +990,8 @@ class FakeAgent:
             suffix += f" options[model={session.config['model']} mode={session.config['mode']}]"
         if script.usage:
             await self._usage_update(sid)
+        for _ in range(script.costs):
+            await self._cost_update(sid, 0.10)
         if script.sleep_ms is not None and await self._cancelled_within(session, script.sleep_ms):
             return "cancelled", None
         if script.hang:
@@ -1060,8 +1066,16 @@ class FakeAgent:
     async def _usage_update(self, sid: str) -> None:
         """The session's usage so far, counted by this process (as Claude's adapter does)."""
         turns = self.usage_turns[sid] = self.usage_turns.get(sid, 0) + 1
-        cost = {"amount": 0.25 * turns, "currency": "USD"}
+        amount = self.cost[sid] = self.cost.get(sid, 0.0) + 0.25
+        cost = {"amount": amount, "currency": "USD"}
         await self._update(sid, {"sessionUpdate": "usage_update", "used": 10 * turns, "size": 1000, "cost": cost})
+
+    async def _cost_update(self, sid: str, more: float) -> None:
+        """A usage_update whose cumulative cost is ``more`` USD past the last (``costs``)."""
+        amount = self.cost[sid] = round(self.cost.get(sid, 0.0) + more, 9)
+        used = 10 * self.usage_turns.get(sid, 0)
+        cost = {"amount": amount, "currency": "USD"}
+        await self._update(sid, {"sessionUpdate": "usage_update", "used": used, "size": 1000, "cost": cost})
 
     async def _ask_permission(self, sid: str) -> str:
         """Ask the client; return the selected option id, or "cancelled"."""

@@ -36,6 +36,7 @@ from rcoder.store.sqlite_schema import SCHEMA_VERSION
 from rcoder.store.usage import NANOS
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
+SQLITE_TENANTS, PG_TENANTS = 7, 10  # the migrations that added tenants (the runs' client, the audit trail)
 HOST = "host-a"
 StoreFactory = Callable[[], SessionStore]
 
@@ -304,11 +305,11 @@ async def test_a_sqlite_store_made_before_tenants_migrates_its_runs_to_no_client
     from rcoder.store import sqlite_schema
 
     path = tmp_path / "rcoder.db"
-    with sqlite3.connect(path) as old:  # the schema one version before tenants, with a run
-        for migration in sqlite_schema.MIGRATIONS[: sqlite_schema.SCHEMA_VERSION - 1]:
+    with sqlite3.connect(path) as old:  # the schema one version before tenants (7), with a run
+        for migration in sqlite_schema.MIGRATIONS[: SQLITE_TENANTS - 1]:
             for statement in migration:
                 old.execute(statement)
-        old.execute(f"PRAGMA user_version = {sqlite_schema.SCHEMA_VERSION - 1}")
+        old.execute(f"PRAGMA user_version = {SQLITE_TENANTS - 1}")
         old.execute("INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at,"
                     " updated_at) VALUES ('s1','proj','/w','claude','p1',?,?)", (T0.isoformat(),) * 2)  # fmt: skip
         old.execute(
@@ -333,7 +334,7 @@ async def test_a_postgres_database_made_before_tenants_migrates_its_runs_to_no_c
             "CREATE TABLE schema_migrations (version integer PRIMARY KEY,"
             " applied_at timestamptz NOT NULL DEFAULT now())"
         )
-        for version in range(1, len(MIGRATIONS)):
+        for version in range(1, PG_TENANTS):  # the schema one version before tenants (10)
             for statement in MIGRATIONS[version - 1]:
                 await old.execute(statement)
             await old.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))

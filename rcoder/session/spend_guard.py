@@ -1,0 +1,205 @@
+"""Budgets: what agents report they spent, kept under the caps of ``[budgets]`` (docs/budgets.md).
+
+Spend is what the agent reports: its cost in USD (``usage_update``) and its tokens (the prompt
+answer), as ``store.usage.spend_of`` counts them, summed in the store: a session's over its runs,
+a project's per UTC day in a ledger that each run's end adds to (``SessionStore.spend``).
+
+- **Before a turn** (``SpendGuard.admit``, before any agent starts): a session, or a project's
+  day, whose spend is at or past a cap of the turn's profile refuses the turn with
+  ``BudgetExceeded`` (RESOURCE_EXHAUSTED, reason ``BUDGET_EXCEEDED``). With no cap configured for
+  the profile there is no store read: a turn costs nothing more.
+- **While it runs** (``TurnSpend.seen``): each cost the agent reports mid-turn is added to the
+  spend stored when the turn started, and checked against each cap and the turn's own
+  ``max_cost_usd``; at or past one, the turn is stopped as a cancel (``session/cancel``) and ends
+  ``BUDGET_EXCEEDED``. Tokens are mostly reported only at a turn's end: a token cap then stops no
+  turn, it refuses the next.
+
+A running turn sees the store as of its start plus its own spend: turns running at once (here or
+on other hosts) do not see each other's until they end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from rcoder.agent.connection import AgentConnection
+from rcoder.agent.usage import USAGE_UPDATE
+from rcoder.config import AgentProfile, Settings
+from rcoder.domain import AgentEvent, AgentUpdate
+from rcoder.errors import BudgetExceeded
+from rcoder.logs import get_logger
+from rcoder.store.base import SessionStore
+from rcoder.store.usage import BUDGET_CURRENCY, NANOS, Spend, SpendSoFar, utc_day
+
+log = get_logger("rcoder.session.spend_guard")
+
+REASON = "BUDGET_EXCEEDED"
+_KEYS = ("session_max_cost_usd", "session_max_tokens", "project_max_cost_usd_per_day", "project_max_tokens_per_day")
+
+
+@dataclass(frozen=True, slots=True)
+class Cap:
+    """One cap on a turn: ``limit`` USD nanos (``cost``) or tokens, of a session, a project's day,
+    or the turn itself; ``key`` is the config key (or request field) that set it."""
+
+    key: str
+    scope: str  # "session" | "project" | "turn"
+    cost: bool
+    limit: int
+
+    def text(self, value: int) -> str:
+        return usd(value) if self.cost else f"{value} tokens"
+
+    def of(self, spend: Spend) -> int:
+        """What of ``spend`` this cap bounds: its USD nanos or its tokens."""
+        return spend.cost_nanos if self.cost else spend.tokens
+
+    def stored(self, before: SpendSoFar) -> Spend:
+        """What the store held, when the turn started, of what this cap bounds (a turn's own: nothing)."""
+        match self.scope:
+            case "session":
+                return before.session
+            case "project":
+                return before.project_day
+            case _:
+                return Spend()
+
+
+def usd(nanos: int) -> str:
+    """USD nanos as a person reads them: "0.25 USD", "0.000123 USD"."""
+    return f"{nanos / NANOS:.9f}".rstrip("0").rstrip(".") + " USD"
+
+
+def _nanos_cap(dollars: float) -> int:
+    """A cost cap in nanos: at least one, so that a cap below a nano is still a cap (0 nanos would
+    count as spent before anything was)."""
+    return max(1, round(dollars * NANOS))
+
+
+def profile_caps(settings: Settings, profile: AgentProfile) -> tuple[Cap, ...]:
+    """The caps the config sets on turns of ``profile``, each named by the key that set it."""
+    budgets = settings.budgets_of(profile)
+    caps = []
+    for key in _KEYS:
+        value = getattr(budgets, key)
+        if not value:
+            continue
+        own = getattr(profile.budgets, key) is not None
+        name = f"agents.{profile.name}.budgets.{key}" if own else f"budgets.{key}"
+        cost = "cost" in key
+        limit = _nanos_cap(value) if cost else value
+        caps.append(Cap(name, key.split("_", 1)[0], cost, limit))
+    return tuple(caps)
+
+
+class TurnSpend:
+    """One running turn's caps, the spend stored when it started, and what it has spent since."""
+
+    def __init__(
+        self, guard: SpendGuard, run_id: str, caps: tuple[Cap, ...], before: SpendSoFar, ids: dict[str, str]
+    ) -> None:
+        self._guard = guard
+        self.run_id = run_id
+        self.caps = caps
+        self.before = before
+        self.ids = ids  # session_id, project_id, day: for the error's words
+        self.stopped = False
+
+    def seen(self, event: AgentEvent, conn: AgentConnection) -> None:
+        """An event of the turn: a ``usage_update`` with a cost is checked against the caps."""
+        if self.stopped or event.__class__ is not AgentUpdate:
+            return
+        assert isinstance(event, AgentUpdate)
+        if event.kind != USAGE_UPDATE:
+            return
+        amount, currency = conn.turn_cost()
+        if amount is None or currency.lower() != BUDGET_CURRENCY:
+            return
+        self.check(Spend(max(0, round(amount * NANOS)), 0))
+
+    def check(self, turn: Spend) -> None:
+        """Stop the turn at the first cap its spend so far (with the stored spend) reaches."""
+        for cap in self.caps:
+            base = cap.stored(self.before)
+            spent = cap.of(base + turn)
+            if spent < cap.limit:
+                continue
+            self.stopped = True
+            before = cap.of(base)
+            error = (
+                f"rcoder stopped the turn: {_whose(cap, self.ids)} has spent {cap.text(spent)}, at or past "
+                f"{cap.key} {cap.text(cap.limit)} ({cap.text(before)} before this turn)"
+            )
+            log.warning("turn_stopped_budget_exceeded", run_id=self.run_id, budget=cap.key, cap=cap.limit, spent=spent)
+            self._guard.stop(self.run_id, error)
+            return
+
+
+def _whose(cap: Cap, ids: dict[str, str]) -> str:
+    match cap.scope:
+        case "session":
+            return f"session {ids['session_id']}"
+        case "project":
+            return f"project {ids['project_id']!r} on UTC day {ids['day']}"
+        case _:
+            return "this turn (ChatRequest.max_cost_usd)"
+
+
+class SpendGuard:
+    """Refuses turns over a spent budget and stops those that reach one (the module docstring)."""
+
+    def __init__(
+        self, settings: Settings, store: SessionStore, clock: Callable[[], datetime], stop: Callable[[str, str], object]
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._clock = clock
+        self.stop = stop  # (run_id, error): rcoder stops the turn, BUDGET_EXCEEDED
+        self._caps: dict[str, tuple[Cap, ...]] = {}  # by profile name: the config's, made once
+        self._turns: dict[str, TurnSpend] = {}
+
+    async def admit(
+        self, run_id: str, session_id: str, project_id: str, profile: AgentProfile, max_cost: float
+    ) -> None:
+        """``BudgetExceeded`` when the session or the project's day has spent a cap of ``profile``;
+        else the turn is watched (``watch``) when any cap bounds it. No cap: no store read."""
+        caps = self._caps.get(profile.name)
+        if caps is None:
+            caps = self._caps[profile.name] = profile_caps(self._settings, profile)
+        if max_cost:
+            caps = (*caps, Cap("max_cost_usd", "turn", True, _nanos_cap(max_cost)))
+        if not caps:
+            return
+        day = utc_day(self._clock())
+        ids = {"session_id": session_id, "project_id": project_id, "day": day}
+        before = SpendSoFar(Spend(), Spend())
+        if any(cap.scope != "turn" for cap in caps):
+            before = await self._store.spend(session_id, project_id, day)
+        for cap in caps:
+            spent = cap.of(cap.stored(before))
+            if cap.scope != "turn" and spent >= cap.limit:
+                log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent)
+                raise _refusal(cap, spent, ids)
+        self._turns[run_id] = TurnSpend(self, run_id, caps, before, ids)
+
+    def watch(self, run_id: str, conn: AgentConnection) -> Callable[[AgentEvent], None] | None:
+        """What to tell each event of the turn's prompt (None: no cap bounds it)."""
+        turn = self._turns.get(run_id)
+        return None if turn is None else lambda event: turn.seen(event, conn)
+
+    def ended(self, run_id: str) -> None:
+        self._turns.pop(run_id, None)
+
+
+def _refusal(cap: Cap, spent: int, ids: dict[str, str]) -> BudgetExceeded:
+    if cap.scope == "session":
+        whose, scoped = f"session {ids['session_id']}", {"session_id": ids["session_id"]}
+        then = "no turn starts on it: start a new session, or raise the budget"
+    else:
+        whose = f"project {ids['project_id']!r} on UTC day {ids['day']}"
+        scoped = {"project_id": ids["project_id"], "day": ids["day"]}
+        then = "no turn starts in it until the next UTC day: wait, or raise the budget"
+    message = f"{whose} has spent {cap.text(spent)}, at or past {cap.key} {cap.text(cap.limit)}; {then}"
+    return BudgetExceeded(message, cap.key, cap.text(cap.limit), cap.text(spent), **scoped)

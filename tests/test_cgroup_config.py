@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.limits import Cgroups, Mechanism, Values, check_limits, subtree_name
+from rcoder.agent.limits import Cgroups, Mechanism, Values, _self_and_ancestors, check_limits, subtree_name
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 
@@ -168,3 +168,34 @@ def test_sweep_removes_only_this_daemons_leftovers(tmp_path: Path) -> None:
     assert cgroups.sweep() == 0  # nothing runs in them
     assert not left.exists()
     assert other.exists()
+
+
+def test_the_daemon_leaves_its_cgroup_for_a_leaf_with_the_ancestors_that_share_it() -> None:
+    """cgroup2's "no internal processes": in a container the init (tini, the daemon's parent) is in
+    the daemon's cgroup too, and goes into the leaf with it; a process that is no ancestor stays."""
+    me, parent = os.getpid(), os.getppid()
+    assert _self_and_ancestors({me, parent, 1_000_000}) == [me, parent]
+    assert _self_and_ancestors({me}) == [me]
+    assert _self_and_ancestors(set()) == [me]  # the daemon itself, whatever its cgroup lists
+
+
+def test_a_container_in_the_hosts_cgroup_namespace_finds_its_cgroup_at_the_mounts_root(tmp_path: Path) -> None:
+    """runc on cgroup v1, in the host's cgroup namespace: /proc/self/cgroup names the host's path,
+    but only the container's own cgroup folder is mounted, as the hierarchy's root (mountinfo's)."""
+    root = tmp_path / "cgroupfs"
+    for hierarchy in ("memory", "pids", "cpu", "cpuacct"):
+        (root / hierarchy).mkdir(parents=True)
+    own = tmp_path / "self-cgroup"
+    own.write_text(
+        "".join(f"{n}:{h}:/libpod_parent/libpod-1\n" for n, h in enumerate(["memory", "pids", "cpu,cpuacct"]))
+    )
+    mountinfo = tmp_path / "self-mountinfo"
+    mountinfo.write_text("".join(f"{30 + n} 29 0:{40 + n} /libpod_parent/libpod-1 {root / h} ro,nosuid - cgroup cgroup "
+                                 f"rw,{h}\n" for n, h in enumerate(["memory", "pids", "cpu", "cpuacct"])))  # fmt: skip
+
+    cgroups = Cgroups(root, tmp_path / "data", own, mountinfo)
+    assert cgroups.probe() == Mechanism("cgroup1", ("memory", "pids", "cpu", "cpuacct"))
+    name = subtree_name(tmp_path / "data")
+    assert list(cgroups.folders()) == [root / h / name for h in ("memory", "pids", "cpu", "cpuacct")]
+    # the same host without the mounts' roots: the host's path, which is not there
+    assert Cgroups(root, tmp_path / "other", own, tmp_path / "none").probe().kind == "none"

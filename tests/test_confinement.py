@@ -100,7 +100,7 @@ async def test_an_agent_reaches_its_project_and_its_tmpdir_and_nothing_else(
 
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
     text = text_of(events)
-    assert f"env[HOME]={layout.home('proj')} env[TMPDIR]={tmpdir}" in text
+    assert f"env[HOME]={layout.home('proj')} env[TMPDIR]={tmpdir}/agent-" in text  # its own (test_disk.py)
     assert outcomes(text) == {
         ("readfile", str(mine / "notes.txt")): "ok",
         ("writefile", str(mine / "made.txt")): "ok",
@@ -194,7 +194,7 @@ async def test_each_project_has_its_own_agent_home(make_daemon: DaemonFactory, l
     first = text_of(await client.chat(project_id="alpha", prompt="env HOME env TMPDIR"))
     second = text_of(await client.chat(project_id="beta", prompt="env HOME"))
 
-    assert f"env[HOME]={layout.home('alpha')} env[TMPDIR]={layout.home('alpha') / 'tmp'}" in first
+    assert f"env[HOME]={layout.home('alpha')} env[TMPDIR]={layout.home('alpha') / 'tmp'}/agent-" in first
     assert f"env[HOME]={layout.home('beta')}" in second
     assert (layout.home("alpha") / "tmp").is_dir() and (layout.data / "agents" / "fake" / "@per-project").is_file()
 

@@ -5,6 +5,7 @@ measures what is on disk, as ``du`` does."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import grpc
@@ -126,3 +127,45 @@ async def test_a_measure_counts_blocks_once_per_file_and_follows_no_link(tmp_pat
     assert size is not None and MIB <= size < 2 * MIB, size
     walked = walk_size(str(project))
     assert MIB <= walked < 2 * MIB and abs(walked - size) < 64 << 10, (walked, size)
+
+
+async def test_each_agent_has_its_own_tmpdir_removed_when_it_ends_and_its_neighbours_untouched(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon()
+    home = tmp_path / "data" / "agents" / "fake" / "proj"
+
+    def tmpdir_of(events: list[pb.ChatStream]) -> Path:
+        match = re.search(r"env\[TMPDIR\]=(\S+)", text_of(events))
+        assert match, text_of(events)
+        return Path(match.group(1))
+
+    # two sessions of one project: two live agents in one home
+    first = await client.chat(prompt="env TMPDIR")
+    second = await client.chat(prompt="env TMPDIR")
+    mine, neighbour = tmpdir_of(first), tmpdir_of(second)
+    assert mine != neighbour and mine.parent == neighbour.parent == home / "tmp"
+    for folder, session in ((mine, first[0].session_id), (neighbour, second[0].session_id)):
+        events = await client.chat(prompt=f"writefile {folder}/scratch", session_id=session)
+        assert f"writefile[{folder}/scratch]=ok" in text_of(events)
+    (mine / "deep" / "er").mkdir(parents=True)
+    (mine / "deep" / "link").symlink_to(neighbour)  # removed as a link, never followed
+
+    await client.stub.CloseSession(pb.CloseSessionRequest(session_id=first[0].session_id))
+    assert not mine.exists()
+    assert (neighbour / "scratch").is_file()  # its agent still runs, and its TMPDIR is whole
+    again = await client.chat(prompt=f"readfile {neighbour}/scratch", session_id=second[0].session_id)
+    assert f"readfile[{neighbour}/scratch]=ok" in text_of(again)
+
+    # what a killed daemon's agents left is swept at the next start, before any agent runs; only
+    # in folders marked as homes: an old shared home's files (Gemini keeps its chats in
+    # ~/.gemini/tmp) are the agents' own, and a folder beside the homes is not one of them
+    await daemon.kill()
+    assert (neighbour / "scratch").is_file()
+    kept = [home.parent / ".gemini" / "tmp" / "slug" / "chats" / "session.json", home.parent / "other" / "tmp" / "x"]
+    for path in kept:
+        path.parent.mkdir(parents=True)
+        path.write_text("{}")
+    await make_daemon()
+    assert list((home / "tmp").iterdir()) == []
+    assert all(path.is_file() for path in kept)

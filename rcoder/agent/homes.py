@@ -1,8 +1,8 @@
 """An agent's home per profile and project: ``<data_dir>/agents/<profile>/<project_id>``.
 
 Agents keep their conversations in their home, so a home shared by two projects would let
-one project's agent read the other's (docs/design.md#confinement). Each home has a private ``TMPDIR``
-(``<home>/tmp``).
+one project's agent read the other's (docs/design.md#confinement). Each agent process has a private ``TMPDIR``
+in its home's ``tmp`` (``rcoder.agent.prepare``).
 
 Homes of the old layout (one shared ``<data_dir>/agents/<profile>`` per profile) are migrated.
 On the first start of a profile under this layout, a kind that kept files there has them set

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import stat
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +32,7 @@ from rcoder.agent.kinds import OwnDelete, kind_of
 from rcoder.agent.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.limits import Cgroups, Values
 from rcoder.agent.listing import ListKey, SessionLists, Verdict
-from rcoder.agent.prepare import Prepared, prepared
+from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.process import AgentProcess
 from rcoder.agent.profile import agent_homes, promises_of, sandbox_of
 from rcoder.agent.start_config import AgentStartConfig
@@ -144,6 +145,8 @@ class AgentLauncher:
             # own (what the groups' sweep just killed may not have left its cgroup yet)
             self.limits.sweep()
         self._record_instance()
+        # what their TMPDIRs held goes too, before any agent runs (docs/limits.md#the-agents-tmpdir)
+        sweep_tmpdirs([agent_homes(self._settings, profile) for profile in self._settings.agents.values()])
         return swept
 
     def _record_instance(self) -> None:
@@ -364,18 +367,24 @@ class AgentLauncher:
     async def _spawn(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
         """``argv`` started as ``ready`` says, in ``cwd``; owned by this launcher until collected."""
         self._record_instance()
-        process = await AgentProcess.spawn(
-            argv,
-            cwd=cwd,
-            env=ready.env,
-            name=profile.name,
-            stderr_tail_bytes=self._settings.stderr_tail_bytes,
-            stop_grace=self._settings.agent_stop_grace,
-            pid_dir=self.pid_dir,
-            confinement=ready.confinement,
-            trees=self.trees,
-            user=self.user.switch,
-        )
+        try:
+            process = await AgentProcess.spawn(
+                argv,
+                cwd=cwd,
+                env=ready.env,
+                name=profile.name,
+                stderr_tail_bytes=self._settings.stderr_tail_bytes,
+                stop_grace=self._settings.agent_stop_grace,
+                pid_dir=self.pid_dir,
+                confinement=ready.confinement,
+                trees=self.trees,
+                user=self.user.switch,
+            )
+        except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
+            remove_tmpdir(ready.home, ready.tmpdir)
+            raise
+        # its own TMPDIR goes once it has ended (docs/limits.md#the-agents-tmpdir)
+        process.on_closed = functools.partial(remove_tmpdir, ready.home, ready.tmpdir)
         if self.limits is not None:
             # docs/limits.md#how-an-agent-enters-its-cgroup: written by the daemon right after the spawn, before
             # any ACP request (agents fork only in answer to one), on every one of the spawn's three paths alike

@@ -32,6 +32,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable, Mapping
@@ -141,8 +142,49 @@ def _own_cgroups(proc_self_cgroup: Path) -> dict[str, str]:
     return found
 
 
+def _mount_roots(proc_self_mountinfo: Path) -> dict[str, str]:
+    """Each mount point and the folder of its filesystem mounted there (mountinfo's 5th and 4th
+    fields): a cgroup filesystem bind-mounted from one cgroup's folder has that cgroup as its root."""
+    roots = {}
+    for line in _read(proc_self_mountinfo).splitlines():
+        fields = [_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), f) for f in line.split()[3:5]]  # "\040": a space
+        if len(fields) == 2:
+            roots[fields[1]] = fields[0]
+    return roots
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _seen_from(roots: Mapping[str, str], mount: Path, path: str) -> str:
+    """``path`` (a cgroup, as /proc/self/cgroup names it) as a path below ``mount``. A container in
+    the host's cgroup namespace sees its own cgroup's path there while its runtime mounted only that
+    cgroup's folder (runc on cgroup v1): the mount's root is that path, and the cgroup is the mount."""
+    root = roots.get(str(mount), roots.get(str(mount.resolve()), "/"))
+    if root in ("/", "") or not (path == root or path.startswith(root.rstrip("/") + "/")):
+        return path
+    return "/" + path[len(root) :].lstrip("/")
+
+
 def _procs(folder: Path) -> list[int]:
     return [int(p) for p in _read(folder / "cgroup.procs").split() if p.isdigit()]
+
+
+def _parent_of(pid: int) -> int:
+    """``pid``'s parent (0 when it is gone or unreadable)."""
+    fields = _read(Path(f"/proc/{pid}/stat")).rpartition(")")[2].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
+
+
+def _self_and_ancestors(procs: set[int]) -> list[int]:
+    """The daemon, then each ancestor of it in ``procs`` (its cgroup's), up to the first that is not:
+    in a container the init that started it (tini: runc, under podman and Docker, puts an exec'd
+    process in the init's cgroup where the container's own refuses it), on a host a wrapper shell."""
+    found, pid = [os.getpid()], _parent_of(os.getpid())
+    while pid > 0 and pid in procs and pid not in found:
+        found.append(pid)
+        pid = _parent_of(pid)
+    return found
 
 
 def _kill_all(folder: Path) -> int:
@@ -258,10 +300,17 @@ class _Totals:
 class Cgroups:
     """This daemon's cgroup subtree: found at ``probe``, swept of leftovers, one cgroup per agent."""
 
-    def __init__(self, root: Path, data_dir: Path, proc_self_cgroup: Path = Path("/proc/self/cgroup")) -> None:
+    def __init__(
+        self,
+        root: Path,
+        data_dir: Path,
+        proc_self_cgroup: Path = Path("/proc/self/cgroup"),
+        proc_self_mountinfo: Path = Path("/proc/self/mountinfo"),
+    ) -> None:
         self.root = root
         self.name = subtree_name(data_dir)
         self._proc_self = proc_self_cgroup
+        self._mountinfo = proc_self_mountinfo
         self.mechanism = Mechanism("none", why="not probed")
         self._bases: dict[str, Path] = {}  # controller -> the daemon's subtree ("" for cgroup2)
         self._totals: dict[str, _Totals] = {}
@@ -271,6 +320,9 @@ class Cgroups:
     def probe(self) -> Mechanism:
         """Find what holds, making the daemon's subtree (cgroup2 first, then cgroup1)."""
         own = _own_cgroups(self._proc_self)
+        roots = _mount_roots(self._mountinfo)
+        unified = self.root if (self.root / "cgroup.controllers").is_file() else self.root / "unified"
+        own = {name: _seen_from(roots, self.root / name if name else unified, path) for name, path in own.items()}
         why2 = self._probe_v2(own)
         if self.mechanism.kind == "none":
             why1 = self._probe_v1(own)
@@ -303,7 +355,8 @@ class Cgroups:
 
     def _enable(self, mine: Path, wanted: list[str]) -> None:
         """Give ``wanted`` to the children of the daemon's cgroup. Where it holds processes (the
-        "no internal processes" rule: EBUSY), the daemon moves itself into a leaf first."""
+        "no internal processes" rule: EBUSY), the daemon moves itself into a leaf first, with those
+        of its ancestors that share its cgroup: in a container, its init (tini) is there too."""
         if all(c in _read(mine / "cgroup.subtree_control").split() for c in wanted):
             return
         command = " ".join(f"+{c}" for c in wanted)
@@ -314,9 +367,11 @@ class Cgroups:
                 raise
             leaf = mine / f"{self.name}.daemon"
             leaf.mkdir(exist_ok=True)
-            _write(leaf / "cgroup.procs", str(os.getpid()))
-            log.info("daemon_cgroup_moved", to=str(leaf), why="cgroup2 gives controllers only to cgroups without "
-                                                              "processes of their own")  # fmt: skip
+            moved = _self_and_ancestors(set(_procs(mine)))
+            for pid in moved:
+                _write(leaf / "cgroup.procs", str(pid))
+            why = "cgroup2 gives controllers only to cgroups without processes of their own"
+            log.info("daemon_cgroup_moved", to=str(leaf), pids=moved, why=why)
             _write(mine / "cgroup.subtree_control", command)
 
     def _probe_v1(self, own: Mapping[str, str]) -> str:

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rcoder.agent import ownership
-from rcoder.agent.homes import Homes
+from rcoder.agent import ownership, safe_fs
+from rcoder.agent.homes import Homes, is_ready
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import model_provider, sandbox_of
 from rcoder.agent.sandbox import Confinement, confinement, make_write_paths, protected
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
-from rcoder.errors import AgentUnavailable
+from rcoder.errors import AgentUnavailable, UnsafePath
 from rcoder.logs import get_logger
 
 log = get_logger("rcoder.agent.prepare")
@@ -32,6 +33,7 @@ class Prepared:
     command: str  # the profile's command, resolved
     args: tuple[str, ...]  # the kind's, after the profile's own
     confinement: Confinement | None
+    tmpdir: Path  # this process's own TMPDIR, <home>/tmp/<name>: removed when it ends (``remove_tmpdir``)
 
 
 async def prepared(
@@ -56,8 +58,15 @@ async def prepared(
         raise AgentUnavailable(
             f"agent {profile.name!r}: could not prepare its home for {cwd}: {exc}", agent=profile.name
         ) from exc
-    # its home and a private TMPDIR, for every kind (a kind's own env comes after, the profile's last)
-    env = settings.agent_env(profile, {"HOME": str(home), "TMPDIR": str(home / "tmp"), **setup.env})
+    # its home and a TMPDIR of this process's own, for every kind (a kind's own env comes after, the
+    # profile's last): one home serves every live agent of its project, and each one's TMPDIR is
+    # emptied when it ends, never under another (docs/limits.md#disk)
+    tmpdir = home / "tmp" / f"agent-{uuid.uuid4().hex[:16]}"
+    await asyncio.to_thread(safe_fs.makedirs, home, tmpdir)  # no link in the home followed; the home's owner's
+    tmp_env = {"TMPDIR": str(tmpdir)} | (
+        {"CLAUDE_CODE_TMPDIR": str(tmpdir)} if "CLAUDE_CODE_TMPDIR" in setup.env else {}
+    )
+    env = settings.agent_env(profile, {"HOME": str(home), **setup.env, **tmp_env})
     if setup.path_first:
         env["PATH"] = os.pathsep.join([*setup.path_first, *filter(None, [env.get("PATH", "")])])
     for field, var in profile.provider_env.items():
@@ -76,7 +85,40 @@ async def prepared(
         await asyncio.to_thread(_give_project, settings, Path(cwd), homes.owner)
     await asyncio.to_thread(make_write_paths, settings, profile, homes.owner)
     confined = await asyncio.to_thread(confinement, settings, profile, command, Path(workdir or cwd), home)
-    return Prepared(home, env, command, setup.args, confined)
+    return Prepared(home, env, command, setup.args, confined, tmpdir)
+
+
+def remove_tmpdir(home: Path, tmpdir: Path) -> None:
+    """The ended agent's TMPDIR and all it holds, no link followed (``safe_fs.remove_tree``); what
+    cannot be removed now is left for the sweep at the next start (``sweep_tmpdirs``)."""
+    try:
+        safe_fs.remove_tree(home, tmpdir)
+    except (OSError, RecursionError, UnsafePath) as exc:
+        log.warning("agent_tmpdir_not_removed", tmpdir=str(tmpdir), error=str(exc))
+
+
+def sweep_tmpdirs(homes: list[Path]) -> int:
+    """At the daemon's start, before any agent: the agents' TMPDIRs a killed daemon left in each
+    home's ``tmp`` removed; how many went. Only a folder marked as a home (``homes.is_ready``) is
+    one: an old shared home (``<homes>/.gemini``, say, before it is set aside) is not, and its
+    ``tmp`` (Gemini's saved chats) is never touched."""
+    swept = 0
+    for profile_homes in homes:
+        if not profile_homes.is_dir():
+            continue
+        for name in sorted(os.listdir(profile_homes)):
+            home = profile_homes / name
+            try:
+                if name.startswith("@") or not is_ready(profile_homes, home):
+                    continue
+                for entry in safe_fs.listdir(home, home / "tmp"):
+                    remove_tmpdir(home, home / "tmp" / entry)
+                    swept += 1
+            except (OSError, UnsafePath) as exc:
+                log.warning("agent_tmpdir_not_swept", home=str(home), error=str(exc))
+    if swept:
+        log.info("leftover_agent_tmpdirs_removed", entries=swept)
+    return swept
 
 
 def _give_project(settings: Settings, cwd: Path, owner: tuple[int, int]) -> None:

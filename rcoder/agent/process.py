@@ -192,6 +192,7 @@ class AgentProcess:
         # must never block on a full pipe.
         self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
         self._discard: asyncio.Task[None] | None = None
+        self.on_closed: Callable[[], None] | None = None  # run in a thread once the group is ended
         self.cgroup: AgentCgroup | None = None  # its limits (``enter``), when it has any
         self._cgroup_ended: Callable[[AgentCgroup], None] | None = None
         self._cgroup_removal: asyncio.Task[None] | None = None
@@ -394,6 +395,8 @@ class AgentProcess:
             finally:
                 self._release()
             await self._settle_readers()
+            if self.on_closed is not None:  # its own TMPDIR (rcoder.agent.prepare.remove_tmpdir)
+                await asyncio.to_thread(self.on_closed)
         log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._child.returncode)
 
     async def _discard_stdout(self) -> None:

@@ -3,10 +3,14 @@ that say which test run made a container or volume."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from tests.harness import ROOT
 
@@ -38,3 +42,61 @@ def build_image() -> str:
     )  # fmt: skip
     assert done.returncode == 0, f"scripts/image.py failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done.stdout.split()[-1]
+
+
+# ---------------------------------------------------------------- a cgroup v1 host's grant
+
+IMAGE_USER = 10001  # the image's rcoder, who runs the daemon
+LIMITED = ("memory", "pids", "cpu", "cpuacct")  # the cgroup v1 hierarchies rcoder limits agents with
+
+
+def cgroup_mounts() -> list[tuple[str, Path, set[str]]]:
+    """The host's cgroup filesystems: type (cgroup, cgroup2), mount point, options."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        mount, _, fs = line.partition(" - ")
+        fields = fs.split()
+        if len(fields) >= 3 and fields[0] in ("cgroup", "cgroup2"):
+            found.append((fields[0], Path(mount.split()[4]), set(fields[2].split(","))))
+    return found
+
+
+def v1_hierarchies() -> dict[str, Path]:
+    """The host's cgroup v1 hierarchies: each controller to its mount."""
+    return {c: mount for kind, mount, options in cgroup_mounts() if kind == "cgroup" for c in options & set(LIMITED)}
+
+
+@contextlib.contextmanager
+def v1_cgroup_grant(name: str) -> Iterator[list[str]]:
+    """docs/container.md's grant on a cgroup v1 host, as podman run options: a cgroup folder of the
+    host's per hierarchy, owned by the image's user, the container's cgroup parent and bound over its
+    cgroup mounts, in a cgroup namespace of its own. Every folder under it is removed at the end
+    (podman makes the parent in each hierarchy, the unified one too; a daemon killed with its container
+    leaves its subtree)."""
+    hierarchies = v1_hierarchies()
+    options = ["--cgroupns", "private", "--cgroup-parent", f"/{name}"]
+    try:
+        for mount in dict.fromkeys(hierarchies[c] for c in LIMITED if c in hierarchies):
+            folder = mount / name
+            folder.mkdir(exist_ok=True)
+            os.chown(folder, IMAGE_USER, IMAGE_USER)
+            options += ["--volume", f"{folder}:/sys/fs/cgroup/{mount.name}"]
+        yield options
+    finally:
+        left = [folder for _, mount, _ in cgroup_mounts() if not _removed(folder := mount / name)]
+        assert not left, f"cgroup folders left: {left}"
+
+
+def _removed(folder: Path) -> bool:
+    """``folder`` and the cgroups below it removed, deepest first; tried again, bounded, while the
+    kernel frees cgroups whose last processes (the container's, killed) are still being reaped."""
+    for _ in range(100):
+        if not folder.exists():
+            return True
+        below = sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+        with contextlib.suppress(OSError):
+            for cgroup in [*below, folder]:
+                cgroup.rmdir()
+            return True
+        time.sleep(0.1)  # a bounded retry: the kernel frees a cgroup once reaped, and says so by no event
+    return not folder.exists()

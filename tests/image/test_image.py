@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ import pytest_asyncio
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.fakes.model_servers import AnthropicServer, served
-from tests.harness import bearer_credentials, completed, started, text_of, write_config
-from tests.image.podman import BUILD_TIMEOUT, RUN, podman, podman_env
+from tests.harness import FAKE_AGENT, bearer_credentials, completed, started, text_of, write_config
+from tests.image.podman import BUILD_TIMEOUT, LIMITED, RUN, podman, podman_env, v1_cgroup_grant, v1_hierarchies
 from tests.pg import PgCluster, free_port
 from tests.real_agents.conftest import claude_table
 
@@ -199,6 +200,8 @@ async def test_the_image_serves_healthy_as_its_own_user_and_claude_answers_confi
 
     assert health.returncode == 0, (health.stdout, health.stderr)
     assert agents["claude"].sandbox == "landlock" and agents["claude"].landlock_abi >= 1, agents["claude"]
+    # no cgroup granted (the runtime's read-only cgroup filesystem): it serves, unlimited, and says why
+    assert agents["claude"].limits == "none" and "Read-only file system" in agents["claude"].limits_reason, agents
     assert started(events).resume == pb.RESUME_OUTCOME_NEW
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events)
     assert text_of(events) == "I remember: 42"
@@ -327,3 +330,57 @@ async def test_two_containers_on_one_postgresql_a_session_started_on_one_answers
     assert text_of(second) == "echo: and? (you said before: remember 42)"
     assert trailer[OWNER_KEY] == a.address  # b forwarded it: a, the owner, answered
     assert {host.host_id for host in listed.hosts if host.live} >= {a.name, b.name}
+
+
+# the fake agent in the image: its script mounted, run by the image's Python (it needs no more)
+FAKE_IN_IMAGE = {
+    "command": "/usr/bin/python3", "args": ["/opt/fake/fake_agent.py", "--state-dir", "/tmp/fake/state"],
+    "read_paths": ["/opt/fake"], "write_paths": ["/tmp/fake"],
+}  # fmt: skip
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cgroup_grant() -> Iterator[list[str]]:
+    """What docs/container.md grants on a cgroup v1 host (this machine's kind), as podman options."""
+    if os.geteuid() != 0:
+        pytest.skip("making the host's cgroup folders takes root")
+    if not {"memory", "pids"} <= v1_hierarchies().keys():
+        pytest.skip("no cgroup v1 memory and pids hierarchies: docs/container.md's cgroup v2 grant is not tested here")
+    with v1_cgroup_grant(f"{RUN}-cgroup") as options:
+        yield options
+
+
+async def test_granted_a_cgroup_folder_of_its_own_the_image_limits_its_agents_and_memory_max_stops_one(
+    image: str, cgroup_grant: list[str], tmp_path: Path
+) -> None:
+    """The daemon as the image's own user, no privilege or capability added: ``limits: cgroup1``,
+    each agent in a cgroup of the granted folder, and an agent past memory_max stopped by the kernel."""
+    token = secrets.token_urlsafe(16)
+    container = Container(f"{RUN}-limits", free_port())
+    profile = {**FAKE_IN_IMAGE, "memory_max": "256MiB", "limits": "required"}  # "required": no start without
+    config = write_config(tmp_path / "rcoder.toml", {"fake": profile}, listen=container.address, default_agent="fake")
+    mounts = ["--volume", f"{config}:/etc/rcoder/rcoder.toml:ro"]
+    mounts += ["--volume", f"{FAKE_AGENT}:/opt/fake/fake_agent.py:ro"]
+    env = {"RCODER_CONFIG": "/etc/rcoder/rcoder.toml", "RCODER_AUTH_TOKEN": token}
+    memory = v1_hierarchies()["memory"] / f"{RUN}-cgroup"
+    async with containers() as made:
+        made.append(container)
+        await container.start(image, env, *cgroup_grant, *mounts)
+        channel, stub = client_of(container, token)
+        async with channel:
+            listed = await stub.ListAgents(pb.ListAgentsRequest(), timeout=30)
+            first, _ = await chat(stub, project_id="demo", prompt="remember 1")
+            # the live agent's cgroup, seen from the host: below the granted folder, with its limit
+            limited = [p.read_text().strip() for p in memory.glob("rcoder-*/agent-*/memory.limit_in_bytes")]
+            events, _ = await chat(stub, project_id="demo", prompt="hog 1024", session_id=first[0].session_id)
+
+    fake = next(agent for agent in listed.agents if agent.name == "fake")
+    assert container.logs("limits")[0]["mechanism"] == "cgroup1", container.logs("limits")
+    assert (fake.limits, fake.memory_max, fake.limits_reason) == ("cgroup1", 256 * MIB, ""), fake
+    assert set(fake.limit_controllers) == set(LIMITED), fake.limit_controllers
+    assert text_of(first) == "I remember: 1"
+    assert limited == [str(256 * MIB)], limited
+    end = completed(events)
+    assert (end.stop_reason, end.error_reason) == (pb.STOP_REASON_ERROR, "AGENT_MEMORY_LIMIT"), end
+    assert end.error.startswith("the agent was stopped: memory limit 256 MiB reached"), end.error

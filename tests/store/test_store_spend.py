@@ -6,57 +6,40 @@ adds nothing."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry, Usage
+from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, Usage
 from rcoder.errors import LeaseLost
-from rcoder.store import make_store, pg_schema, sqlite_schema
+from rcoder.store import pg_schema, sqlite_schema
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 from rcoder.store.usage import NANOS, Spend, SpendSoFar, spend_of
+from tests.store import both_stores
+from tests.store.both_stores import HOST, StoreFactory, ended_run
 
 T0 = datetime(2025, 3, 1, 23, 59, 0, tzinfo=UTC)
 DAY = "2025-03-01"
-HOST = "host-a"
 SQLITE_BUDGETS, PG_BUDGETS = 8, 11  # the migrations that added the project_spend ledger
-StoreFactory = Callable[[], SessionStore]
 
 CLAUDE_TURN = Usage(input_tokens=100, output_tokens=20, total_tokens=125, cost_amount=0.25, cost_currency="USD")
 
 
 def session(session_id: str, project_id: str = "proj") -> SessionRecord:
-    return SessionRecord(session_id, project_id, "/work/proj", "claude", "", T0, T0)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
-    url = "" if request.param == "sqlite" else str(request.getfixturevalue("pg_url"))
-    return lambda: make_store(url, tmp_path / "state" / "rcoder.db", HOST)
-
-
-@pytest.fixture
-async def store(new_store: StoreFactory) -> AsyncIterator[SessionStore]:
-    opened = new_store()
-    await opened.open()
-    yield opened
-    await opened.close()
+    return both_stores.session(session_id, T0, project_id)
 
 
 async def run(
     store: SessionStore, session_id: str, run_id: str, usage: Usage | None, at: datetime = T0, turn: bool = True
 ) -> None:
     """A run of ``session_id`` that ended at ``at`` reporting ``usage``."""
-    await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, at))
-    entry = TranscriptEntry(session_id, run_id, 0, "hi", "hello", at) if turn else None
-    await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry, usage=usage)
+    await ended_run(store, session_id, run_id, usage, at, at, turn)
 
 
 def usd(amount: float) -> int:

@@ -6,7 +6,6 @@ or nothing."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.errors import LeaseLost
-from rcoder.store import make_store
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
@@ -34,11 +32,11 @@ from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 from rcoder.store.sqlite_schema import SCHEMA_VERSION
 from rcoder.store.usage import NANOS
+from tests.store import both_stores
+from tests.store.both_stores import HOST, ended_run
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 SQLITE_TENANTS, PG_TENANTS = 7, 10  # the migrations that added tenants (the runs' client, the audit trail)
-HOST = "host-a"
-StoreFactory = Callable[[], SessionStore]
 
 CLAUDE_TURN = Usage(
     input_tokens=100, output_tokens=20, cached_read_tokens=5, total_tokens=125, context_used=10, context_size=1000,
@@ -47,29 +45,12 @@ CLAUDE_TURN = Usage(
 
 
 def session(session_id: str, project_id: str = "proj") -> SessionRecord:
-    return SessionRecord(session_id, project_id, "/work/proj", "claude", "", T0, T0)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
-    url = "" if request.param == "sqlite" else str(request.getfixturevalue("pg_url"))
-    return lambda: make_store(url, tmp_path / "state" / "rcoder.db", HOST)
-
-
-@pytest.fixture
-async def store(new_store: StoreFactory) -> AsyncIterator[SessionStore]:
-    opened = new_store()
-    await opened.open()
-    yield opened
-    await opened.close()
+    return both_stores.session(session_id, T0, project_id)
 
 
 async def run(store: SessionStore, session_id: str, run_id: str, usage: Usage | None, turn: bool = True) -> None:
     """A run of ``session_id`` that ended reporting ``usage`` (with a transcript entry when ``turn``)."""
-    await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, T0))
-    entry = TranscriptEntry(session_id, run_id, 0, "hi", "hello", T0) if turn else None
-    done = T0 + timedelta(seconds=1)
-    await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", done, entry, usage=usage)
+    await ended_run(store, session_id, run_id, usage, T0, T0 + timedelta(seconds=1), turn)
 
 
 async def test_a_run_ends_with_what_its_agent_reported_and_nothing_else(store: SessionStore) -> None:

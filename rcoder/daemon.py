@@ -31,6 +31,7 @@ from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.audit import AuditTrail
+from rcoder.session.files import ProjectFiles
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.routing import Router
@@ -102,7 +103,7 @@ class Daemon:
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes),
+            AgentRunnerService(self.worker, queries, routes, ProjectFiles(settings, self.store, self.runs)),
             settings.listen,
             auth_token=self.access.token,
             tls=tls,

@@ -40,6 +40,7 @@ MEASURES = {
     "history_flood_bytes_per_s",
     "list_runs_page_ms",
     "workspace_size_ms_100k_files",
+    "read_file_mb_per_s",
     "unauth_flood_rss_mb",
     "auth_check_us",
     "auth_check_jwt_us",

@@ -72,7 +72,7 @@ class FileRpcs:
 
     async def ReadFile(
         self, request: pb.ReadFileRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
-    ) -> AsyncIterator[pb.FileChunk]:
+    ) -> AsyncIterator[bytes]:
         try:
             check_project_id(request.project_id)
             parts = path_parts(request.path)
@@ -82,7 +82,7 @@ class FileRpcs:
                 if chunk.head is not None:
                     message.size, message.mode, message.sha256 = chunk.head.size, chunk.head.mode, chunk.head.sha256
                     message.mtime.CopyFrom(convert.timestamp(chunk.head.mtime))
-                yield message
+                yield message.SerializeToString()  # serialized here: see rcoder.api.server._serializer
         except errors.RcoderError as exc:
             await self._abort(context, exc)
 

@@ -102,8 +102,9 @@ class Daemon:
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
+        self.files = ProjectFiles(settings, self.store, self.runs)  # docs/files.md
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes, ProjectFiles(settings, self.store, self.runs)),
+            AgentRunnerService(self.worker, queries, routes, self.files),
             settings.listen,
             auth_token=self.access.token,
             tls=tls,
@@ -272,6 +273,7 @@ class Daemon:
             await self.signals.aclose()
         await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
+        self.files.close()
         await self.forwarder.aclose()
         await self.audit.aclose()
         await self.store.close()

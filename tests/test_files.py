@@ -129,6 +129,13 @@ async def test_a_listing_goes_depth_first_page_by_page_and_shows_links_with_thei
     token = (await client.stub.ListFiles(other)).next_page_token
     wrong = await refused(client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT, page_token=token)))
     assert said(wrong) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT") and "another listing" in (wrong.details() or "")
+    deep = root / "a-b" / "/".join(["d"] * 66)
+    deep.mkdir(parents=True)
+    (deep / "bottom.txt").write_bytes(b"")
+    page = await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT, path="a-b", recursive=True))
+    assert [len(e.path.split("/")) for e in page.entries] == list(range(2, 67))  # 65 folders below a-b
+    assert page.unlisted == 1  # the 65th is listed, not entered
+
     missing = await refused(client.stub.ListFiles(pb.ListFilesRequest(project_id="nowhere")))
     assert said(missing) == ("NOT_FOUND", "PROJECT_NOT_FOUND")
     assert not (tmp_path / "workspace" / "nowhere").exists()

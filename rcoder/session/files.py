@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
@@ -41,6 +42,8 @@ from rcoder.store.base import SessionStore
 __all__ = ["ABSENT", "CHUNK_BYTES", "Chunk", "ProjectFiles", "WriteHead", "Written", "path_parts"]
 
 CHUNK_BYTES = 1 << 20  # the most data one FileChunk or WriteFileChunk carries
+# threads of their own: big reads, hashes and fsyncs never hold up the default executor's other users
+FILE_THREADS = 4
 ABSENT = "absent"  # if_sha256: write only where there is no file yet
 T = TypeVar("T")
 
@@ -76,10 +79,10 @@ class Written:
     mode: int
 
 
-async def _settled(work: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
-    """``work`` in a thread, whose end is waited for even when the caller is cancelled meanwhile
+async def _settled(pool: Executor, work: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
+    """``work`` in ``pool``, whose end is waited for even when the caller is cancelled meanwhile
     (then ``undo`` gets what it made): nothing closes a descriptor a thread still writes through."""
-    future = asyncio.get_running_loop().run_in_executor(None, work)
+    future = asyncio.get_running_loop().run_in_executor(pool, work)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -99,6 +102,11 @@ class ProjectFiles:
         self._runs = runs
         self._beneath = beneath or Beneath()
         self._locks: dict[tuple[str, tuple[str, ...]], tuple[asyncio.Lock, int]] = {}
+        self._pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
+
+    def close(self) -> None:
+        """Let the threads go once idle (idempotent); the server has stopped its calls by then."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @contextlib.contextmanager
     def _project(self, project_id: str) -> Iterator[int]:
@@ -128,7 +136,7 @@ class ProjectFiles:
             with self._project(project_id) as root:
                 return pf.list_entries(self._beneath, root, parts, recursive, limit, after)
 
-        return await asyncio.to_thread(work)
+        return await _settled(self._pool, work)
 
     async def read(self, project_id: str, parts: tuple[str, ...], offset: int, limit: int) -> AsyncIterator[Chunk]:
         """The file's chunks from ``offset``, ``limit`` bytes at most (0: to the end); the first
@@ -138,17 +146,17 @@ class ProjectFiles:
             with self._project(project_id) as root:
                 return pf.open_file(self._beneath, root, parts)
 
-        file = await _settled(opened, lambda f: os.close(f.fd))
+        file = await _settled(self._pool, opened, lambda f: os.close(f.fd))
         try:
             if file.size > self._max_bytes:
                 raise self._too_large(pf.shown(parts), file.size)
-            sha = await _settled(lambda: pf.sha256_of(file.fd))
+            sha = await _settled(self._pool, lambda: pf.sha256_of(file.fd))
             head: FileHead | None = FileHead(file.size, file.mode, file.mtime, sha)
             end = file.size if not limit else min(file.size, offset + limit)
             position = offset
             while head is not None or position < end:
                 count = min(CHUNK_BYTES, end - position) if position < end else 0
-                data = await _settled(partial(os.pread, file.fd, count, position)) if count else b""
+                data = await _settled(self._pool, partial(os.pread, file.fd, count, position)) if count else b""
                 if count and not data:
                     break  # the file shrank meanwhile: what there was
                 yield Chunk(data, position, head)
@@ -177,19 +185,19 @@ class ProjectFiles:
             with self._project(head.project_id) as root:
                 return pf.TempFile(self._beneath, root, head.parts)
 
-        temp = await _settled(made, pf.TempFile.discard)
+        temp = await _settled(self._pool, made, pf.TempFile.discard)
         try:
             async for data in chunks:
                 if temp.size + len(data) > self._max_bytes:
                     raise self._too_large(pf.shown(head.parts), temp.size + len(data))
-                await _settled(partial(temp.write, data))
-            mode = head.mode or await _settled(lambda: temp.target_mode(0))
-            await _settled(lambda: temp.sync(mode))
+                await _settled(self._pool, partial(temp.write, data))
+            mode = head.mode or await _settled(self._pool, lambda: temp.target_mode(0))
+            await _settled(self._pool, lambda: temp.sync(mode))
             async with self._lock(head.project_id, head.parts):
                 await self._refuse_if_busy(head.project_id, head.while_busy)
                 if head.if_sha256:
                     await self._compare(head)
-                await _settled(lambda: self._commit(temp))
+                await _settled(self._pool, lambda: self._commit(temp))
             return Written(temp.digest.hexdigest(), temp.size, mode)
         finally:
             temp.discard()
@@ -204,7 +212,7 @@ class ProjectFiles:
             with self._project(head.project_id) as root:
                 return pf.current_sha256(self._beneath, root, head.parts)
 
-        found = await _settled(current)
+        found = await _settled(self._pool, current)
         if (found or ABSENT) != head.if_sha256:
             raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
 
@@ -217,7 +225,7 @@ class ProjectFiles:
                 return pf.delete(self._beneath, root, parts, recursive)
 
         async with self._lock(project_id, parts):
-            return await _settled(work)
+            return await _settled(self._pool, work)
 
     @contextlib.asynccontextmanager
     async def _lock(self, project_id: str, parts: tuple[str, ...]) -> AsyncIterator[None]:

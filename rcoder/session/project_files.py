@@ -26,6 +26,9 @@ from rcoder.errors import FailedPrecondition, NotFound, UnsafePath
 
 EntryKind = Literal["file", "dir", "symlink", "other"]
 HASH_BLOCK = 1 << 20
+# folders below the listed one that a recursive listing enters, at most: deeper ones are listed, not
+# entered (counted in ``unlisted``); each level holds a descriptor open while it is listed
+MAX_DEPTH = 64
 TEMP_PREFIX = ".rcoder-upload-"  # a write's file until it is renamed over its path (docs/files.md)
 
 
@@ -112,7 +115,8 @@ class Lister:
     """One page of a folder (or of all below it, depth first, each folder by name): the entries
     after ``after`` (the last path of the page before), at most ``limit``."""
 
-    def __init__(self, limit: int, after: tuple[str, ...], recursive: bool) -> None:
+    def __init__(self, limit: int, after: tuple[str, ...], recursive: bool, base: int = 0) -> None:
+        self.base = base  # names in the listed folder's own path
         self.limit = limit
         self.after = tuple(os.fsencode(p) for p in after)
         self.recursive = recursive
@@ -139,8 +143,11 @@ class Lister:
                     self.more = True
                     return False
                 self.entries.append(_entry(path, info, dir_fd, name))
-            if self.recursive and stat.S_ISDIR(info.st_mode) and not self._below(dir_fd, name, path):
-                return False
+            if self.recursive and stat.S_ISDIR(info.st_mode):
+                if len(path) - self.base > MAX_DEPTH:
+                    self.unlisted += 1
+                elif not self._below(dir_fd, name, path):
+                    return False
         return True
 
     def _below(self, dir_fd: int, name: str, path: tuple[str, ...]) -> bool:
@@ -159,7 +166,7 @@ def list_entries(
 ) -> Listing:
     """A page of ``parts`` (a folder, followed where it is a link inside the project; a file or a
     link leading out is its one entry)."""
-    lister = Lister(limit, after, recursive)
+    lister = Lister(limit, after, recursive, len(parts))
     with translated(parts):
         if parts:
             parent = beneath.folder(root_fd, parts[:-1])

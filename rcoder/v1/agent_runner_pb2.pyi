@@ -1544,8 +1544,8 @@ class ListFilesResponse(_message.Message):
     next_page_token: _builtins.str
     """empty on the last page"""
     unlisted: _builtins.int
-    """entries of this page's stretch left out because their names are not valid UTF-8 (a protobuf
-    string cannot carry them)
+    """entries of this page's stretch left out: names that are not valid UTF-8 (a protobuf string
+    cannot carry them), and folders more than 64 levels below the listed one (listed, not entered)
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]:

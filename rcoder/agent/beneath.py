@@ -25,7 +25,7 @@ import stat
 from collections import deque
 from pathlib import Path
 
-from rcoder.errors import InvalidArgument, NotFound, UnsafePath
+from rcoder.errors import InvalidArgument, NotFound, PermissionDenied
 
 MAX_NAME_BYTES = 255
 MAX_PATH_BYTES = 4096
@@ -64,7 +64,8 @@ def path_parts(path: str, field: str = "path", *, required: bool = True) -> tupl
 
 def open_project(workspace_root: Path, project_id: str) -> int:
     """A descriptor of the project's folder (the caller closes it): ``NotFound`` when it has none
-    yet; a link in its place is refused (the folder is rcoder's to make, never an agent's)."""
+    yet; a link in its place is refused as ``workspace.project_dir`` refuses it (the folder is
+    rcoder's to make, never an agent's)."""
     try:
         root = os.open(workspace_root, DIR_FLAGS)
     except FileNotFoundError:
@@ -75,7 +76,7 @@ def open_project(workspace_root: Path, project_id: str) -> int:
         raise NotFound("project", project_id, "no folder yet: a project's folder is made by its first turn") from None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePath(
+            raise PermissionDenied(
                 f"project {project_id!r} is not a folder under workspace_root (a link?); rcoder serves no files there",
                 reason="PROJECT_OUTSIDE_WORKSPACE",
                 project_id=project_id,

@@ -79,12 +79,16 @@ class Written:
     mode: int
 
 
-async def _settled(pool: Executor, work: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
+async def _settled(
+    pool: Executor, parts: tuple[str, ...], work: Callable[[], T], undo: Callable[[T], None] | None = None
+) -> T:
     """``work`` in ``pool``, whose end is waited for even when the caller is cancelled meanwhile
-    (then ``undo`` gets what it made): nothing closes a descriptor a thread still writes through."""
+    (then ``undo`` gets what it made): nothing closes a descriptor a thread still writes through.
+    What the file system answers about ``parts`` is said as rcoder's own error (``translated``)."""
     future = asyncio.get_running_loop().run_in_executor(pool, work)
     try:
-        return await asyncio.shield(future)
+        with pf.translated(parts):
+            return await asyncio.shield(future)
     except asyncio.CancelledError:
         await asyncio.wait([future])
         if undo is not None and not future.cancelled() and future.exception() is None:
@@ -133,10 +137,10 @@ class ProjectFiles:
         self, project_id: str, parts: tuple[str, ...], recursive: bool, limit: int, after: tuple[str, ...]
     ) -> pf.Listing:
         def work() -> pf.Listing:
-            with self._project(project_id) as root:
+            with self._project(project_id) as root, pf.translated(parts):
                 return pf.list_entries(self._beneath, root, parts, recursive, limit, after)
 
-        return await _settled(self._pool, work)
+        return await _settled(self._pool, parts, work)
 
     async def read(self, project_id: str, parts: tuple[str, ...], offset: int, limit: int) -> AsyncIterator[Chunk]:
         """The file's chunks from ``offset``, ``limit`` bytes at most (0: to the end); the first
@@ -146,17 +150,17 @@ class ProjectFiles:
             with self._project(project_id) as root:
                 return pf.open_file(self._beneath, root, parts)
 
-        file = await _settled(self._pool, opened, lambda f: os.close(f.fd))
+        file = await _settled(self._pool, parts, opened, lambda f: os.close(f.fd))
         try:
             if file.size > self._max_bytes:
                 raise self._too_large(pf.shown(parts), file.size)
-            sha = await _settled(self._pool, lambda: pf.sha256_of(file.fd))
+            sha = await _settled(self._pool, parts, lambda: pf.sha256_of(file.fd))
             head: FileHead | None = FileHead(file.size, file.mode, file.mtime, sha)
             end = file.size if not limit else min(file.size, offset + limit)
             position = offset
             while head is not None or position < end:
                 count = min(CHUNK_BYTES, end - position) if position < end else 0
-                data = await _settled(self._pool, partial(os.pread, file.fd, count, position)) if count else b""
+                data = await _settled(self._pool, parts, partial(os.pread, file.fd, count, position)) if count else b""
                 if count and not data:
                     break  # the file shrank meanwhile: what there was
                 yield Chunk(data, position, head)
@@ -185,19 +189,19 @@ class ProjectFiles:
             with self._project(head.project_id) as root:
                 return pf.TempFile(self._beneath, root, head.parts)
 
-        temp = await _settled(self._pool, made, pf.TempFile.discard)
+        temp = await _settled(self._pool, head.parts, made, pf.TempFile.discard)
         try:
             async for data in chunks:
                 if temp.size + len(data) > self._max_bytes:
                     raise self._too_large(pf.shown(head.parts), temp.size + len(data))
-                await _settled(self._pool, partial(temp.write, data))
-            mode = head.mode or await _settled(self._pool, lambda: temp.target_mode(0))
-            await _settled(self._pool, lambda: temp.sync(mode))
+                await _settled(self._pool, head.parts, partial(temp.write, data))
+            mode = head.mode or await _settled(self._pool, head.parts, lambda: temp.target_mode(0))
+            await _settled(self._pool, head.parts, lambda: temp.sync(mode))
             async with self._lock(head.project_id, head.parts):
                 await self._refuse_if_busy(head.project_id, head.while_busy)
                 if head.if_sha256:
                     await self._compare(head)
-                await _settled(self._pool, lambda: self._commit(temp))
+                await _settled(self._pool, head.parts, lambda: self._commit(temp))
             return Written(temp.digest.hexdigest(), temp.size, mode)
         finally:
             temp.discard()
@@ -212,7 +216,7 @@ class ProjectFiles:
             with self._project(head.project_id) as root:
                 return pf.current_sha256(self._beneath, root, head.parts)
 
-        found = await _settled(self._pool, current)
+        found = await _settled(self._pool, head.parts, current)
         if (found or ABSENT) != head.if_sha256:
             raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
 
@@ -225,7 +229,7 @@ class ProjectFiles:
                 return pf.delete(self._beneath, root, parts, recursive)
 
         async with self._lock(project_id, parts):
-            return await _settled(self._pool, work)
+            return await _settled(self._pool, parts, work)
 
     @contextlib.asynccontextmanager
     async def _lock(self, project_id: str, parts: tuple[str, ...]) -> AsyncIterator[None]:

@@ -22,7 +22,7 @@ from typing import Literal
 
 from rcoder.agent.beneath import Beneath, give_to_folder_owner
 from rcoder.agent.safe_fs import remove_at
-from rcoder.errors import FailedPrecondition, NotFound, UnsafePath
+from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
 
 EntryKind = Literal["file", "dir", "symlink", "other"]
 HASH_BLOCK = 1 << 20
@@ -83,7 +83,16 @@ def translated(parts: tuple[str, ...]) -> Iterator[None]:
                 reason="PATH_IS_LINK",
                 path=shown(parts),
             ) from None
-        raise
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceExhausted(
+                f"{shown(parts)!r}: the file system holding the project is full ({exc.strerror})",
+                reason="NO_SPACE",
+                path=shown(parts),
+            ) from None
+        # EACCES, EROFS, EIO, ...: the file system's answer, said as it is
+        raise FailedPrecondition(
+            f"{shown(parts)!r}: {exc.strerror or exc}", reason="FILE_SYSTEM_ERROR", path=shown(parts)
+        ) from None
 
 
 def _entry(parts: tuple[str, ...], info: os.stat_result, dir_fd: int, name: str) -> Entry:

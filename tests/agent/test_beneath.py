@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rcoder.agent.beneath import Beneath, open_project, path_parts
-from rcoder.errors import InvalidArgument, NotFound, UnsafePath
+from rcoder.errors import InvalidArgument, NotFound, PermissionDenied
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
@@ -100,5 +100,5 @@ def test_a_missing_project_is_not_found_and_a_linked_one_is_refused(tmp_path: Pa
     with pytest.raises(NotFound):
         open_project(workspace, "nowhere")
     os.symlink(tmp_path, workspace / "linked")
-    with pytest.raises(UnsafePath):
+    with pytest.raises(PermissionDenied):
         open_project(workspace, "linked")

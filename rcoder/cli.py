@@ -1,5 +1,6 @@
 """``rcoder serve``: argv and environment → Settings → the daemon; ``rcoder chat`` and
-``rcoder sessions``: a client of a running daemon (``rcoder.client_cli``); ``rcoder health``:
+``rcoder sessions``: a client of a running daemon (``rcoder.client_cli``), and ``rcoder files``
+(``rcoder.files_cli``); ``rcoder health``:
 whether a daemon serves (``rcoder.health_check``).
 
 The only module that reads the environment or the config file.
@@ -53,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rcoder import client_cli  # the client, for these commands alone (rcoder/client_args.py)
 
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
+    if args.command == "files":
+        from rcoder import files_cli
+
+        return files_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
     if args.command == "health":
         from rcoder import health_check
         from rcoder.client.token import local_target

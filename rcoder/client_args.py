@@ -1,4 +1,4 @@
-"""The arguments of ``rcoder chat`` and ``rcoder sessions``, apart from the client they drive.
+"""The arguments of ``rcoder chat``, ``rcoder sessions`` and ``rcoder files``, apart from the client they drive.
 
 ``rcoder serve`` builds the same parser as the client commands, so what the parser needs is kept
 here, in the standard library alone: importing the client (``rcoder.client_cli``) costs ~0.1 s of
@@ -17,7 +17,7 @@ BUSY_POLICIES = ("reject", "queue", "interrupt")
 
 
 def add_commands(commands: Any) -> None:
-    """Add ``chat`` and ``sessions`` to the ``rcoder`` subcommands."""
+    """Add ``chat``, ``sessions`` and ``files`` to the ``rcoder`` subcommands."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--target",
@@ -64,3 +64,19 @@ def add_commands(commands: Any) -> None:
     sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
     sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
     sessions.add_argument("--project", default="", help="list only this project's sessions")
+    add_files(commands, common)
+
+
+def add_files(commands: Any, common: argparse.ArgumentParser) -> None:
+    """``rcoder files ls|cat|put|rm``: a project's files (docs/files.md)."""
+    files = commands.add_parser("files", parents=[common], help="list, read, write or delete a project's files")
+    files.add_argument("action", choices=["ls", "cat", "put", "rm"])
+    files.add_argument("path", nargs="?", default="", help="relative to the project (ls: default its top)")
+    files.add_argument("source", nargs="?", help="put: the local file to send (default: stdin)")
+    files.add_argument("--project", required=True, help="project id (its folder under the daemon's workspace_root)")
+    files.add_argument("-r", "--recursive", action="store_true", help="ls: all below; rm: a folder with all it holds")
+    files.add_argument("--offset", type=int, default=0, help="cat: the first byte to print")
+    files.add_argument("--limit", type=int, default=0, help="cat: bytes to print at most (default: to the end)")
+    files.add_argument("--mode", type=lambda text: int(text, 8), default=0, help="put: permission bits, e.g. 644")
+    files.add_argument("--if-sha256", default="", help="put: only over the file with this SHA-256 ('absent': none)")
+    files.add_argument("--while-busy", action="store_true", help="put, rm: even while a turn runs in the project")

@@ -296,6 +296,9 @@ class SettingsKeys(_Schema):
     # is read, then its size until it ends; past it calls wait, then RESOURCE_EXHAUSTED
     max_request_bytes_in_flight: Count = 256 << 20
     """bytes all requests in flight hold together (256 MiB); see Access"""
+    # docs/files.md: ReadFile refuses a larger file, WriteFile one whose stream passes it (nothing left behind)
+    max_file_bytes: ByteSize = 256 << 20
+    """the largest file ReadFile sends and WriteFile writes (bytes, or "1GiB"; 256 MiB)"""
     run_retention: Seconds = 600.0
     """seconds a finished run stays in memory (Subscribe then reads it from the store)"""
     # history (docs/design.md#history): days a run's stored events are kept (0: forever), and the most bytes of

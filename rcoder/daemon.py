@@ -31,6 +31,7 @@ from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.audit import AuditTrail
+from rcoder.session.files import ProjectFiles
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.routing import Router
@@ -101,8 +102,9 @@ class Daemon:
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
+        self.files = ProjectFiles(settings, self.store, self.runs)  # docs/files.md
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes),
+            AgentRunnerService(self.worker, queries, routes, self.files),
             settings.listen,
             auth_token=self.access.token,
             tls=tls,
@@ -271,6 +273,7 @@ class Daemon:
             await self.signals.aclose()
         await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
+        self.files.close()
         await self.forwarder.aclose()
         await self.audit.aclose()
         await self.store.close()

@@ -72,6 +72,47 @@ class UnsafePath(RcoderError):
         self.reason = reason
 
 
+class FailedPrecondition(RcoderError):
+    """The request is sound but the state of things refuses it (a folder where a file was asked
+    for, a project where a turn runs); ``reason`` names which. Trying again helps only once that
+    state has changed."""
+
+    def __init__(self, message: str, reason: str, **metadata: str) -> None:
+        super().__init__(message, **metadata)
+        self.reason = reason
+
+
+class ProjectBusy(FailedPrecondition):
+    """A turn runs in the project, and the file RPC did not say ``while_busy`` (docs/files.md)."""
+
+    def __init__(self, project_id: str, run_id: str) -> None:
+        super().__init__(
+            f"a turn (run {run_id}) runs in project {project_id!r}: its agent may be changing these files. "
+            "Wait for it to complete, or set while_busy to change them anyway (the change then shows "
+            "as part of that turn)",
+            reason="PROJECT_BUSY",
+            project_id=project_id,
+            run_id=run_id,
+        )
+
+
+class Sha256Mismatch(RcoderError):
+    """A compare-and-swap write (``if_sha256``) found another file than the one it was based on:
+    read it again, redo the change, and write with the new SHA-256 (ABORTED, as gRPC's codes ask
+    of a failed test-and-set)."""
+
+    reason = "SHA256_MISMATCH"
+
+    def __init__(self, path: str, expected: str, current: str) -> None:
+        now = f"its SHA-256 is now {current}" if current else "there is no file there now"
+        super().__init__(
+            f"{path!r} changed: the write expected {expected}, {now}; read it again and redo the change",
+            path=path,
+            expected_sha256=expected,
+            current_sha256=current or "absent",
+        )
+
+
 class OutOfRange(RcoderError):
     reason = "OUT_OF_RANGE"
 

@@ -41,6 +41,7 @@ MEASURES = {
     "list_runs_page_ms",
     "workspace_size_ms_100k_files",
     "budget_turn_added_ms",
+    "read_file_mb_per_s",
     "unauth_flood_rss_mb",
     "auth_check_us",
     "auth_check_jwt_us",

@@ -39,12 +39,25 @@ ALLOWED: dict[str, set[str]] = {
     # generated from the proto: its messages and stubs only
     "v1": {"v1"},
     # argv → Settings → serve / chat; `daemon` is imported late, by `serve` only
-    "cli": {"cli", "config", "errors", "logs", "client_args", "client_cli", "client", "health_check", "daemon", ROOT},
+    "cli": {
+        "cli",
+        "config",
+        "errors",
+        "logs",
+        "client_args",
+        "client_cli",
+        "files_cli",
+        "client",
+        "health_check",
+        "daemon",
+        ROOT,
+    },
     "__main__": {"cli"},
     # beside the daemon: the Python client of it (the generated stubs only), the CLI made on that
     # client, and an ACP agent it runs
     "client": {"client", "v1"},
     "client_cli": {"client", "client_args"},
+    "files_cli": {"client", "client_cli"},  # `rcoder files`: the client's file calls, with chat's output
     "client_args": set(),  # the client commands' arguments: stdlib only, as `rcoder serve` parses them too
     "echo_agent": {"agent"},
     # `rcoder health`: the daemon's grpc.health.v1 on its own port (the image's HEALTHCHECK)

@@ -235,10 +235,12 @@ def remove_tree(root: Path, path: Path) -> bool:
     with _walk(root, parts[:-1], create=False) as fd:
         if fd is None:
             return False
-        return _remove_at(fd, parts[-1])
+        return remove_at(fd, parts[-1])
 
 
-def _remove_at(dir_fd: int, name: str) -> bool:
+def remove_at(dir_fd: int, name: str) -> bool:
+    """Remove ``name`` in the folder ``dir_fd``: a file, a link (itself) or a folder with all it
+    holds, no link followed; False when it was missing."""
     found = _kind_at(dir_fd, name)
     if found == "missing":
         return False
@@ -248,7 +250,7 @@ def _remove_at(dir_fd: int, name: str) -> bool:
     child = os.open(name, _DIR, dir_fd=dir_fd)  # O_NOFOLLOW: swapped for a link meanwhile, refused
     try:
         for entry in os.listdir(child):
-            _remove_at(child, entry)
+            remove_at(child, entry)
     finally:
         os.close(child)
     os.rmdir(name, dir_fd=dir_fd)

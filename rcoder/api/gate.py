@@ -41,6 +41,8 @@ log = get_logger("rcoder.api")
 REQUEST_WAIT = 10.0  # seconds a call waits for room under max_request_bytes_in_flight; then RESOURCE_EXHAUSTED
 REFUSAL_LOG_WINDOW = 60.0  # seconds: one log line per peer at most, for refused unauthenticated calls
 REFUSAL_LOG_PEERS = 4096  # peers remembered for that; past it the quiet ones are forgotten
+# the largest later message of a client-streaming call: a WriteFileChunk (1 MiB of data, framing)
+STREAMED_MESSAGE_BYTES = (1 << 20) + 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +255,13 @@ class Gate:
         self.calls = calls
         self.request_bytes = request_bytes
 
-    async def enter(self, context: grpc.aio.ServicerContext[Any, Any], method: str = "") -> tuple[Any, int, Caller]:
-        """The call's request, the bytes it holds and who it is from, or raises why it is refused."""
+    async def enter(
+        self, context: grpc.aio.ServicerContext[Any, Any], method: str = "", streamed: bool = False
+    ) -> tuple[Any, int, Caller]:
+        """The call's request (its first message when the client ``streamed``), the bytes it
+        holds and who it is from, or raises why it is refused. A client-streaming call (WriteFile)
+        reads its later messages one at a time, each at most ``STREAMED_MESSAGE_BYTES``: it holds
+        that much however small its first message was."""
         # first: a caller without the token learns nothing of its request
         caller = self.token.check(context, method) if self.token is not None else ADMIN
         self.calls.check()
@@ -286,9 +293,10 @@ class Gate:
             except BaseException:
                 budget.release(budget.largest)
                 raise
-        budget.keep(size)
+        held = max(size, STREAMED_MESSAGE_BYTES) if streamed else size
+        budget.keep(held)
         self.calls.active += 1
-        return request, min(size, budget.largest), caller
+        return request, min(held, budget.largest), caller
 
     def leave(self, held: int) -> None:
         self.calls.active -= 1

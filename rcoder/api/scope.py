@@ -2,7 +2,7 @@
 really touches (docs/access.md#tenants).
 
 Every RPC names a method the caller's role must allow (``PERMISSION_DENIED``), and either a
-project (``Chat``, ``ForkSession``'s target, ``ListSessions``'s filter: out of scope is
+project (``Chat``, ``ForkSession``'s target, ``ListSessions``'s filter, the file RPCs: out of scope is
 ``PERMISSION_DENIED``, naming the client and the patterns it holds) or a session, run or
 permission by id. An id is checked against the project *stored with it*, never one the request
 names, and one outside the caller's projects answers exactly as an id that does not exist

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
@@ -136,10 +137,16 @@ class GrpcServer:
 
 
 def _checked(
-    behaviour: Callable[..., Any], streaming: bool, method: str, gate: Gate, ended: CallEnded | None
+    behaviour: Callable[..., Any],
+    streaming: bool,
+    method: str,
+    gate: Gate,
+    ended: CallEnded | None,
+    client_streaming: bool = False,
 ) -> Callable[..., Any]:
     """``behaviour`` (a unary-request handler) as grpc's request-streaming one: the call passes
-    ``gate`` (token, call limit, request bytes) before its one message is read and decoded, and
+    ``gate`` (token, call limit, request bytes) before its one message is read and decoded (a
+    ``client_streaming`` call's first; its handler reads the rest), and
     its caller's role must allow the method; ``ended`` is told how it ended (the audit trail, the
     metrics); the call's span around it (``rcoder.tracing``: a child of the client's
     ``traceparent``, with the call's status)."""
@@ -150,7 +157,7 @@ def _checked(
             with tracing.server_span(method, context.invocation_metadata()) as span:
                 entered, call, code = False, None, ""
                 try:
-                    request, held, caller = await gate.enter(context, method)
+                    request, held, caller = await gate.enter(context, method, client_streaming)
                     entered = True
                     call = Call(short, caller)
                     Scope.method(call, request)
@@ -178,7 +185,7 @@ def _checked(
         with tracing.server_span(method, context.invocation_metadata()) as span:
             entered, call, code = False, None, ""
             try:
-                request, held, caller = await gate.enter(context, method)
+                request, held, caller = await gate.enter(context, method, client_streaming)
                 entered = True
                 call = Call(short, caller)
                 Scope.method(call, request)
@@ -220,11 +227,25 @@ def _agent_runner_handlers(service: AgentRunnerService, gate: Gate, ended: CallE
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         name = f"{SERVICE_NAME}/{method.name}"
-        behaviour = _checked(getattr(service, method.name), method.server_streaming, name, gate, ended)
+        behaviour = _checked(
+            getattr(service, method.name), method.server_streaming, name, gate, ended, method.client_streaming
+        )
         # request-streaming at the grpc level: the handler reads the request (rcoder.api.gate)
         streamed = method.server_streaming
         make = grpc.stream_stream_rpc_method_handler if streamed else grpc.stream_unary_rpc_method_handler
         handlers[method.name] = make(
-            behaviour, request_deserializer=decoder(request_cls), response_serializer=response_cls.SerializeToString
+            behaviour, request_deserializer=decoder(request_cls), response_serializer=_serializer(response_cls)
         )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _serializer(cls: type[Message]) -> Callable[[Message | bytes], bytes]:
+    """grpc's response serializer: a message's bytes, or bytes a handler serialized itself.
+    ReadFile sends its chunks serialized: grpcio streamed 1 MiB messages at about half the rate
+    when it called the serializer itself (docs/benchmarks.md, read_file_mb_per_s)."""
+    serialize = cls.SerializeToString
+
+    def send(message: Message | bytes) -> bytes:
+        return message if type(message) is bytes else serialize(message)  # type: ignore[arg-type]
+
+    return send

@@ -18,11 +18,13 @@ from grpc_status import rpc_status
 
 from rcoder import errors
 from rcoder.api import convert, page_tokens, validate
+from rcoder.api.files import FileRpcs
 from rcoder.api.forwarding import NotHeld
 from rcoder.api.routed import Routes, retry_hint
 from rcoder.api.scope import DELETED_MISSING, STORED_RUN_MISSING, Call, Scope
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
+from rcoder.session.files import ProjectFiles
 from rcoder.session.queries import Queries, SessionStatus
 from rcoder.session.routing import HostRecord, Owner
 from rcoder.session.workspace import check_project_id
@@ -41,6 +43,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.SessionBusy, grpc.StatusCode.ABORTED),
     (errors.SessionDeleting, grpc.StatusCode.ABORTED),
+    (errors.Sha256Mismatch, grpc.StatusCode.ABORTED),
     (errors.LeaseLost, grpc.StatusCode.ABORTED),
     (errors.OwnedElsewhere, grpc.StatusCode.UNAVAILABLE),
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -50,6 +53,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.RunCancelled, grpc.StatusCode.CANCELLED),
     (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.UnsafePath, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
     (errors.RcoderError, grpc.StatusCode.INTERNAL),
 )
@@ -96,13 +100,14 @@ async def abort(
     raise AssertionError("abort_with_status returned")  # pragma: no cover
 
 
-class AgentRunnerService:
+class AgentRunnerService(FileRpcs):
     """Each RPC about a session or a run is served here or at the host that owns it (``routed``),
     within what its caller may touch (``scope``: ``call`` is who the call is from, and what it
     concerned). The methods are the AgentRunner's, with the call added (``rcoder.api.server``
-    registers them by name)."""
+    registers them by name); the file RPCs are ``FileRpcs``'."""
 
-    def __init__(self, worker: AcpWorker, queries: Queries, routes: Routes) -> None:
+    def __init__(self, worker: AcpWorker, queries: Queries, routes: Routes, files: ProjectFiles) -> None:
+        self._files = files
         self._worker = worker
         self._queries = queries
         self._scope = Scope(queries)

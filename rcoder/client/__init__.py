@@ -14,7 +14,8 @@
 
 Modules: ``connection`` (``RcoderClient`` and ``client.sessions``), ``turn`` (a turn's events and
 what they add up to), ``events`` (one dataclass per ``ChatStream`` variant), ``resources`` (sessions,
-agents), ``requests`` (what a chat may send), ``errors`` (the exceptions, one per status code family).
+agents), ``files`` (a project's files), ``requests`` (what a chat may send), ``errors`` (the
+exceptions, one per status code family).
 It uses only the generated stubs of ``rcoder.v1``: what any client of the daemon uses.
 """
 
@@ -23,6 +24,7 @@ from rcoder.client.errors import (
     Busy,
     Cancelled,
     ClientClosed,
+    Conflict,
     DeadlineExceeded,
     FailedPrecondition,
     IncompleteTurn,
@@ -65,6 +67,7 @@ from rcoder.client.events import (
     UnknownEvent,
     Usage,
 )
+from rcoder.client.files import FileEntry, FileHead, FileKind, FilePage, FileRead, WrittenFile
 from rcoder.client.requests import (
     Attachment,
     BusyPolicy,
@@ -118,11 +121,17 @@ __all__ = [
     "ConfigOption",
     "ConfigOptionUpdate",
     "ConfigValue",
+    "Conflict",
     "Cost",
     "DeadlineExceeded",
     "Deletion",
     "Event",
     "FailedPrecondition",
+    "FileEntry",
+    "FileHead",
+    "FileKind",
+    "FilePage",
+    "FileRead",
     "Fork",
     "ForkMethod",
     "Gap",
@@ -180,4 +189,5 @@ __all__ = [
     "UnknownEvent",
     "Usage",
     "UsageTotals",
+    "WrittenFile",
 ]

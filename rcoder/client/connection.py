@@ -9,6 +9,7 @@ from typing import Any, Self
 import grpc
 
 from rcoder.client.errors import ClientClosed, NotFound, from_rpc_error
+from rcoder.client.files import FileData, FileEntry, FileKind, FilePage, FileRead, Files, WrittenFile
 from rcoder.client.requests import Attachment, BusyPolicy, McpServer, ModelProvider, PermissionMode, chat_request
 from rcoder.client.resources import (
     SESSION_ORDERS,
@@ -69,6 +70,7 @@ class RcoderClient:
         self._stub = pb_grpc.AgentRunnerStub(self._channel)
         self._closed = False
         self.sessions = Sessions(self._stub, self._unary)
+        self._files = Files(self._stub, self._unary, self._metadata, self._check_open)
 
     async def __aenter__(self) -> Self:
         return self
@@ -186,6 +188,62 @@ class RcoderClient:
         request = pb.ResolvePermissionRequest(run_id=run_id, permission_id=permission_id, option_id=option_id or "")
         answer = await self._unary(self._stub.ResolvePermission, request)
         return bool(answer.queued)
+
+    # ------------------------------------------------------------ files (docs/files.md)
+
+    def list_files(
+        self, project_id: str, path: str = "", *, recursive: bool = False, page_size: int = 0
+    ) -> AsyncIterator[FileEntry]:
+        """Every entry of a folder of the project ("": the project itself), or of all below it with
+        ``recursive``, page after page: ``async for entry in client.list_files("demo", "src")``.
+        Links are listed as links (``link_target``), never entered."""
+        return self._files.list(project_id, path, recursive=recursive, page_size=page_size)
+
+    async def files_page(
+        self, project_id: str, path: str = "", *, recursive: bool = False, page_size: int = 0, page_token: str = ""
+    ) -> FilePage:
+        """One page of ``list_files`` (``page_size`` 0: the daemon's default, 1000; at most 10000)."""
+        return await self._files.page(project_id, path, recursive=recursive, page_size=page_size, page_token=page_token)
+
+    def read_file(
+        self, project_id: str, path: str, *, offset: int = 0, limit: int = 0, timeout: float | None = None
+    ) -> FileRead:
+        """A file of the project, from ``offset``, at most ``limit`` bytes (0: to the end)::
+
+        data = await client.read_file("demo", "src/main.py").bytes()
+        read = client.read_file("demo", "big.bin")
+        async for chunk in read: ...        # read.head: size, mode, sha256 of the whole file
+        """
+        return self._files.read(project_id, path, offset=offset, limit=limit, timeout=timeout)
+
+    async def write_file(
+        self,
+        project_id: str,
+        path: str,
+        data: FileData,
+        *,
+        mode: int = 0,
+        if_sha256: str = "",
+        while_busy: bool = False,
+        timeout: float | None = None,
+    ) -> WrittenFile:
+        """Write a file of the project whole (folders made) from ``data``: bytes, or an iterable or
+        async iterable of bytes. ``mode`` 0 keeps the replaced file's (0o644 for a new one).
+        ``if_sha256``: write only over the file with this SHA-256 (``"absent"``: only where there is
+        none), else ``Conflict``. While a turn runs in the project it is ``FailedPrecondition``
+        (``PROJECT_BUSY``) unless ``while_busy``."""
+        head = pb.WriteFileChunk(
+            project_id=project_id, path=path, mode=mode, if_sha256=if_sha256, while_busy=while_busy
+        )
+        return await self._files.write(head, data, timeout)
+
+    async def delete_file(
+        self, project_id: str, path: str, *, recursive: bool = False, while_busy: bool = False
+    ) -> FileKind:
+        """Delete a file, a link (never what it points to) or a folder (with ``recursive``, all it
+        holds; else only an empty one); what it was."""
+        request = pb.DeleteFileRequest(project_id=project_id, path=path, recursive=recursive, while_busy=while_busy)
+        return await self._files.delete(request)
 
     # ------------------------------------------------------------ agents
 

@@ -95,6 +95,12 @@ class Busy(RcoderClientError):
     retryable = True
 
 
+class Conflict(RcoderClientError):
+    """A compare-and-swap write found another file than the one it was based on (``ABORTED``,
+    ``SHA256_MISMATCH``; ``metadata["current_sha256"]`` names what is there now): read the file
+    again and redo the change. The same request will not succeed."""
+
+
 class ResourceExhausted(RcoderClientError):
     """Every live agent is busy (``AGENT_LIMIT_REACHED``), or a message was too large."""
 
@@ -146,13 +152,16 @@ _BY_CODE: dict[Any, type[RcoderClientError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
+# where one code holds errors the caller handles apart: by the ErrorInfo reason
+_BY_REASON: dict[str, type[RcoderClientError]] = {"SHA256_MISMATCH": Conflict}
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> RcoderClientError:
     """The client's exception for a failed call: the class of its status code, with its ``ErrorInfo``."""
     code = exc.code()
     info = error_info(exc)
-    return _BY_CODE.get(code, RcoderClientError)(
+    kind = _BY_REASON.get(info.reason if info is not None else "") or _BY_CODE.get(code, RcoderClientError)
+    return kind(
         exc.details() or "",
         code=code,
         reason=info.reason if info is not None else "",

@@ -156,6 +156,11 @@ class SessionStore(Protocol):
 
     async def get_run(self, run_id: str) -> RunRecord | None: ...
 
+    async def running_in_project(self, project_id: str) -> str | None:
+        """The id of a run of one of ``project_id``'s sessions that the store has as running (on
+        any host); None when there is none."""
+        ...
+
     async def list_runs(
         self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None
     ) -> list[RunRecord]:

@@ -185,6 +185,11 @@ SELECT_RUNS = (
     " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency, prompt, client FROM runs"
 )
 GET_RUN = SELECT_RUNS + " WHERE run_id = %s"
+# a run of one of a project's sessions that is running, on any host (the file RPCs' busy check, docs/files.md)
+RUNNING_IN_PROJECT = (
+    "SELECT r.run_id FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = %s AND r.status = 'running' LIMIT 1"
+)
 # a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
 LIST_RUNS = (
     SELECT_RUNS + " WHERE session_id = %s AND (started_at, run_id) > (%s, %s) ORDER BY started_at, run_id LIMIT %s"

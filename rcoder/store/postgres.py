@@ -412,6 +412,10 @@ class PostgresStore:
         rows = await self._rows(pg_schema.GET_RUN, _params(run_id))
         return _run(rows[0]) if rows else None
 
+    async def running_in_project(self, project_id: str) -> str | None:
+        rows = await self._rows(pg_schema.RUNNING_IN_PROJECT, _params(project_id))
+        return str(rows[0][0]) if rows else None
+
     async def list_runs(
         self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None
     ) -> list[RunRecord]:

@@ -470,6 +470,10 @@ class SqliteStore:
         rows = await self._rows(sqlite_schema.GET_RUN, (run_id,))
         return run_of(rows[0]) if rows else None
 
+    async def running_in_project(self, project_id: str) -> str | None:
+        rows = await self._rows(sqlite_schema.RUNNING_IN_PROJECT, (project_id,), point=False)
+        return str(rows[0]["run_id"]) if rows else None
+
     async def list_runs(
         self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None
     ) -> list[RunRecord]:

@@ -236,6 +236,11 @@ ADD_TRANSCRIPT = (
 COUNT_TURN = "UPDATE sessions SET turns = turns + 1, updated_at = ? WHERE session_id = ?"
 UPDATE_RUN_START = "UPDATE runs SET resume = ?, resume_method = ?, fallback_reason = ? WHERE run_id = ?"
 GET_RUN = "SELECT * FROM runs WHERE run_id = ?"
+# a run of one of a project's sessions that is running (the file RPCs' busy check, docs/files.md)
+RUNNING_IN_PROJECT = (
+    "SELECT r.run_id FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = ? AND r.status = 'running' LIMIT 1"
+)
 
 # the audit trail: the last ``limit`` entries (of one session, or of all), oldest first
 INSERT_AUDIT = "INSERT INTO audit (at, client, method, project_id, session_id, run_id, code) VALUES (?,?,?,?,?,?,?)"

@@ -177,6 +177,38 @@ RUN_STATUS_INTERRUPTED: RunStatus.ValueType  # 4
 """its daemon stopped while it ran"""
 Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 
+class _FileKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FileKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FileKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FILE_KIND_UNSPECIFIED: _FileKind.ValueType  # 0
+    """never sent"""
+    FILE_KIND_FILE: _FileKind.ValueType  # 1
+    """a regular file"""
+    FILE_KIND_DIR: _FileKind.ValueType  # 2
+    """a folder"""
+    FILE_KIND_SYMLINK: _FileKind.ValueType  # 3
+    """a symbolic link (link_target says where it points)"""
+    FILE_KIND_OTHER: _FileKind.ValueType  # 4
+    """a FIFO, socket or device: listed, never read"""
+
+class FileKind(_FileKind, metaclass=_FileKindEnumTypeWrapper):
+    """What an entry of a project is."""
+
+FILE_KIND_UNSPECIFIED: FileKind.ValueType  # 0
+"""never sent"""
+FILE_KIND_FILE: FileKind.ValueType  # 1
+"""a regular file"""
+FILE_KIND_DIR: FileKind.ValueType  # 2
+"""a folder"""
+FILE_KIND_SYMLINK: FileKind.ValueType  # 3
+"""a symbolic link (link_target says where it points)"""
+FILE_KIND_OTHER: FileKind.ValueType  # 4
+"""a FIFO, socket or device: listed, never read"""
+Global___FileKind: _TypeAlias = FileKind  # noqa: Y015
+
 class _SessionStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1473,6 +1505,342 @@ class DeleteSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteSessionResponse: _TypeAlias = DeleteSessionResponse  # noqa: Y015
+
+@_typing.final
+class ListFilesRequest(_message.Message):
+    """---------------------------------------------------------------- files (docs/files.md)
+
+    A folder of a project for ListFiles. Paths are relative to the project, '/'-separated: no "..",
+    no leading '/', no NUL, each name at most 255 bytes and the whole at most 4096 (INVALID_ARGUMENT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RECURSIVE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    """Required. [A-Za-z0-9._-]{1,128}; a project with no folder yet is NOT_FOUND."""
+    path: _builtins.str
+    """The folder to list; empty: the project itself. A file (or a link) lists as its one entry."""
+    recursive: _builtins.bool
+    """Everything below the folder too, depth first, each folder's entries by name. Links to folders
+    are listed as links, never entered.
+    """
+    page_size: _builtins.int
+    """Entries per page: default 1000, at most 10000."""
+    page_token: _builtins.str
+    """A previous answer's next_page_token, for the same project, path and recursive."""
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        recursive: _builtins.bool = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "path", b"path", "project_id", b"project_id", "recursive", b"recursive"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListFilesRequest: _TypeAlias = ListFilesRequest  # noqa: Y015
+
+@_typing.final
+class ListFilesResponse(_message.Message):
+    """One page of ListFiles."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    UNLISTED_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """empty on the last page"""
+    unlisted: _builtins.int
+    """entries of this page's stretch left out: names that are not valid UTF-8 (a protobuf string
+    cannot carry them), and folders more than 64 levels below the listed one (listed, not entered)
+    """
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]:
+        """depth first, each folder's entries by name (bytewise)"""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___FileEntry] | None = ...,
+        next_page_token: _builtins.str = ...,
+        unlisted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "next_page_token", b"next_page_token", "unlisted", b"unlisted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListFilesResponse: _TypeAlias = ListFilesResponse  # noqa: Y015
+
+@_typing.final
+class FileEntry(_message.Message):
+    """One entry of a project's files, as the entry itself is (a link is not followed)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    MTIME_FIELD_NUMBER: _builtins.int
+    LINK_TARGET_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """relative to the project, '/'-separated"""
+    kind: Global___FileKind.ValueType
+    """file, folder, link or something else"""
+    size: _builtins.int
+    """bytes (a link: the length of its target text)"""
+    mode: _builtins.int
+    """the permission bits, e.g. 0644 (420)"""
+    link_target: _builtins.str
+    """a link's target, as text; empty for other kinds"""
+    @_builtins.property
+    def mtime(self) -> _timestamp_pb2.Timestamp:
+        """when its content last changed"""
+
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        kind: Global___FileKind.ValueType = ...,
+        size: _builtins.int = ...,
+        mode: _builtins.int = ...,
+        mtime: _timestamp_pb2.Timestamp | None = ...,
+        link_target: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["mtime", b"mtime"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "link_target", b"link_target", "mode", b"mode", "mtime", b"mtime", "path", b"path", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileEntry: _TypeAlias = FileEntry  # noqa: Y015
+
+@_typing.final
+class ReadFileRequest(_message.Message):
+    """A file of a project (or a range of it) for ReadFile. A link inside the project is followed; one
+    leading out is FAILED_PRECONDITION (LINK_LEADS_OUT). A file past max_file_bytes is RESOURCE_EXHAUSTED.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    """required"""
+    path: _builtins.str
+    """required: the file, relative to the project"""
+    offset: _builtins.int
+    """the first byte to send (past the end: nothing but the first chunk's header)"""
+    limit: _builtins.int
+    """bytes to send at most; 0: to the end"""
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "offset", b"offset", "path", b"path", "project_id", b"project_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadFileRequest: _TypeAlias = ReadFileRequest  # noqa: Y015
+
+@_typing.final
+class FileChunk(_message.Message):
+    """One chunk of ReadFile. The first also describes the whole file; a file of no bytes (or a range
+    past its end) is one chunk with no data.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    MTIME_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """at most 1 MiB"""
+    offset: _builtins.int
+    """where data starts in the file"""
+    size: _builtins.int
+    """first chunk: the whole file's size in bytes"""
+    mode: _builtins.int
+    """first chunk: the permission bits"""
+    sha256: _builtins.str
+    """first chunk: the whole file's SHA-256, lowercase hex"""
+    @_builtins.property
+    def mtime(self) -> _timestamp_pb2.Timestamp:
+        """first chunk: when its content last changed"""
+
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        offset: _builtins.int = ...,
+        size: _builtins.int = ...,
+        mode: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        mtime: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["mtime", b"mtime"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "mode", b"mode", "mtime", b"mtime", "offset", b"offset", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileChunk: _TypeAlias = FileChunk  # noqa: Y015
+
+@_typing.final
+class WriteFileChunk(_message.Message):
+    """One chunk of WriteFile. The first names the file and how to write it; the rest carry only data."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    IF_SHA256_FIELD_NUMBER: _builtins.int
+    WHILE_BUSY_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    """first chunk: required"""
+    path: _builtins.str
+    """first chunk: required, the file relative to the project (folders made)"""
+    mode: _builtins.int
+    """first chunk: the permission bits (at most 0777); 0: the replaced file's, or 0644 for a new one"""
+    if_sha256: _builtins.str
+    """first chunk, optional: write only if the file's SHA-256 is this (lowercase hex), else
+    FAILED_PRECONDITION (SHA256_MISMATCH) naming the current one; "absent": only if there is no file
+    """
+    while_busy: _builtins.bool
+    """first chunk: write even while a turn runs in the project (it then shows among that turn's
+    changes); without it such a write is FAILED_PRECONDITION (PROJECT_BUSY)
+    """
+    data: _builtins.bytes
+    """at most 1 MiB per chunk; the file is every chunk's data in order"""
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        mode: _builtins.int = ...,
+        if_sha256: _builtins.str = ...,
+        while_busy: _builtins.bool = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "if_sha256", b"if_sha256", "mode", b"mode", "path", b"path", "project_id", b"project_id", "while_busy", b"while_busy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteFileChunk: _TypeAlias = WriteFileChunk  # noqa: Y015
+
+@_typing.final
+class WriteFileResponse(_message.Message):
+    """What WriteFile wrote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """the new file's SHA-256, lowercase hex"""
+    size: _builtins.int
+    """its size in bytes"""
+    mode: _builtins.int
+    """its permission bits"""
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        size: _builtins.int = ...,
+        mode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "sha256", b"sha256", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteFileResponse: _TypeAlias = WriteFileResponse  # noqa: Y015
+
+@_typing.final
+class DeleteFileRequest(_message.Message):
+    """A path of a project for DeleteFile; a path that does not exist is NOT_FOUND."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RECURSIVE_FIELD_NUMBER: _builtins.int
+    WHILE_BUSY_FIELD_NUMBER: _builtins.int
+    project_id: _builtins.str
+    """required"""
+    path: _builtins.str
+    """required: relative to the project; the project itself cannot be deleted"""
+    recursive: _builtins.bool
+    """a folder with everything in it (links in it removed as links); without it only an empty folder"""
+    while_busy: _builtins.bool
+    """delete even while a turn runs in the project; without it FAILED_PRECONDITION (PROJECT_BUSY)"""
+    def __init__(
+        self,
+        *,
+        project_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+        recursive: _builtins.bool = ...,
+        while_busy: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "project_id", b"project_id", "recursive", b"recursive", "while_busy", b"while_busy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteFileRequest: _TypeAlias = DeleteFileRequest  # noqa: Y015
+
+@_typing.final
+class DeleteFileResponse(_message.Message):
+    """What DeleteFile removed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    kind: Global___FileKind.ValueType
+    """what the path was"""
+    def __init__(
+        self,
+        *,
+        kind: Global___FileKind.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteFileResponse: _TypeAlias = DeleteFileResponse  # noqa: Y015
 
 @_typing.final
 class ListAgentsRequest(_message.Message):

@@ -96,6 +96,26 @@ class AgentRunnerStub:
                 request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionRequest.SerializeToString,
                 response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionResponse.FromString,
                 _registered_method=True)
+        self.ListFiles = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/ListFiles',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListFilesRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListFilesResponse.FromString,
+                _registered_method=True)
+        self.ReadFile = channel.unary_stream(
+                '/rcoder.v1.AgentRunner/ReadFile',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ReadFileRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.WriteFile = channel.stream_unary(
+                '/rcoder.v1.AgentRunner/WriteFile',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.WriteFileChunk.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.WriteFileResponse.FromString,
+                _registered_method=True)
+        self.DeleteFile = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/DeleteFile',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileResponse.FromString,
+                _registered_method=True)
 
 
 class AgentRunnerServicer:
@@ -193,6 +213,41 @@ class AgentRunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListFiles(self, request, context):
+        """The entries of a folder of a project (or everything below it), paged, links listed as links.
+        Every path is resolved beneath <workspace_root>/<project_id> and no link out of it is followed
+        (docs/files.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFile(self, request, context):
+        """A file of a project, or a range of it, in chunks of at most 1 MiB; the first chunk carries the
+        file's size, mode, mtime and SHA-256. A link leading out of the project is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteFile(self, request_iterator, context):
+        """Write a file of a project from a stream of chunks (the first names it): written to a temporary
+        file in the same folder, synced, then renamed over the path, so a reader never sees half a file
+        and a cut stream leaves nothing. Answers the new SHA-256. Optionally a compare-and-swap
+        (if_sha256). Refused while a turn runs in the project unless while_busy is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteFile(self, request, context):
+        """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
+        runs in the project unless while_busy is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentRunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +310,26 @@ def add_AgentRunnerServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionRequest.FromString,
                     response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'ListFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFiles,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ListFilesRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.ListFilesResponse.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.ReadFileRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.FileChunk.SerializeToString,
+            ),
+            'WriteFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.WriteFileChunk.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.WriteFileResponse.SerializeToString,
+            ),
+            'DeleteFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteFile,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -583,6 +658,114 @@ class AgentRunner:
             '/rcoder.v1.AgentRunner/DeleteSession',
             rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionRequest.SerializeToString,
             rcoder_dot_v1_dot_agent__runner__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/ListFiles',
+            rcoder_dot_v1_dot_agent__runner__pb2.ListFilesRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.ListFilesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/ReadFile',
+            rcoder_dot_v1_dot_agent__runner__pb2.ReadFileRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rcoder.v1.AgentRunner/WriteFile',
+            rcoder_dot_v1_dot_agent__runner__pb2.WriteFileChunk.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.WriteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/DeleteFile',
+            rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileResponse.FromString,
             options,
             channel_credentials,
             insecure,

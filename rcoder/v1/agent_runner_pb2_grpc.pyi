@@ -72,6 +72,25 @@ class AgentRunnerStub:
     transcript and record, and the agent's own copy where rcoder knows the kind's layout.
     Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
     """
+    ListFiles: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.ListFilesRequest, _agent_runner_pb2.ListFilesResponse]
+    """The entries of a folder of a project (or everything below it), paged, links listed as links.
+    Every path is resolved beneath <workspace_root>/<project_id> and no link out of it is followed
+    (docs/files.md).
+    """
+    ReadFile: _grpc.UnaryStreamMultiCallable[_agent_runner_pb2.ReadFileRequest, _agent_runner_pb2.FileChunk]
+    """A file of a project, or a range of it, in chunks of at most 1 MiB; the first chunk carries the
+    file's size, mode, mtime and SHA-256. A link leading out of the project is FAILED_PRECONDITION.
+    """
+    WriteFile: _grpc.StreamUnaryMultiCallable[_agent_runner_pb2.WriteFileChunk, _agent_runner_pb2.WriteFileResponse]
+    """Write a file of a project from a stream of chunks (the first names it): written to a temporary
+    file in the same folder, synced, then renamed over the path, so a reader never sees half a file
+    and a cut stream leaves nothing. Answers the new SHA-256. Optionally a compare-and-swap
+    (if_sha256). Refused while a turn runs in the project unless while_busy is set.
+    """
+    DeleteFile: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.DeleteFileRequest, _agent_runner_pb2.DeleteFileResponse]
+    """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
+    runs in the project unless while_busy is set.
+    """
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
@@ -112,6 +131,25 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
     transcript and record, and the agent's own copy where rcoder knows the kind's layout.
     Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+    """
+    ListFiles: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.ListFilesRequest, _agent_runner_pb2.ListFilesResponse]  # type: ignore[assignment]
+    """The entries of a folder of a project (or everything below it), paged, links listed as links.
+    Every path is resolved beneath <workspace_root>/<project_id> and no link out of it is followed
+    (docs/files.md).
+    """
+    ReadFile: _aio.UnaryStreamMultiCallable[_agent_runner_pb2.ReadFileRequest, _agent_runner_pb2.FileChunk]  # type: ignore[assignment]
+    """A file of a project, or a range of it, in chunks of at most 1 MiB; the first chunk carries the
+    file's size, mode, mtime and SHA-256. A link leading out of the project is FAILED_PRECONDITION.
+    """
+    WriteFile: _aio.StreamUnaryMultiCallable[_agent_runner_pb2.WriteFileChunk, _agent_runner_pb2.WriteFileResponse]  # type: ignore[assignment]
+    """Write a file of a project from a stream of chunks (the first names it): written to a temporary
+    file in the same folder, synced, then renamed over the path, so a reader never sees half a file
+    and a cut stream leaves nothing. Answers the new SHA-256. Optionally a compare-and-swap
+    (if_sha256). Refused while a turn runs in the project unless while_busy is set.
+    """
+    DeleteFile: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.DeleteFileRequest, _agent_runner_pb2.DeleteFileResponse]  # type: ignore[assignment]
+    """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
+    runs in the project unless while_busy is set.
     """
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
@@ -222,6 +260,49 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
         transcript and record, and the agent's own copy where rcoder knows the kind's layout.
         Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+        """
+
+    @_abc_1.abstractmethod
+    def ListFiles(
+        self,
+        request: _agent_runner_pb2.ListFilesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.ListFilesResponse, _abc.Awaitable[_agent_runner_pb2.ListFilesResponse]]:
+        """The entries of a folder of a project (or everything below it), paged, links listed as links.
+        Every path is resolved beneath <workspace_root>/<project_id> and no link out of it is followed
+        (docs/files.md).
+        """
+
+    @_abc_1.abstractmethod
+    def ReadFile(
+        self,
+        request: _agent_runner_pb2.ReadFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_agent_runner_pb2.FileChunk], _abc.AsyncIterator[_agent_runner_pb2.FileChunk]]:
+        """A file of a project, or a range of it, in chunks of at most 1 MiB; the first chunk carries the
+        file's size, mode, mtime and SHA-256. A link leading out of the project is FAILED_PRECONDITION.
+        """
+
+    @_abc_1.abstractmethod
+    def WriteFile(
+        self,
+        request_iterator: _MaybeAsyncIterator[_agent_runner_pb2.WriteFileChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.WriteFileResponse, _abc.Awaitable[_agent_runner_pb2.WriteFileResponse]]:
+        """Write a file of a project from a stream of chunks (the first names it): written to a temporary
+        file in the same folder, synced, then renamed over the path, so a reader never sees half a file
+        and a cut stream leaves nothing. Answers the new SHA-256. Optionally a compare-and-swap
+        (if_sha256). Refused while a turn runs in the project unless while_busy is set.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteFile(
+        self,
+        request: _agent_runner_pb2.DeleteFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.DeleteFileResponse, _abc.Awaitable[_agent_runner_pb2.DeleteFileResponse]]:
+        """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
+        runs in the project unless while_busy is set.
         """
 
 def add_AgentRunnerServicer_to_server(servicer: AgentRunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,360 @@
+"""The blocking half of the file RPCs (docs/files.md): listing, reading, writing and deleting
+beneath a project's folder descriptor (``rcoder.agent.beneath``). ``rcoder.session.files`` runs
+these in threads and adds the rules (scope of a turn, sizes, locks).
+
+Nothing here follows a link out of the project, and nothing writes through a link at all: the
+last name of a write or a delete is taken as the entry itself (``O_NOFOLLOW``, ``renameat``,
+``unlinkat`` relative to its folder's descriptor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import stat
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from rcoder.agent.beneath import Beneath, give_to_folder_owner
+from rcoder.agent.safe_fs import remove_at
+from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
+
+EntryKind = Literal["file", "dir", "symlink", "other"]
+HASH_BLOCK = 1 << 20
+# folders below the listed one that a recursive listing enters, at most: deeper ones are listed, not
+# entered (counted in ``unlisted``); each level holds a descriptor open while it is listed
+MAX_DEPTH = 64
+TEMP_PREFIX = ".rcoder-upload-"  # a write's file until it is renamed over its path (docs/files.md)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    path: tuple[str, ...]
+    kind: EntryKind
+    size: int
+    mode: int  # the permission bits
+    mtime: datetime
+    link_target: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    entries: list[Entry]
+    more: bool  # another page follows the last entry
+    unlisted: int  # names that are not UTF-8, left out
+
+
+def shown(parts: tuple[str, ...]) -> str:
+    return "/".join(parts) or "."
+
+
+def leads_out(parts: tuple[str, ...]) -> UnsafePath:
+    return UnsafePath(
+        f"{shown(parts)!r} leads out of the project through a link; rcoder never follows one "
+        "(ListFiles shows the link and its target)",
+        reason="LINK_LEADS_OUT",
+        path=shown(parts),
+    )
+
+
+@contextlib.contextmanager
+def translated(parts: tuple[str, ...]) -> Iterator[None]:
+    """The errors of the kernel about a client's path as rcoder's own."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise NotFound("file", shown(parts), "no such file or folder in the project") from None
+    except NotADirectoryError:
+        raise FailedPrecondition(
+            f"{shown(parts)!r}: a name on the way is a file, not a folder", reason="NOT_A_FOLDER", path=shown(parts)
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.EXDEV:
+            raise leads_out(parts) from None
+        if exc.errno == errno.ELOOP:
+            raise FailedPrecondition(
+                f"{shown(parts)!r} is a symbolic link (or a chain of more than 40); rcoder writes and replaces "
+                "no file through a link: delete the link first, or name the file it points to",
+                reason="PATH_IS_LINK",
+                path=shown(parts),
+            ) from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceExhausted(
+                f"{shown(parts)!r}: the file system holding the project is full ({exc.strerror})",
+                reason="NO_SPACE",
+                path=shown(parts),
+            ) from None
+        # EACCES, EROFS, EIO, ...: the file system's answer, said as it is
+        raise FailedPrecondition(
+            f"{shown(parts)!r}: {exc.strerror or exc}", reason="FILE_SYSTEM_ERROR", path=shown(parts)
+        ) from None
+
+
+def _entry(parts: tuple[str, ...], info: os.stat_result, dir_fd: int, name: str) -> Entry:
+    mode = info.st_mode
+    kind: EntryKind = (
+        "symlink" if stat.S_ISLNK(mode) else "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+    )
+    target = os.readlink(name, dir_fd=dir_fd) if kind == "symlink" else ""
+    mtime = datetime.fromtimestamp(info.st_mtime_ns / 1e9, UTC)
+    return Entry(parts, kind, info.st_size, stat.S_IMODE(mode), mtime, target)
+
+
+def _names(dir_fd: int) -> tuple[list[tuple[bytes, str]], int]:
+    """The names in a folder by their bytes, and how many are not UTF-8 (left out)."""
+    names, bad = [], 0
+    for name in os.listdir(dir_fd):
+        raw = os.fsencode(name)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            bad += 1
+            continue
+        names.append((raw, name))
+    names.sort()
+    return names, bad
+
+
+class Lister:
+    """One page of a folder (or of all below it, depth first, each folder by name): the entries
+    after ``after`` (the last path of the page before), at most ``limit``."""
+
+    def __init__(self, limit: int, after: tuple[str, ...], recursive: bool, base: int = 0) -> None:
+        self.base = base  # names in the listed folder's own path
+        self.limit = limit
+        self.after = tuple(os.fsencode(p) for p in after)
+        self.recursive = recursive
+        self.entries: list[Entry] = []
+        self.unlisted = 0
+        self.more = False
+
+    def folder(self, dir_fd: int, parts: tuple[str, ...]) -> bool:
+        """List the folder open as ``dir_fd`` (at ``parts``); False once the page is full."""
+        names, bad = _names(dir_fd)
+        self.unlisted += bad
+        for _, name in names:
+            path = (*parts, name)
+            key = tuple(os.fsencode(p) for p in path)
+            inside = self.after[: len(key)] == key  # the page before ended below this entry
+            if key <= self.after and not inside:
+                continue
+            try:
+                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:  # removed while listed
+                continue
+            if key > self.after:
+                if len(self.entries) == self.limit:
+                    self.more = True
+                    return False
+                self.entries.append(_entry(path, info, dir_fd, name))
+            if self.recursive and stat.S_ISDIR(info.st_mode):
+                if len(path) - self.base > MAX_DEPTH:
+                    self.unlisted += 1
+                elif not self._below(dir_fd, name, path):
+                    return False
+        return True
+
+    def _below(self, dir_fd: int, name: str, path: tuple[str, ...]) -> bool:
+        try:
+            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:  # swapped for a link, removed, or not readable: listed, not entered
+            return True
+        try:
+            return self.folder(child, path)
+        finally:
+            os.close(child)
+
+
+def list_entries(
+    beneath: Beneath, root_fd: int, parts: tuple[str, ...], recursive: bool, limit: int, after: tuple[str, ...]
+) -> Listing:
+    """A page of ``parts`` (a folder, followed where it is a link inside the project; a file or a
+    link leading out is its one entry)."""
+    lister = Lister(limit, after, recursive, len(parts))
+    with translated(parts):
+        if parts:
+            parent = beneath.folder(root_fd, parts[:-1])
+            try:
+                info = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+                single = not stat.S_ISDIR(info.st_mode)
+                if stat.S_ISLNK(info.st_mode):  # a link to a folder inside the project is listed through
+                    with contextlib.suppress(OSError):
+                        os.close(beneath.folder(root_fd, parts))
+                        single = False
+                if single:
+                    entry = _entry(parts, info, parent, parts[-1])
+                    return Listing([entry] if not after else [], False, 0)
+            finally:
+                os.close(parent)
+        fd = beneath.folder(root_fd, parts)
+    try:
+        lister.folder(fd, parts)
+    finally:
+        os.close(fd)
+    return Listing(lister.entries, lister.more, lister.unlisted)
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    fd: int
+    size: int
+    mode: int
+    mtime: datetime
+
+
+def open_file(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> Opened:
+    """The regular file at ``parts`` open for reading (links inside the project followed; the
+    caller closes it). A FIFO is opened without blocking, then refused with anything not a file."""
+    with translated(parts):
+        fd = beneath.open(root_fd, parts, os.O_RDONLY | os.O_NONBLOCK)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        what = "a folder (ListFiles lists it)" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise FailedPrecondition(f"{shown(parts)!r} is {what}", reason="NOT_A_FILE", path=shown(parts))
+    os.set_blocking(fd, True)
+    mtime = datetime.fromtimestamp(info.st_mtime_ns / 1e9, UTC)
+    return Opened(fd, info.st_size, stat.S_IMODE(info.st_mode), mtime)
+
+
+def sha256_of(fd: int) -> str:
+    """The SHA-256 of the whole file open as ``fd`` (read with pread: its offset is left alone)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(HASH_BLOCK)
+    view = memoryview(buffer)
+    offset = 0
+    while count := os.preadv(fd, [buffer], offset):
+        digest.update(view[:count])
+        offset += count
+    return digest.hexdigest()
+
+
+def current_sha256(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> str | None:
+    """The SHA-256 of the file now at ``parts``; None when there is none (a link or a folder
+    there is refused, as a write would be)."""
+    try:
+        opened = open_for_compare(beneath, root_fd, parts)
+    except NotFound:
+        return None
+    try:
+        return sha256_of(opened)
+    finally:
+        os.close(opened)
+
+
+def open_for_compare(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> int:
+    with translated(parts):
+        fd = beneath.open(root_fd, parts, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FailedPrecondition(f"{shown(parts)!r} is not a regular file", reason="NOT_A_FILE", path=shown(parts))
+    return fd
+
+
+class TempFile:
+    """A write's file: made in the target's folder (``O_EXCL``, mode 0600 until ``commit``),
+    renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise."""
+
+    def __init__(self, beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> None:
+        self.parts = parts
+        with translated(parts):
+            self.dir_fd = beneath.folder(root_fd, parts[:-1], create=True)
+        self.name = f"{TEMP_PREFIX}{uuid.uuid4().hex}.tmp"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self.fd = os.open(self.name, flags, 0o600, dir_fd=self.dir_fd)
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+        self.size = 0
+        self.digest = hashlib.sha256()
+        self.done = False
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        self.size += len(data)
+        self.digest.update(data)
+
+    def target_mode(self, mode: int) -> int:
+        """``mode``, or 0: the replaced file's (0644 for a new one)."""
+        if mode:
+            return mode
+        try:
+            info = os.stat(self.parts[-1], dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0o644
+        return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else 0o644
+
+    def sync(self, mode: int) -> None:
+        """The data on disk, with its mode and owner, before it is renamed into place."""
+        os.fchmod(self.fd, mode)
+        give_to_folder_owner(self.name, self.dir_fd)
+        os.fsync(self.fd)
+
+    def commit(self) -> None:
+        """Rename over the target. Whatever is there is replaced as an entry, never followed; a
+        folder or a link there is refused (a write replaces files only)."""
+        name = self.parts[-1]
+        try:
+            info = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            info = None
+        if info is not None and stat.S_ISLNK(info.st_mode):
+            raise OSError(errno.ELOOP, "a link", name)
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            raise FailedPrecondition(
+                f"{shown(self.parts)!r} is a folder or a special file; a write replaces files only",
+                reason="NOT_A_FILE",
+                path=shown(self.parts),
+            )
+        os.rename(self.name, name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        self.done = True
+        with contextlib.suppress(OSError):  # the rename itself durable (a file system without it: as it is)
+            os.fsync(self.dir_fd)
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.dir_fd >= 0:
+            if not self.done:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.name, dir_fd=self.dir_fd)
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+
+def delete(beneath: Beneath, root_fd: int, parts: tuple[str, ...], recursive: bool) -> EntryKind:
+    """Remove the entry at ``parts`` itself (a link as a link); what it was."""
+    with translated(parts):
+        dir_fd = beneath.folder(root_fd, parts[:-1])
+    try:
+        name = parts[-1]
+        with translated(parts):
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        entry = _entry(parts, info, dir_fd, name)
+        if entry.kind != "dir":
+            os.unlink(name, dir_fd=dir_fd)
+        elif recursive:
+            remove_at(dir_fd, name)
+        else:
+            try:
+                os.rmdir(name, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY:
+                    raise
+                raise FailedPrecondition(
+                    f"{shown(parts)!r} is a folder that is not empty: set recursive to delete it with all it holds",
+                    reason="FOLDER_NOT_EMPTY",
+                    path=shown(parts),
+                ) from None
+        return entry.kind
+    finally:
+        os.close(dir_fd)

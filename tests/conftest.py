@@ -245,7 +245,8 @@ def pg_cluster() -> Iterator[PgCluster]:
     try:
         yield cluster
     finally:
-        cluster.close()
+        with _GUARD.paused():  # stopped in the teardown of a worker's last test, maybe a fast one
+            cluster.close()
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ net, a child process of the test's own that appeared meanwhile (started some oth
 from __future__ import annotations
 
 import _posixsubprocess
+import contextlib
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,20 @@ class ProcessGuard:
             )
 
         return refuse
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Lifted for work that is not the running test's: pytest finalizes the session-wide
+        fixtures (the PostgreSQL cluster's stop) inside the teardown of a worker's last test, which
+        may be a fast one. A no-op where the guard is not installed."""
+        saved = self._saved
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+        try:
+            yield
+        finally:
+            for owner, name, _ in saved:
+                setattr(owner, name, self._refusing(f"{getattr(owner, '__name__', owner)}.{name}"))
 
     def remove(self) -> list[str]:
         """Restore what ``install`` replaced; what was started (tried, or a new child seen)."""

@@ -87,13 +87,14 @@ async def test_codex_unconfined_by_rcoder_runs_its_safe_commands_in_its_own_sand
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events)
     assert not [e for e in events if e.WhichOneof("event") == "permission_request"], "pwd needs no approval"
     updates = [e.tool_call_update for e in events if e.WhichOneof("event") == "tool_call_update"]
-    ran = [u for u in updates if u.exit_code == 0]
-    assert ran, "pwd did not succeed in codex's own sandbox"
-    # codex's end-of-command event (what rcoder relays) can come without the output it printed,
-    # a known codex race (openai/codex#28207) seen once in CI; the copy codex hands its model is
-    # the command's real output, so either one must name the project
-    relayed = [u.output.strip() for u in ran]
-    seen_by_model = [output_for_model(servers, u.tool_call_id) for u in ran]
+    assert not [u for u in updates if u.HasField("exit_code") and u.exit_code != 0], updates
+    # codex's end-of-command event (what rcoder relays) can come without the output it printed, or
+    # not at all before the turn's end: a codex race (openai/codex#28207), seen in CI and in a
+    # loaded run about one time in three. The copy codex hands its model is the command's real
+    # output (a missing bubblewrap would be an error there), so either one must name the project
+    relayed = [u.output.strip() for u in updates if u.exit_code == 0]
+    calls = [e.tool_call.tool_call_id for e in events if e.WhichOneof("event") == "tool_call"]
+    seen_by_model = [output_for_model(servers, call_id) for call_id in calls]
     assert str(project) in relayed or any(str(project) in o for o in seen_by_model), (relayed, seen_by_model)
 
 

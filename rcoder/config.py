@@ -76,6 +76,11 @@ class PermissionRule(_Schema):
     """a glob over the tool call's title; "*" for any"""
 
 
+# what a snapshot leaves out unless a profile says otherwise (docs/checkpoints.md): folders a tool
+# makes again from the project's own files, often tens of thousands of files each
+DEFAULT_CHECKPOINT_EXCLUDE = ("node_modules/", ".venv/", "__pycache__/")
+
+
 class ProfileKeys(_Schema):
     """The keys of an ``[agents.<name>]`` table."""
 
@@ -137,6 +142,10 @@ class ProfileKeys(_Schema):
     workspace_max_bytes: ByteSize = 0
     """the most a project's folder may hold (bytes, or "10GiB"); past it the running turn is stopped
     and the next refused (RESOURCE_EXHAUSTED); 0: no bound. See Disk"""
+    # docs/checkpoints.md: left out of every snapshot besides what the project's .gitignore files leave out
+    checkpoint_exclude: Array[str] = DEFAULT_CHECKPOINT_EXCLUDE
+    """gitignore patterns a turn's snapshots leave out, besides the project's .gitignore files
+    (default: node_modules/, .venv/, __pycache__/); see Checkpoints"""
 
 
 class AgentProfile(ProfileKeys):
@@ -191,6 +200,14 @@ class SettingsKeys(_Schema):
     """without TLS, the only hosts a call is forwarded to (see Several hosts)"""
     workspace_root: ConfigPath = Path("workspace")
     """a project's cwd is <workspace_root>/<project_id>, created on first use"""
+    # docs/checkpoints.md: a snapshot of the project's files before and after every turn
+    checkpoints: bool = True
+    """snapshot a project's files before and after every turn (changes, GetRunChanges, RewindSession)"""
+    checkpoint_root: ConfigPath | None = None
+    """where each project's checkpoint store (a bare git repository) lives: none set,
+    <data_dir>/checkpoints; on several hosts sharing a workspace, shared storage beside it"""
+    max_diff_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
+    """the most bytes of diff GetRunChanges answers (4 MiB); past it the diff is cut, visibly"""
     default_agent: str = "claude"
     """the profile a request that names no agent runs"""
     auth_token: str = ""
@@ -381,6 +398,7 @@ def load_settings(
             "set the same auth_token (or RCODER_AUTH_TOKEN) on every host, or open_to_agents = true",
         )
     _check_callers(settings)
+    _check_checkpoint_root(settings)
     for name, profile in settings.agents.items():
         if profile.sandbox == "landlock" and not settings.landlock_abi:
             why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
@@ -398,6 +416,24 @@ def load_settings(
                 'in a warning, or "none"',
             )
     return settings
+
+
+def checkpoint_root(settings: SettingsKeys) -> Path:
+    """Where the projects' checkpoint stores live (docs/checkpoints.md)."""
+    return settings.checkpoint_root or settings.data_dir / "checkpoints"
+
+
+def _check_checkpoint_root(settings: Settings) -> None:
+    """The checkpoint stores must be out of every agent's reach: never in a project's folder
+    (sandbox.protected hides them from agents wherever they are)."""
+    root = checkpoint_root(settings).resolve()
+    workspace, data_dir = settings.workspace_root.resolve(), settings.data_dir.resolve()
+    in_data_dir = root == data_dir or data_dir in root.parents  # hidden with data_dir
+    if not in_data_dir and (root == workspace or workspace in root.parents):
+        raise ConfigError(
+            "checkpoint_root",
+            f"{root} is inside workspace_root ({workspace}), where it would be a project's folder; put it beside it",
+        )
 
 
 def _check_callers(settings: Settings) -> None:

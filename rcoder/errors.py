@@ -312,3 +312,38 @@ class SessionGone(AgentError):
         )
         self.provider_session_id = provider_session_id
         self.why = why
+
+
+# ---------------------------------------------------------------- checkpoints (docs/checkpoints.md)
+
+
+class CheckpointError(RcoderError):
+    """git could not read or write a project's checkpoint store (``step`` names the git command)."""
+
+    reason = "CHECKPOINT_FAILED"
+
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message, step=step)
+        self.step = step
+
+
+class ProjectBusy(RcoderError):
+    """A turn runs in the project: what was asked needs its files still (``RewindSession``)."""
+
+    reason = "PROJECT_BUSY"
+
+    def __init__(self, project_id: str, run_id: str) -> None:
+        super().__init__(
+            f"run {run_id} is running in project {project_id}; wait for it to complete or Cancel it, then rewind",
+            project_id=project_id,
+            run_id=run_id,
+        )
+
+
+class NoCheckpoint(RcoderError):
+    """The run has no snapshot to serve what was asked (checkpoints off, or the run never took one)."""
+
+    reason = "NO_CHECKPOINT"
+
+    def __init__(self, run_id: str, which: str, why: str) -> None:
+        super().__init__(f"run {run_id} has no {which} snapshot: {why}", run_id=run_id, which=which)

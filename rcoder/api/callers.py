@@ -32,8 +32,10 @@ class Role(enum.IntEnum):
     ADMIN = 3
 
 
-READS = frozenset({"GetSession", "ListSessions", "ListRuns", "Subscribe", "ListAgents"})
-CHANGES = frozenset({"Chat", "Cancel", "ResolvePermission", "ForkSession", "CloseSession", "DeleteSession"})
+READS = frozenset({"GetSession", "ListSessions", "ListRuns", "Subscribe", "ListAgents", "GetRunChanges"})
+CHANGES = frozenset(
+    {"Chat", "Cancel", "ResolvePermission", "ForkSession", "CloseSession", "DeleteSession", "RewindSession"}
+)
 # the least role that may call each method; one not here (ListHosts) is the admin's
 LEAST_ROLE = {**dict.fromkeys(READS, Role.READER), **dict.fromkeys(CHANGES, Role.OPERATOR)}
 ROLES = {role.name.lower(): role for role in Role}

@@ -61,6 +61,7 @@ from rcoder.config import Settings
 from rcoder.domain import (
     AgentEvent,
     ChatTurn,
+    FileChange,
     OpenMethod,
     ResumeOutcome,
     RunCompleted,
@@ -89,6 +90,7 @@ from rcoder.metrics import Metrics
 from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
+from rcoder.session.checkpoints import Checkpoints, checkpoint_after
 from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
@@ -177,6 +179,8 @@ class TurnScope:
         self.error_reason = ""
         self.transcript: TranscriptEntry | None = None
         self.usage: Usage | None = None  # what the agent reported the turn cost
+        self.checkpoint = ""  # the project's snapshot before the prompt went out (docs/checkpoints.md)
+        self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files
 
     # ------------------------------------------------------------ phases
 
@@ -416,8 +420,10 @@ class TurnRunner:
         spawn: Spawn,
         leases: LeaseKeeper | None = None,
         history: History | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self._settings = self.settings = settings
+        self.checkpoints = checkpoints or Checkpoints(settings, store)
         self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
         self._store = store
         self._pool = pool
@@ -449,6 +455,10 @@ class TurnRunner:
     def running(self) -> list[str]:
         """Every claimed turn, whatever its phase."""
         return list(self._scopes)
+
+    def running_in(self, project_id: str) -> str | None:
+        """A turn claimed here in the project (any phase), None when there is none."""
+        return next((r for r, scope in self._scopes.items() if scope.plan.turn.project_id == project_id), None)
 
     def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
         """Ask the turn to stop (for ``cause``, when rcoder stops it). False when it is no
@@ -490,6 +500,8 @@ class TurnRunner:
             # refused before any agent starts in a project past its profile's workspace_max_bytes
             await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
             self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
+            # before the prompt can reach the agent (docs/checkpoints.md)
+            scope.checkpoint = await self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
             opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
             prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
@@ -653,6 +665,7 @@ class TurnRunner:
         end makes it an error: that ``completed`` is stored on its own."""
         run, plan, body = scope.run, scope.plan, scope.body
         assert body is not None
+        scope.changes = await checkpoint_after(self.checkpoints, scope)
         end = self._prepare_end(scope)  # as it reads if the store takes the end
         stored = False  # the end and the history with it
         reachable = True  # the store took the run's end: its history is stored before completed goes out
@@ -719,7 +732,9 @@ class TurnRunner:
         body = scope.body
         assert body is not None
         provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
-        completed = RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, scope.usage)
+        completed = RunCompleted(
+            scope.stop, provider_id, body.resume, scope.error, scope.error_reason, scope.usage, scope.changes
+        )
         return scope.run.prepare_end(completed)
 
     async def _record_end_later(self, scope: TurnScope) -> None:

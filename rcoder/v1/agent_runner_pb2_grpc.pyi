@@ -72,6 +72,17 @@ class AgentRunnerStub:
     transcript and record, and the agent's own copy where rcoder knows the kind's layout.
     Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
     """
+    GetRunChanges: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.GetRunChangesRequest, _agent_runner_pb2.GetRunChangesResponse]
+    """The unified diff of what a run changed in its project's files (whole, or of one path),
+    from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+    FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+    """
+    RewindSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.RewindSessionRequest, _agent_runner_pb2.RewindSessionResponse]
+    """Restore the project's files to how they were before a run of the session (byte for byte,
+    deleted files included) and make the session go on from before it: its agent is ended and
+    the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+    rewind. FAILED_PRECONDITION while a turn runs in the project.
+    """
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
@@ -112,6 +123,17 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
     transcript and record, and the agent's own copy where rcoder knows the kind's layout.
     Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+    """
+    GetRunChanges: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.GetRunChangesRequest, _agent_runner_pb2.GetRunChangesResponse]  # type: ignore[assignment]
+    """The unified diff of what a run changed in its project's files (whole, or of one path),
+    from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+    FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+    """
+    RewindSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.RewindSessionRequest, _agent_runner_pb2.RewindSessionResponse]  # type: ignore[assignment]
+    """Restore the project's files to how they were before a run of the session (byte for byte,
+    deleted files included) and make the session go on from before it: its agent is ended and
+    the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+    rewind. FAILED_PRECONDITION while a turn runs in the project.
     """
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
@@ -222,6 +244,29 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
         """Erase a conversation: end its agent (a running turn is cancelled first), delete its runs,
         transcript and record, and the agent's own copy where rcoder knows the kind's layout.
         Afterwards its ids answer NOT_FOUND. Its forks are separate sessions and stay.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRunChanges(
+        self,
+        request: _agent_runner_pb2.GetRunChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.GetRunChangesResponse, _abc.Awaitable[_agent_runner_pb2.GetRunChangesResponse]]:
+        """The unified diff of what a run changed in its project's files (whole, or of one path),
+        from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+        FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+        """
+
+    @_abc_1.abstractmethod
+    def RewindSession(
+        self,
+        request: _agent_runner_pb2.RewindSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.RewindSessionResponse, _abc.Awaitable[_agent_runner_pb2.RewindSessionResponse]]:
+        """Restore the project's files to how they were before a run of the session (byte for byte,
+        deleted files included) and make the session go on from before it: its agent is ended and
+        the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+        rewind. FAILED_PRECONDITION while a turn runs in the project.
         """
 
 def add_AgentRunnerServicer_to_server(servicer: AgentRunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

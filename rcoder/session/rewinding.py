@@ -1,0 +1,110 @@
+"""``RewindSession`` (docs/checkpoints.md#rewind): the project's files as they were before a run,
+and the session going on from there.
+
+On the host that serves the session, in order:
+
+1. refused (``ProjectBusy``) while a turn of any session runs in the project here;
+2. the run is recorded as a run of kind ``rewind`` (``ListRuns``), its prompt saying which run;
+3. under the project's checkpoint lock (no snapshot of a turn meanwhile): the project as it is
+   now is snapshotted (the rewind's before), then git writes back the run's before snapshot
+   (``CheckpointRepo.restore``), then the result is snapshotted (the rewind's after): the
+   rewind's changes are what it undid;
+4. the session's agent is ended, its provider session forgotten and rcoder's transcript cut at
+   the run: the next turn opens a new agent session re-seeded from the transcript up to (not
+   including) that run, ``FALLBACK_RESEEDED`` with the reason "rewound to before run <id>"
+   (``checkpoints.rewound_reason``), since no agent can cut its own history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
+from rcoder.domain import FileChange, RunKind, RunRecord, RunStatus, StopReason, new_id
+from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy
+from rcoder.logs import get_logger
+from rcoder.session.agent_pool import AgentPool
+from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
+from rcoder.session.runs import RunRegistry
+from rcoder.store.base import RunCheckpoint, SessionStore
+
+log = get_logger("rcoder.session.rewinding")
+
+
+@dataclass(frozen=True, slots=True)
+class Rewound:
+    """A rewind done: the run that records it, and the files it changed back."""
+
+    run_id: str
+    changes: tuple[FileChange, ...]
+    agent_stopped: bool
+
+
+class SessionRewinder:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SessionStore,
+        pool: AgentPool,
+        runs: RunRegistry,
+        checkpoints: Checkpoints,
+        running_in: Callable[[str], str | None],
+        clock: Callable[[], datetime],
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._pool = pool
+        self._runs = runs
+        self._checkpoints = checkpoints
+        self._running_in = running_in  # project id -> a run running in it here, None: none
+        self._clock = clock
+
+    async def rewind(self, session_id: str, run_id: str) -> Rewound:
+        record = await self._store.get_session(session_id)
+        if record is None:
+            raise NotFound("session", session_id)
+        target = await self._store.get_run(run_id)
+        if target is None:
+            raise NotFound("run", run_id)
+        if target.session_id != session_id:
+            raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
+        if not self._checkpoints.enabled:
+            raise NoCheckpoint(run_id, "before", "checkpoints are off (checkpoints = false)")
+        project_id = record.project_id
+        repo = self._checkpoints.repo(project_id, record.cwd)
+        rewind_id = new_id()
+        async with self._checkpoints.locks[project_id]:
+            holder = self._runs.holder(session_id)
+            busy = holder.run_id if holder is not None else self._running_in(project_id)
+            if busy is not None:
+                raise ProjectBusy(project_id, busy)
+            goal = await repo.resolve(ref(run_id, "before"))
+            if goal is None:
+                raise NoCheckpoint(run_id, "before", "checkpoints were off for it, or its snapshots were deleted")
+            await self._store.start_run(
+                RunRecord(
+                    run_id=rewind_id, session_id=session_id, status=RunStatus.RUNNING, started_at=self._clock(),
+                    prompt=f"rewind to before run {run_id}",
+                )
+            )  # fmt: skip
+            profile = self._settings.profile(record.agent)
+            excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
+            now = await repo.snapshot(excludes, f"before rewind {rewind_id}")
+            await repo.set_refs({ref(rewind_id, "before"): now})
+            await repo.restore(goal)
+            after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
+            await repo.set_refs({ref(rewind_id, "after"): after})
+            changes = await repo.changes(now, after)
+        stopped = await self._pool.close(session_id)
+        at = self._clock()
+        await self._store.set_provider_session_id(session_id, "", at)
+        await self._store.cut_transcript(session_id, run_id)
+        await self._store.put_run_checkpoint(
+            rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
+        )
+        await self._store.finish_run(rewind_id, RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock(), None)
+        log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
+                 files=len(changes), agent_stopped=stopped)  # fmt: skip
+        return Rewound(rewind_id, changes, stopped)

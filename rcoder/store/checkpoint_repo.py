@@ -1,0 +1,298 @@
+"""A project's checkpoints: a bare git repository outside the project, written by ``git`` itself
+(docs/checkpoints.md).
+
+``git --git-dir=<store> --work-tree=<project>`` with an index file of rcoder's own: the project's
+own ``.git`` is never opened (git always skips a folder named ``.git``). A snapshot is ``git add -A``
+into that index (git keeps each file's stat data there, so a later snapshot reads only what
+changed), then ``write-tree`` and ``commit-tree``; a ref names each snapshot, so gc keeps it.
+
+The project's content must never make git run anything or change what it stores: git runs in a
+process group of its own, bounded by a timeout, with no system, global or user configuration and
+no hooks, and the store's ``info/attributes`` (which outranks every ``.gitattributes`` in the
+project) unsets every attribute that would convert a file on its way in or out (``text``, ``eol``,
+``ident``, ``filter``, ``working-tree-encoding``): what is stored is the file's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rcoder.domain import ChangeKind, FileChange
+from rcoder.errors import CheckpointError
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.store.checkpoint_repo")
+
+GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+# outranks the project's .gitattributes: no conversion of any file in or out, git's own heuristic
+# for what is binary (a NUL in the first 8000 bytes), no diff or merge driver
+ATTRIBUTES = "* -text -crlf !eol -ident !filter !working-tree-encoding !diff !merge\n"
+CONFIG = (
+    "core.hooksPath=/dev/null",
+    "core.attributesFile=/dev/null",
+    "core.autocrlf=false",
+    "core.safecrlf=false",
+    "core.symlinks=true",
+    "core.filemode=true",
+    "core.ignorecase=false",
+    "core.fsmonitor=false",
+    "core.quotePath=false",
+    "core.untrackedCache=false",
+    "gc.auto=0",  # never on the hot path: ``gc`` runs it off it
+    "maintenance.auto=false",
+    "diff.renames=false",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "advice.addEmbeddedRepo=false",
+    "advice.addIgnoredFile=false",
+)
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "rcoder",
+    "GIT_AUTHOR_EMAIL": "rcoder@localhost",
+    "GIT_COMMITTER_NAME": "rcoder",
+    "GIT_COMMITTER_EMAIL": "rcoder@localhost",
+}
+
+
+def git_env(home: Path) -> dict[str, str]:
+    """A clean environment: nothing of the daemon's, no configuration but the store's own."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "LC_ALL": "C",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_ATTR_NOSYSTEM": "1",
+        "GIT_TERMINAL_PROMPT": "0",
+        "GIT_LITERAL_PATHSPECS": "1",
+        "GIT_OPTIONAL_LOCKS": "0",
+        **IDENTITY,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class GitResult:
+    out: bytes
+    truncated: bool  # ``limit`` bytes were read and the rest dropped (the process ended)
+
+
+async def run_git(
+    args: Sequence[str], env: dict[str, str], cwd: Path, timeout: float = GIT_TIMEOUT, limit: int = 0
+) -> GitResult:
+    """``git args`` in a process group of its own, ended with it on every path (a timeout, a
+    cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
+    process = await asyncio.create_subprocess_exec(
+        "git", *args, cwd=cwd, env=env, start_new_session=True,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(timeout):
+            if limit:
+                assert process.stdout is not None and process.stderr is not None
+                out = b""
+                while len(out) <= limit:
+                    more = await process.stdout.read(limit + 1 - len(out))
+                    if not more:
+                        break
+                    out += more
+                if len(out) > limit:
+                    return GitResult(out[:limit], True)
+                err = await process.stderr.read()
+                await process.wait()
+            else:
+                out, err = await process.communicate()
+    except TimeoutError:
+        raise CheckpointError(args[0], f"git {args[0]} took longer than {timeout:g} s") from None
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.shield(process.wait())
+    if process.returncode != 0:
+        text = err.decode(errors="replace").strip()[-500:]
+        raise CheckpointError(args[0], f"git {args[0]} exited {process.returncode}: {text}")
+    return GitResult(out, False)
+
+
+class CheckpointRepo:
+    """One project's store: ``git_dir`` (bare), the project as its work tree, ``index`` rcoder's."""
+
+    def __init__(self, git_dir: Path, work_tree: Path, index: Path, timeout: float = GIT_TIMEOUT) -> None:
+        self.git_dir, self.work_tree, self.index, self.timeout = git_dir, work_tree, index, timeout
+        self._env = git_env(git_dir)
+        self._env.update(GIT_DIR=str(git_dir), GIT_WORK_TREE=str(work_tree), GIT_INDEX_FILE=str(index))
+        self._flags = [arg for item in CONFIG for arg in ("-c", item)]
+        # the last snapshot's tree and commit: an unchanged tree reuses its commit
+        self._last: tuple[str, str] | None = None
+
+    async def git(self, *args: str, limit: int = 0, excludes: Path | None = None) -> GitResult:
+        flags = list(self._flags)
+        flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
+        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit)
+
+    async def ensure(self) -> None:
+        """Create the store (bare, no hooks) the first time; the caller serialises."""
+        if (self.git_dir / "HEAD").exists():
+            return
+        self.git_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.index.parent.mkdir(parents=True, exist_ok=True)
+        env = git_env(self.git_dir.parent)
+        await run_git(["init", "--bare", "--quiet", "--template=", str(self.git_dir)], env, self.git_dir.parent)
+        info = self.git_dir / "info"
+        info.mkdir(exist_ok=True)
+        (info / "attributes").write_text(ATTRIBUTES)
+
+    def excludes_file(self, patterns: Sequence[str]) -> Path:
+        """The exclude file holding ``patterns`` (gitignore syntax), written once per set."""
+        text = "".join(f"{p}\n" for p in patterns)
+        path = self.git_dir / "info" / f"exclude-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        if not path.exists():
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(text)
+            temporary.replace(path)
+        return path
+
+    async def snapshot(self, patterns: Sequence[str], message: str) -> str:
+        """The project's files now, as a commit (every file but those the project's .gitignore
+        files and ``patterns`` leave out)."""
+        await self.ensure()
+        excludes = self.excludes_file(patterns)
+        await self.git("add", "--all", "--ignore-errors", "--", ".", excludes=excludes)
+        tree = (await self.git("write-tree")).out.decode().strip()
+        if self._last is not None and self._last[0] == tree:
+            return self._last[1]
+        commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+        self._last = (tree, commit)
+        return commit
+
+    async def set_refs(self, refs: dict[str, str]) -> None:
+        lines = "".join(f"update {name} {sha}\n" for name, sha in refs.items())
+        await self._update_refs(lines)
+
+    async def delete_refs(self, names: Sequence[str]) -> None:
+        if names:
+            await self._update_refs("".join(f"delete {name}\n" for name in names))
+
+    async def _update_refs(self, lines: str) -> None:
+        await self._git_stdin(["update-ref", "--stdin"], lines.encode())
+
+    async def _git_stdin(self, args: Sequence[str], data: bytes) -> None:
+        flags = [*self._flags, "-c", "core.excludesFile=/dev/null"]
+        process = await asyncio.create_subprocess_exec(
+            "git", *flags, *args, cwd=self.work_tree, env=self._env, start_new_session=True,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(self.timeout):
+                _, err = await process.communicate(data)
+        except TimeoutError:
+            raise CheckpointError(args[0], f"git {args[0]} took longer than {self.timeout:g} s") from None
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await asyncio.shield(process.wait())
+        if process.returncode != 0:
+            text = err.decode(errors="replace").strip()[-500:]
+            raise CheckpointError(args[0], f"git {args[0]} exited {process.returncode}: {text}")
+
+    async def resolve(self, ref: str) -> str | None:
+        """The commit ``ref`` names, None when there is none."""
+        if not (self.git_dir / "HEAD").exists():
+            return None
+        try:
+            out = await self.git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        except CheckpointError:
+            return None
+        return out.out.decode().strip() or None
+
+    async def refs(self, prefix: str) -> dict[str, int]:
+        """Every ref under ``prefix``, with its commit's time (Unix seconds)."""
+        if not (self.git_dir / "HEAD").exists():
+            return {}
+        out = await self.git("for-each-ref", "--format=%(refname) %(committerdate:unix)", prefix)
+        found: dict[str, int] = {}
+        for line in out.out.decode().splitlines():
+            name, _, when = line.rpartition(" ")
+            found[name] = int(when) if when.isdigit() else 0
+        return found
+
+    async def changes(self, before: str, after: str) -> tuple[FileChange, ...]:
+        """What changed from ``before`` to ``after``, per file (renames found as git finds them)."""
+        raw = await self.git("diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after)
+        return parse_changes(raw.out)
+
+    async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
+        """The unified diff from ``before`` to ``after`` (of ``path`` alone when given), at most
+        ``limit`` bytes of it."""
+        args = ["diff-tree", "-r", "-p", "-M", "--no-color", "--no-ext-diff", "--no-textconv", before, after]
+        if path:
+            args += ["--", path]
+        return await self.git(*args, limit=limit)
+
+    async def restore(self, commit: str) -> None:
+        """Make the project's captured files as ``commit`` holds them. The index must hold the
+        project as it is now (a snapshot just taken): files it holds that ``commit`` does not are
+        removed, the others written. git's checkout never writes through a link: a link where a
+        folder must be is removed first, and a link is written as a link."""
+        await self.git("read-tree", "--reset", "-u", commit)
+        self._last = None
+
+    async def gc(self) -> None:
+        """Pack and prune (objects unreferenced for 5 minutes: a snapshot another host is writing
+        may not have its ref yet)."""
+        if (self.git_dir / "HEAD").exists():
+            await self.git("-c", "gc.auto=6700", "gc", "--auto", "--quiet", "--prune=5.minutes.ago")
+
+
+def parse_changes(data: bytes) -> tuple[FileChange, ...]:
+    """``diff-tree --raw --numstat -z`` output as ``FileChange`` records, in git's order."""
+    fields = data.split(b"\0")
+    raws: list[tuple[str, str, str, str, str, str]] = []  # old mode, new mode, old sha, new sha, status, path
+    olds: dict[str, str] = {}
+    i = 0
+    while i < len(fields) and fields[i].startswith(b":"):
+        old_mode, new_mode, old_sha, new_sha, status = fields[i][1:].decode().split(" ")
+        if status[0] in "RC":
+            olds[fields[i + 2].decode(errors="surrogateescape")] = fields[i + 1].decode(errors="surrogateescape")
+            path = fields[i + 2]
+            i += 3
+        else:
+            path = fields[i + 1]
+            i += 2
+        raws.append((old_mode, new_mode, old_sha, new_sha, status, path.decode(errors="surrogateescape")))
+    stats: dict[str, tuple[int, int, bool]] = {}
+    while i < len(fields) and fields[i]:
+        added, removed, path_field = fields[i].decode(errors="surrogateescape").split("\t", 2)
+        if path_field:
+            path, i = path_field, i + 1
+        else:  # a rename: the old path and the new follow
+            path, i = fields[i + 2].decode(errors="surrogateescape"), i + 3
+        binary = added == "-"
+        stats[path] = (0 if binary else int(added), 0 if binary else int(removed), binary)
+    changes = []
+    for old_mode, new_mode, old_sha, new_sha, status, path in raws:
+        added, removed, binary = stats.get(path, (0, 0, False))
+        kind = _kind(status[0], old_mode, new_mode, old_sha, new_sha)
+        changes.append(FileChange(path, kind, olds.get(path, ""), added, removed, binary))
+    return tuple(changes)
+
+
+def _kind(status: str, old_mode: str, new_mode: str, old_sha: str, new_sha: str) -> ChangeKind:
+    if status == "A":
+        return ChangeKind.ADDED
+    if status == "D":
+        return ChangeKind.DELETED
+    if status in "RC":
+        return ChangeKind.RENAMED
+    if old_sha == new_sha and old_mode != new_mode:
+        return ChangeKind.MODE_CHANGED
+    return ChangeKind.MODIFIED

@@ -37,7 +37,7 @@ from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
 from rcoder.session.agent_pool import AgentPool
-from rcoder.session.checkpoints import RunDiff
+from rcoder.session.checkpoints import Checkpoints, RunDiff
 from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
@@ -102,7 +102,10 @@ class AcpWorker:
         self.leases.on_lost = self._lease_lost  # and a lost lease ends the agent
         # every run's events, stored as streamed, and read back by Subscribe
         self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
-        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history)
+        checkpoints = Checkpoints(settings, store, launcher.trees)
+        self.turns = TurnRunner(
+            settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history, checkpoints
+        )
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
         self._queues = TurnQueues(settings.max_queued_turns)
         runs.on_released = self._next_turn

@@ -29,7 +29,7 @@ from rcoder.domain import ChangeKind, FileChange, RunKind
 from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
 from rcoder.logs import get_logger
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import CheckpointRepo
+from rcoder.store.checkpoint_repo import CheckpointRepo, ChildGuard
 
 if TYPE_CHECKING:
     from rcoder.session.turn import TurnScope
@@ -70,7 +70,8 @@ class RunDiff:
 
 
 class Checkpoints:
-    def __init__(self, settings: Settings, store: SessionStore) -> None:
+    def __init__(self, settings: Settings, store: SessionStore, guard: ChildGuard | None = None) -> None:
+        self._guard = guard  # the daemon's reaper, kept off git's exit status (``ChildGuard``)
         self.enabled = settings.checkpoints
         self._root = checkpoint_root(settings)
         self._index_dir = settings.data_dir / "checkpoint-index"
@@ -84,7 +85,8 @@ class Checkpoints:
         repo = self._repos.get(project_id)
         if repo is None:
             work_tree = Path(cwd) if cwd else self._workspace / project_id
-            repo = CheckpointRepo(self._root / f"{project_id}.git", work_tree, self._index_dir / project_id)
+            git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id
+            repo = CheckpointRepo(git_dir, work_tree, index, self._guard)
             self._repos[project_id] = repo
         return repo
 

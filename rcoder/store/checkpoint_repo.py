@@ -21,8 +21,10 @@ import hashlib
 import os
 import signal
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rcoder.domain import ChangeKind, FileChange
 from rcoder.errors import CheckpointError
@@ -78,6 +80,31 @@ def git_env(home: Path) -> dict[str, str]:
     }
 
 
+class ChildGuard(Protocol):
+    """Who else waits for the daemon's children (``rcoder.agent.tree.Trees``: the subreaper reaps
+    every zombie child it does not own); git's exit status is ours to read, so it is owned while
+    it runs."""
+
+    def spawning(self) -> AbstractContextManager[None]: ...
+
+    def own(self, pid: int) -> None: ...
+
+    def disown(self, pid: int) -> None: ...
+
+
+class NoGuard:
+    """No reaper but asyncio's own."""
+
+    def spawning(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def own(self, pid: int) -> None:
+        pass
+
+    def disown(self, pid: int) -> None:
+        pass
+
+
 @dataclass(frozen=True, slots=True)
 class GitResult:
     out: bytes
@@ -85,14 +112,23 @@ class GitResult:
 
 
 async def run_git(
-    args: Sequence[str], env: dict[str, str], cwd: Path, timeout: float = GIT_TIMEOUT, limit: int = 0
+    args: Sequence[str],
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float = GIT_TIMEOUT,
+    limit: int = 0,
+    guard: ChildGuard = NoGuard(),  # noqa: B008 (stateless)
+    stdin: bytes | None = None,
 ) -> GitResult:
     """``git args`` in a process group of its own, ended with it on every path (a timeout, a
     cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
-    process = await asyncio.create_subprocess_exec(
-        "git", *args, cwd=cwd, env=env, start_new_session=True,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    with guard.spawning():
+        process = await asyncio.create_subprocess_exec(
+            "git", *args, cwd=cwd, env=env, start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        guard.own(process.pid)
     try:
         async with asyncio.timeout(timeout):
             if limit:
@@ -108,25 +144,30 @@ async def run_git(
                 err = await process.stderr.read()
                 await process.wait()
             else:
-                out, err = await process.communicate()
+                out, err = await process.communicate(stdin)
     except TimeoutError:
-        raise CheckpointError(args[0], f"git {args[0]} took longer than {timeout:g} s") from None
+        raise CheckpointError("git", f"git {' '.join(args)[-200:]} took longer than {timeout:g} s") from None
     finally:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             await asyncio.shield(process.wait())
+        guard.disown(process.pid)
     if process.returncode != 0:
         text = err.decode(errors="replace").strip()[-500:]
-        raise CheckpointError(args[0], f"git {args[0]} exited {process.returncode}: {text}")
+        step = next((a for a in args if not a.startswith("-") and "=" not in a), "git")
+        raise CheckpointError(step, f"git {step} exited {process.returncode}: {text}")
     return GitResult(out, False)
 
 
 class CheckpointRepo:
     """One project's store: ``git_dir`` (bare), the project as its work tree, ``index`` rcoder's."""
 
-    def __init__(self, git_dir: Path, work_tree: Path, index: Path, timeout: float = GIT_TIMEOUT) -> None:
+    def __init__(
+        self, git_dir: Path, work_tree: Path, index: Path, guard: ChildGuard | None = None, timeout: float = GIT_TIMEOUT
+    ) -> None:
         self.git_dir, self.work_tree, self.index, self.timeout = git_dir, work_tree, index, timeout
+        self._guard = guard or NoGuard()
         self._env = git_env(git_dir)
         self._env.update(GIT_DIR=str(git_dir), GIT_WORK_TREE=str(work_tree), GIT_INDEX_FILE=str(index))
         self._flags = [arg for item in CONFIG for arg in ("-c", item)]
@@ -136,7 +177,7 @@ class CheckpointRepo:
     async def git(self, *args: str, limit: int = 0, excludes: Path | None = None) -> GitResult:
         flags = list(self._flags)
         flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
-        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit)
+        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit, self._guard)
 
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises."""
@@ -145,7 +186,8 @@ class CheckpointRepo:
         self.git_dir.parent.mkdir(parents=True, exist_ok=True)
         self.index.parent.mkdir(parents=True, exist_ok=True)
         env = git_env(self.git_dir.parent)
-        await run_git(["init", "--bare", "--quiet", "--template=", str(self.git_dir)], env, self.git_dir.parent)
+        init = ["init", "--bare", "--quiet", "--template=", str(self.git_dir)]
+        await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard)
         info = self.git_dir / "info"
         info.mkdir(exist_ok=True)
         (info / "attributes").write_text(ATTRIBUTES)
@@ -182,27 +224,8 @@ class CheckpointRepo:
             await self._update_refs("".join(f"delete {name}\n" for name in names))
 
     async def _update_refs(self, lines: str) -> None:
-        await self._git_stdin(["update-ref", "--stdin"], lines.encode())
-
-    async def _git_stdin(self, args: Sequence[str], data: bytes) -> None:
         flags = [*self._flags, "-c", "core.excludesFile=/dev/null"]
-        process = await asyncio.create_subprocess_exec(
-            "git", *flags, *args, cwd=self.work_tree, env=self._env, start_new_session=True,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            async with asyncio.timeout(self.timeout):
-                _, err = await process.communicate(data)
-        except TimeoutError:
-            raise CheckpointError(args[0], f"git {args[0]} took longer than {self.timeout:g} s") from None
-        finally:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await asyncio.shield(process.wait())
-        if process.returncode != 0:
-            text = err.decode(errors="replace").strip()[-500:]
-            raise CheckpointError(args[0], f"git {args[0]} exited {process.returncode}: {text}")
+        await run_git([*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode())
 
     async def resolve(self, ref: str) -> str | None:
         """The commit ``ref`` names, None when there is none."""

@@ -203,9 +203,9 @@ class SettingsKeys(_Schema):
     # docs/checkpoints.md: a snapshot of the project's files before and after every turn
     checkpoints: bool = True
     """snapshot a project's files before and after every turn (changes, GetRunChanges, RewindSession)"""
-    checkpoint_root: ConfigPath | None = None
-    """where each project's checkpoint store (a bare git repository) lives: none set,
-    <data_dir>/checkpoints; on several hosts sharing a workspace, shared storage beside it"""
+    checkpoint_root: str = ""
+    """where each project's checkpoint store (a bare git repository) lives ("": <data_dir>/checkpoints);
+    on several hosts sharing a workspace, shared storage beside it. See Checkpoints"""
     max_diff_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
     """the most bytes of diff GetRunChanges answers (4 MiB); past it the diff is cut, visibly"""
     default_agent: str = "claude"
@@ -420,7 +420,9 @@ def load_settings(
 
 def checkpoint_root(settings: SettingsKeys) -> Path:
     """Where the projects' checkpoint stores live (docs/checkpoints.md)."""
-    return settings.checkpoint_root or settings.data_dir / "checkpoints"
+    return (
+        Path(settings.checkpoint_root).expanduser() if settings.checkpoint_root else settings.data_dir / "checkpoints"
+    )
 
 
 def _check_checkpoint_root(settings: Settings) -> None:

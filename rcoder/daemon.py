@@ -6,10 +6,10 @@ The daemon owns every run and agent; the gRPC handlers only watch.
 from __future__ import annotations
 
 import asyncio
-import time
 import os
 import signal
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 

@@ -56,6 +56,11 @@ CONFIG = (
     "advice.addEmbeddedRepo=false",
     "advice.addIgnoredFile=false",
 )
+# how ``git add`` stores what it reads: every file into one pack per snapshot, not a loose object
+# file each, and uncompressed (``gc`` compresses off the hot path): a first snapshot of 10,000
+# files and 200 MB writes one file instead of 10,000 and spends no time in zlib (5 s -> 2 s).
+# Only for ``add``: a diff treats a file past core.bigFileThreshold as binary.
+SNAPSHOT_ADD = ("-c", "core.bigFileThreshold=1", "-c", "core.compression=0")
 IDENTITY = {
     "GIT_AUTHOR_NAME": "rcoder",
     "GIT_AUTHOR_EMAIL": "rcoder@localhost",
@@ -207,7 +212,7 @@ class CheckpointRepo:
         files and ``patterns`` leave out)."""
         await self.ensure()
         excludes = self.excludes_file(patterns)
-        await self.git("add", "--all", "--ignore-errors", "--", ".", excludes=excludes)
+        await self.git(*SNAPSHOT_ADD, "add", "--all", "--ignore-errors", "--", ".", excludes=excludes)
         tree = (await self.git("write-tree")).out.decode().strip()
         if self._last is not None and self._last[0] == tree:
             return self._last[1]
@@ -225,7 +230,9 @@ class CheckpointRepo:
 
     async def _update_refs(self, lines: str) -> None:
         flags = [*self._flags, "-c", "core.excludesFile=/dev/null"]
-        await run_git([*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode())
+        await run_git(
+            [*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode()
+        )
 
     async def resolve(self, ref: str) -> str | None:
         """The commit ``ref`` names, None when there is none."""
@@ -286,12 +293,12 @@ def parse_changes(data: bytes) -> tuple[FileChange, ...]:
         old_mode, new_mode, old_sha, new_sha, status = fields[i][1:].decode().split(" ")
         if status[0] in "RC":
             olds[fields[i + 2].decode(errors="surrogateescape")] = fields[i + 1].decode(errors="surrogateescape")
-            path = fields[i + 2]
+            named = fields[i + 2]
             i += 3
         else:
-            path = fields[i + 1]
+            named = fields[i + 1]
             i += 2
-        raws.append((old_mode, new_mode, old_sha, new_sha, status, path.decode(errors="surrogateescape")))
+        raws.append((old_mode, new_mode, old_sha, new_sha, status, named.decode(errors="surrogateescape")))
     stats: dict[str, tuple[int, int, bool]] = {}
     while i < len(fields) and fields[i]:
         added, removed, path_field = fields[i].decode(errors="surrogateescape").split("\t", 2)
@@ -303,9 +310,9 @@ def parse_changes(data: bytes) -> tuple[FileChange, ...]:
         stats[path] = (0 if binary else int(added), 0 if binary else int(removed), binary)
     changes = []
     for old_mode, new_mode, old_sha, new_sha, status, path in raws:
-        added, removed, binary = stats.get(path, (0, 0, False))
+        lines_added, lines_removed, binary = stats.get(path, (0, 0, False))
         kind = _kind(status[0], old_mode, new_mode, old_sha, new_sha)
-        changes.append(FileChange(path, kind, olds.get(path, ""), added, removed, binary))
+        changes.append(FileChange(path, kind, olds.get(path, ""), lines_added, lines_removed, binary))
     return tuple(changes)
 
 

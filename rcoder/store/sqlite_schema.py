@@ -307,6 +307,7 @@ def audit_of(row: sqlite3.Row) -> AuditEntry:
 def entry_of(row: sqlite3.Row) -> TranscriptEntry:
     return TranscriptEntry(**{**dict(row), "created_at": _time(row["created_at"])})
 
+
 # checkpoints (docs/checkpoints.md)
 PUT_RUN_CHECKPOINT = (
     "INSERT INTO run_checkpoints (run_id, session_id, kind, target_run_id, changes) VALUES (?, ?, ?, ?, ?)"

@@ -5,14 +5,14 @@ On the host that serves the session, in order:
 
 1. refused (``ProjectBusy``) while a turn of any session runs in the project here;
 2. the run is recorded as a run of kind ``rewind`` (``ListRuns``), its prompt saying which run;
-3. under the project's checkpoint lock (no snapshot of a turn meanwhile): the project as it is
-   now is snapshotted (the rewind's before), then git writes back the run's before snapshot
-   (``CheckpointRepo.restore``), then the result is snapshotted (the rewind's after): the
-   rewind's changes are what it undid;
-4. the session's agent is ended, its provider session forgotten and rcoder's transcript cut at
-   the run: the next turn opens a new agent session re-seeded from the transcript up to (not
-   including) that run, ``FALLBACK_RESEEDED`` with the reason "rewound to before run <id>"
-   (``checkpoints.rewound_reason``), since no agent can cut its own history.
+3. under the project's checkpoint lock (no snapshot of a turn meanwhile), the session's agent is
+   ended, its provider session forgotten and rcoder's transcript cut at the run; then the
+   project as it is now is snapshotted (the rewind's before), git writes back the run's before
+   snapshot (``CheckpointRepo.restore``), and the result is snapshotted (the rewind's after):
+   the rewind's changes are what it undid. The next turn opens a new agent session re-seeded
+   from the transcript up to (not including) that run, ``FALLBACK_RESEEDED`` with the reason
+   "rewound to before run <id>" (``checkpoints.rewound_reason``), since no agent can cut its
+   own history.
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ class SessionRewinder:
                     prompt=f"rewind to before run {run_id}",
                 )
             )  # fmt: skip
+            # the session forgets first: a turn sent meanwhile waits for this lock (its before
+            # snapshot), then finds no live agent and no agent session to resume
+            stopped = await self._pool.close(session_id)
+            await self._store.set_provider_session_id(session_id, "", self._clock())
+            await self._store.cut_transcript(session_id, run_id)
             profile = self._settings.profile(record.agent)
             excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
             now = await repo.snapshot(excludes, f"before rewind {rewind_id}")
@@ -97,10 +102,6 @@ class SessionRewinder:
             after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
             await repo.set_refs({ref(rewind_id, "after"): after})
             changes = await repo.changes(now, after)
-        stopped = await self._pool.close(session_id)
-        at = self._clock()
-        await self._store.set_provider_session_id(session_id, "", at)
-        await self._store.cut_transcript(session_id, run_id)
         await self._store.put_run_checkpoint(
             rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
         )

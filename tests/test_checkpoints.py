@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ import pytest
 
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
+from rcoder.session.checkpoints import Checkpoints
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, error_info
@@ -306,3 +308,19 @@ def test_a_checkpoint_root_inside_the_workspace_is_refused(tmp_path: Path) -> No
         load_settings(config_file=config, environ={})
     assert refused.value.metadata.get("key", "checkpoint_root") == "checkpoint_root"
     assert "inside workspace_root" in refused.value.message
+
+
+async def test_snapshots_older_than_history_retention_are_swept_and_the_rest_kept(tmp_path: Path) -> None:
+    config = tmp_path / "rcoder.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nworkspace_root = "{tmp_path / "workspace"}"\n')
+    settings = load_settings(config, {})
+    project = tmp_path / "workspace" / "proj"
+    project.mkdir(parents=True)
+    (project / "a.txt").write_text("a\n")
+    marks = Checkpoints(settings, store=None)  # type: ignore[arg-type]  # ``before`` and ``sweep`` use no store
+    profile = settings.agents[settings.default_agent]
+    assert await marks.before("proj", str(project), "run-1", profile)
+    await marks.sweep(keep_days=1, now=time.time())  # a day is not over: kept
+    assert store_refs(tmp_path) == {"refs/rcoder/runs/run-1/before"}
+    await marks.sweep(keep_days=1, now=time.time() + 2 * 86400)
+    assert store_refs(tmp_path) == set()

@@ -200,6 +200,9 @@ async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[
     """The turn's after snapshot and changes, on every path of its end (a store that cannot keep
     them loses them, logged: the turn's own end matters more)."""
     plan = scope.plan
+    if scope.before is not None:  # taken while the session opened: done before the after one
+        await asyncio.wait({scope.before})
+        scope.checkpoint = "" if scope.before.cancelled() else scope.before.result()
     try:
         return await asyncio.shield(
             checkpoints.after(

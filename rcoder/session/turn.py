@@ -179,7 +179,10 @@ class TurnScope:
         self.error_reason = ""
         self.transcript: TranscriptEntry | None = None
         self.usage: Usage | None = None  # what the agent reported the turn cost
-        self.checkpoint = ""  # the project's snapshot before the prompt went out (docs/checkpoints.md)
+        # the project's snapshot before the prompt goes out (docs/checkpoints.md): taken while the
+        # session opens, waited for before the prompt is sent; its commit ("": none)
+        self.before: asyncio.Task[str] | None = None
+        self.checkpoint = ""
         self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files
 
     # ------------------------------------------------------------ phases
@@ -500,10 +503,12 @@ class TurnRunner:
             # refused before any agent starts in a project past its profile's workspace_max_bytes
             await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
             self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
-            # before the prompt can reach the agent (docs/checkpoints.md)
-            scope.checkpoint = await self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
-            opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
+            snapshot = self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+            scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
+            opened = await scope.open(self._opener)
+            # the project as it was before the prompt reaches the agent (shielded: the end waits for it too)
+            scope.checkpoint = await asyncio.shield(scope.before)
             prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
             try:
                 # one step for the prompt task: it writes the prompt to the agent before the

@@ -79,6 +79,7 @@ class Checkpoints:
         self._max_diff = settings.max_diff_bytes
         self._store = store
         self._repos: dict[str, CheckpointRepo] = {}
+        self._to_prune: set[str] = set()  # projects whose snapshots were deleted since the last sweep
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def repo(self, project_id: str, cwd: str | Path | None = None) -> CheckpointRepo:
@@ -154,11 +155,6 @@ class Checkpoints:
             changes = tuple(c for c in changes if path in (c.path, c.old_path))
         return RunDiff(text, out.truncated, changes)
 
-    async def attach(self, runs: Sequence[object]) -> dict[str, RunCheckpoint]:
-        """The stored checkpoint records of ``runs`` (``RunRecord``s), by run id."""
-        ids = [getattr(r, "run_id") for r in runs]  # noqa: B009
-        return await self._store.run_checkpoints(ids) if ids else {}
-
     # ------------------------------------------------------------ lifetime
 
     async def forget_runs(self, project_id: str, run_ids: Sequence[str], project_left: bool) -> None:
@@ -176,10 +172,12 @@ class Checkpoints:
             names = [ref(r, which) for r in run_ids for which in ("before", "after")]
             existing = await repo.refs(REF_PREFIX)
             await repo.delete_refs([n for n in names if n in existing])
+            self._to_prune.add(project_id)
 
     async def sweep(self, keep_days: float, now: float) -> None:
-        """Off the hot path: refs older than ``keep_days`` (0: kept) deleted, then ``git gc --auto``,
-        for every store this host can see; each bounded by git's timeout."""
+        """Off the hot path: refs older than ``keep_days`` (0: kept) deleted, then ``git gc`` (a
+        full one where snapshots were deleted, so that their content goes; else ``--auto``), for
+        every store this host can see; each bounded by git's timeout."""
         if not self.enabled or not self._root.is_dir():
             return
         for git_dir in sorted(self._root.glob("*.git")):
@@ -191,7 +189,10 @@ class Checkpoints:
                         refs = await repo.refs(REF_PREFIX)
                         old = [name for name, when in refs.items() if when < now - keep_days * 86400]
                         await repo.delete_refs(old)
-                    await repo.gc()
+                        if old:
+                            self._to_prune.add(project_id)
+                    await repo.gc(full=project_id in self._to_prune)
+                    self._to_prune.discard(project_id)
             except (CheckpointError, OSError) as exc:
                 log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
 

@@ -276,11 +276,13 @@ class CheckpointRepo:
         await self.git("read-tree", "--reset", "-u", commit)
         self._last = None
 
-    async def gc(self) -> None:
-        """Pack and prune (objects unreferenced for 5 minutes: a snapshot another host is writing
-        may not have its ref yet)."""
+    async def gc(self, full: bool = False) -> None:
+        """Pack and prune: ``--auto`` (when git finds it worth it) unless ``full``. Objects are
+        pruned once unreferenced for 5 minutes: a snapshot another host is writing may not have
+        its ref yet."""
         if (self.git_dir / "HEAD").exists():
-            await self.git("-c", "gc.auto=6700", "gc", "--auto", "--quiet", "--prune=5.minutes.ago")
+            auto = () if full else ("--auto",)
+            await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
 
 
 def parse_changes(data: bytes) -> tuple[FileChange, ...]:

@@ -28,6 +28,7 @@ from rcoder.config import AgentProfile, Settings, checkpoint_root
 from rcoder.domain import ChangeKind, FileChange, RunKind
 from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
 from rcoder.logs import get_logger
+from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo, ChildGuard
 
@@ -134,7 +135,7 @@ class Checkpoints:
         """The run's unified diff (of ``path`` alone when given), bounded by ``max_diff_bytes``."""
         run = await self._store.get_run(run_id)
         if run is None:
-            raise NotFound("run", run_id)
+            raise NotFound("run", run_id, RUN_MISSING)
         session = await self._store.get_session(run.session_id)
         if session is None:
             raise NotFound("session", run.session_id)

@@ -27,7 +27,7 @@ from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy
 from rcoder.logs import get_logger
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
-from rcoder.session.runs import RunRegistry
+from rcoder.session.runs import RUN_MISSING, RunRegistry
 from rcoder.store.base import RunCheckpoint, SessionStore
 
 log = get_logger("rcoder.session.rewinding")
@@ -64,10 +64,10 @@ class SessionRewinder:
     async def rewind(self, session_id: str, run_id: str) -> Rewound:
         record = await self._store.get_session(session_id)
         if record is None:
-            raise NotFound("session", session_id)
+            raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
         target = await self._store.get_run(run_id)
         if target is None:
-            raise NotFound("run", run_id)
+            raise NotFound("run", run_id, RUN_MISSING)
         if target.session_id != session_id:
             raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
         if not self._checkpoints.enabled:

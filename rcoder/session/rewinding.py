@@ -17,12 +17,16 @@ On the host that serves the session, in order:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
-from rcoder.domain import FileChange, RunKind, RunRecord, RunStatus, StopReason, new_id
+from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, StopReason, new_id
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy
 from rcoder.logs import get_logger
 from rcoder.session.agent_pool import AgentPool
@@ -40,6 +44,25 @@ class Rewound:
     run_id: str
     changes: tuple[FileChange, ...]
     agent_stopped: bool
+
+
+def give_back(project: Path, changes: Sequence[FileChange]) -> None:
+    """What the rewind wrote belongs to the project folder's owner, as the rest of it does (a
+    daemon run as root writes as root; its agents may run as a uid of their own). Never through
+    a link: ``lchown``, on paths git has just written as real folders and files."""
+    if os.geteuid() != 0:
+        return
+    owner = project.stat()
+    written: set[Path] = set()
+    for change in changes:
+        if change.kind is ChangeKind.DELETED:
+            continue
+        path = project / change.path
+        written.add(path)
+        written.update(p for p in path.parents if project in p.parents)
+    for path in written:
+        with contextlib.suppress(FileNotFoundError):
+            os.lchown(path, owner.st_uid, owner.st_gid)
 
 
 class SessionRewinder:
@@ -102,6 +125,7 @@ class SessionRewinder:
             after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
             await repo.set_refs({ref(rewind_id, "after"): after})
             changes = await repo.changes(now, after)
+            await asyncio.to_thread(give_back, repo.work_tree, changes)
         await self._store.put_run_checkpoint(
             rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
         )

@@ -124,6 +124,7 @@ async def run_git(
     limit: int = 0,
     guard: ChildGuard = NoGuard(),  # noqa: B008 (stateless)
     stdin: bytes | None = None,
+    ok: tuple[int, ...] = (0,),
 ) -> GitResult:
     """``git args`` in a process group of its own, ended with it on every path (a timeout, a
     cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
@@ -158,7 +159,7 @@ async def run_git(
                 os.killpg(process.pid, signal.SIGKILL)
             await asyncio.shield(process.wait())
         guard.disown(process.pid)
-    if process.returncode != 0:
+    if process.returncode not in ok:
         text = err.decode(errors="replace").strip()[-500:]
         step = next((a for a in args if not a.startswith("-") and "=" not in a), "git")
         raise CheckpointError(step, f"git {step} exited {process.returncode}: {text}")
@@ -179,17 +180,22 @@ class CheckpointRepo:
         # the last snapshot's tree and commit: an unchanged tree reuses its commit
         self._last: tuple[str, str] | None = None
 
-    async def git(self, *args: str, limit: int = 0, excludes: Path | None = None) -> GitResult:
+    async def git(
+        self, *args: str, limit: int = 0, excludes: Path | None = None, ok: tuple[int, ...] = (0,)
+    ) -> GitResult:
         flags = list(self._flags)
         flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
-        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit, self._guard)
+        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit, self._guard, ok=ok)
 
     async def ensure(self) -> None:
-        """Create the store (bare, no hooks) the first time; the caller serialises."""
+        """Create the store (bare, no hooks) the first time; the caller serialises. A store made
+        anew (the project's was deleted, here or by another host) starts from a new index."""
         if (self.git_dir / "HEAD").exists():
             return
-        self.git_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.index.parent.mkdir(parents=True, exist_ok=True)
+        self.forget_index()
+        # 0700: no other user reads the stores (agents under a uid of their own included)
+        self.git_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.index.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = git_env(self.git_dir.parent)
         init = ["init", "--bare", "--quiet", "--template=", str(self.git_dir)]
         await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard)
@@ -212,13 +218,23 @@ class CheckpointRepo:
         files and ``patterns`` leave out)."""
         await self.ensure()
         excludes = self.excludes_file(patterns)
-        await self.git(*SNAPSHOT_ADD, "add", "--all", "--ignore-errors", "--", ".", excludes=excludes)
-        tree = (await self.git("write-tree")).out.decode().strip()
-        if self._last is not None and self._last[0] == tree:
-            return self._last[1]
-        commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+        try:
+            # a file it cannot read is left out (--ignore-errors: exit 1, the rest added)
+            await self.git(*SNAPSHOT_ADD, "add", "--all", "--ignore-errors", "--", ".", excludes=excludes, ok=(0, 1))
+            tree = (await self.git("write-tree")).out.decode().strip()
+            if self._last is not None and self._last[0] == tree:
+                return self._last[1]
+            commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+        except CheckpointError:
+            self.forget_index()  # whatever broke it (a store removed under it), the next starts anew
+            raise
         self._last = (tree, commit)
         return commit
+
+    def forget_index(self) -> None:
+        """Drop this host's index of the project (the next snapshot reads every file again)."""
+        self._last = None
+        self.index.unlink(missing_ok=True)
 
     async def set_refs(self, refs: dict[str, str]) -> None:
         lines = "".join(f"update {name} {sha}\n" for name, sha in refs.items())

@@ -352,7 +352,7 @@ async def test_a_home_and_project_made_before_are_given_to_the_agent_user_withou
 async def test_a_rewind_gives_the_files_back_to_the_project_s_owner_and_the_agent_cannot_read_the_store(
     separate: tuple[Daemon, Client, FakeAgentSetup], root: Path
 ) -> None:
-    daemon, client, _ = separate
+    _, client, _ = separate
     project = root / "ws" / "proj"
     made = await client.chat(agent="bare", project_id="proj", prompt="shell mkdir -p sub && echo one > sub/mine.txt")
     session_id = made[0].session_id

@@ -3,7 +3,8 @@ and the session going on from there.
 
 On the host that serves the session, in order:
 
-1. refused (``ProjectBusy``) while a turn of any session runs in the project here;
+1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
+   whatever its phase) or, as the store has it, on another host;
 2. the run is recorded as a run of kind ``rewind`` (``ListRuns``), its prompt saying which run;
 3. under the project's checkpoint lock (no snapshot of a turn meanwhile), the session's agent is
    ended, its provider session forgotten and rcoder's transcript cut at the run; then the
@@ -101,6 +102,8 @@ class SessionRewinder:
         async with self._checkpoints.locks[project_id]:
             holder = self._runs.holder(session_id)
             busy = holder.run_id if holder is not None else self._running_in(project_id)
+            if busy is None:
+                busy = await self._running_elsewhere(project_id)
             if busy is not None:
                 raise ProjectBusy(project_id, busy)
             goal = await repo.resolve(ref(run_id, "before"))
@@ -133,3 +136,13 @@ class SessionRewinder:
         log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
                  files=len(changes), agent_stopped=stopped)  # fmt: skip
         return Rewound(rewind_id, changes, stopped)
+
+    async def _running_elsewhere(self, project_id: str) -> str | None:
+        """A run the store holds as running in the project (on another host sharing the
+        workspace): the last run of each of the project's sessions."""
+        for record in await self._store.list_sessions(project_id, limit=1000):
+            if record.last_run_id:
+                run = await self._store.get_run(record.last_run_id)
+                if run is not None and run.status is RunStatus.RUNNING:
+                    return run.run_id
+        return None

@@ -48,3 +48,9 @@ async def test_a_real_agent_s_write_sed_and_rm_show_in_changes_and_diff_and_rewi
 
     await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
     assert {p.name: p.read_bytes() for p in project.iterdir()} == before, agent
+    # the session goes on from before that run: a new agent session (nothing was said before it)
+    again = await turn(client, agent, "hello", session_id=session_id)
+    started = again[0].started
+    assert (started.resume, started.fallback_reason) == (
+        pb.RESUME_OUTCOME_FALLBACK_NEW, f"rewound to before run {run_id}",
+    ), (agent, started)  # fmt: skip

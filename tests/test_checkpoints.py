@@ -168,16 +168,21 @@ async def test_a_link_planted_where_a_folder_was_is_removed_by_a_rewind_and_noth
     project, outside = tmp_path / "workspace" / "proj", tmp_path / "outside"
     (project / "sub").mkdir(parents=True)
     (project / "sub" / "file.txt").write_text("inside\n")
+    (project / "note.txt").write_text("a note\n")
     outside.mkdir()
+    (outside / "secret").write_text("not yours\n")
     _, client = await make_daemon()
-    events = await client.chat(prompt=f"shell rm -rf sub && ln -s {outside} sub && ln -s {outside}/x escape")
+    prompt = f"shell rm -rf sub && ln -s {outside} sub && ln -s {outside}/x escape && ln -sf {outside}/secret note.txt"
+    events = await client.chat(prompt=prompt)
     kinds = {c.path: c.kind for c in completed(events).changes}
     assert kinds == {"sub": K.FILE_CHANGE_KIND_ADDED, "sub/file.txt": K.FILE_CHANGE_KIND_DELETED,
-                     "escape": K.FILE_CHANGE_KIND_ADDED}  # fmt: skip
+                     "escape": K.FILE_CHANGE_KIND_ADDED, "note.txt": K.FILE_CHANGE_KIND_MODIFIED}  # fmt: skip
     await client.stub.RewindSession(pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id))
     assert not (project / "sub").is_symlink() and (project / "sub" / "file.txt").read_text() == "inside\n"
     assert not (project / "escape").exists() and not (project / "escape").is_symlink()
-    assert list(outside.iterdir()) == []
+    assert not (project / "note.txt").is_symlink() and (project / "note.txt").read_text() == "a note\n"
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+    assert (outside / "secret").read_text() == "not yours\n"
 
 
 async def test_a_50_mib_binary_is_captured_and_restored_exactly(make_daemon: DaemonFactory, tmp_path: Path) -> None:
@@ -324,3 +329,14 @@ async def test_snapshots_older_than_history_retention_are_swept_and_the_rest_kep
     assert store_refs(tmp_path) == {"refs/rcoder/runs/run-1/before"}
     await marks.sweep(keep_days=1, now=time.time() + 2 * 86400)
     assert store_refs(tmp_path) == set()
+
+
+async def test_a_turn_changing_more_files_than_are_listed_lists_the_first_and_diffs_any(
+    make_daemon: DaemonFactory,
+) -> None:
+    _, client = await make_daemon()
+    events = await client.chat(prompt="shell mkdir many && cd many && seq 1 10050 | xargs touch")
+    listed = completed(events).changes
+    assert len(listed) == 10_000 and listed[0].path == "many/1"  # git's path order: many/9999 is past it
+    one = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=events[0].run_id, path="many/9999"))
+    assert [(c.path, c.kind) for c in one.changes] == [("many/9999", K.FILE_CHANGE_KIND_ADDED)]

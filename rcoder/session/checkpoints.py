@@ -154,6 +154,8 @@ class Checkpoints:
         changes = decode_changes(stored[run_id].changes) if run_id in stored else await repo.changes(before, after)
         if path:
             changes = tuple(c for c in changes if path in (c.path, c.old_path))
+            if not changes:  # past the files listed (MAX_LISTED_CHANGES), or not changed: git says
+                changes = await repo.changes(before, after, path)
         return RunDiff(text, out.truncated, changes)
 
     # ------------------------------------------------------------ lifetime

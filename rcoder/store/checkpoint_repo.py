@@ -33,7 +33,9 @@ from rcoder.logs import get_logger
 log = get_logger("rcoder.store.checkpoint_repo")
 
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
-EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+# the most files a run's changes list (about 100 bytes each on the wire: well within a client's
+# 4 MiB message); the diff (GetRunChanges) has them all, up to max_diff_bytes
+MAX_LISTED_CHANGES = 10_000
 # outranks the project's .gitattributes: no conversion of any file in or out, git's own heuristic
 # for what is binary (a NUL in the first 8000 bytes), no diff or merge driver
 ATTRIBUTES = "* -text -crlf !eol -ident !filter !working-tree-encoding !diff !merge\n"
@@ -271,10 +273,13 @@ class CheckpointRepo:
             found[name] = int(when) if when.isdigit() else 0
         return found
 
-    async def changes(self, before: str, after: str) -> tuple[FileChange, ...]:
-        """What changed from ``before`` to ``after``, per file (renames found as git finds them)."""
-        raw = await self.git("diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after)
-        return parse_changes(raw.out)
+    async def changes(self, before: str, after: str, path: str = "") -> tuple[FileChange, ...]:
+        """What changed from ``before`` to ``after``, per file in git's (path) order, renames found
+        as git finds them; of ``path`` alone when given. At most ``MAX_LISTED_CHANGES`` files: the
+        list rides in ``completed`` and ``RunInfo``, which a client must be able to receive."""
+        args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
+        raw = await self.git(*args, *(("--", path) if path else ()))
+        return parse_changes(raw.out)[:MAX_LISTED_CHANGES]
 
     async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
         """The unified diff from ``before`` to ``after`` (of ``path`` alone when given), at most

@@ -69,6 +69,7 @@ def make_project(root: Path) -> None:
     root.mkdir(parents=True)
     (root / "edit.txt").write_text("one\nold line\nthree\n")
     (root / "gone.txt").write_text("to be removed\n")
+    (root / "old-name.txt").write_text("moved as it is\n" * 20)
     (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
     (root / "crlf.txt").write_bytes(b"a\r\nb\r\n")
     (root / ".gitattributes").write_text("* text eol=lf\n*.txt ident\n")
@@ -88,6 +89,7 @@ TURN = "\n".join(
         "shell printf 'x\\r\\ny\\r\\n' > crlf.txt",
         "shell ln -s /etc/hostname link",
         "shell echo more >> debug.log",
+        "shell mv old-name.txt new-name.txt",
         "hello",
     )
 )
@@ -112,12 +114,16 @@ async def test_a_turn_s_changes_show_in_completed_runs_and_diff_and_a_rewind_bri
         "run.sh": K.FILE_CHANGE_KIND_MODE_CHANGED,
         "crlf.txt": K.FILE_CHANGE_KIND_MODIFIED,
         "link": K.FILE_CHANGE_KIND_ADDED,
+        "new-name.txt": K.FILE_CHANGE_KIND_RENAMED,
     }, end.changes  # debug.log is ignored by the project's .gitignore
     edit = next(c for c in end.changes if c.path == "edit.txt")
     assert (edit.lines_added, edit.lines_removed, edit.binary) == (1, 1, False)
+    moved = next(c for c in end.changes if c.path == "new-name.txt")
+    assert (moved.old_path, moved.lines_added, moved.lines_removed) == ("old-name.txt", 0, 0)
 
     whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
-    assert not whole.truncated and len(whole.changes) == 6
+    assert not whole.truncated and len(whole.changes) == 7
+    assert "rename from old-name.txt" in whole.diff
     for line in ("+brand new", "-old line", "+new line", "-to be removed", "new mode 100755", "+/etc/hostname"):
         assert line in whole.diff, line
     assert "-a\r\n" in whole.diff and "+x\r\n" in whole.diff  # the bytes, not the .gitattributes' conversion
@@ -128,7 +134,7 @@ async def test_a_turn_s_changes_show_in_completed_runs_and_diff_and_a_rewind_bri
     assert listed.kind == pb.RUN_KIND_TURN and {c.path for c in listed.changes} == set(kinds)
 
     rewound = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
-    assert rewound.agent_stopped and {c.path for c in rewound.changes} == set(kinds)
+    assert rewound.agent_stopped and {c.old_path or c.path for c in rewound.changes} == set(kinds)
     after = tree(project)
     assert after["debug.log"] == ("file", b"kept as it is\nmore\n", 0o644)  # ignored: left as the turn made it
     after.pop("debug.log"), before.pop("debug.log")

@@ -18,6 +18,7 @@ agents), ``requests`` (what a chat may send), ``errors`` (the exceptions, one pe
 It uses only the generated stubs of ``rcoder.v1``: what any client of the daemon uses.
 """
 
+from rcoder.client.changes import FileChange, FileChangeKind, Rewind, RunChanges, RunKind
 from rcoder.client.connection import DEFAULT_TIMEOUT, RcoderClient, Sessions
 from rcoder.client.errors import (
     Busy,
@@ -123,6 +124,8 @@ __all__ = [
     "Deletion",
     "Event",
     "FailedPrecondition",
+    "FileChange",
+    "FileChangeKind",
     "Fork",
     "ForkMethod",
     "Gap",
@@ -153,7 +156,10 @@ __all__ = [
     "ResourceExhausted",
     "ResourceLinkAttachment",
     "ResumeOutcome",
+    "Rewind",
+    "RunChanges",
     "RunInfo",
+    "RunKind",
     "RunPage",
     "RunStatus",
     "SandboxPromises",

@@ -131,11 +131,14 @@ async def run_git(
     """``git args`` in a process group of its own, ended with it on every path (a timeout, a
     cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
     with guard.spawning():
-        process = await asyncio.create_subprocess_exec(
-            "git", *args, cwd=cwd, env=env, start_new_session=True,
-            stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        try:
+            process = await asyncio.create_subprocess_exec(
+                "git", *args, cwd=cwd, env=env, start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        except OSError as exc:  # no git on the PATH, or the project's folder is gone
+            raise CheckpointError("git", f"git could not be started in {cwd}: {exc}") from exc
         guard.own(process.pid)
     try:
         async with asyncio.timeout(timeout):

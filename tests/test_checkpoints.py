@@ -346,3 +346,14 @@ async def test_a_turn_changing_more_files_than_are_listed_lists_the_first_and_di
     assert len(listed) == 10_000 and listed[0].path == "many/1"  # git's path order: many/9999 is past it
     one = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=events[0].run_id, path="many/9999"))
     assert [(c.path, c.kind) for c in one.changes] == [("many/9999", K.FILE_CHANGE_KIND_ADDED)]
+
+
+async def test_a_file_name_that_is_not_utf_8_is_listed_readably_and_rewound_exactly(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    _, client = await make_daemon()
+    events = await client.chat(prompt="shell echo x > \"$(printf 'bad\\377name')\"")
+    (change,) = completed(events).changes
+    assert (change.path, change.kind) == ("bad\ufffdname", K.FILE_CHANGE_KIND_ADDED)
+    await client.stub.RewindSession(pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id))
+    assert os.listdir(tmp_path / "workspace" / "proj") == []

@@ -318,20 +318,20 @@ def parse_changes(data: bytes) -> tuple[FileChange, ...]:
     while i < len(fields) and fields[i].startswith(b":"):
         old_mode, new_mode, old_sha, new_sha, status = fields[i][1:].decode().split(" ")
         if status[0] in "RC":
-            olds[fields[i + 2].decode(errors="surrogateescape")] = fields[i + 1].decode(errors="surrogateescape")
+            olds[fields[i + 2].decode(errors="replace")] = fields[i + 1].decode(errors="replace")
             named = fields[i + 2]
             i += 3
         else:
             named = fields[i + 1]
             i += 2
-        raws.append((old_mode, new_mode, old_sha, new_sha, status, named.decode(errors="surrogateescape")))
+        raws.append((old_mode, new_mode, old_sha, new_sha, status, named.decode(errors="replace")))
     stats: dict[str, tuple[int, int, bool]] = {}
     while i < len(fields) and fields[i]:
-        added, removed, path_field = fields[i].decode(errors="surrogateescape").split("\t", 2)
+        added, removed, path_field = fields[i].decode(errors="replace").split("\t", 2)
         if path_field:
             path, i = path_field, i + 1
         else:  # a rename: the old path and the new follow
-            path, i = fields[i + 2].decode(errors="surrogateescape"), i + 3
+            path, i = fields[i + 2].decode(errors="replace"), i + 3
         binary = added == "-"
         stats[path] = (0 if binary else int(added), 0 if binary else int(removed), binary)
     changes = []

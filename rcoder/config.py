@@ -206,8 +206,9 @@ class SettingsKeys(_Schema):
     checkpoint_root: str = ""
     """where each project's checkpoint store (a bare git repository) lives ("": <data_dir>/checkpoints);
     on several hosts sharing a workspace, shared storage beside it. See Checkpoints"""
-    max_diff_bytes: Annotated[int, Field(ge=1024)] = 4 << 20
-    """the most bytes of diff GetRunChanges answers (4 MiB); past it the diff is cut, visibly"""
+    # 1 MiB: with the changes listed beside it, well within the 4 MiB a gRPC client receives by default
+    max_diff_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
+    """the most bytes of diff GetRunChanges answers (1 MiB); past it the diff is cut, visibly"""
     default_agent: str = "claude"
     """the profile a request that names no agent runs"""
     auth_token: str = ""

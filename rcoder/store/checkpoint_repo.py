@@ -33,9 +33,10 @@ from rcoder.logs import get_logger
 log = get_logger("rcoder.store.checkpoint_repo")
 
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
-# the most files a run's changes list (about 100 bytes each on the wire: well within a client's
-# 4 MiB message); the diff (GetRunChanges) has them all, up to max_diff_bytes
+# the most files a run's changes list, and the most bytes of their paths: well within the 4 MiB a
+# gRPC client receives; the diff (GetRunChanges) has them all, up to max_diff_bytes
 MAX_LISTED_CHANGES = 10_000
+MAX_LISTED_BYTES = 1 << 20
 # outranks the project's .gitattributes: no conversion of any file in or out, git's own heuristic
 # for what is binary (a NUL in the first 8000 bytes), no diff or merge driver
 ATTRIBUTES = "* -text -crlf !eol -ident !filter !working-tree-encoding !diff !merge\n"
@@ -282,7 +283,7 @@ class CheckpointRepo:
         list rides in ``completed`` and ``RunInfo``, which a client must be able to receive."""
         args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
         raw = await self.git(*args, *(("--", path) if path else ()))
-        return parse_changes(raw.out)[:MAX_LISTED_CHANGES]
+        return listed(parse_changes(raw.out))
 
     async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
         """The unified diff from ``before`` to ``after`` (of ``path`` alone when given), at most
@@ -307,6 +308,16 @@ class CheckpointRepo:
         if (self.git_dir / "HEAD").exists():
             auto = () if full else ("--auto",)
             await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
+
+
+def listed(changes: tuple[FileChange, ...]) -> tuple[FileChange, ...]:
+    """The first of ``changes`` within ``MAX_LISTED_CHANGES`` files and ``MAX_LISTED_BYTES``."""
+    size = 0
+    for count, change in enumerate(changes[:MAX_LISTED_CHANGES]):
+        size += len(change.path.encode()) + len(change.old_path.encode()) + 16
+        if size > MAX_LISTED_BYTES:
+            return changes[:count]
+    return changes[:MAX_LISTED_CHANGES]
 
 
 def parse_changes(data: bytes) -> tuple[FileChange, ...]:

@@ -357,3 +357,13 @@ async def test_a_file_name_that_is_not_utf_8_is_listed_readably_and_rewound_exac
     assert (change.path, change.kind) == ("bad\ufffdname", K.FILE_CHANGE_KIND_ADDED)
     await client.stub.RewindSession(pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id))
     assert os.listdir(tmp_path / "workspace" / "proj") == []
+
+
+async def test_a_turn_refused_before_it_started_leaves_no_snapshot(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon({"fake": fake.profile("--exit-at-start", "1")})
+    refused = await client.chat_error(prompt="hello")
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused.details()
+    (discarded,) = await daemon.wait_log("checkpoint_discarded")
+    assert store_refs(tmp_path) == set(), discarded

@@ -216,3 +216,19 @@ async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[
     except (StoreError, LeaseLost) as exc:
         log.warning("checkpoint_changes_not_stored", run_id=plan.run_id, error=exc.message)
         return ()
+
+
+async def checkpoint_discard(checkpoints: Checkpoints, scope: TurnScope) -> None:
+    """A turn refused before it started leaves no snapshot (its before one, once taken)."""
+    assert scope.before is not None
+    await asyncio.wait({scope.before})
+    if scope.before.cancelled() or not scope.before.result():
+        return
+    plan = scope.plan
+    try:
+        async with checkpoints.locks[plan.turn.project_id]:
+            await checkpoints.repo(plan.turn.project_id, plan.cwd).delete_refs([ref(plan.run_id, "before")])
+    except CheckpointError as exc:
+        log.warning("checkpoint_discard_failed", run_id=plan.run_id, error=exc.message[:500])
+        return
+    log.info("checkpoint_discarded", run_id=plan.run_id)

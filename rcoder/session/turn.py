@@ -90,7 +90,7 @@ from rcoder.metrics import Metrics
 from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
-from rcoder.session.checkpoints import Checkpoints, checkpoint_after
+from rcoder.session.checkpoints import Checkpoints, checkpoint_after, checkpoint_discard
 from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
@@ -777,6 +777,8 @@ class TurnRunner:
         guarded("forget_run", self._runs.forget, scope.run)
         broken = heard or scope.plan.action is not Action.LIVE
         guarded("release_agent", partial(self._pool.release, scope.plan.session_id, broken=broken))
+        if scope.before is not None:  # nor a snapshot of it (docs/checkpoints.md)
+            self._spawn(checkpoint_discard(self.checkpoints, scope), f"checkpoint-discard-{scope.run.run_id}")
 
     def forget(self, scope: TurnScope) -> None:
         """The turn is over: its lease goes too when no agent of its session is live here (a

@@ -367,3 +367,15 @@ async def test_a_turn_refused_before_it_started_leaves_no_snapshot(
     assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused.details()
     (discarded,) = await daemon.wait_log("checkpoint_discarded")
     assert store_refs(tmp_path) == set(), discarded
+
+
+async def test_the_profile_s_checkpoint_exclude_patterns_leave_files_out(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup
+) -> None:
+    profiles = {"fake": fake.profile(), "own": fake.profile(checkpoint_exclude=["build/", "*.tmp"])}
+    _, client = await make_daemon(profiles)
+    script = "shell mkdir -p node_modules/pkg build && touch node_modules/pkg/index.js build/out a.tmp kept.txt"
+    default = await client.chat(prompt=script, project_id="one")
+    assert [c.path for c in completed(default).changes] == ["a.tmp", "build/out", "kept.txt"]  # node_modules/
+    own = await client.chat(prompt=script, project_id="two", agent="own")
+    assert [c.path for c in completed(own).changes] == ["kept.txt", "node_modules/pkg/index.js"]

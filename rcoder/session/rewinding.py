@@ -27,13 +27,14 @@ from datetime import datetime
 from pathlib import Path
 
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
-from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, StopReason, new_id
-from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy
+from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
+from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
 from rcoder.session.runs import RUN_MISSING, RunRegistry
 from rcoder.store.base import RunCheckpoint, SessionStore
+from rcoder.store.checkpoint_repo import CheckpointRepo
 
 log = get_logger("rcoder.session.rewinding")
 
@@ -86,16 +87,7 @@ class SessionRewinder:
         self._clock = clock
 
     async def rewind(self, session_id: str, run_id: str) -> Rewound:
-        record = await self._store.get_session(session_id)
-        if record is None:
-            raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
-        target = await self._store.get_run(run_id)
-        if target is None:
-            raise NotFound("run", run_id, RUN_MISSING)
-        if target.session_id != session_id:
-            raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
-        if not self._checkpoints.enabled:
-            raise NoCheckpoint(run_id, "before", "checkpoints are off (checkpoints = false)")
+        record = await self._checked(session_id, run_id)
         project_id = record.project_id
         repo = self._checkpoints.repo(project_id, record.cwd)
         rewind_id = new_id()
@@ -115,20 +107,12 @@ class SessionRewinder:
                     prompt=f"rewind to before run {run_id}",
                 )
             )  # fmt: skip
-            # the session forgets first: a turn sent meanwhile waits for this lock (its before
-            # snapshot), then finds no live agent and no agent session to resume
-            stopped = await self._pool.close(session_id)
-            await self._store.set_provider_session_id(session_id, "", self._clock())
-            await self._store.cut_transcript(session_id, run_id)
-            profile = self._settings.profile(record.agent)
-            excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
-            now = await repo.snapshot(excludes, f"before rewind {rewind_id}")
-            await repo.set_refs({ref(rewind_id, "before"): now})
-            await repo.restore(goal)
-            after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
-            await repo.set_refs({ref(rewind_id, "after"): after})
-            changes = await repo.changes(now, after)
-            await asyncio.to_thread(give_back, repo.work_tree, changes)
+            try:
+                stopped, changes = await self._rewind(record, repo, rewind_id, run_id, goal)
+            except (RcoderError, OSError) as exc:  # recorded as failed, never left running
+                error = exc.message if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
+                await self._store.finish_run(rewind_id, RunStatus.FAILED, StopReason.ERROR, error, self._clock(), None)
+                raise
         await self._store.put_run_checkpoint(
             rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
         )
@@ -136,6 +120,41 @@ class SessionRewinder:
         log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
                  files=len(changes), agent_stopped=stopped)  # fmt: skip
         return Rewound(rewind_id, changes, stopped)
+
+    async def _checked(self, session_id: str, run_id: str) -> SessionRecord:
+        """The session, when ``run_id`` is one of its runs and checkpoints are on."""
+        record = await self._store.get_session(session_id)
+        if record is None:
+            raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
+        target = await self._store.get_run(run_id)
+        if target is None:
+            raise NotFound("run", run_id, RUN_MISSING)
+        if target.session_id != session_id:
+            raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
+        if not self._checkpoints.enabled:
+            raise NoCheckpoint(run_id, "before", "checkpoints are off (checkpoints = false)")
+        return record
+
+    async def _rewind(
+        self, record: SessionRecord, repo: CheckpointRepo, rewind_id: str, run_id: str, goal: str
+    ) -> tuple[bool, tuple[FileChange, ...]]:
+        """Under the project's lock: the session forgets, then the files go back (steps 3 and 4 of
+        the module docstring). Whether an agent was live, and the rewind's changes."""
+        session_id = record.session_id
+        # the session forgets first: a turn sent meanwhile waits for this lock (its before
+        # snapshot), then finds no live agent and no agent session to resume
+        stopped = await self._pool.close(session_id)
+        await self._store.set_provider_session_id(session_id, "", self._clock())
+        await self._store.cut_transcript(session_id, run_id)
+        profile = self._settings.profile(record.agent)
+        excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
+        now = await repo.snapshot(excludes, f"before rewind {rewind_id}")
+        await repo.set_refs({ref(rewind_id, "before"): now})
+        await repo.restore(goal)
+        after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
+        await repo.set_refs({ref(rewind_id, "after"): after})
+        await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(now, after, listed_only=False))
+        return stopped, await repo.changes(now, after)
 
     async def _running_elsewhere(self, project_id: str) -> str | None:
         """A run the store holds as running in the project (on another host sharing the

@@ -277,13 +277,17 @@ class CheckpointRepo:
             found[name] = int(when) if when.isdigit() else 0
         return found
 
-    async def changes(self, before: str, after: str, path: str = "") -> tuple[FileChange, ...]:
+    async def changes(
+        self, before: str, after: str, path: str = "", listed_only: bool = True
+    ) -> tuple[FileChange, ...]:
         """What changed from ``before`` to ``after``, per file in git's (path) order, renames found
-        as git finds them; of ``path`` alone when given. At most ``MAX_LISTED_CHANGES`` files: the
-        list rides in ``completed`` and ``RunInfo``, which a client must be able to receive."""
+        as git finds them; of ``path`` alone when given. With ``listed_only``, the first within
+        ``MAX_LISTED_CHANGES`` and ``MAX_LISTED_BYTES``: the list rides in ``completed`` and
+        ``RunInfo``, which a client must be able to receive."""
         args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
         raw = await self.git(*args, *(("--", path) if path else ()))
-        return listed(parse_changes(raw.out))
+        found = parse_changes(raw.out)
+        return listed(found) if listed_only else found
 
     async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
         """The unified diff from ``before`` to ``after`` (of ``path`` alone when given), at most

@@ -670,12 +670,14 @@ class TurnRunner:
         end makes it an error: that ``completed`` is stored on its own."""
         run, plan, body = scope.run, scope.plan, scope.body
         assert body is not None
-        scope.changes = await checkpoint_after(self.checkpoints, scope)
         end = self._prepare_end(scope)  # as it reads if the store takes the end
         stored = False  # the end and the history with it
         reachable = True  # the store took the run's end: its history is stored before completed goes out
         lost = False  # the lease is another host's: the run is as the store (that host) ended it
         try:
+            # what the turn changed in the project's files (docs/checkpoints.md), in its completed
+            scope.changes = await asyncio.shield(checkpoint_after(self.checkpoints, scope))
+            end = self._prepare_end(scope)
             try:  # what the agent changed during the turn (its options, its commands), before the end
                 await asyncio.shield(self._store_state(plan, scope.conn, self._clock()))
             except StoreError as exc:

@@ -108,6 +108,11 @@ class ProfileBudgetKeys(_Schema):
     """as [budgets] project_max_tokens_per_day, for this profile's turns (unset: the [budgets] value)"""
 
 
+# what a snapshot leaves out unless a profile says otherwise (docs/checkpoints.md): folders a tool
+# makes again from the project's own files, often tens of thousands of files each
+DEFAULT_CHECKPOINT_EXCLUDE = ("node_modules/", ".venv/", "__pycache__/")
+
+
 class ProfileKeys(_Schema):
     """The keys of an ``[agents.<name>]`` table."""
 
@@ -172,6 +177,10 @@ class ProfileKeys(_Schema):
     budgets: ProfileBudgetKeys = Field(default_factory=ProfileBudgetKeys)
     """this profile's own budget caps, a table with the keys of [budgets]; a key it leaves unset is
     the [budgets] one. See Budgets"""
+    # docs/checkpoints.md: left out of every snapshot besides what the project's .gitignore files leave out
+    checkpoint_exclude: Array[str] = DEFAULT_CHECKPOINT_EXCLUDE
+    """gitignore patterns a turn's snapshots leave out, besides the project's .gitignore files
+    (default: node_modules/, .venv/, __pycache__/); see Checkpoints"""
 
 
 class AgentProfile(ProfileKeys):
@@ -226,6 +235,15 @@ class SettingsKeys(_Schema):
     """without TLS, the only hosts a call is forwarded to (see Several hosts)"""
     workspace_root: ConfigPath = Path("workspace")
     """a project's cwd is <workspace_root>/<project_id>, created on first use"""
+    # docs/checkpoints.md: a snapshot of the project's files before and after every turn
+    checkpoints: bool = True
+    """snapshot a project's files before and after every turn (changes, GetRunChanges, RewindSession)"""
+    checkpoint_root: str = ""
+    """where each project's checkpoint store (a bare git repository) lives ("": <data_dir>/checkpoints);
+    on several hosts sharing a workspace, shared storage beside it. See Checkpoints"""
+    # 1 MiB: with the changes listed beside it, well within the 4 MiB a gRPC client receives by default
+    max_diff_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
+    """the most bytes of diff GetRunChanges answers (1 MiB); past it the diff is cut, visibly"""
     default_agent: str = "claude"
     """the profile a request that names no agent runs"""
     auth_token: str = ""
@@ -431,6 +449,7 @@ def load_settings(
             "set the same auth_token (or RCODER_AUTH_TOKEN) on every host, or open_to_agents = true",
         )
     _check_callers(settings)
+    _check_checkpoint_root(settings)
     for name, profile in settings.agents.items():
         if profile.sandbox == "landlock" and not settings.landlock_abi:
             why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
@@ -448,6 +467,26 @@ def load_settings(
                 'in a warning, or "none"',
             )
     return settings
+
+
+def checkpoint_root(settings: SettingsKeys) -> Path:
+    """Where the projects' checkpoint stores live (docs/checkpoints.md)."""
+    return (
+        Path(settings.checkpoint_root).expanduser() if settings.checkpoint_root else settings.data_dir / "checkpoints"
+    )
+
+
+def _check_checkpoint_root(settings: Settings) -> None:
+    """The checkpoint stores must be out of every agent's reach: never in a project's folder
+    (sandbox.protected hides them from agents wherever they are)."""
+    root = checkpoint_root(settings).resolve()
+    workspace, data_dir = settings.workspace_root.resolve(), settings.data_dir.resolve()
+    in_data_dir = root == data_dir or data_dir in root.parents  # hidden with data_dir
+    if not in_data_dir and (root == workspace or workspace in root.parents):
+        raise ConfigError(
+            "checkpoint_root",
+            f"{root} is inside workspace_root ({workspace}), where it would be a project's folder; put it beside it",
+        )
 
 
 def _check_callers(settings: Settings) -> None:

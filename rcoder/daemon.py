@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -120,6 +121,7 @@ class Daemon:
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
         self._retention: asyncio.Task[None] | None = None  # history_retention's timer
+        self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
     def _on_store(self, reachable: bool, error: str) -> None:
@@ -167,6 +169,8 @@ class Daemon:
         self.pool.fill()
         if self.settings.history_retention > 0:
             self._retention = asyncio.create_task(self._prune_history(), name="history-retention")
+        if self.settings.checkpoints:
+            self._checkpoint_sweep = asyncio.create_task(self._sweep_checkpoints(), name="checkpoint-sweep")
         host = self.settings.listen.rpartition(":")[0]
         log.info(
             "serving",
@@ -197,6 +201,14 @@ class Daemon:
                 if deleted:
                     log.info("history_pruned", events=deleted, older_than_days=self.settings.history_retention)
             await asyncio.sleep(every)  # a timer, not a synchronisation
+
+    async def _sweep_checkpoints(self) -> None:
+        """Off the hot path, hourly: snapshots older than ``history_retention`` days deleted, then
+        ``git gc --auto`` in each project's store (docs/checkpoints.md#lifetime)."""
+        checkpoints = self.worker.turns.checkpoints
+        while True:
+            await asyncio.sleep(HISTORY_PRUNE_EVERY)  # a timer, not a synchronisation
+            await checkpoints.sweep(self.settings.history_retention, time.time())
 
     async def _check_store_access(self) -> None:
         """docs/design.md#no-calls-back: a PostgreSQL store that lets an agent in without the password, on any
@@ -267,6 +279,9 @@ class Daemon:
         if self._retention is not None:
             self._retention.cancel()
             await asyncio.gather(self._retention, return_exceptions=True)
+        if self._checkpoint_sweep is not None:
+            self._checkpoint_sweep.cancel()
+            await asyncio.gather(self._checkpoint_sweep, return_exceptions=True)
         await self.worker.aclose()
         self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to

@@ -440,6 +440,35 @@ class SessionOrder(enum.Enum):
 COST_ORDER_LIMIT_NANOS = 9 * 10**18
 
 
+class ChangeKind(enum.Enum):
+    """How a turn changed one file (docs/checkpoints.md)."""
+
+    ADDED = "added"
+    MODIFIED = "modified"  # its content (or a file made a link, a link a file)
+    DELETED = "deleted"
+    RENAMED = "renamed"  # moved, its content the same or close to it (git's rename detection)
+    MODE_CHANGED = "mode_changed"  # its executable bit alone
+
+
+@dataclass(frozen=True, slots=True)
+class FileChange:
+    """One file a turn changed, between its before and after snapshots."""
+
+    path: str
+    kind: ChangeKind
+    old_path: str = ""  # where a renamed file was
+    lines_added: int = 0
+    lines_removed: int = 0
+    binary: bool = False  # no lines counted: git found it binary (a NUL in its first 8000 bytes)
+
+
+class RunKind(enum.Enum):
+    """What a run was: a turn of the agent, or a rewind of the project (``RewindSession``)."""
+
+    TURN = "turn"
+    REWIND = "rewind"
+
+
 @dataclass(frozen=True, slots=True)
 class RunCompleted:
     stop_reason: StopReason
@@ -449,6 +478,8 @@ class RunCompleted:
     # the failure's kind (an RcoderError reason) when ``error`` is set
     error_reason: str = ""
     usage: Usage | None = None  # what the agent reported the turn cost
+    # what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off
+    changes: tuple[FileChange, ...] = ()
 
 
 RunEventBody = (
@@ -559,6 +590,8 @@ class RunRecord:
     usage: Usage | None = None  # what the agent reported the run cost (set when it ends)
     prompt: str = ""  # the prompt's text, stored when the run starts (ListRuns)
     client: str = ""  # who started it (a caller's name: rcoder.api.callers), "" before tenants
+    kind: RunKind = RunKind.TURN
+    changes: tuple[FileChange, ...] = ()  # what it changed in the project's files (docs/checkpoints.md)
 
 
 @dataclass(frozen=True, slots=True)

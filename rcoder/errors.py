@@ -83,13 +83,13 @@ class FailedPrecondition(RcoderError):
 
 
 class ProjectBusy(FailedPrecondition):
-    """A turn runs in the project, and the file RPC did not say ``while_busy`` (docs/files.md)."""
+    """A turn runs in the project, and what was asked needs its files to hold still: a file RPC
+    without ``while_busy`` (docs/files.md), ``RewindSession`` (docs/checkpoints.md). ``advice``
+    says what the caller can do."""
 
-    def __init__(self, project_id: str, run_id: str) -> None:
+    def __init__(self, project_id: str, run_id: str, advice: str) -> None:
         super().__init__(
-            f"a turn (run {run_id}) runs in project {project_id!r}: its agent may be changing these files. "
-            "Wait for it to complete, or set while_busy to change them anyway (the change then shows "
-            "as part of that turn)",
+            f"a turn (run {run_id}) runs in project {project_id!r}: its agent may be changing these files. {advice}",
             reason="PROJECT_BUSY",
             project_id=project_id,
             run_id=run_id,
@@ -363,3 +363,25 @@ class SessionGone(AgentError):
         )
         self.provider_session_id = provider_session_id
         self.why = why
+
+
+# ---------------------------------------------------------------- checkpoints (docs/checkpoints.md)
+
+
+class CheckpointError(RcoderError):
+    """git could not read or write a project's checkpoint store (``step`` names the git command)."""
+
+    reason = "CHECKPOINT_FAILED"
+
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message, step=step)
+        self.step = step
+
+
+class NoCheckpoint(RcoderError):
+    """The run has no snapshot to serve what was asked (checkpoints off, or the run never took one)."""
+
+    reason = "NO_CHECKPOINT"
+
+    def __init__(self, run_id: str, which: str, why: str) -> None:
+        super().__init__(f"run {run_id} has no {which} snapshot: {why}", run_id=run_id, which=which)

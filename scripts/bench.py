@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_auth import auth_check  # noqa: E402  (beside this script)
+from bench_checkpoints import checkpoints  # noqa: E402
 from bench_files import read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
 from bench_unauth import LARGEST, unauth_flood  # noqa: E402
@@ -84,6 +85,8 @@ class Sizes:
     history_flood_calls: int = 2000  # history_flood_bytes_per_s: tool calls of HISTORY_FLOOD_BYTES each
     workspace_files: int = 100_000  # workspace_size_ms_100k_files: files in the project measured
     read_file_bytes: int = 100 << 20  # read_file_mb_per_s: the file ReadFile sends
+    checkpoint_files: int = 10_000  # checkpoint_first_snapshot_ms: files of the project snapshotted
+    checkpoint_bytes: int = 200 * 1000 * 1000  # and their bytes
 
     @classmethod
     def full(cls, reps: int) -> Sizes:
@@ -93,7 +96,8 @@ class Sizes:
     def smoke(cls) -> Sizes:
         return cls(
             1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20,
-            history_flood_calls=50, workspace_files=200, read_file_bytes=8 << 20,
+            history_flood_calls=50, workspace_files=200, read_file_bytes=8 << 20, checkpoint_files=200,
+            checkpoint_bytes=2_000_000,
         )  # fmt: skip
 
 
@@ -1209,6 +1213,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("workspace_size", lambda b: _one(workspace_size(b))),
         ("budgets", lambda b: _one(budget_turn(b))),
         ("read_file", lambda b: _one(read_file(b))),
+        ("checkpoints", checkpoints),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
         ("auth_check", auth_check),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)

@@ -347,3 +347,22 @@ async def test_a_home_and_project_made_before_are_given_to_the_agent_user_withou
     assert outside.stat().st_uid == 0, "neither the symbolic link's target nor the hard link is given"
     assert second.logs("project_given")[0]["entries"] == 4 and second.logs("agent_home_given")
     assert second.logs("not_given_hard_link")[0]["path"] == str(project / "hard")
+
+
+async def test_a_rewind_gives_the_files_back_to_the_project_s_owner_and_the_agent_cannot_read_the_store(
+    separate: tuple[Daemon, Client, FakeAgentSetup], root: Path
+) -> None:
+    _, client, _ = separate
+    project = root / "ws" / "proj"
+    made = await client.chat(agent="bare", project_id="proj", prompt="shell mkdir -p sub && echo one > sub/mine.txt")
+    session_id = made[0].session_id
+    store = root / "data" / "checkpoints" / "proj.git"
+    gone = await client.chat(
+        agent="bare", project_id="proj", session_id=session_id, prompt=f"shell rm -r sub\nreadfile {store / 'HEAD'}"
+    )
+    assert f"readfile[{store / 'HEAD'}]=EACCES" in text_of(gone), text_of(gone)
+    await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=gone[0].run_id))
+    assert (project / "sub" / "mine.txt").read_text() == "one\n"
+    owner = project.stat().st_uid
+    assert owner == AGENT_UID and {(project / p).lstat().st_uid for p in ("sub", "sub/mine.txt")} == {AGENT_UID}
+    assert (root / "data" / "checkpoints").stat().st_mode & 0o077 == 0

@@ -28,6 +28,7 @@ from rcoder.client import (
     Completed,
     Cost,
     Event,
+    FileChangeKind,
     ForkMethod,
     Gap,
     Heartbeat,
@@ -48,6 +49,7 @@ from rcoder.client import (
     ResourceAttachment,
     ResourceLinkAttachment,
     ResumeOutcome,
+    RunKind,
     RunStatus,
     SessionOrder,
     SessionStatus,
@@ -557,6 +559,20 @@ async def test_a_token_and_tls_are_sent_and_a_missing_token_is_unauthenticated(t
                     await bounded(bad.agents())
 
 
+@on_the_module_loop
+async def test_a_turn_s_changes_read_back_and_a_rewind_through_the_client(client: RcoderClient) -> None:
+    done = await bounded(client.chat("c-changes", "shell printf 'one\\ntwo\\n' > made.txt").result())
+    (made,) = done.completed.changes
+    assert (made.path, made.kind, made.lines_added, made.binary) == ("made.txt", FileChangeKind.ADDED, 2, False)
+    changes = await client.sessions.run_changes(done.run_id, "made.txt")
+    assert "+one" in changes.diff and not changes.truncated and changes.changes == (made,)
+    rewound = await client.sessions.rewind(done.session_id, done.run_id)
+    assert [(c.path, c.kind) for c in rewound.changes] == [("made.txt", FileChangeKind.DELETED)]
+    runs = [run async for run in client.sessions.list_runs(done.session_id)]
+    assert [r.kind for r in runs] == [RunKind.TURN, RunKind.REWIND] and runs[1].run_id == rewound.run_id
+    assert runs[0].changes == (made,)
+
+
 # ---------------------------------------------------------------- the client's model of the .proto
 
 
@@ -574,6 +590,8 @@ def test_every_chat_stream_variant_has_its_event_class() -> None:
         (SessionOrder, pb.SessionOrder, "SESSION_ORDER_"),
         (PermissionMode, pb.PermissionMode, "PERMISSION_MODE_"),
         (PermissionOutcome, pb.PermissionOutcome, "PERMISSION_OUTCOME_"),
+        (FileChangeKind, pb.FileChangeKind, "FILE_CHANGE_KIND_"),
+        (RunKind, pb.RunKind, "RUN_KIND_"),
     ],
 )
 def test_every_enum_value_of_the_proto_has_its_member(ours: Any, theirs: Any, prefix: str) -> None:

@@ -106,6 +106,10 @@ async def test_an_id_out_of_scope_answers_as_one_that_does_not_exist(
         "ForkSession": lambda s, r: stub.ForkSession(
             pb.ForkSessionRequest(session_id=s, project_id="beta-1"), metadata=as_(BETA)
         ),
+        "GetRunChanges": lambda s, r: stub.GetRunChanges(pb.GetRunChangesRequest(run_id=r), metadata=as_(BETA)),
+        "RewindSession": lambda s, r: stub.RewindSession(
+            pb.RewindSessionRequest(session_id=s, run_id=r), metadata=as_(BETA)
+        ),
     }
     for name, probe in probes.items():
         theirs = await refusal(probe(acme.session_id, acme.run_id))
@@ -214,6 +218,8 @@ async def test_a_reader_changes_nothing(make_daemon: DaemonFactory, tmp_path: Pa
     assert [r.run_id for r in runs.runs] == [acme.run_id]
     replay = [m async for m in stub.Subscribe(pb.SubscribeRequest(run_id=acme.run_id), metadata=reader)]
     assert completed(replay).stop_reason == pb.STOP_REASON_END_TURN
+    diff = await stub.GetRunChanges(pb.GetRunChangesRequest(run_id=acme.run_id), metadata=reader)
+    assert not diff.truncated  # a reader may see what a turn changed
 
     changes = {
         "Chat": stream_refusal(stub.Chat(pb.ChatRequest(project_id="acme-1", prompt="x"), metadata=reader)),
@@ -227,6 +233,9 @@ async def test_a_reader_changes_nothing(make_daemon: DaemonFactory, tmp_path: Pa
         "CloseSession": refusal(stub.CloseSession(pb.CloseSessionRequest(session_id=acme.session_id), metadata=reader)),
         "DeleteSession": refusal(
             stub.DeleteSession(pb.DeleteSessionRequest(session_id=acme.session_id), metadata=reader)
+        ),
+        "RewindSession": refusal(
+            stub.RewindSession(pb.RewindSessionRequest(session_id=acme.session_id, run_id=acme.run_id), metadata=reader)
         ),
     }
     for name, refused in changes.items():

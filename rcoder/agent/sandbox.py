@@ -28,7 +28,7 @@ from rcoder import landlock
 from rcoder.agent import ownership
 from rcoder.agent.kinds import kind_of
 from rcoder.agent.profile import sandbox_of
-from rcoder.config import AGENTS_DIR, AgentProfile, Settings
+from rcoder.config import AGENTS_DIR, AgentProfile, Settings, checkpoint_root
 
 WRAPPER = Path(landlock.__file__).resolve()
 PYTHON_WRAPPER = (sys.executable, "-I", "-S", "-B", str(WRAPPER))  # the wrapper run by rcoder's Python
@@ -148,7 +148,7 @@ def make_write_paths(settings: Settings, profile: AgentProfile, owner: tuple[int
 def protected(settings: Settings) -> list[Path]:
     """What no grant may contain: the store and homes, every project, the config, defaults and TLS
     files, the clients' token files."""
-    paths = [settings.data_dir, settings.workspace_root]
+    paths = [settings.data_dir, settings.workspace_root, checkpoint_root(settings)]
     paths += [Path(p) for p in (settings.config_file, settings.defaults_file, settings.tls_cert, settings.tls_key) if p]
     paths += [client.token_file for client in settings.clients if client.token_file is not None]
     return [_real(p) for p in paths]

@@ -32,9 +32,21 @@ class Role(enum.IntEnum):
     ADMIN = 3
 
 
-READS = frozenset({"GetSession", "ListSessions", "ListRuns", "Subscribe", "ListAgents", "ListFiles", "ReadFile"})
+READS = frozenset(
+    {"GetSession", "ListSessions", "ListRuns", "Subscribe", "ListAgents", "ListFiles", "ReadFile", "GetRunChanges"}
+)
 CHANGES = frozenset(
-    {"Chat", "Cancel", "ResolvePermission", "ForkSession", "CloseSession", "DeleteSession", "WriteFile", "DeleteFile"}
+    {
+        "Chat",
+        "Cancel",
+        "ResolvePermission",
+        "ForkSession",
+        "CloseSession",
+        "DeleteSession",
+        "WriteFile",
+        "DeleteFile",
+        "RewindSession",
+    }
 )
 # the least role that may call each method; one not here (ListHosts) is the admin's
 LEAST_ROLE = {**dict.fromkeys(READS, Role.READER), **dict.fromkeys(CHANGES, Role.OPERATOR)}

@@ -14,8 +14,10 @@ from rcoder.domain import (
     AgentResources,
     AgentUpdate,
     AvailableCommands,
+    ChangeKind,
     ConfigOption,
     ConfigOptionUpdate,
+    FileChange,
     ForkMethod,
     Heartbeat,
     PermissionOutcome,
@@ -26,6 +28,7 @@ from rcoder.domain import (
     RunCompleted,
     RunEvent,
     RunGap,
+    RunKind,
     RunRecord,
     RunStarted,
     RunStatus,
@@ -190,7 +193,28 @@ def chat_stream(event: RunEvent) -> pb.ChatStream:
         )
         if body.usage is not None:
             msg.completed.usage.CopyFrom(usage(body.usage))
+        msg.completed.changes.extend(file_changes(body.changes))
     return msg
+
+
+FILE_CHANGE_KINDS = {
+    ChangeKind.ADDED: pb.FILE_CHANGE_KIND_ADDED,
+    ChangeKind.MODIFIED: pb.FILE_CHANGE_KIND_MODIFIED,
+    ChangeKind.DELETED: pb.FILE_CHANGE_KIND_DELETED,
+    ChangeKind.RENAMED: pb.FILE_CHANGE_KIND_RENAMED,
+    ChangeKind.MODE_CHANGED: pb.FILE_CHANGE_KIND_MODE_CHANGED,
+}
+RUN_KINDS = {RunKind.TURN: pb.RUN_KIND_TURN, RunKind.REWIND: pb.RUN_KIND_REWIND}
+
+
+def file_changes(changes: tuple[FileChange, ...]) -> list[pb.FileChange]:
+    return [
+        pb.FileChange(
+            path=c.path, kind=FILE_CHANGE_KINDS[c.kind], old_path=c.old_path, lines_added=c.lines_added,
+            lines_removed=c.lines_removed, binary=c.binary,
+        )
+        for c in changes
+    ]  # fmt: skip
 
 
 def config_options(options: tuple[ConfigOption, ...]) -> list[pb.ConfigOption]:
@@ -301,6 +325,8 @@ def run_info(record: RunRecord) -> pb.RunInfo:
         resume_method=record.resume_method,
         fallback_reason=record.fallback_reason,
         client=record.client,
+        changes=file_changes(record.changes),
+        kind=RUN_KINDS[record.kind],
     )
     if record.stop_reason is not None:
         info.stop_reason = STOP_REASONS[record.stop_reason]

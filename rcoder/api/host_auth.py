@@ -64,6 +64,7 @@ SUBJECTS: dict[str, tuple[str, ...]] = {
     "ResolvePermission": ("run_id",),
     "CloseSession": ("session_id",),
     "DeleteSession": ("session_id",),
+    "RewindSession": ("session_id",),
     "ForkSession": ("session_id",),
     "GetSession": ("session_id",),
 }

@@ -54,6 +54,8 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.UnsafePath, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.NoCheckpoint, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.CheckpointError, grpc.StatusCode.UNAVAILABLE),
     (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
     (errors.RcoderError, grpc.StatusCode.INTERNAL),
 )
@@ -301,6 +303,45 @@ class AgentRunnerService(FileRpcs):
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.DeleteSessionResponse = await self._routes.unary(
                 "DeleteSession", request, context, find, here, what, caller=call.caller
+            )
+        except errors.RcoderError as exc:
+            await self._abort(context, exc)
+        return response
+
+    async def GetRunChanges(
+        self, request: pb.GetRunChangesRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
+    ) -> pb.GetRunChangesResponse:
+        try:
+            validate.identifier(request.run_id, "run_id", required=True)
+            validate.diff_path(request.path, "path")
+            await self._scope.run(call, request.run_id)
+            # any host answers: the checkpoint stores are where every host reads them (docs/checkpoints.md)
+            found = await self._worker.run_changes(request.run_id, request.path)
+        except errors.RcoderError as exc:
+            await self._abort(context, exc)
+        return pb.GetRunChangesResponse(
+            diff=found.diff, truncated=found.truncated, changes=convert.file_changes(found.changes)
+        )
+
+    async def RewindSession(
+        self, request: pb.RewindSessionRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
+    ) -> pb.RewindSessionResponse:
+        try:
+            validate.identifier(request.session_id, "session_id", required=True)
+            validate.identifier(request.run_id, "run_id", required=True)
+            await self._scope.session(call, request.session_id)
+            call.run_id = request.run_id
+
+            async def here() -> pb.RewindSessionResponse:
+                done = await self._worker.rewind_session(request.session_id, request.run_id)
+                return pb.RewindSessionResponse(
+                    run_id=done.run_id, changes=convert.file_changes(done.changes), agent_stopped=done.agent_stopped
+                )
+
+            # served by the owner, as CloseSession: the agent to end lives there
+            find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
+            response: pb.RewindSessionResponse = await self._routes.unary(
+                "RewindSession", request, context, find, here, what, caller=call.caller
             )
         except errors.RcoderError as exc:
             await self._abort(context, exc)

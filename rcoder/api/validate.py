@@ -264,3 +264,26 @@ def _attachment(item: pb.Attachment, where: str) -> Attachment:
             size=link.size,
         )
     raise InvalidArgument(where, "set one kind: text, image, resource or resource_link")
+
+
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def diff_path(value: str, field: str) -> None:
+    """A path within a project as git names it (GetRunChanges): relative, no ``.`` or ``..``
+    part, no NUL, within the kernel's lengths. Empty: none given."""
+    if not value:
+        return
+    encoded = value.encode(errors="surrogateescape")
+    if "\0" in value:
+        raise InvalidArgument(field, "must not contain NUL")
+    if len(encoded) > MAX_PATH_BYTES:
+        raise InvalidArgument(field, f"at most {MAX_PATH_BYTES} bytes")
+    if value.startswith("/"):
+        raise InvalidArgument(field, "must be relative to the project (no leading /)")
+    for part in value.split("/"):
+        if part in ("", ".", ".."):
+            raise InvalidArgument(field, "must name a path within the project: no empty, '.' or '..' part")
+        if len(part.encode(errors="surrogateescape")) > MAX_NAME_BYTES:
+            raise InvalidArgument(field, f"each part at most {MAX_NAME_BYTES} bytes")

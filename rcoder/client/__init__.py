@@ -19,6 +19,7 @@ exceptions, one per status code family).
 It uses only the generated stubs of ``rcoder.v1``: what any client of the daemon uses.
 """
 
+from rcoder.client.changes import FileChange, FileChangeKind, Rewind, RunChanges, RunKind
 from rcoder.client.connection import DEFAULT_TIMEOUT, RcoderClient, Sessions
 from rcoder.client.errors import (
     Busy,
@@ -127,6 +128,8 @@ __all__ = [
     "Deletion",
     "Event",
     "FailedPrecondition",
+    "FileChange",
+    "FileChangeKind",
     "FileEntry",
     "FileHead",
     "FileKind",
@@ -162,7 +165,10 @@ __all__ = [
     "ResourceExhausted",
     "ResourceLinkAttachment",
     "ResumeOutcome",
+    "Rewind",
+    "RunChanges",
     "RunInfo",
+    "RunKind",
     "RunPage",
     "RunStatus",
     "SandboxPromises",

@@ -8,6 +8,7 @@ from typing import Any, Self
 
 import grpc
 
+from rcoder.client.changes import Rewind, RunChanges, rewind_from_proto, run_changes_from_proto
 from rcoder.client.errors import ClientClosed, NotFound, from_rpc_error
 from rcoder.client.files import FileData, FileEntry, FileKind, FilePage, FileRead, Files, WrittenFile
 from rcoder.client.requests import Attachment, BusyPolicy, McpServer, ModelProvider, PermissionMode, chat_request
@@ -282,7 +283,7 @@ class RcoderClient:
 
 class Sessions:
     """``client.sessions``: the session records (``get``, ``page``, ``list``), ``close``, ``fork``,
-    their runs (``runs_page``, ``list_runs``) and ``delete``."""
+    their runs (``runs_page``, ``list_runs``, ``run_changes``), ``rewind`` and ``delete``."""
 
     def __init__(self, stub: pb_grpc.AgentRunnerStub, unary: Callable[[Any, Any], Awaitable[Any]]) -> None:
         self._stub = stub
@@ -311,6 +312,19 @@ class Sessions:
         rcoder knows where the agent keeps it. Its ids are unknown afterwards."""
         request = pb.DeleteSessionRequest(session_id=session_id)
         return deletion_from_proto(await self._unary(self._stub.DeleteSession, request))
+
+    async def rewind(self, session_id: str, run_id: str) -> Rewind:
+        """Restore the project's files to how they were before ``run_id`` of the session and go on
+        from there: its agent ended, the next turn re-seeded from the transcript up to that run
+        (``RewindSession``, docs/checkpoints.md). ``FAILED_PRECONDITION`` while a turn runs in the project."""
+        request = pb.RewindSessionRequest(session_id=session_id, run_id=run_id)
+        return rewind_from_proto(await self._unary(self._stub.RewindSession, request))
+
+    async def run_changes(self, run_id: str, path: str = "") -> RunChanges:
+        """What the run changed in its project's files, and the unified diff (of ``path`` alone
+        when given; ``GetRunChanges``)."""
+        request = pb.GetRunChangesRequest(run_id=run_id, path=path)
+        return run_changes_from_proto(await self._unary(self._stub.GetRunChanges, request))
 
     async def runs_page(self, session_id: str, *, page_size: int = 0, page_token: str = "") -> RunPage:
         """One page of the session's runs, oldest first (``page_size`` 0: the daemon's default, 100;

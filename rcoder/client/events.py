@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from rcoder.client._record import Record, enum_member, to_datetime
+from rcoder.client.changes import FileChange, file_changes
 from rcoder.v1 import agent_runner_pb2 as pb
 
 
@@ -273,6 +274,8 @@ class Completed(Event):
     resume: ResumeOutcome
     error_reason: str
     usage: Usage | None  # what the agent reported the turn cost; None when it reported nothing
+    # what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off
+    changes: tuple[FileChange, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -427,6 +430,7 @@ def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         resume=_resume(c.resume),
         error_reason=c.error_reason,
         usage=_usage(c.usage) if c.HasField("usage") else None,
+        changes=file_changes(c.changes),
         **envelope,
     )
 

@@ -7,6 +7,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from rcoder.client._record import Record, enum_member, optional_datetime
+from rcoder.client.changes import FileChange, RunKind, file_changes, run_kind
 from rcoder.client.events import (
     ConfigOption,
     ResumeOutcome,
@@ -126,6 +127,8 @@ class RunInfo(Record):
     error: str
     request_id: str
     usage: Usage | None
+    changes: tuple[FileChange, ...]  # what it changed in the project's files (docs/checkpoints.md)
+    kind: RunKind  # a turn, or a rewind
     raw: pb.RunInfo = field(repr=False, compare=False)
 
 
@@ -166,6 +169,8 @@ def run_from_proto(m: pb.RunInfo) -> RunInfo:
         error=m.error,
         request_id=m.request_id,
         usage=usage_from_proto(m.usage) if m.HasField("usage") else None,
+        changes=file_changes(m.changes),
+        kind=run_kind(m.kind),
         raw=m,
     )
 

@@ -37,6 +37,7 @@ from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.checkpoints import Checkpoints, RunDiff
 from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
@@ -44,6 +45,7 @@ from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.queue import TurnQueues, Waiting
+from rcoder.session.rewinding import Rewound, SessionRewinder
 from rcoder.session.runs import Run, RunLimits, RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.session.workspace import project_dir, stored_cwd
@@ -100,11 +102,17 @@ class AcpWorker:
         self.leases.on_lost = self._lease_lost  # and a lost lease ends the agent
         # every run's events, stored as streamed, and read back by Subscribe
         self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
-        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history)
+        checkpoints = Checkpoints(settings, store, launcher.trees)
+        self.turns = TurnRunner(
+            settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history, checkpoints
+        )
         self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
         self._queues = TurnQueues(settings.max_queued_turns)
         runs.on_released = self._next_turn
         self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns, self._refuse_waiting)
+        self._rewinder = SessionRewinder(
+            settings, store, pool, runs, self.turns.checkpoints, self.turns.running_in, clock
+        )
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -310,6 +318,16 @@ class AcpWorker:
         if self._closing:
             raise ShuttingDown()
         return await self._eraser.erase(session_id)
+
+    async def rewind_session(self, session_id: str, run_id: str) -> Rewound:
+        """The project's files as before ``run_id``, the session going on from there (``session.rewinding``)."""
+        if self._closing:
+            raise ShuttingDown()
+        return await self._rewinder.rewind(session_id, run_id)
+
+    async def run_changes(self, run_id: str, path: str) -> RunDiff:
+        """What the run changed in its project's files, and the diff (``session.checkpoints``)."""
+        return await self.turns.checkpoints.diff(run_id, path)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)

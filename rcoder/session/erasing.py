@@ -69,11 +69,13 @@ class SessionEraser:
             if cancelled:  # the turn may have opened a new agent session (a fallback): as it left it
                 record = await self._store.get_session(session_id) or record
             stopped = await self._pool.close(session_id)
+            run_ids = await self._run_ids(session_id)
             deleted = await self._store.delete_session(session_id)
             if deleted is None:
                 raise NotFound("session", session_id, "deleted meanwhile by another request")
             self._runs.forget_session(session_id)
             removed, left = await self._erase_agent_copy(record)
+            left += await self._erase_checkpoints(record, run_ids)
         log.info("session_deleted", session_id=session_id, runs=deleted.runs, agent_stopped=stopped,
                  turn_cancelled=cancelled, queued_refused=refused, agent_files=len(removed),
                  left=len(left))  # fmt: skip
@@ -95,6 +97,29 @@ class SessionEraser:
         except TimeoutError:
             raise SessionBusy(session_id, holder.run_id) from None
         return True
+
+    async def _run_ids(self, session_id: str) -> list[str]:
+        """Every run of the session (their snapshots go with it)."""
+        ids: list[str] = []
+        after = None
+        while True:
+            page = await self._store.list_runs(session_id, 1000, after)
+            ids += [r.run_id for r in page]
+            if len(page) < 1000:
+                return ids
+            after = (page[-1].started_at, page[-1].run_id)
+
+    async def _erase_checkpoints(self, record: SessionRecord, run_ids: list[str]) -> list[str]:
+        """The session's snapshots (docs/checkpoints.md#lifetime): their refs, or the project's
+        whole checkpoint store with its last session. What could not be is said."""
+        try:
+            await self._store.delete_run_checkpoints(record.session_id)
+            left = not await self._store.list_sessions(record.project_id, limit=1)
+            await self._turns.checkpoints.forget_runs(record.project_id, run_ids, left)
+        except (RcoderError, OSError) as exc:
+            log.warning("checkpoints_not_erased", session_id=record.session_id, error=str(exc)[:300])
+            return [f"the session's checkpoints could not be removed: {exc}"]
+        return []
 
     async def _erase_agent_copy(self, record: SessionRecord) -> tuple[list[str], list[str]]:
         provider_id = record.provider_session_id

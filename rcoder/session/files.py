@@ -129,7 +129,12 @@ class ProjectFiles:
 
     async def _refuse_if_busy(self, project_id: str, while_busy: bool) -> None:
         if not while_busy and (run_id := await self.busy(project_id)):
-            raise ProjectBusy(project_id, run_id)
+            raise ProjectBusy(
+                project_id,
+                run_id,
+                "Wait for it to complete, or set while_busy to change them anyway (the "
+                "change then shows as part of that turn).",
+            )
 
     # ------------------------------------------------------------ reading
 

@@ -19,11 +19,11 @@ from rcoder.agent.connection import AgentConnection
 from rcoder.agent.kinds import replays_after_load
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunStarted, SessionRecord, TranscriptEntry
+from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunKind, RunStarted, SessionRecord, TranscriptEntry
 from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session import content, options, reseed
+from rcoder.session import checkpoints, content, options, reseed
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.leases import LeaseKeeper
 from rcoder.store.base import SessionStore
@@ -256,7 +256,12 @@ class SessionOpener:
         preamble, reason = "", launched.fallback_reason
         if not config.resume_session_id:
             outcome = ResumeOutcome.NEW
-            if plan.record is not None and not plan.record.provider_session_id and not plan.fresh_record:
+            rewound = await self._rewound_to(plan)
+            if rewound:  # RewindSession forgot the agent's session: the transcript up to that run
+                entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
+                outcome, preamble = self._reseed(entries) if entries else (ResumeOutcome.FALLBACK_NEW, "")
+                reason = checkpoints.rewound_reason(rewound)
+            elif plan.record is not None and not plan.record.provider_session_id and not plan.fresh_record:
                 # a stored session the agent never opened: a branch ForkSession made without the
                 # agent's session/fork, whose history is the transcript rcoder copied into it
                 entries = await self._store.transcript(plan.session_id, limit=RESEED_TURNS)
@@ -274,6 +279,15 @@ class SessionOpener:
             outcome = ResumeOutcome.RESUMED
         body = plan.opened = plan.started(conn.provider_session_id, outcome, launched.method, reason)
         return Opened(conn, body, preamble)
+
+    async def _rewound_to(self, plan: TurnPlan) -> str:
+        """The run a rewind went back before, when the session's last run is that rewind ("": not)."""
+        record = plan.record
+        if record is None or record.provider_session_id or plan.fresh_record or not record.last_run_id:
+            return ""
+        stored = await self._store.run_checkpoints([record.last_run_id])
+        found = stored.get(record.last_run_id)
+        return found.target_run_id if found is not None and found.kind == RunKind.REWIND.value else ""
 
     async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:
         """For an agent that replays after answering ``session/load``: the last turn rcoder

@@ -12,12 +12,21 @@ from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.limits import Mechanism
 from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import AgentCapabilities, AgentResources, RunRecord, SessionOrder, SessionRecord, UsageTotals
+from rcoder.domain import (
+    AgentCapabilities,
+    AgentResources,
+    RunKind,
+    RunRecord,
+    SessionOrder,
+    SessionRecord,
+    UsageTotals,
+)
 from rcoder.errors import NotFound
 from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.checkpoints import decode_changes
 from rcoder.session.runs import RunRegistry
-from rcoder.store.base import SessionStore
+from rcoder.store.base import RunCheckpoint, SessionStore
 
 PROJECTS_KEPT = 65536  # sessions whose project is kept for scope checks (~10 MB at most)
 
@@ -170,6 +179,8 @@ class Queries:
         found = await self._store.list_runs(session_id, limit + 1, after)
         page = found[:limit]
         last = page[-1] if len(found) > limit and page else None
+        stored = await self._store.run_checkpoints([r.run_id for r in page]) if page else {}
+        page = [with_checkpoint(r, stored.get(r.run_id)) for r in page]
         return page, None if last is None else (last.started_at, last.run_id)
 
     def agent_user(self) -> AgentUser:
@@ -197,3 +208,10 @@ class Queries:
                 )
             )
         return views
+
+
+def with_checkpoint(record: RunRecord, stored: RunCheckpoint | None) -> RunRecord:
+    """The run with its kind and changes (docs/checkpoints.md), as the store keeps them."""
+    if stored is None:
+        return record
+    return replace(record, kind=RunKind(stored.kind), changes=decode_changes(stored.changes))

@@ -61,6 +61,7 @@ from rcoder.config import Settings
 from rcoder.domain import (
     AgentEvent,
     ChatTurn,
+    FileChange,
     OpenMethod,
     ResumeOutcome,
     RunCompleted,
@@ -89,6 +90,7 @@ from rcoder.metrics import Metrics
 from rcoder.session import options
 from rcoder.session.agent_pool import AgentPool
 from rcoder.session.budget import EarlyEvents
+from rcoder.session.checkpoints import Checkpoints, checkpoint_after, checkpoint_discard
 from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History
 from rcoder.session.leases import LeaseKeeper
@@ -179,6 +181,11 @@ class TurnScope:
         self.error_reason = ""
         self.transcript: TranscriptEntry | None = None
         self.usage: Usage | None = None  # what the agent reported the turn cost
+        # the project's snapshot before the prompt goes out (docs/checkpoints.md): taken while the
+        # session opens, waited for before the prompt is sent; its commit ("": none)
+        self.before: asyncio.Task[str] | None = None
+        self.checkpoint = ""
+        self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files
 
     # ------------------------------------------------------------ phases
 
@@ -418,8 +425,10 @@ class TurnRunner:
         spawn: Spawn,
         leases: LeaseKeeper | None = None,
         history: History | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self._settings = self.settings = settings
+        self.checkpoints = checkpoints or Checkpoints(settings, store)
         self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
         self._store = store
         self._pool = pool
@@ -454,6 +463,10 @@ class TurnRunner:
     def running(self) -> list[str]:
         """Every claimed turn, whatever its phase."""
         return list(self._scopes)
+
+    def running_in(self, project_id: str) -> str | None:
+        """A turn claimed here in the project (any phase), None when there is none."""
+        return next((r for r, scope in self._scopes.items() if scope.plan.turn.project_id == project_id), None)
 
     def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
         """Ask the turn to stop (for ``cause``, when rcoder stops it). False when it is no
@@ -499,8 +512,12 @@ class TurnRunner:
                 run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd
             )
             self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
-            opened = await scope.open(self._opener)
             loop = asyncio.get_running_loop()
+            snapshot = self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+            scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
+            opened = await scope.open(self._opener)
+            # the project as it was before the prompt reaches the agent (shielded: the end waits for it too)
+            scope.checkpoint = await asyncio.shield(scope.before)
             prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
             try:
                 # one step for the prompt task: it writes the prompt to the agent before the
@@ -670,6 +687,9 @@ class TurnRunner:
         reachable = True  # the store took the run's end: its history is stored before completed goes out
         lost = False  # the lease is another host's: the run is as the store (that host) ended it
         try:
+            # what the turn changed in the project's files (docs/checkpoints.md), in its completed
+            scope.changes = await asyncio.shield(checkpoint_after(self.checkpoints, scope))
+            end = self._prepare_end(scope)
             try:  # what the agent changed during the turn (its options, its commands), before the end
                 await asyncio.shield(self._store_state(plan, scope.conn, self._clock()))
             except StoreError as exc:
@@ -731,7 +751,9 @@ class TurnRunner:
         body = scope.body
         assert body is not None
         provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
-        completed = RunCompleted(scope.stop, provider_id, body.resume, scope.error, scope.error_reason, scope.usage)
+        completed = RunCompleted(
+            scope.stop, provider_id, body.resume, scope.error, scope.error_reason, scope.usage, scope.changes
+        )
         return scope.run.prepare_end(completed)
 
     async def _record_end_later(self, scope: TurnScope) -> None:
@@ -769,6 +791,8 @@ class TurnRunner:
         guarded("forget_run", self._runs.forget, scope.run)
         broken = heard or scope.plan.action is not Action.LIVE
         guarded("release_agent", partial(self._pool.release, scope.plan.session_id, broken=broken))
+        if scope.before is not None:  # nor a snapshot of it (docs/checkpoints.md)
+            self._spawn(checkpoint_discard(self.checkpoints, scope), f"checkpoint-discard-{scope.run.run_id}")
 
     def forget(self, scope: TurnScope) -> None:
         """The turn is over: its lease goes too when no agent of its session is live here (a

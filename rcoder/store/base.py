@@ -40,6 +40,15 @@ class EventRow(NamedTuple):
     body: str
 
 
+class RunCheckpoint(NamedTuple):
+    """What the store keeps of a run's checkpoints (docs/checkpoints.md): its kind ("turn",
+    "rewind"), the run a rewind went back before, and its changes (JSON)."""
+
+    kind: str
+    target_run_id: str
+    changes: str
+
+
 class SessionStore(Protocol):
     """Every method is safe to call from the event loop; none blocks it.
 
@@ -173,6 +182,22 @@ class SessionStore(Protocol):
         hosts share the store its lease and signals, in one transaction. None when there is no
         such session. The deleted text is gone from the store's files (SQLite: ``secure_delete``
         and a truncated log; PostgreSQL: once vacuumed, see docs/api.md)."""
+        ...
+
+    async def put_run_checkpoint(self, run_id: str, session_id: str, checkpoint: RunCheckpoint) -> None:
+        """Store (or replace) the run's checkpoint record."""
+        ...
+
+    async def run_checkpoints(self, run_ids: Sequence[str]) -> dict[str, RunCheckpoint]:
+        """The checkpoint records of those runs that have one."""
+        ...
+
+    async def delete_run_checkpoints(self, session_id: str) -> None:
+        """Forget the checkpoint records of the session's runs."""
+        ...
+
+    async def cut_transcript(self, session_id: str, run_id: str) -> None:
+        """Delete the transcript of ``run_id`` and of every run of the session started after it."""
         ...
 
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:

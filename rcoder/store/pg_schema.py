@@ -124,6 +124,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             project_id text COLLATE "C" NOT NULL, day date NOT NULL, cost_nanos bigint NOT NULL DEFAULT 0,
             tokens bigint NOT NULL DEFAULT 0, PRIMARY KEY (project_id, day))""",
     ),
+    (  # 12: checkpoints (docs/checkpoints.md): each run's kind (a turn, a rewind), the run a rewind
+        # went back before, and what the run changed in its project's files (JSON, rcoder.session.checkpoints)
+        """CREATE TABLE run_checkpoints (
+            run_id text COLLATE "C" PRIMARY KEY, session_id text COLLATE "C" NOT NULL, kind text NOT NULL,
+            target_run_id text COLLATE "C" NOT NULL DEFAULT '', changes text NOT NULL DEFAULT '[]')""",
+        "CREATE INDEX run_checkpoints_by_session ON run_checkpoints (session_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -464,4 +471,18 @@ SIGNALS_DONE = (
 PRUNE_SIGNALS = (
     "DELETE FROM signals WHERE id IN (SELECT id FROM signals"
     " WHERE created_at < now() - make_interval(secs => %s) ORDER BY created_at LIMIT %s) RETURNING id"
+)
+
+# checkpoints (docs/checkpoints.md)
+PUT_RUN_CHECKPOINT = (
+    "INSERT INTO run_checkpoints (run_id, session_id, kind, target_run_id, changes) VALUES (%s, %s, %s, %s, %s)"
+    " ON CONFLICT (run_id) DO UPDATE SET kind = excluded.kind, target_run_id = excluded.target_run_id,"
+    " changes = excluded.changes"
+)
+RUN_CHECKPOINTS = "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id = ANY(%s)"
+DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = %s"
+# the transcript of the run and of every run of the session started after it (a rewind)
+CUT_TRANSCRIPT = (
+    "DELETE FROM transcript WHERE session_id = %s AND run_id IN (SELECT run_id FROM runs WHERE session_id = %s"
+    " AND (started_at, run_id) >= (SELECT started_at, run_id FROM runs WHERE run_id = %s))"
 )

@@ -39,7 +39,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.store import pg_schema, redact_url
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint
 from rcoder.store.cluster import Lease
 from rcoder.store.patterns import regexes
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
@@ -443,6 +443,21 @@ class PostgresStore:
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(pg_schema.TRANSCRIPT, _params(session_id, _positive(limit)))
         return [_entry(row) for row in rows]
+
+    # ------------------------------------------------------------ checkpoints (docs/checkpoints.md)
+
+    async def put_run_checkpoint(self, run_id: str, session_id: str, checkpoint: RunCheckpoint) -> None:
+        await self._write(pg_schema.PUT_RUN_CHECKPOINT, _params(run_id, session_id, *checkpoint), None)
+
+    async def run_checkpoints(self, run_ids: Sequence[str]) -> dict[str, RunCheckpoint]:
+        rows = await self._rows(pg_schema.RUN_CHECKPOINTS, ([_text(r) for r in run_ids],))
+        return {row[0]: RunCheckpoint(row[1], row[2], row[3]) for row in rows}
+
+    async def delete_run_checkpoints(self, session_id: str) -> None:
+        await self._write(pg_schema.DELETE_RUN_CHECKPOINTS, _params(session_id), None)
+
+    async def cut_transcript(self, session_id: str, run_id: str) -> None:
+        await self._write(pg_schema.CUT_TRANSCRIPT, _params(session_id, session_id, run_id), None)
 
     # ------------------------------------------------------------ the audit trail
 

@@ -40,7 +40,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint
 from rcoder.store.cluster import Lease
 from rcoder.store.patterns import globs_json
 from rcoder.store.session_state import state_params
@@ -487,6 +487,21 @@ class SqliteStore:
     async def transcript(self, session_id: str, limit: int = 50) -> list[TranscriptEntry]:
         rows = await self._rows(sqlite_schema.TRANSCRIPT, (session_id, _positive(limit)), point=limit == 1)
         return [entry_of(row) for row in rows]
+
+    # checkpoints (docs/checkpoints.md)
+
+    async def put_run_checkpoint(self, run_id: str, session_id: str, checkpoint: RunCheckpoint) -> None:
+        await self._write(sqlite_schema.PUT_RUN_CHECKPOINT, (run_id, session_id, *checkpoint), None)
+
+    async def run_checkpoints(self, run_ids: Sequence[str]) -> dict[str, RunCheckpoint]:
+        rows = await self._rows(sqlite_schema.RUN_CHECKPOINTS, (json.dumps(list(run_ids)),), point=len(run_ids) == 1)
+        return {row[0]: RunCheckpoint(row[1], row[2], row[3]) for row in rows}
+
+    async def delete_run_checkpoints(self, session_id: str) -> None:
+        await self._write(sqlite_schema.DELETE_RUN_CHECKPOINTS, (session_id,), None)
+
+    async def cut_transcript(self, session_id: str, run_id: str) -> None:
+        await self._write(sqlite_schema.CUT_TRANSCRIPT, (session_id, session_id, run_id), None)
 
     # the audit trail
 

@@ -102,6 +102,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             project_id TEXT NOT NULL, day TEXT NOT NULL, cost_nanos INTEGER NOT NULL DEFAULT 0,
             tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (project_id, day))""",
     ),
+    (  # 9: checkpoints (docs/checkpoints.md): each run's kind (a turn, a rewind), the run a rewind
+        # went back before, and what the run changed in its project's files (JSON, rcoder.session.checkpoints)
+        """CREATE TABLE run_checkpoints (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, kind TEXT NOT NULL,
+            target_run_id TEXT NOT NULL DEFAULT '', changes TEXT NOT NULL DEFAULT '[]')""",
+        "CREATE INDEX run_checkpoints_by_session ON run_checkpoints(session_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -333,3 +340,20 @@ def audit_of(row: sqlite3.Row) -> AuditEntry:
 
 def entry_of(row: sqlite3.Row) -> TranscriptEntry:
     return TranscriptEntry(**{**dict(row), "created_at": _time(row["created_at"])})
+
+
+# checkpoints (docs/checkpoints.md)
+PUT_RUN_CHECKPOINT = (
+    "INSERT INTO run_checkpoints (run_id, session_id, kind, target_run_id, changes) VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (run_id) DO UPDATE SET kind = excluded.kind, target_run_id = excluded.target_run_id,"
+    " changes = excluded.changes"
+)
+RUN_CHECKPOINTS = (
+    "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id IN (SELECT value FROM json_each(?))"
+)
+DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = ?"
+# the transcript of the run and of every run of the session started after it (a rewind)
+CUT_TRANSCRIPT = (
+    "DELETE FROM transcript WHERE session_id = ? AND run_id IN (SELECT run_id FROM runs WHERE session_id = ?"
+    " AND (started_at, run_id) >= (SELECT started_at, run_id FROM runs WHERE run_id = ?))"
+)

@@ -145,6 +145,66 @@ FORK_METHOD_RESEEDED: ForkMethod.ValueType  # 2
 """the agent cannot fork: the branch's first turn is re-seeded"""
 Global___ForkMethod: _TypeAlias = ForkMethod  # noqa: Y015
 
+class _RunKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RunKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RUN_KIND_UNSPECIFIED: _RunKind.ValueType  # 0
+    """never sent"""
+    RUN_KIND_TURN: _RunKind.ValueType  # 1
+    """a turn of the agent (Chat)"""
+    RUN_KIND_REWIND: _RunKind.ValueType  # 2
+    """a rewind of the project's files (RewindSession)"""
+
+class RunKind(_RunKind, metaclass=_RunKindEnumTypeWrapper):
+    """What a run was."""
+
+RUN_KIND_UNSPECIFIED: RunKind.ValueType  # 0
+"""never sent"""
+RUN_KIND_TURN: RunKind.ValueType  # 1
+"""a turn of the agent (Chat)"""
+RUN_KIND_REWIND: RunKind.ValueType  # 2
+"""a rewind of the project's files (RewindSession)"""
+Global___RunKind: _TypeAlias = RunKind  # noqa: Y015
+
+class _FileChangeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FileChangeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FileChangeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FILE_CHANGE_KIND_UNSPECIFIED: _FileChangeKind.ValueType  # 0
+    """never sent"""
+    FILE_CHANGE_KIND_ADDED: _FileChangeKind.ValueType  # 1
+    """it is new"""
+    FILE_CHANGE_KIND_MODIFIED: _FileChangeKind.ValueType  # 2
+    """its content changed (or a file became a link, a link a file)"""
+    FILE_CHANGE_KIND_DELETED: _FileChangeKind.ValueType  # 3
+    """it is gone"""
+    FILE_CHANGE_KIND_RENAMED: _FileChangeKind.ValueType  # 4
+    """moved (old_path), its content the same or close to it"""
+    FILE_CHANGE_KIND_MODE_CHANGED: _FileChangeKind.ValueType  # 5
+    """only its executable bit changed"""
+
+class FileChangeKind(_FileChangeKind, metaclass=_FileChangeKindEnumTypeWrapper):
+    """How a run changed one file."""
+
+FILE_CHANGE_KIND_UNSPECIFIED: FileChangeKind.ValueType  # 0
+"""never sent"""
+FILE_CHANGE_KIND_ADDED: FileChangeKind.ValueType  # 1
+"""it is new"""
+FILE_CHANGE_KIND_MODIFIED: FileChangeKind.ValueType  # 2
+"""its content changed (or a file became a link, a link a file)"""
+FILE_CHANGE_KIND_DELETED: FileChangeKind.ValueType  # 3
+"""it is gone"""
+FILE_CHANGE_KIND_RENAMED: FileChangeKind.ValueType  # 4
+"""moved (old_path), its content the same or close to it"""
+FILE_CHANGE_KIND_MODE_CHANGED: FileChangeKind.ValueType  # 5
+"""only its executable bit changed"""
+Global___FileChangeKind: _TypeAlias = FileChangeKind  # noqa: Y015
+
 class _RunStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1372,6 +1432,8 @@ class RunInfo(_message.Message):
     RESUME_METHOD_FIELD_NUMBER: _builtins.int
     FALLBACK_REASON_FIELD_NUMBER: _builtins.int
     CLIENT_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run's id (Subscribe takes it)"""
     session_id: _builtins.str
@@ -1396,6 +1458,8 @@ class RunInfo(_message.Message):
     """who started it: a [[clients]] name, a JWT's subject, "admin" (the auth_token); empty for
     runs from before rcoder recorded it
     """
+    kind: Global___RunKind.ValueType
+    """a turn of the agent, or a rewind (RewindSession)"""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """when the run started"""
@@ -1407,6 +1471,12 @@ class RunInfo(_message.Message):
     @_builtins.property
     def usage(self) -> Global___Usage:
         """unset when the agent reported nothing"""
+
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """what the run changed in its project's files (docs/checkpoints.md); empty while it runs,
+        with checkpoints off, and for runs from before rcoder recorded it
+        """
 
     def __init__(
         self,
@@ -1425,14 +1495,58 @@ class RunInfo(_message.Message):
         resume_method: _builtins.str = ...,
         fallback_reason: _builtins.str = ...,
         client: _builtins.str = ...,
+        changes: _abc.Iterable[Global___FileChange] | None = ...,
+        kind: Global___RunKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "kind", b"kind", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunInfo: _TypeAlias = RunInfo  # noqa: Y015
+
+@_typing.final
+class FileChange(_message.Message):
+    """One file a run changed, between its project's snapshots before and after it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    OLD_PATH_FIELD_NUMBER: _builtins.int
+    LINES_ADDED_FIELD_NUMBER: _builtins.int
+    LINES_REMOVED_FIELD_NUMBER: _builtins.int
+    BINARY_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """the file's path in the project (its new path for a rename)"""
+    kind: Global___FileChangeKind.ValueType
+    """how it changed"""
+    old_path: _builtins.str
+    """where a renamed file was; empty otherwise"""
+    lines_added: _builtins.int
+    """lines added (0 for a binary file)"""
+    lines_removed: _builtins.int
+    """lines removed (0 for a binary file)"""
+    binary: _builtins.bool
+    """git found it binary (a NUL byte early on): no lines counted"""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        kind: Global___FileChangeKind.ValueType = ...,
+        old_path: _builtins.str = ...,
+        lines_added: _builtins.int = ...,
+        lines_removed: _builtins.int = ...,
+        binary: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binary", b"binary", "kind", b"kind", "lines_added", b"lines_added", "lines_removed", b"lines_removed", "old_path", b"old_path", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileChange: _TypeAlias = FileChange  # noqa: Y015
 
 @_typing.final
 class DeleteSessionRequest(_message.Message):
@@ -3243,6 +3357,7 @@ class RunCompleted(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     """how the turn ended"""
     provider_session_id: _builtins.str
@@ -3259,6 +3374,10 @@ class RunCompleted(_message.Message):
     def usage(self) -> Global___Usage:
         """what the agent reported this turn cost; unset when it reported nothing"""
 
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off"""
+
     def __init__(
         self,
         *,
@@ -3268,10 +3387,11 @@ class RunCompleted(_message.Message):
         resume: Global___ResumeOutcome.ValueType = ...,
         error_reason: _builtins.str = ...,
         usage: Global___Usage | None = ...,
+        changes: _abc.Iterable[Global___FileChange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3380,3 +3500,121 @@ class Usage(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__total_tokens) -> _WhichOneofReturnType__total_tokens | None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class GetRunChangesRequest(_message.Message):
+    """The run for GetRunChanges."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """required: an rcoder run_id"""
+    path: _builtins.str
+    """one file's path in the project; empty: every file the run changed"""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunChangesRequest: _TypeAlias = GetRunChangesRequest  # noqa: Y015
+
+@_typing.final
+class GetRunChangesResponse(_message.Message):
+    """A run's changes and their unified diff."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIFF_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    diff: _builtins.str
+    """the unified diff (git's, with a/ and b/ prefixes; binary files as "Binary files ... differ"),
+    cut at max_diff_bytes with a line saying so
+    """
+    truncated: _builtins.bool
+    """the diff was cut at max_diff_bytes"""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """the files it changed (of path alone when given)"""
+
+    def __init__(
+        self,
+        *,
+        diff: _builtins.str = ...,
+        truncated: _builtins.bool = ...,
+        changes: _abc.Iterable[Global___FileChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "diff", b"diff", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRunChangesResponse: _TypeAlias = GetRunChangesResponse  # noqa: Y015
+
+@_typing.final
+class RewindSessionRequest(_message.Message):
+    """The session and run for RewindSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """required: an rcoder session_id"""
+    run_id: _builtins.str
+    """required: a run of that session; its project is restored to before it"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewindSessionRequest: _TypeAlias = RewindSessionRequest  # noqa: Y015
+
+@_typing.final
+class RewindSessionResponse(_message.Message):
+    """What RewindSession did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    AGENT_STOPPED_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """the run of kind rewind that records it (ListRuns)"""
+    agent_stopped: _builtins.bool
+    """a live agent of the session was ended"""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """the files it changed back"""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        changes: _abc.Iterable[Global___FileChange] | None = ...,
+        agent_stopped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_stopped", b"agent_stopped", "changes", b"changes", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewindSessionResponse: _TypeAlias = RewindSessionResponse  # noqa: Y015

@@ -116,6 +116,16 @@ class AgentRunnerStub:
                 request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileRequest.SerializeToString,
                 response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileResponse.FromString,
                 _registered_method=True)
+        self.GetRunChanges = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/GetRunChanges',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.GetRunChangesRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.GetRunChangesResponse.FromString,
+                _registered_method=True)
+        self.RewindSession = channel.unary_unary(
+                '/rcoder.v1.AgentRunner/RewindSession',
+                request_serializer=rcoder_dot_v1_dot_agent__runner__pb2.RewindSessionRequest.SerializeToString,
+                response_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.RewindSessionResponse.FromString,
+                _registered_method=True)
 
 
 class AgentRunnerServicer:
@@ -248,6 +258,25 @@ class AgentRunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunChanges(self, request, context):
+        """The unified diff of what a run changed in its project's files (whole, or of one path),
+        from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+        FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RewindSession(self, request, context):
+        """Restore the project's files to how they were before a run of the session (byte for byte,
+        deleted files included) and make the session go on from before it: its agent is ended and
+        the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+        rewind. FAILED_PRECONDITION while a turn runs in the project.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentRunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +359,16 @@ def add_AgentRunnerServicer_to_server(servicer, server):
                     servicer.DeleteFile,
                     request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileRequest.FromString,
                     response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileResponse.SerializeToString,
+            ),
+            'GetRunChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunChanges,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.GetRunChangesRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.GetRunChangesResponse.SerializeToString,
+            ),
+            'RewindSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.RewindSession,
+                    request_deserializer=rcoder_dot_v1_dot_agent__runner__pb2.RewindSessionRequest.FromString,
+                    response_serializer=rcoder_dot_v1_dot_agent__runner__pb2.RewindSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -766,6 +805,60 @@ class AgentRunner:
             '/rcoder.v1.AgentRunner/DeleteFile',
             rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileRequest.SerializeToString,
             rcoder_dot_v1_dot_agent__runner__pb2.DeleteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/GetRunChanges',
+            rcoder_dot_v1_dot_agent__runner__pb2.GetRunChangesRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.GetRunChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RewindSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.v1.AgentRunner/RewindSession',
+            rcoder_dot_v1_dot_agent__runner__pb2.RewindSessionRequest.SerializeToString,
+            rcoder_dot_v1_dot_agent__runner__pb2.RewindSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,6 +91,17 @@ class AgentRunnerStub:
     """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
     runs in the project unless while_busy is set.
     """
+    GetRunChanges: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.GetRunChangesRequest, _agent_runner_pb2.GetRunChangesResponse]
+    """The unified diff of what a run changed in its project's files (whole, or of one path),
+    from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+    FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+    """
+    RewindSession: _grpc.UnaryUnaryMultiCallable[_agent_runner_pb2.RewindSessionRequest, _agent_runner_pb2.RewindSessionResponse]
+    """Restore the project's files to how they were before a run of the session (byte for byte,
+    deleted files included) and make the session go on from before it: its agent is ended and
+    the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+    rewind. FAILED_PRECONDITION while a turn runs in the project.
+    """
 
 @_typing.type_check_only
 class AgentRunnerAsyncStub(AgentRunnerStub):
@@ -150,6 +161,17 @@ class AgentRunnerAsyncStub(AgentRunnerStub):
     DeleteFile: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.DeleteFileRequest, _agent_runner_pb2.DeleteFileResponse]  # type: ignore[assignment]
     """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
     runs in the project unless while_busy is set.
+    """
+    GetRunChanges: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.GetRunChangesRequest, _agent_runner_pb2.GetRunChangesResponse]  # type: ignore[assignment]
+    """The unified diff of what a run changed in its project's files (whole, or of one path),
+    from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+    FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+    """
+    RewindSession: _aio.UnaryUnaryMultiCallable[_agent_runner_pb2.RewindSessionRequest, _agent_runner_pb2.RewindSessionResponse]  # type: ignore[assignment]
+    """Restore the project's files to how they were before a run of the session (byte for byte,
+    deleted files included) and make the session go on from before it: its agent is ended and
+    the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+    rewind. FAILED_PRECONDITION while a turn runs in the project.
     """
 
 class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
@@ -303,6 +325,29 @@ class AgentRunnerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_agent_runner_pb2.DeleteFileResponse, _abc.Awaitable[_agent_runner_pb2.DeleteFileResponse]]:
         """Delete a file, a link (never what it points to) or a folder of a project. Refused while a turn
         runs in the project unless while_busy is set.
+        """
+
+    @_abc_1.abstractmethod
+    def GetRunChanges(
+        self,
+        request: _agent_runner_pb2.GetRunChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.GetRunChangesResponse, _abc.Awaitable[_agent_runner_pb2.GetRunChangesResponse]]:
+        """The unified diff of what a run changed in its project's files (whole, or of one path),
+        from its checkpoints (docs/checkpoints.md), bounded by max_diff_bytes with a visible cut.
+        FAILED_PRECONDITION when the run has no snapshot to diff (checkpoints off, not ended).
+        """
+
+    @_abc_1.abstractmethod
+    def RewindSession(
+        self,
+        request: _agent_runner_pb2.RewindSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_runner_pb2.RewindSessionResponse, _abc.Awaitable[_agent_runner_pb2.RewindSessionResponse]]:
+        """Restore the project's files to how they were before a run of the session (byte for byte,
+        deleted files included) and make the session go on from before it: its agent is ended and
+        the next turn is re-seeded from the transcript up to that run. Recorded as a run of kind
+        rewind. FAILED_PRECONDITION while a turn runs in the project.
         """
 
 def add_AgentRunnerServicer_to_server(servicer: AgentRunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,82 @@
+"""What a run changed in its project's files (docs/checkpoints.md): ``completed.changes``,
+``RunInfo.changes``, ``sessions.run_changes`` (``GetRunChanges``) and ``sessions.rewind``
+(``RewindSession``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from rcoder.client._record import Record, enum_member
+from rcoder.v1 import agent_runner_pb2 as pb
+
+
+class FileChangeKind(StrEnum):
+    UNSPECIFIED = "unspecified"
+    ADDED = "added"
+    MODIFIED = "modified"  # its content (or a file made a link, a link a file)
+    DELETED = "deleted"
+    RENAMED = "renamed"  # moved: ``old_path`` says from where
+    MODE_CHANGED = "mode_changed"  # its executable bit alone
+
+
+class RunKind(StrEnum):
+    UNSPECIFIED = "unspecified"  # a run from before rcoder recorded kinds: a turn
+    TURN = "turn"
+    REWIND = "rewind"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileChange(Record):
+    """One file a run changed."""
+
+    path: str
+    kind: FileChangeKind
+    old_path: str  # a renamed file's former path; "" otherwise
+    lines_added: int
+    lines_removed: int
+    binary: bool  # no lines counted
+    raw: pb.FileChange = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunChanges(Record):
+    """``GetRunChanges``: the run's unified diff (cut at the daemon's max_diff_bytes: ``truncated``)."""
+
+    diff: str
+    truncated: bool
+    changes: tuple[FileChange, ...]
+    raw: pb.GetRunChangesResponse = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rewind(Record):
+    """``RewindSession``: the run of kind rewind that records it, and what it changed back."""
+
+    run_id: str
+    changes: tuple[FileChange, ...]
+    agent_stopped: bool
+    raw: pb.RewindSessionResponse = field(repr=False, compare=False)
+
+
+def file_changes(messages: Iterable[pb.FileChange]) -> tuple[FileChange, ...]:
+    return tuple(
+        FileChange(
+            path=m.path, kind=enum_member(FileChangeKind, pb.FileChangeKind, m.kind, "FILE_CHANGE_KIND_"),
+            old_path=m.old_path, lines_added=m.lines_added, lines_removed=m.lines_removed, binary=m.binary, raw=m,
+        )
+        for m in messages
+    )  # fmt: skip
+
+
+def run_kind(number: int) -> RunKind:
+    return enum_member(RunKind, pb.RunKind, number, "RUN_KIND_")
+
+
+def run_changes_from_proto(m: pb.GetRunChangesResponse) -> RunChanges:
+    return RunChanges(diff=m.diff, truncated=m.truncated, changes=file_changes(m.changes), raw=m)
+
+
+def rewind_from_proto(m: pb.RewindSessionResponse) -> Rewind:
+    return Rewind(run_id=m.run_id, changes=file_changes(m.changes), agent_stopped=m.agent_stopped, raw=m)

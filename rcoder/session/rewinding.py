@@ -1,0 +1,167 @@
+"""``RewindSession`` (docs/checkpoints.md#rewind): the project's files as they were before a run,
+and the session going on from there.
+
+On the host that serves the session, in order:
+
+1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
+   whatever its phase) or, as the store has it, on another host;
+2. the run is recorded as a run of kind ``rewind`` (``ListRuns``), its prompt saying which run;
+3. under the project's checkpoint lock (no snapshot of a turn meanwhile), the session's agent is
+   ended, its provider session forgotten and rcoder's transcript cut at the run; then the
+   project as it is now is snapshotted (the rewind's before), git writes back the run's before
+   snapshot (``CheckpointRepo.restore``), and the result is snapshotted (the rewind's after):
+   the rewind's changes are what it undid. The next turn opens a new agent session re-seeded
+   from the transcript up to (not including) that run, ``FALLBACK_RESEEDED`` with the reason
+   "rewound to before run <id>" (``checkpoints.rewound_reason``), since no agent can cut its
+   own history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
+from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
+from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
+from rcoder.logs import get_logger
+from rcoder.session.agent_pool import AgentPool
+from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
+from rcoder.session.runs import RUN_MISSING, RunRegistry
+from rcoder.store.base import RunCheckpoint, SessionStore
+from rcoder.store.checkpoint_repo import CheckpointRepo
+
+log = get_logger("rcoder.session.rewinding")
+
+
+@dataclass(frozen=True, slots=True)
+class Rewound:
+    """A rewind done: the run that records it, and the files it changed back."""
+
+    run_id: str
+    changes: tuple[FileChange, ...]
+    agent_stopped: bool
+
+
+def give_back(project: Path, changes: Sequence[FileChange]) -> None:
+    """What the rewind wrote belongs to the project folder's owner, as the rest of it does (a
+    daemon run as root writes as root; its agents may run as a uid of their own). Never through
+    a link: ``lchown``, on paths git has just written as real folders and files."""
+    if os.geteuid() != 0:
+        return
+    owner = project.stat()
+    written: set[Path] = set()
+    for change in changes:
+        if change.kind is ChangeKind.DELETED:
+            continue
+        path = project / change.path
+        written.add(path)
+        written.update(p for p in path.parents if project in p.parents)
+    for path in written:
+        with contextlib.suppress(FileNotFoundError):
+            os.lchown(path, owner.st_uid, owner.st_gid)
+
+
+class SessionRewinder:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SessionStore,
+        pool: AgentPool,
+        runs: RunRegistry,
+        checkpoints: Checkpoints,
+        running_in: Callable[[str], str | None],
+        clock: Callable[[], datetime],
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._pool = pool
+        self._runs = runs
+        self._checkpoints = checkpoints
+        self._running_in = running_in  # project id -> a run running in it here, None: none
+        self._clock = clock
+
+    async def rewind(self, session_id: str, run_id: str) -> Rewound:
+        record = await self._checked(session_id, run_id)
+        project_id = record.project_id
+        repo = self._checkpoints.repo(project_id, record.cwd)
+        rewind_id = new_id()
+        async with self._checkpoints.locks[project_id]:
+            holder = self._runs.holder(session_id)
+            busy = holder.run_id if holder is not None else self._running_in(project_id)
+            if busy is None:
+                busy = await self._running_elsewhere(project_id)
+            if busy is not None:
+                raise ProjectBusy(project_id, busy, "Wait for it to complete, or Cancel it, then rewind.")
+            goal = await repo.resolve(ref(run_id, "before"))
+            if goal is None:
+                raise NoCheckpoint(run_id, "before", "checkpoints were off for it, or its snapshots were deleted")
+            await self._store.start_run(
+                RunRecord(
+                    run_id=rewind_id, session_id=session_id, status=RunStatus.RUNNING, started_at=self._clock(),
+                    prompt=f"rewind to before run {run_id}",
+                )
+            )  # fmt: skip
+            try:
+                stopped, changes = await self._rewind(record, repo, rewind_id, run_id, goal)
+            except (RcoderError, OSError) as exc:  # recorded as failed, never left running
+                error = exc.message if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
+                await self._store.finish_run(rewind_id, RunStatus.FAILED, StopReason.ERROR, error, self._clock(), None)
+                raise
+        await self._store.put_run_checkpoint(
+            rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
+        )
+        await self._store.finish_run(rewind_id, RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock(), None)
+        log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
+                 files=len(changes), agent_stopped=stopped)  # fmt: skip
+        return Rewound(rewind_id, changes, stopped)
+
+    async def _checked(self, session_id: str, run_id: str) -> SessionRecord:
+        """The session, when ``run_id`` is one of its runs and checkpoints are on."""
+        record = await self._store.get_session(session_id)
+        if record is None:
+            raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
+        target = await self._store.get_run(run_id)
+        if target is None:
+            raise NotFound("run", run_id, RUN_MISSING)
+        if target.session_id != session_id:
+            raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
+        if not self._checkpoints.enabled:
+            raise NoCheckpoint(run_id, "before", "checkpoints are off (checkpoints = false)")
+        return record
+
+    async def _rewind(
+        self, record: SessionRecord, repo: CheckpointRepo, rewind_id: str, run_id: str, goal: str
+    ) -> tuple[bool, tuple[FileChange, ...]]:
+        """Under the project's lock: the session forgets, then the files go back (steps 3 and 4 of
+        the module docstring). Whether an agent was live, and the rewind's changes."""
+        session_id = record.session_id
+        # the session forgets first: a turn sent meanwhile waits for this lock (its before
+        # snapshot), then finds no live agent and no agent session to resume
+        stopped = await self._pool.close(session_id)
+        await self._store.set_provider_session_id(session_id, "", self._clock())
+        await self._store.cut_transcript(session_id, run_id)
+        profile = self._settings.profile(record.agent)
+        excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
+        now = await repo.snapshot(excludes, f"before rewind {rewind_id}")
+        await repo.set_refs({ref(rewind_id, "before"): now})
+        await repo.restore(goal)
+        after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
+        await repo.set_refs({ref(rewind_id, "after"): after})
+        await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(now, after, listed_only=False))
+        return stopped, await repo.changes(now, after)
+
+    async def _running_elsewhere(self, project_id: str) -> str | None:
+        """A run the store holds as running in the project (on another host sharing the
+        workspace): the last run of each of the project's sessions."""
+        for record in await self._store.list_sessions(project_id, limit=1000):
+            if record.last_run_id:
+                run = await self._store.get_run(record.last_run_id)
+                if run is not None and run.status is RunStatus.RUNNING:
+                    return run.run_id
+        return None

@@ -1,0 +1,369 @@
+"""A project's checkpoints: a bare git repository outside the project, written by ``git`` itself
+(docs/checkpoints.md).
+
+``git --git-dir=<store> --work-tree=<project>`` with an index file of rcoder's own: the project's
+own ``.git`` is never opened (git always skips a folder named ``.git``). A snapshot is ``git add -A``
+into that index (git keeps each file's stat data there, so a later snapshot reads only what
+changed), then ``write-tree`` and ``commit-tree``; a ref names each snapshot, so gc keeps it.
+
+The project's content must never make git run anything or change what it stores: git runs in a
+process group of its own, bounded by a timeout, with no system, global or user configuration and
+no hooks, and the store's ``info/attributes`` (which outranks every ``.gitattributes`` in the
+project) unsets every attribute that would convert a file on its way in or out (``text``, ``eol``,
+``ident``, ``filter``, ``working-tree-encoding``): what is stored is the file's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from rcoder.domain import ChangeKind, FileChange
+from rcoder.errors import CheckpointError
+from rcoder.logs import get_logger
+
+log = get_logger("rcoder.store.checkpoint_repo")
+
+GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
+# the most files a run's changes list, and the most bytes of their paths: well within the 4 MiB a
+# gRPC client receives; the diff (GetRunChanges) has them all, up to max_diff_bytes
+MAX_LISTED_CHANGES = 10_000
+MAX_LISTED_BYTES = 1 << 20
+# outranks the project's .gitattributes: no conversion of any file in or out, git's own heuristic
+# for what is binary (a NUL in the first 8000 bytes), no diff or merge driver
+ATTRIBUTES = "* -text -crlf !eol -ident !filter !working-tree-encoding !diff !merge\n"
+CONFIG = (
+    "core.hooksPath=/dev/null",
+    "core.attributesFile=/dev/null",
+    "core.autocrlf=false",
+    "core.safecrlf=false",
+    "core.symlinks=true",
+    "core.filemode=true",
+    "core.ignorecase=false",
+    "core.fsmonitor=false",
+    "core.quotePath=false",
+    "core.untrackedCache=false",
+    "gc.auto=0",  # never on the hot path: ``gc`` runs it off it
+    "maintenance.auto=false",
+    "diff.renames=false",
+    "diff.noprefix=false",
+    "diff.mnemonicPrefix=false",
+    "advice.addEmbeddedRepo=false",
+    "advice.addIgnoredFile=false",
+)
+# how ``git add`` stores what it reads: every file into one pack per snapshot, not a loose object
+# file each, and uncompressed (``gc`` compresses off the hot path): a first snapshot of 10,000
+# files and 200 MB writes one file instead of 10,000 and spends no time in zlib (5 s -> 2 s).
+# Only for ``add``: a diff treats a file past core.bigFileThreshold as binary.
+SNAPSHOT_ADD = ("-c", "core.bigFileThreshold=1", "-c", "core.compression=0")
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "rcoder",
+    "GIT_AUTHOR_EMAIL": "rcoder@localhost",
+    "GIT_COMMITTER_NAME": "rcoder",
+    "GIT_COMMITTER_EMAIL": "rcoder@localhost",
+}
+
+
+def git_env(home: Path) -> dict[str, str]:
+    """A clean environment: nothing of the daemon's, no configuration but the store's own."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "LC_ALL": "C",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_ATTR_NOSYSTEM": "1",
+        "GIT_TERMINAL_PROMPT": "0",
+        "GIT_LITERAL_PATHSPECS": "1",
+        "GIT_OPTIONAL_LOCKS": "0",
+        **IDENTITY,
+    }
+
+
+class ChildGuard(Protocol):
+    """Who else waits for the daemon's children (``rcoder.agent.tree.Trees``: the subreaper reaps
+    every zombie child it does not own); git's exit status is ours to read, so it is owned while
+    it runs."""
+
+    def spawning(self) -> AbstractContextManager[None]: ...
+
+    def own(self, pid: int) -> None: ...
+
+    def disown(self, pid: int) -> None: ...
+
+
+class NoGuard:
+    """No reaper but asyncio's own."""
+
+    def spawning(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def own(self, pid: int) -> None:
+        pass
+
+    def disown(self, pid: int) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class GitResult:
+    out: bytes
+    truncated: bool  # ``limit`` bytes were read and the rest dropped (the process ended)
+
+
+async def run_git(
+    args: Sequence[str],
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float = GIT_TIMEOUT,
+    limit: int = 0,
+    guard: ChildGuard = NoGuard(),  # noqa: B008 (stateless)
+    stdin: bytes | None = None,
+    ok: tuple[int, ...] = (0,),
+) -> GitResult:
+    """``git args`` in a process group of its own, ended with it on every path (a timeout, a
+    cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
+    with guard.spawning():
+        try:
+            process = await asyncio.create_subprocess_exec(
+                "git", *args, cwd=cwd, env=env, start_new_session=True,
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        except OSError as exc:  # no git on the PATH, or the project's folder is gone
+            raise CheckpointError("git", f"git could not be started in {cwd}: {exc}") from exc
+        guard.own(process.pid)
+    try:
+        async with asyncio.timeout(timeout):
+            if limit:
+                assert process.stdout is not None and process.stderr is not None
+                out = b""
+                while len(out) <= limit:
+                    more = await process.stdout.read(limit + 1 - len(out))
+                    if not more:
+                        break
+                    out += more
+                if len(out) > limit:
+                    return GitResult(out[:limit], True)
+                err = await process.stderr.read()
+                await process.wait()
+            else:
+                out, err = await process.communicate(stdin)
+    except TimeoutError:
+        raise CheckpointError("git", f"git {' '.join(args)[-200:]} took longer than {timeout:g} s") from None
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.shield(process.wait())
+        guard.disown(process.pid)
+    if process.returncode not in ok:
+        text = err.decode(errors="replace").strip()[-500:]
+        step = next((a for a in args if not a.startswith("-") and "=" not in a), "git")
+        raise CheckpointError(step, f"git {step} exited {process.returncode}: {text}")
+    return GitResult(out, False)
+
+
+class CheckpointRepo:
+    """One project's store: ``git_dir`` (bare), the project as its work tree, ``index`` rcoder's."""
+
+    def __init__(
+        self, git_dir: Path, work_tree: Path, index: Path, guard: ChildGuard | None = None, timeout: float = GIT_TIMEOUT
+    ) -> None:
+        self.git_dir, self.work_tree, self.index, self.timeout = git_dir, work_tree, index, timeout
+        self._guard = guard or NoGuard()
+        self._env = git_env(git_dir)
+        self._env.update(GIT_DIR=str(git_dir), GIT_WORK_TREE=str(work_tree), GIT_INDEX_FILE=str(index))
+        self._flags = [arg for item in CONFIG for arg in ("-c", item)]
+        # the last snapshot's tree and commit: an unchanged tree reuses its commit
+        self._last: tuple[str, str] | None = None
+
+    async def git(
+        self, *args: str, limit: int = 0, excludes: Path | None = None, ok: tuple[int, ...] = (0,)
+    ) -> GitResult:
+        flags = list(self._flags)
+        flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
+        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit, self._guard, ok=ok)
+
+    async def ensure(self) -> None:
+        """Create the store (bare, no hooks) the first time; the caller serialises. A store made
+        anew (the project's was deleted, here or by another host) starts from a new index."""
+        if (self.git_dir / "HEAD").exists():
+            return
+        self.forget_index()
+        # 0700: no other user reads the stores (agents under a uid of their own included)
+        self.git_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.index.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env = git_env(self.git_dir.parent)
+        init = ["init", "--bare", "--quiet", "--template=", str(self.git_dir)]
+        await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard)
+        info = self.git_dir / "info"
+        info.mkdir(exist_ok=True)
+        (info / "attributes").write_text(ATTRIBUTES)
+
+    def excludes_file(self, patterns: Sequence[str]) -> Path:
+        """The exclude file holding ``patterns`` (gitignore syntax), written once per set."""
+        text = "".join(f"{p}\n" for p in patterns)
+        path = self.git_dir / "info" / f"exclude-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        if not path.exists():
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(text)
+            temporary.replace(path)
+        return path
+
+    async def snapshot(self, patterns: Sequence[str], message: str) -> str:
+        """The project's files now, as a commit (every file but those the project's .gitignore
+        files and ``patterns`` leave out)."""
+        await self.ensure()
+        excludes = self.excludes_file(patterns)
+        try:
+            # a file it cannot read is left out (--ignore-errors: exit 1, the rest added)
+            await self.git(*SNAPSHOT_ADD, "add", "--all", "--ignore-errors", "--", ".", excludes=excludes, ok=(0, 1))
+            tree = (await self.git("write-tree")).out.decode().strip()
+            if self._last is not None and self._last[0] == tree:
+                return self._last[1]
+            commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+        except CheckpointError:
+            self.forget_index()  # whatever broke it (a store removed under it), the next starts anew
+            raise
+        self._last = (tree, commit)
+        return commit
+
+    def forget_index(self) -> None:
+        """Drop this host's index of the project (the next snapshot reads every file again)."""
+        self._last = None
+        self.index.unlink(missing_ok=True)
+
+    async def set_refs(self, refs: dict[str, str]) -> None:
+        lines = "".join(f"update {name} {sha}\n" for name, sha in refs.items())
+        await self._update_refs(lines)
+
+    async def delete_refs(self, names: Sequence[str]) -> None:
+        if names:
+            await self._update_refs("".join(f"delete {name}\n" for name in names))
+
+    async def _update_refs(self, lines: str) -> None:
+        flags = [*self._flags, "-c", "core.excludesFile=/dev/null"]
+        await run_git(
+            [*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode()
+        )
+
+    async def resolve(self, ref: str) -> str | None:
+        """The commit ``ref`` names, None when there is none."""
+        if not (self.git_dir / "HEAD").exists():
+            return None
+        try:
+            out = await self.git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+        except CheckpointError:
+            return None
+        return out.out.decode().strip() or None
+
+    async def refs(self, prefix: str) -> dict[str, int]:
+        """Every ref under ``prefix``, with its commit's time (Unix seconds)."""
+        if not (self.git_dir / "HEAD").exists():
+            return {}
+        out = await self.git("for-each-ref", "--format=%(refname) %(committerdate:unix)", prefix)
+        found: dict[str, int] = {}
+        for line in out.out.decode().splitlines():
+            name, _, when = line.rpartition(" ")
+            found[name] = int(when) if when.isdigit() else 0
+        return found
+
+    async def changes(
+        self, before: str, after: str, path: str = "", listed_only: bool = True
+    ) -> tuple[FileChange, ...]:
+        """What changed from ``before`` to ``after``, per file in git's (path) order, renames found
+        as git finds them; of ``path`` alone when given. With ``listed_only``, the first within
+        ``MAX_LISTED_CHANGES`` and ``MAX_LISTED_BYTES``: the list rides in ``completed`` and
+        ``RunInfo``, which a client must be able to receive."""
+        args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
+        raw = await self.git(*args, *(("--", path) if path else ()))
+        found = parse_changes(raw.out)
+        return listed(found) if listed_only else found
+
+    async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
+        """The unified diff from ``before`` to ``after`` (of ``path`` alone when given), at most
+        ``limit`` bytes of it."""
+        args = ["diff-tree", "-r", "-p", "-M", "--no-color", "--no-ext-diff", "--no-textconv", before, after]
+        if path:
+            args += ["--", path]
+        return await self.git(*args, limit=limit)
+
+    async def restore(self, commit: str) -> None:
+        """Make the project's captured files as ``commit`` holds them. The index must hold the
+        project as it is now (a snapshot just taken): files it holds that ``commit`` does not are
+        removed, the others written. git's checkout never writes through a link: a link where a
+        folder must be is removed first, and a link is written as a link."""
+        await self.git("read-tree", "--reset", "-u", commit)
+        self._last = None
+
+    async def gc(self, full: bool = False) -> None:
+        """Pack and prune: ``--auto`` (when git finds it worth it) unless ``full``. Objects are
+        pruned once unreferenced for 5 minutes: a snapshot another host is writing may not have
+        its ref yet."""
+        if (self.git_dir / "HEAD").exists():
+            auto = () if full else ("--auto",)
+            await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
+
+
+def listed(changes: tuple[FileChange, ...]) -> tuple[FileChange, ...]:
+    """The first of ``changes`` within ``MAX_LISTED_CHANGES`` files and ``MAX_LISTED_BYTES``."""
+    size = 0
+    for count, change in enumerate(changes[:MAX_LISTED_CHANGES]):
+        size += len(change.path.encode()) + len(change.old_path.encode()) + 16
+        if size > MAX_LISTED_BYTES:
+            return changes[:count]
+    return changes[:MAX_LISTED_CHANGES]
+
+
+def parse_changes(data: bytes) -> tuple[FileChange, ...]:
+    """``diff-tree --raw --numstat -z`` output as ``FileChange`` records, in git's order."""
+    fields = data.split(b"\0")
+    raws: list[tuple[str, str, str, str, str, str]] = []  # old mode, new mode, old sha, new sha, status, path
+    olds: dict[str, str] = {}
+    i = 0
+    while i < len(fields) and fields[i].startswith(b":"):
+        old_mode, new_mode, old_sha, new_sha, status = fields[i][1:].decode().split(" ")
+        if status[0] in "RC":
+            olds[fields[i + 2].decode(errors="replace")] = fields[i + 1].decode(errors="replace")
+            named = fields[i + 2]
+            i += 3
+        else:
+            named = fields[i + 1]
+            i += 2
+        raws.append((old_mode, new_mode, old_sha, new_sha, status, named.decode(errors="replace")))
+    stats: dict[str, tuple[int, int, bool]] = {}
+    while i < len(fields) and fields[i]:
+        added, removed, path_field = fields[i].decode(errors="replace").split("\t", 2)
+        if path_field:
+            path, i = path_field, i + 1
+        else:  # a rename: the old path and the new follow
+            path, i = fields[i + 2].decode(errors="replace"), i + 3
+        binary = added == "-"
+        stats[path] = (0 if binary else int(added), 0 if binary else int(removed), binary)
+    changes = []
+    for old_mode, new_mode, old_sha, new_sha, status, path in raws:
+        lines_added, lines_removed, binary = stats.get(path, (0, 0, False))
+        kind = _kind(status[0], old_mode, new_mode, old_sha, new_sha)
+        changes.append(FileChange(path, kind, olds.get(path, ""), lines_added, lines_removed, binary))
+    return tuple(changes)
+
+
+def _kind(status: str, old_mode: str, new_mode: str, old_sha: str, new_sha: str) -> ChangeKind:
+    if status == "A":
+        return ChangeKind.ADDED
+    if status == "D":
+        return ChangeKind.DELETED
+    if status in "RC":
+        return ChangeKind.RENAMED
+    if old_sha == new_sha and old_mode != new_mode:
+        return ChangeKind.MODE_CHANGED
+    return ChangeKind.MODIFIED

@@ -1,0 +1,87 @@
+"""The checkpoint lines (docs/checkpoints.md), measured on git as the daemon runs it
+(``rcoder.store.checkpoint_repo``, ``rcoder.session.checkpoints``), in milliseconds:
+
+- ``checkpoint_first_snapshot_ms``: the first snapshot of a project of ``checkpoint_files`` files
+  and ``checkpoint_bytes`` bytes (every file read and stored: the store and index are new);
+- ``checkpoint_later_snapshot_ms``: a later snapshot with 10 files changed (git's index keeps the
+  stat data: only those are read);
+- ``checkpoint_turn_start_ms``: what a turn's start waits for on a project of 1,000 files, the
+  ``before`` snapshot (``Checkpoints.before``: snapshot and ref), nothing changed since the last turn.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, load_settings
+from rcoder.session.checkpoints import Checkpoints
+from rcoder.store.checkpoint_repo import CheckpointRepo
+
+if TYPE_CHECKING:
+    from bench import Bench, Result
+
+TURN_START_FILES = 1000
+
+
+def make_project(root: Path, files: int, total_bytes: int) -> None:
+    """``files`` files of random bytes (incompressible, as built artefacts are), 100 a folder."""
+    size = max(total_bytes // files, 1)
+    for n in range(files):
+        folder = root / f"d{n // 1000}" / f"s{n // 100}"
+        if n % 100 == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{n}.bin").write_bytes(os.urandom(size))
+
+
+async def checkpoints(bench: Bench) -> list[Result]:
+    from bench import judged
+
+    sizes = bench.sizes
+    files, total = sizes.checkpoint_files, sizes.checkpoint_bytes
+    reps = max(sizes.reps, 1)
+    first, later = [], []
+    for rep in range(reps):
+        project = bench.root / f"checkpoint-{rep}"
+        make_project(project, files, total)
+        repo = CheckpointRepo(bench.root / f"checkpoint-{rep}.git", project, bench.root / f"checkpoint-{rep}.index")
+        began = time.perf_counter()
+        await repo.snapshot(DEFAULT_CHECKPOINT_EXCLUDE, "first")
+        first.append(time.perf_counter() - began)
+        for n in range(10):
+            (project / "d0" / "s0" / f"f{n}.bin").write_bytes(os.urandom(1000))
+        began = time.perf_counter()
+        await repo.snapshot(DEFAULT_CHECKPOINT_EXCLUDE, "later")
+        later.append(time.perf_counter() - began)
+    details = {"files": files, "bytes": total, "reps": reps}
+    what = f"the first snapshot of a project of {files} files, {total >> 20} MB, in ms"
+    results = [judged("checkpoint_first_snapshot_ms", what, statistics.median(first) * 1e3, "<= 2000", details)]
+    what = "a later snapshot of that project with 10 files changed, in ms"
+    results.append(judged("checkpoint_later_snapshot_ms", what, statistics.median(later) * 1e3, "<= 150", details))
+    results.append(await turn_start(bench, reps))
+    return results
+
+
+async def turn_start(bench: Bench, reps: int) -> Result:
+    from bench import judged
+
+    project = bench.workspace / "checkpoint-turns"
+    make_project(project, TURN_START_FILES, TURN_START_FILES * 2000)
+    config = bench.root / "checkpoints.toml"
+    config.write_text(f'data_dir = "{bench.root / "checkpoint-data"}"\nworkspace_root = "{bench.workspace}"\n')
+    settings = load_settings(config, {})
+    profile = settings.agents[settings.default_agent]
+    store = None  # ``before`` writes nothing to the store
+    marks = Checkpoints(settings, store)  # type: ignore[arg-type]
+    await marks.before("checkpoint-turns", str(project), "warm-up", profile)
+    took = []
+    for n in range(max(reps * 5, 5)):
+        began = time.perf_counter()
+        await marks.before("checkpoint-turns", str(project), f"run-{n}", profile)
+        took.append(time.perf_counter() - began)
+    what = f"what a turn's start waits for on a project of {TURN_START_FILES} files (its before snapshot), in ms"
+    details = {"files": TURN_START_FILES, "p90_ms": sorted(took)[int(len(took) * 0.9) - 1] * 1e3, "reps": len(took)}
+    return judged("checkpoint_turn_start_ms", what, statistics.median(took) * 1e3, "<= 20", details)

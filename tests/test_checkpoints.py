@@ -379,3 +379,31 @@ async def test_the_profile_s_checkpoint_exclude_patterns_leave_files_out(
     assert [c.path for c in completed(default).changes] == ["a.tmp", "build/out", "kept.txt"]  # node_modules/
     own = await client.chat(prompt=script, project_id="two", agent="own")
     assert [c.path for c in completed(own).changes] == ["kept.txt", "node_modules/pkg/index.js"]
+
+
+async def test_on_a_live_session_a_quiet_turn_changes_nothing_and_a_disguised_edit_is_still_seen(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    # a quiet turn's snapshots are taken from the files' stat data, without git
+    # (docs/checkpoints.md#what-a-snapshot-costs): an edit that keeps the file's size and puts
+    # its modification time back (in place: the same inode) must still show, through the time no
+    # process can set back
+    project = tmp_path / "workspace" / "proj"
+    make_project(project)
+    _, client = await make_daemon()
+    first = await client.chat(prompt="hello")
+    session_id = first[0].session_id
+    assert not completed(first).changes
+
+    quiet = await client.chat(prompt="hello again", session_id=session_id)
+    assert not completed(quiet).changes
+    diff = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=quiet[0].run_id))
+    assert (diff.diff, list(diff.changes)) == ("", [])
+
+    edit = project / "edit.txt"
+    mtime = edit.stat().st_mtime_ns
+    seconds = f"{mtime // 10**9}.{mtime % 10**9:09d}"
+    disguised = f"shell printf 'one\\nodd line\\nthree\\n' > edit.txt\nshell touch -m -d @{seconds} edit.txt\nhello"
+    events = await client.chat(prompt=disguised, session_id=session_id)
+    assert edit.stat().st_mtime_ns == mtime and edit.read_text() == "one\nodd line\nthree\n"
+    assert [(c.path, c.kind) for c in completed(events).changes] == [("edit.txt", K.FILE_CHANGE_KIND_MODIFIED)]

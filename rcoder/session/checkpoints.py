@@ -124,9 +124,10 @@ class Checkpoints:
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
             return ()
-        await self._store.put_run_checkpoint(
-            run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes))
-        )
+        if changes:  # a turn that changed nothing needs no row: no row reads as a turn with no changes
+            await self._store.put_run_checkpoint(
+                run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes))
+            )
         return changes
 
     # ------------------------------------------------------------ reading

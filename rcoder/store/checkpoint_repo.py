@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import re
 import signal
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -29,9 +30,13 @@ from typing import Protocol
 from rcoder.domain import ChangeKind, FileChange
 from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
+from rcoder.store.tree_stat import TreeStat, skipped_dirs, stat_tree
 
 log = get_logger("rcoder.store.checkpoint_repo")
 
+# what ``set_refs`` writes: a run's snapshot refs (run ids are rcoder's own), and object names
+REF_NAME = re.compile(r"refs/rcoder/runs/[A-Za-z0-9._-]{1,128}/(before|after)")
+OBJECT_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
 # the most files a run's changes list, and the most bytes of their paths: well within the 4 MiB a
 # gRPC client receives; the diff (GetRunChanges) has them all, up to max_diff_bytes
@@ -172,6 +177,16 @@ async def run_git(
     return GitResult(out, False)
 
 
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The last snapshot taken here: its tree and commit, the walk before it, its exclude patterns."""
+
+    tree: str
+    commit: str
+    seen: TreeStat
+    patterns: tuple[str, ...]
+
+
 class CheckpointRepo:
     """One project's store: ``git_dir`` (bare), the project as its work tree, ``index`` rcoder's."""
 
@@ -183,8 +198,8 @@ class CheckpointRepo:
         self._env = git_env(git_dir)
         self._env.update(GIT_DIR=str(git_dir), GIT_WORK_TREE=str(work_tree), GIT_INDEX_FILE=str(index))
         self._flags = [arg for item in CONFIG for arg in ("-c", item)]
-        # the last snapshot's tree and commit: an unchanged tree reuses its commit
-        self._last: tuple[str, str] | None = None
+        # the last snapshot: an unchanged tree reuses its commit, unchanged files skip git altogether
+        self._last: Snapshot | None = None
 
     async def git(
         self, *args: str, limit: int = 0, excludes: Path | None = None, ok: tuple[int, ...] = (0,)
@@ -221,20 +236,28 @@ class CheckpointRepo:
 
     async def snapshot(self, patterns: Sequence[str], message: str) -> str:
         """The project's files now, as a commit (every file but those the project's .gitignore
-        files and ``patterns`` leave out)."""
+        files and ``patterns`` leave out). Where a walk of the files' stat data finds them as the
+        last snapshot left them, that snapshot's commit, with no git process
+        (``rcoder.store.tree_stat``); the walk comes first, so a file changed while git reads it
+        is seen changed next time."""
         await self.ensure()
+        seen = await asyncio.to_thread(stat_tree, self.work_tree, skipped_dirs(patterns))
+        last = self._last
+        if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):
+            return last.commit
         excludes = self.excludes_file(patterns)
         try:
             # a file it cannot read is left out (--ignore-errors: exit 1, the rest added)
             await self.git(*SNAPSHOT_ADD, "add", "--all", "--ignore-errors", "--", ".", excludes=excludes, ok=(0, 1))
             tree = (await self.git("write-tree")).out.decode().strip()
-            if self._last is not None and self._last[0] == tree:
-                return self._last[1]
-            commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+            if last is not None and last.tree == tree:
+                commit = last.commit
+            else:
+                commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
         except CheckpointError:
             self.forget_index()  # whatever broke it (a store removed under it), the next starts anew
             raise
-        self._last = (tree, commit)
+        self._last = Snapshot(tree, commit, seen, tuple(patterns))
         return commit
 
     def forget_index(self) -> None:
@@ -243,8 +266,23 @@ class CheckpointRepo:
         self.index.unlink(missing_ok=True)
 
     async def set_refs(self, refs: dict[str, str]) -> None:
-        lines = "".join(f"update {name} {sha}\n" for name, sha in refs.items())
-        await self._update_refs(lines)
+        """Point each ref at its commit: a loose ref file each, in git's own format
+        (gitrepository-layout: the object name and a newline), written whole and renamed into
+        place, so a turn's snapshots cost no git process when nothing changed. Deleting a ref
+        (which may be packed) is git's ``update-ref``."""
+        for name, sha in refs.items():
+            if not REF_NAME.fullmatch(name) or not OBJECT_NAME.fullmatch(sha):
+                raise CheckpointError("set-ref", f"not a checkpoint ref or object name: {name!r} {sha!r}")
+        await asyncio.to_thread(self._write_refs, refs)
+
+    def _write_refs(self, refs: dict[str, str]) -> None:
+        for name, sha in refs.items():
+            path = self.git_dir / name
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # beside the refs, never among them: a name git would list as a ref
+            temporary = self.git_dir / f"rcoder-ref-{os.getpid()}-{path.parent.name}-{path.name}.tmp"
+            temporary.write_text(sha + "\n")
+            os.replace(temporary, path)
 
     async def delete_refs(self, names: Sequence[str]) -> None:
         if names:
@@ -284,6 +322,8 @@ class CheckpointRepo:
         as git finds them; of ``path`` alone when given. With ``listed_only``, the first within
         ``MAX_LISTED_CHANGES`` and ``MAX_LISTED_BYTES``: the list rides in ``completed`` and
         ``RunInfo``, which a client must be able to receive."""
+        if before == after:
+            return ()
         args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
         raw = await self.git(*args, *(("--", path) if path else ()))
         found = parse_changes(raw.out)

@@ -2,7 +2,9 @@
 
 No model and no key: it answers every prompt with ``echo: <prompt>`` and, from the
 second turn of a session on, ``(you said before: <previous prompt>)``, so a resumed
-conversation is visible from outside. It speaks ACP on stdio through the official
+conversation is visible from outside. A prompt line ``write <path> <text>`` also writes
+``<text>`` and a newline to ``<path>`` beneath its session's folder, so that a turn's changes and
+a rewind can be tried without a model (``write_line``). It speaks ACP on stdio through the official
 SDK's agent side and advertises ``loadSession`` and ``sessionCapabilities.resume`` /
 ``close``; its sessions are JSON files under ``--state-dir`` (written whole and
 atomically), so a new process resumes or loads what an earlier one created.
@@ -110,6 +112,23 @@ def answer(prompt: str, previous: str | None) -> str:
     return text if previous is None else f"{text} (you said before: {previous})"
 
 
+WRITE = "write "
+
+
+def write_line(cwd: Path, request: str) -> None:
+    """``<path> <text>``: ``<text>`` and a newline written to ``<path>``, a relative path beneath
+    ``cwd`` (its folders made); a path leaving it, or one that cannot be written, is skipped: the
+    echo is still the answer."""
+    name, _, line = request.partition(" ")
+    relative = Path(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        return
+    target = cwd / relative
+    with contextlib.suppress(OSError):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(line + "\n")
+
+
 def words(text: str) -> list[str]:
     """``text`` in streamable pieces (each word with the space after it)."""
     return re.findall(r"\S+\s*|\s+", text) or [text]
@@ -180,6 +199,9 @@ class EchoAgent:
         text = "\n".join(block.text for block in prompt if isinstance(block, TextContentBlock))
         text += "".join(f" [{block.type}]" for block in prompt if not isinstance(block, TextContentBlock))
         said = answer(text, session.prompts[-1] if session.prompts else None)
+        for line in text.splitlines():
+            if line.startswith(WRITE):
+                await asyncio.to_thread(write_line, Path(session.cwd), line.removeprefix(WRITE))
         for piece in words(said):
             if session.cancelled.is_set():
                 break

@@ -95,3 +95,20 @@ async def test_list_agents_shows_echo_and_what_it_advertised(make_daemon: Daemon
     assert not echo.default
     assert echo.capabilities.load_session and echo.capabilities.session_resume and echo.capabilities.session_close
     assert echo.capabilities.agent_name == "rcoder-echo"
+
+
+async def test_echo_writes_a_file_when_asked_so_a_turns_changes_and_a_rewind_can_be_tried(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    _, client = await make_daemon()
+    events = await client.chat(
+        agent="echo", project_id="demo", prompt="write notes/todo.txt buy milk\nwrite ../out.txt no"
+    )
+    project = tmp_path / "workspace" / "demo"
+
+    assert (project / "notes" / "todo.txt").read_text() == "buy milk\n"
+    assert not (tmp_path / "workspace" / "out.txt").exists(), "a path leaving the project is skipped"
+    assert [(c.path, c.kind) for c in completed(events).changes] == [("notes/todo.txt", pb.FILE_CHANGE_KIND_ADDED)]
+    request = pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id)
+    await client.stub.RewindSession(request)
+    assert not (project / "notes" / "todo.txt").exists()

@@ -10,7 +10,8 @@ A fenced ``sh`` block right after a line ``<!-- example: run -->`` is run. Two f
 
 The daemon listens on a free port, so ``127.0.0.1:50051`` becomes its address (and ``rcoder chat``
 gets it as ``RCODER_TARGET``); the session id the first turn printed stands for ``<S>`` and for
-the elided ids of a transcript. Nothing else of the text is changed.
+the elided ids of a transcript, and the first run id printed for ``<R>``. Nothing else of the text
+is changed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = "<!-- example: run -->"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SESSION = re.compile(r'"session_id": "([0-9a-f-]{36})"|session ([0-9a-f-]{36})')
+RUN = re.compile(r'"run_id": "([0-9a-f-]{36})"')
+# the enum values a comment names that the command's output must hold
+NAMED = re.compile(r"\b(?:RESUME_OUTCOME|STOP_REASON|FILE_CHANGE_KIND|RUN_KIND)_[A-Z_]+\b")
 
 
 @dataclass
@@ -115,10 +119,11 @@ async def script(example: Example, cwd: Path, env: dict[str, str], address: str)
     """Each command of a script block, with what its comment lines say of its output: a line
     ``# Code: …``, ``# Message: …`` (grpcurl's refusal), ``# rcoder: …`` (the CLI's) or ``# echo: …``
     is printed as it stands, and a command that is refused exits non-zero; every other command
-    exits 0 and prints every ``RESUME_OUTCOME_*`` and ``STOP_REASON_*`` its comments name."""
-    session, assignments = "", ""  # a variable the block sets (AUTH=...) holds for its later lines
+    exits 0 and prints every ``RESUME_OUTCOME_*``, ``STOP_REASON_*``, ``FILE_CHANGE_KIND_*`` and
+    ``RUN_KIND_*`` its comments name."""
+    session, run, assignments = "", "", ""  # a variable the block sets (AUTH=...) holds for its later lines
     for command, comments in commands(example.text):
-        command = command.replace(DEFAULT_ADDRESS, address).replace("<S>", session)
+        command = command.replace(DEFAULT_ADDRESS, address).replace("<S>", session).replace("<R>", run)
         code, output = await shell(assignments + command, cwd, env)
         printed = [c[2:] for c in comments if re.match(r"^# (Code|Message|rcoder|echo): ", c)]
         refused = any(line.startswith(("Code: ", "rcoder: ")) for line in printed)
@@ -132,7 +137,9 @@ async def script(example: Example, cwd: Path, env: dict[str, str], address: str)
             assignments += command + "\n"
         if not session and (found := SESSION.search(output)):
             session = found.group(1) or found.group(2)
-        for word in re.findall(r"\b(?:RESUME_OUTCOME|STOP_REASON)_[A-Z_]+\b", " ".join(comments)):
+        if not run and (found := RUN.search(output)):
+            run = found.group(1)
+        for word in NAMED.findall(" ".join(comments)):
             assert word in output, f"{example}: {command!r} printed no {word}:\n{output}"
 
 

@@ -158,10 +158,5 @@ class SessionRewinder:
 
     async def _running_elsewhere(self, project_id: str) -> str | None:
         """A run the store holds as running in the project (on another host sharing the
-        workspace): the last run of each of the project's sessions."""
-        for record in await self._store.list_sessions(project_id, limit=1000):
-            if record.last_run_id:
-                run = await self._store.get_run(record.last_run_id)
-                if run is not None and run.status is RunStatus.RUNNING:
-                    return run.run_id
-        return None
+        workspace), as the file RPCs ask it (``SessionStore.running_in_project``)."""
+        return await self._store.running_in_project(project_id)

@@ -4,6 +4,7 @@ fake agent changing its project by shell commands (``shell ...`` lines)."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.project_files import TEMP_PREFIX
+from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, error_info
@@ -407,3 +410,23 @@ async def test_on_a_live_session_a_quiet_turn_changes_nothing_and_a_disguised_ed
     events = await client.chat(prompt=disguised, session_id=session_id)
     assert edit.stat().st_mtime_ns == mtime and edit.read_text() == "one\nodd line\nthree\n"
     assert [(c.path, c.kind) for c in completed(events).changes] == [("edit.txt", K.FILE_CHANGE_KIND_MODIFIED)]
+
+
+async def test_a_file_the_file_api_is_still_writing_is_never_captured_nor_rewound(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    # an upload in flight (WriteFile's temporary file, renamed over its path at the end) caught by
+    # a turn's snapshot would be half a file that a rewind brings back
+    assert any(fnmatch.fnmatchcase(f"{TEMP_PREFIX}{'0' * 32}.tmp", p) for p in ALWAYS_EXCLUDED)
+    project = tmp_path / "workspace" / "proj"
+    project.mkdir(parents=True)
+    (project / "kept.txt").write_text("kept\n")
+    upload = project / f"{TEMP_PREFIX}{'a' * 32}.tmp"
+    upload.write_bytes(b"half of a")
+    _, client = await make_daemon()
+
+    events = await client.chat(prompt=f"shell rm {upload.name}\nshell echo new > new.txt\nhello")
+    assert [(c.path, c.kind) for c in completed(events).changes] == [("new.txt", K.FILE_CHANGE_KIND_ADDED)]
+    request = pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id)
+    await client.stub.RewindSession(request)
+    assert sorted(p.name for p in project.iterdir()) == ["kept.txt"]

@@ -37,6 +37,10 @@ log = get_logger("rcoder.store.checkpoint_repo")
 # what ``set_refs`` writes: a run's snapshot refs (run ids are rcoder's own), and object names
 REF_NAME = re.compile(r"refs/rcoder/runs/[A-Za-z0-9._-]{1,128}/(before|after)")
 OBJECT_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+# left out of every snapshot whatever the profile says: a file the file API is still writing, before
+# it is renamed over its path (rcoder.session.project_files.TEMP_PREFIX), half a file a rewind
+# would otherwise bring back
+ALWAYS_EXCLUDED = (".rcoder-upload-*.tmp",)
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
 # the most files a run's changes list, and the most bytes of their paths: well within the 4 MiB a
 # gRPC client receives; the diff (GetRunChanges) has them all, up to max_diff_bytes
@@ -241,6 +245,7 @@ class CheckpointRepo:
         (``rcoder.store.tree_stat``); the walk comes first, so a file changed while git reads it
         is seen changed next time."""
         await self.ensure()
+        patterns = (*patterns, *ALWAYS_EXCLUDED)
         seen = await asyncio.to_thread(stat_tree, self.work_tree, skipped_dirs(patterns))
         last = self._last
         if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):

@@ -8,7 +8,7 @@ arguments carry the model provider to it, and what else about it rcoder
 must respect: an extra "session gone" rule (OpenCode), how it passes on a
 model API's refusal of its key (``auth_reason``) and the earliest time a
 session may be loaded (Gemini). ``generic`` knows nothing and changes
-nothing. The facts come from the real agents (``docs/real-agents.md``).
+nothing. The facts come from the real agents (``docs/design/real-agents.md``).
 
 API keys only ever travel in the agent's environment: never in a file, an
 argument or a log line.

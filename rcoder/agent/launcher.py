@@ -199,7 +199,7 @@ class AgentLauncher:
                                                 "below folders they can pass, or set agent_user = \"\"")  # fmt: skip
 
     def log_sandboxes(self) -> None:
-        """Say what each profile's agents run under (docs/design.md#confinement: in the log at start)."""
+        """Say what each profile's agents run under (docs/design/trust.md#confinement: in the log at start)."""
         abi = self._settings.landlock_abi
         for name, profile in sorted(self._settings.agents.items()):
             sandbox = sandbox_of(self._settings, profile)

@@ -1,4 +1,4 @@
-"""History: every event of every run, stored as it was streamed, and read back (docs/design.md#history).
+"""History: every event of every run, stored as it was streamed, and read back (docs/design/history.md).
 
 **Writing.** One writer per daemon (``History``). A run is tracked from ``started`` on; every
 ``FLUSH_INTERVAL`` (at once when a run falls half its buffer behind: ``hurry``) the writer takes

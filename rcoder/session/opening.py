@@ -1,4 +1,4 @@
-"""Opening a turn's session (docs/design.md#resume-decision-table): the live agent, or one from the pool with its
+"""Opening a turn's session (docs/design/resume.md#the-decision-table): the live agent, or one from the pool with its
 session opened new, resumed, or fallen back to a fresh one.
 
 ``TurnPlan`` is what the worker decided before the turn's task began; ``open``
@@ -52,7 +52,7 @@ class Action(enum.Enum):
 
 
 def decide(session_id: str, record: SessionRecord | None, live: bool) -> Action:
-    """The decision table of docs/design.md#resume-decision-table (busy sessions are refused before this)."""
+    """The decision table of docs/design/resume.md#the-decision-table (busy sessions are refused before this)."""
     if not session_id:
         return Action.NEW
     if record is None:

@@ -1,4 +1,4 @@
-"""Where a request for a session or a run is served (docs/design.md#several-hosts): here, or at the live host that
+"""Where a request for a session or a run is served (docs/design/hosts.md#forwarding): here, or at the live host that
 holds its lease. With one host (SQLite) nothing is asked: everything is served here.
 
 A session whose lease this host holds, or nobody holds, or whose owner's lease expired, is

@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from rcoder import __version__, landlock, tracing
 from rcoder.agent import agent_user, own_delete, ownership
-from rcoder.agent.client import RcoderClient
+from rcoder.agent.client import AcpClientHandler
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.erase import Erased, erase_conversation
 from rcoder.agent.homes import SHARED, Homes
@@ -399,19 +399,19 @@ class AgentLauncher:
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             process = await self._spawn(profile, [ready.command, *profile.args, *ready.args], cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)
-        client = RcoderClient(profile.name)
+        handler = AcpClientHandler(profile.name)
         pipe = PipeTransport(
             process.stdout,
             process.stdin,
-            client.on_update,
+            handler.on_update,
             agent=profile.name,
             line_limit=self._settings.agent_line_limit,
         )
-        conn = acp.connect_to_agent(cast(acp.Client, client), pipe)
+        conn = acp.connect_to_agent(cast(acp.Client, handler), pipe)
         kind = kind_of(profile.kind)
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
-            process, pipe, conn, client, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
+            process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
         )
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):

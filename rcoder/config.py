@@ -160,8 +160,8 @@ class ProfileKeys(_Schema):
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
     """more folders the agent may read and write (made when missing)"""
-    # docs/limits.md: each agent process in a cgroup of its own; "auto" runs unlimited where the kernel
-    # gives the daemon no cgroups (logged), "required" refuses to start then
+    # Each agent process runs in a cgroup of its own (docs/limits.md). Where the kernel gives the daemon
+    # no cgroups, "auto" runs agents unlimited (and logs it) and "required" refuses to start.
     limits: Literal["auto", "required"] = "auto"
     """auto (cgroup limits where the kernel gives them, else none, logged) | required; see Limits"""
     memory_max: MemorySize = 4 << 30
@@ -461,7 +461,8 @@ def load_settings(
                 f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
             )
         if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
-            # asked for by name, the promise that other projects' files stay whole must hold
+            # A profile that asks for Landlock by name is promised that other projects' files stay whole,
+            # which an ABI without truncation rights cannot keep.
             raise ConfigError(
                 f"agents.{name}.sandbox",
                 f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '

@@ -145,7 +145,8 @@ class AcpClientHandler:
         try:
             return notification_to_event(params)
         except pydantic.ValidationError as exc:
-            # lose nothing: a kind newer than our schema, or a malformed one, reaches the client as is
+            # Nothing is lost: an update of a kind newer than our schema, or a malformed one, reaches
+            # the client as it came.
             event = opaque_update(params)
             if seen := self._warnings.spend(event.kind):
                 log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind, seen=seen,
@@ -248,7 +249,8 @@ async def _first(decision: Awaitable[PermissionAnswer], cancelled: asyncio.Event
     finally:
         for task in (decide, stop):
             task.cancel()
-        # our own children: waited for (they end at once once cancelled), never raised from
+        # Both tasks are ours, so they are waited for (a cancelled one ends at once) and their
+        # errors are never raised here.
         await asyncio.wait({decide, stop})
     if decide not in done or decide.cancelled():
         return None

@@ -148,7 +148,8 @@ class AgentConnection:
             )  # fmt: skip
             session_id = rid
         elif method is OpenMethod.LOAD:
-            # watched from before the request: an agent that answers first may replay at once
+            # The replay is watched from before the request is sent, because an agent that answers
+            # first may start replaying at once.
             self._replay = self._handler.on_replay = ReplayWatch(config.replay_end)
             response = await self._call(
                 self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),

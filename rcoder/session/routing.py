@@ -65,7 +65,8 @@ class Router:
         if not self._leases.shared or not run_id:
             return None
         if self._runs.known(run_id):
-            # a finished run kept here whose session another host deleted: forgotten, NOT_FOUND here
+            # A finished run kept here whose session another host has deleted is forgotten, so that it
+            # answers NOT_FOUND here as it does everywhere else.
             if self._runs.finished(run_id) and await self._store.get_run(run_id) is None:
                 self._runs.forget_finished(run_id)
             return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,7 @@ def slug(heading: str) -> str:
     """A heading's anchor as MkDocs makes it (Python-Markdown's toc): the text as rendered, its
     punctuation dropped, lower case, runs of spaces and hyphens one hyphen."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
     text = re.sub(r"[^\w\s-]", "", text.replace("`", "")).strip().lower()
     return re.sub(r"[-\s]+", "-", text)
 

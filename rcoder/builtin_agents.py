@@ -31,10 +31,11 @@ def builtin_tables(data_dir: Path) -> dict[str, dict[str, Any]]:
         path = AGENTS_DIR / relative
         return str(path) if path.is_file() else path.name
 
-    # rcoder/echo_agent.py; -P: the project's cwd never shadows the rcoder package. Confined, it
-    # reads the rcoder package and writes its state, <state-dir>/sessions (no tools: it reaches
-    # nothing else anyway); that folder, not the profile's homes folder, is its grant: under a uid
-    # of its own (agent_user) it is the agent's, the homes folder rcoder's
+    # The echo agent is rcoder/echo_agent.py, run with -P so that the project's cwd never shadows the
+    # rcoder package. Confined, it reads the rcoder package and writes its state in
+    # <state-dir>/sessions; it has no tools, so it reaches nothing else anyway. That folder, not the
+    # profile's homes folder, is what it is granted: under a uid of its own (agent_user) the folder
+    # belongs to the agent, while the homes folder stays rcoder's.
     echo_home = (data_dir / "agents" / "echo").absolute()  # Settings.agent_homes
     echo = {
         "command": sys.executable,

@@ -133,7 +133,7 @@ class ProfileKeys(_Schema):
     """model_provider field -> variable, e.g. { api_key = "MY_KEY" } (generic agents)"""
     permission_rules: Array[PermissionRule] = ()
     """for the agent's permission requests, the first that matches answers; see Permissions"""
-    # what clients may set (docs/design.md#trust-boundaries): extra_meta keys, MCP servers, the model's base URL
+    # what clients may set (docs/design/trust.md#trust-boundaries): extra_meta keys, MCP servers, the model's base URL
     allow_meta_keys: Array[str] = ("traceparent", "tracestate", "baggage")
     """extra_meta key paths clients may set (by default the W3C trace context, which ACP reserves)"""
     allow_mcp: Array[Literal["stdio", "http", "sse"]] = ()
@@ -151,16 +151,17 @@ class ProfileKeys(_Schema):
     """the model provider's default API key; a request's non-empty model_provider.api_key wins"""
     model: str = ""
     """the model provider's default model; a request's non-empty model_provider.model wins"""
-    # docs/design.md#confinement: "auto" is landlock where the kernel has it (else none, logged); "landlock" refuses
-    # a kernel without it; "none" runs the agent with all the daemon's user may reach
+    # How the agent is confined (docs/design/trust.md#confinement). "auto" means Landlock where the kernel has
+    # it and none otherwise (which is logged); "landlock" refuses to run on a kernel without it; "none" lets
+    # the agent reach everything the daemon's user may reach.
     sandbox: Literal["auto", "landlock", "none"] = "auto"
     """auto (landlock where the kernel has it) | landlock | none; see What an agent can reach"""
     read_paths: Array[ConfigPath] = ()
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
     """more folders the agent may read and write (made when missing)"""
-    # docs/limits.md: each agent process in a cgroup of its own; "auto" runs unlimited where the kernel
-    # gives the daemon no cgroups (logged), "required" refuses to start then
+    # Each agent process runs in a cgroup of its own (docs/limits.md). Where the kernel gives the daemon
+    # no cgroups, "auto" runs agents unlimited (and logs it) and "required" refuses to start.
     limits: Literal["auto", "required"] = "auto"
     """auto (cgroup limits where the kernel gives them, else none, logged) | required; see Limits"""
     memory_max: MemorySize = 4 << 30
@@ -221,8 +222,8 @@ class SettingsKeys(_Schema):
     """SQLite store (WAL, mode 0600), kept across restarts"""
     store_url: StoreUrl = ""
     """"": the SQLite store in data_dir; "postgresql://user:pw@host/db": PostgreSQL"""
-    # several hosts on one PostgreSQL store (docs/design.md#several-hosts): this daemon's name ("": the hostname), the
-    # host:port other hosts dial ("": the listen address as bound), how long a session's lease lasts
+    # Several hosts on one PostgreSQL store (docs/design/hosts.md#the-host-registry): this daemon's name, the
+    # host:port the other hosts dial to reach it, and how long a session's lease lasts.
     host_id: HostId = ""
     """this daemon's name among several hosts ("": <hostname>:<port>); see Several hosts"""
     advertise_address: Advertise = ""
@@ -249,8 +250,9 @@ class SettingsKeys(_Schema):
     auth_token: str = ""
     """every RPC but health (and /metrics) needs it; "": one made at first start into
     <data_dir>/auth_token (0600) and kept"""
-    # docs/design.md#no-calls-back: true lets anyone who reaches the port, agents included, drive the daemon without a
-    # token when auth_token is empty, read /metrics, and skips the check that the store asks a password
+    # Set to true, this lets anyone who reaches the port, agents included, drive the daemon without a token
+    # when auth_token is empty and read /metrics, and it skips the check that the store asks a password
+    # (docs/design/trust.md#no-calls-back).
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
     # scoped callers besides the admin token (rcoder.api.callers): JWTs from the platform's identity provider
@@ -319,8 +321,9 @@ class SettingsKeys(_Schema):
     """the largest file ReadFile sends and WriteFile writes (bytes, or "1GiB"; 256 MiB)"""
     run_retention: Seconds = 600.0
     """seconds a finished run stays in memory (Subscribe then reads it from the store)"""
-    # history (docs/design.md#history): days a run's stored events are kept (0: forever), and the most bytes of
-    # them one run stores (past it a note, then nothing but completed; 0: no bound)
+    # How long a run's stored events are kept, and how many bytes of them one run may store
+    # (docs/design/history.md#deleting-and-retention). Past that bound the run stores a note saying so,
+    # then nothing more but its completed event.
     history_retention: Annotated[float, Field(ge=0)] = 0.0
     """days a run's stored events are kept (0: forever); see History"""
     history_max_bytes_per_run: Count = 8 << 20
@@ -458,7 +461,8 @@ def load_settings(
                 f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
             )
         if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
-            # asked for by name, the promise that other projects' files stay whole must hold
+            # A profile that asks for Landlock by name is promised that other projects' files stay whole,
+            # which an ABI without truncation rights cannot keep.
             raise ConfigError(
                 f"agents.{name}.sandbox",
                 f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '

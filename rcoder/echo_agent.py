@@ -208,7 +208,7 @@ class EchoAgent:
             await self.conn.session_update(session.id, update_agent_message_text(piece))
         session.prompts.append(text)
         session.answers.append(said)
-        # on disk before the answer goes out: a process killed right after it still has the turn
+        # The turn is saved before the answer goes out, so a process killed right after still has it.
         await asyncio.to_thread(self.files.save, session)
         return PromptResponse(stop_reason="cancelled" if session.cancelled.is_set() else "end_turn")
 

@@ -4,7 +4,7 @@ One ``Metrics`` object per daemon, with its own registry, passed to the
 core through its constructor. Gauges of live and warm agents are read at
 scrape time from a callback, so they can never drift from the truth.
 ``/metrics`` asks the daemon's token (``authorization: Bearer``) when it has one: an agent
-can reach the port but never read the token (docs/design.md#no-calls-back).
+can reach the port but never read the token (docs/design/trust.md#no-calls-back).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Metrics:
             ["agent", "method"],
             registry=self.registry,
         )
-        # several hosts (docs/design.md#several-hosts): this host's share of the work of keeping ownership straight
+        # several hosts (docs/design/hosts.md#leases): this host's share of the work of keeping ownership straight
         self.lease_renewals = Counter(
             "rcoder_lease_renewals",
             "Lease renewal rounds (one statement each, for every lease this host holds), by result",

@@ -437,7 +437,7 @@ async def flood(bench: Bench) -> Result:
     return judged("flood_bytes_per_s", what, paired_ratio(ours, theirs), ">= 0.9", details)
 
 
-# --------------------------------------------------------------------------- history (docs/design.md#history)
+# --------------------------------------------------------------------------- history (docs/design/history.md)
 
 
 def history_bytes(db: Path) -> int:

@@ -1,4 +1,4 @@
-"""``make bench`` lines for several hosts on PostgreSQL (``--only multihost``; docs/design.md#several-hosts).
+"""``make bench`` lines for several hosts on PostgreSQL (``--only multihost``; docs/design/hosts.md).
 
 - a forwarded turn (sent to a host that does not own the session) ÷ the same turn sent to its
   owner, interleaved: paced (≤ 1.02) and unpaced (≤ 1.3);

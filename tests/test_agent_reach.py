@@ -1,4 +1,4 @@
-"""docs/design.md#no-calls-back, an agent cannot use rcoder: every RPC but health, and /metrics, ask a token no
+"""docs/design/trust.md#no-calls-back, an agent cannot use rcoder: every RPC but health, and /metrics, ask a token no
 agent can read (made in data_dir when the operator sets none); a store an agent could log into
 is refused at start; ``open_to_agents`` opens it all, by name, with a warning; the log and
 ``ListAgents`` say what each profile reaches. (Real agents trying it from their shells:

@@ -1,4 +1,4 @@
-"""The keys of several hosts (docs/design.md#several-hosts): host_id, advertise_address, lease_ttl."""
+"""The keys of several hosts (docs/design/hosts.md#the-host-registry): host_id, advertise_address, lease_ttl."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 PERMISSIONS = ROOT / "docs" / "permissions.md"
 # every page whose TOML examples must load as a config
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def toml_blocks(markdown: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""Confinement (docs/design.md#confinement): an agent reaches its project, its home and its TMPDIR, and nothing else.
+"""Confinement (docs/design/trust.md#confinement): an agent reaches its project, its home and its TMPDIR,
+and nothing else.
 
 Through the real daemon and the fake agent, which tries the reads and writes its prompt names
 (``readfile P``, ``writefile P``, and the same done by a child process of its own) and answers

@@ -1,4 +1,4 @@
-"""History on the SQLite store (docs/design.md#history): every event of every run is stored as streamed, and
+"""History on the SQLite store (docs/design/history.md): every event of every run is stored as streamed, and
 ``Subscribe`` reads any stored run back, after a restart, past ``run_retention``, after a crash;
 ``history_retention`` and ``history_max_bytes_per_run`` bound what is kept.
 

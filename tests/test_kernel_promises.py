@@ -1,5 +1,5 @@
 """What the kernel's Landlock keeps from an agent, said at start and in ListAgents, and refused
-where a profile asks for "landlock" by name (docs/design.md#no-calls-back).
+where a profile asks for "landlock" by name (docs/design/trust.md#what-an-older-kernel-cannot-promise).
 
 The ABI is forced lower through ``load_settings(landlock_abi=...)`` where the daemon's own
 decisions are tested; the daemon run for ListAgents reports this kernel's.

@@ -1,7 +1,7 @@
 """Paths of a project opened beneath it, never through a link that leads out (docs/files.md).
 
 The daemon runs unconfined and the agent writes the project, so any name in it may be a link the
-agent planted (docs/design.md#no-calls-back). Every path a client names is opened relative to the
+agent planted (docs/design/trust.md#the-daemon-lends-no-hands). Every path a client names is opened relative to the
 project's folder, held open as a descriptor, with the kernel's ``openat2`` and
 ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS`` where it has them (Linux 5.6 and later): links that
 stay inside the project are followed, and one that leads out of it (an absolute target, or ``..``

@@ -1,6 +1,6 @@
 """Our side of ACP: what the agent may call on rcoder.
 
-One ``RcoderClient`` serves one agent process, which serves one session.
+One ``AcpClientHandler`` serves one agent process, which serves one session.
 ``session/update`` arrives through ``on_update`` straight from the transport
 (raw JSON, synchronously, in the agent's order) and is handed on to the turn.
 While a session is being opened updates are dropped: a ``session/load``
@@ -77,8 +77,11 @@ class _Turn:
             self.settle(permission_id, NO_ANSWER)
 
 
-class RcoderClient:
-    """Implements the ``acp.Client`` protocol for one agent process."""
+class AcpClientHandler:
+    """rcoder's side of one agent's ACP connection: it implements the ``acp.Client`` protocol and
+    answers what the agent calls on rcoder (session updates and permission requests; the file
+    methods, which rcoder does not advertise, are refused). Not to be confused with
+    ``rcoder.client.RcoderClient``, the Python client of the daemon."""
 
     def __init__(self, agent: str) -> None:
         self._agent = agent
@@ -142,7 +145,8 @@ class RcoderClient:
         try:
             return notification_to_event(params)
         except pydantic.ValidationError as exc:
-            # lose nothing: a kind newer than our schema, or a malformed one, reaches the client as is
+            # Nothing is lost: an update of a kind newer than our schema, or a malformed one, reaches
+            # the client as it came.
             event = opaque_update(params)
             if seen := self._warnings.spend(event.kind):
                 log.warning("agent_update_not_in_schema", agent=self._agent, kind=event.kind, seen=seen,
@@ -245,7 +249,8 @@ async def _first(decision: Awaitable[PermissionAnswer], cancelled: asyncio.Event
     finally:
         for task in (decide, stop):
             task.cancel()
-        # our own children: waited for (they end at once once cancelled), never raised from
+        # Both tasks are ours, so they are waited for (a cancelled one ends at once) and their
+        # errors are never raised here.
         await asyncio.wait({decide, stop})
     if decide not in done or decide.cancelled():
         return None

@@ -18,7 +18,7 @@ from acp.client.connection import ClientSideConnection
 
 from rcoder import tracing
 from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
-from rcoder.agent.client import EventSink, PermissionDecider, RcoderClient
+from rcoder.agent.client import AcpClientHandler, EventSink, PermissionDecider
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
 from rcoder.agent.kinds import GENERIC, AgentKind
 from rcoder.agent.options import acp_options
@@ -85,7 +85,7 @@ class AgentConnection:
         process: AgentProcess,
         pipe: PipeTransport,
         conn: ClientSideConnection,
-        client: RcoderClient,
+        handler: AcpClientHandler,
         agent: str,
         capabilities: AgentCapabilities,
         stop_grace: float,
@@ -95,7 +95,7 @@ class AgentConnection:
         self._kind = kind
         self._pipe = pipe
         self._conn = conn
-        self._client = client
+        self._handler = handler
         self.agent = agent
         self.capabilities = capabilities
         self._stop_grace = stop_grace
@@ -114,7 +114,7 @@ class AgentConnection:
     def turn_cost(self) -> tuple[float | None, str]:
         """The running turn's cost and currency as the agent's last ``usage_update`` says (None: none
         reported yet); ``turn_usage`` once it ended."""
-        return self._client.usage.cost_so_far()
+        return self._handler.usage.cost_so_far()
 
     @property
     def alive(self) -> bool:
@@ -130,7 +130,7 @@ class AgentConnection:
             return await watch.wait(quiet, limit)
         finally:
             self._replay = None
-            self._client.on_replay = None
+            self._handler.on_replay = None
 
     # ------------------------------------------------------------ opening
 
@@ -148,8 +148,9 @@ class AgentConnection:
             )  # fmt: skip
             session_id = rid
         elif method is OpenMethod.LOAD:
-            # watched from before the request: an agent that answers first may replay at once
-            self._replay = self._client.on_replay = ReplayWatch(config.replay_end)
+            # The replay is watched from before the request is sent, because an agent that answers
+            # first may start replaying at once.
+            self._replay = self._handler.on_replay = ReplayWatch(config.replay_end)
             response = await self._call(
                 self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),
                 timeout, "session/load", resuming=rid,
@@ -163,15 +164,15 @@ class AgentConnection:
             )  # fmt: skip
             session_id = response.session_id
         self.provider_session_id = session_id
-        self._client.session_id = session_id
-        self._client.state.opened(response)
+        self._handler.session_id = session_id
+        self._handler.state.opened(response)
         return method or OpenMethod.NEW
 
     def _opening(self, session_id: str) -> None:
         """Before asking for a session: what the agent says of it from now on is its state (and
         of its id, where known: a new session's updates may come before its answer is read)."""
-        self._client.session_id = session_id
-        self._client.state.opening()
+        self._handler.session_id = session_id
+        self._handler.state.opening()
 
     async def list_page(self, cwd: str, cursor: str | None, timeout: float) -> tuple[list[str], str | None]:
         """One page of ``session/list`` for ``cwd``: the session ids and the next cursor (None: the end)."""
@@ -189,8 +190,8 @@ class AgentConnection:
             timeout, "session/fork", resuming=config.fork_from,
         )  # fmt: skip
         self.provider_session_id = response.session_id
-        self._client.session_id = response.session_id
-        self._client.state.opened(response)
+        self._handler.session_id = response.session_id
+        self._handler.state.opened(response)
         return OpenMethod.FORK
 
     async def prime(self, cwd: str, timeout: float) -> None:
@@ -218,22 +219,22 @@ class AgentConnection:
     @property
     def options(self) -> tuple[ConfigOption, ...]:
         """The session's config options as the agent reported them last, current values included."""
-        return self._client.state.options
+        return self._handler.state.options
 
     @property
     def state_version(self) -> int:
         """Changes with every change of the options or commands."""
-        return self._client.state.version
+        return self._handler.state.version
 
     @property
     def commands(self) -> tuple[SlashCommand, ...] | None:
         """The session's slash commands as the agent listed them last (None: it never did)."""
-        return self._client.state.commands
+        return self._handler.state.commands
 
     async def set_option(self, option: ConfigOption, value: str, timeout: float) -> None:
         """Set one option the agent offers to one of its values: ``session/set_config_option``,
         or ``session/set_mode`` for its modes (``OPTION_MODE``)."""
-        state, sid = self._client.state, self.provider_session_id
+        state, sid = self._handler.state, self.provider_session_id
         if option.type == OPTION_MODE:
             await self._call(self._conn.set_session_mode(session_id=sid, mode_id=value), timeout, "session/set_mode")
             state.set_mode(value)
@@ -258,10 +259,10 @@ class AgentConnection:
         """Run one turn; updates go to ``on_event`` as they arrive, and while ``pace`` answers an
         event the agent's output is not read (``PipeTransport.pace``). Not answered within
         ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
-        self._client.begin_turn(on_event, on_permission)
+        self._handler.begin_turn(on_event, on_permission)
         self._pipe.pace = pace
         self.turn_usage = None
-        untold = self._client.state.take_untold_commands()
+        untold = self._handler.state.take_untold_commands()
         if untold is not None:  # listed since the last turn (after session/new, say): this turn tells them
             on_event(AvailableCommands(untold))
         try:
@@ -276,15 +277,15 @@ class AgentConnection:
             ) from exc  # fmt: skip
         finally:
             self._pipe.unpace()
-            self._client.end_turn()
+            self._handler.end_turn()
             if self.on_active is not None:
                 self.on_active(self.provider_session_id)
-        self.turn_usage = self._client.usage.end_turn(response.usage)
+        self.turn_usage = self._handler.usage.end_turn(response.usage)
         return stop_reason(response.stop_reason)
 
     async def cancel(self) -> None:
         """``session/cancel``; pending permission requests are answered ``cancelled``."""
-        self._client.cancel_turn()
+        self._handler.cancel_turn()
         if self.alive and self.provider_session_id:
             try:
                 await self._conn.cancel(session_id=self.provider_session_id)
@@ -303,7 +304,7 @@ class AgentConnection:
                 return
             self._closed = True
             self._pipe.unpace()
-            self._client.end_turn()
+            self._handler.end_turn()
             await self._close()
 
     async def _close(self) -> None:

@@ -1,7 +1,7 @@
 """An agent's home per profile and project: ``<data_dir>/agents/<profile>/<project_id>``.
 
 Agents keep their conversations in their home, so a home shared by two projects would let
-one project's agent read the other's (docs/design.md#confinement). Each agent process has a private ``TMPDIR``
+one project's agent read the other's (docs/design/trust.md#agent-homes). Each agent process has a private ``TMPDIR``
 in its home's ``tmp`` (``rcoder.agent.prepare``).
 
 Homes of the old layout (one shared ``<data_dir>/agents/<profile>`` per profile) are migrated.
@@ -125,7 +125,7 @@ def ensure_home(homes: Path, home: Path, kind: str, cwd: Path) -> None:
         moved = split(homes, cwd, home)
         if moved:
             log.info("agent_home_migrated", home=str(home), moved=len(moved), kind=kind)
-    safe_fs.write_text(homes, home / HOME_MARK, "per-project home of rcoder (docs/design.md#confinement)\n")
+    safe_fs.write_text(homes, home / HOME_MARK, "per-project home of rcoder (docs/design/trust.md#agent-homes)\n")
 
 
 def set_aside(homes: Path, kind: str) -> None:

@@ -8,7 +8,7 @@ arguments carry the model provider to it, and what else about it rcoder
 must respect: an extra "session gone" rule (OpenCode), how it passes on a
 model API's refusal of its key (``auth_reason``) and the earliest time a
 session may be loaded (Gemini). ``generic`` knows nothing and changes
-nothing. The facts come from the real agents (``docs/real-agents.md``).
+nothing. The facts come from the real agents (``docs/design/real-agents.md``).
 
 API keys only ever travel in the agent's environment: never in a file, an
 argument or a log line.
@@ -60,13 +60,15 @@ class AgentKind:
     """``generic``: any ACP agent; its profile's ``env`` and ``provider_env`` say everything."""
 
     name: ClassVar[str] = "generic"
-    # answers session/load while its replay is still streaming (rcoder then waits it out)
+    # True for an agent that answers session/load while its replay is still streaming; rcoder then
+    # waits for the replay to end.
     answers_load_before_replay: ClassVar[bool] = False
-    # the agent process reads its own /proc/<pid> (Bun's JavaScriptCore and the JVM read
-    # /proc/self/maps for their stack bounds and abort without): confined, it starts through the
-    # exec wrapper, which grants it from inside the agent's process (the C helper: a bare exec;
-    # landlock.py by Python where it is not built, ~15 ms); without,
-    # from a thread that confines itself (~1 ms). Unknown runtimes get it (rcoder.agent.confined).
+    # True when the agent process must read its own /proc/<pid>: Bun's JavaScriptCore and the JVM
+    # read /proc/self/maps for their stack bounds and abort without it. A confined agent that needs
+    # this starts through the exec wrapper, which grants it from inside the agent's own process (the
+    # C helper is a bare exec; where it is not built, landlock.py does it in Python, ~15 ms). One
+    # that does not is confined from a thread that confines itself (~1 ms). Runtimes rcoder does not
+    # know get it, to be safe (rcoder.agent.confined).
     own_proc: ClassVar[bool] = True
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:

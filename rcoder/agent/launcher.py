@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from rcoder import __version__, landlock, tracing
 from rcoder.agent import agent_user, own_delete, ownership
-from rcoder.agent.client import RcoderClient
+from rcoder.agent.client import AcpClientHandler
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.erase import Erased, erase_conversation
 from rcoder.agent.homes import SHARED, Homes
@@ -127,7 +127,8 @@ class AgentLauncher:
                                          settings.agent_erase_timeout, settings.stderr_tail_bytes)  # fmt: skip
         shared = home.parent / SHARED  # rcoder's own folder: no agent can write there
         if not erased.removed and not erased.left and await asyncio.to_thread(shared.is_dir):
-            # not in this project's home: an old shared home, set aside and never run in, may hold it
+            # The session is not in this project's home. An old shared home, which rcoder set aside and
+            # never runs agents in, may still hold it.
             erased.left.append(f"the agent did not have session {provider_session_id} in {home}; the profile's "
                                f"old shared home {shared} may hold it, and rcoder leaves that as it is")  # fmt: skip
         return erased
@@ -141,11 +142,11 @@ class AgentLauncher:
         """End agent groups and trees a killed daemon left behind (call before starting any agent)."""
         swept = sweep(self.pid_dir)
         if self.limits is not None:
-            # after the groups: what is left in this daemon's cgroups goes too, counted in a log line of its
-            # own (what the groups' sweep just killed may not have left its cgroup yet)
+            # After the groups, whatever is left in this daemon's cgroups is ended too, and counted in a
+            # log line of its own (what the groups' sweep just killed may not have left its cgroup yet).
             self.limits.sweep()
         self._record_instance()
-        # what their TMPDIRs held goes too, before any agent runs (docs/limits.md#the-agents-tmpdir)
+        # What the agents' TMPDIRs held is removed too, before any agent runs (docs/limits.md#the-agents-tmpdir).
         sweep_tmpdirs([agent_homes(self._settings, profile) for profile in self._settings.agents.values()])
         return swept
 
@@ -182,7 +183,8 @@ class AgentLauncher:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         ownership.reach(homes, settings.data_dir)
         for name, profile in sorted(settings.agents.items()):
-            # a profile's command the agents' uid cannot reach fails each start: said now, once
+            # A profile whose command the agents' uid cannot reach would fail every start, so it is said
+            # now, once.
             command = profile.resolve_command(settings.agent_env(profile).get("PATH", ""))
             stop = ownership.blocked(Path(command), owner) if command else None
             if stop is not None:
@@ -199,7 +201,7 @@ class AgentLauncher:
                                                 "below folders they can pass, or set agent_user = \"\"")  # fmt: skip
 
     def log_sandboxes(self) -> None:
-        """Say what each profile's agents run under (docs/design.md#confinement: in the log at start)."""
+        """Say what each profile's agents run under (docs/design/trust.md#confinement: in the log at start)."""
         abi = self._settings.landlock_abi
         for name, profile in sorted(self._settings.agents.items()):
             sandbox = sandbox_of(self._settings, profile)
@@ -241,7 +243,8 @@ class AgentLauncher:
             config = config.without_resume()
 
         retrying = AsyncRetrying(
-            # a fork whose source is gone is the caller's to handle: a fresh session is no branch
+            # A fork whose source session is gone is not retried: a fresh session would not be a branch,
+            # so the caller decides what to do.
             retry=retry_if_exception(lambda exc: isinstance(exc, SessionGone) and not config.fork_from),
             stop=stop_after_attempt(2),
             before_sleep=strip_resume,
@@ -383,11 +386,12 @@ class AgentLauncher:
         except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
             remove_tmpdir(ready.home, ready.tmpdir)
             raise
-        # its own TMPDIR goes once it has ended (docs/limits.md#the-agents-tmpdir)
+        # The agent's own TMPDIR is removed once the agent has ended (docs/limits.md#the-agents-tmpdir).
         process.on_closed = functools.partial(remove_tmpdir, ready.home, ready.tmpdir)
         if self.limits is not None:
-            # docs/limits.md#how-an-agent-enters-its-cgroup: written by the daemon right after the spawn, before
-            # any ACP request (agents fork only in answer to one), on every one of the spawn's three paths alike
+            # The daemon writes the agent into its cgroup right after the spawn and before any ACP request
+            # (agents fork only in answer to one), on each of the spawn's three paths alike
+            # (docs/limits.md#how-an-agent-enters-its-cgroup).
             values = Values(profile.memory_max, profile.pids_max, profile.cpu_max or None)
             process.enter(self.limits.place(profile.name, process.pid, values), self.limits.ended)
         self._processes.add(process)
@@ -399,19 +403,19 @@ class AgentLauncher:
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             process = await self._spawn(profile, [ready.command, *profile.args, *ready.args], cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)
-        client = RcoderClient(profile.name)
+        handler = AcpClientHandler(profile.name)
         pipe = PipeTransport(
             process.stdout,
             process.stdin,
-            client.on_update,
+            handler.on_update,
             agent=profile.name,
             line_limit=self._settings.agent_line_limit,
         )
-        conn = acp.connect_to_agent(cast(acp.Client, client), pipe)
+        conn = acp.connect_to_agent(cast(acp.Client, handler), pipe)
         kind = kind_of(profile.kind)
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
-            process, pipe, conn, client, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
+            process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
         )
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):

@@ -68,7 +68,8 @@ def sweep(pid_dir: Path) -> int:
             groups[int(path.name)] = int(path.read_text() or 0)
     if not groups and not instances:
         return 0
-    # stopped until nothing new is found, then killed: a leftover forking meanwhile leaves no child
+    # The leftovers are stopped until no new one is found, and only then killed, so that one that
+    # forks meanwhile leaves no child behind.
     killed = end(lambda: _in_groups(groups) | marked(instances))
     for path in pid_dir.iterdir():  # once ended: a sweep cut short finds them again next time
         path.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""A session's config options and slash commands, as its agent reports them (ACP §2).
+"""A session's config options and slash commands, as its agent reports them over the Agent Client Protocol.
 
 An agent offers config options (``configOptions``) in its answer to session/new, load, resume
 and fork, changes them with ``config_option_update`` (the whole list each time) and answers

@@ -79,8 +79,8 @@ def _give_below(dir_fd: int, where: str, owner: tuple[int, int], kept: set[str])
             finally:
                 os.close(child)
         elif info.st_nlink > 1 and not stat.S_ISLNK(info.st_mode):
-            # a hard link may be another name of a file outside (the store, the token, /etc/shadow):
-            # never given, whoever made it
+            # A hard link may be another name of a file outside the home (the store, the token,
+            # /etc/shadow), so it is never given to the agents' user, whoever made it.
             if (info.st_uid, info.st_gid) != owner:
                 log.warning("not_given_hard_link", path=path, links=info.st_nlink)
         elif (info.st_uid, info.st_gid) != owner:

@@ -58,9 +58,10 @@ async def prepared(
         raise AgentUnavailable(
             f"agent {profile.name!r}: could not prepare its home for {cwd}: {exc}", agent=profile.name
         ) from exc
-    # its home and a TMPDIR of this process's own, for every kind (a kind's own env comes after, the
-    # profile's last): one home serves every live agent of its project, and each one's TMPDIR is
-    # emptied when it ends, never under another (docs/limits.md#disk)
+    # Every kind gets its home and a TMPDIR of this process's own (the kind's own env is applied after
+    # this, and the profile's last). One home serves every live agent of its project, so each agent
+    # has a TMPDIR of its own, which is emptied when that agent ends and never under another one
+    # (docs/limits.md#disk).
     tmpdir = home / "tmp" / f"agent-{uuid.uuid4().hex[:16]}"
     await asyncio.to_thread(safe_fs.makedirs, home, tmpdir)  # no link in the home followed; the home's owner's
     tmp_env = {"TMPDIR": str(tmpdir)} | (

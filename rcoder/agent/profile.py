@@ -28,7 +28,7 @@ def agent_homes(settings: Settings, profile: AgentProfile) -> Path:
 
 def agent_home(settings: Settings, profile: AgentProfile, project_id: str) -> Path:
     """``<data_dir>/agents/<profile>/<project_id>``: the HOME of the profile's agents in that
-    project, stable across restarts, never shared with another project (docs/design.md#confinement)."""
+    project, stable across restarts, never shared with another project (docs/design/trust.md#agent-homes)."""
     return agent_homes(settings, profile) / project_id
 
 
@@ -41,11 +41,13 @@ def sandbox_of(settings: Settings, profile: AgentProfile) -> Literal["landlock",
 
 @dataclass(frozen=True, slots=True)
 class NetworkReach:
-    """What the profile's agents reach over the network (docs/design.md#no-calls-back): rcoder's port (every host's)
-    and ``/metrics`` ("refused": they need the token, which a confined agent cannot read; "open";
-    metrics "off": not served), the store ("refused": PostgreSQL asks a password the agent
-    cannot read; "open"; "none": SQLite, no port) and everything else ("open": model APIs,
-    package registries, git remotes, servers the agent starts itself)."""
+    """What the profile's agents reach over the network (docs/design/trust.md#no-calls-back).
+
+    ``rcoder`` is rcoder's port on every host and ``metrics`` its ``/metrics``: "refused" when they
+    need the token, which a confined agent cannot read, "open" otherwise, and for metrics "off" when
+    they are not served. ``store`` is "refused" when PostgreSQL asks a password the agent cannot
+    read, "open" when it does not, and "none" for SQLite, which has no port. ``other`` is everything
+    else (model APIs, package registries, git remotes, servers the agent starts itself): "open"."""
 
     rcoder: str
     metrics: str
@@ -66,9 +68,11 @@ def network_of(settings: Settings, profile: AgentProfile) -> NetworkReach:
 
 @dataclass(frozen=True, slots=True)
 class SandboxPromises:
-    """What the kernel keeps from a profile's agents (docs/design.md#no-calls-back), by the Landlock ABI it runs
-    under (none when unconfined). ``network`` and ``socket_files`` are never Landlock's here: it
-    restricts no network, and it cannot refuse ``connect()`` to a UNIX socket file on disk."""
+    """What the kernel keeps from a profile's agents, by the Landlock ABI they run under (nothing
+    when they are unconfined): docs/design/trust.md#what-an-older-kernel-cannot-promise.
+
+    ``network`` and ``socket_files`` never come from Landlock here: rcoder gives it no network
+    rules, and it cannot refuse ``connect()`` to a UNIX socket file on disk."""
 
     abi: int
     files: bool

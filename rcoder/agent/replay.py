@@ -2,7 +2,7 @@
 
 Where the agent follows the protocol, its answer to ``session/load`` comes after the
 replayed history, so the answer ends the replay: updates that arrive while a session
-is opening are history and never reach a turn (``RcoderClient``).
+is opening are history and never reach a turn (``AcpClientHandler``).
 
 Gemini answers first and streams the history afterwards, each stored message as one
 update. For it the replay is over once it has replayed the session's last turn as

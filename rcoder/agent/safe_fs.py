@@ -1,11 +1,12 @@
 """Files where an agent can write, touched by the daemon without following the agent's links.
 
-The daemon runs unconfined (docs/design.md#no-calls-back). An agent may write its home, so between two starts it
-can replace ``~/.gemini`` or ``~/.rcoder-home`` with a symlink to another project; were rcoder to
-follow it, rcoder would write there with its own rights. So every path here is given as a
-trusted ``root`` (a folder only the operator or rcoder writes: the profile's homes, or a home,
-which its agent cannot rename) and a path under it; the walk opens ``root`` and then each
-component relative to the last (``O_DIRECTORY | O_NOFOLLOW``), and the last one ``O_NOFOLLOW``.
+The daemon runs unconfined (docs/design/trust.md#the-daemon-lends-no-hands). An agent may write
+its home, so between two starts it can replace ``~/.gemini`` or ``~/.rcoder-home`` with a symlink
+to another project; if rcoder followed it, it would write there with its own rights. So every
+path here is given as a trusted ``root`` (a folder only the operator or rcoder writes: the
+profile's homes, or a home, which its agent cannot rename) and a path under it; the walk opens
+``root`` and then each component relative to the last (``O_DIRECTORY | O_NOFOLLOW``), and the
+last one ``O_NOFOLLOW``.
 A link met anywhere below ``root`` is refused (``UnsafePath``): the agent's start fails visibly,
 never silently, and nothing is written.
 

@@ -1,4 +1,4 @@
-"""What an agent process may reach (docs/design.md#confinement), as the argv that confines it.
+"""What an agent process may reach (docs/design/trust.md#confinement), as the argv that confines it.
 
 An agent under ``sandbox = "landlock"`` is started by a thread that first confines itself with
 the paths below (``rcoder.agent.confined``), or through an exec wrapper (``wrapper_command``: the

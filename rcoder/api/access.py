@@ -1,11 +1,11 @@
-"""Who may call the daemon: the token every RPC but health needs (docs/design.md#no-calls-back).
+"""Who may call the daemon: the token every RPC but health needs (docs/design/trust.md#no-calls-back).
 
 An agent runs as the daemon's user and can reach its port, so a port open to every local process
 is open to every agent: the token is what tells a client from an agent. It is ``auth_token``
 when the operator sets one; else one generated at first start and kept in
 ``<data_dir>/auth_token`` (0600), which ``rcoder chat`` and the Python client read. No agent can
 read it: ``data_dir``, the config file and the daemon's environment are out of its reach
-(Landlock, §6.1). Only ``open_to_agents = true`` serves without a token, by name.
+(Landlock: docs/design/trust.md#confinement). Only ``open_to_agents = true`` serves without a token, by name.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Forwarding a request to the host that owns its session or run (docs/design.md#several-hosts).
+"""Forwarding a request to the host that owns its session or run (docs/design/hosts.md#forwarding).
 
 A handler that finds the owner is another live host passes the request on over grpc.aio, with
 the caller's deadline (what remains of it), its metadata (less ``authorization``: the caller's

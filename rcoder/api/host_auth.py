@@ -1,4 +1,4 @@
-"""How one host proves itself to another on a forward, without the ``auth_token`` (docs/design.md#several-hosts).
+"""How one host proves itself to another on a forward, without the ``auth_token`` (docs/design/hosts.md#forwarding).
 
 A forward goes to the address the store's ``hosts`` table names, and whoever can write the
 store can name any address there. So a forward never carries a credential that is worth

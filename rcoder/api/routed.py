@@ -1,4 +1,4 @@
-"""Serving a request here or at its owner (docs/design.md#several-hosts), for the AgentRunner handlers.
+"""Serving a request here or at its owner (docs/design/hosts.md#forwarding), for the AgentRunner handlers.
 
 ``Routes.unary`` / ``Routes.stream`` take how to find the owner (``find``: None means "here") and
 how to serve the request here (``local``). A request whose owner is another live host goes

@@ -52,7 +52,8 @@ class Scope:
     def method(call: Call, request: Any) -> None:
         caller = call.caller
         if not caller.may(call.method):
-            # what it asked to touch, for the audit trail (not looked up: it gets no further)
+            # Note what the caller asked to touch, for the audit trail. The ids are not looked up,
+            # because the call is refused here.
             call.session_id = getattr(request, "session_id", "")
             call.run_id = getattr(request, "run_id", "")
             least = LEAST_ROLE.get(call.method, Role.ADMIN).name.lower()

@@ -161,11 +161,12 @@ class AgentRunnerService(FileRpcs):
     ) -> AsyncIterator[pb.ChatStream]:
         try:
             validate.identifier(request.run_id, "run_id", required=True)
-            # out of scope: as a run neither this host nor the store has (history.stored's answer)
+            # A run outside the caller's scope gets the answer of a run that neither this host nor the
+            # store has (the one history.stored gives), so the caller learns nothing of it.
             await self._scope.run(call, request.run_id, errors.NotFound("run", request.run_id, STORED_RUN_MISSING))
 
             async def here() -> AsyncIterator[pb.ChatStream]:
-                # from memory while this host keeps the run, else from the store (history)
+                # From memory while this host keeps the run, and from the store once it no longer does.
                 seen = False
                 try:
                     async for event in self._worker.history.replay(request.run_id, request.after_seq):
@@ -174,7 +175,7 @@ class AgentRunnerService(FileRpcs):
                 except errors.NotFound as missing:
                     if seen:
                         raise
-                    # a turn queued at another host is in no store yet: the hosts are asked
+                    # A turn queued at another host is not in any store yet, so the other hosts are asked.
                     try:
                         async for message in self._routes.stream_from_others(
                             "Subscribe", request, context, self._run_end, caller=call.caller
@@ -216,7 +217,7 @@ class AgentRunnerService(FileRpcs):
                 try:
                     run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
                 except errors.NotFound:
-                    # a turn queued at another host is in no store yet: the hosts are asked
+                    # A turn queued at another host is not in any store yet, so the other hosts are asked.
                     asked = (
                         await self._routes.ask_others("Cancel", request, context, call.caller)
                         if request.run_id
@@ -299,7 +300,7 @@ class AgentRunnerService(FileRpcs):
             async def here() -> pb.DeleteSessionResponse:
                 return convert.session_erased(await self._worker.delete_session(request.session_id))
 
-            # served by the owner, as CloseSession: the agent to end lives there
+            # The session's owner serves it, as it does CloseSession, because the agent to end runs there.
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.DeleteSessionResponse = await self._routes.unary(
                 "DeleteSession", request, context, find, here, what, caller=call.caller
@@ -315,7 +316,7 @@ class AgentRunnerService(FileRpcs):
             validate.identifier(request.run_id, "run_id", required=True)
             validate.diff_path(request.path, "path")
             await self._scope.run(call, request.run_id)
-            # any host answers: the checkpoint stores are where every host reads them (docs/checkpoints.md)
+            # Any host can answer, since every host reads the same checkpoint stores (docs/checkpoints.md).
             found = await self._worker.run_changes(request.run_id, request.path)
         except errors.RcoderError as exc:
             await self._abort(context, exc)
@@ -338,7 +339,7 @@ class AgentRunnerService(FileRpcs):
                     run_id=done.run_id, changes=convert.file_changes(done.changes), agent_stopped=done.agent_stopped
                 )
 
-            # served by the owner, as CloseSession: the agent to end lives there
+            # The session's owner serves it, as it does CloseSession, because the agent to end runs there.
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.RewindSessionResponse = await self._routes.unary(
                 "RewindSession", request, context, find, here, what, caller=call.caller

@@ -1,4 +1,4 @@
-"""The token a client on the daemon's own host sends when not told one (docs/design.md#no-calls-back), and
+"""The token a client on the daemon's own host sends when not told one (docs/design/trust.md#no-calls-back), and
 where that daemon answers.
 
 A daemon with no ``auth_token`` keeps a generated one in ``<data_dir>/auth_token`` (0600), so

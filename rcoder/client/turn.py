@@ -82,7 +82,8 @@ class Turn:
             self._ended = True  # grpc ends a call whose read is cancelled
             task = asyncio.current_task()
             if self._left and task is not None and not task.cancelling():
-                # our own leave() ended the call under this read, not a cancellation of this task: the iteration ends
+                # Our own leave() ended the call under this read; this task was not cancelled, so the
+                # iteration simply ends.
                 raise StopAsyncIteration from None
             raise
         except BaseException:

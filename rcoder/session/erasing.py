@@ -63,10 +63,13 @@ class SessionEraser:
         if record is None:
             raise NotFound("session", session_id, "no session with this id (it may have been deleted)")
         with self._runs.deleting(session_id):
-            # before the cancel: none of them may claim the session when the running turn lets go
+            # The waiting turns are refused before the running one is cancelled, so that none of them
+            # takes the session over when the running turn lets go of it.
             refused = self._refuse_waiting(session_id, SessionDeleting(session_id))
             cancelled = await self._end_turn(session_id)
-            if cancelled:  # the turn may have opened a new agent session (a fallback): as it left it
+            # The cancelled turn may have opened a new agent session (a fallback), so the record is
+            # read again as the turn left it.
+            if cancelled:
                 record = await self._store.get_session(session_id) or record
             stopped = await self._pool.close(session_id)
             run_ids = await self._run_ids(session_id)

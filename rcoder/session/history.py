@@ -1,4 +1,4 @@
-"""History: every event of every run, stored as it was streamed, and read back (docs/design.md#history).
+"""History: every event of every run, stored as it was streamed, and read back (docs/design/history.md).
 
 **Writing.** One writer per daemon (``History``). A run is tracked from ``started`` on; every
 ``FLUSH_INTERVAL`` (at once when a run falls half its buffer behind: ``hurry``) the writer takes
@@ -314,13 +314,16 @@ class History:
                     continue
                 entry = self._tracked.get(run_id)
                 if cut is None and entry is not None and entry.cut and entry.cut < first:
-                    # the follower is within the cut already (it resumed after a gap it was given)
+                    # The follower resumed after a gap it was given, so it is already inside the cut part.
                     cut = RunEvent(run_id, run.session_id, entry.cut, self._clock(), RunGap(entry.cut))
                 if cut is not None:  # neither the store nor the buffer has them
                     yield gap_event(cut, position + 1, first - 1)
                 elif run.stored_seq is None or run.stored_seq < first - 1:
-                    raise  # not stored (this host no longer stores the run): the follower fell behind
-                # else what is between is heartbeats (never stored) or the gap just yielded
+                    # This host no longer stores the run, so the missing events are nowhere: the
+                    # follower fell too far behind.
+                    raise
+                # Otherwise the seqs in between belong to heartbeats, which are never stored, or to the
+                # gap just yielded.
                 position = first - 1
             else:
                 return
@@ -336,11 +339,13 @@ class History:
         if record is None or record.status is RunStatus.RUNNING:
             raise NotFound("run", run_id, STORED_RUN_MISSING)
         last = 0
-        # from the event at after_seq itself: a completed there means the client has it all
+        # Read from the event at after_seq itself: if that one is the completed event, the client
+        # already has the whole run.
         async for event in self._read(run_id, max(after_seq - 1, 0)):
             body = event.body
             if body.__class__ is RunGap and not body.to_seq:
-                # cut, then its host died: how many events followed is not known, one at least
+                # The run was cut and then its host died, so nobody knows how many events followed the
+                # cut; the gap counts one at least.
                 event = gap_event(event, body.from_seq, body.from_seq)
             if event.seq > after_seq:
                 last = event.seq

@@ -1,4 +1,4 @@
-"""Opening a turn's session (docs/design.md#resume-decision-table): the live agent, or one from the pool with its
+"""Opening a turn's session (docs/design/resume.md#the-decision-table): the live agent, or one from the pool with its
 session opened new, resumed, or fallen back to a fresh one.
 
 ``TurnPlan`` is what the worker decided before the turn's task began; ``open``
@@ -52,7 +52,7 @@ class Action(enum.Enum):
 
 
 def decide(session_id: str, record: SessionRecord | None, live: bool) -> Action:
-    """The decision table of docs/design.md#resume-decision-table (busy sessions are refused before this)."""
+    """The decision table of docs/design/resume.md#the-decision-table (busy sessions are refused before this)."""
     if not session_id:
         return Action.NEW
     if record is None:
@@ -75,14 +75,16 @@ class TurnPlan:
     received: float = field(default_factory=time.monotonic)
     # this host's lease on the session, once its agent is opened (fenced writes carry it)
     lease: Lease | None = None
-    # how its agent session was opened, once it is (its options may still be being set): a turn
-    # cancelled from then on says so in its started, not NOT_OPENED
+    # How its agent session was opened, set as soon as it is (its options may still be being set).
+    # A turn cancelled from then on reports this in its started event instead of NOT_OPENED.
     opened: RunStarted | None = None
-    # resolved once the session is in the store, so that the caller can be told its ids (response
-    # headers) and find it listed: at once for a known session, for a new one by ``SessionOpener.name``
+    # Resolved once the session is in the store, so that the caller can be told its ids (in the
+    # response headers) and can find it listed. A known session resolves it at once; a new one when
+    # ``SessionOpener.name`` has stored it.
     named: asyncio.Future[None] | None = None
-    # the record is the one this turn wrote for its new session before its agent opened (not a
-    # branch ForkSession made: the agent has never seen either, but only a branch has a history)
+    # True when the record is the one this turn wrote for its new session before its agent opened.
+    # A branch that ForkSession made is not fresh: the agent has never seen either, but a branch
+    # has a history.
     fresh_record: bool = False
 
     def say_named(self) -> None:
@@ -207,8 +209,8 @@ class SessionOpener:
             opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
             return await self.configure(plan, opened) if opened.pending else opened
         except asyncio.CancelledError:
-            # a cancelled start: the turn still writes its end under the lease (``TurnRunner.forget``
-            # lets go of it once the turn is over, if no agent of the session is live by then)
+            # A cancelled start keeps the lease: the turn still writes its end under it, and lets go of
+            # the lease once the turn is over if no agent of the session is live by then.
             raise
         except BaseException:
             if not self._pool.is_live(plan.session_id):

@@ -62,9 +62,9 @@ class AgentView:
     seen_at: datetime | None
     live_agents: int
     warm_agents: int
-    sandbox: str  # "landlock" or "none" (docs/design.md#confinement)
+    sandbox: str  # "landlock" or "none" (docs/design/trust.md#confinement)
     landlock_abi: int  # the kernel's, when sandbox is "landlock"; else 0
-    network: NetworkReach  # docs/design.md#no-calls-back
+    network: NetworkReach  # docs/design/trust.md#no-calls-back
     promises: SandboxPromises  # what the kernel keeps from its agents
     limits: Mechanism  # what limits its agents (docs/limits.md)
 

@@ -141,8 +141,8 @@ class SessionRewinder:
         """Under the project's lock: the session forgets, then the files go back (steps 3 and 4 of
         the module docstring). Whether an agent was live, and the rewind's changes."""
         session_id = record.session_id
-        # the session forgets first: a turn sent meanwhile waits for this lock (its before
-        # snapshot), then finds no live agent and no agent session to resume
+        # The session forgets its agent first. A turn sent meanwhile waits for this lock (it takes its
+        # before snapshot under it), and then finds no live agent and no agent session to resume.
         stopped = await self._pool.close(session_id)
         await self._store.set_provider_session_id(session_id, "", self._clock())
         await self._store.cut_transcript(session_id, run_id)

@@ -1,4 +1,4 @@
-"""Where a request for a session or a run is served (docs/design.md#several-hosts): here, or at the live host that
+"""Where a request for a session or a run is served (docs/design/hosts.md#forwarding): here, or at the live host that
 holds its lease. With one host (SQLite) nothing is asked: everything is served here.
 
 A session whose lease this host holds, or nobody holds, or whose owner's lease expired, is
@@ -65,7 +65,8 @@ class Router:
         if not self._leases.shared or not run_id:
             return None
         if self._runs.known(run_id):
-            # a finished run kept here whose session another host deleted: forgotten, NOT_FOUND here
+            # A finished run kept here whose session another host has deleted is forgotten, so that it
+            # answers NOT_FOUND here as it does everywhere else.
             if self._runs.finished(run_id) and await self._store.get_run(run_id) is None:
                 self._runs.forget_finished(run_id)
             return None

@@ -1,4 +1,6 @@
-"""Cancels and permission answers that reach a run's owner through the store (docs/design.md#several-hosts).
+"""Cancels and permission answers that reach a run's owner through the store.
+
+docs/design/hosts.md#signals-through-the-store says why they exist.
 
 A ``Cancel`` or ``ResolvePermission`` for a run another live host owns is forwarded to it over
 gRPC first: that answers at once and exactly (whether the turn was still running; ``NOT_FOUND``

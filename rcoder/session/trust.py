@@ -1,4 +1,4 @@
-"""What a client may choose for an agent (docs/design.md#trust-boundaries), checked against the profile.
+"""What a client may choose for an agent (docs/design/trust.md#trust-boundaries), checked against the profile.
 
 A client picks a profile, a project, a session and what to say. What runs on
 the host is the operator's: ``extra_meta`` keys pass only where the profile

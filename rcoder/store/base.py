@@ -53,7 +53,7 @@ class SessionStore(Protocol):
     """Every method is safe to call from the event loop; none blocks it.
 
     A write given a ``lease`` lands only while this host holds that lease of the session at that
-    generation; otherwise it changes nothing and raises ``LeaseLost`` (fencing, docs/design.md#several-hosts; a
+    generation; otherwise it changes nothing and raises ``LeaseLost`` (fencing, docs/design/hosts.md#fencing; a
     store of one host, SQLite, holds every lease and ignores it).
 
     Writes are atomic: a crash (even SIGKILL) leaves either the old or the

@@ -1,4 +1,4 @@
-"""Who runs what, where several hosts share a store (docs/design.md#several-hosts): hosts and session leases.
+"""Who runs what, where several hosts share a store (docs/design/hosts.md#leases): hosts and session leases.
 
 A session's **lease** is its owner's ``host_id``, a ``generation`` and an expiry. A host takes
 it before it opens the session's agent, renews it while the agent lives and releases it when

@@ -1,4 +1,6 @@
-"""Can an agent use the PostgreSQL store? Asked of the server at start, on every route (docs/design.md#no-calls-back).
+"""Can an agent use the PostgreSQL store? The daemon asks the server at start, on every route.
+
+docs/design/trust.md#no-calls-back says why no agent may reach the store.
 
 An agent runs as the daemon's user and reaches every port and every socket file the daemon
 reaches; rcoder cannot filter ports cheaply (Landlock's network rules are allow-lists: "all but

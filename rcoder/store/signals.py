@@ -1,5 +1,5 @@
-"""Cross-host signals (docs/design.md#several-hosts): a cancel or a permission answer for a run whose owner did not
-answer a forwarded call, left for that owner in the shared store.
+"""Cross-host signals: a cancel or a permission answer for a run whose owner did not answer a
+forwarded call, left for that owner in the shared store (docs/design/hosts.md#signals-through-the-store).
 
 The row is the truth; ``LISTEN/NOTIFY`` is only a doorbell. The sender inserts the row and rings
 the owner's doorbell in one transaction; the owner's listener reads every undone row addressed to

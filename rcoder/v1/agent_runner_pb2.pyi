@@ -2332,7 +2332,7 @@ class AgentInfo(_message.Message):
     kind: _builtins.str
     """what rcoder knows about the agent: claude, codex, gemini, opencode, generic, ..."""
     sandbox: _builtins.str
-    """What its agents run under (docs/design.md#confinement): "landlock" (confined to their project) or "none"."""
+    """What its agents run under (docs/design/trust.md#confinement): "landlock" (confined to their project) or "none"."""
     landlock_abi: _builtins.int
     """the kernel's Landlock ABI version when sandbox is "landlock" """
     limits: _builtins.str
@@ -2355,11 +2355,11 @@ class AgentInfo(_message.Message):
 
     @_builtins.property
     def network(self) -> Global___NetworkReach:
-        """what its agents reach over the network (docs/design.md#no-calls-back)"""
+        """what its agents reach over the network (docs/design/trust.md#no-calls-back)"""
 
     @_builtins.property
     def promises(self) -> Global___SandboxPromises:
-        """What the kernel keeps from its agents on this host (docs/design.md#no-calls-back); all false when unconfined."""
+        """What the kernel keeps from its agents on this host (docs/design/trust.md#what-an-older-kernel-cannot-promise); all false when unconfined."""
 
     @_builtins.property
     def limit_controllers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

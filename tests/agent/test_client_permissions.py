@@ -7,7 +7,7 @@ import asyncio
 
 from acp import schema as acp
 
-from rcoder.agent.client import RcoderClient
+from rcoder.agent.client import AcpClientHandler
 from rcoder.domain import AgentEvent, PermissionAnswer, PermissionOutcome, PermissionRequest, PermissionResolved
 
 OPTIONS = [
@@ -36,7 +36,7 @@ class Turn:
         return [e for e in self.events if isinstance(e, PermissionResolved)]
 
 
-async def ask(client: RcoderClient, turn: Turn) -> asyncio.Task[acp.RequestPermissionResponse]:
+async def ask(client: AcpClientHandler, turn: Turn) -> asyncio.Task[acp.RequestPermissionResponse]:
     update = acp.ToolCallUpdate(tool_call_id="call-1", title="touch file", kind="edit")
     asking = asyncio.create_task(client.request_permission("s", update, OPTIONS))
     async with asyncio.timeout(5):
@@ -45,7 +45,7 @@ async def ask(client: RcoderClient, turn: Turn) -> asyncio.Task[acp.RequestPermi
 
 
 async def test_an_answer_is_given_to_the_agent_and_streamed_with_its_option_kind() -> None:
-    client, turn = RcoderClient("fake"), Turn()
+    client, turn = AcpClientHandler("fake"), Turn()
     client.begin_turn(turn.on_event, turn.decide)
     asking = await ask(client, turn)
 
@@ -62,7 +62,7 @@ async def test_an_answer_is_given_to_the_agent_and_streamed_with_its_option_kind
 
 
 async def test_an_answer_landing_with_a_cancel_is_not_given_the_event_and_the_agent_say_cancelled() -> None:
-    client, turn = RcoderClient("fake"), Turn()
+    client, turn = AcpClientHandler("fake"), Turn()
     client.begin_turn(turn.on_event, turn.decide)
     asking = await ask(client, turn)
 
@@ -77,7 +77,7 @@ async def test_an_answer_landing_with_a_cancel_is_not_given_the_event_and_the_ag
 
 
 async def test_the_end_of_the_turn_settles_a_waiting_request_before_returning() -> None:
-    client, turn = RcoderClient("fake"), Turn()
+    client, turn = AcpClientHandler("fake"), Turn()
     client.begin_turn(turn.on_event, turn.decide)
     asking = await ask(client, turn)
 

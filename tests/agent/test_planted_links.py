@@ -1,4 +1,4 @@
-"""rcoder never writes through a link an agent planted in its own home (docs/design.md#no-calls-back).
+"""rcoder never writes through a link an agent planted in its own home (docs/design/trust.md#the-daemon-lends-no-hands).
 
 An agent may write its home, so between two starts it can replace the folder a kind keeps its
 settings in (or the home's mark) with a link to another project. The daemon is unconfined: at the

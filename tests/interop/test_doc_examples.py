@@ -32,7 +32,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARK = "<!-- example: run -->"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SESSION = re.compile(r'"session_id": "([0-9a-f-]{36})"|session ([0-9a-f-]{36})')

@@ -1,4 +1,4 @@
-"""Several real daemons on one PostgreSQL database (docs/design.md#several-hosts), on 127.0.0.1.
+"""Several real daemons on one PostgreSQL database (docs/design/hosts.md), on 127.0.0.1.
 
 Every host has its own port and ``data_dir``; they share the database, the ``workspace_root``
 and the fake agent's state folder (its conversations: "shared agent homes"), so a session

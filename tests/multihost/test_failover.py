@@ -1,4 +1,4 @@
-"""A dead, paused or cut-off host loses no conversation (docs/design.md#several-hosts): its lease expires, the next
+"""A dead, paused or cut-off host loses no conversation (docs/design/hosts.md#failover): its lease expires, the next
 request takes the session over elsewhere (RESUMED: the fake agent's state is shared, as agent
 homes on shared storage), a turn it was running ends "owner host lost", and whatever it still
 tries to write once it wakes up is refused.

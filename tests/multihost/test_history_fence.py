@@ -1,5 +1,5 @@
-"""A host that lost a session's lease stores nothing more of that session's runs (docs/design.md#several-hosts,
-docs/design.md#history):
+"""A host that lost a session's lease stores nothing more of that session's runs (docs/design/hosts.md#fencing,
+docs/design/history.md#what-is-stored):
 neither the history writer's periodic batches nor the rest it stores once the turn's end is
 refused. What a run's history holds is what its host stored while it held the lease; the run's
 end, for a host that took the session over, is "owner host lost", and so it stays.

@@ -1,5 +1,5 @@
-"""History on PostgreSQL (docs/design.md#history): a run is read back whole through another host, after its
-host stopped or restarted, and from a host that died mid-turn, what it stored and its end;
+"""History on PostgreSQL (docs/design/history.md#reading-it-back): a run is read back whole through
+another host, after its host stopped or restarted, and from a host that died mid-turn, what it stored and its end;
 ``history_retention`` deletes old events. (SQLite: tests/test_history.py.)"""
 
 from __future__ import annotations

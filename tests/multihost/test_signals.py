@@ -1,5 +1,6 @@
-"""A cancel or a permission answer reaches an owner that the other hosts cannot call (docs/design.md#several-hosts):
-through the store, a row as the truth and ``LISTEN/NOTIFY`` only as a doorbell.
+"""A cancel or a permission answer reaches an owner that the other hosts cannot call
+(docs/design/hosts.md#signals-through-the-store): through the store, where a row is the truth and
+``LISTEN/NOTIFY`` only a doorbell.
 
 Host a advertises an address where nothing listens (a closed port on 127.0.0.1): every forward
 to it fails at once, yet a is alive, renews its leases and listens for its signals like any

@@ -1,4 +1,4 @@
-"""What a prompt-injected agent would try from its shell: use rcoder (docs/design.md#no-calls-back).
+"""What a prompt-injected agent would try from its shell: use rcoder (docs/design/trust.md#no-calls-back).
 
     python escape_probe.py <rcoder host:port> <metrics host:port> <token file> <project> <run id>
         <permission id> <store host:port> <store user> <store database>

@@ -1,4 +1,4 @@
-"""Every real agent, through its own tools, reaches its project and nothing else (docs/design.md#confinement).
+"""Every real agent, through its own tools, reaches its project and nothing else (docs/design/trust.md#confinement).
 
 The fake model asks each agent to read another project's file, the store, the config file, and
 to write into a sibling project and under /tmp, then to write and read a file of its own project.

@@ -1,4 +1,4 @@
-"""Claude and Codex, through their own shell tools, cannot use rcoder (docs/design.md#no-calls-back), but reach a
+"""Claude and Codex, through their own shell tools, cannot use rcoder (docs/design/trust.md#no-calls-back), but reach a
 server they start themselves on localhost.
 
 The fake model asks each agent to run ``escape_probe.py`` (copied into its project): without a

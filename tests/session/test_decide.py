@@ -1,4 +1,4 @@
-"""The resume decision table of docs/design.md#resume-decision-table."""
+"""The resume decision table of docs/design/resume.md#the-decision-table."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         # host_id: the host whose runs left running this daemon marks interrupted at start, and
-        # the owner of the session leases it takes (docs/design.md#several-hosts)
+        # the owner of the session leases it takes (docs/design/hosts.md#leases)
         self.host_id = host_id_of(settings)
         self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
@@ -211,7 +211,7 @@ class Daemon:
             await checkpoints.sweep(self.settings.history_retention, time.time())
 
     async def _check_store_access(self) -> None:
-        """docs/design.md#no-calls-back: a PostgreSQL store that lets an agent in without the password, on any
+        """docs/design/trust.md#no-calls-back: a PostgreSQL store that lets an agent in without the password, on any
         route (its TCP address, a unix socket, loopback; ``pg_access``), lets in every agent (they
         reach every route, as the daemon's uid or their own): refused, naming the first route
         found, unless the operator opens it by name."""
@@ -235,7 +235,7 @@ class Daemon:
                  agents_uid=user.uid)  # fmt: skip
 
     def _log_network(self) -> None:
-        """Say what agents reach over the network (docs/design.md#no-calls-back), per profile, and warn
+        """Say what agents reach over the network (docs/design/trust.md#no-calls-back), per profile, and warn
         when it is rcoder."""
         if self.settings.open_to_agents:
             log.warning(

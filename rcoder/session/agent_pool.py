@@ -210,7 +210,7 @@ class AgentPool:
         return True
 
     def drop(self, session_id: str) -> None:
-        """End the session's agent now, busy or not (its lease was lost: docs/design.md#several-hosts)."""
+        """End the session's agent now, busy or not (its lease was lost: docs/design/hosts.md#fencing)."""
         slot = self._live.get(session_id)
         if slot is not None:
             log.warning("agent_ended_lease_lost", session_id=session_id)

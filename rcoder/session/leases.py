@@ -1,4 +1,4 @@
-"""This host's session leases (docs/design.md#several-hosts): taken when a session's agent is opened, renewed in one
+"""This host's session leases (docs/design/hosts.md#leases): taken when a session's agent is opened, renewed in one
 statement per tick while the agent lives, released when it ends, and lost ones acted on.
 
 A live turn on a session whose lease this host holds costs one dict lookup (``lease``): the

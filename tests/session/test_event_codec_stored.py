@@ -390,12 +390,11 @@ def test_a_stored_row_reads_back_as_the_value_it_was_written_for(kind: str, text
 
 
 @pytest.mark.parametrize(("kind", "text", "value"), STORED, ids=lambda item: str(item)[:40])
-def test_todays_codec_stores_each_value_in_a_form_that_reads_back_equal(
-    kind: str, text: str, value: RunEventBody
-) -> None:
-    stored_kind, stored_text = event_codec.encode(value)
-    assert stored_kind == kind
-    assert event_codec.decode(stored_kind, stored_text) == value
+def test_todays_codec_stores_each_value_as_the_older_one_did(kind: str, text: str, value: RunEventBody) -> None:
+    # The bytes are the same but for how a float's exponent is written: the standard library wrote
+    # 1e-07 and pydantic writes 1e-7, which reads back as the same number.
+    assert event_codec.encode(value) == (kind, text.replace("e-07", "e-7"))
+    assert event_codec.decode(kind, text.replace("e-07", "e-7")) == value
 
 
 def test_every_stored_kind_has_a_row_written_by_the_older_codec() -> None:

@@ -397,5 +397,7 @@ def test_todays_codec_stores_each_value_as_the_older_one_did(kind: str, text: st
     assert event_codec.decode(kind, text.replace("e-07", "e-7")) == value
 
 
-def test_every_stored_kind_has_a_row_written_by_the_older_codec() -> None:
-    assert {kind for kind, _, _ in STORED} == set(event_codec.KINDS)
+def test_every_kind_the_older_codec_stored_has_a_row_here_and_is_still_known() -> None:
+    captured = {kind for kind, _, _ in STORED}
+    assert len(captured) == 12
+    assert captured <= set(event_codec.KINDS)

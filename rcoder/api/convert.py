@@ -58,9 +58,9 @@ class _ProtoEnum(Protocol[NumberT]):
 
 
 def by_name(domain: type[EnumT], proto: _ProtoEnum[NumberT], prefix: str) -> dict[EnumT, NumberT]:
-    """The protobuf number of each member of a domain enum: the proto's value named ``prefix`` and
-    the member's name. A member the proto lacks fails at import with protobuf's ValueError, which
-    names the value it looked for, so every test fails until the proto has it."""
+    """The protobuf number of each member of a domain enum, found by name: ``prefix`` followed by
+    the member's name. A member that the proto lacks raises protobuf's ValueError at import, and
+    that error names the value it looked for, so every test fails until the proto has it."""
     return {member: proto.Value(prefix + member.name) for member in domain}
 
 

@@ -10,7 +10,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 
 def new_id() -> str:
@@ -218,6 +218,8 @@ class ConfigOption:
 class ConfigOptionUpdate:
     """The agent changed its config options: all of them, as they are now."""
 
+    EVENT_KIND: ClassVar[str] = "config_option_update"
+
     options: tuple[ConfigOption, ...]
 
 
@@ -234,14 +236,27 @@ class SlashCommand:
 class AvailableCommands:
     """The agent's slash commands: the whole list, as it is now."""
 
+    EVENT_KIND: ClassVar[str] = "available_commands"
+
     commands: tuple[SlashCommand, ...]
 
 
 # ---------------------------------------------------------------- run events
 
+# Every event type of a run is declared once, here, and ``RunEventBody`` below lists them all. Each one
+# names its kind in ``EVENT_KIND``. The store keeps that name next to the event's body, so a kind
+# must never be renamed. The protobuf ``ChatStream`` gives each kind a field of its ``event`` oneof by
+# the same name; the text chunk alone is two fields there, ``agent_message`` and ``agent_thought``.
+# The storage codec (``session/event_codec.py``) is derived from these types, and a test
+# (``tests/test_event_forms.py``) checks that the protobuf, ``api/convert.py`` and the Python
+# client's types (``client/events.py``) carry every kind and field. Adding a kind means adding its
+# type here and to ``RunEventBody``, then those three.
+
 
 @dataclass(frozen=True, slots=True)
 class RunStarted:
+    EVENT_KIND: ClassVar[str] = "started"
+
     provider_session_id: str
     resume: ResumeOutcome
     resume_method: OpenMethod
@@ -256,6 +271,8 @@ class RunStarted:
 @dataclass(frozen=True, slots=True)
 class TextChunk:
     """Agent text. ``thought`` marks an agent_thought_chunk."""
+
+    EVENT_KIND: ClassVar[str] = "text"
 
     text: str
     thought: bool = False
@@ -272,6 +289,8 @@ class ToolDiff:
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
+    EVENT_KIND: ClassVar[str] = "tool_call"
+
     tool_call_id: str
     title: str
     kind: str = ""
@@ -285,6 +304,8 @@ class ToolCall:
 @dataclass(frozen=True, slots=True)
 class ToolCallUpdate:
     """What changed in a tool call (empty: unchanged)."""
+
+    EVENT_KIND: ClassVar[str] = "tool_call_update"
 
     tool_call_id: str
     title: str = ""
@@ -308,6 +329,8 @@ class PlanEntry:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    EVENT_KIND: ClassVar[str] = "plan"
+
     entries: tuple[PlanEntry, ...]
 
 
@@ -320,6 +343,8 @@ class PermissionOption:
 
 @dataclass(frozen=True, slots=True)
 class PermissionRequest:
+    EVENT_KIND: ClassVar[str] = "permission_request"
+
     permission_id: str
     tool_call_id: str
     title: str
@@ -340,6 +365,8 @@ class PermissionAnswer:
 class PermissionResolved:
     """How a permission request was settled; one follows each ``PermissionRequest`` of a turn."""
 
+    EVENT_KIND: ClassVar[str] = "permission_resolved"
+
     permission_id: str
     outcome: PermissionOutcome
     option_id: str = ""  # the option the agent was given ("": it was told ``cancelled``)
@@ -350,13 +377,17 @@ class PermissionResolved:
 class AgentUpdate:
     """Any other session/update, kept as JSON so nothing is lost."""
 
+    EVENT_KIND: ClassVar[str] = "update"
+
     kind: str
     json: str
 
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    pass
+    """The turn was quiet for a while. It is streamed but never stored (see ``TRANSIENT_EVENTS``)."""
+
+    EVENT_KIND: ClassVar[str] = "heartbeat"
 
 
 GAP_HISTORY_CUT = "history_max_bytes_per_run"  # RunGap.reason: the stored history reached that bound
@@ -367,6 +398,8 @@ class RunGap:
     """Events ``from_seq``..``to_seq`` of the run are not in this stream (``reason`` says why);
     the event carrying it has seq ``to_seq``. ``to_seq`` 0: not known yet (stored at the cut, it is
     closed by the next stored event, see ``session.history``)."""
+
+    EVENT_KIND: ClassVar[str] = "gap"
 
     from_seq: int
     to_seq: int = 0
@@ -471,6 +504,8 @@ class RunKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RunCompleted:
+    EVENT_KIND: ClassVar[str] = "completed"
+
     stop_reason: StopReason
     provider_session_id: str
     resume: ResumeOutcome
@@ -497,6 +532,9 @@ RunEventBody = (
     | ConfigOptionUpdate
     | AvailableCommands
 )
+
+# The event types that are streamed but never stored: a replay skips their seq.
+TRANSIENT_EVENTS: tuple[type, ...] = (Heartbeat,)
 
 # What the agent layer emits during a turn (the run adds started/completed/heartbeats).
 AgentEvent = (

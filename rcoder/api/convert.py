@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -45,30 +47,30 @@ from rcoder.domain import (
 )
 from rcoder.v1 import agent_runner_pb2 as pb
 
-RESUME_OUTCOMES = {
-    ResumeOutcome.NEW: pb.RESUME_OUTCOME_NEW,
-    ResumeOutcome.LIVE: pb.RESUME_OUTCOME_LIVE,
-    ResumeOutcome.RESUMED: pb.RESUME_OUTCOME_RESUMED,
-    ResumeOutcome.FALLBACK_NEW: pb.RESUME_OUTCOME_FALLBACK_NEW,
-    ResumeOutcome.FALLBACK_RESEEDED: pb.RESUME_OUTCOME_FALLBACK_RESEEDED,
-    ResumeOutcome.NOT_OPENED: pb.RESUME_OUTCOME_NOT_OPENED,
-}
-STOP_REASONS = {
-    StopReason.END_TURN: pb.STOP_REASON_END_TURN,
-    StopReason.MAX_TOKENS: pb.STOP_REASON_MAX_TOKENS,
-    StopReason.MAX_TURN_REQUESTS: pb.STOP_REASON_MAX_TURN_REQUESTS,
-    StopReason.REFUSAL: pb.STOP_REASON_REFUSAL,
-    StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
-    StopReason.ERROR: pb.STOP_REASON_ERROR,
-    StopReason.INTERRUPTED: pb.STOP_REASON_INTERRUPTED,
-    StopReason.BUDGET_EXCEEDED: pb.STOP_REASON_BUDGET_EXCEEDED,
-}
-PERMISSION_OUTCOMES = {
-    PermissionOutcome.ANSWERED: pb.PERMISSION_OUTCOME_ANSWERED,
-    PermissionOutcome.POLICY: pb.PERMISSION_OUTCOME_POLICY,
-    PermissionOutcome.TIMED_OUT: pb.PERMISSION_OUTCOME_TIMED_OUT,
-    PermissionOutcome.CANCELLED: pb.PERMISSION_OUTCOME_CANCELLED,
-}
+EnumT = TypeVar("EnumT", bound=enum.Enum)
+NumberT = TypeVar("NumberT", covariant=True)
+
+
+class _ProtoEnum(Protocol[NumberT]):
+    """A generated protobuf enum, as far as the mapping reads it."""
+
+    def Value(self, name: str) -> NumberT: ...
+
+
+def by_name(domain: type[EnumT], proto: _ProtoEnum[NumberT], prefix: str) -> dict[EnumT, NumberT]:
+    """The protobuf number of each member of a domain enum, found by name: ``prefix`` followed by
+    the member's name. A member that the proto lacks raises protobuf's ValueError at import, and
+    that error names the value it looked for, so every test fails until the proto has it."""
+    return {member: proto.Value(prefix + member.name) for member in domain}
+
+
+RESUME_OUTCOMES = by_name(ResumeOutcome, pb.ResumeOutcome, "RESUME_OUTCOME_")
+STOP_REASONS = by_name(StopReason, pb.StopReason, "STOP_REASON_")
+PERMISSION_OUTCOMES = by_name(PermissionOutcome, pb.PermissionOutcome, "PERMISSION_OUTCOME_")
+FILE_CHANGE_KINDS = by_name(ChangeKind, pb.FileChangeKind, "FILE_CHANGE_KIND_")
+RUN_KINDS = by_name(RunKind, pb.RunKind, "RUN_KIND_")
+RUN_STATUSES = by_name(RunStatus, pb.RunStatus, "RUN_STATUS_")
+FORK_METHODS = by_name(ForkMethod, pb.ForkMethod, "FORK_METHOD_")
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -105,106 +107,122 @@ def queued(run_id: str, session_id: str, position: int) -> pb.ChatStream:
 
 def chat_stream(event: RunEvent) -> pb.ChatStream:
     msg = pb.ChatStream(run_id=event.run_id, session_id=event.session_id, seq=event.seq, time=timestamp(event.time))
-    body = event.body
-    if isinstance(body, RunStarted):
-        msg.started.CopyFrom(
-            pb.RunStarted(
-                provider_session_id=body.provider_session_id,
-                resume=RESUME_OUTCOMES[body.resume],
-                resume_method=body.resume_method.value,
-                fallback_reason=body.fallback_reason,
-                agent=body.agent,
-                project_id=body.project_id,
-                request_id=body.request_id,
-                config_options=config_options(body.config_options),
-            )
-        )
-    elif isinstance(body, TextChunk):
-        (msg.agent_thought if body.thought else msg.agent_message).text = body.text
-    elif isinstance(body, ToolCall):
-        msg.tool_call.CopyFrom(
-            pb.ToolCall(
-                tool_call_id=body.tool_call_id,
-                title=body.title,
-                kind=body.kind,
-                status=body.status,
-                raw_input_json=body.raw_input_json,
-                locations=list(body.locations),
-                diffs=[tool_diff(d) for d in body.diffs],
-                content_text=body.content_text,
-            )
-        )
-    elif isinstance(body, ToolCallUpdate):
-        msg.tool_call_update.CopyFrom(
-            pb.ToolCallUpdate(
-                tool_call_id=body.tool_call_id,
-                title=body.title,
-                kind=body.kind,
-                status=body.status,
-                raw_output_json=body.raw_output_json,
-                content_text=body.content_text,
-                locations=list(body.locations),
-                diffs=[tool_diff(d) for d in body.diffs],
-                output=body.output,
-                exit_code=body.exit_code,
-                raw_input_json=body.raw_input_json,
-            )
-        )
-    elif isinstance(body, Plan):
-        msg.plan.entries.extend(
-            pb.PlanEntry(content=e.content, priority=e.priority, status=e.status) for e in body.entries
-        )
-    elif isinstance(body, PermissionRequest):
-        msg.permission_request.CopyFrom(
-            pb.PermissionRequest(
-                permission_id=body.permission_id,
-                tool_call_id=body.tool_call_id,
-                title=body.title,
-                kind=body.kind,
-                options=[pb.PermissionOption(option_id=o.option_id, name=o.name, kind=o.kind) for o in body.options],
-            )
-        )
-    elif isinstance(body, PermissionResolved):
-        resolved = msg.permission_resolved
-        resolved.permission_id = body.permission_id
-        resolved.outcome = PERMISSION_OUTCOMES[body.outcome]
-        resolved.option_id = body.option_id
-        resolved.option_kind = body.option_kind
-    elif isinstance(body, AgentUpdate):
-        msg.update.CopyFrom(pb.AgentUpdate(kind=body.kind, json=body.json))
-    elif isinstance(body, Heartbeat):
-        msg.heartbeat.SetInParent()
-    elif isinstance(body, RunGap):
-        gap = msg.gap
-        gap.from_seq, gap.to_seq, gap.reason = body.from_seq, body.to_seq, body.reason
-    elif isinstance(body, ConfigOptionUpdate):
-        msg.config_option_update.config_options.extend(config_options(body.options))
-    elif isinstance(body, AvailableCommands):
-        msg.available_commands.commands.extend(commands(body.commands))
-    elif isinstance(body, RunCompleted):
-        msg.completed.CopyFrom(
-            pb.RunCompleted(
-                stop_reason=STOP_REASONS[body.stop_reason],
-                provider_session_id=body.provider_session_id,
-                error=body.error,
-                resume=RESUME_OUTCOMES[body.resume],
-                error_reason=body.error_reason,
-            )
-        )
-        if body.usage is not None:
-            msg.completed.usage.CopyFrom(usage(body.usage))
-        msg.completed.changes.extend(file_changes(body.changes))
+    EVENT_WRITERS[event.body.__class__](msg, event.body)
     return msg
 
 
-FILE_CHANGE_KINDS = {
-    ChangeKind.ADDED: pb.FILE_CHANGE_KIND_ADDED,
-    ChangeKind.MODIFIED: pb.FILE_CHANGE_KIND_MODIFIED,
-    ChangeKind.DELETED: pb.FILE_CHANGE_KIND_DELETED,
-    ChangeKind.RENAMED: pb.FILE_CHANGE_KIND_RENAMED,
-    ChangeKind.MODE_CHANGED: pb.FILE_CHANGE_KIND_MODE_CHANGED,
+def _started(msg: pb.ChatStream, body: RunStarted) -> None:
+    msg.started.CopyFrom(
+        pb.RunStarted(
+            provider_session_id=body.provider_session_id,
+            resume=RESUME_OUTCOMES[body.resume],
+            resume_method=body.resume_method.value,
+            fallback_reason=body.fallback_reason,
+            agent=body.agent,
+            project_id=body.project_id,
+            request_id=body.request_id,
+            config_options=config_options(body.config_options),
+        )
+    )
+
+
+def _text(msg: pb.ChatStream, body: TextChunk) -> None:
+    (msg.agent_thought if body.thought else msg.agent_message).text = body.text
+
+
+def _tool_call(msg: pb.ChatStream, body: ToolCall) -> None:
+    msg.tool_call.CopyFrom(
+        pb.ToolCall(
+            tool_call_id=body.tool_call_id,
+            title=body.title,
+            kind=body.kind,
+            status=body.status,
+            raw_input_json=body.raw_input_json,
+            locations=list(body.locations),
+            diffs=[tool_diff(d) for d in body.diffs],
+            content_text=body.content_text,
+        )
+    )
+
+
+def _tool_call_update(msg: pb.ChatStream, body: ToolCallUpdate) -> None:
+    msg.tool_call_update.CopyFrom(
+        pb.ToolCallUpdate(
+            tool_call_id=body.tool_call_id,
+            title=body.title,
+            kind=body.kind,
+            status=body.status,
+            raw_output_json=body.raw_output_json,
+            content_text=body.content_text,
+            locations=list(body.locations),
+            diffs=[tool_diff(d) for d in body.diffs],
+            output=body.output,
+            exit_code=body.exit_code,
+            raw_input_json=body.raw_input_json,
+        )
+    )
+
+
+def _permission_request(msg: pb.ChatStream, body: PermissionRequest) -> None:
+    msg.permission_request.CopyFrom(
+        pb.PermissionRequest(
+            permission_id=body.permission_id,
+            tool_call_id=body.tool_call_id,
+            title=body.title,
+            kind=body.kind,
+            options=[pb.PermissionOption(option_id=o.option_id, name=o.name, kind=o.kind) for o in body.options],
+        )
+    )
+
+
+def _permission_resolved(msg: pb.ChatStream, body: PermissionResolved) -> None:
+    resolved = msg.permission_resolved
+    resolved.permission_id = body.permission_id
+    resolved.outcome = PERMISSION_OUTCOMES[body.outcome]
+    resolved.option_id = body.option_id
+    resolved.option_kind = body.option_kind
+
+
+def _gap(msg: pb.ChatStream, body: RunGap) -> None:
+    gap = msg.gap
+    gap.from_seq, gap.to_seq, gap.reason = body.from_seq, body.to_seq, body.reason
+
+
+def _completed(msg: pb.ChatStream, body: RunCompleted) -> None:
+    msg.completed.CopyFrom(
+        pb.RunCompleted(
+            stop_reason=STOP_REASONS[body.stop_reason],
+            provider_session_id=body.provider_session_id,
+            error=body.error,
+            resume=RESUME_OUTCOMES[body.resume],
+            error_reason=body.error_reason,
+        )
+    )
+    if body.usage is not None:
+        msg.completed.usage.CopyFrom(usage(body.usage))
+    msg.completed.changes.extend(file_changes(body.changes))
+
+
+# How each domain event type is written into a ChatStream: its field of the ``event`` oneof is named
+# as the type's EVENT_KIND (the text chunk alone is two). tests/test_event_forms.py checks that every
+# type of ``RunEventBody`` has its writer here and that its fields reach the Python client.
+EVENT_WRITERS: dict[type, Callable[[pb.ChatStream, Any], None]] = {
+    RunStarted: _started,
+    TextChunk: _text,
+    ToolCall: _tool_call,
+    ToolCallUpdate: _tool_call_update,
+    Plan: lambda msg, body: msg.plan.entries.extend(
+        pb.PlanEntry(content=e.content, priority=e.priority, status=e.status) for e in body.entries
+    ),
+    PermissionRequest: _permission_request,
+    PermissionResolved: _permission_resolved,
+    AgentUpdate: lambda msg, body: msg.update.CopyFrom(pb.AgentUpdate(kind=body.kind, json=body.json)),
+    Heartbeat: lambda msg, body: msg.heartbeat.SetInParent(),
+    RunGap: _gap,
+    ConfigOptionUpdate: lambda msg, body: msg.config_option_update.config_options.extend(config_options(body.options)),
+    AvailableCommands: lambda msg, body: msg.available_commands.commands.extend(commands(body.commands)),
+    RunCompleted: _completed,
 }
-RUN_KINDS = {RunKind.TURN: pb.RUN_KIND_TURN, RunKind.REWIND: pb.RUN_KIND_REWIND}
 
 
 def file_changes(changes: tuple[FileChange, ...]) -> list[pb.FileChange]:
@@ -305,14 +323,6 @@ def agent_limits(limits: _Limits, profile: AgentProfile) -> dict[str, Any]:
     }
 
 
-RUN_STATUSES = {
-    RunStatus.RUNNING: pb.RUN_STATUS_RUNNING,
-    RunStatus.COMPLETED: pb.RUN_STATUS_COMPLETED,
-    RunStatus.FAILED: pb.RUN_STATUS_FAILED,
-    RunStatus.INTERRUPTED: pb.RUN_STATUS_INTERRUPTED,
-}
-
-
 def run_info(record: RunRecord) -> pb.RunInfo:
     info = pb.RunInfo(
         run_id=record.run_id,
@@ -351,9 +361,6 @@ def session_erased(erased: SessionErased) -> pb.DeleteSessionResponse:
         agent_files=list(erased.agent_files),
         left=list(erased.left),
     )
-
-
-FORK_METHODS = {ForkMethod.AGENT: pb.FORK_METHOD_AGENT, ForkMethod.RESEEDED: pb.FORK_METHOD_RESEEDED}
 
 
 def capabilities(caps: AgentCapabilities, seen_at: datetime | None) -> pb.AgentCapabilities:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from rcoder.errors import OwnedElsewhere, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.store.cluster import Coordination, Lease, Owner, Taken
+from rcoder.store.cluster import Coordination, Lease, LocalCoordination, Owner, Taken
 
 log = get_logger("rcoder.session.leases")
 RELEASE_TIMEOUT = 5.0
@@ -59,6 +59,16 @@ class LeaseKeeper:
         self._releasing: asyncio.Task[None] | None = None
         self._ticking: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
+
+    @classmethod
+    def local(
+        cls, lease_ttl: float, metrics: Metrics, on_lost: Callable[[str, int], None] | None = None
+    ) -> LeaseKeeper:
+        """The keeper of one host on its own store: every lease is this host's, and none is lost."""
+        keeper = cls(LocalCoordination("", lease_ttl), lease_ttl, metrics)
+        if on_lost is not None:
+            keeper.on_lost = on_lost
+        return keeper
 
     @property
     def lease_ttl(self) -> float:

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
 from rcoder.domain import BusyPolicy, ChatTurn, Forked, SessionErased, new_id
@@ -36,7 +37,6 @@ from rcoder.errors import (
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, RunDiff
 from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
@@ -50,7 +50,6 @@ from rcoder.session.runs import Run, RunLimits, RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.session.workspace import project_dir, stored_cwd
 from rcoder.store.base import SessionStore
-from rcoder.store.cluster import LocalCoordination
 
 __all__ = ["AcpWorker", "Action", "decide"]
 
@@ -84,10 +83,14 @@ class AcpWorker:
         pool: AgentPool,
         runs: RunRegistry,
         metrics: Metrics,
+        leases: LeaseKeeper,
+        history: History,
+        checkpoints: Checkpoints,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-        leases: LeaseKeeper | None = None,
-        history: History | None = None,
     ) -> None:
+        """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
+        worker when a session's lease is lost (``lease_lost``) and when a session's running turn
+        lets go of it (``next_turn``)."""
         self._settings = settings
         self.metrics = metrics
         self._store = store
@@ -96,23 +99,14 @@ class AcpWorker:
         self._runs = runs
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
-        # one host on its own store unless told otherwise: every lease is this host's
-        self.leases = leases or LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
-        pool.on_session_closed = self.leases.release  # a session's lease lasts as long as its live agent
-        self.leases.on_lost = self._lease_lost  # and a lost lease ends the agent
-        # every run's events, stored as streamed, and read back by Subscribe
-        self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
-        checkpoints = Checkpoints(settings, store, launcher.trees)
-        self.turns = TurnRunner(
-            settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history, checkpoints
-        )
-        self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
+        self.leases = leases
+        # Every run's events, stored as they are streamed, and read back by Subscribe.
+        self.history = history
+        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, leases, history, checkpoints)
+        self._forker = SessionForker(settings, store, pool, metrics, clock, leases)
         self._queues = TurnQueues(settings.max_queued_turns)
-        runs.on_released = self._next_turn
         self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns, self._refuse_waiting)
-        self._rewinder = SessionRewinder(
-            settings, store, pool, runs, self.turns.checkpoints, self.turns.running_in, clock
-        )
+        self._rewinder = SessionRewinder(settings, store, pool, runs, checkpoints, self.turns.running_in, clock)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -155,7 +149,7 @@ class AcpWorker:
         # them, which the turn never needs; the turn goes on in its own task
         return Ticket(run, named, ready)
 
-    def _lease_lost(self, session_id: str, generation: int) -> None:
+    def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
         (``TurnScope.lose_lease``): neither outlasts the lease, however long the start would take."""
         self._pool.drop(session_id)
@@ -180,7 +174,7 @@ class AcpWorker:
                  position=position, behind=holder.run_id)  # fmt: skip
         return position
 
-    def _next_turn(self, session_id: str) -> None:
+    def next_turn(self, session_id: str) -> None:
         """The session's running turn let go of it: the first turn waiting claims it now. Called
         from the end of that turn, so it never raises: a turn that cannot claim the session
         (rcoder stopping, the session being deleted) is refused, and so is every one behind it."""

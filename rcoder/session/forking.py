@@ -23,13 +23,13 @@ from dataclasses import replace
 from datetime import datetime
 
 from rcoder import tracing
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import Forked, ForkMethod, ModelProvider, OpenMethod, SessionRecord, new_id
 from rcoder.errors import AgentError, InvalidArgument, NotFound, PermissionDenied
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.workspace import stored_cwd
 from rcoder.store.base import SessionStore

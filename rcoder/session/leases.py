@@ -48,7 +48,7 @@ class LeaseKeeper:
         self.coordination = coordination
         self._ttl = lease_ttl
         self._metrics = metrics
-        self.on_lost = on_lost  # set by the daemon once the pool exists
+        self.on_lost = on_lost  # the daemon ends the session's agent and a start under way
         self.on_store = on_store
         self._held: dict[str, Lease] = {}
         # shared store: until when (loop time) each held lease surely holds, and the timer that
@@ -61,14 +61,9 @@ class LeaseKeeper:
         self._reachable: bool | None = None
 
     @classmethod
-    def local(
-        cls, lease_ttl: float, metrics: Metrics, on_lost: Callable[[str, int], None] | None = None
-    ) -> LeaseKeeper:
+    def local(cls, lease_ttl: float, metrics: Metrics) -> LeaseKeeper:
         """The keeper of one host on its own store: every lease is this host's, and none is lost."""
-        keeper = cls(LocalCoordination("", lease_ttl), lease_ttl, metrics)
-        if on_lost is not None:
-            keeper.on_lost = on_lost
-        return keeper
+        return cls(LocalCoordination("", lease_ttl), lease_ttl, metrics)
 
     @property
     def lease_ttl(self) -> float:

@@ -17,6 +17,7 @@ from datetime import datetime
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.kinds import replays_after_load
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunKind, RunStarted, SessionRecord, TranscriptEntry
@@ -24,7 +25,6 @@ from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import checkpoints, content, options, reseed
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.leases import LeaseKeeper
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Lease
@@ -246,7 +246,7 @@ class SessionOpener:
             try:
                 launched = await checkout.launch(config)
             except AgentError as exc:
-                self._metrics.spawn_failures.labels(profile.name, exc.reason).inc()
+                self._metrics.spawn_failed(profile.name, exc.reason)
                 raise
             conn = launched.connection
             content.check(profile, turn, conn.capabilities)

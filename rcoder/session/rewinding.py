@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from rcoder.agent.pool import AgentPool
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
 from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
 from rcoder.session.runs import RUN_MISSING, RunRegistry
 from rcoder.store.base import RunCheckpoint, SessionStore

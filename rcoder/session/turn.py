@@ -46,12 +46,12 @@ from typing import Any
 
 from rcoder import tracing
 from rcoder.agent.convert import prompt_blocks
+from rcoder.agent.pool import AgentPool
 from rcoder.config import Settings
 from rcoder.domain import AgentEvent, RunStarted, StopReason, TextChunk, TranscriptEntry
 from rcoder.errors import AgentTimeout, Internal, NotFound, RcoderError
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History

@@ -24,11 +24,11 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
+from rcoder.agent.pool import AgentPool
 from rcoder.domain import OpenMethod, ResumeOutcome, RunCompleted, RunEvent
 from rcoder.errors import LeaseLost, RcoderError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, checkpoint_after, checkpoint_discard
 from rcoder.session.history import History
 from rcoder.session.opening import Action as OpenAction

@@ -12,11 +12,11 @@ from datetime import datetime
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from rcoder.agent.connection import AgentConnection
+from rcoder.agent.pool import AgentPool
 from rcoder.domain import ChatTurn, RunRecord, RunStarted, RunStatus, SessionRecord
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.logs import get_logger
 from rcoder.session import options
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.opening import TurnPlan
 from rcoder.store.base import RunEnd, SessionStore
 from rcoder.store.cluster import Lease

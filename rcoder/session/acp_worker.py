@@ -151,7 +151,7 @@ class AcpWorker:
 
     def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
-        (``TurnScope.lose_lease``): neither outlasts the lease, however long the start would take."""
+        (``TurnRunner.lease_lost``): neither outlasts the lease, however long the start would take."""
         self._pool.drop(session_id)
         holder = self._runs.holder(session_id)
         if holder is not None:

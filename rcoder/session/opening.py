@@ -207,7 +207,7 @@ class SessionOpener:
             opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
             return await self.configure(plan, opened) if opened.pending else opened
         except asyncio.CancelledError:
-            # a cancelled start: the turn still writes its end under the lease (``TurnRunner.forget``
+            # a cancelled start: the turn still writes its end under the lease (``TurnRunner._forget``
             # lets go of it once the turn is over, if no agent of the session is live by then)
             raise
         except BaseException:

@@ -62,7 +62,7 @@ from rcoder.session.runs import Heartbeats, Run, RunRegistry
 from rcoder.session.spend_guard import REASON as BUDGET_EXCEEDED
 from rcoder.session.spend_guard import SpendGuard
 from rcoder.session.turn_end import TurnEnder
-from rcoder.session.turn_machine import (
+from rcoder.session.turn_messages import (
     Abandon,
     AgentEnded,
     AskAgentToStop,

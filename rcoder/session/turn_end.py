@@ -33,7 +33,7 @@ from rcoder.session.checkpoints import Checkpoints, checkpoint_after, checkpoint
 from rcoder.session.history import History
 from rcoder.session.opening import Action as OpenAction
 from rcoder.session.runs import RunRegistry, guarded
-from rcoder.session.turn_machine import (
+from rcoder.session.turn_messages import (
     Action,
     CheckStartLanded,
     EndRefused,

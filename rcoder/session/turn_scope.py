@@ -17,7 +17,8 @@ from rcoder.domain import AgentEvent, FileChange, RunStarted, StopReason, Transc
 from rcoder.session.budget import EarlyEvents
 from rcoder.session.opening import Opened, TurnPlan
 from rcoder.session.runs import HARD_LIMIT_FACTOR, Run
-from rcoder.session.turn_machine import Phase, StopCause, TurnMachine
+from rcoder.session.turn_machine import TurnMachine
+from rcoder.session.turn_messages import Phase, StopCause
 
 
 @dataclass

@@ -12,7 +12,8 @@ import pytest
 
 from rcoder.domain import RunStatus, StopReason
 from rcoder.errors import AgentCrashed, AgentTimeout, Internal, LeaseLost, RunCancelled, ShuttingDown, StoreError
-from rcoder.session.turn_machine import (
+from rcoder.session.turn_machine import TurnMachine, TurnMachineError
+from rcoder.session.turn_messages import (
     Abandon,
     AgentEnded,
     AskAgentToStop,
@@ -43,8 +44,6 @@ from rcoder.session.turn_machine import (
     StoreEndAlone,
     TimedOut,
     TooLate,
-    TurnMachine,
-    TurnMachineError,
 )
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

@@ -220,7 +220,7 @@ class TurnRunner:
                 await self._ender.end(scope, self._ending(exc))
                 if isinstance(exc, asyncio.CancelledError):  # rcoder is stopping: the cancel goes on
                     raise
-                return  # the error is in the run's end (or, refused, told to the caller)
+                return  # the error is now in the run's end, or, for a refused turn, with the caller
             answer = scope.answer
             await self._ender.end(scope, AgentEnded(answer.stop if answer is not None else StopReason.END_TURN))
         finally:

@@ -157,7 +157,7 @@ class TurnEnder:
         transaction), free the session and its agent, then publish ``completed``: whoever sees it
         can go on at once, and read the whole run back anywhere. A store that cannot record the
         end makes the turn an error, and that ``completed`` is stored on its own."""
-        end = self._completed(scope)  # as it reads if the store takes the end
+        end = self._completed(scope)  # what completed says if the store takes the end as it is
         after: Sequence[Action] = STORE_ALONE
         try:
             end = await self._store_end(scope)
@@ -184,7 +184,7 @@ class TurnEnder:
         # What the turn changed in the project's files (docs/checkpoints.md) goes into its completed.
         scope.changes = await asyncio.shield(checkpoint_after(self._checkpoints, scope))
         end = self._completed(scope)
-        try:  # what the agent changed during the turn (its options, its commands), before the end
+        try:  # store what the agent changed during the turn (its options, its commands) first
             await asyncio.shield(self._records.store_state(plan, scope.conn, self._clock()))
         except StoreError as exc:
             log.warning("session_state_not_stored", error=exc.message)

@@ -251,7 +251,7 @@ class TurnMachine:
                 )  # fmt: skip
             case TimedOut(error=error) | Failed(error=error):
                 if self.cancel_requested and isinstance(error, RunCancelled | AgentError):
-                    # ended by its group after the cancel grace, or before its session opened: still a cancel
+                    # The agent was ended after the cancel grace, or the session never opened: a cancel all the same.
                     return self._stopped(False)
                 return Outcome(RunStatus.FAILED, StopReason.ERROR, str(error), error.reason, transcript=False)
         raise TurnMachineError(self.phase, event)  # pragma: no cover

@@ -101,7 +101,7 @@ class TurnRecords:
             return
         version = conn.state_version
         if version == conn.stored_state_version and not plan.turn.config_options:
-            return  # the record has what this agent process said (a turn's choices change it)
+            return  # the record holds what this agent reported, and this turn chose no option
         changed = session_state(plan.record, plan.turn, conn)
         if changed is not None:
             changed = replace(changed, updated_at=now)

@@ -95,6 +95,6 @@ class TurnScope:
         for event in self._early.drain():
             self.run.publish(event)
         self.started_out.set()
-        self.plan.say_named()  # a new session cancelled before it opened is stored with its start
+        self.plan.say_named()  # a new session cancelled before it opened is stored only now, with its start
         if not self.ready.done():
             self.ready.set_result(self.run)

@@ -184,10 +184,13 @@ class TurnEnder:
         # What the turn changed in the project's files (docs/checkpoints.md) goes into its completed.
         scope.changes = await asyncio.shield(checkpoint_after(self._checkpoints, scope))
         end = self._completed(scope)
-        try:  # store what the agent changed during the turn (its options, its commands) first
-            await asyncio.shield(self._records.store_state(plan, scope.conn, self._clock()))
-        except StoreError as exc:
-            log.warning("session_state_not_stored", error=exc.message)
+        # Store what the agent changed during the turn (its options, its commands) first. Most
+        # turns change nothing, and then no task is started for it.
+        if not self._records.state_unchanged(plan, scope.conn):
+            try:
+                await asyncio.shield(self._records.store_state(plan, scope.conn, self._clock()))
+            except StoreError as exc:
+                log.warning("session_state_not_stored", error=exc.message)
 
         async def store_end(events: Sequence[EventRow]) -> None:
             await self._store.finish_run(run.run_id, self._run_end(scope), plan.lease, events)

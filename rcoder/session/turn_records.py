@@ -93,15 +93,21 @@ class TurnRecords:
         plan.record = replace(plan.record, last_run_id=plan.run_id)
         self._pool.remember(plan.record)
 
+    @staticmethod
+    def state_unchanged(plan: TurnPlan, conn: AgentConnection | None) -> bool:
+        """Whether ``store_state`` has nothing to write, known without any I/O: the record holds
+        what this agent reported, and this turn chose no option."""
+        if conn is None:
+            return True
+        return conn.state_version == conn.stored_state_version and not plan.turn.config_options
+
     async def store_state(self, plan: TurnPlan, conn: AgentConnection | None, now: datetime) -> None:
         """Store the session's options and commands where this turn changed them (rarely: a
         turn that sets no option on an agent that lists nothing new writes nothing)."""
         assert plan.record is not None
-        if conn is None:
+        if conn is None or self.state_unchanged(plan, conn):
             return
         version = conn.state_version
-        if version == conn.stored_state_version and not plan.turn.config_options:
-            return  # the record holds what this agent reported, and this turn chose no option
         changed = session_state(plan.record, plan.turn, conn)
         if changed is not None:
             changed = replace(changed, updated_at=now)

@@ -35,6 +35,7 @@ from rcoder.session.audit import AuditTrail
 from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.files import ProjectFiles
 from rcoder.session.history import History
+from rcoder.session.holds import SessionHolds
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.routing import Router
@@ -85,8 +86,10 @@ class Daemon:
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         history = History(self.store, self.runs, settings.history_max_bytes_per_run, lambda: datetime.now(UTC))
         checkpoints = Checkpoints(settings, self.store, self.launcher.trees)  # docs/checkpoints.md
+        # The one owner of a session's lease and its live agent here.
+        self.holds = SessionHolds(self.pool, self.leases)
         self.worker = AcpWorker(
-            settings, self.store, self.launcher, self.pool, self.runs, self.metrics, self.leases, history, checkpoints
+            settings, self.store, self.launcher, self.pool, self.runs, self.metrics, self.holds, history, checkpoints
         )
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
@@ -135,7 +138,7 @@ class Daemon:
 
     def _agent_closed(self, session_id: str) -> None:
         """A session no longer has a live agent here: its lease goes with it."""
-        self.leases.release(session_id)
+        self.holds.agent_closed(session_id)
 
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""

@@ -41,7 +41,7 @@ from rcoder.session.checkpoints import Checkpoints, RunDiff
 from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
-from rcoder.session.leases import LeaseKeeper
+from rcoder.session.holds import SessionHolds
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.queue import TurnQueues, Waiting
@@ -83,7 +83,7 @@ class AcpWorker:
         pool: AgentPool,
         runs: RunRegistry,
         metrics: Metrics,
-        leases: LeaseKeeper,
+        holds: SessionHolds,
         history: History,
         checkpoints: Checkpoints,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -99,11 +99,11 @@ class AcpWorker:
         self._runs = runs
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
-        self.leases = leases
+        self._holds = holds
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         self.history = history
-        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, leases, history, checkpoints)
-        self._forker = SessionForker(settings, store, pool, metrics, clock, leases)
+        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, holds, history, checkpoints)
+        self._forker = SessionForker(settings, store, pool, metrics, clock, holds)
         self._queues = TurnQueues(settings.max_queued_turns)
         self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns, self._refuse_waiting)
         self._rewinder = SessionRewinder(settings, store, pool, runs, checkpoints, self.turns.running_in, clock)
@@ -152,7 +152,7 @@ class AcpWorker:
     def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
         (``TurnRunner.lease_lost``): neither outlasts the lease, however long the start would take."""
-        self._pool.drop(session_id)
+        self._holds.lease_lost(session_id)
         holder = self._runs.holder(session_id)
         if holder is not None:
             self.turns.lease_lost(holder.run_id, generation)

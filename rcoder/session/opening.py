@@ -25,7 +25,7 @@ from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import checkpoints, content, options, reseed
-from rcoder.session.leases import LeaseKeeper
+from rcoder.session.holds import SessionHolds
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Lease
 
@@ -136,10 +136,10 @@ class SessionOpener:
         store: SessionStore,
         pool: AgentPool,
         metrics: Metrics,
-        leases: LeaseKeeper,
+        holds: SessionHolds,
         clock: Callable[[], datetime],
     ) -> None:
-        self._leases = leases
+        self._holds = holds
         self._clock = clock
         self._settings = settings
         self._store = store
@@ -151,7 +151,7 @@ class SessionOpener:
         start of a live turn costs nothing here). Otherwise the turn resumes on a new one."""
         if plan.action is not Action.LIVE:
             return None
-        lease = self._leases.lease(plan.session_id)  # held and renewed: nothing asked of the store
+        lease = self._holds.lease(plan.session_id)  # held and renewed: nothing asked of the store
         live = None
         if lease is not None:
             live = self._pool.take_live(plan.session_id, plan.profile.name, plan.turn.model_provider)
@@ -200,19 +200,18 @@ class SessionOpener:
         opened = self.live(plan)
         if opened is not None:
             return await self.configure(plan, opened) if opened.pending else opened
-        lease = plan.lease = await self._leases.acquire(plan.session_id)
+        lease = plan.lease = await self._holds.take(plan.session_id)
         try:
             if plan.record is None:
                 await self.name(plan, lease)
             opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
             return await self.configure(plan, opened) if opened.pending else opened
         except asyncio.CancelledError:
-            # a cancelled start: the turn still writes its end under the lease (``TurnRunner._forget``
-            # lets go of it once the turn is over, if no agent of the session is live by then)
+            # A cancelled start keeps the lease: the turn still writes its end under it, and
+            # lets go of it once the turn is over (``SessionHolds.let_go``).
             raise
         except BaseException:
-            if not self._pool.is_live(plan.session_id):
-                self._leases.release(plan.session_id, lease)
+            self._holds.let_go(plan.session_id, lease)
             raise
 
     async def name(self, plan: TurnPlan, lease: Lease) -> None:

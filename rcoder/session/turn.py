@@ -55,6 +55,7 @@ from rcoder.metrics import Metrics
 from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History
+from rcoder.session.holds import SessionHolds
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
@@ -105,7 +106,7 @@ class TurnRunner:
         metrics: Metrics,
         clock: Callable[[], datetime],
         spawn: Spawn,
-        leases: LeaseKeeper | None = None,
+        holds: SessionHolds | None = None,
         history: History | None = None,
         checkpoints: Checkpoints | None = None,
     ) -> None:
@@ -117,8 +118,9 @@ class TurnRunner:
         self._metrics = metrics
         self._clock = clock
         self._spawn = spawn  # background work that the worker tracks (and waits for at shutdown)
-        self._leases = leases or LeaseKeeper.local(settings.lease_ttl, metrics)
-        self._opener = SessionOpener(settings, store, pool, metrics, self._leases, clock)
+        # Built here only for a runner made on its own (the daemon passes every collaborator).
+        self._holds = holds or SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
+        self._opener = SessionOpener(settings, store, pool, metrics, self._holds, clock)
         self._scopes: dict[str, TurnScope] = {}
         self._records = TurnRecords(store, pool, clock)
         self._ender = TurnEnder(store, pool, runs, metrics, clock, spawn, self.history, self.checkpoints, self._records)
@@ -231,13 +233,13 @@ class TurnRunner:
 
     def _forget(self, scope: TurnScope) -> None:
         """The turn is over. Its lease goes too when no agent of its session is live here (a
-        cancelled start keeps the lease until its end is written; ``SessionOpener.open``)."""
+        cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
         self._scopes.pop(scope.run.run_id, None)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
         self.spend.ended(scope.run.run_id)
-        if plan.lease is not None and not self._pool.is_live(plan.session_id):
-            self._leases.release(plan.session_id, plan.lease)
+        if plan.lease is not None:
+            self._holds.let_go(plan.session_id, plan.lease)
 
     @staticmethod
     def _ending(exc: BaseException) -> Event:

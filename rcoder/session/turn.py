@@ -84,11 +84,12 @@ from rcoder.session.turn_messages import (
     TimedOut,
     TooLate,
 )
-from rcoder.session.turn_records import TurnRecords, session_state
+from rcoder.session.turn_records import TurnRecords
 from rcoder.session.turn_scope import Answer, TurnScope
 from rcoder.store.base import SessionStore
 
-__all__ = ["MAX_TRANSCRIPT_TEXT", "Phase", "StopCause", "TurnRunner", "TurnScope", "session_state"]
+# Phase and StopCause are named from here by the turn's callers and tests.
+__all__ = ["Phase", "StopCause", "TurnRunner", "TurnScope"]
 
 log = get_logger("rcoder.session.turn")
 MAX_TRANSCRIPT_TEXT = 1 << 20

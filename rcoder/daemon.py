@@ -10,12 +10,13 @@ import os
 import signal
 import socket
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rcoder import __version__, tracing
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.limits import CGROUP_ROOT, Cgroups, check_limits
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.profile import network_of
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
@@ -30,9 +31,11 @@ from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.audit import AuditTrail
+from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.files import ProjectFiles
+from rcoder.session.history import History
+from rcoder.session.holds import SessionHolds
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
 from rcoder.session.routing import Router
@@ -69,15 +72,24 @@ class Daemon:
         self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
         self.launcher = AgentLauncher(settings, limits=self.limits)
-        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
+        # The registry, the pool and the lease keeper tell the daemon what happened to a session
+        # (``_session_released``, ``_agent_closed``, ``_lease_lost``); they never call each other.
+        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes, on_released=self._session_released)
         self.metrics = Metrics()
         self.metrics.watch_runs(self.runs.held)
         self.metrics.watch_limits(self.limits.per_profile)
-        self.pool = AgentPool(settings, self.launcher, self.metrics)
+        self.pool = AgentPool(settings, self.launcher, self.metrics, on_session_closed=self._agent_closed)
         coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
-        self.leases = LeaseKeeper(coordination, settings.lease_ttl, self.metrics, on_store=self._on_store)
+        self.leases = LeaseKeeper(
+            coordination, settings.lease_ttl, self.metrics, on_lost=self._lease_lost, on_store=self._on_store
+        )
+        # Every run's events, stored as they are streamed, and read back by Subscribe.
+        history = History(self.store, self.runs, settings.history_max_bytes_per_run, lambda: datetime.now(UTC))
+        checkpoints = Checkpoints(settings, self.store, self.launcher.trees)  # docs/checkpoints.md
+        # The one owner of a session's lease and its live agent here.
+        self.holds = SessionHolds(self.pool, self.leases)
         self.worker = AcpWorker(
-            settings, self.store, self.launcher, self.pool, self.runs, self.metrics, leases=self.leases
+            settings, self.store, self.launcher, self.pool, self.runs, self.metrics, self.holds, history, checkpoints
         )
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
@@ -123,6 +135,18 @@ class Daemon:
         self._retention: asyncio.Task[None] | None = None  # history_retention's timer
         self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
+
+    def _agent_closed(self, session_id: str) -> None:
+        """A session no longer has a live agent here: its lease goes with it."""
+        self.holds.agent_closed(session_id)
+
+    def _lease_lost(self, session_id: str, generation: int) -> None:
+        """Another host has the session now: its agent here is ended, and so is a start under way."""
+        self.worker.lease_lost(session_id, generation)
+
+    def _session_released(self, session_id: str) -> None:
+        """The session's running turn let go of it: the first turn queued for it claims it now."""
+        self.worker.next_turn(session_id)
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""

@@ -229,6 +229,10 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
+    def spawn_failed(self, agent: str, reason: str) -> None:
+        """An agent could not be started or initialised (``rcoder_agent_start_failures``)."""
+        self.spawn_failures.labels(agent, reason).inc()
+
     def watch_agents(self, counts: AgentCounts) -> None:
         self.registry.register(_AgentGauges(counts))
 

@@ -1060,6 +1060,7 @@ async def seed_runs(data_dir: Path, count: int) -> str:
     """A session of ``count`` finished runs written straight into a fresh SQLite store (each with a
     prompt, an end and a transcript entry, as a turn leaves them): ~1 s, where running as many
     turns through the daemon and the fake agent would take minutes on two cores. Returns its id."""
+    from rcoder.store.base import RunEnd
     from rcoder.store.sqlite import SqliteStore
 
     store = SqliteStore(data_dir / STORE_FILE)
@@ -1074,7 +1075,7 @@ async def seed_runs(data_dir: Path, count: int) -> str:
             prompt = f"turn {n}: " + "a prompt of some length " * 8
             await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, at, prompt=prompt))
             entry = TranscriptEntry(session_id, run_id, 0, prompt, "an answer " * 40, at)
-            await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry)
+            await store.finish_run(run_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry))
     finally:
         await store.close()
     return session_id

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import meta_collision
 from rcoder.config import Settings
 from rcoder.domain import BusyPolicy, ChatTurn, Forked, SessionErased, new_id
@@ -36,12 +37,11 @@ from rcoder.errors import (
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, RunDiff
 from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
-from rcoder.session.leases import LeaseKeeper
+from rcoder.session.holds import SessionHolds
 from rcoder.session.opening import Action, TurnPlan, decide
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.queue import TurnQueues, Waiting
@@ -50,7 +50,6 @@ from rcoder.session.runs import Run, RunLimits, RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.session.workspace import project_dir, stored_cwd
 from rcoder.store.base import SessionStore
-from rcoder.store.cluster import LocalCoordination
 
 __all__ = ["AcpWorker", "Action", "decide"]
 
@@ -67,7 +66,7 @@ class Ticket:
 
     run: Run
     named: asyncio.Future[None]
-    ready: asyncio.Future[Run] | None = None  # None: queued (its followers hear how it starts)
+    ready: asyncio.Future[Run] | None = None  # None for a queued turn: its followers hear how it starts
     position: int = 0
 
     async def started(self) -> Run:
@@ -84,10 +83,14 @@ class AcpWorker:
         pool: AgentPool,
         runs: RunRegistry,
         metrics: Metrics,
+        holds: SessionHolds,
+        history: History,
+        checkpoints: Checkpoints,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-        leases: LeaseKeeper | None = None,
-        history: History | None = None,
     ) -> None:
+        """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
+        worker when a session's lease is lost (``lease_lost``) and when a session's running turn
+        lets go of it (``next_turn``)."""
         self._settings = settings
         self.metrics = metrics
         self._store = store
@@ -96,23 +99,14 @@ class AcpWorker:
         self._runs = runs
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
-        # one host on its own store unless told otherwise: every lease is this host's
-        self.leases = leases or LeaseKeeper(LocalCoordination("", settings.lease_ttl), settings.lease_ttl, metrics)
-        pool.on_session_closed = self.leases.release  # a session's lease lasts as long as its live agent
-        self.leases.on_lost = self._lease_lost  # and a lost lease ends the agent
-        # every run's events, stored as streamed, and read back by Subscribe
-        self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
-        checkpoints = Checkpoints(settings, store, launcher.trees)
-        self.turns = TurnRunner(
-            settings, store, pool, runs, metrics, clock, self._spawn, self.leases, self.history, checkpoints
-        )
-        self._forker = SessionForker(settings, store, pool, metrics, clock, self.leases)
+        self._holds = holds
+        # Every run's events, stored as they are streamed, and read back by Subscribe.
+        self.history = history
+        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, holds, history, checkpoints)
+        self._forker = SessionForker(settings, store, pool, metrics, clock, holds)
         self._queues = TurnQueues(settings.max_queued_turns)
-        runs.on_released = self._next_turn
         self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns, self._refuse_waiting)
-        self._rewinder = SessionRewinder(
-            settings, store, pool, runs, self.turns.checkpoints, self.turns.running_in, clock
-        )
+        self._rewinder = SessionRewinder(settings, store, pool, runs, checkpoints, self.turns.running_in, clock)
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -129,7 +123,7 @@ class AcpWorker:
         trust.check(plan.profile, turn)
         seen = self._launcher.capabilities_seen.get(plan.profile.name)
         content.check(plan.profile, turn, seen[0] if seen else None)
-        if self._closing:  # checked again: the store reads above awaited
+        if self._closing:  # checked again, because the store reads above gave way to other tasks
             raise ShuttingDown()
         settings = self._settings
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
@@ -139,26 +133,26 @@ class AcpWorker:
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[Run] = loop.create_future()
-        ready.add_done_callback(_retrieved)  # even if nobody waits
+        ready.add_done_callback(_retrieved)  # its error counts as seen even if nobody waits for it
         named = plan.named = loop.create_future()
         named.add_done_callback(_retrieved)
         holder = self._runs.holder(plan.session_id)
         if holder is not None:
             position = self._queue(Waiting(plan, run, ready), holder)
-            named.set_result(None)  # the session it waits for is the holder's, named before it
+            named.set_result(None)  # it waits for the holder's session, which was named before it
             return Ticket(run, named, position=position)
         if plan.record is not None:
             named.set_result(None)
-        self._runs.claim(run)  # from here on Cancel and shutdown see the turn
+        self._runs.claim(run)  # from here on, Cancel and shutdown see the turn
         self._spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
-        # the caller awaits these futures unshielded (one hop less): one that leaves cancels only
-        # them, which the turn never needs; the turn goes on in its own task
+        # The caller awaits these futures without a shield, which saves a task hop. A caller that
+        # leaves cancels only the futures, which the turn never needs: the turn goes on in its own task.
         return Ticket(run, named, ready)
 
-    def _lease_lost(self, session_id: str, generation: int) -> None:
+    def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
-        (``TurnScope.lose_lease``): neither outlasts the lease, however long the start would take."""
-        self._pool.drop(session_id)
+        (``TurnRunner.lease_lost``): neither outlasts the lease, however long the start would take."""
+        self._holds.lease_lost(session_id)
         holder = self._runs.holder(session_id)
         if holder is not None:
             self.turns.lease_lost(holder.run_id, generation)
@@ -168,19 +162,19 @@ class AcpWorker:
         policy, session_id = waiting.plan.turn.busy, holder.session_id
         if policy is BusyPolicy.REJECT:
             raise SessionBusy(session_id, holder.run_id)
-        if self._runs.is_deleting(session_id):  # it would wait for a session about to be gone
+        if self._runs.is_deleting(session_id):  # it would wait for a session that is about to be gone
             raise SessionDeleting(session_id)
         if policy is BusyPolicy.INTERRUPT and self._queues.has_room():
             for earlier in self._queues.take(session_id):
                 self._drop(earlier, "superseded by a turn sent with busy INTERRUPT")
             self.turns.cancel(holder.run_id)
-        position = self._queues.add(waiting, holder.run_id)  # no await since the holder was read
+        position = self._queues.add(waiting, holder.run_id)  # no await since the holder was read: it still holds
         self._runs.admit(waiting.run)
         log.info("run_queued", run_id=waiting.run.run_id, session_id=session_id, policy=policy.value,
                  position=position, behind=holder.run_id)  # fmt: skip
         return position
 
-    def _next_turn(self, session_id: str) -> None:
+    def next_turn(self, session_id: str) -> None:
         """The session's running turn let go of it: the first turn waiting claims it now. Called
         from the end of that turn, so it never raises: a turn that cannot claim the session
         (rcoder stopping, the session being deleted) is refused, and so is every one behind it."""
@@ -230,7 +224,7 @@ class AcpWorker:
         name = turn.agent or self._settings.default_agent
         record = None
         if turn.session_id:
-            # live here: the record its last turn stored (this host alone writes it meanwhile)
+            # A session live here has the record its last turn stored: only this host writes it meanwhile.
             record = self._pool.live_record(turn.session_id) or await self._store.get_session(turn.session_id)
             if record is None:
                 record = await self._store.find_session_by_provider_id(name, turn.session_id)
@@ -258,7 +252,7 @@ class AcpWorker:
         elif action is Action.LIVE:
             cwd = record.cwd  # its agent already runs with the grant this host checked when it opened
         else:
-            cwd = stored_cwd(root, record)  # the grant of the agent about to start: checked first
+            cwd = stored_cwd(root, record)  # the folder the agent about to start is granted, checked first
         session_id = record.session_id if record else new_id()
         return TurnPlan(turn, profile, session_id, new_id(), cwd, record, action)
 
@@ -283,8 +277,8 @@ class AcpWorker:
         if not run_id:
             holder = self._runs.holder(session_id)
             if holder is not None and follows is not None and self.turns.follows(holder.run_id) != follows:
-                return holder.run_id, False  # the turn meant ended: this one came after it
-            for waiting in self._queues.take(session_id):  # the session comes to rest: none of them runs
+                return holder.run_id, False  # the turn meant has ended, and this one came after it
+            for waiting in self._queues.take(session_id):  # none of them runs: the session comes to rest
                 self._drop(waiting, "the session's turns were cancelled")
             if holder is None:
                 record = await self._store.get_session(session_id)

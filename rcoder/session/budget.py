@@ -136,10 +136,10 @@ def _cut(text: str, cap: int, limit: int) -> str:
 class ByteLedger:
     """The bytes all runs hold together, against ``limit``; ``over`` is called when past it."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, over: Callable[[], None] = lambda: None) -> None:
         self.limit = max(1, limit)
         self.held = 0
-        self.over: Callable[[], None] = lambda: None
+        self.over = over
 
 
 class EarlyEvents:

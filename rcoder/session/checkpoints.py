@@ -33,7 +33,7 @@ from rcoder.store.base import RunCheckpoint, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo, ChildGuard
 
 if TYPE_CHECKING:
-    from rcoder.session.turn import TurnScope
+    from rcoder.session.turn_scope import TurnScope
 
 log = get_logger("rcoder.session.checkpoints")
 CUT_MARKER = "\n[rcoder: the diff is cut here: it is longer than max_diff_bytes ({limit} bytes)]\n"

@@ -26,11 +26,11 @@ import asyncio
 from collections.abc import Callable
 
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.pool import AgentPool
 from rcoder.config import Settings
 from rcoder.domain import SessionErased, SessionRecord
 from rcoder.errors import NotFound, RcoderError, SessionBusy, SessionDeleting, UnsafePath
 from rcoder.logs import get_logger
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.runs import RunRegistry
 from rcoder.session.turn import TurnRunner
 from rcoder.store.base import SessionStore

@@ -23,14 +23,14 @@ from dataclasses import replace
 from datetime import datetime
 
 from rcoder import tracing
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import Forked, ForkMethod, ModelProvider, OpenMethod, SessionRecord, new_id
 from rcoder.errors import AgentError, InvalidArgument, NotFound, PermissionDenied
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
-from rcoder.session.leases import LeaseKeeper
+from rcoder.session.holds import SessionHolds
 from rcoder.session.workspace import stored_cwd
 from rcoder.store.base import SessionStore
 
@@ -59,9 +59,9 @@ class SessionForker:
         pool: AgentPool,
         metrics: Metrics,
         clock: Callable[[], datetime],
-        leases: LeaseKeeper,
+        holds: SessionHolds,
     ) -> None:
-        self._leases = leases
+        self._holds = holds
         self._settings = settings
         self._store = store
         self._pool = pool
@@ -102,12 +102,11 @@ class SessionForker:
 
     async def _by_agent(self, profile: AgentProfile, source: SessionRecord, branch: SessionRecord) -> Forked | str:
         """The branch opened by the agent's ``session/fork`` and live for it, or why not."""
-        lease = await self._leases.acquire(branch.session_id)  # this host opens the branch's agent
+        lease = await self._holds.take(branch.session_id)  # this host opens the branch's agent
         try:
             return await self._fork_by_agent(profile, source, branch)
         finally:
-            if not self._pool.is_live(branch.session_id):
-                self._leases.release(branch.session_id, lease)
+            self._holds.let_go(branch.session_id, lease)
 
     async def _fork_by_agent(self, profile: AgentProfile, source: SessionRecord, branch: SessionRecord) -> Forked | str:
         config = AgentStartConfig(cwd=source.cwd, fork_from=source.provider_session_id)

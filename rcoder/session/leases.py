@@ -28,7 +28,7 @@ from collections.abc import Callable
 from rcoder.errors import OwnedElsewhere, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.store.cluster import Coordination, Lease, Owner, Taken
+from rcoder.store.cluster import Coordination, Lease, LocalCoordination, Owner, Taken
 
 log = get_logger("rcoder.session.leases")
 RELEASE_TIMEOUT = 5.0
@@ -48,7 +48,7 @@ class LeaseKeeper:
         self.coordination = coordination
         self._ttl = lease_ttl
         self._metrics = metrics
-        self.on_lost = on_lost  # set by the daemon once the pool exists
+        self.on_lost = on_lost  # the daemon ends the session's agent and a start under way
         self.on_store = on_store
         self._held: dict[str, Lease] = {}
         # shared store: until when (loop time) each held lease surely holds, and the timer that
@@ -59,6 +59,11 @@ class LeaseKeeper:
         self._releasing: asyncio.Task[None] | None = None
         self._ticking: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
+
+    @classmethod
+    def local(cls, lease_ttl: float, metrics: Metrics) -> LeaseKeeper:
+        """The keeper of one host on its own store: every lease is this host's, and none is lost."""
+        return cls(LocalCoordination("", lease_ttl), lease_ttl, metrics)
 
     @property
     def lease_ttl(self) -> float:

@@ -17,6 +17,7 @@ from datetime import datetime
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.kinds import replays_after_load
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunKind, RunStarted, SessionRecord, TranscriptEntry
@@ -24,8 +25,7 @@ from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import checkpoints, content, options, reseed
-from rcoder.session.agent_pool import AgentPool
-from rcoder.session.leases import LeaseKeeper
+from rcoder.session.holds import SessionHolds
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Lease
 
@@ -138,10 +138,10 @@ class SessionOpener:
         store: SessionStore,
         pool: AgentPool,
         metrics: Metrics,
-        leases: LeaseKeeper,
+        holds: SessionHolds,
         clock: Callable[[], datetime],
     ) -> None:
-        self._leases = leases
+        self._holds = holds
         self._clock = clock
         self._settings = settings
         self._store = store
@@ -153,7 +153,7 @@ class SessionOpener:
         start of a live turn costs nothing here). Otherwise the turn resumes on a new one."""
         if plan.action is not Action.LIVE:
             return None
-        lease = self._leases.lease(plan.session_id)  # held and renewed: nothing asked of the store
+        lease = self._holds.lease(plan.session_id)  # held and renewed: nothing asked of the store
         live = None
         if lease is not None:
             live = self._pool.take_live(plan.session_id, plan.profile.name, plan.turn.model_provider)
@@ -202,19 +202,18 @@ class SessionOpener:
         opened = self.live(plan)
         if opened is not None:
             return await self.configure(plan, opened) if opened.pending else opened
-        lease = plan.lease = await self._leases.acquire(plan.session_id)
+        lease = plan.lease = await self._holds.take(plan.session_id)
         try:
             if plan.record is None:
                 await self.name(plan, lease)
             opened = self._with_options(plan, await self._open_agent(plan), fresh=True)
             return await self.configure(plan, opened) if opened.pending else opened
         except asyncio.CancelledError:
-            # A cancelled start keeps the lease: the turn still writes its end under it, and lets go of
-            # the lease once the turn is over if no agent of the session is live by then.
+            # A cancelled start keeps the lease: the turn still writes its end under it, and
+            # lets go of it once the turn is over (``SessionHolds.let_go``).
             raise
         except BaseException:
-            if not self._pool.is_live(plan.session_id):
-                self._leases.release(plan.session_id, lease)
+            self._holds.let_go(plan.session_id, lease)
             raise
 
     async def name(self, plan: TurnPlan, lease: Lease) -> None:
@@ -248,7 +247,7 @@ class SessionOpener:
             try:
                 launched = await checkout.launch(config)
             except AgentError as exc:
-                self._metrics.spawn_failures.labels(profile.name, exc.reason).inc()
+                self._metrics.spawn_failed(profile.name, exc.reason)
                 raise
             conn = launched.connection
             content.check(profile, turn, conn.capabilities)

@@ -10,6 +10,7 @@ from datetime import datetime
 from rcoder.agent.agent_user import AgentUser
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.limits import Mechanism
+from rcoder.agent.pool import AgentPool
 from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import (
@@ -23,7 +24,6 @@ from rcoder.domain import (
 )
 from rcoder.errors import NotFound
 from rcoder.session import options
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import decode_changes
 from rcoder.session.runs import RunRegistry
 from rcoder.store.base import RunCheckpoint, SessionStore

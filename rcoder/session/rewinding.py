@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from rcoder.agent.pool import AgentPool
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
 from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
-from rcoder.session.agent_pool import AgentPool
 from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
 from rcoder.session.runs import RUN_MISSING, RunRegistry
-from rcoder.store.base import RunCheckpoint, SessionStore
+from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
 
 log = get_logger("rcoder.session.rewinding")
@@ -111,12 +111,13 @@ class SessionRewinder:
                 stopped, changes = await self._rewind(record, repo, rewind_id, run_id, goal)
             except (RcoderError, OSError) as exc:  # recorded as failed, never left running
                 error = exc.message if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
-                await self._store.finish_run(rewind_id, RunStatus.FAILED, StopReason.ERROR, error, self._clock(), None)
+                failed = RunEnd(RunStatus.FAILED, StopReason.ERROR, error, self._clock())
+                await self._store.finish_run(rewind_id, failed)
                 raise
         await self._store.put_run_checkpoint(
             rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
         )
-        await self._store.finish_run(rewind_id, RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock(), None)
+        await self._store.finish_run(rewind_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock()))
         log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
                  files=len(changes), agent_stopped=stopped)  # fmt: skip
         return Rewound(rewind_id, changes, stopped)

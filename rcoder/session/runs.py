@@ -472,18 +472,20 @@ class RunRegistry:
     while all runs together hold more than ``total_bytes`` (``ledger``).
     """
 
-    def __init__(self, retention: float, total_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, retention: float, total_bytes: int = 256 << 20, on_released: Callable[[str], None] | None = None
+    ) -> None:
         self._runs: dict[str, Run] = {}
         self._holders: dict[str, Run] = {}  # session_id -> the run holding it
         self._retention = retention
         # finished runs in the order they finished: pruning looks only at the oldest
         # (a scan of every run on each add made a busy daemon's turns O(runs kept))
         self._finished: deque[Run] = deque()
-        self.ledger = ByteLedger(total_bytes)  # new runs count their bytes here (``Run(ledger=...)``)
-        self.ledger.over = self._evict
-        # told (without awaiting) the moment a session's running turn lets go of it: the first
-        # turn queued for it is claimed then, before anything else can be (``session.queue``)
-        self.on_released: Callable[[str], None] | None = None
+        # New runs count their bytes here (``Run(ledger=...)``).
+        self.ledger = ByteLedger(total_bytes, over=self._evict)
+        # Told, without awaiting, the moment a session's running turn lets go of it: the first
+        # turn queued for it claims the session then, before anything else can (``session.queue``).
+        self.on_released = on_released
         self._deleting: set[str] = set()  # sessions being deleted: no turn claims them
 
     @contextmanager

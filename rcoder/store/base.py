@@ -4,12 +4,14 @@ the one several hosts share."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from rcoder.domain import (
     AuditEntry,
     Deleted,
+    FileChange,
     ResumeOutcome,
     RunRecord,
     RunStatus,
@@ -38,6 +40,47 @@ class EventRow(NamedTuple):
     created_at: datetime
     kind: str
     body: str
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run ended, as one value: what ``finish_run`` records, and what the run's
+    ``completed`` event says. ``error_reason`` and ``changes`` go out in ``completed`` only (the
+    store keeps a run's changes with its checkpoint)."""
+
+    status: RunStatus
+    stop_reason: StopReason | None
+    error: str
+    ended_at: datetime
+    transcript: TranscriptEntry | None = None  # the turn's prompt and answer, when it is kept
+    usage: Usage | None = None  # what the agent reported the turn cost
+    error_reason: str = ""
+    changes: tuple[FileChange, ...] = ()
+
+
+def run_end_of(
+    end: RunEnd | RunStatus,
+    more: tuple[Any, ...],
+    lease: Lease | None,
+    usage: Usage | None,
+    events: Sequence[EventRow],
+) -> tuple[RunEnd, Lease | None, Sequence[EventRow]]:
+    """The arguments of ``finish_run`` as (end, lease, events), in either form it takes: the
+    ``RunEnd`` form ``finish_run(run_id, end, lease, events)``, or the older one that spells the
+    end out: ``finish_run(run_id, status, stop_reason, error, at, transcript, lease, usage, events)``."""
+    if isinstance(end, RunEnd):
+        if len(more) > 2:
+            raise TypeError(f"finish_run takes (run_id, end, lease, events), got {len(more)} more arguments")
+        lease = more[0] if len(more) > 0 else lease
+        events = more[1] if len(more) > 1 else events
+        return end, lease, events
+    if not 4 <= len(more) <= 7:
+        raise TypeError("finish_run(run_id, status, stop_reason, error, at, transcript, ...) needs all five")
+    stop_reason, error, at, transcript, *rest = more
+    lease = rest[0] if len(rest) > 0 else lease
+    usage = rest[1] if len(rest) > 1 else usage
+    events = rest[2] if len(rest) > 2 else events
+    return RunEnd(end, stop_reason, error, at, transcript, usage), lease, events
 
 
 class RunCheckpoint(NamedTuple):
@@ -139,19 +182,18 @@ class SessionStore(Protocol):
     async def finish_run(
         self,
         run_id: str,
-        status: RunStatus,
-        stop_reason: StopReason | None,
-        error: str,
-        at: datetime,
-        transcript: TranscriptEntry | None,
+        end: RunEnd | RunStatus,
+        *more: Any,
         lease: Lease | None = None,
         usage: Usage | None = None,
         events: Sequence[EventRow] = (),
     ) -> None:
-        """End a run with the ``usage`` its agent reported; when ``transcript`` is given, append
-        it and count the turn on its session; store ``events`` (the rest of its history, as
-        ``append_events``); add the run's spend (``store.usage.spend_of``) to its project's UTC day
-        of ``at``, once (only a run still running adds); all in one transaction (fenced as one write)."""
+        """End a run as ``end`` says (``finish_run(run_id, end, lease, events)``; the older form
+        that spells the end out is read by ``run_end_of``), with the ``usage`` its agent reported;
+        when ``end.transcript`` is given, append it and count the turn on its session; store
+        ``events`` (the rest of its history, as ``append_events``); add the run's spend
+        (``store.usage.spend_of``) to its project's UTC day of ``end.ended_at``, once (only a run
+        still running adds); all in one transaction (fenced as one write)."""
         ...
 
     async def update_run_start(

@@ -39,7 +39,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.store import pg_schema, redact_url
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, run_end_of
 from rcoder.store.cluster import Lease
 from rcoder.store.patterns import regexes
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
@@ -346,17 +346,19 @@ class PostgresStore:
     async def finish_run(
         self,
         run_id: str,
-        status: RunStatus,
-        stop_reason: StopReason | None,
-        error: str,
-        at: datetime,
-        transcript: TranscriptEntry | None,
+        end: RunEnd | RunStatus,
+        *more: Any,
         lease: Lease | None = None,
         usage: Usage | None = None,
         events: Sequence[EventRow] = (),
     ) -> None:
-        stop = None if stop_reason is None else stop_reason.value
-        end = _params(status.value, stop, error, _ts(at), *usage_params(usage), run_id)
+        ended, lease, events = run_end_of(end, more, lease, usage, events)
+        await self._finish_run(run_id, ended, lease, events)
+
+    async def _finish_run(self, run_id: str, ended: RunEnd, lease: Lease | None, events: Sequence[EventRow]) -> None:
+        at, usage, transcript = ended.ended_at, ended.usage, ended.transcript
+        stop = None if ended.stop_reason is None else ended.stop_reason.value
+        end = _params(ended.status.value, stop, ended.error, _ts(at), *usage_params(usage), run_id)
         fence: tuple[object, ...] = ()
         end_sql, count_sql = pg_schema.END_RUN, pg_schema.COUNT_TURN
         if lease is not None:

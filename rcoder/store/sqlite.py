@@ -40,7 +40,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, run_end_of
 from rcoder.store.cluster import Lease
 from rcoder.store.patterns import globs_json
 from rcoder.store.session_state import state_params
@@ -148,15 +148,9 @@ def _prepare(conn: sqlite3.Connection) -> int:
     return cursor.rowcount
 
 
-def _finish_run(
-    conn: sqlite3.Connection,
-    run_id: str,
-    end: tuple[RunStatus, StopReason | None, str, datetime, Usage | None],
-    entry: TranscriptEntry | None,
-    events: list[tuple[object, ...]],
-) -> None:
-    status, stop_reason, error, at, usage = end
-    stop = None if stop_reason is None else stop_reason.value
+def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list[tuple[object, ...]]) -> None:
+    status, error, at, usage, entry = end.status, end.error, end.ended_at, end.usage, end.transcript
+    stop = None if end.stop_reason is None else end.stop_reason.value
     spend = spend_of(usage)
     with _transaction(conn):
         if events:
@@ -440,19 +434,16 @@ class SqliteStore:
     async def finish_run(
         self,
         run_id: str,
-        status: RunStatus,
-        stop_reason: StopReason | None,
-        error: str,
-        at: datetime,
-        transcript: TranscriptEntry | None,
+        end: RunEnd | RunStatus,
+        *more: Any,
         lease: Lease | None = None,
         usage: Usage | None = None,
         events: Sequence[EventRow] = (),
     ) -> None:
-        end = (status, stop_reason, error, at, usage)
+        ended, _, events = run_end_of(end, more, lease, usage, events)  # one host: no fence
         rows = _event_params(events)
         inline = len(rows) <= INLINE_EVENTS  # as append_events: a turn's few last events inline
-        await self._call(lambda conn: _finish_run(conn, run_id, end, transcript, rows), point=inline)
+        await self._call(lambda conn: _finish_run(conn, run_id, ended, rows), point=inline)
 
     async def update_run_start(
         self,

@@ -82,6 +82,8 @@ class Checkpoints:
         self._repos: dict[str, CheckpointRepo] = {}
         self._to_prune: set[str] = set()  # projects whose snapshots were deleted since the last sweep
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # (run_id, "before" | "after") -> that ref being written, off the turn's path
+        self._refs_pending: dict[tuple[str, str], asyncio.Task[bool]] = {}
 
     def repo(self, project_id: str, cwd: str | Path | None = None) -> CheckpointRepo:
         repo = self._repos.get(project_id)
@@ -102,28 +104,59 @@ class Checkpoints:
             async with self.locks[project_id]:
                 repo = self.repo(project_id, cwd)
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"before run {run_id}")
-                await repo.set_refs({ref(run_id, "before"): commit})
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
             return ""
+        # The commit is in the store now. Its ref is written as the prompt goes out, in a thread,
+        # instead of before it: a ref file costs a few file-system writes, about as long as a
+        # live agent's first answer. The turn's end waits for it (``before_written``).
+        self._write_ref_soon(repo, run_id, "before", commit)
         return commit
+
+    def _write_ref_soon(self, repo: CheckpointRepo, run_id: str, which: str, commit: str) -> None:
+        writing = asyncio.get_running_loop().create_task(
+            self._set_ref(repo, run_id, which, commit), name=f"checkpoint-ref-{which}-{run_id}"
+        )
+        self._refs_pending[run_id, which] = writing
+
+    async def _set_ref(self, repo: CheckpointRepo, run_id: str, which: str, commit: str) -> bool:
+        try:
+            await repo.set_refs({ref(run_id, which): commit})
+        except (CheckpointError, OSError) as exc:
+            log.warning("checkpoint_ref_failed", run_id=run_id, which=which, error=str(exc)[:500])
+            return False
+        return True
+
+    async def before_written(self, run_id: str) -> bool:
+        """Whether the run's before ref is written, once it is (False: it could not be)."""
+        return await self._written(run_id, "before")
+
+    async def after_written(self, run_id: str) -> bool:
+        """Whether the run's after ref is written, once it is (False: it could not be). The turn
+        waits for it before ``completed`` goes out, so that any host can diff the run then."""
+        return await self._written(run_id, "after")
+
+    async def _written(self, run_id: str, which: str) -> bool:
+        writing = self._refs_pending.pop((run_id, which), None)
+        return True if writing is None else await asyncio.shield(writing)
 
     async def after(
         self, project_id: str, cwd: str, session_id: str, run_id: str, profile: AgentProfile, before: str
     ) -> tuple[FileChange, ...]:
         """Snapshot the project after the turn and store what changed since ``before`` (its
         before snapshot; "": none was taken, nothing is)."""
-        if not before:
+        if not before or not await self.before_written(run_id):
             return ()
         try:
             async with self.locks[project_id]:
                 repo = self.repo(project_id, cwd)
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"after run {run_id}")
-                await repo.set_refs({ref(run_id, "after"): commit})
                 changes = await repo.changes(before, commit)
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
             return ()
+        # written while the turn's end is stored; the turn waits for it before completed goes out
+        self._write_ref_soon(repo, run_id, "after", commit)
         if changes:  # a turn that changed nothing needs no row: no row reads as a turn with no changes
             await self._store.put_run_checkpoint(
                 run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes))
@@ -226,6 +259,8 @@ async def checkpoint_discard(checkpoints: Checkpoints, scope: TurnScope) -> None
     if scope.before.cancelled() or not scope.before.result():
         return
     plan = scope.plan
+    if not await checkpoints.before_written(plan.run_id):
+        return
     try:
         async with checkpoints.locks[plan.turn.project_id]:
             await checkpoints.repo(plan.turn.project_id, plan.cwd).delete_refs([ref(plan.run_id, "before")])

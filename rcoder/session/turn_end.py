@@ -195,7 +195,11 @@ class TurnEnder:
         async def store_end(events: Sequence[EventRow]) -> None:
             await self._store.finish_run(run.run_id, self._run_end(scope), plan.lease, events)
 
-        await asyncio.shield(self._history.end_with(run, end, store_end))
+        try:
+            await asyncio.shield(self._history.end_with(run, end, store_end))
+        finally:
+            # The after snapshot's ref, written meanwhile: any host can diff the run once it ends.
+            await asyncio.shield(self._checkpoints.after_written(run.run_id))
         return end
 
     def _end_refused(self, scope: TurnScope, exc: LeaseLost | StoreError) -> Sequence[Action]:

@@ -41,6 +41,9 @@ OBJECT_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 # it is renamed over its path (rcoder.session.project_files.TEMP_PREFIX), half a file a rewind
 # would otherwise bring back
 ALWAYS_EXCLUDED = (".rcoder-upload-*.tmp",)
+# a project whose last walk counted at most this many files is walked again on the event loop
+# (well under a millisecond), not in a thread
+INLINE_WALK_FILES = 200
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
 # the most files a run's changes list, and the most bytes of their paths: well within the 4 MiB a
 # gRPC client receives; the diff (GetRunChanges) has them all, up to max_diff_bytes
@@ -246,8 +249,12 @@ class CheckpointRepo:
         is seen changed next time."""
         await self.ensure()
         patterns = (*patterns, *ALWAYS_EXCLUDED)
-        seen = await asyncio.to_thread(stat_tree, self.work_tree, skipped_dirs(patterns))
         last = self._last
+        skip = skipped_dirs(patterns)
+        if last is not None and last.seen.files <= INLINE_WALK_FILES:
+            seen = stat_tree(self.work_tree, skip)  # a few hundred stat calls: less than a thread's hop
+        else:
+            seen = await asyncio.to_thread(stat_tree, self.work_tree, skip)
         if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):
             return last.commit
         excludes = self.excludes_file(patterns)

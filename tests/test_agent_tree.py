@@ -5,6 +5,7 @@ when the daemon stops, and by the sweep at the next start after a killed daemon 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -45,9 +46,24 @@ async def start_escapes(client: Client, tmp_path: Path, marker: str) -> tuple[st
     project = tmp_path / "workspace" / "proj"
     await client.chat(prompt="remember 1")  # the project exists: its FIFOs go there
     events = await client.chat(timeout=30, prompt=escapes_prompt(project, marker))
-    running = {name: processes_mentioning(f"{marker}-{name}") for name in ESCAPES}
-    assert all(len(pids) == 1 for pids in running.values()), running
+    running = await one_process_each(marker)
     return events[0].session_id, {name: pids[0] for name, pids in running.items()}
+
+
+async def one_process_each(marker: str) -> dict[str, list[int]]:
+    """Each escape's sleeper, once it is one process. Each sleeper's shell forks ``sleep`` just as
+    it writes its FIFO, and the child carries the shell's command line (the marker) until it execs:
+    for that moment two processes mention the marker. /proc has no doorbell for an exec, so this
+    looks again, bounded."""
+    running: dict[str, list[int]] = {}
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(GONE_WITHIN):
+            while True:
+                running = {name: processes_mentioning(f"{marker}-{name}") for name in ESCAPES}
+                if all(len(pids) == 1 for pids in running.values()):
+                    return running
+                await asyncio.sleep(0.02)
+    raise AssertionError(f"each escape should be one process: {running}")
 
 
 async def gone(pids: dict[str, int]) -> None:

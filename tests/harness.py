@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -108,6 +108,17 @@ def write_config(
         lines.extend(f"{k} = {toml_value(v)}" for k, v in client.items())
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 20.0) -> None:
+    """Until ``check()`` holds, bounded: for what has no doorbell to wait on (a file or a row
+    another process writes, the /proc of a process)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            result = check()
+            if result if isinstance(result, bool) else await result:
+                return
+            await asyncio.sleep(0.02)
 
 
 def processes_mentioning(marker: str) -> list[int]:

@@ -5,7 +5,6 @@ when the daemon stops, and by the sweep at the next start after a killed daemon 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
-from tests.harness import ROOT, Client, Daemon, FakeAgentSetup, completed, processes_mentioning
+from tests.harness import ROOT, Client, Daemon, FakeAgentSetup, completed, eventually, processes_mentioning
 from tests.processes import reaped
 
 ESCAPE = ROOT / "tests" / "fakes" / "escape.py"
@@ -56,14 +55,16 @@ async def one_process_each(marker: str) -> dict[str, list[int]]:
     for that moment two processes mention the marker. /proc has no doorbell for an exec, so this
     looks again, bounded."""
     running: dict[str, list[int]] = {}
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(GONE_WITHIN):
-            while True:
-                running = {name: processes_mentioning(f"{marker}-{name}") for name in ESCAPES}
-                if all(len(pids) == 1 for pids in running.values()):
-                    return running
-                await asyncio.sleep(0.02)
-    raise AssertionError(f"each escape should be one process: {running}")
+
+    def one_each() -> bool:
+        running.update({name: processes_mentioning(f"{marker}-{name}") for name in ESCAPES})
+        return all(len(pids) == 1 for pids in running.values())
+
+    try:
+        await eventually(one_each, GONE_WITHIN)
+    except TimeoutError:
+        raise AssertionError(f"each escape should be one process: {running}") from None
+    return running
 
 
 async def gone(pids: dict[str, int]) -> None:

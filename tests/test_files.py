@@ -7,7 +7,7 @@ import asyncio
 import hashlib
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, error_info
+from tests.harness import Client, error_info, eventually
 from tests.turns import read_until, rest_of, start_turn
 
 PROJECT = "proj"
@@ -81,13 +81,6 @@ def sha(data: bytes) -> str:
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(".rcoder-upload-"))
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Until ``check()`` holds, bounded (a file the daemon makes has no doorbell here)."""
-    async with asyncio.timeout(timeout):
-        while not check():  # noqa: ASYNC110 - the folder is the only place to look
-            await asyncio.sleep(0.02)
 
 
 async def test_a_listing_goes_depth_first_page_by_page_and_shows_links_with_their_targets(
@@ -381,11 +374,11 @@ async def test_a_reader_may_list_and_read_but_not_write_or_delete_and_changes_ar
     read = [c async for c in stub.ReadFile(pb.ReadFileRequest(project_id="acme-1", path="f.txt"),
                                            metadata=as_(ACME_READER))]  # fmt: skip
     assert read[0].data == b"text\n"
-    for call in (
-        stub.WriteFile(iter(chunks_of(b"x", path="f.txt", project_id="acme-1")), metadata=as_(ACME_READER)),
-        stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="f.txt"), metadata=as_(ACME_READER)),
-    ):
-        assert said(await refused(call)) == ("PERMISSION_DENIED", "ROLE_LACKS_METHOD")
+    # one at a time: a grpc.aio call starts when it is made, and the audit below is in order
+    write = stub.WriteFile(iter(chunks_of(b"x", path="f.txt", project_id="acme-1")), metadata=as_(ACME_READER))
+    assert said(await refused(write)) == ("PERMISSION_DENIED", "ROLE_LACKS_METHOD")
+    delete = stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="f.txt"), metadata=as_(ACME_READER))
+    assert said(await refused(delete)) == ("PERMISSION_DENIED", "ROLE_LACKS_METHOD")
     outside = await refused(stub.ListFiles(pb.ListFilesRequest(project_id="beta-1"), metadata=as_(ACME_READER)))
     assert said(outside) == ("PERMISSION_DENIED", "PROJECT_OUT_OF_SCOPE")
     beta = await refused(stub.WriteFile(iter(chunks_of(b"x", path="f.txt", project_id="beta-1")), metadata=as_(ACME)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from rcoder.store.base import INTERRUPTED_ERROR, INTERRUPTED_REASON
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, completed
+from tests.harness import Client, completed, eventually
 from tests.turns import read_until, rest_of, start_turn
 
 # a turn with every kind of event the fake agent makes: thoughts, tool calls and their updates
@@ -36,16 +35,6 @@ async def subscribe(client: Client, run_id: str, after_seq: int = 0, **call: Any
 
 def without_heartbeats(events: list[pb.ChatStream]) -> list[pb.ChatStream]:
     return [e for e in events if e.WhichOneof("event") != "heartbeat"]
-
-
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 20.0) -> None:
-    """Until ``check()`` holds, bounded (a store written by another process has no doorbell)."""
-    async with asyncio.timeout(timeout):
-        while True:
-            result = check()
-            if result if isinstance(result, bool) else await result:
-                return
-            await asyncio.sleep(0.05)
 
 
 def stored_seqs(db: Path, run_id: str) -> list[int]:

@@ -17,8 +17,7 @@ import pytest
 from rcoder.agent.limits import CGROUP_ROOT, V1_HIERARCHIES, Cgroups, subtree_name
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
-from tests.harness import FakeAgentSetup, completed, processes_mentioning, started, text_of
-from tests.test_history import eventually
+from tests.harness import FakeAgentSetup, completed, eventually, processes_mentioning, started, text_of
 from tests.test_metrics import scrape
 from tests.turns import rest_of, start_turn
 

@@ -17,8 +17,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, processes_mentioning, started
-from tests.test_history import eventually
+from tests.harness import Client, FakeAgentSetup, eventually, processes_mentioning, started
 
 HANGS = f'  "{sys.executable}" -c "import time; time.sleep(3600)" "$0" &\n  wait\n'
 NOT_THERE = '  echo "Error: Session not found: $3" >&2\n  exit 1\n'

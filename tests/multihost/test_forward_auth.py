@@ -19,8 +19,8 @@ import pytest
 from rcoder.api.callers import ADMIN
 from rcoder.api.host_auth import HEADER, SERVICE, HostAuth
 from rcoder.v1 import agent_runner_pb2 as pb
+from tests.harness import eventually
 from tests.multihost.conftest import AUTH, AUTH_MD, Host, Hosts, chat, code_of
-from tests.test_history import eventually
 
 MakeHosts = Callable[..., contextlib.AbstractAsyncContextManager[Hosts]]
 Ask = Callable[[], Awaitable[Any]]

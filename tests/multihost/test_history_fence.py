@@ -23,10 +23,10 @@ import psycopg
 
 from rcoder.store.cluster import OWNER_LOST
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.harness import completed
+from tests.harness import completed, eventually
 from tests.multihost.conftest import AUTH_MD, Host, Hosts, first_events
 from tests.multihost.test_failover import honouring_retry_info
-from tests.test_history import eventually, subscribe
+from tests.test_history import subscribe
 
 MakeHosts = Callable[..., contextlib.AbstractAsyncContextManager[Hosts]]
 # a turn that streams for a while (chunks 5 ms apart, ~4 s): still running when its lease goes

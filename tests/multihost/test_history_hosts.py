@@ -13,10 +13,10 @@ import psycopg
 from rcoder.store.cluster import OWNER_LOST
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import completed
+from tests.harness import completed, eventually
 from tests.multihost.conftest import AUTH_MD, Host, Hosts, chat, first_events
 from tests.multihost.test_failover import honouring_retry_info
-from tests.test_history import RICH, eventually, subscribe, without_heartbeats
+from tests.test_history import RICH, subscribe, without_heartbeats
 
 MakeHosts = Callable[..., contextlib.AbstractAsyncContextManager[Hosts]]
 

@@ -18,9 +18,8 @@ from rcoder.agent.kinds import KINDS, OPENCODE_DISABLE
 from rcoder.config import builtin_profiles
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import started
+from tests.harness import eventually, started
 from tests.real_agents.conftest import AGENT_TIMEOUTS, ModelServers, turn
-from tests.test_history import eventually
 
 
 async def test_deleting_a_claude_session_removes_its_transcript_file_and_it_can_no_longer_be_resumed(

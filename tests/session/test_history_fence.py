@@ -14,7 +14,7 @@ from rcoder.store.base import EventRow
 from rcoder.store.cluster import Lease, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
-from tests.test_history import eventually
+from tests.harness import eventually
 
 TTL = 30.0
 FLUSH = 0.01  # the writer's batching window: short, so the test waits on the store only briefly

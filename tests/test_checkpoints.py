@@ -18,7 +18,7 @@ from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.project_files import TEMP_PREFIX
-from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED
+from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED, CheckpointRepo
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, error_info
@@ -430,3 +430,21 @@ async def test_a_file_the_file_api_is_still_writing_is_never_captured_nor_rewoun
     request = pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id)
     await client.stub.RewindSession(request)
     assert sorted(p.name for p in project.iterdir()) == ["kept.txt"]
+
+
+async def test_a_store_named_by_relative_paths_is_where_they_lead_from_the_daemons_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `make run` serves with data_dir ".rcoder" and workspace_root "workspace": git, run in other
+    # folders, must still find the store, the project and the index where the daemon means them
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "workspace" / "demo").mkdir(parents=True)
+    (tmp_path / "workspace" / "demo" / "notes.txt").write_text("buy milk\n")
+    repo = CheckpointRepo(Path(".rcoder/checkpoints/demo.git"), Path("workspace/demo"), Path(".rcoder/index/demo"))
+
+    first = await repo.snapshot((), "first")
+    (tmp_path / "workspace" / "demo" / "notes.txt").write_text("buy bread\n")
+    second = await repo.snapshot((), "second")
+
+    assert (tmp_path / ".rcoder" / "checkpoints" / "demo.git" / "HEAD").is_file()
+    assert [(c.path, c.kind.value) for c in await repo.changes(first, second)] == [("notes.txt", "modified")]

@@ -200,10 +200,13 @@ class CheckpointRepo:
     def __init__(
         self, git_dir: Path, work_tree: Path, index: Path, guard: ChildGuard | None = None, timeout: float = GIT_TIMEOUT
     ) -> None:
-        self.git_dir, self.work_tree, self.index, self.timeout = git_dir, work_tree, index, timeout
+        # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
+        # has, would otherwise name another place to each git command)
+        self.git_dir, self.work_tree, self.index = git_dir.absolute(), work_tree.absolute(), index.absolute()
+        self.timeout = timeout
         self._guard = guard or NoGuard()
-        self._env = git_env(git_dir)
-        self._env.update(GIT_DIR=str(git_dir), GIT_WORK_TREE=str(work_tree), GIT_INDEX_FILE=str(index))
+        self._env = git_env(self.git_dir)
+        self._env.update(GIT_DIR=str(self.git_dir), GIT_WORK_TREE=str(self.work_tree), GIT_INDEX_FILE=str(self.index))
         self._flags = [arg for item in CONFIG for arg in ("-c", item)]
         # the last snapshot: an unchanged tree reuses its commit, unchanged files skip git altogether
         self._last: Snapshot | None = None

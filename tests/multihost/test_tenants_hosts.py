@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -92,10 +93,14 @@ async def test_a_forward_carries_its_caller_and_the_owner_checks_it(make_hosts: 
     with psycopg.connect(store_url) as db:
         rows = db.execute("SELECT client, method, project_id, code FROM audit ORDER BY at").fetchall()
     refusals = [("beta-chat", method, "acme-1", "NOT_FOUND") for method in ("DeleteSession", "Cancel")]
-    assert rows == [
-        ("acme-chat", "Chat", "acme-1", "OK"),
-        ("acme-chat", "Chat", "acme-1", "OK"),  # forwarded by b to a: recorded once, where it arrived
-        *refusals,  # at a
-        *refusals,  # at b
-        ("admin", "Chat", "beta-1", "OK"),
-    ]
+    # as a multiset: each host times its row as its call ends, and a host the scheduler holds back
+    # for a moment can time a call's end after the client's next call to the other host ended
+    assert Counter(rows) == Counter(
+        [
+            ("acme-chat", "Chat", "acme-1", "OK"),
+            ("acme-chat", "Chat", "acme-1", "OK"),  # forwarded by b to a: recorded once, where it arrived
+            *refusals,  # at a
+            *refusals,  # at b
+            ("admin", "Chat", "beta-1", "OK"),
+        ]
+    )

@@ -5,7 +5,6 @@ adds nothing."""
 
 from __future__ import annotations
 
-import sqlite3
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import pytest
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, Usage
 from rcoder.errors import LeaseLost
-from rcoder.store import pg_schema, sqlite_schema
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
@@ -22,7 +20,7 @@ from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 from rcoder.store.usage import NANOS, Spend, SpendSoFar, spend_of
 from tests.store import both_stores
-from tests.store.both_stores import HOST, StoreFactory, ended_run
+from tests.store.both_stores import HOST, StoreFactory, ended_run, postgres_at, sqlite_at
 
 T0 = datetime(2025, 3, 1, 23, 59, 0, tzinfo=UTC)
 DAY = "2025-03-01"
@@ -147,11 +145,7 @@ async def test_a_fenced_end_that_is_refused_adds_nothing_to_the_projects_day(pg_
 
 async def test_a_sqlite_store_made_before_budgets_migrates_and_counts_spend_from_then(tmp_path: Path) -> None:
     path = tmp_path / "rcoder.db"
-    with sqlite3.connect(path) as old:  # the schema one version before budgets (8), with a run that cost
-        for migration in sqlite_schema.MIGRATIONS[: SQLITE_BUDGETS - 1]:
-            for statement in migration:
-                old.execute(statement)
-        old.execute(f"PRAGMA user_version = {SQLITE_BUDGETS - 1}")
+    with sqlite_at(path, SQLITE_BUDGETS - 1) as old:  # the schema one version before budgets (8), with a run that cost
         old.execute("INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at,"
                     " updated_at) VALUES ('s1','proj','/w','claude','p1',?,?)", (T0.isoformat(),) * 2)  # fmt: skip
         old.execute(
@@ -174,14 +168,7 @@ async def test_a_sqlite_store_made_before_budgets_migrates_and_counts_spend_from
 
 async def test_a_postgres_database_made_before_budgets_migrates_and_counts_spend_from_then(pg_url: str) -> None:
     async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as old:
-        await old.execute(
-            "CREATE TABLE schema_migrations (version integer PRIMARY KEY,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for version in range(1, PG_BUDGETS):  # the schema one version before budgets (11)
-            for statement in pg_schema.MIGRATIONS[version - 1]:
-                await old.execute(statement)
-            await old.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+        await postgres_at(old, PG_BUDGETS - 1)  # the schema one version before budgets (11)
         await old.execute(
             "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at)"
             " VALUES ('s1', 'proj', '/w', 'claude', 'p1', %s, %s)",

@@ -27,13 +27,12 @@ from rcoder.errors import LeaseLost
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
-from rcoder.store.pg_schema import MIGRATIONS
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
 from rcoder.store.sqlite_schema import SCHEMA_VERSION
 from rcoder.store.usage import NANOS
 from tests.store import both_stores
-from tests.store.both_stores import HOST, ended_run
+from tests.store.both_stores import HOST, ended_run, postgres_at, sqlite_at
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 SQLITE_TENANTS, PG_TENANTS = 7, 10  # the migrations that added tenants (the runs' client, the audit trail)
@@ -195,15 +194,8 @@ async def test_a_sqlite_store_made_before_usage_existed_migrates_and_keeps_its_r
 
 
 async def test_a_postgres_database_made_before_usage_existed_migrates_and_keeps_its_runs(pg_url: str) -> None:
-    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as old:  # at version 2, with a run
-        await old.execute(
-            "CREATE TABLE schema_migrations (version integer PRIMARY KEY,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for version in (1, 2):
-            for statement in MIGRATIONS[version - 1]:
-                await old.execute(statement)
-            await old.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as old:
+        await postgres_at(old, 2)  # at version 2, with a run
         await old.execute("INSERT INTO sessions VALUES ('s1', 'proj', '/w', 'claude', 'p1', %s, %s, 1, 'r1')", (T0, T0))
         await old.execute(
             "INSERT INTO runs (run_id, session_id, status, started_at, ended_at)"
@@ -283,14 +275,8 @@ PRAGMA user_version = 1;
 
 
 async def test_a_sqlite_store_made_before_tenants_migrates_its_runs_to_no_client(tmp_path: Path) -> None:
-    from rcoder.store import sqlite_schema
-
     path = tmp_path / "rcoder.db"
-    with sqlite3.connect(path) as old:  # the schema one version before tenants (7), with a run
-        for migration in sqlite_schema.MIGRATIONS[: SQLITE_TENANTS - 1]:
-            for statement in migration:
-                old.execute(statement)
-        old.execute(f"PRAGMA user_version = {SQLITE_TENANTS - 1}")
+    with sqlite_at(path, SQLITE_TENANTS - 1) as old:  # the schema one version before tenants (7), with a run
         old.execute("INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at,"
                     " updated_at) VALUES ('s1','proj','/w','claude','p1',?,?)", (T0.isoformat(),) * 2)  # fmt: skip
         old.execute(
@@ -311,14 +297,7 @@ async def test_a_sqlite_store_made_before_tenants_migrates_its_runs_to_no_client
 
 async def test_a_postgres_database_made_before_tenants_migrates_its_runs_to_no_client(pg_url: str) -> None:
     async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as old:
-        await old.execute(
-            "CREATE TABLE schema_migrations (version integer PRIMARY KEY,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        for version in range(1, PG_TENANTS):  # the schema one version before tenants (10)
-            for statement in MIGRATIONS[version - 1]:
-                await old.execute(statement)
-            await old.execute("INSERT INTO schema_migrations (version) VALUES (%s)", (version,))
+        await postgres_at(old, PG_TENANTS - 1)  # the schema one version before tenants (10)
         await old.execute(
             "INSERT INTO sessions (session_id, project_id, cwd, agent, provider_session_id, created_at, updated_at)"
             " VALUES ('s1', 'proj', '/w', 'claude', 'p1', %s, %s)",

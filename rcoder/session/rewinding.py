@@ -92,10 +92,9 @@ class SessionRewinder:
         repo = self._checkpoints.repo(project_id, record.cwd)
         rewind_id = new_id()
         async with self._checkpoints.locks[project_id]:
-            holder = self._runs.holder(session_id)
-            busy = holder.run_id if holder is not None else self._running_in(project_id)
-            if busy is None:
-                busy = await self._running_elsewhere(project_id)
+            # a turn claimed here in the project (this session's own included), else one the store
+            # has running there on another host, as the file RPCs ask it
+            busy = self._running_in(project_id) or await self._store.running_in_project(project_id)
             if busy is not None:
                 raise ProjectBusy(project_id, busy, "Wait for it to complete, or Cancel it, then rewind.")
             goal = await repo.resolve(ref(run_id, "before"))
@@ -156,8 +155,3 @@ class SessionRewinder:
         await repo.set_refs({ref(rewind_id, "after"): after})
         await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(now, after, listed_only=False))
         return stopped, await repo.changes(now, after)
-
-    async def _running_elsewhere(self, project_id: str) -> str | None:
-        """A run the store holds as running in the project (on another host sharing the
-        workspace), as the file RPCs ask it (``SessionStore.running_in_project``)."""
-        return await self._store.running_in_project(project_id)

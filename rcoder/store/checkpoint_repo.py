@@ -76,6 +76,13 @@ CONFIG = (
 # files and 200 MB writes one file instead of 10,000 and spends no time in zlib (5 s -> 2 s).
 # Only for ``add``: a diff treats a file past core.bigFileThreshold as binary.
 SNAPSHOT_ADD = ("-c", "core.bigFileThreshold=1", "-c", "core.compression=0")
+# A first snapshot (no index yet) of a project this large is hashed by one ``git add`` per core
+# at once, each over its share of the files by size (SHA-1 with collision detection is most of
+# its cost): the objects are then in the store, and the real ``git add`` over the whole project
+# only hashes the files the first process's index lacks (10,000 files, 200 MB, 2 cores:
+# 2.4 s -> 1.5 s). Below it one process is quick enough.
+SPLIT_MIN_BYTES = 32 << 20
+SPLIT_MAX_PROCESSES = 4
 IDENTITY = {
     "GIT_AUTHOR_NAME": "rcoder",
     "GIT_AUTHOR_EMAIL": "rcoder@localhost",
@@ -198,12 +205,19 @@ class CheckpointRepo:
     """One project's store: ``git_dir`` (bare), the project as its work tree, ``index`` rcoder's."""
 
     def __init__(
-        self, git_dir: Path, work_tree: Path, index: Path, guard: ChildGuard | None = None, timeout: float = GIT_TIMEOUT
+        self,
+        git_dir: Path,
+        work_tree: Path,
+        index: Path,
+        guard: ChildGuard | None = None,
+        timeout: float = GIT_TIMEOUT,
+        split_min_bytes: int = SPLIT_MIN_BYTES,
     ) -> None:
         # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
         # has, would otherwise name another place to each git command)
         self.git_dir, self.work_tree, self.index = git_dir.absolute(), work_tree.absolute(), index.absolute()
         self.timeout = timeout
+        self._split_min_bytes = split_min_bytes
         self._guard = guard or NoGuard()
         self._env = git_env(self.git_dir)
         self._env.update(GIT_DIR=str(self.git_dir), GIT_WORK_TREE=str(self.work_tree), GIT_INDEX_FILE=str(self.index))
@@ -212,11 +226,18 @@ class CheckpointRepo:
         self._last: Snapshot | None = None
 
     async def git(
-        self, *args: str, limit: int = 0, excludes: Path | None = None, ok: tuple[int, ...] = (0,)
+        self,
+        *args: str,
+        limit: int = 0,
+        excludes: Path | None = None,
+        ok: tuple[int, ...] = (0,),
+        stdin: bytes | None = None,
+        index: Path | None = None,
     ) -> GitResult:
         flags = list(self._flags)
         flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
-        return await run_git([*flags, *args], self._env, self.work_tree, self.timeout, limit, self._guard, ok=ok)
+        env = self._env if index is None else {**self._env, "GIT_INDEX_FILE": str(index)}
+        return await run_git([*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok)
 
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises. A store made
@@ -257,13 +278,17 @@ class CheckpointRepo:
         if last is not None and last.seen.files <= INLINE_WALK_FILES:
             seen = stat_tree(self.work_tree, skip)  # a few hundred stat calls: less than a thread's hop
         else:
-            seen = await asyncio.to_thread(stat_tree, self.work_tree, skip)
+            first = not self.index.exists()
+            seen = await asyncio.to_thread(stat_tree, self.work_tree, skip, weigh=first)
         if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):
             return last.commit
         excludes = self.excludes_file(patterns)
         try:
-            # a file it cannot read is left out (--ignore-errors: exit 1, the rest added)
-            await self.git(*SNAPSHOT_ADD, "add", "--all", "--ignore-errors", "--", ".", excludes=excludes, ok=(0, 1))
+            stored = await self._store_in_parallel(seen, excludes)
+            # a file it cannot read is left out (--ignore-errors: exit 1, the rest added); one
+            # whose object is stored already is only hashed
+            add = ("add", "--all", "--ignore-errors", "--", ".")
+            await self.git(*(() if stored else SNAPSHOT_ADD), *add, excludes=excludes, ok=(0, 1))
             tree = (await self.git("write-tree")).out.decode().strip()
             if last is not None and last.tree == tree:
                 commit = last.commit
@@ -274,6 +299,30 @@ class CheckpointRepo:
             raise
         self._last = Snapshot(tree, commit, seen, tuple(patterns))
         return commit
+
+    async def _store_in_parallel(self, seen: TreeStat, excludes: Path) -> bool:
+        """On a first snapshot of a large project (``split_min_bytes``), store every file's object
+        by several ``git add`` at once, the first into the real index. Returns whether it
+        did. Best effort: what they miss, the real ``git add`` that follows stores."""
+        processes = min(len(os.sched_getaffinity(0)), SPLIT_MAX_PROCESSES)
+        shares = split_by_size(seen.weights or {}, processes, self._split_min_bytes)
+        if len(shares) < 2:
+            return False
+        spares = [self.index.with_name(f"{self.index.name}.share-{n}") for n in range(1, len(shares))]
+        add = ("add", "--all", "--ignore-errors", "--pathspec-from-file=-", "--pathspec-file-nul")
+        adds = [
+            self.git(*SNAPSHOT_ADD, *add, excludes=excludes, ok=(0, 1), stdin=b"\0".join(share), index=index)
+            for share, index in zip(shares, [self.index, *spares], strict=True)
+        ]
+        try:
+            done = await asyncio.gather(*adds, return_exceptions=True)
+        finally:
+            for spare in spares:
+                spare.unlink(missing_ok=True)
+        failed = [str(result)[:300] for result in done if isinstance(result, BaseException)]
+        if failed:
+            log.warning("checkpoint_split_add_failed", git_dir=str(self.git_dir), errors=failed)
+        return True
 
     def forget_index(self) -> None:
         """Drop this host's index of the project (the next snapshot reads every file again)."""
@@ -367,6 +416,20 @@ class CheckpointRepo:
         if (self.git_dir / "HEAD").exists():
             auto = () if full else ("--auto",)
             await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
+
+
+def split_by_size(weights: dict[bytes, int], count: int, min_bytes: int = SPLIT_MIN_BYTES) -> list[list[bytes]]:
+    """``weights``'s paths in at most ``count`` shares of about equal bytes (the heaviest path to
+    the lightest share first); none when they weigh under ``min_bytes`` or ``count`` < 2."""
+    if count < 2 or sum(weights.values()) < min_bytes:
+        return []
+    shares: list[tuple[int, list[bytes]]] = [(0, []) for _ in range(count)]
+    for path, size in sorted(weights.items(), key=lambda item: item[1], reverse=True):
+        lightest = min(range(count), key=lambda n: shares[n][0])
+        total, paths = shares[lightest]
+        paths.append(path)
+        shares[lightest] = (total + size, paths)
+    return [paths for _, paths in shares if paths]
 
 
 def listed(changes: tuple[FileChange, ...]) -> tuple[FileChange, ...]:

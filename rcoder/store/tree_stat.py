@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # a file changed this close to the walk's start may change again with the same times: the kernel's
@@ -40,6 +40,9 @@ class TreeStat:
     digest: bytes
     files: int
     settled: bool  # no file changed within RACY_NS of the walk, and nothing could not be read
+    # when weighed: the bytes of the files under each path of at most two parts ("src/app",
+    # "README.md"), what a first snapshot splits among git processes (``CheckpointRepo``)
+    weights: dict[bytes, int] | None = field(default=None, compare=False, repr=False)
 
     def same_as(self, other: TreeStat | None) -> bool:
         """Whether the project is certainly as it was at ``other`` (both walks settled)."""
@@ -57,10 +60,14 @@ def skipped_dirs(patterns: Sequence[str]) -> frozenset[str]:
     return frozenset(names)
 
 
-def stat_tree(root: Path, skip: frozenset[str] = frozenset(), clock: Callable[[], int] = time.time_ns) -> TreeStat:
+def stat_tree(
+    root: Path, skip: frozenset[str] = frozenset(), clock: Callable[[], int] = time.time_ns, weigh: bool = False
+) -> TreeStat:
     """Walk ``root`` without following links (blocking: run it in a thread); ``clock``: the wall
-    clock in nanoseconds, what a file's times are judged racy against."""
+    clock in nanoseconds, what a file's times are judged racy against; ``weigh``: also sum the
+    files' sizes by their first two path parts (``TreeStat.weights``)."""
     started = clock()
+    weights: dict[bytes, int] | None = {} if weigh else None
     digest = hashlib.blake2b(digest_size=20)
     files = 0
     settled = True
@@ -92,6 +99,9 @@ def stat_tree(root: Path, skip: frozenset[str] = frozenset(), clock: Callable[[]
             newest = max(newest, info.st_mtime_ns, info.st_ctime_ns)
             digest.update(b"%s\0%o %d %d %d %d\n" % (path, info.st_mode, info.st_size, info.st_ino,
                                                       info.st_mtime_ns, info.st_ctime_ns))  # fmt: skip
+            if weights is not None:
+                key = b"/".join(path.split(b"/", 2)[:2])
+                weights[key] = weights.get(key, 0) + info.st_size
     if newest >= started - RACY_NS:
         settled = False
-    return TreeStat(digest.digest(), files, settled)
+    return TreeStat(digest.digest(), files, settled, weights)

@@ -1,0 +1,90 @@
+"""A first snapshot of a large project is stored by several ``git add`` at once
+(rcoder.store.checkpoint_repo, docs/checkpoints.md#what-a-snapshot-costs): the shares are even by
+size, and the snapshot is the tree one process makes, whatever the project holds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rcoder.store.checkpoint_repo import CheckpointRepo, split_by_size
+from rcoder.store.tree_stat import stat_tree
+
+
+@pytest.mark.fast
+def test_shares_are_even_by_size_and_hold_every_path_once() -> None:
+    weights = {b"a": 50, b"b/x": 30, b"b/y": 20, b"c": 10, b"README": 1}
+    shares = split_by_size(weights, 2, min_bytes=1)
+    assert sorted(path for share in shares for path in share) == sorted(weights)
+    sums = sorted(sum(weights[p] for p in share) for share in shares)
+    assert sums == [51, 60]
+
+
+@pytest.mark.fast
+def test_a_small_project_or_one_process_is_not_split() -> None:
+    weights = {b"a": 10, b"b": 10}
+    assert split_by_size(weights, 2, min_bytes=21) == []
+    assert split_by_size(weights, 1, min_bytes=1) == []
+    assert split_by_size({b"only": 10}, 4, min_bytes=1) == [[b"only"]]
+
+
+@pytest.mark.fast
+def test_a_weighed_walk_sums_sizes_by_the_first_two_path_parts(tmp_path: Path) -> None:
+    (tmp_path / "src" / "app" / "deep").mkdir(parents=True)
+    (tmp_path / "src" / "app" / "deep" / "a.py").write_bytes(b"x" * 7)
+    (tmp_path / "src" / "app" / "b.py").write_bytes(b"x" * 5)
+    (tmp_path / "src" / "top.py").write_bytes(b"x" * 3)
+    (tmp_path / "README").write_bytes(b"x" * 2)
+    walk = stat_tree(tmp_path, weigh=True)
+    assert walk.weights == {b"src/app": 12, b"src/top.py": 3, b"README": 2}
+    assert stat_tree(tmp_path).weights is None and stat_tree(tmp_path).same_as(walk) == walk.settled
+
+
+def project(root: Path) -> Path:
+    """Files in several folders, one the project's .gitignore leaves out, a link, an odd name."""
+    for folder in ("a", "b/c", "d", "ignored"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    for n in range(12):
+        (root / ("a", "b/c", "d")[n % 3] / f"f{n}.bin").write_bytes(os.urandom(1000 + n))
+    (root / ".gitignore").write_text("ignored/\n*.log\n")
+    (root / "ignored" / "x.bin").write_bytes(b"left out")
+    (root / "top.log").write_text("left out\n")
+    (root / "link").symlink_to("/etc/hostname")
+    (root / os.fsdecode(b"caf\xe9.txt")).write_bytes(b"latin-1 name\n")
+    (root / "d" / "run.sh").write_text("#!/bin/sh\n")
+    (root / "d" / "run.sh").chmod(0o755)
+    return root
+
+
+async def tree_of(repo: CheckpointRepo, commit: str) -> str:
+    return (await repo.git("rev-parse", f"{commit}^{{tree}}")).out.decode().strip()
+
+
+async def test_a_split_first_snapshot_is_the_tree_one_process_makes(tmp_path: Path) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: a first snapshot is never split")
+    root = project(tmp_path / "p")
+    split = CheckpointRepo(tmp_path / "split.git", root, tmp_path / "split.index", split_min_bytes=1)
+    whole = CheckpointRepo(tmp_path / "whole.git", root, tmp_path / "whole.index", split_min_bytes=1 << 40)
+
+    by_split, by_one = await split.snapshot((), "first"), await whole.snapshot((), "first")
+
+    assert await tree_of(split, by_split) == await tree_of(whole, by_one)
+    packs = sorted((tmp_path / "split.git" / "objects" / "pack").glob("*.pack"))
+    assert len(packs) >= 2, "the first snapshot was stored by one process"
+    assert [name for name in os.listdir(tmp_path) if ".share-" in name] == []  # the spare indexes are gone
+    listed = (await split.git("ls-tree", "-r", "--name-only", by_split)).out.decode(errors="replace").split("\n")
+    assert "ignored/x.bin" not in listed and "top.log" not in listed and "d/run.sh" in listed
+
+
+async def test_after_a_split_first_snapshot_a_change_is_seen_and_the_rest_is_kept(tmp_path: Path) -> None:
+    root = project(tmp_path / "p")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index", split_min_bytes=1)
+    first = await repo.snapshot((), "first")
+    (root / "a" / "f0.bin").write_bytes(b"changed")
+    (root / "d" / "f2.bin").unlink()
+    second = await repo.snapshot((), "second")
+    changes = sorted((c.path, c.kind.value) for c in await repo.changes(first, second))
+    assert changes == [("a/f0.bin", "modified"), ("d/f2.bin", "deleted")]

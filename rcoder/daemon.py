@@ -181,6 +181,9 @@ class Daemon:
         self.launcher.log_sandboxes()
         self._log_network()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
+        uploads = await asyncio.to_thread(self.files.sweep_uploads)  # docs/files.md#writes
+        if uploads:
+            log.info("upload_leftovers_removed", count=uploads)
         await self.server.start()
         await self.leases.coordination.register(self.advertise_address, __version__)
         if self.leases.shared:

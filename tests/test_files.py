@@ -464,3 +464,28 @@ async def test_rcoder_files_ls_cat_put_and_rm(make_daemon: DaemonFactory, tmp_pa
     assert (code, out) == (0, "deleted src (dir)\n") and not (root / "src").exists()
     code, _, err = await rcoder("files", "cat", "../x", *common)
     assert code == 1 and "INVALID_ARGUMENT" in err and "'..'" in err
+
+
+async def test_the_temporary_file_of_a_write_cut_by_sigkill_of_the_daemon_is_removed_when_it_starts_again(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    root = project(tmp_path)
+    (root / "sub").mkdir()
+    (root / "sub" / f".rcoder-upload-{'0' * 32}.tmp").write_bytes(b"the project's own, no write's")
+    daemon, client = await make_daemon()
+    never = asyncio.Event()
+
+    async def stream() -> AsyncIterator[pb.WriteFileChunk]:
+        yield pb.WriteFileChunk(project_id=PROJECT, path="sub/big.bin", data=b"a" * MIB)
+        await never.wait()  # the daemon is killed mid-file
+
+    call = client.stub.WriteFile(stream())
+    await eventually(lambda: len(leftovers(root / "sub")) == 2)  # the daemon is writing it
+    await daemon.kill()
+    call.cancel()
+    assert len(leftovers(root / "sub")) == 2  # nothing ended the write: its file is still there
+
+    _, client = await make_daemon()
+    await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT))  # serving: the start is done
+    assert leftovers(root / "sub") == [f".rcoder-upload-{'0' * 32}.tmp"]  # a file no write noted stays
+    assert not (root / "sub" / "big.bin").exists()

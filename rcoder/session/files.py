@@ -34,9 +34,11 @@ from typing import TypeVar
 
 from rcoder.agent.beneath import Beneath, open_project, path_parts
 from rcoder.config import Settings
-from rcoder.errors import ProjectBusy, ResourceExhausted, Sha256Mismatch, human_bytes
+from rcoder.errors import ProjectBusy, RcoderError, ResourceExhausted, Sha256Mismatch, human_bytes
+from rcoder.logs import get_logger
 from rcoder.session import project_files as pf
 from rcoder.session.runs import RunRegistry
+from rcoder.session.upload_journal import UploadJournal
 from rcoder.store.base import SessionStore
 
 __all__ = ["ABSENT", "CHUNK_BYTES", "Chunk", "ProjectFiles", "WriteHead", "Written", "path_parts"]
@@ -45,6 +47,8 @@ CHUNK_BYTES = 1 << 20  # the most data one FileChunk or WriteFileChunk carries
 # threads of their own: big reads, hashes and fsyncs never hold up the default executor's other users
 FILE_THREADS = 4
 ABSENT = "absent"  # if_sha256: write only where there is no file yet
+UPLOADS_FOLDER = "uploads"  # beneath data_dir: the writes under way (rcoder.session.upload_journal)
+log = get_logger("rcoder.session.files")
 T = TypeVar("T")
 
 
@@ -107,6 +111,22 @@ class ProjectFiles:
         self._beneath = beneath or Beneath()
         self._locks: dict[tuple[str, tuple[str, ...]], tuple[asyncio.Lock, int]] = {}
         self._pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
+        self._journal = UploadJournal(settings.data_dir / UPLOADS_FOLDER)
+
+    def sweep_uploads(self) -> int:
+        """Remove the temporary files of the writes a stopped daemon left unfinished
+        (``rcoder.session.upload_journal``); how many. Blocking: called at start, in a thread.
+        A file is removed only if it is still a regular file by that name, beneath its project."""
+        removed = 0
+        for note, upload in self._journal.left():
+            if upload is not None:
+                try:
+                    with self._project(upload.project_id) as root:
+                        removed += pf.remove_temp(self._beneath, root, upload.folder, upload.name)
+                except (OSError, RcoderError) as exc:  # the project or the folder is gone: so is the file
+                    log.info("upload_leftover_not_removed", project_id=upload.project_id, error=str(exc)[:200])
+            UploadJournal.done(note)
+        return removed
 
     def close(self) -> None:
         """Let the threads go once idle (idempotent); the server has stopped its calls by then."""
@@ -192,7 +212,7 @@ class ProjectFiles:
 
         def made() -> pf.TempFile:
             with self._project(head.project_id) as root:
-                return pf.TempFile(self._beneath, root, head.parts)
+                return pf.TempFile(self._beneath, root, head.parts, self._journal, head.project_id)
 
         temp = await _settled(self._pool, head.parts, made, pf.TempFile.discard)
         try:

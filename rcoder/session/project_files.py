@@ -14,22 +14,23 @@ import errno
 import hashlib
 import os
 import stat
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Literal
 
 from rcoder.agent.beneath import Beneath, give_to_folder_owner
 from rcoder.agent.safe_fs import remove_at
 from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
+from rcoder.session.upload_journal import TEMP_PREFIX as TEMP_PREFIX  # where tests and docs look for it
+from rcoder.session.upload_journal import Upload, UploadJournal, temp_name
 
 EntryKind = Literal["file", "dir", "symlink", "other"]
 HASH_BLOCK = 1 << 20
 # folders below the listed one that a recursive listing enters, at most: deeper ones are listed, not
 # entered (counted in ``unlisted``); each level holds a descriptor open while it is listed
 MAX_DEPTH = 64
-TEMP_PREFIX = ".rcoder-upload-"  # a write's file until it is renamed over its path (docs/files.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,18 +259,25 @@ def open_for_compare(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> 
 
 class TempFile:
     """A write's file: made in the target's folder (``O_EXCL``, mode 0600 until ``commit``),
-    renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise."""
+    renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise. Noted in
+    ``journal`` from before it is made until ``discard``, so that one a killed daemon left is found."""
 
-    def __init__(self, beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> None:
+    def __init__(
+        self, beneath: Beneath, root_fd: int, parts: tuple[str, ...], journal: UploadJournal, project_id: str
+    ) -> None:
         self.parts = parts
         with translated(parts):
             self.dir_fd = beneath.folder(root_fd, parts[:-1], create=True)
-        self.name = f"{TEMP_PREFIX}{uuid.uuid4().hex}.tmp"
+        self.name = temp_name()
+        self.note: Path | None = None
         try:
+            self.note = journal.note(Upload(project_id, parts[:-1], self.name))
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             self.fd = os.open(self.name, flags, 0o600, dir_fd=self.dir_fd)
         except BaseException:
             os.close(self.dir_fd)
+            if self.note is not None:
+                UploadJournal.done(self.note)
             raise
         self.size = 0
         self.digest = hashlib.sha256()
@@ -329,6 +337,24 @@ class TempFile:
                     os.unlink(self.name, dir_fd=self.dir_fd)
             os.close(self.dir_fd)
             self.dir_fd = -1
+        if self.note is not None:
+            UploadJournal.done(self.note)
+            self.note = None
+
+
+def remove_temp(beneath: Beneath, root_fd: int, folder: tuple[str, ...], name: str) -> bool:
+    """Remove a write's temporary file left in ``folder`` (a regular file by that name only,
+    never through a link); whether one was there."""
+    dir_fd = beneath.folder(root_fd, folder, create=False)
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISREG(info.st_mode):
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)
+    return stat.S_ISREG(info.st_mode)
 
 
 def delete(beneath: Beneath, root_fd: int, parts: tuple[str, ...], recursive: bool) -> EntryKind:

@@ -145,7 +145,7 @@ class AcpWorker:
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
         run = Run(
             plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger,
-            turn.project_id, self.history.hurry,
+            turn.project_id, on_behind=self.history.hurry,  # the history flushes at once when it falls behind
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[Run] = loop.create_future()
@@ -167,7 +167,7 @@ class AcpWorker:
 
     def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
-        (``TurnRunner.lease_lost``): neither outlasts the lease, however long the start would take."""
+        (``ClaimedTurns.lease_lost``): neither outlasts the lease, however long the start would take."""
         self._holds.lease_lost(session_id)
         holder = self._runs.holder(session_id)
         if holder is not None:

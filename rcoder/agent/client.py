@@ -121,7 +121,9 @@ class AcpClientHandler:
         turn = self._turn
         if turn is None or (self.session_id and params.get("sessionId") != self.session_id):
             self._outside_turn(params)
-            self.replay.seen(params)
+            watch = self.replay.watch  # read inline: no call at all when no replay is watched
+            if watch is not None:
+                watch(params)
             return  # between turns, or replay while opening
         event = self._event(params)
         if event is None:

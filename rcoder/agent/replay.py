@@ -78,8 +78,8 @@ class ReplayWatch:
 
 
 class ReplayGate:
-    """Where the ACP handler sends the updates that arrive outside a turn: to the watch of the
-    ``session/load`` under way (``arm``, before the request is sent), or nowhere (``disarm``)."""
+    """Where the ACP handler sends the updates that arrive outside a turn: to ``watch``, the watch
+    of the ``session/load`` under way (``arm``, before the request is sent), or nowhere (``disarm``)."""
 
     def __init__(self) -> None:
         self.watch: ReplayWatch | None = None
@@ -91,8 +91,3 @@ class ReplayGate:
 
     def disarm(self) -> None:
         self.watch = None
-
-    def seen(self, params: dict[str, Any]) -> None:
-        """A ``session/update`` outside a turn: part of the replay, when one is watched."""
-        if self.watch is not None:
-            self.watch(params)

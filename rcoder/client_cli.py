@@ -187,6 +187,7 @@ async def chat(
     target: str, token: str, args: argparse.Namespace, prompt: str, screen: Screen, answers: TextIO | None
 ) -> int:
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        watch = Watch(client, screen, answers)
         turn = client.chat(
             args.project,
             prompt,
@@ -196,8 +197,9 @@ async def chat(
             busy=BusyPolicy(args.busy) if args.busy else None,
             config_options=args.config_options,
             max_cost_usd=args.max_cost_usd,
+            on_named=watch.named,
         )
-        return await Watch(client, turn, screen, answers).run()
+        return await watch.run(turn)
 
 
 def parse_options(items: list[str]) -> dict[str, str] | None:
@@ -247,12 +249,13 @@ def complete(names: list[str], begin: int, text: str, state: int) -> str | None:
 
 @dataclass
 class Watch:
-    """One turn, watched to its end; Ctrl-C cancels it, twice leaves."""
+    """One turn, watched to its end; Ctrl-C cancels it, twice leaves. Made before its turn, so
+    that the turn is made with ``named`` (``chat(on_named=)``), then watched by ``run``."""
 
     client: RcoderClient
-    turn: Turn
     screen: Screen
     answers: TextIO | None  # where --ask reads the user's choices; None: no --ask
+    turn: Turn = field(init=False)  # the turn ``run`` watches
     interrupts: int = 0
     cancel_sent: bool = False
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -261,9 +264,9 @@ class Watch:
     questions: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # --ask's, by permission id
     tools: ToolCalls = field(default_factory=ToolCalls)
 
-    async def run(self) -> int:
+    async def run(self, turn: Turn) -> int:
+        self.turn = turn
         loop = asyncio.get_running_loop()
-        self.turn.on_named = self._named
         loop.add_signal_handler(signal.SIGINT, self.interrupt)
         try:
             return await self._watch()
@@ -319,7 +322,7 @@ class Watch:
         else:
             self.turn.leave()
 
-    def _named(self, turn: Turn) -> None:
+    def named(self, turn: Turn) -> None:
         """The run's id came in the response headers (its agent may still be starting): a Ctrl-C
         typed before cancels it now."""
         if self.interrupts == 1 and not self.cancel_sent:

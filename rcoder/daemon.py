@@ -30,17 +30,26 @@ from rcoder.config import Settings
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.acp_worker import AcpWorker
+from rcoder.session.acp_worker import AcpWorker, WorkerParts
 from rcoder.session.audit import AuditTrail
 from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.claimed import ClaimedTurns
+from rcoder.session.disk import DiskGuard
+from rcoder.session.erasing import SessionEraser
 from rcoder.session.files import ProjectFiles
+from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
 from rcoder.session.holds import SessionHolds
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.queries import Queries
+from rcoder.session.queue import TurnQueues
+from rcoder.session.rewinding import SessionRewinder
 from rcoder.session.routing import Router
 from rcoder.session.runs import RunRegistry
 from rcoder.session.signals import SignalListener, SignalSender
+from rcoder.session.spend_guard import SpendGuard
+from rcoder.session.turn import TurnRunner
+from rcoder.session.turn_tasks import TurnTasks
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
 
 log = get_logger("rcoder.daemon")
@@ -60,6 +69,11 @@ def host_id_of(settings: Settings) -> str:
         return settings.host_id
     port = (settings.advertise_address or settings.listen).rpartition(":")[2]
     return f"{socket.gethostname()}:{port if port != '0' else f'pid{os.getpid()}'}"
+
+
+def clock() -> datetime:
+    """The time the turn engine's parts stamp their records with."""
+    return datetime.now(UTC)
 
 
 class Daemon:
@@ -83,14 +97,10 @@ class Daemon:
         self.leases = LeaseKeeper(
             coordination, settings.lease_ttl, self.metrics, on_lost=self._lease_lost, on_store=self._on_store
         )
-        # Every run's events, stored as they are streamed, and read back by Subscribe.
-        history = History(self.store, self.runs, settings.history_max_bytes_per_run, lambda: datetime.now(UTC))
-        checkpoints = Checkpoints(settings, self.store, self.launcher.trees)  # docs/checkpoints.md
         # The one owner of a session's lease and its live agent here.
         self.holds = SessionHolds(self.pool, self.leases)
-        self.worker = AcpWorker(
-            settings, self.store, self.launcher, self.pool, self.runs, self.metrics, self.holds, history, checkpoints
-        )
+        self.checkpoints = Checkpoints(settings, self.store, self.launcher.trees)  # docs/checkpoints.md
+        self.worker = self._worker(settings)
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
         if settings.tls_cert:
@@ -135,6 +145,35 @@ class Daemon:
         self._retention: asyncio.Task[None] | None = None  # history_retention's timer
         self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
+
+    def _worker(self, settings: Settings) -> AcpWorker:
+        """The turn engine: every part of it built here and handed down, none built by another
+        (``tests/test_wiring.py`` keeps it so)."""
+        store, pool, runs, metrics = self.store, self.pool, self.runs, self.metrics
+        # Every run's events, stored as they are streamed, and read back by Subscribe.
+        history = History(store, runs, settings.history_max_bytes_per_run, clock)
+        # The turns' tasks, and the turns claimed here: a cancel, a guard and a rewind reach a turn there.
+        tasks = TurnTasks()
+        claimed = ClaimedTurns(settings.cancel_grace, tasks.spawn)
+        # workspace_max_bytes (docs/limits.md#disk) and [budgets] (docs/budgets.md): past one, the
+        # turn is stopped (through ``claimed``) and the next is refused.
+        disk = DiskGuard(settings, claimed)
+        spend = SpendGuard(settings, store, clock, claimed)
+        turns = TurnRunner(
+            settings, store, pool, runs, metrics, clock, tasks.spawn, self.holds, history, self.checkpoints, claimed,
+            disk, spend,
+        )  # fmt: skip
+        queues = TurnQueues(settings.max_queued_turns, runs)
+        parts = WorkerParts(
+            turns=turns,
+            claimed=claimed,
+            tasks=tasks,
+            queues=queues,
+            forker=SessionForker(settings, store, pool, metrics, clock, self.holds),
+            eraser=SessionEraser(settings, store, self.launcher, pool, runs, claimed, queues, self.checkpoints),
+            rewinder=SessionRewinder(settings, store, pool, runs, self.checkpoints, claimed, clock),
+        )
+        return AcpWorker(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
 
     def _agent_closed(self, session_id: str) -> None:
         """A session no longer has a live agent here: its lease goes with it."""
@@ -232,10 +271,9 @@ class Daemon:
     async def _sweep_checkpoints(self) -> None:
         """Off the hot path, hourly: snapshots older than ``history_retention`` days deleted, then
         ``git gc --auto`` in each project's store (docs/checkpoints.md#lifetime)."""
-        checkpoints = self.worker.turns.checkpoints
         while True:
             await asyncio.sleep(HISTORY_PRUNE_EVERY)  # a timer, not a synchronisation
-            await checkpoints.sweep(self.settings.history_retention, time.time())
+            await self.checkpoints.sweep(self.settings.history_retention, time.time())
 
     async def _check_store_access(self) -> None:
         """docs/design/trust.md#no-calls-back: a PostgreSQL store that lets an agent in without the password, on any

@@ -26,6 +26,7 @@ from acp import schema as acp
 
 from rcoder.agent.convert import notification_to_event, opaque_update, permission_options
 from rcoder.agent.options import SessionState
+from rcoder.agent.replay import ReplayGate
 from rcoder.agent.transport import LogBudget
 from rcoder.agent.usage import USAGE_UPDATE, UsageMeter
 from rcoder.domain import (
@@ -48,7 +49,6 @@ EventSink = Callable[[AgentEvent], None]
 CURRENT_MODE_UPDATE = "current_mode_update"
 # the updates that change a session's state (rcoder.agent.options), kept even between turns
 STATE_KINDS = frozenset({"config_option_update", CURRENT_MODE_UPDATE, "available_commands_update"})
-UpdateWatch = Callable[[dict[str, Any]], None]
 # decides a permission request: the chosen option ("" for "cancelled") and how it was chosen
 PermissionDecider = Callable[[PermissionRequest], Awaitable[PermissionAnswer]]
 NO_ANSWER = PermissionAnswer("", PermissionOutcome.CANCELLED)
@@ -88,8 +88,10 @@ class AcpClientHandler:
         self._turn: _Turn | None = None
         self._warnings = LogBudget()  # per kind of update our schema does not take
         self.session_id = ""
-        # sees every session/update that arrives outside a turn (a replay while the session opens)
-        self.on_replay: UpdateWatch | None = None
+        # Sees every session/update that arrives outside a turn (a replay while the session opens),
+        # while the connection has it armed. The handler owns the gate from construction and the
+        # connection arms and disarms it, rather than assigning a callback slot per load.
+        self.replay = ReplayGate()
         self.usage = UsageMeter()  # what the agent reports the turns cost
         # the turn's tool calls as announced (id -> kind, title): a permission request's toolCall is
         # an update that may leave out what the call already said (Claude's legacy adapter does)
@@ -119,8 +121,9 @@ class AcpClientHandler:
         turn = self._turn
         if turn is None or (self.session_id and params.get("sessionId") != self.session_id):
             self._outside_turn(params)
-            if self.on_replay is not None:
-                self.on_replay(params)
+            watch = self.replay.watch  # read inline: no call at all when no replay is watched
+            if watch is not None:
+                watch(params)
             return  # between turns, or replay while opening
         event = self._event(params)
         if event is None:

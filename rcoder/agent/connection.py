@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 import pydantic
@@ -21,9 +21,9 @@ from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason
 from rcoder.agent.client import AcpClientHandler, EventSink, PermissionDecider
 from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
 from rcoder.agent.kinds import GENERIC, AgentKind
+from rcoder.agent.listing import ListKey, SessionLists
 from rcoder.agent.options import acp_options
 from rcoder.agent.process import AgentProcess
-from rcoder.agent.replay import ReplayWatch
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.agent.transport import Pace, PipeTransport
 from rcoder.domain import (
@@ -90,6 +90,7 @@ class AgentConnection:
         capabilities: AgentCapabilities,
         stop_grace: float,
         kind: AgentKind = GENERIC,
+        lists: SessionLists | None = None,
     ) -> None:
         self.process = process
         self._kind = kind
@@ -104,10 +105,13 @@ class AgentConnection:
         self.primed_cwd = ""
         self._closed = False
         self._close_lock = asyncio.Lock()
-        self._replay: ReplayWatch | None = None
         self.turn_usage: Usage | None = None  # what the agent reported its last turn cost
-        # told the provider session id after each turn (the launcher's session lists: ``agent.listing``)
-        self.on_active: Callable[[str], None] | None = None
+        # The launcher's session lists (``agent.listing``), told the provider session id after each
+        # turn, under ``list_key`` (its home and cwd), which the launcher sets once the session is
+        # open: the lists are an object below both, held from construction, rather than a callback
+        # into the launcher assigned afterwards.
+        self._lists = lists
+        self.list_key: ListKey | None = None
         # the version of the options and commands the session's record holds (-1: none stored from here)
         self.stored_state_version = -1
 
@@ -123,14 +127,13 @@ class AgentConnection:
 
     async def replay_over(self, quiet: float, limit: float) -> str:
         """Wait until the replay of the ``session/load`` just answered is over (``agent.replay``)."""
-        watch = self._replay
+        watch = self._handler.replay.watch
         if watch is None:
             return "none"
         try:
             return await watch.wait(quiet, limit)
         finally:
-            self._replay = None
-            self._handler.on_replay = None
+            self._handler.replay.disarm()
 
     # ------------------------------------------------------------ opening
 
@@ -150,7 +153,7 @@ class AgentConnection:
         elif method is OpenMethod.LOAD:
             # The replay is watched from before the request is sent, because an agent that answers
             # first may start replaying at once.
-            self._replay = self._handler.on_replay = ReplayWatch(config.replay_end)
+            self._handler.replay.arm(config.replay_end)
             response = await self._call(
                 self._conn.load_session(session_id=rid, cwd=config.cwd, mcp_servers=servers, **tracing.agent_meta()),
                 timeout, "session/load", resuming=rid,
@@ -278,8 +281,8 @@ class AgentConnection:
         finally:
             self._pipe.unpace()
             self._handler.end_turn()
-            if self.on_active is not None:
-                self.on_active(self.provider_session_id)
+            if self._lists is not None and self.list_key is not None:
+                self._lists.active(self.list_key, self.provider_session_id)
         self.turn_usage = self._handler.usage.end_turn(response.usage)
         return stop_reason(response.stop_reason)
 

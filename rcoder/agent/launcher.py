@@ -284,7 +284,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.on_active = lambda session_id: self.lists.active(key, session_id)
+        connection.list_key = key  # each turn's end marks the session active there (``agent.listing``)
         self.lists.active(key, connection.provider_session_id)
         if method is OpenMethod.META and connection.provider_session_id != config.resume_session_id:
             # the agent ignored _meta.claudeCode.options.resume: this is a new session
@@ -382,12 +382,12 @@ class AgentLauncher:
                 confinement=ready.confinement,
                 trees=self.trees,
                 user=self.user.switch,
+                # The agent's own TMPDIR is removed once the agent has ended (docs/limits.md#the-agents-tmpdir).
+                on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
             )
         except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
             remove_tmpdir(ready.home, ready.tmpdir)
             raise
-        # The agent's own TMPDIR is removed once the agent has ended (docs/limits.md#the-agents-tmpdir).
-        process.on_closed = functools.partial(remove_tmpdir, ready.home, ready.tmpdir)
         if self.limits is not None:
             # The daemon writes the agent into its cgroup right after the spawn and before any ACP request
             # (agents fork only in answer to one), on each of the spawn's three paths alike
@@ -415,8 +415,9 @@ class AgentLauncher:
         kind = kind_of(profile.kind)
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
-            process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind
-        )
+            process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind,
+            self.lists,
+        )  # fmt: skip
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):
                 init = await call_agent(

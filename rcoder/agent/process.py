@@ -170,6 +170,7 @@ class AgentProcess:
         has_pdeathsig: bool = False,
         trees: Trees | None = None,
         mark: str = "",
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._child = child
@@ -192,7 +193,7 @@ class AgentProcess:
         # must never block on a full pipe.
         self._stderr_task = loop.create_task(self._drain_stderr(), name=f"agent-stderr-{self.pid}")
         self._discard: asyncio.Task[None] | None = None
-        self.on_closed: Callable[[], None] | None = None  # run in a thread once the group is ended
+        self._on_closed = on_closed  # run in a thread once the group is ended
         self.cgroup: AgentCgroup | None = None  # its limits (``enter``), when it has any
         self._cgroup_ended: Callable[[AgentCgroup], None] | None = None
         self._cgroup_removal: asyncio.Task[None] | None = None
@@ -220,19 +221,21 @@ class AgentProcess:
         confinement: Confinement | None = None,
         trees: Trees | None = None,
         user: tuple[int, int] | None = None,
+        on_closed: Callable[[], None] | None = None,
     ) -> AgentProcess:
         """Start ``argv``; confined by ``confinement`` when given: by a thread that confines itself
         first (``rcoder.agent.confined``), or through the exec wrapper where the agent needs its
         own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal. With ``trees``,
         its tree is marked, and ended when it exits (``rcoder.agent.tree``). With ``user`` (uid,
-        gid), it runs as that uid and gid with no supplementary groups (``rcoder.agent.agent_user``)."""
+        gid), it runs as that uid and gid with no supplementary groups (``rcoder.agent.agent_user``).
+        ``on_closed`` runs in a thread once its group is ended (``aclose``)."""
         if trees is None:
             return await cls._spawn(argv, cwd, env, name, stderr_tail_bytes, stop_grace, pid_dir, confinement,
-                                    user=user)  # fmt: skip
+                                    user=user, on_closed=on_closed)  # fmt: skip
         mark = trees.new_mark()
         with trees.spawning():
             return await cls._spawn(argv, cwd, {**env, MARK: mark}, name, stderr_tail_bytes, stop_grace, pid_dir,
-                                    confinement, trees, mark, user)  # fmt: skip
+                                    confinement, trees, mark, user, on_closed)  # fmt: skip
 
     @classmethod
     async def _spawn(
@@ -248,9 +251,10 @@ class AgentProcess:
         trees: Trees | None = None,
         mark: str = "",
         user: tuple[int, int] | None = None,
+        on_closed: Callable[[], None] | None = None,
     ) -> AgentProcess:
         prefix = _pdeathsig_prefix()
-        owner = (trees, mark)
+        owner = (trees, mark, on_closed)
         # setpriv switches uid and gid before it sets the death signal (a credential change clears it)
         switched = _as_user(prefix, user)
         if confinement is not None and prefix and not confinement.own_proc:
@@ -312,7 +316,7 @@ class AgentProcess:
         confinement: Confinement | None,
         command: str,
         pdeathsig: bool = True,
-        owner: tuple[Trees | None, str] = (None, ""),
+        owner: tuple[Trees | None, str, Callable[[], None] | None] = (None, "", None),
         user: tuple[int, int] | None = None,
     ) -> AgentProcess:
         process = cls(child, name, stderr_tail_bytes, stop_grace, pid_dir, pdeathsig, *owner)
@@ -395,8 +399,8 @@ class AgentProcess:
             finally:
                 self._release()
             await self._settle_readers()
-            if self.on_closed is not None:  # its own TMPDIR (rcoder.agent.prepare.remove_tmpdir)
-                await asyncio.to_thread(self.on_closed)
+            if self._on_closed is not None:  # its own TMPDIR (rcoder.agent.prepare.remove_tmpdir)
+                await asyncio.to_thread(self._on_closed)
         log.info("agent_stopped", agent=self.name, pid=self.pid, returncode=self._child.returncode)
 
     async def _discard_stdout(self) -> None:

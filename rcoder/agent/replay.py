@@ -75,3 +75,19 @@ class ReplayWatch:
         except TimeoutError:
             log.warning("replay_end_not_seen", updates=self.updates, waited=round(time.monotonic() - started, 2))
             return "limit"
+
+
+class ReplayGate:
+    """Where the ACP handler sends the updates that arrive outside a turn: to ``watch``, the watch
+    of the ``session/load`` under way (``arm``, before the request is sent), or nowhere (``disarm``)."""
+
+    def __init__(self) -> None:
+        self.watch: ReplayWatch | None = None
+
+    def arm(self, end: tuple[str, str] | None) -> ReplayWatch:
+        """Watch a replay from now on; ``end`` is the last turn as rcoder recorded it."""
+        self.watch = ReplayWatch(end)
+        return self.watch
+
+    def disarm(self) -> None:
+        self.watch = None

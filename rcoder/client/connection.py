@@ -108,6 +108,7 @@ class RcoderClient:
         config_options: Mapping[str, str] | None = None,
         max_cost_usd: float = 0.0,
         timeout: float | None = None,
+        on_named: Callable[[Turn], None] | None = None,
     ) -> Turn:
         """One turn with an agent in the project's folder; its events stream from the returned ``Turn``.
 
@@ -122,7 +123,9 @@ class RcoderClient:
         (ACP config id -> value id, e.g. ``{"model": "opus", "mode": "plan"}``: ``Started.config_options``
         lists what the agent offers); the session keeps them. ``max_cost_usd`` caps this turn's own cost in
         USD (0: no cap of its own): past it the turn ends ``StopReason.BUDGET_EXCEEDED``; it can lower the
-        daemon's budgets, never raise them. The call starts when the turn is first read::
+        daemon's budgets, never raise them. ``on_named`` is called with the turn once its ``run_id`` and
+        ``session_id`` are known from the response headers, before its agent has started. The call
+        starts when the turn is first read::
 
             turn = client.chat("demo", "hello")
             async for event in turn: ...          # or: text = await turn.text()
@@ -143,7 +146,7 @@ class RcoderClient:
             config_options=config_options,
             max_cost_usd=max_cost_usd,
         )
-        return Turn(self._streaming(self._stub.Chat, request, timeout))
+        return Turn(self._streaming(self._stub.Chat, request, timeout), on_named)
 
     def subscribe(
         self,

@@ -34,13 +34,13 @@ class Turn:
     """The events of one turn, read once, in order: ``async for event in turn``.
 
     The call starts at the first read. ``run_id`` and ``session_id`` are known from the call's
-    response headers on, before the agent has started (``on_named`` is called then, from the first
-    read), or else from the first event. ``text()``, ``completed()`` and ``result()`` read what is
+    response headers on, before the agent has started (``on_named``, given to ``chat``, is called
+    then, from the first read), or else from the first event. ``text()``, ``completed()`` and ``result()`` read what is
     left and add it up with what was read before. ``leave()`` (or leaving ``async with``) stops
     watching; the turn itself goes on in the daemon (``cancel`` stops it). One task reads a turn at
     a time."""
 
-    def __init__(self, open_call: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(self, open_call: Callable[[], Awaitable[Any]], on_named: Callable[[Turn], None] | None = None) -> None:
         self._open_call = open_call
         self._call: Any = None
         self._ended = False
@@ -48,7 +48,7 @@ class Turn:
         self._text: list[str] = []
         self.run_id = ""  # known from the response headers, or the first event, on
         self.session_id = ""
-        self.on_named: Callable[[Turn], None] | None = None
+        self.on_named = on_named
         self.started: Started | None = None
         self.final: Completed | None = None  # the ``completed`` event, once read
 

@@ -14,7 +14,7 @@ watching.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -29,7 +29,6 @@ from rcoder.errors import (
     NotFound,
     PermissionDenied,
     RcoderError,
-    RunCancelled,
     SessionBusy,
     SessionDeleting,
     ShuttingDown,
@@ -37,7 +36,8 @@ from rcoder.errors import (
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session import content, trust
-from rcoder.session.checkpoints import Checkpoints, RunDiff
+from rcoder.session.checkpoints import RunDiff
+from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.erasing import SessionEraser
 from rcoder.session.forking import SessionForker
 from rcoder.session.history import History
@@ -48,13 +48,13 @@ from rcoder.session.queue import TurnQueues, Waiting
 from rcoder.session.rewinding import Rewound, SessionRewinder
 from rcoder.session.runs import Run, RunLimits, RunRegistry
 from rcoder.session.turn import TurnRunner
+from rcoder.session.turn_tasks import TurnTasks
 from rcoder.session.workspace import project_dir, stored_cwd
 from rcoder.store.base import SessionStore
 
 __all__ = ["AcpWorker", "Action", "decide"]
 
 log = get_logger("rcoder.session.worker")
-QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,21 @@ class Ticket:
         return self.run if self.ready is None else await self.ready
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerParts:
+    """What the worker hands a turn, a cancel, a fork, a delete and a rewind to, each built by
+    the daemon: the turn's runner, the claimed turns (where a cancel reaches a turn), the turns'
+    tasks, the queues of waiting turns, and one class per session operation."""
+
+    turns: TurnRunner
+    claimed: ClaimedTurns
+    tasks: TurnTasks
+    queues: TurnQueues
+    forker: SessionForker
+    eraser: SessionEraser
+    rewinder: SessionRewinder
+
+
 class AcpWorker:
     def __init__(
         self,
@@ -85,7 +100,7 @@ class AcpWorker:
         metrics: Metrics,
         holds: SessionHolds,
         history: History,
-        checkpoints: Checkpoints,
+        parts: WorkerParts,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
@@ -98,15 +113,16 @@ class AcpWorker:
         self._pool = pool
         self._runs = runs
         self._clock = clock
-        self._tasks: set[asyncio.Task[None]] = set()
         self._holds = holds
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         self.history = history
-        self.turns = TurnRunner(settings, store, pool, runs, metrics, clock, self._spawn, holds, history, checkpoints)
-        self._forker = SessionForker(settings, store, pool, metrics, clock, holds)
-        self._queues = TurnQueues(settings.max_queued_turns)
-        self._eraser = SessionEraser(settings, store, launcher, pool, runs, self.turns, self._refuse_waiting)
-        self._rewinder = SessionRewinder(settings, store, pool, runs, checkpoints, self.turns.running_in, clock)
+        self.turns = parts.turns
+        self._claimed = parts.claimed
+        self._tasks = parts.tasks
+        self._queues = parts.queues
+        self._forker = parts.forker
+        self._eraser = parts.eraser
+        self._rewinder = parts.rewinder
         self._closing = False
 
     # ------------------------------------------------------------ entry
@@ -129,7 +145,7 @@ class AcpWorker:
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
         run = Run(
             plan.run_id, plan.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger,
-            turn.project_id,
+            turn.project_id, on_behind=self.history.hurry,  # the history flushes at once when it falls behind
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[Run] = loop.create_future()
@@ -144,18 +160,18 @@ class AcpWorker:
         if plan.record is not None:
             named.set_result(None)
         self._runs.claim(run)  # from here on, Cancel and shutdown see the turn
-        self._spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
+        self._tasks.spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
         # The caller awaits these futures without a shield, which saves a task hop. A caller that
         # leaves cancels only the futures, which the turn never needs: the turn goes on in its own task.
         return Ticket(run, named, ready)
 
     def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
-        (``TurnRunner.lease_lost``): neither outlasts the lease, however long the start would take."""
+        (``ClaimedTurns.lease_lost``): neither outlasts the lease, however long the start would take."""
         self._holds.lease_lost(session_id)
         holder = self._runs.holder(session_id)
         if holder is not None:
-            self.turns.lease_lost(holder.run_id, generation)
+            self._claimed.lease_lost(holder.run_id, generation)
 
     def _queue(self, waiting: Waiting, holder: Run) -> int:
         """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""
@@ -166,8 +182,8 @@ class AcpWorker:
             raise SessionDeleting(session_id)
         if policy is BusyPolicy.INTERRUPT and self._queues.has_room():
             for earlier in self._queues.take(session_id):
-                self._drop(earlier, "superseded by a turn sent with busy INTERRUPT")
-            self.turns.cancel(holder.run_id)
+                self._queues.drop(earlier, "superseded by a turn sent with busy INTERRUPT")
+            self._claimed.cancel(holder.run_id)
         position = self._queues.add(waiting, holder.run_id)  # no await since the holder was read: it still holds
         self._runs.admit(waiting.run)
         log.info("run_queued", run_id=waiting.run.run_id, session_id=session_id, policy=policy.value,
@@ -187,30 +203,12 @@ class AcpWorker:
                 raise ShuttingDown()
             self._runs.claim(run)
         except RcoderError as exc:
-            self._refuse(waiting, exc)
-            self._refuse_waiting(session_id, exc)
+            self._queues.refuse(waiting, exc)
+            self._queues.refuse_waiting(session_id, exc)
             return
         run.begin()
         waiting.plan.received = run.started_monotonic
-        self._spawn(self.turns.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
-
-    def _refuse_waiting(self, session_id: str, error: RcoderError) -> int:
-        """Every turn waiting for ``session_id`` never runs: its followers get ``error``. Returns how many."""
-        line = self._queues.take(session_id)
-        for waiting in line:
-            log.info("queued_run_refused", run_id=waiting.run.run_id, reason=error.reason)
-            self._refuse(waiting, error)
-        return len(line)
-
-    def _refuse(self, waiting: Waiting, error: RcoderError) -> None:
-        """A waiting turn that will never run: its followers get ``error``, and it is forgotten."""
-        waiting.refuse(error)
-        self._runs.forget(waiting.run)
-
-    def _drop(self, waiting: Waiting, why: str) -> None:
-        """A waiting turn that will never run: cancelled; its followers are told."""
-        log.info("queued_run_cancelled", run_id=waiting.run.run_id, why=why)
-        self._refuse(waiting, RunCancelled(waiting.run.run_id, f"{QUEUED}; {why}"))
+        self._tasks.spawn(self.turns.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
 
     @property
     def permissions(self) -> PermissionBroker:
@@ -276,10 +274,10 @@ class AcpWorker:
         """
         if not run_id:
             holder = self._runs.holder(session_id)
-            if holder is not None and follows is not None and self.turns.follows(holder.run_id) != follows:
+            if holder is not None and follows is not None and self._claimed.follows(holder.run_id) != follows:
                 return holder.run_id, False  # the turn meant has ended, and this one came after it
             for waiting in self._queues.take(session_id):  # none of them runs: the session comes to rest
-                self._drop(waiting, "the session's turns were cancelled")
+                self._queues.drop(waiting, "the session's turns were cancelled")
             if holder is None:
                 record = await self._store.get_session(session_id)
                 if record is None:
@@ -288,9 +286,9 @@ class AcpWorker:
             run_id = holder.run_id
         run = self._runs.get(run_id)
         for waiting in self._queues.take(run.session_id, run_id):
-            self._drop(waiting, "cancelled")
+            self._queues.drop(waiting, "cancelled")
             return run_id, True
-        return run_id, not run.done and self.turns.cancel(run_id)
+        return run_id, not run.done and self._claimed.cancel(run_id)
 
     async def fork(self, session_id: str, project_id: str, agent: str = "") -> Forked:
         """A new session branching from ``session_id``, on ``agent`` ("": its own; ``session.forking``)."""
@@ -323,12 +321,6 @@ class AcpWorker:
         """What the run changed in its project's files, and the diff (``session.checkpoints``)."""
         return await self.turns.checkpoints.diff(run_id, path)
 
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_seen)
-
     # ------------------------------------------------------------ shutdown
 
     def stop_accepting(self) -> None:
@@ -338,27 +330,18 @@ class AcpWorker:
 
     def _refuse_queued(self) -> None:
         for waiting in self._queues.take_all():
-            self._refuse(waiting, ShuttingDown())
+            self._queues.refuse(waiting, ShuttingDown())
 
     async def drain(self, grace: float, cancel_grace: float) -> None:
         """Give running turns ``grace`` seconds to finish, then cancel the rest (in whatever
         phase) and wait (bounded) for them to end ``CANCELLED``."""
-        if await self._wait_idle(grace):
+        if await self._tasks.wait_idle(grace):
             return
-        running = self.turns.running()
+        running = self._claimed.running()
         log.info("shutdown_cancelling_turns", runs=len(running))
         for run_id in running:
-            self.turns.cancel(run_id)
-        await self._wait_idle(cancel_grace + 4 * self._settings.agent_stop_grace)
-
-    async def _wait_idle(self, timeout: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                while self._tasks:
-                    await asyncio.wait(set(self._tasks))
-        except TimeoutError:
-            return False
-        return True
+            self._claimed.cancel(run_id)
+        await self._tasks.wait_idle(cancel_grace + 4 * self._settings.agent_stop_grace)
 
     def kill_agents(self) -> None:
         """SIGKILL every agent process group now (second signal)."""
@@ -367,14 +350,7 @@ class AcpWorker:
     async def aclose(self) -> None:
         """Stop taking turns, end the ones running, end every agent; each step bounded. Idempotent."""
         self.stop_accepting()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        bound = self._settings.initialize_timeout + 4 * self._settings.agent_stop_grace
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=bound)
-            if late:
-                log.warning("turns_not_ended_in_time", count=len(late), timeout=bound)
+        await self._tasks.cancel_all(self._settings.initialize_timeout + 4 * self._settings.agent_stop_grace)
         await self.turns.aclose()
         await self.history.aclose()
         await self._pool.aclose(timeout=4 * self._settings.agent_stop_grace + 1)
@@ -384,14 +360,3 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
     """A future's error is retrieved, so asyncio never reports it as unseen."""
     if not future.cancelled():
         future.exception()
-
-
-def _seen(task: asyncio.Task[None]) -> None:
-    """A turn's task (or a cancel it sent) that raised is a bug of ours: logged with its traceback
-    (``background_task_failed``, which fails the tests) rather than left for asyncio's "never
-    retrieved" at some later collection."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("background_task_failed", task=task.get_name(), exc_info=exc)

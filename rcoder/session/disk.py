@@ -28,13 +28,16 @@ import signal
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rcoder.config import AgentProfile, Settings
+from rcoder.domain import StopReason
 from rcoder.errors import WorkspaceTooLarge, human_bytes
 from rcoder.logs import get_logger
+from rcoder.session.claimed import ClaimedTurns
+from rcoder.session.turn_messages import StopCause
 
 log = get_logger("rcoder.session.disk")
 T = TypeVar("T")
@@ -131,9 +134,9 @@ class _Project:
 class DiskGuard:
     """Keeps each project under the ``workspace_max_bytes`` of the turns' profiles."""
 
-    def __init__(self, settings: Settings, stop: Callable[[str, str, str], object]) -> None:
+    def __init__(self, settings: Settings, turns: ClaimedTurns) -> None:
         self._interval = settings.disk_check_interval
-        self._stop = stop  # (run_id, error, error_reason): rcoder stops the turn
+        self._turns = turns  # where a turn past the limit is stopped
         self._projects: OrderedDict[str, _Project] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()  # checks and watchers, ended by ``aclose``
 
@@ -248,7 +251,7 @@ class DiskGuard:
             )
             log.warning("turn_stopped_workspace_too_large", run_id=run_id, project_id=project.project_id,
                         size=size, limit=limit)  # fmt: skip
-            self._stop(run_id, error, REASON)
+            self._turns.cancel(run_id, StopCause(StopReason.CANCELLED, error, REASON))
 
     def _spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(work, name=name)

@@ -23,7 +23,6 @@ session (it adopted it), the agent's files are left for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
@@ -31,8 +30,10 @@ from rcoder.config import Settings
 from rcoder.domain import SessionErased, SessionRecord
 from rcoder.errors import NotFound, RcoderError, SessionBusy, SessionDeleting, UnsafePath
 from rcoder.logs import get_logger
+from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.claimed import ClaimedTurns
+from rcoder.session.queue import TurnQueues
 from rcoder.session.runs import RunRegistry
-from rcoder.session.turn import TurnRunner
 from rcoder.store.base import SessionStore
 
 log = get_logger("rcoder.session.erasing")
@@ -47,16 +48,18 @@ class SessionEraser:
         launcher: AgentLauncher,
         pool: AgentPool,
         runs: RunRegistry,
-        turns: TurnRunner,
-        refuse_waiting: Callable[[str, RcoderError], int],
+        claimed: ClaimedTurns,
+        queues: TurnQueues,
+        checkpoints: Checkpoints,
     ) -> None:
         self._settings = settings
         self._store = store
         self._launcher = launcher
         self._pool = pool
         self._runs = runs
-        self._turns = turns
-        self._refuse_waiting = refuse_waiting  # the worker's queues: turns waiting for a session
+        self._claimed = claimed  # the session's running turn is cancelled there
+        self._queues = queues  # the turns waiting for the session are refused there
+        self._checkpoints = checkpoints
 
     async def erase(self, session_id: str) -> SessionErased:
         record = await self._store.get_session(session_id)
@@ -65,7 +68,7 @@ class SessionEraser:
         with self._runs.deleting(session_id):
             # The waiting turns are refused before the running one is cancelled, so that none of them
             # takes the session over when the running turn lets go of it.
-            refused = self._refuse_waiting(session_id, SessionDeleting(session_id))
+            refused = self._queues.refuse_waiting(session_id, SessionDeleting(session_id))
             cancelled = await self._end_turn(session_id)
             # The cancelled turn may have opened a new agent session (a fallback), so the record is
             # read again as the turn left it.
@@ -91,7 +94,7 @@ class SessionEraser:
             return False
         ended = asyncio.Event()
         holder.add_done_callback(lambda _: ended.set())
-        self._turns.cancel(holder.run_id)
+        self._claimed.cancel(holder.run_id)
         settings = self._settings
         bound = settings.cancel_grace + 4 * settings.agent_stop_grace + TURN_END_MARGIN
         try:
@@ -118,7 +121,7 @@ class SessionEraser:
         try:
             await self._store.delete_run_checkpoints(record.session_id)
             left = not await self._store.list_sessions(record.project_id, limit=1)
-            await self._turns.checkpoints.forget_runs(record.project_id, run_ids, left)
+            await self._checkpoints.forget_runs(record.project_id, run_ids, left)
         except (RcoderError, OSError) as exc:
             log.warning("checkpoints_not_erased", session_id=record.session_id, error=str(exc)[:300])
             return [f"the session's checkpoints could not be removed: {exc}"]

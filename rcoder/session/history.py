@@ -137,14 +137,14 @@ class History:
         host holds ``lease`` (None: unfenced)."""
         if run.stored_seq is None:
             run.stored_seq = 0
-        run.on_behind = self.hurry
         self._tracked[run.run_id] = _Tracked(run, lease)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="history-flush")
         self._wake.set()
 
     def hurry(self) -> None:
-        """A run fell behind (``Run.on_behind``): the next batch goes now, not at the timer."""
+        """A run fell behind (``Run.on_behind``, given this at construction by the worker): the
+        next batch goes now, not at the timer."""
         self._hurry.set()
 
     async def _flush_loop(self) -> None:

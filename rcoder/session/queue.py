@@ -21,9 +21,13 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
-from rcoder.errors import RcoderError, ResourceExhausted
+from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled
+from rcoder.logs import get_logger
 from rcoder.session.opening import TurnPlan
-from rcoder.session.runs import Run
+from rcoder.session.runs import Run, RunRegistry
+
+log = get_logger("rcoder.session.worker")
+QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
 
 
 @dataclass(eq=False, slots=True)
@@ -42,8 +46,9 @@ class Waiting:
 
 
 class TurnQueues:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, runs: RunRegistry) -> None:
         self._limit = limit
+        self._runs = runs  # a turn refused while it waits is forgotten there
         self._waiting: dict[str, deque[Waiting]] = {}
 
     def add(self, waiting: Waiting, holder_run_id: str) -> int:
@@ -103,3 +108,23 @@ class TurnQueues:
 
     def waiting(self, session_id: str) -> int:
         return len(self._waiting.get(session_id) or ())
+
+    # ------------------------------------------------------------ turns that will never run
+
+    def refuse_waiting(self, session_id: str, error: RcoderError) -> int:
+        """Every turn waiting for ``session_id`` never runs: its followers get ``error``. Returns how many."""
+        line = self.take(session_id)
+        for waiting in line:
+            log.info("queued_run_refused", run_id=waiting.run.run_id, reason=error.reason)
+            self.refuse(waiting, error)
+        return len(line)
+
+    def refuse(self, waiting: Waiting, error: RcoderError) -> None:
+        """A turn taken out of its line that will never run: its followers get ``error``, and it is forgotten."""
+        waiting.refuse(error)
+        self._runs.forget(waiting.run)
+
+    def drop(self, waiting: Waiting, why: str) -> None:
+        """A turn taken out of its line that will never run: cancelled; its followers are told."""
+        log.info("queued_run_cancelled", run_id=waiting.run.run_id, why=why)
+        self.refuse(waiting, RunCancelled(waiting.run.run_id, f"{QUEUED}; {why}"))

@@ -32,6 +32,7 @@ from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus,
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
 from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
+from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.runs import RUN_MISSING, RunRegistry
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
@@ -75,7 +76,7 @@ class SessionRewinder:
         pool: AgentPool,
         runs: RunRegistry,
         checkpoints: Checkpoints,
-        running_in: Callable[[str], str | None],
+        claimed: ClaimedTurns,
         clock: Callable[[], datetime],
     ) -> None:
         self._settings = settings
@@ -83,7 +84,7 @@ class SessionRewinder:
         self._pool = pool
         self._runs = runs
         self._checkpoints = checkpoints
-        self._running_in = running_in  # project id -> a run running in it here, None: none
+        self._running_in = claimed.running_in  # project id -> a run claimed in it here, None: none
         self._clock = clock
 
     async def rewind(self, session_id: str, run_id: str) -> Rewound:

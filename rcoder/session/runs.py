@@ -80,6 +80,7 @@ class Run:
         limits: RunLimits = RunLimits(),
         ledger: ByteLedger | None = None,
         project_id: str = "",
+        on_behind: Callable[[], None] | None = None,
     ) -> None:
         self.run_id = run_id
         self.session_id = session_id
@@ -114,8 +115,10 @@ class Run:
         self._room: asyncio.Event | None = None  # set once the history caught up (``room``)
         self._hurried = False  # on_behind was called since the last mark_stored
         self.paced = 0  # how many times the agent's output waited for the history (``room``)
-        # told (without awaiting) when the history falls half a bound behind: flush now, not at the timer
-        self.on_behind: Callable[[], None] | None = None
+        # told (without awaiting) when the history falls half a bound behind: flush now, not at the
+        # timer. Given at construction (the history's ``hurry``), because the run is made before the
+        # history tracks it, and nothing sets it afterwards.
+        self.on_behind = on_behind
         self._end: RunEvent | None = None  # completed, numbered and not yet published (``prepare_end``)
         self.finished_at: float | None = None  # monotonic
         self._done_callbacks: list[Callable[[Run], None]] = []

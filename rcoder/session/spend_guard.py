@@ -27,9 +27,11 @@ from datetime import datetime
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.usage import USAGE_UPDATE
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import AgentEvent, AgentUpdate
+from rcoder.domain import AgentEvent, AgentUpdate, StopReason
 from rcoder.errors import BudgetExceeded
 from rcoder.logs import get_logger
+from rcoder.session.claimed import ClaimedTurns
+from rcoder.session.turn_messages import StopCause
 from rcoder.store.base import SessionStore
 from rcoder.store.usage import BUDGET_CURRENCY, NANOS, Spend, SpendSoFar, utc_day
 
@@ -98,9 +100,9 @@ class TurnSpend:
     """One running turn's caps, the spend stored when it started, and what it has spent since."""
 
     def __init__(
-        self, guard: SpendGuard, run_id: str, caps: tuple[Cap, ...], before: SpendSoFar, ids: dict[str, str]
+        self, turns: ClaimedTurns, run_id: str, caps: tuple[Cap, ...], before: SpendSoFar, ids: dict[str, str]
     ) -> None:
-        self._guard = guard
+        self._turns = turns  # where the turn is stopped at a cap
         self.run_id = run_id
         self.caps = caps
         self.before = before
@@ -133,7 +135,7 @@ class TurnSpend:
                 f"{cap.key} {cap.text(cap.limit)} ({cap.text(before)} before this turn)"
             )
             log.warning("turn_stopped_budget_exceeded", run_id=self.run_id, budget=cap.key, cap=cap.limit, spent=spent)
-            self._guard.stop(self.run_id, error)
+            self._turns.cancel(self.run_id, StopCause(StopReason.BUDGET_EXCEEDED, error, REASON))
             return
 
 
@@ -151,14 +153,14 @@ class SpendGuard:
     """Refuses turns over a spent budget and stops those that reach one (the module docstring)."""
 
     def __init__(
-        self, settings: Settings, store: SessionStore, clock: Callable[[], datetime], stop: Callable[[str, str], object]
+        self, settings: Settings, store: SessionStore, clock: Callable[[], datetime], turns: ClaimedTurns
     ) -> None:
         self._settings = settings
         self._store = store
         self._clock = clock
-        self.stop = stop  # (run_id, error): rcoder stops the turn, BUDGET_EXCEEDED
+        self._turns = turns  # where a turn past a cap is stopped
         self._caps: dict[str, tuple[Cap, ...]] = {}  # by profile name: the config's, made once
-        self._turns: dict[str, TurnSpend] = {}
+        self._watched: dict[str, TurnSpend] = {}  # the running turns that a cap bounds
 
     async def admit(
         self, run_id: str, session_id: str, project_id: str, profile: AgentProfile, max_cost: float
@@ -182,15 +184,15 @@ class SpendGuard:
             if cap.scope != "turn" and spent >= cap.limit:
                 log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent)
                 raise _refusal(cap, spent, ids)
-        self._turns[run_id] = TurnSpend(self, run_id, caps, before, ids)
+        self._watched[run_id] = TurnSpend(self._turns, run_id, caps, before, ids)
 
     def watch(self, run_id: str, conn: AgentConnection) -> Callable[[AgentEvent], None] | None:
         """What to tell each event of the turn's prompt (None: no cap bounds it)."""
-        turn = self._turns.get(run_id)
+        turn = self._watched.get(run_id)
         return None if turn is None else lambda event: turn.seen(event, conn)
 
     def ended(self, run_id: str) -> None:
-        self._turns.pop(run_id, None)
+        self._watched.pop(run_id, None)
 
 
 def _refusal(cap: Cap, spent: int, ids: dict[str, str]) -> BudgetExceeded:

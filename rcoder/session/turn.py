@@ -53,26 +53,21 @@ from rcoder.errors import AgentTimeout, Internal, NotFound, RcoderError
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.disk import DiskGuard
 from rcoder.session.history import History
 from rcoder.session.holds import SessionHolds
-from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.permissions import PermissionBroker
 from rcoder.session.runs import Heartbeats, Run, RunRegistry
-from rcoder.session.spend_guard import REASON as BUDGET_EXCEEDED
 from rcoder.session.spend_guard import SpendGuard
 from rcoder.session.turn_end import TurnEnder
 from rcoder.session.turn_messages import (
     Abandon,
     AgentEnded,
-    AskAgentToStop,
     Begin,
-    CancelOpening,
-    CancelRequested,
     Event,
     Failed,
-    LeaseGone,
     OpeningCancelled,
     Phase,
     PromptSent,
@@ -82,7 +77,6 @@ from rcoder.session.turn_messages import (
     StopCause,
     Stopping,
     TimedOut,
-    TooLate,
 )
 from rcoder.session.turn_records import TurnRecords
 from rcoder.session.turn_scope import Answer, TurnScope
@@ -107,100 +101,51 @@ class TurnRunner:
         metrics: Metrics,
         clock: Callable[[], datetime],
         spawn: Spawn,
-        holds: SessionHolds | None = None,
-        history: History | None = None,
-        checkpoints: Checkpoints | None = None,
+        holds: SessionHolds,
+        history: History,
+        checkpoints: Checkpoints,
+        claimed: ClaimedTurns,
+        disk: DiskGuard,
+        spend: SpendGuard,
     ) -> None:
+        """Every collaborator is built by the daemon (``rcoder.daemon``). ``claimed`` is where the
+        turns this runner drives are registered: the guards and the worker stop a turn through it."""
         self._settings = self.settings = settings
-        self.checkpoints = checkpoints or Checkpoints(settings, store)
-        self.history = history or History(store, runs, settings.history_max_bytes_per_run, clock)
+        self.checkpoints = checkpoints
+        self.history = history
         self._store = store
         self._pool = pool
         self._metrics = metrics
         self._clock = clock
-        self._spawn = spawn  # background work that the worker tracks (and waits for at shutdown)
-        # Built here only for a runner made on its own (the daemon passes every collaborator).
-        self._holds = holds or SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
-        self._opener = SessionOpener(settings, store, pool, metrics, self._holds, clock)
-        self._scopes: dict[str, TurnScope] = {}
+        self._holds = holds
+        self._claimed = claimed
+        self._opener = SessionOpener(settings, store, pool, metrics, holds, clock)
         self._records = TurnRecords(store, pool, clock)
-        self._ender = TurnEnder(store, pool, runs, metrics, clock, spawn, self.history, self.checkpoints, self._records)
+        self._ender = TurnEnder(store, pool, runs, metrics, clock, spawn, history, checkpoints, self._records)
         self.permissions = PermissionBroker(settings.permission_timeout)
         # workspace_max_bytes (docs/limits.md#disk): a turn past it is stopped, and the next is refused.
-        self.disk = DiskGuard(settings, lambda run_id, error, reason: self.cancel(
-            run_id, StopCause(StopReason.CANCELLED, error, reason)))  # fmt: skip
+        self.disk = disk
         # [budgets] and max_cost_usd (docs/budgets.md): a turn past one is stopped, and the next is refused.
-        self.spend = SpendGuard(settings, store, clock, lambda run_id, error: self.cancel(
-            run_id, StopCause(StopReason.BUDGET_EXCEEDED, error, BUDGET_EXCEEDED)))  # fmt: skip
+        self.spend = spend
 
     async def aclose(self) -> None:
         """Stop retrying late store writes (the next start marks those runs ``interrupted``)."""
         await self.disk.aclose()
         await self._records.aclose()
 
-    # ------------------------------------------------------------ reading
-
-    def running(self) -> list[str]:
-        """Every claimed turn, whatever its phase."""
-        return list(self._scopes)
-
-    def running_in(self, project_id: str) -> str | None:
-        """A turn claimed here in the project (any phase), None when there is none."""
-        return next((r for r, scope in self._scopes.items() if scope.plan.turn.project_id == project_id), None)
-
-    def follows(self, run_id: str) -> str | None:
-        """The run the claimed turn follows in its session ("" for its first; None: not running here)."""
-        scope = self._scopes.get(run_id)
-        return scope.follows if scope is not None else None
-
-    def phase(self, run_id: str) -> Phase | None:
-        """Where the claimed turn stands (None: not running here)."""
-        scope = self._scopes.get(run_id)
-        return scope.phase if scope is not None else None
-
-    # ------------------------------------------------------------ told from outside
+    # ------------------------------------------------------------ the claimed turns (``session.claimed``)
 
     def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
-        """Ask the turn to stop, whatever its phase; with ``cause``, rcoder stops it and the turn
-        ends as the cause says. Asking twice is asking once: the first cause stays. False when
-        the turn is no longer running."""
-        scope = self._scopes.get(run_id)
-        if scope is None:
-            return False
-        asked_before = scope.machine.cancel_requested
-        actions = scope.machine.handle(CancelRequested(cause))
-        if any(isinstance(action, TooLate) for action in actions):
-            return False
-        if not asked_before:
-            log.info("run_cancel_requested", run_id=run_id, phase=scope.phase.value,
-                     cause=cause.error_reason if cause is not None else None)  # fmt: skip
-        for action in actions:
-            if isinstance(action, CancelOpening) and scope.opening is not None:
-                scope.opening.cancel()
-            elif isinstance(action, AskAgentToStop):
-                self._ask_agent_to_stop(scope)
-        return True
+        """``ClaimedTurns.cancel``: ask the turn to stop, whatever its phase."""
+        return self._claimed.cancel(run_id, cause)
 
-    def lease_lost(self, run_id: str, generation: int) -> None:
-        """The session's lease was lost while its agent is starting or opening the session: that
-        work is stopped (the agent's group ended) and the turn, which nothing has seen start,
-        is refused ``LeaseLost``. In a later phase, the agent ended with the lease ends the turn."""
-        scope = self._scopes.get(run_id)
-        if scope is None:
-            return
-        for action in scope.machine.handle(LeaseGone(scope.plan.session_id, generation)):
-            if isinstance(action, CancelOpening) and scope.opening is not None:
-                log.warning("run_opening_lease_lost", run_id=run_id, generation=generation)
-                scope.opening.cancel()
+    def follows(self, run_id: str) -> str | None:
+        """``ClaimedTurns.follows``: the run the claimed turn follows in its session."""
+        return self._claimed.follows(run_id)
 
-    def _ask_agent_to_stop(self, scope: TurnScope) -> None:
-        """``session/cancel`` now; the agent's group is ended after ``cancel_grace``."""
-        conn, run_id = scope.conn, scope.run.run_id
-        assert conn is not None
-        self._spawn(conn.cancel(), f"cancel-{run_id}")
-        scope.kill_timer = asyncio.get_running_loop().call_later(
-            self._settings.cancel_grace, lambda: self._spawn(conn.aclose(), f"kill-{run_id}")
-        )
+    def phase(self, run_id: str) -> Phase | None:
+        """``ClaimedTurns.phase``: where the claimed turn stands (None: not running here)."""
+        return self._claimed.phase(run_id)
 
     # ------------------------------------------------------------ the turn
 
@@ -210,7 +155,8 @@ class TurnRunner:
         """The turn, start to end, for the task the worker starts for each claimed turn. The turn
         is registered now, so a cancel reaches it before that task first runs. A ``queued`` turn
         was planned before the turns it waited for: it reads its session again first."""
-        scope = self._scopes[run.run_id] = TurnScope(self._settings, plan, run, ready)
+        scope = TurnScope(self._settings, plan, run, ready)
+        self._claimed.claim(scope)
         return self._run(scope, queued)
 
     async def _run(self, scope: TurnScope, queued: bool) -> None:
@@ -235,7 +181,7 @@ class TurnRunner:
     def _forget(self, scope: TurnScope) -> None:
         """The turn is over. Its lease goes too when no agent of its session is live here (a
         cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
-        self._scopes.pop(scope.run.run_id, None)
+        self._claimed.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
         self.spend.ended(scope.run.run_id)

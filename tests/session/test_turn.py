@@ -35,8 +35,15 @@ from rcoder.domain import (
 from rcoder.errors import AgentUnavailable, NotFound
 from rcoder.metrics import Metrics
 from rcoder.session.agent_pool import AgentPool
+from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.claimed import ClaimedTurns
+from rcoder.session.disk import DiskGuard
+from rcoder.session.history import History
+from rcoder.session.holds import SessionHolds
+from rcoder.session.leases import LeaseKeeper
 from rcoder.session.opening import Action, TurnPlan
 from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.spend_guard import SpendGuard
 from rcoder.session.turn import Phase, TurnRunner
 from rcoder.store.sqlite import SqliteStore
 from tests.conftest import base_settings
@@ -137,7 +144,14 @@ async def make_turns(
         pool = AgentPool(settings, AgentLauncher(settings), metrics)
         runs = RunRegistry(settings.run_retention)
         tasks = Tasks()
-        runner = TurnRunner(settings, store, pool, runs, metrics, lambda: datetime.now(UTC), tasks)
+        clock = lambda: datetime.now(UTC)  # noqa: E731
+        claimed = ClaimedTurns(settings.cancel_grace, tasks)
+        runner = TurnRunner(
+            settings, store, pool, runs, metrics, clock, tasks,
+            SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics)),
+            History(store, runs, settings.history_max_bytes_per_run, clock), Checkpoints(settings, store), claimed,
+            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed),
+        )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)
         made.append(turns)
         return turns

@@ -16,7 +16,7 @@ import pytest
 
 from rcoder.agent.tree import MARK, Trees
 from tests.conftest import exited
-from tests.harness import processes_mentioning
+from tests.harness import eventually, processes_mentioning
 from tests.processes import CLOSE_BOUND, reaped
 
 
@@ -44,6 +44,23 @@ async def started(command: str, env: dict[str, str]) -> None:
     await asyncio.to_thread(run(command, env).wait, CLOSE_BOUND)
 
 
+def sleepers(marker: str, name: str) -> list[int]:
+    """The shells of ``sleeper(marker, name)`` that run their ``sleep`` by now: a copy of the
+    starting shell not yet turned into the sleeper (its fork before ``exec``) mentions the
+    marker too, and a sleeper just started may not have started its ``sleep`` yet."""
+    argv = f"sh -c sleep 600; : {marker}-{name}"
+    found = []
+    for pid in processes_mentioning(f"{marker}-{name}"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        if cmdline == argv and children:
+            found.append(pid)
+    return found
+
+
 async def test_a_tree_is_its_mark_wherever_it_went_and_nothing_else(marker: str) -> None:
     trees = Trees()
     mark, other = trees.new_mark(), trees.new_mark()
@@ -51,9 +68,9 @@ async def test_a_tree_is_its_mark_wherever_it_went_and_nothing_else(marker: str)
     await started(f"setsid {sleeper(marker, 'ours')} & nohup {sleeper(marker, 'nohup')} >/dev/null 2>&1 &",
                   {**env, MARK: mark})  # fmt: skip
     await started(f"setsid {sleeper(marker, 'theirs')} &", {**env, MARK: other})
-    ours = processes_mentioning(f"{marker}-ours") + processes_mentioning(f"{marker}-nohup")
-    theirs = processes_mentioning(f"{marker}-theirs")
-    assert len(ours) == 2 and len(theirs) == 1
+    await eventually(lambda: all(len(sleepers(marker, name)) == 1 for name in ("ours", "nohup", "theirs")))
+    ours = sleepers(marker, "ours") + sleepers(marker, "nohup")
+    theirs = sleepers(marker, "theirs")
 
     # each sleeper is a shell and its `sleep` (unmarked by a mark of its own: found as a descendant)
     assert trees.end(mark, root=ours[0]) == 4

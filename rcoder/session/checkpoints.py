@@ -230,6 +230,8 @@ class Checkpoints:
         """Delete the refs of those of ``commits`` no run of the project (started since
         ``since``) names and no turn here is about to; the caller holds the project's lock.
         Whether any was deleted."""
+        if not commits:
+            return False
         unnamed = commits - await self._store.checkpoint_commits(project_id, since) - self._unsettled()
         if not unnamed:
             return False

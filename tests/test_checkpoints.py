@@ -4,26 +4,19 @@ fake agent changing its project by shell commands (``shell ...`` lines)."""
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import hashlib
 import os
-import sqlite3
 import subprocess
-import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
 import pytest
 
 from rcoder.config import load_settings
-from rcoder.domain import RunRecord, RunStatus, SessionRecord
 from rcoder.errors import ConfigError
-from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.project_files import TEMP_PREFIX
 from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED, CheckpointRepo
-from rcoder.store.sqlite import SqliteStore
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, error_info
@@ -294,32 +287,6 @@ async def test_delete_session_removes_its_snapshots_and_the_last_one_the_store(
     assert not (tmp_path / "data" / "checkpoints" / "proj.git").exists()
 
 
-async def test_a_run_recorded_with_its_own_refs_before_the_store_named_its_commits_still_reads(
-    make_daemon: DaemonFactory, tmp_path: Path
-) -> None:
-    # the layout before store migration 10: refs/rcoder/runs/<run_id>/before and /after, and
-    # empty columns; GetRunChanges and a rewind read the refs then
-    project = tmp_path / "workspace" / "proj"
-    project.mkdir(parents=True)
-    (project / "f.txt").write_text("as it was\n")
-    _, client = await make_daemon()
-    events = await client.chat(prompt="shell echo changed > f.txt")
-    run_id, store = events[0].run_id, tmp_path / "data" / "checkpoints" / "proj.git"
-    (db,) = (tmp_path / "data").rglob("rcoder.db")
-    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
-        before, after = conn.execute(
-            "SELECT checkpoint_before, checkpoint_after FROM runs WHERE run_id = ?", (run_id,)
-        ).fetchone()
-        conn.execute("UPDATE runs SET checkpoint_before = '', checkpoint_after = '' WHERE run_id = ?", (run_id,))
-    for which, commit in (("before", before), ("after", after)):
-        git(f"--git-dir={store}", "update-ref", f"refs/rcoder/runs/{run_id}/{which}", commit, cwd=tmp_path)
-        git(f"--git-dir={store}", "update-ref", "-d", f"refs/rcoder/commits/{commit}", cwd=tmp_path)
-    diff = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
-    assert "-as it was\n+changed\n" in diff.diff
-    await client.stub.RewindSession(pb.RewindSessionRequest(session_id=events[0].session_id, run_id=run_id))
-    assert (project / "f.txt").read_text() == "as it was\n"
-
-
 async def test_a_turn_cut_by_sigkill_of_the_daemon_keeps_its_before_snapshot_and_rewinds_after_restart(
     make_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
@@ -361,39 +328,6 @@ def test_a_checkpoint_root_inside_the_workspace_is_refused(tmp_path: Path) -> No
         load_settings(config_file=config, environ={})
     assert refused.value.metadata.get("key", "checkpoint_root") == "checkpoint_root"
     assert "inside workspace_root" in refused.value.message
-
-
-async def test_snapshots_older_than_history_retention_are_swept_unless_a_later_run_names_them(
-    tmp_path: Path,
-) -> None:
-    config = tmp_path / "rcoder.toml"
-    config.write_text(f'data_dir = "{tmp_path / "data"}"\nworkspace_root = "{tmp_path / "workspace"}"\n')
-    settings = load_settings(config, {})
-    project = tmp_path / "workspace" / "proj"
-    project.mkdir(parents=True)
-    (project / "a.txt").write_text("a\n")
-    store = SqliteStore(tmp_path / "data" / "rcoder.db")
-    await store.open()
-    try:
-        marks = Checkpoints(settings, store)
-        profile = settings.agents[settings.default_agent]
-        first = await marks.before("proj", str(project), "run-1", profile)
-        marks.settled("run-1")  # recorded by no run
-        (project / "a.txt").write_text("b\n")
-        second = await marks.before("proj", str(project), "run-2", profile)
-        marks.settled("run-2")
-        # a run started a day and a half from now names the second snapshot
-        now = datetime.now(UTC)
-        await store.create_session(SessionRecord("s1", "proj", str(project), "fake", "", now, now))
-        later = RunRecord("r2", "s1", RunStatus.COMPLETED, now + timedelta(days=1.5), checkpoint_before=second)
-        await store.start_run(later)
-        both = {f"refs/rcoder/commits/{first}", f"refs/rcoder/commits/{second}"}
-        await marks.sweep(keep_days=1, now=time.time())  # a day is not over: kept
-        assert store_refs(tmp_path) == both
-        await marks.sweep(keep_days=1, now=time.time() + 2 * 86400)
-        assert store_refs(tmp_path) == {f"refs/rcoder/commits/{second}"}
-    finally:
-        await store.close()
 
 
 async def test_a_turn_changing_more_files_than_are_listed_lists_the_first_and_diffs_any(

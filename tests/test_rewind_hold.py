@@ -11,11 +11,12 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, error_info
-from tests.turns import read_until
+from tests.turns import read_until, start_turn
 
 BOUND = 30.0
 
@@ -92,3 +93,20 @@ async def test_a_turn_sent_while_its_session_is_rewound_is_refused_or_waits_and_
         assert done.completed.stop_reason == pb.STOP_REASON_END_TURN, done
         prompt = fake.requests("session/prompt")[-1]["params"]["prompt"][0]["text"]
         assert "remember 11" in prompt and "remember 22" not in prompt
+
+
+async def test_a_rewind_of_a_session_whose_own_turn_runs_is_refused_project_busy(make_daemon: DaemonFactory) -> None:
+    _, client = await make_daemon()
+    events = await client.chat(prompt="shell echo a > a.txt")
+    session_id = events[0].session_id
+    call, begin = await start_turn(client, prompt="hang", session_id=session_id)
+    try:
+        request = pb.RewindSessionRequest(session_id=session_id, run_id=events[0].run_id)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.stub.RewindSession(request)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(refused.value).reason == "PROJECT_BUSY"
+    finally:
+        await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
+        _, end = await read_until(call, "completed")
+    assert end.completed.stop_reason == pb.STOP_REASON_CANCELLED

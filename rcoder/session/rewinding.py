@@ -6,7 +6,7 @@ On the host that serves the session, in order:
 0. the rewind holds the session in the ``RunRegistry`` as a turn does (``claim``), from before
    its first check to after its end is stored: a turn sent to the session meanwhile is refused
    ``SessionBusy`` or waits, as its ``busy`` asks, and then opens the session re-seeded, never
-   the agent session the rewind forgets; a session a turn holds is refused ``SessionBusy``;
+   the agent session the rewind forgets;
 1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
    whatever its phase) or, as the store has it, on another host;
 2. the run is recorded as a run of kind ``rewind`` (``ListRuns``), its prompt saying which run;
@@ -41,6 +41,7 @@ from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
 
 log = get_logger("rcoder.session.rewinding")
+BUSY_ADVICE = "Wait for it to complete, or Cancel it, then rewind."
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +94,11 @@ class SessionRewinder:
     async def rewind(self, session_id: str, run_id: str) -> Rewound:
         record, target = await self._checked(session_id, run_id)
         rewind_id = new_id()
+        holder = self._runs.holder(session_id)
+        if holder is not None:  # the session's own turn (or rewind) is one running in the project
+            raise ProjectBusy(record.project_id, holder.run_id, BUSY_ADVICE)
         hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
-        self._runs.claim(hold)  # SessionBusy, SessionDeleting; no await since the check above
+        self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
         try:
             return await self._rewind_held(record, target, rewind_id)
         finally:
@@ -110,7 +114,7 @@ class SessionRewinder:
             # has running there on another host, as the file RPCs ask it
             busy = self._running_in(project_id) or await self._store.running_in_project(project_id)
             if busy is not None:
-                raise ProjectBusy(project_id, busy, "Wait for it to complete, or Cancel it, then rewind.")
+                raise ProjectBusy(project_id, busy, BUSY_ADVICE)
             goal, _ = await self._checkpoints.commits(repo, target)
             if goal is None:
                 raise NoCheckpoint(run_id, "before", "checkpoints were off for it, or its snapshots were deleted")

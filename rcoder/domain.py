@@ -630,6 +630,10 @@ class RunRecord:
     client: str = ""  # who started it (a caller's name: rcoder.api.callers), "" before tenants
     kind: RunKind = RunKind.TURN
     changes: tuple[FileChange, ...] = ()  # what it changed in the project's files (docs/checkpoints.md)
+    # the commits of its before and after snapshots in its project's checkpoint store ("": none,
+    # or a run recorded before they were kept here, named by refs instead; docs/checkpoints.md)
+    checkpoint_before: str = ""
+    checkpoint_after: str = ""
 
 
 @dataclass(frozen=True, slots=True)

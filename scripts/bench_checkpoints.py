@@ -6,7 +6,8 @@
 - ``checkpoint_later_snapshot_ms``: a later snapshot with 10 files changed (git's index keeps the
   stat data: only those are read);
 - ``checkpoint_turn_start_ms``: what a turn's start waits for on a project of 1,000 files, the
-  ``before`` snapshot (``Checkpoints.before``: snapshot and ref), nothing changed since the last turn.
+  ``before`` snapshot (``Checkpoints.before``), nothing changed since the last turn: the walk of the
+  files' stat data finds the last commit again, whose ref is in place, and nothing is written.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ import fnmatch
 import hashlib
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,6 @@ import pytest
 
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
-from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.project_files import TEMP_PREFIX
 from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED, CheckpointRepo
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -66,6 +64,11 @@ def store_refs(tmp_path: Path, project: str = "proj") -> set[str]:
         ["git", f"--git-dir={store}", "for-each-ref", "--format=%(refname)"], check=True, capture_output=True, text=True
     ).stdout
     return set(out.split())
+
+
+def files_of(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
 def make_project(root: Path) -> None:
@@ -268,15 +271,18 @@ async def test_a_rewind_names_a_run_of_its_session(make_daemon: DaemonFactory) -
 async def test_delete_session_removes_its_snapshots_and_the_last_one_the_store(
     make_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
+    # one ref per distinct commit: the first session's before snapshot (A) and after (B), the
+    # second's after (C); its before is B again, so deleting the first keeps B for the second
     _, client = await make_daemon()
     one = await client.chat(prompt="shell echo 1 > one.txt")
     two = await client.chat(prompt="shell echo 2 > two.txt")
-    ref = "refs/rcoder/runs/{}/{}"
-    assert {ref.format(e[0].run_id, w) for e in (one, two) for w in ("before", "after")} <= store_refs(tmp_path)
+    before = store_refs(tmp_path)
+    assert len(before) == 3 and all(name.startswith("refs/rcoder/commits/") for name in before)
     await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=one[0].session_id))
     left = store_refs(tmp_path)
-    assert not any(one[0].run_id in name for name in left)
-    assert ref.format(two[0].run_id, "before") in left
+    assert len(left) == 2 and left < before
+    kept = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=two[0].run_id))
+    assert [c.path for c in kept.changes] == ["two.txt"]
     await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=two[0].session_id))
     assert not (tmp_path / "data" / "checkpoints" / "proj.git").exists()
 
@@ -322,22 +328,6 @@ def test_a_checkpoint_root_inside_the_workspace_is_refused(tmp_path: Path) -> No
         load_settings(config_file=config, environ={})
     assert refused.value.metadata.get("key", "checkpoint_root") == "checkpoint_root"
     assert "inside workspace_root" in refused.value.message
-
-
-async def test_snapshots_older_than_history_retention_are_swept_and_the_rest_kept(tmp_path: Path) -> None:
-    config = tmp_path / "rcoder.toml"
-    config.write_text(f'data_dir = "{tmp_path / "data"}"\nworkspace_root = "{tmp_path / "workspace"}"\n')
-    settings = load_settings(config, {})
-    project = tmp_path / "workspace" / "proj"
-    project.mkdir(parents=True)
-    (project / "a.txt").write_text("a\n")
-    marks = Checkpoints(settings, store=None)  # type: ignore[arg-type]  # ``before`` and ``sweep`` use no store
-    profile = settings.agents[settings.default_agent]
-    assert await marks.before("proj", str(project), "run-1", profile)
-    await marks.sweep(keep_days=1, now=time.time())  # a day is not over: kept
-    assert store_refs(tmp_path) == {"refs/rcoder/runs/run-1/before"}
-    await marks.sweep(keep_days=1, now=time.time() + 2 * 86400)
-    assert store_refs(tmp_path) == set()
 
 
 async def test_a_turn_changing_more_files_than_are_listed_lists_the_first_and_diffs_any(
@@ -398,8 +388,10 @@ async def test_on_a_live_session_a_quiet_turn_changes_nothing_and_a_disguised_ed
     session_id = first[0].session_id
     assert not completed(first).changes
 
+    files_of_the_store = files_of(tmp_path / "data" / "checkpoints" / "proj.git")
     quiet = await client.chat(prompt="hello again", session_id=session_id)
     assert not completed(quiet).changes
+    assert files_of(tmp_path / "data" / "checkpoints" / "proj.git") == files_of_the_store  # nothing written
     diff = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=quiet[0].run_id))
     assert (diff.diff, list(diff.changes)) == ("", [])
 

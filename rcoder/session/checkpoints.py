@@ -2,9 +2,20 @@
 its prompt reaches the agent and after its end, what changed between the two, and the diff.
 
 Each project has a bare git repository of its own under ``checkpoint_root``, out of every agent's
-reach (``rcoder.store.checkpoint_repo`` writes it). A run's snapshots are named by two refs,
-``refs/rcoder/runs/<run_id>/before`` and ``.../after``; the store keeps the run's kind and its
-changes (``RunCheckpoint``), so ``completed`` and ``ListRuns`` carry them without a git call.
+reach (``rcoder.store.checkpoint_repo`` writes it). A run's snapshots are named in its own store
+row: ``checkpoint_before`` rides in the row its start writes, ``checkpoint_after`` in its end
+(``RunEnd``), so a turn adds no write for them. git keeps a commit while a ref names it: one ref
+per distinct commit, ``refs/rcoder/commits/<sha>``, written when a snapshot makes a new commit and
+before the snapshot returns it; a turn that changes nothing reuses the last commit and writes
+nothing to git. A run recorded before this layout has empty columns and is named by two refs,
+``refs/rcoder/runs/<run_id>/before`` and ``.../after``, which are still read. The store keeps the
+run's kind and its changes (``RunCheckpoint``), so ``completed`` and ``ListRuns`` carry them
+without a git call.
+
+A commit's ref is deleted (DeleteSession, retention, a turn refused before it started) only when
+no run left in the project names the commit (``SessionStore.checkpoint_commits``) and no turn of
+this host is about to (``_in_flight``); the store is asked again after the delete, and a ref whose
+commit was recorded meanwhile (by another host) is written back.
 
 Snapshots of one project take turns on this host (a lock per project): the index they share is
 this host's own (``<data_dir>/checkpoint-index``), so hosts sharing a workspace never wait on
@@ -21,23 +32,25 @@ import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rcoder.config import AgentProfile, Settings, checkpoint_root
-from rcoder.domain import ChangeKind, FileChange, RunKind
+from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord
 from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import CheckpointRepo, ChildGuard
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, CheckpointRepo, ChildGuard, commit_ref
 
 if TYPE_CHECKING:
     from rcoder.session.turn_scope import TurnScope
 
 log = get_logger("rcoder.session.checkpoints")
 CUT_MARKER = "\n[rcoder: the diff is cut here: it is longer than max_diff_bytes ({limit} bytes)]\n"
-REF_PREFIX = "refs/rcoder/runs/"
+REF_PREFIX = "refs/rcoder/runs/"  # a run's own refs, as runs recorded before the store named commits have
+REFS = "refs/rcoder/"
 
 
 def ref(run_id: str, which: str) -> str:
@@ -82,8 +95,9 @@ class Checkpoints:
         self._repos: dict[str, CheckpointRepo] = {}
         self._to_prune: set[str] = set()  # projects whose snapshots were deleted since the last sweep
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        # (run_id, "before" | "after") -> that ref being written, off the turn's path
-        self._refs_pending: dict[tuple[str, str], asyncio.Task[bool]] = {}
+        # run_id -> the commits its snapshots returned that its store row may not name yet: their
+        # refs are never deleted meanwhile (``settled`` forgets them once the run's end is stored)
+        self._in_flight: dict[str, set[str]] = {}
 
     def repo(self, project_id: str, cwd: str | Path | None = None) -> CheckpointRepo:
         repo = self._repos.get(project_id)
@@ -94,76 +108,72 @@ class Checkpoints:
             self._repos[project_id] = repo
         return repo
 
+    def pending(self, run_id: str, commit: str) -> None:
+        """``commit`` is about to be recorded as one of ``run_id``'s snapshots."""
+        self._in_flight.setdefault(run_id, set()).add(commit)
+
+    def settled(self, run_id: str) -> None:
+        """The run's snapshots are recorded (or never will be): the store says which it names."""
+        self._in_flight.pop(run_id, None)
+
+    def _unsettled(self) -> set[str]:
+        return {commit for commits in self._in_flight.values() for commit in commits}
+
     # ------------------------------------------------------------ around a turn
 
     async def before(self, project_id: str, cwd: str, run_id: str, profile: AgentProfile) -> str:
-        """Snapshot the project before the turn's prompt goes out: its commit ("": none taken)."""
+        """Snapshot the project before the turn's prompt goes out: its commit ("": none taken),
+        which the run's start records. Its ref is on disk when this returns (written only when
+        the snapshot made a new commit)."""
         if not self.enabled:
             return ""
         try:
             async with self.locks[project_id]:
-                repo = self.repo(project_id, cwd)
-                commit = await repo.snapshot(profile.checkpoint_exclude, f"before run {run_id}")
+                commit = await self.repo(project_id, cwd).snapshot(profile.checkpoint_exclude, f"before run {run_id}")
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
             return ""
-        # The commit is in the store now. Its ref is written as the prompt goes out, in a thread,
-        # instead of before it: a ref file costs a few file-system writes, about as long as a
-        # live agent's first answer. The turn's end waits for it (``before_written``).
-        self._write_ref_soon(repo, run_id, "before", commit)
+        self.pending(run_id, commit)
         return commit
-
-    def _write_ref_soon(self, repo: CheckpointRepo, run_id: str, which: str, commit: str) -> None:
-        writing = asyncio.get_running_loop().create_task(
-            self._set_ref(repo, run_id, which, commit), name=f"checkpoint-ref-{which}-{run_id}"
-        )
-        self._refs_pending[run_id, which] = writing
-
-    async def _set_ref(self, repo: CheckpointRepo, run_id: str, which: str, commit: str) -> bool:
-        try:
-            await repo.set_refs({ref(run_id, which): commit})
-        except (CheckpointError, OSError) as exc:
-            log.warning("checkpoint_ref_failed", run_id=run_id, which=which, error=str(exc)[:500])
-            return False
-        return True
-
-    async def before_written(self, run_id: str) -> bool:
-        """Whether the run's before ref is written, once it is (False: it could not be)."""
-        return await self._written(run_id, "before")
-
-    async def after_written(self, run_id: str) -> bool:
-        """Whether the run's after ref is written, once it is (False: it could not be). The turn
-        waits for it before ``completed`` goes out, so that any host can diff the run then."""
-        return await self._written(run_id, "after")
-
-    async def _written(self, run_id: str, which: str) -> bool:
-        writing = self._refs_pending.pop((run_id, which), None)
-        return True if writing is None else await asyncio.shield(writing)
 
     async def after(
         self, project_id: str, cwd: str, session_id: str, run_id: str, profile: AgentProfile, before: str
-    ) -> tuple[FileChange, ...]:
+    ) -> tuple[str, tuple[FileChange, ...]]:
         """Snapshot the project after the turn and store what changed since ``before`` (its
-        before snapshot; "": none was taken, nothing is)."""
-        if not before or not await self.before_written(run_id):
-            return ()
+        before snapshot; "": none was taken, nothing is). The after commit, which the run's end
+        records ("": none), and the changes."""
+        if not before:
+            return "", ()
         try:
             async with self.locks[project_id]:
                 repo = self.repo(project_id, cwd)
+                # Its ref again (a stat call): another host may have deleted it after the store
+                # said no run named the commit and before this run's start named it.
+                await repo.keep(before)
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"after run {run_id}")
+                self.pending(run_id, commit)
                 changes = await repo.changes(before, commit)
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
-            return ()
-        # written while the turn's end is stored; the turn waits for it before completed goes out
-        self._write_ref_soon(repo, run_id, "after", commit)
+            return "", ()
         if changes:  # a turn that changed nothing needs no row: no row reads as a turn with no changes
             await self._store.put_run_checkpoint(
                 run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes))
             )
-        return changes
+        return commit, changes
 
     # ------------------------------------------------------------ reading
+
+    async def commits(self, repo: CheckpointRepo, run: RunRecord) -> tuple[str | None, str | None]:
+        """The run's before and after commits whose refs keep them (None: none, or deleted): as
+        its store row names them, else (a run recorded before the row kept them) its own refs."""
+        found: list[str | None] = []
+        for which, commit in (("before", run.checkpoint_before), ("after", run.checkpoint_after)):
+            if commit:
+                found.append(commit if repo.kept(commit) or await repo.resolve(commit_ref(commit)) else None)
+            else:
+                found.append(await repo.resolve(ref(run.run_id, which)))
+        return found[0], found[1]
 
     async def diff(self, run_id: str, path: str) -> RunDiff:
         """The run's unified diff (of ``path`` alone when given), bounded by ``max_diff_bytes``."""
@@ -174,10 +184,9 @@ class Checkpoints:
         if session is None:
             raise NotFound("session", run.session_id)
         repo = self.repo(session.project_id, session.cwd)
-        before = await repo.resolve(ref(run_id, "before"))
+        before, after = await self.commits(repo, run)
         if before is None:
             raise NoCheckpoint(run_id, "before", "checkpoints were off, or its snapshots were deleted")
-        after = await repo.resolve(ref(run_id, "after"))
         if after is None:
             raise NoCheckpoint(run_id, "after", "the run has not ended, or rcoder stopped before its end")
         out = await repo.diff(before, after, path, self._max_diff)
@@ -194,9 +203,11 @@ class Checkpoints:
 
     # ------------------------------------------------------------ lifetime
 
-    async def forget_runs(self, project_id: str, run_ids: Sequence[str], project_left: bool) -> None:
-        """Delete the runs' snapshot refs; the whole store when no session of the project is left.
-        Their objects go at the next gc (``sweep``)."""
+    async def forget_runs(self, project_id: str, run_ids: Sequence[str], commits: set[str], project_left: bool) -> None:
+        """After the store deleted these runs: delete the refs of ``commits`` (theirs) that no
+        run left in the project names, and the runs' own refs (runs recorded before the store
+        named their commits); the whole store when no session of the project is left. Their
+        objects go at the next gc (``sweep``)."""
         if not self.enabled:
             return
         async with self.locks[project_id]:
@@ -206,65 +217,98 @@ class Checkpoints:
                 await asyncio.to_thread(lambda: repo.index.unlink(missing_ok=True))
                 self._repos.pop(project_id, None)
                 return
+            existing = await repo.refs(REFS)
             names = [ref(r, which) for r in run_ids for which in ("before", "after")]
-            existing = await repo.refs(REF_PREFIX)
             await repo.delete_refs([n for n in names if n in existing])
+            kept = {c for c in commits if commit_ref(c) in existing}
+            await self._forget_commits(repo, project_id, kept, None)
             self._to_prune.add(project_id)
 
+    async def _forget_commits(
+        self, repo: CheckpointRepo, project_id: str, commits: set[str], since: datetime | None
+    ) -> bool:
+        """Delete the refs of those of ``commits`` no run of the project (started since
+        ``since``) names and no turn here is about to; the caller holds the project's lock.
+        Whether any was deleted."""
+        if not commits:
+            return False
+        unnamed = commits - await self._store.checkpoint_commits(project_id, since) - self._unsettled()
+        if not unnamed:
+            return False
+        await repo.delete_refs([commit_ref(c) for c in sorted(unnamed)])
+        # Another host may have recorded one of them since the store was asked: its ref comes back.
+        for commit in unnamed & await self._store.checkpoint_commits(project_id, since):
+            if await repo.resolve(commit) is not None:
+                await repo.keep(commit)
+        return True
+
     async def sweep(self, keep_days: float, now: float) -> None:
-        """Off the hot path: refs older than ``keep_days`` (0: kept) deleted, then ``git gc`` (a
-        full one where snapshots were deleted, so that their content goes; else ``--auto``), for
-        every store this host can see; each bounded by git's timeout."""
+        """Off the hot path: snapshots older than ``keep_days`` (0: kept) deleted, then ``git gc``
+        (a full one where snapshots were deleted, so that their content goes; else ``--auto``),
+        for every store this host can see; each bounded by git's timeout. A commit's ref goes
+        when the commit is older than that and no run started since names it; a run's own refs
+        (recorded before the store named its commits) by their commit's time."""
         if not self.enabled or not self._root.is_dir():
             return
+        cutoff = now - keep_days * 86400
         for git_dir in sorted(self._root.glob("*.git")):
             project_id = git_dir.name.removesuffix(".git")
             try:
                 async with self.locks[project_id]:
                     repo = self.repo(project_id)
                     if keep_days > 0:
-                        refs = await repo.refs(REF_PREFIX)
-                        old = [name for name, when in refs.items() if when < now - keep_days * 86400]
-                        await repo.delete_refs(old)
-                        if old:
+                        refs = await repo.refs(REFS)
+                        old = {name for name, when in refs.items() if when < cutoff}
+                        runs_old = [name for name in old if name.startswith(REF_PREFIX)]
+                        await repo.delete_refs(runs_old)
+                        commits = {n.removeprefix(COMMIT_REF_PREFIX) for n in old if n.startswith(COMMIT_REF_PREFIX)}
+                        since = datetime.fromtimestamp(cutoff, UTC)
+                        if await self._forget_commits(repo, project_id, commits, since) or runs_old:
                             self._to_prune.add(project_id)
                     await repo.gc(full=project_id in self._to_prune)
                     self._to_prune.discard(project_id)
-            except (CheckpointError, OSError) as exc:
+            except (CheckpointError, OSError, StoreError) as exc:
                 log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
+
+    async def discard(self, project_id: str, cwd: str, run_id: str, commit: str) -> None:
+        """A turn refused before it started: its before snapshot's ref goes unless a run names
+        the commit (a reused one mostly is)."""
+        self.settled(run_id)
+        async with self.locks[project_id]:
+            if await self._forget_commits(self.repo(project_id, cwd), project_id, {commit}, None):
+                self._to_prune.add(project_id)
 
 
 async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[FileChange, ...]:
     """The turn's after snapshot and changes, on every path of its end (a store that cannot keep
-    them loses them, logged: the turn's own end matters more)."""
+    them loses them, logged: the turn's own end matters more). The after commit goes to
+    ``scope.checkpoint_after``, for the run's end to record."""
     plan = scope.plan
     if scope.before is not None:  # taken while the session opened: done before the after one
         await asyncio.wait({scope.before})
         scope.checkpoint = "" if scope.before.cancelled() else scope.before.result()
     try:
-        return await asyncio.shield(
-            checkpoints.after(
-                plan.turn.project_id, plan.cwd, plan.session_id, plan.run_id, plan.profile, scope.checkpoint
-            )
+        after = checkpoints.after(
+            plan.turn.project_id, plan.cwd, plan.session_id, plan.run_id, plan.profile, scope.checkpoint
         )
+        scope.checkpoint_after, changes = await asyncio.shield(after)
     except (StoreError, LeaseLost) as exc:
         log.warning("checkpoint_changes_not_stored", run_id=plan.run_id, error=exc.message)
         return ()
+    return changes
 
 
 async def checkpoint_discard(checkpoints: Checkpoints, scope: TurnScope) -> None:
     """A turn refused before it started leaves no snapshot (its before one, once taken)."""
     assert scope.before is not None
     await asyncio.wait({scope.before})
-    if scope.before.cancelled() or not scope.before.result():
-        return
     plan = scope.plan
-    if not await checkpoints.before_written(plan.run_id):
+    if scope.before.cancelled() or not scope.before.result():
+        checkpoints.settled(plan.run_id)
         return
     try:
-        async with checkpoints.locks[plan.turn.project_id]:
-            await checkpoints.repo(plan.turn.project_id, plan.cwd).delete_refs([ref(plan.run_id, "before")])
-    except CheckpointError as exc:
+        await checkpoints.discard(plan.turn.project_id, plan.cwd, plan.run_id, scope.before.result())
+    except (CheckpointError, StoreError) as exc:
         log.warning("checkpoint_discard_failed", run_id=plan.run_id, error=exc.message[:500])
         return
     log.info("checkpoint_discarded", run_id=plan.run_id)

@@ -27,7 +27,7 @@ import asyncio
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
 from rcoder.config import Settings
-from rcoder.domain import SessionErased, SessionRecord
+from rcoder.domain import RunRecord, SessionErased, SessionRecord
 from rcoder.errors import NotFound, RcoderError, SessionBusy, SessionDeleting, UnsafePath
 from rcoder.logs import get_logger
 from rcoder.session.checkpoints import Checkpoints
@@ -75,13 +75,13 @@ class SessionEraser:
             if cancelled:
                 record = await self._store.get_session(session_id) or record
             stopped = await self._pool.close(session_id)
-            run_ids = await self._run_ids(session_id)
+            runs = await self._runs_of(session_id)
             deleted = await self._store.delete_session(session_id)
             if deleted is None:
                 raise NotFound("session", session_id, "deleted meanwhile by another request")
             self._runs.forget_session(session_id)
             removed, left = await self._erase_agent_copy(record)
-            left += await self._erase_checkpoints(record, run_ids)
+            left += await self._erase_checkpoints(record, runs)
         log.info("session_deleted", session_id=session_id, runs=deleted.runs, agent_stopped=stopped,
                  turn_cancelled=cancelled, queued_refused=refused, agent_files=len(removed),
                  left=len(left))  # fmt: skip
@@ -92,6 +92,8 @@ class SessionEraser:
         holder = self._runs.holder(session_id)
         if holder is None:
             return False
+        if self._claimed.phase(holder.run_id) is None:  # not a turn: a rewind holds it, and is not cancelled
+            raise SessionBusy(session_id, holder.run_id)
         ended = asyncio.Event()
         holder.add_done_callback(lambda _: ended.set())
         self._claimed.cancel(holder.run_id)
@@ -104,24 +106,27 @@ class SessionEraser:
             raise SessionBusy(session_id, holder.run_id) from None
         return True
 
-    async def _run_ids(self, session_id: str) -> list[str]:
+    async def _runs_of(self, session_id: str) -> list[RunRecord]:
         """Every run of the session (their snapshots go with it)."""
-        ids: list[str] = []
+        runs: list[RunRecord] = []
         after = None
         while True:
             page = await self._store.list_runs(session_id, 1000, after)
-            ids += [r.run_id for r in page]
+            runs += page
             if len(page) < 1000:
-                return ids
+                return runs
             after = (page[-1].started_at, page[-1].run_id)
 
-    async def _erase_checkpoints(self, record: SessionRecord, run_ids: list[str]) -> list[str]:
-        """The session's snapshots (docs/checkpoints.md#lifetime): their refs, or the project's
-        whole checkpoint store with its last session. What could not be is said."""
+    async def _erase_checkpoints(self, record: SessionRecord, runs: list[RunRecord]) -> list[str]:
+        """The session's snapshots (docs/checkpoints.md#lifetime): the refs of its commits that
+        no other session of the project names, or the project's whole checkpoint store with its
+        last session. What could not be is said."""
+        commits = {c for r in runs for c in (r.checkpoint_before, r.checkpoint_after) if c}
         try:
             await self._store.delete_run_checkpoints(record.session_id)
             left = not await self._store.list_sessions(record.project_id, limit=1)
-            await self._checkpoints.forget_runs(record.project_id, run_ids, left)
+            run_ids = [r.run_id for r in runs]
+            await self._checkpoints.forget_runs(record.project_id, run_ids, commits, left)
         except (RcoderError, OSError) as exc:
             log.warning("checkpoints_not_erased", session_id=record.session_id, error=str(exc)[:300])
             return [f"the session's checkpoints could not be removed: {exc}"]

@@ -3,6 +3,10 @@ and the session going on from there.
 
 On the host that serves the session, in order:
 
+0. the rewind holds the session in the ``RunRegistry`` as a turn does (``claim``), from before
+   its first check to after its end is stored: a turn sent to the session meanwhile is refused
+   ``SessionBusy`` or waits, as its ``busy`` asks, and then opens the session re-seeded, never
+   the agent session the rewind forgets;
 1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
    whatever its phase) or, as the store has it, on another host;
 2. the run is recorded as a run of kind ``rewind`` (``ListRuns``), its prompt saying which run;
@@ -10,10 +14,10 @@ On the host that serves the session, in order:
    ended, its provider session forgotten and rcoder's transcript cut at the run; then the
    project as it is now is snapshotted (the rewind's before), git writes back the run's before
    snapshot (``CheckpointRepo.restore``), and the result is snapshotted (the rewind's after):
-   the rewind's changes are what it undid. The next turn opens a new agent session re-seeded
-   from the transcript up to (not including) that run, ``FALLBACK_RESEEDED`` with the reason
-   "rewound to before run <id>" (``checkpoints.rewound_reason``), since no agent can cut its
-   own history.
+   the rewind's changes are what it undid, and its end records both commits. The next turn
+   opens a new agent session re-seeded from the transcript up to (not including) that run,
+   ``FALLBACK_RESEEDED`` with the reason "rewound to before run <id>"
+   (``checkpoints.rewound_reason``), since no agent can cut its own history.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
 from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
-from rcoder.session.checkpoints import Checkpoints, encode_changes, ref
+from rcoder.session.checkpoints import Checkpoints, encode_changes
 from rcoder.session.claimed import ClaimedTurns
-from rcoder.session.runs import RUN_MISSING, RunRegistry
+from rcoder.session.runs import RUN_MISSING, Run, RunRegistry
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
 
 log = get_logger("rcoder.session.rewinding")
+BUSY_ADVICE = "Wait for it to complete, or Cancel it, then rewind."
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,17 +93,30 @@ class SessionRewinder:
         self._clock = clock
 
     async def rewind(self, session_id: str, run_id: str) -> Rewound:
-        record = await self._checked(session_id, run_id)
-        project_id = record.project_id
-        repo = self._checkpoints.repo(project_id, record.cwd)
+        record, target = await self._checked(session_id, run_id)
         rewind_id = new_id()
+        holder = self._runs.holder(session_id)
+        if holder is not None:  # the session's own turn (or rewind) is one running in the project
+            raise ProjectBusy(record.project_id, holder.run_id, BUSY_ADVICE)
+        hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
+        self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
+        try:
+            return await self._rewind_held(record, target, rewind_id)
+        finally:
+            self._checkpoints.settled(rewind_id)
+            hold.fail(NotFound("run", rewind_id, "a rewind streams no events (ListRuns lists it)"))
+            self._runs.forget(hold)  # the first turn waiting for the session claims it now
+
+    async def _rewind_held(self, record: SessionRecord, target: RunRecord, rewind_id: str) -> Rewound:
+        session_id, run_id, project_id = record.session_id, target.run_id, record.project_id
+        repo = self._checkpoints.repo(project_id, record.cwd)
         async with self._checkpoints.locks[project_id]:
             # a turn claimed here in the project (this session's own included), else one the store
             # has running there on another host, as the file RPCs ask it
             busy = self._running_in(project_id) or await self._store.running_in_project(project_id)
             if busy is not None:
-                raise ProjectBusy(project_id, busy, "Wait for it to complete, or Cancel it, then rewind.")
-            goal = await repo.resolve(ref(run_id, "before"))
+                raise ProjectBusy(project_id, busy, BUSY_ADVICE)
+            goal, _ = await self._checkpoints.commits(repo, target)
             if goal is None:
                 raise NoCheckpoint(run_id, "before", "checkpoints were off for it, or its snapshots were deleted")
             await self._store.start_run(
@@ -108,7 +126,7 @@ class SessionRewinder:
                 )
             )  # fmt: skip
             try:
-                stopped, changes = await self._rewind(record, repo, rewind_id, run_id, goal)
+                stopped, snapshots, changes = await self._rewind(record, repo, rewind_id, run_id, goal)
             except (RcoderError, OSError) as exc:  # recorded as failed, never left running
                 error = exc.message if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
                 failed = RunEnd(RunStatus.FAILED, StopReason.ERROR, error, self._clock())
@@ -117,13 +135,15 @@ class SessionRewinder:
         await self._store.put_run_checkpoint(
             rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
         )
-        await self._store.finish_run(rewind_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock()))
+        end = RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock(),
+                     checkpoint_before=snapshots[0], checkpoint_after=snapshots[1])  # fmt: skip
+        await self._store.finish_run(rewind_id, end)
         log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
                  files=len(changes), agent_stopped=stopped)  # fmt: skip
         return Rewound(rewind_id, changes, stopped)
 
-    async def _checked(self, session_id: str, run_id: str) -> SessionRecord:
-        """The session, when ``run_id`` is one of its runs and checkpoints are on."""
+    async def _checked(self, session_id: str, run_id: str) -> tuple[SessionRecord, RunRecord]:
+        """The session and the run, when ``run_id`` is one of its runs and checkpoints are on."""
         record = await self._store.get_session(session_id)
         if record is None:
             raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
@@ -134,25 +154,25 @@ class SessionRewinder:
             raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
         if not self._checkpoints.enabled:
             raise NoCheckpoint(run_id, "before", "checkpoints are off (checkpoints = false)")
-        return record
+        return record, target
 
     async def _rewind(
         self, record: SessionRecord, repo: CheckpointRepo, rewind_id: str, run_id: str, goal: str
-    ) -> tuple[bool, tuple[FileChange, ...]]:
-        """Under the project's lock: the session forgets, then the files go back (steps 3 and 4 of
-        the module docstring). Whether an agent was live, and the rewind's changes."""
+    ) -> tuple[bool, tuple[str, str], tuple[FileChange, ...]]:
+        """Under the project's lock: the session forgets, then the files go back (step 3 of the
+        module docstring). Whether an agent was live, the rewind's before and after commits, and
+        its changes."""
         session_id = record.session_id
-        # The session forgets its agent first. A turn sent meanwhile waits for this lock (it takes its
-        # before snapshot under it), and then finds no live agent and no agent session to resume.
+        # The session forgets its agent first (no turn of it runs: the rewind holds it).
         stopped = await self._pool.close(session_id)
         await self._store.set_provider_session_id(session_id, "", self._clock())
         await self._store.cut_transcript(session_id, run_id)
         profile = self._settings.profile(record.agent)
         excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
-        now = await repo.snapshot(excludes, f"before rewind {rewind_id}")
-        await repo.set_refs({ref(rewind_id, "before"): now})
+        now = await repo.snapshot(excludes, f"before rewind {rewind_id}")  # its ref is on disk
+        self._checkpoints.pending(rewind_id, now)
         await repo.restore(goal)
         after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
-        await repo.set_refs({ref(rewind_id, "after"): after})
+        self._checkpoints.pending(rewind_id, after)
         await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(now, after, listed_only=False))
-        return stopped, await repo.changes(now, after)
+        return stopped, (now, after), await repo.changes(now, after)

@@ -288,7 +288,7 @@ class TurnRunner:
         # hands to its worker thread is finished even if this task is cancelled meanwhile
         # (``SqliteStore._call``).
         scope.machine.handle(StartRecording())
-        await self._records.record_start(scope.plan, body, scope.conn)
+        await self._records.record_start(scope.plan, body, scope.conn, scope.checkpoint)
         scope.machine.handle(Started())
         self._ender.publish_started(scope)
 

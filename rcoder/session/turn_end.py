@@ -121,7 +121,7 @@ class TurnEnder:
         body = plan.opened or plan.started(provider_id, ResumeOutcome.NOT_OPENED, OpenMethod.NOT_OPENED, "")
         scope.body = body
         try:
-            await self._records.record_start(plan, body, None)
+            await self._records.record_start(plan, body, None, scope.checkpoint)
         except (StoreError, LeaseLost) as exc:
             return scope.machine.handle(StartRefused(exc))
         return self._started(scope)
@@ -198,8 +198,8 @@ class TurnEnder:
         try:
             await asyncio.shield(self._history.end_with(run, end, store_end))
         finally:
-            # The after snapshot's ref, written meanwhile: any host can diff the run once it ends.
-            await asyncio.shield(self._checkpoints.after_written(run.run_id))
+            # The store names the run's snapshots now (or never will): their refs may go with the runs.
+            self._checkpoints.settled(run.run_id)
         return end
 
     def _end_refused(self, scope: TurnScope, exc: LeaseLost | StoreError) -> Sequence[Action]:
@@ -254,5 +254,5 @@ class TurnEnder:
         transcript = answer.transcript if answer is not None and outcome.transcript else None
         return RunEnd(
             outcome.status, outcome.stop, outcome.error, self._clock(), transcript, scope.usage,
-            outcome.error_reason, scope.changes,
+            outcome.error_reason, scope.changes, scope.checkpoint, scope.checkpoint_after,
         )  # fmt: skip

@@ -46,8 +46,11 @@ class TurnRecords:
         self._clock = clock
         self._late: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
 
-    async def record_start(self, plan: TurnPlan, body: RunStarted, conn: AgentConnection | None) -> None:
-        """Record the run as started, and the session first when it is new."""
+    async def record_start(
+        self, plan: TurnPlan, body: RunStarted, conn: AgentConnection | None, checkpoint: str = ""
+    ) -> None:
+        """Record the run as started (with ``checkpoint``, the commit of its before snapshot:
+        docs/checkpoints.md), and the session first when it is new."""
         now = self._clock()
         if plan.record is None:
             record = SessionRecord(
@@ -85,6 +88,7 @@ class TurnRecords:
                 request_id=plan.turn.request_id,
                 prompt=plan.turn.prompt,
                 client=plan.turn.client,
+                checkpoint_before=checkpoint,
             ),
             lease=plan.lease,
         )

@@ -55,6 +55,7 @@ class TurnScope:
         # the session opens and waited for before the prompt is sent; its commit ("" for none).
         self.before: asyncio.Task[str] | None = None
         self.checkpoint = ""
+        self.checkpoint_after = ""  # the commit of its after snapshot, for its end to record
         self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files
 
     @property

@@ -56,6 +56,10 @@ class RunEnd:
     usage: Usage | None = None  # what the agent reported the turn cost
     error_reason: str = ""
     changes: tuple[FileChange, ...] = ()
+    # the commits of the run's snapshots (docs/checkpoints.md); "" leaves what is stored as it is
+    # (the before one is mostly stored with the run's start already)
+    checkpoint_before: str = ""
+    checkpoint_after: str = ""
 
 
 def run_end_of(
@@ -176,7 +180,8 @@ class SessionStore(Protocol):
 
     # runs
     async def start_run(self, record: RunRecord, lease: Lease | None = None) -> None:
-        """Insert a ``running`` run and point its session's ``last_run_id`` at it."""
+        """Insert a ``running`` run (with its ``checkpoint_before``) and point its session's
+        ``last_run_id`` at it."""
         ...
 
     async def finish_run(
@@ -236,6 +241,12 @@ class SessionStore(Protocol):
 
     async def delete_run_checkpoints(self, session_id: str) -> None:
         """Forget the checkpoint records of the session's runs."""
+        ...
+
+    async def checkpoint_commits(self, project_id: str, since: datetime | None = None) -> set[str]:
+        """The snapshot commits (``checkpoint_before``, ``checkpoint_after``) that runs of
+        ``project_id``'s sessions name, of the runs started at or after ``since`` when given: a
+        commit none names may have its ref deleted (docs/checkpoints.md#lifetime)."""
         ...
 
     async def cut_transcript(self, session_id: str, run_id: str) -> None:

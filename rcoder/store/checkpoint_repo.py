@@ -4,7 +4,10 @@
 ``git --git-dir=<store> --work-tree=<project>`` with an index file of rcoder's own: the project's
 own ``.git`` is never opened (git always skips a folder named ``.git``). A snapshot is ``git add -A``
 into that index (git keeps each file's stat data there, so a later snapshot reads only what
-changed), then ``write-tree`` and ``commit-tree``; a ref names each snapshot, so gc keeps it.
+changed), then ``write-tree`` and ``commit-tree``. A ref names each distinct commit,
+``refs/rcoder/commits/<sha>``, so gc keeps it: written when a snapshot makes a new commit, before
+the snapshot returns it (so before anyone records it), and never when a snapshot reuses the last
+commit and finds its ref in place.
 
 The project's content must never make git run anything or change what it stores: git runs in a
 process group of its own, bounded by a timeout, with no system, global or user configuration and
@@ -21,6 +24,7 @@ import hashlib
 import os
 import re
 import signal
+import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -34,9 +38,15 @@ from rcoder.store.tree_stat import TreeStat, skipped_dirs, stat_tree
 
 log = get_logger("rcoder.store.checkpoint_repo")
 
-# what ``set_refs`` writes: a run's snapshot refs (run ids are rcoder's own), and object names
-REF_NAME = re.compile(r"refs/rcoder/runs/[A-Za-z0-9._-]{1,128}/(before|after)")
+# the refs that keep snapshots: one per distinct commit (a run's commits are kept in its store row)
+COMMIT_REF_PREFIX = "refs/rcoder/commits/"
 OBJECT_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def commit_ref(commit: str) -> str:
+    return f"{COMMIT_REF_PREFIX}{commit}"
+
+
 # left out of every snapshot whatever the profile says: a file the file API is still writing, before
 # it is renamed over its path (rcoder.session.project_files.TEMP_PREFIX), half a file a rewind
 # would otherwise bring back
@@ -281,6 +291,7 @@ class CheckpointRepo:
             first = not self.index.exists()
             seen = await asyncio.to_thread(stat_tree, self.work_tree, skip, weigh=first)
         if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):
+            await self.keep(last.commit)  # a stat call: its ref is in place unless deleted or packed
             return last.commit
         excludes = self.excludes_file(patterns)
         try:
@@ -294,6 +305,8 @@ class CheckpointRepo:
                 commit = last.commit
             else:
                 commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+            # the ref on disk before anyone can record the commit (docs/checkpoints.md#lifetime)
+            await self.keep(commit)
         except CheckpointError:
             self.forget_index()  # whatever broke it (a store removed under it), the next starts anew
             raise
@@ -329,24 +342,28 @@ class CheckpointRepo:
         self._last = None
         self.index.unlink(missing_ok=True)
 
-    async def set_refs(self, refs: dict[str, str]) -> None:
-        """Point each ref at its commit: a loose ref file each, in git's own format
-        (gitrepository-layout: the object name and a newline), written whole and renamed into
-        place, so a turn's snapshots cost no git process when nothing changed. Deleting a ref
-        (which may be packed) is git's ``update-ref``."""
-        for name, sha in refs.items():
-            if not REF_NAME.fullmatch(name) or not OBJECT_NAME.fullmatch(sha):
-                raise CheckpointError("set-ref", f"not a checkpoint ref or object name: {name!r} {sha!r}")
-        await asyncio.to_thread(self._write_refs, refs)
+    def kept(self, commit: str) -> bool:
+        """Whether ``commit``'s ref is on disk as a loose ref file (one stat call; a ref that
+        ``gc`` packed reads as not kept, and ``keep`` writes it loose again, once)."""
+        return (self.git_dir / commit_ref(commit)).is_file()
 
-    def _write_refs(self, refs: dict[str, str]) -> None:
-        for name, sha in refs.items():
-            path = self.git_dir / name
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # beside the refs, never among them: a name git would list as a ref
-            temporary = self.git_dir / f"rcoder-ref-{os.getpid()}-{path.parent.name}-{path.name}.tmp"
-            temporary.write_text(sha + "\n")
-            os.replace(temporary, path)
+    async def keep(self, commit: str) -> None:
+        """Make sure ``commit``'s ref is on disk: nothing is written when its loose ref file is
+        there, else one in git's own format (gitrepository-layout: the object name and a newline),
+        written whole and renamed into place, with no git process. Deleting a ref (which may be
+        packed) is git's ``update-ref``."""
+        if not OBJECT_NAME.fullmatch(commit):
+            raise CheckpointError("set-ref", f"not an object name: {commit!r}")
+        if not self.kept(commit):
+            await asyncio.to_thread(self._write_ref, commit_ref(commit), commit)
+
+    def _write_ref(self, name: str, sha: str) -> None:
+        path = self.git_dir / name
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # beside the refs, never among them: a name git would list as a ref
+        temporary = self.git_dir / f"rcoder-ref-{os.getpid()}-{threading.get_ident()}-{path.name}.tmp"
+        temporary.write_text(sha + "\n")
+        os.replace(temporary, path)
 
     async def delete_refs(self, names: Sequence[str]) -> None:
         if names:

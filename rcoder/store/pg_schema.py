@@ -131,6 +131,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             target_run_id text COLLATE "C" NOT NULL DEFAULT '', changes text NOT NULL DEFAULT '[]')""",
         "CREATE INDEX run_checkpoints_by_session ON run_checkpoints (session_id)",
     ),
+    (  # 13: checkpoints (docs/checkpoints.md): the commits of each run's before and after snapshots,
+        # written with its start and its end, instead of two git refs per run; '' for none (and
+        # for the runs before this migration, whose refs still name them)
+        "ALTER TABLE runs ADD COLUMN checkpoint_before text NOT NULL DEFAULT '',"
+        " ADD COLUMN checkpoint_after text NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -189,7 +195,8 @@ SET_SESSION_STATE = (
 SELECT_RUNS = (
     "SELECT run_id, session_id, status, started_at, resume, resume_method, fallback_reason, request_id,"
     " stop_reason, error, ended_at, input_tokens, output_tokens, cached_read_tokens, cached_write_tokens,"
-    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency, prompt, client FROM runs"
+    " thought_tokens, total_tokens, context_used, context_size, cost_nanos, cost_currency, prompt, client,"
+    " checkpoint_before, checkpoint_after FROM runs"
 )
 GET_RUN = SELECT_RUNS + " WHERE run_id = %s"
 # a run of one of a project's sessions that is running, on any host (the file RPCs' busy check, docs/files.md)
@@ -240,14 +247,16 @@ COST_TOTALS = (
 )
 START_RUN = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
-    " fallback_reason, request_id, started_at, ended_at, host_id, prompt, client)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
+    " fallback_reason, request_id, started_at, ended_at, host_id, prompt, client, checkpoint_before)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
 )  # one statement, so atomic: an unknown session fails the insert (foreign key) and nothing lands
 END_RUN = (
     "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s, input_tokens = %s, output_tokens = %s,"
     " cached_read_tokens = %s, cached_write_tokens = %s, thought_tokens = %s, total_tokens = %s, context_used = %s,"
-    " context_size = %s, cost_nanos = %s, cost_currency = %s WHERE run_id = %s"
+    " context_size = %s, cost_nanos = %s, cost_currency = %s,"
+    " checkpoint_before = coalesce(nullif(%s, ''), checkpoint_before),"
+    " checkpoint_after = coalesce(nullif(%s, ''), checkpoint_after) WHERE run_id = %s"
 )
 COUNT_TURN = (
     "WITH s AS (UPDATE sessions SET turns = turns + 1, updated_at = %s WHERE session_id = %s"
@@ -355,8 +364,8 @@ SET_PROVIDER_ID_FENCED = (
 )
 START_RUN_FENCED = (
     "WITH run AS (INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method,"
-    " fallback_reason, request_id, started_at, ended_at, host_id, prompt, client)"
-    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
+    " fallback_reason, request_id, started_at, ended_at, host_id, prompt, client, checkpoint_before)"
+    " SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s"
     " WHERE EXISTS (SELECT 1 FROM leases l WHERE l.session_id = %s"
     " AND l.owner = %s AND l.generation = %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
@@ -365,7 +374,9 @@ START_RUN_FENCED = (
 END_RUN_FENCED = (
     "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s, input_tokens = %s, output_tokens = %s,"
     " cached_read_tokens = %s, cached_write_tokens = %s, thought_tokens = %s, total_tokens = %s, context_used = %s,"
-    " context_size = %s, cost_nanos = %s, cost_currency = %s WHERE run_id = %s"
+    " context_size = %s, cost_nanos = %s, cost_currency = %s,"
+    " checkpoint_before = coalesce(nullif(%s, ''), checkpoint_before),"
+    " checkpoint_after = coalesce(nullif(%s, ''), checkpoint_after) WHERE run_id = %s"
     " AND status = 'running' AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id"
     " AND l.owner = %s AND l.generation = %s)"
 )
@@ -481,6 +492,12 @@ PUT_RUN_CHECKPOINT = (
 )
 RUN_CHECKPOINTS = "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id = ANY(%s)"
 DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = %s"
+# the snapshot commits runs of a project name (of those started at or after a time: NULL for all)
+CHECKPOINT_COMMITS = (
+    "SELECT r.checkpoint_before, r.checkpoint_after FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = %s AND (%s::timestamptz IS NULL OR r.started_at >= %s::timestamptz)"
+    " AND (r.checkpoint_before <> '' OR r.checkpoint_after <> '')"
+)
 # the transcript of the run and of every run of the session started after it (a rewind)
 CUT_TRANSCRIPT = (
     "DELETE FROM transcript WHERE session_id = %s AND run_id IN (SELECT run_id FROM runs WHERE session_id = %s"

@@ -108,6 +108,7 @@ def _run(row: Row) -> RunRecord:
         run_id, session_id, RunStatus(status), started_at,
         None if resume is None else ResumeOutcome(resume), method, fallback, request_id,
         None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:21]), row[21], row[22],
+        checkpoint_before=row[23], checkpoint_after=row[24],
     )  # fmt: skip
 
 
@@ -334,7 +335,7 @@ class PostgresStore:
             None if record.resume is None else record.resume.value, record.resume_method,
             record.fallback_reason, record.request_id, _ts(record.started_at),
             None if record.ended_at is None else _ts(record.ended_at), self._host_id, record.prompt,
-            record.client,
+            record.client, record.checkpoint_before,
         )  # fmt: skip
         pointer = _params(record.run_id, _ts(record.started_at))
         if lease is not None:
@@ -358,7 +359,10 @@ class PostgresStore:
     async def _finish_run(self, run_id: str, ended: RunEnd, lease: Lease | None, events: Sequence[EventRow]) -> None:
         at, usage, transcript = ended.ended_at, ended.usage, ended.transcript
         stop = None if ended.stop_reason is None else ended.stop_reason.value
-        end = _params(ended.status.value, stop, ended.error, _ts(at), *usage_params(usage), run_id)
+        end = _params(
+            ended.status.value, stop, ended.error, _ts(at), *usage_params(usage),
+            ended.checkpoint_before, ended.checkpoint_after, run_id,
+        )  # fmt: skip
         fence: tuple[object, ...] = ()
         end_sql, count_sql = pg_schema.END_RUN, pg_schema.COUNT_TURN
         if lease is not None:
@@ -457,6 +461,11 @@ class PostgresStore:
 
     async def delete_run_checkpoints(self, session_id: str) -> None:
         await self._write(pg_schema.DELETE_RUN_CHECKPOINTS, _params(session_id), None)
+
+    async def checkpoint_commits(self, project_id: str, since: datetime | None = None) -> set[str]:
+        when = None if since is None else _ts(since)
+        rows = await self._rows(pg_schema.CHECKPOINT_COMMITS, (_text(project_id), when, when))
+        return {commit for row in rows for commit in (row[0], row[1]) if commit}
 
     async def cut_transcript(self, session_id: str, run_id: str) -> None:
         await self._write(pg_schema.CUT_TRANSCRIPT, _params(session_id, session_id, run_id), None)

@@ -157,8 +157,9 @@ def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list
             conn.executemany(sqlite_schema.INSERT_EVENT, events)
         if spend.cost_nanos or spend.tokens:  # before the end: only a run still running adds to the day
             conn.execute(sqlite_schema.ADD_PROJECT_SPEND, (utc_day(at), spend.cost_nanos, spend.tokens, run_id))
+        commits = (end.checkpoint_before, end.checkpoint_after)
         cursor = conn.execute(
-            sqlite_schema.END_RUN, (status.value, stop, error, time_text(at), *usage_params(usage), run_id)
+            sqlite_schema.END_RUN, (status.value, stop, error, time_text(at), *usage_params(usage), *commits, run_id)
         )
         _require_row(cursor, "run", run_id)
         if entry is None:
@@ -420,6 +421,7 @@ class SqliteStore:
             None if record.resume is None else record.resume.value, record.resume_method,
             record.fallback_reason, record.request_id, time_text(record.started_at),
             None if record.ended_at is None else time_text(record.ended_at), record.prompt, record.client,
+            record.checkpoint_before,
         )  # fmt: skip
         pointer = (record.run_id, time_text(record.started_at), record.session_id)
 
@@ -490,6 +492,11 @@ class SqliteStore:
 
     async def delete_run_checkpoints(self, session_id: str) -> None:
         await self._write(sqlite_schema.DELETE_RUN_CHECKPOINTS, (session_id,), None)
+
+    async def checkpoint_commits(self, project_id: str, since: datetime | None = None) -> set[str]:
+        params = (project_id, "" if since is None else time_text(since))
+        rows = await self._rows(sqlite_schema.CHECKPOINT_COMMITS, params, point=False)
+        return {commit for row in rows for commit in (row[0], row[1]) if commit}
 
     async def cut_transcript(self, session_id: str, run_id: str) -> None:
         await self._write(sqlite_schema.CUT_TRANSCRIPT, (session_id, session_id, run_id), None)

@@ -109,6 +109,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             target_run_id TEXT NOT NULL DEFAULT '', changes TEXT NOT NULL DEFAULT '[]')""",
         "CREATE INDEX run_checkpoints_by_session ON run_checkpoints(session_id)",
     ),
+    (  # 10: checkpoints (docs/checkpoints.md): the commits of each run's before and after snapshots,
+        # written with its start and its end, instead of two git refs per run; '' for none (and
+        # for the runs before this migration, whose refs still name them)
+        "ALTER TABLE runs ADD COLUMN checkpoint_before TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE runs ADD COLUMN checkpoint_after TEXT NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -196,7 +202,7 @@ SET_SESSION_STATE = (
 # runs
 INSERT_RUN = (
     "INSERT INTO runs (run_id, session_id, status, stop_reason, error, resume, resume_method, fallback_reason,"
-    " request_id, started_at, ended_at, prompt, client) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+    " request_id, started_at, ended_at, prompt, client, checkpoint_before) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 )
 # a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
 LIST_RUNS = (
@@ -212,7 +218,10 @@ SET_LAST_RUN = "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE sessio
 END_RUN = (
     "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = ?, output_tokens = ?,"
     " cached_read_tokens = ?, cached_write_tokens = ?, thought_tokens = ?, total_tokens = ?, context_used = ?,"
-    " context_size = ?, cost_nanos = ?, cost_currency = ? WHERE run_id = ?"
+    " context_size = ?, cost_nanos = ?, cost_currency = ?,"
+    " checkpoint_before = coalesce(nullif(?, ''), checkpoint_before),"
+    " checkpoint_after = coalesce(nullif(?, ''), checkpoint_after)"
+    " WHERE run_id = ?"
 )
 # budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
 # running (before END_RUN, in its transaction: an end stored twice counts once), each sum held at
@@ -352,6 +361,11 @@ RUN_CHECKPOINTS = (
     "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id IN (SELECT value FROM json_each(?))"
 )
 DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = ?"
+# the snapshot commits runs of a project name (of those started at or after a time: '' for all)
+CHECKPOINT_COMMITS = (
+    "SELECT r.checkpoint_before, r.checkpoint_after FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = ? AND r.started_at >= ? AND (r.checkpoint_before != '' OR r.checkpoint_after != '')"
+)
 # the transcript of the run and of every run of the session started after it (a rewind)
 CUT_TRANSCRIPT = (
     "DELETE FROM transcript WHERE session_id = ? AND run_id IN (SELECT run_id FROM runs WHERE session_id = ?"

@@ -6,7 +6,7 @@ is chosen by command-line flags (process level: capabilities, failures, hangs) a
 written in the prompt text (turn level: streaming, tools, permissions, sleeps, crashes).
 
     python tests/fakes/fake_agent.py --state-dir DIR [--record FILE] [--caps resume,load,meta,close,list,fork]
-        [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt]
+        [--prompt-caps image,embedded] [--gone-style 32002|32603|exit] [--hang initialize|open|prompt|close]
         [--auth-required open|prompt] [--hang-if-exists FILE] [--tell SOCK]
         [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
         [--replay-after-response] [--replay-pause MS] [--name NAME]
@@ -17,6 +17,9 @@ written in the prompt text (turn level: streaming, tools, permissions, sleeps, c
 then: a test makes one agent start hang (the file there) and lets every later one start (gone).
 Hanging so, it first says "hanging initialize" on the unix socket `--tell SOCK` (when given): the
 test awaits that line, then removes FILE, knowing the start it meant is the one hanging.
+`--hang close` holds every session/close: with `--tell SOCK` it says "hanging close" there and
+answers once the test writes a line back or closes the connection (at once when nobody listens);
+without `--tell` it never answers.
 
 `--caps` defaults to resume,load,meta,close; `list` (sessionCapabilities.list) and `fork`
 (sessionCapabilities.fork: `session/fork` copies a stored session's history into a new one) are
@@ -191,7 +194,7 @@ class Options:
         p.add_argument("--caps", type=_cap_list(SESSION_CAPS), default=DEFAULT_CAPS)
         p.add_argument("--prompt-caps", type=_cap_list(PROMPT_CAPS), default=frozenset({"image", "embedded"}))
         p.add_argument("--gone-style", choices=["32002", "32603", "exit"], default="32002")
-        p.add_argument("--hang", choices=["initialize", "open", "prompt"])
+        p.add_argument("--hang", choices=["initialize", "open", "prompt", "close"])
         p.add_argument("--auth-required", choices=["open", "prompt"])
         p.add_argument("--hang-if-exists", type=Path)
         p.add_argument("--tell", type=Path)
@@ -734,6 +737,19 @@ class FakeAgent:
         if self.opts.auth_required == stage:
             raise RequestError(-32000, "Authentication required")
 
+    async def _hold_close(self) -> None:
+        """--hang close: until the test answers on --tell (or forever without it)."""
+        if self.opts.tell is None:
+            await self.never.wait()
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.opts.tell)
+        except OSError:  # nobody listens any more: answer
+            return
+        writer.write(b"hanging close\n")
+        await writer.drain()
+        await reader.readline()  # a line back, or the test closed it
+        writer.close()
+
     def _gone(self, session_id: str) -> RequestError:
         """How an unknown session is reported, per --gone-style ("exit" does not return)."""
         if self.opts.gone_style == "exit":
@@ -904,6 +920,8 @@ class FakeAgent:
     async def close_session(self, params: Any) -> JsonObject:
         params = params_of(params, "sessionId")
         self._require("close", "session/close")
+        if self.opts.hang == "close":
+            await self._hold_close()
         if session := self.sessions.pop(params["sessionId"], None):
             session.cancelled.set()  # a running turn ends as cancelled
         return {}

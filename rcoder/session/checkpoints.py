@@ -288,10 +288,10 @@ async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[
         await asyncio.wait({scope.before})
         scope.checkpoint = "" if scope.before.cancelled() else scope.before.result()
     try:
-        after = checkpoints.after(
+        # not shielded again: the turn's end runs all of this shielded, in a task of its own
+        scope.checkpoint_after, changes = await checkpoints.after(
             plan.turn.project_id, plan.cwd, plan.session_id, plan.run_id, plan.profile, scope.checkpoint
         )
-        scope.checkpoint_after, changes = await asyncio.shield(after)
     except (StoreError, LeaseLost) as exc:
         log.warning("checkpoint_changes_not_stored", run_id=plan.run_id, error=exc.message)
         return ()

@@ -211,12 +211,14 @@ class TurnRunner:
         await self.spend.admit(run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd)
         self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
         loop = asyncio.get_running_loop()
-        snapshot = self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
-        scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
+        if self.checkpoints.enabled:  # docs/checkpoints.md: taken while the session opens
+            snapshot = self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+            scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
         opened = await self._open(scope)
-        # The project as it was before the prompt reaches the agent. The wait is shielded
-        # because the end of the turn waits for the same snapshot.
-        scope.checkpoint = await asyncio.shield(scope.before)
+        if scope.before is not None:
+            # The project as it was before the prompt reaches the agent. The wait is shielded
+            # because the end of the turn waits for the same snapshot.
+            scope.checkpoint = await asyncio.shield(scope.before)
         prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
         try:
             # One step for the prompt task first: it writes the prompt to the agent before the

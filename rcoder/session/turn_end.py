@@ -182,7 +182,8 @@ class TurnEnder:
         """Step 1: the turn's changes and the session's options, then the end with the history."""
         run, plan = scope.run, scope.plan
         # What the turn changed in the project's files (docs/checkpoints.md) goes into its completed.
-        scope.changes = await asyncio.shield(checkpoint_after(self._checkpoints, scope))
+        if scope.before is not None:  # no before snapshot (checkpoints off, a turn ended first): no after one
+            scope.changes = await asyncio.shield(checkpoint_after(self._checkpoints, scope))
         end = self._completed(scope)
         # Store what the agent changed during the turn (its options, its commands) first. Most
         # turns change nothing, and then no task is started for it.

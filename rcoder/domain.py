@@ -515,6 +515,7 @@ class RunCompleted:
     usage: Usage | None = None  # what the agent reported the turn cost
     # what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off
     changes: tuple[FileChange, ...] = ()
+    changes_unlisted: int = 0  # how many more files it changed than ``changes`` lists
 
 
 RunEventBody = (
@@ -630,6 +631,7 @@ class RunRecord:
     client: str = ""  # who started it (a caller's name: rcoder.api.callers), "" before tenants
     kind: RunKind = RunKind.TURN
     changes: tuple[FileChange, ...] = ()  # what it changed in the project's files (docs/checkpoints.md)
+    changes_unlisted: int = 0  # how many more files it changed than ``changes`` lists
     # the commits of its before and after snapshots in its project's checkpoint store ("": none,
     # or a run recorded before they were kept here, named by refs instead; docs/checkpoints.md)
     checkpoint_before: str = ""

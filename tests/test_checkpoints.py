@@ -337,8 +337,16 @@ async def test_a_turn_changing_more_files_than_are_listed_lists_the_first_and_di
     events = await client.chat(prompt="shell mkdir many && cd many && seq 1 10050 | xargs touch")
     listed = completed(events).changes
     assert len(listed) == 10_000 and listed[0].path == "many/1"  # git's path order: many/9999 is past it
-    one = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=events[0].run_id, path="many/9999"))
+    assert completed(events).changes_unlisted == 50  # said, so that a client knows the list is cut
+    run_id = events[0].run_id
+    info = (await client.stub.ListRuns(pb.ListRunsRequest(session_id=events[0].session_id))).runs[0]
+    whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
+    assert (len(info.changes), info.changes_unlisted) == (len(whole.changes), whole.changes_unlisted) == (10_000, 50)
+    one = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id, path="many/9999"))
     assert [(c.path, c.kind) for c in one.changes] == [("many/9999", K.FILE_CHANGE_KIND_ADDED)]
+    assert one.changes_unlisted == 0
+    back = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=events[0].session_id, run_id=run_id))
+    assert (len(back.changes), back.changes_unlisted) == (10_000, 50)
 
 
 async def test_a_file_name_that_is_not_utf_8_is_listed_readably_and_rewound_exactly(

@@ -196,6 +196,7 @@ def _completed(msg: pb.ChatStream, body: RunCompleted) -> None:
             error=body.error,
             resume=RESUME_OUTCOMES[body.resume],
             error_reason=body.error_reason,
+            changes_unlisted=body.changes_unlisted,
         )
     )
     if body.usage is not None:
@@ -336,6 +337,7 @@ def run_info(record: RunRecord) -> pb.RunInfo:
         fallback_reason=record.fallback_reason,
         client=record.client,
         changes=file_changes(record.changes),
+        changes_unlisted=record.changes_unlisted,
         kind=RUN_KINDS[record.kind],
     )
     if record.stop_reason is not None:

@@ -321,7 +321,10 @@ class AgentRunnerService(FileRpcs):
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return pb.GetRunChangesResponse(
-            diff=found.diff, truncated=found.truncated, changes=convert.file_changes(found.changes)
+            diff=found.diff,
+            truncated=found.truncated,
+            changes=convert.file_changes(found.changes),
+            changes_unlisted=found.unlisted,
         )
 
     async def RewindSession(
@@ -336,7 +339,10 @@ class AgentRunnerService(FileRpcs):
             async def here() -> pb.RewindSessionResponse:
                 done = await self._worker.rewind_session(request.session_id, request.run_id)
                 return pb.RewindSessionResponse(
-                    run_id=done.run_id, changes=convert.file_changes(done.changes), agent_stopped=done.agent_stopped
+                    run_id=done.run_id,
+                    changes=convert.file_changes(done.changes),
+                    agent_stopped=done.agent_stopped,
+                    changes_unlisted=done.changes_unlisted,
                 )
 
             # The session's owner serves it, as it does CloseSession, because the agent to end runs there.

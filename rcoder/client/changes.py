@@ -47,6 +47,7 @@ class RunChanges(Record):
     diff: str
     truncated: bool
     changes: tuple[FileChange, ...]
+    changes_unlisted: int  # how many more files it changed than ``changes`` lists
     raw: pb.GetRunChangesResponse = field(repr=False, compare=False)
 
 
@@ -57,6 +58,7 @@ class Rewind(Record):
     run_id: str
     changes: tuple[FileChange, ...]
     agent_stopped: bool
+    changes_unlisted: int  # how many more files it changed back than ``changes`` lists
     raw: pb.RewindSessionResponse = field(repr=False, compare=False)
 
 
@@ -75,8 +77,13 @@ def run_kind(number: int) -> RunKind:
 
 
 def run_changes_from_proto(m: pb.GetRunChangesResponse) -> RunChanges:
-    return RunChanges(diff=m.diff, truncated=m.truncated, changes=file_changes(m.changes), raw=m)
+    return RunChanges(
+        diff=m.diff, truncated=m.truncated, changes=file_changes(m.changes), changes_unlisted=m.changes_unlisted, raw=m
+    )
 
 
 def rewind_from_proto(m: pb.RewindSessionResponse) -> Rewind:
-    return Rewind(run_id=m.run_id, changes=file_changes(m.changes), agent_stopped=m.agent_stopped, raw=m)
+    return Rewind(
+        run_id=m.run_id, changes=file_changes(m.changes), agent_stopped=m.agent_stopped,
+        changes_unlisted=m.changes_unlisted, raw=m,
+    )  # fmt: skip

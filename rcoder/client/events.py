@@ -276,6 +276,7 @@ class Completed(Event):
     usage: Usage | None  # what the agent reported the turn cost; None when it reported nothing
     # what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off
     changes: tuple[FileChange, ...] = ()
+    changes_unlisted: int = 0  # how many more files it changed than ``changes`` lists
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -431,6 +432,7 @@ def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         error_reason=c.error_reason,
         usage=_usage(c.usage) if c.HasField("usage") else None,
         changes=file_changes(c.changes),
+        changes_unlisted=c.changes_unlisted,
         **envelope,
     )
 

@@ -128,6 +128,7 @@ class RunInfo(Record):
     request_id: str
     usage: Usage | None
     changes: tuple[FileChange, ...]  # what it changed in the project's files (docs/checkpoints.md)
+    changes_unlisted: int  # how many more files it changed than ``changes`` lists
     kind: RunKind  # a turn, or a rewind
     raw: pb.RunInfo = field(repr=False, compare=False)
 
@@ -170,6 +171,7 @@ def run_from_proto(m: pb.RunInfo) -> RunInfo:
         request_id=m.request_id,
         usage=usage_from_proto(m.usage) if m.HasField("usage") else None,
         changes=file_changes(m.changes),
+        changes_unlisted=m.changes_unlisted,
         kind=run_kind(m.kind),
         raw=m,
     )

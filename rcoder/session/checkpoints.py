@@ -42,7 +42,7 @@ from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, St
 from rcoder.logs import get_logger
 from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, CheckpointRepo, ChildGuard, commit_ref
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, CheckpointRepo, ChildGuard, commit_ref, listed
 
 if TYPE_CHECKING:
     from rcoder.session.turn_scope import TurnScope
@@ -62,16 +62,30 @@ def rewound_reason(target_run_id: str) -> str:
     return f"rewound to before run {target_run_id}"
 
 
-def encode_changes(changes: Sequence[FileChange]) -> str:
-    return json.dumps([[c.path, c.kind.value, c.old_path, c.lines_added, c.lines_removed, c.binary] for c in changes])
+def encode_changes(changes: Sequence[FileChange], unlisted: int = 0) -> str:
+    """A run's changes as its checkpoint row keeps them: a JSON list of rows, or, when more files
+    changed than are listed, ``{"listed": rows, "unlisted": n}``."""
+    rows = [[c.path, c.kind.value, c.old_path, c.lines_added, c.lines_removed, c.binary] for c in changes]
+    return json.dumps({"listed": rows, "unlisted": unlisted} if unlisted else rows)
 
 
-def decode_changes(text: str) -> tuple[FileChange, ...]:
+def decode_changes(text: str) -> tuple[tuple[FileChange, ...], int]:
+    """What ``encode_changes`` wrote: the changes listed, and how many more files changed."""
     try:
-        rows = json.loads(text)
-        return tuple(FileChange(r[0], ChangeKind(r[1]), r[2], int(r[3]), int(r[4]), bool(r[5])) for r in rows)
-    except (ValueError, TypeError, IndexError):
-        return ()
+        found = json.loads(text)
+        rows, unlisted = (found["listed"], int(found["unlisted"])) if isinstance(found, dict) else (found, 0)
+        changes = tuple(FileChange(r[0], ChangeKind(r[1]), r[2], int(r[3]), int(r[4]), bool(r[5])) for r in rows)
+    except (ValueError, TypeError, IndexError, KeyError):
+        return (), 0
+    return changes, unlisted
+
+
+async def listed_changes(repo: CheckpointRepo, before: str, after: str) -> tuple[tuple[FileChange, ...], int]:
+    """What changed from ``before`` to ``after``: the files listed (``listed``: what a client can
+    receive in one message) and how many more changed."""
+    found = await repo.changes(before, after, listed_only=False)
+    shown = listed(found)
+    return shown, len(found) - len(shown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +95,7 @@ class RunDiff:
     diff: str
     truncated: bool
     changes: tuple[FileChange, ...]
+    unlisted: int = 0  # how many more files changed than ``changes`` lists
 
 
 class Checkpoints:
@@ -138,12 +153,12 @@ class Checkpoints:
 
     async def after(
         self, project_id: str, cwd: str, session_id: str, run_id: str, profile: AgentProfile, before: str
-    ) -> tuple[str, tuple[FileChange, ...]]:
+    ) -> tuple[str, tuple[FileChange, ...], int]:
         """Snapshot the project after the turn and store what changed since ``before`` (its
         before snapshot; "": none was taken, nothing is). The after commit, which the run's end
-        records ("": none), and the changes."""
+        records ("": none), the changes listed and how many more files changed."""
         if not before:
-            return "", ()
+            return "", (), 0
         try:
             async with self.locks[project_id]:
                 repo = self.repo(project_id, cwd)
@@ -152,15 +167,15 @@ class Checkpoints:
                 await repo.keep(before)
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"after run {run_id}")
                 self.pending(run_id, commit)
-                changes = await repo.changes(before, commit)
+                changes, unlisted = await listed_changes(repo, before, commit)
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
-            return "", ()
+            return "", (), 0
         if changes:  # a turn that changed nothing needs no row: no row reads as a turn with no changes
             await self._store.put_run_checkpoint(
-                run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes))
+                run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes, unlisted))
             )
-        return commit, changes
+        return commit, changes, unlisted
 
     # ------------------------------------------------------------ reading
 
@@ -194,12 +209,15 @@ class Checkpoints:
         if out.truncated:
             text += CUT_MARKER.format(limit=self._max_diff)
         stored = await self._store.run_checkpoints([run_id])
-        changes = decode_changes(stored[run_id].changes) if run_id in stored else await repo.changes(before, after)
+        if run_id in stored:
+            changes, unlisted = decode_changes(stored[run_id].changes)
+        else:
+            changes, unlisted = await listed_changes(repo, before, after)
         if path:
-            changes = tuple(c for c in changes if path in (c.path, c.old_path))
+            changes, unlisted = tuple(c for c in changes if path in (c.path, c.old_path)), 0
             if not changes:  # past the files listed (MAX_LISTED_CHANGES), or not changed: git says
                 changes = await repo.changes(before, after, path)
-        return RunDiff(text, out.truncated, changes)
+        return RunDiff(text, out.truncated, changes, unlisted)
 
     # ------------------------------------------------------------ lifetime
 
@@ -289,7 +307,7 @@ async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[
         scope.checkpoint = "" if scope.before.cancelled() else scope.before.result()
     try:
         # not shielded again: the turn's end runs all of this shielded, in a task of its own
-        scope.checkpoint_after, changes = await checkpoints.after(
+        scope.checkpoint_after, changes, scope.changes_unlisted = await checkpoints.after(
             plan.turn.project_id, plan.cwd, plan.session_id, plan.run_id, plan.profile, scope.checkpoint
         )
     except (StoreError, LeaseLost) as exc:

@@ -214,4 +214,5 @@ def with_checkpoint(record: RunRecord, stored: RunCheckpoint | None) -> RunRecor
     """The run with its kind and changes (docs/checkpoints.md), as the store keeps them."""
     if stored is None:
         return record
-    return replace(record, kind=RunKind(stored.kind), changes=decode_changes(stored.changes))
+    changes, unlisted = decode_changes(stored.changes)
+    return replace(record, kind=RunKind(stored.kind), changes=changes, changes_unlisted=unlisted)

@@ -39,7 +39,7 @@ from rcoder.session.checkpoints import Checkpoints, encode_changes
 from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.runs import RUN_MISSING, Run, RunRegistry
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
-from rcoder.store.checkpoint_repo import CheckpointRepo
+from rcoder.store.checkpoint_repo import CheckpointRepo, listed
 
 log = get_logger("rcoder.session.rewinding")
 BUSY_ADVICE = "Wait for it to complete, or Cancel it, then rewind."
@@ -52,6 +52,7 @@ class Rewound:
     run_id: str
     changes: tuple[FileChange, ...]
     agent_stopped: bool
+    changes_unlisted: int = 0  # how many more files it changed back than ``changes`` lists
 
 
 def give_back(project: Path, changes: Sequence[FileChange]) -> None:
@@ -133,14 +134,14 @@ class SessionRewinder:
                 await self._store.finish_run(rewind_id, failed)
                 raise
         await self._store.put_run_checkpoint(
-            rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(changes))
+            rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(*changes))
         )
         end = RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock(),
                      checkpoint_before=snapshots[0], checkpoint_after=snapshots[1])  # fmt: skip
         await self._store.finish_run(rewind_id, end)
         log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
-                 files=len(changes), agent_stopped=stopped)  # fmt: skip
-        return Rewound(rewind_id, changes, stopped)
+                 files=len(changes[0]) + changes[1], agent_stopped=stopped)  # fmt: skip
+        return Rewound(rewind_id, changes[0], stopped, changes[1])
 
     async def _checked(self, session_id: str, run_id: str) -> tuple[SessionRecord, RunRecord]:
         """The session and the run, when ``run_id`` is one of its runs and checkpoints are on."""
@@ -158,10 +159,10 @@ class SessionRewinder:
 
     async def _rewind(
         self, record: SessionRecord, repo: CheckpointRepo, rewind_id: str, run_id: str, goal: str
-    ) -> tuple[bool, tuple[str, str], tuple[FileChange, ...]]:
+    ) -> tuple[bool, tuple[str, str], tuple[tuple[FileChange, ...], int]]:
         """Under the project's lock: the session forgets, then the files go back (step 3 of the
         module docstring). Whether an agent was live, the rewind's before and after commits, and
-        its changes."""
+        its changes (those listed, and how many more files changed)."""
         session_id = record.session_id
         # The session forgets its agent first (no turn of it runs: the rewind holds it).
         stopped = await self._pool.close(session_id)
@@ -174,5 +175,7 @@ class SessionRewinder:
         await repo.restore(goal)
         after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
         self._checkpoints.pending(rewind_id, after)
-        await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(now, after, listed_only=False))
-        return stopped, (now, after), await repo.changes(now, after)
+        changed = await repo.changes(now, after, listed_only=False)
+        await asyncio.to_thread(give_back, repo.work_tree, changed)
+        shown = listed(changed)
+        return stopped, (now, after), (shown, len(changed) - len(shown))

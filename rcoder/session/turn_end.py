@@ -244,8 +244,9 @@ class TurnEnder:
         assert body is not None and outcome is not None
         provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
         completed = RunCompleted(
-            outcome.stop, provider_id, body.resume, outcome.error, outcome.error_reason, scope.usage, scope.changes
-        )
+            outcome.stop, provider_id, body.resume, outcome.error, outcome.error_reason, scope.usage, scope.changes,
+            scope.changes_unlisted,
+        )  # fmt: skip
         return scope.run.prepare_end(completed)
 
     def _run_end(self, scope: TurnScope) -> RunEnd:

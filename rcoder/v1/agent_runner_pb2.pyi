@@ -1434,6 +1434,7 @@ class RunInfo(_message.Message):
     CLIENT_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run's id (Subscribe takes it)"""
     session_id: _builtins.str
@@ -1460,6 +1461,8 @@ class RunInfo(_message.Message):
     """
     kind: Global___RunKind.ValueType
     """a turn of the agent, or a rewind (RewindSession)"""
+    changes_unlisted: _builtins.int
+    """how many more files the run changed than changes lists (as RunCompleted.changes_unlisted)"""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """when the run started"""
@@ -1497,10 +1500,11 @@ class RunInfo(_message.Message):
         client: _builtins.str = ...,
         changes: _abc.Iterable[Global___FileChange] | None = ...,
         kind: Global___RunKind.ValueType = ...,
+        changes_unlisted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "kind", b"kind", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "kind", b"kind", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3358,6 +3362,7 @@ class RunCompleted(_message.Message):
     ERROR_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
+    CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     """how the turn ended"""
     provider_session_id: _builtins.str
@@ -3369,6 +3374,10 @@ class RunCompleted(_message.Message):
     error_reason: _builtins.str
     """set with error: what kind of failure, as the ErrorInfo reasons of gRPC statuses say it
     (AGENT_AUTH_REQUIRED, AGENT_TIMEOUT, AGENT_CRASHED, AGENT_PROTOCOL_ERROR, STORE_UNAVAILABLE, INTERNAL, ...)
+    """
+    changes_unlisted: _builtins.int
+    """how many more files the turn changed than changes lists (it lists at most 10,000 files and
+    1 MiB of paths); GetRunChanges gives any of them by path, and the diff has them all
     """
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -3388,10 +3397,11 @@ class RunCompleted(_message.Message):
         error_reason: _builtins.str = ...,
         usage: Global___Usage | None = ...,
         changes: _abc.Iterable[Global___FileChange] | None = ...,
+        changes_unlisted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3536,12 +3546,15 @@ class GetRunChangesResponse(_message.Message):
     DIFF_FIELD_NUMBER: _builtins.int
     TRUNCATED_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
+    CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
     diff: _builtins.str
     """the unified diff (git's, with a/ and b/ prefixes; binary files as "Binary files ... differ"),
     cut at max_diff_bytes with a line saying so
     """
     truncated: _builtins.bool
     """the diff was cut at max_diff_bytes"""
+    changes_unlisted: _builtins.int
+    """how many more files it changed than changes lists"""
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
         """the files it changed (of path alone when given)"""
@@ -3552,10 +3565,11 @@ class GetRunChangesResponse(_message.Message):
         diff: _builtins.str = ...,
         truncated: _builtins.bool = ...,
         changes: _abc.Iterable[Global___FileChange] | None = ...,
+        changes_unlisted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "diff", b"diff", "truncated", b"truncated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "diff", b"diff", "truncated", b"truncated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3596,10 +3610,13 @@ class RewindSessionResponse(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     AGENT_STOPPED_FIELD_NUMBER: _builtins.int
+    CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run of kind rewind that records it (ListRuns)"""
     agent_stopped: _builtins.bool
     """a live agent of the session was ended"""
+    changes_unlisted: _builtins.int
+    """how many more files it changed back than changes lists"""
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
         """the files it changed back"""
@@ -3610,10 +3627,11 @@ class RewindSessionResponse(_message.Message):
         run_id: _builtins.str = ...,
         changes: _abc.Iterable[Global___FileChange] | None = ...,
         agent_stopped: _builtins.bool = ...,
+        changes_unlisted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_stopped", b"agent_stopped", "changes", b"changes", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_stopped", b"agent_stopped", "changes", b"changes", "changes_unlisted", b"changes_unlisted", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -211,10 +211,22 @@ class TurnRunner:
         await self.spend.admit(run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd)
         self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
         loop = asyncio.get_running_loop()
-        if self.checkpoints.enabled:  # docs/checkpoints.md: taken while the session opens
-            snapshot = self.checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+        checkpoints = self.checkpoints
+        if checkpoints.enabled and plan.action is not Action.LIVE:
+            # docs/checkpoints.md: taken while an agent starts or the session loads, beside it
+            snapshot = checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
             scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
         opened = await self._open(scope)
+        if checkpoints.enabled and scope.before is None:
+            # A live session opens at once: the snapshot is taken now, with no task of its own.
+            scope.before = loop.create_future()
+            try:
+                scope.before.set_result(
+                    await checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+                )
+            except BaseException:
+                scope.before.cancel()  # the turn's end then takes no after snapshot
+                raise
         if scope.before is not None:
             # The project as it was before the prompt reaches the agent. The wait is shielded
             # because the end of the turn waits for the same snapshot.

@@ -53,7 +53,7 @@ class TurnScope:
         self.answer: Answer | None = None  # set when the agent answered the prompt
         # The project's snapshot before the prompt goes out (docs/checkpoints.md): taken while
         # the session opens and waited for before the prompt is sent; its commit ("" for none).
-        self.before: asyncio.Task[str] | None = None
+        self.before: asyncio.Future[str] | None = None
         self.checkpoint = ""
         self.checkpoint_after = ""  # the commit of its after snapshot, for its end to record
         self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files

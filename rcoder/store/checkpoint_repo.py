@@ -228,6 +228,9 @@ class CheckpointRepo:
         self.git_dir, self.work_tree, self.index = git_dir.absolute(), work_tree.absolute(), index.absolute()
         self.timeout = timeout
         self._split_min_bytes = split_min_bytes
+        self._head = str(self.git_dir / "HEAD")
+        self._refs_folder = f"{self.git_dir}/{COMMIT_REF_PREFIX}"  # with its trailing slash
+        self._skipping: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())  # patterns, their folders
         self._guard = guard or NoGuard()
         self._env = git_env(self.git_dir)
         self._env.update(GIT_DIR=str(self.git_dir), GIT_WORK_TREE=str(self.work_tree), GIT_INDEX_FILE=str(self.index))
@@ -252,7 +255,7 @@ class CheckpointRepo:
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises. A store made
         anew (the project's was deleted, here or by another host) starts from a new index."""
-        if (self.git_dir / "HEAD").exists():
+        if os.path.exists(self._head):  # noqa: ASYNC240 (one stat of a local file, twice a turn)
             return
         self.forget_index()
         # 0700: no other user reads the stores (agents under a uid of their own included)
@@ -284,7 +287,9 @@ class CheckpointRepo:
         await self.ensure()
         patterns = (*patterns, *ALWAYS_EXCLUDED)
         last = self._last
-        skip = skipped_dirs(patterns)
+        if self._skipping[0] != patterns:  # the same profile's patterns, turn after turn
+            self._skipping = (patterns, skipped_dirs(patterns))
+        skip = self._skipping[1]
         if last is not None and last.seen.files <= INLINE_WALK_FILES:
             seen = stat_tree(self.work_tree, skip)  # a few hundred stat calls: less than a thread's hop
         else:
@@ -295,6 +300,7 @@ class CheckpointRepo:
             return last.commit
         excludes = self.excludes_file(patterns)
         try:
+            self._unlock_index()
             stored = await self._store_in_parallel(seen, excludes)
             # a file it cannot read is left out (--ignore-errors: exit 1, the rest added); one
             # whose object is stored already is only hashed
@@ -307,8 +313,10 @@ class CheckpointRepo:
                 commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
             # the ref on disk before anyone can record the commit (docs/checkpoints.md#lifetime)
             await self.keep(commit)
-        except CheckpointError:
-            self.forget_index()  # whatever broke it (a store removed under it), the next starts anew
+        except BaseException:
+            # whatever broke it (a store removed under it, a git ended by a timeout or a cancel),
+            # the next starts anew
+            self.forget_index()
             raise
         self._last = Snapshot(tree, commit, seen, tuple(patterns))
         return commit
@@ -332,6 +340,7 @@ class CheckpointRepo:
         finally:
             for spare in spares:
                 spare.unlink(missing_ok=True)
+                spare.with_name(f"{spare.name}.lock").unlink(missing_ok=True)  # a git ended mid-way
         failed = [str(result)[:300] for result in done if isinstance(result, BaseException)]
         if failed:
             log.warning("checkpoint_split_add_failed", git_dir=str(self.git_dir), errors=failed)
@@ -341,11 +350,19 @@ class CheckpointRepo:
         """Drop this host's index of the project (the next snapshot reads every file again)."""
         self._last = None
         self.index.unlink(missing_ok=True)
+        self._unlock_index()
+
+    def _unlock_index(self) -> None:
+        """Remove a lock of the index that a git ended mid-way left (a timeout, a cancel, a
+        daemon killed): git would refuse every later snapshot. Only this host uses the index,
+        and its snapshots of the project take turns (the caller holds the project's lock), so a
+        lock found here is never another git's at work."""
+        self.index.with_name(f"{self.index.name}.lock").unlink(missing_ok=True)
 
     def kept(self, commit: str) -> bool:
         """Whether ``commit``'s ref is on disk as a loose ref file (one stat call; a ref that
         ``gc`` packed reads as not kept, and ``keep`` writes it loose again, once)."""
-        return (self.git_dir / commit_ref(commit)).is_file()
+        return os.path.isfile(self._refs_folder + commit)  # a string path: this runs on every turn
 
     async def keep(self, commit: str) -> None:
         """Make sure ``commit``'s ref is on disk: nothing is written when its loose ref file is

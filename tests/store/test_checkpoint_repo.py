@@ -1,6 +1,7 @@
-"""A first snapshot of a large project is stored by several ``git add`` at once
-(rcoder.store.checkpoint_repo, docs/checkpoints.md#what-a-snapshot-costs): the shares are even by
-size, and the snapshot is the tree one process makes, whatever the project holds."""
+"""A project's checkpoint store as git keeps it (rcoder.store.checkpoint_repo): a first snapshot of
+a large project is stored by several ``git add`` at once (docs/checkpoints.md#what-a-snapshot-costs),
+the shares even by size and the snapshot the tree one process makes, whatever the project holds;
+a git ended mid-way stops no later snapshot."""
 
 from __future__ import annotations
 
@@ -88,3 +89,13 @@ async def test_after_a_split_first_snapshot_a_change_is_seen_and_the_rest_is_kep
     second = await repo.snapshot((), "second")
     changes = sorted((c.path, c.kind.value) for c in await repo.changes(first, second))
     assert changes == [("a/f0.bin", "modified"), ("d/f2.bin", "deleted")]
+
+
+async def test_a_lock_of_the_index_left_by_a_git_ended_mid_way_does_not_stop_later_snapshots(tmp_path: Path) -> None:
+    root = project(tmp_path / "p")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index")
+    first = await repo.snapshot((), "first")
+    (tmp_path / "s.index.lock").write_bytes(b"")  # what a git killed during `add` leaves
+    (root / "a" / "f0.bin").write_bytes(b"changed")
+    second = await repo.snapshot((), "second")
+    assert [(c.path, c.kind.value) for c in await repo.changes(first, second)] == [("a/f0.bin", "modified")]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -18,6 +17,7 @@ from rcoder.errors import ConfigError
 from rcoder.session.project_files import TEMP_PREFIX
 from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED, CheckpointRepo
 from rcoder.v1 import agent_runner_pb2 as pb
+from tests.checkpoint_stores import git, store_refs
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, error_info
 from tests.turns import read_until, start_turn
@@ -52,18 +52,6 @@ def digest_of(folder: Path) -> str:
         if path.is_file() and not path.is_symlink():
             sha.update(path.read_bytes())
     return sha.hexdigest()
-
-
-def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
-
-
-def store_refs(tmp_path: Path, project: str = "proj") -> set[str]:
-    store = tmp_path / "data" / "checkpoints" / f"{project}.git"
-    out = subprocess.run(
-        ["git", f"--git-dir={store}", "for-each-ref", "--format=%(refname)"], check=True, capture_output=True, text=True
-    ).stdout
-    return set(out.split())
 
 
 def files_of(folder: Path) -> dict[str, tuple[int, int]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import subprocess
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,20 +17,9 @@ from rcoder.domain import RunRecord, RunStatus, SessionRecord
 from rcoder.session.checkpoints import Checkpoints
 from rcoder.store.sqlite import SqliteStore
 from rcoder.v1 import agent_runner_pb2 as pb
+from tests.checkpoint_stores import git, store_refs
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup
-
-
-def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
-
-
-def store_refs(tmp_path: Path, project: str = "proj") -> set[str]:
-    store = tmp_path / "data" / "checkpoints" / f"{project}.git"
-    out = subprocess.run(
-        ["git", f"--git-dir={store}", "for-each-ref", "--format=%(refname)"], check=True, capture_output=True, text=True
-    ).stdout
-    return set(out.split())
 
 
 async def test_a_turn_refused_before_it_started_keeps_the_snapshot_an_earlier_run_names(

@@ -295,8 +295,16 @@ class CheckpointRepo:
         else:
             first = not self.index.exists()
             seen = await asyncio.to_thread(stat_tree, self.work_tree, skip, weigh=first)
+        # The last commit's ref is in place (a stat call) unless gc packed it or it was deleted.
+        # A deleted one's commit, and the files only it held, may be pruned since: then it is
+        # never named again, and git reads every file anew.
+        if last is not None and not self.kept(last.commit):
+            if await self.resolve(last.commit) is None:
+                self.forget_index()
+                last = None
+            else:
+                await self.keep(last.commit)
         if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):
-            await self.keep(last.commit)  # a stat call: its ref is in place unless deleted or packed
             return last.commit
         excludes = self.excludes_file(patterns)
         try:

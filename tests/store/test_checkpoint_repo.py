@@ -99,3 +99,20 @@ async def test_a_lock_of_the_index_left_by_a_git_ended_mid_way_does_not_stop_lat
     (root / "a" / "f0.bin").write_bytes(b"changed")
     second = await repo.snapshot((), "second")
     assert [(c.path, c.kind.value) for c in await repo.changes(first, second)] == [("a/f0.bin", "modified")]
+
+
+async def test_a_commit_whose_ref_was_deleted_and_pruned_is_never_named_again(tmp_path: Path) -> None:
+    root = project(tmp_path / "p")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index")
+    first = await repo.snapshot((), "first")
+    await repo.delete_refs([f"refs/rcoder/commits/{first}"])  # no run names it any more
+    await repo.git("reflog", "expire", "--expire=now", "--all")
+    await repo.git("gc", "--quiet", "--prune=now")  # and gc took it
+    assert await repo.resolve(first) is None
+
+    again = await repo.snapshot((), "again")  # nothing changed in the project meanwhile
+
+    assert await repo.resolve(again) == again and again != first
+    assert await repo.changes(again, again) == ()
+    listed = (await repo.git("ls-tree", "-r", "--name-only", again)).out.decode(errors="replace").split("\n")
+    assert "d/run.sh" in listed

@@ -164,7 +164,7 @@ class Checkpoints:
                 repo = self.repo(project_id, cwd)
                 # Its ref again (a stat call): another host may have deleted it after the store
                 # said no run named the commit and before this run's start named it.
-                await repo.keep(before)
+                await repo.keep_existing(before)
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"after run {run_id}")
                 self.pending(run_id, commit)
                 changes, unlisted = await listed_changes(repo, before, commit)

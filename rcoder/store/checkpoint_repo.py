@@ -382,6 +382,14 @@ class CheckpointRepo:
         if not self.kept(commit):
             await asyncio.to_thread(self._write_ref, commit_ref(commit), commit)
 
+    async def keep_existing(self, commit: str) -> None:
+        """``keep``, for a commit this host did not just make: when its ref is gone (deleted on
+        another host, docs/checkpoints.md#lifetime), it is written again only if git still has
+        the commit; a pruned one is ``CheckpointError``, never a ref to nothing."""
+        if not self.kept(commit) and await self.resolve(commit) is None:
+            raise CheckpointError("keep", f"commit {commit} is gone from the store (its snapshots were deleted)")
+        await self.keep(commit)
+
     def _write_ref(self, name: str, sha: str) -> None:
         path = self.git_dir / name
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

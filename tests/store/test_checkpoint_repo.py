@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rcoder.errors import CheckpointError
 from rcoder.store.checkpoint_repo import CheckpointRepo, split_by_size
 from rcoder.store.tree_stat import stat_tree
 
@@ -109,6 +110,10 @@ async def test_a_commit_whose_ref_was_deleted_and_pruned_is_never_named_again(tm
     await repo.git("reflog", "expire", "--expire=now", "--all")
     await repo.git("gc", "--quiet", "--prune=now")  # and gc took it
     assert await repo.resolve(first) is None
+
+    with pytest.raises(CheckpointError):  # a turn that began from it gets no ref to nothing
+        await repo.keep_existing(first)
+    assert not (tmp_path / "s.git" / "refs" / "rcoder" / "commits" / first).exists()
 
     again = await repo.snapshot((), "again")  # nothing changed in the project meanwhile
 

@@ -1,7 +1,7 @@
 """Many runs through every path: zero leftover processes, no growth in descriptors or memory.
 
 Finished runs are kept as they are in production (``run_retention`` of ten minutes, longer than
-the test), and each session sends 4 MiB of tool calls: kept whole they would grow the daemon by
+the test), and each session sends 8 MiB of tool calls: kept whole they would grow the daemon by
 far more than the memory bound, so the bound holds only because ``runs_total_bytes`` does.
 
 `make test` runs over two hundred turns; `make soak` (RCODER_SOAK=1) ten thousand.
@@ -55,7 +55,7 @@ async def one_session(client: Client, index: int) -> dict[str, int]:
     sid = first[0].session_id
     for turn in range(TURNS_PER_SESSION - 7):
         count(await client.chat(prompt=f"turn {turn} tool stream 3", session_id=sid))
-    count(await client.chat(prompt=f"bigtools 4 {MIB}", session_id=sid))  # 4 MiB a finished run would keep
+    count(await client.chat(prompt=f"bigtools 8 {MIB}", session_id=sid))  # 8 MiB a finished run would keep
     call, begin = await start_turn(client, prompt="hang", session_id=sid)
     await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
     count(await rest_of(call))
@@ -92,7 +92,9 @@ async def test_hundreds_of_runs_through_every_path_leak_nothing(
 
     # warm-up (imports, caches, pools and malloc's arenas reach their size): two batches; one was
     # seen to leave 42 MiB of growth in a loaded full run. The 12 sessions measured after it send
-    # 48 MiB of tool calls, past the memory bound below, had runs_total_bytes not held
+    # 96 MiB of tool calls, far past the memory bound below, had runs_total_bytes not held. The
+    # bound leaves room for what malloc's arenas keep: up to 42 MiB of growth was seen under load
+    # with nothing retained (runs_total_bytes is checked exactly, by the metric, at the end)
     warm = min(2 * CONCURRENCY, SESSIONS)
     await batch(range(warm))
     fds_before, rss_before = daemon_usage(daemon.proc.pid)
@@ -105,7 +107,7 @@ async def test_hundreds_of_runs_through_every_path_leak_nothing(
     assert totals.get("STOP_REASON_CANCELLED") == SESSIONS
     assert totals.get("STOP_REASON_ERROR") == SESSIONS  # the crashes, and nothing else
     assert fds_after <= fds_before + 8, "open descriptors grew"
-    assert rss_after <= rss_before + 40 * 1024, "memory grew"
+    assert rss_after <= rss_before + 64 * 1024, "memory grew"
     held = (await asyncio.to_thread(scrape, serving["address"], daemon.token))[("rcoder_run_buffer_bytes", ())]
     assert held <= RUNS_TOTAL_BYTES, "finished runs were kept past runs_total_bytes"
     for session in (await client.stub.ListSessions(pb.ListSessionsRequest(page_size=1000))).sessions:

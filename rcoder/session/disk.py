@@ -38,6 +38,7 @@ from rcoder.errors import WorkspaceTooLarge, human_bytes
 from rcoder.logs import get_logger
 from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.turn_messages import StopCause
+from rcoder.session.turn_tasks import report_failure
 
 log = get_logger("rcoder.session.disk")
 T = TypeVar("T")
@@ -257,16 +258,10 @@ class DiskGuard:
         task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_seen)
+        task.add_done_callback(report_failure)
         return task
 
 
 def _done(project: _Project, check: _Check, _: asyncio.Task[int | None]) -> None:
     if project.checking is check:
         project.checking = None
-
-
-def _seen(task: asyncio.Task[Any]) -> None:
-    """A check that raised is a bug of ours (an OSError of the walk included): logged, never unseen."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("background_task_failed", task=task.get_name(), exc_info=exc)

@@ -26,7 +26,7 @@ class TurnTasks:
         task = asyncio.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(_seen)
+        task.add_done_callback(report_failure)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no task is left (those started meanwhile included); False after ``timeout``."""
@@ -49,10 +49,10 @@ class TurnTasks:
                 log.warning("turns_not_ended_in_time", count=len(late), timeout=timeout)
 
 
-def _seen(task: asyncio.Task[None]) -> None:
-    """A turn's task (or a cancel it sent) that raised is a bug of ours: logged with its traceback
-    (``background_task_failed``, which fails the tests) rather than left for asyncio's "never
-    retrieved" at some later collection."""
+def report_failure(task: asyncio.Task[Any]) -> None:
+    """A background task of ours that raised (a turn's, a cancel it sent, a disk check) is a bug
+    of ours: logged with its traceback (``background_task_failed``, which fails the tests) rather
+    than left for asyncio's "never retrieved" at some later collection."""
     if task.cancelled():
         return
     exc = task.exception()

@@ -42,7 +42,9 @@ from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, St
 from rcoder.logs import get_logger
 from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, CheckpointRepo, ChildGuard, commit_ref, listed
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, CheckpointRepo, commit_ref
+from rcoder.store.git_changes import listed
+from rcoder.store.git_process import ChildGuard
 
 if TYPE_CHECKING:
     from rcoder.session.turn_scope import TurnScope

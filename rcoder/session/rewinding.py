@@ -39,7 +39,8 @@ from rcoder.session.checkpoints import Checkpoints, encode_changes
 from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.runs import RUN_MISSING, Run, RunRegistry
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
-from rcoder.store.checkpoint_repo import CheckpointRepo, listed
+from rcoder.store.checkpoint_repo import CheckpointRepo
+from rcoder.store.git_changes import listed
 
 log = get_logger("rcoder.session.rewinding")
 BUSY_ADVICE = "Wait for it to complete, or Cancel it, then rewind."

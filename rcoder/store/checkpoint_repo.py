@@ -19,21 +19,19 @@ project) unsets every attribute that would convert a file on its way in or out (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import re
-import signal
 import threading
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from rcoder.domain import ChangeKind, FileChange
+from rcoder.domain import FileChange
 from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
+from rcoder.store.git_changes import listed, parse_changes
+from rcoder.store.git_process import GIT_TIMEOUT, ChildGuard, GitResult, NoGuard, git_env, run_git
 from rcoder.store.tree_stat import TreeStat, skipped_dirs, stat_tree
 
 log = get_logger("rcoder.store.checkpoint_repo")
@@ -54,11 +52,6 @@ ALWAYS_EXCLUDED = (".rcoder-upload-*.tmp",)
 # a project whose last walk counted at most this many files is walked again on the event loop
 # (well under a millisecond), not in a thread
 INLINE_WALK_FILES = 200
-GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
-# the most files a run's changes list, and the most bytes of their paths: well within the 4 MiB a
-# gRPC client receives; the diff (GetRunChanges) has them all, up to max_diff_bytes
-MAX_LISTED_CHANGES = 10_000
-MAX_LISTED_BYTES = 1 << 20
 # outranks the project's .gitattributes: no conversion of any file in or out, git's own heuristic
 # for what is binary (a NUL in the first 8000 bytes), no diff or merge driver
 ATTRIBUTES = "* -text -crlf !eol -ident !filter !working-tree-encoding !diff !merge\n"
@@ -93,112 +86,6 @@ SNAPSHOT_ADD = ("-c", "core.bigFileThreshold=1", "-c", "core.compression=0")
 # 2.4 s -> 1.5 s). Below it one process is quick enough.
 SPLIT_MIN_BYTES = 32 << 20
 SPLIT_MAX_PROCESSES = 4
-IDENTITY = {
-    "GIT_AUTHOR_NAME": "rcoder",
-    "GIT_AUTHOR_EMAIL": "rcoder@localhost",
-    "GIT_COMMITTER_NAME": "rcoder",
-    "GIT_COMMITTER_EMAIL": "rcoder@localhost",
-}
-
-
-def git_env(home: Path) -> dict[str, str]:
-    """A clean environment: nothing of the daemon's, no configuration but the store's own."""
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "LC_ALL": "C",
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": "/dev/null",
-        "GIT_ATTR_NOSYSTEM": "1",
-        "GIT_TERMINAL_PROMPT": "0",
-        "GIT_LITERAL_PATHSPECS": "1",
-        "GIT_OPTIONAL_LOCKS": "0",
-        **IDENTITY,
-    }
-
-
-class ChildGuard(Protocol):
-    """Who else waits for the daemon's children (``rcoder.agent.tree.Trees``: the subreaper reaps
-    every zombie child it does not own); git's exit status is ours to read, so it is owned while
-    it runs."""
-
-    def spawning(self) -> AbstractContextManager[None]: ...
-
-    def own(self, pid: int) -> None: ...
-
-    def disown(self, pid: int) -> None: ...
-
-
-class NoGuard:
-    """No reaper but asyncio's own."""
-
-    def spawning(self) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def own(self, pid: int) -> None:
-        pass
-
-    def disown(self, pid: int) -> None:
-        pass
-
-
-@dataclass(frozen=True, slots=True)
-class GitResult:
-    out: bytes
-    truncated: bool  # ``limit`` bytes were read and the rest dropped (the process ended)
-
-
-async def run_git(
-    args: Sequence[str],
-    env: dict[str, str],
-    cwd: Path,
-    timeout: float = GIT_TIMEOUT,
-    limit: int = 0,
-    guard: ChildGuard = NoGuard(),  # noqa: B008 (stateless)
-    stdin: bytes | None = None,
-    ok: tuple[int, ...] = (0,),
-) -> GitResult:
-    """``git args`` in a process group of its own, ended with it on every path (a timeout, a
-    cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
-    with guard.spawning():
-        try:
-            process = await asyncio.create_subprocess_exec(
-                "git", *args, cwd=cwd, env=env, start_new_session=True,
-                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )  # fmt: skip
-        except OSError as exc:  # no git on the PATH, or the project's folder is gone
-            raise CheckpointError("git", f"git could not be started in {cwd}: {exc}") from exc
-        guard.own(process.pid)
-    try:
-        async with asyncio.timeout(timeout):
-            if limit:
-                assert process.stdout is not None and process.stderr is not None
-                out = b""
-                while len(out) <= limit:
-                    more = await process.stdout.read(limit + 1 - len(out))
-                    if not more:
-                        break
-                    out += more
-                if len(out) > limit:
-                    return GitResult(out[:limit], True)
-                err = await process.stderr.read()
-                await process.wait()
-            else:
-                out, err = await process.communicate(stdin)
-    except TimeoutError:
-        raise CheckpointError("git", f"git {' '.join(args)[-200:]} took longer than {timeout:g} s") from None
-    finally:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await asyncio.shield(process.wait())
-        guard.disown(process.pid)
-    if process.returncode not in ok:
-        text = err.decode(errors="replace").strip()[-500:]
-        step = next((a for a in args if not a.startswith("-") and "=" not in a), "git")
-        raise CheckpointError(step, f"git {step} exited {process.returncode}: {text}")
-    return GitResult(out, False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +139,14 @@ class CheckpointRepo:
         env = self._env if index is None else {**self._env, "GIT_INDEX_FILE": str(index)}
         return await run_git([*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok)
 
+    def made(self) -> bool:
+        """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
+        return os.path.exists(self._head)
+
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises. A store made
         anew (the project's was deleted, here or by another host) starts from a new index."""
-        if os.path.exists(self._head):  # noqa: ASYNC240 (one stat of a local file, twice a turn)
+        if self.made():
             return
         self.forget_index()
         # 0700: no other user reads the stores (agents under a uid of their own included)
@@ -410,7 +301,7 @@ class CheckpointRepo:
 
     async def resolve(self, ref: str) -> str | None:
         """The commit ``ref`` names, None when there is none."""
-        if not (self.git_dir / "HEAD").exists():
+        if not self.made():
             return None
         try:
             out = await self.git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
@@ -420,7 +311,7 @@ class CheckpointRepo:
 
     async def refs(self, prefix: str) -> dict[str, int]:
         """Every ref under ``prefix``, with its commit's time (Unix seconds)."""
-        if not (self.git_dir / "HEAD").exists():
+        if not self.made():
             return {}
         out = await self.git("for-each-ref", "--format=%(refname) %(committerdate:unix)", prefix)
         found: dict[str, int] = {}
@@ -463,7 +354,7 @@ class CheckpointRepo:
         """Pack and prune: ``--auto`` (when git finds it worth it) unless ``full``. Objects are
         pruned once unreferenced for 5 minutes: a snapshot another host is writing may not have
         its ref yet."""
-        if (self.git_dir / "HEAD").exists():
+        if self.made():
             auto = () if full else ("--auto",)
             await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
 
@@ -480,58 +371,3 @@ def split_by_size(weights: dict[bytes, int], count: int, min_bytes: int = SPLIT_
         paths.append(path)
         shares[lightest] = (total + size, paths)
     return [paths for _, paths in shares if paths]
-
-
-def listed(changes: tuple[FileChange, ...]) -> tuple[FileChange, ...]:
-    """The first of ``changes`` within ``MAX_LISTED_CHANGES`` files and ``MAX_LISTED_BYTES``."""
-    size = 0
-    for count, change in enumerate(changes[:MAX_LISTED_CHANGES]):
-        size += len(change.path.encode()) + len(change.old_path.encode()) + 16
-        if size > MAX_LISTED_BYTES:
-            return changes[:count]
-    return changes[:MAX_LISTED_CHANGES]
-
-
-def parse_changes(data: bytes) -> tuple[FileChange, ...]:
-    """``diff-tree --raw --numstat -z`` output as ``FileChange`` records, in git's order."""
-    fields = data.split(b"\0")
-    raws: list[tuple[str, str, str, str, str, str]] = []  # old mode, new mode, old sha, new sha, status, path
-    olds: dict[str, str] = {}
-    i = 0
-    while i < len(fields) and fields[i].startswith(b":"):
-        old_mode, new_mode, old_sha, new_sha, status = fields[i][1:].decode().split(" ")
-        if status[0] in "RC":
-            olds[fields[i + 2].decode(errors="replace")] = fields[i + 1].decode(errors="replace")
-            named = fields[i + 2]
-            i += 3
-        else:
-            named = fields[i + 1]
-            i += 2
-        raws.append((old_mode, new_mode, old_sha, new_sha, status, named.decode(errors="replace")))
-    stats: dict[str, tuple[int, int, bool]] = {}
-    while i < len(fields) and fields[i]:
-        added, removed, path_field = fields[i].decode(errors="replace").split("\t", 2)
-        if path_field:
-            path, i = path_field, i + 1
-        else:  # a rename: the old path and the new follow
-            path, i = fields[i + 2].decode(errors="replace"), i + 3
-        binary = added == "-"
-        stats[path] = (0 if binary else int(added), 0 if binary else int(removed), binary)
-    changes = []
-    for old_mode, new_mode, old_sha, new_sha, status, path in raws:
-        lines_added, lines_removed, binary = stats.get(path, (0, 0, False))
-        kind = _kind(status[0], old_mode, new_mode, old_sha, new_sha)
-        changes.append(FileChange(path, kind, olds.get(path, ""), lines_added, lines_removed, binary))
-    return tuple(changes)
-
-
-def _kind(status: str, old_mode: str, new_mode: str, old_sha: str, new_sha: str) -> ChangeKind:
-    if status == "A":
-        return ChangeKind.ADDED
-    if status == "D":
-        return ChangeKind.DELETED
-    if status in "RC":
-        return ChangeKind.RENAMED
-    if old_sha == new_sha and old_mode != new_mode:
-        return ChangeKind.MODE_CHANGED
-    return ChangeKind.MODIFIED

@@ -24,6 +24,8 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from rcoder.client.token import find_token
+from rcoder.config import load_settings
+from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 
@@ -108,6 +110,17 @@ def write_config(
         lines.extend(f"{k} = {toml_value(v)}" for k, v in client.items())
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def config_error(tmp_path: Path, text: str) -> ConfigError:
+    """The error a config file holding ``text`` is refused with (none is a failure)."""
+    config = tmp_path / "rcoder.toml"
+    config.write_text(text)
+    try:
+        load_settings(config, {})
+    except ConfigError as exc:
+        return exc
+    raise AssertionError(f"accepted, though it should be refused: {text!r}")
 
 
 async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 20.0) -> None:

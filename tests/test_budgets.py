@@ -13,10 +13,9 @@ import grpc
 import pytest
 
 from rcoder.config import load_settings
-from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, completed, error_info
+from tests.harness import Client, FakeAgentSetup, completed, config_error, error_info
 
 # the fake agent's `costs N` reports 0.10 USD more N times, mid-turn; `hang` then waits for a cancel:
 # only a budget ends such a turn (bounded by the test's timeout otherwise)
@@ -158,12 +157,9 @@ async def test_a_sessions_spend_is_kept_across_a_daemon_restart(make_daemon: Dae
     ],
 )
 def test_bad_budget_values_are_config_errors_naming_the_key(tmp_path: Path, text: str, key: str, problem: str) -> None:
-    config = tmp_path / "rcoder.toml"
-    config.write_text(text)
-    with pytest.raises(ConfigError) as caught:
-        load_settings(config, {})
-    assert caught.value.key == key
-    assert problem in str(caught.value)
+    refused = config_error(tmp_path, text)
+    assert refused.key == key
+    assert problem in str(refused)
 
 
 @pytest.mark.fast

@@ -12,11 +12,10 @@ import grpc
 import pytest
 
 from rcoder.config import load_settings
-from rcoder.errors import ConfigError
 from rcoder.session.disk import measure, walk_size
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import FakeAgentSetup, completed, error_info, text_of
+from tests.harness import FakeAgentSetup, completed, config_error, error_info, text_of
 
 MIB = 1 << 20
 
@@ -93,12 +92,9 @@ async def test_a_turn_that_ended_by_itself_over_the_limit_is_checked_after_it(
     ],
 )
 def test_bad_disk_values_are_config_errors_naming_the_key(tmp_path: Path, text: str, key: str, problem: str) -> None:
-    config = tmp_path / "rcoder.toml"
-    config.write_text(text)
-    with pytest.raises(ConfigError) as caught:
-        load_settings(config, {})
-    assert caught.value.key == key
-    assert problem in str(caught.value)
+    refused = config_error(tmp_path, text)
+    assert refused.key == key
+    assert problem in str(refused)
 
 
 @pytest.mark.fast

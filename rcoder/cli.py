@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rcoder import __version__, client_args
-from rcoder.errors import ConfigError
+from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 
 # The base install is the client; the daemon's dependencies are this extra (pyproject.toml).
 DAEMON_INSTALL = "pip install 'rcoder[daemon]'"
@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # what only the running daemon can find out (the store's access)
         print(f"rcoder: {exc}", file=sys.stderr)
         return 2
+    except (DataDirInUse, ListenFailed) as exc:  # another daemon, or another program, got there first
+        print(f"rcoder: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 1

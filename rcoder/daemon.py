@@ -27,6 +27,7 @@ from rcoder.api.routed import Routes
 from rcoder.api.server import CallBounds, GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings
+from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
@@ -203,10 +204,14 @@ class Daemon:
             log.warning("store_unreachable", error=error)
 
     @property
+    def bound_address(self) -> str:
+        """The address served on, with the port as bound (``listen`` may ask for port 0)."""
+        return f"{self.settings.listen.rpartition(':')[0]}:{self.server.port}"
+
+    @property
     def advertise_address(self) -> str:
         """Where other hosts reach this one: ``advertise_address``, else the address as bound."""
-        host = self.settings.listen.rpartition(":")[0]
-        return self.settings.advertise_address or f"{host}:{self.server.port}"
+        return self.settings.advertise_address or self.bound_address
 
     async def start(self) -> None:
         self.tracing = tracing.configure(self.settings.otlp_endpoint)
@@ -237,10 +242,9 @@ class Daemon:
             self._retention = asyncio.create_task(self._prune_history(), name="history-retention")
         if self.settings.checkpoints:
             self._checkpoint_sweep = asyncio.create_task(self._sweep_checkpoints(), name="checkpoint-sweep")
-        host = self.settings.listen.rpartition(":")[0]
         log.info(
             "serving",
-            address=f"{host}:{self.server.port}",
+            address=self.bound_address,
             host_id=self.host_id,
             advertise_address=self.advertise_address,
             tls=bool(self.settings.tls_cert),
@@ -363,19 +367,28 @@ class Daemon:
 
 
 async def serve(settings: Settings) -> int:
-    """Run until SIGTERM or SIGINT; exit code 0 after a clean stop."""
-    daemon = Daemon(settings)
-    stop, force = asyncio.Event(), asyncio.Event()
+    """Run until SIGTERM or SIGINT; exit code 0 after a clean stop.
 
-    def on_signal() -> None:
-        (force if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    ``data_dir`` is locked first, before anything there is read or written (the token made, the
+    store opened, an earlier daemon's leftover agents swept): a second daemon on it raises
+    ``DataDirInUse`` having touched nothing (docs/operating.md#one-daemon-per-data_dir)."""
+    lock = DataDirLock.acquire(settings.data_dir, settings.listen)
     try:
-        await daemon.start()
-        await stop.wait()
+        daemon = Daemon(settings)
+        stop, force = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:
+            (force if stop.is_set() else stop).set()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            await daemon.start()
+            lock.say(daemon.bound_address)  # the port, once bound: what a refused daemon names
+            await stop.wait()
+        finally:
+            await daemon.stop(force)
     finally:
-        await daemon.stop(force)
+        lock.release()
     return 0

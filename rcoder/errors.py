@@ -385,3 +385,39 @@ class NoCheckpoint(RcoderError):
 
     def __init__(self, run_id: str, which: str, why: str) -> None:
         super().__init__(f"run {run_id} has no {which} snapshot: {why}", run_id=run_id, which=which)
+
+
+# ---------------------------------------------------------------- the daemon's start
+
+
+class DataDirInUse(RcoderError):
+    """Another daemon holds ``data_dir``: this one starts nothing and touches nothing there."""
+
+    reason = "DATA_DIR_IN_USE"
+
+    def __init__(self, data_dir: str, holder: dict[str, object]) -> None:
+        pid = holder.get("pid") or "unknown"
+        listen = holder.get("listen") or "an address not yet known"
+        super().__init__(
+            f"data_dir {data_dir} is in use by another rcoder daemon (pid {pid}, listening on {listen}); "
+            "stop it, or give this one a data_dir of its own (RCODER_DATA_DIR, data_dir in the config, "
+            "or --data-dir)",
+            data_dir=data_dir,
+            pid=str(pid),
+            listen=str(listen),
+        )
+        self.holder = holder
+
+
+class ListenFailed(RcoderError):
+    """The daemon could not listen on its address (taken by another program, or not this host's)."""
+
+    reason = "LISTEN_FAILED"
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(
+            f"cannot listen on {address}: {why}; pick another address with RCODER_LISTEN=host:port, "
+            'listen = "host:port" in the config, or --listen host:port',
+            address=address,
+        )
+        self.address = address

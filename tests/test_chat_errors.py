@@ -187,10 +187,11 @@ async def test_timeouts_and_auth_errors_on_resume_are_errors_never_fallbacks(
     first = await client.chat(prompt="remember 42")
     await daemon.stop()
 
-    _, hanging = await make_daemon({"fake": fake.profile("--hang", "open")}, session_open_timeout=1)
+    hanging_daemon, hanging = await make_daemon({"fake": fake.profile("--hang", "open")}, session_open_timeout=1)
     exc = await hanging.chat_error(prompt="again", session_id=first[0].session_id)
     assert exc.code() == grpc.StatusCode.UNAVAILABLE
     assert error_info(exc).reason == "AGENT_TIMEOUT"
+    await hanging_daemon.stop()  # one daemon per data_dir (docs/operating.md#one-daemon-per-data_dir)
 
     _, unauthorised = await make_daemon({"fake": fake.profile("--auth-required", "open")})
     exc = await unauthorised.chat_error(prompt="again", session_id=first[0].session_id)

@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "builtin_agents": set(),  # the profiles rcoder ships, as plain tables
     "landlock": set(),  # the kernel's Landlock, and the exec wrapper that confines agents (stdlib only)
     "logs": set(),
+    "data_lock": {"errors"},  # one daemon per data_dir: a flock, stdlib only
     "metrics": {"domain"},
     "tracing": {"logs", ROOT},  # OpenTelemetry: spans and W3C trace context, for every layer that makes spans
     ROOT: set(),

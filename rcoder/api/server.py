@@ -12,6 +12,8 @@ one (``rcoder.api.reflection``).
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,13 +102,19 @@ class GrpcServer:
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
             Reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), token), self._server
         )
-        if tls is not None:
-            credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
-            self.port = self._server.add_secure_port(listen, credentials)
-        else:
-            self.port = self._server.add_insecure_port(listen)
+        # asked of the kernel first: grpc would say only "Failed to bind", after a log line of its own
+        if (why := why_not_bound(listen)) is not None:
+            raise errors.ListenFailed(listen, why)
+        try:
+            if tls is not None:
+                credentials = grpc.ssl_server_credentials([(tls.key_pem, tls.cert_pem)])
+                self.port = self._server.add_secure_port(listen, credentials)
+            else:
+                self.port = self._server.add_insecure_port(listen)
+        except RuntimeError:  # grpc's "Failed to bind to address", the address taken since it was asked
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not listen on {listen}")
+            raise errors.ListenFailed(listen, why_not_bound(listen) or "grpc could not bind it")
         self._stopped = False
 
     async def start(self) -> None:
@@ -131,6 +139,23 @@ class GrpcServer:
         self._stopped = True
         await self.not_serving()
         await self._server.stop(grace)
+
+
+def why_not_bound(listen: str) -> str | None:
+    """Why ``listen`` cannot be bound, in the kernel's words (None: it can be, as grpc binds it)."""
+    host, _, port = listen.rpartition(":")
+    try:
+        found = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
+        return f"not an address of this host ({exc})"
+    family, kind, proto, _, address = found[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds: a closing socket is no clash
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return "the address is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+    return None
 
 
 # ---------------------------------------------------------------- handlers

@@ -73,6 +73,7 @@ bytecode: $(STAMP)
 
 ## serve on 127.0.0.1:50051 with the default config (CONFIG=path for another)
 run: $(STAMP) agents helper bytecode
+	@echo "make: in a second terminal, in this folder: . $(BIN)/activate   (grpcurl and rcoder on PATH), then: rcoder chat --project demo --agent echo hello   (README.md: A first conversation)" >&2
 	$(BIN)/rcoder serve $(if $(CONFIG),--config $(CONFIG),)
 
 ## the generated code and API checks, lint, type check and the whole suite. The container image is

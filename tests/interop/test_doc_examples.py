@@ -8,6 +8,12 @@ A fenced ``sh`` block right after a line ``<!-- example: run -->`` is run. Two f
 - a script: each command (continuation lines joined) must exit 0, and every ``RESUME_OUTCOME_*``
   and ``STOP_REASON_*`` the comment lines after it name must be in its output.
 
+Each block runs in a clean shell, as a newcomer's second terminal is: a ``PATH`` without
+``.venv/bin`` (the README puts it there itself, ``. .venv/bin/activate``), no token in the
+environment, and the folder holding ``.venv`` and the daemon's ``.rcoder`` as the repository's
+does. A page is read top to bottom in one terminal: what the blocks above a block set (a
+variable, a sourced file) holds in it.
+
 The daemon listens on a free port, so ``127.0.0.1:50051`` becomes its address (and ``rcoder chat``
 gets it as ``RCODER_TARGET``); the session id the first turn printed stands for ``<S>`` and for
 the elided ids of a transcript, and the first run id printed for ``<R>``. Nothing else of the text
@@ -32,7 +38,8 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 MARK = "<!-- example: run -->"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SESSION = re.compile(r'"session_id": "([0-9a-f-]{36})"|session ([0-9a-f-]{36})')
@@ -46,19 +53,34 @@ class Example:
     page: str
     line: int
     text: str
+    before: str = ""  # the shell state the page's blocks above this one set: what holds in it
 
     def __str__(self) -> str:
         return f"{self.page}:{self.line}"
 
 
 def marked_examples() -> list[Example]:
+    """Every marked block; a docs/ page is read after the README, in its terminal."""
     found = []
     for page in PAGES:
         text = page.read_text()
+        before = "" if page == README else front_page_state()
         for match in re.finditer(rf"^{re.escape(MARK)}\n```sh\n(.*?)^```", text, flags=re.M | re.S):
             line = text.count("\n", 0, match.start()) + 1
-            found.append(Example(str(page.relative_to(ROOT)), line, match.group(1)))
+            found.append(Example(str(page.relative_to(ROOT)), line, match.group(1), before))
+            before += "".join(f"{command}\n" for command, _ in commands(match.group(1)) if sets_state(command))
     return found
+
+
+def front_page_state() -> str:
+    """What the README's marked blocks leave set in the terminal (.venv/bin on PATH, AUTH)."""
+    blocks = re.findall(rf"^{re.escape(MARK)}\n```sh\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+    return "".join(f"{command}\n" for block in blocks for command, _ in commands(block) if sets_state(command))
+
+
+def sets_state(command: str) -> bool:
+    """A command whose effect the next lines of the same terminal keep: a variable set, a file sourced."""
+    return bool(re.match(r"^\w+=\S", command)) or command.startswith((". ", "source "))
 
 
 def commands(script: str) -> list[tuple[str, list[str]]]:
@@ -100,19 +122,27 @@ def test_the_front_page_marks_its_first_conversation() -> None:
 @pytest.mark.parametrize("example", marked_examples(), ids=str)
 async def test_a_marked_example_runs_as_written(make_daemon: DaemonFactory, tmp_path: Path, example: Example) -> None:
     daemon, _ = await make_daemon(profiles={}, data_dir=str(tmp_path / ".rcoder"), default_agent="echo")
-    env = newcomers_env(daemon.address)
+    env = newcomers_env(daemon.address, tmp_path)
     if any(line.startswith("$ ") for line in example.text.splitlines()):
         await transcript(example, tmp_path, env, daemon.address)
         return
     await script(example, tmp_path, env, daemon.address)
 
 
-def newcomers_env(address: str) -> dict[str, str]:
-    bin_dir = str(Path(sys.executable).parent)  # grpcurl and rcoder, in .venv/bin as `make` puts them
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RCODER_TARGET": address}
-    env.pop("RCODER_TOKEN", None)
-    env.pop("RCODER_AUTH_TOKEN", None)
-    return env
+def test_the_front_page_puts_grpcurl_and_rcoder_on_path_itself() -> None:
+    """A new terminal has no .venv/bin on PATH: the README's first block must put it there."""
+    first = next(example for example in marked_examples() if example.page == "README.md")
+    assert commands(first.text)[0][0] == ". .venv/bin/activate", f"{first}: {commands(first.text)[0][0]!r}"
+
+
+def newcomers_env(address: str, folder: Path) -> dict[str, str]:
+    """A clean shell's environment: no .venv/bin on PATH, no virtualenv, no token; ``folder`` holds
+    the repository's .venv (linked), where ``. .venv/bin/activate`` finds it."""
+    venv = Path(sys.executable).parent.parent
+    (folder / ".venv").symlink_to(venv)
+    path = [part for part in os.environ["PATH"].split(":") if part and Path(part).resolve() != (venv / "bin").resolve()]
+    keep = ("HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER")
+    return {**{k: os.environ[k] for k in keep if k in os.environ}, "PATH": ":".join(path), "RCODER_TARGET": address}
 
 
 async def script(example: Example, cwd: Path, env: dict[str, str], address: str) -> None:
@@ -121,7 +151,8 @@ async def script(example: Example, cwd: Path, env: dict[str, str], address: str)
     is printed as it stands, and a command that is refused exits non-zero; every other command
     exits 0 and prints every ``RESUME_OUTCOME_*``, ``STOP_REASON_*``, ``FILE_CHANGE_KIND_*`` and
     ``RUN_KIND_*`` its comments name."""
-    session, run, assignments = "", "", ""  # a variable the block sets (AUTH=...) holds for its later lines
+    session, run = "", ""
+    assignments = example.before  # a variable the block sets (AUTH=...) holds for its later lines
     for command, comments in commands(example.text):
         command = command.replace(DEFAULT_ADDRESS, address).replace("<S>", session).replace("<R>", run)
         code, output = await shell(assignments + command, cwd, env)
@@ -133,7 +164,7 @@ async def script(example: Example, cwd: Path, env: dict[str, str], address: str)
             assert code == 0, f"{example}: {command!r} exited {code}:\n{output}"
         for line in printed:
             assert line in output, f"{example}: {command!r} did not print {line!r}:\n{output}"
-        if re.match(r"^\w+=", command):
+        if sets_state(command):
             assignments += command + "\n"
         if not session and (found := SESSION.search(output)):
             session = found.group(1) or found.group(2)
@@ -153,6 +184,7 @@ def named_block(name: str, lang: str) -> tuple[Example, str]:
             line = text.count("\n", 0, match.start()) + 1
             found.append(Example(str(page.relative_to(ROOT)), line, match.group(1)))
     assert len(found) == 1, f"{mark} ```{lang}: {len(found)} blocks, want one"
+    found[0].before = front_page_state()
     return found[0], found[0].text
 
 
@@ -162,7 +194,7 @@ async def test_the_tenants_example_runs_with_its_config(make_daemon: DaemonFacto
     config = tomllib.loads(toml_text)
     (tmp_path / "support.token").write_text("support-3Rt8\n")  # as the page says; beside the config
     daemon, _ = await make_daemon(profiles={}, data_dir=str(tmp_path / ".rcoder"), default_agent="echo", **config)
-    await script(example, tmp_path, newcomers_env(daemon.address), daemon.address)
+    await script(example, tmp_path, newcomers_env(daemon.address, tmp_path), daemon.address)
 
 
 async def test_the_jwt_setup_works_as_written(make_daemon: DaemonFactory, tmp_path: Path) -> None:
@@ -211,7 +243,7 @@ async def transcript(example: Example, cwd: Path, env: dict[str, str], address: 
         command = command.replace(DEFAULT_ADDRESS, address)
         if session:
             command = re.sub(r"[0-9a-f]+-…", session, command)
-        code, output = await shell(command, cwd, env)
+        code, output = await shell(example.before + command, cwd, env)
         assert code == 0, f"{example}: {command!r} exited {code}:\n{output}"
         got = output.splitlines()
         assert len(got) == len(expected), f"{example}: {command!r} printed:\n{output}"

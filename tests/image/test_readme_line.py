@@ -1,0 +1,85 @@
+"""The README's container line, run as written on this host (a nested one: runc, no raised
+open-files limit), in a shell without ``CONTAINERS_CONF``: the line names it itself.
+
+What is changed of the line: ``make image &&`` is left out (the image is the one the ``image``
+fixture built with `make image`'s script), the container's name is this run's, and the host port
+a free one instead of 50051 (another test may hold it). A container left by a start that failed
+(created, never started) must not block the line, nor must a running one of the same name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.harness import ROOT
+from tests.image.podman import BUILD_TIMEOUT, RUN, podman
+from tests.pg import free_port
+
+START_TIMEOUT = 90.0  # a container to SERVING on a loaded two-core machine
+MARK = "<!-- example: container -->"
+
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 600)
+
+
+def readme_line() -> str:
+    found = re.search(rf"^{re.escape(MARK)}\n```sh\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.M | re.S)
+    assert found, f"README.md has no block after {MARK}"
+    return found.group(1).strip()
+
+
+def as_run_here(line: str, name: str, port: int) -> str:
+    command = line.removeprefix("make image && ")
+    assert command != line, f"the line builds the image first: {line!r}"
+    replaced = command.replace("--name rcoder ", f"--name {name} ").replace(
+        "-p 127.0.0.1:50051:50051 ", f"-p 127.0.0.1:{port}:50051 "
+    )
+    assert replaced.count(name) == 1 and str(port) in replaced, f"the line changed: {line!r}"
+    return replaced
+
+
+def run_line(command: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CONTAINERS_CONF"}
+    env["ANTHROPIC_API_KEY"] = "sk-ant-not-used"
+    return subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+async def serving(port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        async with asyncio.timeout(START_TIMEOUT):
+            while True:
+                try:
+                    async for status in stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True):
+                        if status.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+
+
+async def test_the_readmes_container_line_runs_as_written_over_a_failed_start_and_again(image: str) -> None:
+    name, port = f"{RUN}-readme", free_port()
+    command = as_run_here(readme_line(), name, port)
+    try:
+        # what a failed start leaves: a container of that name, created and never started
+        podman("create", "--name", name, "localhost/rcoder:latest")
+        first = run_line(command)
+        assert first.returncode == 0, (command, first.stdout, first.stderr)
+        await serving(port)
+        again = run_line(command)  # the same line once more, the first container running
+        assert again.returncode == 0, (command, again.stdout, again.stderr)
+        await serving(port)
+        listed = podman("ps", "--all", "--filter", f"name=^{name}$", "--format", "{{.ID}}").stdout.split()
+        assert len(listed) == 1, listed
+    finally:
+        podman("rm", "--force", "--volumes", "--time", "0", name, check=False)

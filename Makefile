@@ -13,7 +13,7 @@ TWINE_VENV := .venv-twine
 TWINE_STAMP := $(TWINE_VENV)/.installed
 CONFIG ?=
 
-.PHONY: all run test check fast docs docs-serve lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres helper image clean
+.PHONY: all run test check fast docs docs-serve docs-reference lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres helper image clean
 
 all: test
 
@@ -86,9 +86,16 @@ test: $(STAMP) agents tools twine postgres helper
 		$(MAKE) --no-print-directory check-proto check-api lint docs typecheck unit
 
 ## the docs site (mkdocs.yml) into build/site, --strict: a broken link or anchor, a page missing from
-## the nav, a proto element without a comment or a config key without a description fails it
+## the nav, a proto element without a comment or a config key without a description fails it, and
+## so does a page that lost a word or a table of its Markdown, or would fetch from another site
+## (scripts/docs_site_check.py), or a generated reference not up to date (make docs-reference)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+## docs/api-reference.md and docs/config-reference.md written from the proto and the settings model
+## (kept in git: `make docs` fails while they differ from what these make)
+docs-reference: $(STAMP)
+	$(BIN)/python scripts/docs_hooks.py
 
 ## the docs site served on 127.0.0.1:8000, rebuilt on every change
 docs-serve: $(STAMP)

@@ -1,12 +1,17 @@
-"""MkDocs hooks (mkdocs.yml ``hooks:``): the pages made at build time, never kept in git.
+"""MkDocs hooks (mkdocs.yml ``hooks:``): the pages made from the code, and the built site checked.
 
-- ``index.md``: README.md, the front page, with its ``docs/`` links made relative to the site;
-- ``api-reference.md``: every service, method, message, field, enum and value of the proto, with
-  the proto's own comments (read from ``protoc --include_source_info``'s descriptor set);
-- ``config-reference.md``: every config key of the settings model with its type, default,
+- ``index.md``: README.md, the front page, with its ``docs/`` links made relative to the site
+  (made at build time, never kept in git);
+- ``docs/api-reference.md``: every service, method, message, field, enum and value of the proto,
+  with the proto's own comments (read from ``protoc --include_source_info``'s descriptor set);
+- ``docs/config-reference.md``: every config key of the settings model with its type, default,
   environment variable and description (the docstring under the key in rcoder/config.py).
 
-A proto element without a comment, or a config key without a description, fails the build.
+The two references are written by ``make docs-reference`` and kept in git, so that the README's
+links to them work on a forge and in a clone; the build fails when they are not what the proto
+and the model make now. A proto element without a comment, or a config key without a
+description, fails the build too, and so does a built page that lost a word or a table of its
+Markdown or would fetch anything from another site (``scripts/docs_site_check.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from google.protobuf import descriptor_pb2
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
 from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +46,14 @@ def _comment(comments: dict[tuple[int, ...], str], path: tuple[int, ...], name: 
     text = comments.get(path, "").strip()
     if not text:
         missing.append(name)
-    return " ".join(line.strip() for line in text.splitlines())
+    return _prose(" ".join(line.strip() for line in text.splitlines()))
+
+
+def _prose(text: str) -> str:
+    """Text for Markdown: ``<`` and ``>`` outside code spans as entities, or ``<project_id>`` would
+    be taken for an HTML tag and vanish from the page (scripts/docs_site_check.py)."""
+    parts = re.split(r"(`+[^`]*`+)", text)
+    return "".join(part if part.startswith("`") else part.replace("<", "&lt;").replace(">", "&gt;") for part in parts)
 
 
 def _cell(text: str) -> str:
@@ -65,7 +78,8 @@ def api_reference() -> str:
     lines = [
         "# API reference",
         "",
-        f"Generated from `proto/{PROTO}` (package `{proto.package}`) and its comments when the site is built.",
+        f"Generated from `proto/{PROTO}` (package `{proto.package}`) and its comments by `make docs-reference`",
+        "(`make docs` fails while it is not up to date).",
         "",
     ]
     for s, service in enumerate(proto.service):
@@ -144,7 +158,7 @@ def config_reference() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the settings model (`rcoder/config.py`) when the site is built: every key, its type,",
+        "Generated from the settings model (`rcoder/config.py`) by `make docs-reference`: every key, its type,",
         "its default and its description. Top-level keys are also read from `RCODER_<KEY>` variables",
         "(see [Configuration](configuration.md) for the order in which file, variables and flags apply).",
         "",
@@ -171,7 +185,7 @@ def config_reference() -> str:
                 default = "unset"
             variable = f"`RCODER_{key.upper()}`" if env and key not in FILE_ONLY else "—"
             kind = _cell(_type_name(field.annotation))
-            described = _cell(" ".join(description.split()))
+            described = _cell(_prose(" ".join(description.split())))
             lines.append(f"| `{key}` | `{kind}` | {_cell(default)} | {variable} | {described} |")
         lines.append("")
     if missing:
@@ -219,11 +233,52 @@ def front_page() -> str:
     return re.sub(r"\]\(docs/", "](", (ROOT / "README.md").read_text())
 
 
+_MARKDOWN: dict[str, str] = {}  # each page's Markdown as read, by the page it is built into
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    _MARKDOWN[page.file.dest_uri] = markdown
+    return markdown
+
+
+def on_post_build(config: MkDocsConfig) -> None:
+    """The built pages against their Markdown (scripts/docs_site_check.py): a word lost, a table
+    broken or a resource from another site fails the build."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import docs_site_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    found = []
+    for dest, markdown in sorted(_MARKDOWN.items()):
+        page_html = (Path(config.site_dir) / dest).read_text()
+        found += [f"{dest}: {problem}" for problem in docs_site_check.problems(markdown, page_html)]
+    if found:
+        raise PluginError("the site does not say what the Markdown says:\n" + "\n".join(found))
+
+
+GENERATED = {"api-reference.md": api_reference, "config-reference.md": config_reference}
+
+
+def write_references() -> None:
+    """``make docs-reference``: the generated pages written into docs/, to be committed with the
+    proto or the settings model they come from."""
+    for name, make in GENERATED.items():
+        (ROOT / "docs" / name).write_text(make())
+
+
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    for name, content in (
-        ("index.md", front_page()),
-        ("api-reference.md", api_reference()),
-        ("config-reference.md", config_reference()),
-    ):
-        files.append(File.generated(config, name, content=content))
+    """The front page made from README.md; the generated pages, kept in git so that they read on a
+    forge and in a clone too, checked to be what the proto and the model make now."""
+    stale = [name for name, make in GENERATED.items() if (ROOT / "docs" / name).read_text() != make()]
+    if stale:
+        raise PluginError(
+            f"{', '.join('docs/' + name for name in stale)} not up to date with the proto and the settings model: "
+            "`make docs-reference` writes them (commit them with the change)"
+        )
+    files.append(File.generated(config, "index.md", content=front_page()))
     return files
+
+
+if __name__ == "__main__":
+    write_references()

@@ -1,7 +1,11 @@
 """The marked shell examples of README.md and of every docs/ page, run as a newcomer types them
 against a real daemon: grpcurl with the token read from ``.rcoder/auth_token``, and ``rcoder chat``.
 
-A fenced ``sh`` block right after a line ``<!-- example: run -->`` is run. Two forms:
+A fenced ``python`` or ``js`` block right after a line ``<!-- example: run -->`` is a script: it
+is saved in the folder and run with ``python`` (the one ``. .venv/bin/activate`` puts on PATH) or
+``node`` (with ``proto/`` and the interop tests' pinned ``node_modules`` beside it, as in the
+rcoder folder after the page's ``npm install``), and must exit 0; a Node script must exit non-zero
+when its token is wrong. A fenced ``sh`` block so marked is run too, in one of two forms:
 
 - a transcript, lines starting ``$ ``: each command runs, and the lines after it are its output
   (stdout and stderr together), ``…`` standing for any text;
@@ -54,6 +58,7 @@ class Example:
     line: int
     text: str
     before: str = ""  # the shell state the page's blocks above this one set: what holds in it
+    lang: str = "sh"
 
     def __str__(self) -> str:
         return f"{self.page}:{self.line}"
@@ -65,10 +70,11 @@ def marked_examples() -> list[Example]:
     for page in PAGES:
         text = page.read_text()
         before = "" if page == README else front_page_state()
-        for match in re.finditer(rf"^{re.escape(MARK)}\n```sh\n(.*?)^```", text, flags=re.M | re.S):
+        for match in re.finditer(rf"^{re.escape(MARK)}\n```(sh|python|js)\n(.*?)^```", text, flags=re.M | re.S):
             line = text.count("\n", 0, match.start()) + 1
-            found.append(Example(str(page.relative_to(ROOT)), line, match.group(1), before))
-            before += "".join(f"{command}\n" for command, _ in commands(match.group(1)) if sets_state(command))
+            found.append(Example(str(page.relative_to(ROOT)), line, match.group(2), before, match.group(1)))
+            if match.group(1) == "sh":
+                before += "".join(f"{command}\n" for command, _ in commands(match.group(2)) if sets_state(command))
     return found
 
 
@@ -120,13 +126,41 @@ def test_the_front_page_marks_its_first_conversation() -> None:
 
 
 @pytest.mark.parametrize("example", marked_examples(), ids=str)
-async def test_a_marked_example_runs_as_written(make_daemon: DaemonFactory, tmp_path: Path, example: Example) -> None:
+async def test_a_marked_example_runs_as_written(
+    make_daemon: DaemonFactory, tmp_path: Path, example: Example, request: pytest.FixtureRequest
+) -> None:
     daemon, _ = await make_daemon(profiles={}, data_dir=str(tmp_path / ".rcoder"), default_agent="echo")
     env = newcomers_env(daemon.address, tmp_path)
+    if example.lang == "python":
+        await program(example, tmp_path, env, daemon.address, "example.py", "python example.py")
+        return
+    if example.lang == "js":
+        node_client = request.getfixturevalue("node_client")  # the pinned @grpc packages, installed
+        (tmp_path / "node_modules").symlink_to(node_client.parent / "node_modules")
+        (tmp_path / "proto").symlink_to(ROOT / "proto")
+        output = await program(example, tmp_path, env, daemon.address, "example.js", "node example.js")
+        assert "STOP_REASON_END_TURN" in output, f"{example}:\n{output}"
+        token = tmp_path / ".rcoder" / "auth_token"
+        kept = token.read_text()
+        token.write_text("not-the-token\n")  # the daemon keeps the one it read at its start
+        try:
+            code, output = await shell(example.before + "node example.js", tmp_path, env)
+        finally:
+            token.write_text(kept)
+        assert code != 0 and "UNAUTHENTICATED" in output, f"{example}: a wrong token exited {code}:\n{output}"
+        return
     if any(line.startswith("$ ") for line in example.text.splitlines()):
         await transcript(example, tmp_path, env, daemon.address)
         return
     await script(example, tmp_path, env, daemon.address)
+
+
+async def program(example: Example, cwd: Path, env: dict[str, str], address: str, name: str, command: str) -> str:
+    """A script block saved as ``name`` and run with ``command`` in the page's terminal; its output."""
+    (cwd / name).write_text(example.text.replace(DEFAULT_ADDRESS, address))
+    code, output = await shell(example.before + command, cwd, env)
+    assert code == 0, f"{example}: {command!r} exited {code}:\n{output}"
+    return output
 
 
 def test_the_front_page_puts_grpcurl_and_rcoder_on_path_itself() -> None:

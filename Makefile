@@ -85,11 +85,29 @@ test: $(STAMP) agents tools twine postgres helper
 		trap 'kill -TERM -- -$$image 2>/dev/null; wait $$image 2>/dev/null' EXIT; trap 'exit 143' INT TERM; \
 		$(MAKE) --no-print-directory check-proto check-api lint docs typecheck unit
 
+## the site's diagrams are drawn by mermaid's one-file build, served by the site itself (no CDN: the
+## site reads without a network). Only that file of the pinned package, taken from the npm registry
+## with `npm pack` and checked against its sha256: installing the package would bring 113 packages
+## (154 MB) for a 3.5 MB file nothing else needs
+MERMAID_VERSION := 11.17.2
+MERMAID_SHA256 := 581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8
+MERMAID_PINNED := build/vendor/mermaid-$(MERMAID_VERSION).min.js
+# what scripts/docs_hooks.py copies into the site
+MERMAID := build/vendor/mermaid.min.js
+$(MERMAID_PINNED):
+	@rm -rf build/vendor/pack && mkdir -p build/vendor/pack
+	npm pack --silent --pack-destination build/vendor/pack mermaid@$(MERMAID_VERSION) >/dev/null
+	tar -xzf build/vendor/pack/mermaid-$(MERMAID_VERSION).tgz -C build/vendor/pack package/dist/mermaid.min.js
+	echo "$(MERMAID_SHA256)  build/vendor/pack/package/dist/mermaid.min.js" | sha256sum --check --quiet
+	mv build/vendor/pack/package/dist/mermaid.min.js $@ && rm -rf build/vendor/pack
+$(MERMAID): $(MERMAID_PINNED)
+	cp $< $@
+
 ## the docs site (mkdocs.yml) into build/site, --strict: a broken link or anchor, a page missing from
 ## the nav, a proto element without a comment or a config key without a description fails it, and
 ## so does a page that lost a word or a table of its Markdown, or would fetch from another site
 ## (scripts/docs_site_check.py), or a generated reference not up to date (make docs-reference)
-docs: $(STAMP)
+docs: $(STAMP) $(MERMAID)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 ## docs/api-reference.md and docs/config-reference.md written from the proto and the settings model
@@ -98,7 +116,7 @@ docs-reference: $(STAMP)
 	$(BIN)/python scripts/docs_hooks.py
 
 ## the docs site served on 127.0.0.1:8000, rebuilt on every change
-docs-serve: $(STAMP)
+docs-serve: $(STAMP) $(MERMAID)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 ## the inner loop, about 15 s warm (12 s measured on 2 cores): the generated code and API checks, lint, the type check

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -241,9 +242,19 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     return markdown
 
 
+MERMAID = ROOT / "build" / "vendor" / "mermaid.min.js"  # the Makefile's, from npm (`make docs`)
+MERMAID_SERVED = "assets/javascripts/mermaid.min.js"  # mkdocs.yml's extra_javascript
+
+
 def on_post_build(config: MkDocsConfig) -> None:
-    """The built pages against their Markdown (scripts/docs_site_check.py): a word lost, a table
-    broken or a resource from another site fails the build."""
+    """mermaid's script copied into the site, which serves it itself; then the built pages against
+    their Markdown (scripts/docs_site_check.py): a word lost, a table broken or a resource from
+    another site fails the build."""
+    if not MERMAID.exists():
+        raise PluginError(f"{MERMAID.relative_to(ROOT)} is missing: `make docs` fetches it (the diagrams' script)")
+    served = Path(config.site_dir) / MERMAID_SERVED
+    served.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(MERMAID, served)
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import docs_site_check

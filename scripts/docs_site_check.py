@@ -12,7 +12,8 @@ Markdown as MkDocs read it and the page's HTML in the site folder; any finding f
   a blank one) is one HTML table with a row per line, and every line of it starts and ends with
   ``|``: a hard-wrapped cell splits its table into stray rows and paragraphs.
 - **offline**: no page loads a script, a style sheet, a font or an image from another site: the
-  diagrams and the theme's assets are served from the site itself.
+  diagrams and the theme's assets are served from the site itself, and a page with a diagram
+  loads the site's own ``mermaid.min.js``.
 """
 
 from __future__ import annotations
@@ -145,6 +146,13 @@ def broken_tables(markdown: str, page_html: str) -> list[str]:
     return found
 
 
+def undrawn_diagrams(page_html: str) -> list[str]:
+    """A page with a diagram that does not load the site's own mermaid script shows its source."""
+    if 'class="mermaid"' not in article(page_html) or re.search(r'<script src="[^"]*/mermaid\.min\.js"', page_html):
+        return []
+    return ["a diagram, and no mermaid.min.js of the site's own to draw it"]
+
+
 def external_loads(page_html: str) -> list[str]:
     return [match.group(0) for match in _EXTERNAL.finditer(page_html)]
 
@@ -159,5 +167,6 @@ def problems(markdown: str, page_html: str) -> list[str]:
             + (f" (text in <...> outside code: {'; '.join(where)})" if where else "")
         )
     found += broken_tables(markdown, page_html)
+    found += undrawn_diagrams(page_html)
     found += [f"loaded from another site: {load}" for load in external_loads(page_html)]
     return found

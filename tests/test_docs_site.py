@@ -68,3 +68,12 @@ def test_every_relative_link_leads_to_a_file_of_the_repository(source: Path) -> 
             continue
         path = (source.parent / target.split("#")[0]).resolve()
         assert path.exists(), f"{source.relative_to(ROOT)} links {target}, which is not in the repository"
+
+
+def test_a_diagram_needs_the_sites_own_mermaid_script() -> None:
+    text = "```mermaid\nflowchart LR\n  a --> b\n```\n"
+    body = '<pre class="mermaid"><code>flowchart LR\n  a --&gt; b\n</code></pre>'
+    shown = f'<article class="md-content__inner">{body}</article>'
+    assert docs_site_check.problems(text, shown) == ["a diagram, and no mermaid.min.js of the site's own to draw it"]
+    drawn = shown + '<script src="../assets/javascripts/mermaid.min.js"></script>'
+    assert docs_site_check.problems(text, drawn) == []

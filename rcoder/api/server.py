@@ -144,9 +144,11 @@ class GrpcServer:
 def why_not_bound(listen: str) -> str | None:
     """Why ``listen`` cannot be bound, in the kernel's words (None: it can be, as grpc binds it)."""
     host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        return None  # not host:port: grpc's to judge
     try:
         found = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         return f"not an address of this host ({exc})"
     family, kind, proto, _, address = found[0]
     with socket.socket(family, kind, proto) as probe:

@@ -173,6 +173,7 @@ soak: $(STAMP) helper bytecode
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
+	$(BIN)/python scripts/docs_hooks.py  # docs/api-reference.md follows the proto's comments (make docs-reference)
 
 check-proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py --check

@@ -50,12 +50,12 @@ class DataDirLock:
             os.close(fd)
             raise
         lock = cls(path, fd)
-        lock.say(listen)
+        lock.say(listen, serving=False)
         return lock
 
-    def say(self, listen: str) -> None:
-        """Write this daemon's pid and address into the file: the bound address once it is known."""
-        data = json.dumps({"pid": os.getpid(), "listen": listen}).encode() + b"\n"
+    def say(self, listen: str, serving: bool = True) -> None:
+        """Write this daemon's pid and address into the file: the bound address once it serves."""
+        data = json.dumps({"pid": os.getpid(), "listen": listen, "serving": serving}).encode() + b"\n"
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
 

@@ -398,8 +398,9 @@ class DataDirInUse(RcoderError):
     def __init__(self, data_dir: str, holder: dict[str, object]) -> None:
         pid = holder.get("pid") or "unknown"
         listen = holder.get("listen") or "an address not yet known"
+        where = f"listening on {listen}" if holder.get("serving") else f"starting, to listen on {listen}"
         super().__init__(
-            f"data_dir {data_dir} is in use by another rcoder daemon (pid {pid}, listening on {listen}); "
+            f"data_dir {data_dir} is in use by another rcoder daemon (pid {pid}, {where}); "
             "stop it, or give this one a data_dir of its own (RCODER_DATA_DIR, data_dir in the config, "
             "or --data-dir)",
             data_dir=data_dir,

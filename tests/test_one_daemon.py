@@ -13,6 +13,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
+from rcoder.data_lock import DataDirLock
+from rcoder.errors import DataDirInUse
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, eventually, started, text_of, write_config
@@ -118,3 +122,19 @@ async def test_a_port_already_taken_is_one_line_naming_it_and_the_ways_to_pick_a
         f"rcoder: cannot listen on {daemon.address}: the address is already in use; pick another address with "
         'RCODER_LISTEN=host:port, listen = "host:port" in the config, or --listen host:port'
     ]
+
+
+@pytest.mark.fast
+def test_the_lock_names_a_holder_still_starting_and_is_free_once_released(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    held = DataDirLock.acquire(data_dir, "127.0.0.1:0")
+    with pytest.raises(DataDirInUse) as refused:
+        DataDirLock.acquire(data_dir, "127.0.0.1:50052")
+    assert f"(pid {os.getpid()}, starting, to listen on 127.0.0.1:0)" in refused.value.message
+    held.say("127.0.0.1:41234")
+    with pytest.raises(DataDirInUse) as refused:
+        DataDirLock.acquire(data_dir, "127.0.0.1:50052")
+    assert f"(pid {os.getpid()}, listening on 127.0.0.1:41234)" in refused.value.message
+    held.release()
+    DataDirLock.acquire(data_dir, "127.0.0.1:50052").release()
+    assert oct((data_dir / "daemon.lock").stat().st_mode & 0o777) == oct(0o600)

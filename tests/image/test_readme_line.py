@@ -5,6 +5,8 @@ What is changed of the line: ``make image &&`` is left out (the image is the one
 fixture built with `make image`'s script), the container's name is this run's, and the host port
 a free one instead of 50051 (another test may hold it). A container left by a start that failed
 (created, never started) must not block the line, nor must a running one of the same name.
+Without ``CONTAINERS_CONF`` the line ends in runc's "error setting rlimit type 7: operation not
+permitted" here; without ``--replace``, in "that name is already in use".
 """
 
 from __future__ import annotations

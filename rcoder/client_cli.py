@@ -59,7 +59,7 @@ from rcoder.client import (
     ToolState,
     Turn,
 )
-from rcoder.client.token import find_token, local_target
+from rcoder.client.token import FoundToken, local_target, locate_token, same_daemon
 
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
@@ -74,9 +74,9 @@ SETTLED = {  # how a permission request was settled, as "permission <this>: <opt
 
 def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     """Run ``chat`` or ``sessions``; returns the exit code."""
-    target = args.target or env.get("RCODER_TARGET") or local_target(env, args.config)
-    token = args.token if args.token is not None else find_token(env, args.config)
-    screen = Screen(stdout, stderr, args.json)
+    target, found = target_and_token(args, env)
+    token = found.token
+    screen = Screen(stdout, stderr, args.json, found)
     try:
         if args.command == "sessions":
             if args.action != "list" and not args.session_id:
@@ -113,6 +113,36 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
         return FAILED
 
 
+def target_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, FoundToken]:
+    """The daemon to call and the token to send it (docs/clients.md#the-token).
+
+    ``--token`` and ``$RCODER_TOKEN`` go wherever they are sent. The local daemon's own token (its
+    ``auth_token``, or the file in its data_dir) goes only to that daemon: when no target is named,
+    the target is its address, or its config is named (``--config``, ``$RCODER_CONFIG``): a container
+    or another host gets no token it never issued."""
+    local = local_target(env, args.config)
+    named = args.target or env.get("RCODER_TARGET") or ""
+    target = named or local
+    if args.token is not None:
+        return target, FoundToken(args.token, "--token", ("--token",))
+    found = locate_token(env, args.config)
+    config_named = args.config is not None or bool(env.get("RCODER_CONFIG"))
+    if found.local and named and not config_named and not same_daemon(named, local):
+        return target, FoundToken("", "", found.looked, withheld=found.source)
+    return target, found
+
+
+def token_hint(found: FoundToken, target: str) -> str:
+    """What a refused call is told about the token: where it came from, or where it was looked for."""
+    give = "give the daemon's token with --token TOKEN or RCODER_TOKEN=TOKEN"
+    if found.withheld:
+        return (f"no token sent: the one in {found.withheld} is this host's daemon's, and {target} is not "
+                f"its address; {give}")  # fmt: skip
+    if not found.token:
+        return f"no token sent: none found in {', '.join(found.looked)}; {give}"
+    return f"{target} refused the token from {found.source}; {give}"
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -123,6 +153,7 @@ class Screen:
     out: TextIO
     err: TextIO
     json: bool
+    token: FoundToken | None = None  # the token sent, said when the daemon refuses it
     _open_line: TextIO | None = None  # the stream whose last line has no newline yet
 
     def _flow(self, stream: TextIO, text: str) -> None:
@@ -170,6 +201,8 @@ class Screen:
         if code == "UNAVAILABLE" and not exc.reason:
             message = f"cannot reach the daemon at {target}: {message}"
         self.note(f"rcoder: {code}{reason}: {message}")
+        if code == "UNAUTHENTICATED" and self.token is not None:
+            self.note(f"rcoder: {token_hint(self.token, target)}")
         return FAILED
 
 

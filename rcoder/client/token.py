@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_FILE = "auth_token"  # noqa: S105 (a file name) - the daemon's name for it (rcoder.api.access)
@@ -20,23 +21,60 @@ DEFAULT_LISTEN = "127.0.0.1:50051"
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}  # noqa: S104 - read, not bound
 
 
+@dataclass(frozen=True, slots=True)
+class FoundToken:
+    """A token and where it was found, or every place looked when none was: what a person is
+    told when the daemon refuses the call (docs/clients.md#the-token)."""
+
+    token: str
+    source: str  # where ``token`` came from, e.g. "$RCODER_TOKEN" or a file's path; "" when none
+    looked: tuple[str, ...]  # every place looked, in order
+    local: bool = False  # the local daemon's own (its auth_token or data_dir file), not one given for this call
+    withheld: str = ""  # where the local daemon's token was found, when it was not sent: the target is another
+
+
+def same_daemon(target: str, local: str) -> bool:
+    """Whether ``target`` is the address ``local_target`` says (``localhost`` as loopback)."""
+
+    def norm(address: str) -> str:
+        host, _, port = address.rpartition(":")
+        host = {"localhost": "127.0.0.1", **WILDCARDS}.get(host, host)
+        return f"{host}:{port}"
+
+    return norm(target) == norm(local)
+
+
 def find_token(environ: Mapping[str, str] | None = None, config_file: Path | None = None) -> str:
     """``RCODER_TOKEN``, else the daemon's ``auth_token`` (``RCODER_AUTH_TOKEN``, the config's, the
     defaults file's), else the file in the daemon's data_dir (``RCODER_DATA_DIR``, the config's,
     the defaults file's, else ``.rcoder``); the config is ``config_file``, else ``RCODER_CONFIG``,
     the defaults file ``RCODER_DEFAULTS``. "" when none of these says one."""
-    environ = os.environ if environ is None else environ
+    return locate_token(os.environ if environ is None else environ, config_file).token
+
+
+def locate_token(environ: Mapping[str, str], config_file: Path | None = None) -> FoundToken:
+    """``find_token``'s token, with where it was found and where it was looked for."""
+    looked = ["$RCODER_TOKEN"]
     if environ.get("RCODER_TOKEN"):
-        return environ["RCODER_TOKEN"]
+        return FoundToken(environ["RCODER_TOKEN"], "$RCODER_TOKEN", tuple(looked))
     layers = _layers(environ, config_file)
-    token = _key(layers, "auth_token")
-    if token:
-        return token
-    data_dir = _key(layers, "data_dir", path=True) or DEFAULT_DATA_DIR
+    looked += [_where(file, "auth_token") for _, file in layers]
+    for table, file in layers:
+        value = table.get("auth_token")
+        if isinstance(value, str) and value:
+            return FoundToken(value, _where(file, "auth_token"), tuple(looked), local=True)
+    path = Path(_key(layers, "data_dir", path=True) or DEFAULT_DATA_DIR).absolute() / TOKEN_FILE
+    looked.append(str(path))
     try:
-        return (Path(data_dir) / TOKEN_FILE).read_text("utf-8").strip()
+        token = path.read_text("utf-8").strip()
     except (OSError, UnicodeDecodeError):
-        return ""
+        token = ""
+    return FoundToken(token, str(path) if token else "", tuple(looked), local=bool(token))
+
+
+def _where(file: Path | None, key: str) -> str:
+    """How a place ``locate_token`` looked is said: a variable, or a key of a file."""
+    return f"$RCODER_{key.upper()}" if file is None else f"{key} in {file}"
 
 
 def local_target(environ: Mapping[str, str], config_file: Path | None = None) -> str:
@@ -46,7 +84,7 @@ def local_target(environ: Mapping[str, str], config_file: Path | None = None) ->
     return f"{WILDCARDS.get(host, host)}:{port}"
 
 
-# a layer: its keys, and the folder its relative paths start from (None: the variables)
+# a layer: its keys, and the file they were read from (None: the variables)
 Layer = tuple[Mapping[str, object], Path | None]
 
 
@@ -63,7 +101,7 @@ def _layers(environ: Mapping[str, str], config_file: Path | None) -> list[Layer]
         if path is None:
             continue
         try:
-            layers.append((tomllib.loads(path.read_text("utf-8")), path.parent))
+            layers.append((tomllib.loads(path.read_text("utf-8")), path))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
             continue
     return layers
@@ -71,8 +109,8 @@ def _layers(environ: Mapping[str, str], config_file: Path | None) -> list[Layer]
 
 def _key(layers: list[Layer], key: str, path: bool = False) -> str:
     """The first non-empty string value of ``key``; a relative ``path`` against its file's folder."""
-    for table, folder in layers:
+    for table, file in layers:
         value = table.get(key)
         if isinstance(value, str) and value:
-            return str(folder / value) if path and folder is not None else value
+            return str(file.parent / value) if path and file is not None else value
     return ""

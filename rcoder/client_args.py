@@ -34,7 +34,15 @@ def add_commands(commands: Any) -> None:
     chat = commands.add_parser("chat", parents=[common], help="one turn with an agent, streamed")
     chat.add_argument("--project", required=True, help="project id (its folder under the daemon's workspace_root)")
     chat.add_argument("--session", default="", help="continue this session (the id a previous turn printed)")
-    chat.add_argument("--agent", default="", help="agent profile (default: the daemon's default_agent)")
+    chat.add_argument(
+        "--known-session",
+        action="store_true",
+        help="refuse a --session id this daemon has no record of (without it, such an id is resumed as the "
+        "agent's own, said on stderr)",
+    )
+    chat.add_argument(
+        "--agent", default="", help="agent profile (default: the session's own, else the daemon's default_agent)"
+    )
     chat.add_argument("--ask", action="store_true", help="ask at the terminal when the agent asks permission")
     chat.add_argument(
         "--busy",

@@ -38,6 +38,7 @@ from rcoder.client import (
     ConfigOptionUpdate,
     Deletion,
     Event,
+    NotFound,
     PermissionMode,
     PermissionOutcome,
     PermissionRequest,
@@ -220,12 +221,17 @@ async def chat(
     target: str, token: str, args: argparse.Namespace, prompt: str, screen: Screen, answers: TextIO | None
 ) -> int:
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        agent = args.agent
+        if args.session:
+            agent = await session_agent(client, args, screen)
+            if agent is None:
+                return FAILED
         watch = Watch(client, screen, answers)
         turn = client.chat(
             args.project,
             prompt,
             session_id=args.session,
-            agent=args.agent,
+            agent=agent,
             permission_mode=PermissionMode.ASK if args.ask else None,
             busy=BusyPolicy(args.busy) if args.busy else None,
             config_options=args.config_options,
@@ -233,6 +239,33 @@ async def chat(
             on_named=watch.named,
         )
         return await watch.run(turn)
+
+
+async def session_agent(client: RcoderClient, args: argparse.Namespace, screen: Screen) -> str | None:
+    """The agent the turn of ``--session`` runs on, known before it starts (docs/clients.md#continuing-a-session):
+    the session's own, or ``--agent``. An id this daemon has no record of (a typo, a truncated id) is
+    said loudly, before the turn, as the daemon resumes it as the agent's own id; with
+    ``--known-session`` it is an error instead (None: the turn is not sent)."""
+    named: str = args.agent
+    try:
+        own = (await client.sessions.get(args.session)).agent
+    except NotFound:
+        pass
+    else:
+        return named or own
+    # the agent's own id of a session rcoder keeps: the daemon finds it by that profile's name
+    async for session in client.sessions.list(args.project):
+        if session.provider_session_id == args.session:
+            screen.note(f"rcoder: {args.session} is agent {session.agent}'s id of session {session.session_id}")
+            return named or session.agent
+    if args.known_session:
+        screen.note(f"rcoder: not a session of this daemon: {args.session} (--known-session; `rcoder sessions "
+                    f"--project {args.project}` lists its sessions)")  # fmt: skip
+        return None
+    agent = named or next((a.name for a in await client.agents() if a.default), "the default agent")
+    screen.note(f"rcoder: WARNING: not a session of this daemon: resuming {args.session} as the agent's own id, "
+                f"on {agent} (a new rcoder session; --known-session refuses instead)")  # fmt: skip
+    return named
 
 
 def parse_options(items: list[str]) -> dict[str, str] | None:

@@ -1,4 +1,4 @@
-"""``rcoder chat`` and ``rcoder sessions``: a gRPC client of a running daemon, for people.
+"""``rcoder chat``, ``rcoder sessions`` and ``rcoder agents``: a gRPC client of a running daemon, for people.
 
 ``chat`` streams one turn: the agent's text to stdout as it arrives; tool calls,
 plan steps, permission requests (and how each was settled) and fallbacks to stderr, compactly; last, on
@@ -12,6 +12,9 @@ the agent's session config options before the prompt (``model=opus``, ``mode=pla
 With no prompt on a terminal, the prompt is read there, with Tab completing the agent's
 slash commands (``/review``...) as the session (``--session``) last listed them.
 
+``sessions`` lists the most recently updated first; ``agents`` says whether each profile can run.
+Output to a pipe whose reader left ends quietly (exit 141, as SIGPIPE's in a shell).
+
 Exit codes: 0 when the turn ends (``end_turn``, ``cancelled``, any other stop
 but an error), 1 on an error stop or a gRPC error (printed with its status and
 ``ErrorInfo`` reason), 2 on bad usage, 130 after a second Ctrl-C.
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from rcoder.client import (
@@ -49,6 +54,7 @@ from rcoder.client import (
     RcoderClientError,
     ResumeOutcome,
     RunInfo,
+    RunKind,
     Session,
     SlashCommand,
     Started,
@@ -64,6 +70,7 @@ from rcoder.client.token import FoundToken, local_target, locate_token, same_dae
 
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
+CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell reports of a tool whose reader left
 PLAN_MARKS = {"completed": "[x]", "in_progress": "[>]"}
 SETTLED = {  # how a permission request was settled, as "permission <this>: <option>"
     PermissionOutcome.ANSWERED: "answered",
@@ -83,6 +90,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
             if args.action != "list" and not args.session_id:
                 return screen.usage(f"sessions {args.action} needs a session id")
             return asyncio.run(sessions(target, token, args, screen))
+        if args.command == "agents":
+            return asyncio.run(agents(target, token, screen))
         options = parse_options(args.option)
         if options is None:
             return screen.usage("--option takes ID=VALUE, e.g. --option model=opus")
@@ -109,6 +118,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
         return screen.rpc_error(exc, target)
     except KeyboardInterrupt:
         return INTERRUPTED
+    except BrokenPipeError:
+        return closed_pipe(stdout)
     except OSError as exc:  # e.g. --ask with the prompt on stdin and no terminal to ask at
         screen.note(f"rcoder: {exc}")
         return FAILED
@@ -131,6 +142,20 @@ def target_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
     if found.local and named and not config_named and not same_daemon(named, local):
         return target, FoundToken("", "", found.looked, withheld=found.source)
     return target, found
+
+
+def closed_pipe(stdout: TextIO) -> int:
+    """stdout's reader left (``rcoder sessions | head``): nothing more is said, as a shell's tools
+    do, and the exit code is the one a shell gives a tool SIGPIPE ended. stdout is pointed at
+    /dev/null first, so that Python's own last flush of it finds no closed pipe either."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    return CLOSED_PIPE
+
+
+def plural(count: int, noun: str, many: str = "") -> str:
+    """``1 run``, ``2 runs``; ``many``: the plural when it is not ``noun`` + s."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"
 
 
 def token_hint(found: FoundToken, target: str) -> str:
@@ -321,6 +346,7 @@ class Watch:
     client: RcoderClient
     screen: Screen
     answers: TextIO | None  # where --ask reads the user's choices; None: no --ask
+    leaves: bool = False  # Ctrl-C leaves the turn running (``rcoder attach``) rather than cancelling it
     turn: Turn = field(init=False)  # the turn ``run`` watches
     interrupts: int = 0
     cancel_sent: bool = False
@@ -372,6 +398,9 @@ class Watch:
             if not self.screen.json:
                 show(self.screen, event, self.tools)
         run_id = self.turn.run_id
+        if self.interrupts >= 2 and self.leaves:
+            self.screen.note(f"rcoder: left run {run_id}, which goes on (`rcoder attach {run_id}` follows it again)")
+            return INTERRUPTED
         if self.interrupts >= 2:  # the second Ctrl-C left the turn
             sent = f"; run {run_id} was asked to cancel" if run_id else ""
             self.screen.note(f"rcoder: left the turn (Ctrl-C twice){sent}")
@@ -380,6 +409,10 @@ class Watch:
         return FAILED
 
     def interrupt(self) -> None:
+        if self.leaves:
+            self.interrupts = 2
+            self.turn.leave()
+            return
         self.interrupts += 1
         if self.interrupts == 1:
             self.screen.note("^C cancelling the turn… (Ctrl-C again to leave it running)")
@@ -517,8 +550,12 @@ async def sessions(target: str, token: str, args: argparse.Namespace, screen: Sc
 
 
 async def _list_sessions(client: RcoderClient, project: str, screen: Screen) -> None:
+    """Every session, the most recently updated first (the daemon lists by id: they are all read first)."""
+    listed = [session async for session in client.sessions.list(project)]
+    oldest = datetime.min.replace(tzinfo=UTC)
+    listed.sort(key=lambda session: (session.updated_at or oldest, session.session_id), reverse=True)
     rows = []
-    async for session in client.sessions.list(project):
+    for session in listed:
         if screen.json:
             screen.json_line(session.to_dict())
         else:
@@ -560,7 +597,8 @@ def _show_session(screen: Screen, session: Session, runs: list[RunInfo]) -> None
         outcome = run.status.value
         if run.stop_reason.value != "unspecified":
             outcome += f" · {run.stop_reason.value}"
-        screen.text(f"\n{started} · run {run.run_id} · {run.resume.value} · {outcome}\n")
+        what = "rewind" if run.kind is RunKind.REWIND else run.resume.value
+        screen.text(f"\n{started} · run {run.run_id} · {what} · {outcome}\n")
         for line in run.prompt.splitlines() or [""]:
             screen.text(f"> {line}\n")
         if run.error.strip():
@@ -572,9 +610,35 @@ def _show_deletion(screen: Screen, session_id: str, deleted: Deletion) -> None:
         screen.json_line({"session_id": session_id, **deleted.to_dict()})
         return
     agent = "its agent stopped" if deleted.agent_stopped else "no live agent"
-    screen.text(f"session {session_id} deleted: {deleted.runs} runs, {deleted.transcript_entries} transcript "
-                f"entries, {agent}\n")  # fmt: skip
+    entries = plural(deleted.transcript_entries, "transcript entry", "transcript entries")
+    screen.text(f"session {session_id} deleted: {plural(deleted.runs, 'run')}, {entries}, {agent}\n")
     for path in deleted.agent_files:
         screen.text(f"removed: {path}\n")
     for why in deleted.left:
         screen.text(f"left: {why}\n")
+
+
+# ---------------------------------------------------------------- agents
+
+
+async def agents(target: str, token: str, screen: Screen) -> int:
+    """The daemon's agent profiles (``ListAgents``): a table, then why each that cannot run here cannot."""
+    async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        profiles = await client.agents()
+    if screen.json:
+        for agent in profiles:
+            screen.json_line(agent.to_dict())
+        return 0
+    rows = [("AGENT", "KIND", "RUNNABLE", "KEY", "SANDBOX", "PLACEMENT", "LIVE", "WARM")]
+    for agent in profiles:
+        name = agent.name + (" (default)" if agent.default else "")
+        key = (agent.key_variable + ("" if agent.key_present else " (unset)")) if agent.key_variable else "-"
+        rows.append((name, agent.kind, "yes" if agent.runnable else "no", key, agent.sandbox, agent.placement,
+                     str(agent.live_agents), str(agent.warm_agents)))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        screen.text("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n")
+    for agent in profiles:
+        for why in agent.not_runnable:
+            screen.text(f"{agent.name}: {why}\n")
+    return 0

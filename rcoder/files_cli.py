@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import BinaryIO, TextIO
 
 from rcoder.client import FileEntry, FileKind, RcoderClient, RcoderClientError
-from rcoder.client_cli import CALL_TIMEOUT, FAILED, Screen, target_and_token
+from rcoder.client_cli import CALL_TIMEOUT, FAILED, Screen, closed_pipe, target_and_token
 
 MARKS = {FileKind.DIR: "/", FileKind.SYMLINK: "", FileKind.OTHER: "|"}
 
@@ -40,6 +40,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
         return screen.rpc_error(exc, target)
     except KeyboardInterrupt:
         return FAILED
+    except BrokenPipeError:  # `rcoder files ls | head`
+        return closed_pipe(stdout)
     except OSError as exc:  # put: the local file could not be read
         screen.note(f"rcoder: {exc}")
         return FAILED

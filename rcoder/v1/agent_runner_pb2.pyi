@@ -2357,7 +2357,7 @@ class AgentInfo(_message.Message):
     """when a limit does not hold: why, in the kernel's or the filesystem's words"""
     runnable: _builtins.bool
     """Whether the profile can run here (docs/configuration.md#can-a-profile-run-here): its command
-    found and the model key its kind reads present; not_runnable says why not, each with its fix.
+    found and the model key its kind reads present.
     """
     command_found: _builtins.bool
     """its command resolves here: a path that runs, or a name on its agents' PATH"""
@@ -2388,7 +2388,9 @@ class AgentInfo(_message.Message):
         """the cgroup controllers that hold: memory, pids, cpu, cpuacct"""
 
     @_builtins.property
-    def not_runnable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def not_runnable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """why it cannot run here, each reason with its fix; empty when it can"""
+
     def __init__(
         self,
         *,

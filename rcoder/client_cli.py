@@ -66,7 +66,7 @@ from rcoder.client import (
     ToolState,
     Turn,
 )
-from rcoder.client.token import FoundToken, local_target, locate_token, same_daemon
+from rcoder.client.token import FoundToken, local_target, locate_token, on_this_host, same_daemon
 
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
@@ -129,9 +129,11 @@ def target_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
     """The daemon to call and the token to send it (docs/clients.md#the-token).
 
     ``--token`` and ``$RCODER_TOKEN`` go wherever they are sent. The local daemon's own token (its
-    ``auth_token``, or the file in its data_dir) goes only to that daemon: when no target is named,
-    the target is its address, or its config is named (``--config``, ``$RCODER_CONFIG``): a container
-    or another host gets no token it never issued."""
+    ``auth_token``, or the file in its data_dir) goes only to that daemon: when no target is named
+    or its config is (``--config``, ``$RCODER_CONFIG``), the target is its daemon's. A named target
+    gets it when it is the address the daemon holding that data_dir recorded, or the listen its
+    config says; with no such record (no daemon there now, or one from before records), any
+    address of this host (loopback) does. Another host never gets a token it did not issue."""
     local = local_target(env, args.config)
     named = args.target or env.get("RCODER_TARGET") or ""
     target = named or local
@@ -139,9 +141,10 @@ def target_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[
         return target, FoundToken(args.token, "--token", ("--token",))
     found = locate_token(env, args.config)
     config_named = args.config is not None or bool(env.get("RCODER_CONFIG"))
-    if found.local and named and not config_named and not same_daemon(named, local):
-        return target, FoundToken("", "", found.looked, withheld=found.source)
-    return target, found
+    if not found.local or not named or config_named or same_daemon(named, local):
+        return target, found
+    ours = same_daemon(named, found.address) if found.address else on_this_host(named)
+    return target, found if ours else FoundToken("", "", found.looked, withheld=found.source, address=found.address)
 
 
 def closed_pipe(stdout: TextIO) -> int:
@@ -162,7 +165,8 @@ def token_hint(found: FoundToken, target: str) -> str:
     """What a refused call is told about the token: where it came from, or where it was looked for."""
     give = "give the daemon's token with --token TOKEN or RCODER_TOKEN=TOKEN"
     if found.withheld:
-        return (f"no token sent: the one in {found.withheld} is this host's daemon's, and {target} is not "
+        where = f" ({found.address})" if found.address else ""
+        return (f"no token sent: the one in {found.withheld} is this host's daemon's{where}, and {target} is not "
                 f"its address; {give}")  # fmt: skip
     if not found.token:
         return f"no token sent: none found in {', '.join(found.looked)}; {give}"

@@ -4,11 +4,15 @@ other daemon. Against a real daemon, ``rcoder`` run as a person runs it."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from pathlib import Path
 
 import grpc
+import pytest
 
+from rcoder.client_cli import target_and_token
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, error_info
 from tests.test_client_cli import rcoder
@@ -32,25 +36,48 @@ async def test_with_no_token_found_the_refusal_says_where_rcoder_looked_and_how_
     assert "--token TOKEN or RCODER_TOKEN=TOKEN" in hint
 
 
-async def test_the_local_daemons_token_is_not_sent_to_another_address_and_the_refusal_says_so(
+async def test_the_local_daemons_token_goes_only_to_the_address_its_daemon_recorded(
     make_daemon: DaemonFactory, tmp_path: Path
 ) -> None:
     daemon, _ = await make_daemon()
     here = tmp_path / "here"
     (here / ".rcoder").mkdir(parents=True)
-    (here / ".rcoder" / "auth_token").write_text(daemon.token)  # this daemon's own, as a wrong guess would be
+    (here / ".rcoder" / "auth_token").write_text(daemon.token)  # the right token, for the wrong daemon
+    record = here / ".rcoder" / "daemon.lock"  # as a live daemon holding that data_dir records itself
+    record.write_text(json.dumps({"pid": os.getpid(), "listen": "127.0.0.1:1", "serving": True}))
 
     code, _, err = await rcoder("sessions", "--target", daemon.address, env=CLEAN, cwd=str(here))
-    assert code == 1, "the token of the daemon at 127.0.0.1:50051 went to another address"
+    assert code == 1, "the token of the daemon at 127.0.0.1:1 went to another daemon"
     hint = err.splitlines()[1]
-    assert f"the one in {here}/.rcoder/auth_token is this host's daemon's, and {daemon.address} is not" in hint
-    # the address this host's daemon listens on (its listen, here from the variable): the token goes
+    assert f"the one in {here}/.rcoder/auth_token is this host's daemon's (127.0.0.1:1), and {daemon.address}" in hint
+    # the address that daemon recorded, or its listen as this host's config says: the token goes
+    record.write_text(json.dumps({"pid": os.getpid(), "listen": daemon.address, "serving": True}))
+    localhost = daemon.address.replace("127.0.0.1", "localhost")
+    assert (await rcoder("sessions", "--target", localhost, env=CLEAN, cwd=str(here)))[0] == 0
+    record.unlink()
     listen = {**CLEAN, "RCODER_LISTEN": daemon.address}
-    code, _, err = await rcoder("sessions", "--target", daemon.address.replace("127.0.0.1", "localhost"), env=listen,
-                                cwd=str(here))  # fmt: skip
-    assert code == 0, err
-    code, _, err = await rcoder("sessions", env=listen, cwd=str(here))
-    assert code == 0, err
+    assert (await rcoder("sessions", env=listen, cwd=str(here)))[0] == 0
+    # no daemon recorded there (none runs, or one from before records): an address of this host
+    record.write_text(json.dumps({"pid": 2**22 + 1, "listen": "127.0.0.1:1"}))  # a pid no process has
+    assert (await rcoder("sessions", "--target", daemon.address, env=CLEAN, cwd=str(here)))[0] == 0
+
+
+@pytest.mark.fast
+def test_another_host_never_gets_the_local_token(tmp_path: Path) -> None:
+    (tmp_path / ".rcoder").mkdir()
+    (tmp_path / ".rcoder" / "auth_token").write_text("local")
+    env = {"RCODER_DATA_DIR": str(tmp_path / ".rcoder")}
+
+    def sent(target: str | None, config: Path | None = None) -> str:
+        args = argparse.Namespace(target=target, token=None, config=config)
+        return target_and_token(args, env)[1].token
+
+    assert sent(None) == "local"
+    assert sent("127.0.0.1:50051") == sent("[::1]:7") == sent("localhost:7") == "local"
+    assert sent("10.1.2.3:50051") == sent("rcoder.example:50051") == ""
+    config = tmp_path / "rcoder.toml"
+    config.write_text("")
+    assert sent("rcoder.example:50051", config) == "local", "its config named: the daemon is the one meant"
 
 
 async def test_a_refused_token_is_named_by_where_it_came_from(make_daemon: DaemonFactory) -> None:

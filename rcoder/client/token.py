@@ -8,6 +8,8 @@ the daemon's config says. What a person can read there, an agent cannot (its san
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_FILE = "auth_token"  # noqa: S105 (a file name) - the daemon's name for it (rcoder.api.access)
+LOCK_RECORD = "daemon.lock"  # where the daemon holding a data_dir records its pid and address, as JSON
 DEFAULT_DATA_DIR = ".rcoder"
 DEFAULT_LISTEN = "127.0.0.1:50051"
 # a daemon listening on every address is reached on loopback
@@ -31,6 +34,37 @@ class FoundToken:
     looked: tuple[str, ...]  # every place looked, in order
     local: bool = False  # the local daemon's own (its auth_token or data_dir file), not one given for this call
     withheld: str = ""  # where the local daemon's token was found, when it was not sent: the target is another
+    address: str = ""  # where the daemon whose data_dir holds the token file serves, as it recorded it; "" unknown
+
+
+def recorded_address(data_dir: Path) -> str:
+    """The address the daemon that holds ``data_dir`` serves on, as it records it in its lock file
+    (``daemon.lock``: its pid and address); "" when no live daemon recorded one there."""
+    try:
+        record = json.loads((data_dir / LOCK_RECORD).read_text("utf-8") or "{}")
+        pid, listen = record.get("pid"), record.get("listen")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(pid, int) or not isinstance(listen, str) or pid <= 0:
+        return ""
+    try:
+        os.kill(pid, 0)  # a record left by a daemon that was killed names no daemon
+    except ProcessLookupError:
+        return ""
+    except PermissionError:  # alive, as another user
+        pass
+    return listen
+
+
+def on_this_host(target: str) -> bool:
+    """Whether ``target``'s host is a loopback address (``localhost`` included)."""
+    host = target.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def same_daemon(target: str, local: str) -> bool:
@@ -69,7 +103,8 @@ def locate_token(environ: Mapping[str, str], config_file: Path | None = None) ->
         token = path.read_text("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         token = ""
-    return FoundToken(token, str(path) if token else "", tuple(looked), local=bool(token))
+    address = recorded_address(path.parent) if token else ""
+    return FoundToken(token, str(path) if token else "", tuple(looked), local=bool(token), address=address)
 
 
 def _where(file: Path | None, key: str) -> str:

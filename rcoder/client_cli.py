@@ -309,9 +309,13 @@ def parse_options(items: list[str]) -> dict[str, str] | None:
 
 
 async def session_commands(target: str, token: str, session_id: str) -> tuple[SlashCommand, ...]:
-    """The slash commands the session's agent last listed (GetSession)."""
+    """The slash commands the session's agent last listed (GetSession); none for an id the daemon
+    has no record of (the turn says so: ``session_agent``)."""
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
-        return (await client.sessions.get(session_id)).commands
+        try:
+            return (await client.sessions.get(session_id)).commands
+        except NotFound:
+            return ()
 
 
 def read_prompt(commands: tuple[SlashCommand, ...]) -> str:

@@ -4,10 +4,12 @@ session's own agent, found by rcoder's id or the agent's. A real daemon, ``rcode
 
 from __future__ import annotations
 
+from typing import Any
+
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Daemon, FakeAgentSetup, started
-from tests.test_client_cli import SUMMARY, rcoder
+from tests.test_client_cli import SUMMARY, rcoder, terminal  # noqa: F401 (terminal: the fixture)
 
 WARNING = "rcoder: WARNING: not a session of this daemon: resuming no-such-session as the agent's own id, on fake"
 
@@ -69,3 +71,17 @@ async def test_the_agents_own_id_of_a_known_session_continues_it_on_that_session
     match = SUMMARY.search(err)
     assert match is not None and match.group(1) == first[0].session_id, err  # not a new session on the default
     assert out.strip() == "I remember: 8"
+
+
+async def test_at_the_terminal_an_unknown_id_is_asked_its_prompt_then_said_loudly(
+    make_daemon: DaemonFactory,
+    terminal: Any,  # noqa: F811 (the fixture imported above)
+) -> None:
+    daemon, _ = await make_daemon()
+
+    term = await terminal(daemon, "chat", "--project", "demo", "--session", "no-such-session")
+    await term.expect("> ")  # its slash commands are none: it is not refused for that
+    term.type(b"hi\r")
+    await term.expect(WARNING)
+    await term.expect(SUMMARY.pattern)
+    assert await term.exit_code() == 0

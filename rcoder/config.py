@@ -16,7 +16,8 @@ import inspect
 import os
 import shutil
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -427,6 +428,13 @@ class _Problems:
             self.errors.append(exc)
             return None
 
+    def run(self, check: Callable[[Settings], None], settings: Settings) -> None:
+        """One check between keys; its error kept."""
+        try:
+            check(settings)
+        except ConfigError as exc:
+            self.errors.append(exc)
+
     def raise_any(self) -> None:
         if self.errors:
             raise ConfigError.joined(self.errors)
@@ -492,37 +500,53 @@ def load_settings(
         defaults_file=defaults_file.resolve() if defaults_file is not None else None,
         landlock_abi=landlock.abi() if landlock_abi is None else landlock_abi,
     )
+    # the checks between keys, each on its own, every one run: all their problems in one error
+    checks = [_check_default_agent, _check_tls, _check_shared_token, _check_callers, _check_checkpoint_root]
+    for check in checks + [partial(_check_sandbox, name=name) for name in settings.agents]:
+        problems.run(check, settings)
+    problems.raise_any()
+    return settings
+
+
+def _check_default_agent(settings: Settings) -> None:
     if settings.default_agent not in settings.agents:
         known = ", ".join(sorted(settings.agents))
         raise ConfigError("default_agent", f"no profile named {settings.default_agent!r} (profiles: {known})")
+
+
+def _check_tls(settings: Settings) -> None:
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ConfigError("tls_key" if settings.tls_cert else "tls_cert", "set both tls_cert and tls_key, or neither")
+
+
+def _check_shared_token(settings: Settings) -> None:
     if settings.store_url and not settings.auth_token and not settings.open_to_agents:
         raise ConfigError(
             "auth_token",
             "a PostgreSQL store_url means hosts that forward to each other, so they need one shared token: "
             "set the same auth_token (or RCODER_AUTH_TOKEN) on every host, or open_to_agents = true",
         )
-    _check_callers(settings)
-    _check_checkpoint_root(settings)
-    for name, profile in settings.agents.items():
-        if profile.sandbox == "landlock" and not settings.landlock_abi:
-            why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
-            raise ConfigError(
-                f"agents.{name}.sandbox",
-                f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
-            )
-        if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
-            # A profile that asks for Landlock by name is promised that other projects' files stay whole,
-            # which an ABI without truncation rights cannot keep.
-            raise ConfigError(
-                f"agents.{name}.sandbox",
-                f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '
-                f"agent from truncating other projects' files, the store or the config (ABI "
-                f'{landlock.TRUNCATE_ABI}+, Linux 6.2+); set sandbox = "auto" to run confined with that said '
-                'in a warning, or "none"',
-            )
-    return settings
+
+
+def _check_sandbox(settings: Settings, name: str) -> None:
+    """A profile that asks for Landlock by name gets it whole, or the daemon does not start."""
+    profile = settings.agents[name]
+    if profile.sandbox == "landlock" and not settings.landlock_abi:
+        why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
+        raise ConfigError(
+            f"agents.{name}.sandbox",
+            f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
+        )
+    if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
+        # A profile that asks for Landlock by name is promised that other projects' files stay whole,
+        # which an ABI without truncation rights cannot keep.
+        raise ConfigError(
+            f"agents.{name}.sandbox",
+            f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '
+            f"agent from truncating other projects' files, the store or the config (ABI "
+            f'{landlock.TRUNCATE_ABI}+, Linux 6.2+); set sandbox = "auto" to run confined with that said '
+            'in a warning, or "none"',
+        )
 
 
 def checkpoint_root(settings: SettingsKeys) -> Path:

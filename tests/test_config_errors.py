@@ -66,3 +66,10 @@ def test_a_misspelled_command_is_named_as_such_not_as_a_missing_command(tmp_path
     }
     # without the misspelling, the missing key is said as before
     assert problems_of(tmp_path, "[agents.x]\nargs = []\n") == {"agents.x.command": "Field required"}
+
+
+def test_the_checks_between_keys_are_all_named_too(tmp_path: Path) -> None:
+    problems = problems_of(tmp_path, "default_agent = 'nobody'\ntls_cert = 'cert.pem'\n")
+
+    assert list(problems) == ["default_agent", "tls_key"]
+    assert problems["tls_key"] == "set both tls_cert and tls_key, or neither"

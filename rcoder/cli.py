@@ -1,6 +1,6 @@
-"""``rcoder serve``: argv and environment → Settings → the daemon; ``rcoder chat`` and
-``rcoder sessions``: a client of a running daemon (``rcoder.client_cli``), and ``rcoder files``
-(``rcoder.files_cli``); ``rcoder health``:
+"""``rcoder serve``: argv and environment → Settings → the daemon; ``rcoder chat``, ``sessions``
+and ``agents``: a client of a running daemon (``rcoder.client_cli``), ``rcoder files``
+(``rcoder.files_cli``), ``rcoder runs|diff|rewind|fork|cancel|attach`` (``rcoder.runs_cli``); ``rcoder health``:
 whether a daemon serves (``rcoder.health_check``).
 
 The only module that reads the environment or the config file.
@@ -50,10 +50,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = dict(os.environ)
-    if args.command in ("chat", "sessions"):
+    if args.command in ("chat", "sessions", "agents"):
         from rcoder import client_cli  # the client, for these commands alone (rcoder/client_args.py)
 
         return client_cli.run(args, env, sys.stdin, sys.stdout, sys.stderr)
+    if args.command in ("runs", "diff", "rewind", "fork", "cancel", "attach"):
+        from rcoder import runs_cli
+
+        return runs_cli.run(args, env, sys.stdout, sys.stderr)
     if args.command == "files":
         from rcoder import files_cli
 

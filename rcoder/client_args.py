@@ -1,4 +1,5 @@
-"""The arguments of ``rcoder chat``, ``rcoder sessions`` and ``rcoder files``, apart from the client they drive.
+"""The arguments of ``rcoder chat``, ``sessions``, ``agents``, ``files`` and the run commands (``runs``,
+``diff``, ``rewind``, ``fork``, ``cancel``, ``attach``), apart from the client they drive.
 
 ``rcoder serve`` builds the same parser as the client commands, so what the parser needs is kept
 here, in the standard library alone: importing the client (``rcoder.client_cli``) costs ~0.1 s of
@@ -17,7 +18,7 @@ BUSY_POLICIES = ("reject", "queue", "interrupt")
 
 
 def add_commands(commands: Any) -> None:
-    """Add ``chat``, ``sessions`` and ``files`` to the ``rcoder`` subcommands."""
+    """Add the client commands to the ``rcoder`` subcommands."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--target",
@@ -34,7 +35,15 @@ def add_commands(commands: Any) -> None:
     chat = commands.add_parser("chat", parents=[common], help="one turn with an agent, streamed")
     chat.add_argument("--project", required=True, help="project id (its folder under the daemon's workspace_root)")
     chat.add_argument("--session", default="", help="continue this session (the id a previous turn printed)")
-    chat.add_argument("--agent", default="", help="agent profile (default: the daemon's default_agent)")
+    chat.add_argument(
+        "--known-session",
+        action="store_true",
+        help="refuse a --session id this daemon has no record of (without it, such an id is resumed as the "
+        "agent's own, said on stderr)",
+    )
+    chat.add_argument(
+        "--agent", default="", help="agent profile (default: the session's own, else the daemon's default_agent)"
+    )
     chat.add_argument("--ask", action="store_true", help="ask at the terminal when the agent asks permission")
     chat.add_argument(
         "--busy",
@@ -64,7 +73,31 @@ def add_commands(commands: Any) -> None:
     sessions.add_argument("action", nargs="?", choices=["list", "show", "close", "delete"], default="list")
     sessions.add_argument("session_id", nargs="?", help="the session to show (with its runs), close or delete")
     sessions.add_argument("--project", default="", help="list only this project's sessions")
+    commands.add_parser("agents", parents=[common], help="the daemon's agent profiles, and whether each can run")
+    add_runs(commands, common)
     add_files(commands, common)
+
+
+def add_runs(commands: Any, common: argparse.ArgumentParser) -> None:
+    """``rcoder runs|diff|rewind|fork|cancel|attach``: a session's runs and what they changed (docs/clients.md)."""
+    runs = commands.add_parser("runs", parents=[common], help="a session's runs, oldest first")
+    runs.add_argument("session_id", help="the session")
+    diff = commands.add_parser("diff", parents=[common], help="what a run changed in its project, as a diff")
+    diff.add_argument("run_id", help="the run (`rcoder runs S` lists them)")
+    diff.add_argument("path", nargs="?", default="", help="only this file of the project")
+    rewind = commands.add_parser("rewind", parents=[common], help="the project's files back to before a run")
+    rewind.add_argument("session_id", help="the session")
+    rewind.add_argument("run_id", help="its run to go back to before")
+    fork = commands.add_parser("fork", parents=[common], help="a new session with a session's history so far")
+    fork.add_argument("session_id", help="the session to branch")
+    fork.add_argument("--project", default="", help="the session's project (default: asked of the daemon)")
+    fork.add_argument("--agent", default="", help="continue in this profile (default: the session's own)")
+    for name, what in (("cancel", "stop a running turn"), ("attach", "follow a run to its end; Ctrl-C leaves it")):
+        command = commands.add_parser(name, parents=[common], help=what)
+        command.add_argument("run_id", nargs="?", default="", help="the run")
+        command.add_argument("--session", default="", help="instead of a run: the session's running (latest) one")
+    attach = commands.choices["attach"]
+    attach.add_argument("--after-seq", type=int, default=0, help="only the events after this seq (default: all)")
 
 
 def add_files(commands: Any, common: argparse.ArgumentParser) -> None:

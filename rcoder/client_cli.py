@@ -1,4 +1,4 @@
-"""``rcoder chat`` and ``rcoder sessions``: a gRPC client of a running daemon, for people.
+"""``rcoder chat``, ``rcoder sessions`` and ``rcoder agents``: a gRPC client of a running daemon, for people.
 
 ``chat`` streams one turn: the agent's text to stdout as it arrives; tool calls,
 plan steps, permission requests (and how each was settled) and fallbacks to stderr, compactly; last, on
@@ -12,6 +12,9 @@ the agent's session config options before the prompt (``model=opus``, ``mode=pla
 With no prompt on a terminal, the prompt is read there, with Tab completing the agent's
 slash commands (``/review``...) as the session (``--session``) last listed them.
 
+``sessions`` lists the most recently updated first; ``agents`` says whether each profile can run.
+Output to a pipe whose reader left ends quietly (exit 141, as SIGPIPE's in a shell).
+
 Exit codes: 0 when the turn ends (``end_turn``, ``cancelled``, any other stop
 but an error), 1 on an error stop or a gRPC error (printed with its status and
 ``ErrorInfo`` reason), 2 on bad usage, 130 after a second Ctrl-C.
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from rcoder.client import (
@@ -38,6 +43,7 @@ from rcoder.client import (
     ConfigOptionUpdate,
     Deletion,
     Event,
+    NotFound,
     PermissionMode,
     PermissionOutcome,
     PermissionRequest,
@@ -48,6 +54,7 @@ from rcoder.client import (
     RcoderClientError,
     ResumeOutcome,
     RunInfo,
+    RunKind,
     Session,
     SlashCommand,
     Started,
@@ -59,10 +66,11 @@ from rcoder.client import (
     ToolState,
     Turn,
 )
-from rcoder.client.token import find_token, local_target
+from rcoder.client.token import FoundToken, local_target, locate_token, on_this_host, same_daemon
 
 CALL_TIMEOUT = 30.0  # seconds for every call but the Chat stream, and for a Cancel on its way at the end
 USAGE, FAILED, INTERRUPTED = 2, 1, 130
+CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell reports of a tool whose reader left
 PLAN_MARKS = {"completed": "[x]", "in_progress": "[>]"}
 SETTLED = {  # how a permission request was settled, as "permission <this>: <option>"
     PermissionOutcome.ANSWERED: "answered",
@@ -74,14 +82,16 @@ SETTLED = {  # how a permission request was settled, as "permission <this>: <opt
 
 def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     """Run ``chat`` or ``sessions``; returns the exit code."""
-    target = args.target or env.get("RCODER_TARGET") or local_target(env, args.config)
-    token = args.token if args.token is not None else find_token(env, args.config)
-    screen = Screen(stdout, stderr, args.json)
+    target, found = target_and_token(args, env)
+    token = found.token
+    screen = Screen(stdout, stderr, args.json, found)
     try:
         if args.command == "sessions":
             if args.action != "list" and not args.session_id:
                 return screen.usage(f"sessions {args.action} needs a session id")
             return asyncio.run(sessions(target, token, args, screen))
+        if args.command == "agents":
+            return asyncio.run(agents(target, token, screen))
         options = parse_options(args.option)
         if options is None:
             return screen.usage("--option takes ID=VALUE, e.g. --option model=opus")
@@ -108,9 +118,59 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
         return screen.rpc_error(exc, target)
     except KeyboardInterrupt:
         return INTERRUPTED
+    except BrokenPipeError:
+        return closed_pipe(stdout)
     except OSError as exc:  # e.g. --ask with the prompt on stdin and no terminal to ask at
         screen.note(f"rcoder: {exc}")
         return FAILED
+
+
+def target_and_token(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, FoundToken]:
+    """The daemon to call and the token to send it (docs/clients.md#the-token).
+
+    ``--token`` and ``$RCODER_TOKEN`` go wherever they are sent. The local daemon's own token (its
+    ``auth_token``, or the file in its data_dir) goes only to that daemon: when no target is named
+    or its config is (``--config``, ``$RCODER_CONFIG``), the target is its daemon's. A named target
+    gets it when it is the address the daemon holding that data_dir recorded, or the listen its
+    config says; with no such record (no daemon there now, or one from before records), any
+    address of this host (loopback) does. Another host never gets a token it did not issue."""
+    local = local_target(env, args.config)
+    named = args.target or env.get("RCODER_TARGET") or ""
+    target = named or local
+    if args.token is not None:
+        return target, FoundToken(args.token, "--token", ("--token",))
+    found = locate_token(env, args.config)
+    config_named = args.config is not None or bool(env.get("RCODER_CONFIG"))
+    if not found.local or not named or config_named or same_daemon(named, local):
+        return target, found
+    ours = same_daemon(named, found.address) if found.address else on_this_host(named)
+    return target, found if ours else FoundToken("", "", found.looked, withheld=found.source, address=found.address)
+
+
+def closed_pipe(stdout: TextIO) -> int:
+    """stdout's reader left (``rcoder sessions | head``): nothing more is said, as a shell's tools
+    do, and the exit code is the one a shell gives a tool SIGPIPE ended. stdout is pointed at
+    /dev/null first, so that Python's own last flush of it finds no closed pipe either."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    return CLOSED_PIPE
+
+
+def plural(count: int, noun: str, many: str = "") -> str:
+    """``1 run``, ``2 runs``; ``many``: the plural when it is not ``noun`` + s."""
+    return f"{count} {noun if count == 1 else many or noun + 's'}"
+
+
+def token_hint(found: FoundToken, target: str) -> str:
+    """What a refused call is told about the token: where it came from, or where it was looked for."""
+    give = "give the daemon's token with --token TOKEN or RCODER_TOKEN=TOKEN"
+    if found.withheld:
+        where = f" ({found.address})" if found.address else ""
+        return (f"no token sent: the one in {found.withheld} is this host's daemon's{where}, and {target} is not "
+                f"its address; {give}")  # fmt: skip
+    if not found.token:
+        return f"no token sent: none found in {', '.join(found.looked)}; {give}"
+    return f"{target} refused the token from {found.source}; {give}"
 
 
 # ---------------------------------------------------------------- output
@@ -123,6 +183,7 @@ class Screen:
     out: TextIO
     err: TextIO
     json: bool
+    token: FoundToken | None = None  # the token sent, said when the daemon refuses it
     _open_line: TextIO | None = None  # the stream whose last line has no newline yet
 
     def _flow(self, stream: TextIO, text: str) -> None:
@@ -170,6 +231,8 @@ class Screen:
         if code == "UNAVAILABLE" and not exc.reason:
             message = f"cannot reach the daemon at {target}: {message}"
         self.note(f"rcoder: {code}{reason}: {message}")
+        if code == "UNAUTHENTICATED" and self.token is not None:
+            self.note(f"rcoder: {token_hint(self.token, target)}")
         return FAILED
 
 
@@ -187,12 +250,17 @@ async def chat(
     target: str, token: str, args: argparse.Namespace, prompt: str, screen: Screen, answers: TextIO | None
 ) -> int:
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        agent = args.agent
+        if args.session:
+            agent = await session_agent(client, args, screen)
+            if agent is None:
+                return FAILED
         watch = Watch(client, screen, answers)
         turn = client.chat(
             args.project,
             prompt,
             session_id=args.session,
-            agent=args.agent,
+            agent=agent,
             permission_mode=PermissionMode.ASK if args.ask else None,
             busy=BusyPolicy(args.busy) if args.busy else None,
             config_options=args.config_options,
@@ -200,6 +268,33 @@ async def chat(
             on_named=watch.named,
         )
         return await watch.run(turn)
+
+
+async def session_agent(client: RcoderClient, args: argparse.Namespace, screen: Screen) -> str | None:
+    """The agent the turn of ``--session`` runs on, known before it starts (docs/clients.md#continuing-a-session):
+    the session's own, or ``--agent``. An id this daemon has no record of (a typo, a truncated id) is
+    said loudly, before the turn, as the daemon resumes it as the agent's own id; with
+    ``--known-session`` it is an error instead (None: the turn is not sent)."""
+    named: str = args.agent
+    try:
+        own = (await client.sessions.get(args.session)).agent
+    except NotFound:
+        pass
+    else:
+        return named or own
+    # the agent's own id of a session rcoder keeps: the daemon finds it by that profile's name
+    async for session in client.sessions.list(args.project):
+        if session.provider_session_id == args.session:
+            screen.note(f"rcoder: {args.session} is agent {session.agent}'s id of session {session.session_id}")
+            return named or session.agent
+    if args.known_session:
+        screen.note(f"rcoder: not a session of this daemon: {args.session} (--known-session; `rcoder sessions "
+                    f"--project {args.project}` lists its sessions)")  # fmt: skip
+        return None
+    agent = named or next((a.name for a in await client.agents() if a.default), "the default agent")
+    screen.note(f"rcoder: WARNING: not a session of this daemon: resuming {args.session} as the agent's own id, "
+                f"on {agent} (a new rcoder session; --known-session refuses instead)")  # fmt: skip
+    return named
 
 
 def parse_options(items: list[str]) -> dict[str, str] | None:
@@ -214,9 +309,13 @@ def parse_options(items: list[str]) -> dict[str, str] | None:
 
 
 async def session_commands(target: str, token: str, session_id: str) -> tuple[SlashCommand, ...]:
-    """The slash commands the session's agent last listed (GetSession)."""
+    """The slash commands the session's agent last listed (GetSession); none for an id the daemon
+    has no record of (the turn says so: ``session_agent``)."""
     async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
-        return (await client.sessions.get(session_id)).commands
+        try:
+            return (await client.sessions.get(session_id)).commands
+        except NotFound:
+            return ()
 
 
 def read_prompt(commands: tuple[SlashCommand, ...]) -> str:
@@ -255,6 +354,7 @@ class Watch:
     client: RcoderClient
     screen: Screen
     answers: TextIO | None  # where --ask reads the user's choices; None: no --ask
+    leaves: bool = False  # Ctrl-C leaves the turn running (``rcoder attach``) rather than cancelling it
     turn: Turn = field(init=False)  # the turn ``run`` watches
     interrupts: int = 0
     cancel_sent: bool = False
@@ -306,6 +406,9 @@ class Watch:
             if not self.screen.json:
                 show(self.screen, event, self.tools)
         run_id = self.turn.run_id
+        if self.interrupts >= 2 and self.leaves:
+            self.screen.note(f"rcoder: left run {run_id}, which goes on (`rcoder attach {run_id}` follows it again)")
+            return INTERRUPTED
         if self.interrupts >= 2:  # the second Ctrl-C left the turn
             sent = f"; run {run_id} was asked to cancel" if run_id else ""
             self.screen.note(f"rcoder: left the turn (Ctrl-C twice){sent}")
@@ -314,6 +417,10 @@ class Watch:
         return FAILED
 
     def interrupt(self) -> None:
+        if self.leaves:
+            self.interrupts = 2
+            self.turn.leave()
+            return
         self.interrupts += 1
         if self.interrupts == 1:
             self.screen.note("^C cancelling the turn… (Ctrl-C again to leave it running)")
@@ -451,8 +558,12 @@ async def sessions(target: str, token: str, args: argparse.Namespace, screen: Sc
 
 
 async def _list_sessions(client: RcoderClient, project: str, screen: Screen) -> None:
+    """Every session, the most recently updated first (the daemon lists by id: they are all read first)."""
+    listed = [session async for session in client.sessions.list(project)]
+    oldest = datetime.min.replace(tzinfo=UTC)
+    listed.sort(key=lambda session: (session.updated_at or oldest, session.session_id), reverse=True)
     rows = []
-    async for session in client.sessions.list(project):
+    for session in listed:
         if screen.json:
             screen.json_line(session.to_dict())
         else:
@@ -494,7 +605,8 @@ def _show_session(screen: Screen, session: Session, runs: list[RunInfo]) -> None
         outcome = run.status.value
         if run.stop_reason.value != "unspecified":
             outcome += f" · {run.stop_reason.value}"
-        screen.text(f"\n{started} · run {run.run_id} · {run.resume.value} · {outcome}\n")
+        what = "rewind" if run.kind is RunKind.REWIND else run.resume.value
+        screen.text(f"\n{started} · run {run.run_id} · {what} · {outcome}\n")
         for line in run.prompt.splitlines() or [""]:
             screen.text(f"> {line}\n")
         if run.error.strip():
@@ -506,9 +618,35 @@ def _show_deletion(screen: Screen, session_id: str, deleted: Deletion) -> None:
         screen.json_line({"session_id": session_id, **deleted.to_dict()})
         return
     agent = "its agent stopped" if deleted.agent_stopped else "no live agent"
-    screen.text(f"session {session_id} deleted: {deleted.runs} runs, {deleted.transcript_entries} transcript "
-                f"entries, {agent}\n")  # fmt: skip
+    entries = plural(deleted.transcript_entries, "transcript entry", "transcript entries")
+    screen.text(f"session {session_id} deleted: {plural(deleted.runs, 'run')}, {entries}, {agent}\n")
     for path in deleted.agent_files:
         screen.text(f"removed: {path}\n")
     for why in deleted.left:
         screen.text(f"left: {why}\n")
+
+
+# ---------------------------------------------------------------- agents
+
+
+async def agents(target: str, token: str, screen: Screen) -> int:
+    """The daemon's agent profiles (``ListAgents``): a table, then why each that cannot run here cannot."""
+    async with RcoderClient(target, token=token, timeout=CALL_TIMEOUT) as client:
+        profiles = await client.agents()
+    if screen.json:
+        for agent in profiles:
+            screen.json_line(agent.to_dict())
+        return 0
+    rows = [("AGENT", "KIND", "RUNNABLE", "KEY", "SANDBOX", "PLACEMENT", "LIVE", "WARM")]
+    for agent in profiles:
+        name = agent.name + (" (default)" if agent.default else "")
+        key = (agent.key_variable + ("" if agent.key_present else " (unset)")) if agent.key_variable else "-"
+        rows.append((name, agent.kind, "yes" if agent.runnable else "no", key, agent.sandbox, agent.placement,
+                     str(agent.live_agents), str(agent.warm_agents)))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        screen.text("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() + "\n")
+    for agent in profiles:
+        for why in agent.not_runnable:
+            screen.text(f"{agent.name}: {why}\n")
+    return 0

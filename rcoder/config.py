@@ -16,7 +16,8 @@ import inspect
 import os
 import shutil
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -50,6 +51,14 @@ from rcoder.errors import ConfigError
 
 # What an agent inherits from the daemon; the rest (secrets, IS_SANDBOX, proxies) only if its profile says so.
 BASE_AGENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "TERM")
+# The variable each kind's agent reads its model key from (a generic profile names its own in
+# provider_env.api_key): what an agent's refused key and ListAgents name (docs/configuration.md).
+KIND_KEY_VARIABLES = {
+    "claude": "ANTHROPIC_API_KEY",
+    "claude-legacy": "ANTHROPIC_API_KEY",
+    "codex": "OPENAI_API_KEY",
+    "gemini": "GEMINI_API_KEY",
+}
 # What rcoder knows how to set up (profile key ``kind``; rcoder/agent/kinds.py).
 KindName = Literal["generic", "claude", "claude-legacy", "codex", "gemini", "opencode"]
 AGENT_KINDS: tuple[str, ...] = get_args(KindName)
@@ -196,6 +205,11 @@ class AgentProfile(ProfileKeys):
             path = self.base_dir / self.command  # an absolute command stays as it is
             return str(path) if os.access(path, os.X_OK) and path.is_file() else None
         return shutil.which(self.command, path=search_path)
+
+    @property
+    def key_variable(self) -> str:
+        """The environment variable its agent reads its model key from; "" when rcoder knows none."""
+        return self.provider_env.get("api_key") or KIND_KEY_VARIABLES.get(self.kind, "")
 
 
 class ClientKeys(_Schema):
@@ -380,6 +394,13 @@ class Settings(SettingsKeys):
         inherited = {k: self.daemon_env[k] for k in BASE_AGENT_ENV + profile.inherit_env if k in self.daemon_env}
         return {**inherited, **(kind_env or {}), **profile.env}
 
+    def has_key(self, profile: AgentProfile) -> bool:
+        """Whether its agent would start with a model key: its ``model_api_key``, or its
+        ``key_variable`` in what it inherits or its ``env`` (True when it needs none rcoder knows of).
+        A request's own ``model_provider.api_key`` may still give one."""
+        variable = profile.key_variable
+        return not variable or bool(profile.model_api_key) or bool(self.agent_env(profile).get(variable))
+
 
 class _File(SettingsKeys):
     agents: dict[str, dict[str, Any]] = Field(default_factory=dict)  # checked as ProfileKeys once merged
@@ -387,6 +408,36 @@ class _File(SettingsKeys):
 
 
 _FILE, _KEYS, _PROFILES = TypeAdapter(_File), TypeAdapter(SettingsKeys), TypeAdapter(dict[str, ProfileKeys])
+# every key of every table: what an unknown key is compared with for "did you mean"
+KNOWN_KEYS = frozenset(
+    key for model in (_File, ProfileKeys, BudgetKeys, PermissionRule, ClientKeys) for key in model.model_fields
+)
+
+
+class _Problems:
+    """The ConfigErrors of the schema's checks, gathered so that one run names them all."""
+
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+
+    def check(self, schema: TypeAdapter[Any], data: object, base_dir: Path, **how: Any) -> Any:
+        """``checked``'s answer; None (the error kept) when ``data`` does not pass."""
+        try:
+            return checked(schema, data, base_dir, known=KNOWN_KEYS, **how)
+        except ConfigError as exc:
+            self.errors.append(exc)
+            return None
+
+    def run(self, check: Callable[[Settings], None], settings: Settings) -> None:
+        """One check between keys; its error kept."""
+        try:
+            check(settings)
+        except ConfigError as exc:
+            self.errors.append(exc)
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise ConfigError.joined(self.errors)
 
 
 def builtin_profiles(data_dir: Path = DEFAULT_DATA_DIR) -> dict[str, AgentProfile]:
@@ -409,26 +460,35 @@ def load_settings(
     cwd = Path.cwd()
     base_dir = config_file.resolve().parent if config_file is not None else cwd
     defaults = _read_defaults(defaults_file) if defaults_file is not None else {}
-    file = checked(_FILE, _read_toml(config_file) if config_file is not None else {}, base_dir)
+    raw = _read_toml(config_file) if config_file is not None else {}
     env = {
         key: environ[var]
         for key in SettingsKeys.model_fields
         if key not in FILE_ONLY and (var := f"RCODER_{key.upper()}") in environ
     }
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
+    # Every layer is checked before any error is raised, so that one run names every problem.
+    problems = _Problems()
+    file = problems.check(_FILE, raw, base_dir)
     # variables and flags are strings: read leniently ("8" a number, "yes" true), still checked
-    values = {
-        **defaults,
-        **file.model_dump(exclude_unset=True, exclude={"agents", "clients"}),
-        **checked(_KEYS, env, cwd, False, lambda key: f"RCODER_{key.upper()}").model_dump(exclude_unset=True),
-        **checked(_KEYS, flags, cwd, False).model_dump(exclude_unset=True),
-    }
+    from_env = problems.check(_KEYS, env, cwd, strict=False, key=lambda key: f"RCODER_{key.upper()}")
+    from_flags = problems.check(_KEYS, flags, cwd, strict=False)
+    values = {**defaults}
+    for layer in (file, from_env, from_flags):
+        if layer is not None:
+            values |= layer.model_dump(exclude_unset=True, exclude={"agents", "clients"})
+    # the profiles are checked even when the file's other keys are not (its tables as written)
+    written = file.agents if file is not None else raw.get("agents", {})
+    written = {n: t for n, t in written.items() if isinstance(t, dict)} if isinstance(written, dict) else {}
     builtin = builtin_tables(values.get("data_dir", DEFAULT_DATA_DIR))
     # a table named like a built-in profile changes only the keys it sets
-    tables = builtin | {name: builtin.get(name, {}) | table for name, table in file.agents.items()}
+    tables = builtin | {name: builtin.get(name, {}) | table for name, table in written.items()}
+    profiles = problems.check(_PROFILES, tables, base_dir, key=lambda key: f"agents.{key}")
+    problems.raise_any()
+    assert file is not None and profiles is not None
     agents = {
         name: AgentProfile(**dict(keys), name=name, base_dir=base_dir if name in file.agents else AGENTS_DIR)
-        for name, keys in checked(_PROFILES, tables, base_dir, key=lambda key: f"agents.{key}").items()
+        for name, keys in profiles.items()
     }
     visible = {*BASE_AGENT_ENV, *(name for profile in agents.values() for name in profile.inherit_env)}
     settings = Settings(
@@ -440,37 +500,53 @@ def load_settings(
         defaults_file=defaults_file.resolve() if defaults_file is not None else None,
         landlock_abi=landlock.abi() if landlock_abi is None else landlock_abi,
     )
+    # the checks between keys, each on its own, every one run: all their problems in one error
+    checks = [_check_default_agent, _check_tls, _check_shared_token, _check_callers, _check_checkpoint_root]
+    for check in checks + [partial(_check_sandbox, name=name) for name in settings.agents]:
+        problems.run(check, settings)
+    problems.raise_any()
+    return settings
+
+
+def _check_default_agent(settings: Settings) -> None:
     if settings.default_agent not in settings.agents:
         known = ", ".join(sorted(settings.agents))
         raise ConfigError("default_agent", f"no profile named {settings.default_agent!r} (profiles: {known})")
+
+
+def _check_tls(settings: Settings) -> None:
     if bool(settings.tls_cert) != bool(settings.tls_key):
         raise ConfigError("tls_key" if settings.tls_cert else "tls_cert", "set both tls_cert and tls_key, or neither")
+
+
+def _check_shared_token(settings: Settings) -> None:
     if settings.store_url and not settings.auth_token and not settings.open_to_agents:
         raise ConfigError(
             "auth_token",
             "a PostgreSQL store_url means hosts that forward to each other, so they need one shared token: "
             "set the same auth_token (or RCODER_AUTH_TOKEN) on every host, or open_to_agents = true",
         )
-    _check_callers(settings)
-    _check_checkpoint_root(settings)
-    for name, profile in settings.agents.items():
-        if profile.sandbox == "landlock" and not settings.landlock_abi:
-            why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
-            raise ConfigError(
-                f"agents.{name}.sandbox",
-                f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
-            )
-        if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
-            # A profile that asks for Landlock by name is promised that other projects' files stay whole,
-            # which an ABI without truncation rights cannot keep.
-            raise ConfigError(
-                f"agents.{name}.sandbox",
-                f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '
-                f"agent from truncating other projects' files, the store or the config (ABI "
-                f'{landlock.TRUNCATE_ABI}+, Linux 6.2+); set sandbox = "auto" to run confined with that said '
-                'in a warning, or "none"',
-            )
-    return settings
+
+
+def _check_sandbox(settings: Settings, name: str) -> None:
+    """A profile that asks for Landlock by name gets it whole, or the daemon does not start."""
+    profile = settings.agents[name]
+    if profile.sandbox == "landlock" and not settings.landlock_abi:
+        why = landlock.why_not() or "this kernel offers no Landlock (Linux 5.13+ with landlock among its LSMs)"
+        raise ConfigError(
+            f"agents.{name}.sandbox",
+            f'asks for "landlock" but {why}; set sandbox = "none" to run this agent unconfined',
+        )
+    if profile.sandbox == "landlock" and settings.landlock_abi < landlock.TRUNCATE_ABI:
+        # A profile that asks for Landlock by name is promised that other projects' files stay whole,
+        # which an ABI without truncation rights cannot keep.
+        raise ConfigError(
+            f"agents.{name}.sandbox",
+            f'asks for "landlock" but this kernel\'s Landlock (ABI {settings.landlock_abi}) cannot keep an '
+            f"agent from truncating other projects' files, the store or the config (ABI "
+            f'{landlock.TRUNCATE_ABI}+, Linux 6.2+); set sandbox = "auto" to run confined with that said '
+            'in a warning, or "none"',
+        )
 
 
 def checkpoint_root(settings: SettingsKeys) -> Path:
@@ -533,7 +609,9 @@ def _read_defaults(path: Path) -> dict[str, Any]:
         raise ConfigError(
             DEFAULTS_VARIABLE, f"{path} holds top-level keys only: agent profiles go in the config file (--config)"
         )
-    keys = checked(_KEYS, table, path.resolve().parent, key=lambda key: f"{key} (in {DEFAULTS_VARIABLE} {path})")
+    keys = checked(
+        _KEYS, table, path.resolve().parent, key=lambda key: f"{key} (in {DEFAULTS_VARIABLE} {path})", known=KNOWN_KEYS
+    )
     return keys.model_dump(exclude_unset=True)
 
 

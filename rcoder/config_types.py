@@ -1,13 +1,14 @@
 """The value types of the config schema (rcoder.config): paths relative to the config file,
-host:port addresses, store and collector URLs; and ``checked``, which turns pydantic's first
-error into a ConfigError naming the key's full path."""
+host:port addresses, store and collector URLs; and ``checked``, which turns pydantic's errors,
+all of them, into one ConfigError naming each key's full path."""
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import ipaddress
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -148,14 +149,43 @@ OtlpEndpoint = Annotated[str, AfterValidator(_otlp_endpoint)]
 
 
 def checked(
-    schema: TypeAdapter[T], data: object, base_dir: Path, strict: bool | None = None, key: Callable[[str], str] = str
+    schema: TypeAdapter[T],
+    data: object,
+    base_dir: Path,
+    strict: bool | None = None,
+    key: Callable[[str], str] = str,
+    known: Collection[str] = (),
 ) -> T:
-    """``data`` checked against ``schema``: its first problem as a ConfigError naming the key's path."""
+    """``data`` checked against ``schema``: every problem in one ConfigError naming each key's path.
+
+    An unknown key close to one of ``known`` (every key of the schema) is asked "did you mean";
+    a required key reported missing beside an unknown key that spells it nearly is said once, as
+    the misspelling (``comand``), not as a missing ``command``."""
     try:
         return schema.validate_python(data, strict=strict, context={"base_dir": base_dir})
     except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"] if p != "[key]")
-        unknown = error["type"] == "extra_forbidden"
-        problem = "unknown key (see docs/configuration.md)" if unknown else error["msg"].removeprefix("Value error, ")
-        raise ConfigError(key(path.removeprefix(".")), problem) from exc
+        raise _config_error(exc, key, known) from exc
+
+
+def _config_error(exc: ValidationError, key: Callable[[str], str], known: Collection[str]) -> ConfigError:
+    errors = [(tuple(p for p in e["loc"] if p != "[key]"), e) for e in exc.errors(include_url=False)]
+    missing = {loc for loc, error in errors if error["type"] == "missing"}
+    # the key each unknown one is close to, and the required keys an unknown one misspells
+    near: dict[tuple[object, ...], str] = {}
+    for loc, error in errors:
+        if error["type"] == "extra_forbidden" and loc and isinstance(loc[-1], str):
+            near.update((loc, m) for m in difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.75))
+    misspelt = {(*loc[:-1], meant) for loc, meant in near.items()} & missing
+    problems: list[tuple[str, str]] = []
+    for loc, error in errors:
+        if loc in misspelt:
+            continue  # said with the unknown key that misspells it
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).removeprefix(".")
+        problem = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            meant = near.get(loc)
+            required = " (a required key, missing)" if (*loc[:-1], meant) in misspelt else ""
+            guess = f": did you mean {meant!r}?{required}" if meant else ""
+            problem = f"unknown key{guess} (see docs/configuration.md)"
+        problems.append((key(path), problem))
+    return ConfigError(*problems[0], more=tuple(problems[1:]))

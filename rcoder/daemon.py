@@ -17,7 +17,7 @@ from rcoder import __version__, tracing
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.pool import AgentPool
-from rcoder.agent.profile import network_of
+from rcoder.agent.profile import network_of, readiness_of
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
 from rcoder.api.callers import ClientTable, jwt_callers
@@ -224,6 +224,7 @@ class Daemon:
         self.launcher.trees.start(asyncio.get_running_loop())
         self.launcher.log_sandboxes()
         self._log_network()
+        self._log_default_agent()
         self.settings.workspace_root.mkdir(parents=True, exist_ok=True)
         uploads = await asyncio.to_thread(self.files.sweep_uploads)  # docs/files.md#writes
         if uploads:
@@ -302,6 +303,13 @@ class Daemon:
             raise ConfigError("store_url", pg_access.explain(found[0], redact_url(self.settings.store_url), agents))
         log.info("store_refused_to_agents", effect="no route lets an agent in without the password",
                  agents_uid=user.uid)  # fmt: skip
+
+    def _log_default_agent(self) -> None:
+        """Warn when the default profile cannot run here: every Chat naming no agent would fail
+        (docs/configuration.md#can-a-profile-run-here)."""
+        readiness = readiness_of(self.settings, self.settings.agents[self.settings.default_agent])
+        if not readiness.runnable:
+            log.warning("default_agent_cannot_run", agent=self.settings.default_agent, why=list(readiness.not_runnable))
 
     def _log_network(self) -> None:
         """Say what agents reach over the network (docs/design/trust.md#no-calls-back), per profile, and warn

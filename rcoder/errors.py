@@ -20,13 +20,23 @@ class RcoderError(Exception):
 
 
 class ConfigError(RcoderError):
-    """The configuration is wrong; ``key`` names the offending key."""
+    """The configuration is wrong; ``key`` names the offending key (the first, when ``problems``
+    holds several: every one found at once, each a key and what is wrong with it)."""
 
     reason = "CONFIG_INVALID"
 
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"config key {key!r}: {problem}", key=key)
+    def __init__(self, key: str, problem: str, more: tuple[tuple[str, str], ...] = ()) -> None:
+        self.problems = ((key, problem), *more)
+        lines = [f"config key {k!r}: {p}" for k, p in self.problems]
+        text = lines[0] if not more else f"{len(lines)} problems in the configuration:\n  " + "\n  ".join(lines)
+        super().__init__(text, key=key)
         self.key = key
+
+    @classmethod
+    def joined(cls, errors: list[ConfigError]) -> ConfigError:
+        """One error holding every problem of ``errors`` (not empty), in order."""
+        problems = tuple(problem for error in errors for problem in error.problems)
+        return cls(*problems[0], more=problems[1:])
 
 
 # ---------------------------------------------------------------- caller's fault

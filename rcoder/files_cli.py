@@ -16,16 +16,15 @@ from collections.abc import Mapping
 from typing import BinaryIO, TextIO
 
 from rcoder.client import FileEntry, FileKind, RcoderClient, RcoderClientError
-from rcoder.client.token import find_token, local_target
-from rcoder.client_cli import CALL_TIMEOUT, FAILED, Screen
+from rcoder.client_cli import CALL_TIMEOUT, FAILED, Screen, closed_pipe, target_and_token
 
 MARKS = {FileKind.DIR: "/", FileKind.SYMLINK: "", FileKind.OTHER: "|"}
 
 
 def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
-    target = args.target or env.get("RCODER_TARGET") or local_target(env, args.config)
-    token = args.token if args.token is not None else find_token(env, args.config)
-    screen = Screen(stdout, stderr, args.json)
+    target, found = target_and_token(args, env)
+    token = found.token
+    screen = Screen(stdout, stderr, args.json, found)
     if args.action in ("cat", "put", "rm") and not args.path:
         return screen.usage(f"files {args.action} needs a path")
     try:
@@ -41,6 +40,8 @@ def run(args: argparse.Namespace, env: Mapping[str, str], stdin: TextIO, stdout:
         return screen.rpc_error(exc, target)
     except KeyboardInterrupt:
         return FAILED
+    except BrokenPipeError:  # `rcoder files ls | head`
+        return closed_pipe(stdout)
     except OSError as exc:  # put: the local file could not be read
         screen.note(f"rcoder: {exc}")
         return FAILED

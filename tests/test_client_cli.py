@@ -113,12 +113,16 @@ async def terminal() -> AsyncIterator[Any]:
             await term.close()
 
 
-async def rcoder(*args: str, stdin: bytes = b"", env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """``rcoder ARGS`` with pipes (not a terminal): exit code, stdout, stderr."""
+async def rcoder(
+    *args: str, stdin: bytes = b"", env: dict[str, str] | None = None, cwd: str | None = None
+) -> tuple[int, str, str]:
+    """``rcoder ARGS`` with pipes (not a terminal): exit code, stdout, stderr. ``cwd``: run there,
+    with the repository's package still importable."""
+    extra = {"PYTHONPATH": os.getcwd()} if cwd else {}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rcoder", *args,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        start_new_session=True, env={**os.environ, **(env or {})},
+        start_new_session=True, env={**os.environ, **extra, **(env or {})}, cwd=cwd,
     )  # fmt: skip
     try:
         async with asyncio.timeout(60):

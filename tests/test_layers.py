@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
         "client_args",
         "client_cli",
         "files_cli",
+        "runs_cli",
         "client",
         "health_check",
         "daemon",
@@ -59,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"client", "v1"},
     "client_cli": {"client", "client_args"},
     "files_cli": {"client", "client_cli"},  # `rcoder files`: the client's file calls, with chat's output
+    "runs_cli": {"client", "client_cli"},  # `rcoder runs|diff|rewind|fork|cancel|attach`, with chat's output
     "client_args": set(),  # the client commands' arguments: stdlib only, as `rcoder serve` parses them too
     "echo_agent": {"agent"},
     # `rcoder health`: the daemon's grpc.health.v1 on its own port (the image's HEALTHCHECK)

@@ -91,9 +91,11 @@ class AgentConnection:
         stop_grace: float,
         kind: AgentKind = GENERIC,
         lists: SessionLists | None = None,
+        key_variable: str = "",
     ) -> None:
         self.process = process
         self._kind = kind
+        self._key_variable = key_variable  # where its model key comes from, named when the agent refuses it
         self._pipe = pipe
         self._conn = conn
         self._handler = handler
@@ -337,7 +339,9 @@ class AgentConnection:
         """One SDK call. A connection rcoder itself closed fails with ``AgentClosed``, never
         as if the agent had broken (``closing=False``: the call is part of closing it)."""
         try:
-            return await call_agent(self.process, self.agent, call, timeout, step, resuming, self._pipe, self._kind)
+            return await call_agent(
+                self.process, self.agent, call, timeout, step, resuming, self._pipe, self._kind, self._key_variable
+            )
         except AgentError as exc:
             if closing and self._closed and not isinstance(exc, AgentClosed):
                 raise AgentClosed(f"rcoder ended agent {self.agent!r} during {step}", agent=self.agent) from exc
@@ -353,6 +357,7 @@ async def call_agent(
     resuming: str = "",
     pipe: PipeTransport | None = None,
     kind: AgentKind = GENERIC,
+    key_variable: str = "",
 ) -> T:
     """Await one ACP call, bounded, with every failure as one of our errors."""
     try:
@@ -365,7 +370,7 @@ async def call_agent(
             stderr_tail=process.stderr_tail(),
         ) from None
     except RequestError as exc:
-        raise _from_request_error(exc, process, agent, step, resuming, kind) from exc
+        raise _from_request_error(exc, process, agent, step, resuming, kind, key_variable) from exc
     except ConnectionError as exc:
         if pipe is not None and pipe.fault:
             raise AgentProtocolError(
@@ -380,7 +385,7 @@ async def call_agent(
 
 
 def _from_request_error(
-    exc: RequestError, process: AgentProcess, agent: str, step: str, resuming: str, kind: AgentKind
+    exc: RequestError, process: AgentProcess, agent: str, step: str, resuming: str, kind: AgentKind, key_variable: str
 ) -> AgentError:
     message = str(exc)
     if resuming:
@@ -392,7 +397,11 @@ def _from_request_error(
     text = f"agent {agent!r} answered {step} with error {exc.code} {message!r}" + (f": {detail}" if detail else "")
     tail = process.stderr_tail()
     if auth_reason(exc.code, message, exc.data) or kind.auth_reason(exc.code, message, exc.data):
-        return AgentAuthRequired(text + " (check the model provider's key)", agent=agent, stderr_tail=tail)
+        # the fix, not the agent's stderr: its tail tells the reader nothing the variable's name does not
+        where = (f"set {key_variable} in the daemon's environment or the profile's model_api_key"
+                 if key_variable else "check the model provider's key")  # fmt: skip
+        log.info("agent_auth_refused", agent=agent, key_variable=key_variable, stderr_tail=tail)
+        return AgentAuthRequired(f"{text} ({where})", agent=agent, key_variable=key_variable)
     return AgentProtocolError(text, code=exc.code, agent=agent, stderr_tail=tail)
 
 

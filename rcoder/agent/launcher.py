@@ -416,7 +416,7 @@ class AgentLauncher:
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
             process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind,
-            self.lists,
+            self.lists, profile.key_variable,
         )  # fmt: skip
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):
@@ -432,6 +432,7 @@ class AgentLauncher:
                     "initialize",
                     pipe=pipe,
                     kind=kind,
+                    key_variable=profile.key_variable,
                 )
             if init.protocol_version != acp.PROTOCOL_VERSION:
                 raise AgentProtocolError(

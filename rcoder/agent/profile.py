@@ -40,6 +40,37 @@ def sandbox_of(settings: Settings, profile: AgentProfile) -> Literal["landlock",
 
 
 @dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether a profile can run on this host (docs/configuration.md#can-a-profile-run-here)."""
+
+    command_found: bool  # its command resolves: a path that runs, or a name on its agents' PATH
+    key_variable: str  # where its agent reads its model key ("": rcoder knows of none it needs)
+    key_present: bool  # that variable is set for its agents, or the profile's model_api_key is
+    not_runnable: tuple[str, ...]  # why it cannot run, each with its fix; empty when it can
+    placement: str = "local"  # where its agents run: on this host (the only placement today)
+
+    @property
+    def runnable(self) -> bool:
+        return not self.not_runnable
+
+
+def readiness_of(settings: Settings, profile: AgentProfile) -> Readiness:
+    """What ``ListAgents`` and the start's log say of the profile: can its agent start here, with
+    the key its kind reads? A request's own ``model_provider.api_key`` may still give a missing key."""
+    path = settings.agent_env(profile).get("PATH", "")
+    found = profile.resolve_command(path) is not None
+    has_key = settings.has_key(profile)
+    why = []
+    if not found:
+        where = f"under {profile.base_dir}" if "/" in profile.command else "on its agents' PATH"
+        why.append(f"command {profile.command!r} not found {where}: install it, or set the profile's command")
+    if not has_key:
+        why.append(f"{profile.key_variable} is not set: set it in the daemon's environment (the profile passes it "
+                   "through) or the profile's model_api_key, or send model_provider.api_key")  # fmt: skip
+    return Readiness(found, profile.key_variable, has_key, tuple(why))
+
+
+@dataclass(frozen=True, slots=True)
 class NetworkReach:
     """What the profile's agents reach over the network (docs/design/trust.md#no-calls-back).
 

@@ -324,6 +324,31 @@ def agent_limits(limits: _Limits, profile: AgentProfile) -> dict[str, Any]:
     }
 
 
+class _Readiness(Protocol):
+    @property
+    def command_found(self) -> bool: ...
+    @property
+    def key_variable(self) -> str: ...
+    @property
+    def key_present(self) -> bool: ...
+    @property
+    def not_runnable(self) -> tuple[str, ...]: ...
+    @property
+    def placement(self) -> str: ...
+
+
+def agent_readiness(readiness: _Readiness) -> dict[str, Any]:
+    """``AgentInfo``'s fields of whether the profile can run here (docs/configuration.md#can-a-profile-run-here)."""
+    return {
+        "runnable": not readiness.not_runnable,
+        "not_runnable": list(readiness.not_runnable),
+        "command_found": readiness.command_found,
+        "key_variable": readiness.key_variable,
+        "key_present": readiness.key_present,
+        "placement": readiness.placement,
+    }
+
+
 def run_info(record: RunRecord) -> pb.RunInfo:
     info = pb.RunInfo(
         run_id=record.run_id,

@@ -477,6 +477,7 @@ class AgentRunnerService(FileRpcs):
                     not_kept=view.promises.not_kept(),
                 ),
                 **convert.agent_limits(view.limits, view.profile),
+                **convert.agent_readiness(view.readiness),
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

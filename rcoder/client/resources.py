@@ -253,6 +253,14 @@ class AgentInfo(Record):
     landlock_abi: int
     network: NetworkReach
     promises: SandboxPromises
+    # can it run here: its command found, the model key its kind reads present (``key_variable``);
+    # ``not_runnable`` says why not, each with its fix; ``placement``: where its agents run ("local")
+    runnable: bool
+    not_runnable: tuple[str, ...]
+    command_found: bool
+    key_variable: str
+    key_present: bool
+    placement: str
     raw: pb.AgentInfo = field(repr=False, compare=False)
 
 
@@ -378,5 +386,11 @@ def agent_from_proto(m: pb.AgentInfo) -> AgentInfo:
             socket_files=m.promises.socket_files,
             not_kept=tuple(m.promises.not_kept),
         ),
+        runnable=m.runnable,
+        not_runnable=tuple(m.not_runnable),
+        command_found=m.command_found,
+        key_variable=m.key_variable,
+        key_present=m.key_present,
+        placement=m.placement,
         raw=m,
     )

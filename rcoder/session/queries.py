@@ -11,7 +11,15 @@ from rcoder.agent.agent_user import AgentUser
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.limits import Mechanism
 from rcoder.agent.pool import AgentPool
-from rcoder.agent.profile import NetworkReach, SandboxPromises, network_of, promises_of, sandbox_of
+from rcoder.agent.profile import (
+    NetworkReach,
+    Readiness,
+    SandboxPromises,
+    network_of,
+    promises_of,
+    readiness_of,
+    sandbox_of,
+)
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import (
     AgentCapabilities,
@@ -67,6 +75,7 @@ class AgentView:
     network: NetworkReach  # docs/design/trust.md#no-calls-back
     promises: SandboxPromises  # what the kernel keeps from its agents
     limits: Mechanism  # what limits its agents (docs/limits.md)
+    readiness: Readiness  # can it run here (docs/configuration.md#can-a-profile-run-here)
 
 
 class Queries:
@@ -205,6 +214,7 @@ class Queries:
                     network=network_of(self._settings, profile),
                     promises=promises_of(self._settings, profile),
                     limits=self._launcher.limits.mechanism if self._launcher.limits else Mechanism("none"),
+                    readiness=readiness_of(self._settings, profile),
                 )
             )
         return views

@@ -2319,6 +2319,12 @@ class AgentInfo(_message.Message):
     PIDS_MAX_FIELD_NUMBER: _builtins.int
     CPU_MAX_FIELD_NUMBER: _builtins.int
     LIMITS_REASON_FIELD_NUMBER: _builtins.int
+    RUNNABLE_FIELD_NUMBER: _builtins.int
+    NOT_RUNNABLE_FIELD_NUMBER: _builtins.int
+    COMMAND_FOUND_FIELD_NUMBER: _builtins.int
+    KEY_VARIABLE_FIELD_NUMBER: _builtins.int
+    KEY_PRESENT_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """the profile's name: what ChatRequest.agent names"""
     command: _builtins.str
@@ -2349,6 +2355,18 @@ class AgentInfo(_message.Message):
     """the profile's cpu_max in cores; 0 when unbounded (held only with the cpu controller)"""
     limits_reason: _builtins.str
     """when a limit does not hold: why, in the kernel's or the filesystem's words"""
+    runnable: _builtins.bool
+    """Whether the profile can run here (docs/configuration.md#can-a-profile-run-here): its command
+    found and the model key its kind reads present.
+    """
+    command_found: _builtins.bool
+    """its command resolves here: a path that runs, or a name on its agents' PATH"""
+    key_variable: _builtins.str
+    """the environment variable its agent reads its model key from; "" when none is known"""
+    key_present: _builtins.bool
+    """that variable is set for its agents (or the profile's model_api_key is)"""
+    placement: _builtins.str
+    """where its agents run: "local" (on the host that answered; the only placement today)"""
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """its arguments"""
@@ -2368,6 +2386,10 @@ class AgentInfo(_message.Message):
     @_builtins.property
     def limit_controllers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """the cgroup controllers that hold: memory, pids, cpu, cpuacct"""
+
+    @_builtins.property
+    def not_runnable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """why it cannot run here, each reason with its fix; empty when it can"""
 
     def __init__(
         self,
@@ -2392,10 +2414,16 @@ class AgentInfo(_message.Message):
         pids_max: _builtins.int = ...,
         cpu_max: _builtins.float = ...,
         limits_reason: _builtins.str = ...,
+        runnable: _builtins.bool = ...,
+        not_runnable: _abc.Iterable[_builtins.str] | None = ...,
+        command_found: _builtins.bool = ...,
+        key_variable: _builtins.str = ...,
+        key_present: _builtins.bool = ...,
+        placement: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network", "promises", b"promises"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "cpu_max", b"cpu_max", "default", b"default", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "pids_max", b"pids_max", "promises", b"promises", "resume", b"resume", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "command_found", b"command_found", "cpu_max", b"cpu_max", "default", b"default", "key_present", b"key_present", "key_variable", b"key_variable", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "not_runnable", b"not_runnable", "pids_max", b"pids_max", "placement", b"placement", "promises", b"promises", "resume", b"resume", "runnable", b"runnable", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from rcoder.agent.beneath import Beneath, give_to_folder_owner
+from rcoder.agent.beneath import DIR_FLAGS, Beneath, give_to_folder_owner
 from rcoder.agent.safe_fs import remove_at
 from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
 from rcoder.session.upload_journal import TEMP_PREFIX as TEMP_PREFIX  # where tests and docs look for it
@@ -343,9 +343,10 @@ class TempFile:
 
 
 def remove_temp(beneath: Beneath, root_fd: int, folder: tuple[str, ...], name: str) -> bool:
-    """Remove a write's temporary file left in ``folder`` (a regular file by that name only,
-    never through a link); whether one was there."""
-    dir_fd = beneath.folder(root_fd, folder, create=False)
+    """Remove a write's temporary file left in ``folder`` (a regular file by that name only),
+    the folder reached through real folders only (``Beneath.exact``): a name on the way swapped
+    for a link, even one inside the project, leaves the file alone; whether one was there."""
+    dir_fd = beneath.exact(root_fd, folder, DIR_FLAGS)
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if stat.S_ISREG(info.st_mode):

@@ -1,0 +1,148 @@
+"""What the daemon itself does beneath a project never reaches outside it, whatever the agent swaps
+meanwhile (docs/files.md#the-daemons-own-work).
+
+The attack is issue 51's: the agent makes a folder and a link to an outside folder, then swaps the
+two names in a loop with ``renameat2(RENAME_EXCHANGE)`` (``SWAP``, run by python3 through ctypes),
+while the daemon, as root, works on a path through that folder. Each race runs for a bounded
+number of tries. The daemon runs as root and its agents as a uid of their own (``agent_user``),
+as a platform runs them: what rcoder gives the project's owner is then visibly not root's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.agent_user_kit import AGENT_UID, AGENT_USER, AgentKit, give_fake, open_root
+from tests.harness import Client, Daemon, FakeAgentSetup, eventually, text_of, write_config
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the attack needs a root daemon (CI and this machine run as root)"
+)
+
+# Swap the names argv[1] and argv[2] (in the current folder) in a loop until the file argv[3]
+# exists or argv[4] seconds pass; between rounds write a new argv[5] (when given) into the folder
+# named argv[1], so that every rewind has a file to restore there. An even number of swaps per round.
+SWAP = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+a, b, stop, seconds = sys.argv[1].encode(), sys.argv[2].encode(), sys.argv[3], float(sys.argv[4])
+touch = sys.argv[5] if len(sys.argv) > 5 else ""
+end, n = time.monotonic() + seconds, 0
+open(stop + ".started", "w").close()
+while time.monotonic() < end and not os.path.exists(stop):
+    for _ in range(2000):
+        libc.renameat2(-100, a, -100, b, 2)
+    n += 1
+    if touch:
+        try:
+            fd = os.open(touch, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+            os.write(fd, b"round %d\\n" % n)
+            os.close(fd)
+        except OSError:
+            pass
+"""
+TRIES = 40
+SWAP_SECONDS = 240
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    folder = open_root()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def outside(root: Path) -> Path:
+    """A folder of root's that no agent may change, with a root file in it."""
+    folder = root / "outside"
+    folder.mkdir(mode=0o755)
+    (folder / "f").write_text("root's own\n")
+    (folder / "f").chmod(0o644)
+    return folder
+
+
+def given_away(outside: Path) -> list[str]:
+    """What in ``outside`` is no longer root's. (Whether git's restore, unconfined, wrote or
+    removed files there is docs/confinement.md's: this file tests rcoder's own work.)"""
+    found = []
+    for path in [outside, *outside.rglob("*")]:
+        info = path.lstat()
+        if (info.st_uid, info.st_gid) != (0, 0):
+            found.append(f"{path} uid={info.st_uid}")
+    return found
+
+
+@pytest.fixture
+async def separate(root: Path) -> AsyncIterator[tuple[Daemon, Client, FakeAgentSetup]]:
+    fake = FakeAgentSetup(root)
+    give_fake(fake)
+    (fake.folder / "swap.py").write_text(SWAP)
+    (fake.folder / "swap.py").chmod(0o644)
+    kit = AgentKit.make(root)
+    config = write_config(
+        root / "rcoder.toml", {"fake": kit.profile(fake)}, data_dir=str(root / "data"),
+        workspace_root=str(root / "ws"), default_agent="fake", initialize_timeout=20, session_open_timeout=20,
+        agent_stop_grace=1, agent_user=AGENT_USER,
+    )  # fmt: skip
+    daemon = await Daemon(config).start()
+    client = Client(daemon.channel())
+    try:
+        yield daemon, client, fake
+    finally:
+        (root / "ws" / "proj" / ".stop").touch(exist_ok=True) if (root / "ws" / "proj").is_dir() else None
+        await client.channel.close()
+        await daemon.stop()
+
+
+def swap_command(fake: FakeAgentSetup, a: str, b: str, touch: str = "") -> str:
+    """The shell directive that leaves the swap loop running in the project, in a session of its own."""
+    return f"shell setsid python3 {fake.folder}/swap.py {a} {b} .stop {SWAP_SECONDS} {touch} >/dev/null 2>&1 &"
+
+
+async def start_swapping(client: Client, project: Path, command: str, **fields: Any) -> None:
+    events = await client.chat(prompt=command, **fields)
+    assert "shell=exit 0" in text_of(events), text_of(events)
+    await eventually(lambda: (project / ".stop.started").exists())
+
+
+async def test_a_rewinds_ownership_fix_up_never_chowns_a_file_outside_through_a_swapped_folder(
+    separate: tuple[Daemon, Client, FakeAgentSetup], root: Path, outside: Path
+) -> None:
+    """Issue 51 finding 2's chown: ``give_back`` changed owners by full path strings (``lchown``
+    follows every name but the last), so a folder swapped for a link between git's write and the
+    fix-up gave an outside root file to the agents' uid."""
+    _, client, fake = separate
+    project = root / "ws" / "proj"
+    first = await client.chat(prompt=f"shell mkdir w && echo one > w/f && ln -s {outside} x")
+    session_id = first[0].session_id
+    second = await client.chat(prompt="shell echo two > w/f", session_id=session_id)
+    assert "shell=exit 0" in text_of(second), text_of(second)
+    assert project.stat().st_uid == AGENT_UID
+    # a second session's idle agent runs the swap (the rewind ends the first session's agent)
+    await start_swapping(client, project, swap_command(fake, "w", "x", "w/f"))
+    request = pb.RewindSessionRequest(session_id=session_id, run_id=second[0].run_id)
+    rewound = failed = 0
+    codes: set[grpc.StatusCode] = set()
+    for _ in range(TRIES):
+        try:
+            answer = await client.stub.RewindSession(request)
+        except grpc.aio.AioRpcError as exc:  # git met the swap mid-restore: refused, as it may be
+            failed += 1
+            codes.add(exc.code())
+        else:
+            rewound += any(change.path == "w/f" for change in answer.changes)
+        assert not given_away(outside), given_away(outside)
+    (project / ".stop").touch()
+    assert grpc.StatusCode.UNKNOWN not in codes, codes
+    assert rewound >= TRIES // 4, (rewound, failed)  # the race was run, not refused every time

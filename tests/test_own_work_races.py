@@ -10,9 +10,12 @@ as a platform runs them: what rcoder gives the project's owner is then visibly n
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterator
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.agent_user_kit import AGENT_UID, AGENT_USER, AgentKit, give_fake, open_root
+from tests.agent_user_kit import AGENT_GID, AGENT_UID, AGENT_USER, AgentKit, as_agent, give_fake, open_root
 from tests.harness import Client, Daemon, FakeAgentSetup, eventually, text_of, write_config
 
 pytestmark = pytest.mark.skipif(
@@ -146,3 +149,122 @@ async def test_a_rewinds_ownership_fix_up_never_chowns_a_file_outside_through_a_
     (project / ".stop").touch()
     assert grpc.StatusCode.UNKNOWN not in codes, codes
     assert rewound >= TRIES // 4, (rewound, failed)  # the race was run, not refused every time
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".rcoder-upload-"))
+
+
+async def test_the_removal_of_a_killed_writes_leftovers_never_follows_a_swapped_folder(
+    root: Path, outside: Path
+) -> None:
+    """A daemon killed mid-upload leaves its notes; at the next start each leftover is removed only
+    through real folders. The agent swaps the noted folder ``d`` with a link ``e -> keep`` (inside
+    the project: the old removal followed such a link, and removed files by those names in
+    ``keep``), run by the agents' uid while the daemon starts again."""
+    fake = FakeAgentSetup(root)
+    give_fake(fake)
+    (fake.folder / "swap.py").write_text(SWAP)
+    (fake.folder / "swap.py").chmod(0o644)
+    kit = AgentKit.make(root)
+    config = write_config(
+        root / "rcoder.toml", {"fake": kit.profile(fake)}, data_dir=str(root / "data"),
+        workspace_root=str(root / "ws"), default_agent="fake", agent_user=AGENT_USER, agent_stop_grace=1,
+    )  # fmt: skip
+    project = root / "ws" / "proj"
+    daemon = await Daemon(config).start()
+    client = Client(daemon.channel())
+    events = await client.chat(prompt="shell mkdir d keep && ln -s keep e")
+    assert "shell=exit 0" in text_of(events), text_of(events)
+    never = asyncio.Event()
+
+    async def stream(n: int) -> AsyncIterator[pb.WriteFileChunk]:
+        yield pb.WriteFileChunk(project_id="proj", path=f"d/big{n}.bin", data=b"a" * 1024)
+        await never.wait()  # the daemon is killed mid-file
+
+    uploads = 24
+    calls = [client.stub.WriteFile(stream(n)) for n in range(uploads)]
+    await eventually(lambda: len(leftovers(project / "d")) == uploads)
+    await daemon.kill()
+    for call in calls:
+        call.cancel()
+    await client.channel.close()
+    names = leftovers(project / "d")
+    for name in names:  # the agent's own files, by the leftovers' names, where the link leads
+        (project / "keep" / name).write_text("the agent's own\n")
+        os.chown(project / "keep" / name, AGENT_UID, AGENT_GID)
+    swap = await asyncio.create_subprocess_exec(
+        *as_agent(kit.python, str(fake.folder / "swap.py"), "d", "e", ".stop", "120"),
+        cwd=project, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await eventually(lambda: (project / ".stop.started").exists())
+        again = await Daemon(config).start()  # sweeps the leftovers before it serves
+        (project / ".stop").touch()
+        async with asyncio.timeout(30):
+            await swap.wait()
+        await again.stop()
+    finally:
+        if swap.returncode is None:
+            swap.send_signal(signal.SIGKILL)
+            await swap.wait()
+    assert leftovers(project / "keep") == names, "a file in keep was removed through the link e"
+
+
+async def test_a_file_rpc_never_reads_writes_or_removes_outside_through_a_swapped_folder(
+    separate: tuple[Daemon, Client, FakeAgentSetup], root: Path, outside: Path
+) -> None:
+    """The file RPCs under the same swap: ``d`` (a decoy) and ``e -> <outside>``. This did not
+    break before either (``openat2`` with ``RESOLVE_BENEATH`` checks the whole resolution); it
+    holds the promise of docs/files.md for every call the RPCs make."""
+    _, client, fake = separate
+    project = root / "ws" / "proj"
+    events = await client.chat(prompt=f"shell mkdir d && echo decoy > d/decoy && ln -s {outside} e")
+    assert "shell=exit 0" in text_of(events), text_of(events)
+    await start_swapping(client, project, swap_command(fake, "d", "e"))
+    stub = client.stub
+    served = 0
+    for n in range(TRIES * 3):
+
+        async def read() -> None:
+            async for chunk in stub.ReadFile(pb.ReadFileRequest(project_id="proj", path="d/f")):
+                assert b"root's own" not in chunk.data
+
+        async def write(n: int = n) -> None:
+            async def chunks() -> AsyncIterator[pb.WriteFileChunk]:
+                yield pb.WriteFileChunk(project_id="proj", path=f"d/new{n}", data=b"mine")
+
+            await stub.WriteFile(chunks())
+
+        async def listing() -> None:
+            listed = await stub.ListFiles(pb.ListFilesRequest(project_id="proj", path="d"))
+            assert all(not entry.path.startswith("d/f") for entry in listed.entries), listed
+
+        async def delete() -> None:
+            await stub.DeleteFile(pb.DeleteFileRequest(project_id="proj", path="d/f"))
+
+        refusals = {FAILED, NOT_FOUND}
+        assert await refused(read()) in {None, *refusals}
+        code = await refused(write())
+        assert code in {None, FAILED}, code
+        served += code is None
+        assert await refused(listing()) in {None, FAILED}
+        assert await refused(delete()) in refusals
+    (project / ".stop").touch()
+    assert served > 0  # the race was run: some writes landed in the real folder
+    assert sorted(p.name for p in outside.iterdir()) == ["f"]  # noqa: ASYNC240
+    assert (outside / "f").read_text() == "root's own\n"
+    assert not given_away(outside)
+
+
+FAILED = grpc.StatusCode.FAILED_PRECONDITION
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+
+async def refused(call: Awaitable[None]) -> grpc.StatusCode | None:
+    """The status ``call`` was refused with; None when it was served."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return None

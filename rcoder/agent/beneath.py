@@ -125,7 +125,12 @@ class Beneath:
         fd = os.dup(root_fd)
         try:
             for name in parts[:-1]:
-                child = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
+                try:
+                    child = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
+                except NotADirectoryError:  # a link there (O_DIRECTORY | O_NOFOLLOW): as openat2 says it
+                    if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise OSError(errno.ELOOP, "a link on the way", name) from None
+                    raise
                 os.close(fd)
                 fd = child
             return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)

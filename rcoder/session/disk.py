@@ -19,7 +19,7 @@ on each folder's filesystem), or, where there is no ``du``, the same walk in Pyt
 - a turn starts without a check when the project was measured under its limit and no turn has
   ended in it since (the check after each turn has usually finished by the next one);
 - while turns run, a project is checked at most every ``max(disk_check_interval, 20 x the last
-  check's time)``: a project too large to walk quickly is walked less often, at most 5 % of a core.
+  check's time)``: a project too large to walk quickly is walked less often, at most 10 % of a core (two du).
 """
 
 from __future__ import annotations

@@ -1688,7 +1688,7 @@ class ListFilesResponse(_message.Message):
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]:
-        """depth first, each folder's entries by name (bytewise)"""
+        """depth first, each folder's entries in its own order"""
 
     def __init__(
         self,

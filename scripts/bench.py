@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_auth import auth_check  # noqa: E402  (beside this script)
 from bench_checkpoints import checkpoints  # noqa: E402
-from bench_files import read_file  # noqa: E402
+from bench_files import files_fair, read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
 from bench_unauth import LARGEST, unauth_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
@@ -85,6 +85,7 @@ class Sizes:
     history_flood_calls: int = 2000  # history_flood_bytes_per_s: tool calls of HISTORY_FLOOD_BYTES each
     workspace_files: int = 100_000  # workspace_size_ms_100k_files: files in the project measured
     read_file_bytes: int = 100 << 20  # read_file_mb_per_s: the file ReadFile sends
+    huge_folder_files: int = 300_000  # list_files_page_ms, small_read_under_flood_ms: files in one folder
     checkpoint_files: int = 10_000  # checkpoint_first_snapshot_ms: files of the project snapshotted
     checkpoint_bytes: int = 200 * 1000 * 1000  # and their bytes
 
@@ -97,7 +98,7 @@ class Sizes:
         return cls(
             1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20,
             history_flood_calls=50, workspace_files=200, read_file_bytes=8 << 20, checkpoint_files=200,
-            checkpoint_bytes=2_000_000,
+            checkpoint_bytes=2_000_000, huge_folder_files=2_000,
         )  # fmt: skip
 
 
@@ -1165,12 +1166,14 @@ async def workspace_size(bench: Bench) -> Result:
     du, walked = [], []
     for _ in range(max(bench.sizes.reps, 1)):
         began = time.perf_counter()
-        size = await disk_measure(str(project))
+        folder = os.open(project, os.O_RDONLY | os.O_DIRECTORY)
+        size = await disk_measure([folder])
         du.append(time.perf_counter() - began)
         began = time.perf_counter()
-        await asyncio.to_thread(walk_size, str(project))
+        await asyncio.to_thread(walk_size, [folder])
+        os.close(folder)
         walked.append(time.perf_counter() - began)
-    what = f"one check of a project's size, {count} files: du -skx (the daemon's), in ms"
+    what = f"one check of a project's size, {count} files: du -skxcH and -sbxcH at once (the daemon's), in ms"
     result = Result("workspace_size_ms_100k_files", what, median(du) * 1e3, "report", None)
     result.details = {"files": count, "python_walk_ms": median(walked) * 1e3, "bytes": size, "reps": len(du)}
     return result
@@ -1214,6 +1217,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("workspace_size", lambda b: _one(workspace_size(b))),
         ("budgets", lambda b: _one(budget_turn(b))),
         ("read_file", lambda b: _one(read_file(b))),
+        ("files_fair", files_fair),
         ("checkpoints", checkpoints),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
         ("auth_check", auth_check),

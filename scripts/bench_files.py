@@ -11,6 +11,17 @@ Three ways to the same file's bytes, interleaved, each repetition read whole:
 
 The line is the daemon's median MB/s (target >= 200); its ratio to the raw stream and to the local
 read are in its details.
+
+``files_fair`` (docs/files.md#pages, #fair-share), on a project of ``huge_folder_files`` files in
+one folder:
+
+- ``list_files_page_ms``: a ``ListFiles`` page of 1 entry, the first page and the one after it
+  (its token), median in ms (target <= 50: a page costs what it lists; before the cursor, 2.5 s
+  at 300,000 files);
+- ``small_read_under_flood_ms``: another project's 16-byte ``ReadFile``, sent once the first of
+  ``FLOOD`` ListFiles pages of 10,000 in the huge folder has answered, median in ms (target
+  <= 1000; before the fair share, 16 s with 12 in flight); how many of the flood were still in
+  flight when it completed is in its details.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ if TYPE_CHECKING:
 CHUNK = 1 << 20
 RAW_METHOD = "/bench.Raw/Read"
 PROJECT = "files-bench"
+FLOOD = 12  # small_read_under_flood_ms: ListFiles pages of FLOOD_PAGE in flight at once
+FLOOD_PAGE = 10_000
 
 
 def local_read(path: Path) -> tuple[int, str]:
@@ -140,6 +153,71 @@ async def read_file(bench: Bench) -> Result:
         "reps": len(times["daemon"]),
     }
     return judged("read_file_mb_per_s", what, rate["daemon"], ">= 200", details)
+
+
+def _fill(folder: Path, count: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for n in range(count):
+            os.close(os.open(f"f{n:07d}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+async def files_fair(bench: Bench) -> list[Result]:
+    from bench import judged
+
+    count = bench.sizes.huge_folder_files
+    await asyncio.to_thread(_fill, bench.workspace / "files-huge" / "many", count)
+    small = bench.workspace / "files-small"
+    small.mkdir(parents=True, exist_ok=True)
+    (small / "note.txt").write_bytes(b"sixteen bytes..\n")
+    pages: list[float] = []
+    reads: list[float] = []
+    in_flight: list[int] = []
+    config = bench.config({"fake": bench.fake_profile()})
+    async with bench.daemon(config) as (_, stub):
+        one = pb.ListFilesRequest(project_id="files-huge", path="many", page_size=1)
+        await stub.ListFiles(one)  # warm: the channel, the folder's inodes
+        for _ in range(max(bench.sizes.reps, 1)):
+            began = time.perf_counter()
+            first = await stub.ListFiles(one)
+            pages.append(time.perf_counter() - began)
+            after = pb.ListFilesRequest(project_id="files-huge", path="many", page_size=1,
+                                        page_token=first.next_page_token)  # fmt: skip
+            began = time.perf_counter()
+            await stub.ListFiles(after)
+            pages.append(time.perf_counter() - began)
+        big = pb.ListFilesRequest(project_id="files-huge", path="many", page_size=FLOOD_PAGE)
+        note = pb.ReadFileRequest(project_id="files-small", path="note.txt")
+        for _ in range(max(bench.sizes.reps, 1)):
+            flood = [asyncio.ensure_future(stub.ListFiles(big, timeout=600)) for _ in range(FLOOD)]
+            try:
+                await asyncio.wait(flood, return_when=asyncio.FIRST_COMPLETED)
+                began = time.perf_counter()
+                data = b"".join([chunk.data async for chunk in stub.ReadFile(note, timeout=600)])
+                reads.append(time.perf_counter() - began)
+                in_flight.append(sum(not call.done() for call in flood))
+                if data != b"sixteen bytes..\n":
+                    raise RuntimeError(f"read back {data!r}")
+            finally:
+                await asyncio.gather(*flood, return_exceptions=True)
+    page_ms = statistics.median(pages) * 1e3
+    read_ms = statistics.median(reads) * 1e3
+    return [
+        judged(
+            "list_files_page_ms", f"a ListFiles page of 1 in a folder of {count} files (first and next), in ms",
+            page_ms, "<= 50", {"files": count, "max_ms": max(pages) * 1e3, "pages": len(pages)},
+        ),
+        judged(
+            "small_read_under_flood_ms",
+            f"another project's 16-byte ReadFile while {FLOOD} ListFiles of {FLOOD_PAGE} in a folder of "
+            f"{count} files are in flight, in ms",
+            read_ms, "<= 1000",
+            {"files": count, "max_ms": max(reads) * 1e3, "flood_in_flight_min": min(in_flight), "reps": len(reads)},
+        ),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:

@@ -42,6 +42,8 @@ MEASURES = {
     "workspace_size_ms_100k_files",
     "budget_turn_added_ms",
     "read_file_mb_per_s",
+    "list_files_page_ms",
+    "small_read_under_flood_ms",
     "checkpoint_first_snapshot_ms",
     "checkpoint_later_snapshot_ms",
     "checkpoint_turn_start_ms",

@@ -108,21 +108,28 @@ def test_sizes_are_read_in_bytes_or_with_a_unit(tmp_path: Path) -> None:
     assert load_settings(None, {}).disk_check_interval == 10.0
 
 
-async def test_a_measure_counts_blocks_once_per_file_and_follows_no_link(tmp_path: Path) -> None:
+async def test_a_measure_counts_a_file_once_a_sparse_file_at_its_length_and_follows_no_link(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
-    (outside / "big").write_bytes(b"o" * 4 * MIB)
+    (outside / "big").write_bytes(b"o" * 64 * MIB)
     project = tmp_path / "project"
     (project / "deep" / "er").mkdir(parents=True)
     (project / "deep" / "er" / "one").write_bytes(b"x" * MIB)
     os.link(project / "deep" / "er" / "one", project / "hardlink")  # the same blocks: counted once
     (project / "link").symlink_to(outside)  # never followed
-    (project / "sparse").touch()
-    os.truncate(project / "sparse", 1 << 30)  # 1 GiB long, no blocks: nothing on disk
-    size = await measure(str(project))
-    assert size is not None and MIB <= size < 2 * MIB, size
-    walked = walk_size(str(project))
-    assert MIB <= walked < 2 * MIB and abs(walked - size) < 64 << 10, (walked, size)
+    (project / "deep" / "link").symlink_to(outside)
+    folder = os.open(project, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        size = await measure([folder])
+        assert size is not None and MIB <= size < 2 * MIB, size
+        (project / "sparse").touch()
+        os.truncate(project / "sparse", 1 << 30)  # 1 GiB long, no blocks: what it could cost is its length
+        size = await measure([folder])
+        walked = walk_size([folder])
+    finally:
+        os.close(folder)
+    assert size is not None and (1 << 30) + MIB <= size < (1 << 30) + 2 * MIB, size
+    assert abs(walked - size) < 64 << 10, (walked, size)
 
 
 async def test_each_agent_has_its_own_tmpdir_removed_when_it_ends_and_its_neighbours_untouched(
@@ -165,3 +172,26 @@ async def test_each_agent_has_its_own_tmpdir_removed_when_it_ends_and_its_neighb
     await make_daemon()
     assert list((home / "tmp").iterdir()) == []
     assert all(path.is_file() for path in kept)
+
+
+@pytest.mark.parametrize(
+    ("command", "where"),
+    [
+        ("truncate -s 100G sparse", "a sparse file of 100 GiB in the project"),
+        ('head -c 60M /dev/zero > "$HOME/big"', "60 MiB in the agent's home"),
+        ('head -c 60M /dev/zero > "$TMPDIR/big"', "60 MiB in the agent's TMPDIR"),
+    ],
+)
+async def test_what_a_turn_writes_where_it_could_cost_counts_against_workspace_max_bytes(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, command: str, where: str
+) -> None:
+    # an interval longer than the test: the check after the turn is the one that sees it; no
+    # checkpoints (a snapshot's own bound on a sparse file is docs/checkpoints.md's)
+    profiles = {"fake": fake.profile(workspace_max_bytes="50MiB")}
+    _, client = await make_daemon(profiles, disk_check_interval=600, checkpoints=False)
+    events = await client.chat(prompt=f"shell {command}")
+    assert "shell=exit 0" in text_of(events), (where, text_of(events))
+    refused = await client.chat_error(prompt="hello", session_id=events[0].session_id)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (where, refused.details())
+    info = error_info(refused)
+    assert info.reason == "WORKSPACE_TOO_LARGE" and int(info.metadata["size_bytes"]) > 50 * MIB, (where, info)

@@ -75,6 +75,18 @@ async def listing(client: Client, path: str = "", page_size: int = 0, **fields: 
             return entries
 
 
+def depth_first(paths: list[str]) -> bool:
+    """Whether every path comes after its folder, and a folder's contents follow it together."""
+    for i, path in enumerate(paths):
+        parent = path.rpartition("/")[0]
+        if parent and parent not in paths[:i]:
+            return False
+        inside = [j for j, other in enumerate(paths) if other.startswith(path + "/")]
+        if inside != list(range(i + 1, i + 1 + len(inside))):
+            return False
+    return True
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -97,7 +109,7 @@ async def test_a_listing_goes_depth_first_page_by_page_and_shows_links_with_thei
     os.symlink("src", root / "src-link")  # inside: a link too, not entered by a recursive listing
     _, client = await make_daemon()
 
-    top = await listing(client)
+    top = sorted(await listing(client), key=lambda e: e.path)  # the folder's own order (docs/files.md#pages)
     assert [(e.path, e.kind) for e in top] == [
         ("README", pb.FILE_KIND_FILE), ("a-b", pb.FILE_KIND_DIR), ("etc-link", pb.FILE_KIND_SYMLINK),
         ("src", pb.FILE_KIND_DIR), ("src-link", pb.FILE_KIND_SYMLINK),
@@ -108,13 +120,14 @@ async def test_a_listing_goes_depth_first_page_by_page_and_shows_links_with_thei
     assert (etc_link.link_target, etc_link.size) == ("/etc", 4)
 
     everything = [e.path for e in await listing(client, recursive=True)]
-    assert everything == [
-        "README", "a-b", "etc-link", "src", "src/main.py", "src/pkg", "src/pkg/mod.py", "src-link",
+    assert sorted(everything) == [
+        "README", "a-b", "etc-link", "src", "src-link", "src/main.py", "src/pkg", "src/pkg/mod.py",
     ]  # fmt: skip
-    for size in (1, 2, 3):  # every page boundary, inside folders and out of them
+    assert depth_first(everything), everything
+    for size in (1, 2, 3):  # every page boundary, inside folders and out of them: the same order
         assert [e.path for e in await listing(client, page_size=size, recursive=True)] == everything
     # a folder by its path, through a link that stays inside; a file as its one entry
-    assert [e.path for e in await listing(client, "src-link")] == ["src-link/main.py", "src-link/pkg"]
+    assert sorted(e.path for e in await listing(client, "src-link")) == ["src-link/main.py", "src-link/pkg"]
     assert [e.path for e in await listing(client, "src/main.py")] == ["src/main.py"]
     assert [e.path for e in await listing(client, "etc-link")] == ["etc-link"]
 
@@ -421,7 +434,8 @@ async def test_the_python_client_lists_reads_writes_and_deletes_files(
         assert await client.read_file(PROJECT, "bin/data.bin", offset=5, limit=10).bytes() == data[5:15]
         await client.write_file(PROJECT, "note.txt", b"one\n")
         entries = [(e.path, e.kind) async for e in client.list_files(PROJECT, recursive=True, page_size=1)]
-        assert entries == [("bin", FileKind.DIR), ("bin/data.bin", FileKind.FILE), ("note.txt", FileKind.FILE)]
+        assert sorted(entries) == [("bin", FileKind.DIR), ("bin/data.bin", FileKind.FILE), ("note.txt", FileKind.FILE)]
+        assert depth_first([path for path, _ in entries])
         with pytest.raises(Conflict) as conflict:
             await client.write_file(PROJECT, "note.txt", b"two\n", if_sha256=sha(b"other"))
         assert conflict.value.metadata["current_sha256"] == sha(b"one\n")
@@ -450,10 +464,10 @@ async def test_rcoder_files_ls_cat_put_and_rm(make_daemon: DaemonFactory, tmp_pa
     code, out, _ = await rcoder("files", "put", "b.txt", *common, stdin=b"from stdin\n")
     assert code == 0 and (root / "b.txt").read_bytes() == b"from stdin\n"
     code, out, _ = await rcoder("files", "ls", "-r", *common)
-    lines = out.splitlines()
-    assert [line.split()[-1] for line in lines] == ["b.txt", "/etc", "src/", "src/a.bin"]
-    assert lines[1].startswith("lrwx") and lines[1].endswith("etc-link -> /etc")
-    assert lines[3].startswith("-rw-r----- ") and " 8000 " in lines[3]
+    lines = {line.split()[-1]: line for line in out.splitlines()}
+    assert sorted(lines) == ["/etc", "b.txt", "src/", "src/a.bin"]
+    assert lines["/etc"].startswith("lrwx") and lines["/etc"].endswith("etc-link -> /etc")
+    assert lines["src/a.bin"].startswith("-rw-r----- ") and " 8000 " in lines["src/a.bin"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rcoder", "files", "cat", "src/a.bin", *common, stdout=asyncio.subprocess.PIPE
     )

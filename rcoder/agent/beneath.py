@@ -11,6 +11,12 @@ time relative to the folder reached so far (``O_NOFOLLOW``), a link's target spl
 of the path, ``..`` popping a folder, and the same ``EXDEV`` past the project; a name swapped for
 a link while it walks fails ``ELOOP`` (refused), never followed.
 
+The daemon's own work beneath a project (a rewind's ownership fix-up, the removal of a write's
+leftover, the disk check) follows no link at all, not even one inside the project: ``Beneath.exact``
+adds ``RESOLVE_NO_SYMLINKS`` (a link at any step fails ``ELOOP``), or walks ``O_NOFOLLOW`` folder
+descriptors where the kernel lacks ``openat2``. A folder the agent swaps for a link while the daemon
+works is then refused, never passed through (docs/files.md#the-daemons-own-work).
+
 ``path_parts`` checks a client's path: no ``..``, not absolute, no NUL, each name at most 255 bytes
 and the whole at most 4096 (``InvalidArgument``).
 """
@@ -36,6 +42,7 @@ _NOFOLLOW_DIR = DIR_FLAGS | os.O_NOFOLLOW
 # linux/openat2.h; the syscall's number is the same on every architecture (the generic table)
 _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 
 
@@ -108,6 +115,28 @@ class Beneath:
             return _openat2(root_fd, "/".join(parts), flags | os.O_CLOEXEC, mode)
         return _walk(root_fd, parts, flags | os.O_CLOEXEC, mode)
 
+    def exact(self, root_fd: int, parts: tuple[str, ...], flags: int) -> int:
+        """``parts`` opened with ``flags`` beneath ``root_fd`` through real folders only: a link at
+        any step, the last included, raises ``OSError(ELOOP)`` (the daemon's own work)."""
+        if not parts:
+            return os.open(".", flags & ~(os.O_CREAT | os.O_NOFOLLOW), dir_fd=root_fd)
+        if self.kernel:
+            return _openat2(root_fd, "/".join(parts), flags | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS)
+        fd = os.dup(root_fd)
+        try:
+            for name in parts[:-1]:
+                try:
+                    child = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
+                except NotADirectoryError:  # a link there (O_DIRECTORY | O_NOFOLLOW): as openat2 says it
+                    if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise OSError(errno.ELOOP, "a link on the way", name) from None
+                    raise
+                os.close(fd)
+                fd = child
+            return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        finally:
+            os.close(fd)
+
     def folder(self, root_fd: int, parts: tuple[str, ...], *, create: bool = False) -> int:
         """The folder ``parts`` beneath ``root_fd``, the missing ones made (0755, given to the
         owner of the folder they are made in) when ``create``."""
@@ -150,8 +179,9 @@ _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
 
-def _openat2(dir_fd: int, path: str, flags: int, mode: int) -> int:
-    how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
+def _openat2(dir_fd: int, path: str, flags: int, mode: int, resolve: int = 0) -> int:
+    resolve |= _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS
+    how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, resolve)
     raw = os.fsencode(path)
     while True:
         fd = _syscall(

@@ -26,7 +26,8 @@ from rcoder.api.gate import Undecodable
 from rcoder.api.scope import Call, Scope
 from rcoder.logs import get_logger
 from rcoder.session.files import ABSENT, CHUNK_BYTES, ProjectFiles, WriteHead, path_parts
-from rcoder.session.project_files import Entry
+from rcoder.session.folder_read import MAX_POSITION
+from rcoder.session.project_files import MAX_DEPTH, Cursor, Entry
 from rcoder.session.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
 
@@ -59,13 +60,14 @@ class FileRpcs:
             if request.page_size > MAX_PAGE:
                 raise errors.InvalidArgument("page_size", f"at most {MAX_PAGE}")
             made_for = [request.project_id, list(parts), request.recursive]
-            after = _decode_token(request.page_token, made_for)
+            cursor = _decode_token(request.page_token, made_for)
             listing = await self._files.list(
-                request.project_id, parts, request.recursive, request.page_size or DEFAULT_PAGE, after
-            )
+                request.project_id, parts, request.recursive, request.page_size or DEFAULT_PAGE, cursor,
+                call.caller.name,
+            )  # fmt: skip
         except errors.RcoderError as exc:
             await self._abort(context, exc)
-        token = _encode_token(made_for, listing.entries[-1].path) if listing.more else ""
+        token = _encode_token(made_for, listing.next) if listing.next is not None else ""
         return pb.ListFilesResponse(
             entries=[_entry(e) for e in listing.entries], next_page_token=token, unlisted=listing.unlisted
         )
@@ -77,7 +79,8 @@ class FileRpcs:
             check_project_id(request.project_id)
             parts = path_parts(request.path)
             self._scope.project(call, request.project_id)
-            async for chunk in self._files.read(request.project_id, parts, request.offset, request.limit):
+            chunks = self._files.read(request.project_id, parts, request.offset, request.limit, call.caller.name)
+            async for chunk in chunks:
                 message = pb.FileChunk(data=chunk.data, offset=chunk.offset)
                 if chunk.head is not None:
                     message.size, message.mode, message.sha256 = chunk.head.size, chunk.head.mode, chunk.head.sha256
@@ -92,7 +95,7 @@ class FileRpcs:
         try:
             head = _write_head(request)
             self._scope.project(call, request.project_id)
-            written = await self._files.write(head, _chunks(request, context))
+            written = await self._files.write(head, _chunks(request, context), call.caller.name)
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         log.info("file_written", client=call.caller.name, project_id=head.project_id, path=request.path,
@@ -106,7 +109,9 @@ class FileRpcs:
             check_project_id(request.project_id)
             parts = path_parts(request.path)
             self._scope.project(call, request.project_id)
-            kind = await self._files.delete(request.project_id, parts, request.recursive, request.while_busy)
+            kind = await self._files.delete(
+                request.project_id, parts, request.recursive, request.while_busy, call.caller.name
+            )
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         log.info("file_deleted", client=call.caller.name, project_id=request.project_id, path=request.path,
@@ -154,27 +159,37 @@ async def _chunks(first: pb.WriteFileChunk, context: grpc.aio.ServicerContext[An
             yield message.data
 
 
-def _encode_token(made_for: list[Any], last: tuple[str, ...]) -> str:
-    text = _FILES_TOKEN + json.dumps([*made_for, list(last)])
+def _encode_token(made_for: list[Any], cursor: Cursor) -> str:
+    positions, entered = cursor
+    text = _FILES_TOKEN + json.dumps([*made_for, list(positions), list(entered)])
     return base64.urlsafe_b64encode(text.encode()).decode()
 
 
-def _decode_token(token: str, made_for: list[Any]) -> tuple[str, ...]:
-    """The last path of the page before; ``InvalidArgument`` for a token of another listing."""
+def _decode_token(token: str, made_for: list[Any]) -> Cursor | None:
+    """Where the page ``token`` asks for starts: the position in each folder the page before was
+    in, and the folders it had entered (docs/files.md#pages); ``InvalidArgument`` for a token of
+    another listing, or one that is not ours (an older daemon's included)."""
     if not token:
-        return ()
+        return None
     try:
         text = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
         if not text.startswith(_FILES_TOKEN):
             raise ValueError(text)
-        *made, last = json.loads(text.removeprefix(_FILES_TOKEN))
-        if not isinstance(last, list) or not last or not all(isinstance(p, str) for p in last):
+        *made, positions, entered = json.loads(text.removeprefix(_FILES_TOKEN))
+        if not isinstance(positions, list) or not isinstance(entered, list):
             raise TypeError(text)
-        after = path_parts("/".join(last), "page_token")
+        if len(positions) != len(entered) + 1 or len(entered) > MAX_DEPTH + 1:
+            raise ValueError(text)
+        for position in positions:
+            if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position <= MAX_POSITION:
+                raise ValueError(text)
+        for name in entered:
+            if not isinstance(name, str) or path_parts(name, "page_token") != (name,):
+                raise ValueError(text)
     except (binascii.Error, UnicodeError, ValueError, TypeError, errors.InvalidArgument):
         raise errors.InvalidArgument("page_token", "not a token from a previous ListFiles answer") from None
     if made != made_for:
         raise errors.InvalidArgument(
             "page_token", "made for another listing: send the project_id, path and recursive it came from"
         )
-    return after
+    return tuple(positions), tuple(entered)

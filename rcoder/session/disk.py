@@ -4,17 +4,22 @@ A project is measured after each turn in it, and every ``disk_check_interval`` w
 in it. Over the limit, the running turns are stopped (``StopCause``, reason ``WORKSPACE_TOO_LARGE``)
 and the next turn is refused before any agent starts (``WorkspaceTooLarge``, RESOURCE_EXHAUSTED).
 
-The measure is ``du -skx`` in a process group of its own (C, off the event loop and off the GIL:
-it never follows a link, counts a hard link once and stays on the project's filesystem), or, where
-there is no ``du``, the same walk in Python in a thread (``walk_size``). It costs about 0.2 s on
-100,000 files (``scripts/bench.py``, ``workspace_size_ms_100k_files``), so it is kept cheap:
+What is measured is what the project could cost: its folder and the agents' homes in it
+(``<data_dir>/agents/<profile>/<project_id>``, each agent's TMPDIR included), the larger of their
+blocks on disk and their apparent size, so a sparse file counts at its length. The measure is
+``du`` over descriptors of those folders (``measure``), two runs at once (``-skxcH`` for blocks,
+``-sbxcH`` for apparent bytes), each in a process group of its own (C, off the event loop and off
+the GIL: it never follows a link below the folder it is given, counts a hard link once and stays
+on each folder's filesystem), or, where there is no ``du``, the same walk in Python in a thread
+(``walk_size``). It costs about 0.2 s on 100,000 files (``scripts/bench.py``,
+``workspace_size_ms_100k_files``), so it is kept cheap:
 
 - one check of a project at a time: a turn's start, the check after a turn and the periodic one
   share the check in progress (``_check``);
 - a turn starts without a check when the project was measured under its limit and no turn has
   ended in it since (the check after each turn has usually finished by the next one);
 - while turns run, a project is checked at most every ``max(disk_check_interval, 20 x the last
-  check's time)``: a project too large to walk quickly is walked less often, at most 5 % of a core.
+  check's time)``: a project too large to walk quickly is walked less often, at most 10 % of a core (two du).
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ import signal
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from rcoder.agent.profile import agent_home
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import StopReason
 from rcoder.errors import WorkspaceTooLarge, human_bytes
@@ -47,6 +53,7 @@ REASON = "WORKSPACE_TOO_LARGE"
 COST_FACTOR = 20  # a check waits at least this many times its last check's time for the next one
 MEASURE_TIMEOUT = 120.0  # a measure that takes longer is given up (its du ended) and says nothing
 MAX_IDLE_PROJECTS = 4096  # projects remembered with no turn running, least recently used dropped
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @functools.cache
@@ -54,63 +61,93 @@ def _du() -> str | None:
     return shutil.which("du")
 
 
-async def measure(path: str, timeout: float = MEASURE_TIMEOUT) -> int | None:
-    """The bytes ``path`` takes on disk (blocks, as ``du``), None when it cannot be told in time.
+def open_folder(path: str) -> int | None:
+    """A descriptor of the folder ``path`` (rcoder's own: a project or a home, whose parents the
+    agent cannot rename), None when it is missing; a link in its place is not followed (ELOOP)."""
+    try:
+        return os.open(path, _FOLDER)
+    except FileNotFoundError:
+        return None
 
-    ``du`` runs in a group of its own, ended with it on every path (a timeout, a cancel)."""
+
+async def measure(folders: Sequence[int], timeout: float = MEASURE_TIMEOUT) -> int | None:
+    """What the folders open as ``folders`` could cost (docs/limits.md#disk): the larger of the
+    bytes their files take on disk (blocks) and their apparent size (a sparse file at its length),
+    a hard link counted once; None when it cannot be told in time.
+
+    ``du`` is given the descriptors themselves (``/proc/self/fd/N``, the one name it follows)
+    and walks from them with ``O_NOFOLLOW``: no path string of the project is resolved again. It
+    runs in a group of its own, ended with it on every path (a timeout, a cancel)."""
+    if not folders:
+        return 0
     du = _du()
     if du is None:
-        return await asyncio.wait_for(asyncio.to_thread(walk_size, path), timeout)
-    process = await asyncio.create_subprocess_exec(
-        du, "-skx", "--", path,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+        return await asyncio.wait_for(asyncio.to_thread(walk_size, folders), timeout)
     try:
         async with asyncio.timeout(timeout):
-            out, _ = await process.communicate()
+            sizes = await asyncio.gather(_du_total(du, "-skxcH", folders), _du_total(du, "-sbxcH", folders))
     except TimeoutError:
-        log.warning("workspace_size_timeout", path=path, timeout=timeout)
+        log.warning("workspace_size_timeout", timeout=timeout)
         return None
+    if None in sizes:
+        return None
+    blocks, apparent = sizes
+    assert blocks is not None and apparent is not None
+    return max(blocks * 1024, apparent)
+
+
+async def _du_total(du: str, flags: str, folders: Sequence[int]) -> int | None:
+    process = await asyncio.create_subprocess_exec(
+        du, flags, "--", *(f"/proc/self/fd/{fd}" for fd in folders),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True, pass_fds=tuple(folders),
+    )  # fmt: skip
+    try:
+        out, _ = await process.communicate()
     finally:
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             await asyncio.shield(process.wait())
     # du exits 1 when an entry went away or could not be read while it walked: its total still holds
-    first = out.split(maxsplit=1)[0] if out.strip() else b""
-    if not first.isdigit():
-        log.warning("workspace_size_unknown", path=path, returncode=process.returncode)
+    lines = out.strip().splitlines()
+    last = lines[-1].split(maxsplit=1)[0] if lines else b""
+    if not last.isdigit():
+        log.warning("workspace_size_unknown", returncode=process.returncode)
         return None
-    return int(first) * 1024
+    return int(last)
 
 
-def walk_size(root: str) -> int:
-    """What ``du -sx`` says of ``root``, walked in Python: the blocks of every entry, no link
-    followed, a hard-linked file counted once, nothing on another filesystem."""
-    top = os.lstat(root)
-    total, seen, stack = top.st_blocks * 512, set[tuple[int, int]](), [root]
-    while stack:
-        try:
-            entries = os.scandir(stack.pop())
-        except OSError:  # gone, or not readable: what it holds is not counted
-            continue
-        with entries:
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
+def walk_size(folders: Sequence[int]) -> int:
+    """What ``measure`` says of ``folders``, walked in Python from their descriptors: the larger
+    of the blocks and the apparent sizes of every entry, no link followed, a hard-linked file
+    counted once, nothing on another filesystem."""
+    blocks = apparent = 0
+    seen = set[tuple[int, int]]()
+    for root in folders:
+        top = os.fstat(root)
+        blocks, apparent = blocks + top.st_blocks * 512, apparent + top.st_size
+        stack = [os.dup(root)]
+        while stack:
+            fd = stack.pop()
+            try:
+                with os.scandir(fd) as entries:
+                    found = [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+            except OSError:  # not readable: what it holds is not counted
+                found = []
+            for name, st in found:
                 if stat.S_ISDIR(st.st_mode):
                     if st.st_dev != top.st_dev:
                         continue
-                    stack.append(entry.path)
+                    with contextlib.suppress(OSError):  # gone, or swapped for a link (O_NOFOLLOW)
+                        stack.append(os.open(name, _FOLDER, dir_fd=fd))
                 elif st.st_nlink > 1:
                     if (st.st_dev, st.st_ino) in seen:
                         continue
                     seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
+                blocks, apparent = blocks + st.st_blocks * 512, apparent + st.st_size
+            os.close(fd)
+    return max(blocks, apparent)
 
 
 @dataclass(eq=False)
@@ -137,6 +174,8 @@ class DiskGuard:
 
     def __init__(self, settings: Settings, turns: ClaimedTurns) -> None:
         self._interval = settings.disk_check_interval
+        self._settings = settings
+        self._profiles = list(settings.agents.values())  # whose homes in a project count against its limit
         self._turns = turns  # where a turn past the limit is stopped
         self._projects: OrderedDict[str, _Project] = OrderedDict()
         self._tasks: set[asyncio.Task[Any]] = set()  # checks and watchers, ended by ``aclose``
@@ -214,16 +253,44 @@ class DiskGuard:
 
     async def _measure(self, project: _Project, generation: int) -> int | None:
         began = time.monotonic()
+        folders: list[int] = []
         try:
-            size = await measure(project.path)
+            folders = await asyncio.to_thread(self._open, project)
+            size = await measure(folders)
         except OSError as exc:  # the folder gone, du not startable: nothing is known, nothing refused
             log.warning("workspace_size_unknown", project_id=project.project_id, error=str(exc))
             size = None
+        finally:
+            for fd in folders:
+                os.close(fd)
         project.cost = time.monotonic() - began
         project.size = size
         project.fresh = size is not None and generation == project.ended
         log.debug("workspace_size", project_id=project.project_id, size=size, seconds=round(project.cost, 3))
         return size
+
+    def _open(self, project: _Project) -> list[int]:
+        """The project's folder and every profile's home in it (``<data_dir>/agents/<profile>/
+        <project_id>``, where the agent's TMPDIR is too), open; a home counted once."""
+        folders: list[int] = []
+        seen: set[tuple[int, int]] = set()
+        homes = [str(agent_home(self._settings, profile, project.project_id)) for profile in self._profiles]
+        try:
+            for path in (project.path, *homes):
+                fd = open_folder(path)
+                if fd is None:
+                    continue
+                info = os.fstat(fd)
+                if (info.st_dev, info.st_ino) in seen:
+                    os.close(fd)
+                    continue
+                seen.add((info.st_dev, info.st_ino))
+                folders.append(fd)
+        except BaseException:
+            for fd in folders:
+                os.close(fd)
+            raise
+        return folders
 
     async def _after_turn(self, project: _Project) -> None:
         size = await self._check(project)  # the next turn's start finds it measured (``admit``)

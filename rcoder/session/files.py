@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
@@ -37,6 +36,7 @@ from rcoder.config import Settings
 from rcoder.errors import ProjectBusy, RcoderError, ResourceExhausted, Sha256Mismatch, human_bytes
 from rcoder.logs import get_logger
 from rcoder.session import project_files as pf
+from rcoder.session.file_threads import FileThreads
 from rcoder.session.runs import RunRegistry
 from rcoder.session.upload_journal import UploadJournal
 from rcoder.store.base import SessionStore
@@ -44,8 +44,6 @@ from rcoder.store.base import SessionStore
 __all__ = ["ABSENT", "CHUNK_BYTES", "Chunk", "ProjectFiles", "WriteHead", "Written", "path_parts"]
 
 CHUNK_BYTES = 1 << 20  # the most data one FileChunk or WriteFileChunk carries
-# threads of their own: big reads, hashes and fsyncs never hold up the default executor's other users
-FILE_THREADS = 4
 ABSENT = "absent"  # if_sha256: write only where there is no file yet
 UPLOADS_FOLDER = "uploads"  # beneath data_dir: the writes under way (rcoder.session.upload_journal)
 log = get_logger("rcoder.session.files")
@@ -77,27 +75,18 @@ class WriteHead:
 
 
 @dataclass(frozen=True, slots=True)
+class Who:
+    """Whose step a file thread runs: its project and its caller (``FileThreads``' slots)."""
+
+    project_id: str
+    caller: str
+
+
+@dataclass(frozen=True, slots=True)
 class Written:
     sha256: str
     size: int
     mode: int
-
-
-async def _settled(
-    pool: Executor, parts: tuple[str, ...], work: Callable[[], T], undo: Callable[[T], None] | None = None
-) -> T:
-    """``work`` in ``pool``, whose end is waited for even when the caller is cancelled meanwhile
-    (then ``undo`` gets what it made): nothing closes a descriptor a thread still writes through.
-    What the file system answers about ``parts`` is said as rcoder's own error (``translated``)."""
-    future = asyncio.get_running_loop().run_in_executor(pool, work)
-    try:
-        with pf.translated(parts):
-            return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])
-        if undo is not None and not future.cancelled() and future.exception() is None:
-            undo(future.result())
-        raise
 
 
 class ProjectFiles:
@@ -110,7 +99,7 @@ class ProjectFiles:
         self._runs = runs
         self._beneath = beneath or Beneath()
         self._locks: dict[tuple[str, tuple[str, ...]], tuple[asyncio.Lock, int]] = {}
-        self._pool = ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
+        self._threads = FileThreads()  # shared fairly by projects and callers (docs/files.md#fair-share)
         self._journal = UploadJournal(settings.data_dir / UPLOADS_FOLDER)
 
     def sweep_uploads(self) -> int:
@@ -130,7 +119,15 @@ class ProjectFiles:
 
     def close(self) -> None:
         """Let the threads go once idle (idempotent); the server has stopped its calls by then."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
+
+    async def _settled(
+        self, who: Who, parts: tuple[str, ...], work: Callable[[], T], undo: Callable[[T], None] | None = None
+    ) -> T:
+        """``work`` in a file thread, fairly (``FileThreads.run``); what the file system answers
+        about ``parts`` said as rcoder's own error (``translated``)."""
+        with pf.translated(parts):
+            return await self._threads.run(who.project_id, who.caller, work, undo)
 
     @contextlib.contextmanager
     def _project(self, project_id: str) -> Iterator[int]:
@@ -159,15 +156,23 @@ class ProjectFiles:
     # ------------------------------------------------------------ reading
 
     async def list(
-        self, project_id: str, parts: tuple[str, ...], recursive: bool, limit: int, after: tuple[str, ...]
+        self,
+        project_id: str,
+        parts: tuple[str, ...],
+        recursive: bool,
+        limit: int,
+        cursor: pf.Cursor | None,
+        caller: str = "",
     ) -> pf.Listing:
         def work() -> pf.Listing:
             with self._project(project_id) as root, pf.translated(parts):
-                return pf.list_entries(self._beneath, root, parts, recursive, limit, after)
+                return pf.list_entries(self._beneath, root, parts, recursive, limit, cursor)
 
-        return await _settled(self._pool, parts, work)
+        return await self._settled(Who(project_id, caller), parts, work)
 
-    async def read(self, project_id: str, parts: tuple[str, ...], offset: int, limit: int) -> AsyncIterator[Chunk]:
+    async def read(
+        self, project_id: str, parts: tuple[str, ...], offset: int, limit: int, caller: str = ""
+    ) -> AsyncIterator[Chunk]:
         """The file's chunks from ``offset``, ``limit`` bytes at most (0: to the end); the first
         carries the whole file's head (its SHA-256 over every byte, whatever the range)."""
 
@@ -175,17 +180,19 @@ class ProjectFiles:
             with self._project(project_id) as root:
                 return pf.open_file(self._beneath, root, parts)
 
-        file = await _settled(self._pool, parts, opened, lambda f: os.close(f.fd))
+        who = Who(project_id, caller)
+        file = await self._settled(who, parts, opened, lambda f: os.close(f.fd))
         try:
             if file.size > self._max_bytes:
                 raise self._too_large(pf.shown(parts), file.size)
-            sha = await _settled(self._pool, parts, lambda: pf.sha256_of(file.fd))
+            sha = await self._settled(who, parts, lambda: pf.sha256_of(file.fd))
             head: FileHead | None = FileHead(file.size, file.mode, file.mtime, sha)
             end = file.size if not limit else min(file.size, offset + limit)
             position = offset
             while head is not None or position < end:
                 count = min(CHUNK_BYTES, end - position) if position < end else 0
-                data = await _settled(self._pool, parts, partial(os.pread, file.fd, count, position)) if count else b""
+                read = partial(os.pread, file.fd, count, position)
+                data = await self._settled(who, parts, read) if count else b""
                 if count and not data:
                     break  # the file shrank meanwhile: what there was
                 yield Chunk(data, position, head)
@@ -204,29 +211,30 @@ class ProjectFiles:
 
     # ------------------------------------------------------------ changing
 
-    async def write(self, head: WriteHead, chunks: AsyncIterator[bytes]) -> Written:
+    async def write(self, head: WriteHead, chunks: AsyncIterator[bytes], caller: str = "") -> Written:
         """Write the file from ``chunks`` (see the module's docstring)."""
+        who = Who(head.project_id, caller)
         await self._refuse_if_busy(head.project_id, head.while_busy)
         if head.if_sha256:
-            await self._compare(head)  # early: a stale write fails before its data is sent
+            await self._compare(head, who)  # early: a stale write fails before its data is sent
 
         def made() -> pf.TempFile:
             with self._project(head.project_id) as root:
                 return pf.TempFile(self._beneath, root, head.parts, self._journal, head.project_id)
 
-        temp = await _settled(self._pool, head.parts, made, pf.TempFile.discard)
+        temp = await self._settled(who, head.parts, made, pf.TempFile.discard)
         try:
             async for data in chunks:
                 if temp.size + len(data) > self._max_bytes:
                     raise self._too_large(pf.shown(head.parts), temp.size + len(data))
-                await _settled(self._pool, head.parts, partial(temp.write, data))
-            mode = head.mode or await _settled(self._pool, head.parts, lambda: temp.target_mode(0))
-            await _settled(self._pool, head.parts, lambda: temp.sync(mode))
+                await self._settled(who, head.parts, partial(temp.write, data))
+            mode = head.mode or await self._settled(who, head.parts, lambda: temp.target_mode(0))
+            await self._settled(who, head.parts, lambda: temp.sync(mode))
             async with self._lock(head.project_id, head.parts):
                 await self._refuse_if_busy(head.project_id, head.while_busy)
                 if head.if_sha256:
-                    await self._compare(head)
-                await _settled(self._pool, head.parts, lambda: self._commit(temp))
+                    await self._compare(head, who)
+                await self._settled(who, head.parts, lambda: self._commit(temp))
             return Written(temp.digest.hexdigest(), temp.size, mode)
         finally:
             temp.discard()
@@ -236,16 +244,18 @@ class ProjectFiles:
         with pf.translated(temp.parts):
             temp.commit()
 
-    async def _compare(self, head: WriteHead) -> None:
+    async def _compare(self, head: WriteHead, who: Who) -> None:
         def current() -> str | None:
             with self._project(head.project_id) as root:
                 return pf.current_sha256(self._beneath, root, head.parts)
 
-        found = await _settled(self._pool, head.parts, current)
+        found = await self._settled(who, head.parts, current)
         if (found or ABSENT) != head.if_sha256:
             raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
 
-    async def delete(self, project_id: str, parts: tuple[str, ...], recursive: bool, while_busy: bool) -> str:
+    async def delete(
+        self, project_id: str, parts: tuple[str, ...], recursive: bool, while_busy: bool, caller: str = ""
+    ) -> str:
         """Remove the entry at ``parts`` (a link as a link); what it was."""
         await self._refuse_if_busy(project_id, while_busy)
 
@@ -254,7 +264,7 @@ class ProjectFiles:
                 return pf.delete(self._beneath, root, parts, recursive)
 
         async with self._lock(project_id, parts):
-            return await _settled(self._pool, parts, work)
+            return await self._settled(Who(project_id, caller), parts, work)
 
     @contextlib.asynccontextmanager
     async def _lock(self, project_id: str, parts: tuple[str, ...]) -> AsyncIterator[None]:

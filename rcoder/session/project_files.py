@@ -20,9 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from rcoder.agent.beneath import Beneath, give_to_folder_owner
+from rcoder.agent.beneath import DIR_FLAGS, Beneath, give_to_folder_owner
 from rcoder.agent.safe_fs import remove_at
 from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
+from rcoder.session.folder_read import names_from
 from rcoder.session.upload_journal import TEMP_PREFIX as TEMP_PREFIX  # where tests and docs look for it
 from rcoder.session.upload_journal import Upload, UploadJournal, temp_name
 
@@ -43,10 +44,15 @@ class Entry:
     link_target: str = ""
 
 
+# Where a listing stops: the position in each folder it was in (the listed one first) and the
+# names of the folders below it that it had entered (one fewer than the positions).
+Cursor = tuple[tuple[int, ...], tuple[str, ...]]
+
+
 @dataclass(frozen=True, slots=True)
 class Listing:
     entries: list[Entry]
-    more: bool  # another page follows the last entry
+    next: Cursor | None  # where the next page starts; None: this was the last
     unlisted: int  # names that are not UTF-8, left out
 
 
@@ -106,77 +112,91 @@ def _entry(parts: tuple[str, ...], info: os.stat_result, dir_fd: int, name: str)
     return Entry(parts, kind, info.st_size, stat.S_IMODE(mode), mtime, target)
 
 
-def _names(dir_fd: int) -> tuple[list[tuple[bytes, str]], int]:
-    """The names in a folder by their bytes, and how many are not UTF-8 (left out)."""
-    names, bad = [], 0
-    for name in os.listdir(dir_fd):
-        raw = os.fsencode(name)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            bad += 1
-            continue
-        names.append((raw, name))
-    names.sort()
-    return names, bad
+_ENTERED = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(eq=False, slots=True)
+class _Level:
+    """A folder the listing is in: its descriptor, its path, where its read stands."""
+
+    fd: int
+    path: tuple[str, ...]
+    position: int
+    names: Iterator[tuple[bytes, int]] | None = None
 
 
 class Lister:
-    """One page of a folder (or of all below it, depth first, each folder by name): the entries
-    after ``after`` (the last path of the page before), at most ``limit``."""
+    """One page of a folder (or of all below it, depth first), in the folders' own order
+    (``rcoder.session.folder_read``): at most ``limit`` entries from ``cursor`` on. A page costs
+    what it lists, not what the folders hold."""
 
-    def __init__(self, limit: int, after: tuple[str, ...], recursive: bool, base: int = 0) -> None:
+    def __init__(self, limit: int, recursive: bool, base: int = 0) -> None:
         self.base = base  # names in the listed folder's own path
         self.limit = limit
-        self.after = tuple(os.fsencode(p) for p in after)
         self.recursive = recursive
         self.entries: list[Entry] = []
         self.unlisted = 0
-        self.more = False
+        self.next: Cursor | None = None
+        self._batch = min(32768, max(4096, 64 * limit))  # a page of 1 reads a small batch
 
-    def folder(self, dir_fd: int, parts: tuple[str, ...]) -> bool:
-        """List the folder open as ``dir_fd`` (at ``parts``); False once the page is full."""
-        names, bad = _names(dir_fd)
-        self.unlisted += bad
-        for _, name in names:
-            path = (*parts, name)
-            key = tuple(os.fsencode(p) for p in path)
-            inside = self.after[: len(key)] == key  # the page before ended below this entry
-            if key <= self.after and not inside:
-                continue
-            try:
-                info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:  # removed while listed
-                continue
-            if key > self.after:
-                if len(self.entries) == self.limit:
-                    self.more = True
-                    return False
-                self.entries.append(_entry(path, info, dir_fd, name))
-            if self.recursive and stat.S_ISDIR(info.st_mode):
-                if len(path) - self.base > MAX_DEPTH:
-                    self.unlisted += 1
-                elif not self._below(dir_fd, name, path):
-                    return False
-        return True
-
-    def _below(self, dir_fd: int, name: str, path: tuple[str, ...]) -> bool:
+    def run(self, dir_fd: int, parts: tuple[str, ...], cursor: Cursor | None) -> None:
+        """List from ``cursor`` (None: the start) in the folder open as ``dir_fd`` (at ``parts``)."""
+        positions, entered = cursor or ((0,), ())
+        levels = [_Level(os.dup(dir_fd), parts, positions[0])]
         try:
-            child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError:  # swapped for a link, removed, or not readable: listed, not entered
-            return True
-        try:
-            return self.folder(child, path)
+            for name, position in zip(entered, positions[1:], strict=True):
+                try:  # the folders the page before was in, entered again as a listing enters them
+                    child = os.open(name, _ENTERED, dir_fd=levels[-1].fd)
+                except OSError:  # gone, or swapped for a link: its parent goes on after it
+                    break
+                levels.append(_Level(child, (*levels[-1].path, name), position))
+            self._walk(levels)
         finally:
-            os.close(child)
+            for level in levels:
+                os.close(level.fd)
+
+    def _walk(self, levels: list[_Level]) -> None:
+        while levels:
+            level = levels[-1]
+            if level.names is None:
+                level.names = names_from(level.fd, level.position, self._batch)
+            for raw, after in level.names:
+                try:
+                    name = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    self.unlisted += 1
+                    level.position = after
+                    continue
+                if len(self.entries) == self.limit:
+                    self.next = (tuple(lv.position for lv in levels), tuple(lv.path[-1] for lv in levels[1:]))
+                    return
+                level.position = after
+                try:
+                    info = os.stat(name, dir_fd=level.fd, follow_symlinks=False)
+                except FileNotFoundError:  # removed while listed
+                    continue
+                path = (*level.path, name)
+                self.entries.append(_entry(path, info, level.fd, name))
+                if self.recursive and stat.S_ISDIR(info.st_mode):
+                    if len(path) - self.base > MAX_DEPTH:
+                        self.unlisted += 1
+                        continue
+                    try:
+                        child = os.open(name, _ENTERED, dir_fd=level.fd)
+                    except OSError:  # swapped for a link, removed, or not readable: listed, not entered
+                        continue
+                    levels.append(_Level(child, path, 0))
+                    break  # the folder first; this one goes on from its position after it
+            else:
+                os.close(levels.pop().fd)
 
 
 def list_entries(
-    beneath: Beneath, root_fd: int, parts: tuple[str, ...], recursive: bool, limit: int, after: tuple[str, ...]
+    beneath: Beneath, root_fd: int, parts: tuple[str, ...], recursive: bool, limit: int, cursor: Cursor | None
 ) -> Listing:
     """A page of ``parts`` (a folder, followed where it is a link inside the project; a file or a
     link leading out is its one entry)."""
-    lister = Lister(limit, after, recursive, len(parts))
+    lister = Lister(limit, recursive, len(parts))
     with translated(parts):
         if parts:
             parent = beneath.folder(root_fd, parts[:-1])
@@ -189,15 +209,15 @@ def list_entries(
                         single = False
                 if single:
                     entry = _entry(parts, info, parent, parts[-1])
-                    return Listing([entry] if not after else [], False, 0)
+                    return Listing([entry] if cursor is None else [], None, 0)
             finally:
                 os.close(parent)
         fd = beneath.folder(root_fd, parts)
     try:
-        lister.folder(fd, parts)
+        lister.run(fd, parts, cursor)
     finally:
         os.close(fd)
-    return Listing(lister.entries, lister.more, lister.unlisted)
+    return Listing(lister.entries, lister.next, lister.unlisted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,9 +363,10 @@ class TempFile:
 
 
 def remove_temp(beneath: Beneath, root_fd: int, folder: tuple[str, ...], name: str) -> bool:
-    """Remove a write's temporary file left in ``folder`` (a regular file by that name only,
-    never through a link); whether one was there."""
-    dir_fd = beneath.folder(root_fd, folder, create=False)
+    """Remove a write's temporary file left in ``folder`` (a regular file by that name only),
+    the folder reached through real folders only (``Beneath.exact``): a name on the way swapped
+    for a link, even one inside the project, leaves the file alone; whether one was there."""
+    dir_fd = beneath.exact(root_fd, folder, DIR_FLAGS)
     try:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if stat.S_ISREG(info.st_mode):

@@ -1644,13 +1644,16 @@ class ListFilesRequest(_message.Message):
     path: _builtins.str
     """The folder to list; empty: the project itself. A file (or a link) lists as its one entry."""
     recursive: _builtins.bool
-    """Everything below the folder too, depth first, each folder's entries by name. Links to folders
-    are listed as links, never entered.
+    """Everything below the folder too, depth first, each folder's entries in the folder's own order
+    (not by name: a page reads only what it lists). Links to folders are listed as links, never
+    entered.
     """
     page_size: _builtins.int
     """Entries per page: default 1000, at most 10000."""
     page_token: _builtins.str
-    """A previous answer's next_page_token, for the same project, path and recursive."""
+    """A previous answer's next_page_token, for the same project, path and recursive: the listing
+    resumes in each folder where the page before stopped.
+    """
     def __init__(
         self,
         *,
@@ -1685,7 +1688,7 @@ class ListFilesResponse(_message.Message):
     """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]:
-        """depth first, each folder's entries by name (bytewise)"""
+        """depth first, each folder's entries in its own order"""
 
     def __init__(
         self,

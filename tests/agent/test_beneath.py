@@ -72,6 +72,20 @@ def test_a_link_as_the_last_name_is_refused_with_nofollow_and_a_loop_is_eloop(be
     assert errno_of(beneath, root, "src/missing/x") == errno.ENOENT
 
 
+def test_the_daemons_own_work_follows_no_link_at_any_step_not_even_one_inside(beneath: Beneath, root: int) -> None:
+    """``Beneath.exact`` (docs/files.md#the-daemons-own-work): real folders only."""
+    fd = beneath.exact(root, path_parts("src/pkg/mod.py"), os.O_RDONLY)
+    with os.fdopen(fd) as fh:
+        assert fh.read() == "inside\n"
+    os.close(beneath.exact(root, path_parts("src/pkg"), os.O_RDONLY | os.O_DIRECTORY))
+    for path in ("pkg-link/mod.py", "src/loop/pkg/mod.py", "pkg-link", "abs-out", "src/up-two/outside.txt", "chain-a"):
+        with pytest.raises(OSError) as caught:
+            os.close(beneath.exact(root, path_parts(path), os.O_RDONLY))
+        assert caught.value.errno in (errno.ELOOP, errno.EXDEV), (path, caught.value)
+    with pytest.raises(FileNotFoundError):
+        beneath.exact(root, path_parts("src/missing/x"), os.O_RDONLY)
+
+
 def test_folders_are_made_beneath_and_never_through_a_link_out(beneath: Beneath, root: int, tmp_path: Path) -> None:
     fd = beneath.folder(root, ("pkg-link", "made", "deeper"), create=True)
     os.close(fd)

@@ -18,7 +18,8 @@ this host is about to (``_in_flight``); the store is asked again after the delet
 commit was recorded meanwhile (by another host) is written back.
 
 Snapshots of one project take turns on this host (a lock per project): the index they share is
-this host's own (``<data_dir>/checkpoint-index``), so hosts sharing a workspace never wait on
+this host's own, in a folder of the project's own (``<data_dir>/checkpoint-index/<project>/index``:
+no project's id can name another's index or lock), so hosts sharing a workspace never wait on
 each other. A snapshot that fails is logged and the turn goes on without it (its changes empty,
 GetRunChanges and a rewind to it refused ``NoCheckpoint``): a store of checkpoints that cannot be
 written must not stop the agents.
@@ -27,7 +28,9 @@ written must not stop the agents.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 from collections import defaultdict
 from collections.abc import Sequence
@@ -90,6 +93,21 @@ async def listed_changes(repo: CheckpointRepo, before: str, after: str) -> tuple
     return shown, len(found) - len(shown)
 
 
+def drop_flat_indexes(index_dir: Path) -> None:
+    """Remove the indexes of the old layout, one file per project right in ``index_dir``
+    (``<project>``, ``<project>.lock``, where project ``P.lock``'s index was ``P``'s lock): an
+    index is only a cache, and the next snapshot of each project makes its own anew in its folder.
+    The new layout holds folders only."""
+    try:
+        with os.scandir(index_dir) as entries:
+            flat = [entry.path for entry in entries if not entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return
+    for path in flat:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 @dataclass(frozen=True, slots=True)
 class RunDiff:
     """A run's unified diff, cut at ``max_diff_bytes`` (``truncated``), and its changes."""
@@ -119,8 +137,10 @@ class Checkpoints:
     def repo(self, project_id: str, cwd: str | Path | None = None) -> CheckpointRepo:
         repo = self._repos.get(project_id)
         if repo is None:
+            if not self._repos:
+                drop_flat_indexes(self._index_dir)
             work_tree = Path(cwd) if cwd else self._workspace / project_id
-            git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id
+            git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id / "index"
             repo = CheckpointRepo(git_dir, work_tree, index, self._guard)
             self._repos[project_id] = repo
         return repo
@@ -234,7 +254,7 @@ class Checkpoints:
             repo = self.repo(project_id)
             if project_left:
                 await asyncio.to_thread(shutil.rmtree, repo.git_dir, True)
-                await asyncio.to_thread(lambda: repo.index.unlink(missing_ok=True))
+                await asyncio.to_thread(shutil.rmtree, repo.index.parent, True)
                 self._repos.pop(project_id, None)
                 return
             existing = await repo.refs(REFS)

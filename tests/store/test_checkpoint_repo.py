@@ -12,7 +12,8 @@ import pytest
 
 from rcoder.errors import CheckpointError
 from rcoder.store.checkpoint_repo import CheckpointRepo, split_by_size
-from rcoder.store.tree_stat import stat_tree
+from rcoder.store.exclude_patterns import ExcludePatterns
+from rcoder.store.tree_stat import IN_EXCLUDED, IN_REPOSITORY, IN_TREE, stat_tree
 
 
 @pytest.mark.fast
@@ -33,15 +34,19 @@ def test_a_small_project_or_one_process_is_not_split() -> None:
 
 
 @pytest.mark.fast
-def test_a_weighed_walk_sums_sizes_by_the_first_two_path_parts(tmp_path: Path) -> None:
-    (tmp_path / "src" / "app" / "deep").mkdir(parents=True)
-    (tmp_path / "src" / "app" / "deep" / "a.py").write_bytes(b"x" * 7)
-    (tmp_path / "src" / "app" / "b.py").write_bytes(b"x" * 5)
-    (tmp_path / "src" / "top.py").write_bytes(b"x" * 3)
-    (tmp_path / "README").write_bytes(b"x" * 2)
-    walk = stat_tree(tmp_path, weigh=True)
-    assert walk.weights == {b"src/app": 12, b"src/top.py": 3, b"README": 2}
-    assert stat_tree(tmp_path).weights is None and stat_tree(tmp_path).same_as(walk) == walk.settled
+def test_the_walk_names_every_file_and_where_it_lies(tmp_path: Path) -> None:
+    for folder in ("src", "node_modules/pkg", ".git/hooks", "lib", "app/.git"):
+        (tmp_path / folder).mkdir(parents=True)
+    for name in ("src/a.py", "node_modules/pkg/i.js", ".git/hooks/pre-commit", "lib/.git", "lib/x", "app/.git/HEAD"):
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    walk = stat_tree(tmp_path, ExcludePatterns(["node_modules/"]))
+    where = {entry[0]: (entry[2], entry[6]) for entry in walk.entries}
+    assert where == {
+        b"src/a.py": (8, IN_TREE), b"lib/x": (5, IN_TREE), b"node_modules/pkg/i.js": (21, IN_EXCLUDED),
+        b".git/hooks/pre-commit": (21, IN_REPOSITORY), b"lib/.git": (8, IN_REPOSITORY),
+        b"app/.git/HEAD": (13, IN_REPOSITORY),
+    }  # fmt: skip
+    assert walk.files == 6
 
 
 def project(root: Path) -> Path:
@@ -78,7 +83,8 @@ async def test_a_split_first_snapshot_is_the_tree_one_process_makes(tmp_path: Pa
     assert len(packs) >= 2, "the first snapshot was stored by one process"
     assert [name for name in os.listdir(tmp_path) if ".share-" in name] == []  # the spare indexes are gone
     listed = (await split.git("ls-tree", "-r", "--name-only", by_split)).out.decode(errors="replace").split("\n")
-    assert "ignored/x.bin" not in listed and "top.log" not in listed and "d/run.sh" in listed
+    # the project's .gitignore leaves nothing out
+    assert "ignored/x.bin" in listed and "top.log" in listed and "d/run.sh" in listed
 
 
 async def test_after_a_split_first_snapshot_a_change_is_seen_and_the_rest_is_kept(tmp_path: Path) -> None:

@@ -95,6 +95,8 @@ class ExcludePatterns:
         self._folder_path = _joined([r for r in rest if r.whole_path])
         self._file_name = _joined([r for r in rest if not r.whole_path and not r.folders_only])
         self._file_path = _joined([r for r in rest if r.whole_path and not r.folders_only])
+        # whether any pattern can leave out a file outside the folders it leaves out
+        self.names_files = bool(self._ordered or self._file_names or self._file_name or self._file_path)
 
     def folder(self, path: bytes, name: bytes) -> bool:
         """Whether the folder at ``path`` (its last name ``name``) is left out, with all it holds."""

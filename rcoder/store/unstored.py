@@ -17,13 +17,13 @@ import contextlib
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rcoder.domain import ChangeKind, FileChange, NotStored
 from rcoder.store.exclude_patterns import ExcludePatterns
-from rcoder.store.tree_stat import IN_EXCLUDED, IN_REPOSITORY, Entry, is_dot_git
+from rcoder.store.tree_stat import IN_REPOSITORY, IN_TREE, Entry, is_dot_git
 
 # left out of every snapshot and its list whatever the profile says: a file the file API is still
 # writing, before it is renamed over its path (rcoder.session.project_files.TEMP_PREFIX), half a
@@ -71,31 +71,33 @@ class Plan:
     listed: dict[bytes, Listed]
 
 
-def plan(entries: Iterable[Entry], patterns: ExcludePatterns, bounds: Bounds) -> Plan:
+def plan(entries: Sequence[Entry], patterns: ExcludePatterns, bounds: Bounds) -> Plan:
     """Which of the walk's files a snapshot stores: in path order, every regular file or link
     outside a repository's own folder and the excluded ones, up to ``max_file_bytes`` each and
     ``max_snapshot_bytes`` in all; the rest is listed."""
     stored: dict[bytes, int] = {}
     listed: dict[bytes, Listed] = {}
     total = 0
-    for path, mode, size, ino, mtime, ctime, where in sorted(entries):
-        name = path.rpartition(b"/")[2]
-        if _HIDDEN.fullmatch(name):
+    # path order matters only where the budget cuts: the walk's own order otherwise
+    ordered = sorted(entries) if sum(entry[2] for entry in entries) > bounds.max_snapshot_bytes else entries
+    max_file, budget, by_name = bounds.max_file_bytes, bounds.max_snapshot_bytes, patterns.names_files
+    for path, mode, size, ino, mtime, ctime, where in ordered:  # the common case first: a file stored
+        if path.endswith(b".tmp") and _HIDDEN.fullmatch(path.rpartition(b"/")[2]):
             continue
-        if where == IN_REPOSITORY:
+        if where == IN_TREE and not (by_name and patterns.file(path, path.rpartition(b"/")[2])):
+            kind = stat.S_IFMT(mode)
+            if kind == stat.S_IFREG or kind == stat.S_IFLNK:
+                if size <= max_file and total + size <= budget:
+                    total += size
+                    stored[path] = size
+                    continue
+                reason = NotStored.TOO_LARGE if size > max_file else NotStored.OVER_BUDGET
+            else:
+                reason = NotStored.SPECIAL
+        elif where == IN_REPOSITORY:
             reason = NotStored.REPOSITORY
-        elif where == IN_EXCLUDED or patterns.file(path, name):
-            reason = NotStored.EXCLUDED
-        elif not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-            reason = NotStored.SPECIAL
-        elif size > bounds.max_file_bytes:
-            reason = NotStored.TOO_LARGE
-        elif total + size > bounds.max_snapshot_bytes:
-            reason = NotStored.OVER_BUDGET
         else:
-            total += size
-            stored[path] = size
-            continue
+            reason = NotStored.EXCLUDED
         listed[path] = Listed(reason, mode, size, ino, mtime, ctime)
     return Plan(stored, listed)
 

@@ -150,7 +150,7 @@ class CheckpointRepo:
         self.bounds = bounds
         self._excluding = ExcludePatterns(())
         self._indexed: set[bytes] | None = None  # the paths in the index, when known here
-        self._manifests: dict[str, Manifest] = {}  # commit -> its files listed, not stored
+        self._manifests: dict[str, Manifest | None] = {}  # commit -> its files listed, not stored
         self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
         self._swept = False  # leftovers of gits ended long ago removed, once per process
         self._guard = guard or NoGuard()
@@ -240,10 +240,15 @@ class CheckpointRepo:
                 commit = (await self.git("commit-tree", tree, *parents, "-m", message)).out.decode().strip()
             # the ref on disk before anyone can record the commit (docs/checkpoints.md#lifetime)
             await self.keep(commit)
-        except BaseException:
-            # whatever broke it (a store removed under it, a git ended by a timeout or a cancel),
-            # the next starts anew, and what the git it ended was writing is gone
-            self.forget_index()
+        except BaseException as exc:
+            # What the git it ended was writing is gone. Cut (a cancel, as a turn's end bound
+            # does): the index is kept, since git replaces it whole or not at all, and the next
+            # reads only what changed; else (a store removed under it, a git past its timeout)
+            # the next starts anew.
+            if isinstance(exc, asyncio.CancelledError):
+                self._last, self._indexed = None, None
+            else:
+                self.forget_index()
             remove_leftovers(self.git_dir, since_ns=started)
             raise
         self._remember(commit, chosen.listed)
@@ -275,10 +280,9 @@ class CheckpointRepo:
         self._indexed = set(stored)
 
     async def _write_manifest(self, listed: Manifest) -> str:
-        """The commit holding ``listed`` (the snapshot's parent), "" when nothing is listed; the
-        last one's again when the list is the same."""
-        if not listed:
-            return ""
+        """The commit holding ``listed`` (the snapshot's parent, even when nothing is listed: a
+        snapshot without one was recorded before rcoder listed files); the last one's again when
+        the list is the same."""
         data = encode(listed)
         if self._listing[0] == data:
             return self._listing[1]
@@ -289,14 +293,14 @@ class CheckpointRepo:
         self._listing = (data, commit)
         return commit
 
-    def _remember(self, commit: str, listed: Manifest) -> None:
+    def _remember(self, commit: str, listed: Manifest | None) -> None:
         self._manifests[commit] = listed
         while len(self._manifests) > MANIFESTS_CACHED:
             del self._manifests[next(iter(self._manifests))]
 
-    async def manifests(self, *commits: str) -> list[Manifest]:
-        """Each commit's files listed, not stored (none for a snapshot that listed nothing, as
-        every one recorded before rcoder listed files): one ``cat-file`` for those not cached."""
+    async def manifests(self, *commits: str) -> list[Manifest | None]:
+        """Each commit's files listed, not stored (None for a snapshot recorded before rcoder
+        listed files): one ``cat-file`` for those not cached."""
         wanted = [c for c in dict.fromkeys(commits) if c not in self._manifests]
         if wanted:
             query = "".join(f"{commit}^:{MANIFEST_NAME}\n" for commit in wanted).encode()
@@ -309,8 +313,8 @@ class CheckpointRepo:
                     self._remember(commit, decode(out[:size]))
                     out = out[size + 1 :]
                 else:
-                    self._remember(commit, {})
-        return [self._manifests.get(commit, {}) for commit in commits]
+                    self._remember(commit, None)
+        return [self._manifests.get(commit) for commit in commits]
 
     async def _store_in_parallel(self, stored: dict[bytes, int]) -> None:
         """On a first snapshot of a large project (``split_min_bytes``), store every file's object
@@ -423,7 +427,8 @@ class CheckpointRepo:
             return ()
         args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
         raw = await self.git(*args, *(("--", path) if path else ()))
-        old, new = await self.manifests(before, after)
+        found_old, found_new = await self.manifests(before, after)
+        old, new = found_old or {}, found_new or {}
         if path:
             wanted = os.fsencode(path)
             old, new = ({p: e for p, e in m.items() if p == wanted} for m in (old, new))
@@ -449,16 +454,38 @@ class CheckpointRepo:
         now = self._last
         if now is None:
             raise CheckpointError("restore", "no snapshot of the project as it is now was taken first")
-        (goal,) = await self.manifests(commit)
+        self._last, self._indexed = None, None  # the index and the files change from here
+        (listed_then,) = await self.manifests(commit)
+        if listed_then is None:  # recorded before rcoder listed files
+            return await self._restore_older(commit, now)
+        goal = listed_then
         keep_out = [path for path in goal if path in now.stored]
         if keep_out:
             await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
         added = [path for path in now.listed if path not in goal and not in_own_repository(path)]
-        self._last, self._indexed = None, None
         if added:
             await asyncio.to_thread(remove_beneath, self.work_tree, added)
         await self.git("read-tree", "--reset", "-u", commit)
         return not_restored(goal, now.listed, now.stored)
+
+    async def _restore_older(self, commit: str, now: Snapshot) -> list[FileChange]:
+        """``restore`` to a snapshot recorded before rcoder listed files, which ``git add`` took
+        as git sees a project: without what its .gitignore files leave out, a nested repository as
+        a submodule. Those files, stored now, are taken out of the index first, so that git leaves
+        them as they are rather than delete them; what it listed is left as it is."""
+        stdin = b"\0".join(now.stored) + b"\0"
+        # check-ignore takes no pathspec magic: the paths as they are, without GIT_LITERAL_PATHSPECS
+        env = {key: value for key, value in self._env.items() if key != "GIT_LITERAL_PATHSPECS"}
+        args = [*self._flags, "check-ignore", "--no-index", "-z", "--stdin"]
+        ignored = await run_git(args, env, self.work_tree, self.timeout, 0, self._guard, stdin, (0, 1))
+        keep_out = {path for path in ignored.out.split(b"\0") if path}
+        tree = await self.git("ls-tree", "-r", "-z", "--full-tree", commit)
+        submodules = [row.partition(b"\t")[2] + b"/" for row in tree.out.split(b"\0") if row.startswith(b"160000 ")]
+        keep_out.update(path for path in now.stored if any(path.startswith(sub) for sub in submodules))
+        if keep_out:
+            await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
+        await self.git("read-tree", "--reset", "-u", commit)
+        return []
 
     async def gc(self, full: bool = False) -> None:
         """Pack and prune: ``--auto`` (when git finds it worth it) unless ``full``. Objects are

@@ -7,8 +7,9 @@ file's change is seen by its stat data, not its content: the change time is in i
 process can set back, so a rewrite that keeps the size and the modification time still shows.
 
 The manifest rides with the snapshot's commit, as the tree of a commit of its own that is the
-snapshot's parent (``unstored`` in it): gc keeps it as long as the snapshot, and a snapshot with
-nothing listed has no parent, as every snapshot recorded before this had none.
+snapshot's parent (``unstored`` in it): gc keeps it as long as the snapshot. Every snapshot has
+one, empty or not; a snapshot without a parent was recorded before rcoder listed files
+(``CheckpointRepo._restore_older``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ a git ended mid-way stops no later snapshot."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,29 @@ async def test_a_commit_whose_ref_was_deleted_and_pruned_is_never_named_again(tm
     assert await repo.changes(again, again) == ()
     listed = (await repo.git("ls-tree", "-r", "--name-only", again)).out.decode(errors="replace").split("\n")
     assert "d/run.sh" in listed
+
+
+def nested_repository(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "main.py").write_text("a nested repository's file\n")
+    for args in (["init", "-q"], ["add", "main.py"], ["commit", "-qm", "first"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=folder, check=True)
+
+
+async def test_a_rewind_to_a_snapshot_taken_before_files_were_listed_deletes_none_git_left_out(tmp_path: Path) -> None:
+    root = project(tmp_path / "p")
+    nested_repository(root / "app")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index")
+    await repo.ensure()
+    # the snapshot as rcoder took it before: git add, the project's .gitignore obeyed, app/ a submodule
+    await repo.git("add", "--all", "--", ".", index=tmp_path / "older.index")
+    tree = (await repo.git("write-tree", index=tmp_path / "older.index")).out.decode().strip()
+    older = (await repo.git("commit-tree", tree, "-m", "older")).out.decode().strip()
+    assert "160000" in (await repo.git("ls-tree", older, "app")).out.decode()
+
+    (root / "added.txt").write_text("added since\n")
+    await repo.snapshot((), "now")
+    assert await repo.restore(older) == []
+    assert not (root / "added.txt").exists()
+    assert (root / "top.log").read_text() == "left out\n" and (root / "ignored" / "x.bin").exists()
+    assert (root / "app" / "main.py").read_text() == "a nested repository's file\n"

@@ -154,3 +154,21 @@ async def test_a_rewind_to_a_snapshot_taken_before_files_were_listed_deletes_non
     assert not (root / "added.txt").exists()
     assert (root / "top.log").read_text() == "left out\n" and (root / "ignored" / "x.bin").exists()
     assert (root / "app" / "main.py").read_text() == "a nested repository's file\n"
+
+
+async def test_leftovers_of_a_git_killed_long_ago_go_at_the_first_snapshot_and_a_running_one_s_stay(
+    tmp_path: Path,
+) -> None:
+    root = project(tmp_path / "p")
+    await CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index").snapshot((), "first")
+    pack = tmp_path / "s.git" / "objects" / "pack"
+    old, fresh = pack / "tmp_pack_old", pack / "tmp_pack_fresh"
+    old.write_bytes(b"x" * 1000)  # a daemon killed during a snapshot left it
+    fresh.write_bytes(b"x")  # another host's git writing now, as far as anyone can tell
+    os.utime(old, (1, 1))
+    ref_lock = tmp_path / "s.git" / "packed-refs.lock"
+    ref_lock.write_bytes(b"")
+    os.utime(ref_lock, (1, 1))
+    # a daemon started anew: its first snapshot of the project
+    await CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index").snapshot((), "again")
+    assert not old.exists() and not ref_lock.exists() and fresh.exists()

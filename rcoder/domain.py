@@ -490,7 +490,7 @@ class NotStored(enum.Enum):
     TOO_LARGE = "too_large"  # longer than checkpoint_max_file_bytes
     OVER_BUDGET = "over_budget"  # past checkpoint_max_snapshot_bytes, in path order
     REPOSITORY = "repository"  # a .git file or folder, or in one
-    SPECIAL = "special"  # a FIFO, socket or device
+    SPECIAL = "special"  # a FIFO, socket or device, or a link named .gitmodules (git refuses it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,11 @@ CONFIG = (
     "core.symlinks=true",
     "core.filemode=true",
     "core.ignorecase=false",
+    # every name Linux allows is stored as it is: with these on (protectNTFS is, by default), git
+    # silently refuses names Windows or macOS would read as ".git" (git~1, ".git.", ".git "), which
+    # would hide a file from the record
+    "core.protectNTFS=false",
+    "core.protectHFS=false",
     "core.fsmonitor=false",
     "core.quotePath=false",
     "core.untrackedCache=false",

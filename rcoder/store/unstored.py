@@ -87,7 +87,9 @@ def plan(entries: Sequence[Entry], patterns: ExcludePatterns, bounds: Bounds) ->
             continue
         if where == IN_TREE and not (by_name and patterns.file(path, path.rpartition(b"/")[2])):
             kind = stat.S_IFMT(mode)
-            if kind == stat.S_IFREG or kind == stat.S_IFLNK:
+            if kind == stat.S_IFLNK and path.rpartition(b"/")[2].lower() == b".gitmodules":
+                reason = NotStored.SPECIAL  # a link git refuses to store (it would read it as its own)
+            elif kind == stat.S_IFREG or kind == stat.S_IFLNK:
                 if size <= max_file and total + size <= budget:
                     total += size
                     stored[path] = size

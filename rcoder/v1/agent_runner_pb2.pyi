@@ -186,7 +186,7 @@ class _NotStoredReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NotSt
     NOT_STORED_REASON_REPOSITORY: _NotStoredReason.ValueType  # 4
     """a .git file or folder, or in one (a git repository's own)"""
     NOT_STORED_REASON_SPECIAL: _NotStoredReason.ValueType  # 5
-    """a FIFO, socket or device: no content to store"""
+    """a FIFO, socket or device, or a link named .gitmodules (git refuses it)"""
 
 class NotStoredReason(_NotStoredReason, metaclass=_NotStoredReasonEnumTypeWrapper):
     """Why a file's content is listed but not stored in the project's checkpoints."""
@@ -202,7 +202,7 @@ NOT_STORED_REASON_OVER_BUDGET: NotStoredReason.ValueType  # 3
 NOT_STORED_REASON_REPOSITORY: NotStoredReason.ValueType  # 4
 """a .git file or folder, or in one (a git repository's own)"""
 NOT_STORED_REASON_SPECIAL: NotStoredReason.ValueType  # 5
-"""a FIFO, socket or device: no content to store"""
+"""a FIFO, socket or device, or a link named .gitmodules (git refuses it)"""
 Global___NotStoredReason: _TypeAlias = NotStoredReason  # noqa: Y015
 
 class _FileChangeKind:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rcoder.domain import NotStored
 from rcoder.errors import CheckpointError
 from rcoder.store.checkpoint_repo import CheckpointRepo, split_by_size
 from rcoder.store.exclude_patterns import ExcludePatterns
@@ -172,3 +173,19 @@ async def test_leftovers_of_a_git_killed_long_ago_go_at_the_first_snapshot_and_a
     # a daemon started anew: its first snapshot of the project
     await CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index").snapshot((), "again")
     assert not old.exists() and not ref_lock.exists() and fresh.exists()
+
+
+async def test_names_other_systems_read_as_git_s_own_are_stored_and_a_link_git_refuses_is_listed(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    for name in ("git~1", ".git.", ".git "):
+        (root / name).mkdir(parents=True)
+        (root / name / "backdoor.sh").write_text("evil\n")
+    (root / ".gitmodules").symlink_to("/etc/passwd")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index")
+    commit = await repo.snapshot((), "first")
+    stored = (await repo.git("ls-tree", "-r", "-z", "--name-only", commit)).out.split(b"\0")
+    assert sorted(path for path in stored if path) == [b".git /backdoor.sh", b".git./backdoor.sh", b"git~1/backdoor.sh"]
+    (listed,) = await repo.manifests(commit)
+    assert listed is not None and {path: e.reason for path, e in listed.items()} == {b".gitmodules": NotStored.SPECIAL}

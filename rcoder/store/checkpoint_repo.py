@@ -468,10 +468,9 @@ class CheckpointRepo:
         if keep_out:
             await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
         added = [path for path in now.listed if path not in goal and not in_own_repository(path)]
-        if added:
-            await asyncio.to_thread(remove_beneath, self.work_tree, added)
+        kept = await asyncio.to_thread(remove_beneath, self.work_tree, added) if added else []
         await self.git("read-tree", "--reset", "-u", commit)
-        return not_restored(goal, now.listed, now.stored)
+        return not_restored(goal, now.listed, now.stored, kept)
 
     async def _restore_older(self, commit: str, now: Snapshot) -> list[FileChange]:
         """``restore`` to a snapshot recorded before rcoder listed files, which ``git add`` took

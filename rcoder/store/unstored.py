@@ -159,10 +159,14 @@ def in_own_repository(path: bytes) -> bool:
     return is_dot_git(path.partition(b"/")[0])
 
 
-def not_restored(goal: Manifest, now: Manifest, stored_now: Mapping[bytes, int]) -> list[FileChange]:
+def not_restored(
+    goal: Manifest, now: Manifest, stored_now: Mapping[bytes, int], kept: Iterable[bytes] = ()
+) -> list[FileChange]:
     """What a rewind to a snapshot listing ``goal`` cannot bring back, from the project as a
     snapshot found it (``now``, ``stored_now``): each listed file of the goal that is not as it
-    was (its kind: how it changed since), and what was added since in the project's own .git."""
+    was (its kind: how it changed since), and what was added since in the project's own .git or
+    could not be removed (``kept``)."""
+    kept = set(kept)
     lost: list[FileChange] = []
     for path, was in goal.items():
         current = now.get(path)
@@ -171,25 +175,32 @@ def not_restored(goal: Manifest, now: Manifest, stored_now: Mapping[bytes, int])
         kind = ChangeKind.MODIFIED if current is not None or path in stored_now else ChangeKind.DELETED
         lost.append(FileChange(_text(path), kind, size=was.size, not_stored=was.reason))
     for path, entry in now.items():
-        if path not in goal and in_own_repository(path):
+        if path not in goal and (in_own_repository(path) or path in kept):
             lost.append(FileChange(_text(path), ChangeKind.ADDED, size=entry.size, not_stored=entry.reason))
     return sorted(lost, key=lambda change: change.path)
 
 
-def remove_beneath(root: Path, paths: Iterable[bytes]) -> None:
+def remove_beneath(root: Path, paths: Iterable[bytes]) -> list[bytes]:
     """Remove the files at ``paths`` under ``root``, then the folders they leave holding nothing
     but empty folders (a nested repository a turn made holds empty ones of its own). Each is
     reached one folder at a time from ``root``'s descriptor without following a link at any
-    step: a folder swapped for a link fails, never followed."""
+    step: a folder swapped for a link fails, never followed. The paths it could not remove (gone
+    already is removed)."""
     tops: set[bytes] = set()
+    failed: list[bytes] = []
     root_fd = os.open(root, _NOFOLLOW_DIR)
     try:
         for path in paths:
             parts = path.split(b"/")
-            with contextlib.suppress(OSError):  # gone, or swapped for a link: left
+            try:
                 _unlink(root_fd, parts)
-                if len(parts) > 1:
-                    tops.add(parts[0])
+            except FileNotFoundError:
+                pass
+            except OSError:  # a folder on its way swapped for a link, a file the kernel keeps
+                failed.append(path)
+                continue
+            if len(parts) > 1:
+                tops.add(parts[0])
         for top in sorted(tops):
             with contextlib.suppress(OSError):  # gone, or swapped for a link: left
                 fd = os.open(top, _NOFOLLOW_DIR, dir_fd=root_fd)
@@ -201,6 +212,7 @@ def remove_beneath(root: Path, paths: Iterable[bytes]) -> None:
                     os.rmdir(top, dir_fd=root_fd)
     finally:
         os.close(root_fd)
+    return failed
 
 
 def _unlink(root_fd: int, parts: list[bytes]) -> None:

@@ -4,13 +4,14 @@ docs/checkpoints.md#what-is-stored), on walks made up here."""
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 
 import pytest
 
 from rcoder.domain import ChangeKind, FileChange, NotStored
 from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.tree_stat import IN_EXCLUDED, IN_REPOSITORY, IN_TREE, Entry
-from rcoder.store.unstored import Bounds, Listed, decode, encode, merged, not_restored, plan
+from rcoder.store.unstored import Bounds, Listed, decode, encode, merged, not_restored, plan, remove_beneath
 
 pytestmark = pytest.mark.fast
 FILE, LINK, FIFO = stat.S_IFREG | 0o644, stat.S_IFLNK | 0o777, stat.S_IFIFO | 0o644
@@ -102,3 +103,14 @@ def test_what_a_rewind_cannot_restore_is_named() -> None:
         ("stored-now", ChangeKind.MODIFIED),
         (".git/hooks/x", ChangeKind.ADDED),  # the project's own repository; app/.git is removed instead
     }
+
+
+def test_removing_beneath_never_follows_a_link_and_names_what_it_could_not_remove(tmp_path: Path) -> None:
+    root, outside = tmp_path / "p", tmp_path / "outside"
+    (root / "nm" / "new" / "empty").mkdir(parents=True)
+    (root / "nm" / "new" / "a.js").write_text("x")
+    outside.mkdir()
+    (outside / "b.js").write_text("not the project's")
+    (root / "swapped").symlink_to(outside)  # a folder an agent swapped for a link to elsewhere
+    assert remove_beneath(root, [b"nm/new/a.js", b"swapped/b.js", b"gone.js"]) == [b"swapped/b.js"]
+    assert (outside / "b.js").exists() and not (root / "nm").exists()  # the folders it left empty went too

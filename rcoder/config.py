@@ -259,6 +259,19 @@ class SettingsKeys(_Schema):
     # 1 MiB: with the changes listed beside it, well within the 4 MiB a gRPC client receives by default
     max_diff_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
     """the most bytes of diff GetRunChanges answers (1 MiB); past it the diff is cut, visibly"""
+    # docs/checkpoints.md#bounds: what a snapshot and a project's store may hold, in apparent sizes
+    checkpoint_max_file_bytes: ByteSize = 100 << 20
+    """a file longer than this (its length: a sparse file counts whole) is listed by its size and
+    times, not stored (100 MiB). See Checkpoints"""
+    checkpoint_max_snapshot_bytes: ByteSize = 2 << 30
+    """the most bytes of files one snapshot stores (2 GiB); the files past it, in path order, are
+    listed, not stored"""
+    checkpoint_store_max_bytes: ByteSize = 10 << 30
+    """the most a project's checkpoint store may hold on disk (10 GiB); a turn that finds it full
+    takes no snapshot and says so in completed.checkpoint_error"""
+    checkpoint_snapshot_timeout: Annotated[float, Field(gt=0)] = 10.0
+    """seconds a turn's end waits for its after snapshot; past it the snapshot is cut and
+    completed.checkpoint_error says so"""
     default_agent: str = "claude"
     """the profile a request that names no agent runs"""
     auth_token: str = ""

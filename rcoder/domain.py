@@ -483,6 +483,16 @@ class ChangeKind(enum.Enum):
     MODE_CHANGED = "mode_changed"  # its executable bit alone
 
 
+class NotStored(enum.Enum):
+    """Why a file a snapshot lists is not stored (docs/checkpoints.md#what-is-stored)."""
+
+    EXCLUDED = "excluded"  # under the profile's checkpoint_exclude
+    TOO_LARGE = "too_large"  # longer than checkpoint_max_file_bytes
+    OVER_BUDGET = "over_budget"  # past checkpoint_max_snapshot_bytes, in path order
+    REPOSITORY = "repository"  # a .git file or folder, or in one
+    SPECIAL = "special"  # a FIFO, socket or device, or a link named .gitmodules (git refuses it)
+
+
 @dataclass(frozen=True, slots=True)
 class FileChange:
     """One file a turn changed, between its before and after snapshots."""
@@ -493,6 +503,8 @@ class FileChange:
     lines_added: int = 0
     lines_removed: int = 0
     binary: bool = False  # no lines counted: git found it binary (a NUL in its first 8000 bytes)
+    size: int = 0  # a file not stored: its length (before, for a deleted one)
+    not_stored: NotStored | None = None  # None: its content is stored
 
 
 class RunKind(enum.Enum):
@@ -516,6 +528,8 @@ class RunCompleted:
     # what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off
     changes: tuple[FileChange, ...] = ()
     changes_unlisted: int = 0  # how many more files it changed than ``changes`` lists
+    # why it has no after snapshot (cut at checkpoint_snapshot_timeout, a full store, git failed)
+    checkpoint_error: str = ""
 
 
 RunEventBody = (

@@ -109,14 +109,15 @@ async def test_a_turn_s_changes_show_in_completed_runs_and_diff_and_a_rewind_bri
         "crlf.txt": K.FILE_CHANGE_KIND_MODIFIED,
         "link": K.FILE_CHANGE_KIND_ADDED,
         "new-name.txt": K.FILE_CHANGE_KIND_RENAMED,
-    }, end.changes  # debug.log is ignored by the project's .gitignore
+        "debug.log": K.FILE_CHANGE_KIND_MODIFIED,  # the project's .gitignore hides nothing from the record
+    }, end.changes
     edit = next(c for c in end.changes if c.path == "edit.txt")
     assert (edit.lines_added, edit.lines_removed, edit.binary) == (1, 1, False)
     moved = next(c for c in end.changes if c.path == "new-name.txt")
     assert (moved.old_path, moved.lines_added, moved.lines_removed) == ("old-name.txt", 0, 0)
 
     whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
-    assert not whole.truncated and len(whole.changes) == 7
+    assert not whole.truncated and len(whole.changes) == 8
     assert "rename from old-name.txt" in whole.diff
     for line in ("+brand new", "-old line", "+new line", "-to be removed", "new mode 100755", "+/etc/hostname"):
         assert line in whole.diff, line
@@ -130,8 +131,7 @@ async def test_a_turn_s_changes_show_in_completed_runs_and_diff_and_a_rewind_bri
     rewound = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
     assert rewound.agent_stopped and {c.old_path or c.path for c in rewound.changes} == set(kinds)
     after = tree(project)
-    assert after["debug.log"] == ("file", b"kept as it is\nmore\n", 0o644)  # ignored: left as the turn made it
-    after.pop("debug.log"), before.pop("debug.log")
+    assert after["debug.log"] == ("file", b"kept as it is\n", 0o644)  # a file .gitignore names comes back too
     assert after == before
     assert digest_of(project / ".git") == own_git, "the project's own .git was touched"
 
@@ -365,9 +365,14 @@ async def test_the_profile_s_checkpoint_exclude_patterns_leave_files_out(
     _, client = await make_daemon(profiles)
     script = "shell mkdir -p node_modules/pkg build && touch node_modules/pkg/index.js build/out a.tmp kept.txt"
     default = await client.chat(prompt=script, project_id="one")
-    assert [c.path for c in completed(default).changes] == ["a.tmp", "build/out", "kept.txt"]  # node_modules/
+    out = pb.NOT_STORED_REASON_EXCLUDED
+    assert [(c.path, c.not_stored) for c in completed(default).changes] == [
+        ("a.tmp", 0), ("build/out", 0), ("kept.txt", 0), ("node_modules/pkg/index.js", out),
+    ]  # fmt: skip
     own = await client.chat(prompt=script, project_id="two", agent="own")
-    assert [c.path for c in completed(own).changes] == ["kept.txt", "node_modules/pkg/index.js"]
+    assert [(c.path, c.not_stored) for c in completed(own).changes] == [
+        ("a.tmp", out), ("build/out", out), ("kept.txt", 0), ("node_modules/pkg/index.js", 0),
+    ]  # fmt: skip
 
 
 async def test_on_a_live_session_a_quiet_turn_changes_nothing_and_a_disguised_edit_is_still_seen(

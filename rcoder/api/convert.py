@@ -22,6 +22,7 @@ from rcoder.domain import (
     FileChange,
     ForkMethod,
     Heartbeat,
+    NotStored,
     PermissionOutcome,
     PermissionRequest,
     PermissionResolved,
@@ -68,6 +69,7 @@ RESUME_OUTCOMES = by_name(ResumeOutcome, pb.ResumeOutcome, "RESUME_OUTCOME_")
 STOP_REASONS = by_name(StopReason, pb.StopReason, "STOP_REASON_")
 PERMISSION_OUTCOMES = by_name(PermissionOutcome, pb.PermissionOutcome, "PERMISSION_OUTCOME_")
 FILE_CHANGE_KINDS = by_name(ChangeKind, pb.FileChangeKind, "FILE_CHANGE_KIND_")
+NOT_STORED = by_name(NotStored, pb.NotStoredReason, "NOT_STORED_REASON_")
 RUN_KINDS = by_name(RunKind, pb.RunKind, "RUN_KIND_")
 RUN_STATUSES = by_name(RunStatus, pb.RunStatus, "RUN_STATUS_")
 FORK_METHODS = by_name(ForkMethod, pb.ForkMethod, "FORK_METHOD_")
@@ -197,6 +199,7 @@ def _completed(msg: pb.ChatStream, body: RunCompleted) -> None:
             resume=RESUME_OUTCOMES[body.resume],
             error_reason=body.error_reason,
             changes_unlisted=body.changes_unlisted,
+            checkpoint_error=body.checkpoint_error,
         )
     )
     if body.usage is not None:
@@ -230,7 +233,8 @@ def file_changes(changes: tuple[FileChange, ...]) -> list[pb.FileChange]:
     return [
         pb.FileChange(
             path=c.path, kind=FILE_CHANGE_KINDS[c.kind], old_path=c.old_path, lines_added=c.lines_added,
-            lines_removed=c.lines_removed, binary=c.binary,
+            lines_removed=c.lines_removed, binary=c.binary, size=c.size,
+            not_stored=NOT_STORED[c.not_stored] if c.not_stored is not None else pb.NOT_STORED_REASON_UNSPECIFIED,
         )
         for c in changes
     ]  # fmt: skip

@@ -343,6 +343,7 @@ class AgentRunnerService(FileRpcs):
                     changes=convert.file_changes(done.changes),
                     agent_stopped=done.agent_stopped,
                     changes_unlisted=done.changes_unlisted,
+                    not_restored=convert.file_changes(done.not_restored),
                 )
 
             # The session's owner serves it, as it does CloseSession, because the agent to end runs there.

@@ -19,7 +19,7 @@ exceptions, one per status code family).
 It uses only the generated stubs of ``rcoder.v1``: what any client of the daemon uses.
 """
 
-from rcoder.client.changes import FileChange, FileChangeKind, Rewind, RunChanges, RunKind
+from rcoder.client.changes import FileChange, FileChangeKind, NotStoredReason, Rewind, RunChanges, RunKind
 from rcoder.client.connection import DEFAULT_TIMEOUT, RcoderClient, Sessions
 from rcoder.client.errors import (
     Busy,
@@ -149,6 +149,7 @@ __all__ = [
     "ModelProvider",
     "NetworkReach",
     "NotFound",
+    "NotStoredReason",
     "OutOfRange",
     "PermissionDenied",
     "PermissionMode",

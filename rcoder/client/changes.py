@@ -21,6 +21,17 @@ class FileChangeKind(StrEnum):
     MODE_CHANGED = "mode_changed"  # its executable bit alone
 
 
+class NotStoredReason(StrEnum):
+    """Why a file's content is listed but not stored (docs/checkpoints.md#what-is-stored)."""
+
+    UNSPECIFIED = "unspecified"  # stored
+    EXCLUDED = "excluded"  # under the profile's checkpoint_exclude
+    TOO_LARGE = "too_large"  # longer than checkpoint_max_file_bytes
+    OVER_BUDGET = "over_budget"  # past checkpoint_max_snapshot_bytes
+    REPOSITORY = "repository"  # a .git file or folder, or in one
+    SPECIAL = "special"  # a FIFO, socket or device
+
+
 class RunKind(StrEnum):
     UNSPECIFIED = "unspecified"  # a run from before rcoder recorded kinds: a turn
     TURN = "turn"
@@ -37,6 +48,8 @@ class FileChange(Record):
     lines_added: int
     lines_removed: int
     binary: bool  # no lines counted
+    size: int  # a file not stored: its length (before, for a deleted one); 0 otherwise
+    not_stored: NotStoredReason  # why its content is not stored; UNSPECIFIED: it is
     raw: pb.FileChange = field(repr=False, compare=False)
 
 
@@ -59,6 +72,7 @@ class Rewind(Record):
     changes: tuple[FileChange, ...]
     agent_stopped: bool
     changes_unlisted: int  # how many more files it changed back than ``changes`` lists
+    not_restored: tuple[FileChange, ...]  # what it could not bring back (content not stored, .git)
     raw: pb.RewindSessionResponse = field(repr=False, compare=False)
 
 
@@ -66,10 +80,16 @@ def file_changes(messages: Iterable[pb.FileChange]) -> tuple[FileChange, ...]:
     return tuple(
         FileChange(
             path=m.path, kind=enum_member(FileChangeKind, pb.FileChangeKind, m.kind, "FILE_CHANGE_KIND_"),
-            old_path=m.old_path, lines_added=m.lines_added, lines_removed=m.lines_removed, binary=m.binary, raw=m,
+            old_path=m.old_path, lines_added=m.lines_added, lines_removed=m.lines_removed, binary=m.binary,
+            size=m.size, not_stored=not_stored_reason(m.not_stored),
+            raw=m,
         )
         for m in messages
     )  # fmt: skip
+
+
+def not_stored_reason(number: int) -> NotStoredReason:
+    return enum_member(NotStoredReason, pb.NotStoredReason, number, "NOT_STORED_REASON_")
 
 
 def run_kind(number: int) -> RunKind:
@@ -85,5 +105,5 @@ def run_changes_from_proto(m: pb.GetRunChangesResponse) -> RunChanges:
 def rewind_from_proto(m: pb.RewindSessionResponse) -> Rewind:
     return Rewind(
         run_id=m.run_id, changes=file_changes(m.changes), agent_stopped=m.agent_stopped,
-        changes_unlisted=m.changes_unlisted, raw=m,
+        changes_unlisted=m.changes_unlisted, not_restored=file_changes(m.not_restored), raw=m,
     )  # fmt: skip

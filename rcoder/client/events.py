@@ -277,6 +277,7 @@ class Completed(Event):
     # what the turn changed in the project's files (docs/checkpoints.md); empty with checkpoints off
     changes: tuple[FileChange, ...] = ()
     changes_unlisted: int = 0  # how many more files it changed than ``changes`` lists
+    checkpoint_error: str = ""  # why it has no after snapshot ("": taken, or checkpoints off)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -433,6 +434,7 @@ def _completed(m: pb.ChatStream, envelope: dict[str, Any]) -> Event:
         usage=_usage(c.usage) if c.HasField("usage") else None,
         changes=file_changes(c.changes),
         changes_unlisted=c.changes_unlisted,
+        checkpoint_error=c.checkpoint_error,
         **envelope,
     )
 

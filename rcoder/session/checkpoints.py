@@ -18,7 +18,8 @@ this host is about to (``_in_flight``); the store is asked again after the delet
 commit was recorded meanwhile (by another host) is written back.
 
 Snapshots of one project take turns on this host (a lock per project): the index they share is
-this host's own (``<data_dir>/checkpoint-index``), so hosts sharing a workspace never wait on
+this host's own, in a folder of the project's own (``<data_dir>/checkpoint-index/<project>/index``:
+no project's id can name another's index or lock), so hosts sharing a workspace never wait on
 each other. A snapshot that fails is logged and the turn goes on without it (its changes empty,
 GetRunChanges and a rewind to it refused ``NoCheckpoint``): a store of checkpoints that cannot be
 written must not stop the agents.
@@ -27,22 +28,24 @@ written must not stop the agents.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rcoder.config import AgentProfile, Settings, checkpoint_root
-from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord
+from rcoder.domain import ChangeKind, FileChange, NotStored, RunKind, RunRecord
 from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, CheckpointRepo, commit_ref
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref
 from rcoder.store.git_changes import listed
 from rcoder.store.git_process import ChildGuard
 
@@ -66,9 +69,23 @@ def rewound_reason(target_run_id: str) -> str:
 
 def encode_changes(changes: Sequence[FileChange], unlisted: int = 0) -> str:
     """A run's changes as its checkpoint row keeps them: a JSON list of rows, or, when more files
-    changed than are listed, ``{"listed": rows, "unlisted": n}``."""
-    rows = [[c.path, c.kind.value, c.old_path, c.lines_added, c.lines_removed, c.binary] for c in changes]
+    changed than are listed, ``{"listed": rows, "unlisted": n}``. A file not stored has two more
+    fields in its row, its size and why (rows written before have six)."""
+    rows = [_row(c) for c in changes]
     return json.dumps({"listed": rows, "unlisted": unlisted} if unlisted else rows)
+
+
+def _row(c: FileChange) -> list[object]:
+    row: list[object] = [c.path, c.kind.value, c.old_path, c.lines_added, c.lines_removed, c.binary]
+    if c.not_stored is not None:
+        row += [c.size, c.not_stored.value]
+    return row
+
+
+def _change(r: list[Any]) -> FileChange:
+    not_stored = NotStored(r[7]) if len(r) > 7 else None
+    size = int(r[6]) if len(r) > 7 else 0
+    return FileChange(r[0], ChangeKind(r[1]), r[2], int(r[3]), int(r[4]), bool(r[5]), size, not_stored)
 
 
 def decode_changes(text: str) -> tuple[tuple[FileChange, ...], int]:
@@ -76,7 +93,7 @@ def decode_changes(text: str) -> tuple[tuple[FileChange, ...], int]:
     try:
         found = json.loads(text)
         rows, unlisted = (found["listed"], int(found["unlisted"])) if isinstance(found, dict) else (found, 0)
-        changes = tuple(FileChange(r[0], ChangeKind(r[1]), r[2], int(r[3]), int(r[4]), bool(r[5])) for r in rows)
+        changes = tuple(_change(r) for r in rows)
     except (ValueError, TypeError, IndexError, KeyError):
         return (), 0
     return changes, unlisted
@@ -88,6 +105,21 @@ async def listed_changes(repo: CheckpointRepo, before: str, after: str) -> tuple
     found = await repo.changes(before, after, listed_only=False)
     shown = listed(found)
     return shown, len(found) - len(shown)
+
+
+def drop_flat_indexes(index_dir: Path) -> None:
+    """Remove the indexes of the old layout, one file per project right in ``index_dir``
+    (``<project>``, ``<project>.lock``, where project ``P.lock``'s index was ``P``'s lock): an
+    index is only a cache, and the next snapshot of each project makes its own anew in its folder.
+    The new layout holds folders only."""
+    try:
+        with os.scandir(index_dir) as entries:
+            flat = [entry.path for entry in entries if not entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return
+    for path in flat:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +140,13 @@ class Checkpoints:
         self._index_dir = settings.data_dir / "checkpoint-index"
         self._workspace = settings.workspace_root
         self._max_diff = settings.max_diff_bytes
+        self._bounds = Bounds(
+            max_file_bytes=settings.checkpoint_max_file_bytes,
+            max_snapshot_bytes=settings.checkpoint_max_snapshot_bytes,
+            max_store_bytes=settings.checkpoint_store_max_bytes,
+        )
+        self._end_wait = settings.checkpoint_snapshot_timeout
+        self._failed: dict[str, str] = {}  # run_id -> why its before snapshot was not taken
         self._store = store
         self._repos: dict[str, CheckpointRepo] = {}
         self._to_prune: set[str] = set()  # projects whose snapshots were deleted since the last sweep
@@ -119,9 +158,11 @@ class Checkpoints:
     def repo(self, project_id: str, cwd: str | Path | None = None) -> CheckpointRepo:
         repo = self._repos.get(project_id)
         if repo is None:
+            if not self._repos:
+                drop_flat_indexes(self._index_dir)
             work_tree = Path(cwd) if cwd else self._workspace / project_id
-            git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id
-            repo = CheckpointRepo(git_dir, work_tree, index, self._guard)
+            git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id / "index"
+            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=self._bounds)
             self._repos[project_id] = repo
         return repo
 
@@ -132,6 +173,7 @@ class Checkpoints:
     def settled(self, run_id: str) -> None:
         """The run's snapshots are recorded (or never will be): the store says which it names."""
         self._in_flight.pop(run_id, None)
+        self._failed.pop(run_id, None)
 
     def _unsettled(self) -> set[str]:
         return {commit for commits in self._in_flight.values() for commit in commits}
@@ -149,20 +191,23 @@ class Checkpoints:
                 commit = await self.repo(project_id, cwd).snapshot(profile.checkpoint_exclude, f"before run {run_id}")
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
+            self._failed[run_id] = f"no before snapshot: {str(exc)[:500]}"
             return ""
         self.pending(run_id, commit)
         return commit
 
     async def after(
         self, project_id: str, cwd: str, session_id: str, run_id: str, profile: AgentProfile, before: str
-    ) -> tuple[str, tuple[FileChange, ...], int]:
+    ) -> tuple[str, tuple[FileChange, ...], int, str]:
         """Snapshot the project after the turn and store what changed since ``before`` (its
-        before snapshot; "": none was taken, nothing is). The after commit, which the run's end
-        records ("": none), the changes listed and how many more files changed."""
+        before snapshot; "": none was taken, nothing is), waiting at most
+        ``checkpoint_snapshot_timeout`` for it, the project's lock included. The after commit,
+        which the run's end records ("": none), the changes listed, how many more files changed,
+        and why there is no after snapshot ("": there is)."""
         if not before:
-            return "", (), 0
+            return "", (), 0, self._failed.pop(run_id, "")
         try:
-            async with self.locks[project_id]:
+            async with asyncio.timeout(self._end_wait), self.locks[project_id]:
                 repo = self.repo(project_id, cwd)
                 # Its ref again (a stat call): another host may have deleted it after the store
                 # said no run named the commit and before this run's start named it.
@@ -170,14 +215,18 @@ class Checkpoints:
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"after run {run_id}")
                 self.pending(run_id, commit)
                 changes, unlisted = await listed_changes(repo, before, commit)
+        except TimeoutError:
+            why = f"the after snapshot was cut: it took longer than checkpoint_snapshot_timeout ({self._end_wait:g} s)"
+            log.warning("checkpoint_after_cut", run_id=run_id, error=why)
+            return "", (), 0, why
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
-            return "", (), 0
+            return "", (), 0, f"no after snapshot: {str(exc)[:500]}"
         if changes:  # a turn that changed nothing needs no row: no row reads as a turn with no changes
             await self._store.put_run_checkpoint(
                 run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes, unlisted))
             )
-        return commit, changes, unlisted
+        return commit, changes, unlisted, ""
 
     # ------------------------------------------------------------ reading
 
@@ -234,7 +283,7 @@ class Checkpoints:
             repo = self.repo(project_id)
             if project_left:
                 await asyncio.to_thread(shutil.rmtree, repo.git_dir, True)
-                await asyncio.to_thread(lambda: repo.index.unlink(missing_ok=True))
+                await asyncio.to_thread(shutil.rmtree, repo.index.parent, True)
                 self._repos.pop(project_id, None)
                 return
             existing = await repo.refs(REFS)
@@ -309,7 +358,7 @@ async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[
         scope.checkpoint = "" if scope.before.cancelled() else scope.before.result()
     try:
         # not shielded again: the turn's end runs all of this shielded, in a task of its own
-        scope.checkpoint_after, changes, scope.changes_unlisted = await checkpoints.after(
+        scope.checkpoint_after, changes, scope.changes_unlisted, scope.checkpoint_error = await checkpoints.after(
             plan.turn.project_id, plan.cwd, plan.session_id, plan.run_id, plan.profile, scope.checkpoint
         )
     except (StoreError, LeaseLost) as exc:

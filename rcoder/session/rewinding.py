@@ -55,6 +55,8 @@ class Rewound:
     changes: tuple[FileChange, ...]
     agent_stopped: bool
     changes_unlisted: int = 0  # how many more files it changed back than ``changes`` lists
+    # what it could not bring back: files whose content is not stored, and the project's own .git
+    not_restored: tuple[FileChange, ...] = ()
 
 
 def give_back(project: Path, changes: Sequence[FileChange], beneath: Beneath | None = None) -> None:
@@ -154,7 +156,7 @@ class SessionRewinder:
                 )
             )  # fmt: skip
             try:
-                stopped, snapshots, changes = await self._rewind(record, repo, rewind_id, run_id, goal)
+                stopped, snapshots, changes, lost = await self._rewind(record, repo, rewind_id, run_id, goal)
             except (RcoderError, OSError) as exc:  # recorded as failed, never left running
                 error = exc.message if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
                 failed = RunEnd(RunStatus.FAILED, StopReason.ERROR, error, self._clock())
@@ -167,8 +169,8 @@ class SessionRewinder:
                      checkpoint_before=snapshots[0], checkpoint_after=snapshots[1])  # fmt: skip
         await self._store.finish_run(rewind_id, end)
         log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
-                 files=len(changes[0]) + changes[1], agent_stopped=stopped)  # fmt: skip
-        return Rewound(rewind_id, changes[0], stopped, changes[1])
+                 files=len(changes[0]) + changes[1], agent_stopped=stopped, not_restored=len(lost))  # fmt: skip
+        return Rewound(rewind_id, changes[0], stopped, changes[1], listed(lost))
 
     async def _checked(self, session_id: str, run_id: str) -> tuple[SessionRecord, RunRecord]:
         """The session and the run, when ``run_id`` is one of its runs and checkpoints are on."""
@@ -186,10 +188,10 @@ class SessionRewinder:
 
     async def _rewind(
         self, record: SessionRecord, repo: CheckpointRepo, rewind_id: str, run_id: str, goal: str
-    ) -> tuple[bool, tuple[str, str], tuple[tuple[FileChange, ...], int]]:
+    ) -> tuple[bool, tuple[str, str], tuple[tuple[FileChange, ...], int], tuple[FileChange, ...]]:
         """Under the project's lock: the session forgets, then the files go back (step 3 of the
-        module docstring). Whether an agent was live, the rewind's before and after commits, and
-        its changes (those listed, and how many more files changed)."""
+        module docstring). Whether an agent was live, the rewind's before and after commits, its
+        changes (those listed, and how many more files changed), and what it could not restore."""
         session_id = record.session_id
         # The session forgets its agent first (no turn of it runs: the rewind holds it).
         stopped = await self._pool.close(session_id)
@@ -197,12 +199,13 @@ class SessionRewinder:
         await self._store.cut_transcript(session_id, run_id)
         profile = self._settings.profile(record.agent)
         excludes = profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE
-        now = await repo.snapshot(excludes, f"before rewind {rewind_id}")  # its ref is on disk
+        # not refused by a full store (checkpoint_store_max_bytes): a rewind is how room is undone
+        now = await repo.snapshot(excludes, f"before rewind {rewind_id}", capped=False)  # its ref is on disk
         self._checkpoints.pending(rewind_id, now)
-        await repo.restore(goal)
-        after = await repo.snapshot(excludes, f"after rewind {rewind_id}")
+        lost = await repo.restore(goal)
+        after = await repo.snapshot(excludes, f"after rewind {rewind_id}", capped=False)
         self._checkpoints.pending(rewind_id, after)
         changed = await repo.changes(now, after, listed_only=False)
         await asyncio.to_thread(give_back, repo.work_tree, changed)
         shown = listed(changed)
-        return stopped, (now, after), (shown, len(changed) - len(shown))
+        return stopped, (now, after), (shown, len(changed) - len(shown)), tuple(lost)

@@ -245,7 +245,7 @@ class TurnEnder:
         provider_id = scope.conn.provider_session_id if scope.conn is not None else body.provider_session_id
         completed = RunCompleted(
             outcome.stop, provider_id, body.resume, outcome.error, outcome.error_reason, scope.usage, scope.changes,
-            scope.changes_unlisted,
+            scope.changes_unlisted, scope.checkpoint_error,
         )  # fmt: skip
         return scope.run.prepare_end(completed)
 

@@ -58,6 +58,7 @@ class TurnScope:
         self.checkpoint_after = ""  # the commit of its after snapshot, for its end to record
         self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files
         self.changes_unlisted = 0  # how many more files it changed than ``changes`` lists
+        self.checkpoint_error = ""  # why it has no after snapshot (``completed.checkpoint_error``)
 
     @property
     def phase(self) -> Phase:

@@ -2,12 +2,16 @@
 (docs/checkpoints.md).
 
 ``git --git-dir=<store> --work-tree=<project>`` with an index file of rcoder's own: the project's
-own ``.git`` is never opened (git always skips a folder named ``.git``). A snapshot is ``git add -A``
-into that index (git keeps each file's stat data there, so a later snapshot reads only what
-changed), then ``write-tree`` and ``commit-tree``. A ref names each distinct commit,
-``refs/rcoder/commits/<sha>``, so gc keeps it: written when a snapshot makes a new commit, before
-the snapshot returns it (so before anyone records it), and never when a snapshot reuses the last
-commit and finds its ref in place.
+own ``.git`` is never opened by git. rcoder decides what a snapshot holds, not git: its walk of the
+project (``rcoder.store.tree_stat``) names every file, and ``rcoder.store.unstored`` sorts them
+into those stored and those only listed (excluded folders, ``.git`` files and folders, files past
+the size bounds, special files), so the project's ``.gitignore`` files and nested repositories
+hide nothing. A snapshot gives git exactly the stored paths (``update-index``: git keeps each
+file's stat data in the index, so a later snapshot reads only what changed), then ``write-tree``
+and ``commit-tree``; the list of the others rides as the commit's parent. A ref names each
+distinct commit, ``refs/rcoder/commits/<sha>``, so gc keeps it: written when a snapshot makes a
+new commit, before the snapshot returns it (so before anyone records it), and never when a
+snapshot reuses the last commit and finds its ref in place.
 
 The project's content must never make git run anything or change what it stores: git runs in a
 process group of its own, bounded by a timeout, with no system, global or user configuration and
@@ -19,10 +23,11 @@ project) unsets every attribute that would convert a file on its way in or out (
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +35,23 @@ from pathlib import Path
 from rcoder.domain import FileChange
 from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
+from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.git_changes import listed, parse_changes
 from rcoder.store.git_process import GIT_TIMEOUT, ChildGuard, GitResult, NoGuard, git_env, run_git
-from rcoder.store.tree_stat import TreeStat, skipped_dirs, stat_tree
+from rcoder.store.tree_stat import TreeStat, stat_tree
+from rcoder.store.unstored import (
+    ALWAYS_EXCLUDED,
+    MANIFEST_NAME,
+    Bounds,
+    Manifest,
+    decode,
+    encode,
+    in_own_repository,
+    merged,
+    not_restored,
+    plan,
+    remove_beneath,
+)
 
 log = get_logger("rcoder.store.checkpoint_repo")
 
@@ -45,10 +64,7 @@ def commit_ref(commit: str) -> str:
     return f"{COMMIT_REF_PREFIX}{commit}"
 
 
-# left out of every snapshot whatever the profile says: a file the file API is still writing, before
-# it is renamed over its path (rcoder.session.project_files.TEMP_PREFIX), half a file a rewind
-# would otherwise bring back
-ALWAYS_EXCLUDED = (".rcoder-upload-*.tmp",)
+__all__ = ["ALWAYS_EXCLUDED", "COMMIT_REF_PREFIX", "Bounds", "CheckpointRepo", "Snapshot", "commit_ref"]
 # a project whose last walk counted at most this many files is walked again on the event loop
 # (well under a millisecond), not in a thread
 INLINE_WALK_FILES = 200
@@ -63,6 +79,11 @@ CONFIG = (
     "core.symlinks=true",
     "core.filemode=true",
     "core.ignorecase=false",
+    # every name Linux allows is stored as it is: with these on (protectNTFS is, by default), git
+    # silently refuses names Windows or macOS would read as ".git" (git~1, ".git.", ".git "), which
+    # would hide a file from the record
+    "core.protectNTFS=false",
+    "core.protectHFS=false",
     "core.fsmonitor=false",
     "core.quotePath=false",
     "core.untrackedCache=false",
@@ -73,29 +94,42 @@ CONFIG = (
     "diff.mnemonicPrefix=false",
     "advice.addEmbeddedRepo=false",
     "advice.addIgnoredFile=false",
+    "core.excludesFile=/dev/null",
 )
-# how ``git add`` stores what it reads: every file into one pack per snapshot, not a loose object
-# file each, and uncompressed (``gc`` compresses off the hot path): a first snapshot of 10,000
-# files and 200 MB writes one file instead of 10,000 and spends no time in zlib (5 s -> 2 s).
-# Only for ``add``: a diff treats a file past core.bigFileThreshold as binary.
+# how ``git update-index`` stores what it reads: every file into one pack per snapshot, not a loose
+# object file each, and uncompressed (``gc`` compresses off the hot path): a first snapshot of
+# 10,000 files and 200 MB writes one file instead of 10,000 and spends no time in zlib (5 s -> 2 s).
+# Only there: a diff treats a file past core.bigFileThreshold as binary.
 SNAPSHOT_ADD = ("-c", "core.bigFileThreshold=1", "-c", "core.compression=0")
-# A first snapshot (no index yet) of a project this large is hashed by one ``git add`` per core
-# at once, each over its share of the files by size (SHA-1 with collision detection is most of
-# its cost): the objects are then in the store, and the real ``git add`` over the whole project
-# only hashes the files the first process's index lacks (10,000 files, 200 MB, 2 cores:
+UPDATE = ("update-index", "--add", "--remove", "--replace", "-z", "--stdin")
+# A first snapshot (no index yet) of a project this large is hashed by one ``update-index`` per
+# core at once, each over its share of the files by size (SHA-1 with collision detection is most
+# of its cost): the objects are then in the store, and the real ``update-index`` over the whole
+# project only hashes the files the first process's index lacks (10,000 files, 200 MB, 2 cores:
 # 2.4 s -> 1.5 s). Below it one process is quick enough.
 SPLIT_MIN_BYTES = 32 << 20
 SPLIT_MAX_PROCESSES = 4
 
 
+# manifests (files listed, not stored) kept in memory per commit, the last snapshots' and diffs'
+MANIFESTS_CACHED = 16
+# temporary files a git (or rcoder's ref writer) ended mid-way leaves in a store
+LEFTOVERS = ("objects/pack/tmp_*", "objects/??/tmp_obj_*", "objects/tmp_obj_*", "rcoder-ref-*.tmp", "*.lock")
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The last snapshot taken here: its tree and commit, the walk before it, its exclude patterns."""
+    """The last snapshot taken here: its tree and commit, the walk before it, its exclude
+    patterns, the commit holding its list of files not stored ("": none), and what it stored
+    and listed."""
 
     tree: str
     commit: str
     seen: TreeStat
     patterns: tuple[str, ...]
+    parent: str
+    stored: dict[bytes, int]
+    listed: Manifest
 
 
 class CheckpointRepo:
@@ -109,6 +143,7 @@ class CheckpointRepo:
         guard: ChildGuard | None = None,
         timeout: float = GIT_TIMEOUT,
         split_min_bytes: int = SPLIT_MIN_BYTES,
+        bounds: Bounds = Bounds(),  # noqa: B008 (frozen)
     ) -> None:
         # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
         # has, would otherwise name another place to each git command)
@@ -117,7 +152,12 @@ class CheckpointRepo:
         self._split_min_bytes = split_min_bytes
         self._head = str(self.git_dir / "HEAD")
         self._refs_folder = f"{self.git_dir}/{COMMIT_REF_PREFIX}"  # with its trailing slash
-        self._skipping: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())  # patterns, their folders
+        self.bounds = bounds
+        self._excluding = ExcludePatterns(())
+        self._indexed: set[bytes] | None = None  # the paths in the index, when known here
+        self._manifests: dict[str, Manifest | None] = {}  # commit -> its files listed, not stored
+        self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
+        self._swept = False  # leftovers of gits ended long ago removed, once per process
         self._guard = guard or NoGuard()
         self._env = git_env(self.git_dir)
         self._env.update(GIT_DIR=str(self.git_dir), GIT_WORK_TREE=str(self.work_tree), GIT_INDEX_FILE=str(self.index))
@@ -129,13 +169,11 @@ class CheckpointRepo:
         self,
         *args: str,
         limit: int = 0,
-        excludes: Path | None = None,
         ok: tuple[int, ...] = (0,),
         stdin: bytes | None = None,
         index: Path | None = None,
     ) -> GitResult:
-        flags = list(self._flags)
-        flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
+        flags = self._flags
         env = self._env if index is None else {**self._env, "GIT_INDEX_FILE": str(index)}
         return await run_git([*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok)
 
@@ -159,33 +197,23 @@ class CheckpointRepo:
         info.mkdir(exist_ok=True)
         (info / "attributes").write_text(ATTRIBUTES)
 
-    def excludes_file(self, patterns: Sequence[str]) -> Path:
-        """The exclude file holding ``patterns`` (gitignore syntax), written once per set."""
-        text = "".join(f"{p}\n" for p in patterns)
-        path = self.git_dir / "info" / f"exclude-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-        if not path.exists():
-            temporary = path.with_suffix(".tmp")
-            temporary.write_text(text)
-            temporary.replace(path)
-        return path
-
-    async def snapshot(self, patterns: Sequence[str], message: str) -> str:
-        """The project's files now, as a commit (every file but those the project's .gitignore
-        files and ``patterns`` leave out). Where a walk of the files' stat data finds them as the
-        last snapshot left them, that snapshot's commit, with no git process
+    async def snapshot(self, patterns: Sequence[str], message: str, capped: bool = True) -> str:
+        """The project's files now, as a commit: every file stored but those ``patterns`` (the
+        profile's ``checkpoint_exclude``) and ``self.bounds`` leave out, which it lists
+        (``rcoder.store.unstored``). Where a walk of the files' stat data finds them as the last
+        snapshot left them, that snapshot's commit, with no git process
         (``rcoder.store.tree_stat``); the walk comes first, so a file changed while git reads it
-        is seen changed next time."""
+        is seen changed next time. ``capped``: refused (``CheckpointError``) when the store
+        holds ``max_store_bytes`` already."""
         await self.ensure()
-        patterns = (*patterns, *ALWAYS_EXCLUDED)
+        patterns = tuple(patterns)
+        if self._excluding.patterns != patterns:  # the same profile's patterns, turn after turn
+            self._excluding = ExcludePatterns(patterns)
         last = self._last
-        if self._skipping[0] != patterns:  # the same profile's patterns, turn after turn
-            self._skipping = (patterns, skipped_dirs(patterns))
-        skip = self._skipping[1]
         if last is not None and last.seen.files <= INLINE_WALK_FILES:
-            seen = stat_tree(self.work_tree, skip)  # a few hundred stat calls: less than a thread's hop
+            seen = stat_tree(self.work_tree, self._excluding)  # a few hundred stat calls: less than a thread's hop
         else:
-            first = not self.index.exists()
-            seen = await asyncio.to_thread(stat_tree, self.work_tree, skip, weigh=first)
+            seen = await asyncio.to_thread(stat_tree, self.work_tree, self._excluding)
         # The last commit's ref is in place (a stat call) unless gc packed it or it was deleted.
         # A deleted one's commit, and the files only it held, may be pruned since: then it is
         # never named again, and git reads every file anew.
@@ -195,43 +223,117 @@ class CheckpointRepo:
                 last = None
             else:
                 await self.keep(last.commit)
-        if last is not None and seen.same_as(last.seen) and last.patterns == tuple(patterns):
+        if last is not None and seen.same_as(last.seen) and last.patterns == patterns:
             return last.commit
-        excludes = self.excludes_file(patterns)
+        started = time.time_ns()
         try:
+            if not self._swept:  # a git killed with an earlier daemon: long past its bound
+                await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=started - int(self.timeout * 1e9))
+                self._swept = True
             self._unlock_index()
-            stored = await self._store_in_parallel(seen, excludes)
-            # a file it cannot read is left out (--ignore-errors: exit 1, the rest added); one
-            # whose object is stored already is only hashed
-            add = ("add", "--all", "--ignore-errors", "--", ".")
-            await self.git(*(() if stored else SNAPSHOT_ADD), *add, excludes=excludes, ok=(0, 1))
+            chosen = plan(seen.entries, self._excluding, self.bounds)
+            if capped:
+                await self._check_room()
+            await self._store_in_parallel(chosen.stored)
+            await self._update_index(chosen.stored)
             tree = (await self.git("write-tree")).out.decode().strip()
-            if last is not None and last.tree == tree:
+            parent = await self._write_manifest(chosen.listed)
+            if last is not None and last.tree == tree and last.parent == parent:
                 commit = last.commit
             else:
-                commit = (await self.git("commit-tree", tree, "-m", message)).out.decode().strip()
+                parents = ("-p", parent) if parent else ()
+                commit = (await self.git("commit-tree", tree, *parents, "-m", message)).out.decode().strip()
             # the ref on disk before anyone can record the commit (docs/checkpoints.md#lifetime)
             await self.keep(commit)
-        except BaseException:
-            # whatever broke it (a store removed under it, a git ended by a timeout or a cancel),
-            # the next starts anew
-            self.forget_index()
+        except BaseException as exc:
+            # What the git it ended was writing is gone. Cut (a cancel, as a turn's end bound
+            # does): the index is kept, since git replaces it whole or not at all, and the next
+            # reads only what changed; else (a store removed under it, a git past its timeout)
+            # the next starts anew.
+            if isinstance(exc, asyncio.CancelledError):
+                self._last, self._indexed = None, None
+            else:
+                self.forget_index()
+            remove_leftovers(self.git_dir, since_ns=started)
             raise
-        self._last = Snapshot(tree, commit, seen, tuple(patterns))
+        self._remember(commit, chosen.listed)
+        self._last = Snapshot(tree, commit, seen, patterns, parent, chosen.stored, chosen.listed)
         return commit
 
-    async def _store_in_parallel(self, seen: TreeStat, excludes: Path) -> bool:
+    async def _check_room(self) -> None:
+        held = await asyncio.to_thread(store_bytes, self.git_dir)
+        if held >= self.bounds.max_store_bytes:
+            raise CheckpointError(
+                "store-full",
+                f"the project's checkpoint store holds {held} bytes, checkpoint_store_max_bytes is "
+                f"{self.bounds.max_store_bytes}: no snapshot is taken until retention and gc free room "
+                "(or the bound is raised)",
+            )
+
+    async def _update_index(self, stored: dict[bytes, int]) -> None:
+        """The index holds exactly the ``stored`` paths, each as the file is now (git reads only
+        those whose stat data changed)."""
+        if self._indexed is None:
+            listing = (await self.git("ls-files", "-z")).out
+            self._indexed = {path for path in listing.split(b"\0") if path}
+        gone = [path for path in self._indexed if path not in stored]
+        if gone:  # deleted, or listed only now: out of the index whether on disk or not
+            await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(gone) + b"\0")
+        self._indexed = None  # unknown until git has done it
+        if stored:
+            await self.git(*SNAPSHOT_ADD, *UPDATE, stdin=b"\0".join(stored) + b"\0")
+        self._indexed = set(stored)
+
+    async def _write_manifest(self, listed: Manifest) -> str:
+        """The commit holding ``listed`` (the snapshot's parent, even when nothing is listed: a
+        snapshot without one was recorded before rcoder listed files); the last one's again when
+        the list is the same."""
+        data = encode(listed)
+        if self._listing[0] == data:
+            return self._listing[1]
+        blob = (await self.git("hash-object", "-w", "--stdin", stdin=data)).out.decode().strip()
+        entry = f"100644 blob {blob}\t{MANIFEST_NAME}\n".encode()
+        tree = (await self.git("mktree", stdin=entry)).out.decode().strip()
+        commit = (await self.git("commit-tree", tree, "-m", "rcoder: files listed, not stored")).out.decode().strip()
+        self._listing = (data, commit)
+        return commit
+
+    def _remember(self, commit: str, listed: Manifest | None) -> None:
+        self._manifests[commit] = listed
+        while len(self._manifests) > MANIFESTS_CACHED:
+            del self._manifests[next(iter(self._manifests))]
+
+    async def manifests(self, *commits: str) -> list[Manifest | None]:
+        """Each commit's files listed, not stored (None for a snapshot recorded before rcoder
+        listed files): one ``cat-file`` for those not cached."""
+        wanted = [c for c in dict.fromkeys(commits) if c not in self._manifests]
+        if wanted:
+            query = "".join(f"{commit}^:{MANIFEST_NAME}\n" for commit in wanted).encode()
+            out = (await self.git("cat-file", "--batch", stdin=query)).out
+            for commit in wanted:
+                header, _, out = out.partition(b"\n")
+                parts = header.split(b" ")
+                if len(parts) == 3 and parts[1] == b"blob":
+                    size = int(parts[2])
+                    self._remember(commit, decode(out[:size]))
+                    out = out[size + 1 :]
+                else:
+                    self._remember(commit, None)
+        return [self._manifests.get(commit) for commit in commits]
+
+    async def _store_in_parallel(self, stored: dict[bytes, int]) -> None:
         """On a first snapshot of a large project (``split_min_bytes``), store every file's object
-        by several ``git add`` at once, the first into the real index. Returns whether it
-        did. Best effort: what they miss, the real ``git add`` that follows stores."""
+        by several ``update-index`` at once, the first into the real index. Best effort: what
+        they miss, the real ``update-index`` that follows stores."""
+        if self.index.exists():
+            return
         processes = min(len(os.sched_getaffinity(0)), SPLIT_MAX_PROCESSES)
-        shares = split_by_size(seen.weights or {}, processes, self._split_min_bytes)
+        shares = split_by_size(stored, processes, self._split_min_bytes)
         if len(shares) < 2:
-            return False
+            return
         spares = [self.index.with_name(f"{self.index.name}.share-{n}") for n in range(1, len(shares))]
-        add = ("add", "--all", "--ignore-errors", "--pathspec-from-file=-", "--pathspec-file-nul")
         adds = [
-            self.git(*SNAPSHOT_ADD, *add, excludes=excludes, ok=(0, 1), stdin=b"\0".join(share), index=index)
+            self.git(*SNAPSHOT_ADD, *UPDATE, stdin=b"\0".join(share) + b"\0", index=index)
             for share, index in zip(shares, [self.index, *spares], strict=True)
         ]
         try:
@@ -240,14 +342,15 @@ class CheckpointRepo:
             for spare in spares:
                 spare.unlink(missing_ok=True)
                 spare.with_name(f"{spare.name}.lock").unlink(missing_ok=True)  # a git ended mid-way
+        self._indexed = None  # the first share is in the index
         failed = [str(result)[:300] for result in done if isinstance(result, BaseException)]
         if failed:
             log.warning("checkpoint_split_add_failed", git_dir=str(self.git_dir), errors=failed)
-        return True
 
     def forget_index(self) -> None:
         """Drop this host's index of the project (the next snapshot reads every file again)."""
         self._last = None
+        self._indexed = None
         self.index.unlink(missing_ok=True)
         self._unlock_index()
 
@@ -294,10 +397,8 @@ class CheckpointRepo:
             await self._update_refs("".join(f"delete {name}\n" for name in names))
 
     async def _update_refs(self, lines: str) -> None:
-        flags = [*self._flags, "-c", "core.excludesFile=/dev/null"]
-        await run_git(
-            [*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode()
-        )
+        args = [*self._flags, "update-ref", "--stdin"]
+        await run_git(args, self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode())
 
     async def resolve(self, ref: str) -> str | None:
         """The commit ``ref`` names, None when there is none."""
@@ -331,7 +432,12 @@ class CheckpointRepo:
             return ()
         args = ["diff-tree", "-r", "-M", "--raw", "--numstat", "-z", "--no-ext-diff", before, after]
         raw = await self.git(*args, *(("--", path) if path else ()))
-        found = parse_changes(raw.out)
+        found_old, found_new = await self.manifests(before, after)
+        old, new = found_old or {}, found_new or {}
+        if path:
+            wanted = os.fsencode(path)
+            old, new = ({p: e for p, e in m.items() if p == wanted} for m in (old, new))
+        found = merged(parse_changes(raw.out), old, new)
         return listed(found) if listed_only else found
 
     async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
@@ -342,13 +448,48 @@ class CheckpointRepo:
             args += ["--", path]
         return await self.git(*args, limit=limit)
 
-    async def restore(self, commit: str) -> None:
-        """Make the project's captured files as ``commit`` holds them. The index must hold the
-        project as it is now (a snapshot just taken): files it holds that ``commit`` does not are
-        removed, the others written. git's checkout never writes through a link: a link where a
-        folder must be is removed first, and a link is written as a link."""
+    async def restore(self, commit: str) -> list[FileChange]:
+        """Make the project's files as ``commit`` holds them; what it cannot bring back. A
+        snapshot must just have been taken here (the project as it is now, in the index and in
+        ``_last``): files it stored that ``commit`` does not hold are removed, the others written;
+        files it listed that ``commit`` does not list are removed too, but in the project's own
+        ``.git``; a file ``commit`` listed is left as it is now (stored now, it is taken out of the
+        index first, so that git leaves it). git's checkout never writes through a link: a link
+        where a folder must be is removed first, and a link is written as a link."""
+        now = self._last
+        if now is None:
+            raise CheckpointError("restore", "no snapshot of the project as it is now was taken first")
+        self._last, self._indexed = None, None  # the index and the files change from here
+        (listed_then,) = await self.manifests(commit)
+        if listed_then is None:  # recorded before rcoder listed files
+            return await self._restore_older(commit, now)
+        goal = listed_then
+        keep_out = [path for path in goal if path in now.stored]
+        if keep_out:
+            await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
+        added = [path for path in now.listed if path not in goal and not in_own_repository(path)]
+        kept = await asyncio.to_thread(remove_beneath, self.work_tree, added) if added else []
         await self.git("read-tree", "--reset", "-u", commit)
-        self._last = None
+        return not_restored(goal, now.listed, now.stored, kept)
+
+    async def _restore_older(self, commit: str, now: Snapshot) -> list[FileChange]:
+        """``restore`` to a snapshot recorded before rcoder listed files, which ``git add`` took
+        as git sees a project: without what its .gitignore files leave out, a nested repository as
+        a submodule. Those files, stored now, are taken out of the index first, so that git leaves
+        them as they are rather than delete them; what it listed is left as it is."""
+        stdin = b"\0".join(now.stored) + b"\0"
+        # check-ignore takes no pathspec magic: the paths as they are, without GIT_LITERAL_PATHSPECS
+        env = {key: value for key, value in self._env.items() if key != "GIT_LITERAL_PATHSPECS"}
+        args = [*self._flags, "check-ignore", "--no-index", "-z", "--stdin"]
+        ignored = await run_git(args, env, self.work_tree, self.timeout, 0, self._guard, stdin, (0, 1))
+        keep_out = {path for path in ignored.out.split(b"\0") if path}
+        tree = await self.git("ls-tree", "-r", "-z", "--full-tree", commit)
+        submodules = [row.partition(b"\t")[2] + b"/" for row in tree.out.split(b"\0") if row.startswith(b"160000 ")]
+        keep_out.update(path for path in now.stored if any(path.startswith(sub) for sub in submodules))
+        if keep_out:
+            await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
+        await self.git("read-tree", "--reset", "-u", commit)
+        return []
 
     async def gc(self, full: bool = False) -> None:
         """Pack and prune: ``--auto`` (when git finds it worth it) unless ``full``. Objects are
@@ -357,6 +498,28 @@ class CheckpointRepo:
         if self.made():
             auto = () if full else ("--auto",)
             await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
+
+
+def store_bytes(git_dir: Path) -> int:
+    """What a store holds on disk, in apparent sizes (blocking: run it in a thread)."""
+    total = 0
+    for folder, _, files in os.walk(git_dir):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def remove_leftovers(git_dir: Path, since_ns: int | None = None, before_ns: int | None = None) -> None:
+    """Remove what a git ended mid-way leaves in a store (temporary packs and objects, locks,
+    rcoder's half-written refs): those modified since ``since_ns`` (a snapshot of this host's
+    that failed: its git's) or before ``before_ns`` (any git that wrote them is past its bound)."""
+    for pattern in LEFTOVERS:
+        for path in git_dir.glob(pattern):
+            with contextlib.suppress(OSError):
+                modified = path.lstat().st_mtime_ns
+                if (since_ns is not None and modified >= since_ns) or (before_ns is not None and modified < before_ns):
+                    path.unlink()
 
 
 def split_by_size(weights: dict[bytes, int], count: int, min_bytes: int = SPLIT_MIN_BYTES) -> list[list[bytes]]:

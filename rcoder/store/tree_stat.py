@@ -12,10 +12,12 @@ git reads the files then.
 The change time (``ctime``) is part of it because no process can set it back: an agent that
 rewrites a file with the same size and restores its modification time still changes its ctime.
 
-The walk is deliberately wider than what git captures: it skips only ``.git`` entries and the
-plain folder names among the profile's exclude patterns (``node_modules/``); it reads the files a
-``.gitignore`` leaves out. A change there makes the next snapshot ask git, which then finds the
-same tree and reuses the commit: slower, never wrong.
+The walk is also the record's list of files (docs/checkpoints.md#what-is-stored): it reads every
+folder, ``.git`` ones and the profile's excluded ones included, and keeps each file's stat data
+(``TreeStat.entries``), marked by where it lies: in a repository's own folder (a ``.git`` file or
+folder, at any depth), under a folder the profile's patterns leave out, or anywhere else. What is
+stored and what is only listed is decided from that (``rcoder.store.unstored``), never by git, so a
+``.gitignore`` or a nested repository hides nothing.
 """
 
 from __future__ import annotations
@@ -24,84 +26,86 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 # a file changed this close to the walk's start may change again with the same times: the kernel's
 # file timestamps are coarse (a clock tick, 4-10 ms) and may lag the wall clock by a tick
 RACY_NS = 100_000_000
 
 
+# where a walk found a file: ``Entry.where``
+IN_TREE, IN_EXCLUDED, IN_REPOSITORY = 0, 1, 2
+# one file (or link, or special file) found: its path from the root, mode, size, inode, times, where
+Entry = tuple[bytes, int, int, int, int, int, int]
+
+
+class FolderFilter(Protocol):
+    def folder(self, path: bytes, name: bytes) -> bool: ...
+
+
+class NoFilter:
+    def folder(self, path: bytes, name: bytes) -> bool:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class TreeStat:
-    """One walk of a project: its digest, how many files, and whether it can be trusted."""
+    """One walk of a project: its digest, how many files, whether it can be trusted, each file."""
 
     digest: bytes
     files: int
     settled: bool  # no file changed within RACY_NS of the walk, and nothing could not be read
-    # when weighed: the bytes of the files under each path of at most two parts ("src/app",
-    # "README.md"), what a first snapshot splits among git processes (``CheckpointRepo``)
-    weights: dict[bytes, int] | None = field(default=None, compare=False, repr=False)
+    entries: list[Entry] = field(default_factory=list, compare=False, repr=False)
 
     def same_as(self, other: TreeStat | None) -> bool:
         """Whether the project is certainly as it was at ``other`` (both walks settled)."""
         return other is not None and self.settled and other.settled and self.digest == other.digest
 
 
-def skipped_dirs(patterns: Sequence[str]) -> frozenset[str]:
-    """The folder names the walk may skip: the patterns that name a folder anywhere by a plain
-    name (``node_modules/``); any other pattern is left to git."""
-    names = set()
-    for pattern in patterns:
-        name = pattern.removesuffix("/")
-        if pattern.endswith("/") and name and not any(c in name for c in "/*?[]!\\"):
-            names.add(name)
-    return frozenset(names)
+def is_dot_git(name: bytes) -> bool:
+    """A name git reserves for a repository's own (``.git`` in any case: git refuses to store it)."""
+    return len(name) == 4 and name.lower() == b".git"
 
 
-def stat_tree(
-    root: Path, skip: frozenset[str] = frozenset(), clock: Callable[[], int] = time.time_ns, weigh: bool = False
-) -> TreeStat:
-    """Walk ``root`` without following links (blocking: run it in a thread); ``clock``: the wall
-    clock in nanoseconds, what a file's times are judged racy against; ``weigh``: also sum the
-    files' sizes by their first two path parts (``TreeStat.weights``)."""
+def stat_tree(root: Path, skip: FolderFilter = NoFilter(), clock: Callable[[], int] = time.time_ns) -> TreeStat:  # noqa: B008
+    """Walk ``root`` without following links (blocking: run it in a thread); ``skip``: the
+    folders whose files are marked ``IN_EXCLUDED``; ``clock``: the wall clock in nanoseconds,
+    what a file's times are judged racy against."""
     started = clock()
-    weights: dict[bytes, int] | None = {} if weigh else None
     digest = hashlib.blake2b(digest_size=20)
-    files = 0
+    entries: list[Entry] = []
     settled = True
     newest = 0
-    pending = [(os.fsencode(root), b"")]
+    pending = [(os.fsencode(root), b"", IN_TREE)]
     while pending:
-        folder, relative = pending.pop()
+        folder, relative, where = pending.pop()
         try:
             with os.scandir(folder) as listing:
-                entries = sorted(listing, key=lambda entry: entry.name)
+                found = sorted(listing, key=lambda entry: entry.name)
         except OSError:
             settled = False  # unreadable or gone meanwhile: git decides
             continue
-        for entry in entries:
+        for entry in found:
             name = entry.name
-            if name == b".git":
-                continue
             path = relative + b"/" + name if relative else name
             try:
                 info = entry.stat(follow_symlinks=False)
             except OSError:
                 settled = False
                 continue
+            inside = IN_REPOSITORY if where != IN_REPOSITORY and is_dot_git(name) else where
             if stat.S_ISDIR(info.st_mode):
-                if os.fsdecode(name) not in skip:
-                    pending.append((entry.path, path))
+                if inside == IN_TREE and skip.folder(path, name):
+                    inside = IN_EXCLUDED
+                pending.append((entry.path, path, inside))
                 continue
-            files += 1
             newest = max(newest, info.st_mtime_ns, info.st_ctime_ns)
-            digest.update(b"%s\0%o %d %d %d %d\n" % (path, info.st_mode, info.st_size, info.st_ino,
-                                                      info.st_mtime_ns, info.st_ctime_ns))  # fmt: skip
-            if weights is not None:
-                key = b"/".join(path.split(b"/", 2)[:2])
-                weights[key] = weights.get(key, 0) + info.st_size
+            line = (path, info.st_mode, info.st_size, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, inside)
+            digest.update(b"%s\0%o %d %d %d %d %d\n" % line)
+            entries.append(line)
     if newest >= started - RACY_NS:
         settled = False
-    return TreeStat(digest.digest(), files, settled, weights)
+    return TreeStat(digest.digest(), len(entries), settled, entries)

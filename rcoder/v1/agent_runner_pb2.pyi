@@ -169,6 +169,42 @@ RUN_KIND_REWIND: RunKind.ValueType  # 2
 """a rewind of the project's files (RewindSession)"""
 Global___RunKind: _TypeAlias = RunKind  # noqa: Y015
 
+class _NotStoredReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _NotStoredReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NotStoredReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    NOT_STORED_REASON_UNSPECIFIED: _NotStoredReason.ValueType  # 0
+    """stored: the snapshots hold its content"""
+    NOT_STORED_REASON_EXCLUDED: _NotStoredReason.ValueType  # 1
+    """under the profile's checkpoint_exclude (node_modules/, ...)"""
+    NOT_STORED_REASON_TOO_LARGE: _NotStoredReason.ValueType  # 2
+    """longer than checkpoint_max_file_bytes"""
+    NOT_STORED_REASON_OVER_BUDGET: _NotStoredReason.ValueType  # 3
+    """past checkpoint_max_snapshot_bytes, in path order"""
+    NOT_STORED_REASON_REPOSITORY: _NotStoredReason.ValueType  # 4
+    """a .git file or folder, or in one (a git repository's own)"""
+    NOT_STORED_REASON_SPECIAL: _NotStoredReason.ValueType  # 5
+    """a FIFO, socket or device, or a link named .gitmodules (git refuses it)"""
+
+class NotStoredReason(_NotStoredReason, metaclass=_NotStoredReasonEnumTypeWrapper):
+    """Why a file's content is listed but not stored in the project's checkpoints."""
+
+NOT_STORED_REASON_UNSPECIFIED: NotStoredReason.ValueType  # 0
+"""stored: the snapshots hold its content"""
+NOT_STORED_REASON_EXCLUDED: NotStoredReason.ValueType  # 1
+"""under the profile's checkpoint_exclude (node_modules/, ...)"""
+NOT_STORED_REASON_TOO_LARGE: NotStoredReason.ValueType  # 2
+"""longer than checkpoint_max_file_bytes"""
+NOT_STORED_REASON_OVER_BUDGET: NotStoredReason.ValueType  # 3
+"""past checkpoint_max_snapshot_bytes, in path order"""
+NOT_STORED_REASON_REPOSITORY: NotStoredReason.ValueType  # 4
+"""a .git file or folder, or in one (a git repository's own)"""
+NOT_STORED_REASON_SPECIAL: NotStoredReason.ValueType  # 5
+"""a FIFO, socket or device, or a link named .gitmodules (git refuses it)"""
+Global___NotStoredReason: _TypeAlias = NotStoredReason  # noqa: Y015
+
 class _FileChangeKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1522,6 +1558,8 @@ class FileChange(_message.Message):
     LINES_ADDED_FIELD_NUMBER: _builtins.int
     LINES_REMOVED_FIELD_NUMBER: _builtins.int
     BINARY_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    NOT_STORED_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """the file's path in the project (its new path for a rename)"""
     kind: Global___FileChangeKind.ValueType
@@ -1534,6 +1572,15 @@ class FileChange(_message.Message):
     """lines removed (0 for a binary file)"""
     binary: _builtins.bool
     """git found it binary (a NUL byte early on): no lines counted"""
+    size: _builtins.int
+    """for a file whose content is not stored (not_stored set): its size in bytes, as its length
+    (a sparse file counts whole); its size before for a deleted one. 0 for a stored file
+    """
+    not_stored: Global___NotStoredReason.ValueType
+    """why the snapshots do not hold its content (docs/checkpoints.md#what-is-stored): the change is
+    listed from the file's size and times, there is no diff of it and a rewind cannot bring it
+    back. UNSPECIFIED: it is stored
+    """
     def __init__(
         self,
         *,
@@ -1543,10 +1590,12 @@ class FileChange(_message.Message):
         lines_added: _builtins.int = ...,
         lines_removed: _builtins.int = ...,
         binary: _builtins.bool = ...,
+        size: _builtins.int = ...,
+        not_stored: Global___NotStoredReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["binary", b"binary", "kind", b"kind", "lines_added", b"lines_added", "lines_removed", b"lines_removed", "old_path", b"old_path", "path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binary", b"binary", "kind", b"kind", "lines_added", b"lines_added", "lines_removed", b"lines_removed", "not_stored", b"not_stored", "old_path", b"old_path", "path", b"path", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3394,6 +3443,7 @@ class RunCompleted(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     """how the turn ended"""
     provider_session_id: _builtins.str
@@ -3409,6 +3459,11 @@ class RunCompleted(_message.Message):
     changes_unlisted: _builtins.int
     """how many more files the turn changed than changes lists (it lists at most 10,000 files and
     1 MiB of paths); GetRunChanges gives any of them by path, and the diff has them all
+    """
+    checkpoint_error: _builtins.str
+    """why the turn has no after snapshot, so no changes: it was cut at checkpoint_snapshot_timeout,
+    the project's store is full (checkpoint_store_max_bytes), git failed; empty when it was taken
+    (or checkpoints are off)
     """
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -3429,10 +3484,11 @@ class RunCompleted(_message.Message):
         usage: Global___Usage | None = ...,
         changes: _abc.Iterable[Global___FileChange] | None = ...,
         changes_unlisted: _builtins.int = ...,
+        checkpoint_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "checkpoint_error", b"checkpoint_error", "error", b"error", "error_reason", b"error_reason", "provider_session_id", b"provider_session_id", "resume", b"resume", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3642,6 +3698,7 @@ class RewindSessionResponse(_message.Message):
     CHANGES_FIELD_NUMBER: _builtins.int
     AGENT_STOPPED_FIELD_NUMBER: _builtins.int
     CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
+    NOT_RESTORED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run of kind rewind that records it (ListRuns)"""
     agent_stopped: _builtins.bool
@@ -3652,6 +3709,13 @@ class RewindSessionResponse(_message.Message):
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
         """the files it changed back"""
 
+    @_builtins.property
+    def not_restored(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """the files it could not bring back, as they differ from the target (kind: how they changed
+        since it): content not stored (not_stored says why), or in the project's own .git, which a
+        rewind never touches (docs/checkpoints.md#rewind)
+        """
+
     def __init__(
         self,
         *,
@@ -3659,10 +3723,11 @@ class RewindSessionResponse(_message.Message):
         changes: _abc.Iterable[Global___FileChange] | None = ...,
         agent_stopped: _builtins.bool = ...,
         changes_unlisted: _builtins.int = ...,
+        not_restored: _abc.Iterable[Global___FileChange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_stopped", b"agent_stopped", "changes", b"changes", "changes_unlisted", b"changes_unlisted", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_stopped", b"agent_stopped", "changes", b"changes", "changes_unlisted", b"changes_unlisted", "not_restored", b"not_restored", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,13 +6,16 @@ a git ended mid-way stops no later snapshot."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from rcoder.domain import NotStored
 from rcoder.errors import CheckpointError
 from rcoder.store.checkpoint_repo import CheckpointRepo, split_by_size
-from rcoder.store.tree_stat import stat_tree
+from rcoder.store.exclude_patterns import ExcludePatterns
+from rcoder.store.tree_stat import IN_EXCLUDED, IN_REPOSITORY, IN_TREE, stat_tree
 
 
 @pytest.mark.fast
@@ -33,15 +36,19 @@ def test_a_small_project_or_one_process_is_not_split() -> None:
 
 
 @pytest.mark.fast
-def test_a_weighed_walk_sums_sizes_by_the_first_two_path_parts(tmp_path: Path) -> None:
-    (tmp_path / "src" / "app" / "deep").mkdir(parents=True)
-    (tmp_path / "src" / "app" / "deep" / "a.py").write_bytes(b"x" * 7)
-    (tmp_path / "src" / "app" / "b.py").write_bytes(b"x" * 5)
-    (tmp_path / "src" / "top.py").write_bytes(b"x" * 3)
-    (tmp_path / "README").write_bytes(b"x" * 2)
-    walk = stat_tree(tmp_path, weigh=True)
-    assert walk.weights == {b"src/app": 12, b"src/top.py": 3, b"README": 2}
-    assert stat_tree(tmp_path).weights is None and stat_tree(tmp_path).same_as(walk) == walk.settled
+def test_the_walk_names_every_file_and_where_it_lies(tmp_path: Path) -> None:
+    for folder in ("src", "node_modules/pkg", ".git/hooks", "lib", "app/.git"):
+        (tmp_path / folder).mkdir(parents=True)
+    for name in ("src/a.py", "node_modules/pkg/i.js", ".git/hooks/pre-commit", "lib/.git", "lib/x", "app/.git/HEAD"):
+        (tmp_path / name).write_bytes(b"x" * len(name))
+    walk = stat_tree(tmp_path, ExcludePatterns(["node_modules/"]))
+    where = {entry[0]: (entry[2], entry[6]) for entry in walk.entries}
+    assert where == {
+        b"src/a.py": (8, IN_TREE), b"lib/x": (5, IN_TREE), b"node_modules/pkg/i.js": (21, IN_EXCLUDED),
+        b".git/hooks/pre-commit": (21, IN_REPOSITORY), b"lib/.git": (8, IN_REPOSITORY),
+        b"app/.git/HEAD": (13, IN_REPOSITORY),
+    }  # fmt: skip
+    assert walk.files == 6
 
 
 def project(root: Path) -> Path:
@@ -78,7 +85,8 @@ async def test_a_split_first_snapshot_is_the_tree_one_process_makes(tmp_path: Pa
     assert len(packs) >= 2, "the first snapshot was stored by one process"
     assert [name for name in os.listdir(tmp_path) if ".share-" in name] == []  # the spare indexes are gone
     listed = (await split.git("ls-tree", "-r", "--name-only", by_split)).out.decode(errors="replace").split("\n")
-    assert "ignored/x.bin" not in listed and "top.log" not in listed and "d/run.sh" in listed
+    # the project's .gitignore leaves nothing out
+    assert "ignored/x.bin" in listed and "top.log" in listed and "d/run.sh" in listed
 
 
 async def test_after_a_split_first_snapshot_a_change_is_seen_and_the_rest_is_kept(tmp_path: Path) -> None:
@@ -121,3 +129,63 @@ async def test_a_commit_whose_ref_was_deleted_and_pruned_is_never_named_again(tm
     assert await repo.changes(again, again) == ()
     listed = (await repo.git("ls-tree", "-r", "--name-only", again)).out.decode(errors="replace").split("\n")
     assert "d/run.sh" in listed
+
+
+def nested_repository(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "main.py").write_text("a nested repository's file\n")
+    for args in (["init", "-q"], ["add", "main.py"], ["commit", "-qm", "first"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=folder, check=True)
+
+
+async def test_a_rewind_to_a_snapshot_taken_before_files_were_listed_deletes_none_git_left_out(tmp_path: Path) -> None:
+    root = project(tmp_path / "p")
+    nested_repository(root / "app")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index")
+    await repo.ensure()
+    # the snapshot as rcoder took it before: git add, the project's .gitignore obeyed, app/ a submodule
+    await repo.git("add", "--all", "--", ".", index=tmp_path / "older.index")
+    tree = (await repo.git("write-tree", index=tmp_path / "older.index")).out.decode().strip()
+    older = (await repo.git("commit-tree", tree, "-m", "older")).out.decode().strip()
+    assert "160000" in (await repo.git("ls-tree", older, "app")).out.decode()
+
+    (root / "added.txt").write_text("added since\n")
+    await repo.snapshot((), "now")
+    assert await repo.restore(older) == []
+    assert not (root / "added.txt").exists()
+    assert (root / "top.log").read_text() == "left out\n" and (root / "ignored" / "x.bin").exists()
+    assert (root / "app" / "main.py").read_text() == "a nested repository's file\n"
+
+
+async def test_leftovers_of_a_git_killed_long_ago_go_at_the_first_snapshot_and_a_running_one_s_stay(
+    tmp_path: Path,
+) -> None:
+    root = project(tmp_path / "p")
+    await CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index").snapshot((), "first")
+    pack = tmp_path / "s.git" / "objects" / "pack"
+    old, fresh = pack / "tmp_pack_old", pack / "tmp_pack_fresh"
+    old.write_bytes(b"x" * 1000)  # a daemon killed during a snapshot left it
+    fresh.write_bytes(b"x")  # another host's git writing now, as far as anyone can tell
+    os.utime(old, (1, 1))
+    ref_lock = tmp_path / "s.git" / "packed-refs.lock"
+    ref_lock.write_bytes(b"")
+    os.utime(ref_lock, (1, 1))
+    # a daemon started anew: its first snapshot of the project
+    await CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index").snapshot((), "again")
+    assert not old.exists() and not ref_lock.exists() and fresh.exists()
+
+
+async def test_names_other_systems_read_as_git_s_own_are_stored_and_a_link_git_refuses_is_listed(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    for name in ("git~1", ".git.", ".git "):
+        (root / name).mkdir(parents=True)
+        (root / name / "backdoor.sh").write_text("evil\n")
+    (root / ".gitmodules").symlink_to("/etc/passwd")
+    repo = CheckpointRepo(tmp_path / "s.git", root, tmp_path / "s.index")
+    commit = await repo.snapshot((), "first")
+    stored = (await repo.git("ls-tree", "-r", "-z", "--name-only", commit)).out.split(b"\0")
+    assert sorted(path for path in stored if path) == [b".git /backdoor.sh", b".git./backdoor.sh", b"git~1/backdoor.sh"]
+    (listed,) = await repo.manifests(commit)
+    assert listed is not None and {path: e.reason for path, e in listed.items()} == {b".gitmodules": NotStored.SPECIAL}

@@ -197,8 +197,17 @@ class SessionStore(Protocol):
         that spells the end out is read by ``run_end_of``), with the ``usage`` its agent reported;
         when ``end.transcript`` is given, append it and count the turn on its session; store
         ``events`` (the rest of its history, as ``append_events``); add the run's spend
-        (``store.usage.spend_of``) to its project's UTC day of ``end.ended_at``, once (only a run
-        still running adds); all in one transaction (fenced as one write)."""
+        (``store.usage.spend_of``) to its project's UTC day of ``end.ended_at``, less what
+        ``note_usage`` added already (only a run still running adds); all in one transaction
+        (fenced as one write)."""
+        ...
+
+    async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
+        """Store what a running run's agent reported it cost so far (its usage columns), and add
+        what is new since it was last stored to its project's UTC day of ``at`` (the ledger), in one
+        transaction: a run's spend counts in its session, its project's day and its own usage
+        however it ends (a crash keeps what was stored). A run no longer running is left as it is;
+        where several hosts share the store, ``LeaseLost`` unless this host holds ``lease``."""
         ...
 
     async def update_run_start(

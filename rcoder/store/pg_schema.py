@@ -264,16 +264,37 @@ COUNT_TURN = (
     " INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
     " SELECT session_id, %s, turns, %s, %s, %s FROM s"
 )  # the session's row lock orders concurrent turns: each entry gets the count it made
-# budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
-# running (before the end, in its transaction: an end stored twice counts once; a fenced end that
-# is refused rolls it back), each sum held at store/usage.py SPEND_LIMIT rather than overflow
+# budgets (docs/budgets.md): what a run's spend grew by since its usage was last stored (as given,
+# less what its row holds, never below 0) added to its project's day, only while the run is still
+# running (before the row is updated, in its transaction, the row locked: every write of a run's
+# usage, mid-turn or at its end, counts what is new once; an end stored twice counts nothing more; a
+# fenced write that is refused rolls it back), each sum held at store/usage.py SPEND_LIMIT
 ADD_PROJECT_SPEND = (
     "INSERT INTO project_spend AS p (project_id, day, cost_nanos, tokens)"
-    " SELECT s.project_id, %s::date, %s, %s FROM runs r JOIN sessions s ON s.session_id = r.session_id"
-    " WHERE r.run_id = %s AND r.status = 'running'"
+    " SELECT s.project_id, %s::date,"
+    " greatest(%s::numeric - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0 THEN r.cost_nanos"
+    " ELSE 0 END, 0)::bigint,"
+    " greatest(%s::numeric - coalesce(r.total_tokens, coalesce(r.input_tokens, 0)::numeric"
+    " + coalesce(r.output_tokens, 0) + coalesce(r.cached_read_tokens, 0) + coalesce(r.cached_write_tokens, 0)"
+    " + coalesce(r.thought_tokens, 0)), 0)::bigint"
+    " FROM runs r JOIN sessions s ON s.session_id = r.session_id"
+    " WHERE r.run_id = %s AND r.status = 'running' FOR UPDATE OF r"
     " ON CONFLICT (project_id, day) DO UPDATE SET"
     " cost_nanos = least(p.cost_nanos::numeric + EXCLUDED.cost_nanos, 9000000000000000000)::bigint,"
     " tokens = least(p.tokens::numeric + EXCLUDED.tokens, 9000000000000000000)::bigint"
+)
+# a running run's usage as its agent reported it so far (mid-turn, coalesced: docs/budgets.md), in
+# the order of store/usage.py USAGE_COLUMNS, then its run_id; fenced like its end
+SET_RUN_USAGE = (
+    "UPDATE runs SET input_tokens = %s, output_tokens = %s, cached_read_tokens = %s, cached_write_tokens = %s,"
+    " thought_tokens = %s, total_tokens = %s, context_used = %s, context_size = %s, cost_nanos = %s,"
+    " cost_currency = %s WHERE run_id = %s AND status = 'running'"
+)
+SET_RUN_USAGE_FENCED = (
+    "UPDATE runs SET input_tokens = %s, output_tokens = %s, cached_read_tokens = %s, cached_write_tokens = %s,"
+    " thought_tokens = %s, total_tokens = %s, context_used = %s, context_size = %s, cost_nanos = %s,"
+    " cost_currency = %s WHERE run_id = %s AND status = 'running'"
+    " AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id AND l.owner = %s AND l.generation = %s)"
 )
 # a session's spend over its runs (cost in USD, any case; a run's tokens: its total, else the sum of
 # its counts; sums as numeric, never overflowing) and its project's on one day

@@ -60,6 +60,7 @@ from rcoder.store.usage import (
 )
 
 T = TypeVar("T")
+_NO_FENCE: tuple[object, ...] = ()  # the parameters of an unfenced write's fence
 _BEFORE_ALL = datetime.min.replace(tzinfo=UTC)  # a start before every run's (the first page of runs)
 
 # ---------------------------------------------------------------- conversions
@@ -385,7 +386,7 @@ class PostgresStore:
         async def work(conn: Conn) -> None:
             # pipelined: BEGIN and the statements in one round trip, COMMIT (or ROLLBACK) in a second
             async with conn.pipeline() as pipeline, conn.transaction():  # any error rolls back all
-                if spent is not None:  # before the end: only a run still running adds to the day
+                if spent is not None:  # before the end: what is new since its usage was last stored
                     await conn.execute(pg_schema.ADD_PROJECT_SPEND, _params(*spent))
                 ended = await conn.execute(end_sql, (*end, *fence))
                 counted = await conn.execute(count_sql, turn) if entry is not None else None
@@ -397,6 +398,25 @@ class PostgresStore:
                 _require_row(ended, "run", run_id)
                 if counted is not None and entry is not None:
                     _require_row(counted, "session", entry.session_id)
+
+        await self._pool.call(work)
+
+    async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
+        spend = spend_of(usage)
+        spent = _params(utc_day(at), spend.cost_nanos, spend.tokens, run_id)
+        params = _params(*usage_params(usage), run_id)
+        sql, fence = pg_schema.SET_RUN_USAGE, _NO_FENCE
+        if lease is not None:
+            sql, fence = pg_schema.SET_RUN_USAGE_FENCED, self._fence(lease)
+
+        async def work(conn: Conn) -> None:
+            async with conn.pipeline() as pipeline, conn.transaction():
+                # before the row (locking it): the ledger gets what is new since it was last stored
+                await conn.execute(pg_schema.ADD_PROJECT_SPEND, spent)
+                noted = await conn.execute(sql, (*params, *fence))
+                await pipeline.sync()
+                if lease is not None and noted.rowcount != 1:
+                    raise LeaseLost(lease.session_id, lease.generation)  # rolls the ledger's part back
 
         await self._pool.call(work)
 

@@ -155,7 +155,7 @@ def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list
     with _transaction(conn):
         if events:
             conn.executemany(sqlite_schema.INSERT_EVENT, events)
-        if spend.cost_nanos or spend.tokens:  # before the end: only a run still running adds to the day
+        if spend.cost_nanos or spend.tokens:  # before the end: what is new since its usage was last stored
             conn.execute(sqlite_schema.ADD_PROJECT_SPEND, (utc_day(at), spend.cost_nanos, spend.tokens, run_id))
         commits = (end.checkpoint_before, end.checkpoint_after)
         cursor = conn.execute(
@@ -170,6 +170,14 @@ def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list
         )
         _require_row(cursor, "session", entry.session_id)
         conn.execute(sqlite_schema.COUNT_TURN, (time_text(at), entry.session_id))
+
+
+def _note_usage(conn: sqlite3.Connection, run_id: str, usage: Usage, at: datetime) -> None:
+    spend = spend_of(usage)
+    with _transaction(conn):
+        # before the row: the ledger gets what is new since the run's usage was last stored
+        conn.execute(sqlite_schema.ADD_PROJECT_SPEND, (utc_day(at), spend.cost_nanos, spend.tokens, run_id))
+        conn.execute(sqlite_schema.SET_RUN_USAGE, (*usage_params(usage), run_id))
 
 
 def _event_params(rows: Sequence[EventRow]) -> list[tuple[object, ...]]:
@@ -446,6 +454,9 @@ class SqliteStore:
         rows = _event_params(events)
         inline = len(rows) <= INLINE_EVENTS  # as append_events: a turn's few last events inline
         await self._call(lambda conn: _finish_run(conn, run_id, ended, rows), point=inline)
+
+    async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
+        await self._call(lambda conn: _note_usage(conn, run_id, usage, at))  # one host: no fence
 
     async def update_run_start(
         self,

@@ -223,16 +223,30 @@ END_RUN = (
     " checkpoint_after = coalesce(nullif(?, ''), checkpoint_after)"
     " WHERE run_id = ?"
 )
-# budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
-# running (before END_RUN, in its transaction: an end stored twice counts once), each sum held at
-# store/usage.py SPEND_LIMIT (past 2**63 SQLite's + gives a float, which min() turns back)
+# budgets (docs/budgets.md): what a run's spend grew by since its usage was last stored (its
+# usage as given, less what its row holds: the delta, never below 0) added to its project's day,
+# only while the run is still running (before the row is updated, in its transaction: every write
+# of a run's usage, mid-turn or at its end, counts what is new once, and an end stored twice counts
+# nothing more), each sum held at store/usage.py SPEND_LIMIT (past 2**63 SQLite's + gives a float,
+# which min() turns back)
 ADD_PROJECT_SPEND = (
     "INSERT INTO project_spend (project_id, day, cost_nanos, tokens)"
-    " SELECT s.project_id, ?, ?, ? FROM runs r JOIN sessions s ON s.session_id = r.session_id"
+    " SELECT s.project_id, ?,"
+    " max(? - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0 THEN r.cost_nanos ELSE 0 END, 0),"
+    " max(? - coalesce(r.total_tokens, coalesce(r.input_tokens, 0) + coalesce(r.output_tokens, 0)"
+    " + coalesce(r.cached_read_tokens, 0) + coalesce(r.cached_write_tokens, 0) + coalesce(r.thought_tokens, 0)), 0)"
+    " FROM runs r JOIN sessions s ON s.session_id = r.session_id"
     " WHERE r.run_id = ? AND r.status = 'running'"
     " ON CONFLICT (project_id, day) DO UPDATE SET"
     " cost_nanos = min(cost_nanos + excluded.cost_nanos, 9000000000000000000),"
     " tokens = min(tokens + excluded.tokens, 9000000000000000000)"
+)
+# a running run's usage as its agent reported it so far (mid-turn, coalesced: docs/budgets.md), in
+# the order of store/usage.py USAGE_COLUMNS, then its run_id; an ended run keeps its end's
+SET_RUN_USAGE = (
+    "UPDATE runs SET input_tokens = ?, output_tokens = ?, cached_read_tokens = ?, cached_write_tokens = ?,"
+    " thought_tokens = ?, total_tokens = ?, context_used = ?, context_size = ?, cost_nanos = ?, cost_currency = ?"
+    " WHERE run_id = ? AND status = 'running'"
 )
 # a session's spend over its runs (cost in USD, any case; a run's tokens: its total, else the sum of
 # its counts; total() is a float, exact below 2**53) and its project's on one day

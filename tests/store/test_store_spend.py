@@ -110,6 +110,43 @@ async def test_an_end_stored_again_counts_once(store: SessionStore) -> None:
     assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.25), 125), Spend(usd(0.25), 125))
 
 
+async def test_usage_noted_mid_turn_counts_once_with_the_end_and_stays_when_no_end_comes(
+    new_store: StoreFactory,
+) -> None:
+    """A running run's reports are stored as they come (``note_usage``): its usage, its session's
+    spend and its project's day say the last, each part counted once, whether its end then
+    carries the same, more, or never comes (the daemon killed: the next open marks it interrupted)."""
+    store = new_store()
+    await store.open()
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    await store.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0))
+    for amount in (0.1, 0.2, 0.6):  # cumulative reports of one turn
+        await store.note_usage("r1", Usage(cost_amount=amount, cost_currency="USD"), T0)
+    await store.note_usage("r2", Usage(cost_amount=0.3, cost_currency="USD"), T0)
+    assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.9), 0), Spend(usd(0.9), 0))
+    run_usage = await store.get_run("r1")
+    assert run_usage is not None and run_usage.usage == Usage(cost_amount=0.6, cost_currency="USD")
+
+    # r1 ends with the answer's tokens and a little more cost: only what is new is added
+    end = Usage(input_tokens=100, total_tokens=125, cost_amount=0.65, cost_currency="USD")
+    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=end)
+    await store.note_usage("r1", Usage(cost_amount=5.0, cost_currency="USD"), T0)  # late: the run has ended
+    assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.95), 125), Spend(usd(0.95), 125))
+
+    # r2 never ends: a reopen marks it interrupted, and it keeps what was noted
+    await store.close()
+    reopened = new_store()
+    await reopened.open()
+    try:
+        interrupted = await reopened.get_run("r2")
+        assert interrupted is not None and interrupted.status is RunStatus.INTERRUPTED
+        assert interrupted.usage == Usage(cost_amount=0.3, cost_currency="USD")
+        assert await reopened.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.95), 125), Spend(usd(0.95), 125))
+    finally:
+        await reopened.close()
+
+
 async def test_huge_spends_are_held_rather_than_fail_the_end(store: SessionStore) -> None:
     await store.create_session(session("s1"))
     huge = Usage(total_tokens=2**62, cost_amount=9e8, cost_currency="USD")

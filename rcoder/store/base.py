@@ -3,7 +3,7 @@ the one several hosts share."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol
@@ -22,7 +22,7 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.store.cluster import Lease
-from rcoder.store.usage import SpendSoFar
+from rcoder.store.usage import SpendHold, SpendSoFar
 
 # the error of a run that was running when its daemon stopped or died (set by ``open``)
 INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
@@ -168,6 +168,19 @@ class SessionStore(Protocol):
         """What counts towards budgets (docs/budgets.md), as one read: the session's spend summed
         over its runs, and ``project_id``'s on UTC ``day`` ("2026-12-05") from the ledger that
         ``finish_run`` adds each run's spend to (kept when sessions are deleted)."""
+        ...
+
+    async def reserve_spend(self, hold: SpendHold, check: Callable[[SpendSoFar], None]) -> SpendSoFar:
+        """Reserve ``hold`` for a turn about to start (docs/budgets.md#turns-at-once), if ``check``
+        lets it: in one transaction, after every other reservation of the project's day (on every
+        host), read the spend as ``spend`` does and what other running turns hold
+        (``SpendSoFar.session_held``, ``project_held``), call ``check`` (it raises to refuse the
+        turn, and then nothing is held), then keep the hold (none when its ``cost_nanos`` is 0).
+        Holds are deleted by ``release_spend`` and, for this host's turns, at ``open``."""
+        ...
+
+    async def release_spend(self, run_id: str) -> None:
+        """Delete the run's hold (none: nothing changes)."""
         ...
 
     async def set_provider_session_id(

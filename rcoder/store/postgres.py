@@ -18,6 +18,7 @@ contract is the SQLite store's (``base.SessionStore``), method by method; how it
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from rcoder.store.usage import (
     COST_BOUNDS,
     FIRST_COST_KEY,
     Spend,
+    SpendHold,
     SpendSoFar,
     cost_key,
     spend_of,
@@ -113,6 +115,12 @@ def _run(row: Row) -> RunRecord:
     )  # fmt: skip
 
 
+def _project_key(project_id: str, day: str) -> int:
+    """The advisory lock's key of a project's UTC day: 64 bits of a hash, signed as PostgreSQL takes it."""
+    digest = hashlib.blake2b(f"rcoder-spend\x00{project_id}\x00{day}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
 def _entry(row: Row) -> TranscriptEntry:
     return TranscriptEntry(*row)
 
@@ -166,6 +174,8 @@ class PostgresStore:
     async def _prepare(self, conn: Conn) -> int:
         """Migrate the schema and mark this host's runs left running interrupted; returns how many were."""
         await pg_schema.migrate(conn)
+        # none of this host's turns runs yet: what they held is free again
+        await conn.execute(pg_schema.DELETE_HOST_HOLDS, (self._host_id,))
         cursor = await conn.execute(
             pg_schema.MARK_INTERRUPTED,
             _params(
@@ -308,6 +318,35 @@ class PostgresStore:
         rows = await self._rows(pg_schema.SPEND, _params(session_id, project_id, day))
         cost, tokens, project_cost, project_tokens = rows[0]
         return SpendSoFar(Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)))
+
+    async def reserve_spend(self, hold: SpendHold, check: Callable[[SpendSoFar], None]) -> SpendSoFar:
+        spend = _params(hold.session_id, hold.project_id, hold.day)
+        held = _params(
+            hold.session_id, hold.project_id, hold.day, hold.run_id, hold.session_id, hold.project_id, hold.day
+        )
+        row = _params(hold.run_id, hold.session_id, hold.project_id, hold.day, hold.cost_nanos, self._host_id)
+
+        async def work(conn: Conn) -> SpendSoFar:
+            async with conn.transaction():
+                # the project's turns reserve one after another, on every host (the lock ends with the transaction)
+                await conn.execute(pg_schema.LOCK_PROJECT_SPEND, (_project_key(hold.project_id, hold.day),))
+                spent = await (await conn.execute(pg_schema.SPEND, spend)).fetchone()
+                holds = await (await conn.execute(pg_schema.SPEND_HELD, held)).fetchone()
+                assert spent is not None and holds is not None
+                cost, tokens, project_cost, project_tokens = spent
+                so_far = SpendSoFar(
+                    Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)),
+                    int(holds[0]), int(holds[1]),
+                )  # fmt: skip
+                check(so_far)  # raises to refuse the turn: the transaction rolls back, nothing is held
+                if hold.cost_nanos > 0:
+                    await conn.execute(pg_schema.INSERT_HOLD, row)
+            return so_far
+
+        return await self._pool.call(work)
+
+    async def release_spend(self, run_id: str) -> None:
+        await self._write(pg_schema.DELETE_HOLD, _params(run_id), None)
 
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None

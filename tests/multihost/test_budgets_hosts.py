@@ -3,6 +3,7 @@ counts on every other, for a session's cap and for its project's day, before a t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Callable
@@ -91,3 +92,30 @@ async def test_a_run_taken_over_by_another_host_after_a_mid_turn_cost_report_cou
         assert [(c.amount, c.currency) for c in session.usage.costs] == [(pytest.approx(0.6), "USD")]
         stored_cost, ledger = pg_spend(hosts.store_url, run_id)
         assert stored_cost == pytest.approx(0.6) and ledger == pytest.approx(0.6)
+
+
+async def test_turns_at_once_on_two_hosts_hold_their_max_cost_and_never_pass_the_projects_cap(
+    make_hosts: Callable[..., AbstractAsyncContextManager[Hosts]],
+) -> None:
+    """8 turns of at most 0.90 USD at once, 4 on each host, against a 2.00 USD project day: the
+    holds are taken one at a time across hosts, so two run (1.80) and six are refused before any
+    agent starts (before: all 8 ran, 7.20) (docs/budgets.md#turns-at-once)."""
+    async with make_hosts(budgets={"project_max_cost_usd_per_day": 2.0}) as hosts:
+        a, b = await hosts.start("a", "b")
+
+        async def turn(host: Any) -> pb.RunCompleted | grpc.aio.AioRpcError:
+            try:
+                return completed((await chat(host, 60, prompt="spend 0.9 hang", max_cost_usd=0.9))[0])
+            except grpc.aio.AioRpcError as refused:
+                return refused
+
+        results = await asyncio.gather(*(turn(host) for host in (a, b) * 4))
+        ran = [r for r in results if isinstance(r, pb.RunCompleted)]
+        assert len(ran) == 2 and all(end.usage.cost_amount == pytest.approx(0.9) for end in ran), results
+        for refused in (r for r in results if isinstance(r, grpc.aio.AioRpcError)):
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+            assert error_info(refused).reason == "BUDGET_EXCEEDED"
+        with psycopg.connect(hosts.store_url) as db:
+            sums = db.execute("SELECT coalesce(sum(cost_nanos), 0) FROM project_spend WHERE project_id = 'proj'")
+            (ledger,) = sums.fetchone() or (0,)
+        assert int(ledger) / NANOS == pytest.approx(1.8)

@@ -70,3 +70,15 @@ async def test_turns_at_once_in_a_project_hold_their_max_cost_and_never_pass_its
     # once they ended, what is left of the day is free: a turn that fits it runs
     last = await turn(client, prompt="spend 0.2", max_cost_usd=0.2)
     assert isinstance(last, pb.RunCompleted) and last.stop_reason != pb.STOP_REASON_UNSPECIFIED
+
+
+async def test_turns_with_no_max_cost_hold_the_configured_estimate(make_daemon: DaemonFactory, tmp_path: Any) -> None:
+    # budgets.turn_hold_usd: what a turn with no max_cost_usd of its own holds (an estimate, not a cap)
+    _, client = await make_daemon(budgets={"project_max_cost_usd_per_day": 1.0, "turn_hold_usd": 0.45})
+    results = await asyncio.gather(*(turn(client, prompt="spend 0.45") for _ in range(8)))
+    ran = [r for r in results if isinstance(r, pb.RunCompleted)]
+    refused = refused_for_budget(results)
+    assert (len(ran), len(refused)) == (2, 6), results
+    assert ledger(tmp_path / "data" / "rcoder.db") == pytest.approx(0.9)
+    assert error_info(refused[0]).metadata["turn_hold_usd"] == "0.45 USD"
+    assert "less than this turn's turn_hold_usd 0.45 USD" in refused[0].details()

@@ -190,9 +190,12 @@ class SpendGuard:
         if shared:
             # docs/budgets.md#turns-at-once: the turn's max_cost_usd is held against the session's
             # and the project's cost caps while it runs, so turns at once cannot all pass them
-            reserve = _nanos_cap(max_cost) if max_cost and any(cap.cost for cap in shared) else 0
+            # (or, with none, the profile's turn_hold_usd: an estimate of one turn's cost)
+            hold_usd = max_cost or self._settings.budgets_of(profile).turn_hold_usd
+            reserve = _nanos_cap(hold_usd) if hold_usd and any(cap.cost for cap in shared) else 0
             hold = SpendHold(run_id, session_id, project_id, day, reserve)
-            before = await self._store.reserve_spend(hold, partial(_admit, shared, reserve, ids))
+            held_by = "max_cost_usd" if max_cost else "turn_hold_usd"
+            before = await self._store.reserve_spend(hold, partial(_admit, shared, reserve, held_by, ids))
             if reserve:
                 self._held.add(run_id)
         self._watched[run_id] = TurnSpend(self._turns, run_id, caps, before, ids)
@@ -218,9 +221,10 @@ class SpendGuard:
             log.warning("spend_hold_not_released", run_id=run_id, error=exc.message)
 
 
-def _admit(caps: tuple[Cap, ...], reserve: int, ids: dict[str, str], before: SpendSoFar) -> None:
+def _admit(caps: tuple[Cap, ...], reserve: int, held_by: str, ids: dict[str, str], before: SpendSoFar) -> None:
     """``BudgetExceeded`` when a session's or project's cap is spent (with what other running
-    turns hold), or when the turn's own hold of ``reserve`` nanos would take it past a cost cap."""
+    turns hold), or when the turn's own hold of ``reserve`` nanos (set by the key ``held_by``)
+    would take it past a cost cap."""
     for cap in caps:
         spent = cap.of(cap.stored(before))
         if spent >= cap.limit:
@@ -228,10 +232,10 @@ def _admit(caps: tuple[Cap, ...], reserve: int, ids: dict[str, str], before: Spe
             raise _refusal(cap, spent, ids)
         if cap.cost and reserve and spent + reserve > cap.limit:
             log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent, reserve=reserve)
-            raise _refusal(cap, spent, ids, reserve)
+            raise _refusal(cap, spent, ids, reserve, held_by)
 
 
-def _refusal(cap: Cap, spent: int, ids: dict[str, str], reserve: int = 0) -> BudgetExceeded:
+def _refusal(cap: Cap, spent: int, ids: dict[str, str], reserve: int = 0, held_by: str = "") -> BudgetExceeded:
     if cap.scope == "session":
         whose, scoped = f"session {ids['session_id']}", {"session_id": ids["session_id"]}
         then = "no turn starts on it: start a new session, or raise the budget"
@@ -243,10 +247,10 @@ def _refusal(cap: Cap, spent: int, ids: dict[str, str], reserve: int = 0) -> Bud
         left = cap.text(cap.limit - spent)
         message = (
             f"{whose} has spent or holds for running turns {cap.text(spent)} of {cap.key} "
-            f"{cap.text(cap.limit)}: {left} left, less than this turn's max_cost_usd {cap.text(reserve)}; "
+            f"{cap.text(cap.limit)}: {left} left, less than this turn's {held_by} {cap.text(reserve)}; "
             f"ask for a turn with max_cost_usd <= {left}, wait for the running turns, or raise the budget"
         )
-        scoped["max_cost_usd"] = cap.text(reserve)
+        scoped[held_by] = cap.text(reserve)
     else:
         message = f"{whose} has spent {cap.text(spent)}, at or past {cap.key} {cap.text(cap.limit)}; {then}"
     return BudgetExceeded(message, cap.key, cap.text(cap.limit), cap.text(spent), **scoped)

@@ -63,7 +63,7 @@ ENDINGS: dict[str, tuple[str, dict[str, Any], int]] = {
     "cancel": ("costs 6 hang", {}, pb.STOP_REASON_CANCELLED),
     # an agent deaf to session/cancel: its group is ended after cancel_grace, the prompt never answered
     "cancel_deaf_agent": ("costs 6 deaf", {"cancel_grace": 0.5}, pb.STOP_REASON_CANCELLED),
-    "turn_timeout": ("costs 6 hang", {"turn_timeout": 1.5}, pb.STOP_REASON_ERROR),
+    "turn_timeout": ("costs 6 hang", {"turn_timeout": 3}, pb.STOP_REASON_ERROR),
     "agent_crashed": ("costs 6 crash", {}, pb.STOP_REASON_ERROR),
 }
 

@@ -102,6 +102,9 @@ class BudgetKeys(_Schema):
     """the most a project's turns may cost in one UTC day, in USD (0: no cap)"""
     project_max_tokens_per_day: Count = 0
     """the most tokens a project's turns may use in one UTC day (0: no cap)"""
+    turn_hold_usd: Dollars = 0.0
+    """what a turn with no max_cost_usd holds against the cost caps while it runs, in USD: an
+    estimate of one turn's cost (0: it holds nothing)"""
 
 
 class ProfileBudgetKeys(_Schema):
@@ -115,6 +118,8 @@ class ProfileBudgetKeys(_Schema):
     """as [budgets] project_max_cost_usd_per_day, for this profile's turns (unset: the [budgets] value)"""
     project_max_tokens_per_day: Count | None = None
     """as [budgets] project_max_tokens_per_day, for this profile's turns (unset: the [budgets] value)"""
+    turn_hold_usd: Dollars | None = None
+    """as [budgets] turn_hold_usd, for this profile's turns (unset: the [budgets] value)"""
 
 
 # what a snapshot leaves out unless a profile says otherwise (docs/checkpoints.md): folders a tool

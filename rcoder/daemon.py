@@ -51,6 +51,7 @@ from rcoder.session.signals import SignalListener, SignalSender
 from rcoder.session.spend_guard import SpendGuard
 from rcoder.session.turn import TurnRunner
 from rcoder.session.turn_tasks import TurnTasks
+from rcoder.session.usage_writer import UsageWriter
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
 
 log = get_logger("rcoder.daemon")
@@ -160,9 +161,11 @@ class Daemon:
         # turn is stopped (through ``claimed``) and the next is refused.
         disk = DiskGuard(settings, claimed)
         spend = SpendGuard(settings, store, clock, claimed)
+        # What agents report turns cost, stored as it arrives: a run ended by a crash still counts it.
+        usage = UsageWriter(store, clock)
         turns = TurnRunner(
             settings, store, pool, runs, metrics, clock, tasks.spawn, self.holds, history, self.checkpoints, claimed,
-            disk, spend,
+            disk, spend, usage,
         )  # fmt: skip
         queues = TurnQueues(settings.max_queued_turns, runs)
         parts = WorkerParts(

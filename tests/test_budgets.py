@@ -75,16 +75,18 @@ async def test_max_cost_usd_caps_one_turn_lowers_a_cap_and_never_raises_one(
     assert "this turn (ChatRequest.max_cost_usd) has spent 0.2 USD, at or past max_cost_usd 0.15 USD" in end.error
 
     # a larger max_cost_usd does not lift the profile's cap: 0.3 stored (the agent reported a third
-    # 0.10 before it heard the cancel), then 0.1, 0.2 more
-    second = completed(
-        await client.chat(prompt="costs 5 hang", session_id=first[0].session_id, max_cost_usd=5, timeout=30)
-    )
+    # 0.10 before it heard the cancel), so a turn that may cost 5 is refused before it starts
+    # (docs/budgets.md#turns-at-once)
+    refused = await refusal(client, session_id=first[0].session_id, max_cost_usd=5)
+    assert "0.15 USD left, less than this turn's max_cost_usd 5 USD" in refused.details()
+    # one with no max_cost_usd of its own is stopped at the cap: 0.1, 0.2 more
+    second = completed(await client.chat(prompt="costs 5 hang", session_id=first[0].session_id, timeout=30))
     assert second.stop_reason == pb.STOP_REASON_BUDGET_EXCEEDED, second
     assert "has spent 0.5 USD, at or past agents.fake.budgets.session_max_cost_usd 0.45 USD" in second.error
     assert "(0.3 USD before this turn)" in second.error
 
     # a turn that stays under its max_cost_usd ends as the agent says
-    free = completed(await client.chat(prompt="costs 1", max_cost_usd=0.5))
+    free = completed(await client.chat(prompt="costs 1", max_cost_usd=0.4))
     assert free.stop_reason == pb.STOP_REASON_END_TURN and free.usage.cost_amount == pytest.approx(0.1)
 
     for bad in (-0.01, float("nan"), float("inf")):

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from rcoder.session.history import MADE_END_SEQ
 from rcoder.store.base import INTERRUPTED_ERROR, INTERRUPTED_REASON
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
@@ -83,7 +84,12 @@ async def test_a_turn_cut_by_a_crash_keeps_what_was_stored_and_ends_interrupted(
     assert len(kept) >= 2
     by_seq = {e.seq: e for e in seen}
     assert all(by_seq[e.seq] == e for e in kept if e.seq in by_seq)  # what was stored is what was streamed
-    assert end.seq == kept[-1].seq + 1
+    # what the host may have streamed past what it stored is one gap, typed; the end's seq is one
+    # no client can have seen (docs/history.md)
+    gap = kept.pop()
+    assert (gap.gap.from_seq, gap.gap.to_seq) == (kept[-1].seq + 1, MADE_END_SEQ - 1)
+    assert gap.gap.reason == INTERRUPTED_REASON
+    assert gap.seq == MADE_END_SEQ - 1 and end.seq == MADE_END_SEQ
     assert (end.completed.stop_reason, end.completed.error, end.completed.error_reason) == (
         pb.STOP_REASON_INTERRUPTED, INTERRUPTED_ERROR, INTERRUPTED_REASON,
     )  # fmt: skip
@@ -92,6 +98,43 @@ async def test_a_turn_cut_by_a_crash_keeps_what_was_stored_and_ends_interrupted(
     assert (info.status, info.stop_reason, info.error) == (
         pb.RUN_STATUS_INTERRUPTED, pb.STOP_REASON_INTERRUPTED, INTERRUPTED_ERROR,
     )  # fmt: skip
+
+
+async def test_after_a_kill_subscribe_from_every_seq_a_client_saw_ends_with_the_same_made_end(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """The client saw more events than the store kept when the daemon was killed: from each seq it
+    saw, Subscribe gives the rest and the run's end, at one seq no client was given for another
+    event; never OUT_OF_RANGE, never an empty stream."""
+    db = tmp_path / "data" / "rcoder.db"
+    for _ in range(3):  # a kill just after a flush can leave the client no further than the store: try again
+        daemon, client = await make_daemon()
+        call, first = await start_turn(client, prompt="stream 400 pace 20")
+        seen = [first]
+        run_id = first.run_id
+        await eventually(lambda: len(stored_seqs(db, run_id)) >= 2)  # noqa: B023 (awaited in this pass)
+        while (event := await call.read()) is not grpc.aio.EOF and len(seen) < 30:
+            seen.append(event)
+        await daemon.kill()
+        call.cancel()
+        stored = stored_seqs(db, first.run_id)
+        if seen[-1].seq > stored[-1]:
+            break
+    assert seen[-1].seq > stored[-1], (seen[-1].seq, stored)
+    _, client = await make_daemon()
+    ends = set()
+    for event in seen:
+        rest = await subscribe(client, first.run_id, after_seq=event.seq)
+        assert rest, event.seq
+        assert all(e.seq > event.seq for e in rest)
+        end = rest[-1]
+        assert end.WhichOneof("event") == "completed" and end.completed.stop_reason == pb.STOP_REASON_INTERRUPTED
+        ends.add(end.seq)
+    assert ends == {MADE_END_SEQ}
+    assert await subscribe(client, first.run_id, after_seq=MADE_END_SEQ) == []  # the client has it all
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await subscribe(client, first.run_id, after_seq=MADE_END_SEQ + 1)
+    assert caught.value.code() == grpc.StatusCode.OUT_OF_RANGE
 
 
 async def test_past_run_retention_a_run_is_read_from_the_store_and_its_text_is_cut_past_the_bound(

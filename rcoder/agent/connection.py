@@ -107,7 +107,8 @@ class AgentConnection:
         self.primed_cwd = ""
         self._closed = False
         self._close_lock = asyncio.Lock()
-        self.turn_usage: Usage | None = None  # what the agent reported its last turn cost
+        # what the agent reported its last turn cost, however that turn ended (answered or not)
+        self.turn_usage: Usage | None = None
         # The launcher's session lists (``agent.listing``), told the provider session id after each
         # turn, under ``list_key`` (its home and cwd), which the launcher sets once the session is
         # open: the lists are an object below both, held from construction, rather than a callback
@@ -116,6 +117,10 @@ class AgentConnection:
         self.list_key: ListKey | None = None
         # the version of the options and commands the session's record holds (-1: none stored from here)
         self.stored_state_version = -1
+
+    def usage_so_far(self) -> Usage | None:
+        """The running turn's usage as the agent's last ``usage_update`` says (None: none yet)."""
+        return self._handler.usage.so_far()
 
     def turn_cost(self) -> tuple[float | None, str]:
         """The running turn's cost and currency as the agent's last ``usage_update`` says (None: none
@@ -271,10 +276,17 @@ class AgentConnection:
         if untold is not None:  # listed since the last turn (after session/new, say): this turn tells them
             on_event(AvailableCommands(untold))
         try:
-            response = await self._call(
-                self._conn.prompt(session_id=self.provider_session_id, prompt=blocks, **tracing.agent_meta()),
-                timeout, "session/prompt",
-            )  # fmt: skip
+            try:
+                response = await self._call(
+                    self._conn.prompt(session_id=self.provider_session_id, prompt=blocks, **tracing.agent_meta()),
+                    timeout, "session/prompt",
+                )  # fmt: skip
+            except BaseException:
+                # Not answered (cancelled, timed out, the agent gone, rcoder stopping): the turn
+                # still cost what the agent last reported, and the next turn's cumulative
+                # report is counted from there.
+                self.turn_usage = self._handler.usage.end_turn(None)
+                raise
         except AgentTimeout as exc:
             raise AgentTimeout(
                 f"agent {self.agent!r} did not finish the turn within turn_timeout ({timeout:g}s)",

@@ -60,6 +60,15 @@ class UsageMeter:
         usage = Usage(**tokens, context_used=used, context_size=size, cost_amount=amount, cost_currency=currency)
         return usage if usage.reported else None
 
+    def so_far(self) -> Usage | None:
+        """The turn's usage as its last ``usage_update`` says, while it runs (no tokens: those come
+        with the answer); None while it reported nothing."""
+        update = self._update or {}
+        amount, currency = self._cost_of(update.get("cost"))
+        usage = Usage(context_used=_count(update.get("used")), context_size=_count(update.get("size")),
+                      cost_amount=amount, cost_currency=currency)  # fmt: skip
+        return usage if usage.reported else None
+
     def cost_so_far(self) -> tuple[float | None, str]:
         """The turn's cost (and its currency) as its last ``usage_update`` says, while it runs:
         what ``end_turn`` will report unless a later update says more (docs/budgets.md)."""

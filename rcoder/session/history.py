@@ -31,7 +31,9 @@ buffer, from the store first where the buffer no longer holds ``after_seq + 1`` 
 without gap or duplicate: the buffer keeps every event the history has not stored). A run it
 does not have is read from the store; a run whose ``completed`` was never stored (its host died,
 or stopped, mid-turn) ends with one made from its record, as before there was history
-(``STOP_REASON_INTERRUPTED`` for a run its daemon's next start marked interrupted). Events the
+(``STOP_REASON_INTERRUPTED`` for a run its daemon's next start marked interrupted); that end has
+seq ``MADE_END_SEQ``, after one typed gap, since its host may have streamed more than it stored
+(docs/history.md). Events the
 stream leaves out come as one ``RunGap`` (seq: the last one left out); an ``after_seq`` past the
 run's last event is ``OutOfRange``, from memory as from the store: nothing is made up after it.
 
@@ -73,7 +75,13 @@ READ_PAGE = 1000  # events read from the store at once
 PRUNE_BATCH = 1000  # events deleted in one transaction
 # a run the store does not have, or has as running on no host that could end it
 STORED_RUN_MISSING = "unknown, or still running on a host that no longer answers"
+UNSTORED_REASON = "RUN_NOT_ENDED"  # RunGap.reason of a made end's gap when its record names no reason
 MAX_SEQ = 2**63 - 2  # seqs beyond it are never stored (the stores keep signed 64-bit integers)
+# The seq of an end made up for a run its host never ended (its daemon died or stopped mid-turn,
+# or another host took its session over): past any seq the run could have streamed, so no client
+# holds it for another event, and the same for every reader. A run would need 2**53 events to
+# reach it; it is the largest integer a JSON number (a JavaScript client) holds exactly.
+MADE_END_SEQ = 2**53 - 1
 
 
 def gap_event(event: RunEvent, from_seq: int, to_seq: int) -> RunEvent:
@@ -332,8 +340,9 @@ class History:
         """A run from the store alone: its stored events after ``after_seq``, and an end made from
         its record when its ``completed`` was never stored (NOT_FOUND: the store has no such run,
         or it is still running on no host that could end it). ``after_seq`` past the run's last
-        event is ``OutOfRange``, unless the caller ``seen`` events up to it from the run's host
-        (which died before it stored them): the made end then follows them."""
+        event is ``OutOfRange``. A run its host never ended ends at ``MADE_END_SEQ``, past any seq
+        it streamed; ``seen``: the caller was given events up to ``after_seq`` by the run's host
+        (a run whose events were pruned then ends after them)."""
         after_seq = min(after_seq, MAX_SEQ)  # a client's uint64, within what the stores' integers hold
         record = await self._store.get_run(run_id)
         if record is None or record.status is RunStatus.RUNNING:
@@ -354,12 +363,17 @@ class History:
                 yield event
             if event.body.__class__ is RunCompleted:
                 return
-        if not last and not seen and after_seq:  # nothing from after_seq on: where does the run end?
+        made_late = _ended_by_others(record)
+        if not last and after_seq:  # nothing from after_seq on: where does the run end?
             top = await self._store.last_run_event(run_id)
             if top is not None and top.kind == event_codec.COMPLETED_KIND:
                 end = top.seq
-            else:  # the end made from the record follows what was stored (started too, if nothing was)
+            elif made_late:  # its host never ended it: the made end is past anything it streamed
+                end = MADE_END_SEQ
+            else:  # a run whose events were pruned: its end follows what a reader was given
                 end = top.seq + 1 if top is not None else 2
+                if seen:  # ... or what the run's host streamed to this caller before it died
+                    end = max(end, after_seq + 1)
             if after_seq > end:
                 raise past_end(run_id, after_seq, end)
             if after_seq == end:
@@ -426,7 +440,16 @@ class History:
         reason = "OWNER_HOST_LOST" if record.error == OWNER_LOST else INTERRUPTED_REASON if interrupted else ""
         completed = RunCompleted(stop, provider, resume, error, reason, record.usage)  # the usage as stored
         at = record.ended_at or record.started_at
-        events.append(RunEvent(record.run_id, record.session_id, max(after_seq, last) + 1, at, completed))
+        after = max(after_seq, last)
+        if not _ended_by_others(record):  # a run of before history, or whose events were pruned
+            events.append(RunEvent(record.run_id, record.session_id, after + 1, at, completed))
+            return events
+        # Its host may have streamed events it never stored: they are one gap, typed with the same
+        # reason as the end, and the end takes a seq no client can have seen (``MADE_END_SEQ``).
+        if after + 1 < MADE_END_SEQ:
+            gap = RunGap(after + 1, MADE_END_SEQ - 1, reason or UNSTORED_REASON)
+            events.append(RunEvent(record.run_id, record.session_id, MADE_END_SEQ - 1, at, gap))
+        events.append(RunEvent(record.run_id, record.session_id, MADE_END_SEQ, at, completed))
         return events
 
     # ------------------------------------------------------------ retention
@@ -440,3 +463,9 @@ class History:
             deleted += count
             if count < PRUNE_BATCH:
                 return deleted
+
+
+def _ended_by_others(record: RunRecord) -> bool:
+    """Whether the run's end was written by someone other than the turn that ran it: its daemon's
+    next start (interrupted), or the host that took its session over (owner host lost)."""
+    return record.status is RunStatus.INTERRUPTED or (record.status is RunStatus.FAILED and record.error == OWNER_LOST)

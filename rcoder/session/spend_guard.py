@@ -5,7 +5,8 @@ answer), as ``store.usage.spend_of`` counts them, summed in the store: a session
 a project's per UTC day in a ledger that each run's end adds to (``SessionStore.spend``).
 
 - **Before a turn** (``SpendGuard.admit``, before any agent starts): a session, or a project's
-  day, whose spend is at or past a cap of the turn's profile refuses the turn with
+  day, whose spend (with what running turns hold) is at or past a cap of the turn's profile, or
+  would be past a cost cap with the turn's own ``max_cost_usd``, refuses the turn with
   ``BudgetExceeded`` (RESOURCE_EXHAUSTED, reason ``BUDGET_EXCEEDED``). With no cap configured for
   the profile there is no store read: a turn costs nothing more.
 - **While it runs** (``TurnSpend.seen``): each cost the agent reports mid-turn is added to the
@@ -14,26 +15,31 @@ a project's per UTC day in a ledger that each run's end adds to (``SessionStore.
   ``BUDGET_EXCEEDED``. Tokens are mostly reported only at a turn's end: a token cap then stops no
   turn, it refuses the next.
 
-A running turn sees the store as of its start plus its own spend: turns running at once (here or
-on other hosts) do not see each other's until they end.
+A turn with ``max_cost_usd`` holds it against the session's and the project's cost caps before it
+starts (``SessionStore.reserve_spend``: one at a time per project and day, on every host), and is
+refused when it does not fit beside what is spent and what the other running turns hold; the
+turn's end frees the hold. A running turn sees the store as of its start (spend and holds) plus
+its own spend (docs/budgets.md#turns-at-once says the bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.usage import USAGE_UPDATE
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentEvent, AgentUpdate, StopReason
-from rcoder.errors import BudgetExceeded
+from rcoder.errors import BudgetExceeded, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.turn_messages import StopCause
 from rcoder.store.base import SessionStore
-from rcoder.store.usage import BUDGET_CURRENCY, NANOS, Spend, SpendSoFar, utc_day
+from rcoder.store.usage import BUDGET_CURRENCY, NANOS, Spend, SpendHold, SpendSoFar, utc_day
 
 log = get_logger("rcoder.session.spend_guard")
 
@@ -59,12 +65,13 @@ class Cap:
         return spend.cost_nanos if self.cost else spend.tokens
 
     def stored(self, before: SpendSoFar) -> Spend:
-        """What the store held, when the turn started, of what this cap bounds (a turn's own: nothing)."""
+        """What the store held, when the turn started, of what this cap bounds: the spend, and what
+        other running turns held on top (a turn's own: nothing)."""
         match self.scope:
             case "session":
-                return before.session
+                return before.session + Spend(before.session_held, 0)
             case "project":
-                return before.project_day
+                return before.project_day + Spend(before.project_held, 0)
             case _:
                 return Spend()
 
@@ -161,6 +168,8 @@ class SpendGuard:
         self._turns = turns  # where a turn past a cap is stopped
         self._caps: dict[str, tuple[Cap, ...]] = {}  # by profile name: the config's, made once
         self._watched: dict[str, TurnSpend] = {}  # the running turns that a cap bounds
+        self._held: set[str] = set()  # the running turns that hold some of a cost cap (``SpendHold``)
+        self._releases: set[asyncio.Task[None]] = set()  # holds being deleted
 
     async def admit(
         self, run_id: str, session_id: str, project_id: str, profile: AgentProfile, max_cost: float
@@ -177,13 +186,18 @@ class SpendGuard:
         day = utc_day(self._clock())
         ids = {"session_id": session_id, "project_id": project_id, "day": day}
         before = SpendSoFar(Spend(), Spend())
-        if any(cap.scope != "turn" for cap in caps):
-            before = await self._store.spend(session_id, project_id, day)
-        for cap in caps:
-            spent = cap.of(cap.stored(before))
-            if cap.scope != "turn" and spent >= cap.limit:
-                log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent)
-                raise _refusal(cap, spent, ids)
+        shared = tuple(cap for cap in caps if cap.scope != "turn")
+        if shared:
+            # docs/budgets.md#turns-at-once: the turn's max_cost_usd is held against the session's
+            # and the project's cost caps while it runs, so turns at once cannot all pass them
+            # (or, with none, the profile's turn_hold_usd: an estimate of one turn's cost)
+            hold_usd = max_cost or self._settings.budgets_of(profile).turn_hold_usd
+            reserve = _nanos_cap(hold_usd) if hold_usd and any(cap.cost for cap in shared) else 0
+            hold = SpendHold(run_id, session_id, project_id, day, reserve)
+            held_by = "max_cost_usd" if max_cost else "turn_hold_usd"
+            before = await self._store.reserve_spend(hold, partial(_admit, shared, reserve, held_by, ids))
+            if reserve:
+                self._held.add(run_id)
         self._watched[run_id] = TurnSpend(self._turns, run_id, caps, before, ids)
 
     def watch(self, run_id: str, conn: AgentConnection) -> Callable[[AgentEvent], None] | None:
@@ -192,10 +206,36 @@ class SpendGuard:
         return None if turn is None else lambda event: turn.seen(event, conn)
 
     def ended(self, run_id: str) -> None:
+        """The turn is over (or was refused): what it held is free again."""
         self._watched.pop(run_id, None)
+        if run_id in self._held:
+            self._held.discard(run_id)
+            task = asyncio.get_running_loop().create_task(self._release(run_id), name=f"spend-release-{run_id}")
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release(self, run_id: str) -> None:
+        try:
+            await self._store.release_spend(run_id)
+        except StoreError as exc:  # it counts no more once its run has ended; the next start deletes it
+            log.warning("spend_hold_not_released", run_id=run_id, error=exc.message)
 
 
-def _refusal(cap: Cap, spent: int, ids: dict[str, str]) -> BudgetExceeded:
+def _admit(caps: tuple[Cap, ...], reserve: int, held_by: str, ids: dict[str, str], before: SpendSoFar) -> None:
+    """``BudgetExceeded`` when a session's or project's cap is spent (with what other running
+    turns hold), or when the turn's own hold of ``reserve`` nanos (set by the key ``held_by``)
+    would take it past a cost cap."""
+    for cap in caps:
+        spent = cap.of(cap.stored(before))
+        if spent >= cap.limit:
+            log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent)
+            raise _refusal(cap, spent, ids)
+        if cap.cost and reserve and spent + reserve > cap.limit:
+            log.info("turn_refused_budget_exceeded", budget=cap.key, cap=cap.limit, spent=spent, reserve=reserve)
+            raise _refusal(cap, spent, ids, reserve, held_by)
+
+
+def _refusal(cap: Cap, spent: int, ids: dict[str, str], reserve: int = 0, held_by: str = "") -> BudgetExceeded:
     if cap.scope == "session":
         whose, scoped = f"session {ids['session_id']}", {"session_id": ids["session_id"]}
         then = "no turn starts on it: start a new session, or raise the budget"
@@ -203,5 +243,14 @@ def _refusal(cap: Cap, spent: int, ids: dict[str, str]) -> BudgetExceeded:
         whose = f"project {ids['project_id']!r} on UTC day {ids['day']}"
         scoped = {"project_id": ids["project_id"], "day": ids["day"]}
         then = "no turn starts in it until the next UTC day: wait, or raise the budget"
-    message = f"{whose} has spent {cap.text(spent)}, at or past {cap.key} {cap.text(cap.limit)}; {then}"
+    if reserve:  # the budget has room, but less than the turn may cost
+        left = cap.text(cap.limit - spent)
+        message = (
+            f"{whose} has spent or holds for running turns {cap.text(spent)} of {cap.key} "
+            f"{cap.text(cap.limit)}: {left} left, less than this turn's {held_by} {cap.text(reserve)}; "
+            f"ask for a turn with max_cost_usd <= {left}, wait for the running turns, or raise the budget"
+        )
+        scoped[held_by] = cap.text(reserve)
+    else:
+        message = f"{whose} has spent {cap.text(spent)}, at or past {cap.key} {cap.text(cap.limit)}; {then}"
     return BudgetExceeded(message, cap.key, cap.text(cap.limit), cap.text(spent), **scoped)

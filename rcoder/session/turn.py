@@ -47,8 +47,9 @@ from typing import Any
 from rcoder import tracing
 from rcoder.agent.convert import prompt_blocks
 from rcoder.agent.pool import AgentPool
+from rcoder.agent.usage import USAGE_UPDATE
 from rcoder.config import Settings
-from rcoder.domain import AgentEvent, RunStarted, StopReason, TextChunk, TranscriptEntry
+from rcoder.domain import AgentEvent, AgentUpdate, RunStarted, StopReason, TextChunk, TranscriptEntry
 from rcoder.errors import AgentTimeout, Internal, NotFound, RcoderError
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
@@ -80,6 +81,7 @@ from rcoder.session.turn_messages import (
 )
 from rcoder.session.turn_records import TurnRecords
 from rcoder.session.turn_scope import Answer, TurnScope
+from rcoder.session.usage_writer import UsageWriter
 from rcoder.store.base import SessionStore
 
 # Phase and StopCause are named from here by the turn's callers and tests.
@@ -107,6 +109,7 @@ class TurnRunner:
         claimed: ClaimedTurns,
         disk: DiskGuard,
         spend: SpendGuard,
+        usage: UsageWriter,
     ) -> None:
         """Every collaborator is built by the daemon (``rcoder.daemon``). ``claimed`` is where the
         turns this runner drives are registered: the guards and the worker stop a turn through it."""
@@ -127,6 +130,8 @@ class TurnRunner:
         self.disk = disk
         # [budgets] and max_cost_usd (docs/budgets.md): a turn past one is stopped, and the next is refused.
         self.spend = spend
+        # what the agent reports a turn cost, stored as it arrives (docs/budgets.md#however-a-turn-ends)
+        self._usage = usage
 
     async def aclose(self) -> None:
         """Stop retrying late store writes (the next start marks those runs ``interrupted``)."""
@@ -166,11 +171,13 @@ class TurnRunner:
             try:
                 await self._work(scope, queued)
             except BaseException as exc:
+                self._usage.forget(scope.run.run_id)  # the end carries the last usage now
                 await self._ender.end(scope, self._ending(exc))
                 if isinstance(exc, asyncio.CancelledError):  # rcoder is stopping: the cancel goes on
                     raise
                 return  # the error is now in the run's end, or, for a refused turn, with the caller
             answer = scope.answer
+            self._usage.forget(scope.run.run_id)
             await self._ender.end(scope, AgentEnded(answer.stop if answer is not None else StopReason.END_TURN))
         finally:
             scope.started_out.set()
@@ -182,6 +189,7 @@ class TurnRunner:
         """The turn is over. Its lease goes too when no agent of its session is live here (a
         cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
         self._claimed.forget(scope.run.run_id)
+        self._usage.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
         self.spend.ended(scope.run.run_id)
@@ -303,6 +311,7 @@ class TurnRunner:
         # (``SqliteStore._call``).
         scope.machine.handle(StartRecording())
         await self._records.record_start(scope.plan, body, scope.conn, scope.checkpoint)
+        self._usage.recorded(scope.run.run_id, scope.plan.lease)  # its usage may be written from now on
         scope.machine.handle(Started())
         self._ender.publish_started(scope)
 
@@ -329,7 +338,8 @@ class TurnRunner:
         texts: list[str] = []
         size = 0
         run, plan = scope.run, scope.plan
-        spend = self.spend.watch(run.run_id, opened.connection)  # None: no budget bounds the turn
+        conn = opened.connection
+        spend = self.spend.watch(run.run_id, conn)  # None: no budget bounds the turn
 
         def on_event(event: AgentEvent) -> None:
             nonlocal size
@@ -337,6 +347,8 @@ class TurnRunner:
                 texts.append(event.text)
                 size += len(event.text)
             scope.deliver(event)
+            if event.__class__ is AgentUpdate and event.kind == USAGE_UPDATE:
+                self._usage.note(run.run_id, conn.usage_so_far())  # stored as it arrives, coalesced
             if spend is not None:
                 spend(event)  # a cost reported mid-turn, checked against the budgets
 
@@ -357,7 +369,10 @@ class TurnRunner:
                 # From here on a cancel asks the agent to stop; a cancel that came before this
                 # point means the prompt is never sent (``RunCancelled``).
                 self._step(scope, PromptSent())
-                stop = await opened.connection.prompt(blocks, on_event, decider, timeout, scope.room)
+                try:
+                    stop = await conn.prompt(blocks, on_event, decider, timeout, scope.room)
+                finally:
+                    scope.reported = conn.turn_usage  # the turn's cost however the prompt ended
             finally:
                 beats.stop()
             span.set_attribute("rcoder.stop_reason", stop.value)

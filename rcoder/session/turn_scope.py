@@ -51,6 +51,8 @@ class TurnScope:
         self.conn: AgentConnection | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
         self.answer: Answer | None = None  # set when the agent answered the prompt
+        # what the agent reported the turn cost, however its prompt ended (answered or not)
+        self.reported: Usage | None = None
         # The project's snapshot before the prompt goes out (docs/checkpoints.md): taken while
         # the session opens and waited for before the prompt is sent; its commit ("" for none).
         self.before: asyncio.Future[str] | None = None
@@ -75,7 +77,9 @@ class TurnScope:
 
     @property
     def usage(self) -> Usage | None:
-        return self.answer.usage if self.answer is not None else None
+        """What the turn cost as the agent last reported it: with its answer, or, for a prompt
+        cancelled, timed out or cut by a dead agent or a stopping rcoder, its last report."""
+        return self.answer.usage if self.answer is not None else self.reported
 
     def room(self) -> asyncio.Event | None:
         """Whether the agent's output may be read on (None), or what to wait for first: the run's

@@ -3,7 +3,7 @@ the one several hosts share."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol
@@ -22,7 +22,7 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.store.cluster import Lease
-from rcoder.store.usage import SpendSoFar
+from rcoder.store.usage import SpendHold, SpendSoFar
 
 # the error of a run that was running when its daemon stopped or died (set by ``open``)
 INTERRUPTED_ERROR = "daemon stopped while the run was in flight"
@@ -170,6 +170,19 @@ class SessionStore(Protocol):
         ``finish_run`` adds each run's spend to (kept when sessions are deleted)."""
         ...
 
+    async def reserve_spend(self, hold: SpendHold, check: Callable[[SpendSoFar], None]) -> SpendSoFar:
+        """Reserve ``hold`` for a turn about to start (docs/budgets.md#turns-at-once), if ``check``
+        lets it: in one transaction, after every other reservation of the project's day (on every
+        host), read the spend as ``spend`` does and what other running turns hold
+        (``SpendSoFar.session_held``, ``project_held``), call ``check`` (it raises to refuse the
+        turn, and then nothing is held), then keep the hold (none when its ``cost_nanos`` is 0).
+        Holds are deleted by ``release_spend`` and, for this host's turns, at ``open``."""
+        ...
+
+    async def release_spend(self, run_id: str) -> None:
+        """Delete the run's hold (none: nothing changes)."""
+        ...
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None: ...
@@ -197,8 +210,17 @@ class SessionStore(Protocol):
         that spells the end out is read by ``run_end_of``), with the ``usage`` its agent reported;
         when ``end.transcript`` is given, append it and count the turn on its session; store
         ``events`` (the rest of its history, as ``append_events``); add the run's spend
-        (``store.usage.spend_of``) to its project's UTC day of ``end.ended_at``, once (only a run
-        still running adds); all in one transaction (fenced as one write)."""
+        (``store.usage.spend_of``) to its project's UTC day of ``end.ended_at``, less what
+        ``note_usage`` added already (only a run still running adds); all in one transaction
+        (fenced as one write)."""
+        ...
+
+    async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
+        """Store what a running run's agent reported it cost so far (its usage columns), and add
+        what is new since it was last stored to its project's UTC day of ``at`` (the ledger), in one
+        transaction: a run's spend counts in its session, its project's day and its own usage
+        however it ends (a crash keeps what was stored). A run no longer running is left as it is;
+        where several hosts share the store, ``LeaseLost`` unless this host holds ``lease``."""
         ...
 
     async def update_run_start(

@@ -137,6 +137,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE runs ADD COLUMN checkpoint_before text NOT NULL DEFAULT '',"
         " ADD COLUMN checkpoint_after text NOT NULL DEFAULT ''",
     ),
+    (  # 14: budgets (docs/budgets.md#turns-at-once): what each turn reserves against its caps before it
+        # starts (its max_cost_usd, USD nanos), on its session and its project's UTC day, by the host
+        # that runs it; deleted with its run's end, at that host's next open, or when the turn is refused
+        """CREATE TABLE spend_holds (
+            run_id text COLLATE "C" PRIMARY KEY, session_id text COLLATE "C" NOT NULL,
+            project_id text COLLATE "C" NOT NULL, day date NOT NULL, cost_nanos bigint NOT NULL,
+            host_id text NOT NULL)""",
+        "CREATE INDEX spend_holds_by_project ON spend_holds (project_id, day)",
+        "CREATE INDEX spend_holds_by_session ON spend_holds (session_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -251,10 +261,14 @@ START_RUN = (
     " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING session_id)"
     " UPDATE sessions SET last_run_id = %s, updated_at = %s WHERE session_id = (SELECT session_id FROM run)"
 )  # one statement, so atomic: an unknown session fails the insert (foreign key) and nothing lands
+# a field of the run's usage the end does not report keeps what was stored while it ran (SET_RUN_USAGE)
 END_RUN = (
-    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s, input_tokens = %s, output_tokens = %s,"
-    " cached_read_tokens = %s, cached_write_tokens = %s, thought_tokens = %s, total_tokens = %s, context_used = %s,"
-    " context_size = %s, cost_nanos = %s, cost_currency = %s,"
+    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s,"
+    " input_tokens = coalesce(%s, input_tokens), output_tokens = coalesce(%s, output_tokens),"
+    " cached_read_tokens = coalesce(%s, cached_read_tokens), cached_write_tokens = coalesce(%s,"
+    " cached_write_tokens), thought_tokens = coalesce(%s, thought_tokens), total_tokens = coalesce(%s,"
+    " total_tokens), context_used = coalesce(%s, context_used), context_size = coalesce(%s,"
+    " context_size), cost_nanos = coalesce(%s, cost_nanos), cost_currency = coalesce(%s, cost_currency),"
     " checkpoint_before = coalesce(nullif(%s, ''), checkpoint_before),"
     " checkpoint_after = coalesce(nullif(%s, ''), checkpoint_after) WHERE run_id = %s"
 )
@@ -264,16 +278,37 @@ COUNT_TURN = (
     " INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"
     " SELECT session_id, %s, turns, %s, %s, %s FROM s"
 )  # the session's row lock orders concurrent turns: each entry gets the count it made
-# budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
-# running (before the end, in its transaction: an end stored twice counts once; a fenced end that
-# is refused rolls it back), each sum held at store/usage.py SPEND_LIMIT rather than overflow
+# budgets (docs/budgets.md): what a run's spend grew by since its usage was last stored (as given,
+# less what its row holds, never below 0) added to its project's day, only while the run is still
+# running (before the row is updated, in its transaction, the row locked: every write of a run's
+# usage, mid-turn or at its end, counts what is new once; an end stored twice counts nothing more; a
+# fenced write that is refused rolls it back), each sum held at store/usage.py SPEND_LIMIT
 ADD_PROJECT_SPEND = (
     "INSERT INTO project_spend AS p (project_id, day, cost_nanos, tokens)"
-    " SELECT s.project_id, %s::date, %s, %s FROM runs r JOIN sessions s ON s.session_id = r.session_id"
-    " WHERE r.run_id = %s AND r.status = 'running'"
+    " SELECT s.project_id, %s::date,"
+    " greatest(%s::numeric - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0 THEN r.cost_nanos"
+    " ELSE 0 END, 0)::bigint,"
+    " greatest(%s::numeric - coalesce(r.total_tokens, coalesce(r.input_tokens, 0)::numeric"
+    " + coalesce(r.output_tokens, 0) + coalesce(r.cached_read_tokens, 0) + coalesce(r.cached_write_tokens, 0)"
+    " + coalesce(r.thought_tokens, 0)), 0)::bigint"
+    " FROM runs r JOIN sessions s ON s.session_id = r.session_id"
+    " WHERE r.run_id = %s AND r.status = 'running' FOR UPDATE OF r"
     " ON CONFLICT (project_id, day) DO UPDATE SET"
     " cost_nanos = least(p.cost_nanos::numeric + EXCLUDED.cost_nanos, 9000000000000000000)::bigint,"
     " tokens = least(p.tokens::numeric + EXCLUDED.tokens, 9000000000000000000)::bigint"
+)
+# a running run's usage as its agent reported it so far (mid-turn, coalesced: docs/budgets.md), in
+# the order of store/usage.py USAGE_COLUMNS, then its run_id; fenced like its end
+SET_RUN_USAGE = (
+    "UPDATE runs SET input_tokens = %s, output_tokens = %s, cached_read_tokens = %s, cached_write_tokens = %s,"
+    " thought_tokens = %s, total_tokens = %s, context_used = %s, context_size = %s, cost_nanos = %s,"
+    " cost_currency = %s WHERE run_id = %s AND status = 'running'"
+)
+SET_RUN_USAGE_FENCED = (
+    "UPDATE runs SET input_tokens = %s, output_tokens = %s, cached_read_tokens = %s, cached_write_tokens = %s,"
+    " thought_tokens = %s, total_tokens = %s, context_used = %s, context_size = %s, cost_nanos = %s,"
+    " cost_currency = %s WHERE run_id = %s AND status = 'running'"
+    " AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id AND l.owner = %s AND l.generation = %s)"
 )
 # a session's spend over its runs (cost in USD, any case; a run's tokens: its total, else the sum of
 # its counts; sums as numeric, never overflowing) and its project's on one day
@@ -285,6 +320,26 @@ SPEND = (
     " AS tokens FROM runs WHERE session_id = %s) AS r"
     " LEFT JOIN project_spend p ON p.project_id = %s AND p.day = %s::date"
 )
+# what running turns hold on top of what is spent (docs/budgets.md#turns-at-once): each hold less its
+# run's stored USD cost, never below 0, of the runs that run or are not stored yet, but the asking
+# run's own; of one session (any day), and of one project's UTC day
+SPEND_HELD = (
+    "SELECT coalesce(sum(greatest(h.cost_nanos - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0"
+    " THEN r.cost_nanos ELSE 0 END, 0)) FILTER (WHERE h.session_id = %s), 0),"
+    " coalesce(sum(greatest(h.cost_nanos - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0"
+    " THEN r.cost_nanos ELSE 0 END, 0)) FILTER (WHERE h.project_id = %s AND h.day = %s::date), 0)"
+    " FROM spend_holds h LEFT JOIN runs r ON r.run_id = h.run_id"
+    " WHERE h.run_id <> %s AND (h.session_id = %s OR (h.project_id = %s AND h.day = %s::date))"
+    " AND (r.run_id IS NULL OR r.status = 'running')"
+)
+# the turns of one project reserve one after another (a transaction's lock on the project's key)
+LOCK_PROJECT_SPEND = "SELECT pg_advisory_xact_lock(%s)"
+INSERT_HOLD = (
+    "INSERT INTO spend_holds (run_id, session_id, project_id, day, cost_nanos, host_id)"
+    " VALUES (%s, %s, %s, %s::date, %s, %s) ON CONFLICT (run_id) DO UPDATE SET cost_nanos = EXCLUDED.cost_nanos"
+)
+DELETE_HOLD = "DELETE FROM spend_holds WHERE run_id = %s"
+DELETE_HOST_HOLDS = "DELETE FROM spend_holds WHERE host_id = %s"  # at open: none of this host's turns runs yet
 UPDATE_RUN_START = "UPDATE runs SET resume = %s, resume_method = %s, fallback_reason = %s WHERE run_id = %s"
 TRANSCRIPT = (
     "SELECT session_id, run_id, turn, prompt, response, created_at FROM ("
@@ -372,9 +427,12 @@ START_RUN_FENCED = (
 )
 # a fenced end also needs the run still running: a run ended as orphaned stays ended
 END_RUN_FENCED = (
-    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s, input_tokens = %s, output_tokens = %s,"
-    " cached_read_tokens = %s, cached_write_tokens = %s, thought_tokens = %s, total_tokens = %s, context_used = %s,"
-    " context_size = %s, cost_nanos = %s, cost_currency = %s,"
+    "UPDATE runs SET status = %s, stop_reason = %s, error = %s, ended_at = %s,"
+    " input_tokens = coalesce(%s, input_tokens), output_tokens = coalesce(%s, output_tokens),"
+    " cached_read_tokens = coalesce(%s, cached_read_tokens), cached_write_tokens = coalesce(%s,"
+    " cached_write_tokens), thought_tokens = coalesce(%s, thought_tokens), total_tokens = coalesce(%s,"
+    " total_tokens), context_used = coalesce(%s, context_used), context_size = coalesce(%s,"
+    " context_size), cost_nanos = coalesce(%s, cost_nanos), cost_currency = coalesce(%s, cost_currency),"
     " checkpoint_before = coalesce(nullif(%s, ''), checkpoint_before),"
     " checkpoint_after = coalesce(nullif(%s, ''), checkpoint_after) WHERE run_id = %s"
     " AND status = 'running' AND EXISTS (SELECT 1 FROM leases l WHERE l.session_id = runs.session_id"

@@ -18,6 +18,7 @@ contract is the SQLite store's (``base.SessionStore``), method by method; how it
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from rcoder.store.usage import (
     COST_BOUNDS,
     FIRST_COST_KEY,
     Spend,
+    SpendHold,
     SpendSoFar,
     cost_key,
     spend_of,
@@ -60,6 +62,7 @@ from rcoder.store.usage import (
 )
 
 T = TypeVar("T")
+_NO_FENCE: tuple[object, ...] = ()  # the parameters of an unfenced write's fence
 _BEFORE_ALL = datetime.min.replace(tzinfo=UTC)  # a start before every run's (the first page of runs)
 
 # ---------------------------------------------------------------- conversions
@@ -110,6 +113,12 @@ def _run(row: Row) -> RunRecord:
         None if stop is None else StopReason(stop), error, ended_at, usage_of(row[11:21]), row[21], row[22],
         checkpoint_before=row[23], checkpoint_after=row[24],
     )  # fmt: skip
+
+
+def _project_key(project_id: str, day: str) -> int:
+    """The advisory lock's key of a project's UTC day: 64 bits of a hash, signed as PostgreSQL takes it."""
+    digest = hashlib.blake2b(f"rcoder-spend\x00{project_id}\x00{day}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
 
 
 def _entry(row: Row) -> TranscriptEntry:
@@ -165,6 +174,8 @@ class PostgresStore:
     async def _prepare(self, conn: Conn) -> int:
         """Migrate the schema and mark this host's runs left running interrupted; returns how many were."""
         await pg_schema.migrate(conn)
+        # none of this host's turns runs yet: what they held is free again
+        await conn.execute(pg_schema.DELETE_HOST_HOLDS, (self._host_id,))
         cursor = await conn.execute(
             pg_schema.MARK_INTERRUPTED,
             _params(
@@ -308,6 +319,35 @@ class PostgresStore:
         cost, tokens, project_cost, project_tokens = rows[0]
         return SpendSoFar(Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)))
 
+    async def reserve_spend(self, hold: SpendHold, check: Callable[[SpendSoFar], None]) -> SpendSoFar:
+        spend = _params(hold.session_id, hold.project_id, hold.day)
+        held = _params(
+            hold.session_id, hold.project_id, hold.day, hold.run_id, hold.session_id, hold.project_id, hold.day
+        )
+        row = _params(hold.run_id, hold.session_id, hold.project_id, hold.day, hold.cost_nanos, self._host_id)
+
+        async def work(conn: Conn) -> SpendSoFar:
+            async with conn.transaction():
+                # the project's turns reserve one after another, on every host (the lock ends with the transaction)
+                await conn.execute(pg_schema.LOCK_PROJECT_SPEND, (_project_key(hold.project_id, hold.day),))
+                spent = await (await conn.execute(pg_schema.SPEND, spend)).fetchone()
+                holds = await (await conn.execute(pg_schema.SPEND_HELD, held)).fetchone()
+                assert spent is not None and holds is not None
+                cost, tokens, project_cost, project_tokens = spent
+                so_far = SpendSoFar(
+                    Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)),
+                    int(holds[0]), int(holds[1]),
+                )  # fmt: skip
+                check(so_far)  # raises to refuse the turn: the transaction rolls back, nothing is held
+                if hold.cost_nanos > 0:
+                    await conn.execute(pg_schema.INSERT_HOLD, row)
+            return so_far
+
+        return await self._pool.call(work)
+
+    async def release_spend(self, run_id: str) -> None:
+        await self._write(pg_schema.DELETE_HOLD, _params(run_id), None)
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None:
@@ -385,7 +425,7 @@ class PostgresStore:
         async def work(conn: Conn) -> None:
             # pipelined: BEGIN and the statements in one round trip, COMMIT (or ROLLBACK) in a second
             async with conn.pipeline() as pipeline, conn.transaction():  # any error rolls back all
-                if spent is not None:  # before the end: only a run still running adds to the day
+                if spent is not None:  # before the end: what is new since its usage was last stored
                     await conn.execute(pg_schema.ADD_PROJECT_SPEND, _params(*spent))
                 ended = await conn.execute(end_sql, (*end, *fence))
                 counted = await conn.execute(count_sql, turn) if entry is not None else None
@@ -397,6 +437,25 @@ class PostgresStore:
                 _require_row(ended, "run", run_id)
                 if counted is not None and entry is not None:
                     _require_row(counted, "session", entry.session_id)
+
+        await self._pool.call(work)
+
+    async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
+        spend = spend_of(usage)
+        spent = _params(utc_day(at), spend.cost_nanos, spend.tokens, run_id)
+        params = _params(*usage_params(usage), run_id)
+        sql, fence = pg_schema.SET_RUN_USAGE, _NO_FENCE
+        if lease is not None:
+            sql, fence = pg_schema.SET_RUN_USAGE_FENCED, self._fence(lease)
+
+        async def work(conn: Conn) -> None:
+            async with conn.pipeline() as pipeline, conn.transaction():
+                # before the row (locking it): the ledger gets what is new since it was last stored
+                await conn.execute(pg_schema.ADD_PROJECT_SPEND, spent)
+                noted = await conn.execute(sql, (*params, *fence))
+                await pipeline.sync()
+                if lease is not None and noted.rowcount != 1:
+                    raise LeaseLost(lease.session_id, lease.generation)  # rolls the ledger's part back
 
         await self._pool.call(work)
 

@@ -49,6 +49,7 @@ from rcoder.store.usage import (
     COST_BOUNDS,
     FIRST_COST_KEY,
     Spend,
+    SpendHold,
     SpendSoFar,
     cost_key,
     spend_of,
@@ -135,6 +136,7 @@ def _prepare(conn: sqlite3.Connection) -> int:
     with _transaction(conn):
         sqlite_schema.migrate(conn)
     with _transaction(conn):
+        conn.execute(sqlite_schema.DELETE_HOLDS)  # no turn runs yet: what they held is free again
         cursor = conn.execute(
             sqlite_schema.MARK_INTERRUPTED,
             (
@@ -155,7 +157,7 @@ def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list
     with _transaction(conn):
         if events:
             conn.executemany(sqlite_schema.INSERT_EVENT, events)
-        if spend.cost_nanos or spend.tokens:  # before the end: only a run still running adds to the day
+        if spend.cost_nanos or spend.tokens:  # before the end: what is new since its usage was last stored
             conn.execute(sqlite_schema.ADD_PROJECT_SPEND, (utc_day(at), spend.cost_nanos, spend.tokens, run_id))
         commits = (end.checkpoint_before, end.checkpoint_after)
         cursor = conn.execute(
@@ -170,6 +172,33 @@ def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list
         )
         _require_row(cursor, "session", entry.session_id)
         conn.execute(sqlite_schema.COUNT_TURN, (time_text(at), entry.session_id))
+
+
+def _note_usage(conn: sqlite3.Connection, run_id: str, usage: Usage, at: datetime) -> None:
+    spend = spend_of(usage)
+    with _transaction(conn):
+        # before the row: the ledger gets what is new since the run's usage was last stored
+        conn.execute(sqlite_schema.ADD_PROJECT_SPEND, (utc_day(at), spend.cost_nanos, spend.tokens, run_id))
+        conn.execute(sqlite_schema.SET_RUN_USAGE, (*usage_params(usage), run_id))
+
+
+def _reserve_spend(conn: sqlite3.Connection, hold: SpendHold, check: Callable[[SpendSoFar], None]) -> SpendSoFar:
+    with _transaction(conn):  # BEGIN IMMEDIATE: turns reserve one after another
+        cost, tokens, project_cost, project_tokens = conn.execute(
+            sqlite_schema.SPEND, (hold.session_id, hold.project_id, hold.day)
+        ).fetchone()
+        held = (hold.run_id, hold.session_id, hold.run_id, hold.project_id, hold.day)
+        session_held, project_held = conn.execute(sqlite_schema.SPEND_HELD, held).fetchone()
+        so_far = SpendSoFar(
+            Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)),
+            int(session_held), int(project_held),
+        )  # fmt: skip
+        check(so_far)  # raises to refuse the turn: nothing is held then
+        if hold.cost_nanos > 0:
+            conn.execute(
+                sqlite_schema.INSERT_HOLD, (hold.run_id, hold.session_id, hold.project_id, hold.day, hold.cost_nanos)
+            )
+    return so_far
 
 
 def _event_params(rows: Sequence[EventRow]) -> list[tuple[object, ...]]:
@@ -401,6 +430,12 @@ class SqliteStore:
         cost, tokens, project_cost, project_tokens = rows[0]
         return SpendSoFar(Spend(int(cost), int(tokens)), Spend(int(project_cost), int(project_tokens)))
 
+    async def reserve_spend(self, hold: SpendHold, check: Callable[[SpendSoFar], None]) -> SpendSoFar:
+        return await self._call(lambda conn: _reserve_spend(conn, hold, check))
+
+    async def release_spend(self, run_id: str) -> None:
+        await self._write(sqlite_schema.DELETE_HOLD, (run_id,), None)
+
     async def set_provider_session_id(
         self, session_id: str, provider_session_id: str, at: datetime, lease: Lease | None = None
     ) -> None:
@@ -446,6 +481,9 @@ class SqliteStore:
         rows = _event_params(events)
         inline = len(rows) <= INLINE_EVENTS  # as append_events: a turn's few last events inline
         await self._call(lambda conn: _finish_run(conn, run_id, ended, rows), point=inline)
+
+    async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
+        await self._call(lambda conn: _note_usage(conn, run_id, usage, at))  # one host: no fence
 
     async def update_run_start(
         self,

@@ -115,6 +115,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE runs ADD COLUMN checkpoint_before TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE runs ADD COLUMN checkpoint_after TEXT NOT NULL DEFAULT ''",
     ),
+    (  # 11: budgets (docs/budgets.md#turns-at-once): what each turn reserves against its caps before it
+        # starts (its max_cost_usd, USD nanos), on its session and its project's UTC day; deleted
+        # with its run's end, at the next open, or when the turn is refused
+        """CREATE TABLE spend_holds (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, project_id TEXT NOT NULL, day TEXT NOT NULL,
+            cost_nanos INTEGER NOT NULL)""",
+        "CREATE INDEX spend_holds_by_project ON spend_holds(project_id, day)",
+        "CREATE INDEX spend_holds_by_session ON spend_holds(session_id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -214,25 +223,43 @@ DELETE_TRANSCRIPT = "DELETE FROM transcript WHERE session_id = ?"
 DELETE_RUNS = "DELETE FROM runs WHERE session_id = ?"
 DELETE_SESSION = "DELETE FROM sessions WHERE session_id = ?"
 SET_LAST_RUN = "UPDATE sessions SET last_run_id = ?, updated_at = ? WHERE session_id = ?"
-# a run's usage in the order of store/usage.py USAGE_COLUMNS, then its run_id
+# a run's usage in the order of store/usage.py USAGE_COLUMNS, then its run_id; a field the end does
+# not report keeps what was stored while the run ran (SET_RUN_USAGE)
 END_RUN = (
-    "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = ?, output_tokens = ?,"
-    " cached_read_tokens = ?, cached_write_tokens = ?, thought_tokens = ?, total_tokens = ?, context_used = ?,"
-    " context_size = ?, cost_nanos = ?, cost_currency = ?,"
+    "UPDATE runs SET status = ?, stop_reason = ?, error = ?, ended_at = ?, input_tokens = coalesce(?,"
+    " input_tokens), output_tokens = coalesce(?, output_tokens), cached_read_tokens = coalesce(?,"
+    " cached_read_tokens), cached_write_tokens = coalesce(?, cached_write_tokens),"
+    " thought_tokens = coalesce(?, thought_tokens), total_tokens = coalesce(?, total_tokens),"
+    " context_used = coalesce(?, context_used), context_size = coalesce(?, context_size),"
+    " cost_nanos = coalesce(?, cost_nanos), cost_currency = coalesce(?, cost_currency),"
     " checkpoint_before = coalesce(nullif(?, ''), checkpoint_before),"
     " checkpoint_after = coalesce(nullif(?, ''), checkpoint_after)"
     " WHERE run_id = ?"
 )
-# budgets (docs/budgets.md): a run's spend added to its project's day, only while the run is still
-# running (before END_RUN, in its transaction: an end stored twice counts once), each sum held at
-# store/usage.py SPEND_LIMIT (past 2**63 SQLite's + gives a float, which min() turns back)
+# budgets (docs/budgets.md): what a run's spend grew by since its usage was last stored (its
+# usage as given, less what its row holds: the delta, never below 0) added to its project's day,
+# only while the run is still running (before the row is updated, in its transaction: every write
+# of a run's usage, mid-turn or at its end, counts what is new once, and an end stored twice counts
+# nothing more), each sum held at store/usage.py SPEND_LIMIT (past 2**63 SQLite's + gives a float,
+# which min() turns back)
 ADD_PROJECT_SPEND = (
     "INSERT INTO project_spend (project_id, day, cost_nanos, tokens)"
-    " SELECT s.project_id, ?, ?, ? FROM runs r JOIN sessions s ON s.session_id = r.session_id"
+    " SELECT s.project_id, ?,"
+    " max(? - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0 THEN r.cost_nanos ELSE 0 END, 0),"
+    " max(? - coalesce(r.total_tokens, coalesce(r.input_tokens, 0) + coalesce(r.output_tokens, 0)"
+    " + coalesce(r.cached_read_tokens, 0) + coalesce(r.cached_write_tokens, 0) + coalesce(r.thought_tokens, 0)), 0)"
+    " FROM runs r JOIN sessions s ON s.session_id = r.session_id"
     " WHERE r.run_id = ? AND r.status = 'running'"
     " ON CONFLICT (project_id, day) DO UPDATE SET"
     " cost_nanos = min(cost_nanos + excluded.cost_nanos, 9000000000000000000),"
     " tokens = min(tokens + excluded.tokens, 9000000000000000000)"
+)
+# a running run's usage as its agent reported it so far (mid-turn, coalesced: docs/budgets.md), in
+# the order of store/usage.py USAGE_COLUMNS, then its run_id; an ended run keeps its end's
+SET_RUN_USAGE = (
+    "UPDATE runs SET input_tokens = ?, output_tokens = ?, cached_read_tokens = ?, cached_write_tokens = ?,"
+    " thought_tokens = ?, total_tokens = ?, context_used = ?, context_size = ?, cost_nanos = ?, cost_currency = ?"
+    " WHERE run_id = ? AND status = 'running'"
 )
 # a session's spend over its runs (cost in USD, any case; a run's tokens: its total, else the sum of
 # its counts; total() is a float, exact below 2**53) and its project's on one day
@@ -244,6 +271,18 @@ SPEND = (
     " AS tokens FROM runs WHERE session_id = ?) AS r"
     " LEFT JOIN project_spend p ON p.project_id = ? AND p.day = ?"
 )
+# what running turns hold on top of what is spent (docs/budgets.md#turns-at-once): each hold less its
+# run's stored USD cost, never below 0, of the runs that run or are not stored yet, but the asking
+# run's own; of one session (any day), and of one project's UTC day
+_HELD = (
+    "SELECT coalesce(sum(max(h.cost_nanos - CASE WHEN lower(r.cost_currency) = 'usd' AND r.cost_nanos > 0"
+    " THEN r.cost_nanos ELSE 0 END, 0)), 0) FROM spend_holds h LEFT JOIN runs r ON r.run_id = h.run_id"
+    " WHERE h.run_id <> ? AND (r.run_id IS NULL OR r.status = 'running')"
+)
+SPEND_HELD = f"SELECT ({_HELD} AND h.session_id = ?), ({_HELD} AND h.project_id = ? AND h.day = ?)"
+INSERT_HOLD = "INSERT OR REPLACE INTO spend_holds VALUES (?,?,?,?,?)"
+DELETE_HOLD = "DELETE FROM spend_holds WHERE run_id = ?"
+DELETE_HOLDS = "DELETE FROM spend_holds"  # at open: one host, and none of its turns runs yet
 # a finished turn's entry, numbered after the session's count of turns (which COUNT_TURN then raises)
 ADD_TRANSCRIPT = (
     "INSERT INTO transcript (session_id, run_id, turn, prompt, response, created_at)"

@@ -87,10 +87,28 @@ class Spend:
 
 @dataclass(frozen=True, slots=True)
 class SpendSoFar:
-    """A session's spend over all its runs, and its project's on one UTC day (the ledger's)."""
+    """A session's spend over all its runs, and its project's on one UTC day (the ledger's); and
+    what running turns of each hold on top (``SpendHold``, USD nanos: each hold less what its run
+    has stored as spent so far), but the asking turn's own."""
 
     session: Spend
     project_day: Spend
+    session_held: int = 0
+    project_held: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SpendHold:
+    """What a turn reserves against its caps before it starts (docs/budgets.md#turns-at-once): its
+    ``max_cost_usd``, in USD nanos, on its session and its project's UTC ``day``. It counts while
+    its run runs (or is not stored yet), less what the run has stored as spent; the run's end
+    deletes it."""
+
+    run_id: str
+    session_id: str
+    project_id: str
+    day: str
+    cost_nanos: int
 
 
 def spend_of(usage: Usage | None) -> Spend:

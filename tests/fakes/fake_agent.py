@@ -61,6 +61,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  cached read 5, total 125)
     costs N      N usage_updates, each 0.10 USD more than the last (the session's cost so far in this
                  process, as `usage` counts it: 0.25 USD a turn), with no tokens: a cost reported mid-turn
+    spend X      one usage_update X USD (a decimal) more than the last, after those of `costs`
     env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
     readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
     writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
@@ -299,6 +300,8 @@ class Script:
         self.think, self.tool, self.permission = word("think"), word("tool"), word("permission")
         self.crash, self.garbage, self.usage = word("crash"), word("garbage"), word("usage")
         self.costs = number("costs") or 0
+        spend = re.search(r"\bspend\s+(\d+(?:\.\d+)?)\b", text)
+        self.spend = float(spend.group(1)) if spend else 0.0
         self.fail, self.edits = word("fail-prompt"), word("edits")
         # `env NAME`: the answer reports the agent's own environment variable NAME
         self.env_names = re.findall(r"\benv\s+([A-Za-z_][A-Za-z0-9_]*)", text)
@@ -1010,6 +1013,8 @@ class FakeAgent:
             await self._usage_update(sid)
         for _ in range(script.costs):
             await self._cost_update(sid, 0.10)
+        if script.spend:
+            await self._cost_update(sid, script.spend)
         if script.sleep_ms is not None and await self._cancelled_within(session, script.sleep_ms):
             return "cancelled", None
         if script.hang:

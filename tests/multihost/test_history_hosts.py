@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from rcoder.session.history import MADE_END_SEQ
 from rcoder.store.cluster import OWNER_LOST
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
@@ -70,8 +71,11 @@ async def test_a_host_killed_mid_turn_leaves_what_it_stored_and_the_run_ends_own
         assert kept[0] == seen[0] and len(kept) >= 2
         by_seq = {e.seq: e for e in seen}
         assert all(by_seq[e.seq] == e for e in kept if e.seq in by_seq)  # stored as streamed
+        gap = kept.pop()  # what a may have streamed past what it stored: one typed gap, then the end
         assert [e.seq for e in kept] == stored_seqs(hosts.store_url, run_id)
-        assert end.seq == kept[-1].seq + 1
+        assert (gap.gap.from_seq, gap.gap.to_seq) == (kept[-1].seq + 1, MADE_END_SEQ - 1)
+        assert gap.gap.reason == "OWNER_HOST_LOST"
+        assert end.seq == MADE_END_SEQ  # a seq no client was given for another event
         assert end.completed.stop_reason == pb.STOP_REASON_ERROR and end.completed.error == OWNER_LOST
 
 

@@ -45,6 +45,7 @@ from rcoder.session.opening import Action, TurnPlan
 from rcoder.session.runs import Run, RunRegistry
 from rcoder.session.spend_guard import SpendGuard
 from rcoder.session.turn import Phase, TurnRunner
+from rcoder.session.usage_writer import UsageWriter
 from rcoder.store.sqlite import SqliteStore
 from tests.conftest import base_settings
 from tests.harness import FakeAgentSetup, write_config
@@ -150,7 +151,7 @@ async def make_turns(
             settings, store, pool, runs, metrics, clock, tasks,
             SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics)),
             History(store, runs, settings.history_max_bytes_per_run, clock), Checkpoints(settings, store), claimed,
-            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed),
+            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock),
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)
         made.append(turns)

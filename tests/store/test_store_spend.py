@@ -18,7 +18,7 @@ from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.sqlite import SqliteStore
-from rcoder.store.usage import NANOS, Spend, SpendSoFar, spend_of
+from rcoder.store.usage import NANOS, Spend, SpendHold, SpendSoFar, spend_of
 from tests.store import both_stores
 from tests.store.both_stores import HOST, StoreFactory, ended_run, postgres_at, sqlite_at
 
@@ -108,6 +108,83 @@ async def test_an_end_stored_again_counts_once(store: SessionStore) -> None:
     # as a turn's end retried after the store seemed to refuse it (TurnRunner._record_end_later)
     await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=CLAUDE_TURN)
     assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.25), 125), Spend(usd(0.25), 125))
+
+
+async def test_usage_noted_mid_turn_counts_once_with_the_end_and_stays_when_no_end_comes(
+    new_store: StoreFactory,
+) -> None:
+    """A running run's reports are stored as they come (``note_usage``): its usage, its session's
+    spend and its project's day say the last, each part counted once, whether its end then
+    carries the same, more, or never comes (the daemon killed: the next open marks it interrupted)."""
+    store = new_store()
+    await store.open()
+    await store.create_session(session("s1"))
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    await store.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0))
+    for amount in (0.1, 0.2, 0.6):  # cumulative reports of one turn
+        await store.note_usage("r1", Usage(cost_amount=amount, cost_currency="USD"), T0)
+    await store.note_usage("r2", Usage(cost_amount=0.3, cost_currency="USD"), T0)
+    assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.9), 0), Spend(usd(0.9), 0))
+    run_usage = await store.get_run("r1")
+    assert run_usage is not None and run_usage.usage == Usage(cost_amount=0.6, cost_currency="USD")
+
+    # r1 ends with the answer's tokens and a little more cost: only what is new is added
+    end = Usage(input_tokens=100, total_tokens=125, cost_amount=0.65, cost_currency="USD")
+    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=end)
+    await store.note_usage("r1", Usage(cost_amount=5.0, cost_currency="USD"), T0)  # late: the run has ended
+    assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.95), 125), Spend(usd(0.95), 125))
+
+    # r2 never ends: a reopen marks it interrupted, and it keeps what was noted
+    await store.close()
+    reopened = new_store()
+    await reopened.open()
+    try:
+        interrupted = await reopened.get_run("r2")
+        assert interrupted is not None and interrupted.status is RunStatus.INTERRUPTED
+        assert interrupted.usage == Usage(cost_amount=0.3, cost_currency="USD")
+        assert await reopened.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.95), 125), Spend(usd(0.95), 125))
+    finally:
+        await reopened.close()
+
+
+async def test_holds_of_running_turns_count_for_the_others_until_their_runs_end(new_store: StoreFactory) -> None:
+    """``reserve_spend`` (docs/budgets.md#turns-at-once): a turn's hold counts for the other turns of
+    its session and its project's day, less what its run has stored as spent, while its run runs
+    (or is not stored yet); a refused check holds nothing; its end, ``release_spend`` and a reopen
+    free it."""
+    store = new_store()
+    await store.open()
+    seen: list[SpendSoFar] = []
+
+    def admit(so_far: SpendSoFar) -> None:
+        seen.append(so_far)
+
+    def refuse(so_far: SpendSoFar) -> None:
+        raise LookupError("refused")
+
+    await store.create_session(session("s1"))
+    await store.create_session(session("s2"))
+    await store.reserve_spend(SpendHold("r1", "s1", "proj", DAY, usd(0.9)), admit)  # not started yet: counts
+    with pytest.raises(LookupError):
+        await store.reserve_spend(SpendHold("r9", "s2", "proj", DAY, usd(5.0)), refuse)
+    await store.reserve_spend(SpendHold("r2", "s2", "proj", DAY, usd(0.5)), admit)
+    assert seen[-1] == SpendSoFar(Spend(), Spend(), 0, usd(0.9))  # r1's, not r9's (refused) nor its own
+    await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
+    await store.note_usage("r1", Usage(cost_amount=0.3, cost_currency="USD"), T0)  # spent: no longer held
+    await store.reserve_spend(SpendHold("r3", "s1", "proj", DAY, 0), admit)
+    assert seen[-1] == SpendSoFar(Spend(usd(0.3), 0), Spend(usd(0.3), 0), usd(0.6), usd(1.1))
+    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=None)
+    await store.release_spend("r2")
+    await store.reserve_spend(SpendHold("r4", "s1", "proj", DAY, usd(0.1)), admit)
+    assert seen[-1] == SpendSoFar(Spend(usd(0.3), 0), Spend(usd(0.3), 0), 0, 0)  # r1 ended, r2 released
+    await store.close()
+    reopened = new_store()
+    await reopened.open()  # r4 never started: a reopen frees what this host's turns held
+    try:
+        await reopened.reserve_spend(SpendHold("r5", "s2", "proj", DAY, 0), admit)
+        assert seen[-1] == SpendSoFar(Spend(), Spend(usd(0.3), 0), 0, 0)
+    finally:
+        await reopened.close()
 
 
 async def test_huge_spends_are_held_rather_than_fail_the_end(store: SessionStore) -> None:

@@ -31,6 +31,7 @@ from rcoder.domain import FileChange
 from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
 from rcoder.store.git_changes import listed, parse_changes
+from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import GIT_TIMEOUT, ChildGuard, GitResult, NoGuard, git_env, run_git
 from rcoder.store.tree_stat import TreeStat, skipped_dirs, stat_tree
 
@@ -67,6 +68,7 @@ CONFIG = (
     "core.quotePath=false",
     "core.untrackedCache=false",
     "gc.auto=0",  # never on the hot path: ``gc`` runs it off it
+    "gc.autoDetach=false",  # a gc is never left running in the background, past its bound
     "maintenance.auto=false",
     "diff.renames=false",
     "diff.noprefix=false",
@@ -109,6 +111,7 @@ class CheckpointRepo:
         guard: ChildGuard | None = None,
         timeout: float = GIT_TIMEOUT,
         split_min_bytes: int = SPLIT_MIN_BYTES,
+        jail: GitJail | None = None,
     ) -> None:
         # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
         # has, would otherwise name another place to each git command)
@@ -119,6 +122,7 @@ class CheckpointRepo:
         self._refs_folder = f"{self.git_dir}/{COMMIT_REF_PREFIX}"  # with its trailing slash
         self._skipping: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())  # patterns, their folders
         self._guard = guard or NoGuard()
+        self._jail = jail  # each git confined to what its command needs (rcoder.store.git_jail)
         self._env = git_env(self.git_dir)
         self._env.update(GIT_DIR=str(self.git_dir), GIT_WORK_TREE=str(self.work_tree), GIT_INDEX_FILE=str(self.index))
         self._flags = [arg for item in CONFIG for arg in ("-c", item)]
@@ -137,7 +141,9 @@ class CheckpointRepo:
         flags = list(self._flags)
         flags += ["-c", f"core.excludesFile={excludes if excludes is not None else '/dev/null'}"]
         env = self._env if index is None else {**self._env, "GIT_INDEX_FILE": str(index)}
-        return await run_git([*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok)
+        return await run_git(
+            [*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok, self._jail
+        )
 
     def made(self) -> bool:
         """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
@@ -151,10 +157,11 @@ class CheckpointRepo:
         self.forget_index()
         # 0700: no other user reads the stores (agents under a uid of their own included)
         self.git_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.git_dir.mkdir(mode=0o700, exist_ok=True)  # made here: a confined init may write in it only
         self.index.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = git_env(self.git_dir.parent)
         init = ["init", "--bare", "--quiet", "--template=", str(self.git_dir)]
-        await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard)
+        await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard, jail=self._jail)
         info = self.git_dir / "info"
         info.mkdir(exist_ok=True)
         (info / "attributes").write_text(ATTRIBUTES)
@@ -296,8 +303,9 @@ class CheckpointRepo:
     async def _update_refs(self, lines: str) -> None:
         flags = [*self._flags, "-c", "core.excludesFile=/dev/null"]
         await run_git(
-            [*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode()
-        )
+            [*flags, "update-ref", "--stdin"], self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode(),
+            jail=self._jail,
+        )  # fmt: skip
 
     async def resolve(self, ref: str) -> str | None:
         """The commit ``ref`` names, None when there is none."""

@@ -312,8 +312,7 @@ async def test_a_home_and_project_made_before_are_given_to_the_agent_user_withou
     """Agents ran as the daemon's user first (``agent_user = ""``): their home and project are the
     daemon's. Under ``AGENT_USER`` they become its, links in them as links: what one points to
     (outside) stays as it was."""
-    fake = FakeAgentSetup(root)
-    give_fake(fake)
+    fake = FakeAgentSetup(root)  # the daemon's, as the first agents run as root (with no capability to write another's)
     kit = AgentKit.make(root)
     outside = root / "outside.txt"
     outside.write_text("not the agent's\n")

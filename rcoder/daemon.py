@@ -13,11 +13,13 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from rcoder import __version__, tracing
+from rcoder import __version__, landlock, tracing
+from rcoder.agent import sandbox
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.pool import AgentPool
 from rcoder.agent.profile import network_of, readiness_of
+from rcoder.agent.tree import MARK, Trees
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
 from rcoder.api.callers import ClientTable, jwt_callers
@@ -53,6 +55,7 @@ from rcoder.session.turn import TurnRunner
 from rcoder.session.turn_tasks import TurnTasks
 from rcoder.session.usage_writer import UsageWriter
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
+from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 
 log = get_logger("rcoder.daemon")
 STORE_FILE = "rcoder.db"
@@ -71,6 +74,20 @@ def host_id_of(settings: Settings) -> str:
         return settings.host_id
     port = (settings.advertise_address or settings.listen).rpartition(":")[2]
     return f"{socket.gethostname()}:{port if port != '0' else f'pid{os.getpid()}'}"
+
+
+def git_jail(settings: Settings, trees: Trees) -> GitJail:
+    """How the checkpoints' git runs (docs/checkpoints.md#confinement): through the agents' exec
+    wrapper, reading the system around what no agent may reach either, and marked as this daemon
+    run's for the sweep after a killed daemon; unconfined (said once) where the kernel has no Landlock."""
+    wrapper = sandbox.wrapper_command() if settings.landlock_abi else None
+    if wrapper is None and settings.checkpoints:
+        why = landlock.why_not() or "the kernel has no Landlock"
+        effect = "a snapshot or a rewind may reach outside its project through a link the agent swaps in"
+        log.warning("checkpoint_git_unconfined", reason=why, effect=effect)
+    hidden = sandbox.protected(settings)
+    system = [p for path in GIT_SYSTEM for p in sandbox.around(Path(path), hidden)]
+    return GitJail(wrapper, system, {MARK: trees.new_mark()})
 
 
 def clock() -> datetime:
@@ -101,7 +118,8 @@ class Daemon:
         )
         # The one owner of a session's lease and its live agent here.
         self.holds = SessionHolds(self.pool, self.leases)
-        self.checkpoints = Checkpoints(settings, self.store, self.launcher.trees)  # docs/checkpoints.md
+        jail = git_jail(settings, self.launcher.trees)
+        self.checkpoints = Checkpoints(settings, self.store, self.launcher.trees, jail)  # docs/checkpoints.md
         self.worker = self._worker(settings)
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None

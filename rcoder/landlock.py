@@ -7,15 +7,20 @@ its own ``/proc/<pid>``, or no ``setpriv`` for its death signal), an agent is st
 an exec wrapper: ``rcoder/agent/confine.c`` built by ``make`` (the same steps in C, a bare
 exec), or where it is not built this file run as a script::
 
-    python -I -S -B landlock.py [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV...
+    python -I -S -B landlock.py [--parent PID] [--user UID:GID] [--cap NAME]...
+                                [--read PATH]... [--write PATH]... -- ARGV...
 
 which, in the new process and before the agent's program runs, builds a Landlock ruleset,
+empties the capability bounding set but for the ``--cap`` ones (``CAPABILITIES``: what a
+confined git of the checkpoints may keep; none for an agent) and clears the ambient set,
 switches to ``UID`` and ``GID`` with no supplementary groups when given
 (``rcoder.agent.agent_user``), sets ``PR_SET_PDEATHSIG=SIGKILL`` (after the switch, which clears
 it; and exits if ``PID``, the daemon, is already gone) — the ruleset's ``--read``
-paths readable and executable, ``--write`` paths readable and writable, nothing else on the
-file system — restricts itself with it (``no_new_privs`` first) and execs ``ARGV``. A Landlock
-domain is inherited by every process the agent starts and can never be lifted, only narrowed:
+paths readable and executable, ``--write`` paths readable and writable (never making a device
+node or a device ioctl), nothing else on the file system — keeps no capability but the ``--cap``
+ones in its permitted and effective sets (the inheritable set empty), restricts itself with it
+(``no_new_privs`` first) and execs ``ARGV``. A Landlock domain is inherited by every process
+the agent starts and can never be lifted, only narrowed:
 shells, MCP servers and language servers live under it too.
 
 Why a script and not ``preexec_fn``: the daemon has threads (grpc, the store's executor), and
@@ -40,12 +45,19 @@ _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the sa
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
+# the capabilities a confined command may keep (``--cap``), by name: the DAC overrides a confined
+# git of the checkpoints needs to read or write an agent's files (docs/confinement.md#security)
+CAPABILITIES = {"dac_override": 1, "dac_read_search": 2, "fowner": 3}
 _SIGKILL = 9
 
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _ABI1_FS = (1 << 13) - 1  # EXECUTE .. MAKE_SYM: reading, writing, making and removing files and folders
 REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
 READ = EXECUTE | READ_FILE | READ_DIR
+MAKE_CHAR, MAKE_BLOCK = 1 << 6, 1 << 11
+DEVICES = MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV  # never granted: no device node made, no device ioctl
 # the rights a rule on a file (not a folder) may carry
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
@@ -98,10 +110,56 @@ def _syscall(libc: ctypes.CDLL, number: int, *args: object) -> int:
     return int(libc.syscall(ctypes.c_long(number), *values))
 
 
-def _prctl(libc: ctypes.CDLL, option: int, value: int) -> int:
+def _prctl(libc: ctypes.CDLL, option: int, value: int, more: int = 0) -> int:
     return int(
-        libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        libc.prctl(
+            ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(more), ctypes.c_ulong(0), ctypes.c_ulong(0)
+        )
     )
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _capabilities(libc: ctypes.CDLL) -> tuple[_CapHeader, ctypes.Array[_CapData]]:
+    header, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    _check(libc.capget(ctypes.byref(header), data), "capget")
+    return header, data
+
+
+def bound(keep: int) -> None:
+    """Every capability out of this thread's bounding set but ``keep`` (a mask), the ambient set
+    cleared. Without ``CAP_SETPCAP`` the bounding set cannot shrink: a thread that holds no
+    capability has nothing to lose then (``no_new_privs`` keeps an exec from granting any), one
+    that holds some is refused."""
+    libc = _libc()
+    for cap in range(64):
+        if keep & (1 << cap) or _prctl(libc, _PR_CAPBSET_DROP, cap) == 0:
+            continue
+        code = ctypes.get_errno()
+        if code == errno.EINVAL:  # past the kernel's last capability
+            break
+        if code == errno.EPERM and not any(d.permitted for d in _capabilities(libc)[1]):
+            break
+        raise OSError(code, f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(code)}")
+    if _prctl(libc, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL) < 0 and ctypes.get_errno() != errno.EINVAL:
+        _check(-1, "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+
+
+def hold(keep: int) -> None:
+    """This thread's permitted and effective sets: ``keep`` (a mask) as far as still held; its
+    inheritable set empty."""
+    libc = _libc()
+    header, data = _capabilities(libc)
+    for word, item in enumerate(data):
+        item.permitted &= (keep >> (32 * word)) & 0xFFFFFFFF
+        item.effective, item.inheritable = item.permitted, 0
+    _check(libc.capset(ctypes.byref(header), data), "capset")
 
 
 def _check(result: int, what: str) -> int:
@@ -187,7 +245,7 @@ def build(read: list[str], write: list[str], thread: bool = False) -> tuple[int,
     size = ctypes.sizeof(attr) if version >= 6 else 2 * ctypes.sizeof(ctypes.c_uint64)
     ruleset = _check(_syscall(libc, _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0), "landlock_create_ruleset")
     try:
-        for paths, rights in ((read, READ), (write, handled)):
+        for paths, rights in ((read, READ), (write, handled & ~DEVICES)):
             for path in paths:
                 _allow(libc, ruleset, path, rights & handled, thread)
     except BaseException:
@@ -252,16 +310,30 @@ def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
                 break
             return parent, read, write, command
         value = next(args, None)
-        if value is None or arg not in ("--parent", "--user", "--read", "--write"):
+        if value is None or arg not in ("--parent", "--user", "--cap", "--read", "--write"):
             break
         if arg == "--parent":
             parent = int(value)
-        elif arg != "--user":  # read by user_of
+        elif arg not in ("--user", "--cap"):  # read by user_of, kept_of
             (read if arg == "--read" else write).append(value)
     raise ValueError(_USAGE)
 
 
-_USAGE = "usage: landlock.py [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV..."
+_USAGE = (
+    "usage: landlock.py [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... -- ARGV..."
+)
+
+
+def kept_of(argv: list[str]) -> int:
+    """The capabilities (a mask) the wrapper's arguments ``argv`` keep (``--cap``)."""
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    keep = 0
+    for arg, value in zip(head[::2], head[1::2], strict=False):
+        if arg == "--cap":
+            if value not in CAPABILITIES:
+                raise ValueError(f"--cap {value}: not one of {', '.join(CAPABILITIES)}")
+            keep |= 1 << CAPABILITIES[value]
+    return keep
 
 
 def user_of(argv: list[str]) -> tuple[int, int] | None:
@@ -293,13 +365,15 @@ def apply(argv: list[str], thread: bool = False) -> list[str]:
     The one implementation of "confine": the wrapper runs it in the process that becomes the
     agent, ``rcoder.agent.confined`` (through ``ruleset_of``) in a thread that then starts the
     agent (``thread``; it never switches uid)."""
-    parent, user = parse(argv)[0], user_of(argv)
+    parent, user, keep = parse(argv)[0], user_of(argv), kept_of(argv)
     # the rules are bound as the daemon's uid, as a confining thread binds them: the agent's uid
     # may not be able to open a granted path at all (then it cannot reach it either)
     ruleset, command, _ = ruleset_of(argv, thread)
     try:
+        bound(keep)  # before the switch: dropping from the bounding set needs CAP_SETPCAP
         if user is not None:
             switch_user(*user)  # before the death signal: a credential change clears it
+        hold(keep)
         if parent:
             _check(_prctl(_libc(), _PR_SET_PDEATHSIG, _SIGKILL), "prctl(PR_SET_PDEATHSIG)")
             if os.getppid() != parent:  # the daemon died before the death signal was armed

@@ -312,8 +312,7 @@ async def test_a_home_and_project_made_before_are_given_to_the_agent_user_withou
     """Agents ran as the daemon's user first (``agent_user = ""``): their home and project are the
     daemon's. Under ``AGENT_USER`` they become its, links in them as links: what one points to
     (outside) stays as it was."""
-    fake = FakeAgentSetup(root)
-    give_fake(fake)
+    fake = FakeAgentSetup(root)  # the daemon's, as the first agents run as root (with no capability to write another's)
     kit = AgentKit.make(root)
     outside = root / "outside.txt"
     outside.write_text("not the agent's\n")
@@ -366,3 +365,23 @@ async def test_a_rewind_gives_the_files_back_to_the_project_s_owner_and_the_agen
     owner = project.stat().st_uid
     assert owner == AGENT_UID and {(project / p).lstat().st_uid for p in ("sub", "sub/mine.txt")} == {AGENT_UID}
     assert (root / "data" / "checkpoints").stat().st_mode & 0o077 == 0
+
+
+async def test_an_agent_s_private_files_are_recorded_and_rewound_by_a_git_with_one_dac_capability(
+    separate: tuple[Daemon, Client, FakeAgentSetup], root: Path
+) -> None:
+    # the checkpoints' git keeps CAP_DAC_READ_SEARCH to snapshot, CAP_DAC_OVERRIDE to restore, and
+    # nothing else (docs/checkpoints.md#confinement): a 0600 file in a 0700 folder of the agent's
+    _, client, _ = separate
+    project = root / "ws" / "proj"
+    made = await client.chat(
+        agent="bare", project_id="proj", prompt="shell mkdir -m 700 priv && echo one > priv/key && chmod 600 priv/key"
+    )
+    assert "priv/key" in {c.path for c in made[-1].completed.changes}, made[-1]
+    later = await client.chat(
+        agent="bare", project_id="proj", session_id=made[0].session_id, prompt="shell echo two > priv/key"
+    )
+    assert "priv/key" in {c.path for c in later[-1].completed.changes}, later[-1]
+    request = pb.RewindSessionRequest(session_id=made[0].session_id, run_id=later[0].run_id)
+    await client.stub.RewindSession(request)
+    assert (project / "priv" / "key").read_text() == "one\n"

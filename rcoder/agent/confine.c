@@ -4,18 +4,24 @@
  * (~15-30 ms). Built by `make` (`cc -static`); where it is not built, rcoder starts agents through
  * `python -I -S landlock.py` with the same arguments (rcoder.agent.sandbox.wrapper_command).
  *
- *     rcoder-confine [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV...
+ *     rcoder-confine [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... -- ARGV...
  *
  * It does what rcoder/landlock.py's apply() and main() do, in the same order, and nothing more
  * (docs/confinement.md#what-an-agent-can-reach, "How."; tests/test_landlock.py runs each test of the
  * wrapper against both):
  *   1. a ruleset handling every file-system right the kernel's ABI has (scoped signals and
  *      abstract UNIX sockets from ABI 6); --read paths get execute and read, --write paths every
- *      handled right; a path that does not exist is skipped; a path that does not name itself
+ *      handled right but making device nodes and device ioctls; a path that does not exist is
+ *      skipped; a path that does not name itself
  *      (a link put in its place since rcoder resolved it) is skipped, /proc and /dev entries
  *      excepted (/proc/self is this process's own: the reason to confine here, after the fork);
  *      a rule on a file keeps only the rights a file can carry;
- *   2. --user: no supplementary groups, then the gid and uid (real, effective, saved);
+ *   2. capabilities: the bounding set emptied but for the --cap ones (dac_override,
+ *      dac_read_search, fowner: what a confined git of the checkpoints may keep), the ambient set
+ *      cleared; --user: no supplementary groups, then the gid and uid (real, effective, saved);
+ *      then the permitted and effective sets are the --cap ones still held, the inheritable set
+ *      empty. A root process execs with its bounding set as its capabilities, anyone else with
+ *      none (docs/confinement.md#security);
  *   3. --parent: PR_SET_PDEATHSIG=SIGKILL, after the switch (which clears it), and an exit if the
  *      daemon is already gone;
  *   4. no_new_privs, landlock_restrict_self, execv(ARGV).
@@ -33,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -56,10 +63,15 @@
 #define READ (EXECUTE | READ_FILE | READ_DIR)
 #define FILE_RIGHTS (EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV)
 #define SCOPES 3ull /* abstract UNIX sockets, signals: ABI 6 */
+#define MAKE_CHAR (1ull << 6)
+#define MAKE_BLOCK (1ull << 11)
+#define DEVICES (MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV) /* never granted: no device node, no device ioctl */
 
 #define EXIT_NOT_CONFINED 126
 #define EXIT_NOT_FOUND 127
-#define USAGE "usage: rcoder-confine [--parent PID] [--user UID:GID] [--read PATH]... [--write PATH]... -- ARGV..."
+#define USAGE                                                                                              \
+    "usage: rcoder-confine [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... " \
+    "-- ARGV..."
 
 struct ruleset_attr {
     uint64_t handled_access_fs;
@@ -159,8 +171,60 @@ static void allow(int ruleset, const char *path, uint64_t rights) {
     close(fd);
 }
 
+/* the capabilities a confined command may keep, by name (landlock.py's CAPABILITIES) */
+static uint64_t capability(const char *name) {
+    if (!strcmp(name, "dac_override"))
+        return 1ull << CAP_DAC_OVERRIDE;
+    if (!strcmp(name, "dac_read_search"))
+        return 1ull << CAP_DAC_READ_SEARCH;
+    if (!strcmp(name, "fowner"))
+        return 1ull << CAP_FOWNER;
+    refuse("--cap %s: not one of dac_override, dac_read_search, fowner", name);
+    return 0;
+}
+
+static void get_caps(struct __user_cap_data_struct data[2]) {
+    struct __user_cap_header_struct header = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    if (syscall(SYS_capget, &header, data) < 0)
+        refuse("capget: %s", strerror(errno));
+}
+
+/* every capability out of the bounding set but `keep`, the ambient set cleared. A process without
+ * CAP_SETPCAP cannot drop from its bounding set: one that holds no capability has nothing to lose
+ * (no_new_privs keeps an exec from granting any), one that holds some is refused. */
+static void bound(uint64_t keep) {
+    for (int cap = 0; cap < 64; cap++) {
+        if (keep & (1ull << cap))
+            continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0 || errno == EINVAL) /* EINVAL: past the kernel's last */
+            continue;
+        struct __user_cap_data_struct data[2];
+        get_caps(data);
+        if (errno == EPERM && !(data[0].permitted | data[1].permitted))
+            break;
+        refuse("prctl(PR_CAPBSET_DROP, %d): %s", cap, strerror(errno));
+    }
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+        refuse("prctl(PR_CAP_AMBIENT_CLEAR_ALL): %s", strerror(errno));
+}
+
+/* the permitted and effective sets: `keep` as far as still held; the inheritable set empty */
+static void hold(uint64_t keep) {
+    struct __user_cap_header_struct header = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct data[2];
+    get_caps(data);
+    for (int i = 0; i < 2; i++) {
+        data[i].permitted &= (uint32_t)(keep >> (32 * i));
+        data[i].effective = data[i].permitted;
+        data[i].inheritable = 0;
+    }
+    if (syscall(SYS_capset, &header, data) < 0)
+        refuse("capset: %s", strerror(errno));
+}
+
 int main(int argc, char **argv) {
     long parent = 0, uid = -1, gid = -1;
+    uint64_t keep = 0;
     const char **read = calloc((size_t)argc, sizeof *read), **write = calloc((size_t)argc, sizeof *write);
     int reads = 0, writes = 0, command = 0;
     if (!read || !write)
@@ -185,6 +249,8 @@ int main(int argc, char **argv) {
             uid_text[length] = '\0';
             if (!number(uid_text, &uid) || !number(colon + 1, &gid))
                 refuse("%s", USAGE);
+        } else if (!strcmp(argv[i], "--cap")) {
+            keep |= capability(value);
         } else if (!strcmp(argv[i], "--read")) {
             read[reads++] = value;
         } else if (!strcmp(argv[i], "--write")) {
@@ -209,14 +275,16 @@ int main(int argc, char **argv) {
     for (int i = 0; i < reads; i++)
         allow(ruleset, read[i], READ & handled);
     for (int i = 0; i < writes; i++)
-        allow(ruleset, write[i], handled);
+        allow(ruleset, write[i], handled & ~DEVICES);
 
-    /* 2. the agent's uid and gid */
+    /* 2. no capability but the kept ones, then the agent's uid and gid */
+    bound(keep);
     if (uid >= 0) {
         if (setgroups(0, NULL) < 0 || setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0 ||
             setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0)
             refuse("switching to %ld:%ld: %s", uid, gid, strerror(errno));
     }
+    hold(keep);
     /* 3. the death signal */
     if (parent) {
         if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)

@@ -78,11 +78,32 @@ def _pdeathsig_prefix() -> tuple[str, ...]:
         except (OSError, subprocess.SubprocessError) as exc:
             why = f"{setpriv} --help failed: {exc}"
         else:
-            if b"--pdeathsig" in usage:
-                return (setpriv, "--pdeathsig", "KILL", "--")
-            why = f"{setpriv} has no --pdeathsig (util-linux older than 2.33)"
+            if all(flag in usage for flag in (b"--pdeathsig", b"--ambient-caps", b"--bounding-set", b"--nnp")):
+                return (setpriv, "--pdeathsig", "KILL", *_no_capabilities(), "--")
+            why = f"{setpriv} has no --pdeathsig, --ambient-caps or --bounding-set (util-linux older than 2.33)"
     log.warning("pdeathsig_unavailable", reason=why, effect="agents outlive a killed daemon until its next start")
     return ()
+
+
+_CAP_SETPCAP = 8
+
+
+def _holds_setpcap() -> bool:
+    """Whether the daemon may empty a child's capability bounding set (``CAP_SETPCAP``, as root)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text()
+        effective = next(line for line in status.splitlines() if line.startswith("CapEff:"))
+        return bool(int(effective.split()[1], 16) & (1 << _CAP_SETPCAP))
+    return False
+
+
+# An agent holds no capability, whatever uid it runs as (docs/confinement.md#security): setpriv
+# clears its inheritable and ambient sets and empties its bounding set (a root process execs with
+# its bounding set as its capabilities; dropping from it needs CAP_SETPCAP, which a daemon without
+# it does not hold, nor any other to pass on), and sets no_new_privs.
+def _no_capabilities() -> tuple[str, ...]:
+    bounding = ("--bounding-set=-all",) if _holds_setpcap() else ()
+    return ("--inh-caps=-all", "--ambient-caps=-all", *bounding, "--nnp")
 
 
 def _as_user(prefix: tuple[str, ...], user: tuple[int, int] | None) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
 from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref
 from rcoder.store.git_changes import listed
+from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard
 
 if TYPE_CHECKING:
@@ -133,8 +134,11 @@ class RunDiff:
 
 
 class Checkpoints:
-    def __init__(self, settings: Settings, store: SessionStore, guard: ChildGuard | None = None) -> None:
+    def __init__(
+        self, settings: Settings, store: SessionStore, guard: ChildGuard | None = None, jail: GitJail | None = None
+    ) -> None:
         self._guard = guard  # the daemon's reaper, kept off git's exit status (``ChildGuard``)
+        self._jail = jail  # each git confined by the kernel (rcoder.store.git_jail)
         self.enabled = settings.checkpoints
         self._root = checkpoint_root(settings)
         self._index_dir = settings.data_dir / "checkpoint-index"
@@ -162,7 +166,7 @@ class Checkpoints:
                 drop_flat_indexes(self._index_dir)
             work_tree = Path(cwd) if cwd else self._workspace / project_id
             git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id / "index"
-            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=self._bounds)
+            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=self._bounds, jail=self._jail)
             self._repos[project_id] = repo
         return repo
 

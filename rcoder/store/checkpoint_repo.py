@@ -37,6 +37,7 @@ from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
 from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.git_changes import listed, parse_changes
+from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import GIT_TIMEOUT, ChildGuard, GitResult, NoGuard, git_env, run_git
 from rcoder.store.tree_stat import TreeStat, stat_tree
 from rcoder.store.unstored import (
@@ -88,6 +89,7 @@ CONFIG = (
     "core.quotePath=false",
     "core.untrackedCache=false",
     "gc.auto=0",  # never on the hot path: ``gc`` runs it off it
+    "gc.autoDetach=false",  # a gc is never left running in the background, past its bound
     "maintenance.auto=false",
     "diff.renames=false",
     "diff.noprefix=false",
@@ -144,6 +146,7 @@ class CheckpointRepo:
         timeout: float = GIT_TIMEOUT,
         split_min_bytes: int = SPLIT_MIN_BYTES,
         bounds: Bounds = Bounds(),  # noqa: B008 (frozen)
+        jail: GitJail | None = None,
     ) -> None:
         # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
         # has, would otherwise name another place to each git command)
@@ -159,6 +162,7 @@ class CheckpointRepo:
         self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
         self._swept = False  # leftovers of gits ended long ago removed, once per process
         self._guard = guard or NoGuard()
+        self._jail = jail  # each git confined to what its command needs (rcoder.store.git_jail)
         self._env = git_env(self.git_dir)
         self._env.update(GIT_DIR=str(self.git_dir), GIT_WORK_TREE=str(self.work_tree), GIT_INDEX_FILE=str(self.index))
         self._flags = [arg for item in CONFIG for arg in ("-c", item)]
@@ -175,7 +179,9 @@ class CheckpointRepo:
     ) -> GitResult:
         flags = self._flags
         env = self._env if index is None else {**self._env, "GIT_INDEX_FILE": str(index)}
-        return await run_git([*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok)
+        return await run_git(
+            [*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok, self._jail
+        )
 
     def made(self) -> bool:
         """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
@@ -189,10 +195,11 @@ class CheckpointRepo:
         self.forget_index()
         # 0700: no other user reads the stores (agents under a uid of their own included)
         self.git_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.git_dir.mkdir(mode=0o700, exist_ok=True)  # made here: a confined init may write in it only
         self.index.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = git_env(self.git_dir.parent)
         init = ["init", "--bare", "--quiet", "--template=", str(self.git_dir)]
-        await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard)
+        await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard, jail=self._jail)
         info = self.git_dir / "info"
         info.mkdir(exist_ok=True)
         (info / "attributes").write_text(ATTRIBUTES)
@@ -398,7 +405,7 @@ class CheckpointRepo:
 
     async def _update_refs(self, lines: str) -> None:
         args = [*self._flags, "update-ref", "--stdin"]
-        await run_git(args, self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode())
+        await run_git(args, self._env, self.work_tree, self.timeout, 0, self._guard, lines.encode(), jail=self._jail)
 
     async def resolve(self, ref: str) -> str | None:
         """The commit ``ref`` names, None when there is none."""
@@ -481,7 +488,7 @@ class CheckpointRepo:
         # check-ignore takes no pathspec magic: the paths as they are, without GIT_LITERAL_PATHSPECS
         env = {key: value for key, value in self._env.items() if key != "GIT_LITERAL_PATHSPECS"}
         args = [*self._flags, "check-ignore", "--no-index", "-z", "--stdin"]
-        ignored = await run_git(args, env, self.work_tree, self.timeout, 0, self._guard, stdin, (0, 1))
+        ignored = await run_git(args, env, self.work_tree, self.timeout, 0, self._guard, stdin, (0, 1), self._jail)
         keep_out = {path for path in ignored.out.split(b"\0") if path}
         tree = await self.git("ls-tree", "-r", "-z", "--full-tree", commit)
         submodules = [row.partition(b"\t")[2] + b"/" for row in tree.out.split(b"\0") if row.startswith(b"160000 ")]

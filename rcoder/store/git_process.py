@@ -1,5 +1,6 @@
 """Running ``git`` for the checkpoint stores (docs/checkpoints.md): a clean environment, a process
-group of its own, a timeout, and a reaper that keeps off git's exit status."""
+group of its own, a timeout, a reaper that keeps off git's exit status, and the kernel's
+confinement to what the command needs (``rcoder.store.git_jail``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rcoder.errors import CheckpointError
+from rcoder.store.git_jail import GitJail
 
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
 IDENTITY = {
@@ -80,13 +82,16 @@ async def run_git(
     guard: ChildGuard = NoGuard(),  # noqa: B008 (stateless)
     stdin: bytes | None = None,
     ok: tuple[int, ...] = (0,),
+    jail: GitJail | None = None,
 ) -> GitResult:
     """``git args`` in a process group of its own, ended with it on every path (a timeout, a
-    cancel, ``limit`` bytes of output read: 0 for no bound). A failure is ``CheckpointError``."""
+    cancel, ``limit`` bytes of output read: 0 for no bound); confined by ``jail`` when given. A
+    failure is ``CheckpointError``."""
+    argv, env = (["git", *args], env) if jail is None else jail.command(args, env)
     with guard.spawning():
         try:
             process = await asyncio.create_subprocess_exec(
-                "git", *args, cwd=cwd, env=env, start_new_session=True,
+                *argv, cwd=cwd, env=env, start_new_session=True,
                 stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )  # fmt: skip

@@ -135,6 +135,9 @@ def probe(jail: GitJail, args: list[str], env: dict[str, str], script: str) -> l
     ("command", "expected"),
     [
         ("add", ["read-project", "no-project-write", "store-write", "no-outside"]),
+        ("update-index", ["read-project", "no-project-write", "store-write", "no-outside"]),
+        ("hash-object", ["no-project-read", "no-project-write", "store-write", "no-outside"]),
+        ("cat-file", ["no-project-read", "no-project-write", "no-store-write", "no-outside"]),
         ("read-tree", ["read-project", "project-write", "no-store-write", "no-outside"]),
         ("diff-tree", ["no-project-read", "no-project-write", "no-store-write", "no-outside"]),
         ("gc", ["no-project-read", "no-project-write", "store-write", "no-outside"]),
@@ -180,7 +183,7 @@ def watch_gits(mark: str, seen: dict[str, dict[str, str]], stop: threading.Event
                 continue
             if f"{MARK}={mark}".encode() not in environ.split(b"\0"):
                 continue
-            command = next((a.decode() for a in cmdline[1:] if a in (b"add", b"read-tree")), None)
+            command = next((a.decode() for a in cmdline[1:] if a in (b"update-index", b"read-tree")), None)
             caps = capabilities_of(int(entry))
             if command and caps:
                 seen.setdefault(command, caps)
@@ -206,14 +209,14 @@ async def test_a_snapshot_s_and_a_restore_s_git_hold_one_dac_capability_and_no_n
                     (project / f"d{d}" / f"f{n}").write_bytes(os.urandom(2048))
             await repo.snapshot([], "second")
             await repo.restore(first)
-            if {"add", "read-tree"} <= set(seen):
+            if {"update-index", "read-tree"} <= set(seen):
                 break
     finally:
         stop.set()
         await asyncio.to_thread(watcher.join, 10)
     expected = {"CapInh": "0" * 16, "CapAmb": "0" * 16, "NoNewPrivs": "1"}
     dac_read_search, dac_override = f"{1 << 2:016x}", f"{1 << 1:016x}"
-    assert seen["add"] == {**expected, "CapPrm": dac_read_search, "CapEff": dac_read_search, "CapBnd": dac_read_search}
+    assert seen["update-index"] == {**expected, "CapPrm": dac_read_search, "CapEff": dac_read_search, "CapBnd": dac_read_search}
     assert seen["read-tree"] == {**expected, "CapPrm": dac_override, "CapEff": dac_override, "CapBnd": dac_override}
 
 

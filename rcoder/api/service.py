@@ -21,7 +21,7 @@ from rcoder.api import convert, page_tokens, validate
 from rcoder.api.files import FileRpcs
 from rcoder.api.forwarding import NotHeld
 from rcoder.api.routed import Routes, retry_hint
-from rcoder.api.scope import DELETED_MISSING, STORED_RUN_MISSING, Call, Scope
+from rcoder.api.scope import DELETED_MISSING, RUN_MISSING, STORED_RUN_MISSING, Call, Scope
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.files import ProjectFiles
@@ -334,7 +334,9 @@ class AgentRunnerService(FileRpcs):
             validate.identifier(request.session_id, "session_id", required=True)
             validate.identifier(request.run_id, "run_id", required=True)
             await self._scope.session(call, request.session_id)
-            call.run_id = request.run_id
+            # another tenant's run answers as a missing one (rcoder.session.rewinding's), not as a
+            # run of another session
+            await self._scope.run(call, request.run_id, errors.NotFound("run", request.run_id, RUN_MISSING))
 
             async def here() -> pb.RewindSessionResponse:
                 done = await self._worker.rewind_session(request.session_id, request.run_id)
@@ -378,8 +380,10 @@ class AgentRunnerService(FileRpcs):
             validate.identifier(request.session_id, "session_id", required=True)
             check_project_id(request.project_id)
             validate.identifier(request.agent, "agent")
+            # the branch's project first: its answer does not depend on the source, so a source
+            # of another tenant's and one that does not exist meet the same refusal
+            self._scope.project(call, request.project_id)
             await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
-            self._scope.project(call, request.project_id)  # the branch's
 
             async def here() -> pb.ForkSessionResponse:
                 forked = await self._worker.fork(request.session_id, request.project_id, request.agent)

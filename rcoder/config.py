@@ -36,6 +36,7 @@ from rcoder.config_types import (
     HostId,
     HostPort,
     MemorySize,
+    OptionalConfigPath,
     OtlpEndpoint,
     PeerHost,
     ProjectPattern,
@@ -256,8 +257,9 @@ class SettingsKeys(_Schema):
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
     # scoped callers besides the admin token (rcoder.api.callers): JWTs from the platform's identity provider
-    jwt_jwks_file: str = ""
-    """a JWKS file: bearer JWTs signed by its keys are scoped callers ("": none); re-read when it changes"""
+    jwt_jwks_file: OptionalConfigPath = ""
+    """a JWKS file (relative: beside the config file): bearer JWTs signed by its keys are scoped callers
+    ("": none); re-read when it changes, and every JWT refused while it is empty, unreadable or missing"""
     jwt_issuer: str = ""
     """the iss a JWT must carry (required with jwt_jwks_file)"""
     jwt_audience: str = ""

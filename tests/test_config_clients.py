@@ -72,3 +72,16 @@ def test_a_token_file_that_cannot_be_read_is_a_config_error(tmp_path: Path) -> N
         with pytest.raises(ConfigError) as caught:
             ClientTable(settings.clients)  # type: ignore[attr-defined]
         assert caught.value.key == "clients[0] (acme).token_file"
+
+
+def test_jwt_jwks_file_is_found_beside_the_config_file_not_in_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "etc"
+    config.mkdir()
+    monkeypatch.chdir(tmp_path)  # the daemon started from elsewhere
+    text = 'auth_token = "t"\njwt_jwks_file = "jwks.json"\njwt_issuer = "https://id.example"\njwt_audience = "r"\n'
+    (config / "rcoder.toml").write_text(text)
+    settings = load_settings(config / "rcoder.toml", {})
+    assert settings.jwt_jwks_file == str(config / "jwks.json")
+    assert load(tmp_path, 'auth_token = "t"\n').jwt_jwks_file == ""  # type: ignore[attr-defined]

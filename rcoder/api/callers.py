@@ -55,7 +55,7 @@ ROLES = {role.name.lower(): role for role in Role}
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    name: str  # a client's name, a JWT's subject, "admin": logs and the audit trail
+    name: str  # a client's name, "jwt:<sub>" for a JWT, "admin": logs and the audit trail
     role: Role
     projects: tuple[str, ...]  # fnmatch patterns over project_id; every project for the admin role
     label: str  # metrics: the client's name, "jwt" or "admin"
@@ -93,6 +93,7 @@ def _matcher(patterns: tuple[str, ...]) -> re.Pattern[str]:
 
 
 ADMIN = Caller.of("admin", Role.ADMIN, ("*",), "admin")
+JWT_PREFIX = "jwt:"  # a JWT caller's name: "jwt:<sub>"
 
 
 def _digest(token: str | bytes) -> str:
@@ -141,7 +142,8 @@ def jwt_caller(subject: str, role: str, projects: Iterable[str]) -> Caller:
             check_project_pattern(pattern)
         except ValueError as exc:
             raise errors.Unauthenticated(f"JWT claim rcoder_projects: {exc}") from None
-    return Caller.of(subject, ROLES[role], patterns, "jwt")
+    # "jwt:" + sub: no configured client (their names have no ':') nor the admin can be posed as
+    return Caller.of(f"{JWT_PREFIX}{subject}", ROLES[role], patterns, "jwt")
 
 
 def jwt_callers(jwks_file: str, issuer: str, audience: str) -> Callable[[str], Caller] | None:

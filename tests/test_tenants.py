@@ -330,6 +330,35 @@ async def test_every_change_is_attributed(make_daemon: DaemonFactory, tmp_path: 
     assert sorted(stored) == sorted(filled)
 
 
+async def test_audit_rows_name_the_project_and_path_the_call_named_refused_or_not(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon, client = await tenants(make_daemon, tmp_path)
+    stub = client.stub
+    await chat(client, ACME, "acme-1")  # the project's folder
+    reader = as_(ACME_READER)
+    write = pb.WriteFileChunk(project_id="acme-1", path="src/a.txt", data=b"hi")
+    await refusal(stub.WriteFile(iter([write]), metadata=reader))
+    await refusal(stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="src/a.txt"), metadata=reader))
+    await stream_refusal(stub.Chat(pb.ChatRequest(project_id="acme-1", prompt="x"), metadata=reader))
+    await stub.WriteFile(iter([write]), metadata=as_(ACME))
+    await stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="src/a.txt"), metadata=as_(ACME))
+
+    lines = (await daemon.wait_log("audit", count=6))[1:]
+    expected = [
+        ("acme-console", "WriteFile", "acme-1", "src/a.txt", "PERMISSION_DENIED"),
+        ("acme-console", "DeleteFile", "acme-1", "src/a.txt", "PERMISSION_DENIED"),
+        ("acme-console", "Chat", "acme-1", "", "PERMISSION_DENIED"),
+        ("acme-chat", "WriteFile", "acme-1", "src/a.txt", "OK"),
+        ("acme-chat", "DeleteFile", "acme-1", "src/a.txt", "OK"),
+    ]
+    assert [(r["client"], r["method"], r["project_id"], r["path"], r["code"]) for r in lines] == expected
+    await daemon.stop()  # the rows are written off the calls' path: all of them by the time it stops
+    with sqlite3.connect(tmp_path / "data" / "rcoder.db") as db:
+        stored = db.execute("SELECT client, method, project_id, path, code FROM audit ORDER BY id").fetchall()
+    assert stored[1:] == expected
+
+
 async def test_no_client_can_claim_to_be_a_forward(make_daemon: DaemonFactory, tmp_path: Path) -> None:
     _, client = await tenants(make_daemon, tmp_path)
     stub = client.stub

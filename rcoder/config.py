@@ -212,6 +212,8 @@ class ClientKeys(_Schema):
     """fnmatch patterns over project_id (*, ?, [seq], [!seq]): the projects it sees and drives"""
     role: Literal["reader", "operator", "admin"]
     """reader: reads; operator: reads, turns, cancels, permissions, forks, closes, deletes; admin: all, everywhere"""
+    agents: Annotated[tuple[str, ...], Strict(False)] | None = None
+    """the profiles it may name (unset: every profile that is confined; a sandbox = "none" one only when listed)"""
 
 
 class SettingsKeys(_Schema):
@@ -513,6 +515,11 @@ def _check_callers(settings: Settings) -> None:
             )
         if client.token_sha256:
             digests[client.token_sha256] = index
+        unknown = [name for name in client.agents or () if name not in settings.agents]
+        if unknown:
+            raise ConfigError(
+                f"{entry}.agents", f"no profile named {unknown[0]!r}: profiles are {', '.join(sorted(settings.agents))}"
+            )
     jwt = {"jwt_jwks_file": settings.jwt_jwks_file, "jwt_issuer": settings.jwt_issuer,
            "jwt_audience": settings.jwt_audience}  # fmt: skip
     if any(jwt.values()) and not all(jwt.values()):

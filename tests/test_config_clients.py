@@ -43,6 +43,7 @@ def load(tmp_path: Path, text: str) -> object:
         (entry(colour="blue"), "clients[0].colour", "unknown key"),
         ('jwt_jwks_file = "keys.json"\njwt_issuer = "https://id.example"\n', "jwt_audience", "jwt_audience unset"),
         ('auth_token = ""\nopen_to_agents = true\n' + entry(), "clients", "open_to_agents"),
+        (entry(agents=["claude", "nope"]), "clients[0] (acme).agents", "no profile named 'nope'"),
     ],
 )
 def test_a_wrong_caller_entry_is_a_config_error_naming_it(tmp_path: Path, text: str, key: str, problem: str) -> None:

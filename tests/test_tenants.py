@@ -20,7 +20,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, Daemon, completed, error_info, text_of
+from tests.harness import Client, Daemon, FakeAgentSetup, completed, error_info, text_of
 from tests.turns import read_until, rest_of
 
 ADMIN = "admin-token-for-tenants"
@@ -357,6 +357,34 @@ async def test_audit_rows_name_the_project_and_path_the_call_named_refused_or_no
     with sqlite3.connect(tmp_path / "data" / "rcoder.db") as db:
         stored = db.execute("SELECT client, method, project_id, path, code FROM audit ORDER BY id").fetchall()
     assert stored[1:] == expected
+
+
+async def test_a_client_names_only_its_profiles_and_an_unconfined_one_only_when_given_it(
+    make_daemon: DaemonFactory, tmp_path: Path, fake: FakeAgentSetup
+) -> None:
+    given = [{**clients(tmp_path)[0]}, {**clients(tmp_path)[1], "agents": ["open"]}]  # acme: unset; beta: open
+    profiles = {"fake": fake.profile(), "open": fake.profile(sandbox="none")}
+    _, client = await make_daemon(profiles, auth_token=ADMIN, clients=given)
+
+    async def refused(token: str, project: str, **fields: str) -> grpc.aio.AioRpcError:
+        exc = await client.chat_error(prompt="hi", project_id=project, metadata=as_(token), **fields)
+        assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc.details()
+        assert error_info(exc).reason == "AGENT_NOT_ALLOWED"
+        return exc
+
+    exc = await refused(ACME, "acme-1", agent="open")  # unconfined, and not given to acme
+    assert "'acme-chat' may not run agent 'open'" in (exc.details() or "") and 'sandbox = "none"' in exc.details()
+    own = await chat(client, ACME, "acme-1")  # the default profile, confined
+    exc = await refused(BETA, "beta-1", agent="fake")  # beta names its profiles: only "open"
+    assert "it may run open" in (exc.details() or "")
+    await refused(BETA, "beta-1")  # nor the default one, when it names none
+    opened = await client.chat(prompt="hi", project_id="beta-1", agent="open", metadata=as_(BETA))
+    assert completed(opened).stop_reason == pb.STOP_REASON_END_TURN
+    admin = await client.chat(prompt="hi", project_id="acme-1", agent="open", metadata=as_(ADMIN))
+    assert completed(admin).stop_reason == pb.STOP_REASON_END_TURN
+    fork = pb.ForkSessionRequest(session_id=own.session_id, project_id="acme-1", agent="open")
+    exc = await refusal(client.stub.ForkSession(fork, metadata=as_(ACME)))
+    assert exc.code() == grpc.StatusCode.PERMISSION_DENIED and error_info(exc).reason == "AGENT_NOT_ALLOWED"
 
 
 async def test_no_client_can_claim_to_be_a_forward(make_daemon: DaemonFactory, tmp_path: Path) -> None:

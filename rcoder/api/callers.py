@@ -59,12 +59,23 @@ class Caller:
     role: Role
     projects: tuple[str, ...]  # fnmatch patterns over project_id; every project for the admin role
     label: str  # metrics: the client's name, "jwt" or "admin"
+    # the profiles it may name; None: every confined one (docs/access.md#tenants); the admin: all
+    agents: frozenset[str] | None = None
     _match: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, name: str, role: Role, projects: Iterable[str], label: str) -> Caller:
+    def of(
+        cls, name: str, role: Role, projects: Iterable[str], label: str, agents: Iterable[str] | None = None
+    ) -> Caller:
         patterns = tuple(projects)
-        return cls(name, role, patterns, label, _matcher(patterns) if role is not Role.ADMIN else None)
+        matcher = _matcher(patterns) if role is not Role.ADMIN else None
+        return cls(name, role, patterns, label, frozenset(agents) if agents is not None else None, matcher)
+
+    def may_run(self, agent: str, unconfined: bool) -> bool:
+        """Whether it may name profile ``agent`` (``unconfined``: its sandbox is "none")."""
+        if self.role is Role.ADMIN:
+            return True
+        return agent in self.agents if self.agents is not None else not unconfined
 
     @property
     def everywhere(self) -> bool:
@@ -108,7 +119,9 @@ class ClientTable:
         self._by_digest: dict[str, Caller] = {}
         for index, client in enumerate(clients):
             digest = client.token_sha256 or _digest(_read_token(client.token_file, f"clients[{index}] ({client.name})"))
-            self._by_digest[digest] = Caller.of(client.name, ROLES[client.role], client.projects, client.name)
+            self._by_digest[digest] = Caller.of(
+                client.name, ROLES[client.role], client.projects, client.name, client.agents
+            )
 
     def __len__(self) -> int:
         return len(self._by_digest)

@@ -82,6 +82,21 @@ class Scope:
                 project_id=project_id,
             )
 
+    @staticmethod
+    def agent(call: Call, agent: str, unconfined: bool) -> None:
+        """The caller may name profile ``agent``: its ``[[clients]] agents``, or else every
+        confined profile (one that runs with ``sandbox = "none"`` is the admin's unless given)."""
+        caller = call.caller
+        if not caller.may_run(agent, unconfined):
+            may = ", ".join(sorted(caller.agents)) if caller.agents is not None else "its confined profiles"
+            why = ' (it runs unconfined: sandbox = "none")' if unconfined and caller.agents is None else ""
+            raise errors.PermissionDenied(
+                f"client {caller.name!r} may not run agent {agent!r}{why}: it may run {may or 'none'}",
+                reason="AGENT_NOT_ALLOWED",
+                client=caller.name,
+                agent=agent,
+            )
+
     async def session(self, call: Call, session_id: str, hint: str = SESSION_MISSING, kind: str = "session") -> None:
         """``session_id`` is in the caller's scope, or does not exist (then the RPC says so)."""
         call.session_id = call.session_id or session_id

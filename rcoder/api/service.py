@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 from rcoder import errors
 from rcoder.api import convert, page_tokens, validate
 from rcoder.api.files import FileRpcs
-from rcoder.api.forwarding import NotHeld
+from rcoder.api.forwarding import NotHeld, forwarded
 from rcoder.api.routed import Routes, retry_hint
 from rcoder.api.scope import DELETED_MISSING, RUN_MISSING, STORED_RUN_MISSING, Call, Scope
 from rcoder.logs import get_logger
@@ -115,6 +115,21 @@ class AgentRunnerService(FileRpcs):
         self._scope = Scope(queries)
         self._routes = routes
         self._router = routes.router
+        self._profiles: dict[str, bool] | None = None  # name -> unconfined (sandbox "none"); fixed at start
+        self._default_agent = ""
+
+    def _agent_allowed(self, call: Call, agent: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The profile a call names (or the default one) is one its caller may run. A forward was
+        checked by the host that received it (the caller it carries names no profiles)."""
+        if call.caller.everywhere or forwarded(context):
+            return
+        if self._profiles is None:
+            views = self._queries.agents()
+            self._profiles = {v.profile.name: v.sandbox == "none" for v in views}
+            self._default_agent = next((v.profile.name for v in views if v.is_default), "")
+        name = agent or self._default_agent
+        if name in self._profiles:  # an unknown one is refused as such where the turn starts
+            self._scope.agent(call, name, self._profiles[name])
 
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError) -> NoReturn:
         await abort(context, exc, self._routes.owner_metadata)
@@ -126,6 +141,8 @@ class AgentRunnerService(FileRpcs):
             turn = validate.chat_turn(request)
             self._scope.project(call, turn.project_id)
             await self._scope.own_session(call, turn.session_id)
+            if turn.agent or not turn.session_id:  # a session resumed as it is runs its own agent
+                self._agent_allowed(call, turn.agent, context)
             turn = replace(turn, client=call.caller.name)
 
             async def here() -> AsyncIterator[pb.ChatStream]:
@@ -384,6 +401,8 @@ class AgentRunnerService(FileRpcs):
             # of another tenant's and one that does not exist meet the same refusal
             self._scope.project(call, request.project_id)
             await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
+            if request.agent:  # else the source's own
+                self._agent_allowed(call, request.agent, context)
 
             async def here() -> pb.ForkSessionResponse:
                 forked = await self._worker.fork(request.session_id, request.project_id, request.agent)

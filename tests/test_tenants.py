@@ -366,7 +366,7 @@ async def test_a_client_names_only_its_profiles_and_an_unconfined_one_only_when_
     profiles = {"fake": fake.profile(), "open": fake.profile(sandbox="none")}
     _, client = await make_daemon(profiles, auth_token=ADMIN, clients=given)
 
-    async def refused(token: str, project: str, **fields: str) -> grpc.aio.AioRpcError:
+    async def refused(token: str, project: str, **fields: Any) -> grpc.aio.AioRpcError:
         exc = await client.chat_error(prompt="hi", project_id=project, metadata=as_(token), **fields)
         assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc.details()
         assert error_info(exc).reason == "AGENT_NOT_ALLOWED"

@@ -15,7 +15,7 @@ from typing import Any
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import call_rpc
+from tests.harness import FakeAgentSetup, call_rpc
 from tests.test_tenants import ACME, BETA, answer, as_, chat, tenants
 
 SERVICE = pb.DESCRIPTOR.services_by_name["AgentRunner"]
@@ -23,7 +23,11 @@ Build = Callable[[str, str, str], Any]  # (session_id, run_id, project_id) -> th
 
 # each RPC that names a session or a run, and which of the three its request carries
 NAMED_BY_ID: dict[str, tuple[Build, set[str]]] = {
-    "Chat": (lambda s, r, p: pb.ChatRequest(session_id=s, project_id=p, prompt="hi"), {"session", "project"}),
+    # an unconfined profile, which the caller may not name: a check that does not depend on the id
+    "Chat": (
+        lambda s, r, p: pb.ChatRequest(session_id=s, project_id=p, prompt="hi", agent="open"),
+        {"session", "project"},
+    ),
     "Subscribe": (lambda s, r, p: pb.SubscribeRequest(run_id=r), {"run"}),
     "Cancel": (lambda s, r, p: pb.CancelRequest(session_id=s, run_id=r), {"session", "run"}),
     "ResolvePermission": (
@@ -32,7 +36,10 @@ NAMED_BY_ID: dict[str, tuple[Build, set[str]]] = {
     ),
     "GetSession": (lambda s, r, p: pb.GetSessionRequest(session_id=s), {"session"}),
     "CloseSession": (lambda s, r, p: pb.CloseSessionRequest(session_id=s), {"session"}),
-    "ForkSession": (lambda s, r, p: pb.ForkSessionRequest(session_id=s, project_id=p), {"session", "project"}),
+    "ForkSession": (
+        lambda s, r, p: pb.ForkSessionRequest(session_id=s, project_id=p, agent="open"),
+        {"session", "project"},
+    ),
     "ListRuns": (lambda s, r, p: pb.ListRunsRequest(session_id=s), {"session"}),
     "DeleteSession": (lambda s, r, p: pb.DeleteSessionRequest(session_id=s), {"session"}),
     "GetRunChanges": (lambda s, r, p: pb.GetRunChangesRequest(run_id=r), {"run"}),
@@ -49,9 +56,10 @@ def test_every_rpc_is_walked() -> None:
 
 
 async def test_another_tenants_id_answers_as_a_missing_one_on_every_rpc_and_every_order_of_checks(
-    make_daemon: DaemonFactory, tmp_path: Path
+    make_daemon: DaemonFactory, tmp_path: Path, fake: FakeAgentSetup
 ) -> None:
-    daemon, client = await tenants(make_daemon, tmp_path)
+    profiles = {"fake": fake.profile(), "open": fake.profile(sandbox="none")}
+    daemon, client = await tenants(make_daemon, tmp_path, profiles=profiles)
     theirs = await chat(client, ACME, "acme-1")
     own = await chat(client, BETA, "beta-1")
     missing = (str(uuid.uuid4()), str(uuid.uuid4()))

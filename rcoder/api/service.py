@@ -140,9 +140,9 @@ class AgentRunnerService(FileRpcs):
         try:
             turn = validate.chat_turn(request)
             self._scope.project(call, turn.project_id)
-            await self._scope.own_session(call, turn.session_id)
             if turn.agent or not turn.session_id:  # a session resumed as it is runs its own agent
                 self._agent_allowed(call, turn.agent, context)
+            await self._scope.own_session(call, turn.session_id)
             turn = replace(turn, client=call.caller.name)
 
             async def here() -> AsyncIterator[pb.ChatStream]:
@@ -400,9 +400,9 @@ class AgentRunnerService(FileRpcs):
             # the branch's project first: its answer does not depend on the source, so a source
             # of another tenant's and one that does not exist meet the same refusal
             self._scope.project(call, request.project_id)
-            await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
-            if request.agent:  # else the source's own
+            if request.agent:  # else the source's own; checked before the source, as the project is
                 self._agent_allowed(call, request.agent, context)
+            await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
 
             async def here() -> pb.ForkSessionResponse:
                 forked = await self._worker.fork(request.session_id, request.project_id, request.agent)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from rcoder import errors
 from rcoder.api.service import status_for
 
 T = TypeVar("T")
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+# glibc's malloc_trim, from the symbols already loaded (no library looked up); None elsewhere (musl)
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
 OPEN_CALLS = 32  # health Checks and token-less reflection streams in progress at once
 OPEN_WATCHES = 64  # health Watch streams open at once
 OPEN_REQUEST_BYTES = 1024  # a service name, a symbol or a file name
@@ -116,8 +116,8 @@ class OpenCalls:
 def _give_back_freed_memory() -> None:
     """glibc keeps a large freed block in its arena for reuse (the daemon stayed ~100 MiB above
     idle after 40 such messages were dropped): ``malloc_trim`` hands it back to the system."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def not_protobuf() -> errors.InvalidArgument:

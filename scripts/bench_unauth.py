@@ -27,7 +27,7 @@ MIB = 1 << 20
 LARGEST = 19 * MIB  # max_request_bytes' default
 BACK_WITHIN = 10.0  # seconds
 IDLE_SLACK_MB = 10.0
-OPEN_IDLE_SLACK_MB = 40.0  # health and reflection: what glibc and grpc keep of what they freed (tests/test_open_calls.py)
+OPEN_IDLE_SLACK_MB = 40.0  # health and reflection: what glibc and grpc keep of what they freed
 
 
 def _status_mb(pid: int, field: str) -> float:

@@ -149,6 +149,7 @@ async def unauth_open_flood(bench: Bench) -> Result:
         codes = await asyncio.gather(*flood)
         peak = _status_mb(pid, "VmHWM")
         back = await _back_to_idle(pid, idle, OPEN_IDLE_SLACK_MB)
+        settled = _status_mb(pid, "VmRSS") - idle
     refused = sum(code == "RESOURCE_EXHAUSTED" for code in codes)
     details = {
         "requests": len(codes),
@@ -158,6 +159,7 @@ async def unauth_open_flood(bench: Bench) -> Result:
         "peak_reset": reset,
         "refused": refused,
         "back_to_idle_s": back,
+        "settled_over_idle_MB": settled,
         "other_call_ms": other_ms,
         "unit": "MB",
     }
@@ -165,7 +167,8 @@ async def unauth_open_flood(bench: Bench) -> Result:
         f"daemon peak RSS over idle during {len(codes)} concurrent unauthenticated {size // MIB} MiB "
         "health Watch, health Check and reflection requests"
     )
-    # one message read at a time, ~4 copies of it in grpc: 100 MB for 19 MiB requests
-    result = judged("unauth_open_flood_rss_mb", what, peak - idle, "<= 100", details)
+    # one message read at a time, 4 to 6 copies of it in grpc and its decoding: 120 MB for 19 MiB
+    # requests (71-98 MB measured), whatever the number of streams (as tests/test_open_calls.py's bound)
+    result = judged("unauth_open_flood_rss_mb", what, peak - idle, "<= 120", details)
     result.ok = bool(result.ok) and refused == len(codes) and answered and back <= BACK_WITHIN
     return result

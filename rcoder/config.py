@@ -37,6 +37,7 @@ from rcoder.config_types import (
     HostId,
     HostPort,
     MemorySize,
+    OptionalConfigPath,
     OtlpEndpoint,
     PeerHost,
     ProjectPattern,
@@ -230,6 +231,8 @@ class ClientKeys(_Schema):
     """fnmatch patterns over project_id (*, ?, [seq], [!seq]): the projects it sees and drives"""
     role: Literal["reader", "operator", "admin"]
     """reader: reads; operator: reads, turns, cancels, permissions, forks, closes, deletes; admin: all, everywhere"""
+    agents: Annotated[tuple[str, ...], Strict(False)] | None = None
+    """the profiles it may name (unset: every profile that is confined; a sandbox = "none" one only when listed)"""
 
 
 class SettingsKeys(_Schema):
@@ -288,8 +291,9 @@ class SettingsKeys(_Schema):
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
     # scoped callers besides the admin token (rcoder.api.callers): JWTs from the platform's identity provider
-    jwt_jwks_file: str = ""
-    """a JWKS file: bearer JWTs signed by its keys are scoped callers ("": none); re-read when it changes"""
+    jwt_jwks_file: OptionalConfigPath = ""
+    """a JWKS file (relative: beside the config file): bearer JWTs signed by its keys are scoped callers
+    ("": none); re-read when it changes, and every JWT refused while it is empty, unreadable or missing"""
     jwt_issuer: str = ""
     """the iss a JWT must carry (required with jwt_jwks_file)"""
     jwt_audience: str = ""
@@ -605,6 +609,11 @@ def _check_callers(settings: Settings) -> None:
             )
         if client.token_sha256:
             digests[client.token_sha256] = index
+        unknown = [name for name in client.agents or () if name not in settings.agents]
+        if unknown:
+            raise ConfigError(
+                f"{entry}.agents", f"no profile named {unknown[0]!r}: profiles are {', '.join(sorted(settings.agents))}"
+            )
     jwt = {"jwt_jwks_file": settings.jwt_jwks_file, "jwt_issuer": settings.jwt_issuer,
            "jwt_audience": settings.jwt_audience}  # fmt: skip
     if any(jwt.values()) and not all(jwt.values()):

@@ -32,6 +32,12 @@ def _config_path(value: object, handler: ValidatorFunctionWrapHandler, info: Val
     return Path((info.context or {}).get("base_dir", ""), handler(value))
 
 
+def _optional_config_path(value: object, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> str:
+    """ "" (none), or a path as a string; a relative one starts at the context's ``base_dir``."""
+    text: str = handler(value)
+    return text and str(Path((info.context or {}).get("base_dir", ""), text))
+
+
 def _host_port(listen: str) -> str:
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -138,6 +144,8 @@ TokenDigest = Annotated[str, AfterValidator(_token_digest)]
 ClientName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 HostId = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:-]*$")]
 ConfigPath = Annotated[Path, Strict(False), WrapValidator(_config_path)]
+# "" for none, else a ConfigPath kept as a string (jwt_jwks_file)
+OptionalConfigPath = Annotated[str, WrapValidator(_optional_config_path)]
 # "" is SQLite in data_dir; a postgresql:// URL the PostgreSQL store (rcoder.store.make_store);
 # kept out of repr: it may hold a password
 StoreUrl = Annotated[str, AfterValidator(_store_url), Field(repr=False)]

@@ -674,6 +674,7 @@ class AuditEntry:
     session_id: str
     run_id: str
     code: str
+    path: str = ""  # the file a file call named (WriteFile, DeleteFile); "" for the others
 
 
 @dataclass(frozen=True, slots=True)

@@ -417,3 +417,24 @@ def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
         if detail.Unpack(info):
             return info
     raise AssertionError(f"no ErrorInfo on {exc.code()}: {exc.details()}")
+
+
+async def call_rpc(
+    channel: grpc.aio.Channel, method: str, request: Any, metadata: Any = None, timeout: float = 30.0
+) -> grpc.aio.AioRpcError | None:
+    """One AgentRunner call by its name, whatever its shape (a stream read to its end; a
+    client-streaming one sent ``request`` alone): its error, or None when it succeeded."""
+    described = pb.DESCRIPTOR.services_by_name["AgentRunner"].methods_by_name[method]
+    path = f"/{described.containing_service.full_name}/{method}"
+    send, receive = type(request).SerializeToString, None
+    try:
+        if described.client_streaming:
+            await channel.stream_unary(path, send, receive)(iter([request]), metadata=metadata, timeout=timeout)
+        elif described.server_streaming:
+            async for _ in channel.unary_stream(path, send, receive)(request, metadata=metadata, timeout=timeout):
+                pass
+        else:
+            await channel.unary_unary(path, send, receive)(request, metadata=metadata, timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None

@@ -49,8 +49,8 @@ def get_metrics(address: str, token: str = "") -> int:
 
 
 async def reflection_answers(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> str:
-    """ "listed" (rcoder's service among the names), "health only" (what a caller without the
-    token is shown: tests/test_reflection.py), or the status code's name reflection answered with."""
+    """ "listed" (rcoder's service among the names: the descriptors are public, a caller without
+    the token sees them too), or the status code's name reflection answered with."""
     # One request sent as a unary-stream call (the same bytes on the wire): a stream's separate
     # write can race the server's refusal, and grpc's client then reports its own INTERNAL
     # ("Internal error from Core") in place of the status the server sent.
@@ -82,7 +82,7 @@ async def test_with_no_auth_token_the_daemon_makes_one_in_data_dir_keeps_it_and_
         await client.stub.ListSessions(pb.ListSessionsRequest())
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert (await client.chat_error(prompt="hi", project_id="beta")).code() == grpc.StatusCode.UNAUTHENTICATED
-    assert await reflection_answers(client.channel) == "health only"
+    assert await reflection_answers(client.channel) == "listed"
     assert await reflection_answers(client.channel, bearer("wrong")) == "UNAUTHENTICATED"
     assert not list((tmp_path / "workspace").glob("beta")), "no turn started for a caller without the token"
     health = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest())

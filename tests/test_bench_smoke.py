@@ -48,6 +48,7 @@ MEASURES = {
     "checkpoint_later_snapshot_ms",
     "checkpoint_turn_start_ms",
     "unauth_flood_rss_mb",
+    "unauth_open_flood_rss_mb",
     "auth_check_us",
     "auth_check_jwt_us",
 }

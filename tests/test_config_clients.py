@@ -43,6 +43,7 @@ def load(tmp_path: Path, text: str) -> object:
         (entry(colour="blue"), "clients[0].colour", "unknown key"),
         ('jwt_jwks_file = "keys.json"\njwt_issuer = "https://id.example"\n', "jwt_audience", "jwt_audience unset"),
         ('auth_token = ""\nopen_to_agents = true\n' + entry(), "clients", "open_to_agents"),
+        (entry(agents=["claude", "nope"]), "clients[0] (acme).agents", "no profile named 'nope'"),
     ],
 )
 def test_a_wrong_caller_entry_is_a_config_error_naming_it(tmp_path: Path, text: str, key: str, problem: str) -> None:
@@ -72,3 +73,16 @@ def test_a_token_file_that_cannot_be_read_is_a_config_error(tmp_path: Path) -> N
         with pytest.raises(ConfigError) as caught:
             ClientTable(settings.clients)  # type: ignore[attr-defined]
         assert caught.value.key == "clients[0] (acme).token_file"
+
+
+def test_jwt_jwks_file_is_found_beside_the_config_file_not_in_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "etc"
+    config.mkdir()
+    monkeypatch.chdir(tmp_path)  # the daemon started from elsewhere
+    text = 'auth_token = "t"\njwt_jwks_file = "jwks.json"\njwt_issuer = "https://id.example"\njwt_audience = "r"\n'
+    (config / "rcoder.toml").write_text(text)
+    settings = load_settings(config / "rcoder.toml", {})
+    assert settings.jwt_jwks_file == str(config / "jwks.json")
+    assert load(tmp_path, 'auth_token = "t"\n').jwt_jwks_file == ""  # type: ignore[attr-defined]

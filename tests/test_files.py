@@ -401,12 +401,12 @@ async def test_a_reader_may_list_and_read_but_not_write_or_delete_and_changes_ar
     await stub.WriteFile(iter(chunks_of(b"new\n", path="g.txt", project_id="acme-1")), metadata=as_(ACME))
     await stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="g.txt"), metadata=as_(ACME))
     lines = await daemon.wait_log("audit", count=5)
-    assert [(r["client"], r["method"], r["project_id"], r["code"]) for r in lines] == [
-        ("acme-console", "WriteFile", "", "PERMISSION_DENIED"),  # refused before its request was looked at
-        ("acme-console", "DeleteFile", "", "PERMISSION_DENIED"),
-        ("acme-chat", "WriteFile", "beta-1", "PERMISSION_DENIED"),
-        ("acme-chat", "WriteFile", "acme-1", "OK"),
-        ("acme-chat", "DeleteFile", "acme-1", "OK"),
+    assert [(r["client"], r["method"], r["project_id"], r["path"], r["code"]) for r in lines] == [
+        ("acme-console", "WriteFile", "acme-1", "f.txt", "PERMISSION_DENIED"),  # what it named, though refused
+        ("acme-console", "DeleteFile", "acme-1", "f.txt", "PERMISSION_DENIED"),
+        ("acme-chat", "WriteFile", "beta-1", "f.txt", "PERMISSION_DENIED"),
+        ("acme-chat", "WriteFile", "acme-1", "g.txt", "OK"),
+        ("acme-chat", "DeleteFile", "acme-1", "g.txt", "OK"),
     ]
     (written,) = await daemon.wait_log("file_written")
     assert (written["path"], written["sha256"]) == ("g.txt", sha(b"new\n"))

@@ -20,7 +20,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, Daemon, completed, error_info, text_of
+from tests.harness import Client, Daemon, FakeAgentSetup, completed, error_info, text_of
 from tests.turns import read_until, rest_of
 
 ADMIN = "admin-token-for-tenants"
@@ -328,6 +328,63 @@ async def test_every_change_is_attributed(make_daemon: DaemonFactory, tmp_path: 
     # call did not look it up
     filled = [(c, m, p or "acme-1", s, code) for c, m, p, s, code in seen]
     assert sorted(stored) == sorted(filled)
+
+
+async def test_audit_rows_name_the_project_and_path_the_call_named_refused_or_not(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon, client = await tenants(make_daemon, tmp_path)
+    stub = client.stub
+    await chat(client, ACME, "acme-1")  # the project's folder
+    reader = as_(ACME_READER)
+    write = pb.WriteFileChunk(project_id="acme-1", path="src/a.txt", data=b"hi")
+    await refusal(stub.WriteFile(iter([write]), metadata=reader))
+    await refusal(stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="src/a.txt"), metadata=reader))
+    await stream_refusal(stub.Chat(pb.ChatRequest(project_id="acme-1", prompt="x"), metadata=reader))
+    await stub.WriteFile(iter([write]), metadata=as_(ACME))
+    await stub.DeleteFile(pb.DeleteFileRequest(project_id="acme-1", path="src/a.txt"), metadata=as_(ACME))
+
+    lines = (await daemon.wait_log("audit", count=6))[1:]
+    expected = [
+        ("acme-console", "WriteFile", "acme-1", "src/a.txt", "PERMISSION_DENIED"),
+        ("acme-console", "DeleteFile", "acme-1", "src/a.txt", "PERMISSION_DENIED"),
+        ("acme-console", "Chat", "acme-1", "", "PERMISSION_DENIED"),
+        ("acme-chat", "WriteFile", "acme-1", "src/a.txt", "OK"),
+        ("acme-chat", "DeleteFile", "acme-1", "src/a.txt", "OK"),
+    ]
+    assert [(r["client"], r["method"], r["project_id"], r["path"], r["code"]) for r in lines] == expected
+    await daemon.stop()  # the rows are written off the calls' path: all of them by the time it stops
+    with sqlite3.connect(tmp_path / "data" / "rcoder.db") as db:
+        stored = db.execute("SELECT client, method, project_id, path, code FROM audit ORDER BY id").fetchall()
+    assert stored[1:] == expected
+
+
+async def test_a_client_names_only_its_profiles_and_an_unconfined_one_only_when_given_it(
+    make_daemon: DaemonFactory, tmp_path: Path, fake: FakeAgentSetup
+) -> None:
+    given = [{**clients(tmp_path)[0]}, {**clients(tmp_path)[1], "agents": ["open"]}]  # acme: unset; beta: open
+    profiles = {"fake": fake.profile(), "open": fake.profile(sandbox="none")}
+    _, client = await make_daemon(profiles, auth_token=ADMIN, clients=given)
+
+    async def refused(token: str, project: str, **fields: Any) -> grpc.aio.AioRpcError:
+        exc = await client.chat_error(prompt="hi", project_id=project, metadata=as_(token), **fields)
+        assert exc.code() == grpc.StatusCode.PERMISSION_DENIED, exc.details()
+        assert error_info(exc).reason == "AGENT_NOT_ALLOWED"
+        return exc
+
+    exc = await refused(ACME, "acme-1", agent="open")  # unconfined, and not given to acme
+    assert "'acme-chat' may not run agent 'open'" in (exc.details() or "") and 'sandbox = "none"' in exc.details()
+    own = await chat(client, ACME, "acme-1")  # the default profile, confined
+    exc = await refused(BETA, "beta-1", agent="fake")  # beta names its profiles: only "open"
+    assert "it may run open" in (exc.details() or "")
+    await refused(BETA, "beta-1")  # nor the default one, when it names none
+    opened = await client.chat(prompt="hi", project_id="beta-1", agent="open", metadata=as_(BETA))
+    assert completed(opened).stop_reason == pb.STOP_REASON_END_TURN
+    admin = await client.chat(prompt="hi", project_id="acme-1", agent="open", metadata=as_(ADMIN))
+    assert completed(admin).stop_reason == pb.STOP_REASON_END_TURN
+    fork = pb.ForkSessionRequest(session_id=own.session_id, project_id="acme-1", agent="open")
+    exc = await refusal(client.stub.ForkSession(fork, metadata=as_(ACME)))
+    assert exc.code() == grpc.StatusCode.PERMISSION_DENIED and error_info(exc).reason == "AGENT_NOT_ALLOWED"
 
 
 async def test_no_client_can_claim_to_be_a_forward(make_daemon: DaemonFactory, tmp_path: Path) -> None:

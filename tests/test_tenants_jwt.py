@@ -137,11 +137,11 @@ async def test_a_jwt_caller_is_scoped_by_its_claims_and_bad_tokens_say_what_is_w
     # named by its subject in the audit trail; counted as "jwt", never by subject
     lines = await daemon.wait_log("audit", count=5)
     assert [(r["client"], r["method"], r["code"]) for r in lines] == [
-        ("user-42@acme", "Chat", "OK"),
+        ("jwt:user-42@acme", "Chat", "OK"),
         ("admin", "Chat", "OK"),
-        ("user-42@acme", "Chat", "PERMISSION_DENIED"),
-        ("user-42@acme", "DeleteSession", "PERMISSION_DENIED"),
-        ("user-43@acme", "Chat", "OK"),
+        ("jwt:user-42@acme", "Chat", "PERMISSION_DENIED"),
+        ("jwt:user-42@acme", "DeleteSession", "PERMISSION_DENIED"),
+        ("jwt:user-43@acme", "Chat", "OK"),
     ]
     scrape = urllib.request.Request(
         f"http://{serving['address']}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}
@@ -149,3 +149,34 @@ async def test_a_jwt_caller_is_scoped_by_its_claims_and_bad_tokens_say_what_is_w
     text = (await asyncio.to_thread(lambda: urllib.request.urlopen(scrape, timeout=10).read())).decode()
     assert 'rcoder_requests_total{client="jwt",code="OK",method="Chat"} 2.0' in text
     assert "user-42" not in text and "user-43" not in text
+
+
+async def test_no_jwt_poses_as_the_admin_or_a_client_and_an_emptied_jwks_refuses_every_jwt(
+    make_daemon: DaemonFactory, tmp_path: Path, keys: tuple[Any, Any, Any]
+) -> None:
+    first, _, _ = keys
+    jwks = tmp_path / "jwks.json"
+    write_jwks(jwks, k1=first)
+    daemon, client = await make_daemon(
+        auth_token=ADMIN, jwt_jwks_file=str(jwks), jwt_issuer=ISSUER, jwt_audience=AUDIENCE,
+        clients=[{"name": "acme-chat", "token_sha256": hashlib.sha256(b"acme").hexdigest(),
+                  "projects": ["acme-*"], "role": "operator"}],
+    )  # fmt: skip
+    posers = {sub: signed(first, "RS256", "k1", sub=sub) for sub in ("admin", "acme-chat")}
+    started = {sub: await chat(client, token, "acme-web") for sub, token in posers.items()}
+
+    for sub, event in started.items():
+        runs = await client.stub.ListRuns(pb.ListRunsRequest(session_id=event.session_id), metadata=as_(ADMIN))
+        assert [r.client for r in runs.runs] == [f"jwt:{sub}"]
+    lines = await daemon.wait_log("audit", count=2)
+    assert sorted(r["client"] for r in lines) == ["jwt:acme-chat", "jwt:admin"]
+
+    # the file emptied: every JWT is refused at once, cached ones too, naming no path
+    jwks.write_text("")
+    message = await unauthenticated(client, posers["admin"])
+    assert message == "JWT kid 'k1' is not a key this daemon verifies with"
+    jwks.unlink()
+    assert await unauthenticated(client, posers["acme-chat"]) == message
+    (warned, *_) = await daemon.wait_log("jwt_jwks_unreadable")
+    assert warned["path"] == str(jwks)
+    assert (await client.stub.ListAgents(pb.ListAgentsRequest(), metadata=as_(ADMIN))).agents  # the admin still works

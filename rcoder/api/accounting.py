@@ -42,5 +42,6 @@ class Accounting:
                     session_id=call.session_id,
                     run_id=call.run_id,
                     code=code,
+                    path=call.path,
                 )
             )

@@ -55,16 +55,27 @@ ROLES = {role.name.lower(): role for role in Role}
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    name: str  # a client's name, a JWT's subject, "admin": logs and the audit trail
+    name: str  # a client's name, "jwt:<sub>" for a JWT, "admin": logs and the audit trail
     role: Role
     projects: tuple[str, ...]  # fnmatch patterns over project_id; every project for the admin role
     label: str  # metrics: the client's name, "jwt" or "admin"
+    # the profiles it may name; None: every confined one (docs/access.md#tenants); the admin: all
+    agents: frozenset[str] | None = None
     _match: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, name: str, role: Role, projects: Iterable[str], label: str) -> Caller:
+    def of(
+        cls, name: str, role: Role, projects: Iterable[str], label: str, agents: Iterable[str] | None = None
+    ) -> Caller:
         patterns = tuple(projects)
-        return cls(name, role, patterns, label, _matcher(patterns) if role is not Role.ADMIN else None)
+        matcher = _matcher(patterns) if role is not Role.ADMIN else None
+        return cls(name, role, patterns, label, frozenset(agents) if agents is not None else None, matcher)
+
+    def may_run(self, agent: str, unconfined: bool) -> bool:
+        """Whether it may name profile ``agent`` (``unconfined``: its sandbox is "none")."""
+        if self.role is Role.ADMIN:
+            return True
+        return agent in self.agents if self.agents is not None else not unconfined
 
     @property
     def everywhere(self) -> bool:
@@ -93,6 +104,7 @@ def _matcher(patterns: tuple[str, ...]) -> re.Pattern[str]:
 
 
 ADMIN = Caller.of("admin", Role.ADMIN, ("*",), "admin")
+JWT_PREFIX = "jwt:"  # a JWT caller's name: "jwt:<sub>"
 
 
 def _digest(token: str | bytes) -> str:
@@ -107,7 +119,9 @@ class ClientTable:
         self._by_digest: dict[str, Caller] = {}
         for index, client in enumerate(clients):
             digest = client.token_sha256 or _digest(_read_token(client.token_file, f"clients[{index}] ({client.name})"))
-            self._by_digest[digest] = Caller.of(client.name, ROLES[client.role], client.projects, client.name)
+            self._by_digest[digest] = Caller.of(
+                client.name, ROLES[client.role], client.projects, client.name, client.agents
+            )
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -141,7 +155,8 @@ def jwt_caller(subject: str, role: str, projects: Iterable[str]) -> Caller:
             check_project_pattern(pattern)
         except ValueError as exc:
             raise errors.Unauthenticated(f"JWT claim rcoder_projects: {exc}") from None
-    return Caller.of(subject, ROLES[role], patterns, "jwt")
+    # "jwt:" + sub: no configured client (their names have no ':') nor the admin can be posed as
+    return Caller.of(f"{JWT_PREFIX}{subject}", ROLES[role], patterns, "jwt")
 
 
 def jwt_callers(jwks_file: str, issuer: str, audience: str) -> Callable[[str], Caller] | None:

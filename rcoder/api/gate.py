@@ -43,6 +43,12 @@ REFUSAL_LOG_WINDOW = 60.0  # seconds: one log line per peer at most, for refused
 REFUSAL_LOG_PEERS = 4096  # peers remembered for that; past it the quiet ones are forgotten
 # the largest later message of a client-streaming call: a WriteFileChunk (1 MiB of data, framing)
 STREAMED_MESSAGE_BYTES = (1 << 20) + 8192
+# what a caller without a (valid) token is told: where the token is, never a path of this host's
+HOW_TO_SEND = (
+    "send the metadata 'authorization: Bearer <token>' (grpcurl: -H 'authorization: Bearer <token>'). "
+    "The admin's token is the daemon's auth_token setting, or else the file auth_token in its data_dir "
+    "(rcoder chat reads it from there); a tenant sends the token or JWT it was given"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,14 +147,14 @@ class BearerToken:
 
     def _bearer(self, given: str | bytes, metadata: Sequence[tuple[str, str | bytes]] | None) -> Caller:
         if not given:
-            raise errors.Unauthenticated("authorization missing: send 'authorization: Bearer <token>'")
+            raise errors.Unauthenticated(f"authorization missing: {HOW_TO_SEND}")
         given_bytes = given.encode() if isinstance(given, str) else bytes(given)
         caller: Caller | None = ADMIN
         if not hmac.compare_digest(given_bytes, self._expected):
             scheme, _, token = given_bytes.partition(b" ")
             caller = self._scoped(token) if scheme == b"Bearer" and token else None
         if caller is None:
-            raise errors.Unauthenticated("authorization wrong: send 'authorization: Bearer <token>'")
+            raise errors.Unauthenticated(f"authorization wrong: {HOW_TO_SEND}")
         if HostAuth.claims_forward(metadata):  # only a host's signed forward says whom it is for
             raise errors.Unauthenticated(f"a client's call may not carry {' or '.join(FORWARD_ONLY)}")
         return caller

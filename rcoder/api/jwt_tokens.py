@@ -17,9 +17,11 @@ issuer), ``aud`` (names the configured audience), ``sub``, and rcoder's own ``rc
 refusal is ``Unauthenticated`` with a message that names its one problem, never the token.
 
 The JWKS file is stat()ed on every verify and read again when it changed (mtime, size or
-inode), so a key rotated in works and one rotated out stops working without a restart; a
-rewrite that cannot be read or parsed keeps the keys read last (and is logged once); one that
-parses is taken as it is, even with no key left (every token is then refused). A verified
+inode; ctime for a chmod), so a key rotated in works and one rotated out stops working without a restart. It fails
+closed: a file emptied, deleted, unreadable or not a JWKS holds no key, so every token is refused
+until it is fixed (logged once per change); one that parses is taken as it is. What a refused
+caller is told names no path and none of the file's key ids (only the token's own ``kid``): those
+are logged (``jwt_refused``) for the operator. A verified
 token is cached by its SHA-256 until it expires, since a client sends the same token on each
 call: a check costs ~130-200 µs (the signature and PyJWT's parsing), a cache hit ~5 µs (half of
 it the stat). A new key set empties the cache.
@@ -146,7 +148,7 @@ class JwtVerifier:
         # verify may be called from several threads; the signature check itself runs outside it
         self._lock = threading.Lock()
         try:
-            self._stamp: tuple[int, int, int] | None = _stamp_of(jwks_file)
+            self._stamp: tuple[int, int, int, int] | None = _stamp_of(jwks_file)
             self._keys = _read_keys(jwks_file)
         except (OSError, _JwksError) as exc:
             raise errors.ConfigError("jwt_jwks_file", f"{jwks_file}: {_why(exc)}") from None
@@ -210,8 +212,7 @@ class JwtVerifier:
             payload = _DECODER.decode(token, key, algorithms=[alg], options=_SIGNATURE_ONLY)
         except jwt.InvalidSignatureError:
             raise errors.Unauthenticated(
-                f"JWT signature does not verify with key {_label(key.key_id)} of the JWKS file {self._path}:"
-                " it was signed by another key, or altered"
+                "JWT signature does not verify with the key its kid names: it was signed by another key, or altered"
             ) from None
         except jwt.PyJWTError as exc:
             raise errors.Unauthenticated(f"JWT is malformed: {exc}") from None
@@ -221,28 +222,21 @@ class JwtVerifier:
         """The key ``kid`` names for ``alg``: the file's one key when there is no kid."""
         if kid is None:
             if keys.only is None:
-                raise errors.Unauthenticated(
-                    f"JWT has no kid, and the JWKS file {self._path} does not hold exactly one key"
-                    f" (keys: {keys.names()}): the token's header must name its key"
-                )
+                self._log_refusal("no kid", keys)
+                raise errors.Unauthenticated("JWT has no kid: the token's header must name its key")
             by_alg = {keys.only.algorithm_name: keys.only}
-        elif kid in keys.unusable and kid not in keys.keys:
-            raise errors.Unauthenticated(
-                f"JWT kid {_shown(kid)} names a key of the JWKS file {self._path} that rcoder cannot use:"
-                f" {keys.unusable[kid]}"
-            )
         elif kid not in keys.keys:
-            raise errors.Unauthenticated(
-                f"JWT kid {_shown(kid)} is not in the JWKS file {self._path} (keys: {keys.names()})"
-            )
+            # the same words whether the file has no such key or one rcoder cannot use: which keys
+            # the file holds is the operator's to read, in the log
+            self._log_refusal(f"kid {_shown(kid)}: {keys.unusable.get(kid, 'not in the file')}", keys)
+            raise errors.Unauthenticated(f"JWT kid {_shown(kid)} is not a key this daemon verifies with")
         else:
             by_alg = keys.keys[kid]
         key = by_alg.get(alg)
         if key is None:
             fits = ", ".join(f"{k.key_type} for {a}" for a, k in sorted(by_alg.items()))
-            raise errors.Unauthenticated(
-                f"JWT alg {alg!r} does not fit key {_label(kid)} of the JWKS file {self._path} (it is {fits} only)"
-            )
+            self._log_refusal(f"alg {alg!r} does not fit key {_label(kid)} (it is {fits} only)", keys)
+            raise errors.Unauthenticated(f"JWT alg {alg!r} does not fit the key its kid names")
         return key
 
     def _claims(self, payload: dict[str, Any], now: float) -> JwtClaims:
@@ -286,7 +280,7 @@ class JwtVerifier:
     def _refresh(self) -> None:
         """Reads the JWKS file again when it changed since last looked at (under the lock)."""
         try:
-            stamp: tuple[int, int, int] | None = _stamp_of(self._path)
+            stamp: tuple[int, int, int, int] | None = _stamp_of(self._path)
         except OSError:
             stamp = None  # reported by the read below, once
         if stamp == self._stamp:
@@ -295,8 +289,10 @@ class JwtVerifier:
         try:
             keys = _read_keys(self._path)
         except (OSError, _JwksError) as exc:
-            log.warning("jwt_jwks_unreadable", path=str(self._path), problem=_why(exc), kept_keys=self._keys.names())
-            return
+            # fail closed: a file emptied, deleted or unreadable revokes every key (before, the
+            # keys read last stayed in force); it is read again when it changes
+            log.warning("jwt_jwks_unreadable", path=str(self._path), problem=_why(exc), keys="none: every JWT refused")
+            keys = _KeySet({}, {}, None)
         self._keys = keys
         self._cache.clear()  # a token of a key rotated out must be checked again, and refused
         log.info("jwt_jwks_reloaded", path=str(self._path), keys=keys.names())
@@ -304,14 +300,18 @@ class JwtVerifier:
             log.warning("jwt_jwks_no_usable_key", path=str(self._path))
         self._log_unusable(keys)
 
+    def _log_refusal(self, problem: str, keys: _KeySet) -> None:
+        log.info("jwt_refused", path=str(self._path), problem=problem, keys=keys.names())
+
     def _log_unusable(self, keys: _KeySet) -> None:
         for kid, why in keys.unusable.items():
             log.warning("jwt_jwks_key_unusable", path=str(self._path), kid=kid, problem=why)
 
 
-def _stamp_of(path: Path) -> tuple[int, int, int]:
+def _stamp_of(path: Path) -> tuple[int, int, int, int]:
+    """What changes when the file does: ctime too, for a chmod that makes it unreadable."""
     st = os.stat(path)
-    return st.st_mtime_ns, st.st_size, st.st_ino
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino
 
 
 def _read_keys(path: Path) -> _KeySet:

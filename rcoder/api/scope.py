@@ -33,6 +33,9 @@ DELETED_MISSING = "no session with this id (it may have been deleted)"
 CHAT_MISSING = "no session with this id in this client's projects (leave session_id empty for a new one)"
 
 
+_FILE_CHANGES = frozenset({"WriteFile", "DeleteFile"})  # the audited calls that name a path
+
+
 @dataclass(slots=True)
 class Call:
     """One call: its method and caller, and what it turned out to concern (the audit trail)."""
@@ -42,6 +45,7 @@ class Call:
     project_id: str = ""
     session_id: str = ""
     run_id: str = ""
+    path: str = ""  # a file call's path, as named
 
 
 class Scope:
@@ -51,9 +55,11 @@ class Scope:
     @staticmethod
     def method(call: Call, request: Any) -> None:
         caller = call.caller
+        call.path = getattr(request, "path", "") if call.method in _FILE_CHANGES else ""
         if not caller.may(call.method):
-            # Note what the caller asked to touch, for the audit trail. The ids are not looked up,
-            # because the call is refused here.
+            # Note what the caller asked to touch, for the audit trail: the project and path it
+            # named, and the ids (not looked up, because the call is refused here).
+            call.project_id = getattr(request, "project_id", "")
             call.session_id = getattr(request, "session_id", "")
             call.run_id = getattr(request, "run_id", "")
             least = LEAST_ROLE.get(call.method, Role.ADMIN).name.lower()
@@ -74,6 +80,21 @@ class Scope:
                 reason="PROJECT_OUT_OF_SCOPE",
                 client=caller.name,
                 project_id=project_id,
+            )
+
+    @staticmethod
+    def agent(call: Call, agent: str, unconfined: bool) -> None:
+        """The caller may name profile ``agent``: its ``[[clients]] agents``, or else every
+        confined profile (one that runs with ``sandbox = "none"`` is the admin's unless given)."""
+        caller = call.caller
+        if not caller.may_run(agent, unconfined):
+            may = ", ".join(sorted(caller.agents)) if caller.agents is not None else "its confined profiles"
+            why = ' (it runs unconfined: sandbox = "none")' if unconfined and caller.agents is None else ""
+            raise errors.PermissionDenied(
+                f"client {caller.name!r} may not run agent {agent!r}{why}: it may run {may or 'none'}",
+                reason="AGENT_NOT_ALLOWED",
+                client=caller.name,
+                agent=agent,
             )
 
     async def session(self, call: Call, session_id: str, hint: str = SESSION_MISSING, kind: str = "session") -> None:

@@ -5,8 +5,9 @@ ones, so that each call passes ``rcoder.api.gate`` (token, calls in progress, re
 in flight) from its metadata before grpc reads its message, with a request decoder that
 never raises: a request that is not valid protobuf (invalid UTF-8 in a string field, say)
 gets INVALID_ARGUMENT with a message, not grpc's own INTERNAL "Exception deserializing
-request". Health is open to all; reflection describes all with the token and health alone without
-one (``rcoder.api.reflection``).
+request". Health is open to all (``rcoder.api.health``) and reflection is served with or without a token
+(``rcoder.api.reflection``): both are registered request-streaming too, and what callers without
+a token hold together is bounded (``rcoder.api.open_calls``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection
 
 from rcoder import errors, tracing
 from rcoder.api.callers import Caller, ClientTable
 from rcoder.api.gate import BearerToken, CallLimit, Gate, RequestBytes, decoder
+from rcoder.api.health import SERVICE_NAME as HEALTH_NAME
+from rcoder.api.health import Health
 from rcoder.api.host_auth import HostAuth
-from rcoder.api.reflection import HEALTH_NAME, Reflection
+from rcoder.api.open_calls import OpenBounds, OpenCalls
+from rcoder.api.reflection import Reflection
 from rcoder.api.scope import Call, Scope
 from rcoder.api.service import AgentRunnerService, abort, status_for
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -75,6 +78,7 @@ class GrpcServer:
         clients: ClientTable | None = None,
         jwt: Callable[[str], Caller] | None = None,
         ended: CallEnded | None = None,
+        open_bounds: OpenBounds | None = None,
     ) -> None:
         # checked by each handler before it reads its request (rcoder.api.gate), not by a server
         # interceptor: grpc.aio runs an interceptor chain as coroutines before every call, which a
@@ -97,11 +101,10 @@ class GrpcServer:
         request_bytes = RequestBytes(bounds.request_bytes_in_flight, bounds.request_bytes)
         gate = Gate(token, CallLimit(bounds.calls), request_bytes)
         self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, gate, ended),))
-        self.health = HealthServicer()  # open to all: probes carry no token
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-            Reflection((SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME), token), self._server
-        )
+        open_calls = OpenCalls(open_bounds)
+        self.health = Health(open_calls)  # open to all: probes carry no token
+        served = (SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME)
+        self._server.add_generic_rpc_handlers((self.health.handler(), Reflection(served, token, open_calls).handler()))
         # asked of the kernel first: grpc would say only "Failed to bind", after a log line of its own
         if (why := why_not_bound(listen)) is not None:
             raise errors.ListenFailed(listen, why)

@@ -19,9 +19,9 @@ from grpc_status import rpc_status
 from rcoder import errors
 from rcoder.api import convert, page_tokens, validate
 from rcoder.api.files import FileRpcs
-from rcoder.api.forwarding import NotHeld
+from rcoder.api.forwarding import NotHeld, forwarded
 from rcoder.api.routed import Routes, retry_hint
-from rcoder.api.scope import DELETED_MISSING, STORED_RUN_MISSING, Call, Scope
+from rcoder.api.scope import DELETED_MISSING, RUN_MISSING, STORED_RUN_MISSING, Call, Scope
 from rcoder.logs import get_logger
 from rcoder.session.acp_worker import AcpWorker
 from rcoder.session.files import ProjectFiles
@@ -115,6 +115,21 @@ class AgentRunnerService(FileRpcs):
         self._scope = Scope(queries)
         self._routes = routes
         self._router = routes.router
+        self._profiles: dict[str, bool] | None = None  # name -> unconfined (sandbox "none"); fixed at start
+        self._default_agent = ""
+
+    def _agent_allowed(self, call: Call, agent: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The profile a call names (or the default one) is one its caller may run. A forward was
+        checked by the host that received it (the caller it carries names no profiles)."""
+        if call.caller.everywhere or forwarded(context):
+            return
+        if self._profiles is None:
+            views = self._queries.agents()
+            self._profiles = {v.profile.name: v.sandbox == "none" for v in views}
+            self._default_agent = next((v.profile.name for v in views if v.is_default), "")
+        name = agent or self._default_agent
+        if name in self._profiles:  # an unknown one is refused as such where the turn starts
+            self._scope.agent(call, name, self._profiles[name])
 
     async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderError) -> NoReturn:
         await abort(context, exc, self._routes.owner_metadata)
@@ -125,6 +140,8 @@ class AgentRunnerService(FileRpcs):
         try:
             turn = validate.chat_turn(request)
             self._scope.project(call, turn.project_id)
+            if turn.agent or not turn.session_id:  # a session resumed as it is runs its own agent
+                self._agent_allowed(call, turn.agent, context)
             await self._scope.own_session(call, turn.session_id)
             turn = replace(turn, client=call.caller.name)
 
@@ -334,7 +351,9 @@ class AgentRunnerService(FileRpcs):
             validate.identifier(request.session_id, "session_id", required=True)
             validate.identifier(request.run_id, "run_id", required=True)
             await self._scope.session(call, request.session_id)
-            call.run_id = request.run_id
+            # another tenant's run answers as a missing one (rcoder.session.rewinding's), not as a
+            # run of another session
+            await self._scope.run(call, request.run_id, errors.NotFound("run", request.run_id, RUN_MISSING))
 
             async def here() -> pb.RewindSessionResponse:
                 done = await self._worker.rewind_session(request.session_id, request.run_id)
@@ -379,8 +398,12 @@ class AgentRunnerService(FileRpcs):
             validate.identifier(request.session_id, "session_id", required=True)
             check_project_id(request.project_id)
             validate.identifier(request.agent, "agent")
+            # the branch's project first: its answer does not depend on the source, so a source
+            # of another tenant's and one that does not exist meet the same refusal
+            self._scope.project(call, request.project_id)
+            if request.agent:  # else the source's own; checked before the source, as the project is
+                self._agent_allowed(call, request.agent, context)
             await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
-            self._scope.project(call, request.project_id)  # the branch's
 
             async def here() -> pb.ForkSessionResponse:
                 forked = await self._worker.fork(request.session_id, request.project_id, request.agent)

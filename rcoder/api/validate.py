@@ -66,10 +66,19 @@ def chat_turn(req: pb.ChatRequest) -> ChatTurn:
     )
 
 
+# a turn's cost cap at most: a billion dollars, so that its billionths (what budgets count in) fit
+# a signed 64-bit integer (9.2e18) with room for the session's spend added to it
+MAX_COST_USD = 1e9
+
+
 def max_cost_usd(value: float) -> float:
-    """A turn's own cost cap in USD: 0 (none) or a finite positive amount (docs/budgets.md)."""
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgument("max_cost_usd", f"expected 0 (no cap) or a positive number of US dollars, got {value!r}")
+    """A turn's own cost cap in USD: 0 (none) or a finite positive amount up to ``MAX_COST_USD``
+    (docs/budgets.md)."""
+    if not math.isfinite(value) or value < 0 or value > MAX_COST_USD:
+        raise InvalidArgument(
+            "max_cost_usd",
+            f"expected 0 (no cap) or a positive number of US dollars up to {MAX_COST_USD:,.0f}, got {value!r}",
+        )
     return value
 
 

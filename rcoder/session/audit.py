@@ -37,7 +37,7 @@ class AuditTrail:
     def record(self, entry: AuditEntry) -> None:
         log.info(
             "audit", client=entry.client, method=entry.method, project_id=entry.project_id,
-            session_id=entry.session_id, run_id=entry.run_id, code=entry.code,
+            session_id=entry.session_id, run_id=entry.run_id, code=entry.code, path=entry.path,
         )  # fmt: skip
         if len(self._pending) >= PENDING_WRITES:
             self.dropped += 1

@@ -147,6 +147,10 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX spend_holds_by_project ON spend_holds (project_id, day)",
         "CREATE INDEX spend_holds_by_session ON spend_holds (session_id)",
     ),
+    (  # 15: the audit trail names the path a file call named ('' for every other call, and the
+        # rows before this migration)
+        "ALTER TABLE audit ADD COLUMN path text NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -348,14 +352,15 @@ TRANSCRIPT = (
 )
 # the audit trail: the last ``limit`` entries (of one session, or of all), oldest first
 INSERT_AUDIT = (
-    "INSERT INTO audit (at, client, method, project_id, session_id, run_id, code) VALUES (%s, %s, %s, %s, %s, %s, %s)"
+    "INSERT INTO audit (at, client, method, project_id, session_id, run_id, code, path)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
 )
 AUDIT_ALL = (
-    "SELECT at, client, method, project_id, session_id, run_id, code FROM"
+    "SELECT at, client, method, project_id, session_id, run_id, code, path FROM"
     " (SELECT * FROM audit ORDER BY id DESC LIMIT %s) AS last ORDER BY id"
 )
 AUDIT_OF_SESSION = (
-    "SELECT at, client, method, project_id, session_id, run_id, code FROM"
+    "SELECT at, client, method, project_id, session_id, run_id, code, path FROM"
     " (SELECT * FROM audit WHERE session_id = %s ORDER BY id DESC LIMIT %s) AS last ORDER BY id"
 )
 # history: a batch in one statement (arrays, one per column)

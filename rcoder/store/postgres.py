@@ -533,7 +533,14 @@ class PostgresStore:
 
     async def record_audit(self, entry: AuditEntry) -> None:
         params = _params(
-            _ts(entry.at), entry.client, entry.method, entry.project_id, entry.session_id, entry.run_id, entry.code
+            _ts(entry.at),
+            entry.client,
+            entry.method,
+            entry.project_id,
+            entry.session_id,
+            entry.run_id,
+            entry.code,
+            entry.path,
         )
         await self._write(pg_schema.INSERT_AUDIT, params, None)
 

@@ -544,7 +544,7 @@ class SqliteStore:
     async def record_audit(self, entry: AuditEntry) -> None:
         params = (
             time_text(entry.at), entry.client, entry.method, entry.project_id, entry.session_id, entry.run_id,
-            entry.code,
+            entry.code, entry.path,
         )  # fmt: skip
         await self._write(sqlite_schema.INSERT_AUDIT, params, None)
 

@@ -1492,8 +1492,8 @@ class RunInfo(_message.Message):
     fallback_reason: _builtins.str
     """why its session was opened new instead of resumed (resume FALLBACK_*); empty otherwise"""
     client: _builtins.str
-    """who started it: a [[clients]] name, a JWT's subject, "admin" (the auth_token); empty for
-    runs from before rcoder recorded it
+    """who started it: a [[clients]] name, "jwt:" and a JWT's subject, "admin" (the auth_token);
+    empty for runs from before rcoder recorded it
     """
     kind: Global___RunKind.ValueType
     """a turn of the agent, or a rewind (RewindSession)"""

@@ -250,11 +250,11 @@ async def test_the_jwt_setup_works_as_written(make_daemon: DaemonFactory, tmp_pa
     assert events[-1].completed.stop_reason == pb.STOP_REASON_END_TURN
     refused = await client.chat_error(project_id="beta-api", prompt="hi", metadata=bearer)
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "'acme-ci-runner-12' may not use project 'beta-api'" in (refused.details() or "")
+    assert "'jwt:acme-ci-runner-12' may not use project 'beta-api'" in (refused.details() or "")
     lines = await daemon.wait_log("audit", count=2)
     assert [(r["client"], r["project_id"], r["code"]) for r in lines] == [
-        ("acme-ci-runner-12", "acme-web", "OK"),
-        ("acme-ci-runner-12", "beta-api", "PERMISSION_DENIED"),
+        ("jwt:acme-ci-runner-12", "acme-web", "OK"),
+        ("jwt:acme-ci-runner-12", "beta-api", "PERMISSION_DENIED"),
     ]
 
 

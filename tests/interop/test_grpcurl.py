@@ -30,12 +30,16 @@ async def test_grpcurl_lists_and_describes_the_services_by_reflection(
 ) -> None:
     daemon, _ = await make_daemon()
 
-    # without the token, reflection shows health alone (rcoder.api.reflection)
+    # without the token, reflection shows everything (descriptors are public); the call is refused
+    # saying how to send one
     bare = await run([grpcurl, "-plaintext", daemon.address, "list"])
-    assert bare.returncode == 0 and bare.stdout.split() == ["grpc.health.v1.Health"], bare
-    hidden = await run([grpcurl, "-plaintext", daemon.address, "describe", "rcoder.v1.AgentRunner"])
-    assert hidden.returncode != 0 and "rcoder.v1.AgentRunner" in hidden.stderr, hidden
-    assert "rpc Chat" not in hidden.stdout + hidden.stderr
+    assert bare.returncode == 0 and {"rcoder.v1.AgentRunner", "grpc.health.v1.Health"} <= set(bare.stdout.split())
+    described = await run([grpcurl, "-plaintext", daemon.address, "describe", "rcoder.v1.AgentRunner"])
+    assert "rpc Chat" in described.stdout, described
+    call = await run([grpcurl, "-plaintext", daemon.address, "rcoder.v1.AgentRunner/ListAgents"])
+    assert call.returncode == 64 + 16 and "does not expose" not in call.stderr, call
+    assert "Unauthenticated" in call.stderr and "authorization: Bearer" in call.stderr, call.stderr
+    assert "auth_token" in call.stderr, call.stderr
     wrong = await run([grpcurl, "-plaintext", "-H", "authorization: Bearer nope", daemon.address, "list"])
     assert wrong.returncode != 0 and "Unauthenticated" in wrong.stderr, "a wrong token is refused"
     listed = await run([grpcurl, "-plaintext", "-H", bearer(daemon), daemon.address, "list"])

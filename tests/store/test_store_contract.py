@@ -617,13 +617,14 @@ async def test_audit_entries_are_kept_in_order_and_outlive_their_session(store: 
         AuditEntry(T0, "acme-chat", "Chat", "proj", "s1", "r1", "OK"),
         AuditEntry(T0 + timedelta(seconds=1), "beta-ci", "Cancel", "", "s2", "", "NOT_FOUND"),
         AuditEntry(T0 + timedelta(seconds=2), "admin", "DeleteSession", "proj", "s1", "", "OK"),
+        AuditEntry(T0 + timedelta(seconds=3), "acme-chat", "WriteFile", "proj", "", "", "OK", path="src/a.py"),
     ]
     for audit in entries:
         await store.record_audit(audit)
     assert await store.delete_session("s1") is not None
     assert await store.audit_entries() == entries, "deleting a session keeps who did what to it"
     assert await store.audit_entries("s1") == [entries[0], entries[2]]
-    assert await store.audit_entries(limit=1) == [entries[2]], "the last ones, oldest first"
+    assert await store.audit_entries(limit=1) == [entries[3]], "the last ones, oldest first"
     assert await store.audit_entries("nope") == []
     with pytest.raises(ValueError, match="limit"):
         await store.audit_entries(limit=0)

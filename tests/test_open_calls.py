@@ -1,0 +1,138 @@
+"""What callers without a token can make the daemon hold (rcoder.api.open_calls): health's Check
+and Watch and reflection, flooded with the largest requests and with many streams, as the security
+probe did (40 Watch streams naming an 18 MiB service took the daemon from 148 to 3,305 MiB, and
+it stayed there; 20,000 small Watch streams +300 MB).
+
+The daemon's memory is read from outside, as an operator would (tests/test_gate.py's helpers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from rcoder.api.open_calls import OPEN_WATCHES
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory
+from tests.harness import eventually
+from tests.test_gate import memory_mib, reset_peak
+
+MIB = 1 << 20
+TOKEN = "tok-open-calls"
+LARGEST = 18 * MIB  # under max_request_bytes' 19 MiB: grpc itself would refuse a larger one unread
+CHECK, WATCH = "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"
+REFLECT = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"
+# one message being read at a time, ~4 times its size in grpc's buffers and copies (66-87 MiB
+# measured): what the flood may cost at its peak, whatever the number of streams (the old daemon
+# grew by 370 MiB for 10 Checks, by gigabytes for 40 Watch streams)
+PEAK_MIB = 6 * LARGEST / MIB
+# and what may stay once it is over: glibc and grpc keep some of what they freed (10-32 MiB seen),
+# the same after a second flood (the old daemon kept ~80 MiB a request)
+SETTLED_MIB = 40.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+WAVE = 12  # requests of 18 MiB at once, per method (the old daemon: ~80 MiB each, kept)
+STREAMS = 1000  # the probe used 20,000: the same path, in a time a test can afford
+
+
+async def settled(pid: int, idle: float) -> None:
+    """The RSS back within ``SETTLED_MIB`` of ``idle`` (bounded wait), or the test fails saying where it stayed."""
+    try:
+        await eventually(lambda: memory_mib(pid, "VmRSS") - idle < SETTLED_MIB, timeout=30)
+    except TimeoutError:
+        raise AssertionError(f"the daemon stayed {memory_mib(pid, 'VmRSS') - idle:.0f} MiB above idle") from None
+
+
+async def unauthenticated(address: str, method: str, payload: bytes) -> str:
+    """One call of ``method`` whose request is ``payload`` (its own channel); its status's name."""
+    options = [("grpc.max_send_message_length", len(payload) + MIB)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        try:
+            if method == CHECK:
+                await channel.unary_unary(method)(payload, timeout=60)
+            else:
+                async for _ in channel.unary_stream(method)(payload, timeout=60):
+                    return "ANSWERED"  # a Watch that was answered: the bound did not hold
+        except grpc.aio.AioRpcError as exc:
+            return str(exc.code().name)
+    return "OK"
+
+
+async def test_a_flood_of_the_largest_health_and_reflection_requests_costs_one_read_at_a_time(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, client = await make_daemon(auth_token=TOKEN)
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert (
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    ).status == health_pb2.HealthCheckResponse.SERVING
+    idle = memory_mib(daemon.pid, "VmRSS")
+    reset_peak(daemon.pid)
+
+    name = health_pb2.HealthCheckRequest(service="x" * LARGEST).SerializeToString()
+    symbol = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * LARGEST).SerializeToString()
+    for flood in range(2):  # twice: what stays after one is not added to by the next
+        codes = []
+        for method, payload in ((WATCH, name), (CHECK, name), (REFLECT, symbol)):  # a wave each: the
+            # client's own memory holds each request it sends (WAVE x 18 MiB), the daemon's one at a time
+            wave = [asyncio.create_task(unauthenticated(daemon.address, method, payload)) for _ in range(WAVE)]
+            assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents  # another answers
+            codes += await asyncio.gather(*wave)
+
+        assert set(codes) == {"RESOURCE_EXHAUSTED"}, codes
+        grown = memory_mib(daemon.pid, "VmHWM") - idle
+        print(f"flood {flood}: idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
+        assert grown < PEAK_MIB, f"the daemon grew {grown:.0f} MiB refusing {len(codes)} requests of 18 MiB"
+        await settled(daemon.pid, idle)
+    assert (
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    ).status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def watch(stub: health_pb2_grpc.HealthStub, answered: asyncio.Event, ended: asyncio.Event) -> str:
+    """A Watch held open until ``ended``: "SERVING" once answered, else the status it was refused with."""
+    call = stub.Watch(health_pb2.HealthCheckRequest(service=pb.DESCRIPTOR.services_by_name["AgentRunner"].full_name))
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        return str(exc.code().name)
+    answered.set()
+    await ended.wait()
+    call.cancel()
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(first.status))
+
+
+async def test_thousands_of_watch_streams_hold_a_bounded_few_and_the_rest_are_refused(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, client = await make_daemon(auth_token=TOKEN)
+    channels = [grpc.aio.insecure_channel(daemon.address) for _ in range(10)]
+    stubs = [health_pb2_grpc.HealthStub(channel) for channel in channels]
+    await stubs[0].Check(health_pb2.HealthCheckRequest(), timeout=10)
+    idle = memory_mib(daemon.pid, "VmRSS")
+    reset_peak(daemon.pid)
+
+    ended = asyncio.Event()
+    events = [asyncio.Event() for _ in range(STREAMS)]
+    streams = [asyncio.create_task(watch(stubs[n % len(stubs)], events[n], ended)) for n in range(STREAMS)]
+    # every stream either answered (and held) or ended
+    await eventually(lambda: sum(t.done() for t in streams) + sum(e.is_set() for e in events) >= len(streams), 90)
+    held = sum(e.is_set() for e in events)
+    grown = memory_mib(daemon.pid, "VmHWM") - idle
+    ended.set()
+    codes = await asyncio.gather(*streams)
+    for channel in channels:
+        await channel.close()
+
+    assert held == OPEN_WATCHES and codes.count("RESOURCE_EXHAUSTED") == STREAMS - OPEN_WATCHES, codes[:3]
+    assert codes.count("SERVING") == OPEN_WATCHES
+    print(f"idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
+    assert grown < 24, f"the daemon grew {grown:.0f} MiB for {STREAMS} Watch streams"
+    await settled(daemon.pid, idle)
+    # the bound is given back: a Watch is answered again
+    again = [asyncio.Event(), asyncio.Event()]
+    one = asyncio.create_task(watch(client_health := health_pb2_grpc.HealthStub(client.channel), *again))
+    await asyncio.wait_for(again[0].wait(), 10)
+    again[1].set()
+    assert await one == "SERVING" and client_health is not None

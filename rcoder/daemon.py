@@ -84,7 +84,9 @@ class Daemon:
         # the owner of the session leases it takes (docs/design/hosts.md#leases)
         self.host_id = host_id_of(settings)
         self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
-        self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
+        self.store = make_store(
+            settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id, lease_ttl=settings.lease_ttl
+        )
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
         self.launcher = AgentLauncher(settings, limits=self.limits)
         # The registry, the pool and the lease keeper tell the daemon what happened to a session

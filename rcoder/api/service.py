@@ -217,6 +217,10 @@ class AgentRunnerService(FileRpcs):
                 try:
                     run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
                 except errors.NotFound:
+                    # A run of a lost host is ended "owner host lost" (docs/design/hosts.md#a-lost-hosts-runs).
+                    ended = await self._router.end_lost(request.run_id)
+                    if ended is not None:
+                        return pb.CancelResponse(run_id=request.run_id, cancelled=ended)
                     # A turn queued at another host is not in any store yet, so the other hosts are asked.
                     asked = (
                         await self._routes.ask_others("Cancel", request, context, call.caller)
@@ -227,6 +231,8 @@ class AgentRunnerService(FileRpcs):
                         raise
                     answer: pb.CancelResponse = asked
                     return answer
+                if not cancelled and request.session_id and run_id:
+                    cancelled = bool(await self._router.end_lost(run_id))  # its last run, on a lost host
                 return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
 
             async def queued(owner: Owner) -> pb.CancelResponse:  # the owner did not answer: through the store
@@ -234,7 +240,8 @@ class AgentRunnerService(FileRpcs):
                 return pb.CancelResponse(run_id=sent.run_id, cancelled=sent.running, queued=sent.queued)
 
             if request.run_id:
-                find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
+                find = partial(self._router.run_owner, request.run_id, end_orphan=False)
+                what = ("run", request.run_id)
             else:
                 find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.CancelResponse = await self._routes.unary(

@@ -10,6 +10,7 @@ otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replaye
 
 from __future__ import annotations
 
+from rcoder.domain import RunStatus
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.leases import LeaseKeeper
@@ -59,9 +60,10 @@ class Router:
         owner = await self._leases.coordination.session_owner(session_id)
         return owner if owner is not None and owner.live and owner.host_id != self.host_id else None
 
-    async def run_owner(self, run_id: str) -> Owner | None:
+    async def run_owner(self, run_id: str, end_orphan: bool = True) -> Owner | None:
         """The live host that runs ``run_id`` if not this one (None: serve it here). A run of a
-        host whose lease expired is ended in the store as "owner host lost" on the way."""
+        host whose lease expired is ended in the store as "owner host lost" on the way, unless
+        ``end_orphan`` is False (``Cancel``: ``end_lost`` then says whether it ended it)."""
         if not self._leases.shared or not run_id:
             return None
         if self._runs.known(run_id):
@@ -73,11 +75,24 @@ class Router:
         owner = await self._leases.coordination.run_owner(run_id)
         if owner is None or owner.host_id == self.host_id:
             return None
-        if owner.live:
-            return owner
+        if owner.live or not end_orphan:
+            return owner if owner.live else None
         if await self._leases.coordination.end_orphaned_run(run_id):
             log.warning("orphaned_run_ended", run_id=run_id, owner=owner.host_id)
         return None
+
+    async def end_lost(self, run_id: str) -> bool | None:
+        """A run this host does not have, as the store has it (docs/design/hosts.md#a-lost-hosts-runs): True
+        when it was running on a lost host and is now ended "owner host lost" by this call; False
+        when it had ended; None when the store has no such run, or has it running on a host
+        that is not lost (and with one host, where every run is this one's)."""
+        if not self._leases.shared or not run_id:
+            return None
+        if await self._leases.coordination.end_run_of_lost_host(run_id):
+            log.warning("orphaned_run_ended", run_id=run_id)
+            return True
+        record = await self._store.get_run(run_id)
+        return None if record is None or record.status is RunStatus.RUNNING else False
 
     @property
     def signals(self) -> bool:

@@ -324,7 +324,10 @@ class AgentRunnerService(FileRpcs):
             validate.diff_path(request.path, "path")
             await self._scope.run(call, request.run_id)
             # Any host can answer, since every host reads the same checkpoint stores (docs/checkpoints.md).
-            found = await self._worker.run_changes(request.run_id, request.path)
+            try:
+                found = await self._worker.run_changes(request.run_id, request.path)
+            except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
+                raise await self._router.no_checkpoint(missing, request.run_id) from None
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return pb.GetRunChangesResponse(
@@ -344,7 +347,10 @@ class AgentRunnerService(FileRpcs):
             call.run_id = request.run_id
 
             async def here() -> pb.RewindSessionResponse:
-                done = await self._worker.rewind_session(request.session_id, request.run_id)
+                try:
+                    done = await self._worker.rewind_session(request.session_id, request.run_id)
+                except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
+                    raise await self._router.no_checkpoint(missing, request.run_id) from None
                 return pb.RewindSessionResponse(
                     run_id=done.run_id,
                     changes=convert.file_changes(done.changes),
@@ -429,10 +435,12 @@ class AgentRunnerService(FileRpcs):
     ) -> pb.ListHostsResponse:
         try:
             hosts = await self._router.hosts()
+            sharing = await self._router.share_checkpoint_root([h.host_id for h in hosts])
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         context.set_trailing_metadata(self._routes.owner_metadata)
-        return pb.ListHostsResponse(hosts=[_host(h, h.host_id == self._router.host_id) for h in hosts])
+        this = self._router.host_id
+        return pb.ListHostsResponse(hosts=[_host(h, h.host_id == this, h.host_id in sharing) for h in hosts])
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
@@ -494,7 +502,7 @@ class AgentRunnerService(FileRpcs):
         return pb.ListAgentsResponse(agents=agents, runs_as=runs_as)
 
 
-def _host(record: HostRecord, this: bool) -> pb.Host:
+def _host(record: HostRecord, this: bool, shares_checkpoint_root: bool) -> pb.Host:
     return pb.Host(
         host_id=record.host_id,
         advertise_address=record.advertise_address,
@@ -503,4 +511,5 @@ def _host(record: HostRecord, this: bool) -> pb.Host:
         started_at=convert.timestamp(record.started_at),
         live=record.live,
         self=this,
+        shares_checkpoint_root=shares_checkpoint_root,
     )

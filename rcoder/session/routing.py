@@ -10,9 +10,13 @@ otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replaye
 
 from __future__ import annotations
 
+import asyncio
+
 from rcoder.domain import RunStatus
+from rcoder.errors import NoCheckpoint
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
+from rcoder.session.checkpoint_sharing import CheckpointSharing
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.runs import RunRegistry
 from rcoder.session.signals import QueuedCancel, SignalSender
@@ -32,12 +36,14 @@ class Router:
         store: SessionStore,
         metrics: Metrics,
         signals: SignalSender | None = None,
+        sharing: CheckpointSharing | None = None,
     ) -> None:
         self._leases = leases
         self._runs = runs
         self._store = store
         self._metrics = metrics
         self._signals = signals  # several hosts only: what an owner that does not answer is left
+        self._sharing = sharing  # whether a run's snapshots are in this host's checkpoint_root
 
     @property
     def shared(self) -> bool:
@@ -80,6 +86,18 @@ class Router:
         if await self._leases.coordination.end_orphaned_run(run_id):
             log.warning("orphaned_run_ended", run_id=run_id, owner=owner.host_id)
         return None
+
+    async def no_checkpoint(self, error: NoCheckpoint, run_id: str) -> NoCheckpoint:
+        """``error``, naming the host that ran ``run_id`` when its snapshots are in a
+        ``checkpoint_root`` this host does not share (docs/design/hosts.md#checkpoint-roots)."""
+        return error if self._sharing is None else await self._sharing.explained(error, run_id)
+
+    async def share_checkpoint_root(self, host_ids: list[str]) -> set[str]:
+        """Those of ``host_ids`` whose checkpoint_root is this host's (all where nothing says otherwise)."""
+        sharing = self._sharing
+        if sharing is None:
+            return set(host_ids)
+        return await asyncio.to_thread(lambda: {host_id for host_id in host_ids if sharing.shares(host_id)})
 
     async def end_lost(self, run_id: str) -> bool | None:
         """A run this host does not have, as the store has it (docs/design/hosts.md#a-lost-hosts-runs): True

@@ -46,6 +46,15 @@ async def test_host_local_checkpoint_roots_are_said_at_start_in_list_hosts_and_i
         # a started first, alone: it says so when it next looks at the hosts
         await a.daemon.wait_log("checkpoint_root_not_shared", host="host-b", timeout=CHECK_EVERY * LEASE_TTL + 20)
 
+        # a gone, b serves a's session: its rewind is refused the same way, before anything changes
+        assert await a.daemon.stop() == 0
+        request = pb.RewindSessionRequest(session_id=events[0].session_id, run_id=events[0].run_id)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await b.stub.RewindSession(request, metadata=AUTH_MD, timeout=30)
+        assert error_info(caught.value).reason == "NO_CHECKPOINT"
+        assert error_info(caught.value).metadata["host_id"] == "host-a"
+        assert (hosts.root / "workspace" / "proj" / "a.txt").read_text() == "made on a\n"
+
 
 async def test_one_shared_checkpoint_root_is_said_shared(make_hosts: MakeHosts, tmp_path: Path) -> None:
     async with make_hosts(checkpoint_root=str(tmp_path / "checkpoints")) as hosts:

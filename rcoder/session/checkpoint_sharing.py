@@ -90,6 +90,8 @@ class CheckpointSharing:
                 await self.check()
             except (StoreError, OSError) as exc:  # the next round may fare better
                 log.warning("checkpoint_sharing_unchecked", error=str(exc)[:300])
+            except Exception as exc:  # a bug, not the store: logged, and looked at again next round
+                log.exception("checkpoint_sharing_crashed", error=repr(exc))
 
     async def check(self) -> list[HostRecord]:
         """The live hosts that do not share this host's ``checkpoint_root``; each said once."""

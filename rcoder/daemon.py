@@ -28,13 +28,14 @@ from rcoder.api.host_auth import HostAuth
 from rcoder.api.routed import Routes
 from rcoder.api.server import CallBounds, GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
-from rcoder.config import Settings
+from rcoder.config import Settings, checkpoint_root
 from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.acp_worker import AcpWorker, WorkerParts
 from rcoder.session.audit import AuditTrail
+from rcoder.session.checkpoint_sharing import CheckpointSharing
 from rcoder.session.checkpoints import Checkpoints
 from rcoder.session.claimed import ClaimedTurns
 from rcoder.session.disk import DiskGuard
@@ -102,7 +103,9 @@ class Daemon:
         # the owner of the session leases it takes (docs/design/hosts.md#leases)
         self.host_id = host_id_of(settings)
         self.access = access_of(settings)  # the token every RPC but health (and /metrics) asks
-        self.store = make_store(settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id)
+        self.store = make_store(
+            settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id, lease_ttl=settings.lease_ttl
+        )
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
         self.launcher = AgentLauncher(settings, limits=self.limits)
         # The registry, the pool and the lease keeper tell the daemon what happened to a session
@@ -141,7 +144,11 @@ class Daemon:
         box = make_signals(self.store)  # None on SQLite: one host needs none
         sender = SignalSender(box, self.store, self.metrics) if box is not None else None
         self.signals = SignalListener(box, self.worker, self.metrics) if box is not None else None
-        router = Router(self.leases, self.runs, self.store, self.metrics, signals=sender)
+        # whether the other hosts share this host's checkpoint_root (docs/design/hosts.md#checkpoint-roots)
+        self.checkpoint_sharing = CheckpointSharing(checkpoint_root(settings), settings.checkpoints, self.leases)
+        router = Router(
+            self.leases, self.runs, self.store, self.metrics, signals=sender, sharing=self.checkpoint_sharing
+        )
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
@@ -254,6 +261,7 @@ class Daemon:
         await self.leases.coordination.register(self.advertise_address, __version__)
         if self.leases.shared:
             self.leases.start()
+        await self.checkpoint_sharing.start()  # after registering: the hosts see each other's marks
         if self.signals is not None:
             self.signals.start()
         if self.settings.metrics_listen:
@@ -384,6 +392,7 @@ class Daemon:
         self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()
+        await self.checkpoint_sharing.aclose()
         await self.leases.aclose()  # after the agents: their leases are released in one statement
         await self.server.stop(grace=1.0)
         self.files.close()

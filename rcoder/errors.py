@@ -393,8 +393,9 @@ class NoCheckpoint(RcoderError):
 
     reason = "NO_CHECKPOINT"
 
-    def __init__(self, run_id: str, which: str, why: str) -> None:
-        super().__init__(f"run {run_id} has no {which} snapshot: {why}", run_id=run_id, which=which)
+    def __init__(self, run_id: str, which: str, why: str, host_id: str = "") -> None:
+        # host_id: the host whose checkpoint_root holds the run's snapshots, when it is not this one's
+        super().__init__(f"run {run_id} has no {which} snapshot: {why}", run_id=run_id, which=which, host_id=host_id)
 
 
 # ---------------------------------------------------------------- the daemon's start

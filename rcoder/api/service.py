@@ -234,6 +234,10 @@ class AgentRunnerService(FileRpcs):
                 try:
                     run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
                 except errors.NotFound:
+                    # A run of a lost host is ended "owner host lost" (docs/design/hosts.md#a-lost-hosts-runs).
+                    ended = await self._router.end_lost(request.run_id)
+                    if ended is not None:
+                        return pb.CancelResponse(run_id=request.run_id, cancelled=ended)
                     # A turn queued at another host is not in any store yet, so the other hosts are asked.
                     asked = (
                         await self._routes.ask_others("Cancel", request, context, call.caller)
@@ -244,6 +248,8 @@ class AgentRunnerService(FileRpcs):
                         raise
                     answer: pb.CancelResponse = asked
                     return answer
+                if not cancelled and request.session_id and run_id:
+                    cancelled = bool(await self._router.end_lost(run_id))  # its last run, on a lost host
                 return pb.CancelResponse(run_id=run_id, cancelled=cancelled)
 
             async def queued(owner: Owner) -> pb.CancelResponse:  # the owner did not answer: through the store
@@ -251,7 +257,8 @@ class AgentRunnerService(FileRpcs):
                 return pb.CancelResponse(run_id=sent.run_id, cancelled=sent.running, queued=sent.queued)
 
             if request.run_id:
-                find, what = partial(self._router.run_owner, request.run_id), ("run", request.run_id)
+                find = partial(self._router.run_owner, request.run_id, end_orphan=False)
+                what = ("run", request.run_id)
             else:
                 find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.CancelResponse = await self._routes.unary(
@@ -334,7 +341,10 @@ class AgentRunnerService(FileRpcs):
             validate.diff_path(request.path, "path")
             await self._scope.run(call, request.run_id)
             # Any host can answer, since every host reads the same checkpoint stores (docs/checkpoints.md).
-            found = await self._worker.run_changes(request.run_id, request.path)
+            try:
+                found = await self._worker.run_changes(request.run_id, request.path)
+            except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
+                raise await self._router.no_checkpoint(missing, request.run_id) from None
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         return pb.GetRunChangesResponse(
@@ -356,7 +366,10 @@ class AgentRunnerService(FileRpcs):
             await self._scope.run(call, request.run_id, errors.NotFound("run", request.run_id, RUN_MISSING))
 
             async def here() -> pb.RewindSessionResponse:
-                done = await self._worker.rewind_session(request.session_id, request.run_id)
+                try:
+                    done = await self._worker.rewind_session(request.session_id, request.run_id)
+                except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
+                    raise await self._router.no_checkpoint(missing, request.run_id) from None
                 return pb.RewindSessionResponse(
                     run_id=done.run_id,
                     changes=convert.file_changes(done.changes),
@@ -446,10 +459,12 @@ class AgentRunnerService(FileRpcs):
     ) -> pb.ListHostsResponse:
         try:
             hosts = await self._router.hosts()
+            sharing = await self._router.share_checkpoint_root([h.host_id for h in hosts])
         except errors.RcoderError as exc:
             await self._abort(context, exc)
         context.set_trailing_metadata(self._routes.owner_metadata)
-        return pb.ListHostsResponse(hosts=[_host(h, h.host_id == self._router.host_id) for h in hosts])
+        this = self._router.host_id
+        return pb.ListHostsResponse(hosts=[_host(h, h.host_id == this, h.host_id in sharing) for h in hosts])
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext[Any, Any], call: Call
@@ -512,7 +527,7 @@ class AgentRunnerService(FileRpcs):
         return pb.ListAgentsResponse(agents=agents, runs_as=runs_as)
 
 
-def _host(record: HostRecord, this: bool) -> pb.Host:
+def _host(record: HostRecord, this: bool, shares_checkpoint_root: bool) -> pb.Host:
     return pb.Host(
         host_id=record.host_id,
         advertise_address=record.advertise_address,
@@ -521,4 +536,5 @@ def _host(record: HostRecord, this: bool) -> pb.Host:
         started_at=convert.timestamp(record.started_at),
         live=record.live,
         self=this,
+        shares_checkpoint_root=shares_checkpoint_root,
     )

@@ -10,8 +10,13 @@ otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replaye
 
 from __future__ import annotations
 
+import asyncio
+
+from rcoder.domain import RunStatus
+from rcoder.errors import NoCheckpoint
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
+from rcoder.session.checkpoint_sharing import CheckpointSharing
 from rcoder.session.leases import LeaseKeeper
 from rcoder.session.runs import RunRegistry
 from rcoder.session.signals import QueuedCancel, SignalSender
@@ -31,12 +36,14 @@ class Router:
         store: SessionStore,
         metrics: Metrics,
         signals: SignalSender | None = None,
+        sharing: CheckpointSharing | None = None,
     ) -> None:
         self._leases = leases
         self._runs = runs
         self._store = store
         self._metrics = metrics
         self._signals = signals  # several hosts only: what an owner that does not answer is left
+        self._sharing = sharing  # whether a run's snapshots are in this host's checkpoint_root
 
     @property
     def shared(self) -> bool:
@@ -59,9 +66,10 @@ class Router:
         owner = await self._leases.coordination.session_owner(session_id)
         return owner if owner is not None and owner.live and owner.host_id != self.host_id else None
 
-    async def run_owner(self, run_id: str) -> Owner | None:
+    async def run_owner(self, run_id: str, end_orphan: bool = True) -> Owner | None:
         """The live host that runs ``run_id`` if not this one (None: serve it here). A run of a
-        host whose lease expired is ended in the store as "owner host lost" on the way."""
+        host whose lease expired is ended in the store as "owner host lost" on the way, unless
+        ``end_orphan`` is False (``Cancel``: ``end_lost`` then says whether it ended it)."""
         if not self._leases.shared or not run_id:
             return None
         if self._runs.known(run_id):
@@ -73,11 +81,36 @@ class Router:
         owner = await self._leases.coordination.run_owner(run_id)
         if owner is None or owner.host_id == self.host_id:
             return None
-        if owner.live:
-            return owner
+        if owner.live or not end_orphan:
+            return owner if owner.live else None
         if await self._leases.coordination.end_orphaned_run(run_id):
             log.warning("orphaned_run_ended", run_id=run_id, owner=owner.host_id)
         return None
+
+    async def no_checkpoint(self, error: NoCheckpoint, run_id: str) -> NoCheckpoint:
+        """``error``, naming the host that ran ``run_id`` when its snapshots are in a
+        ``checkpoint_root`` this host does not share (docs/design/hosts.md#checkpoint-roots)."""
+        return error if self._sharing is None else await self._sharing.explained(error, run_id)
+
+    async def share_checkpoint_root(self, host_ids: list[str]) -> set[str]:
+        """Those of ``host_ids`` whose checkpoint_root is this host's (all where nothing says otherwise)."""
+        sharing = self._sharing
+        if sharing is None:
+            return set(host_ids)
+        return await asyncio.to_thread(lambda: {host_id for host_id in host_ids if sharing.shares(host_id)})
+
+    async def end_lost(self, run_id: str) -> bool | None:
+        """A run this host does not have, as the store has it (docs/design/hosts.md#a-lost-hosts-runs): True
+        when it was running on a lost host and is now ended "owner host lost" by this call; False
+        when it had ended; None when the store has no such run, or has it running on a host
+        that is not lost (and with one host, where every run is this one's)."""
+        if not self._leases.shared or not run_id:
+            return None
+        if await self._leases.coordination.end_run_of_lost_host(run_id):
+            log.warning("orphaned_run_ended", run_id=run_id)
+            return True
+        record = await self._store.get_run(run_id)
+        return None if record is None or record.status is RunStatus.RUNNING else False
 
     @property
     def signals(self) -> bool:

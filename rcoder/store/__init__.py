@@ -21,9 +21,10 @@ _SECRET_PARAMS = {"password", "sslpassword"}
 __all__ = ["POSTGRES_SCHEMES", "SessionStore", "make_coordination", "make_signals", "make_store", "redact_url"]
 
 
-def make_store(store_url: str, sqlite_path: Path, host_id: str) -> SessionStore:
+def make_store(store_url: str, sqlite_path: Path, host_id: str, lease_ttl: float = 15.0) -> SessionStore:
     """The store ``store_url`` selects, not opened yet. ``host_id``: this daemon's host, whose
-    runs left running a PostgreSQL store marks interrupted at open (SQLite has one host)."""
+    runs left running a PostgreSQL store marks interrupted at open (SQLite has one host);
+    ``lease_ttl``: how long another host is heard from nothing before its runs are lost."""
     if not store_url:
         from rcoder.store.sqlite import SqliteStore
 
@@ -31,7 +32,7 @@ def make_store(store_url: str, sqlite_path: Path, host_id: str) -> SessionStore:
     if store_url.startswith(POSTGRES_SCHEMES):
         from rcoder.store.postgres import PostgresStore  # psycopg only for a daemon that uses it
 
-        return PostgresStore(store_url, host_id)
+        return PostgresStore(store_url, host_id, lease_ttl=lease_ttl)
     raise ConfigError("store_url", 'expected "" (SQLite in data_dir) or a postgresql:// URL')
 
 

@@ -236,7 +236,8 @@ class SessionStore(Protocol):
 
     async def running_in_project(self, project_id: str) -> str | None:
         """The id of a run of one of ``project_id``'s sessions that the store has as running (on
-        any host); None when there is none."""
+        any host); None when there is none. A lost host's run does not count: it is ended "owner
+        host lost" on the way (several hosts; docs/design/hosts.md#a-lost-hosts-runs)."""
         ...
 
     async def list_runs(

@@ -108,6 +108,13 @@ class Coordination(Protocol):
         host no longer holds its session's lease. True when it was (or had been) so ended."""
         ...
 
+    async def end_run_of_lost_host(self, run_id: str) -> bool:
+        """Mark ``run_id`` ``failed{ERROR, "owner host lost"}`` if it is still ``running`` on another
+        host that is lost: it holds no live lease on the run's session and has not heartbeaten
+        within ``lease_ttl`` (a rewind's run, which holds no lease, stays its live host's). True
+        when this call ended it."""
+        ...
+
 
 class LocalCoordination:
     """The one host of an SQLite store: every lease is this host's, nothing is asked of the store."""
@@ -155,4 +162,7 @@ class LocalCoordination:
         return None
 
     async def end_orphaned_run(self, run_id: str) -> bool:
+        return False
+
+    async def end_run_of_lost_host(self, run_id: str) -> bool:
         return False

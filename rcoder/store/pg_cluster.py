@@ -89,6 +89,10 @@ class PgCoordination:
 
         return await self._store.call(work)
 
+    async def end_run_of_lost_host(self, run_id: str) -> bool:
+        params = (run_id, self.host_id, self._ttl, OWNER_LOST)
+        return bool(await self._store.rows(pg_schema.END_LOST_RUN, params, read=False))
+
 
 def _owner(row: Row) -> Owner:
     host_id, address, live, expires_in = row

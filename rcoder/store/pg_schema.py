@@ -213,10 +213,47 @@ SELECT_RUNS = (
     " checkpoint_before, checkpoint_after FROM runs"
 )
 GET_RUN = SELECT_RUNS + " WHERE run_id = %s"
-# a run of one of a project's sessions that is running, on any host (the file RPCs' busy check, docs/files.md)
+# A running run r of another host is its host's while that host holds a live lease on the run's
+# session or has heartbeaten within lease_ttl; else the host is lost. Both, not the lease alone: a
+# rewind's run holds no lease and is its live host's (docs/design/hosts.md#a-lost-hosts-runs).
+#
+# A run of one of a project's sessions that is running, on any host (the file RPCs' and the
+# rewind's busy check, docs/files.md), and whether it counts (this host's, or its host not lost),
+# those that count first. Parameters: this host, lease_ttl, the project
 RUNNING_IN_PROJECT = (
-    "SELECT r.run_id FROM sessions s JOIN runs r ON r.session_id = s.session_id"
-    " WHERE s.project_id = %s AND r.status = 'running' LIMIT 1"
+    "SELECT r.run_id, r.host_id = %s OR EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id"
+    " AND l.owner = r.host_id AND l.expires > now()) OR EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
+    " AND h.heartbeat > now() - make_interval(secs => %s)) AS counts"
+    " FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = %s AND r.status = 'running' ORDER BY counts DESC LIMIT 1"
+)
+# The running runs of lost hosts (in a project, or one run) ended "owner host lost", the lost
+# hosts' expired leases on their sessions revoked as a takeover does (a host that was only paused
+# has its next write refused); returns the runs ended. One statement that locks the runs' rows:
+# two hosts end a run once. Parameters: the project (or the run), this host, lease_ttl, the error
+END_LOST_IN_PROJECT = (
+    "WITH lost AS (SELECT r.run_id, r.session_id, r.host_id FROM sessions s JOIN runs r"
+    " ON r.session_id = s.session_id WHERE s.project_id = %s AND r.status = 'running' AND r.host_id <> %s"
+    " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
+    " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
+    " AND h.heartbeat > now() - make_interval(secs => %s)) FOR UPDATE OF r),"
+    " revoked AS (UPDATE leases SET owner = '', generation = leases.generation + 1, expires = now()"
+    " FROM lost WHERE leases.session_id = lost.session_id AND leases.owner = lost.host_id"
+    " AND leases.expires <= now())"
+    " UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now() FROM lost"
+    " WHERE runs.run_id = lost.run_id AND runs.status = 'running' RETURNING runs.run_id"
+)
+END_LOST_RUN = (
+    "WITH lost AS (SELECT r.run_id, r.session_id, r.host_id FROM runs r"
+    " WHERE r.run_id = %s AND r.status = 'running' AND r.host_id <> %s"
+    " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
+    " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
+    " AND h.heartbeat > now() - make_interval(secs => %s)) FOR UPDATE OF r),"
+    " revoked AS (UPDATE leases SET owner = '', generation = leases.generation + 1, expires = now()"
+    " FROM lost WHERE leases.session_id = lost.session_id AND leases.owner = lost.host_id"
+    " AND leases.expires <= now())"
+    " UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now() FROM lost"
+    " WHERE runs.run_id = lost.run_id AND runs.status = 'running' RETURNING runs.run_id"
 )
 # a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
 LIST_RUNS = (

@@ -39,9 +39,10 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.errors import LeaseLost, StoreError
+from rcoder.logs import get_logger
 from rcoder.store import pg_schema, redact_url
 from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, run_end_of
-from rcoder.store.cluster import Lease
+from rcoder.store.cluster import OWNER_LOST, Lease
 from rcoder.store.patterns import regexes
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
 from rcoder.store.pg_pool import PgPool
@@ -62,6 +63,7 @@ from rcoder.store.usage import (
 )
 
 T = TypeVar("T")
+log = get_logger("rcoder.store.postgres")
 _NO_FENCE: tuple[object, ...] = ()  # the parameters of an unfenced write's fence
 _BEFORE_ALL = datetime.min.replace(tzinfo=UTC)  # a start before every run's (the first page of runs)
 
@@ -151,9 +153,11 @@ class PostgresStore:
         max_size: int = 16,
         timeout: float = 5.0,
         call_timeout: float = 30.0,
+        lease_ttl: float = 15.0,
     ) -> None:
         self._url = url
         self._host_id = host_id
+        self._lease_ttl = lease_ttl  # another host not heard from for this long is lost (running_in_project)
         self._pool = PgPool(url, min_size=min_size, max_size=max_size, timeout=timeout, call_timeout=call_timeout)
 
     @property
@@ -478,8 +482,20 @@ class PostgresStore:
         return _run(rows[0]) if rows else None
 
     async def running_in_project(self, project_id: str) -> str | None:
-        rows = await self._rows(pg_schema.RUNNING_IN_PROJECT, _params(project_id))
-        return str(rows[0][0]) if rows else None
+        """A running run in the project that counts (``RUNNING_IN_PROJECT``). When the only ones
+        left are a lost host's, they are ended "owner host lost" first, as a takeover ends them:
+        a dead host never keeps its projects busy past its lease (docs/design/hosts.md#a-lost-hosts-runs)."""
+        query = pg_schema.RUNNING_IN_PROJECT
+        rows = await self._rows(query, _params(self._host_id, self._lease_ttl, project_id))
+        if not rows or rows[0][1]:
+            return str(rows[0][0]) if rows else None
+        ended = await self._pool.rows(
+            pg_schema.END_LOST_IN_PROJECT, _params(project_id, self._host_id, self._lease_ttl, OWNER_LOST), read=False
+        )
+        if ended:
+            log.warning("orphaned_runs_ended", project_id=project_id, run_ids=sorted(str(row[0]) for row in ended))
+        rows = await self._rows(query, _params(self._host_id, self._lease_ttl, project_id))
+        return str(rows[0][0]) if rows and rows[0][1] else None
 
     async def list_runs(
         self, session_id: str, limit: int = 100, after: tuple[datetime, str] | None = None

@@ -1353,6 +1353,7 @@ class Host(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     LIVE_FIELD_NUMBER: _builtins.int
     SELF_FIELD_NUMBER: _builtins.int
+    SHARES_CHECKPOINT_ROOT_FIELD_NUMBER: _builtins.int
     host_id: _builtins.str
     """config host_id; by default <hostname>:<port>"""
     advertise_address: _builtins.str
@@ -1363,6 +1364,12 @@ class Host(_message.Message):
     """its heartbeat is within lease_ttl"""
     self: _builtins.bool
     """the host that answered"""
+    shares_checkpoint_root: _builtins.bool
+    """Its mark is in the answering host's checkpoint_root: the two share it, so a turn run on
+    either is diffed and rewound through either. False: GetRunChanges and RewindSession answer
+    NO_CHECKPOINT on one for the other's runs (set one checkpoint_root on shared storage).
+    Always true with SQLite, with checkpoints off, and for the answering host itself.
+    """
     @_builtins.property
     def heartbeat(self) -> _timestamp_pb2.Timestamp:
         """its last heartbeat, by the store's clock"""
@@ -1381,10 +1388,11 @@ class Host(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         live: _builtins.bool = ...,
         self: _builtins.bool = ...,
+        shares_checkpoint_root: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "heartbeat", b"heartbeat", "host_id", b"host_id", "live", b"live", "self", b"self", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_address", b"advertise_address", "heartbeat", b"heartbeat", "host_id", b"host_id", "live", b"live", "self", b"self", "shares_checkpoint_root", b"shares_checkpoint_root", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

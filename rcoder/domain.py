@@ -491,6 +491,7 @@ class NotStored(enum.Enum):
     OVER_BUDGET = "over_budget"  # past checkpoint_max_snapshot_bytes, in path order
     REPOSITORY = "repository"  # a .git file or folder, or in one
     SPECIAL = "special"  # a FIFO, socket or device, or a link named .gitmodules (git refuses it)
+    UNREADABLE = "unreadable"  # git could not read it as the snapshot ran (made a link, removed, refused)
 
 
 @dataclass(frozen=True, slots=True)

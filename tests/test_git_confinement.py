@@ -86,6 +86,42 @@ async def test_a_snapshot_never_stores_a_file_from_outside_the_project_whatever_
     assert SECRET not in store_objects(tmp_path), "an outside file is in the store"
 
 
+async def test_a_turn_is_recorded_while_the_agent_swaps_a_folder_all_the_time(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    """A snapshot whose git meets a swapped folder lists that folder's files as unreadable and
+    stores the rest: an agent that keeps swapping names never leaves its turns unrecorded (before,
+    such a snapshot failed whole, and the turn had no changes and no checkpoint)."""
+    project, outside, go = tmp_path / "workspace" / "proj", tmp_path / "secrets", fake.folder / "go"
+    (project / "d").mkdir(parents=True)
+    outside.mkdir()
+    for n in range(FILES):
+        (project / "d" / f"f{n}").write_bytes(b"decoy %d\n" % n)
+        (outside / f"f{n}").write_bytes(SECRET + b" %d\n" % n)
+    (project / "e").symlink_to(outside)
+    go.touch()
+    _, client = await make_daemon()
+    session_id = (await client.chat(prompt=swap_loop("d", "e", go)))[0].session_id
+    unreadable = 0
+    try:
+        for n in range(TRIES):
+            # each turn touches d's files (so git must read them again) and writes a note of its own
+            turn = await client.chat(
+                prompt=f"shell touch d/* e/* 2>/dev/null; echo {n} > note{n}.txt", session_id=session_id
+            )
+            changes = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=turn[0].run_id))
+            paths = {change.path: change for change in changes.changes}
+            assert f"note{n}.txt" in paths, (n, sorted(paths))
+            unreadable += sum(c.not_stored == pb.NOT_STORED_REASON_UNREADABLE for c in changes.changes)
+            assert SECRET.decode() not in changes.diff
+            if unreadable >= 3:
+                break
+    finally:
+        go.unlink()
+    assert processes_mentioning(str(SWAP)), "the swapping agent was ended: the race was not run"
+    assert unreadable, "no snapshot met the swap: the race was not run"
+
+
 async def test_a_rewind_never_writes_or_removes_a_file_outside_the_project_whatever_the_agent_swaps(
     make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
 ) -> None:

@@ -30,6 +30,7 @@ class NotStoredReason(StrEnum):
     OVER_BUDGET = "over_budget"  # past checkpoint_max_snapshot_bytes
     REPOSITORY = "repository"  # a .git file or folder, or in one
     SPECIAL = "special"  # a FIFO, socket or device
+    UNREADABLE = "unreadable"  # git could not read it as the snapshot ran
 
 
 class RunKind(StrEnum):

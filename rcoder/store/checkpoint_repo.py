@@ -52,6 +52,7 @@ from rcoder.store.unstored import (
     not_restored,
     plan,
     remove_beneath,
+    unreadable_listed,
 )
 
 log = get_logger("rcoder.store.checkpoint_repo")
@@ -104,6 +105,9 @@ CONFIG = (
 # Only there: a diff treats a file past core.bigFileThreshold as binary.
 SNAPSHOT_ADD = ("-c", "core.bigFileThreshold=1", "-c", "core.compression=0")
 UPDATE = ("update-index", "--add", "--remove", "--replace", "-z", "--stdin")
+# how many folders a snapshot leaves out as unreadable before it fails (each costs one more git)
+UNREADABLE_RETRIES = 16
+UNPROCESSED = "Unable to process path "
 # A first snapshot (no index yet) of a project this large is hashed by one ``update-index`` per
 # core at once, each over its share of the files by size (SHA-1 with collision detection is most
 # of its cost): the objects are then in the store, and the real ``update-index`` over the whole
@@ -132,6 +136,7 @@ class Snapshot:
     parent: str
     stored: dict[bytes, int]
     listed: Manifest
+    unreadable: bool = False  # a file it meant to store could not be read: the next reads again
 
 
 class CheckpointRepo:
@@ -230,7 +235,7 @@ class CheckpointRepo:
                 last = None
             else:
                 await self.keep(last.commit)
-        if last is not None and seen.same_as(last.seen) and last.patterns == patterns:
+        if last is not None and seen.same_as(last.seen) and last.patterns == patterns and not last.unreadable:
             return last.commit
         started = time.time_ns()
         try:
@@ -242,7 +247,9 @@ class CheckpointRepo:
             if capped:
                 await self._check_room()
             await self._store_in_parallel(chosen.stored)
-            await self._update_index(chosen.stored)
+            unreadable = await self._update_index(chosen.stored)
+            if unreadable:
+                unreadable_listed(chosen, unreadable, seen.entries)
             tree = (await self.git("write-tree")).out.decode().strip()
             parent = await self._write_manifest(chosen.listed)
             if last is not None and last.tree == tree and last.parent == parent:
@@ -264,7 +271,7 @@ class CheckpointRepo:
             remove_leftovers(self.git_dir, since_ns=started)
             raise
         self._remember(commit, chosen.listed)
-        self._last = Snapshot(tree, commit, seen, patterns, parent, chosen.stored, chosen.listed)
+        self._last = Snapshot(tree, commit, seen, patterns, parent, chosen.stored, chosen.listed, bool(unreadable))
         return commit
 
     async def _check_room(self) -> None:
@@ -277,9 +284,13 @@ class CheckpointRepo:
                 "(or the bound is raised)",
             )
 
-    async def _update_index(self, stored: dict[bytes, int]) -> None:
+    async def _update_index(self, stored: dict[bytes, int]) -> list[bytes]:
         """The index holds exactly the ``stored`` paths, each as the file is now (git reads only
-        those whose stat data changed)."""
+        those whose stat data changed). A path git cannot read now (the agent made a folder on its
+        way a link since the walk, removed it, or the kernel refused git the read: see
+        ``rcoder.store.git_jail``) is taken out of ``stored`` and returned, and git is asked again,
+        ``UNREADABLE_RETRIES`` times at most: an agent that swaps names all the time makes those
+        files listed as unreadable, never the whole turn unrecorded (docs/checkpoints.md#what-is-stored)."""
         if self._indexed is None:
             listing = (await self.git("ls-files", "-z")).out
             self._indexed = {path for path in listing.split(b"\0") if path}
@@ -287,9 +298,26 @@ class CheckpointRepo:
         if gone:  # deleted, or listed only now: out of the index whether on disk or not
             await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(gone) + b"\0")
         self._indexed = None  # unknown until git has done it
-        if stored:
-            await self.git(*SNAPSHOT_ADD, *UPDATE, stdin=b"\0".join(stored) + b"\0")
+        unreadable: list[bytes] = []
+        for attempt in range(UNREADABLE_RETRIES + 1):
+            if not stored:
+                break
+            try:
+                await self.git(*SNAPSHOT_ADD, *UPDATE, stdin=b"\0".join(stored) + b"\0")
+                break
+            except CheckpointError as exc:
+                path = unprocessed_path(str(exc))
+                if path is None or path not in stored or attempt == UNREADABLE_RETRIES:
+                    raise
+                # its folder was swapped for a link, most likely: what else is beneath it goes too
+                # (one git more per folder, not per file)
+                folder = path.rpartition(b"/")[0] + b"/"
+                dropped = [p for p in stored if p.startswith(folder)] if folder != b"/" else [path]
+                for left_out in dropped:
+                    del stored[left_out]
+                unreadable.extend(dropped)
         self._indexed = set(stored)
+        return unreadable
 
     async def _write_manifest(self, listed: Manifest) -> str:
         """The commit holding ``listed`` (the snapshot's parent, even when nothing is listed: a
@@ -527,6 +555,13 @@ def remove_leftovers(git_dir: Path, since_ns: int | None = None, before_ns: int 
                 modified = path.lstat().st_mtime_ns
                 if (since_ns is not None and modified >= since_ns) or (before_ns is not None and modified < before_ns):
                     path.unlink()
+
+
+def unprocessed_path(message: str) -> bytes | None:
+    """The path ``git update-index`` names as the one it could not read ("Unable to process path
+    X", the last line of its error), None when it names none."""
+    _, found, rest = message.rpartition(UNPROCESSED)
+    return rest.split("\n", 1)[0].encode(errors="surrogateescape") if found else None
 
 
 def split_by_size(weights: dict[bytes, int], count: int, min_bytes: int = SPLIT_MIN_BYTES) -> list[list[bytes]]:

@@ -105,6 +105,15 @@ def plan(entries: Sequence[Entry], patterns: ExcludePatterns, bounds: Bounds) ->
     return Plan(stored, listed)
 
 
+def unreadable_listed(chosen: Plan, unreadable: Sequence[bytes], entries: Sequence[Entry]) -> None:
+    """``unreadable``'s paths, out of ``chosen.stored``, listed as ``NotStored.UNREADABLE`` with
+    their stat data of the walk (``entries``)."""
+    wanted = set(unreadable)
+    for path, mode, size, ino, mtime, ctime, _ in entries:
+        if path in wanted:
+            chosen.listed[path] = Listed(NotStored.UNREADABLE, mode, size, ino, mtime, ctime)
+
+
 def encode(listed: Manifest) -> bytes:
     """The manifest as git stores it: a record per file, NUL-terminated, the path last."""
     return b"".join(

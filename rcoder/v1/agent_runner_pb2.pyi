@@ -187,6 +187,8 @@ class _NotStoredReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NotSt
     """a .git file or folder, or in one (a git repository's own)"""
     NOT_STORED_REASON_SPECIAL: _NotStoredReason.ValueType  # 5
     """a FIFO, socket or device, or a link named .gitmodules (git refuses it)"""
+    NOT_STORED_REASON_UNREADABLE: _NotStoredReason.ValueType  # 6
+    """git could not read it as the snapshot ran: made a link, removed or refused meanwhile"""
 
 class NotStoredReason(_NotStoredReason, metaclass=_NotStoredReasonEnumTypeWrapper):
     """Why a file's content is listed but not stored in the project's checkpoints."""
@@ -203,6 +205,8 @@ NOT_STORED_REASON_REPOSITORY: NotStoredReason.ValueType  # 4
 """a .git file or folder, or in one (a git repository's own)"""
 NOT_STORED_REASON_SPECIAL: NotStoredReason.ValueType  # 5
 """a FIFO, socket or device, or a link named .gitmodules (git refuses it)"""
+NOT_STORED_REASON_UNREADABLE: NotStoredReason.ValueType  # 6
+"""git could not read it as the snapshot ran: made a link, removed or refused meanwhile"""
 Global___NotStoredReason: _TypeAlias = NotStoredReason  # noqa: Y015
 
 class _FileChangeKind:

@@ -4,6 +4,8 @@ cannot run (docs/configuration.md#can-a-profile-run-here). A real daemon, its re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rcoder.client import RcoderClient
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup
@@ -49,10 +51,12 @@ async def test_list_agents_says_which_profiles_can_run_here_and_why_not(
 
 
 async def test_the_start_log_warns_when_the_default_profile_cannot_run(
-    make_daemon: DaemonFactory, fake: FakeAgentSetup
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
 ) -> None:
     daemon, _ = await make_daemon({"fake": fake.profile()})
-    serving = await make_daemon({"keyless": fake.profile(provider_env={"api_key": KEY})}, default_agent="keyless")
+    keyless = {"keyless": fake.profile(provider_env={"api_key": KEY})}
+    # a data_dir of its own: one daemon per data_dir (docs/operating.md#one-daemon-per-data_dir)
+    serving = await make_daemon(keyless, default_agent="keyless", data_dir=str(tmp_path / "data-keyless"))
 
     (warning,) = await serving[0].wait_log("default_agent_cannot_run")
     assert warning["agent"] == "keyless" and f"{KEY} is not set" in warning["why"][0]

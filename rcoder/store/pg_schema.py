@@ -231,30 +231,24 @@ RUNNING_IN_PROJECT = (
 # hosts' expired leases on their sessions revoked as a takeover does (a host that was only paused
 # has its next write refused); returns the runs ended. One statement that locks the runs' rows:
 # two hosts end a run once. Parameters: the project (or the run), this host, lease_ttl, the error
-END_LOST_IN_PROJECT = (
+_LOST_RUNS = (
+    " AND r.status = 'running' AND r.host_id <> %s"
+    " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
+    " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
+    " AND h.heartbeat > now() - make_interval(secs => %s)) FOR UPDATE OF r),"
+    " revoked AS (UPDATE leases SET owner = '', generation = leases.generation + 1, expires = now()"
+    " FROM lost WHERE leases.session_id = lost.session_id AND leases.owner = lost.host_id"
+    " AND leases.expires <= now())"
+    " UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now() FROM lost"
+    " WHERE runs.run_id = lost.run_id AND runs.status = 'running' RETURNING runs.run_id"
+)
+_IN_PROJECT = (
     "WITH lost AS (SELECT r.run_id, r.session_id, r.host_id FROM sessions s JOIN runs r"
-    " ON r.session_id = s.session_id WHERE s.project_id = %s AND r.status = 'running' AND r.host_id <> %s"
-    " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
-    " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
-    " AND h.heartbeat > now() - make_interval(secs => %s)) FOR UPDATE OF r),"
-    " revoked AS (UPDATE leases SET owner = '', generation = leases.generation + 1, expires = now()"
-    " FROM lost WHERE leases.session_id = lost.session_id AND leases.owner = lost.host_id"
-    " AND leases.expires <= now())"
-    " UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now() FROM lost"
-    " WHERE runs.run_id = lost.run_id AND runs.status = 'running' RETURNING runs.run_id"
+    " ON r.session_id = s.session_id WHERE s.project_id = %s"
 )
-END_LOST_RUN = (
-    "WITH lost AS (SELECT r.run_id, r.session_id, r.host_id FROM runs r"
-    " WHERE r.run_id = %s AND r.status = 'running' AND r.host_id <> %s"
-    " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
-    " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
-    " AND h.heartbeat > now() - make_interval(secs => %s)) FOR UPDATE OF r),"
-    " revoked AS (UPDATE leases SET owner = '', generation = leases.generation + 1, expires = now()"
-    " FROM lost WHERE leases.session_id = lost.session_id AND leases.owner = lost.host_id"
-    " AND leases.expires <= now())"
-    " UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now() FROM lost"
-    " WHERE runs.run_id = lost.run_id AND runs.status = 'running' RETURNING runs.run_id"
-)
+_ONE_RUN = "WITH lost AS (SELECT r.run_id, r.session_id, r.host_id FROM runs r WHERE r.run_id = %s"
+END_LOST_IN_PROJECT = _IN_PROJECT + _LOST_RUNS
+END_LOST_RUN = _ONE_RUN + _LOST_RUNS
 # a session's runs, oldest first, those after (started_at, run_id) (keyset paging)
 LIST_RUNS = (
     SELECT_RUNS + " WHERE session_id = %s AND (started_at, run_id) > (%s, %s) ORDER BY started_at, run_id LIMIT %s"

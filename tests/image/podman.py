@@ -3,6 +3,7 @@ that say which test run made a container or volume."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -11,6 +12,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.harness import ROOT
 
@@ -100,3 +104,20 @@ def _removed(folder: Path) -> bool:
             return True
         time.sleep(0.1)  # a bounded retry: the kernel frees a cgroup once reaped, and says so by no event
     return not folder.exists()
+
+
+async def serving(port: int, timeout: float) -> None:
+    """Until the daemon on ``port`` says SERVING (within ``timeout``): the health service's own
+    stream of its status, watched again when the connection drops (a container that exited
+    early is restarted meanwhile: by compose's restart policy, or by the test)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    async for status in stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True):
+                        if status.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise

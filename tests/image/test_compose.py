@@ -31,12 +31,11 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.harness import ROOT, bearer_credentials, completed, started, text_of
-from tests.image.podman import BUILD_TIMEOUT, RUN, podman, podman_env
+from tests.image.podman import BUILD_TIMEOUT, RUN, podman, podman_env, serving
 from tests.pg import free_port
 
 COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
@@ -113,23 +112,6 @@ def leftovers() -> list[str]:
     return found
 
 
-async def serving(port: int) -> None:
-    """Until the host on ``port`` says SERVING (bounded): the health service's own stream of its
-    status, watched again when the connection drops (a host that exited because PostgreSQL did
-    not take connections yet is restarted by the file's restart policy meanwhile)."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        async with asyncio.timeout(START_TIMEOUT):
-            while True:
-                try:
-                    async for status in stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True):
-                        if status.status == health_pb2.HealthCheckResponse.SERVING:
-                            return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-
-
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def project(image: str, postgres_image: str) -> AsyncIterator[Project]:
     """``up -d`` as the line of docs/container.md, with the variables it names; ``down -v`` at the end."""
@@ -143,7 +125,7 @@ async def project(image: str, postgres_image: str) -> AsyncIterator[Project]:
     try:
         running("up", "-d", timeout=300)
         try:
-            await asyncio.gather(*(serving(port) for port in ports.values()))
+            await asyncio.gather(*(serving(port, START_TIMEOUT) for port in ports.values()))
         except TimeoutError:
             raise AssertionError("\n".join(f"{host}:\n{running.logs(host)}" for host in HOSTS)) from None
         yield running

@@ -11,17 +11,14 @@ permitted" here; without ``--replace``, in "that name is already in use".
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import subprocess
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.harness import ROOT
-from tests.image.podman import BUILD_TIMEOUT, RUN, podman
+from tests.image.podman import BUILD_TIMEOUT, RUN, podman, serving
 from tests.pg import free_port
 
 START_TIMEOUT = 90.0  # a container to SERVING on a loaded two-core machine
@@ -55,20 +52,6 @@ def run_line(command: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-async def serving(port: int) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        async with asyncio.timeout(START_TIMEOUT):
-            while True:
-                try:
-                    async for status in stub.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True):
-                        if status.status == health_pb2.HealthCheckResponse.SERVING:
-                            return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-
-
 async def test_the_readmes_container_line_runs_as_written_over_a_failed_start_and_again(image: str) -> None:
     name, port = f"{RUN}-readme", free_port()
     command = as_run_here(readme_line(), name, port)
@@ -77,10 +60,10 @@ async def test_the_readmes_container_line_runs_as_written_over_a_failed_start_an
         podman("create", "--name", name, "localhost/rcoder:latest")
         first = run_line(command)
         assert first.returncode == 0, (command, first.stdout, first.stderr)
-        await serving(port)
+        await serving(port, START_TIMEOUT)
         again = run_line(command)  # the same line once more, the first container running
         assert again.returncode == 0, (command, again.stdout, again.stderr)
-        await serving(port)
+        await serving(port, START_TIMEOUT)
         listed = podman("ps", "--all", "--filter", f"name=^{name}$", "--format", "{{.ID}}").stdout.split()
         assert len(listed) == 1, listed
     finally:

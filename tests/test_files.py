@@ -242,6 +242,54 @@ async def test_of_two_writers_based_on_the_same_file_exactly_one_wins(
     assert (await write(client, "fresh.txt", b"x", if_sha256="absent")).size == 1
 
 
+async def test_of_two_writers_naming_one_file_by_two_paths_one_through_an_inside_link_exactly_one_wins(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """``if_sha256`` holds by the file, not by the path: ``real/shared.txt`` and ``via/shared.txt``
+    (``via -> real``) are one file, so of two writers based on it one wins, every try."""
+    root = project(tmp_path)
+    (root / "real").mkdir()
+    (root / "via").symlink_to("real")
+    target = root / "real" / "shared.txt"
+    _, client = await make_daemon()
+
+    async def writer(
+        path: str, base: bytes, body: bytes, started: asyncio.Event, go: asyncio.Event
+    ) -> pb.WriteFileResponse | grpc.aio.AioRpcError:
+        async def stream() -> AsyncIterator[pb.WriteFileChunk]:
+            yield pb.WriteFileChunk(project_id=PROJECT, path=path, if_sha256=sha(base), data=body[:3])
+            started.set()
+            await go.wait()  # both past the early compare before either ends
+            yield pb.WriteFileChunk(data=body[3:])
+
+        try:
+            answer: pb.WriteFileResponse = await client.stub.WriteFile(stream())
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        return answer
+
+    for attempt in range(12):
+        base = f"base {attempt}\n".encode()
+        target.write_bytes(base)
+        bodies = [f"through real {attempt}\n".encode() * 500, f"through the link {attempt}\n".encode() * 500]
+        started, go = [asyncio.Event(), asyncio.Event()], asyncio.Event()
+        async with asyncio.timeout(30):
+            tasks = [
+                asyncio.create_task(writer(path, base, body, ready, go))
+                for path, body, ready in zip(("real/shared.txt", "via/shared.txt"), bodies, started, strict=True)
+            ]
+            await asyncio.gather(*(s.wait() for s in started))
+            go.set()
+            results = await asyncio.gather(*tasks)
+        won = [i for i, r in enumerate(results) if isinstance(r, pb.WriteFileResponse)]
+        lost = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(won) == 1 and len(lost) == 1, (attempt, results)
+        assert said(lost[0]) == ("ABORTED", "SHA256_MISMATCH")
+        assert target.read_bytes() == bodies[won[0]]
+        assert (root / "via").is_symlink()
+    assert leftovers(target.parent) == []
+
+
 async def test_a_cut_write_stream_leaves_neither_a_partial_file_nor_its_temporary(
     make_daemon: DaemonFactory, tmp_path: Path
 ) -> None:

@@ -277,6 +277,26 @@ def open_for_compare(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> 
     return fd
 
 
+# A file by identity: the device and inode of its folder, and its name there. Two paths that
+# reach one file (one through a link inside the project) give the same key.
+FileKey = tuple[int, int, str]
+
+
+def key_of(dir_fd: int, name: str) -> FileKey:
+    info = os.fstat(dir_fd)
+    return (info.st_dev, info.st_ino, name)
+
+
+def file_key(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> FileKey:
+    """The key of the entry at ``parts`` (its folder reached as a write reaches it)."""
+    with translated(parts):
+        dir_fd = beneath.folder(root_fd, parts[:-1])
+    try:
+        return key_of(dir_fd, parts[-1])
+    finally:
+        os.close(dir_fd)
+
+
 class TempFile:
     """A write's file: made in the target's folder (``O_EXCL``, mode 0600 until ``commit``),
     renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise. Noted in
@@ -299,9 +319,28 @@ class TempFile:
             if self.note is not None:
                 UploadJournal.done(self.note)
             raise
+        self.key = key_of(self.dir_fd, parts[-1])
         self.size = 0
         self.digest = hashlib.sha256()
         self.done = False
+
+    def current_sha256(self) -> str | None:
+        """The SHA-256 of the file the rename would replace, read through the folder it is
+        renamed into (not the path again); None when there is none."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            with translated(self.parts):
+                fd = os.open(self.parts[-1], flags, dir_fd=self.dir_fd)
+        except NotFound:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FailedPrecondition(
+                    f"{shown(self.parts)!r} is not a regular file", reason="NOT_A_FILE", path=shown(self.parts)
+                )
+            return sha256_of(fd)
+        finally:
+            os.close(fd)
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)

@@ -8,6 +8,7 @@ import hashlib
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,15 @@ def sha(data: bytes) -> str:
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(".rcoder-upload-"))
+
+
+def gone(path: Path) -> bool:
+    return not path.exists()
+
+
+def writing(folder: Path) -> bool:
+    """A write's temporary file is in ``folder`` (the daemon is writing it)."""
+    return folder.is_dir() and bool(leftovers(folder))
 
 
 async def test_a_listing_goes_depth_first_page_by_page_and_shows_links_with_their_targets(
@@ -551,3 +561,51 @@ async def test_the_temporary_file_of_a_write_cut_by_sigkill_of_the_daemon_is_rem
     await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT))  # serving: the start is done
     assert leftovers(root / "sub") == [f".rcoder-upload-{'0' * 32}.tmp"]  # a file no write noted stays
     assert not (root / "sub" / "big.bin").exists()
+
+
+async def test_a_cancelled_write_removes_the_folders_it_made_and_only_those(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    root = project(tmp_path)
+    (root / "kept").mkdir()
+    (root / "via").symlink_to("kept")
+    _, client = await make_daemon()
+    never = asyncio.Event()
+
+    # a folder of the project's own on the way stays, as does one reached through an inside link
+    for path, made in (("new/deeper/f.bin", root / "new"), ("via/made/deeper/f.bin", root / "kept" / "made")):
+
+        async def stream(path: str = path) -> AsyncIterator[pb.WriteFileChunk]:
+            yield pb.WriteFileChunk(project_id=PROJECT, path=path, data=b"a" * MIB)
+            await never.wait()  # the client goes away mid-file
+
+        call = client.stub.WriteFile(stream())
+        await eventually(partial(writing, made / "deeper"))
+        call.cancel()
+        await eventually(partial(gone, made))
+        assert (root / "kept").is_dir() and (root / "via").is_symlink()
+    assert sorted(p.name for p in root.iterdir()) == ["kept", "via"]
+    assert list((root / "kept").iterdir()) == []
+
+
+async def test_the_folders_a_write_cut_by_sigkill_made_are_removed_when_the_daemon_starts_again(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    root = project(tmp_path)
+    (root / "sub").mkdir()
+    daemon, client = await make_daemon()
+    never = asyncio.Event()
+
+    async def stream() -> AsyncIterator[pb.WriteFileChunk]:
+        yield pb.WriteFileChunk(project_id=PROJECT, path="sub/made/deeper/big.bin", data=b"a" * MIB)
+        await never.wait()  # the daemon is killed mid-file
+
+    call = client.stub.WriteFile(stream())
+    await eventually(lambda: writing(root / "sub" / "made" / "deeper"))
+    await daemon.kill()
+    call.cancel()
+    (root / "sub" / "theirs").mkdir()  # made by someone else meanwhile: an empty folder no write noted
+
+    _, client = await make_daemon()
+    await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT))  # serving: the start is done
+    assert sorted(p.name for p in (root / "sub").iterdir()) == ["theirs"]

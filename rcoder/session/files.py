@@ -35,7 +35,7 @@ from datetime import datetime
 from functools import partial
 from typing import TypeVar
 
-from rcoder.agent.beneath import Beneath, open_project, path_parts
+from rcoder.agent.beneath import Beneath, open_project, path_parts, remove_empty_folder
 from rcoder.config import Settings
 from rcoder.errors import ProjectBusy, RcoderError, ResourceExhausted, Sha256Mismatch, human_bytes
 from rcoder.logs import get_logger
@@ -107,16 +107,20 @@ class ProjectFiles:
         self._journal = UploadJournal(settings.data_dir / UPLOADS_FOLDER)
 
     def sweep_uploads(self) -> int:
-        """Remove the temporary files of the writes a stopped daemon left unfinished
-        (``rcoder.session.upload_journal``); how many. Blocking: called at start, in a thread.
-        A file is removed only if it is still a regular file by that name, beneath its project."""
+        """Remove the temporary files of the writes a stopped daemon left unfinished, and the
+        folders they made (``rcoder.session.upload_journal``); how many files and folders. Blocking:
+        called at start, in a thread. A file is removed only if it is still a regular file by that
+        name, a folder only if it is still an empty folder, each reached through real folders only."""
         removed = 0
         for note, upload in self._journal.left():
             if upload is not None:
                 try:
                     with self._project(upload.project_id) as root:
-                        removed += pf.remove_temp(self._beneath, root, upload.folder, upload.name)
-                except (OSError, RcoderError) as exc:  # the project or the folder is gone: so is the file
+                        with contextlib.suppress(OSError):  # the folder is gone, or a link now: so is the file
+                            removed += pf.remove_temp(self._beneath, root, upload.folder, upload.name)
+                        for folder in reversed(upload.folders):  # the deepest first
+                            removed += remove_empty_folder(self._beneath, root, folder)
+                except (OSError, RcoderError) as exc:  # the project is gone: so is what the write left
                     log.info("upload_leftover_not_removed", project_id=upload.project_id, error=str(exc)[:200])
             UploadJournal.done(note)
         return removed

@@ -297,6 +297,9 @@ def file_key(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> FileKey:
         os.close(dir_fd)
 
 
+FOLDER_TRIES = 3  # a write whose folder another write's cancel removes makes it again, this often
+
+
 class TempFile:
     """A write's file: made in the target's folder (``O_EXCL``, mode 0600 until ``commit``),
     renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise, with the
@@ -319,18 +322,32 @@ class TempFile:
         self._folder: tuple[str, ...] = ()
         self._root_fd = os.dup(root_fd)  # to remove the folders it made
         try:
-            with translated(parts):
-                self.dir_fd = beneath.folder(root_fd, parts[:-1], create=True, notes=self)
-            self._folder = below(root_fd, self.dir_fd)
-            self._noted()
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            self.fd = os.open(self.name, flags, 0o600, dir_fd=self.dir_fd)
+            for attempt in range(FOLDER_TRIES):
+                try:
+                    self._open(root_fd)
+                    break
+                except FileNotFoundError:
+                    # a folder on the way was removed since it was opened or made (another write's
+                    # cancel, removing the folders it made): made again, a bounded number of times
+                    if self.dir_fd >= 0:
+                        os.close(self.dir_fd)
+                        self.dir_fd = -1
+                    if attempt == FOLDER_TRIES - 1:
+                        with translated(parts):
+                            raise
         except BaseException:
             self.discard()
             raise
         self.key = key_of(self.dir_fd, parts[-1])
         self.size = 0
         self.digest = hashlib.sha256()
+
+    def _open(self, root_fd: int) -> None:
+        self.dir_fd = self._beneath.folder(root_fd, self.parts[:-1], create=True, notes=self)
+        self._folder = below(root_fd, self.dir_fd)
+        self._noted()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(self.name, flags, 0o600, dir_fd=self.dir_fd)
 
     def _noted(self) -> None:
         upload = Upload(self._project_id, self._folder, self.name, tuple(self.made))

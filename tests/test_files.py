@@ -8,6 +8,7 @@ import hashlib
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,15 @@ def sha(data: bytes) -> str:
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(".rcoder-upload-"))
+
+
+def gone(path: Path) -> bool:
+    return not path.exists()
+
+
+def writing(folder: Path) -> bool:
+    """A write's temporary file is in ``folder`` (the daemon is writing it)."""
+    return folder.is_dir() and bool(leftovers(folder))
 
 
 async def test_a_listing_goes_depth_first_page_by_page_and_shows_links_with_their_targets(
@@ -240,6 +250,54 @@ async def test_of_two_writers_based_on_the_same_file_exactly_one_wins(
     stale = await refused(write(client, "shared.txt", b"x", if_sha256="absent"))
     assert said(stale) == ("ABORTED", "SHA256_MISMATCH")
     assert (await write(client, "fresh.txt", b"x", if_sha256="absent")).size == 1
+
+
+async def test_of_two_writers_naming_one_file_by_two_paths_one_through_an_inside_link_exactly_one_wins(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """``if_sha256`` holds by the file, not by the path: ``real/shared.txt`` and ``via/shared.txt``
+    (``via -> real``) are one file, so of two writers based on it one wins, every try."""
+    root = project(tmp_path)
+    (root / "real").mkdir()
+    (root / "via").symlink_to("real")
+    target = root / "real" / "shared.txt"
+    _, client = await make_daemon()
+
+    async def writer(
+        path: str, base: bytes, body: bytes, started: asyncio.Event, go: asyncio.Event
+    ) -> pb.WriteFileResponse | grpc.aio.AioRpcError:
+        async def stream() -> AsyncIterator[pb.WriteFileChunk]:
+            yield pb.WriteFileChunk(project_id=PROJECT, path=path, if_sha256=sha(base), data=body[:3])
+            started.set()
+            await go.wait()  # both past the early compare before either ends
+            yield pb.WriteFileChunk(data=body[3:])
+
+        try:
+            answer: pb.WriteFileResponse = await client.stub.WriteFile(stream())
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        return answer
+
+    for attempt in range(12):
+        base = f"base {attempt}\n".encode()
+        target.write_bytes(base)
+        bodies = [f"through real {attempt}\n".encode() * 500, f"through the link {attempt}\n".encode() * 500]
+        started, go = [asyncio.Event(), asyncio.Event()], asyncio.Event()
+        async with asyncio.timeout(30):
+            tasks = [
+                asyncio.create_task(writer(path, base, body, ready, go))
+                for path, body, ready in zip(("real/shared.txt", "via/shared.txt"), bodies, started, strict=True)
+            ]
+            await asyncio.gather(*(s.wait() for s in started))
+            go.set()
+            results = await asyncio.gather(*tasks)
+        won = [i for i, r in enumerate(results) if isinstance(r, pb.WriteFileResponse)]
+        lost = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(won) == 1 and len(lost) == 1, (attempt, results)
+        assert said(lost[0]) == ("ABORTED", "SHA256_MISMATCH")
+        assert target.read_bytes() == bodies[won[0]]
+        assert (root / "via").is_symlink()
+    assert leftovers(target.parent) == []
 
 
 async def test_a_cut_write_stream_leaves_neither_a_partial_file_nor_its_temporary(
@@ -503,3 +561,80 @@ async def test_the_temporary_file_of_a_write_cut_by_sigkill_of_the_daemon_is_rem
     await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT))  # serving: the start is done
     assert leftovers(root / "sub") == [f".rcoder-upload-{'0' * 32}.tmp"]  # a file no write noted stays
     assert not (root / "sub" / "big.bin").exists()
+
+
+async def test_a_cancelled_write_removes_the_folders_it_made_and_only_those(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    root = project(tmp_path)
+    (root / "kept").mkdir()
+    (root / "via").symlink_to("kept")
+    _, client = await make_daemon()
+    never = asyncio.Event()
+
+    # a folder of the project's own on the way stays, as does one reached through an inside link
+    for path, made in (("new/deeper/f.bin", root / "new"), ("via/made/deeper/f.bin", root / "kept" / "made")):
+
+        async def stream(path: str = path) -> AsyncIterator[pb.WriteFileChunk]:
+            yield pb.WriteFileChunk(project_id=PROJECT, path=path, data=b"a" * MIB)
+            await never.wait()  # the client goes away mid-file
+
+        call = client.stub.WriteFile(stream())
+        await eventually(partial(writing, made / "deeper"))
+        call.cancel()
+        await eventually(partial(gone, made))
+        assert (root / "kept").is_dir() and (root / "via").is_symlink()
+    assert sorted(p.name for p in root.iterdir()) == ["kept", "via"]
+    assert list((root / "kept").iterdir()) == []
+
+
+async def test_the_folders_a_write_cut_by_sigkill_made_are_removed_when_the_daemon_starts_again(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    root = project(tmp_path)
+    (root / "sub").mkdir()
+    daemon, client = await make_daemon()
+    never = asyncio.Event()
+
+    async def stream() -> AsyncIterator[pb.WriteFileChunk]:
+        yield pb.WriteFileChunk(project_id=PROJECT, path="sub/made/deeper/big.bin", data=b"a" * MIB)
+        await never.wait()  # the daemon is killed mid-file
+
+    call = client.stub.WriteFile(stream())
+    await eventually(lambda: writing(root / "sub" / "made" / "deeper"))
+    await daemon.kill()
+    call.cancel()
+    (root / "sub" / "theirs").mkdir()  # made by someone else meanwhile: an empty folder no write noted
+
+    _, client = await make_daemon()
+    await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT))  # serving: the start is done
+    assert sorted(p.name for p in (root / "sub").iterdir()) == ["theirs"]
+
+
+async def test_a_write_into_a_folder_a_cancelled_write_made_and_removes_meanwhile_still_lands(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """Writer A makes ``nN/`` and is cancelled, removing it, while writer B writes ``nN/b``: B makes
+    the folder again rather than fail NOT_FOUND (made once only, 4 to 6 of 150 tries failed)."""
+    root = project(tmp_path)
+    _, client = await make_daemon()
+    never = asyncio.Event()
+    failed: list[str] = []
+    for attempt in range(200):
+        path = f"n{attempt}"
+
+        async def cut(path: str = path) -> AsyncIterator[pb.WriteFileChunk]:
+            yield pb.WriteFileChunk(project_id=PROJECT, path=f"{path}/a", data=b"a")
+            await never.wait()  # cancelled below
+
+        made = client.stub.WriteFile(cut())
+        landing = asyncio.ensure_future(write(client, f"{path}/b", b"b"))
+        # not a wait for anything: it spreads the cancel over the moments of B's folder and file
+        await asyncio.sleep(0.001 * (attempt % 5))
+        made.cancel()
+        try:
+            await landing
+        except grpc.aio.AioRpcError as exc:
+            failed.append(f"{path}: {exc.code().name} {exc.details()}")
+    assert failed == []
+    assert all((root / f"n{attempt}" / "b").read_bytes() == b"b" for attempt in range(200))

@@ -30,6 +30,7 @@ import os
 import stat
 from collections import deque
 from pathlib import Path
+from typing import Protocol
 
 from rcoder.errors import InvalidArgument, NotFound, PermissionDenied
 
@@ -93,6 +94,47 @@ def open_project(workspace_root: Path, project_id: str) -> int:
         os.close(root)
 
 
+class FolderNotes(Protocol):
+    """Told of each folder ``Beneath.folder`` makes, so that a write can remove what it made."""
+
+    def making(self, dir_fd: int, name: str) -> None:
+        """Before ``name`` is made in the folder ``dir_fd``."""
+
+    def not_made(self, dir_fd: int, name: str) -> None:
+        """``name`` (just announced by ``making``) was not made: there already (someone else's),
+        or the kernel refused it."""
+
+
+def below(root_fd: int, dir_fd: int) -> tuple[str, ...]:
+    """The path of the folder ``dir_fd`` relative to ``root_fd``, as the kernel resolved it (links
+    followed), from ``/proc/self/fd``; ``OSError(EXDEV)`` when it is not beneath it."""
+    root = os.readlink(f"/proc/self/fd/{root_fd}")
+    here = os.readlink(f"/proc/self/fd/{dir_fd}")
+    if here == root:
+        return ()
+    if not here.startswith(root.rstrip("/") + "/"):
+        raise OSError(errno.EXDEV, "not beneath the project", here)
+    return tuple(here[len(root.rstrip("/")) + 1 :].split("/"))
+
+
+def remove_empty_folder(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> bool:
+    """Remove the folder at ``parts`` if it is still an empty folder reached through real folders
+    only (``Beneath.exact``; ``rmdir`` itself never follows a link); whether it did."""
+    if not parts:
+        return False
+    try:
+        parent = beneath.exact(root_fd, parts[:-1], DIR_FLAGS)
+    except OSError:  # gone, or a link on the way: left alone
+        return False
+    try:
+        os.rmdir(parts[-1], dir_fd=parent)
+    except OSError:  # not empty (someone put a file there), gone, or not a folder: left alone
+        return False
+    finally:
+        os.close(parent)
+    return True
+
+
 class Beneath:
     """Opens paths beneath a folder descriptor: ``openat2`` where the kernel has it (``kernel``
     None: probed once), else the walk."""
@@ -137,9 +179,11 @@ class Beneath:
         finally:
             os.close(fd)
 
-    def folder(self, root_fd: int, parts: tuple[str, ...], *, create: bool = False) -> int:
+    def folder(
+        self, root_fd: int, parts: tuple[str, ...], *, create: bool = False, notes: FolderNotes | None = None
+    ) -> int:
         """The folder ``parts`` beneath ``root_fd``, the missing ones made (0755, given to the
-        owner of the folder they are made in) when ``create``."""
+        owner of the folder they are made in) when ``create``, each told to ``notes`` first."""
         try:
             return self.open(root_fd, parts, DIR_FLAGS)
         except FileNotFoundError:
@@ -151,10 +195,15 @@ class Beneath:
                 try:
                     child = self.open(root_fd, parts[: i + 1], DIR_FLAGS)
                 except FileNotFoundError:
+                    if notes is not None:
+                        notes.making(fd, name)
                     try:
                         os.mkdir(name, 0o755, dir_fd=fd)
-                    except FileExistsError:  # made meanwhile: opened below
-                        pass
+                    except OSError as exc:
+                        if notes is not None:
+                            notes.not_made(fd, name)
+                        if not isinstance(exc, FileExistsError):
+                            raise  # made meanwhile (FileExistsError): opened below
                     else:
                         give_to_folder_owner(name, fd)
                     child = self.open(root_fd, parts[: i + 1], DIR_FLAGS)

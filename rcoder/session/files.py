@@ -10,9 +10,13 @@ The rules added here:
   over the target: a reader sees the old file or the new, never half of one. A stream that ends
   early (the client cancelled, the connection broke) removes the temporary file.
 - **Compare-and-swap.** ``if_sha256`` is checked when the write starts (a stale write fails before
-  its data is sent) and again under a per-path lock held from that check to the rename, so of two
-  writers based on the same file exactly one wins on this host. Between hosts sharing a workspace
-  the lock is not shared: the check and the rename are then a few system calls apart, not atomic.
+  its data is sent) and again under a per-file lock held from that check to the rename, so of two
+  writers based on the same file exactly one wins on this host. The lock is keyed on the file
+  itself, not on the path as given: the device and inode of the folder the write renames into, and
+  the name there (``pf.FileKey``), so two paths to one file (one through a link inside the project)
+  share it; the check under the lock reads the file through that same folder descriptor. Between
+  hosts sharing a workspace the lock is not shared: the check and the rename are then a few system
+  calls apart, not atomic.
 - **Turns.** A write or a delete while a turn runs in the project is refused (``PROJECT_BUSY``)
   unless the request sets ``while_busy``: a platform that changes files under a working agent
   usually has a bug, and one that means it says so. "A turn runs" is this host's own turns (from
@@ -31,7 +35,7 @@ from datetime import datetime
 from functools import partial
 from typing import TypeVar
 
-from rcoder.agent.beneath import Beneath, open_project, path_parts
+from rcoder.agent.beneath import Beneath, open_project, path_parts, remove_empty_folder
 from rcoder.config import Settings
 from rcoder.errors import ProjectBusy, RcoderError, ResourceExhausted, Sha256Mismatch, human_bytes
 from rcoder.logs import get_logger
@@ -98,21 +102,25 @@ class ProjectFiles:
         self._store = store
         self._runs = runs
         self._beneath = beneath or Beneath()
-        self._locks: dict[tuple[str, tuple[str, ...]], tuple[asyncio.Lock, int]] = {}
+        self._locks: dict[pf.FileKey, tuple[asyncio.Lock, int]] = {}
         self._threads = FileThreads()  # shared fairly by projects and callers (docs/files.md#fair-share)
         self._journal = UploadJournal(settings.data_dir / UPLOADS_FOLDER)
 
     def sweep_uploads(self) -> int:
-        """Remove the temporary files of the writes a stopped daemon left unfinished
-        (``rcoder.session.upload_journal``); how many. Blocking: called at start, in a thread.
-        A file is removed only if it is still a regular file by that name, beneath its project."""
+        """Remove the temporary files of the writes a stopped daemon left unfinished, and the
+        folders they made (``rcoder.session.upload_journal``); how many files and folders. Blocking:
+        called at start, in a thread. A file is removed only if it is still a regular file by that
+        name, a folder only if it is still an empty folder, each reached through real folders only."""
         removed = 0
         for note, upload in self._journal.left():
             if upload is not None:
                 try:
                     with self._project(upload.project_id) as root:
-                        removed += pf.remove_temp(self._beneath, root, upload.folder, upload.name)
-                except (OSError, RcoderError) as exc:  # the project or the folder is gone: so is the file
+                        with contextlib.suppress(OSError):  # the folder is gone, or a link now: so is the file
+                            removed += pf.remove_temp(self._beneath, root, upload.folder, upload.name)
+                        for folder in reversed(upload.folders):  # the deepest first
+                            removed += remove_empty_folder(self._beneath, root, folder)
+                except (OSError, RcoderError) as exc:  # the project is gone: so is what the write left
                     log.info("upload_leftover_not_removed", project_id=upload.project_id, error=str(exc)[:200])
             UploadJournal.done(note)
         return removed
@@ -230,10 +238,12 @@ class ProjectFiles:
                 await self._settled(who, head.parts, partial(temp.write, data))
             mode = head.mode or await self._settled(who, head.parts, lambda: temp.target_mode(0))
             await self._settled(who, head.parts, lambda: temp.sync(mode))
-            async with self._lock(head.project_id, head.parts):
+            async with self._lock(temp.key):
                 await self._refuse_if_busy(head.project_id, head.while_busy)
                 if head.if_sha256:
-                    await self._compare(head, who)
+                    found = await self._settled(who, head.parts, temp.current_sha256)
+                    if (found or ABSENT) != head.if_sha256:
+                        raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
                 await self._settled(who, head.parts, lambda: self._commit(temp))
             return Written(temp.digest.hexdigest(), temp.size, mode)
         finally:
@@ -259,17 +269,22 @@ class ProjectFiles:
         """Remove the entry at ``parts`` (a link as a link); what it was."""
         await self._refuse_if_busy(project_id, while_busy)
 
+        def key() -> pf.FileKey:
+            with self._project(project_id) as root:
+                return pf.file_key(self._beneath, root, parts)
+
         def work() -> str:
             with self._project(project_id) as root:
                 return pf.delete(self._beneath, root, parts, recursive)
 
-        async with self._lock(project_id, parts):
-            return await self._settled(Who(project_id, caller), parts, work)
+        who = Who(project_id, caller)
+        async with self._lock(await self._settled(who, parts, key)):
+            return await self._settled(who, parts, work)
 
     @contextlib.asynccontextmanager
-    async def _lock(self, project_id: str, parts: tuple[str, ...]) -> AsyncIterator[None]:
-        """One writer at a time per path on this host; the lock is dropped with its last user."""
-        key = (project_id, parts)
+    async def _lock(self, key: pf.FileKey) -> AsyncIterator[None]:
+        """One writer at a time per file on this host (``key``: its folder's identity and its
+        name, however the path reached it); the lock is dropped with its last user."""
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
         try:

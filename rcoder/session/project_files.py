@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from rcoder.agent.beneath import DIR_FLAGS, Beneath, give_to_folder_owner
+from rcoder.agent.beneath import DIR_FLAGS, Beneath, below, give_to_folder_owner, remove_empty_folder
 from rcoder.agent.safe_fs import remove_at
 from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
 from rcoder.session.folder_read import names_from
@@ -277,31 +277,108 @@ def open_for_compare(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> 
     return fd
 
 
+# A file by identity: the device and inode of its folder, and its name there. Two paths that
+# reach one file (one through a link inside the project) give the same key.
+FileKey = tuple[int, int, str]
+
+
+def key_of(dir_fd: int, name: str) -> FileKey:
+    info = os.fstat(dir_fd)
+    return (info.st_dev, info.st_ino, name)
+
+
+def file_key(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> FileKey:
+    """The key of the entry at ``parts`` (its folder reached as a write reaches it)."""
+    with translated(parts):
+        dir_fd = beneath.folder(root_fd, parts[:-1])
+    try:
+        return key_of(dir_fd, parts[-1])
+    finally:
+        os.close(dir_fd)
+
+
+FOLDER_TRIES = 3  # a write whose folder another write's cancel removes makes it again, this often
+
+
 class TempFile:
     """A write's file: made in the target's folder (``O_EXCL``, mode 0600 until ``commit``),
-    renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise. Noted in
-    ``journal`` from before it is made until ``discard``, so that one a killed daemon left is found."""
+    renamed over the target by ``commit``, removed by ``discard`` (idempotent) otherwise, with the
+    folders this write made on the way (while they are empty: another write may have put its file
+    there). Noted in ``journal``, folders included, from before each is made until ``discard``,
+    so that what a killed daemon left is found."""
 
     def __init__(
         self, beneath: Beneath, root_fd: int, parts: tuple[str, ...], journal: UploadJournal, project_id: str
     ) -> None:
         self.parts = parts
-        with translated(parts):
-            self.dir_fd = beneath.folder(root_fd, parts[:-1], create=True)
         self.name = temp_name()
         self.note: Path | None = None
+        self.made: list[tuple[str, ...]] = []  # the folders this write made, outermost first
+        self.fd = self.dir_fd = -1
+        self.done = False
+        self._beneath = beneath
+        self._journal = journal
+        self._project_id = project_id
+        self._folder: tuple[str, ...] = ()
+        self._root_fd = os.dup(root_fd)  # to remove the folders it made
         try:
-            self.note = journal.note(Upload(project_id, parts[:-1], self.name))
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            self.fd = os.open(self.name, flags, 0o600, dir_fd=self.dir_fd)
+            for attempt in range(FOLDER_TRIES):
+                try:
+                    self._open(root_fd)
+                    break
+                except FileNotFoundError:
+                    # a folder on the way was removed since it was opened or made (another write's
+                    # cancel, removing the folders it made): made again, a bounded number of times
+                    if self.dir_fd >= 0:
+                        os.close(self.dir_fd)
+                        self.dir_fd = -1
+                    if attempt == FOLDER_TRIES - 1:
+                        with translated(parts):
+                            raise
         except BaseException:
-            os.close(self.dir_fd)
-            if self.note is not None:
-                UploadJournal.done(self.note)
+            self.discard()
             raise
+        self.key = key_of(self.dir_fd, parts[-1])
         self.size = 0
         self.digest = hashlib.sha256()
-        self.done = False
+
+    def _open(self, root_fd: int) -> None:
+        self.dir_fd = self._beneath.folder(root_fd, self.parts[:-1], create=True, notes=self)
+        self._folder = below(root_fd, self.dir_fd)
+        self._noted()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(self.name, flags, 0o600, dir_fd=self.dir_fd)
+
+    def _noted(self) -> None:
+        upload = Upload(self._project_id, self._folder, self.name, tuple(self.made))
+        self.note = self._journal.note(upload)
+
+    def making(self, dir_fd: int, name: str) -> None:
+        """Noted before the folder is made (``FolderNotes``), as the kernel resolved its place."""
+        self.made.append((*below(self._root_fd, dir_fd), name))
+        self._noted()
+
+    def not_made(self, dir_fd: int, name: str) -> None:
+        self.made.remove((*below(self._root_fd, dir_fd), name))
+        self._noted()
+
+    def current_sha256(self) -> str | None:
+        """The SHA-256 of the file the rename would replace, read through the folder it is
+        renamed into (not the path again); None when there is none."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            with translated(self.parts):
+                fd = os.open(self.parts[-1], flags, dir_fd=self.dir_fd)
+        except NotFound:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FailedPrecondition(
+                    f"{shown(self.parts)!r} is not a regular file", reason="NOT_A_FILE", path=shown(self.parts)
+                )
+            return sha256_of(fd)
+        finally:
+            os.close(fd)
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -357,6 +434,12 @@ class TempFile:
                     os.unlink(self.name, dir_fd=self.dir_fd)
             os.close(self.dir_fd)
             self.dir_fd = -1
+        if self._root_fd >= 0:
+            if not self.done:  # the deepest first; one another write uses is not empty: left
+                for folder in reversed(self.made):
+                    remove_empty_folder(self._beneath, self._root_fd, folder)
+            os.close(self._root_fd)
+            self._root_fd = -1
         if self.note is not None:
             UploadJournal.done(self.note)
             self.note = None

@@ -1,17 +1,23 @@
 """Where this host's WriteFile calls are writing (docs/files.md#writes), so that the temporary
-files of a daemon killed mid-upload are removed when it starts again.
+files, and the folders, of a daemon killed mid-upload are removed when it starts again.
 
 Before a write makes its temporary file in the project, it notes the file's project, folder and
-name in ``<data_dir>/uploads/``, and removes the note once the file is renamed into place or
-removed. A note left behind names a temporary file that no write will finish: the next start
-removes that file (``rcoder.session.files.ProjectFiles.sweep_uploads``). This costs a small file
-in rcoder's own folder per write, and finds every leftover without walking the workspace. Each
-host keeps its own notes (``data_dir`` is its own), so a host never removes another's upload.
+name in ``<data_dir>/uploads/``; before it makes a folder on the way to its target, it adds that
+folder to the note (and takes it out again when the folder turned out to exist already: someone
+else's). It removes the note once the file is renamed into place or removed, with the folders it
+made. A note left behind names a temporary file, and folders, that no write will finish: the next
+start removes them (``rcoder.session.files.ProjectFiles.sweep_uploads``), a folder only while it
+is empty. Folders and the temporary file's folder are noted as the kernel resolved them (links
+inside the project followed), so the removal reaches them through real folders only. This costs a
+small file in rcoder's own folder per write, rewritten once per folder made, and finds every
+leftover without walking the workspace. Each host keeps its own notes (``data_dir`` is its own), so
+a host never removes another's upload.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -37,6 +43,7 @@ class Upload:
     project_id: str
     folder: tuple[str, ...]
     name: str
+    folders: tuple[tuple[str, ...], ...] = ()  # the folders it made, outermost first
 
 
 class UploadJournal:
@@ -44,10 +51,20 @@ class UploadJournal:
         self._folder = folder
 
     def note(self, upload: Upload) -> Path:
-        """Record ``upload`` before its file is made (blocking: called in the write's thread)."""
+        """Record ``upload`` before its file or a folder of it is made, or again with what it made
+        since (blocking: called in the write's thread). The note is replaced whole (written beside,
+        then renamed): a kill mid-write leaves the note before, never half of one."""
         self._folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         note = self._folder / f"{upload.name}.json"
-        note.write_text(json.dumps({"project_id": upload.project_id, "folder": upload.folder, "name": upload.name}))
+        fields = {
+            "project_id": upload.project_id,
+            "folder": upload.folder,
+            "name": upload.name,
+            "folders": upload.folders,
+        }
+        draft = self._folder / f"{upload.name}.draft"
+        draft.write_text(json.dumps(fields))
+        os.replace(draft, note)
         return note
 
     @staticmethod
@@ -59,6 +76,8 @@ class UploadJournal:
         """Every note a stopped daemon left, with its upload (None: a note that does not read as one)."""
         if not self._folder.is_dir():
             return
+        for draft in self._folder.glob("*.draft"):  # a note being replaced when the daemon stopped
+            draft.unlink(missing_ok=True)
         for note in sorted(self._folder.glob("*.json")):
             yield note, _read(note)
 
@@ -66,7 +85,9 @@ class UploadJournal:
 def _read(note: Path) -> Upload | None:
     try:
         fields = json.loads(note.read_text())
-        upload = Upload(str(fields["project_id"]), tuple(str(p) for p in fields["folder"]), str(fields["name"]))
+        folders = tuple(tuple(str(p) for p in folder) for folder in fields.get("folders", ()))
+        folder = tuple(str(p) for p in fields["folder"])
+        upload = Upload(str(fields["project_id"]), folder, str(fields["name"]), folders)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("upload_note_unreadable", note=str(note), error=str(exc)[:200])
         return None

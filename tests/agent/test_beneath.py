@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.beneath import Beneath, open_project, path_parts
+from rcoder.agent.beneath import Beneath, below, open_project, path_parts, remove_empty_folder
 from rcoder.errors import InvalidArgument, NotFound, PermissionDenied
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
@@ -94,6 +94,39 @@ def test_folders_are_made_beneath_and_never_through_a_link_out(beneath: Beneath,
         beneath.folder(root, ("src", "up-two", "escaped"), create=True)
     assert caught.value.errno == errno.EXDEV
     assert not (tmp_path / "escaped").exists()
+
+
+class Told:
+    """A ``FolderNotes`` that keeps what it is told, as the project-relative path the kernel resolved."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.made: list[tuple[str, ...]] = []
+
+    def making(self, dir_fd: int, name: str) -> None:
+        self.made.append((*below(self.root, dir_fd), name))
+
+    def not_made(self, dir_fd: int, name: str) -> None:
+        self.made.remove((*below(self.root, dir_fd), name))
+
+
+def test_each_folder_made_is_told_where_the_kernel_put_it_and_removed_only_while_empty_and_reached_so(
+    beneath: Beneath, root: int, tmp_path: Path
+) -> None:
+    project = tmp_path / "workspace" / "proj"
+    told = Told(root)
+    os.close(beneath.folder(root, ("pkg-link", "made", "deeper"), create=True, notes=told))
+    assert told.made == [("src", "pkg", "made"), ("src", "pkg", "made", "deeper")]  # the link resolved
+    os.close(beneath.folder(root, ("src", "pkg", "made", "other"), create=True, notes=told))
+    assert told.made[-1] == ("src", "pkg", "made", "other")  # only what was missing: "made" was there
+
+    (project / "src" / "pkg" / "made" / "deeper" / "kept.txt").write_text("someone's\n")
+    assert not remove_empty_folder(beneath, root, ("src", "pkg", "made", "deeper"))  # not empty: left
+    assert not remove_empty_folder(beneath, root, ("pkg-link", "made", "other"))  # a link on the way: left
+    assert not remove_empty_folder(beneath, root, ("pkg-link",))  # a link, not a folder: left
+    assert (project / "pkg-link").is_symlink() and (project / "src" / "pkg" / "made" / "other").is_dir()
+    assert remove_empty_folder(beneath, root, ("src", "pkg", "made", "other"))
+    assert not (project / "src" / "pkg" / "made" / "other").exists()
 
 
 @pytest.mark.parametrize("path", ["..", "a/../b", "/abs", "a\0b", "n" * 256, "a/" * 2049, ""])

@@ -567,7 +567,10 @@ class CheckpointRepo:
         try:
             await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=started - int(self.timeout * 1e9))
             await self.git("prune", f"--expire={int(grace)}.seconds.ago", timeout=left())
-            listing = await self.git("rev-list", "--objects", "--all", "--no-object-names", timeout=left())
+            # an object a ref names that is gone (pruned by a host that deleted its last run
+            # meanwhile) stops no pass: it is simply not among those kept
+            args = ("rev-list", "--objects", "--all", "--no-object-names", "--missing=allow-any")
+            listing = await self.git(*args, timeout=left())
             named = set(listing.out.decode().split())
             pack_dir = self.git_dir / "objects" / "pack"
             packs = await asyncio.to_thread(weigh_packs, pack_dir, named, started / 1e9 - grace)
@@ -577,6 +580,8 @@ class CheckpointRepo:
                     stdin = "".join(f"{name}\n" for name in pack.named).encode()
                     base = str(pack_dir / "pack")
                     await self.git("pack-objects", "--quiet", "--window=0", base, stdin=stdin, timeout=left())
+                if pack.path.stat().st_mtime >= started / 1e9 - grace:
+                    continue  # a snapshot of another host reused one of its objects since: kept
                 await asyncio.to_thread(remove_pack, pack.path)
                 done.packs += 1
                 done.freed += pack.unnamed_bytes

@@ -135,3 +135,29 @@ async def test_a_store_past_its_cap_sheds_its_oldest_snapshots_until_a_snapshot_
     assert store_bytes(git_dir) < settings.checkpoint_store_max_bytes
     assert refs_of(tmp_path, commits[-1]) <= store_refs(tmp_path)  # the newest is kept
     assert await marks.before("proj", str(project), "run-next", profile)  # a snapshot fits again
+
+
+@pytest.mark.parametrize("other_hosts", [0, 1])
+async def test_a_temporary_pack_a_killed_daemon_left_goes_at_once_unless_another_host_writes_the_store(
+    tmp_path: Path, store: SqliteStore, other_hosts: int
+) -> None:
+    settings = settings_of(tmp_path)
+    project = tmp_path / "workspace" / "proj"
+    project.mkdir(parents=True)
+    (project / "a.txt").write_text("a\n")
+    profile = settings.agents[settings.default_agent]
+    await Checkpoints(settings, store).before("proj", str(project), "run-1", profile)  # the first daemon
+    marks_dir = tmp_path / "data" / "checkpoints" / ".rcoder-hosts"
+    marks_dir.mkdir()
+    for host in range(1 + other_hosts):  # this host's mark, and another's sharing the root
+        (marks_dir / f"host-{host}").write_text(f"host-{host}\n")
+    # killed mid-snapshot a moment ago: its git's temporary pack, well within git's 120 s bound
+    leftover = tmp_path / "data" / "checkpoints" / "proj.git" / "objects" / "pack" / "tmp_pack_killed"
+    leftover.write_bytes(os.urandom(MiB))
+
+    restarted = Checkpoints(settings, store)
+    (project / "a.txt").write_text("b\n")
+    assert await restarted.before("proj", str(project), "run-2", profile)
+    # alone, it is dead (the start's sweep ended every git of the daemon before); shared, another
+    # host's git may be writing it
+    assert leftover.exists() == bool(other_hosts)

@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from rcoder.config import AgentProfile, Settings, checkpoint_root
 from rcoder.domain import ChangeKind, FileChange, NotStored, RunKind, RunRecord
 from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
 from rcoder.logs import get_logger
+from rcoder.session.checkpoint_sharing import MARKS
 from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
 from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref, store_bytes
@@ -150,6 +152,7 @@ class Checkpoints:
             max_store_bytes=settings.checkpoint_store_max_bytes,
         )
         self._end_wait = settings.checkpoint_snapshot_timeout
+        self._started_ns = time.time_ns()  # what git left in a store before it is dead when alone
         self._keep = settings.checkpoint_keep
         self._gc_bound = settings.checkpoint_gc_timeout
         # set when a snapshot finds its store full: the daemon's sweep runs then, not an hour later
@@ -169,9 +172,24 @@ class Checkpoints:
                 drop_flat_indexes(self._index_dir)
             work_tree = Path(cwd) if cwd else self._workspace / project_id
             git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id / "index"
-            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=self._bounds, jail=self._jail)
+            dead = self._started_ns if self._alone() else 0
+            repo = CheckpointRepo(
+                git_dir, work_tree, index, self._guard, bounds=self._bounds, jail=self._jail, dead_before_ns=dead
+            )
             self._repos[project_id] = repo
         return repo
+
+    def _alone(self) -> bool:
+        """Whether this host alone writes the stores: at most one host's mark in the root (none
+        with one host; ``rcoder.session.checkpoint_sharing``). Then what a git left there before
+        this daemon started is dead (the start's sweep ended every git of the daemon before), and
+        a first snapshot killed with it leaves no temporary pack for long."""
+        try:
+            return len(os.listdir(self._root / MARKS)) <= 1
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
 
     def pending(self, run_id: str, commit: str) -> None:
         """``commit`` is about to be recorded as one of ``run_id``'s snapshots."""

@@ -156,6 +156,7 @@ class CheckpointRepo:
         split_min_bytes: int = SPLIT_MIN_BYTES,
         bounds: Bounds = Bounds(),  # noqa: B008 (frozen)
         jail: GitJail | None = None,
+        dead_before_ns: int = 0,
     ) -> None:
         # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
         # has, would otherwise name another place to each git command)
@@ -170,6 +171,9 @@ class CheckpointRepo:
         self._manifests: dict[str, Manifest | None] = {}  # commit -> its files listed, not stored
         self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
         self._swept = False  # leftovers of gits ended long ago removed, once per process
+        # leftovers last written before this (Unix ns) are dead whatever their age: this daemon's
+        # start, when no other host writes the store (0: only git's bound tells)
+        self._dead_before_ns = dead_before_ns
         self._guard = guard or NoGuard()
         self._jail = jail  # each git confined to what its command needs (rcoder.store.git_jail)
         self._env = git_env(self.git_dir)
@@ -244,7 +248,8 @@ class CheckpointRepo:
         started = time.time_ns()
         try:
             if not self._swept:  # a git killed with an earlier daemon: long past its bound
-                await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=started - int(self.timeout * 1e9))
+                dead = max(started - int(self.timeout * 1e9), self._dead_before_ns)
+                await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=dead)
                 self._swept = True
             self._unlock_index()
             chosen = plan(seen.entries, self._excluding, self.bounds)

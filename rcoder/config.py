@@ -277,6 +277,16 @@ class SettingsKeys(_Schema):
     checkpoint_store_max_bytes: ByteSize = 10 << 30
     """the most a project's checkpoint store may hold on disk (10 GiB); a turn that finds it full
     takes no snapshot and says so in completed.checkpoint_error"""
+    # docs/checkpoints.md#lifetime: what a project's store keeps, and how long its gc may take
+    checkpoint_retention: Annotated[float, Field(ge=0)] = 30.0
+    """days a snapshot is kept (30); an older one goes unless a run started within them names it
+    (0: kept whatever its age)"""
+    checkpoint_keep: Count = 500
+    """the most distinct snapshots a project's store keeps (500); past it the oldest go, but one a
+    run started since the kept ones were taken names (0: no bound)"""
+    checkpoint_gc_timeout: Annotated[float, Field(gt=0)] = 120.0
+    """seconds one gc pass of a project's store may take (120); cut there, the next pass goes on
+    from where it stopped"""
     checkpoint_snapshot_timeout: Annotated[float, Field(gt=0)] = 10.0
     """seconds a turn's end waits for its after snapshot; past it the snapshot is cut and
     completed.checkpoint_error says so"""

@@ -6,6 +6,7 @@ The daemon owns every run and agent; the gRPC handlers only watch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -62,6 +63,7 @@ log = get_logger("rcoder.daemon")
 STORE_FILE = "rcoder.db"
 TRACE_FLUSH_TIMEOUT = 3.0
 HISTORY_PRUNE_EVERY = 3600.0  # seconds between two passes of history_retention, at most
+FULL_STORE_SWEEP_EVERY = 60.0  # seconds between two checkpoint sweeps, at least (a full store wakes one)
 
 
 def host_id_of(settings: Settings) -> str:
@@ -303,11 +305,16 @@ class Daemon:
             await asyncio.sleep(every)  # a timer, not a synchronisation
 
     async def _sweep_checkpoints(self) -> None:
-        """Off the hot path, hourly: snapshots older than ``history_retention`` days deleted, then
-        ``git gc --auto`` in each project's store (docs/checkpoints.md#lifetime)."""
+        """Off the hot path, hourly, and soon after a snapshot found its store full (at most once
+        a minute): snapshots past checkpoint_retention and checkpoint_keep deleted, then a bounded
+        gc pass in each project's store (docs/checkpoints.md#lifetime)."""
         while True:
-            await asyncio.sleep(HISTORY_PRUNE_EVERY)  # a timer, not a synchronisation
-            await self.checkpoints.sweep(self.settings.history_retention, time.time())
+            full = self.checkpoints.store_full
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(full.wait(), HISTORY_PRUNE_EVERY)  # a timer or the event
+            full.clear()
+            await self.checkpoints.sweep(self.settings.checkpoint_retention, time.time())
+            await asyncio.sleep(FULL_STORE_SWEEP_EVERY)  # a rate bound, not a synchronisation
 
     async def _check_store_access(self) -> None:
         """docs/design/trust.md#no-calls-back: a PostgreSQL store that lets an agent in without the password, on any

@@ -88,6 +88,8 @@ class Sizes:
     huge_folder_files: int = 300_000  # list_files_page_ms, small_read_under_flood_ms: files in one folder
     checkpoint_files: int = 10_000  # checkpoint_first_snapshot_ms: files of the project snapshotted
     checkpoint_bytes: int = 200 * 1000 * 1000  # and their bytes
+    checkpoint_large_files: int = 20_000  # checkpoint_first_turn_wait_ms, checkpoint_turn_end_wait_ms
+    checkpoint_large_bytes: int = 500 * 1000 * 1000
 
     @classmethod
     def full(cls, reps: int) -> Sizes:
@@ -98,7 +100,8 @@ class Sizes:
         return cls(
             1, 10, 1, 10, 200, 1, (2, 3), history_runs=150, unauth_requests=4, unauth_bytes=1 << 20,
             history_flood_calls=50, workspace_files=200, read_file_bytes=8 << 20, checkpoint_files=200,
-            checkpoint_bytes=2_000_000, huge_folder_files=2_000,
+            checkpoint_bytes=2_000_000, huge_folder_files=2_000, checkpoint_large_files=400,
+            checkpoint_large_bytes=4_000_000,
         )  # fmt: skip
 
 

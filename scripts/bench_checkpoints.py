@@ -10,7 +10,15 @@
   snapshot with git unconfined, alternated with it on the same project, subtracted;
 - ``checkpoint_turn_start_ms``: what a turn's start waits for on a project of 1,000 files, the
   ``before`` snapshot (``Checkpoints.before``), nothing changed since the last turn: the walk of the
-  files' stat data finds the last commit again, whose ref is in place, and nothing is written.
+  files' stat data finds the last commit again, whose ref is in place, and nothing is written;
+- ``checkpoint_first_turn_wait_ms``: what the first turn of a large project
+  (``checkpoint_large_files`` files, ``checkpoint_large_bytes`` bytes: 20,000 and 500 MB) waits for
+  before its prompt goes out, its before snapshot (``Checkpoints.before``), with the store and the
+  index new: every file read and stored. The agent starts meanwhile, so the prompt waits this
+  minus the agent's start;
+- ``checkpoint_turn_end_wait_ms``: what the end of a turn that rewrote 5,000 of those files waits
+  for before ``completed``: the after snapshot and the changes (``Checkpoints.after`` without its
+  store write).
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ from typing import TYPE_CHECKING
 from rcoder.agent.tree import Trees
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings, load_settings
 from rcoder.daemon import git_jail
-from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.checkpoints import Checkpoints, listed_changes
 from rcoder.store.checkpoint_repo import CheckpointRepo
 
 if TYPE_CHECKING:
     from bench import Bench, Result
 
 TURN_START_FILES = 1000
+END_CHANGED_FILES = 5000  # checkpoint_turn_end_wait_ms: the files a turn rewrites
 LATER_SNAPSHOTS = 5  # per rep, each way (confined, unconfined), alternated
 
 
@@ -85,6 +94,43 @@ async def checkpoints(bench: Bench) -> list[Result]:
     more = {**details, "snapshots": len(later), "unconfined_ms": statistics.median(unconfined) * 1e3}
     results.append(judged("checkpoint_confinement_ms", what, added, "<= 10", more))
     results.append(await turn_start(bench, reps))
+    results.extend(await large_project(bench, reps))
+    return results
+
+
+async def large_project(bench: Bench, reps: int) -> list[Result]:
+    from bench import judged
+
+    files, total = bench.sizes.checkpoint_large_files, bench.sizes.checkpoint_large_bytes
+    changed = min(END_CHANGED_FILES, files // 4)
+    settings = bench_settings(bench)
+    profile = settings.agents[settings.default_agent]
+    first, end = list[float](), list[float]()
+    for rep in range(reps):
+        project_id = f"checkpoint-large-{rep}"
+        project = bench.workspace / project_id
+        make_project(project, files, total)
+        marks = Checkpoints(settings, None, None, git_jail(settings, Trees()))  # type: ignore[arg-type]
+        began = time.perf_counter()
+        before = await marks.before(project_id, str(project), "first", profile)
+        first.append(time.perf_counter() - began)
+        size = max(total // files, 1)
+        for n in range(0, changed * 4, 4):  # spread over the folders, as a formatter or codemod would
+            (project / f"d{n // 1000}" / f"s{n // 100}" / f"f{n}.bin").write_bytes(os.urandom(size))
+        began = time.perf_counter()
+        repo = marks.repo(project_id, project)
+        async with marks.locks[project_id]:
+            await repo.keep_existing(before)
+            after = await repo.snapshot(profile.checkpoint_exclude, "after")
+            found, unlisted = await listed_changes(repo, before, after)
+        end.append(time.perf_counter() - began)
+        assert len(found) + unlisted == changed, (len(found), unlisted, changed)
+    details = {"files": files, "bytes": total, "reps": reps, "first_turn_waits_ms": [round(t * 1e3) for t in first]}
+    what = f"what a first turn of a project of {files} files, {total // 1000000} MB waits for (its before snapshot), ms"
+    results = [judged("checkpoint_first_turn_wait_ms", what, statistics.median(first) * 1e3, "<= 15000", details)]
+    details = {"files": files, "changed": changed, "reps": reps, "end_waits_ms": [round(t * 1e3) for t in end]}
+    what = f"what the end of a turn that rewrote {changed} of those files waits for (after snapshot, changes), ms"
+    results.append(judged("checkpoint_turn_end_wait_ms", what, statistics.median(end) * 1e3, "<= 5000", details))
     return results
 
 

@@ -47,6 +47,8 @@ MEASURES = {
     "checkpoint_first_snapshot_ms",
     "checkpoint_later_snapshot_ms",
     "checkpoint_turn_start_ms",
+    "checkpoint_first_turn_wait_ms",
+    "checkpoint_turn_end_wait_ms",
     "unauth_flood_rss_mb",
     "unauth_open_flood_rss_mb",
     "auth_check_us",

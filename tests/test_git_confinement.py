@@ -177,6 +177,8 @@ def probe(jail: GitJail, args: list[str], env: dict[str, str], script: str) -> l
         ("read-tree", ["read-project", "project-write", "no-store-write", "no-outside"]),
         ("diff-tree", ["no-project-read", "no-project-write", "no-store-write", "no-outside"]),
         ("gc", ["no-project-read", "no-project-write", "store-write", "no-outside"]),
+        ("prune", ["no-project-read", "no-project-write", "store-write", "no-outside"]),
+        ("pack-objects", ["no-project-read", "no-project-write", "store-write", "no-outside"]),
     ],
 )
 def test_each_git_reaches_only_what_its_command_needs(tmp_path: Path, command: str, expected: list[str]) -> None:

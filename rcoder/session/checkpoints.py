@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,9 +44,10 @@ from rcoder.config import AgentProfile, Settings, checkpoint_root
 from rcoder.domain import ChangeKind, FileChange, NotStored, RunKind, RunRecord
 from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
 from rcoder.logs import get_logger
+from rcoder.session.checkpoint_sharing import MARKS
 from rcoder.session.runs import RUN_MISSING
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref, store_bytes
 from rcoder.store.git_changes import listed
 from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard
@@ -150,10 +152,14 @@ class Checkpoints:
             max_store_bytes=settings.checkpoint_store_max_bytes,
         )
         self._end_wait = settings.checkpoint_snapshot_timeout
+        self._started_ns = time.time_ns()  # what git left in a store before it is dead when alone
+        self._keep = settings.checkpoint_keep
+        self._gc_bound = settings.checkpoint_gc_timeout
+        # set when a snapshot finds its store full: the daemon's sweep runs then, not an hour later
+        self.store_full = asyncio.Event()
         self._failed: dict[str, str] = {}  # run_id -> why its before snapshot was not taken
         self._store = store
         self._repos: dict[str, CheckpointRepo] = {}
-        self._to_prune: set[str] = set()  # projects whose snapshots were deleted since the last sweep
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # run_id -> the commits its snapshots returned that its store row may not name yet: their
         # refs are never deleted meanwhile (``settled`` forgets them once the run's end is stored)
@@ -166,9 +172,24 @@ class Checkpoints:
                 drop_flat_indexes(self._index_dir)
             work_tree = Path(cwd) if cwd else self._workspace / project_id
             git_dir, index = self._root / f"{project_id}.git", self._index_dir / project_id / "index"
-            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=self._bounds, jail=self._jail)
+            dead = self._started_ns if self._alone() else 0
+            repo = CheckpointRepo(
+                git_dir, work_tree, index, self._guard, bounds=self._bounds, jail=self._jail, dead_before_ns=dead
+            )
             self._repos[project_id] = repo
         return repo
+
+    def _alone(self) -> bool:
+        """Whether this host alone writes the stores: at most one host's mark in the root (none
+        with one host; ``rcoder.session.checkpoint_sharing``). Then what a git left there before
+        this daemon started is dead (the start's sweep ended every git of the daemon before), and
+        a first snapshot killed with it leaves no temporary pack for long."""
+        try:
+            return len(os.listdir(self._root / MARKS)) <= 1
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
 
     def pending(self, run_id: str, commit: str) -> None:
         """``commit`` is about to be recorded as one of ``run_id``'s snapshots."""
@@ -178,6 +199,10 @@ class Checkpoints:
         """The run's snapshots are recorded (or never will be): the store says which it names."""
         self._in_flight.pop(run_id, None)
         self._failed.pop(run_id, None)
+
+    def _note_full(self, exc: Exception) -> None:
+        if isinstance(exc, CheckpointError) and exc.step == "store-full":
+            self.store_full.set()
 
     def _unsettled(self) -> set[str]:
         return {commit for commits in self._in_flight.values() for commit in commits}
@@ -195,6 +220,7 @@ class Checkpoints:
                 commit = await self.repo(project_id, cwd).snapshot(profile.checkpoint_exclude, f"before run {run_id}")
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
+            self._note_full(exc)
             self._failed[run_id] = f"no before snapshot: {str(exc)[:500]}"
             return ""
         self.pending(run_id, commit)
@@ -225,6 +251,7 @@ class Checkpoints:
             return "", (), 0, why
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
+            self._note_full(exc)
             return "", (), 0, f"no after snapshot: {str(exc)[:500]}"
         if changes:  # a turn that changed nothing needs no row: no row reads as a turn with no changes
             await self._store.put_run_checkpoint(
@@ -295,7 +322,6 @@ class Checkpoints:
             await repo.delete_refs([n for n in names if n in existing])
             kept = {c for c in commits if commit_ref(c) in existing}
             await self._forget_commits(repo, project_id, kept, None)
-            self._to_prune.add(project_id)
 
     async def _forget_commits(
         self, repo: CheckpointRepo, project_id: str, commits: set[str], since: datetime | None
@@ -316,40 +342,73 @@ class Checkpoints:
         return True
 
     async def sweep(self, keep_days: float, now: float) -> None:
-        """Off the hot path: snapshots older than ``keep_days`` (0: kept) deleted, then ``git gc``
-        (a full one where snapshots were deleted, so that their content goes; else ``--auto``),
-        for every store this host can see; each bounded by git's timeout. A commit's ref goes
-        when the commit is older than that and no run started since names it; a run's own refs
-        (recorded before the store named its commits) by their commit's time."""
+        """Off the hot path, for every store this host can see: the snapshots retention lets go
+        deleted (``_retain``), then a ``gc`` pass bounded by ``checkpoint_gc_timeout``; a store
+        still past ``checkpoint_store_max_bytes`` then sheds its oldest snapshots (``_shed``)."""
         if not self.enabled or not self._root.is_dir():
             return
-        cutoff = now - keep_days * 86400
         for git_dir in sorted(self._root.glob("*.git")):
             project_id = git_dir.name.removesuffix(".git")
             try:
                 async with self.locks[project_id]:
                     repo = self.repo(project_id)
-                    if keep_days > 0:
-                        refs = await repo.refs(REFS)
-                        old = {name for name, when in refs.items() if when < cutoff}
-                        runs_old = [name for name in old if name.startswith(REF_PREFIX)]
-                        await repo.delete_refs(runs_old)
-                        commits = {n.removeprefix(COMMIT_REF_PREFIX) for n in old if n.startswith(COMMIT_REF_PREFIX)}
-                        since = datetime.fromtimestamp(cutoff, UTC)
-                        if await self._forget_commits(repo, project_id, commits, since) or runs_old:
-                            self._to_prune.add(project_id)
-                    await repo.gc(full=project_id in self._to_prune)
-                    self._to_prune.discard(project_id)
+                    await self._retain(repo, project_id, keep_days, now)
+                    await self._collect(repo, project_id)
+                    if await asyncio.to_thread(store_bytes, repo.git_dir) > self._bounds.max_store_bytes:
+                        await self._shed(repo, project_id)
+                        await self._collect(repo, project_id)
             except (CheckpointError, OSError, StoreError) as exc:
                 log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
+
+    async def _retain(self, repo: CheckpointRepo, project_id: str, keep_days: float, now: float) -> None:
+        """Delete the refs of snapshots older than ``keep_days`` (0: none by age) and of those past
+        the newest ``checkpoint_keep`` (0: none by count), but those a run started since names
+        (a quiet turn reuses an old snapshot) and those a turn here is about to record. A run's
+        own refs (recorded before the store named its commits) go by their commit's time."""
+        refs = await repo.refs(REFS)
+        if keep_days > 0:
+            cutoff = now - keep_days * 86400
+            old = {name for name, when in refs.items() if when < cutoff}
+            runs_old = [name for name in old if name.startswith(REF_PREFIX)]
+            await repo.delete_refs(runs_old)
+            commits = {n.removeprefix(COMMIT_REF_PREFIX) for n in old if n.startswith(COMMIT_REF_PREFIX)}
+            await self._forget_commits(repo, project_id, commits, datetime.fromtimestamp(cutoff, UTC))
+            for name in old:
+                refs.pop(name, None)
+        newest = sorted(
+            ((when, name) for name, when in refs.items() if name.startswith(COMMIT_REF_PREFIX)), reverse=True
+        )
+        if self._keep and len(newest) > self._keep:
+            since = datetime.fromtimestamp(newest[self._keep - 1][0], UTC)  # the oldest snapshot kept
+            past = {name.removeprefix(COMMIT_REF_PREFIX) for _, name in newest[self._keep :]}
+            await self._forget_commits(repo, project_id, past, since)
+
+    async def _shed(self, repo: CheckpointRepo, project_id: str) -> None:
+        """A store past ``checkpoint_store_max_bytes`` after gc: the oldest half of its snapshots
+        go, whatever run names them (those runs keep their rows and changes; their diff and a
+        rewind to them answer ``NO_CHECKPOINT``), but the newest and those a turn here is about
+        to record. Each pass halves them again until the store fits."""
+        refs = await repo.refs(COMMIT_REF_PREFIX)
+        oldest = [name for _, name in sorted((when, name) for name, when in refs.items())][:-1]
+        shed = {name.removeprefix(COMMIT_REF_PREFIX) for name in oldest[: max(1, len(oldest) // 2)]}
+        shed -= self._unsettled()
+        if shed:
+            await repo.delete_refs([commit_ref(c) for c in sorted(shed)])
+            log.warning("checkpoint_store_shed", project_id=project_id, snapshots=len(shed), left=len(refs) - len(shed))
+
+    async def _collect(self, repo: CheckpointRepo, project_id: str) -> None:
+        done = await repo.gc(self._gc_bound)
+        if done.cut:
+            log.warning("checkpoint_gc_cut", project_id=project_id, packs=done.packs, freed=done.freed, why=done.cut)
+        elif done.packs:
+            log.info("checkpoint_gc", project_id=project_id, packs=done.packs, freed=done.freed)
 
     async def discard(self, project_id: str, cwd: str, run_id: str, commit: str) -> None:
         """A turn refused before it started: its before snapshot's ref goes unless a run names
         the commit (a reused one mostly is)."""
         self.settled(run_id)
         async with self.locks[project_id]:
-            if await self._forget_commits(self.repo(project_id, cwd), project_id, {commit}, None):
-                self._to_prune.add(project_id)
+            await self._forget_commits(self.repo(project_id, cwd), project_id, {commit}, None)
 
 
 async def checkpoint_after(checkpoints: Checkpoints, scope: TurnScope) -> tuple[FileChange, ...]:

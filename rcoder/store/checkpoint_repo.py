@@ -39,6 +39,7 @@ from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.git_changes import listed, parse_changes
 from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import GIT_TIMEOUT, ChildGuard, GitResult, NoGuard, git_env, run_git
+from rcoder.store.pack_index import object_sizes
 from rcoder.store.tree_stat import TreeStat, stat_tree
 from rcoder.store.unstored import (
     ALWAYS_EXCLUDED,
@@ -66,7 +67,7 @@ def commit_ref(commit: str) -> str:
     return f"{COMMIT_REF_PREFIX}{commit}"
 
 
-__all__ = ["ALWAYS_EXCLUDED", "COMMIT_REF_PREFIX", "Bounds", "CheckpointRepo", "Snapshot", "commit_ref"]
+__all__ = ["ALWAYS_EXCLUDED", "COMMIT_REF_PREFIX", "Bounds", "CheckpointRepo", "GcPass", "Snapshot", "commit_ref"]
 # a project whose last walk counted at most this many files is walked again on the event loop
 # (well under a millisecond), not in a thread
 INLINE_WALK_FILES = 200
@@ -89,7 +90,7 @@ CONFIG = (
     "core.fsmonitor=false",
     "core.quotePath=false",
     "core.untrackedCache=false",
-    "gc.auto=0",  # never on the hot path: ``gc`` runs it off it
+    "gc.auto=0",  # no git starts a gc of its own: rcoder collects by pieces, off the hot path (``gc``)
     "gc.autoDetach=false",  # a gc is never left running in the background, past its bound
     "maintenance.auto=false",
     "diff.renames=false",
@@ -117,6 +118,9 @@ SPLIT_MIN_BYTES = 32 << 20
 SPLIT_MAX_PROCESSES = 4
 
 
+# seconds an object or pack nothing names is kept after it was last written or reused: a snapshot
+# another host is taking may use it before it writes the ref that names it
+PRUNE_GRACE = 300.0
 # manifests (files listed, not stored) kept in memory per commit, the last snapshots' and diffs'
 MANIFESTS_CACHED = 16
 # temporary files a git (or rcoder's ref writer) ended mid-way leaves in a store
@@ -152,6 +156,7 @@ class CheckpointRepo:
         split_min_bytes: int = SPLIT_MIN_BYTES,
         bounds: Bounds = Bounds(),  # noqa: B008 (frozen)
         jail: GitJail | None = None,
+        dead_before_ns: int = 0,
     ) -> None:
         # absolute: git runs in other folders than the daemon's (a relative data_dir, as `make run`
         # has, would otherwise name another place to each git command)
@@ -166,6 +171,9 @@ class CheckpointRepo:
         self._manifests: dict[str, Manifest | None] = {}  # commit -> its files listed, not stored
         self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
         self._swept = False  # leftovers of gits ended long ago removed, once per process
+        # leftovers last written before this (Unix ns) are dead whatever their age: this daemon's
+        # start, when no other host writes the store (0: only git's bound tells)
+        self._dead_before_ns = dead_before_ns
         self._guard = guard or NoGuard()
         self._jail = jail  # each git confined to what its command needs (rcoder.store.git_jail)
         self._env = git_env(self.git_dir)
@@ -181,12 +189,12 @@ class CheckpointRepo:
         ok: tuple[int, ...] = (0,),
         stdin: bytes | None = None,
         index: Path | None = None,
+        timeout: float | None = None,
     ) -> GitResult:
         flags = self._flags
         env = self._env if index is None else {**self._env, "GIT_INDEX_FILE": str(index)}
-        return await run_git(
-            [*flags, *args], env, self.work_tree, self.timeout, limit, self._guard, stdin, ok, self._jail
-        )
+        bound = self.timeout if timeout is None else min(timeout, self.timeout)
+        return await run_git([*flags, *args], env, self.work_tree, bound, limit, self._guard, stdin, ok, self._jail)
 
     def made(self) -> bool:
         """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
@@ -240,7 +248,8 @@ class CheckpointRepo:
         started = time.time_ns()
         try:
             if not self._swept:  # a git killed with an earlier daemon: long past its bound
-                await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=started - int(self.timeout * 1e9))
+                dead = max(started - int(self.timeout * 1e9), self._dead_before_ns)
+                await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=dead)
                 self._swept = True
             self._unlock_index()
             chosen = plan(seen.entries, self._excluding, self.bounds)
@@ -367,6 +376,10 @@ class CheckpointRepo:
         if len(shares) < 2:
             return
         spares = [self.index.with_name(f"{self.index.name}.share-{n}") for n in range(1, len(shares))]
+        # what a first snapshot killed mid-split left (SIGKILL skips the ``finally`` below): a
+        # share's half-written index or its lock would fail that share, and its files would be
+        # hashed again by the one real ``update-index``, on one core
+        await asyncio.to_thread(self._drop_shares)
         adds = [
             self.git(*SNAPSHOT_ADD, *UPDATE, stdin=b"\0".join(share) + b"\0", index=index)
             for share, index in zip(shares, [self.index, *spares], strict=True)
@@ -381,6 +394,12 @@ class CheckpointRepo:
         failed = [str(result)[:300] for result in done if isinstance(result, BaseException)]
         if failed:
             log.warning("checkpoint_split_add_failed", git_dir=str(self.git_dir), errors=failed)
+
+    def _drop_shares(self) -> None:
+        for n in range(1, SPLIT_MAX_PROCESSES):
+            spare = self.index.with_name(f"{self.index.name}.share-{n}")
+            spare.unlink(missing_ok=True)
+            spare.with_name(f"{spare.name}.lock").unlink(missing_ok=True)
 
     def forget_index(self) -> None:
         """Drop this host's index of the project (the next snapshot reads every file again)."""
@@ -526,13 +545,55 @@ class CheckpointRepo:
         await self.git("read-tree", "--reset", "-u", commit)
         return []
 
-    async def gc(self, full: bool = False) -> None:
-        """Pack and prune: ``--auto`` (when git finds it worth it) unless ``full``. Objects are
-        pruned once unreferenced for 5 minutes: a snapshot another host is writing may not have
-        its ref yet."""
-        if self.made():
-            auto = () if full else ("--auto",)
-            await self.git("-c", "gc.auto=6700", "gc", *auto, "--quiet", "--prune=5.minutes.ago")
+    async def gc(self, bound: float, grace: float = PRUNE_GRACE) -> GcPass:
+        """Free what no ref names, within ``bound`` seconds, by pieces that each leave the store
+        whole (docs/checkpoints.md#lifetime): leftovers of gits ended long ago removed, loose
+        objects nothing names pruned (``git prune``), then each pack holding objects nothing
+        names, most of those bytes first: a pack of nothing but those is deleted, another one's
+        named objects are copied into a new pack first (``pack-objects``, no delta search, the
+        objects' bytes copied as they are), then it is deleted. Never a full repack, never ``git
+        gc`` (which detaches, and repacks the whole store: minutes on a few GiB). A pack or loose
+        object written or reused (git refreshes its time) within ``grace`` seconds is left: a
+        snapshot another host is taking may use it before its ref is written. Cut at its bound,
+        the git at work is ended with its group and its temporary pack removed; what was done
+        stays done, and the next pass goes on from there."""
+        done = GcPass()
+        if not self.made():
+            return done
+        deadline = time.monotonic() + bound
+        started = time.time_ns()
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointError("gc", f"cut at its bound ({bound:g} s)")
+            return remaining
+
+        try:
+            await asyncio.to_thread(remove_leftovers, self.git_dir, before_ns=started - int(self.timeout * 1e9))
+            await self.git("prune", f"--expire={int(grace)}.seconds.ago", timeout=left())
+            # an object a ref names that is gone (pruned by a host that deleted its last run
+            # meanwhile) stops no pass: it is simply not among those kept
+            args = ("rev-list", "--objects", "--all", "--no-object-names", "--missing=allow-any")
+            listing = await self.git(*args, timeout=left())
+            named = set(listing.out.decode().split())
+            pack_dir = self.git_dir / "objects" / "pack"
+            packs = await asyncio.to_thread(weigh_packs, pack_dir, named, started / 1e9 - grace)
+            for pack in packs:
+                left()
+                if pack.named:
+                    stdin = "".join(f"{name}\n" for name in pack.named).encode()
+                    base = str(pack_dir / "pack")
+                    await self.git("pack-objects", "--quiet", "--window=0", base, stdin=stdin, timeout=left())
+                if pack.path.stat().st_mtime >= started / 1e9 - grace:
+                    continue  # a snapshot of another host reused one of its objects since: kept
+                await asyncio.to_thread(remove_pack, pack.path)
+                done.packs += 1
+                done.freed += pack.unnamed_bytes
+        except CheckpointError as exc:
+            done.cut = str(exc)
+            remove_leftovers(self.git_dir, since_ns=started)
+        return done
 
 
 def store_bytes(git_dir: Path) -> int:
@@ -555,6 +616,56 @@ def remove_leftovers(git_dir: Path, since_ns: int | None = None, before_ns: int 
                 modified = path.lstat().st_mtime_ns
                 if (since_ns is not None and modified >= since_ns) or (before_ns is not None and modified < before_ns):
                     path.unlink()
+
+
+@dataclass(slots=True)
+class GcPass:
+    """What one ``gc`` pass did: packs rewritten or deleted, the bytes they held that nothing
+    named, and why it stopped short ("": it did not)."""
+
+    packs: int = 0
+    freed: int = 0
+    cut: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PackGarbage:
+    """A pack holding objects no ref names: the names it holds that a ref does, and the bytes of the rest."""
+
+    path: Path
+    named: list[str]
+    unnamed_bytes: int
+
+
+def weigh_packs(pack_dir: Path, named: set[str], older_than: float) -> list[PackGarbage]:
+    """The packs of ``pack_dir`` last written before ``older_than`` (Unix seconds) that hold
+    objects not in ``named``, those holding the most such bytes first (blocking: in a thread).
+    A pack git marks to keep (``.keep``) is left; an index whose pack is gone (a pass cut
+    between the two unlinks) is removed."""
+    found: list[PackGarbage] = []
+    for idx in sorted(pack_dir.glob("pack-*.idx")):
+        pack = idx.with_suffix(".pack")
+        try:
+            status = pack.stat()
+        except FileNotFoundError:
+            idx.unlink(missing_ok=True)
+            continue
+        if status.st_mtime >= older_than or idx.with_suffix(".keep").exists():
+            continue
+        sizes = object_sizes(idx, status.st_size)
+        kept = [name for name in sizes if name in named]
+        unnamed = sum(size for name, size in sizes.items() if name not in named)
+        if len(kept) < len(sizes):
+            found.append(PackGarbage(pack, kept, unnamed))
+    found.sort(key=lambda p: p.unnamed_bytes, reverse=True)
+    return found
+
+
+def remove_pack(pack: Path) -> None:
+    """Remove a pack, its data first and its index last: an index alone is ignored by git, and
+    removed by the next ``weigh_packs``."""
+    for suffix in (".pack", ".rev", ".bitmap", ".mtimes", ".idx"):
+        pack.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def unprocessed_path(message: str) -> bytes | None:

@@ -10,7 +10,7 @@ which execs git under a Landlock domain granting, per command (``grants``):
 - a snapshot (``update-index --add``, or ``add``): the project read, the store and the project's
   index folder written (``check-ignore``: the project read);
 - a restore (``read-tree``): the project and the index folder written, the store read;
-- ``write-tree``, ``commit-tree``, ``hash-object``, ``mktree``, ``update-ref``, ``gc``, ``init``:
+- ``write-tree``, ``commit-tree``, ``hash-object``, ``mktree``, ``update-ref``, ``prune``, ``pack-objects``, ``init``:
   the store written (and the index folder for ``write-tree``; ``ls-files`` reads the index); any
   other command (``diff-tree``, ``rev-parse``,
   ``for-each-ref``...): the store read. A command that does not reach the project runs without
@@ -52,6 +52,7 @@ READS_PROJECT = frozenset({"add", "update-index", "check-ignore"})
 WRITES_PROJECT = frozenset({"read-tree"})
 WRITES_STORE = frozenset(
     {"add", "update-index", "write-tree", "commit-tree", "update-ref", "gc", "init", "hash-object", "mktree"}
+    | {"prune", "pack-objects"}  # gc by pieces (CheckpointRepo.gc)
 )
 WRITES_INDEX = frozenset({"add", "update-index", "write-tree", "read-tree"})
 READS_INDEX = frozenset({"ls-files"})

@@ -20,7 +20,16 @@ from rcoder.agent.kinds import replays_after_load
 from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunKind, RunStarted, SessionRecord, TranscriptEntry
+from rcoder.domain import (
+    ChatTurn,
+    OpenMethod,
+    ResumeOutcome,
+    RunKind,
+    RunStarted,
+    RunStatus,
+    SessionRecord,
+    TranscriptEntry,
+)
 from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
@@ -288,7 +297,11 @@ class SessionOpener:
             return ""
         stored = await self._store.run_checkpoints([record.last_run_id])
         found = stored.get(record.last_run_id)
-        return found.target_run_id if found is not None and found.kind == RunKind.REWIND.value else ""
+        if found is None or found.kind != RunKind.REWIND.value:
+            return ""
+        # a rewind that failed (or was rolled back) left the session's history as it was
+        rewind = await self._store.get_run(record.last_run_id)
+        return found.target_run_id if rewind is not None and rewind.status is RunStatus.COMPLETED else ""
 
     async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:
         """For an agent that replays after answering ``session/load``: the last turn rcoder

@@ -234,6 +234,11 @@ class SessionStore(Protocol):
 
     async def get_run(self, run_id: str) -> RunRecord | None: ...
 
+    async def unfinished_rewinds(self) -> list[str]:
+        """The ids of this host's rewinds that its last daemon left unfinished: runs of kind
+        "rewind" marked interrupted at this start (docs/checkpoints.md#a-rewind-finishes-or-never-happened)."""
+        ...
+
     async def running_in_project(self, project_id: str) -> str | None:
         """The id of a run of one of ``project_id``'s sessions that the store has as running (on
         any host); None when there is none. A lost host's run does not count: it is ended "owner

@@ -534,6 +534,10 @@ class PostgresStore:
         rows = await self._rows(pg_schema.RUN_CHECKPOINTS, ([_text(r) for r in run_ids],))
         return {row[0]: RunCheckpoint(row[1], row[2], row[3]) for row in rows}
 
+    async def unfinished_rewinds(self) -> list[str]:
+        rows = await self._rows(pg_schema.UNFINISHED_REWINDS, _params(self._host_id))
+        return [str(row[0]) for row in rows]
+
     async def delete_run_checkpoints(self, session_id: str) -> None:
         await self._write(pg_schema.DELETE_RUN_CHECKPOINTS, _params(session_id), None)
 

@@ -528,6 +528,10 @@ class SqliteStore:
         rows = await self._rows(sqlite_schema.RUN_CHECKPOINTS, (json.dumps(list(run_ids)),), point=len(run_ids) == 1)
         return {row[0]: RunCheckpoint(row[1], row[2], row[3]) for row in rows}
 
+    async def unfinished_rewinds(self) -> list[str]:
+        rows = await self._rows(sqlite_schema.UNFINISHED_REWINDS, (), point=False)
+        return [str(row[0]) for row in rows]
+
     async def delete_run_checkpoints(self, session_id: str) -> None:
         await self._write(sqlite_schema.DELETE_RUN_CHECKPOINTS, (session_id,), None)
 

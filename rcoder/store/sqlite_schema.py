@@ -406,6 +406,11 @@ RUN_CHECKPOINTS = (
     "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id IN (SELECT value FROM json_each(?))"
 )
 DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = ?"
+# rewinds a killed daemon left half-way (docs/checkpoints.md#a-rewind-finishes-or-never-happened)
+UNFINISHED_REWINDS = (
+    "SELECT r.run_id FROM runs r JOIN run_checkpoints c ON c.run_id = r.run_id"
+    " WHERE c.kind = 'rewind' AND r.status = 'interrupted' ORDER BY r.started_at, r.run_id"
+)
 # the snapshot commits runs of a project name (of those started at or after a time: '' for all)
 CHECKPOINT_COMMITS = (
     "SELECT r.checkpoint_before, r.checkpoint_after FROM sessions s JOIN runs r ON r.session_id = s.session_id"

@@ -30,7 +30,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import make_store
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, SessionStore
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.cluster import Coordination, LocalCoordination, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -388,6 +388,34 @@ async def test_a_run_left_running_is_marked_interrupted_on_reopen(new_store: Sto
     assert interrupted.ended_at is not None
     assert interrupted.ended_at > T0
     assert completed.status is RunStatus.COMPLETED
+
+
+async def test_a_rewind_left_running_is_found_unfinished_on_reopen_until_its_end_is_stored(
+    new_store: StoreFactory,
+) -> None:
+    # docs/checkpoints.md#a-rewind-finishes-or-never-happened: the intent is the run and its kind
+    first = new_store()
+    await first.open()
+    await first.create_session(session("s1"))
+    await first.start_run(RunRecord("t1", "s1", RunStatus.RUNNING, T0))  # a turn, not a rewind
+    await first.start_run(RunRecord("w1", "s1", RunStatus.RUNNING, T0, checkpoint_before="c0"))
+    await first.put_run_checkpoint("w1", "s1", RunCheckpoint("rewind", "t0", "[]"))
+    await first.start_run(RunRecord("w2", "s1", RunStatus.RUNNING, T0))
+    await first.put_run_checkpoint("w2", "s1", RunCheckpoint("rewind", "t0", "[]"))
+    await first.finish_run("w2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None)
+    assert await first.unfinished_rewinds() == []  # running here: not left by a daemon
+    await first.close()
+    second = new_store()
+    await second.open()
+    try:
+        assert await second.unfinished_rewinds() == ["w1"]
+        found = await second.get_run("w1")
+        assert found is not None and found.checkpoint_before == "c0"
+        done = RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "completed", T0, checkpoint_after="c1")
+        await second.finish_run("w1", done)
+        assert await second.unfinished_rewinds() == []
+    finally:
+        await second.close()
 
 
 async def test_opening_twice_is_an_error(store: SessionStore) -> None:

@@ -44,6 +44,7 @@ def contents(project: Path) -> dict[str, str]:
 async def rewind_run(client: Client, session_id: str) -> pb.RunInfo:
     runs = await client.stub.ListRuns(pb.ListRunsRequest(session_id=session_id))
     (rewind,) = [run for run in runs.runs if run.kind == pb.RUN_KIND_REWIND]
+    assert isinstance(rewind, pb.RunInfo)
     return rewind
 
 

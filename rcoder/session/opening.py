@@ -287,6 +287,13 @@ class SessionOpener:
             outcome, preamble = await self._fallback(plan)
         else:
             outcome = ResumeOutcome.RESUMED
+        if plan.record is not None and plan.record.last_run_id and not plan.fresh_record:
+            # another session's rewind undid this one's files since its last turn
+            # (docs/checkpoints.md#other-sessions-work)
+            by = await self._store.rewound_since(plan.session_id, plan.record.last_run_id)
+            if by:
+                told = checkpoints.files_rewound_reason(by)
+                reason = f"{reason}; {told}" if reason else told
         body = plan.opened = plan.started(conn.provider_session_id, outcome, launched.method, reason)
         return Opened(conn, body, preamble)
 

@@ -39,7 +39,7 @@ from rcoder.agent.beneath import DIR_FLAGS, Beneath
 from rcoder.agent.pool import AgentPool
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
 from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
-from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, ProjectBusy, RcoderError
+from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, OtherSessionsWork, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
 from rcoder.session.checkpoints import Checkpoints, encode_changes
 from rcoder.session.claimed import ClaimedTurns
@@ -128,7 +128,7 @@ class SessionRewinder:
         self._running_in = claimed.running_in  # project id -> a run claimed in it here, None: none
         self._clock = clock
 
-    async def rewind(self, session_id: str, run_id: str) -> Rewound:
+    async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
         record, target = await self._checked(session_id, run_id)
         rewind_id = new_id()
         holder = self._runs.holder(session_id)
@@ -137,13 +137,15 @@ class SessionRewinder:
         hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
         self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
         try:
-            return await self._rewind_held(record, target, rewind_id)
+            return await self._rewind_held(record, target, rewind_id, include_other_sessions)
         finally:
             self._checkpoints.settled(rewind_id)
             hold.fail(NotFound("run", rewind_id, "a rewind streams no events (ListRuns lists it)"))
             self._runs.forget(hold)  # the first turn waiting for the session claims it now
 
-    async def _rewind_held(self, record: SessionRecord, target: RunRecord, rewind_id: str) -> Rewound:
+    async def _rewind_held(
+        self, record: SessionRecord, target: RunRecord, rewind_id: str, include_other_sessions: bool
+    ) -> Rewound:
         session_id, run_id, project_id = record.session_id, target.run_id, record.project_id
         repo = self._checkpoints.repo(project_id, record.cwd)
         excludes = self._excludes(record)
@@ -170,14 +172,22 @@ class SessionRewinder:
                 )
                 raise
             self._checkpoints.pending(rewind_id, now)
+            taken = await self._others_work(repo, record, target, now, goal)
+            if taken and not include_other_sessions:
+                sessions = sorted({r.session_id for r in taken})
+                raise OtherSessionsWork([r.run_id for r in taken], sessions)
             # the intent, before any file changes: what a restarted daemon completes or rolls back
             await self._store.start_run(replace(run, checkpoint_before=now))
             await self._store.put_run_checkpoint(
                 rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, "[]")
             )
+            if taken:  # their runs say so (only once this rewind has completed is their session told)
+                await self._store.mark_rewound([r.run_id for r in taken], rewind_id)
             try:
                 after, changed, lost = await self._restore(repo, excludes, rewind_id, goal, now)
             except (RcoderError, OSError) as exc:  # the session as it was: files back, agent and transcript kept
+                if taken:
+                    await self._store.mark_rewound([r.run_id for r in taken], "")
                 undone = await self._roll_back(repo, excludes, rewind_id, now)
                 failed = RunEnd(RunStatus.FAILED, StopReason.ERROR, f"{said(exc)}; {undone}", self._clock(),
                                 checkpoint_before=now)  # fmt: skip
@@ -185,6 +195,9 @@ class SessionRewinder:
                 raise
             # the files are where they must be: only now the agent and the transcript
             stopped = await self._forget(session_id, run_id)
+            for other in sorted({r.session_id for r in taken}):
+                if self._runs.holder(other) is None:  # its next turn opens anew, and is told
+                    await self._pool.close(other)
         shown = listed(changed)
         await self._store.put_run_checkpoint(
             rewind_id, session_id,
@@ -247,6 +260,36 @@ class SessionRewinder:
         await self._store.finish_run(rewind_id, end)
         log.warning("rewind_completed_at_start", rewind_run_id=rewind_id, session_id=run.session_id,
                     run_id=target_id, files=len(changed))  # fmt: skip
+
+    async def _others_work(
+        self, repo: CheckpointRepo, record: SessionRecord, target: RunRecord, now: str, goal: str
+    ) -> list[RunRecord]:
+        """The runs of other sessions since ``target`` that changed a file this rewind changes back
+        (docs/checkpoints.md#other-sessions-work): a run's own changes are the files that differ
+        between its before and after snapshots; a run its daemon's death cut (no after snapshot)
+        counts as having changed them, since what it wrote is unknown."""
+        since = await self._store.project_runs_since(record.project_id, target.started_at)
+        others = [r for r in since if r.session_id != record.session_id and r.run_id != target.run_id]
+        if not others:
+            return []
+        undone: set[str] = set()
+        for change in await repo.changes(now, goal, listed_only=False):
+            undone.update(path for path in (change.path, change.old_path) if path)
+        if not undone:
+            return []
+        taken = []
+        for run in others:
+            before, after = await self._checkpoints.commits(repo, run)
+            if before is None:
+                continue
+            if after is None:
+                if run.status is RunStatus.INTERRUPTED:
+                    taken.append(run)
+                continue
+            theirs = await repo.changes(before, after, listed_only=False)
+            if any(path in undone for change in theirs for path in (change.path, change.old_path) if path):
+                taken.append(run)
+        return taken
 
     def _excludes(self, record: SessionRecord) -> tuple[str, ...]:
         profile = self._settings.profile(record.agent)

@@ -418,6 +418,38 @@ async def test_a_rewind_left_running_is_found_unfinished_on_reopen_until_its_end
         await second.close()
 
 
+async def test_a_project_s_runs_since_a_time_and_the_rewind_that_undid_a_turn(store: SessionStore) -> None:
+    # docs/checkpoints.md#other-sessions-work
+    await store.create_session(session("a"))
+    await store.create_session(session("b"))
+    await store.create_session(session("c", project_id="other"))
+    await run_turn(store, "b", "b0", "early")  # started at T0, ended a minute later
+    later = T0 + timedelta(minutes=5)
+    for run_id, sid in (("a1", "a"), ("b1", "b"), ("c1", "c")):
+        await store.start_run(RunRecord(run_id, sid, RunStatus.RUNNING, later, checkpoint_before=f"{run_id}-before"))
+        await store.put_run_checkpoint(run_id, sid, RunCheckpoint("turn", "", "[]"))
+        await store.finish_run(run_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", later))
+    since = await store.project_runs_since("proj", later)
+    assert [(r.run_id, r.checkpoint_before) for r in since] == [("a1", "a1-before"), ("b1", "b1-before")]
+    assert [r.run_id for r in await store.project_runs_since("proj", T0 + timedelta(seconds=30))] == [
+        "b0",
+        "a1",
+        "b1",
+    ]  # b0 ended after it
+    assert await store.rewound_since("b", "b0") == ""
+    await store.start_run(RunRecord("w", "a", RunStatus.RUNNING, later + timedelta(minutes=1)))
+    await store.put_run_checkpoint("w", "a", RunCheckpoint("rewind", "a1", "[]"))
+    await store.mark_rewound(["b1"], "w")
+    assert (await store.run_checkpoints(["b1"]))["b1"] == RunCheckpoint("turn", "w", "[]")
+    assert await store.rewound_since("b", "b1") == ""  # told only once the rewind completed
+    await store.finish_run("w", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", later + timedelta(minutes=1)))
+    assert await store.rewound_since("b", "b1") == "w"
+    await store.start_run(RunRecord("b2", "b", RunStatus.RUNNING, later + timedelta(minutes=2)))
+    assert await store.rewound_since("b", "b2") == ""  # the turn after it is not told again
+    await store.mark_rewound(["b1"], "")
+    assert await store.rewound_since("b", "b1") == ""
+
+
 async def test_opening_twice_is_an_error(store: SessionStore) -> None:
     with pytest.raises(StoreError, match="already open"):
         await store.open()

@@ -187,7 +187,7 @@ class SessionRewinder:
                 after, changed, lost = await self._restore(repo, excludes, rewind_id, goal, now)
             except (RcoderError, OSError) as exc:  # the session as it was: files back, agent and transcript kept
                 if taken:
-                    await self._store.mark_rewound([r.run_id for r in taken], "")
+                    await self._store.clear_rewound(rewind_id)
                 undone = await self._roll_back(repo, excludes, rewind_id, now)
                 failed = RunEnd(RunStatus.FAILED, StopReason.ERROR, f"{said(exc)}; {undone}", self._clock(),
                                 checkpoint_before=now)  # fmt: skip
@@ -244,6 +244,7 @@ class SessionRewinder:
                 await self._forget(run.session_id, target_id)
             except (RcoderError, OSError) as exc:
                 undone = await self._roll_back(repo, excludes, rewind_id, before)
+                await self._store.clear_rewound(rewind_id)  # the other sessions' work is back too
                 error = f"{UNFINISHED}; its next start could not complete it ({said(exc)}): {undone}"
                 await self._store.finish_run(
                     rewind_id, RunEnd(RunStatus.FAILED, StopReason.ERROR, error, self._clock())

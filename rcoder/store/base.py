@@ -243,6 +243,10 @@ class SessionStore(Protocol):
         """Record that rewind ``rewind_id`` undid these turns' changes ("": not undone after all)."""
         ...
 
+    async def clear_rewound(self, rewind_id: str) -> None:
+        """Every turn marked undone by ``rewind_id`` is not (a rewind rolled back at a start)."""
+        ...
+
     async def rewound_since(self, session_id: str, last_run_id: str) -> str:
         """The newest completed rewind that undid a turn of ``session_id`` and started after
         ``last_run_id`` did ("": none): what its next turn is told."""

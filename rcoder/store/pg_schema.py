@@ -603,6 +603,7 @@ PROJECT_RUNS_SINCE = (  # SELECT_RUNS's columns, of the project's runs
     " WHERE s.project_id = %s AND (r.started_at >= %s OR r.ended_at > %s) ORDER BY r.started_at, r.run_id"
 )
 MARK_REWOUND = "UPDATE run_checkpoints SET target_run_id = %s WHERE kind = 'turn' AND run_id = ANY(%s)"
+CLEAR_REWOUND = "UPDATE run_checkpoints SET target_run_id = '' WHERE kind = 'turn' AND target_run_id = %s"
 REWOUND_SINCE = (
     "SELECT w.run_id FROM run_checkpoints c JOIN runs w ON w.run_id = c.target_run_id"
     " WHERE c.session_id = %s AND c.kind = 'turn' AND c.target_run_id != '' AND w.status = 'completed'"

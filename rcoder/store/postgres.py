@@ -541,6 +541,9 @@ class PostgresStore:
     async def mark_rewound(self, run_ids: Sequence[str], rewind_id: str) -> None:
         await self._write(pg_schema.MARK_REWOUND, (_text(rewind_id), [_text(r) for r in run_ids]), None)
 
+    async def clear_rewound(self, rewind_id: str) -> None:
+        await self._write(pg_schema.CLEAR_REWOUND, _params(rewind_id), None)
+
     async def rewound_since(self, session_id: str, last_run_id: str) -> str:
         rows = await self._rows(pg_schema.REWOUND_SINCE, _params(session_id, last_run_id))
         return str(rows[0][0]) if rows else ""

@@ -536,6 +536,9 @@ class SqliteStore:
     async def mark_rewound(self, run_ids: Sequence[str], rewind_id: str) -> None:
         await self._write(sqlite_schema.MARK_REWOUND, (rewind_id, json.dumps(list(run_ids))), None)
 
+    async def clear_rewound(self, rewind_id: str) -> None:
+        await self._write(sqlite_schema.CLEAR_REWOUND, (rewind_id,), None)
+
     async def rewound_since(self, session_id: str, last_run_id: str) -> str:
         rows = await self._rows(sqlite_schema.REWOUND_SINCE, (session_id, last_run_id))
         return str(rows[0][0]) if rows else ""

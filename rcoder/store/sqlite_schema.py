@@ -415,6 +415,7 @@ PROJECT_RUNS_SINCE = (
 MARK_REWOUND = (
     "UPDATE run_checkpoints SET target_run_id = ? WHERE kind = 'turn' AND run_id IN (SELECT value FROM json_each(?))"
 )
+CLEAR_REWOUND = "UPDATE run_checkpoints SET target_run_id = '' WHERE kind = 'turn' AND target_run_id = ?"
 REWOUND_SINCE = (
     "SELECT w.run_id FROM run_checkpoints c JOIN runs w ON w.run_id = c.target_run_id"
     " WHERE c.session_id = ? AND c.kind = 'turn' AND c.target_run_id != '' AND w.status = 'completed'"

@@ -446,7 +446,8 @@ async def test_a_project_s_runs_since_a_time_and_the_rewind_that_undid_a_turn(st
     assert await store.rewound_since("b", "b1") == "w"
     await store.start_run(RunRecord("b2", "b", RunStatus.RUNNING, later + timedelta(minutes=2)))
     assert await store.rewound_since("b", "b2") == ""  # the turn after it is not told again
-    await store.mark_rewound(["b1"], "")
+    await store.clear_rewound("w")
+    assert (await store.run_checkpoints(["b1"]))["b1"] == RunCheckpoint("turn", "", "[]")
     assert await store.rewound_since("b", "b1") == ""
 
 

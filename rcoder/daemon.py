@@ -195,6 +195,8 @@ class Daemon:
             disk, spend, usage,
         )  # fmt: skip
         queues = TurnQueues(settings.max_queued_turns, runs)
+        # kept: the start completes or rolls back a rewind the last daemon left half-way
+        self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, claimed, clock)
         parts = WorkerParts(
             turns=turns,
             claimed=claimed,
@@ -202,7 +204,7 @@ class Daemon:
             queues=queues,
             forker=SessionForker(settings, store, pool, metrics, clock, self.holds),
             eraser=SessionEraser(settings, store, self.launcher, pool, runs, claimed, queues, self.checkpoints),
-            rewinder=SessionRewinder(settings, store, pool, runs, self.checkpoints, claimed, clock),
+            rewinder=self.rewinder,
         )
         return AcpWorker(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
 
@@ -259,6 +261,8 @@ class Daemon:
         uploads = await asyncio.to_thread(self.files.sweep_uploads)  # docs/files.md#writes
         if uploads:
             log.info("upload_leftovers_removed", count=uploads)
+        # before anything is served: no turn, file call or snapshot sees a project half-rewound
+        rewinds = await self.rewinder.recover()  # docs/checkpoints.md#a-rewind-finishes-or-never-happened
         await self.server.start()
         await self.leases.coordination.register(self.advertise_address, __version__)
         if self.leases.shared:
@@ -287,6 +291,7 @@ class Daemon:
             workspace_root=str(self.settings.workspace_root),
             runs_marked_interrupted=interrupted,
             leftover_agent_processes_killed=swept,
+            unfinished_rewinds_settled=rewinds,
         )
 
     async def _prune_history(self) -> None:

@@ -651,6 +651,9 @@ class RunRecord:
     # or a run recorded before they were kept here, named by refs instead; docs/checkpoints.md)
     checkpoint_before: str = ""
     checkpoint_after: str = ""
+    # a turn whose changes a rewind of another session undid: that rewind's run
+    # (docs/checkpoints.md#other-sessions-work)
+    rewound_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,21 @@ class ProjectBusy(FailedPrecondition):
         )
 
 
+class OtherSessionsWork(FailedPrecondition):
+    """A rewind would undo what later runs of other sessions wrote (docs/checkpoints.md#other-sessions-work):
+    refused unless the request says to take them too."""
+
+    def __init__(self, run_ids: list[str], session_ids: list[str]) -> None:
+        shown = ", ".join(run_ids[:10]) + (f" and {len(run_ids) - 10} more" if len(run_ids) > 10 else "")
+        super().__init__(
+            f"rewinding would undo files that later runs of other sessions wrote: run(s) {shown} (session(s) "
+            f"{', '.join(session_ids)}). Set include_other_sessions to undo them too; those sessions are told",
+            reason="OTHER_SESSIONS_WORK",
+            run_ids=",".join(run_ids),
+            session_ids=",".join(session_ids),
+        )
+
+
 class Sha256Mismatch(RcoderError):
     """A compare-and-swap write (``if_sha256``) found another file than the one it was based on:
     read it again, redo the change, and write with the new SHA-256 (ABORTED, as gRPC's codes ask

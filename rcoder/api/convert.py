@@ -368,6 +368,7 @@ def run_info(record: RunRecord) -> pb.RunInfo:
         changes=file_changes(record.changes),
         changes_unlisted=record.changes_unlisted,
         kind=RUN_KINDS[record.kind],
+        rewound_by=record.rewound_by,
     )
     if record.stop_reason is not None:
         info.stop_reason = STOP_REASONS[record.stop_reason]

@@ -367,7 +367,9 @@ class AgentRunnerService(FileRpcs):
 
             async def here() -> pb.RewindSessionResponse:
                 try:
-                    done = await self._worker.rewind_session(request.session_id, request.run_id)
+                    done = await self._worker.rewind_session(
+                        request.session_id, request.run_id, request.include_other_sessions
+                    )
                 except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
                     raise await self._router.no_checkpoint(missing, request.run_id) from None
                 return pb.RewindSessionResponse(

@@ -316,11 +316,15 @@ class Sessions:
         request = pb.DeleteSessionRequest(session_id=session_id)
         return deletion_from_proto(await self._unary(self._stub.DeleteSession, request))
 
-    async def rewind(self, session_id: str, run_id: str) -> Rewind:
+    async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewind:
         """Restore the project's files to how they were before ``run_id`` of the session and go on
         from there: its agent ended, the next turn re-seeded from the transcript up to that run
-        (``RewindSession``, docs/checkpoints.md). ``FAILED_PRECONDITION`` while a turn runs in the project."""
-        request = pb.RewindSessionRequest(session_id=session_id, run_id=run_id)
+        (``RewindSession``, docs/checkpoints.md). ``FAILED_PRECONDITION`` while a turn runs in the project,
+        or when later runs of other sessions wrote files it changes back and ``include_other_sessions``
+        is not set."""
+        request = pb.RewindSessionRequest(
+            session_id=session_id, run_id=run_id, include_other_sessions=include_other_sessions
+        )
         return rewind_from_proto(await self._unary(self._stub.RewindSession, request))
 
     async def run_changes(self, run_id: str, path: str = "") -> RunChanges:

@@ -130,6 +130,7 @@ class RunInfo(Record):
     changes: tuple[FileChange, ...]  # what it changed in the project's files (docs/checkpoints.md)
     changes_unlisted: int  # how many more files it changed than ``changes`` lists
     kind: RunKind  # a turn, or a rewind
+    rewound_by: str  # the rewind of another session that undid this turn's changes; "" if none
     raw: pb.RunInfo = field(repr=False, compare=False)
 
 
@@ -173,6 +174,7 @@ def run_from_proto(m: pb.RunInfo) -> RunInfo:
         changes=file_changes(m.changes),
         changes_unlisted=m.changes_unlisted,
         kind=run_kind(m.kind),
+        rewound_by=m.rewound_by,
         raw=m,
     )
 

@@ -311,11 +311,11 @@ class AcpWorker:
             raise ShuttingDown()
         return await self._eraser.erase(session_id)
 
-    async def rewind_session(self, session_id: str, run_id: str) -> Rewound:
+    async def rewind_session(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
         """The project's files as before ``run_id``, the session going on from there (``session.rewinding``)."""
         if self._closing:
             raise ShuttingDown()
-        return await self._rewinder.rewind(session_id, run_id)
+        return await self._rewinder.rewind(session_id, run_id, include_other_sessions)
 
     async def run_changes(self, run_id: str, path: str) -> RunDiff:
         """What the run changed in its project's files, and the diff (``session.checkpoints``)."""

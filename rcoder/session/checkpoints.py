@@ -70,6 +70,12 @@ def rewound_reason(target_run_id: str) -> str:
     return f"rewound to before run {target_run_id}"
 
 
+def files_rewound_reason(rewind_run_id: str) -> str:
+    """What the next turn of a session whose files another session's rewind undid is told
+    (docs/checkpoints.md#other-sessions-work), in its ``started``'s fallback reason."""
+    return f"this session's files were rewound by run {rewind_run_id} of another session"
+
+
 def encode_changes(changes: Sequence[FileChange], unlisted: int = 0) -> str:
     """A run's changes as its checkpoint row keeps them: a JSON list of rows, or, when more files
     changed than are listed, ``{"listed": rows, "unlisted": n}``. A file not stored has two more

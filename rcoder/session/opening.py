@@ -20,7 +20,16 @@ from rcoder.agent.kinds import replays_after_load
 from rcoder.agent.pool import AgentPool
 from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
-from rcoder.domain import ChatTurn, OpenMethod, ResumeOutcome, RunKind, RunStarted, SessionRecord, TranscriptEntry
+from rcoder.domain import (
+    ChatTurn,
+    OpenMethod,
+    ResumeOutcome,
+    RunKind,
+    RunStarted,
+    RunStatus,
+    SessionRecord,
+    TranscriptEntry,
+)
 from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
@@ -278,6 +287,13 @@ class SessionOpener:
             outcome, preamble = await self._fallback(plan)
         else:
             outcome = ResumeOutcome.RESUMED
+        if plan.record is not None and plan.record.last_run_id and not plan.fresh_record:
+            # another session's rewind undid this one's files since its last turn
+            # (docs/checkpoints.md#other-sessions-work)
+            by = await self._store.rewound_since(plan.session_id, plan.record.last_run_id)
+            if by:
+                told = checkpoints.files_rewound_reason(by)
+                reason = f"{reason}; {told}" if reason else told
         body = plan.opened = plan.started(conn.provider_session_id, outcome, launched.method, reason)
         return Opened(conn, body, preamble)
 
@@ -288,7 +304,11 @@ class SessionOpener:
             return ""
         stored = await self._store.run_checkpoints([record.last_run_id])
         found = stored.get(record.last_run_id)
-        return found.target_run_id if found is not None and found.kind == RunKind.REWIND.value else ""
+        if found is None or found.kind != RunKind.REWIND.value:
+            return ""
+        # a rewind that failed (or was rolled back) left the session's history as it was
+        rewind = await self._store.get_run(record.last_run_id)
+        return found.target_run_id if rewind is not None and rewind.status is RunStatus.COMPLETED else ""
 
     async def _with_replay_end(self, plan: TurnPlan, config: AgentStartConfig) -> AgentStartConfig:
         """For an agent that replays after answering ``session/load``: the last turn rcoder

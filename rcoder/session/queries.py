@@ -225,4 +225,6 @@ def with_checkpoint(record: RunRecord, stored: RunCheckpoint | None) -> RunRecor
     if stored is None:
         return record
     changes, unlisted = decode_changes(stored.changes)
-    return replace(record, kind=RunKind(stored.kind), changes=changes, changes_unlisted=unlisted)
+    kind = RunKind(stored.kind)
+    rewound_by = stored.target_run_id if kind is RunKind.TURN else ""  # docs/checkpoints.md#other-sessions-work
+    return replace(record, kind=kind, changes=changes, changes_unlisted=unlisted, rewound_by=rewound_by)

@@ -234,6 +234,29 @@ class SessionStore(Protocol):
 
     async def get_run(self, run_id: str) -> RunRecord | None: ...
 
+    async def project_runs_since(self, project_id: str, since: datetime) -> list[RunRecord]:
+        """The runs of ``project_id``'s sessions that started at or after ``since``, or ended after
+        it, oldest first (a rewind's check of other sessions' work, docs/checkpoints.md#other-sessions-work)."""
+        ...
+
+    async def mark_rewound(self, run_ids: Sequence[str], rewind_id: str) -> None:
+        """Record that rewind ``rewind_id`` undid these turns' changes ("": not undone after all)."""
+        ...
+
+    async def clear_rewound(self, rewind_id: str) -> None:
+        """Every turn marked undone by ``rewind_id`` is not (a rewind rolled back at a start)."""
+        ...
+
+    async def rewound_since(self, session_id: str, last_run_id: str) -> str:
+        """The newest completed rewind that undid a turn of ``session_id`` and started after
+        ``last_run_id`` did ("": none): what its next turn is told."""
+        ...
+
+    async def unfinished_rewinds(self) -> list[str]:
+        """The ids of this host's rewinds that its last daemon left unfinished: runs of kind
+        "rewind" marked interrupted at this start (docs/checkpoints.md#a-rewind-finishes-or-never-happened)."""
+        ...
+
     async def running_in_project(self, project_id: str) -> str | None:
         """The id of a run of one of ``project_id``'s sessions that the store has as running (on
         any host); None when there is none. A lost host's run does not count: it is ended "owner

@@ -531,12 +531,14 @@ class CheckpointRepo:
         as git sees a project: without what its .gitignore files leave out, a nested repository as
         a submodule. Those files, stored now, are taken out of the index first, so that git leaves
         them as they are rather than delete them; what it listed is left as it is."""
-        stdin = b"\0".join(now.stored) + b"\0"
-        # check-ignore takes no pathspec magic: the paths as they are, without GIT_LITERAL_PATHSPECS
-        env = {key: value for key, value in self._env.items() if key != "GIT_LITERAL_PATHSPECS"}
-        args = [*self._flags, "check-ignore", "--no-index", "-z", "--stdin"]
-        ignored = await run_git(args, env, self.work_tree, self.timeout, 0, self._guard, stdin, (0, 1), self._jail)
-        keep_out = {path for path in ignored.out.split(b"\0") if path}
+        keep_out: set[bytes] = set()
+        if now.stored:  # nothing stored now (an emptied project): nothing to ask, and git refuses "" as a path
+            stdin = b"\0".join(now.stored) + b"\0"
+            # check-ignore takes no pathspec magic: the paths as they are, without GIT_LITERAL_PATHSPECS
+            env = {key: value for key, value in self._env.items() if key != "GIT_LITERAL_PATHSPECS"}
+            args = [*self._flags, "check-ignore", "--no-index", "-z", "--stdin"]
+            ignored = await run_git(args, env, self.work_tree, self.timeout, 0, self._guard, stdin, (0, 1), self._jail)
+            keep_out = {path for path in ignored.out.split(b"\0") if path}
         tree = await self.git("ls-tree", "-r", "-z", "--full-tree", commit)
         submodules = [row.partition(b"\t")[2] + b"/" for row in tree.out.split(b"\0") if row.startswith(b"160000 ")]
         keep_out.update(path for path in now.stored if any(path.startswith(sub) for sub in submodules))

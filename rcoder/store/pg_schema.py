@@ -586,6 +586,29 @@ PUT_RUN_CHECKPOINT = (
 )
 RUN_CHECKPOINTS = "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id = ANY(%s)"
 DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = %s"
+# a rewind's check of other sessions' work (docs/checkpoints.md#other-sessions-work): the project's
+# runs since a time; a turn's row in run_checkpoints keeps in target_run_id the rewind that undid it
+PROJECT_RUNS_SINCE = (  # SELECT_RUNS's columns, of the project's runs
+    "SELECT r.run_id, r.session_id, r.status, r.started_at, r.resume, r.resume_method, r.fallback_reason,"
+    " r.request_id, r.stop_reason, r.error, r.ended_at, r.input_tokens, r.output_tokens, r.cached_read_tokens,"
+    " r.cached_write_tokens, r.thought_tokens, r.total_tokens, r.context_used, r.context_size, r.cost_nanos,"
+    " r.cost_currency, r.prompt, r.client, r.checkpoint_before, r.checkpoint_after"
+    " FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = %s AND (r.started_at >= %s OR r.ended_at > %s) ORDER BY r.started_at, r.run_id"
+)
+MARK_REWOUND = "UPDATE run_checkpoints SET target_run_id = %s WHERE kind = 'turn' AND run_id = ANY(%s)"
+CLEAR_REWOUND = "UPDATE run_checkpoints SET target_run_id = '' WHERE kind = 'turn' AND target_run_id = %s"
+REWOUND_SINCE = (
+    "SELECT w.run_id FROM run_checkpoints c JOIN runs w ON w.run_id = c.target_run_id"
+    " WHERE c.session_id = %s AND c.kind = 'turn' AND c.target_run_id != '' AND w.status = 'completed'"
+    " AND w.started_at > coalesce((SELECT started_at FROM runs WHERE run_id = %s), '-infinity'::timestamptz)"
+    " ORDER BY w.started_at DESC LIMIT 1"
+)
+# this host's rewinds its killed daemon left half-way (docs/checkpoints.md#a-rewind-finishes-or-never-happened)
+UNFINISHED_REWINDS = (
+    "SELECT r.run_id FROM runs r JOIN run_checkpoints c ON c.run_id = r.run_id"
+    " WHERE c.kind = 'rewind' AND r.status = 'interrupted' AND r.host_id = %s ORDER BY r.started_at, r.run_id"
+)
 # the snapshot commits runs of a project name (of those started at or after a time: NULL for all)
 CHECKPOINT_COMMITS = (
     "SELECT r.checkpoint_before, r.checkpoint_after FROM sessions s JOIN runs r ON r.session_id = s.session_id"

@@ -534,6 +534,24 @@ class PostgresStore:
         rows = await self._rows(pg_schema.RUN_CHECKPOINTS, ([_text(r) for r in run_ids],))
         return {row[0]: RunCheckpoint(row[1], row[2], row[3]) for row in rows}
 
+    async def project_runs_since(self, project_id: str, since: datetime) -> list[RunRecord]:
+        rows = await self._rows(pg_schema.PROJECT_RUNS_SINCE, _params(project_id, _ts(since), _ts(since)))
+        return [_run(row) for row in rows]
+
+    async def mark_rewound(self, run_ids: Sequence[str], rewind_id: str) -> None:
+        await self._write(pg_schema.MARK_REWOUND, (_text(rewind_id), [_text(r) for r in run_ids]), None)
+
+    async def clear_rewound(self, rewind_id: str) -> None:
+        await self._write(pg_schema.CLEAR_REWOUND, _params(rewind_id), None)
+
+    async def rewound_since(self, session_id: str, last_run_id: str) -> str:
+        rows = await self._rows(pg_schema.REWOUND_SINCE, _params(session_id, last_run_id))
+        return str(rows[0][0]) if rows else ""
+
+    async def unfinished_rewinds(self) -> list[str]:
+        rows = await self._rows(pg_schema.UNFINISHED_REWINDS, _params(self._host_id))
+        return [str(row[0]) for row in rows]
+
     async def delete_run_checkpoints(self, session_id: str) -> None:
         await self._write(pg_schema.DELETE_RUN_CHECKPOINTS, _params(session_id), None)
 

@@ -528,6 +528,25 @@ class SqliteStore:
         rows = await self._rows(sqlite_schema.RUN_CHECKPOINTS, (json.dumps(list(run_ids)),), point=len(run_ids) == 1)
         return {row[0]: RunCheckpoint(row[1], row[2], row[3]) for row in rows}
 
+    async def project_runs_since(self, project_id: str, since: datetime) -> list[RunRecord]:
+        at = time_text(since)
+        rows = await self._rows(sqlite_schema.PROJECT_RUNS_SINCE, (project_id, at, at), point=False)
+        return [run_of(row) for row in rows]
+
+    async def mark_rewound(self, run_ids: Sequence[str], rewind_id: str) -> None:
+        await self._write(sqlite_schema.MARK_REWOUND, (rewind_id, json.dumps(list(run_ids))), None)
+
+    async def clear_rewound(self, rewind_id: str) -> None:
+        await self._write(sqlite_schema.CLEAR_REWOUND, (rewind_id,), None)
+
+    async def rewound_since(self, session_id: str, last_run_id: str) -> str:
+        rows = await self._rows(sqlite_schema.REWOUND_SINCE, (session_id, last_run_id))
+        return str(rows[0][0]) if rows else ""
+
+    async def unfinished_rewinds(self) -> list[str]:
+        rows = await self._rows(sqlite_schema.UNFINISHED_REWINDS, (), point=False)
+        return [str(row[0]) for row in rows]
+
     async def delete_run_checkpoints(self, session_id: str) -> None:
         await self._write(sqlite_schema.DELETE_RUN_CHECKPOINTS, (session_id,), None)
 

@@ -406,6 +406,27 @@ RUN_CHECKPOINTS = (
     "SELECT run_id, kind, target_run_id, changes FROM run_checkpoints WHERE run_id IN (SELECT value FROM json_each(?))"
 )
 DELETE_RUN_CHECKPOINTS = "DELETE FROM run_checkpoints WHERE session_id = ?"
+# a rewind's check of other sessions' work (docs/checkpoints.md#other-sessions-work): the project's
+# runs since a time; a turn's row in run_checkpoints keeps in target_run_id the rewind that undid it
+PROJECT_RUNS_SINCE = (
+    "SELECT r.* FROM sessions s JOIN runs r ON r.session_id = s.session_id"
+    " WHERE s.project_id = ? AND (r.started_at >= ? OR r.ended_at > ?) ORDER BY r.started_at, r.run_id"
+)
+MARK_REWOUND = (
+    "UPDATE run_checkpoints SET target_run_id = ? WHERE kind = 'turn' AND run_id IN (SELECT value FROM json_each(?))"
+)
+CLEAR_REWOUND = "UPDATE run_checkpoints SET target_run_id = '' WHERE kind = 'turn' AND target_run_id = ?"
+REWOUND_SINCE = (
+    "SELECT w.run_id FROM run_checkpoints c JOIN runs w ON w.run_id = c.target_run_id"
+    " WHERE c.session_id = ? AND c.kind = 'turn' AND c.target_run_id != '' AND w.status = 'completed'"
+    " AND w.started_at > coalesce((SELECT started_at FROM runs WHERE run_id = ?), '')"
+    " ORDER BY w.started_at DESC LIMIT 1"
+)
+# rewinds a killed daemon left half-way (docs/checkpoints.md#a-rewind-finishes-or-never-happened)
+UNFINISHED_REWINDS = (
+    "SELECT r.run_id FROM runs r JOIN run_checkpoints c ON c.run_id = r.run_id"
+    " WHERE c.kind = 'rewind' AND r.status = 'interrupted' ORDER BY r.started_at, r.run_id"
+)
 # the snapshot commits runs of a project name (of those started at or after a time: '' for all)
 CHECKPOINT_COMMITS = (
     "SELECT r.checkpoint_before, r.checkpoint_after FROM sessions s JOIN runs r ON r.session_id = s.session_id"

@@ -1483,6 +1483,7 @@ class RunInfo(_message.Message):
     CHANGES_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     CHANGES_UNLISTED_FIELD_NUMBER: _builtins.int
+    REWOUND_BY_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """the run's id (Subscribe takes it)"""
     session_id: _builtins.str
@@ -1511,6 +1512,10 @@ class RunInfo(_message.Message):
     """a turn of the agent, or a rewind (RewindSession)"""
     changes_unlisted: _builtins.int
     """how many more files the run changed than changes lists (as RunCompleted.changes_unlisted)"""
+    rewound_by: _builtins.str
+    """a turn whose changes to the project's files a rewind of another session undid
+    (RewindSessionRequest.include_other_sessions): that rewind's run; empty otherwise
+    """
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
         """when the run started"""
@@ -1549,10 +1554,11 @@ class RunInfo(_message.Message):
         changes: _abc.Iterable[Global___FileChange] | None = ...,
         kind: Global___RunKind.ValueType = ...,
         changes_unlisted: _builtins.int = ...,
+        rewound_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "kind", b"kind", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "changes_unlisted", b"changes_unlisted", "client", b"client", "ended_at", b"ended_at", "error", b"error", "fallback_reason", b"fallback_reason", "kind", b"kind", "prompt", b"prompt", "request_id", b"request_id", "resume", b"resume", "resume_method", b"resume_method", "rewound_by", b"rewound_by", "run_id", b"run_id", "session_id", b"session_id", "started_at", b"started_at", "status", b"status", "stop_reason", b"stop_reason", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3682,19 +3688,25 @@ class RewindSessionRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_OTHER_SESSIONS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """required: an rcoder session_id"""
     run_id: _builtins.str
     """required: a run of that session; its project is restored to before it"""
+    include_other_sessions: _builtins.bool
+    """undo too what later runs of other sessions wrote to the files it changes back; without it,
+    such a rewind is refused FAILED_PRECONDITION, reason OTHER_SESSIONS_WORK, naming those runs
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         run_id: _builtins.str = ...,
+        include_other_sessions: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_other_sessions", b"include_other_sessions", "run_id", b"run_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -189,3 +189,21 @@ async def test_names_other_systems_read_as_git_s_own_are_stored_and_a_link_git_r
     assert sorted(path for path in stored if path) == [b".git /backdoor.sh", b".git./backdoor.sh", b"git~1/backdoor.sh"]
     (listed,) = await repo.manifests(commit)
     assert listed is not None and {path: e.reason for path, e in listed.items()} == {b".gitmodules": NotStored.SPECIAL}
+
+
+async def test_an_emptied_project_is_restored_by_a_repo_that_did_not_take_its_snapshots(tmp_path: Path) -> None:
+    # a daemon started after a kill holds no snapshot in memory: it reads each one's list from
+    # git, and one with nothing listed has none (docs/checkpoints.md#a-rewind-finishes-or-never-happened)
+    root = tmp_path / "p"
+    (root / "d").mkdir(parents=True)
+    for n in range(20):
+        (root / "d" / f"f{n}").write_text(f"{n}\n")
+    taken = CheckpointRepo(tmp_path / "store.git", root, tmp_path / "index" / "p")
+    full = await taken.snapshot((), "before")
+    for n in range(20):
+        (root / "d" / f"f{n}").unlink()
+    await taken.snapshot((), "after")
+    fresh = CheckpointRepo(tmp_path / "store.git", root, tmp_path / "index" / "p")
+    await fresh.snapshot((), "now")
+    await fresh.restore(full)
+    assert sorted(path.name for path in (root / "d").iterdir()) == sorted(f"f{n}" for n in range(20))

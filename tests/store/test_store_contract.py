@@ -30,7 +30,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import make_store
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, SessionStore
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.cluster import Coordination, LocalCoordination, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -388,6 +388,67 @@ async def test_a_run_left_running_is_marked_interrupted_on_reopen(new_store: Sto
     assert interrupted.ended_at is not None
     assert interrupted.ended_at > T0
     assert completed.status is RunStatus.COMPLETED
+
+
+async def test_a_rewind_left_running_is_found_unfinished_on_reopen_until_its_end_is_stored(
+    new_store: StoreFactory,
+) -> None:
+    # docs/checkpoints.md#a-rewind-finishes-or-never-happened: the intent is the run and its kind
+    first = new_store()
+    await first.open()
+    await first.create_session(session("s1"))
+    await first.start_run(RunRecord("t1", "s1", RunStatus.RUNNING, T0))  # a turn, not a rewind
+    await first.start_run(RunRecord("w1", "s1", RunStatus.RUNNING, T0, checkpoint_before="c0"))
+    await first.put_run_checkpoint("w1", "s1", RunCheckpoint("rewind", "t0", "[]"))
+    await first.start_run(RunRecord("w2", "s1", RunStatus.RUNNING, T0))
+    await first.put_run_checkpoint("w2", "s1", RunCheckpoint("rewind", "t0", "[]"))
+    await first.finish_run("w2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None)
+    assert await first.unfinished_rewinds() == []  # running here: not left by a daemon
+    await first.close()
+    second = new_store()
+    await second.open()
+    try:
+        assert await second.unfinished_rewinds() == ["w1"]
+        found = await second.get_run("w1")
+        assert found is not None and found.checkpoint_before == "c0"
+        done = RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "completed", T0, checkpoint_after="c1")
+        await second.finish_run("w1", done)
+        assert await second.unfinished_rewinds() == []
+    finally:
+        await second.close()
+
+
+async def test_a_project_s_runs_since_a_time_and_the_rewind_that_undid_a_turn(store: SessionStore) -> None:
+    # docs/checkpoints.md#other-sessions-work
+    await store.create_session(session("a"))
+    await store.create_session(session("b"))
+    await store.create_session(session("c", project_id="other"))
+    await run_turn(store, "b", "b0", "early")  # started at T0, ended a minute later
+    later = T0 + timedelta(minutes=5)
+    for run_id, sid in (("a1", "a"), ("b1", "b"), ("c1", "c")):
+        await store.start_run(RunRecord(run_id, sid, RunStatus.RUNNING, later, checkpoint_before=f"{run_id}-before"))
+        await store.put_run_checkpoint(run_id, sid, RunCheckpoint("turn", "", "[]"))
+        await store.finish_run(run_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", later))
+    since = await store.project_runs_since("proj", later)
+    assert [(r.run_id, r.checkpoint_before) for r in since] == [("a1", "a1-before"), ("b1", "b1-before")]
+    assert [r.run_id for r in await store.project_runs_since("proj", T0 + timedelta(seconds=30))] == [
+        "b0",
+        "a1",
+        "b1",
+    ]  # b0 ended after it
+    assert await store.rewound_since("b", "b0") == ""
+    await store.start_run(RunRecord("w", "a", RunStatus.RUNNING, later + timedelta(minutes=1)))
+    await store.put_run_checkpoint("w", "a", RunCheckpoint("rewind", "a1", "[]"))
+    await store.mark_rewound(["b1"], "w")
+    assert (await store.run_checkpoints(["b1"]))["b1"] == RunCheckpoint("turn", "w", "[]")
+    assert await store.rewound_since("b", "b1") == ""  # told only once the rewind completed
+    await store.finish_run("w", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", later + timedelta(minutes=1)))
+    assert await store.rewound_since("b", "b1") == "w"
+    await store.start_run(RunRecord("b2", "b", RunStatus.RUNNING, later + timedelta(minutes=2)))
+    assert await store.rewound_since("b", "b2") == ""  # the turn after it is not told again
+    await store.clear_rewound("w")
+    assert (await store.run_checkpoints(["b1"]))["b1"] == RunCheckpoint("turn", "", "[]")
+    assert await store.rewound_since("b", "b1") == ""
 
 
 async def test_opening_twice_is_an_error(store: SessionStore) -> None:

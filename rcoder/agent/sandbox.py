@@ -27,7 +27,7 @@ from pathlib import Path
 from rcoder import landlock
 from rcoder.agent import ownership
 from rcoder.agent.kinds import kind_of
-from rcoder.agent.profile import sandbox_of
+from rcoder.agent.profile import connect_ports, sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings, checkpoint_root
 
 WRAPPER = Path(landlock.__file__).resolve()
@@ -75,6 +75,8 @@ class Confinement:
     read: tuple[Path, ...]
     write: tuple[Path, ...]
     abi: int
+    connect: tuple[int, ...] = ()  # the TCP ports it may connect to (ABI 4+: no other)
+    bind: tuple[int, ...] = ()  # the TCP ports it may bind
 
     @property
     def own_proc(self) -> bool:
@@ -97,6 +99,10 @@ class Confinement:
             args += ["--read", str(path)]
         for path in self.write:
             args += ["--write", str(path)]
+        for port in self.connect:
+            args += ["--connect", str(port)]
+        for port in self.bind:
+            args += ["--bind", str(port)]
         return [*args, "--", *command]
 
 
@@ -123,6 +129,8 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
         read=(*_unique(p for path in read for p in around(path, hidden)), *own),
         write=(*_unique(p for path in write for p in around(path, hidden)), *_devices()),
         abi=settings.landlock_abi,
+        connect=connect_ports(profile),
+        bind=tuple(sorted(set(profile.bind_ports))),
     )
 
 

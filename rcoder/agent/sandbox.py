@@ -48,7 +48,7 @@ def wrapper_command() -> list[str]:
 # The system, read and execute.
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 # Of /proc and /sys, what runtimes read about the machine (node's os.cpus() and memory, glibc's
-# CPU count, cgroup limits), and "/proc/self": the agent process's own /proc/<pid> where the exec
+# CPU count), and "/proc/self": the agent process's own /proc/<pid> where the exec
 # wrapper resolves it (in the agent's process: not its children's); where a thread of the daemon
 # confines itself to start the agent, it resolves to the daemon's and is left out (the agent's
 # pid does not exist yet). Never /proc whole: Landlock keeps a confined process from
@@ -60,8 +60,13 @@ SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
 OWN_PROC = "/proc/self"
 PROC_READ = (
     OWN_PROC, "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
-    "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu", "/sys/fs/cgroup",
+    "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu",
 )  # fmt: skip
+# Never /sys/fs/cgroup: there every agent's cgroup (rcoder/agent/limits.py) shows its processes
+# (cgroup.procs) and memory figures to any reader, and an agent's own is made after it starts,
+# named by its pid, so no rule could grant it alone. What an agent loses: reading its own cgroup's
+# limits (memory.max, pids.max); runtimes then size themselves by the machine's /proc/meminfo
+# (docs/confinement.md#what-an-agent-can-reach).
 # Devices every program expects, read and write (``> /dev/null`` truncates: write rights).
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # /etc entries that are often symlinks out of /etc (systemd-resolved keeps resolv.conf in /run).

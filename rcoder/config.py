@@ -175,6 +175,13 @@ class ProfileKeys(_Schema):
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
     """more folders the agent may read and write (made when missing)"""
+    # docs/confinement.md#security: from Landlock ABI 4 a confined agent's TCP connects and binds are
+    # limited to these ports on every address, so never the store's or the daemon's
+    connect_ports: Array[Annotated[int, Field(ge=1, le=65535)]] = (443,)
+    """TCP ports the agent may connect to, on any address (Landlock ABI 4+); the port of model_base_url
+    is added. Default: 443 (HTTPS). See What an agent can reach"""
+    bind_ports: Array[Annotated[int, Field(ge=0, le=65535)]] = ()
+    """TCP ports the agent may bind (Landlock ABI 4+; 0: any port the kernel picks); default none"""
     # Each agent process runs in a cgroup of its own (docs/limits.md). Where the kernel gives the daemon
     # no cgroups, "auto" runs agents unlimited (and logs it) and "required" refuses to start.
     limits: Literal["auto", "required"] = "auto"

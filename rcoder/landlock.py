@@ -8,7 +8,8 @@ an exec wrapper: ``rcoder/agent/confine.c`` built by ``make`` (the same steps in
 exec), or where it is not built this file run as a script::
 
     python -I -S -B landlock.py [--parent PID] [--user UID:GID] [--cap NAME]...
-                                [--read PATH]... [--write PATH]... -- ARGV...
+                                [--read PATH]... [--write PATH]...
+                                [--connect PORT]... [--bind PORT]... -- ARGV...
 
 which, in the new process and before the agent's program runs, builds a Landlock ruleset,
 empties the capability bounding set but for the ``--cap`` ones (``CAPABILITIES``: what a
@@ -17,10 +18,11 @@ switches to ``UID`` and ``GID`` with no supplementary groups when given
 (``rcoder.agent.agent_user``), sets ``PR_SET_PDEATHSIG=SIGKILL`` (after the switch, which clears
 it; and exits if ``PID``, the daemon, is already gone) — the ruleset's ``--read``
 paths readable and executable, ``--write`` paths readable and writable (never making a device
-node or a device ioctl), nothing else on the file system — keeps no capability but the ``--cap``
-ones in its permitted and effective sets (the inheritable set empty), restricts itself with it
-(``no_new_privs`` first) and execs ``ARGV``. A Landlock domain is inherited by every process
-the agent starts and can never be lifted, only narrowed:
+node or a device ioctl), nothing else on the file system; from ABI 4 TCP ``connect()`` only to
+the ``--connect`` ports and ``bind()`` only to the ``--bind`` ones, on every address — keeps no
+capability but the ``--cap`` ones in its permitted and effective sets (the inheritable set
+empty), restricts itself with it (``no_new_privs`` first) and execs ``ARGV``. A Landlock
+domain is inherited by every process the agent starts and can never be lifted, only narrowed:
 shells, MCP servers and language servers live under it too.
 
 Why a script and not ``preexec_fn``: the daemon has threads (grpc, the store's executor), and
@@ -30,7 +32,9 @@ environment); nothing is imported but ``os``, ``sys`` and ``ctypes``. A failure 
 an exit with code 126 and a line on stderr, never an unconfined agent.
 
 Also scoped (ABI 6+): the agent cannot signal, or connect to abstract UNIX sockets of, processes
-outside its domain (the daemon, other projects' agents). The network is not restricted.
+outside its domain (the daemon, other projects' agents). And from ABI 4, TCP: the agent connects
+only to its profile's ports, so never to the store's or the daemon's on any address
+(docs/confinement.md#security). UDP and UNIX sockets on disk are not Landlock's to restrict.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import sys
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same on every architecture
 _CREATE_RULESET_VERSION = 1
-_RULE_PATH_BENEATH = 1
+_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 _CAPABILITY_VERSION_3 = 0x20080522
@@ -61,15 +65,16 @@ DEVICES = MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV  # never granted: no device node ma
 # the rights a rule on a file (not a folder) may carry
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+BIND_TCP, CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4: handled_access_net
 
 # What a Landlock domain keeps from a confined agent, and the ABI that brought each (the daemon
 # says at start and in ListAgents which hold on this kernel). Never at any ABI: connect() to a
-# UNIX socket file on disk (the PostgreSQL socket, docker.sock, D-Bus); nor is the network
-# restricted here.
-TRUNCATE_ABI, SCOPE_ABI = 3, 6
+# UNIX socket file on disk (the PostgreSQL socket, docker.sock, D-Bus), nor UDP.
+TRUNCATE_ABI, NET_ABI, SCOPE_ABI = 3, 4, 6
 PROMISES = (
     ("files", 1),  # no reading, writing, making or removing files outside its grants
     ("truncate", TRUNCATE_ABI),  # no truncating files outside its write grants
+    ("network", NET_ABI),  # no TCP connect or bind but to its profile's ports
     ("signals", SCOPE_ABI),  # no signal to processes outside its domain (the daemon, other agents)
     ("abstract_unix_sockets", SCOPE_ABI),  # no connecting to abstract UNIX sockets outside it
 )
@@ -95,6 +100,11 @@ class _RulesetAttr(ctypes.Structure):
 class _PathBeneathAttr(ctypes.Structure):
     _pack_ = 1
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _NetPortAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
 
 
 def _libc() -> ctypes.CDLL:
@@ -220,13 +230,14 @@ def fs_rights(version: int) -> int:
     return rights
 
 
-def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
+def restrict(read: list[str], write: list[str], thread: bool = False, net: Ports = ((), ())) -> int:
     """Confine this process (and all it will start) to ``read`` and ``write``; the ABI used.
 
     A path that does not exist is skipped (it cannot be reached either). ``thread``: only the
     calling thread is confined, for what it starts; this process's own ``/proc/<pid>`` (what
-    ``/proc/self`` resolves to here) is then never granted: it is not the agent's."""
-    ruleset, version = build(read, write, thread)
+    ``/proc/self`` resolves to here) is then never granted: it is not the agent's. ``net``: the
+    TCP ports it may connect to and bind (ABI 4+; none by default)."""
+    ruleset, version = build(read, write, thread, net)
     try:
         enforce(ruleset)
     finally:
@@ -234,20 +245,31 @@ def restrict(read: list[str], write: list[str], thread: bool = False) -> int:
     return version
 
 
-def build(read: list[str], write: list[str], thread: bool = False) -> tuple[int, int]:
+Ports = tuple[tuple[int, ...], tuple[int, ...]]  # (connect, bind): the TCP ports a ruleset allows
+
+
+def build(read: list[str], write: list[str], thread: bool = False, net: Ports = ((), ())) -> tuple[int, int]:
     """The ruleset of ``restrict`` (its fd, the caller's to close; the ABI): it confines nothing
     until ``enforce``, and may be enforced by several threads in turn."""
     libc, version = _libc(), abi()
     if version < 1:
         raise OSError(0, "this kernel offers no Landlock")
     handled = fs_rights(version)
-    attr = _RulesetAttr(handled, 0, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if version >= 6 else 0)
+    # from ABI 4 TCP is handled too: a connect or bind to a port without a rule is refused (EACCES)
+    handled_net = BIND_TCP | CONNECT_TCP if version >= NET_ABI else 0
+    attr = _RulesetAttr(handled, handled_net, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if version >= 6 else 0)
     size = ctypes.sizeof(attr) if version >= 6 else 2 * ctypes.sizeof(ctypes.c_uint64)
     ruleset = _check(_syscall(libc, _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0), "landlock_create_ruleset")
     try:
         for paths, rights in ((read, READ), (write, handled & ~DEVICES)):
             for path in paths:
                 _allow(libc, ruleset, path, rights & handled, thread)
+        if handled_net:
+            for ports, right in zip(net, (CONNECT_TCP, BIND_TCP), strict=True):
+                for port in ports:
+                    rule = _NetPortAttr(right, port)
+                    _check(_syscall(libc, _SYS_ADD_RULE, ruleset, _RULE_NET_PORT, ctypes.byref(rule), 0),
+                           f"add_rule port {port}")  # fmt: skip
     except BaseException:
         os.close(ruleset)
         raise
@@ -310,18 +332,31 @@ def parse(argv: list[str]) -> tuple[int, list[str], list[str], list[str]]:
                 break
             return parent, read, write, command
         value = next(args, None)
-        if value is None or arg not in ("--parent", "--user", "--cap", "--read", "--write"):
+        if value is None or arg not in ("--parent", "--user", "--cap", "--read", "--write", "--connect", "--bind"):
             break
         if arg == "--parent":
             parent = int(value)
-        elif arg not in ("--user", "--cap"):  # read by user_of, kept_of
+        elif arg not in ("--user", "--cap", "--connect", "--bind"):  # read by user_of, kept_of, ports_of
             (read if arg == "--read" else write).append(value)
     raise ValueError(_USAGE)
 
 
 _USAGE = (
-    "usage: landlock.py [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... -- ARGV..."
+    "usage: landlock.py [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... "
+    "[--connect PORT]... [--bind PORT]... -- ARGV..."
 )
+
+
+def ports_of(argv: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The TCP ports (connect, bind) the wrapper's arguments ``argv`` allow (``--connect``, ``--bind``)."""
+    head = argv[: argv.index("--")] if "--" in argv else argv
+    connect, bind = list[int](), list[int]()
+    for arg, value in zip(head[::2], head[1::2], strict=False):
+        if arg in ("--connect", "--bind"):
+            if not (value.isdigit() and 0 <= int(value) <= 65535):
+                raise ValueError(f"{arg} {value}: not a TCP port")
+            (connect if arg == "--connect" else bind).append(int(value))
+    return tuple(connect), tuple(bind)
 
 
 def kept_of(argv: list[str]) -> int:
@@ -390,7 +425,7 @@ def ruleset_of(argv: list[str], thread: bool = False) -> tuple[int, list[str], l
     _, read, write, command = parse(argv)
     if thread and user_of(argv) is not None:  # would be ignored here: the agent would keep the daemon's uid
         raise ValueError("a thread of the daemon never switches uid: --user is the exec wrapper's")
-    return build(read, write, thread)[0], command, [*read, *write]
+    return build(read, write, thread, ports_of(argv))[0], command, [*read, *write]
 
 
 def main(argv: list[str]) -> int:

@@ -143,7 +143,7 @@ async def make_daemon(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[Dae
             profiles if profiles is not None else {"fake": fake.profile()},
             **{**base_settings(tmp_path), **top},
         )
-        daemon = await Daemon(config, env=env or {}).start()
+        daemon = await Daemon(config, env=env or {}, listen=str(top.get("listen", "127.0.0.1:0"))).start()
         client = Client(channel(daemon) if channel else daemon.channel())
         started.append((daemon, client))
         return daemon, client

@@ -178,13 +178,14 @@ class Daemon:
     _logged: asyncio.Event = field(default_factory=asyncio.Event)
     checked: int = 0  # log lines already looked at for unhandled failures (``unhandled_failures``)
     wrap: tuple[str, ...] = ()  # what runs the daemon's command (e.g. in a mount namespace of its own)
+    listen: str = "127.0.0.1:0"  # a port chosen in advance, where an agent's connect_ports must name it
 
     async def start(self) -> Daemon:
         STARTED.append(self)  # its log is read for unhandled failures after every test (conftest)
         env = {**os.environ, **self.env, "RCODER_LOG_FORMAT": "json"}
         self.proc = await asyncio.create_subprocess_exec(
             *die_with_the_test(), *self.wrap,
-            sys.executable, "-m", "rcoder", "serve", "--config", str(self.config), "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "rcoder", "serve", "--config", str(self.config), "--listen", self.listen,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env=env, cwd=str(self.config.parent),
         )  # fmt: skip

@@ -78,8 +78,11 @@ def as_postgres(*argv: str) -> list[str]:
 class PgCluster:
     """One PostgreSQL server and its data folder; see the module's docstring."""
 
-    def __init__(self, root: Path, local_auth: str = "scram-sha-256", hba_first: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, root: Path, local_auth: str = "scram-sha-256", hba_first: tuple[str, ...] = (), listen: str = "127.0.0.1"
+    ) -> None:
         self.root = root
+        self.listen = listen  # listen_addresses
         self.data = root / "data"
         self.password = secrets.token_urlsafe(16)  # the role's, so URLs carry one (and logs must hide it)
         self.superuser_password = secrets.token_urlsafe(16)
@@ -93,15 +96,18 @@ class PgCluster:
         self._closed = False
 
     @classmethod
-    def create(cls, local_auth: str = "scram-sha-256", hba_first: tuple[str, ...] = ()) -> PgCluster:
+    def create(
+        cls, local_auth: str = "scram-sha-256", hba_first: tuple[str, ...] = (), listen: str = "127.0.0.1"
+    ) -> PgCluster:
         """A new, started cluster with the role ``rcoder``; fails with a hint where PostgreSQL 15 is
         missing. ``local_auth``: the method of the unix socket's ``local`` lines; ``hba_first``:
-        lines put before all others in pg_hba.conf (the first line that matches decides)."""
+        lines put before all others in pg_hba.conf (the first line that matches decides);
+        ``listen``: its listen_addresses (the admin connects on 127.0.0.1)."""
         missing = missing_binaries()
         if missing:
             raise RuntimeError(missing)
         root = Path(tempfile.mkdtemp(prefix="rcoder-pg-"))
-        cluster = cls(root, local_auth, hba_first)
+        cluster = cls(root, local_auth, hba_first, listen)
         try:
             user = pwd.getpwnam(OS_USER)
             os.chown(root, user.pw_uid, user.pw_gid)
@@ -215,7 +221,8 @@ class PgCluster:
             "setpriv", "--pdeathsig", "KILL",
             *as_postgres(
                 "setpriv", "--pdeathsig", "KILL", str(PG_BIN / "postgres"), "-D", str(self.data),
-                "-p", str(self.port), "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.root}",
+                "-p", str(self.port), "-c", f"listen_addresses={self.listen}",
+                "-c", f"unix_socket_directories={self.root}",
                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
                 "-c", "max_connections=200", "-c", "logging_collector=off",
             ),

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from rcoder import landlock
 from rcoder.api.access import kept_token
 from rcoder.client.token import find_token, local_target
 from rcoder.config import load_settings
@@ -27,6 +28,10 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Daemon, FakeAgentSetup, completed, text_of, write_config
 from tests.pg import PgCluster
+
+# what a confined profile's agents reach besides rcoder and the store: from Landlock ABI 4 only
+# its TCP ports (connect_ports, 443 by default; docs/confinement.md#security)
+CONFINED_OTHER = "tcp ports 443" if landlock.abi() >= landlock.NET_ABI else "open"
 
 
 def bare(daemon: Daemon) -> grpc.aio.Channel:
@@ -122,7 +127,8 @@ async def test_open_to_agents_asks_no_token_and_warns_that_agents_can_drive_the_
 ) -> None:
     daemon, client = await make_daemon(channel=bare, open_to_agents=True, metrics_listen="127.0.0.1:0")
     agents = (await client.stub.ListAgents(pb.ListAgentsRequest())).agents
-    opened = pb.NetworkReach(rcoder="open", metrics="open", store="none", other="open")
+    # the token no longer asked; TCP still only to the profile's ports where Landlock filters them
+    opened = pb.NetworkReach(rcoder="open", metrics="open", store="none", other=CONFINED_OTHER)
     assert [a.network for a in agents] == [opened] * len(agents)
     assert completed(await client.chat(prompt="hi")).stop_reason == pb.STOP_REASON_END_TURN
     (metrics,) = await daemon.wait_log("metrics_serving")
@@ -140,11 +146,13 @@ async def test_list_agents_and_the_start_log_say_what_each_profiles_agents_reach
     profiles = {"fake": fake.profile(), "loose": fake.profile(sandbox="none")}
     daemon, client = await make_daemon(profiles, metrics_listen="127.0.0.1:0")
     agents = {a.name: a.network for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
-    assert agents["fake"] == pb.NetworkReach(rcoder="refused", metrics="refused", store="none", other="open")
+    assert agents["fake"] == pb.NetworkReach(rcoder="refused", metrics="refused", store="none", other=CONFINED_OTHER)
     # unconfined, it reads the token file like the daemon: nothing is refused to it
     assert agents["loose"] == pb.NetworkReach(rcoder="open", metrics="open", store="none", other="open")
     logged = {row["agent"]: row for row in daemon.logs("agent_network")}
-    assert (logged["fake"]["level"], logged["fake"]["rcoder"], logged["fake"]["other"]) == ("info", "refused", "open")
+    assert (logged["fake"]["level"], logged["fake"]["rcoder"], logged["fake"]["other"]) == (
+        "info", "refused", CONFINED_OTHER
+    )  # fmt: skip
     assert (logged["loose"]["level"], logged["loose"]["rcoder"]) == ("warning", "open")
     assert not daemon.logs("open_to_agents")
 

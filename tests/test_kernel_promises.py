@@ -43,10 +43,11 @@ def test_each_promise_holds_from_the_landlock_abi_that_brought_it(
     kept = promises_of(settings, settings.agents["x"])
 
     assert (kept.files, kept.truncate, kept.signals, kept.abstract_unix_sockets) == (files, truncate, signals, signals)
-    assert not kept.network and not kept.socket_files, "never Landlock's, at any ABI"
+    assert kept.network == (abi >= 4), "TCP ports from ABI 4 (Linux 6.7)"
+    assert not kept.socket_files, "never Landlock's, at any ABI"
     said = " | ".join(kept.not_kept())
     assert ("truncate:" in said) == (files and not truncate) and ("signals:" in said) == (files and not signals)
-    assert "socket_files: never refused" in said and "network: not restricted" in said
+    assert "socket_files: never refused" in said and ("network:" in said) == (abi < 4), said
 
 
 def test_a_profile_set_to_sandbox_none_is_kept_from_nothing(tmp_path: Path) -> None:
@@ -67,7 +68,10 @@ def test_sandbox_landlock_on_a_kernel_that_cannot_refuse_truncate_is_a_config_er
     assert settings_at(tmp_path, abi).agents["x"].sandbox == "auto", '"auto" still starts there (with a warning)'
 
 
-@pytest.mark.parametrize(("abi", "warned"), [(2, ["truncate", "signals"]), (5, ["signals"]), (7, [])])
+@pytest.mark.parametrize(
+    ("abi", "warned"),
+    [(2, ["truncate", "signals", "network"]), (3, ["signals", "network"]), (5, ["signals"]), (7, [])],
+)
 def test_the_start_log_says_per_profile_what_holds_and_warns_where_the_kernel_keeps_less(
     tmp_path: Path, abi: int, warned: list[str]
 ) -> None:
@@ -76,7 +80,7 @@ def test_the_start_log_says_per_profile_what_holds_and_warns_where_the_kernel_ke
 
     (line,) = [row for row in logs if row["event"] == "agent_sandbox" and row["agent"] == "x"]
     assert line["log_level"] == ("warning" if warned else "info")
-    assert [said.split(":")[0] for said in line["not_kept"]] == [*warned, "network", "socket_files"]
+    assert [said.split(":")[0] for said in line["not_kept"]] == [*warned, "socket_files"]
     assert "files" in line["kept"] and ("truncate" in line["kept"]) == (abi >= 3)
 
 
@@ -91,8 +95,9 @@ async def test_list_agents_shows_what_the_kernel_keeps_from_each_profile(
     confined, unconfined = agents["fake"].promises, agents["open"].promises
     assert (confined.files, confined.truncate, confined.signals) == (kept["files"], kept["truncate"], kept["signals"])
     assert not (unconfined.files or unconfined.truncate or unconfined.signals)
+    assert confined.network == kept["network"] and not unconfined.network
     for promises in (confined, unconfined):
-        assert not promises.network and not promises.socket_files
+        assert not promises.socket_files
         assert any(s.startswith("socket_files:") for s in promises.not_kept)
     (logged,) = [row for row in daemon.logs("agent_sandbox") if row["agent"] == "fake"]
     assert logged["not_kept"] == list(confined.not_kept)

@@ -4,7 +4,8 @@
  * (~15-30 ms). Built by `make` (`cc -static`); where it is not built, rcoder starts agents through
  * `python -I -S landlock.py` with the same arguments (rcoder.agent.sandbox.wrapper_command).
  *
- *     rcoder-confine [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... -- ARGV...
+ *     rcoder-confine [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]...
+ *                    [--connect PORT]... [--bind PORT]... -- ARGV...
  *
  * It does what rcoder/landlock.py's apply() and main() do, in the same order, and nothing more
  * (docs/confinement.md#what-an-agent-can-reach, "How."; tests/test_landlock.py runs each test of the
@@ -15,7 +16,8 @@
  *      skipped; a path that does not name itself
  *      (a link put in its place since rcoder resolved it) is skipped, /proc and /dev entries
  *      excepted (/proc/self is this process's own: the reason to confine here, after the fork);
- *      a rule on a file keeps only the rights a file can carry;
+ *      a rule on a file keeps only the rights a file can carry; from ABI 4 TCP connect and bind
+ *      are handled too, allowed only to the --connect and --bind ports;
  *   2. capabilities: the bounding set emptied but for the --cap ones (dac_override,
  *      dac_read_search, fowner: what a confined git of the checkpoints may keep), the ambient set
  *      cleared; --user: no supplementary groups, then the gid and uid (real, effective, saved);
@@ -52,6 +54,9 @@
 #define SYS_RESTRICT_SELF 446
 #define CREATE_RULESET_VERSION 1u
 #define RULE_PATH_BENEATH 1
+#define RULE_NET_PORT 2
+#define BIND_TCP (1ull << 0)
+#define CONNECT_TCP (1ull << 1)
 #define EXECUTE (1ull << 0)
 #define WRITE_FILE (1ull << 1)
 #define READ_FILE (1ull << 2)
@@ -71,7 +76,7 @@
 #define EXIT_NOT_FOUND 127
 #define USAGE                                                                                              \
     "usage: rcoder-confine [--parent PID] [--user UID:GID] [--cap NAME]... [--read PATH]... [--write PATH]... " \
-    "-- ARGV..."
+    "[--connect PORT]... [--bind PORT]... -- ARGV..."
 
 struct ruleset_attr {
     uint64_t handled_access_fs;
@@ -82,6 +87,11 @@ struct ruleset_attr {
 struct __attribute__((packed)) path_beneath_attr {
     uint64_t allowed_access;
     int32_t parent_fd;
+};
+
+struct __attribute__((packed)) net_port_attr {
+    uint64_t allowed_access;
+    uint64_t port;
 };
 
 static void refuse(const char *format, ...) {
@@ -226,8 +236,9 @@ int main(int argc, char **argv) {
     long parent = 0, uid = -1, gid = -1;
     uint64_t keep = 0;
     const char **read = calloc((size_t)argc, sizeof *read), **write = calloc((size_t)argc, sizeof *write);
-    int reads = 0, writes = 0, command = 0;
-    if (!read || !write)
+    long *connect = calloc((size_t)argc, sizeof *connect), *bind = calloc((size_t)argc, sizeof *bind);
+    int reads = 0, writes = 0, connects = 0, binds = 0, command = 0;
+    if (!read || !write || !connect || !bind)
         refuse("%s", strerror(ENOMEM));
     for (int i = 1; i < argc; i += 2) {
         if (!strcmp(argv[i], "--")) {
@@ -255,6 +266,14 @@ int main(int argc, char **argv) {
             read[reads++] = value;
         } else if (!strcmp(argv[i], "--write")) {
             write[writes++] = value;
+        } else if (!strcmp(argv[i], "--connect") || !strcmp(argv[i], "--bind")) {
+            long port;
+            if (!number(value, &port) || port > 65535)
+                refuse("%s %s: not a TCP port", argv[i], value);
+            if (argv[i][2] == 'c')
+                connect[connects++] = port;
+            else
+                bind[binds++] = port;
         } else {
             refuse("%s", USAGE);
         }
@@ -267,7 +286,10 @@ int main(int argc, char **argv) {
     if (abi < 1)
         refuse("this kernel offers no Landlock");
     uint64_t handled = ABI1_FS | (abi >= 2 ? REFER : 0) | (abi >= 3 ? TRUNCATE : 0) | (abi >= 5 ? IOCTL_DEV : 0);
-    struct ruleset_attr attr = {.handled_access_fs = handled, .scoped = abi >= 6 ? SCOPES : 0};
+    /* from ABI 4 TCP too: a connect or bind to a port without a rule is refused (EACCES) */
+    uint64_t handled_net = abi >= 4 ? BIND_TCP | CONNECT_TCP : 0;
+    struct ruleset_attr attr = {
+        .handled_access_fs = handled, .handled_access_net = handled_net, .scoped = abi >= 6 ? SCOPES : 0};
     size_t size = abi >= 6 ? sizeof attr : 2 * sizeof(uint64_t);
     int ruleset = (int)syscall(SYS_CREATE_RULESET, &attr, size, 0);
     if (ruleset < 0)
@@ -276,6 +298,12 @@ int main(int argc, char **argv) {
         allow(ruleset, read[i], READ & handled);
     for (int i = 0; i < writes; i++)
         allow(ruleset, write[i], handled & ~DEVICES);
+    for (int i = 0; handled_net && i < connects + binds; i++) {
+        struct net_port_attr rule = {.allowed_access = i < connects ? CONNECT_TCP : BIND_TCP,
+                                     .port = (uint64_t)(i < connects ? connect[i] : bind[i - connects])};
+        if (syscall(SYS_ADD_RULE, ruleset, RULE_NET_PORT, &rule, 0) < 0)
+            refuse("add_rule port %llu: %s", (unsigned long long)rule.port, strerror(errno));
+    }
 
     /* 2. no capability but the kept ones, then the agent's uid and gid */
     bound(keep);

@@ -70,6 +70,11 @@ class AgentKind:
     # that does not is confined from a thread that confines itself (~1 ms). Runtimes rcoder does not
     # know get it, to be safe (rcoder.agent.confined).
     own_proc: ClassVar[bool] = True
+    # The argument that makes the agent serve its own HTTP on a given port, for an agent that
+    # talks to itself over loopback TCP (OpenCode: its ACP side calls its own server). Confined
+    # from Landlock ABI 4, such an agent gets a port picked at its start, bound and reached by it
+    # alone (docs/confinement.md#security); "" for an agent that does not.
+    own_port_flag: ClassVar[str] = ""
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         """Write the agent's config files under ``home`` for ``provider``; its env and args.
@@ -361,6 +366,7 @@ class OpenCodeKind(AgentKind):
     """
 
     name = "opencode"
+    own_port_flag = "--port"  # `opencode acp` serves on 127.0.0.1:0 by default
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         xdg = {

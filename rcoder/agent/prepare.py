@@ -6,11 +6,14 @@ delete command (``rcoder.agent.own_delete``) are started from it alike."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from rcoder import landlock
 from rcoder.agent import ownership, safe_fs
 from rcoder.agent.homes import Homes, is_ready
 from rcoder.agent.kinds import kind_of
@@ -86,7 +89,23 @@ async def prepared(
         await asyncio.to_thread(_give_project, settings, Path(cwd), homes.owner)
     await asyncio.to_thread(make_write_paths, settings, profile, homes.owner)
     confined = await asyncio.to_thread(confinement, settings, profile, command, Path(workdir or cwd), home)
-    return Prepared(home, env, command, setup.args, confined, tmpdir)
+    args = setup.args
+    flag = kind_of(profile.kind).own_port_flag
+    if flag and confined is not None and settings.landlock_abi >= landlock.NET_ABI:
+        # a port nobody holds now, for its own server: an ephemeral one could not be allowed ahead
+        port = await asyncio.to_thread(_free_port)
+        args = (*args, flag, str(port))
+        confined = dataclasses.replace(
+            confined, connect=tuple(sorted({*confined.connect, port})), bind=tuple(sorted({*confined.bind, port}))
+        )
+    return Prepared(home, env, command, args, confined, tmpdir)
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick, released at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def remove_tmpdir(home: Path, tmpdir: Path) -> None:

@@ -3,6 +3,7 @@ Settings (rcoder.config) hold the keys; this reads them."""
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -78,7 +79,9 @@ class NetworkReach:
     need the token, which a confined agent cannot read, "open" otherwise, and for metrics "off" when
     they are not served. ``store`` is "refused" when PostgreSQL asks a password the agent cannot
     read, "open" when it does not, and "none" for SQLite, which has no port. ``other`` is everything
-    else (model APIs, package registries, git remotes, servers the agent starts itself): "open"."""
+    else (model APIs, package registries, git remotes, servers the agent starts itself): "open", or
+    from Landlock ABI 4 "tcp ports 443, 8080": TCP to those ports alone, on any address, which
+    keeps rcoder's and the store's ports out by a kernel rule too (docs/confinement.md#security)."""
 
     rcoder: str
     metrics: str
@@ -94,7 +97,10 @@ def network_of(settings: Settings, profile: AgentProfile) -> NetworkReach:
     rcoder = "refused" if token else "open"
     metrics = rcoder if settings.metrics_listen else "off"
     store = "refused" if confined and not settings.open_to_agents else "open"
-    return NetworkReach(rcoder, metrics, store if settings.store_url else "none")
+    other = "open"
+    if confined and settings.landlock_abi >= landlock.NET_ABI:
+        other = "tcp ports " + ", ".join(map(str, connect_ports(profile)))
+    return NetworkReach(rcoder, metrics, store if settings.store_url else "none", other)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +108,8 @@ class SandboxPromises:
     """What the kernel keeps from a profile's agents, by the Landlock ABI they run under (nothing
     when they are unconfined): docs/design/trust.md#what-an-older-kernel-cannot-promise.
 
-    ``network`` and ``socket_files`` never come from Landlock here: rcoder gives it no network
-    rules, and it cannot refuse ``connect()`` to a UNIX socket file on disk."""
+    ``network`` (ABI 4+): TCP connects and binds only to the profile's ports. ``socket_files``
+    never comes from Landlock: it cannot refuse ``connect()`` to a UNIX socket file on disk."""
 
     abi: int
     files: bool
@@ -128,16 +134,46 @@ class SandboxPromises:
                 f"signals: Landlock ABI {self.abi} < {landlock.SCOPE_ABI} (Linux 6.12+): an agent can signal the "
                 "daemon and other projects' agents, and connect to their abstract UNIX sockets"
             )
-        said.append("network: not restricted by Landlock")
+        if self.files and not self.network:
+            said.append(
+                f"network: Landlock ABI {self.abi} < {landlock.NET_ABI} (Linux 6.7+): an agent can connect to any "
+                "TCP port on any address; the store is kept out by its password alone (checked at start on "
+                "every address its server listens on) and rcoder by its token"
+            )
+        elif not self.files:
+            said.append("network: not restricted")
         said.append("socket_files: never refused (Landlock cannot refuse connect() to a UNIX socket file on disk)")
         return said
 
     def kernel_short(self) -> bool:
         """Whether a promise docs/confinement.md makes of a confined agent fails on this kernel."""
-        return self.files and not (self.truncate and self.signals)
+        return self.files and not (self.truncate and self.signals and self.network)
 
 
 def promises_of(settings: Settings, profile: AgentProfile) -> SandboxPromises:
     """What the kernel keeps from ``profile``'s agents."""
     abi = settings.landlock_abi if sandbox_of(settings, profile) == "landlock" else 0
     return SandboxPromises(abi, **landlock.promises(abi))
+
+
+def connect_ports(profile: AgentProfile) -> tuple[int, ...]:
+    """The TCP ports an agent of ``profile`` may connect to (docs/confinement.md#security): its
+    ``connect_ports`` and the port of its ``model_base_url``, which the operator chose. A request's
+    own base URL adds nothing: a client could name the store's or the daemon's port with it, so
+    its port must be in ``connect_ports`` (or be the profile's)."""
+    ports = set(profile.connect_ports)
+    if port := url_port(profile.model_base_url):
+        ports.add(port)
+    return tuple(sorted(ports))
+
+
+def url_port(url: str) -> int:
+    """The TCP port ``url`` names, its scheme's when it names none (0: no URL, or not one)."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        port = parsed.port
+    except ValueError:
+        return 0
+    if port:
+        return port
+    return {"https": 443, "http": 80}.get(parsed.scheme, 0) if parsed.hostname else 0

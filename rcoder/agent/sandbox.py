@@ -27,7 +27,7 @@ from pathlib import Path
 from rcoder import landlock
 from rcoder.agent import ownership
 from rcoder.agent.kinds import kind_of
-from rcoder.agent.profile import sandbox_of
+from rcoder.agent.profile import connect_ports, sandbox_of
 from rcoder.config import AGENTS_DIR, AgentProfile, Settings, checkpoint_root
 
 WRAPPER = Path(landlock.__file__).resolve()
@@ -48,7 +48,7 @@ def wrapper_command() -> list[str]:
 # The system, read and execute.
 SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 # Of /proc and /sys, what runtimes read about the machine (node's os.cpus() and memory, glibc's
-# CPU count, cgroup limits), and "/proc/self": the agent process's own /proc/<pid> where the exec
+# CPU count), and "/proc/self": the agent process's own /proc/<pid> where the exec
 # wrapper resolves it (in the agent's process: not its children's); where a thread of the daemon
 # confines itself to start the agent, it resolves to the daemon's and is left out (the agent's
 # pid does not exist yet). Never /proc whole: Landlock keeps a confined process from
@@ -60,8 +60,13 @@ SYSTEM_READ = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "
 OWN_PROC = "/proc/self"
 PROC_READ = (
     OWN_PROC, "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/uptime", "/proc/loadavg",
-    "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu", "/sys/fs/cgroup",
+    "/proc/version", "/proc/filesystems", "/proc/sys", "/sys/devices/system/cpu",
 )  # fmt: skip
+# Never /sys/fs/cgroup: there every agent's cgroup (rcoder/agent/limits.py) shows its processes
+# (cgroup.procs) and memory figures to any reader, and an agent's own is made after it starts,
+# named by its pid, so no rule could grant it alone. What an agent loses: reading its own cgroup's
+# limits (memory.max, pids.max); runtimes then size themselves by the machine's /proc/meminfo
+# (docs/confinement.md#what-an-agent-can-reach).
 # Devices every program expects, read and write (``> /dev/null`` truncates: write rights).
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # /etc entries that are often symlinks out of /etc (systemd-resolved keeps resolv.conf in /run).
@@ -75,6 +80,8 @@ class Confinement:
     read: tuple[Path, ...]
     write: tuple[Path, ...]
     abi: int
+    connect: tuple[int, ...] = ()  # the TCP ports it may connect to (ABI 4+: no other)
+    bind: tuple[int, ...] = ()  # the TCP ports it may bind
 
     @property
     def own_proc(self) -> bool:
@@ -97,6 +104,10 @@ class Confinement:
             args += ["--read", str(path)]
         for path in self.write:
             args += ["--write", str(path)]
+        for port in self.connect:
+            args += ["--connect", str(port)]
+        for port in self.bind:
+            args += ["--bind", str(port)]
         return [*args, "--", *command]
 
 
@@ -123,6 +134,8 @@ def confinement(settings: Settings, profile: AgentProfile, command: str, cwd: Pa
         read=(*_unique(p for path in read for p in around(path, hidden)), *own),
         write=(*_unique(p for path in write for p in around(path, hidden)), *_devices()),
         abi=settings.landlock_abi,
+        connect=connect_ports(profile),
+        bind=tuple(sorted(set(profile.bind_ports))),
     )
 
 

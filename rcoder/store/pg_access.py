@@ -2,10 +2,10 @@
 
 docs/design/trust.md#no-calls-back says why no agent may reach the store.
 
-An agent runs as the daemon's user and reaches every port and every socket file the daemon
-reaches; rcoder cannot filter ports cheaply (Landlock's network rules are allow-lists: "all but
-one port" is ~65,000 rules copied into every agent's domain) and Landlock cannot refuse
-``connect()`` to a socket file. So the store must refuse whoever lacks the password, and the
+An agent reaches every socket file the daemon's user (or its own uid) may reach: Landlock cannot
+refuse ``connect()`` to a socket file. Its TCP goes only to its profile's ports from Landlock ABI
+4 (docs/confinement.md#security), to every port below that, and a profile may name the store's
+port in ``connect_ports``. So the store must refuse whoever lacks the password, and the
 daemon checks that it does, the way an agent would try: with a password it cannot know (a
 random one: a server that asks a password refuses it; one that trusts the user, the host or the
 uid lets it in whatever it is), on each route libpq could take:
@@ -15,7 +15,12 @@ uid lets it in whatever it is), on each route libpq could take:
   URL's socket directories, and wherever the kernel lists one bound (``/proc/net/unix``): a
   ``local`` line with ``peer`` (Debian's default for a same-named user) or ``trust`` lets the
   agent in there, whatever the TCP route asks;
-- TCP on loopback at each of those ports (``host`` lines for 127.0.0.1 and ::1).
+- TCP on loopback at each of those ports (``host`` lines for 127.0.0.1 and ::1), and on every
+  address of this host where a server listens at one of them (``/proc/net/tcp``, ``tcp6``; a
+  wildcard listener: every address of the host's): a ``host`` line with ``trust`` for a host
+  address lets in an agent that connects to that address, whatever loopback asks. Where the
+  kernel has Landlock ABI 4 an agent reaches no such port anyway unless its profile's
+  ``connect_ports`` names it (docs/confinement.md#security); below it this is what keeps it out.
 
 On each, as the store's role, as the role named like the agents' OS user (what ``peer``
 admits), and as ``postgres``. A login as the store's role is a way in; one as another role
@@ -34,6 +39,7 @@ The store's server is identified first, from this process.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 import secrets
 from collections.abc import Iterable, Sequence
@@ -50,6 +56,9 @@ PROBE_TIMEOUT = 5  # seconds (libpq's connect_timeout is whole seconds)
 PROBES_AT_ONCE = 8
 SOCKET_DIRS = ("/var/run/postgresql", "/run/postgresql", "/tmp")  # noqa: S108 (only looked in) - Debian's, PostgreSQL's
 UNIX_TABLE = Path("/proc/net/unix")
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+ADDRESS_TABLES = (Path("/proc/net/fib_trie"), Path("/proc/net/if_inet6"))
+_LISTEN = "0A"  # the kernel's TCP_LISTEN state in /proc/net/tcp
 _SOCKET = re.compile(r"^\.s\.PGSQL\.(\d{1,5})$")
 _IDENTITY = "SELECT extract(epoch FROM pg_postmaster_start_time())::text, current_setting('port')"
 _MIGHTY = (
@@ -130,7 +139,65 @@ def _routes(params: dict[str, Any], socket_dirs: Sequence[str]) -> list[Route]:
             sockets[Route(folder, port)] = None
     tcp_ports = dict.fromkeys([*ports, *(route.port for route in sockets)])
     loopback = [Route(host, port) for port in tcp_ports for host in ("127.0.0.1", "::1")]
-    return list(dict.fromkeys([*sockets, *loopback]))
+    listening = [Route(host, port) for host, port in listening_addresses(tcp_ports)]
+    return list(dict.fromkeys([*sockets, *loopback, *listening]))
+
+
+def listening_addresses(
+    ports: Iterable[str], tables: Sequence[Path] = TCP_TABLES, addresses: Sequence[Path] = ADDRESS_TABLES
+) -> list[tuple[str, str]]:
+    """(address, port) of every TCP listener at one of ``ports`` on this host (network namespace);
+    a wildcard one (0.0.0.0, ::) at every address of the host's."""
+    wanted = {int(p) for p in ports if p.isdigit()}
+    found: dict[tuple[str, str], None] = {}
+    for table in tables:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != _LISTEN:
+                continue
+            address, _, port = fields[1].partition(":")
+            if int(port, 16) not in wanted:
+                continue
+            host = _decoded(address)
+            wildcard = host in ("0.0.0.0", "::")  # noqa: S104 - read, not bound
+            for each in host_addresses(addresses, v6=":" in host) if wildcard else [host]:
+                found[(each, str(int(port, 16)))] = None
+    return list(found)
+
+
+def _decoded(hexed: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it: 32-bit words in the host's byte order (little
+    endian on every machine rcoder runs on)."""
+    raw = b"".join(bytes.fromhex(hexed[i : i + 8])[::-1] for i in range(0, len(hexed), 8))
+    return str(ipaddress.ip_address(raw))
+
+
+def host_addresses(tables: Sequence[Path] = ADDRESS_TABLES, v6: bool = False) -> list[str]:
+    """This host's own addresses: IPv4 from the routing trie's LOCAL entries, IPv6 from
+    if_inet6 (link-local ones left out: they need a scope a libpq host cannot carry here)."""
+    fib, inet6 = tables
+    found: dict[str, None] = {}
+    try:
+        if v6:
+            for line in inet6.read_text().splitlines():
+                address = ipaddress.IPv6Address(bytes.fromhex(line.split()[0]))
+                if not address.is_link_local:
+                    found[str(address)] = None
+        else:
+            last = ""
+            for line in fib.read_text().splitlines():
+                text = line.strip()
+                if text.startswith(("|--", "+--")):
+                    last = text.split()[-1]
+                elif text == "/32 host LOCAL" and last:
+                    found[last] = None
+    except (OSError, ValueError, IndexError):
+        pass
+    return list(found)
 
 
 def _sockets_in(folder: Path) -> list[str]:

@@ -2518,7 +2518,7 @@ class NetworkReach(_message.Message):
     store: _builtins.str
     """PostgreSQL (its password): "refused", "open", or "none" (SQLite: no port)"""
     other: _builtins.str
-    """the rest (model APIs, registries, git remotes, servers it starts): "open" """
+    """the rest (model APIs, registries, git remotes, servers it starts): "open", or from Landlock ABI 4 "tcp ports 443, ...": TCP to those ports alone (connect_ports)"""
     def __init__(
         self,
         *,
@@ -2557,7 +2557,7 @@ class SandboxPromises(_message.Message):
     abstract_unix_sockets: _builtins.bool
     """no connecting to abstract UNIX sockets outside its confinement (ABI 6+)"""
     network: _builtins.bool
-    """false: Landlock restricts no network here"""
+    """TCP connects and binds only to the profile's ports, on any address (ABI 4+)"""
     socket_files: _builtins.bool
     """false at every ABI: Landlock cannot refuse connect() to a socket file on disk"""
     @_builtins.property

@@ -1,12 +1,13 @@
 """What a prompt-injected agent would try from its shell: use rcoder (docs/design/trust.md#no-calls-back).
 
     python escape_probe.py <rcoder host:port> <metrics host:port> <token file> <project> <run id>
-        <permission id> <store host:port> <store user> <store database>
+        <permission id> <store host:port> <store user> <store database> <own port>
 
 Copied into an agent's project by tests/real_agents/test_agent_reach.py and run by the agent's own
 shell tool. It calls rcoder's API without a token (the messages framed by hand: it imports nothing
 of rcoder's), scrapes /metrics, logs into the PostgreSQL store without a password, reads the token
-file, and serves and reaches a server of its own on an ephemeral localhost port (which must work).
+file, and serves and reaches a server of its own on a localhost port its profile allows (which must
+work).
 It prints one line, ``probe[<project>]: name=result ...``, and under it whatever it got back (what would
 reach the agent's model).
 """
@@ -78,10 +79,10 @@ def token(path: str) -> tuple[str, bytes]:
         return type(exc).__name__, b""
 
 
-def own_server() -> tuple[str, bytes]:
-    """A test suite's server: bound on 127.0.0.1:0, reached by a client of the same shell."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
+def own_server(port: int) -> tuple[str, bytes]:
+    """A test suite's server: bound on 127.0.0.1 at ``port`` (its profile's bind_ports and
+    connect_ports name it), reached by a client of the same shell."""
+    server = socket.create_server(("127.0.0.1", port))
 
     def answer() -> None:
         conn, _ = server.accept()
@@ -113,7 +114,7 @@ def main() -> None:
     results["metrics"] = metrics(metrics_address)
     results["store"] = store(*sys.argv[7:10])
     results["token"] = token(token_file)
-    results["localhost"] = own_server()
+    results["localhost"] = own_server(int(sys.argv[10]))
     name = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # its project: which run this was
     print(f"probe[{name}]: " + " ".join(f"{name}={result}" for name, (result, _) in results.items()))
     for name, (_, got) in results.items():

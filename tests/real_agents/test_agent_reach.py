@@ -1,13 +1,14 @@
 """Claude and Codex, through their own shell tools, cannot use rcoder (docs/design/trust.md#no-calls-back), but reach a
-server they start themselves on localhost.
+server they start themselves on a localhost port their profile allows (docs/confinement.md#security).
 
 The fake model asks each agent to run ``escape_probe.py`` (copied into its project): without a
 token it calls ``ListSessions``, ``Chat`` into another project, ``Subscribe`` to that project's
 running turn and ``ResolvePermission`` on its pending request (the ids handed to it: the worst
 case), scrapes ``/metrics``, logs into the PostgreSQL store (the several-hosts setup), reads the
-config file holding the token, and serves and reaches an ephemeral localhost port. The same
+config file holding the token, and serves and reaches a localhost port of its profile's. The same
 attempts run at once against a second daemon opened by ``open_to_agents`` on a store that trusts
-its user: there they succeed, so the test can tell.
+its user, whose ports its profiles' ``connect_ports`` name: there they succeed, so the test can
+tell. On the closed side Landlock refuses the connects themselves (UNAVAILABLE, URLError).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.fakes.model_tools import run, tools_prompt
 from tests.harness import Client, Daemon, FakeAgentSetup, completed, text_of
-from tests.pg import PgCluster
+from tests.pg import PgCluster, free_port
 from tests.real_agents.conftest import AGENT_TIMEOUTS, TURN_TIMEOUT, ModelServers
 from tests.turns import read_until, rest_of, start_turn
 
@@ -33,8 +34,8 @@ PROBE = Path(__file__).with_name("escape_probe.py")
 PROBE_WAIT_MS = 90_000  # Codex answers "still running" after 10 s; the probe may take longer on a busy machine
 AGENTS = ("claude", "codex")
 REFUSED = (
-    "listsessions=UNAUTHENTICATED chat=UNAUTHENTICATED subscribe=UNAUTHENTICATED resolve=UNAUTHENTICATED "
-    "metrics=401 store=refused token=PermissionError localhost=ok"
+    "listsessions=UNAVAILABLE chat=UNAVAILABLE subscribe=UNAVAILABLE resolve=UNAVAILABLE "
+    "metrics=URLError store=refused token=PermissionError localhost=ok"
 )
 
 
@@ -46,17 +47,26 @@ async def test_from_their_shells_claude_and_codex_cannot_use_rcoder_unless_opene
     pg_cluster: PgCluster,
     tmp_path: Path,
 ) -> None:
-    profiles = {**servers.profiles(*AGENTS), "fake": fake.profile()}
+    # each agent's own server on a port of its own (they run at once), which its profile allows
+    own = {(agent, side): free_port() for agent in AGENTS for side in ("closed", "open")}
+    rcoder_port, metrics_port = free_port(), free_port()
 
-    async def daemon(side: str, **keys: object) -> tuple[Daemon, Client]:
+    async def daemon(side: str, *opened: int, **keys: object) -> tuple[Daemon, Client]:
         where = {"data_dir": str(tmp_path / f"data-{side}"), "workspace_root": str(tmp_path / f"ws-{side}")}
-        return await make_daemon(profiles, metrics_listen="127.0.0.1:0", **AGENT_TIMEOUTS, **where, **keys)
+        ports = {"connect_ports": [443, *own.values(), *opened], "bind_ports": list(own.values())}
+        profiles = {**{n: {**t, **ports} for n, t in servers.profiles(*AGENTS).items()}, "fake": fake.profile()}
+        return await make_daemon(profiles, **AGENT_TIMEOUTS, **where, **keys)
 
     # one after the other: make_daemon names each config file by how many daemons it started
-    closed, closed_client = await daemon("closed", store_url=pg_url)  # several hosts': PostgreSQL, a shared auth_token
-    opened, opened_client = await daemon("open", store_url=pg_cluster.trusting_url(), open_to_agents=True)
+    closed, closed_client = await daemon(
+        "closed", store_url=pg_url, metrics_listen="127.0.0.1:0"
+    )  # several hosts': PostgreSQL, a shared auth_token
+    opened, opened_client = await daemon(
+        "open", rcoder_port, metrics_port, pg_cluster.port, store_url=pg_cluster.trusting_url(), open_to_agents=True,
+        listen=f"127.0.0.1:{rcoder_port}", metrics_listen=f"127.0.0.1:{metrics_port}",
+    )  # fmt: skip
     (closed_lines, closed_beta), (opened_lines, opened_beta) = await asyncio.gather(
-        escape(closed, closed_client, "closed", servers), escape(opened, opened_client, "open", servers)
+        escape(closed, closed_client, "closed", servers, own), escape(opened, opened_client, "open", servers, own)
     )
 
     assert closed_lines == dict.fromkeys(AGENTS, REFUSED), closed_lines
@@ -75,7 +85,9 @@ async def test_from_their_shells_claude_and_codex_cannot_use_rcoder_unless_opene
     assert len(beta.sessions) == 1 + len(AGENTS), "each agent started a turn in beta"
 
 
-async def escape(daemon: Daemon, client: Client, side: str, servers: ModelServers) -> tuple[dict[str, str], str]:
+async def escape(
+    daemon: Daemon, client: Client, side: str, servers: ModelServers, own: dict[tuple[str, str], int]
+) -> tuple[dict[str, str], str]:
     """Each agent runs the probe against ``daemon`` while project ``beta-<side>`` waits on a
     permission request: the probe's result line per agent, as its model received it, and beta's
     session id. Beta's request is answered here at the end when the daemon asks a token (no agent
@@ -97,7 +109,7 @@ async def escape(daemon: Daemon, client: Client, side: str, servers: ModelServer
         project = Path(serving["workspace_root"]) / f"{agent}-{side}"
         project.mkdir(parents=True)
         await asyncio.to_thread(shutil.copy, PROBE, project / "probe.py")
-        command = shlex.join([sys.executable, str(project / "probe.py"), *args])
+        command = shlex.join([sys.executable, str(project / "probe.py"), *args, str(own[agent, side])])
         events = await client.chat(
             timeout=TURN_TIMEOUT,
             project_id=project.name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -69,7 +70,12 @@ async def test_the_requests_model_provider_reaches_every_agent_and_another_one_g
     make_daemon: DaemonFactory, servers: ModelServers, other_servers: ModelServers
 ) -> None:
     # a client may choose where prompts go only where the profile allows it
-    profiles = {name: {**table, "allow_client_base_url": True} for name, table in servers.profiles().items()}
+    # and reach it where the profile's connect_ports name its port (docs/confinement.md#security)
+    ports = [443, *(urlsplit(t["model_base_url"]).port for t in other_servers.profiles().values())]
+    profiles = {
+        name: {**table, "allow_client_base_url": True, "connect_ports": ports}
+        for name, table in servers.profiles().items()
+    }
     _, client = await make_daemon(profiles, **AGENT_TIMEOUTS, default_agent="claude", idle_timeout=60)
 
     async def switch(agent: str) -> None:

@@ -9,6 +9,7 @@ they must not count it (the last test)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pwd
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.store.pg_access import openings
+from rcoder.store.pg_access import host_addresses, openings
 from tests import agent_user_kit
 from tests.conftest import DaemonFactory
 from tests.harness import Daemon, FakeAgentSetup, write_config
@@ -112,6 +113,22 @@ async def test_a_store_that_asks_a_password_on_every_route_starts_beside_a_serve
     daemon, _ = await make_daemon(store_url=pg_url)
 
     assert daemon.logs("store_refused_to_agents")
+
+
+async def test_a_server_that_trusts_a_host_address_is_found_there(fake: FakeAgentSetup) -> None:
+    # loopback and the socket ask a password; the host's own address is trusted (a connect from
+    # the host to it comes from it): an agent got in there while the check tried 127.0.0.1 and
+    # ::1 alone
+    ours = [a for a in host_addresses() if not ipaddress.ip_address(a).is_loopback]
+    if not ours:
+        pytest.skip("this host has no address but loopback")
+    cluster = PgCluster.create(listen=f"127.0.0.1,{ours[0]}", hba_first=(f"host all all {ours[0]}/32 trust",))
+    try:
+        found = await openings(url_of(cluster, ROLE), OS_USER)
+    finally:
+        cluster.close()
+
+    assert {str(o.route) for o in found} == {f"TCP {ours[0]}:{cluster.port}"}, found
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ MEASURES = {
     "small_read_under_flood_ms",
     "checkpoint_first_snapshot_ms",
     "checkpoint_later_snapshot_ms",
+    "checkpoint_confinement_ms",
     "checkpoint_turn_start_ms",
     "checkpoint_first_turn_wait_ms",
     "checkpoint_turn_end_wait_ms",

@@ -384,6 +384,7 @@ class AgentLauncher:
                 user=self.user.switch,
                 # The agent's own TMPDIR is removed once the agent has ended (docs/limits.md#the-agents-tmpdir).
                 on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
+                own_sandbox=profile.sandbox == "none",
             )
         except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
             remove_tmpdir(ready.home, ready.tmpdir)

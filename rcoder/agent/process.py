@@ -106,6 +106,12 @@ def _no_capabilities() -> tuple[str, ...]:
     return ("--inh-caps=-all", "--ambient-caps=-all", *bounding, "--nnp")
 
 
+def _keeping_capabilities(prefix: tuple[str, ...]) -> tuple[str, ...]:
+    """``prefix`` without what drops capabilities (``_no_capabilities``), no_new_privs kept."""
+    dropping = ("--inh-caps=", "--ambient-caps=", "--bounding-set=")
+    return tuple(arg for arg in prefix if not arg.startswith(dropping))
+
+
 def _as_user(prefix: tuple[str, ...], user: tuple[int, int] | None) -> tuple[str, ...]:
     """``prefix`` (setpriv's death signal) also switching to ``user`` (uid, gid) with no
     supplementary groups; ``prefix`` itself without a user or without setpriv."""
@@ -243,20 +249,24 @@ class AgentProcess:
         trees: Trees | None = None,
         user: tuple[int, int] | None = None,
         on_closed: Callable[[], None] | None = None,
+        own_sandbox: bool = False,
     ) -> AgentProcess:
         """Start ``argv``; confined by ``confinement`` when given: by a thread that confines itself
         first (``rcoder.agent.confined``), or through the exec wrapper where the agent needs its
         own ``/proc/<pid>`` or there is no ``setpriv`` to give it its death signal. With ``trees``,
         its tree is marked, and ended when it exits (``rcoder.agent.tree``). With ``user`` (uid,
         gid), it runs as that uid and gid with no supplementary groups (``rcoder.agent.agent_user``).
-        ``on_closed`` runs in a thread once its group is ended (``aclose``)."""
+        ``on_closed`` runs in a thread once its group is ended (``aclose``). ``own_sandbox``: a
+        profile with ``sandbox = "none"``, whose agent sandboxes itself (Codex's bubblewrap needs
+        the capabilities a root process has to build it): unconfined, it keeps the daemon's bounding
+        set (docs/confinement.md#security)."""
         if trees is None:
             return await cls._spawn(argv, cwd, env, name, stderr_tail_bytes, stop_grace, pid_dir, confinement,
-                                    user=user, on_closed=on_closed)  # fmt: skip
+                                    user=user, on_closed=on_closed, own_sandbox=own_sandbox)  # fmt: skip
         mark = trees.new_mark()
         with trees.spawning():
             return await cls._spawn(argv, cwd, {**env, MARK: mark}, name, stderr_tail_bytes, stop_grace, pid_dir,
-                                    confinement, trees, mark, user, on_closed)  # fmt: skip
+                                    confinement, trees, mark, user, on_closed, own_sandbox)  # fmt: skip
 
     @classmethod
     async def _spawn(
@@ -273,8 +283,11 @@ class AgentProcess:
         mark: str = "",
         user: tuple[int, int] | None = None,
         on_closed: Callable[[], None] | None = None,
+        own_sandbox: bool = False,
     ) -> AgentProcess:
         prefix = _pdeathsig_prefix()
+        if own_sandbox and confinement is None:
+            prefix = _keeping_capabilities(prefix)
         owner = (trees, mark, on_closed)
         # setpriv switches uid and gid before it sets the death signal (a credential change clears it)
         switched = _as_user(prefix, user)

@@ -11,7 +11,7 @@ written in the prompt text (turn level: streaming, tools, permissions, sleeps, c
         [--exit-at-start CODE] [--ignore-stdin-eof] [--spawn-child]
         [--replay-after-response] [--replay-pause MS] [--name NAME]
         [--list-page N] [--list-padding N] [--list-fail] [--list-delay MS]
-        [--offer options|modes] [--commands-at-open]
+        [--offer options|modes] [--commands-at-open] [--port N]
 
 `--hang-if-exists FILE` hangs at initialize as `--hang initialize` does, but only when FILE exists
 then: a test makes one agent start hang (the file there) and lets every later one start (gone).
@@ -186,6 +186,7 @@ class Options:
     list_delay_ms: int
     offer: str | None
     commands_at_open: bool
+    port: int  # taken as OpenCode takes it, and not used
 
     @classmethod
     def parse(cls, argv: list[str] | None = None) -> Options:
@@ -212,6 +213,9 @@ class Options:
         p.add_argument("--list-delay", type=int, default=0, dest="list_delay_ms")
         p.add_argument("--offer", choices=["options", "modes"])
         p.add_argument("--commands-at-open", action="store_true")
+        # the port an OpenCode-kind profile hands its agent for the server it runs for itself
+        # (kinds.py own_port_flag): the fake runs none, and takes the flag as OpenCode does
+        p.add_argument("--port", type=int, default=0)
         return cls(**vars(p.parse_args(argv)))
 
 

@@ -523,6 +523,7 @@ class CheckpointRepo:
             await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
         added = [path for path in now.listed if path not in goal and not in_own_repository(path)]
         kept = await asyncio.to_thread(remove_beneath, self.work_tree, added) if added else []
+        await self._refresh()
         await self.git("read-tree", "--reset", "-u", commit)
         return not_restored(goal, now.listed, now.stored, kept)
 
@@ -544,8 +545,16 @@ class CheckpointRepo:
         keep_out.update(path for path in now.stored if any(path.startswith(sub) for sub in submodules))
         if keep_out:
             await self.git("update-index", "--force-remove", "-z", "--stdin", stdin=b"\0".join(keep_out) + b"\0")
+        await self._refresh()
         await self.git("read-tree", "--reset", "-u", commit)
         return []
+
+    async def _refresh(self) -> None:
+        """The index's stat data made true of the files now (``update-index --refresh``): an entry
+        git wrote in the second its file last changed, or whose change time moved since (a
+        ``chattr``), reads as modified to ``read-tree -u``, which then unlinks and writes the file
+        again although its content is the target's (and fails where the file cannot be unlinked)."""
+        await self.git("update-index", "-q", "--refresh", ok=(0, 1))
 
     async def gc(self, bound: float, grace: float = PRUNE_GRACE) -> GcPass:
         """Free what no ref names, within ``bound`` seconds, by pieces that each leave the store

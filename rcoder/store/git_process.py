@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Protocol
 
 from rcoder.errors import CheckpointError
+from rcoder.logs import get_logger
 from rcoder.store.git_jail import GitJail
 
+log = get_logger("rcoder.store.git_process")
 GIT_TIMEOUT = 120.0  # a git command that takes longer is ended with its group
 IDENTITY = {
     "GIT_AUTHOR_NAME": "rcoder",
@@ -73,6 +75,11 @@ class GitResult:
     truncated: bool  # ``limit`` bytes were read and the rest dropped (the process ended)
 
 
+# asyncio's answer for a child whose exit status another waiter of the process took (ECHILD):
+# 255, with git having said nothing on stderr
+_STATUS_TAKEN = 255
+
+
 async def run_git(
     args: Sequence[str],
     env: dict[str, str],
@@ -86,7 +93,37 @@ async def run_git(
 ) -> GitResult:
     """``git args`` in a process group of its own, ended with it on every path (a timeout, a
     cancel, ``limit`` bytes of output read: 0 for no bound); confined by ``jail`` when given. A
-    failure is ``CheckpointError``."""
+    failure is ``CheckpointError``. Every git rcoder runs gives the same result when run again,
+    so one whose exit status was taken by another waiter of this process (asyncio reports 255,
+    and git said nothing) is run once more rather than failed: seen in the test suite, where a
+    process runs engines without the daemon's reaper guard (``ChildGuard``)."""
+    try:
+        return await _run_git(args, env, cwd, timeout, limit, guard, stdin, ok, jail)
+    except _StatusTaken:
+        log.warning("git_exit_status_taken", args=" ".join(args)[-200:])
+    try:
+        return await _run_git(args, env, cwd, timeout, limit, guard, stdin, ok, jail)
+    except _StatusTaken as taken:
+        raise taken.error from None
+
+
+class _StatusTaken(Exception):
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _run_git(
+    args: Sequence[str],
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float,
+    limit: int,
+    guard: ChildGuard,
+    stdin: bytes | None,
+    ok: tuple[int, ...],
+    jail: GitJail | None,
+) -> GitResult:
     argv, env = (["git", *args], env) if jail is None else jail.command(args, env)
     with guard.spawning():
         try:
@@ -125,5 +162,8 @@ async def run_git(
     if process.returncode not in ok:
         text = err.decode(errors="replace").strip()[-500:]
         step = next((a for a in args if not a.startswith("-") and "=" not in a), "git")
-        raise CheckpointError(step, f"git {step} exited {process.returncode}: {text}")
+        error = CheckpointError(step, f"git {step} exited {process.returncode}: {text}")
+        if process.returncode == _STATUS_TAKEN and not text:
+            raise _StatusTaken(error)
+        raise error
     return GitResult(out, False)

@@ -339,6 +339,7 @@ SET_RUN_USAGE = (
     " thought_tokens = %s, total_tokens = %s, context_used = %s, context_size = %s, cost_nanos = %s,"
     " cost_currency = %s WHERE run_id = %s AND status = 'running'"
 )
+RUN_RUNNING = "SELECT 1 FROM runs WHERE run_id = %s AND status = 'running'"
 SET_RUN_USAGE_FENCED = (
     "UPDATE runs SET input_tokens = %s, output_tokens = %s, cached_read_tokens = %s, cached_write_tokens = %s,"
     " thought_tokens = %s, total_tokens = %s, context_used = %s, context_size = %s, cost_nanos = %s,"

@@ -459,7 +459,11 @@ class PostgresStore:
                 noted = await conn.execute(sql, (*params, *fence))
                 await pipeline.sync()
                 if lease is not None and noted.rowcount != 1:
-                    raise LeaseLost(lease.session_id, lease.generation)  # rolls the ledger's part back
+                    # a run that ended meanwhile (its end stored its usage) takes no note: no lease
+                    # was lost; a run still running that the fence refused is this host's loss
+                    state = await (await conn.execute(pg_schema.RUN_RUNNING, (run_id,))).fetchone()
+                    if state is not None:
+                        raise LeaseLost(lease.session_id, lease.generation)  # rolls the ledger's part back
 
         await self._pool.call(work)
 

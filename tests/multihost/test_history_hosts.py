@@ -41,7 +41,7 @@ async def test_runs_are_read_back_whole_through_another_host_after_theirs_stoppe
         # answered (by the daemon's policy) among their events
         prompts = (RICH, f"{RICH} permission", RICH)
         turns = [events for events, _ in await asyncio.gather(*(chat(a, 90, prompt=p) for p in prompts))]
-        assert all(completed(t).stop_reason == pb.STOP_REASON_END_TURN for t in turns)
+        assert all(completed(t).stop_reason == pb.STOP_REASON_END_TURN for t in turns), [completed(t) for t in turns]
         assert {"permission_request", "permission_resolved"} <= {e.WhichOneof("event") for e in turns[1]}
         live = await replay(b, turns[0][0].run_id)  # a is up: forwarded there, served from its memory
         assert live == turns[0]

@@ -142,7 +142,8 @@ async def make_turns(
         store = SqliteStore(tmp_path / "rcoder.db")
         await store.open()
         metrics = Metrics()
-        pool = AgentPool(settings, AgentLauncher(settings), metrics)
+        launcher = AgentLauncher(settings)
+        pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
         tasks = Tasks()
         clock = lambda: datetime.now(UTC)  # noqa: E731
@@ -150,7 +151,8 @@ async def make_turns(
         runner = TurnRunner(
             settings, store, pool, runs, metrics, clock, tasks,
             SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics)),
-            History(store, runs, settings.history_max_bytes_per_run, clock), Checkpoints(settings, store), claimed,
+            History(store, runs, settings.history_max_bytes_per_run, clock),
+            Checkpoints(settings, store, launcher.trees), claimed,
             DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock),
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)

@@ -395,7 +395,10 @@ class Checkpoints:
         rewind to them answer ``NO_CHECKPOINT``), but the newest and those a turn here is about
         to record. Each pass halves them again until the store fits."""
         refs = await repo.refs(COMMIT_REF_PREFIX)
-        oldest = [name for _, name in sorted((when, name) for name, when in refs.items())][:-1]
+        # by commit time, then (snapshots of one second) by when each loose ref was written: the
+        # newest is never the one a tie of seconds sorts first by name
+        order = sorted((when, _written_ns(repo.git_dir / name), name) for name, when in refs.items())
+        oldest = [name for _, _, name in order][:-1]
         shed = {name.removeprefix(COMMIT_REF_PREFIX) for name in oldest[: max(1, len(oldest) // 2)]}
         shed -= self._unsettled()
         if shed:
@@ -450,3 +453,11 @@ async def checkpoint_discard(checkpoints: Checkpoints, scope: TurnScope) -> None
         log.warning("checkpoint_discard_failed", run_id=plan.run_id, error=exc.message[:500])
         return
     log.info("checkpoint_discarded", run_id=plan.run_id)
+
+
+def _written_ns(ref: Path) -> int:
+    """When the loose ref file ``ref`` was written (0 when gc packed it)."""
+    try:
+        return os.stat(ref).st_mtime_ns
+    except OSError:
+        return 0

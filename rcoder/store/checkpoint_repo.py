@@ -299,7 +299,7 @@ class CheckpointRepo:
         way a link since the walk, removed it, or the kernel refused git the read: see
         ``rcoder.store.git_jail``) is taken out of ``stored`` and returned, and git is asked again,
         ``UNREADABLE_RETRIES`` times at most: an agent that swaps names all the time makes those
-        files listed as unreadable, never the whole turn unrecorded (docs/checkpoints.md#what-is-stored)."""
+        files listed as unreadable rather than the whole turn unrecorded (docs/checkpoints.md#what-is-stored)."""
         if self._indexed is None:
             listing = (await self.git("ls-files", "-z")).out
             self._indexed = {path for path in listing.split(b"\0") if path}

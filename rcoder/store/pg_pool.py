@@ -187,6 +187,14 @@ class PgPool:
                 if conn.broken:
                     raise _Broken(exc) from exc
                 raise
+            except BaseException:
+                # A call cut inside ``conn.pipeline()`` (a cancel: the turn's end ends a background
+                # write) leaves the connection in pipeline mode, and the pool would hand it on so:
+                # the next caller's statements then read rowcount -1 (a fenced write taken for a
+                # lost lease). Closed, the pool replaces it.
+                if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+                    await conn.close()
+                raise
 
     async def _sweep(self, pool: AsyncConnectionPool[Conn]) -> None:
         """Have the pool test its idle connections (an empty query each) and replace the broken

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,3 +18,14 @@ def store_refs(tmp_path: Path, project: str = "proj") -> set[str]:
         ["git", f"--git-dir={store}", "for-each-ref", "--format=%(refname)"], check=True, capture_output=True, text=True
     ).stdout
     return set(out.split())
+
+
+def is_read_tree(pid: int, project: Path) -> bool:
+    """Whether ``pid`` is a live ``git read-tree`` restoring ``project`` (its cwd)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return b"read-tree" in cmdline and state != "Z" and cwd == str(project)

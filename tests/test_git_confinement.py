@@ -27,6 +27,7 @@ from rcoder.agent.tree import MARK
 from rcoder.store.checkpoint_repo import CheckpointRepo
 from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 from rcoder.v1 import agent_runner_pb2 as pb
+from tests.checkpoint_stores import is_read_tree
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, eventually, processes_mentioning
 
@@ -281,7 +282,7 @@ async def test_no_git_of_a_killed_daemon_outlives_it(make_daemon: DaemonFactory,
     rewind = asyncio.ensure_future(client.stub.RewindSession(request))
 
     def restoring() -> list[int]:
-        return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _is_read_tree(pid, project)]
+        return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if is_read_tree(pid, project)]
 
     await eventually(lambda: bool(restoring()), timeout=60)
     gits = restoring()
@@ -289,17 +290,7 @@ async def test_no_git_of_a_killed_daemon_outlives_it(make_daemon: DaemonFactory,
     rewind.cancel()
     await asyncio.gather(rewind, return_exceptions=True)
     await make_daemon()
-    alive = [pid for pid in gits if _is_read_tree(pid, project)]
+    alive = [pid for pid in gits if is_read_tree(pid, project)]
     for pid in alive:  # the old tree's: not left to the next test
         os.kill(pid, signal.SIGKILL)
     assert not alive, "a git of the killed daemon still restores the project while the new one serves"
-
-
-def _is_read_tree(pid: int, project: Path) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    return b"read-tree" in cmdline and state != "Z" and cwd == str(project)

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
+from tests.checkpoint_stores import is_read_tree
 from tests.conftest import DaemonFactory
 from tests.harness import Client, eventually, started, text_of
 
@@ -81,16 +82,6 @@ async def test_a_rewind_whose_git_fails_half_way_leaves_the_session_as_it_was(
     assert started(again).fallback_reason == ""
 
 
-def _is_read_tree(pid: int, project: Path) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    return b"read-tree" in cmdline and state != "Z" and cwd == str(project)
-
-
 @pytest.mark.timeout(300)  # 4,000 files snapshotted and restored on a loaded machine
 async def test_a_daemon_killed_in_the_middle_of_a_rewind_finishes_it_at_its_next_start(
     make_daemon: DaemonFactory, tmp_path: Path
@@ -110,7 +101,7 @@ async def test_a_daemon_killed_in_the_middle_of_a_rewind_finishes_it_at_its_next
     rewinding = asyncio.ensure_future(client.stub.RewindSession(request))
 
     def restoring() -> bool:
-        return any(_is_read_tree(pid, project) for pid in map(int, filter(str.isdigit, os.listdir("/proc"))))
+        return any(is_read_tree(pid, project) for pid in map(int, filter(str.isdigit, os.listdir("/proc"))))
 
     await eventually(restoring, timeout=120)  # git is writing the files back: the daemon dies now
     await daemon.kill()

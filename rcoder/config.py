@@ -478,7 +478,7 @@ class _Problems:
     def check(self, schema: TypeAdapter[Any], data: object, base_dir: Path, **how: Any) -> Any:
         """``checked``'s answer; None (the error kept) when ``data`` does not pass."""
         try:
-            return checked(schema, data, base_dir, known=KNOWN_KEYS, **how)
+            return checked(schema, data, base_dir, known=KNOWN_KEYS, renamed=GROUPED_NAME, **how)
         except ConfigError as exc:
             self.errors.append(exc)
             return None
@@ -510,7 +510,7 @@ def load_settings(
     """Build Settings from a defaults file, a TOML file, ``RCODER_<KEY>`` variables and flag
     overrides, each over the one before.
 
-    ``defaults_file``: top-level keys only (``RCODER_DEFAULTS``), relative paths against its folder.
+    ``defaults_file``: settings only, no profiles (``RCODER_DEFAULTS``), relative paths against its folder.
     ``landlock_abi``: the kernel's Landlock ABI version (asked of the kernel when None)."""
     cwd = Path.cwd()
     base_dir = config_file.resolve().parent if config_file is not None else cwd
@@ -682,7 +682,12 @@ def _read_defaults(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         named = [(f"{key}{where}", problem) for key, problem in grouped.problems]
         raise ConfigError(*named[0], more=tuple(named[1:]))
     keys = checked(
-        _KEYS, grouped.values, path.resolve().parent, key=lambda key: f"{grouped.name(key)}{where}", known=KNOWN_KEYS
+        _KEYS,
+        grouped.values,
+        path.resolve().parent,
+        key=lambda key: f"{grouped.name(key)}{where}",
+        known=KNOWN_KEYS,
+        renamed=GROUPED_NAME,
     )
     return keys.model_dump(exclude_unset=True), grouped.flat
 

@@ -101,6 +101,9 @@ def test_the_flat_names_are_noted_in_a_defaults_file_too(tmp_path: Path) -> None
         ("[agent_processes]\nmax_live = 0\n", "agent_processes.max_live", "greater than or equal to 1"),
         ("[hosts]\npeers = ['10.0.0.0/8', 'bad host!']\n", "hosts.peers[1]", "expected an IP network"),
         ("[turns]\ntimeout = 'soon'\n", "turns.timeout", "number"),
+        # a misspelt flat name is pointed to its table
+        ("idle_timout = 5\n", "idle_timout", "unknown key: did you mean 'agent_processes.idle_timeout'?"),
+        ("[agent_processes]\nidle_timout = 5\n", "agent_processes.idle_timout", "did you mean 'idle_timeout'?"),
         # the checks between keys name the keys as written: grouped here, flat in test_config.py
         ("[tls]\ncert = 'c.pem'\n", "tls.key", "set both tls.cert and tls.key, or neither"),
         ("[jwt]\njwks_file = 'j.json'\n", "jwt.issuer", "need jwt.jwks_file, jwt.issuer and jwt.audience"),
@@ -110,6 +113,14 @@ def test_a_table_is_checked_as_the_top_level_is(tmp_path: Path, text: str, key: 
     error = config_error(tmp_path, text)
     assert error.key == key, error.problems
     assert problem in error.problems[0][1], error.problems
+
+
+@fast
+def test_a_dotted_key_is_its_table_s_key(tmp_path: Path) -> None:
+    config = tmp_path / "rcoder.toml"
+    config.write_text('hosts.lease_ttl = 4\ntls.cert = "c.pem"\ntls.key = "k.pem"\n')  # TOML's dotted keys
+    settings = load_settings(config, {})
+    assert (settings.lease_ttl, settings.tls_cert, settings.flat_keys) == (4.0, "c.pem", {})
 
 
 @fast

@@ -97,7 +97,6 @@ def test_the_generated_reference_lists_each_setting_in_its_table_and_its_flat_na
     sections = dict(re.findall(r"^## (.*?)\n(.*?)(?=^## |\Z)", docs_hooks.config_reference(), re.M | re.S))
     top = sections["Top-level keys"]
     for table, keys in GROUPS.items():
-        assert f"| `{table}" not in top and f"[{table}]" not in top.split("|")[1]
         rows = sections[f"`[{table}]` keys"]
         for key, setting in keys.items():
             assert f"| `{key}` |" in rows and f"`RCODER_{setting.upper()}`" in rows, (table, key)

@@ -101,6 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rcoder: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
+    if settings.flat_keys:  # read for one more release (docs/configuration.md#tables-and-the-flat-names)
+        logs.get_logger("rcoder.config").warning(
+            "config_key_deprecated",
+            keys=dict(settings.flat_keys),
+            files=[str(file) for file in (settings.defaults_file, settings.config_file) if file is not None],
+            fix="these flat names are read until the next release: write each in its table, as keys says "
+            "(tls.cert is cert in [tls])",
+        )
 
     try:
         return asyncio.run(serve(settings))

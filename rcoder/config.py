@@ -1,8 +1,12 @@
 """Settings and agent profiles: defaults file < TOML file < ``RCODER_*`` environment < flags.
 
-The defaults file (``RCODER_DEFAULTS``, top-level keys only) is the lowest layer: what an
+The defaults file (``RCODER_DEFAULTS``, settings only, no profiles) is the lowest layer: what an
 installation sets for everyone, as the container image sets its ``listen``, ``data_dir`` and
 ``workspace_root``, so that a config file mounted by its user still has the last word over them.
+
+A file writes most settings in tables (``[tls] cert``); the model keeps each as one flat attribute
+(``tls_cert``), named as its variable is (``RCODER_TLS_CERT``): rcoder.config_groups maps the two,
+and reads the old flat names for one more release (docs/configuration.md).
 
 Built once by ``cli`` and passed down; nothing below reads the environment or files.
 The pydantic models are the schema (strict types, unknown keys refused); every problem
@@ -26,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter
 from rcoder import landlock
 from rcoder.builtin_agents import AGENTS_DIR as AGENTS_DIR  # public here too
 from rcoder.builtin_agents import builtin_tables
+from rcoder.config_groups import GROUPED_NAME, GROUPS, TABLE_OF, ungroup
 from rcoder.config_types import (
     Advertise,
     AgentUserName,
@@ -243,7 +248,8 @@ class ClientKeys(_Schema):
 
 
 class SettingsKeys(_Schema):
-    """The top-level keys: in the file, as ``RCODER_<KEY>`` variables, some as flags."""
+    """The settings: in a file at the top level or in their table (rcoder.config_groups), as
+    ``RCODER_<KEY>`` variables, some as flags."""
 
     listen: HostPort = "127.0.0.1:50051"
     """the host:port the gRPC server listens on"""
@@ -258,7 +264,7 @@ class SettingsKeys(_Schema):
     advertise_address: Advertise = ""
     """host:port other hosts reach this one at ("": the listen address as bound)"""
     lease_ttl: Annotated[float, Field(gt=0)] = 15.0
-    """seconds a session's lease lasts unrenewed (renewed every lease_ttl / 3)"""
+    """seconds a session's lease lasts unrenewed (renewed every third of it)"""
     # without TLS, the hosts (IP networks, host name patterns) another host's address may name for
     # a forwarded call, which carries the caller's request in plaintext (rcoder.api.forwarding)
     peer_hosts: Array[PeerHost] = ("127.0.0.0/8", "::1", "localhost")
@@ -312,18 +318,18 @@ class SettingsKeys(_Schema):
     """a JWKS file (relative: beside the config file): bearer JWTs signed by its keys are scoped callers
     ("": none); re-read when it changes, and every JWT refused while it is empty, unreadable or missing"""
     jwt_issuer: str = ""
-    """the iss a JWT must carry (required with jwt_jwks_file)"""
+    """the iss a JWT must carry (required with jwks_file)"""
     jwt_audience: str = ""
-    """the aud a JWT must carry (required with jwt_jwks_file)"""
+    """the aud a JWT must carry (required with jwks_file)"""
     # who agents run as where the daemon can switch uid (rcoder.agent.agent_user): a user name, or
     # "UID:GID"; "" runs them as the daemon's user
     agent_user: AgentUserName = "rcoder-agent"
     """who agents run as where the daemon can switch uid: a user, "UID:GID", or "" (the daemon's
     user); see What an agent can reach"""
     tls_cert: str = ""
-    """PEM certificate file; TLS when both tls_cert and tls_key are set"""
+    """PEM certificate file; TLS when both cert and key are set"""
     tls_key: str = ""
-    """PEM private key file; TLS when both tls_cert and tls_key are set"""
+    """PEM private key file; TLS when both cert and key are set"""
     max_live_agents: Annotated[int, Field(ge=1)] = 32
     """live agent processes; idle ones are closed least-recently-used first"""
     idle_timeout: Seconds = 600.0
@@ -418,6 +424,16 @@ class Settings(SettingsKeys):
     config_file: Path | None = None  # the file read, kept out of every agent's reach
     defaults_file: Path | None = None  # the defaults file read (RCODER_DEFAULTS), kept out of reach too
     landlock_abi: int = Field(default_factory=landlock.abi)  # the kernel's Landlock ABI version, 0: none
+    # the flat names the files used that have a table now ("tls_cert" -> "tls.cert"): said at start
+    flat_keys: Mapping[str, str] = Field(default_factory=dict)
+
+    def key_name(self, setting: str) -> str:
+        """A setting as an error names it: flat (``tls_key``) where the files wrote its table's
+        settings flat, else as its table holds it (``tls.key``)."""
+        table = TABLE_OF.get(setting)
+        if table is None or any(GROUPS[table][key] in self.flat_keys for key in GROUPS[table]):
+            return setting
+        return GROUPED_NAME[setting]
 
     def profile(self, name: str) -> AgentProfile | None:
         return self.agents.get(name)
@@ -450,7 +466,7 @@ _FILE, _KEYS, _PROFILES = TypeAdapter(_File), TypeAdapter(SettingsKeys), TypeAda
 # every key of every table: what an unknown key is compared with for "did you mean"
 KNOWN_KEYS = frozenset(
     key for model in (_File, ProfileKeys, BudgetKeys, PermissionRule, ClientKeys) for key in model.model_fields
-)
+) | frozenset(GROUPS)
 
 
 class _Problems:
@@ -462,7 +478,7 @@ class _Problems:
     def check(self, schema: TypeAdapter[Any], data: object, base_dir: Path, **how: Any) -> Any:
         """``checked``'s answer; None (the error kept) when ``data`` does not pass."""
         try:
-            return checked(schema, data, base_dir, known=KNOWN_KEYS, **how)
+            return checked(schema, data, base_dir, known=KNOWN_KEYS, renamed=GROUPED_NAME, **how)
         except ConfigError as exc:
             self.errors.append(exc)
             return None
@@ -494,12 +510,13 @@ def load_settings(
     """Build Settings from a defaults file, a TOML file, ``RCODER_<KEY>`` variables and flag
     overrides, each over the one before.
 
-    ``defaults_file``: top-level keys only (``RCODER_DEFAULTS``), relative paths against its folder.
+    ``defaults_file``: settings only, no profiles (``RCODER_DEFAULTS``), relative paths against its folder.
     ``landlock_abi``: the kernel's Landlock ABI version (asked of the kernel when None)."""
     cwd = Path.cwd()
     base_dir = config_file.resolve().parent if config_file is not None else cwd
-    defaults = _read_defaults(defaults_file) if defaults_file is not None else {}
-    raw = _read_toml(config_file) if config_file is not None else {}
+    defaults, flat_defaults = _read_defaults(defaults_file) if defaults_file is not None else ({}, {})
+    grouped = ungroup(_read_toml(config_file) if config_file is not None else {})
+    raw = grouped.values
     env = {
         key: environ[var]
         for key in SettingsKeys.model_fields
@@ -508,7 +525,9 @@ def load_settings(
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
     # Every layer is checked before any error is raised, so that one run names every problem.
     problems = _Problems()
-    file = problems.check(_FILE, raw, base_dir)
+    if grouped.problems:
+        problems.errors.append(ConfigError(*grouped.problems[0], more=tuple(grouped.problems[1:])))
+    file = problems.check(_FILE, raw, base_dir, key=grouped.name)
     # variables and flags are strings: read leniently ("8" a number, "yes" true), still checked
     from_env = problems.check(_KEYS, env, cwd, strict=False, key=lambda key: f"RCODER_{key.upper()}")
     from_flags = problems.check(_KEYS, flags, cwd, strict=False)
@@ -538,6 +557,7 @@ def load_settings(
         config_file=config_file.resolve() if config_file is not None else None,
         defaults_file=defaults_file.resolve() if defaults_file is not None else None,
         landlock_abi=landlock.abi() if landlock_abi is None else landlock_abi,
+        flat_keys=flat_defaults | grouped.flat,
     )
     # the checks between keys, each on its own, every one run: all their problems in one error
     checks = [_check_default_agent, _check_tls, _check_shared_token, _check_callers, _check_checkpoint_root]
@@ -555,7 +575,8 @@ def _check_default_agent(settings: Settings) -> None:
 
 def _check_tls(settings: Settings) -> None:
     if bool(settings.tls_cert) != bool(settings.tls_key):
-        raise ConfigError("tls_key" if settings.tls_cert else "tls_cert", "set both tls_cert and tls_key, or neither")
+        cert, key = settings.key_name("tls_cert"), settings.key_name("tls_key")
+        raise ConfigError(key if settings.tls_cert else cert, f"set both {cert} and {key}, or neither")
 
 
 def _check_shared_token(settings: Settings) -> None:
@@ -603,7 +624,7 @@ def _check_checkpoint_root(settings: Settings) -> None:
     in_data_dir = root == data_dir or data_dir in root.parents  # hidden with data_dir
     if not in_data_dir and (root == workspace or workspace in root.parents):
         raise ConfigError(
-            "checkpoint_root",
+            settings.key_name("checkpoint_root"),
             f"{root} is inside workspace_root ({workspace}), where it would be a project's folder; put it beside it",
         )
 
@@ -631,32 +652,44 @@ def _check_callers(settings: Settings) -> None:
             raise ConfigError(
                 f"{entry}.agents", f"no profile named {unknown[0]!r}: profiles are {', '.join(sorted(settings.agents))}"
             )
-    jwt = {"jwt_jwks_file": settings.jwt_jwks_file, "jwt_issuer": settings.jwt_issuer,
-           "jwt_audience": settings.jwt_audience}  # fmt: skip
+    jwks_file, issuer, audience = (settings.key_name(key) for key in ("jwt_jwks_file", "jwt_issuer", "jwt_audience"))
+    jwt = {jwks_file: settings.jwt_jwks_file, issuer: settings.jwt_issuer, audience: settings.jwt_audience}
     if any(jwt.values()) and not all(jwt.values()):
         missing = ", ".join(key for key, value in jwt.items() if not value)
         raise ConfigError(
-            missing.split(", ")[0], f"JWT callers need jwt_jwks_file, jwt_issuer and jwt_audience ({missing} unset)"
+            missing.split(", ")[0], f"JWT callers need {jwks_file}, {issuer} and {audience} ({missing} unset)"
         )
     if (settings.clients or settings.jwt_jwks_file) and settings.open_to_agents and not settings.auth_token:
         raise ConfigError(
-            "clients" if settings.clients else "jwt_jwks_file",
+            "clients" if settings.clients else jwks_file,
             "scoped callers need a token to be asked: open_to_agents = true with no auth_token lets anyone in "
             "as admin; set auth_token (the admin credential) or open_to_agents = false",
         )
 
 
-def _read_defaults(path: Path) -> dict[str, Any]:
-    """The defaults file's keys, checked, as set (its relative paths against its own folder)."""
+def _read_defaults(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """The defaults file's settings, checked, as set (its relative paths against its own folder),
+    and the flat names it used that have a table now."""
     table = _read_toml(path, DEFAULTS_VARIABLE)
     if "agents" in table:
         raise ConfigError(
-            DEFAULTS_VARIABLE, f"{path} holds top-level keys only: agent profiles go in the config file (--config)"
+            DEFAULTS_VARIABLE,
+            f"{path} holds top-level keys only, in their tables or not: agent profiles go in the config file",
         )
+    grouped = ungroup(table)
+    where = f" (in {DEFAULTS_VARIABLE} {path})"
+    if grouped.problems:
+        named = [(f"{key}{where}", problem) for key, problem in grouped.problems]
+        raise ConfigError(*named[0], more=tuple(named[1:]))
     keys = checked(
-        _KEYS, table, path.resolve().parent, key=lambda key: f"{key} (in {DEFAULTS_VARIABLE} {path})", known=KNOWN_KEYS
+        _KEYS,
+        grouped.values,
+        path.resolve().parent,
+        key=lambda key: f"{grouped.name(key)}{where}",
+        known=KNOWN_KEYS,
+        renamed=GROUPED_NAME,
     )
-    return keys.model_dump(exclude_unset=True)
+    return keys.model_dump(exclude_unset=True), grouped.flat
 
 
 def _read_toml(path: Path, key: str = "--config") -> dict[str, Any]:

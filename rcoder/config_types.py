@@ -8,7 +8,7 @@ import contextlib
 import difflib
 import ipaddress
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -163,19 +163,23 @@ def checked(
     strict: bool | None = None,
     key: Callable[[str], str] = str,
     known: Collection[str] = (),
+    renamed: Mapping[str, str] | None = None,
 ) -> T:
     """``data`` checked against ``schema``: every problem in one ConfigError naming each key's path.
 
-    An unknown key close to one of ``known`` (every key of the schema) is asked "did you mean";
+    An unknown key close to one of ``known`` (every key of the schema) is asked "did you mean",
+    by its new name where a top-level key has one in ``renamed`` (``tls_cert``: ``tls.cert``);
     a required key reported missing beside an unknown key that spells it nearly is said once, as
     the misspelling (``comand``), not as a missing ``command``."""
     try:
         return schema.validate_python(data, strict=strict, context={"base_dir": base_dir})
     except ValidationError as exc:
-        raise _config_error(exc, key, known) from exc
+        raise _config_error(exc, key, known, renamed or {}) from exc
 
 
-def _config_error(exc: ValidationError, key: Callable[[str], str], known: Collection[str]) -> ConfigError:
+def _config_error(
+    exc: ValidationError, key: Callable[[str], str], known: Collection[str], renamed: Mapping[str, str]
+) -> ConfigError:
     errors = [(tuple(p for p in e["loc"] if p != "[key]"), e) for e in exc.errors(include_url=False)]
     missing = {loc for loc, error in errors if error["type"] == "missing"}
     # the key each unknown one is close to, and the required keys an unknown one misspells
@@ -193,6 +197,7 @@ def _config_error(exc: ValidationError, key: Callable[[str], str], known: Collec
         if error["type"] == "extra_forbidden":
             meant = near.get(loc)
             required = " (a required key, missing)" if (*loc[:-1], meant) in misspelt else ""
+            meant = renamed.get(meant, meant) if meant and len(loc) == 1 else meant
             guess = f": did you mean {meant!r}?{required}" if meant else ""
             problem = f"unknown key{guess} (see docs/configuration.md)"
         problems.append((key(path), problem))

@@ -144,7 +144,8 @@ def _enum(
 
 
 def config_reference() -> str:
-    """The configuration reference page, from the settings model's fields and their docstrings."""
+    """The configuration reference page, from the settings model's fields and their docstrings, in
+    the tables a file writes them in (rcoder.config_groups)."""
     from rcoder.config import (
         FILE_ONLY,
         BudgetKeys,
@@ -154,41 +155,64 @@ def config_reference() -> str:
         SettingsKeys,
         key_descriptions,
     )
+    from rcoder.config_groups import GROUPED_NAME, GROUPS, TABLE_OF
 
     missing: list[str] = []
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the settings model (`rcoder/config.py`) by `make docs-reference`: every key, its type,",
-        "its default and its description. Top-level keys are also read from `RCODER_<KEY>` variables",
-        "(see [Configuration](configuration.md) for the order in which file, variables and flags apply).",
+        "Generated from the settings model (`rcoder/config.py`) and its tables (`rcoder/config_groups.py`) by",
+        "`make docs-reference`: every key, its type, its default and its description. The settings are also",
+        "read from the `RCODER_<NAME>` variable each row names (see [Configuration](configuration.md) for the",
+        "order in which file, variables and flags apply).",
         "",
     ]
-    tables: list[tuple[str, type[BaseModel], bool]] = [
-        ("Top-level keys", SettingsKeys, True),
-        ("`[agents.<name>]` keys", ProfileKeys, False),
-        ("`permission_rules` entries", PermissionRule, False),
-        ("`[budgets]` keys", BudgetKeys, False),
-        ("`[agents.<name>.budgets]` keys", ProfileBudgetKeys, False),
+    top = [key for key in SettingsKeys.model_fields if key not in TABLE_OF]
+    # (title, model, [(key as written, field's name)], with variables)
+    sections: list[tuple[str, type[BaseModel], list[tuple[str, str]], bool]] = [
+        ("Top-level keys", SettingsKeys, [(key, key) for key in top], True),
+        *((f"`[{table}]` keys", SettingsKeys, list(keys.items()), True) for table, keys in GROUPS.items()),
+        *(
+            (title, model, [(key, key) for key in model.model_fields], False)
+            for title, model in (
+                ("`[agents.<name>]` keys", ProfileKeys),
+                ("`permission_rules` entries", PermissionRule),
+                ("`[budgets]` keys", BudgetKeys),
+                ("`[agents.<name>.budgets]` keys", ProfileBudgetKeys),
+            )
+        ),
     ]
-    for title, model, env in tables:
+    for title, model, keys, env in sections:
         lines += [f"## {title}", "", "| key | type | default | variable | description |", "|---|---|---|---|---|"]
         descriptions = key_descriptions(model)
-        for key, field in model.model_fields.items():
-            description = descriptions.get(key, "")
+        for written, name in keys:
+            field = model.model_fields[name]
+            description = descriptions.get(name, "")
             if not description:
-                missing.append(f"{model.__name__}.{key}")
+                missing.append(f"{model.__name__}.{name}")
             value = None if field.is_required() else field.get_default(call_default_factory=True)
             default = "required" if field.is_required() else f"`{_default(value)}`"
             if isinstance(value, BaseModel):  # a table of its own: its keys are listed below
                 default = "its keys' defaults"
             elif value is None and not field.is_required():
                 default = "unset"
-            variable = f"`RCODER_{key.upper()}`" if env and key not in FILE_ONLY else "—"
+            variable = f"`RCODER_{name.upper()}`" if env and name not in FILE_ONLY else "—"
             kind = _cell(_type_name(field.annotation))
             described = _cell(_prose(" ".join(description.split())))
-            lines.append(f"| `{key}` | `{kind}` | {_cell(default)} | {variable} | {described} |")
+            lines.append(f"| `{written}` | `{kind}` | {_cell(default)} | {variable} | {described} |")
         lines.append("")
+    lines += [
+        "## Flat names, read until the next release",
+        "",
+        "Before the tables, every setting was a top-level key named as its variable is. A file that still",
+        "writes one is read as before, and the daemon says so at start (`config_key_deprecated`); a setting",
+        "written both ways is refused.",
+        "",
+        "| flat name | now |",
+        "|---|---|",
+        *(f"| `{flat}` | `{grouped}` |" for flat, grouped in GROUPED_NAME.items()),
+        "",
+    ]
     if missing:
         raise PluginError(f"config keys without a description (a docstring under the key): {', '.join(missing)}")
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from rcoder.client.token import find_token
 from rcoder.config import load_settings
+from rcoder.config_groups import GROUPED_NAME
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
@@ -100,8 +101,16 @@ class FakeAgentSetup:
 def write_config(
     path: Path, profiles: dict[str, dict[str, Any]], *, clients: Sequence[dict[str, Any]] = (), **top: Any
 ) -> Path:
-    """A config file: ``top`` keys, ``[agents.<name>]`` tables, ``[[clients]]`` entries."""
-    lines = [f"{k} = {toml_value(v)}" for k, v in top.items()]
+    """A config file: ``top`` settings (by their flat names, each written in its table:
+    ``tls_cert`` as ``cert`` in ``[tls]``), ``[agents.<name>]`` tables, ``[[clients]]`` entries."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in top.items() if k not in GROUPED_NAME]
+    tables: dict[str, list[str]] = {}
+    for setting, value in top.items():
+        if setting in GROUPED_NAME:
+            table, key = GROUPED_NAME[setting].split(".")
+            tables.setdefault(table, []).append(f"{key} = {toml_value(value)}")
+    for table, settings in tables.items():
+        lines += [f"\n[{table}]", *settings]
     for name, keys in profiles.items():
         lines.append(f"\n[agents.{name}]")
         lines.extend(f"{k} = {toml_value(v)}" for k, v in keys.items())

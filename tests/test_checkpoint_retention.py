@@ -85,7 +85,7 @@ async def test_by_default_a_snapshot_past_the_retention_goes_unless_a_later_run_
 
 
 async def test_past_checkpoint_keep_the_oldest_go_but_one_a_later_run_names(tmp_path: Path, store: SqliteStore) -> None:
-    settings = settings_of(tmp_path, "checkpoint_keep = 2\n")
+    settings = settings_of(tmp_path, "[checkpoints]\nkeep = 2\n")
     project = tmp_path / "workspace" / "proj"
     project.mkdir(parents=True)
     marks = Checkpoints(settings, store)
@@ -110,7 +110,7 @@ async def test_past_checkpoint_keep_the_oldest_go_but_one_a_later_run_names(tmp_
 async def test_a_store_past_its_cap_sheds_its_oldest_snapshots_until_a_snapshot_fits_again(
     tmp_path: Path, store: SqliteStore
 ) -> None:
-    settings = settings_of(tmp_path, f"checkpoint_store_max_bytes = {3 * MiB + MiB // 2}\n")
+    settings = settings_of(tmp_path, f"[checkpoints]\nstore_max_bytes = {3 * MiB + MiB // 2}\n")
     project = tmp_path / "workspace" / "proj"
     project.mkdir(parents=True)
     marks = Checkpoints(settings, store)

@@ -20,6 +20,7 @@ from rcoder.config import (
     key_descriptions,
     load_settings,
 )
+from rcoder.config_groups import GROUPED_NAME, GROUPS, ungroup
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
@@ -40,7 +41,10 @@ def configuration_listing() -> dict[str, Any]:
 
 
 def test_the_docs_list_every_top_level_key_with_its_default() -> None:
-    listed = {key: value for key, value in configuration_listing().items() if key != "agents"}
+    # written in their tables, as a file writes them
+    grouped = ungroup({key: value for key, value in configuration_listing().items() if key != "agents"})
+    assert (grouped.flat, grouped.problems) == ({}, [])
+    listed = grouped.values
     assert set(listed) == set(SettingsKeys.model_fields)
     assert dict(SettingsKeys.model_validate(listed)) == dict(SettingsKeys())
 
@@ -64,7 +68,8 @@ def test_the_docs_permission_rules_use_the_rule_keys() -> None:
 def test_every_toml_example_in_the_docs_is_a_valid_config(tmp_path: Path, block: str) -> None:
     path = tmp_path / "rcoder.toml"
     path.write_text(block)
-    load_settings(path, {})
+    settings = load_settings(path, {})
+    assert not settings.flat_keys, f"write these in their tables: {dict(settings.flat_keys)}"
 
 
 def test_the_generated_reference_lists_every_key_with_its_description() -> None:
@@ -79,4 +84,22 @@ def test_the_generated_reference_lists_every_key_with_its_description() -> None:
         descriptions = key_descriptions(model)
         for key in model.model_fields:
             assert descriptions.get(key), f"{model.__name__}.{key} has no description (a docstring under the key)"
-            assert f"| `{key}` |" in reference
+            if model is not SettingsKeys or key not in GROUPED_NAME:
+                assert f"| `{key}` |" in reference
+
+
+def test_the_generated_reference_lists_each_setting_in_its_table_and_its_flat_name() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import docs_hooks
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    sections = dict(re.findall(r"^## (.*?)\n(.*?)(?=^## |\Z)", docs_hooks.config_reference(), re.M | re.S))
+    top = sections["Top-level keys"]
+    for table, keys in GROUPS.items():
+        rows = sections[f"`[{table}]` keys"]
+        for key, setting in keys.items():
+            assert f"| `{key}` |" in rows and f"`RCODER_{setting.upper()}`" in rows, (table, key)
+            assert f"| `{setting}` | `{table}.{key}` |" in sections["Flat names, read until the next release"]
+    for setting in GROUPED_NAME:
+        assert f"| `{setting}` |" not in top

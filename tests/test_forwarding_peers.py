@@ -22,7 +22,6 @@ from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
-from tests.harness import write_config
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
@@ -127,7 +126,9 @@ async def test_the_token_reaches_an_allowed_peer_and_never_a_unix_socket_or_a_ho
 
 
 def test_a_peer_host_that_is_neither_a_network_nor_a_name_pattern_is_a_config_error(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "rcoder.toml", {}, peer_hosts=["10.0.0.0/8", "unix:/x"])
+    # by its flat name, which an error names as written ([hosts] peers: tests/test_config_tables.py)
+    config = tmp_path / "rcoder.toml"
+    config.write_text('peer_hosts = ["10.0.0.0/8", "unix:/x"]\n')
     with pytest.raises(ConfigError) as caught:
         load_settings(config, {})
     assert caught.value.key == "peer_hosts[1]"

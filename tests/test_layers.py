@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"store", "domain", "errors", "logs"},
     "domain": set(),
     "errors": set(),
-    "config": {"config_types", "domain", "errors", "builtin_agents", "landlock"},
+    "config": {"config_types", "config_groups", "domain", "errors", "builtin_agents", "landlock"},
+    "config_groups": set(),  # which table of the file holds each setting, and the flat names still read
     "config_types": {"errors"},  # the schema's value types, and pydantic's errors as ConfigError
     "builtin_agents": set(),  # the profiles rcoder ships, as plain tables
     "landlock": set(),  # the kernel's Landlock, and the exec wrapper that confines agents (stdlib only)

@@ -240,7 +240,7 @@ async def test_the_jwt_setup_works_as_written(make_daemon: DaemonFactory, tmp_pa
     _, claims_text = named_block("jwt-claims", "json")
     config, claims = tomllib.loads(toml_text), json.loads(claims_text)
     key = ec.generate_private_key(ec.SECP256R1())  # the provider's
-    (tmp_path / config["jwt_jwks_file"]).write_text(
+    (tmp_path / config["jwt"]["jwks_file"]).write_text(
         json.dumps({"keys": [{**ECAlgorithm.to_jwk(key.public_key(), as_dict=True), "kid": "idp-1"}]})
     )
     token = jwt.encode(claims, key, algorithm="ES256", headers={"kid": "idp-1"})

@@ -1,19 +1,22 @@
-"""What callers without a token can make the daemon hold (rcoder.api.open_calls): health's Check
-and Watch and reflection, flooded with the largest requests and with many streams, as the security
-probe did (40 Watch streams naming an 18 MiB service took the daemon from 148 to 3,305 MiB, and
-it stayed there; 20,000 small Watch streams +300 MB).
+"""What callers without a token can make the daemon hold (rcoder.api.open_calls, rcoder.api.health):
+health's Check and Watch and reflection, flooded with the largest requests and with many streams, as
+the security probe did (40 Watch streams naming an 18 MiB service took the daemon from 148 to
+3,305 MiB, and it stayed there; 20,000 small Watch streams +300 MB).
 
-The daemon's memory is read from outside, as an operator would (tests/test_gate.py's helpers)."""
+Health reads no request of a caller without a token, so its floods cost only grpc's windows;
+reflection reads one request at a time, whose copies are its floor. The daemon's memory is read
+from outside, as an operator would (tests/test_gate.py's helpers)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from rcoder.api.open_calls import OPEN_WATCHES
+from rcoder.api.open_calls import OPEN_CALLS, OPEN_REQUEST_BYTES, OPEN_WATCHES
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import eventually
@@ -24,10 +27,13 @@ TOKEN = "tok-open-calls"
 LARGEST = 18 * MIB  # under max_request_bytes' 19 MiB: grpc itself would refuse a larger one unread
 CHECK, WATCH = "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"
 REFLECT = f"/{reflection.SERVICE_NAME}/ServerReflectionInfo"
-# one message being read at a time, ~4 times its size in grpc's buffers and copies (66-87 MiB
-# measured): what the flood may cost at its peak, whatever the number of streams (the old daemon
-# grew by 370 MiB for 10 Checks, by gigabytes for 40 Watch streams)
+# reflection: one message being read at a time, ~4 times its size in grpc's buffers and copies
+# (66-87 MiB measured): what the flood may cost at its peak, whatever the number of streams (the
+# old daemon grew by 370 MiB for 10 Checks, by gigabytes for 40 Watch streams)
 PEAK_MIB = 6 * LARGEST / MIB
+# health without a token: nothing read, each stream at most grpc's 64 KiB window (a few MiB
+# measured for 24 requests of 18 MiB at once; reading them cost 65-87 MiB, one at a time)
+HEALTH_PEAK_MIB = 8.0
 # and what may stay once it is over: glibc and grpc keep some of what they freed (10-32 MiB seen),
 # the same after a second flood (the old daemon kept ~80 MiB a request)
 SETTLED_MIB = 40.0
@@ -44,50 +50,149 @@ async def settled(pid: int, idle: float) -> None:
         raise AssertionError(f"the daemon stayed {memory_mib(pid, 'VmRSS') - idle:.0f} MiB above idle") from None
 
 
-async def unauthenticated(address: str, method: str, payload: bytes) -> str:
-    """One call of ``method`` whose request is ``payload`` (its own channel); its status's name."""
+async def unauthenticated(address: str, method: str, payload: bytes, timeout: float = 60) -> str:
+    """One call of ``method`` whose request is ``payload`` (its own channel); its status's name,
+    or a health answer's status ("SERVING"; a Watch's first)."""
     options = [("grpc.max_send_message_length", len(payload) + MIB)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         try:
             if method == CHECK:
-                await channel.unary_unary(method)(payload, timeout=60)
-            else:
-                async for _ in channel.unary_stream(method)(payload, timeout=60):
-                    return "ANSWERED"  # a Watch that was answered: the bound did not hold
+                answer = await channel.unary_unary(method)(payload, timeout=timeout)
+                return str(
+                    health_pb2.HealthCheckResponse.ServingStatus.Name(
+                        health_pb2.HealthCheckResponse.FromString(answer).status
+                    )
+                )
+            async for raw in channel.unary_stream(method)(payload, timeout=timeout):
+                if method == WATCH:
+                    return str(
+                        health_pb2.HealthCheckResponse.ServingStatus.Name(
+                            health_pb2.HealthCheckResponse.FromString(raw).status
+                        )
+                    )
+                return "ANSWERED"  # reflection answered a request over the bound: it did not hold
         except grpc.aio.AioRpcError as exc:
             return str(exc.code().name)
     return "OK"
 
 
-async def test_a_flood_of_the_largest_health_and_reflection_requests_costs_one_read_at_a_time(
+async def test_a_flood_of_the_largest_reflection_requests_costs_one_read_at_a_time(
     make_daemon: DaemonFactory,
 ) -> None:
     daemon, client = await make_daemon(auth_token=TOKEN)
     health = health_pb2_grpc.HealthStub(client.channel)
-    assert (
-        await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-    ).status == health_pb2.HealthCheckResponse.SERVING
+    assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == SERVING
     idle = memory_mib(daemon.pid, "VmRSS")
     reset_peak(daemon.pid)
 
-    name = health_pb2.HealthCheckRequest(service="x" * LARGEST).SerializeToString()
     symbol = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * LARGEST).SerializeToString()
     for flood in range(2):  # twice: what stays after one is not added to by the next
-        codes = []
-        for method, payload in ((WATCH, name), (CHECK, name), (REFLECT, symbol)):  # a wave each: the
-            # client's own memory holds each request it sends (WAVE x 18 MiB), the daemon's one at a time
-            wave = [asyncio.create_task(unauthenticated(daemon.address, method, payload)) for _ in range(WAVE)]
-            assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents  # another answers
-            codes += await asyncio.gather(*wave)
+        # a wave: the client's own memory holds each request it sends (WAVE x 18 MiB), the daemon's one at a time
+        wave = [asyncio.create_task(unauthenticated(daemon.address, REFLECT, symbol)) for _ in range(WAVE)]
+        assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents  # another answers
+        codes = await asyncio.gather(*wave)
 
         assert set(codes) == {"RESOURCE_EXHAUSTED"}, codes
         grown = memory_mib(daemon.pid, "VmHWM") - idle
         print(f"flood {flood}: idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
         assert grown < PEAK_MIB, f"the daemon grew {grown:.0f} MiB refusing {len(codes)} requests of 18 MiB"
         await settled(daemon.pid, idle)
-    assert (
-        await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
-    ).status == health_pb2.HealthCheckResponse.SERVING
+    assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == SERVING
+
+
+async def test_reflections_floor_follows_max_request_bytes(make_daemon: DaemonFactory) -> None:
+    """The one reflection message read is at most ``max_request_bytes``: a daemon that lowers it to
+    1 MiB holds a few MiB for a flood (grpc refuses a larger message from its 5-byte prefix)."""
+    daemon, client = await make_daemon(auth_token=TOKEN, max_request_bytes=MIB)
+    idle = memory_mib(daemon.pid, "VmRSS")
+    reset_peak(daemon.pid)
+
+    for size in (LARGEST, MIB - 64):  # over the limit: refused by grpc; under it: read, one at a time
+        symbol = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * size).SerializeToString()
+        wave = [asyncio.create_task(unauthenticated(daemon.address, REFLECT, symbol)) for _ in range(WAVE)]
+        assert set(await asyncio.gather(*wave)) == {"RESOURCE_EXHAUSTED"}
+
+    grown = memory_mib(daemon.pid, "VmHWM") - idle
+    print(f"idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
+    assert grown < HEALTH_PEAK_MIB, f"the daemon grew {grown:.0f} MiB with max_request_bytes at 1 MiB"
+    assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents
+
+
+async def test_a_flood_of_the_largest_health_requests_without_a_token_reads_none_of_them(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, client = await make_daemon(auth_token=TOKEN)
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == SERVING
+    idle = memory_mib(daemon.pid, "VmRSS")
+    reset_peak(daemon.pid)
+
+    name = health_pb2.HealthCheckRequest(service="x" * LARGEST).SerializeToString()
+    for flood in range(2):
+        # a Watch's client cannot read its answer while its own request waits on the window the
+        # daemon never opens (its send comes first): it ends at its deadline, its stream unread
+        wave = [asyncio.create_task(unauthenticated(daemon.address, WATCH, name, timeout=3)) for _ in range(WAVE)]
+        wave += [asyncio.create_task(unauthenticated(daemon.address, CHECK, name)) for _ in range(WAVE)]
+        assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents  # another answers
+        codes = await asyncio.gather(*wave)
+
+        grown = memory_mib(daemon.pid, "VmHWM") - idle
+        print(f"flood {flood}: idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
+        assert grown < HEALTH_PEAK_MIB, f"the daemon grew {grown:.0f} MiB for {len(codes)} health requests of 18 MiB"
+        # a Check is answered about the daemon, its name unread (a probe's answer, whatever it sent)
+        assert codes[WAVE:] == ["SERVING"] * WAVE, codes
+        assert set(codes[:WAVE]) <= {"SERVING", "DEADLINE_EXCEEDED"}, codes
+    await settled(daemon.pid, idle)
+
+
+async def test_health_reads_the_service_name_of_a_token_holder_only(make_daemon: DaemonFactory) -> None:
+    daemon, client = await make_daemon(auth_token=TOKEN)
+    holder = health_pb2_grpc.HealthStub(client.channel)
+    async with grpc.aio.insecure_channel(daemon.address) as bare:
+        stranger = health_pb2_grpc.HealthStub(bare)
+        wrong = (("authorization", "Bearer nope"),)
+        for name in ("", "rcoder.v1.AgentRunner", "nope", "x" * (4 * OPEN_REQUEST_BYTES)):
+            request = health_pb2.HealthCheckRequest(service=name)
+            assert (await stranger.Check(request, timeout=10)).status == SERVING, name[:10]
+            assert (await stranger.Check(request, metadata=wrong, timeout=10)).status == SERVING, "open to all"
+            if name in ("", "rcoder.v1.AgentRunner"):
+                assert (await holder.Check(request, timeout=10)).status == SERVING
+                continue
+            # the holder's request is read, whatever its size: the protocol's answer for a name not served
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await holder.Check(request, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value
+            watch = holder.Watch(request, timeout=10)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            watch.cancel()
+
+
+async def test_probes_are_answered_while_strangers_hold_every_reflection_stream(make_daemon: DaemonFactory) -> None:
+    """Reflection streams that send nothing hold the read turn 1 s each and every slot for
+    reflection without a token; a probe's Check and Watch, also without one, are answered at
+    once (before, they shared both and were refused: a liveness probe failed by a stranger)."""
+    daemon, _ = await make_daemon(auth_token=TOKEN)
+    async with grpc.aio.insecure_channel(daemon.address) as bare:
+        stream = bare.stream_stream(REFLECT)
+        silent = [stream() for _ in range(OPEN_CALLS)]
+        for call in silent:
+            await call.wait_for_connection()
+
+        async def all_held() -> bool:
+            answer = await unauthenticated(
+                daemon.address, REFLECT, reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+            )
+            return answer == "RESOURCE_EXHAUSTED"
+
+        await eventually(all_held, timeout=5)  # a stranger's next stream is refused: every slot held
+        probe = health_pb2_grpc.HealthStub(bare)
+        for _ in range(5):
+            assert (await probe.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == SERVING
+        watch = probe.Watch(health_pb2.HealthCheckRequest(), timeout=2)
+        assert (await watch.read()).status == SERVING
+        watch.cancel()
+        for call in silent:
+            call.cancel()
 
 
 async def watch(stub: health_pb2_grpc.HealthStub, answered: asyncio.Event, ended: asyncio.Event) -> str:

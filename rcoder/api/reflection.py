@@ -5,9 +5,9 @@ describes the services and then meets, on the call itself, ``UNAUTHENTICATED`` s
 one (``rcoder.api.gate``), instead of grpcurl's "target server does not expose service". What
 matters is that calls are refused; naming the RPCs hides nothing the proto does not publish.
 
-A caller without the token costs little (``rcoder.api.open_calls``, shared with health): its
-stream is counted among the calls without a token, its requests are read one at a time across all
-such callers and each is at most ``OPEN_REQUEST_BYTES`` (refused undecoded past it), a stream
+A caller without the token costs little (``rcoder.api.open_calls``): its stream is counted among
+the reflection streams without a token, its requests are read one at a time across all such
+callers and each is at most ``OPEN_REQUEST_BYTES`` (refused undecoded past it), a stream
 carries at most ``OPEN_REQUESTS`` requests and lasts at most ``OPEN_SECONDS``. A stream past a
 bound ends with RESOURCE_EXHAUSTED (``OPEN_CALL_LIMIT``), not logged. A token that is sent and
 wrong is refused (UNAUTHENTICATED), as on every RPC; with the right one (or where no token is set:
@@ -64,7 +64,7 @@ class Reflection(ReflectionServicer):  # type: ignore[misc]
             async for response in self.ServerReflectionInfo(_all(context), context):
                 yield response
             return
-        async with self._open.call(context):
+        async with self._open.call(context, "reflection"):
             deadline = asyncio.get_running_loop().time() + OPEN_SECONDS
             async for response in self.ServerReflectionInfo(self._bounded(context, deadline), context):
                 yield response

@@ -102,7 +102,7 @@ class GrpcServer:
         gate = Gate(token, CallLimit(bounds.calls), request_bytes)
         self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, gate, ended),))
         open_calls = OpenCalls(open_bounds)
-        self.health = Health(open_calls)  # open to all: probes carry no token
+        self.health = Health(open_calls, token)  # open to all: probes carry no token
         served = (SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME)
         self._server.add_generic_rpc_handlers((self.health.handler(), Reflection(served, token, open_calls).handler()))
         # asked of the kernel first: grpc would say only "Failed to bind", after a log line of its own

@@ -307,6 +307,12 @@ class SettingsKeys(_Schema):
     # (docs/design/trust.md#no-calls-back).
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
+    # Reflection must read a request to answer it, and grpc reads a message whole (up to
+    # max_request_bytes) before its size is seen: served to strangers, it is what one can make the
+    # daemon hold (rcoder.api.reflection, docs/access.md).
+    open_reflection: bool = True
+    """false: reflection needs the token as every RPC but health (a stranger then costs no read;
+    grpcurl without -H cannot list or resolve; see Access)"""
     # scoped callers besides the admin token (rcoder.api.callers): JWTs from the platform's identity provider
     jwt_jwks_file: OptionalConfigPath = ""
     """a JWKS file (relative: beside the config file): bearer JWTs signed by its keys are scoped callers

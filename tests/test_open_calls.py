@@ -145,6 +145,41 @@ async def test_a_flood_of_the_largest_health_requests_without_a_token_reads_none
     await settled(daemon.pid, idle)
 
 
+async def test_with_open_reflection_false_no_stranger_makes_the_daemon_read_a_message(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, client = await make_daemon(auth_token=TOKEN, open_reflection=False)
+    idle = memory_mib(daemon.pid, "VmRSS")
+    reset_peak(daemon.pid)
+
+    name = health_pb2.HealthCheckRequest(service="x" * LARGEST).SerializeToString()
+    symbol = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * LARGEST).SerializeToString()
+    wave = [asyncio.create_task(unauthenticated(daemon.address, REFLECT, symbol)) for _ in range(WAVE)]
+    wave += [asyncio.create_task(unauthenticated(daemon.address, CHECK, name)) for _ in range(WAVE)]
+    wave += [asyncio.create_task(unauthenticated(daemon.address, WATCH, name, timeout=3)) for _ in range(WAVE)]
+    codes = await asyncio.gather(*wave)
+
+    grown = memory_mib(daemon.pid, "VmHWM") - idle
+    print(f"idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
+    assert grown < HEALTH_PEAK_MIB, f"the daemon grew {grown:.0f} MiB for {len(codes)} requests of 18 MiB"
+    assert codes[:WAVE] == ["UNAUTHENTICATED"] * WAVE and codes[WAVE : 2 * WAVE] == ["SERVING"] * WAVE, codes
+    # reflection asks the token as every RPC but health, saying how to send it; with it, it answers
+    small = reflection_pb2.ServerReflectionRequest(list_services="")
+    async with grpc.aio.insecure_channel(daemon.address) as bare:
+        info = bare.unary_stream(
+            REFLECT,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await info(small, timeout=10).read()
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "authorization: Bearer" in (caught.value.details() or "")
+        answer = await info(small, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10).read()
+        assert {s.name for s in answer.list_services_response.service} >= {"rcoder.v1.AgentRunner"}
+    assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents
+
+
 async def test_health_reads_the_service_name_of_a_token_holder_only(make_daemon: DaemonFactory) -> None:
     daemon, client = await make_daemon(auth_token=TOKEN)
     holder = health_pb2_grpc.HealthStub(client.channel)

@@ -114,7 +114,8 @@ async def test_reflections_floor_follows_max_request_bytes(make_daemon: DaemonFa
 
     grown = memory_mib(daemon.pid, "VmHWM") - idle
     print(f"idle {idle:.0f} MiB, peak +{grown:.0f} MiB")
-    assert grown < HEALTH_PEAK_MIB, f"the daemon grew {grown:.0f} MiB with max_request_bytes at 1 MiB"
+    # the message read (1 MiB) in three copies, and the windows of the streams (5-6 MiB measured)
+    assert grown < 10, f"the daemon grew {grown:.0f} MiB with max_request_bytes at 1 MiB"
     assert (await client.stub.ListAgents(pb.ListAgentsRequest(), timeout=60)).agents
 
 
@@ -203,23 +204,22 @@ async def test_health_reads_the_service_name_of_a_token_holder_only(make_daemon:
 
 
 async def test_probes_are_answered_while_strangers_hold_every_reflection_stream(make_daemon: DaemonFactory) -> None:
-    """Reflection streams that send nothing hold the read turn 1 s each and every slot for
-    reflection without a token; a probe's Check and Watch, also without one, are answered at
-    once (before, they shared both and were refused: a liveness probe failed by a stranger)."""
+    """Reflection streams without a token that send nothing hold every slot for such streams and
+    the read turn (1 s each, in turn); a probe's Check and Watch, also without a token, are
+    answered at once (before, they shared both and were refused: a liveness probe failed by a
+    stranger)."""
     daemon, _ = await make_daemon(auth_token=TOKEN)
+    extra = 8
     async with grpc.aio.insecure_channel(daemon.address) as bare:
-        stream = bare.stream_stream(REFLECT)
-        silent = [stream() for _ in range(OPEN_CALLS)]
-        for call in silent:
-            await call.wait_for_connection()
-
-        async def all_held() -> bool:
-            answer = await unauthenticated(
-                daemon.address, REFLECT, reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
-            )
-            return answer == "RESOURCE_EXHAUSTED"
-
-        await eventually(all_held, timeout=5)  # a stranger's next stream is refused: every slot held
+        silent = [bare.stream_stream(REFLECT)() for _ in range(OPEN_CALLS + extra)]
+        # the ones past the bound are refused at once, the others hold their slots a second or more
+        ends = [asyncio.create_task(call.code()) for call in silent]
+        refused = 0
+        async with asyncio.timeout(10):
+            for ended in asyncio.as_completed(ends):
+                refused += await ended == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if refused == extra:
+                    break
         probe = health_pb2_grpc.HealthStub(bare)
         for _ in range(5):
             assert (await probe.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == SERVING
@@ -228,6 +228,7 @@ async def test_probes_are_answered_while_strangers_hold_every_reflection_stream(
         watch.cancel()
         for call in silent:
             call.cancel()
+        await asyncio.gather(*ends, return_exceptions=True)
 
 
 async def watch(stub: health_pb2_grpc.HealthStub, answered: asyncio.Event, ended: asyncio.Event) -> str:

@@ -16,7 +16,8 @@ grpc's flow-control window of the stream (64 KiB) until the call ends. The daemo
 are ``""`` and the AgentRunner's, always set together, so probes (Kubernetes' ``grpc:`` probe,
 grpc_health_probe, grpcurl) learn the same either way; what such a caller does not get is
 NOT_FOUND (Check) or SERVICE_UNKNOWN (Watch) for a name the daemon does not serve
-(docs/access.md). Calls stay counted (``OpenCalls.call``): 32 Checks, 64 Watch streams.
+(docs/access.md). Such callers' calls are counted (``OpenCalls.call``: 32 Checks, 64 Watch
+streams); a token holder's are not, so strangers cannot crowd it out.
 
 The answers are the protocol's: Check answers the status or NOT_FOUND for a name never set;
 Watch sends the status (SERVICE_UNKNOWN for such a name) and each change after it.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -33,7 +35,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from rcoder.api.gate import BearerToken
-from rcoder.api.open_calls import OpenCalls, not_protobuf
+from rcoder.api.open_calls import Kind, OpenCalls, not_protobuf
 from rcoder.api.service import abort
 
 SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -66,31 +68,28 @@ class Health:
             },
         )
 
-    async def _request(self, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        """The call's request; an empty one, unread, for a caller without a valid token."""
-        if self._token is None:
-            request = await self._open.read(context, _Request.FromString)
-        elif not self._token.accepts(context.invocation_metadata()):
-            return _Request()
-        else:  # the token's holder: read as grpc takes it in (within max_request_bytes)
-            raw = await context.read()
-            try:
-                request = None if raw is grpc.aio.EOF else _Request.FromString(raw)
-            except DecodeError:
-                await abort(context, not_protobuf())
-        return request if request is not None else _Request()
+    @asynccontextmanager
+    async def _call(self, context: grpc.aio.ServicerContext[Any, Any], kind: Kind) -> AsyncIterator[Any]:
+        """The call's request while the call lasts. A caller with a valid token: read, and not
+        counted (no stranger can crowd it out). Any other: counted among its ``kind``, and its
+        request unread (an empty one), or, where the daemon asks no token, read one at a time."""
+        if self._token is not None and self._token.accepts(context.invocation_metadata()):
+            yield await _read_whole(context)
+            return
+        async with self._open.call(context, kind):
+            read = await self._open.read(context, _Request.FromString) if self._token is None else None
+            yield read if read is not None else _Request()
 
     async def _check(self, _: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        async with self._open.call(context, "check"):
-            request = await self._request(context)
+        async with self._call(context, "check") as request:
             status = self._statuses.get(request.service)
             if status is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such service: ask for '' or 'rcoder.v1.AgentRunner'")
             return _Response(status=status)
 
     async def _watch(self, _: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        async with self._open.call(context, "watch"):
-            service = (await self._request(context)).service
+        async with self._call(context, "watch") as request:
+            service = request.service
             last = None
             while True:
                 changed = self._changed  # taken before the status is read: no change is missed
@@ -99,3 +98,14 @@ class Health:
                     yield _Response(status=status)
                     last = status
                 await changed.wait()
+
+
+async def _read_whole(context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    """A token holder's request, as grpc takes it in (within max_request_bytes)."""
+    raw = await context.read()
+    if raw is grpc.aio.EOF:
+        return _Request()
+    try:
+        return _Request.FromString(raw)
+    except DecodeError:
+        await abort(context, not_protobuf())

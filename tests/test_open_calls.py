@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from rcoder.api.open_calls import OPEN_CALLS, OPEN_REQUEST_BYTES, OPEN_WATCHES
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import eventually
+from tests.harness import Daemon, eventually
 from tests.test_gate import memory_mib, reset_peak
 
 MIB = 1 << 20
@@ -40,6 +40,10 @@ SETTLED_MIB = 40.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WAVE = 12  # requests of 18 MiB at once, per method (the old daemon: ~80 MiB each, kept)
 STREAMS = 1000  # the probe used 20,000: the same path, in a time a test can afford
+
+
+def bare_channel(daemon: Daemon) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(daemon.address)
 
 
 async def settled(pid: int, idle: float) -> None:
@@ -201,6 +205,21 @@ async def test_health_reads_the_service_name_of_a_token_holder_only(make_daemon:
             watch = holder.Watch(request, timeout=10)
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
             watch.cancel()
+
+
+async def test_a_daemon_that_asks_no_token_reads_every_health_request_one_at_a_time(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, _ = await make_daemon(channel=bare_channel, open_to_agents=True)
+    async with grpc.aio.insecure_channel(daemon.address) as bare:
+        health = health_pb2_grpc.HealthStub(bare)
+        assert (await health.Check(health_pb2.HealthCheckRequest(service="rcoder.v1.AgentRunner"))).status == SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND  # read: every caller is trusted here
+        with pytest.raises(grpc.aio.AioRpcError) as caught:  # and bounded as a stranger's read
+            await health.Check(health_pb2.HealthCheckRequest(service="x" * OPEN_REQUEST_BYTES), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_probes_are_answered_while_strangers_hold_every_reflection_stream(make_daemon: DaemonFactory) -> None:

@@ -69,7 +69,7 @@ class OpenCalls:
 
     def __init__(self, bounds: OpenBounds | None = None) -> None:
         self.bounds = bounds or OpenBounds()
-        self.open: dict[Kind, int] = {"reflection": 0, "check": 0, "watch": 0}
+        self.in_progress: dict[Kind, int] = {"reflection": 0, "check": 0, "watch": 0}
         self._reading = asyncio.Lock()
         self._trim: asyncio.TimerHandle | None = None
 
@@ -81,13 +81,13 @@ class OpenCalls:
             "check": (self.bounds.checks, "health Checks are in progress"),
             "watch": (self.bounds.watches, "health Watch streams are open"),
         }[kind]
-        if self.open[kind] >= bound:
+        if self.in_progress[kind] >= bound:
             await refuse(context, f"{bound} {what}; retry shortly")
-        self.open[kind] += 1
+        self.in_progress[kind] += 1
         try:
             yield
         finally:
-            self.open[kind] -= 1
+            self.in_progress[kind] -= 1
 
     def _trim_later(self) -> None:
         """Once more, a moment after the last large message: grpc frees its own copies of one only

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import ipaddress
 import os
 import shutil
 import tomllib
@@ -313,6 +314,14 @@ class SettingsKeys(_Schema):
     # (docs/design/trust.md#no-calls-back).
     open_to_agents: bool = False
     """true: no token asked when auth_token is "", no store password check (see Access)"""
+    # Reflection must read a request to answer it, and grpc reads a message whole (up to
+    # max_request_bytes) before its size is seen: served to strangers, it is what one can make the
+    # daemon hold (rcoder.api.reflection, docs/access.md). Unset, it is served to strangers only on a
+    # loopback listen address, where the stranger is a local user and grpcurl's first call needs no -H.
+    open_reflection: bool | Literal["loopback"] = "loopback"
+    """reflection without the token: "loopback", only when listen is a loopback address; false: it
+    needs the token as every RPC but health (a stranger then costs no read; grpcurl without -H cannot
+    list or resolve); true: always (see Access)"""
     # scoped callers besides the admin token (rcoder.api.callers): JWTs from the platform's identity provider
     jwt_jwks_file: OptionalConfigPath = ""
     """a JWKS file (relative: beside the config file): bearer JWTs signed by its keys are scoped callers
@@ -434,6 +443,20 @@ class Settings(SettingsKeys):
         if table is None or any(GROUPS[table][key] in self.flat_keys for key in GROUPS[table]):
             return setting
         return GROUPED_NAME[setting]
+
+    @property
+    def reflection_open(self) -> bool:
+        """Whether reflection is served without the token: ``open_reflection``, or for "loopback",
+        whether ``listen`` is a loopback address (docs/access.md)."""
+        if isinstance(self.open_reflection, bool):
+            return self.open_reflection
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
 
     def profile(self, name: str) -> AgentProfile | None:
         return self.agents.get(name)

@@ -168,6 +168,7 @@ class Daemon:
             clients=ClientTable(settings.clients),
             jwt=jwt_callers(settings.jwt_jwks_file, settings.jwt_issuer, settings.jwt_audience),
             ended=accounting.ended,
+            open_reflection=settings.reflection_open,
         )
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()

@@ -41,7 +41,7 @@ from bench_auth import auth_check  # noqa: E402  (beside this script)
 from bench_checkpoints import checkpoints  # noqa: E402
 from bench_files import files_fair, read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
-from bench_unauth import LARGEST, unauth_flood, unauth_open_flood  # noqa: E402
+from bench_unauth import LARGEST, unauth_flood, unauth_health_flood, unauth_reflection_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
 from rcoder.agent.limits import CGROUP_ROOT, Cgroups, Values  # noqa: E402
@@ -1223,7 +1223,8 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("files_fair", files_fair),
         ("checkpoints", checkpoints),
         ("unauth_flood", lambda b: _one(unauth_flood(b))),
-        ("unauth_open_flood", lambda b: _one(unauth_open_flood(b))),
+        ("unauth_health_flood", lambda b: _one(unauth_health_flood(b))),
+        ("unauth_reflection_flood", lambda b: _one(unauth_reflection_flood(b))),
         ("auth_check", auth_check),
         ("multihost", multihost),  # several hosts on PostgreSQL (scripts/bench_multihost.py)
     ]  # fmt: skip

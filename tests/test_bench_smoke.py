@@ -51,7 +51,8 @@ MEASURES = {
     "checkpoint_first_turn_wait_ms",
     "checkpoint_turn_end_wait_ms",
     "unauth_flood_rss_mb",
-    "unauth_open_flood_rss_mb",
+    "unauth_health_flood_rss_mb",
+    "unauth_reflection_flood_rss_mb",
     "auth_check_us",
     "auth_check_jwt_us",
 }

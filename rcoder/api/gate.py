@@ -182,6 +182,18 @@ class BearerToken:
         """Whether ``metadata`` carries no token at all (reflection's open part)."""
         return not _authorization(metadata)
 
+    def accepts(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        """Whether ``metadata`` carries a token ``check`` would take (health's read), counting and
+        logging nothing: a call open to all that finds none is no refusal."""
+        given = _authorization(metadata)
+        if not given:
+            return False
+        try:
+            self._bearer(given, metadata)
+        except errors.RcoderError:
+            return False
+        return True
+
 
 def _authorization(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | bytes:
     return next((v for k, v in metadata or () if k == "authorization"), "")

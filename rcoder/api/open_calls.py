@@ -5,15 +5,18 @@ descriptors are public: docs/access.md). grpc reads no message of these calls un
 asks (they are registered request-streaming, as the AgentRunner's are: ``rcoder.api.server``), so
 what such callers make the daemon hold is what these bounds let in:
 
-- at most ``calls`` such calls in progress at once (Check, reflection) and ``watches`` Watch
-  streams; a call past either is refused ``RESOURCE_EXHAUSTED`` before its message is read, so it
-  costs nothing once refused (a stream not read holds at most grpc's flow-control window);
-- their messages are read **one at a time** (grpc takes in a whole message before its size is
-  seen: up to the server-wide ``max_request_bytes``), so that all of them together hold at most
-  one such message while it is read; a message over ``request_bytes`` is refused undecoded and
+- at most ``calls`` reflection streams without a token in progress at once, ``checks`` health
+  Checks and ``watches`` Watch streams, each kind counted apart (a flood of one cannot refuse
+  another: reflection streams never crowd out probes); a call past its bound is refused
+  ``RESOURCE_EXHAUSTED`` before its message is read, so it costs nothing once refused (a stream
+  not read holds at most grpc's flow-control window);
+- health reads no request of a caller without a token (``rcoder.api.health``); reflection's
+  requests are read **one at a time** (grpc takes in a whole message before its size is seen:
+  up to the server-wide ``max_request_bytes``), so that all of them together hold at most one
+  such message while it is read; a message over ``request_bytes`` is refused undecoded and
   dropped at once, its memory handed back before the next is read. The turn to read is waited
   for at most ``wait_seconds`` and held at most ``read_seconds``: callers without a token can
-  slow one another (and health probes), never grow the daemon.
+  slow one another, never grow the daemon past that one message.
 
 Nothing is logged for such a refusal (a flood is not a log line a call).
 """
@@ -25,7 +28,7 @@ import ctypes
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,20 +39,25 @@ from rcoder.api.service import status_for
 T = TypeVar("T")
 # glibc's malloc_trim, from the symbols already loaded (no library looked up); None elsewhere (musl)
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
-OPEN_CALLS = 32  # health Checks and token-less reflection streams in progress at once
+OPEN_CALLS = 32  # reflection streams without a token in progress at once
+OPEN_CHECKS = 32  # health Checks in progress at once (one without a token is answered at once)
 OPEN_WATCHES = 64  # health Watch streams open at once
 OPEN_REQUEST_BYTES = 1024  # a service name, a symbol or a file name
 # A read's turn is waited for at most OPEN_WAIT_SECONDS, and then its message (or, on a reflection
 # stream, the next request) must arrive within OPEN_READ_SECONDS: a caller that sends nothing
-# holds the turn that long at most. A probe's or grpcurl's request is there within milliseconds.
+# holds the turn that long at most. grpcurl's request is there within milliseconds.
 OPEN_WAIT_SECONDS = 5.0
 OPEN_READ_SECONDS = 1.0
 TRIM_AFTER_SECONDS = 0.5
 
 
+Kind = Literal["reflection", "check", "watch"]
+
+
 @dataclass(frozen=True, slots=True)
 class OpenBounds:
     calls: int = OPEN_CALLS
+    checks: int = OPEN_CHECKS
     watches: int = OPEN_WATCHES
     request_bytes: int = OPEN_REQUEST_BYTES
     wait_seconds: float = OPEN_WAIT_SECONDS
@@ -61,29 +69,25 @@ class OpenCalls:
 
     def __init__(self, bounds: OpenBounds | None = None) -> None:
         self.bounds = bounds or OpenBounds()
-        self.calls = 0
-        self.watches = 0
+        self.in_progress: dict[Kind, int] = {"reflection": 0, "check": 0, "watch": 0}
         self._reading = asyncio.Lock()
         self._trim: asyncio.TimerHandle | None = None
 
     @asynccontextmanager
-    async def call(self, context: grpc.aio.ServicerContext[Any, Any], watch: bool = False) -> AsyncIterator[None]:
-        """Counts the call while it lasts; refuses it past its bound."""
-        if watch and self.watches >= self.bounds.watches:
-            await refuse(context, f"{self.bounds.watches} health Watch streams are open; retry shortly")
-        if not watch and self.calls >= self.bounds.calls:
-            await refuse(context, f"{self.bounds.calls} calls without a token are in progress; retry shortly")
-        if watch:
-            self.watches += 1
-        else:
-            self.calls += 1
+    async def call(self, context: grpc.aio.ServicerContext[Any, Any], kind: Kind) -> AsyncIterator[None]:
+        """Counts the call among its kind while it lasts; refuses it past its kind's bound."""
+        bound, what = {
+            "reflection": (self.bounds.calls, "reflection streams without a token are in progress"),
+            "check": (self.bounds.checks, "health Checks are in progress"),
+            "watch": (self.bounds.watches, "health Watch streams are open"),
+        }[kind]
+        if self.in_progress[kind] >= bound:
+            await refuse(context, f"{bound} {what}; retry shortly")
+        self.in_progress[kind] += 1
         try:
             yield
         finally:
-            if watch:
-                self.watches -= 1
-            else:
-                self.calls -= 1
+            self.in_progress[kind] -= 1
 
     def _trim_later(self) -> None:
         """Once more, a moment after the last large message: grpc frees its own copies of one only

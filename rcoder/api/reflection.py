@@ -5,13 +5,19 @@ describes the services and then meets, on the call itself, ``UNAUTHENTICATED`` s
 one (``rcoder.api.gate``), instead of grpcurl's "target server does not expose service". What
 matters is that calls are refused; naming the RPCs hides nothing the proto does not publish.
 
-A caller without the token costs little (``rcoder.api.open_calls``, shared with health): its
-stream is counted among the calls without a token, its requests are read one at a time across all
-such callers and each is at most ``OPEN_REQUEST_BYTES`` (refused undecoded past it), a stream
+A caller without the token costs little (``rcoder.api.open_calls``): its stream is counted among
+the reflection streams without a token, its requests are read one at a time across all such
+callers and each is at most ``OPEN_REQUEST_BYTES`` (refused undecoded past it), a stream
 carries at most ``OPEN_REQUESTS`` requests and lasts at most ``OPEN_SECONDS``. A stream past a
 bound ends with RESOURCE_EXHAUSTED (``OPEN_CALL_LIMIT``), not logged. A token that is sent and
 wrong is refused (UNAUTHENTICATED), as on every RPC; with the right one (or where no token is set:
 ``open_to_agents``) a stream is not bounded beyond the server's ``max_request_bytes``.
+
+What this cannot bound is the one request being read: grpc's receive limit is the server's
+(``max_request_bytes``, 19 MiB for Chat), not a method's, and grpc takes a message in whole, in
+about three copies, before its size can be seen. ``open_reflection = false`` (``open_to_all``
+False) makes reflection ask the token as every RPC but health does, refused from the metadata
+before anything is read: then no caller without a token makes the daemon read a message.
 
 The handler is registered request-streaming with no deserializer (``handler()``): grpc reads no
 request before these checks ask for it.
@@ -43,10 +49,13 @@ class Reflection(ReflectionServicer):  # type: ignore[misc]
     """Reflection of ``service_names`` for every caller; bounded for a caller without the token
     (see the module's docstring)."""
 
-    def __init__(self, service_names: Sequence[str], token: BearerToken | None, open_calls: OpenCalls) -> None:
+    def __init__(
+        self, service_names: Sequence[str], token: BearerToken | None, open_calls: OpenCalls, open_to_all: bool = True
+    ) -> None:
         super().__init__(service_names)
         self._token = token
         self._open = open_calls
+        self._open_to_all = open_to_all
 
     def handler(self) -> grpc.GenericRpcHandler:
         info = grpc.stream_stream_rpc_method_handler(
@@ -55,7 +64,7 @@ class Reflection(ReflectionServicer):  # type: ignore[misc]
         return grpc.method_handlers_generic_handler(reflection.SERVICE_NAME, {"ServerReflectionInfo": info})
 
     async def _info(self, _: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        if self._token is None or not self._sends_no_token(context):
+        if self._token is None or not self._open_to_all or not self._sends_no_token(context):
             if self._token is not None:
                 try:
                     self._token.check(context)
@@ -64,7 +73,7 @@ class Reflection(ReflectionServicer):  # type: ignore[misc]
             async for response in self.ServerReflectionInfo(_all(context), context):
                 yield response
             return
-        async with self._open.call(context):
+        async with self._open.call(context, "reflection"):
             deadline = asyncio.get_running_loop().time() + OPEN_SECONDS
             async for response in self.ServerReflectionInfo(self._bounded(context, deadline), context):
                 yield response

@@ -64,7 +64,7 @@ class GrpcServer:
     each call refused for want of the token (a metric). ``clients``, ``jwt``: the scoped callers
     besides the admin's ``auth_token`` (``rcoder.api.callers``). ``ended(method, call, code,
     context)``: told as each AgentRunner call ends (``call`` None when it was refused before its
-    caller was known)."""
+    caller was known). ``open_reflection``: reflection served without the token (else it asks it)."""
 
     def __init__(
         self,
@@ -79,6 +79,7 @@ class GrpcServer:
         jwt: Callable[[str], Caller] | None = None,
         ended: CallEnded | None = None,
         open_bounds: OpenBounds | None = None,
+        open_reflection: bool = True,
     ) -> None:
         # checked by each handler before it reads its request (rcoder.api.gate), not by a server
         # interceptor: grpc.aio runs an interceptor chain as coroutines before every call, which a
@@ -102,9 +103,11 @@ class GrpcServer:
         gate = Gate(token, CallLimit(bounds.calls), request_bytes)
         self._server.add_generic_rpc_handlers((_agent_runner_handlers(service, gate, ended),))
         open_calls = OpenCalls(open_bounds)
-        self.health = Health(open_calls)  # open to all: probes carry no token
+        self.health = Health(open_calls, token)  # open to all: probes carry no token
         served = (SERVICE_NAME, HEALTH_NAME, reflection.SERVICE_NAME)
-        self._server.add_generic_rpc_handlers((self.health.handler(), Reflection(served, token, open_calls).handler()))
+        self._server.add_generic_rpc_handlers(
+            (self.health.handler(), Reflection(served, token, open_calls, open_reflection).handler())
+        )
         # asked of the kernel first: grpc would say only "Failed to bind", after a log line of its own
         if (why := why_not_bound(listen)) is not None:
             raise errors.ListenFailed(listen, why)

@@ -15,12 +15,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rcoder import __version__, landlock, tracing
-from rcoder.agent import sandbox
+from rcoder.agent.confinement import sandbox
+from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.pool import AgentPool
-from rcoder.agent.profile import network_of, readiness_of
-from rcoder.agent.tree import MARK, Trees
+from rcoder.agent.processes.tree import MARK, Trees
+from rcoder.agent.profiles.profile import network_of, readiness_of
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
 from rcoder.api.callers import ClientTable, jwt_callers
@@ -34,28 +34,28 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.acp_worker import AcpWorker, WorkerParts
-from rcoder.session.audit import AuditTrail
-from rcoder.session.checkpoint_sharing import CheckpointSharing
-from rcoder.session.checkpoints import Checkpoints
-from rcoder.session.claimed import ClaimedTurns
-from rcoder.session.disk import DiskGuard
-from rcoder.session.erasing import SessionEraser
-from rcoder.session.files import ProjectFiles
-from rcoder.session.forking import SessionForker
-from rcoder.session.history import History
-from rcoder.session.holds import SessionHolds
-from rcoder.session.leases import LeaseKeeper
-from rcoder.session.queries import Queries
-from rcoder.session.queue import TurnQueues
-from rcoder.session.rewinding import SessionRewinder
-from rcoder.session.routing import Router
-from rcoder.session.runs import RunRegistry
-from rcoder.session.signals import SignalListener, SignalSender
-from rcoder.session.spend_guard import SpendGuard
-from rcoder.session.turn import TurnRunner
-from rcoder.session.turn_tasks import TurnTasks
-from rcoder.session.usage_writer import UsageWriter
+from rcoder.session.files.project_files import ProjectFiles
+from rcoder.session.guards.disk import DiskGuard
+from rcoder.session.guards.spend import SpendGuard
+from rcoder.session.guards.usage_writer import UsageWriter
+from rcoder.session.hosts.checkpoint_sharing import CheckpointSharing
+from rcoder.session.hosts.holds import SessionHolds
+from rcoder.session.hosts.leases import LeaseKeeper
+from rcoder.session.hosts.routing import Router
+from rcoder.session.hosts.signals import SignalListener, SignalSender
+from rcoder.session.runs.history import History
+from rcoder.session.runs.run import RunRegistry
+from rcoder.session.sessions.audit import AuditTrail
+from rcoder.session.sessions.erasing import SessionEraser
+from rcoder.session.sessions.forking import SessionForker
+from rcoder.session.sessions.queries import Queries
+from rcoder.session.sessions.rewinding import SessionRewinder
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.intake import IntakeParts, TurnIntake
+from rcoder.session.turns.queue import TurnQueues
+from rcoder.session.turns.runner import TurnRunner
+from rcoder.session.turns.tasks import TurnTasks
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
 from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 
@@ -125,7 +125,7 @@ class Daemon:
         self.holds = SessionHolds(self.pool, self.leases)
         jail = git_jail(settings, self.launcher.trees)
         self.checkpoints = Checkpoints(settings, self.store, self.launcher.trees, jail)  # docs/checkpoints.md
-        self.worker = self._worker(settings)
+        self.intake = self._intake(settings)
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
         if settings.tls_cert:
@@ -145,7 +145,7 @@ class Daemon:
         # cancels and permission answers for an owner that does not answer: through the store
         box = make_signals(self.store)  # None on SQLite: one host needs none
         sender = SignalSender(box, self.store, self.metrics) if box is not None else None
-        self.signals = SignalListener(box, self.worker, self.metrics) if box is not None else None
+        self.signals = SignalListener(box, self.intake, self.metrics) if box is not None else None
         # whether the other hosts share this host's checkpoint_root (docs/design/hosts.md#checkpoint-roots)
         self.checkpoint_sharing = CheckpointSharing(checkpoint_root(settings), settings.checkpoints, self.leases)
         router = Router(
@@ -156,7 +156,7 @@ class Daemon:
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
         self.files = ProjectFiles(settings, self.store, self.runs)  # docs/files.md
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes, self.files),
+            AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,
             auth_token=self.access.token,
             tls=tls,
@@ -175,7 +175,7 @@ class Daemon:
         self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
-    def _worker(self, settings: Settings) -> AcpWorker:
+    def _intake(self, settings: Settings) -> TurnIntake:
         """The turn engine: every part of it built here and handed down, none built by another
         (``tests/test_wiring.py`` keeps it so)."""
         store, pool, runs, metrics = self.store, self.pool, self.runs, self.metrics
@@ -197,7 +197,7 @@ class Daemon:
         queues = TurnQueues(settings.max_queued_turns, runs)
         # kept: the start completes or rolls back a rewind the last daemon left half-way
         self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, claimed, clock)
-        parts = WorkerParts(
+        parts = IntakeParts(
             turns=turns,
             claimed=claimed,
             tasks=tasks,
@@ -206,7 +206,7 @@ class Daemon:
             eraser=SessionEraser(settings, store, self.launcher, pool, runs, claimed, queues, self.checkpoints),
             rewinder=self.rewinder,
         )
-        return AcpWorker(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
+        return TurnIntake(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
 
     def _agent_closed(self, session_id: str) -> None:
         """A session no longer has a live agent here: its lease goes with it."""
@@ -214,11 +214,11 @@ class Daemon:
 
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
-        self.worker.lease_lost(session_id, generation)
+        self.intake.lease_lost(session_id, generation)
 
     def _session_released(self, session_id: str) -> None:
         """The session's running turn let go of it: the first turn queued for it claims it now."""
-        self.worker.next_turn(session_id)
+        self.intake.next_turn(session_id)
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""
@@ -301,7 +301,7 @@ class Daemon:
         every = min(HISTORY_PRUNE_EVERY, max(1.0, keep.total_seconds() / 4))
         while True:
             try:
-                deleted = await self.worker.history.prune(keep)
+                deleted = await self.intake.history.prune(keep)
             except StoreError as exc:
                 log.warning("history_prune_failed", error=exc.message, retry_in=every)
             else:
@@ -384,13 +384,13 @@ class Daemon:
         force = force or asyncio.Event()
         log.info("stopping", shutdown_grace=self.settings.shutdown_grace)
         await self.server.not_serving()
-        self.worker.stop_accepting()
-        drain = asyncio.create_task(self.worker.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
+        self.intake.stop_accepting()
+        drain = asyncio.create_task(self.intake.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
         if force.is_set():
             log.warning("stopping_now")
-            self.worker.kill_agents()
+            self.intake.kill_agents()
         drain.cancel()
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)
@@ -400,7 +400,7 @@ class Daemon:
         if self._checkpoint_sweep is not None:
             self._checkpoint_sweep.cancel()
             await asyncio.gather(self._checkpoint_sweep, return_exceptions=True)
-        await self.worker.aclose()
+        await self.intake.aclose()
         self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()

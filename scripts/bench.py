@@ -44,15 +44,15 @@ from bench_multihost import multihost  # noqa: E402
 from bench_unauth import LARGEST, unauth_flood, unauth_open_flood  # noqa: E402
 from grpc_floor import RawAgent  # noqa: E402
 
-from rcoder.agent.limits import CGROUP_ROOT, Cgroups, Values  # noqa: E402
-from rcoder.agent.process import AgentProcess  # noqa: E402
-from rcoder.agent.sandbox import PYTHON_WRAPPER, Confinement, confinement, wrapper_command  # noqa: E402
+from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, Values  # noqa: E402
+from rcoder.agent.confinement.sandbox import PYTHON_WRAPPER, Confinement, confinement, wrapper_command  # noqa: E402
+from rcoder.agent.processes.process import AgentProcess  # noqa: E402
 from rcoder.config import builtin_profiles, load_settings  # noqa: E402
 from rcoder.daemon import STORE_FILE  # noqa: E402
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry  # noqa: E402
 from rcoder.logs import configure as configure_logs  # noqa: E402
-from rcoder.session.disk import measure as disk_measure  # noqa: E402
-from rcoder.session.disk import walk_size  # noqa: E402
+from rcoder.session.guards.disk import measure as disk_measure  # noqa: E402
+from rcoder.session.guards.disk import walk_size  # noqa: E402
 from rcoder.v1 import agent_runner_pb2 as pb  # noqa: E402
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc  # noqa: E402
 from tests.fakes.model_servers import AnthropicServer, served  # noqa: E402

@@ -1,5 +1,5 @@
 """The checkpoint lines (docs/checkpoints.md), measured on git as the daemon runs it
-(``rcoder.store.checkpoint_repo``, ``rcoder.session.checkpoints``), in milliseconds:
+(``rcoder.store.checkpoint_repo``, ``rcoder.session.turns.checkpoints``), in milliseconds:
 
 - ``checkpoint_first_snapshot_ms``: the first snapshot of a project of ``checkpoint_files`` files
   and ``checkpoint_bytes`` bytes (every file read and stored: the store and index are new);
@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rcoder.agent.tree import Trees
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings, load_settings
 from rcoder.daemon import git_jail
-from rcoder.session.checkpoints import Checkpoints, listed_changes
+from rcoder.session.turns.checkpoints import Checkpoints, listed_changes
 from rcoder.store.checkpoint_repo import CheckpointRepo
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import structlog
 
 from rcoder import landlock
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.profile import promises_of
+from rcoder.agent.profiles.profile import promises_of
 from rcoder.client import RcoderClient
 from rcoder.config import Settings, load_settings
 from rcoder.errors import ConfigError

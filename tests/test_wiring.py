@@ -24,7 +24,7 @@ COMPOSITION_ROOT = PACKAGE / "daemon.py"
 # the classes only the composition root builds
 COLLABORATORS = frozenset(
     {
-        "AcpWorker",
+        "TurnIntake",
         "AgentPool",
         "Checkpoints",
         "ClaimedTurns",

@@ -17,15 +17,15 @@ from acp import schema as acp
 from acp.client.connection import ClientSideConnection
 
 from rcoder import tracing
-from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
-from rcoder.agent.client import AcpClientHandler, EventSink, PermissionDecider
-from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
-from rcoder.agent.kinds import GENERIC, AgentKind
-from rcoder.agent.listing import ListKey, SessionLists
-from rcoder.agent.options import acp_options
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.start_config import AgentStartConfig
-from rcoder.agent.transport import Pace, PipeTransport
+from rcoder.agent.acp.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
+from rcoder.agent.acp.client import AcpClientHandler, EventSink, PermissionDecider
+from rcoder.agent.acp.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
+from rcoder.agent.acp.listing import ListKey, SessionLists
+from rcoder.agent.acp.options import acp_options
+from rcoder.agent.acp.start_config import AgentStartConfig
+from rcoder.agent.acp.transport import Pace, PipeTransport
+from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.profiles.kinds import GENERIC, AgentKind
 from rcoder.domain import (
     OPTION_BOOLEAN,
     OPTION_MODE,
@@ -50,7 +50,7 @@ from rcoder.errors import (
 )
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.agent.connection")
+log = get_logger(__name__)
 T = TypeVar("T")
 
 
@@ -109,7 +109,7 @@ class AgentConnection:
         self._close_lock = asyncio.Lock()
         # what the agent reported its last turn cost, however that turn ended (answered or not)
         self.turn_usage: Usage | None = None
-        # The launcher's session lists (``agent.listing``), told the provider session id after each
+        # The launcher's session lists (``agent.acp.listing``), told the provider session id after each
         # turn, under ``list_key`` (its home and cwd), which the launcher sets once the session is
         # open: the lists are an object below both, held from construction, rather than a callback
         # into the launcher assigned afterwards.
@@ -133,7 +133,7 @@ class AgentConnection:
         return not self._closed and self.process.is_running() and not self._pipe.ended
 
     async def replay_over(self, quiet: float, limit: float) -> str:
-        """Wait until the replay of the ``session/load`` just answered is over (``agent.replay``)."""
+        """Wait until the replay of the ``session/load`` just answered is over (``agent.acp.replay``)."""
         watch = self._handler.replay.watch
         if watch is None:
             return "none"

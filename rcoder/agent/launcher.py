@@ -23,33 +23,35 @@ from acp import schema as acp_schema
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from rcoder import __version__, landlock, tracing
-from rcoder.agent import agent_user, own_delete, ownership
-from rcoder.agent.client import AcpClientHandler
+from rcoder.agent import own_delete
+from rcoder.agent.acp.client import AcpClientHandler
+from rcoder.agent.acp.listing import ListKey, SessionLists, Verdict
+from rcoder.agent.acp.start_config import AgentStartConfig
+from rcoder.agent.acp.transport import PipeTransport
+from rcoder.agent.confinement import agent_user
+from rcoder.agent.confinement.limits import Cgroups, Values
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
-from rcoder.agent.erase import Erased, erase_conversation
-from rcoder.agent.homes import SHARED, Homes
-from rcoder.agent.kinds import OwnDelete, kind_of
-from rcoder.agent.leftovers import forget_instance, record_instance, sweep
-from rcoder.agent.limits import Cgroups, Values
-from rcoder.agent.listing import ListKey, SessionLists, Verdict
+from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.profile import agent_homes, promises_of, sandbox_of
-from rcoder.agent.start_config import AgentStartConfig
-from rcoder.agent.transport import PipeTransport
-from rcoder.agent.tree import Trees
+from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
+from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.processes.tree import Trees
+from rcoder.agent.profiles.erase import Erased, erase_conversation
+from rcoder.agent.profiles.homes import SHARED, Homes
+from rcoder.agent.profiles.kinds import OwnDelete, kind_of
+from rcoder.agent.profiles.profile import agent_homes, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
 from rcoder.errors import AgentProtocolError, ConfigError, SessionGone
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.agent.launcher")
+log = get_logger(__name__)
 
 # the longest a load is deferred for an agent that needs it (Gemini: to the next minute)
 MAX_LOAD_DEFER = 62.0
 # an agent that answers session/load before its replay is out (Gemini): the replay is over
 # once the session's last recorded turn was replayed, or, with none to recognise, once no
-# update came for REPLAY_QUIET seconds; at most REPLAY_SETTLE_MAX (rcoder.agent.replay)
+# update came for REPLAY_QUIET seconds; at most REPLAY_SETTLE_MAX (rcoder.agent.acp.replay)
 REPLAY_QUIET = 0.5
 REPLAY_SETTLE_MAX = 10.0
 
@@ -97,7 +99,7 @@ class AgentLauncher:
 
     async def erase_conversation(self, profile: AgentProfile, cwd: str, provider_session_id: str) -> Erased:
         """Remove the agent's own copy of a conversation from its home here: its files
-        (``rcoder.agent.erase``), or, for a kind with a command of its own for it, by that command
+        (``rcoder.agent.profiles.erase``), or, for a kind with a command of its own for it, by that command
         (``rcoder.agent.own_delete``). The home's session lists are read afresh from now on.
         ``UnsafePath`` on a planted link."""
         home = self.homes.path(profile, cwd)
@@ -284,7 +286,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.list_key = key  # each turn's end marks the session active there (``agent.listing``)
+        connection.list_key = key  # each turn's end marks the session active there (``agent.acp.listing``)
         self.lists.active(key, connection.provider_session_id)
         if method is OpenMethod.META and connection.provider_session_id != config.resume_session_id:
             # the agent ignored _meta.claudeCode.options.resume: this is a new session
@@ -304,7 +306,7 @@ class AgentLauncher:
         self, profile: AgentProfile, connection: AgentConnection, config: AgentStartConfig, key: ListKey
     ) -> str:
         """Why the resume ``config`` asks for is not tried ("" when it is): the profile says
-        never, or the agent's own session list does not have the session (``agent.listing``)."""
+        never, or the agent's own session list does not have the session (``agent.acp.listing``)."""
         if config.resume_method is None:
             return f'profile {profile.name!r} has resume = "none"'
         if not connection.capabilities.session_list:

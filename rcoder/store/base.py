@@ -32,7 +32,7 @@ INTERRUPTED_REASON = "DAEMON_STOPPED"
 
 class EventRow(NamedTuple):
     """One stored event of a run (table ``run_events``): its ids, seq and time, and the event as
-    the session layer encoded it (``session.event_codec``: a kind and a JSON text)."""
+    the session layer encoded it (``session.runs.event_codec``: a kind and a JSON text)."""
 
     session_id: str
     run_id: str

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from rcoder.agent.classify import gone_reason
-from rcoder.agent.kinds import GEMINI_LOAD_MARGIN, KINDS, kind_of
+from rcoder.agent.acp.classify import gone_reason
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.profile import agent_home, model_provider
+from rcoder.agent.profiles.kinds import GEMINI_LOAD_MARGIN, KINDS, kind_of
+from rcoder.agent.profiles.profile import agent_home, model_provider
 from rcoder.config import AGENT_KINDS, AgentProfile, Settings, builtin_profiles, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import ConfigError

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import OpenMethod
 from rcoder.errors import AgentAuthRequired, AgentError, AgentTimeout, AgentUnavailable

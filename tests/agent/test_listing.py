@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from rcoder.agent.acp.listing import SessionLists, Verdict
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.listing import SessionLists, Verdict
-from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import OpenMethod
 from rcoder.errors import AgentProtocolError

@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rcoder.agent.homes import HOME_MARK
-from rcoder.agent.kinds import kind_of
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.profiles.homes import HOME_MARK
+from rcoder.agent.profiles.kinds import kind_of
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import UnsafePath

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.pool import AgentPool
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import AgentLimitReached, ShuttingDown
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
 from tests.conftest import base_settings
 from tests.harness import FakeAgentSetup, write_config
 from tests.processes import CLOSE_BOUND, START_BOUND, drain, ended, reaped

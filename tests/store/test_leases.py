@@ -16,7 +16,7 @@ import pytest
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
 from rcoder.errors import LeaseLost
 from rcoder.metrics import Metrics
-from rcoder.session.leases import RELEASE_TIMEOUT, LeaseKeeper
+from rcoder.session.hosts.leases import RELEASE_TIMEOUT, LeaseKeeper
 from rcoder.store.base import EventRow
 from rcoder.store.cluster import OWNER_LOST, Lease, LocalCoordination, Owner, Taken
 from rcoder.store.pg_cluster import PgCoordination

@@ -484,7 +484,7 @@ class AgentRunnerService(FileRpcs):
                 request.project_id, limit, order, currency, after, projects=call.caller.scope
             )
         except errors.RcoderError as exc:
-            await abort(context, exc)
+            await self._abort(context, exc)
         return pb.ListSessionsResponse(
             sessions=[convert.session(v.record, _SESSION_STATUS[v.status], v.usage) for v in views],
             next_page_token=page_tokens.encode(order, currency, next_after),

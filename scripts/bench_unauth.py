@@ -14,17 +14,13 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
+from bench_common import Bench, Result, chat, judged
 
 from rcoder.v1 import agent_runner_pb2 as pb
 
-if TYPE_CHECKING:
-    from bench import Bench, Result
-
 MIB = 1 << 20
-LARGEST = 19 * MIB  # max_request_bytes' default
 BACK_WITHIN = 10.0  # seconds
 IDLE_SLACK_MB = 10.0
 OPEN_IDLE_SLACK_MB = 40.0  # health and reflection: what glibc and grpc keep of what they freed
@@ -70,7 +66,6 @@ async def _back_to_idle(pid: int, idle: float, slack: float = IDLE_SLACK_MB) -> 
 
 
 async def unauth_flood(bench: Bench) -> Result:
-    from bench import chat, judged
 
     count, size = bench.sizes.unauth_requests, bench.sizes.unauth_bytes
     async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (daemon, stub):
@@ -125,7 +120,6 @@ async def unauth_open_flood(bench: Bench) -> Result:
     """``unauth_open_flood_rss_mb``: health Watch, health Check and reflection requests of the
     largest size at once, without the token (each ``unauth_requests`` times): the daemon reads
     them one at a time and refuses each undecoded (rcoder.api.open_calls)."""
-    from bench import chat, judged
     from grpc_health.v1 import health_pb2
     from grpc_reflection.v1alpha import reflection, reflection_pb2
 

@@ -43,6 +43,7 @@ from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.hosts.routing import Router
 from rcoder.session.hosts.signals import SignalListener, SignalSender
+from rcoder.session.resume.opening import SessionOpener
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import RunRegistry
 from rcoder.session.sessions.audit import AuditTrail
@@ -52,9 +53,12 @@ from rcoder.session.sessions.queries import Queries
 from rcoder.session.sessions.rewinding import SessionRewinder
 from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.ending import TurnEnder
 from rcoder.session.turns.intake import IntakeParts, TurnIntake
+from rcoder.session.turns.permissions import PermissionBroker
 from rcoder.session.turns.queue import TurnQueues
-from rcoder.session.turns.runner import TurnRunner
+from rcoder.session.turns.records import TurnRecords
+from rcoder.session.turns.runner import TurnRunner, TurnSteps
 from rcoder.session.turns.tasks import TurnTasks
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
 from rcoder.store.git_jail import GIT_SYSTEM, GitJail
@@ -109,7 +113,9 @@ class Daemon:
             settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id, lease_ttl=settings.lease_ttl
         )
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
-        self.launcher = AgentLauncher(settings, limits=self.limits)
+        # every process tree the daemon starts (agents, git), marked and ended whole (docs/design/turn.md#the-parts)
+        self.trees = Trees()
+        self.launcher = AgentLauncher(settings, self.trees, limits=self.limits)
         # The registry, the pool and the lease keeper tell the daemon what happened to a session
         # (``_session_released``, ``_agent_closed``, ``_lease_lost``); they never call each other.
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes, on_released=self._session_released)
@@ -123,8 +129,8 @@ class Daemon:
         )
         # The one owner of a session's lease and its live agent here.
         self.holds = SessionHolds(self.pool, self.leases)
-        jail = git_jail(settings, self.launcher.trees)
-        self.checkpoints = Checkpoints(settings, self.store, self.launcher.trees, jail)  # docs/checkpoints.md
+        jail = git_jail(settings, self.trees)
+        self.checkpoints = Checkpoints(settings, self.store, self.trees, jail)  # docs/checkpoints.md
         self.intake = self._intake(settings)
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
@@ -190,9 +196,18 @@ class Daemon:
         spend = SpendGuard(settings, store, clock, claimed)
         # What agents report turns cost, stored as it arrives: a run ended by a crash still counts it.
         usage = UsageWriter(store, clock)
+        # A turn's steps: opening its session, its records in the store, its end, the agent's
+        # permission requests.
+        records = TurnRecords(store, pool, clock)
+        steps = TurnSteps(
+            opener=SessionOpener(settings, store, pool, metrics, self.holds, clock),
+            records=records,
+            ender=TurnEnder(store, pool, runs, metrics, clock, tasks.spawn, history, self.checkpoints, records),
+            permissions=PermissionBroker(settings.permission_timeout),
+        )
         turns = TurnRunner(
-            settings, store, pool, runs, metrics, clock, tasks.spawn, self.holds, history, self.checkpoints, claimed,
-            disk, spend, usage,
+            settings, store, pool, metrics, clock, self.holds, history, self.checkpoints, claimed,
+            disk, spend, usage, steps,
         )  # fmt: skip
         queues = TurnQueues(settings.max_queued_turns, runs)
         # kept: the start completes or rolls back a rewind the last daemon left half-way
@@ -253,7 +268,7 @@ class Daemon:
         self.launcher.ready_for_user()  # after the store made data_dir: its way to the homes opened
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
-        self.launcher.trees.start(asyncio.get_running_loop())
+        self.trees.start(asyncio.get_running_loop())
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()

@@ -72,6 +72,7 @@ class AgentLauncher:
     def __init__(
         self,
         settings: Settings,
+        trees: Trees,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         lists: SessionLists | None = None,
         limits: Cgroups | None = None,
@@ -93,8 +94,9 @@ class AgentLauncher:
         # who agents run as (ConfigError here for an agent_user that cannot be)
         self.user = agent_user.resolve(settings)
         self.homes = Homes(settings, self.user.switch)
-        # every agent's whole tree, marked with this daemon run's instance (recorded for the sweep)
-        self.trees = Trees()
+        # every agent's whole tree, marked with this daemon run's instance (recorded for the sweep);
+        # the daemon's own children (git) are marked there too, so it is the daemon's to build
+        self.trees = trees
         self._instance_recorded = False
 
     async def erase_conversation(self, profile: AgentProfile, cwd: str, provider_session_id: str) -> Erased:
@@ -286,7 +288,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.list_key = key  # each turn's end marks the session active there (``agent.acp.listing``)
+        connection.listed_under(key)  # each turn's end marks the session active there (``agent.acp.listing``)
         self.lists.active(key, connection.provider_session_id)
         if method is OpenMethod.META and connection.provider_session_id != config.resume_session_id:
             # the agent ignored _meta.claudeCode.options.resume: this is a new session
@@ -446,7 +448,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.capabilities = capabilities_from_initialize(init)
+        connection.initialized(capabilities_from_initialize(init))
         self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
         caps = connection.capabilities
         log.info("agent_initialized", agent=profile.name, pid=process.pid, agent_name=caps.agent_name,

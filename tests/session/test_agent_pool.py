@@ -19,6 +19,7 @@ import pytest
 from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
 from rcoder.agent.pool import AgentPool
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import AgentLimitReached, ShuttingDown
@@ -46,7 +47,7 @@ async def make_pool(tmp_path: Path, fake: FakeAgentSetup, agent_requests: AgentR
             **{**base_settings(tmp_path), **top},
         )
         settings = load_settings(config, environ={})
-        pool = AgentPool(settings, AgentLauncher(settings), Metrics())
+        pool = AgentPool(settings, AgentLauncher(settings, Trees()), Metrics())
         pools.append(pool)
         profile = settings.profile("fake")
         assert profile is not None

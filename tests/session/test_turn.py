@@ -19,6 +19,7 @@ import pytest
 
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import AgentProfile, Settings, load_settings
 from rcoder.domain import (
     ChatTurn,
@@ -40,12 +41,15 @@ from rcoder.session.guards.spend import SpendGuard
 from rcoder.session.guards.usage_writer import UsageWriter
 from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.hosts.leases import LeaseKeeper
-from rcoder.session.resume.opening import Action, TurnPlan
+from rcoder.session.resume.opening import Action, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.session.turns.claimed import ClaimedTurns
-from rcoder.session.turns.runner import Phase, TurnRunner
+from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.records import TurnRecords
+from rcoder.session.turns.runner import Phase, TurnRunner, TurnSteps
 from rcoder.store.sqlite import SqliteStore
 from tests.conftest import base_settings
 from tests.harness import FakeAgentSetup, write_config
@@ -142,18 +146,24 @@ async def make_turns(
         store = SqliteStore(tmp_path / "rcoder.db")
         await store.open()
         metrics = Metrics()
-        launcher = AgentLauncher(settings)
+        launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
         tasks = Tasks()
         clock = lambda: datetime.now(UTC)  # noqa: E731
         claimed = ClaimedTurns(settings.cancel_grace, tasks)
+        holds = SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
+        history = History(store, runs, settings.history_max_bytes_per_run, clock)
+        checkpoints = Checkpoints(settings, store, launcher.trees)
+        records = TurnRecords(store, pool, clock)
+        steps = TurnSteps(
+            SessionOpener(settings, store, pool, metrics, holds, clock), records,
+            TurnEnder(store, pool, runs, metrics, clock, tasks, history, checkpoints, records),
+            PermissionBroker(settings.permission_timeout),
+        )  # fmt: skip
         runner = TurnRunner(
-            settings, store, pool, runs, metrics, clock, tasks,
-            SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics)),
-            History(store, runs, settings.history_max_bytes_per_run, clock),
-            Checkpoints(settings, store, launcher.trees), claimed,
-            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock),
+            settings, store, pool, metrics, clock, holds, history, checkpoints, claimed,
+            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock), steps,
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)
         made.append(turns)

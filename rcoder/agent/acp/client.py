@@ -100,6 +100,10 @@ class AcpClientHandler:
 
     # ------------------------------------------------------------ turn control
 
+    def serve(self, session_id: str) -> None:
+        """What the agent says from now on is of ``session_id`` ("" while a new one opens: any)."""
+        self.session_id = session_id
+
     def begin_turn(self, on_event: EventSink, on_permission: PermissionDecider) -> None:
         self._turn = _Turn(on_event, on_permission)
         self.usage.begin_turn()

@@ -108,7 +108,7 @@ class PipeTransport:
         self._last_read = 0
         self._warnings = LogBudget()
         self.fault = ""
-        self.pace: Pace | None = None  # set for a turn (``AgentConnection.prompt``)
+        self._pace: Pace | None = None  # a turn's, while it runs (``pace_by``)
         self._waiting: asyncio.Event | None = None  # what the reader waits for now (``pace``)
 
     # ------------------------------------------------------------ Transport
@@ -141,22 +141,26 @@ class PipeTransport:
                 # the agent is streaming a line at a time: let a few more lines arrive
                 await asyncio.sleep(READ_COALESCE)
             self._streak += 1  # reads since the last message that was not an update
-            if self.pace is not None:
+            if self._pace is not None:
                 await self._wait_for_room()
             await self._fill()
 
     async def _wait_for_room(self) -> None:
         """Read nothing more until the turn has room for it (``pace``; ``unpace`` ends the wait)."""
-        while (pace := self.pace) is not None and (room := pace()) is not None:
+        while (pace := self._pace) is not None and (room := pace()) is not None:
             self._waiting = room
             try:
                 await room.wait()
             finally:
                 self._waiting = None
 
+    def pace_by(self, pace: Pace | None) -> None:
+        """A turn starts (``AgentConnection.prompt``): until ``unpace``, ask ``pace`` before each read."""
+        self._pace = pace
+
     def unpace(self) -> None:
         """The turn is over: read on, whatever it waited for."""
-        self.pace = None
+        self._pace = None
         if self._waiting is not None:
             self._waiting.set()
 

@@ -143,8 +143,7 @@ class History:
     def track(self, run: Run, lease: Lease | None = None) -> None:
         """Store ``run``'s events from now on (before its first event is published), while this
         host holds ``lease`` (None: unfenced)."""
-        if run.stored_seq is None:
-            run.stored_seq = 0
+        run.track_storage()
         self._tracked[run.run_id] = _Tracked(run, lease)
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop(), name="history-flush")

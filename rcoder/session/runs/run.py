@@ -125,6 +125,12 @@ class Run:
         self.started_monotonic = time.monotonic()
         self.last_published = self.started_monotonic  # monotonic, for heartbeats
 
+    def track_storage(self) -> None:
+        """A history stores this run's events from now on (``History.track``): until it says what
+        it stored (``mark_stored``), none is, and trim keeps every event."""
+        if self.stored_seq is None:
+            self.stored_seq = 0
+
     @property
     def last_seq(self) -> int:
         return self._seq

@@ -67,7 +67,7 @@ class TurnRecords:
             await self._store.create_session(record, lease=plan.lease)
             plan.record = record
             if conn is not None:
-                conn.stored_state_version = conn.state_version
+                conn.state_stored(conn.state_version)
         else:
             if body.provider_session_id and plan.record.provider_session_id != body.provider_session_id:
                 # The provider's id is written only from this session's own agent's answer.
@@ -118,7 +118,7 @@ class TurnRecords:
             await self._store.set_session_state(changed, lease=plan.lease)
             plan.record = changed
             self._pool.remember(changed)
-        conn.stored_state_version = version
+        conn.state_stored(version)
 
     async def run_recorded(self, run_id: str) -> bool:
         return await self._store.get_run(run_id) is not None

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -59,7 +60,7 @@ from rcoder.session.guards.usage_writer import UsageWriter
 from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
-from rcoder.session.runs.run import Heartbeats, Run, RunRegistry
+from rcoder.session.runs.run import Heartbeats, Run
 from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.session.turns.claimed import ClaimedTurns
 from rcoder.session.turns.claimed_turn import Answer, ClaimedTurn
@@ -90,7 +91,16 @@ __all__ = ["ClaimedTurn", "Phase", "StopCause", "TurnRunner"]
 log = get_logger(__name__)
 MAX_TRANSCRIPT_TEXT = 1 << 20
 
-Spawn = Callable[[Coroutine[Any, Any, None], str], None]
+
+@dataclass(frozen=True, slots=True)
+class TurnSteps:
+    """What the runner hands a turn's steps to, each built by the daemon: opening its session,
+    its records in the store, its end, and the agent's permission requests."""
+
+    opener: SessionOpener
+    records: TurnRecords
+    ender: TurnEnder
+    permissions: PermissionBroker
 
 
 class TurnRunner:
@@ -99,10 +109,8 @@ class TurnRunner:
         settings: Settings,
         store: SessionStore,
         pool: AgentPool,
-        runs: RunRegistry,
         metrics: Metrics,
         clock: Callable[[], datetime],
-        spawn: Spawn,
         holds: SessionHolds,
         history: History,
         checkpoints: Checkpoints,
@@ -110,6 +118,7 @@ class TurnRunner:
         disk: DiskGuard,
         spend: SpendGuard,
         usage: UsageWriter,
+        steps: TurnSteps,
     ) -> None:
         """Every collaborator is built by the daemon (``rcoder.daemon``). ``claimed`` is where the
         turns this runner drives are registered: the guards and the intake stop a turn through it."""
@@ -122,10 +131,10 @@ class TurnRunner:
         self._clock = clock
         self._holds = holds
         self._claimed = claimed
-        self._opener = SessionOpener(settings, store, pool, metrics, holds, clock)
-        self._records = TurnRecords(store, pool, clock)
-        self._ender = TurnEnder(store, pool, runs, metrics, clock, spawn, history, checkpoints, self._records)
-        self.permissions = PermissionBroker(settings.permission_timeout)
+        self._opener = steps.opener
+        self._records = steps.records
+        self._ender = steps.ender
+        self.permissions = steps.permissions
         # workspace_max_bytes (docs/limits.md#disk): a turn past it is stopped, and the next is refused.
         self.disk = disk
         # [budgets] and max_cost_usd (docs/budgets.md): a turn past one is stopped, and the next is refused.

@@ -81,10 +81,14 @@ class ClaimedTurns:
             log.info("run_cancel_requested", run_id=run_id, phase=scope.phase.value,
                      cause=cause.error_reason if cause is not None else None)  # fmt: skip
         for action in actions:
-            if isinstance(action, CancelOpening) and scope.opening is not None:
-                scope.opening.cancel()
-            elif isinstance(action, AskAgentToStop):
-                self._ask_agent_to_stop(scope)
+            match action:
+                case CancelOpening():
+                    if scope.opening is not None:  # None: the opening has no task (a live agent)
+                        scope.opening.cancel()
+                case AskAgentToStop():
+                    self._ask_agent_to_stop(scope)
+                case _:
+                    raise AssertionError(f"{action} does not follow a cancel")
         return True
 
     def lease_lost(self, run_id: str, generation: int) -> None:
@@ -95,9 +99,13 @@ class ClaimedTurns:
         if scope is None:
             return
         for action in scope.machine.handle(LeaseGone(scope.plan.session_id, generation)):
-            if isinstance(action, CancelOpening) and scope.opening is not None:
-                log.warning("run_opening_lease_lost", run_id=run_id, generation=generation)
-                scope.opening.cancel()
+            match action:
+                case CancelOpening():
+                    if scope.opening is not None:
+                        log.warning("run_opening_lease_lost", run_id=run_id, generation=generation)
+                        scope.opening.cancel()
+                case _:
+                    raise AssertionError(f"{action} does not follow a lost lease")
 
     def _ask_agent_to_stop(self, scope: ClaimedTurn) -> None:
         """``session/cancel`` now; the agent's group is ended after ``cancel_grace``."""

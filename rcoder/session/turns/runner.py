@@ -74,6 +74,7 @@ from rcoder.session.turns.messages import (
     OpeningCancelled,
     Phase,
     PromptSent,
+    Propagate,
     SessionOpened,
     Started,
     StartRecording,
@@ -270,10 +271,19 @@ class TurnRunner:
         await prompting
 
     def _step(self, scope: ClaimedTurn, event: Event) -> None:
-        """A step that begins work: the machine refuses it when a cancel came first."""
+        """Tell the machine what the turn's work did, and perform what it says: a step that
+        begins work is abandoned when a cancel came first (its error raised); a cancelled opening
+        that no cancel or lost lease explains goes on being cancelled (``Propagate``: the caller
+        raises it on). Nothing else follows the events the runner tells (the end's are the
+        ender's): any other action is a bug, never dropped."""
         for action in scope.machine.handle(event):
-            if isinstance(action, Abandon):
-                raise action.error
+            match action:
+                case Abandon(error=error):
+                    raise error
+                case Propagate():
+                    pass
+                case _:
+                    raise AssertionError(f"{action} does not follow {event} in the runner")
 
     async def _open(self, scope: ClaimedTurn) -> Opened:
         """Open the session in a task of its own, so that a cancel can stop just that (a live
@@ -309,7 +319,7 @@ class TurnRunner:
                 scope.opening = None
         scope.conn = opened.connection
         # A cancel that came while the session opened keeps the prompt from being sent.
-        scope.machine.handle(SessionOpened())
+        self._step(scope, SessionOpened())
         return opened
 
     async def _start(self, scope: ClaimedTurn, body: RunStarted) -> None:
@@ -318,10 +328,10 @@ class TurnRunner:
         # Awaited in this task, with no hop: the store's point writes run inline, and a write it
         # hands to its worker thread is finished even if this task is cancelled meanwhile
         # (``SqliteStore._call``).
-        scope.machine.handle(StartRecording())
+        self._step(scope, StartRecording())
         await self._records.record_start(scope.plan, body, scope.conn, scope.checkpoint)
         self._usage.recorded(scope.run.run_id, scope.plan.lease)  # its usage may be written from now on
-        scope.machine.handle(Started())
+        self._step(scope, Started())
         self._ender.publish_started(scope)
 
     async def _replan(self, scope: ClaimedTurn) -> None:

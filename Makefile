@@ -52,11 +52,11 @@ $(TOOLS_STAMP): tools/package.json tools/package-lock.json
 
 tools: $(TOOLS_STAMP)
 
-## the exec wrapper in C (rcoder/agent/confine.c), static: what agents that confine themselves in their
+## the exec wrapper in C (rcoder/agent/confinement/confine.c), static: what agents that confine themselves in their
 ## own process (generic profiles, OpenCode) start through, a bare exec instead of a Python start-up.
 ## Without a C compiler it is left out, and they start through `python -I -S landlock.py` instead
-CONFINE_HELPER := rcoder/agent/rcoder-confine
-$(CONFINE_HELPER): rcoder/agent/confine.c
+CONFINE_HELPER := rcoder/agent/confinement/rcoder-confine
+$(CONFINE_HELPER): rcoder/agent/confinement/confine.c
 	@if command -v $(CC) >/dev/null; then \
 		$(CC) -O2 -s -static -Wall -Wextra -Werror -o $@.tmp $< && mv $@.tmp $@; \
 	else \

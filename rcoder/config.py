@@ -66,7 +66,7 @@ KIND_KEY_VARIABLES = {
     "codex": "OPENAI_API_KEY",
     "gemini": "GEMINI_API_KEY",
 }
-# What rcoder knows how to set up (profile key ``kind``; rcoder/agent/kinds.py).
+# What rcoder knows how to set up (profile key ``kind``; rcoder/agent/profiles/kinds.py).
 KindName = Literal["generic", "claude", "claude-legacy", "codex", "gemini", "opencode"]
 AGENT_KINDS: tuple[str, ...] = get_args(KindName)
 DEFAULT_DATA_DIR = Path(".rcoder")
@@ -330,7 +330,7 @@ class SettingsKeys(_Schema):
     """the iss a JWT must carry (required with jwks_file)"""
     jwt_audience: str = ""
     """the aud a JWT must carry (required with jwks_file)"""
-    # who agents run as where the daemon can switch uid (rcoder.agent.agent_user): a user name, or
+    # who agents run as where the daemon can switch uid (rcoder.agent.confinement.agent_user): a user name, or
     # "UID:GID"; "" runs them as the daemon's user
     agent_user: AgentUserName = "rcoder-agent"
     """who agents run as where the daemon can switch uid: a user, "UID:GID", or "" (the daemon's

@@ -135,9 +135,9 @@ def _memory_size(size: int) -> int:
 
 # bytes: 1073741824, or "1GiB" (parse_bytes)
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
-# a memory limit: a ByteSize of at least 1 MiB (rcoder.agent.limits)
+# a memory limit: a ByteSize of at least 1 MiB (rcoder.agent.confinement.limits)
 MemorySize = Annotated[int, BeforeValidator(parse_bytes), AfterValidator(_memory_size)]
-# a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.agent_user
+# a user name (a passwd entry), "UID:GID", or "" (agents as the daemon's user): rcoder.agent.confinement.agent_user
 AgentUserName = Annotated[str, AfterValidator(_agent_user)]
 ProjectPattern = Annotated[str, AfterValidator(check_project_pattern)]
 TokenDigest = Annotated[str, AfterValidator(_token_digest)]

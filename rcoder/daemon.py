@@ -15,12 +15,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rcoder import __version__, landlock, tracing
-from rcoder.agent import sandbox
+from rcoder.agent.confinement import sandbox
+from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.pool import AgentPool
-from rcoder.agent.profile import network_of, readiness_of
-from rcoder.agent.tree import MARK, Trees
+from rcoder.agent.processes.tree import MARK, Trees
+from rcoder.agent.profiles.profile import network_of, readiness_of
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
 from rcoder.api.callers import ClientTable, jwt_callers
@@ -34,28 +34,32 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.acp_worker import AcpWorker, WorkerParts
-from rcoder.session.audit import AuditTrail
-from rcoder.session.checkpoint_sharing import CheckpointSharing
-from rcoder.session.checkpoints import Checkpoints
-from rcoder.session.claimed import ClaimedTurns
-from rcoder.session.disk import DiskGuard
-from rcoder.session.erasing import SessionEraser
-from rcoder.session.files import ProjectFiles
-from rcoder.session.forking import SessionForker
-from rcoder.session.history import History
-from rcoder.session.holds import SessionHolds
-from rcoder.session.leases import LeaseKeeper
-from rcoder.session.queries import Queries
-from rcoder.session.queue import TurnQueues
-from rcoder.session.rewinding import SessionRewinder
-from rcoder.session.routing import Router
-from rcoder.session.runs import RunRegistry
-from rcoder.session.signals import SignalListener, SignalSender
-from rcoder.session.spend_guard import SpendGuard
-from rcoder.session.turn import TurnRunner
-from rcoder.session.turn_tasks import TurnTasks
-from rcoder.session.usage_writer import UsageWriter
+from rcoder.session.files.project_files import ProjectFiles
+from rcoder.session.guards.disk import DiskGuard
+from rcoder.session.guards.spend import SpendGuard
+from rcoder.session.guards.usage_writer import UsageWriter
+from rcoder.session.hosts.checkpoint_sharing import CheckpointSharing
+from rcoder.session.hosts.holds import SessionHolds
+from rcoder.session.hosts.leases import LeaseKeeper
+from rcoder.session.hosts.routing import Router
+from rcoder.session.hosts.signals import SignalListener, SignalSender
+from rcoder.session.resume.opening import SessionOpener
+from rcoder.session.runs.history import History
+from rcoder.session.runs.run import RunRegistry
+from rcoder.session.sessions.audit import AuditTrail
+from rcoder.session.sessions.erasing import SessionEraser
+from rcoder.session.sessions.forking import SessionForker
+from rcoder.session.sessions.queries import Queries
+from rcoder.session.sessions.rewinding import SessionRewinder
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.intake import IntakeParts, TurnIntake
+from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.queue import TurnQueues
+from rcoder.session.turns.records import TurnRecords
+from rcoder.session.turns.runner import TurnRunner, TurnSteps
+from rcoder.session.turns.tasks import TurnTasks
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
 from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 
@@ -109,7 +113,9 @@ class Daemon:
             settings.store_url, settings.data_dir / STORE_FILE, host_id=self.host_id, lease_ttl=settings.lease_ttl
         )
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
-        self.launcher = AgentLauncher(settings, limits=self.limits)
+        # every process tree the daemon starts (agents, git), marked and ended whole (docs/design/turn.md#the-parts)
+        self.trees = Trees()
+        self.launcher = AgentLauncher(settings, self.trees, limits=self.limits)
         # The registry, the pool and the lease keeper tell the daemon what happened to a session
         # (``_session_released``, ``_agent_closed``, ``_lease_lost``); they never call each other.
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes, on_released=self._session_released)
@@ -123,9 +129,9 @@ class Daemon:
         )
         # The one owner of a session's lease and its live agent here.
         self.holds = SessionHolds(self.pool, self.leases)
-        jail = git_jail(settings, self.launcher.trees)
-        self.checkpoints = Checkpoints(settings, self.store, self.launcher.trees, jail)  # docs/checkpoints.md
-        self.worker = self._worker(settings)
+        jail = git_jail(settings, self.trees)
+        self.checkpoints = Checkpoints(settings, self.store, self.trees, jail)  # docs/checkpoints.md
+        self.intake = self._intake(settings)
         queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
         tls = None
         if settings.tls_cert:
@@ -145,7 +151,7 @@ class Daemon:
         # cancels and permission answers for an owner that does not answer: through the store
         box = make_signals(self.store)  # None on SQLite: one host needs none
         sender = SignalSender(box, self.store, self.metrics) if box is not None else None
-        self.signals = SignalListener(box, self.worker, self.metrics) if box is not None else None
+        self.signals = SignalListener(box, self.intake, self.metrics) if box is not None else None
         # whether the other hosts share this host's checkpoint_root (docs/design/hosts.md#checkpoint-roots)
         self.checkpoint_sharing = CheckpointSharing(checkpoint_root(settings), settings.checkpoints, self.leases)
         router = Router(
@@ -156,7 +162,7 @@ class Daemon:
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
         self.files = ProjectFiles(settings, self.store, self.runs)  # docs/files.md
         self.server = GrpcServer(
-            AgentRunnerService(self.worker, queries, routes, self.files),
+            AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,
             auth_token=self.access.token,
             tls=tls,
@@ -176,7 +182,7 @@ class Daemon:
         self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
-    def _worker(self, settings: Settings) -> AcpWorker:
+    def _intake(self, settings: Settings) -> TurnIntake:
         """The turn engine: every part of it built here and handed down, none built by another
         (``tests/test_wiring.py`` keeps it so)."""
         store, pool, runs, metrics = self.store, self.pool, self.runs, self.metrics
@@ -191,14 +197,23 @@ class Daemon:
         spend = SpendGuard(settings, store, clock, claimed)
         # What agents report turns cost, stored as it arrives: a run ended by a crash still counts it.
         usage = UsageWriter(store, clock)
+        # A turn's steps: opening its session, its records in the store, its end, the agent's
+        # permission requests.
+        records = TurnRecords(store, pool, clock)
+        steps = TurnSteps(
+            opener=SessionOpener(settings, store, pool, metrics, self.holds, clock),
+            records=records,
+            ender=TurnEnder(store, pool, runs, metrics, clock, tasks.spawn, history, self.checkpoints, records),
+            permissions=PermissionBroker(settings.permission_timeout),
+        )
         turns = TurnRunner(
-            settings, store, pool, runs, metrics, clock, tasks.spawn, self.holds, history, self.checkpoints, claimed,
-            disk, spend, usage,
+            settings, store, pool, metrics, clock, self.holds, history, self.checkpoints, claimed,
+            disk, spend, usage, steps,
         )  # fmt: skip
         queues = TurnQueues(settings.max_queued_turns, runs)
         # kept: the start completes or rolls back a rewind the last daemon left half-way
         self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, claimed, clock)
-        parts = WorkerParts(
+        parts = IntakeParts(
             turns=turns,
             claimed=claimed,
             tasks=tasks,
@@ -207,7 +222,7 @@ class Daemon:
             eraser=SessionEraser(settings, store, self.launcher, pool, runs, claimed, queues, self.checkpoints),
             rewinder=self.rewinder,
         )
-        return AcpWorker(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
+        return TurnIntake(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
 
     def _agent_closed(self, session_id: str) -> None:
         """A session no longer has a live agent here: its lease goes with it."""
@@ -215,11 +230,11 @@ class Daemon:
 
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
-        self.worker.lease_lost(session_id, generation)
+        self.intake.lease_lost(session_id, generation)
 
     def _session_released(self, session_id: str) -> None:
         """The session's running turn let go of it: the first turn queued for it claims it now."""
-        self.worker.next_turn(session_id)
+        self.intake.next_turn(session_id)
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""
@@ -254,7 +269,7 @@ class Daemon:
         self.launcher.ready_for_user()  # after the store made data_dir: its way to the homes opened
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
-        self.launcher.trees.start(asyncio.get_running_loop())
+        self.trees.start(asyncio.get_running_loop())
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()
@@ -302,7 +317,7 @@ class Daemon:
         every = min(HISTORY_PRUNE_EVERY, max(1.0, keep.total_seconds() / 4))
         while True:
             try:
-                deleted = await self.worker.history.prune(keep)
+                deleted = await self.intake.history.prune(keep)
             except StoreError as exc:
                 log.warning("history_prune_failed", error=exc.message, retry_in=every)
             else:
@@ -385,13 +400,13 @@ class Daemon:
         force = force or asyncio.Event()
         log.info("stopping", shutdown_grace=self.settings.shutdown_grace)
         await self.server.not_serving()
-        self.worker.stop_accepting()
-        drain = asyncio.create_task(self.worker.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
+        self.intake.stop_accepting()
+        drain = asyncio.create_task(self.intake.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
         if force.is_set():
             log.warning("stopping_now")
-            self.worker.kill_agents()
+            self.intake.kill_agents()
         drain.cancel()
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)
@@ -401,7 +416,7 @@ class Daemon:
         if self._checkpoint_sweep is not None:
             self._checkpoint_sweep.cancel()
             await asyncio.gather(self._checkpoint_sweep, return_exceptions=True)
-        await self.worker.aclose()
+        await self.intake.aclose()
         self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()

@@ -2,7 +2,7 @@
 
 Two daemons on one ``data_dir`` would share its SQLite store, agent homes and the records of
 agents left by a killed daemon: the second one's start would end the first one's live agents as
-leftovers (``rcoder.agent.leftovers``). So the lock is taken before anything in ``data_dir`` is
+leftovers (``rcoder.agent.processes.leftovers``). So the lock is taken before anything in ``data_dir`` is
 read or written, and a daemon that cannot take it stops, naming the one that holds it
 (docs/operating.md#one-daemon-per-data_dir).
 

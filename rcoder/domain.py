@@ -1,7 +1,7 @@
 """Plain types shared by every layer: ids, run events, outcomes. Stdlib only.
 
 Protocol types (protobuf, ACP) never cross into the core; converters at the
-edges (``api/convert.py``, ``agent/client.py``) map them to these.
+edges (``api/convert.py``, ``agent/acp/client.py``) map them to these.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class AvailableCommands:
 # names its kind in ``EVENT_KIND``. The store keeps that name next to the event's body, so a kind
 # must never be renamed. The protobuf ``ChatStream`` gives each kind a field of its ``event`` oneof by
 # the same name; the text chunk alone is two fields there, ``agent_message`` and ``agent_thought``.
-# The storage codec (``session/event_codec.py``) is derived from these types, and a test
+# The storage codec (``session/runs/event_codec.py``) is derived from these types, and a test
 # (``tests/test_event_forms.py``) checks that the protobuf, ``api/convert.py`` and the Python
 # client's types (``client/events.py``) carry every kind and field. Adding a kind means adding its
 # type here and to ``RunEventBody``, then those three.
@@ -397,7 +397,7 @@ GAP_HISTORY_CUT = "history_max_bytes_per_run"  # RunGap.reason: the stored histo
 class RunGap:
     """Events ``from_seq``..``to_seq`` of the run are not in this stream (``reason`` says why);
     the event carrying it has seq ``to_seq``. ``to_seq`` 0: not known yet (stored at the cut, it is
-    closed by the next stored event, see ``session.history``)."""
+    closed by the next stored event, see ``session.runs.history``)."""
 
     EVENT_KIND: ClassVar[str] = "gap"
 

@@ -12,7 +12,7 @@ atomically), so a new process resumes or loads what an earlier one created.
     python -m rcoder.echo_agent --state-dir DIR
 
 The built-in ``echo`` profile runs it with ``DIR = <data_dir>/agents/echo``. It
-imports nothing of rcoder's but the SDK's quick import (``rcoder.agent.sdk``): it is an agent
+imports nothing of rcoder's but the SDK's quick import (``rcoder.agent.acp.sdk``): it is an agent
 like any other, not part of the daemon.
 """
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from rcoder.agent.sdk import import_acp
+from rcoder.agent.acp.sdk import import_acp
 
-import_acp()  # the SDK imported quickly (rcoder/agent/sdk.py): ~0.7 s less CPU per agent start
+import_acp()  # the SDK imported quickly (rcoder/agent/acp/sdk.py): ~0.7 s less CPU per agent start
 
 # isort: split
 from acp import (  # noqa: E402

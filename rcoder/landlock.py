@@ -1,10 +1,10 @@
 """Linux Landlock by hand: the kernel's three system calls through ctypes, standard library only.
 
 Three uses. The daemon asks ``abi()`` which Landlock ABI the kernel offers (0: none). A thread
-of the daemon confines itself with ``apply()`` before it starts an agent (``rcoder.agent.confined``;
+of the daemon confines itself with ``apply()`` before it starts an agent (``rcoder.agent.processes.confined``;
 Landlock confines a thread and what it starts). And where that cannot do (an agent that needs
 its own ``/proc/<pid>``, or no ``setpriv`` for its death signal), an agent is started through
-an exec wrapper: ``rcoder/agent/confine.c`` built by ``make`` (the same steps in C, a bare
+an exec wrapper: ``rcoder/agent/confinement/confine.c`` built by ``make`` (the same steps in C, a bare
 exec), or where it is not built this file run as a script::
 
     python -I -S -B landlock.py [--parent PID] [--user UID:GID] [--cap NAME]...
@@ -15,7 +15,7 @@ which, in the new process and before the agent's program runs, builds a Landlock
 empties the capability bounding set but for the ``--cap`` ones (``CAPABILITIES``: what a
 confined git of the checkpoints may keep; none for an agent) and clears the ambient set,
 switches to ``UID`` and ``GID`` with no supplementary groups when given
-(``rcoder.agent.agent_user``), sets ``PR_SET_PDEATHSIG=SIGKILL`` (after the switch, which clears
+(``rcoder.agent.confinement.agent_user``), sets ``PR_SET_PDEATHSIG=SIGKILL`` (after the switch, which clears
 it; and exits if ``PID``, the daemon, is already gone) — the ruleset's ``--read``
 paths readable and executable, ``--write`` paths readable and writable (never making a device
 node or a device ioctl), nothing else on the file system; from ABI 4 TCP ``connect()`` only to
@@ -398,7 +398,7 @@ def apply(argv: list[str], thread: bool = False) -> list[str]:
     the command they name. Raises ``OSError`` or ``ValueError``.
 
     The one implementation of "confine": the wrapper runs it in the process that becomes the
-    agent, ``rcoder.agent.confined`` (through ``ruleset_of``) in a thread that then starts the
+    agent, ``rcoder.agent.processes.confined`` (through ``ruleset_of``) in a thread that then starts the
     agent (``thread``; it never switches uid)."""
     parent, user, keep = parse(argv)[0], user_of(argv), kept_of(argv)
     # the rules are bound as the daemon's uid, as a confining thread binds them: the agent's uid

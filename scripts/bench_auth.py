@@ -16,14 +16,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from bench_common import Bench, Result, judged
 
 from rcoder.api.callers import ClientTable, jwt_callers
 from rcoder.api.gate import BearerToken
 from rcoder.config import ClientKeys
-
-if TYPE_CHECKING:
-    from bench import Bench, Result
 
 CLIENTS = 1000
 ROUNDS = 20000
@@ -71,8 +70,6 @@ def _jwt_setup(folder: Path) -> tuple[str, str]:
 
 
 async def auth_check(bench: Bench) -> list[Result]:
-    from bench import judged
-
     clients = [
         ClientKeys(name=f"tenant-{n}", token_sha256=hashlib.sha256(f"token-{n}".encode()).hexdigest(),
                    projects=(f"tenant-{n}-*",), role="operator")

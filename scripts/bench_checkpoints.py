@@ -1,5 +1,5 @@
 """The checkpoint lines (docs/checkpoints.md), measured on git as the daemon runs it
-(``rcoder.store.checkpoint_repo``, ``rcoder.session.checkpoints``), in milliseconds:
+(``rcoder.store.checkpoint_repo``, ``rcoder.session.turns.checkpoints``), in milliseconds:
 
 - ``checkpoint_first_snapshot_ms``: the first snapshot of a project of ``checkpoint_files`` files
   and ``checkpoint_bytes`` bytes (every file read and stored: the store and index are new);
@@ -27,16 +27,14 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from rcoder.agent.tree import Trees
+from bench_common import Bench, Result, judged
+
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings, load_settings
 from rcoder.daemon import git_jail
-from rcoder.session.checkpoints import Checkpoints, listed_changes
+from rcoder.session.turns.checkpoints import Checkpoints, listed_changes
 from rcoder.store.checkpoint_repo import CheckpointRepo
-
-if TYPE_CHECKING:
-    from bench import Bench, Result
 
 TURN_START_FILES = 1000
 END_CHANGED_FILES = 5000  # checkpoint_turn_end_wait_ms: the files a turn rewrites
@@ -61,7 +59,6 @@ def make_project(root: Path, files: int, total_bytes: int) -> None:
 
 
 async def checkpoints(bench: Bench) -> list[Result]:
-    from bench import judged
 
     sizes = bench.sizes
     files, total = sizes.checkpoint_files, sizes.checkpoint_bytes
@@ -99,7 +96,6 @@ async def checkpoints(bench: Bench) -> list[Result]:
 
 
 async def large_project(bench: Bench, reps: int) -> list[Result]:
-    from bench import judged
 
     files, total = bench.sizes.checkpoint_large_files, bench.sizes.checkpoint_large_bytes
     changed = min(END_CHANGED_FILES, files // 4)
@@ -135,7 +131,6 @@ async def large_project(bench: Bench, reps: int) -> list[Result]:
 
 
 async def turn_start(bench: Bench, reps: int) -> Result:
-    from bench import judged
 
     project = bench.workspace / "checkpoint-turns"
     make_project(project, TURN_START_FILES, TURN_START_FILES * 2000)

@@ -35,16 +35,15 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rcoder.v1 import agent_runner_pb2 as pb
+from bench_common import Bench, Result, judged
 
-if TYPE_CHECKING:
-    from bench import Bench, Result
+from rcoder.v1 import agent_runner_pb2 as pb
 
 CHUNK = 1 << 20
 RAW_METHOD = "/bench.Raw/Read"
@@ -117,7 +116,6 @@ async def _daemon_read(stub: Any, path: str) -> tuple[int, str]:
 
 
 async def read_file(bench: Bench) -> Result:
-    from bench import judged
 
     size = bench.sizes.read_file_bytes
     folder = bench.workspace / PROJECT
@@ -166,7 +164,6 @@ def _fill(folder: Path, count: int) -> None:
 
 
 async def files_fair(bench: Bench) -> list[Result]:
-    from bench import judged
 
     count = bench.sizes.huge_folder_files
     await asyncio.to_thread(_fill, bench.workspace / "files-huge" / "many", count)

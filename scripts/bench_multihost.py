@@ -15,18 +15,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
+from bench_common import LIVE_PER_COLD, Bench, Result, Sizes, chat, judged, median, paired_ratio
 from google.rpc import error_details_pb2, status_pb2
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 from tests.harness import Daemon
 from tests.pg import PgCluster
-
-if TYPE_CHECKING:
-    from bench import Bench, Result
 
 LEASE_TTL = 2.0
 
@@ -75,7 +73,6 @@ def _retry_delay(exc: grpc.aio.AioRpcError) -> float | None:
 
 
 async def forwarded_ratio(bench: Bench, url: str, prompt: str, name: str, target: str) -> Result:
-    from bench import LIVE_PER_COLD, chat, judged, median, paired_ratio
 
     owner_times: list[float] = []
     forwarded_times: list[float] = []
@@ -98,7 +95,6 @@ async def forwarded_ratio(bench: Bench, url: str, prompt: str, name: str, target
 
 
 async def failover_time(bench: Bench, url: str) -> Result:
-    from bench import chat, judged
 
     async with hosts(bench, url, 2) as ((owner_daemon, owner), (_, other)):
         sid = (await chat(owner, "stream 1")).session_id
@@ -125,7 +121,6 @@ async def failover_time(bench: Bench, url: str) -> Result:
 
 
 async def throughput(bench: Bench, url: str, sessions: int) -> Result:
-    from bench import Result, chat
 
     async def rate(stubs: list[pb_grpc.AgentRunnerStub]) -> float:
         ids = await asyncio.gather(*(chat(stubs[n % len(stubs)], "stream 1") for n in range(sessions)))
@@ -148,7 +143,6 @@ async def throughput(bench: Bench, url: str, sessions: int) -> Result:
 
 
 async def multihost(bench: Bench) -> list[Result]:
-    from bench import Sizes
 
     cluster = PgCluster.create()  # on this thread: the server dies with the thread that started it
     try:

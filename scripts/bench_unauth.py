@@ -17,17 +17,14 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
+from bench_common import Bench, Result, chat, judged
 
 from rcoder.v1 import agent_runner_pb2 as pb
 
-if TYPE_CHECKING:
-    from bench import Bench, Result
-
 MIB = 1 << 20
-LARGEST = 19 * MIB  # max_request_bytes' default
 BACK_WITHIN = 10.0  # seconds
 IDLE_SLACK_MB = 10.0
 OPEN_IDLE_SLACK_MB = 40.0  # health and reflection: what glibc and grpc keep of what they freed
@@ -73,7 +70,6 @@ async def _back_to_idle(pid: int, idle: float, slack: float = IDLE_SLACK_MB) -> 
 
 
 async def unauth_flood(bench: Bench) -> Result:
-    from bench import chat, judged
 
     count, size = bench.sizes.unauth_requests, bench.sizes.unauth_bytes
     async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (daemon, stub):
@@ -134,7 +130,6 @@ async def _open_call(address: str, method: str, payload: bytes, timeout: float =
 async def _open_flood(bench: Bench, calls: list[tuple[str, bytes, float]]) -> tuple[list[str], dict[str, Any], bool]:
     """``calls`` (method, request, timeout) all at once without the token, each ``unauth_requests``
     times: their statuses, the daemon's memory figures, and whether it was back to idle in time."""
-    from bench import chat
 
     count = bench.sizes.unauth_requests
     async with bench.daemon(bench.config({"fake": bench.fake_profile()})) as (daemon, stub):
@@ -172,7 +167,6 @@ async def unauth_health_flood(bench: Bench) -> Result:
     """``unauth_health_flood_rss_mb``: health Watch and Check requests of the largest size at once,
     without the token (each ``unauth_requests`` times): the daemon answers each about itself
     without reading it (rcoder.api.health), so each stream holds at most grpc's 64 KiB window."""
-    from bench import judged
     from grpc_health.v1 import health_pb2
 
     size = bench.sizes.unauth_bytes - 1024
@@ -199,7 +193,6 @@ async def unauth_reflection_flood(bench: Bench) -> Result:
     """``unauth_reflection_flood_rss_mb``: reflection requests of the largest size at once, without
     the token (``unauth_requests`` of them): the daemon reads them one at a time and refuses each
     undecoded (rcoder.api.open_calls); the one message being read is the floor."""
-    from bench import judged
     from grpc_reflection.v1alpha import reflection, reflection_pb2
 
     size = bench.sizes.unauth_bytes - 1024

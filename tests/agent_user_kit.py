@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rcoder.agent.ownership import blocked
+from rcoder.agent.files.ownership import blocked
 from tests.harness import FAKE_AGENT, FAKE_AGENT_READS, ROOT, FakeAgentSetup
 
 AGENT_UID = AGENT_GID = 64123
@@ -30,7 +30,7 @@ AGENT_USER = f"{AGENT_UID}:{AGENT_GID}"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 # what the fake agent imports, as checked below; its own script and rcoder's package besides
 _IMPORTS = (
-    "import sys\nfrom rcoder.agent.sdk import import_acp\nimport_acp()\n"
+    "import sys\nfrom rcoder.agent.acp.sdk import import_acp\nimport_acp()\n"
     "import acp, acp.schema, acp.helpers, acp.connection, acp.core\n"
 )
 

@@ -33,7 +33,7 @@ from rcoder.v1 import agent_runner_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_AGENT = ROOT / "tests" / "fakes" / "fake_agent.py"
 # what a confined fake agent reads: its script, and rcoder's package for the SDK's quick import
-# (rcoder.agent.sdk), which its first lines make
+# (rcoder.agent.acp.sdk), which its first lines make
 FAKE_AGENT_READS = (str(FAKE_AGENT.parent), str(ROOT / "rcoder"))
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 30.0

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.sandbox import HELPER, PYTHON_WRAPPER, SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.confinement.sandbox import HELPER, PYTHON_WRAPPER, SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.processes.process import AgentProcess
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, text_of

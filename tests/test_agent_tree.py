@@ -1,6 +1,6 @@
 """Every process an agent starts ends with it: what left its process group with ``setsid``, a double
 fork, ``nohup`` or as a daemon is ended when the session closes or is deleted, when the agent exits,
-when the daemon stops, and by the sweep at the next start after a killed daemon (rcoder.agent.tree)."""
+when the daemon stops, and by the sweep at the next start after a killed daemon (rcoder.agent.processes.tree)."""
 
 from __future__ import annotations
 

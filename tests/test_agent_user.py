@@ -1,4 +1,4 @@
-"""Agents run as a uid of their own (``agent_user``, rcoder.agent.agent_user) where the daemon can
+"""Agents run as a uid of their own (``agent_user``, rcoder.agent.confinement.agent_user) where the daemon can
 switch (root here): then the kernel's file modes and ``/proc`` keep the store, the token file and
 the daemon from them even with Landlock's rules aside (``sandbox = "none"``); where it cannot, or
 the default user does not exist, agents run as the daemon's user and the log and ListAgents say
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from rcoder.agent.agent_user import DEFAULT, can_switch, resolve, resolve_value
+from rcoder.agent.confinement.agent_user import DEFAULT, can_switch, resolve, resolve_value
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb

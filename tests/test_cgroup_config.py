@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.limits import Cgroups, Mechanism, Values, _self_and_ancestors, check_limits, subtree_name
+from rcoder.agent.confinement.limits import Cgroups, Mechanism, Values, _self_and_ancestors, check_limits, subtree_name
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.limits import CGROUP_ROOT, V1_HIERARCHIES, Cgroups, subtree_name
+from rcoder.agent.confinement.limits import CGROUP_ROOT, V1_HIERARCHIES, Cgroups, subtree_name
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
 from tests.harness import FakeAgentSetup, completed, eventually, processes_mentioning, started, text_of

@@ -14,7 +14,7 @@ import pytest
 
 from rcoder.config import Settings, load_settings
 from rcoder.domain import RunRecord, RunStatus, SessionRecord
-from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.store.checkpoint_repo import store_bytes
 from rcoder.store.sqlite import SqliteStore
 from tests.checkpoint_stores import store_refs

@@ -14,7 +14,7 @@ import grpc
 
 from rcoder.config import load_settings
 from rcoder.domain import RunRecord, RunStatus, SessionRecord
-from rcoder.session.checkpoints import Checkpoints
+from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.store.sqlite import SqliteStore
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.checkpoint_stores import git, store_refs

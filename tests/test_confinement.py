@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.profile import sandbox_of
-from rcoder.agent.sandbox import around, confinement, protected
+from rcoder.agent.confinement.sandbox import around, confinement, protected
+from rcoder.agent.profiles.profile import sandbox_of
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
 from rcoder.v1 import agent_runner_pb2 as pb

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from rcoder.config import load_settings
-from rcoder.session.disk import measure, walk_size
+from rcoder.session.guards.disk import measure, walk_size
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, config_error, error_info, text_of

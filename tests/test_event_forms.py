@@ -1,7 +1,7 @@
 """Every event type of a run, as the domain declares it (``RunEventBody`` in rcoder.domain), has its
 other forms: a field of the protobuf ``ChatStream`` oneof named as its kind, a writer in
 ``rcoder.api.convert``, and a typed event of the Python client that every one of its fields reaches.
-The stored form is derived from the domain types (``rcoder.session.event_codec``); it is checked here too.
+The stored form is derived from the domain types (``rcoder.session.runs.event_codec``); it is checked here too.
 
 Each check is made on a sample of the event built from its type hints, with every field set to a
 value other than its default, so a kind or a field that misses one form fails here, named."""
@@ -20,7 +20,7 @@ import rcoder.client
 from rcoder.api import convert
 from rcoder.client.events import UnknownEvent, event_from_proto
 from rcoder.domain import TRANSIENT_EVENTS, ConfigOptionUpdate, RunEvent, RunEventBody, TextChunk
-from rcoder.session import event_codec
+from rcoder.session.runs import event_codec
 from rcoder.v1 import agent_runner_pb2 as pb
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rcoder.session.opening import CONTINUED, UNOPENED_BRANCH
+from rcoder.session.resume.opening import CONTINUED, UNOPENED_BRANCH
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import Client, FakeAgentSetup, completed, processes_mentioning, started, text_of

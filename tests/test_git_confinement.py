@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.sandbox import wrapper_command
-from rcoder.agent.tree import MARK
+from rcoder.agent.confinement.sandbox import wrapper_command
+from rcoder.agent.processes.tree import MARK
 from rcoder.store.checkpoint_repo import CheckpointRepo
 from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 from rcoder.v1 import agent_runner_pb2 as pb

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rcoder.session.history import MADE_END_SEQ
+from rcoder.session.runs.history import MADE_END_SEQ
 from rcoder.store.base import INTERRUPTED_ERROR, INTERRUPTED_REASON
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory

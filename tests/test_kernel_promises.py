@@ -14,7 +14,8 @@ import structlog
 
 from rcoder import landlock
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.profile import promises_of
+from rcoder.agent.processes.tree import Trees
+from rcoder.agent.profiles.profile import promises_of
 from rcoder.client import RcoderClient
 from rcoder.config import Settings, load_settings
 from rcoder.errors import ConfigError
@@ -76,7 +77,7 @@ def test_the_start_log_says_per_profile_what_holds_and_warns_where_the_kernel_ke
     tmp_path: Path, abi: int, warned: list[str]
 ) -> None:
     with structlog.testing.capture_logs() as logs:
-        AgentLauncher(settings_at(tmp_path, abi)).log_sandboxes()
+        AgentLauncher(settings_at(tmp_path, abi), Trees()).log_sandboxes()
 
     (line,) = [row for row in logs if row["event"] == "agent_sandbox" and row["agent"] == "x"]
     assert line["log_level"] == ("warning" if warned else "info")

@@ -1,5 +1,5 @@
 """The exec wrapper that confines an agent before it runs, on its own: rcoder/landlock.py run by
-Python, and the same in C (rcoder/agent/confine.c, built by `make`), each test against both."""
+Python, and the same in C (rcoder/agent/confinement/confine.c, built by `make`), each test against both."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.sandbox import HELPER, PYTHON_WRAPPER, SYSTEM_READ, WRAPPER, python_dirs, wrapper_command
+from rcoder.agent.confinement.sandbox import HELPER, PYTHON_WRAPPER, SYSTEM_READ, WRAPPER, python_dirs, wrapper_command
 
 pytestmark = pytest.mark.skipif(not landlock.abi(), reason="this kernel offers no Landlock")
 
@@ -38,7 +38,7 @@ def wrapped(
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: agents start through landlock.py")
 def test_where_a_c_compiler_is_the_helper_is_built_and_agents_start_through_it() -> None:
-    assert wrapper_command() == [str(HELPER)], "`make helper` builds rcoder/agent/rcoder-confine"
+    assert wrapper_command() == [str(HELPER)], "`make helper` builds rcoder/agent/confinement/rcoder-confine"
 
 
 def test_each_wrapper_grants_an_agent_its_own_proc_and_no_other_process_s(tmp_path: Path, wrapper: list[str]) -> None:

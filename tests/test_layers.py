@@ -65,7 +65,7 @@ ALLOWED: dict[str, set[str]] = {
     "client_args": set(),  # the client commands' arguments: stdlib only, as `rcoder serve` parses them too
     "echo_agent": {"agent"},
     # `rcoder health`: the daemon's grpc.health.v1 on its own port (the image's HEALTHCHECK)
-    "health_check": set(),  # rcoder.agent.sdk alone: the SDK imported quickly, as the daemon does
+    "health_check": set(),  # rcoder.agent.acp.sdk alone: the SDK imported quickly, as the daemon does
 }
 # the composition root builds every layer and wires them together
 ALLOWED["daemon"] = {*ALLOWED, "daemon"}
@@ -88,7 +88,35 @@ EDGES = {
     "cryptography": {"api"},  # PyJWT's RSA, EC and Ed25519 keys; nothing in rcoder calls it itself yet
 }
 
+# Inside a layer, which of its sub-packages each may import ("." is the layer's own modules, which
+# put its sub-packages together). The agent's are in an order: processes → confinement →
+# profiles → acp, files. The session's turns, hosts, resume, guards and sessions still import each
+# other both ways, through what one session's state is spread over (docs/design/turn.md#the-parts):
+# the table holds what is, so that no new edge comes in unnoticed, until the session's owner
+# takes that state into one place.
+SUBLAYERS: dict[str, dict[str, set[str]]] = {
+    "agent": {
+        ".": {".", "processes", "confinement", "profiles", "acp", "files"},
+        "processes": {"processes", "confinement"},
+        "confinement": {"confinement", "profiles", "files"},
+        "profiles": {"profiles", "acp", "files"},
+        "acp": {"acp"},
+        "files": {"files"},
+    },
+    "session": {
+        ".": {".", "turns", "resume", "runs", "sessions", "files", "hosts", "guards"},
+        "turns": {"turns", "guards", "hosts", "resume", "runs", "sessions"},
+        "sessions": {"sessions", "hosts", "resume", "runs", "turns"},
+        "resume": {"resume", "hosts", "turns"},
+        "hosts": {"hosts", "runs", "turns"},
+        "guards": {"guards", "turns"},
+        "files": {"files", "runs"},
+        "runs": {"runs"},
+    },
+}
+
 LAYERS = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+SUBPACKAGES = {layer: {p.parent.name for p in (PACKAGE / layer).glob("*/__init__.py")} for layer in SUBLAYERS}
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 
@@ -105,6 +133,13 @@ def layer_of(module: str) -> str:
     """The layer of the module named ``module`` (``rcoder`` itself: the root)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ROOT
+
+
+def sublayer_of(name: str) -> str:
+    """The sub-package of its layer the module or name ``name`` is in ("." for the layer's own)."""
+    parts = name.split(".")
+    layer = layer_of(name)
+    return parts[2] if len(parts) > 2 and parts[2] in SUBPACKAGES.get(layer, set()) else "."
 
 
 def target_layer(name: str) -> str:
@@ -141,6 +176,10 @@ def violations(source: str, module: str, package: str) -> list[str]:
         top = name.split(".")[0]
         if top == "rcoder" and target_layer(name) not in ALLOWED[layer]:
             found.append(f"{layer} must not import {name}")
+        elif top == "rcoder" and layer in SUBLAYERS and target_layer(name) == layer:
+            here, there = sublayer_of(module), sublayer_of(name)
+            if there not in SUBLAYERS[layer][here]:
+                found.append(f"{layer}.{here} must not import {name}")
         if top in EDGES and layer not in EDGES[top]:
             found.append(f"only {sorted(EDGES[top])} may import {top}; {module} does")
     return found
@@ -156,6 +195,13 @@ def test_every_layer_has_an_entry_naming_only_layers_that_exist() -> None:
     assert set(ALLOWED) == LAYERS
     for layer, allowed in ALLOWED.items():
         assert allowed <= LAYERS, f"{layer} allows layers that do not exist: {sorted(allowed - LAYERS)}"
+
+
+def test_every_sub_package_has_an_entry_naming_only_sub_packages_that_exist() -> None:
+    for layer, table in SUBLAYERS.items():
+        assert set(table) == SUBPACKAGES[layer] | {"."}, f"the sub-packages of {layer} and SUBLAYERS differ"
+        for sub, allowed in table.items():
+            assert sub in allowed and allowed <= set(table), f"{layer}.{sub}: {sorted(allowed)}"
 
 
 @pytest.mark.parametrize(
@@ -185,6 +231,21 @@ def test_every_layer_has_an_entry_naming_only_layers_that_exist() -> None:
             "rcoder.session.m: attempted relative import beyond top-level package",
         ),
         ("rcoder.nowhere", "", "layer 'nowhere' (rcoder.nowhere) has no entry in ALLOWED"),
+        (
+            "rcoder.agent.acp.m",
+            "from rcoder.agent.processes import tree",
+            "agent.acp must not import rcoder.agent.processes.tree",
+        ),
+        (
+            "rcoder.agent.files.m",
+            "from ..profiles.kinds import x",
+            "agent.files must not import rcoder.agent.profiles.kinds.x",
+        ),
+        (
+            "rcoder.session.runs.m",
+            "from rcoder.session.turns import claimed",
+            "session.runs must not import rcoder.session.turns.claimed",
+        ),
     ],
 )
 def test_the_walker_reports_a_forbidden_import_however_it_is_spelled(module: str, source: str, found: str) -> None:
@@ -200,6 +261,8 @@ def test_the_walker_reports_a_forbidden_import_however_it_is_spelled(module: str
         ),
         ("rcoder.session.m", "from . import runs\nfrom rcoder.agent.launcher import AgentLauncher"),
         ("rcoder.daemon", "from rcoder import api, cli, session, store, metrics"),
+        ("rcoder.agent.launcher", "from rcoder.agent.processes.tree import Trees\nfrom .files import safe_fs"),
+        ("rcoder.agent.processes.m", "from ..confinement.sandbox import Confinement\nfrom . import tree"),
     ],
 )
 def test_the_walker_lets_allowed_imports_pass(module: str, source: str) -> None:

@@ -116,7 +116,7 @@ def test_the_code_the_tests_and_the_scripts_all_point_at_the_design() -> None:
     found = pointers()
     citing = {path for pointer, paths in found.items() if pointer.startswith("docs/design/") for path in paths}
     assert {path.split("/")[0] for path in citing} >= {"rcoder", "tests", "scripts", "proto"}
-    assert "rcoder/session/opening.py" in found["docs/design/resume.md#the-decision-table"]
+    assert "rcoder/session/resume/opening.py" in found["docs/design/resume.md#the-decision-table"]
     assert "docs/design/real-agents.md" in found
 
 

@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from rcoder import tracing
 from rcoder.domain import PermissionAnswer, PermissionMode, PermissionOption, PermissionOutcome, PermissionRequest
-from rcoder.session.permissions import PermissionBroker
+from rcoder.session.turns.permissions import PermissionBroker
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, started, text_of

@@ -17,15 +17,15 @@ from acp import schema as acp
 from acp.client.connection import ClientSideConnection
 
 from rcoder import tracing
-from rcoder.agent.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
-from rcoder.agent.client import AcpClientHandler, EventSink, PermissionDecider
-from rcoder.agent.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
-from rcoder.agent.kinds import GENERIC, AgentKind
-from rcoder.agent.listing import ListKey, SessionLists
-from rcoder.agent.options import acp_options
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.start_config import AgentStartConfig
-from rcoder.agent.transport import Pace, PipeTransport
+from rcoder.agent.acp.classify import auth_reason, details, gone_reason, gone_reason_from_stderr
+from rcoder.agent.acp.client import AcpClientHandler, EventSink, PermissionDecider
+from rcoder.agent.acp.convert import AcpContentBlock, AcpMcpServer, mcp_server, stop_reason
+from rcoder.agent.acp.listing import ListKey, SessionLists
+from rcoder.agent.acp.options import acp_options
+from rcoder.agent.acp.start_config import AgentStartConfig
+from rcoder.agent.acp.transport import Pace, PipeTransport
+from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.profiles.kinds import GENERIC, AgentKind
 from rcoder.domain import (
     OPTION_BOOLEAN,
     OPTION_MODE,
@@ -50,7 +50,7 @@ from rcoder.errors import (
 )
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.agent.connection")
+log = get_logger(__name__)
 T = TypeVar("T")
 
 
@@ -109,14 +109,26 @@ class AgentConnection:
         self._close_lock = asyncio.Lock()
         # what the agent reported its last turn cost, however that turn ended (answered or not)
         self.turn_usage: Usage | None = None
-        # The launcher's session lists (``agent.listing``), told the provider session id after each
-        # turn, under ``list_key`` (its home and cwd), which the launcher sets once the session is
-        # open: the lists are an object below both, held from construction, rather than a callback
-        # into the launcher assigned afterwards.
+        # The launcher's session lists (``agent.acp.listing``), told the provider session id after each
+        # turn, under ``list_key`` (its home and cwd), which the launcher gives once the session is
+        # open (``listed_under``): the lists are an object below both, held from construction,
+        # rather than a callback into the launcher assigned afterwards.
         self._lists = lists
         self.list_key: ListKey | None = None
         # the version of the options and commands the session's record holds (-1: none stored from here)
         self.stored_state_version = -1
+
+    def initialized(self, capabilities: AgentCapabilities) -> None:
+        """The agent answered ``initialize``: what it can do (the launcher, before it hands this out)."""
+        self.capabilities = capabilities
+
+    def listed_under(self, key: ListKey) -> None:
+        """Its session is open: each turn's end marks it active in the session lists under ``key``."""
+        self.list_key = key
+
+    def state_stored(self, version: int) -> None:
+        """The session's record holds the options and commands of ``version`` (``state_version``)."""
+        self.stored_state_version = version
 
     def usage_so_far(self) -> Usage | None:
         """The running turn's usage as the agent's last ``usage_update`` says (None: none yet)."""
@@ -133,7 +145,7 @@ class AgentConnection:
         return not self._closed and self.process.is_running() and not self._pipe.ended
 
     async def replay_over(self, quiet: float, limit: float) -> str:
-        """Wait until the replay of the ``session/load`` just answered is over (``agent.replay``)."""
+        """Wait until the replay of the ``session/load`` just answered is over (``agent.acp.replay``)."""
         watch = self._handler.replay.watch
         if watch is None:
             return "none"
@@ -174,14 +186,14 @@ class AgentConnection:
             )  # fmt: skip
             session_id = response.session_id
         self.provider_session_id = session_id
-        self._handler.session_id = session_id
+        self._handler.serve(session_id)
         self._handler.state.opened(response)
         return method or OpenMethod.NEW
 
     def _opening(self, session_id: str) -> None:
         """Before asking for a session: what the agent says of it from now on is its state (and
         of its id, where known: a new session's updates may come before its answer is read)."""
-        self._handler.session_id = session_id
+        self._handler.serve(session_id)
         self._handler.state.opening()
 
     async def list_page(self, cwd: str, cursor: str | None, timeout: float) -> tuple[list[str], str | None]:
@@ -200,7 +212,7 @@ class AgentConnection:
             timeout, "session/fork", resuming=config.fork_from,
         )  # fmt: skip
         self.provider_session_id = response.session_id
-        self._handler.session_id = response.session_id
+        self._handler.serve(response.session_id)
         self._handler.state.opened(response)
         return OpenMethod.FORK
 
@@ -267,10 +279,10 @@ class AgentConnection:
         pace: Pace | None = None,
     ) -> StopReason:
         """Run one turn; updates go to ``on_event`` as they arrive, and while ``pace`` answers an
-        event the agent's output is not read (``PipeTransport.pace``). Not answered within
+        event the agent's output is not read (``PipeTransport.pace_by``). Not answered within
         ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
         self._handler.begin_turn(on_event, on_permission)
-        self._pipe.pace = pace
+        self._pipe.pace_by(pace)
         self.turn_usage = None
         untold = self._handler.state.take_untold_commands()
         if untold is not None:  # listed since the last turn (after session/new, say): this turn tells them

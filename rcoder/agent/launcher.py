@@ -23,33 +23,35 @@ from acp import schema as acp_schema
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from rcoder import __version__, landlock, tracing
-from rcoder.agent import agent_user, own_delete, ownership
-from rcoder.agent.client import AcpClientHandler
+from rcoder.agent import own_delete
+from rcoder.agent.acp.client import AcpClientHandler
+from rcoder.agent.acp.listing import ListKey, SessionLists, Verdict
+from rcoder.agent.acp.start_config import AgentStartConfig
+from rcoder.agent.acp.transport import PipeTransport
+from rcoder.agent.confinement import agent_user
+from rcoder.agent.confinement.limits import Cgroups, Values
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
-from rcoder.agent.erase import Erased, erase_conversation
-from rcoder.agent.homes import SHARED, Homes
-from rcoder.agent.kinds import OwnDelete, kind_of
-from rcoder.agent.leftovers import forget_instance, record_instance, sweep
-from rcoder.agent.limits import Cgroups, Values
-from rcoder.agent.listing import ListKey, SessionLists, Verdict
+from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.profile import agent_homes, promises_of, sandbox_of
-from rcoder.agent.start_config import AgentStartConfig
-from rcoder.agent.transport import PipeTransport
-from rcoder.agent.tree import Trees
+from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
+from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.processes.tree import Trees
+from rcoder.agent.profiles.erase import Erased, erase_conversation
+from rcoder.agent.profiles.homes import SHARED, Homes
+from rcoder.agent.profiles.kinds import OwnDelete, kind_of
+from rcoder.agent.profiles.profile import agent_homes, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
 from rcoder.errors import AgentProtocolError, ConfigError, SessionGone
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.agent.launcher")
+log = get_logger(__name__)
 
 # the longest a load is deferred for an agent that needs it (Gemini: to the next minute)
 MAX_LOAD_DEFER = 62.0
 # an agent that answers session/load before its replay is out (Gemini): the replay is over
 # once the session's last recorded turn was replayed, or, with none to recognise, once no
-# update came for REPLAY_QUIET seconds; at most REPLAY_SETTLE_MAX (rcoder.agent.replay)
+# update came for REPLAY_QUIET seconds; at most REPLAY_SETTLE_MAX (rcoder.agent.acp.replay)
 REPLAY_QUIET = 0.5
 REPLAY_SETTLE_MAX = 10.0
 
@@ -70,6 +72,7 @@ class AgentLauncher:
     def __init__(
         self,
         settings: Settings,
+        trees: Trees,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         lists: SessionLists | None = None,
         limits: Cgroups | None = None,
@@ -91,13 +94,14 @@ class AgentLauncher:
         # who agents run as (ConfigError here for an agent_user that cannot be)
         self.user = agent_user.resolve(settings)
         self.homes = Homes(settings, self.user.switch)
-        # every agent's whole tree, marked with this daemon run's instance (recorded for the sweep)
-        self.trees = Trees()
+        # every agent's whole tree, marked with this daemon run's instance (recorded for the sweep);
+        # the daemon's own children (git) are marked there too, so it is the daemon's to build
+        self.trees = trees
         self._instance_recorded = False
 
     async def erase_conversation(self, profile: AgentProfile, cwd: str, provider_session_id: str) -> Erased:
         """Remove the agent's own copy of a conversation from its home here: its files
-        (``rcoder.agent.erase``), or, for a kind with a command of its own for it, by that command
+        (``rcoder.agent.profiles.erase``), or, for a kind with a command of its own for it, by that command
         (``rcoder.agent.own_delete``). The home's session lists are read afresh from now on.
         ``UnsafePath`` on a planted link."""
         home = self.homes.path(profile, cwd)
@@ -284,7 +288,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.list_key = key  # each turn's end marks the session active there (``agent.listing``)
+        connection.listed_under(key)  # each turn's end marks the session active there (``agent.acp.listing``)
         self.lists.active(key, connection.provider_session_id)
         if method is OpenMethod.META and connection.provider_session_id != config.resume_session_id:
             # the agent ignored _meta.claudeCode.options.resume: this is a new session
@@ -304,7 +308,7 @@ class AgentLauncher:
         self, profile: AgentProfile, connection: AgentConnection, config: AgentStartConfig, key: ListKey
     ) -> str:
         """Why the resume ``config`` asks for is not tried ("" when it is): the profile says
-        never, or the agent's own session list does not have the session (``agent.listing``)."""
+        never, or the agent's own session list does not have the session (``agent.acp.listing``)."""
         if config.resume_method is None:
             return f'profile {profile.name!r} has resume = "none"'
         if not connection.capabilities.session_list:
@@ -444,7 +448,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.capabilities = capabilities_from_initialize(init)
+        connection.initialized(capabilities_from_initialize(init))
         self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
         caps = connection.capabilities
         log.info("agent_initialized", agent=profile.name, pid=process.pid, agent_name=caps.agent_name,

@@ -9,7 +9,7 @@ every way out (timeout, cancel, a daemon stopping cancels the call), reads what 
 there to delete (nothing either way), or left, with why. It never raises for the command's
 failure: the store's erasure is done by then, and the answer says what was not.
 
-The session's own agent has been ended by then (``rcoder.session.erasing``); other agents of the
+The session's own agent has been ended by then (``rcoder.session.sessions.erasing``); other agents of the
 same home may be running. For OpenCode that is safe beside them: its database is SQLite in WAL
 mode with a 5 s busy timeout (opencode-ai 1.18.33), so the delete's write takes its turn with
 theirs under SQLite's own file locks (OpenCode itself runs several processes on one database), and
@@ -26,13 +26,13 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rcoder.agent.erase import Erased, not_erasable
-from rcoder.agent.kinds import OwnDelete
-from rcoder.agent.process import AgentProcess
+from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.profiles.erase import Erased, not_erasable
+from rcoder.agent.profiles.kinds import OwnDelete
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.agent.own_delete")
+log = get_logger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SAID = 300  # characters of the command's output quoted in ``left``

@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rcoder import tracing
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.start_config import AgentStartConfig
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider, SessionRecord
 from rcoder.errors import AgentError, AgentLimitReached, ShuttingDown, UnsafePath
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.session.agent_pool")
+log = get_logger(__name__)
 
 AgentCounts = Mapping[str, tuple[int, int]]  # profile -> (live agents, warm agents)
 
@@ -98,7 +98,7 @@ class Checkout:
         (``ShuttingDown`` when the pool closes meanwhile: the agent is ended first).
 
         The launch runs in a task of its own: a checkout runs in its caller's task (a turn, or
-        a ForkSession handler the worker knows nothing of), so closing the pool cancels the
+        a ForkSession handler the intake knows nothing of), so closing the pool cancels the
         launch itself, and waits for it, rather than leave its agent to whoever holds it."""
         slot = self._slot
         task = asyncio.get_running_loop().create_task(self._launching(config), name="launch-agent")

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rcoder import landlock
-from rcoder.agent import ownership, safe_fs
-from rcoder.agent.homes import Homes, is_ready
-from rcoder.agent.kinds import kind_of
-from rcoder.agent.profile import model_provider, sandbox_of
-from rcoder.agent.sandbox import Confinement, confinement, make_write_paths, protected
+from rcoder.agent.confinement.sandbox import Confinement, confinement, make_write_paths, protected
+from rcoder.agent.files import ownership, safe_fs
+from rcoder.agent.profiles.homes import Homes, is_ready
+from rcoder.agent.profiles.kinds import kind_of
+from rcoder.agent.profiles.profile import model_provider, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import AgentUnavailable, UnsafePath
 from rcoder.logs import get_logger
 
-log = get_logger("rcoder.agent.prepare")
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

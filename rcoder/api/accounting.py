@@ -17,7 +17,7 @@ from rcoder.api.callers import CHANGES
 from rcoder.api.forwarding import forwarded
 from rcoder.api.scope import Call
 from rcoder.domain import AuditEntry
-from rcoder.session.audit import AuditTrail
+from rcoder.session.sessions.audit import AuditTrail
 
 Count = Callable[[str, str, str], None]  # client label, method, code
 

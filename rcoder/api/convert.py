@@ -302,7 +302,7 @@ def session(
 
 
 class _Limits(Protocol):
-    """What holds (``rcoder.agent.limits.Mechanism``), as the API reads it."""
+    """What holds (``rcoder.agent.confinement.limits.Mechanism``), as the API reads it."""
 
     @property
     def kind(self) -> str: ...

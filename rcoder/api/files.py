@@ -2,7 +2,7 @@
 
 Each checks its request, the caller's scope (the project must be one of the caller's, as for
 ``Chat``; a reader may list and read, not write or delete: ``rcoder.api.callers``), and calls
-``rcoder.session.files``. They are served by the host that receives them, never forwarded: hosts
+``rcoder.session.files.project_files``. They are served by the host that receives them, never forwarded: hosts
 that share a store share the workspace too (docs/hosts.md), so every host sees the same files.
 
 WriteFile is the one call whose client streams: the server's gate (``rcoder.api.gate``) read its
@@ -25,10 +25,10 @@ from rcoder.api import convert
 from rcoder.api.gate import Undecodable
 from rcoder.api.scope import Call, Scope
 from rcoder.logs import get_logger
-from rcoder.session.files import ABSENT, CHUNK_BYTES, ProjectFiles, WriteHead, path_parts
-from rcoder.session.folder_read import MAX_POSITION
-from rcoder.session.project_files import MAX_DEPTH, Cursor, Entry
-from rcoder.session.workspace import check_project_id
+from rcoder.session.files.blocking import MAX_DEPTH, Cursor, Entry
+from rcoder.session.files.folder_read import MAX_POSITION
+from rcoder.session.files.project_files import ABSENT, CHUNK_BYTES, ProjectFiles, WriteHead, path_parts
+from rcoder.session.sessions.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
 
 log = get_logger("rcoder.api")

@@ -23,7 +23,7 @@ from datetime import datetime
 from rcoder import errors
 from rcoder.api import validate
 from rcoder.domain import COST_ORDER_LIMIT_NANOS, SessionOrder
-from rcoder.session.queries import After
+from rcoder.session.sessions.queries import After
 
 _COST = "cost "
 _RUNS = "runs "

@@ -7,7 +7,7 @@ there (``forwarding``); every answer carries ``rcoder-owner``. When the owner do
 - its lease has expired (``find`` now says "here"): it is treated as dead, and the request is
   served here: a turn takes the session over, a run it left is ended "owner host lost";
 - its lease still holds: a ``Cancel`` or ``ResolvePermission`` is left for it in the store
-  (``signal``: ``session.signals``) and answered as queued; any other request is answered
+  (``signal``: ``session.hosts.signals``) and answered as queued; any other request is answered
   ``UNAVAILABLE`` (``OWNED_BY_ANOTHER_HOST``) with a ``RetryInfo`` of the time left on the
   owner's lease (``RETRY_FLOOR`` at least): a retry then finds it renewed, or serves it here.
 
@@ -26,7 +26,7 @@ from rcoder import errors
 from rcoder.api.callers import Caller
 from rcoder.api.forwarding import OWNER_KEY, Forwarder, NotHeld, OwnerUnreachable, forwarded
 from rcoder.logs import get_logger
-from rcoder.session.routing import Owner, Router
+from rcoder.session.hosts.routing import Owner, Router
 
 log = get_logger("rcoder.api.routed")
 R = TypeVar("R")

@@ -21,9 +21,9 @@ from typing import Any
 
 from rcoder import errors
 from rcoder.api.callers import CHANGES, LEAST_ROLE, Caller, Role
-from rcoder.session.history import STORED_RUN_MISSING
-from rcoder.session.queries import Queries
-from rcoder.session.runs import RUN_MISSING
+from rcoder.session.runs.history import STORED_RUN_MISSING
+from rcoder.session.runs.run import RUN_MISSING
+from rcoder.session.sessions.queries import Queries
 
 __all__ = ["RUN_MISSING", "STORED_RUN_MISSING", "Call", "Scope"]
 

@@ -23,11 +23,11 @@ from rcoder.api.forwarding import NotHeld, forwarded
 from rcoder.api.routed import Routes, retry_hint
 from rcoder.api.scope import DELETED_MISSING, RUN_MISSING, STORED_RUN_MISSING, Call, Scope
 from rcoder.logs import get_logger
-from rcoder.session.acp_worker import AcpWorker
-from rcoder.session.files import ProjectFiles
-from rcoder.session.queries import Queries, SessionStatus
-from rcoder.session.routing import HostRecord, Owner
-from rcoder.session.workspace import check_project_id
+from rcoder.session.files.project_files import ProjectFiles
+from rcoder.session.hosts.routing import HostRecord, Owner
+from rcoder.session.sessions.queries import Queries, SessionStatus
+from rcoder.session.sessions.workspace import check_project_id
+from rcoder.session.turns.intake import TurnIntake
 from rcoder.v1 import agent_runner_pb2 as pb
 
 log = get_logger("rcoder.api")
@@ -108,9 +108,9 @@ class AgentRunnerService(FileRpcs):
     concerned). The methods are the AgentRunner's, with the call added (``rcoder.api.server``
     registers them by name); the file RPCs are ``FileRpcs``'."""
 
-    def __init__(self, worker: AcpWorker, queries: Queries, routes: Routes, files: ProjectFiles) -> None:
+    def __init__(self, intake: TurnIntake, queries: Queries, routes: Routes, files: ProjectFiles) -> None:
         self._files = files
-        self._worker = worker
+        self._intake = intake
         self._queries = queries
         self._scope = Scope(queries)
         self._routes = routes
@@ -146,7 +146,7 @@ class AgentRunnerService(FileRpcs):
             turn = replace(turn, client=call.caller.name)
 
             async def here() -> AsyncIterator[pb.ChatStream]:
-                ticket = await self._worker.submit(turn)
+                ticket = await self._intake.submit(turn)
                 # the run's ids as response headers once its session is listed, before its agent
                 # starts: the caller can Cancel it, or find it, from its first moment
                 await ticket.named
@@ -186,7 +186,7 @@ class AgentRunnerService(FileRpcs):
                 # From memory while this host keeps the run, and from the store once it no longer does.
                 seen = False
                 try:
-                    async for event in self._worker.history.replay(request.run_id, request.after_seq):
+                    async for event in self._intake.history.replay(request.run_id, request.after_seq):
                         seen = True
                         yield convert.chat_stream(event)
                 except errors.NotFound as missing:
@@ -216,7 +216,7 @@ class AgentRunnerService(FileRpcs):
         owner = await self._router.run_owner(last.run_id)
         if owner is not None:
             raise errors.OwnedElsewhere("run", last.run_id, owner.host_id, owner.advertise_address, retry_hint(owner))
-        async for stored in self._worker.history.stored(last.run_id, last.seq, seen=True):
+        async for stored in self._intake.history.stored(last.run_id, last.seq, seen=True):
             yield convert.chat_stream(stored)
 
     async def Cancel(
@@ -232,7 +232,7 @@ class AgentRunnerService(FileRpcs):
 
             async def here() -> pb.CancelResponse:
                 try:
-                    run_id, cancelled = await self._worker.cancel(request.run_id, request.session_id)
+                    run_id, cancelled = await self._intake.cancel(request.run_id, request.session_id)
                 except errors.NotFound:
                     # A run of a lost host is ended "owner host lost" (docs/design/hosts.md#a-lost-hosts-runs).
                     ended = await self._router.end_lost(request.run_id)
@@ -281,7 +281,7 @@ class AgentRunnerService(FileRpcs):
             await self._scope.run(call, request.run_id, missing)
 
             async def here() -> pb.ResolvePermissionResponse:
-                self._worker.permissions.resolve(request.run_id, request.permission_id, request.option_id)
+                self._intake.permissions.resolve(request.run_id, request.permission_id, request.option_id)
                 return pb.ResolvePermissionResponse()
 
             async def queued(owner: Owner) -> pb.ResolvePermissionResponse:  # the owner did not answer
@@ -304,7 +304,7 @@ class AgentRunnerService(FileRpcs):
             await self._scope.session(call, request.session_id, "")
 
             async def here() -> pb.CloseSessionResponse:
-                return pb.CloseSessionResponse(agent_stopped=await self._worker.close_session(request.session_id))
+                return pb.CloseSessionResponse(agent_stopped=await self._intake.close_session(request.session_id))
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.CloseSessionResponse = await self._routes.unary(
@@ -322,7 +322,7 @@ class AgentRunnerService(FileRpcs):
             await self._scope.session(call, request.session_id, DELETED_MISSING)
 
             async def here() -> pb.DeleteSessionResponse:
-                return convert.session_erased(await self._worker.delete_session(request.session_id))
+                return convert.session_erased(await self._intake.delete_session(request.session_id))
 
             # The session's owner serves it, as it does CloseSession, because the agent to end runs there.
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
@@ -342,7 +342,7 @@ class AgentRunnerService(FileRpcs):
             await self._scope.run(call, request.run_id)
             # Any host can answer, since every host reads the same checkpoint stores (docs/checkpoints.md).
             try:
-                found = await self._worker.run_changes(request.run_id, request.path)
+                found = await self._intake.run_changes(request.run_id, request.path)
             except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
                 raise await self._router.no_checkpoint(missing, request.run_id) from None
         except errors.RcoderError as exc:
@@ -361,13 +361,13 @@ class AgentRunnerService(FileRpcs):
             validate.identifier(request.session_id, "session_id", required=True)
             validate.identifier(request.run_id, "run_id", required=True)
             await self._scope.session(call, request.session_id)
-            # another tenant's run answers as a missing one (rcoder.session.rewinding's), not as a
+            # another tenant's run answers as a missing one (rcoder.session.sessions.rewinding's), not as a
             # run of another session
             await self._scope.run(call, request.run_id, errors.NotFound("run", request.run_id, RUN_MISSING))
 
             async def here() -> pb.RewindSessionResponse:
                 try:
-                    done = await self._worker.rewind_session(
+                    done = await self._intake.rewind_session(
                         request.session_id, request.run_id, request.include_other_sessions
                     )
                 except errors.NoCheckpoint as missing:  # its snapshots may be in another host's checkpoint_root
@@ -421,7 +421,7 @@ class AgentRunnerService(FileRpcs):
             await self._scope.session(call, request.session_id, "")  # the source: by the project stored with it
 
             async def here() -> pb.ForkSessionResponse:
-                forked = await self._worker.fork(request.session_id, request.project_id, request.agent)
+                forked = await self._intake.fork(request.session_id, request.project_id, request.agent)
                 status = self._queries.status(forked.record.session_id)
                 return pb.ForkSessionResponse(
                     session=convert.session(forked.record, _SESSION_STATUS[status]),
@@ -484,7 +484,7 @@ class AgentRunnerService(FileRpcs):
                 request.project_id, limit, order, currency, after, projects=call.caller.scope
             )
         except errors.RcoderError as exc:
-            await abort(context, exc)
+            await self._abort(context, exc)
         return pb.ListSessionsResponse(
             sessions=[convert.session(v.record, _SESSION_STATUS[v.status], v.usage) for v in views],
             next_page_token=page_tokens.encode(order, currency, next_after),

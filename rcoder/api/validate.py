@@ -11,7 +11,7 @@ from google.protobuf import json_format
 
 from rcoder.domain import Attachment, BusyPolicy, ChatTurn, McpServer, ModelProvider, PermissionMode, SessionOrder
 from rcoder.errors import InvalidArgument
-from rcoder.session.workspace import check_project_id
+from rcoder.session.sessions.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
 
 MAX_PROMPT_BYTES = 1 << 20

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from rcoder.domain import (
     AuditEntry,
@@ -32,7 +32,7 @@ INTERRUPTED_REASON = "DAEMON_STOPPED"
 
 class EventRow(NamedTuple):
     """One stored event of a run (table ``run_events``): its ids, seq and time, and the event as
-    the session layer encoded it (``session.event_codec``: a kind and a JSON text)."""
+    the session layer encoded it (``session.runs.event_codec``: a kind and a JSON text)."""
 
     session_id: str
     run_id: str
@@ -60,31 +60,6 @@ class RunEnd:
     # (the before one is mostly stored with the run's start already)
     checkpoint_before: str = ""
     checkpoint_after: str = ""
-
-
-def run_end_of(
-    end: RunEnd | RunStatus,
-    more: tuple[Any, ...],
-    lease: Lease | None,
-    usage: Usage | None,
-    events: Sequence[EventRow],
-) -> tuple[RunEnd, Lease | None, Sequence[EventRow]]:
-    """The arguments of ``finish_run`` as (end, lease, events), in either form it takes: the
-    ``RunEnd`` form ``finish_run(run_id, end, lease, events)``, or the older one that spells the
-    end out: ``finish_run(run_id, status, stop_reason, error, at, transcript, lease, usage, events)``."""
-    if isinstance(end, RunEnd):
-        if len(more) > 2:
-            raise TypeError(f"finish_run takes (run_id, end, lease, events), got {len(more)} more arguments")
-        lease = more[0] if len(more) > 0 else lease
-        events = more[1] if len(more) > 1 else events
-        return end, lease, events
-    if not 4 <= len(more) <= 7:
-        raise TypeError("finish_run(run_id, status, stop_reason, error, at, transcript, ...) needs all five")
-    stop_reason, error, at, transcript, *rest = more
-    lease = rest[0] if len(rest) > 0 else lease
-    usage = rest[1] if len(rest) > 1 else usage
-    events = rest[2] if len(rest) > 2 else events
-    return RunEnd(end, stop_reason, error, at, transcript, usage), lease, events
 
 
 class RunCheckpoint(NamedTuple):
@@ -198,18 +173,11 @@ class SessionStore(Protocol):
         ...
 
     async def finish_run(
-        self,
-        run_id: str,
-        end: RunEnd | RunStatus,
-        *more: Any,
-        lease: Lease | None = None,
-        usage: Usage | None = None,
-        events: Sequence[EventRow] = (),
+        self, run_id: str, end: RunEnd, lease: Lease | None = None, events: Sequence[EventRow] = ()
     ) -> None:
-        """End a run as ``end`` says (``finish_run(run_id, end, lease, events)``; the older form
-        that spells the end out is read by ``run_end_of``), with the ``usage`` its agent reported;
-        when ``end.transcript`` is given, append it and count the turn on its session; store
-        ``events`` (the rest of its history, as ``append_events``); add the run's spend
+        """End a run as ``end`` says, with the usage its agent reported (``end.usage``); when
+        ``end.transcript`` is given, append it and count the turn on its session; store ``events``
+        (the rest of its history, as ``append_events``); add the run's spend
         (``store.usage.spend_of``) to its project's UTC day of ``end.ended_at``, less what
         ``note_usage`` added already (only a run still running adds); all in one transaction
         (fenced as one write)."""

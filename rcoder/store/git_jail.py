@@ -25,7 +25,7 @@ With ``no_new_privs``, the death signal to the daemon (``--parent``), and no cap
 one DAC capability the job needs when the daemon is root (``CAPABILITIES``: a snapshot reads an
 agent's 0600 files, a restore writes into its 0700 folders; Landlock's rules hold whatever
 capability the process has). git's environment carries the daemon run's mark (``env``), which the
-sweep at the next start looks for (``rcoder.agent.leftovers``): whatever git started (gc's repack)
+sweep at the next start looks for (``rcoder.agent.processes.leftovers``): whatever git started (gc's repack)
 is ended after a killed daemon too.
 
 Where the kernel offers no Landlock (``wrapper`` None) git runs as before, in its own process

@@ -45,7 +45,7 @@ def git_env(home: Path) -> dict[str, str]:
 
 
 class ChildGuard(Protocol):
-    """Who else waits for the daemon's children (``rcoder.agent.tree.Trees``: the subreaper reaps
+    """Who else waits for the daemon's children (``rcoder.agent.processes.tree.Trees``: the subreaper reaps
     every zombie child it does not own); git's exit status is ours to read, so it is owned while
     it runs."""
 

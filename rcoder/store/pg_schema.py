@@ -82,7 +82,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         'ALTER TABLE signals ADD COLUMN follows text COLLATE "C"',
     ),
     (  # 6: every event of every run, as streamed (history: Subscribe from the store; kind and body
-        # as session/event_codec.py encodes them); by session for deleting one, by age for retention
+        # as session/runs/event_codec.py encodes them); by session for deleting one, by age for retention
         """CREATE TABLE run_events (
             session_id text COLLATE "C" NOT NULL, run_id text COLLATE "C" NOT NULL, seq bigint NOT NULL,
             created_at timestamptz NOT NULL, kind text NOT NULL, body text NOT NULL, PRIMARY KEY (run_id, seq))""",
@@ -125,7 +125,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             tokens bigint NOT NULL DEFAULT 0, PRIMARY KEY (project_id, day))""",
     ),
     (  # 12: checkpoints (docs/checkpoints.md): each run's kind (a turn, a rewind), the run a rewind
-        # went back before, and what the run changed in its project's files (JSON, rcoder.session.checkpoints)
+        # went back before, and what the run changed in its project's files (JSON, rcoder.session.turns.checkpoints)
         """CREATE TABLE run_checkpoints (
             run_id text COLLATE "C" PRIMARY KEY, session_id text COLLATE "C" NOT NULL, kind text NOT NULL,
             target_run_id text COLLATE "C" NOT NULL DEFAULT '', changes text NOT NULL DEFAULT '[]')""",

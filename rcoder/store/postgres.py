@@ -41,7 +41,7 @@ from rcoder.domain import (
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.logs import get_logger
 from rcoder.store import pg_schema, redact_url
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, run_end_of
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd
 from rcoder.store.cluster import OWNER_LOST, Lease
 from rcoder.store.patterns import regexes
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
@@ -389,16 +389,9 @@ class PostgresStore:
         await self._write(pg_schema.START_RUN, (*params, *pointer), None)
 
     async def finish_run(
-        self,
-        run_id: str,
-        end: RunEnd | RunStatus,
-        *more: Any,
-        lease: Lease | None = None,
-        usage: Usage | None = None,
-        events: Sequence[EventRow] = (),
+        self, run_id: str, end: RunEnd, lease: Lease | None = None, events: Sequence[EventRow] = ()
     ) -> None:
-        ended, lease, events = run_end_of(end, more, lease, usage, events)
-        await self._finish_run(run_id, ended, lease, events)
+        await self._finish_run(run_id, end, lease, events)
 
     async def _finish_run(self, run_id: str, ended: RunEnd, lease: Lease | None, events: Sequence[EventRow]) -> None:
         at, usage, transcript = ended.ended_at, ended.usage, ended.transcript

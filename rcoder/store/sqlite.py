@@ -40,7 +40,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, run_end_of
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd
 from rcoder.store.cluster import Lease
 from rcoder.store.patterns import globs_json
 from rcoder.store.session_state import state_params
@@ -469,18 +469,12 @@ class SqliteStore:
         await self._call(work)
 
     async def finish_run(
-        self,
-        run_id: str,
-        end: RunEnd | RunStatus,
-        *more: Any,
-        lease: Lease | None = None,
-        usage: Usage | None = None,
-        events: Sequence[EventRow] = (),
+        self, run_id: str, end: RunEnd, lease: Lease | None = None, events: Sequence[EventRow] = ()
     ) -> None:
-        ended, _, events = run_end_of(end, more, lease, usage, events)  # one host: no fence
+        del lease  # one host: no fence
         rows = _event_params(events)
         inline = len(rows) <= INLINE_EVENTS  # as append_events: a turn's few last events inline
-        await self._call(lambda conn: _finish_run(conn, run_id, ended, rows), point=inline)
+        await self._call(lambda conn: _finish_run(conn, run_id, end, rows), point=inline)
 
     async def note_usage(self, run_id: str, usage: Usage, at: datetime, lease: Lease | None = None) -> None:
         await self._call(lambda conn: _note_usage(conn, run_id, usage, at))  # one host: no fence

@@ -59,7 +59,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX runs_cost ON runs(cost_currency, session_id, cost_nanos) WHERE cost_nanos IS NOT NULL",
     ),
     (  # 3: every event of every run, as streamed (history: Subscribe from the store; kind and body
-        # as session/event_codec.py encodes them); by session for deleting one, by age for retention
+        # as session/runs/event_codec.py encodes them); by session for deleting one, by age for retention
         """CREATE TABLE run_events (
             session_id TEXT NOT NULL, run_id TEXT NOT NULL, seq INTEGER NOT NULL, created_at TEXT NOT NULL,
             kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))""",
@@ -103,7 +103,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (project_id, day))""",
     ),
     (  # 9: checkpoints (docs/checkpoints.md): each run's kind (a turn, a rewind), the run a rewind
-        # went back before, and what the run changed in its project's files (JSON, rcoder.session.checkpoints)
+        # went back before, and what the run changed in its project's files (JSON, rcoder.session.turns.checkpoints)
         """CREATE TABLE run_checkpoints (
             run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, kind TEXT NOT NULL,
             target_run_id TEXT NOT NULL DEFAULT '', changes TEXT NOT NULL DEFAULT '[]')""",

@@ -1,4 +1,4 @@
-"""Paths opened beneath a project (rcoder.agent.beneath): the kernel's openat2 and the walk that
+"""Paths opened beneath a project (rcoder.agent.files.beneath): the kernel's openat2 and the walk that
 stands in for it where the kernel lacks it answer alike, link by link."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.beneath import Beneath, below, open_project, path_parts, remove_empty_folder
+from rcoder.agent.files.beneath import Beneath, below, open_project, path_parts, remove_empty_folder
 from rcoder.errors import InvalidArgument, NotFound, PermissionDenied
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.sandbox import HELPER, PYTHON_WRAPPER, SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.confinement.sandbox import HELPER, PYTHON_WRAPPER, SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.processes.process import AgentProcess
 from tests.agent.test_process import read_line
 from tests.harness import ROOT
 

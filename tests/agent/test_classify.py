@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rcoder.agent.classify import gone_reason, gone_reason_from_stderr
+from rcoder.agent.acp.classify import gone_reason, gone_reason_from_stderr
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

@@ -1,4 +1,4 @@
-"""How the agent layer settles a permission request (rcoder.agent.client): once, streamed as
+"""How the agent layer settles a permission request (rcoder.agent.acp.client): once, streamed as
 ``PermissionResolved``, and what the agent is told is what the event says."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 from acp import schema as acp
 
-from rcoder.agent.client import AcpClientHandler
+from rcoder.agent.acp.client import AcpClientHandler
 from rcoder.domain import AgentEvent, PermissionAnswer, PermissionOutcome, PermissionRequest, PermissionResolved
 
 OPTIONS = [

@@ -1,4 +1,4 @@
-"""Confined agents started by a thread that confines itself first (rcoder/agent/confined.py),
+"""Confined agents started by a thread that confines itself first (rcoder/agent/processes/confined.py),
 through AgentProcess.spawn as the launcher calls it: real processes, real Landlock."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.sandbox import SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.confinement.sandbox import SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.processes.process import AgentProcess
 from rcoder.errors import AgentUnavailable
 from tests.harness import processes_mentioning
 

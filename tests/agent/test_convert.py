@@ -8,7 +8,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from rcoder.agent.convert import notification_to_event, opaque_update
+from rcoder.agent.acp.convert import notification_to_event, opaque_update
 from rcoder.domain import AgentUpdate, TextChunk
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

@@ -1,4 +1,4 @@
-"""Erasing an agent's own copy of a conversation (``rcoder.agent.erase``), on homes laid out as
+"""Erasing an agent's own copy of a conversation (``rcoder.agent.profiles.erase``), on homes laid out as
 each kind keeps them: only that session's files go, other sessions' stay, and no link is followed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.erase import erase_conversation
+from rcoder.agent.profiles.erase import erase_conversation
 from rcoder.errors import UnsafePath
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

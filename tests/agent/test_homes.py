@@ -1,4 +1,4 @@
-"""Homes per profile and project, and the migration of the old shared homes (rcoder.agent.homes).
+"""Homes per profile and project, and the migration of the old shared homes (rcoder.agent.profiles.homes).
 
 The old layouts here are the ones the real agents wrote (tests/real_agents ran them): Claude's
 ``.claude/projects/<cwd with every non-alphanumeric a ->/<id>.jsonl`` with a ``cwd`` in its lines,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.homes import HOME_MARK, LAYOUT_MARK, SHARED, Homes, ensure_home, set_aside
+from rcoder.agent.profiles.homes import HOME_MARK, LAYOUT_MARK, SHARED, Homes, ensure_home, set_aside
 from rcoder.config import AgentProfile, load_settings
 from tests.conftest import base_settings
 from tests.harness import write_config

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from rcoder.agent.classify import gone_reason
-from rcoder.agent.kinds import GEMINI_LOAD_MARGIN, KINDS, kind_of
+from rcoder.agent.acp.classify import gone_reason
 from rcoder.agent.launcher import AgentLauncher
-from rcoder.agent.profile import agent_home, model_provider
+from rcoder.agent.processes.tree import Trees
+from rcoder.agent.profiles.kinds import GEMINI_LOAD_MARGIN, KINDS, kind_of
+from rcoder.agent.profiles.profile import agent_home, model_provider
 from rcoder.config import AGENT_KINDS, AgentProfile, Settings, builtin_profiles, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import ConfigError
@@ -229,7 +230,7 @@ def test_a_gemini_load_is_safe_only_after_its_sessions_creation_minute(tmp_path:
 
 
 def launcher_at(now: datetime) -> AgentLauncher:
-    return AgentLauncher(Settings(), clock=lambda: now)
+    return AgentLauncher(Settings(), Trees(), clock=lambda: now)
 
 
 async def test_a_load_due_later_waits_on_a_timer_and_one_already_due_does_not() -> None:

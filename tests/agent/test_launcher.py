@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import OpenMethod
 from rcoder.errors import AgentAuthRequired, AgentError, AgentTimeout, AgentUnavailable
@@ -38,7 +39,7 @@ async def make_launcher(tmp_path: Path, fake: FakeAgentSetup) -> AsyncIterator[L
             tmp_path / "rcoder.toml", profiles, **{**base_settings(tmp_path), "default_agent": default, **top}
         )
         settings = load_settings(config, environ={})
-        return AgentLauncher(settings), {name: settings.agents[name] for name in profiles}
+        return AgentLauncher(settings, Trees()), {name: settings.agents[name] for name in profiles}
 
     yield make
     assert not await drain(str(fake.state_dir)), "agent processes left behind"

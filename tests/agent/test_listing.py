@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from rcoder.agent.acp.listing import SessionLists, Verdict
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.listing import SessionLists, Verdict
-from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import OpenMethod
 from rcoder.errors import AgentProtocolError
@@ -60,7 +61,7 @@ async def make(tmp_path: Path, fake: FakeAgentSetup, clock: Clock) -> AsyncItera
         )
         settings = load_settings(config, environ={})
         lists = SessionLists(timeout=timeout, max_pages=max_pages, clock=clock)
-        return AgentLauncher(settings, lists=lists), settings.agents["fake"]
+        return AgentLauncher(settings, Trees(), lists=lists), settings.agents["fake"]
 
     yield build
     assert not await drain(str(fake.state_dir)), "agent processes left behind"

@@ -13,9 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rcoder.agent.homes import HOME_MARK
-from rcoder.agent.kinds import kind_of
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.processes.tree import Trees
+from rcoder.agent.profiles.homes import HOME_MARK
+from rcoder.agent.profiles.kinds import kind_of
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import UnsafePath
@@ -39,7 +40,7 @@ def launcher_for(tmp_path: Path, fake: FakeAgentSetup, kind: str) -> tuple[Agent
     settings = load_settings(config, environ={})
     cwd = tmp_path / "workspace" / "proj"
     cwd.mkdir(parents=True)
-    return AgentLauncher(settings), settings.agents["x"], str(cwd.resolve())
+    return AgentLauncher(settings, Trees()), settings.agents["x"], str(cwd.resolve())
 
 
 def another_project(tmp_path: Path) -> Path:

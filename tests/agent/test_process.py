@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rcoder import landlock
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.sandbox import SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.confinement.sandbox import SYSTEM_READ, Confinement, python_dirs
+from rcoder.agent.processes.process import AgentProcess
 from tests.conftest import exited
 from tests.harness import ROOT, processes_mentioning
 

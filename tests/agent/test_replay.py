@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rcoder.agent.replay import ReplayWatch
+from rcoder.agent.acp.replay import ReplayWatch
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

@@ -1,4 +1,4 @@
-"""The ACP SDK's quick import (rcoder/agent/sdk.py): the same models, without field docstrings,
+"""The ACP SDK's quick import (rcoder/agent/acp/sdk.py): the same models, without field docstrings,
 each built at its first use, and pydantic left as it was for every other model. Each check runs
 in a fresh interpreter: this one imported the SDK long ago."""
 
@@ -14,7 +14,7 @@ import json
 from pydantic import BaseModel
 from pydantic._internal import _fields
 usual = _fields._update_fields_from_docstrings
-from rcoder.agent.sdk import import_acp
+from rcoder.agent.acp.sdk import import_acp
 import_acp()
 from acp.schema import PromptResponse, SessionNotification
 deferred = not SessionNotification.__pydantic_complete__

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.domain import OpenMethod
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

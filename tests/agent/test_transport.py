@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rcoder.agent.transport import LogBudget, PipeTransport
+from rcoder.agent.acp.transport import LogBudget, PipeTransport
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

@@ -1,4 +1,4 @@
-"""rcoder.agent.tree against real process trees: what a tree is, how it is ended, what is reaped.
+"""rcoder.agent.processes.tree against real process trees: what a tree is, how it is ended, what is reaped.
 
 The test process is no subreaper (it would adopt every orphan of the suite), so here an orphan goes
 to init and a tree is found by its mark among every process, as in a daemon where the kernel
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.tree import MARK, Trees
+from rcoder.agent.processes.tree import MARK, Trees
 from tests.conftest import exited
 from tests.harness import eventually, processes_mentioning
 from tests.processes import CLOSE_BOUND, reaped

@@ -7,7 +7,7 @@ import json
 import acp
 import pytest
 
-from rcoder.agent.usage import UsageMeter
+from rcoder.agent.acp.usage import UsageMeter
 from rcoder.domain import Usage
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)

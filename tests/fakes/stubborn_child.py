@@ -69,8 +69,8 @@ def chatty(total: int) -> None:
 
 async def parent(marker: str, confined: bool = False) -> None:
     from rcoder import landlock
-    from rcoder.agent.process import AgentProcess
-    from rcoder.agent.sandbox import SYSTEM_READ, Confinement, python_dirs
+    from rcoder.agent.confinement.sandbox import SYSTEM_READ, Confinement, python_dirs
+    from rcoder.agent.processes.process import AgentProcess
     from rcoder.logs import configure
 
     configure(stream=sys.stderr)

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rcoder.session.checkpoint_sharing import CHECK_EVERY
+from rcoder.session.hosts.checkpoint_sharing import CHECK_EVERY
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.harness import completed, error_info
 from tests.multihost.conftest import AUTH_MD, LEASE_TTL, Hosts, chat

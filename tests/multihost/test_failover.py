@@ -21,7 +21,7 @@ import psycopg
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rcoder.session.history import MADE_END_SEQ
+from rcoder.session.runs.history import MADE_END_SEQ
 from rcoder.store.cluster import OWNER_LOST
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import exited

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from rcoder.session.history import MADE_END_SEQ
+from rcoder.session.runs.history import MADE_END_SEQ
 from rcoder.store.cluster import OWNER_LOST
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory

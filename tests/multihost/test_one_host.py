@@ -25,3 +25,13 @@ async def test_with_sqlite_list_hosts_shows_just_this_host_and_answers_carry_it_
         await client.stub.GetSession(pb.GetSessionRequest(session_id="nope"), timeout=10)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert dict(caught.value.trailing_metadata() or ())["rcoder-owner"] == daemon.address
+
+
+async def test_a_refused_list_sessions_names_this_host_as_the_owner_like_every_other_refusal(
+    make_daemon: DaemonFactory,
+) -> None:
+    daemon, client = await make_daemon(host_id="solo")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.stub.ListSessions(pb.ListSessionsRequest(page_size=100_000), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(caught.value.trailing_metadata() or ())["rcoder-owner"] == daemon.address

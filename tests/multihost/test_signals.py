@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from rcoder.metrics import Metrics
-from rcoder.session.signals import QueuedCancel, SignalSender
+from rcoder.session.hosts.signals import QueuedCancel, SignalSender
 from rcoder.store.pg_signals import PgSignals
 from rcoder.store.postgres import PostgresStore
 from rcoder.store.signals import Signal

@@ -95,7 +95,7 @@ def log_events(daemon: Daemon, event: str, **match: Any) -> list[dict[str, Any]]
 
 # the route `resume = "auto"` picks from what each agent advertises
 AUTO_ROUTE = {"claude": "resume", "claude-legacy": "resume", "codex": "resume", "gemini": "load", "opencode": "resume"}
-# the agents that advertise session/list: a session not in it is never resumed (rcoder.agent.listing)
+# the agents that advertise session/list: a session not in it is never resumed (rcoder.agent.acp.listing)
 LISTS_SESSIONS = frozenset({"claude", "claude-legacy", "codex", "opencode"})
 NOT_LISTED = "is not in the agent's session list"
 # a turn may wait up to a minute for a Gemini load, plus start-up on a busy machine

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.kinds import KINDS, OPENCODE_DISABLE
+from rcoder.agent.profiles.kinds import KINDS, OPENCODE_DISABLE
 from rcoder.config import builtin_profiles
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory

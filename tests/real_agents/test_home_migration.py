@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rcoder.agent.homes import HOME_MARK, LAYOUT_MARK, SHARED
+from rcoder.agent.profiles.homes import HOME_MARK, LAYOUT_MARK, SHARED
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import started, text_of

@@ -39,8 +39,8 @@ from typing import Any
 
 import pytest
 
-from rcoder.agent.classify import auth_reason
-from rcoder.agent.kinds import kind_of
+from rcoder.agent.acp.classify import auth_reason
+from rcoder.agent.profiles.kinds import kind_of
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.fakes.model_servers import (

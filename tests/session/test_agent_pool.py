@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 
+from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.launcher import AgentLauncher, Launched
-from rcoder.agent.start_config import AgentStartConfig
+from rcoder.agent.pool import AgentPool
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import AgentProfile, load_settings
 from rcoder.domain import ModelProvider
 from rcoder.errors import AgentLimitReached, ShuttingDown
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
 from tests.conftest import base_settings
 from tests.harness import FakeAgentSetup, write_config
 from tests.processes import CLOSE_BOUND, START_BOUND, drain, ended, reaped
@@ -46,7 +47,7 @@ async def make_pool(tmp_path: Path, fake: FakeAgentSetup, agent_requests: AgentR
             **{**base_settings(tmp_path), **top},
         )
         settings = load_settings(config, environ={})
-        pool = AgentPool(settings, AgentLauncher(settings), Metrics())
+        pool = AgentPool(settings, AgentLauncher(settings, Trees()), Metrics())
         pools.append(pool)
         profile = settings.profile("fake")
         assert profile is not None

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from rcoder.domain import SessionRecord
-from rcoder.session.opening import Action, decide
+from rcoder.session.resume.opening import Action, decide
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

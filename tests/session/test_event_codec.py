@@ -1,4 +1,4 @@
-"""The stored form of a run's events (rcoder.session.event_codec): every kind round-trips, fields
+"""The stored form of a run's events (rcoder.session.runs.event_codec): every kind round-trips, fields
 at their default are left out, and every event type but the heartbeat has its entry."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from rcoder.domain import (
     ToolDiff,
     Usage,
 )
-from rcoder.session import event_codec
+from rcoder.session.runs import event_codec
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

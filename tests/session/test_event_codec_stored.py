@@ -37,7 +37,7 @@ from rcoder.domain import (
     ToolDiff,
     Usage,
 )
-from rcoder.session import event_codec
+from rcoder.session.runs import event_codec
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from rcoder.domain import AgentUpdate, ResumeOutcome, RunCompleted, StopReason
-from rcoder.session.history import History
-from rcoder.session.runs import Run, RunRegistry
+from rcoder.session.runs.history import History
+from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.store.base import EventRow
 from rcoder.store.cluster import Lease, Taken
 from rcoder.store.pg_cluster import PgCoordination

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from rcoder.domain import TranscriptEntry
-from rcoder.session.reseed import summary
+from rcoder.session.resume.reseed import summary
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

@@ -9,8 +9,8 @@ import pytest
 
 from rcoder.domain import AgentUpdate, ResumeOutcome, RunCompleted, StopReason, TextChunk, ToolCall, ToolDiff
 from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
-from rcoder.session.budget import DROPPED_KIND, EarlyEvents
-from rcoder.session.runs import MERGE_LIMIT, Run, RunLimits, RunRegistry
+from rcoder.session.runs.event_bytes import DROPPED_KIND, EarlyEvents
+from rcoder.session.runs.run import MERGE_LIMIT, Run, RunLimits, RunRegistry
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 

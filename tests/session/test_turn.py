@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.pool import AgentPool
+from rcoder.agent.processes.tree import Trees
 from rcoder.config import AgentProfile, Settings, load_settings
 from rcoder.domain import (
     ChatTurn,
@@ -34,18 +36,20 @@ from rcoder.domain import (
 )
 from rcoder.errors import AgentUnavailable, NotFound
 from rcoder.metrics import Metrics
-from rcoder.session.agent_pool import AgentPool
-from rcoder.session.checkpoints import Checkpoints
-from rcoder.session.claimed import ClaimedTurns
-from rcoder.session.disk import DiskGuard
-from rcoder.session.history import History
-from rcoder.session.holds import SessionHolds
-from rcoder.session.leases import LeaseKeeper
-from rcoder.session.opening import Action, TurnPlan
-from rcoder.session.runs import Run, RunRegistry
-from rcoder.session.spend_guard import SpendGuard
-from rcoder.session.turn import Phase, TurnRunner
-from rcoder.session.usage_writer import UsageWriter
+from rcoder.session.guards.disk import DiskGuard
+from rcoder.session.guards.spend import SpendGuard
+from rcoder.session.guards.usage_writer import UsageWriter
+from rcoder.session.hosts.holds import SessionHolds
+from rcoder.session.hosts.leases import LeaseKeeper
+from rcoder.session.resume.opening import Action, SessionOpener, TurnPlan
+from rcoder.session.runs.history import History
+from rcoder.session.runs.run import Run, RunRegistry
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.records import TurnRecords
+from rcoder.session.turns.runner import Phase, TurnRunner, TurnSteps
 from rcoder.store.sqlite import SqliteStore
 from tests.conftest import base_settings
 from tests.harness import FakeAgentSetup, write_config
@@ -73,7 +77,7 @@ class Tasks:
                 await asyncio.wait(set(self.running))
 
     async def aclose(self) -> None:
-        """Cancel what is still running (as the worker does when rcoder stops) and wait, bounded."""
+        """Cancel what is still running (as the intake does when rcoder stops) and wait, bounded."""
         for task in self.running:
             task.cancel()
         if self.running:
@@ -113,7 +117,7 @@ class Turns:
         )
 
     def start(self, plan: TurnPlan) -> tuple[Run, asyncio.Future[Run]]:
-        """Claim the session for a new run and start the turn, the way the worker does."""
+        """Claim the session for a new run and start the turn, the way the intake does."""
         run = Run(plan.run_id, plan.session_id, 1000)
         self.runs.claim(run)
         ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
@@ -142,18 +146,24 @@ async def make_turns(
         store = SqliteStore(tmp_path / "rcoder.db")
         await store.open()
         metrics = Metrics()
-        launcher = AgentLauncher(settings)
+        launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
         tasks = Tasks()
         clock = lambda: datetime.now(UTC)  # noqa: E731
         claimed = ClaimedTurns(settings.cancel_grace, tasks)
+        holds = SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
+        history = History(store, runs, settings.history_max_bytes_per_run, clock)
+        checkpoints = Checkpoints(settings, store, launcher.trees)
+        records = TurnRecords(store, pool, clock)
+        steps = TurnSteps(
+            SessionOpener(settings, store, pool, metrics, holds, clock), records,
+            TurnEnder(store, pool, runs, metrics, clock, tasks, history, checkpoints, records),
+            PermissionBroker(settings.permission_timeout),
+        )  # fmt: skip
         runner = TurnRunner(
-            settings, store, pool, runs, metrics, clock, tasks,
-            SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics)),
-            History(store, runs, settings.history_max_bytes_per_run, clock),
-            Checkpoints(settings, store, launcher.trees), claimed,
-            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock),
+            settings, store, pool, metrics, clock, holds, history, checkpoints, claimed,
+            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock), steps,
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)
         made.append(turns)

@@ -1,7 +1,7 @@
 """The turn's state machine on its own: every (phase, event) pair, then how a turn ends.
 
 No process, no store, no loop: each test feeds events to ``TurnMachine`` and reads the phase and
-the actions it returns (the table is in ``rcoder/session/turn_machine.py``).
+the actions it returns (the table is in ``rcoder/session/turns/machine.py``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from rcoder.domain import RunStatus, StopReason
 from rcoder.errors import AgentCrashed, AgentTimeout, Internal, LeaseLost, RunCancelled, ShuttingDown, StoreError
-from rcoder.session.turn_machine import TurnMachine, TurnMachineError
-from rcoder.session.turn_messages import (
+from rcoder.session.turns.machine import TurnMachine, TurnMachineError
+from rcoder.session.turns.messages import (
     Abandon,
     AgentEnded,
     AskAgentToStop,

@@ -13,7 +13,7 @@ from psycopg import AsyncConnection
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry, Usage
 from rcoder.store import pg_schema, sqlite_schema
-from rcoder.store.base import SessionStore
+from rcoder.store.base import RunEnd, SessionStore
 
 HOST = "host-a"
 StoreFactory = Callable[[], SessionStore]
@@ -31,7 +31,7 @@ async def ended_run(
     transcript entry when ``turn``)."""
     await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, started))
     entry = TranscriptEntry(session_id, run_id, 0, "hi", "hello", started) if turn else None
-    await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", ended, entry, usage=usage)
+    await store.finish_run(run_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", ended, entry, usage=usage))
 
 
 def sqlite_at(path: Path, version: int) -> sqlite3.Connection:

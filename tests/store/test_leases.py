@@ -16,8 +16,8 @@ import pytest
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
 from rcoder.errors import LeaseLost
 from rcoder.metrics import Metrics
-from rcoder.session.leases import RELEASE_TIMEOUT, LeaseKeeper
-from rcoder.store.base import EventRow
+from rcoder.session.hosts.leases import RELEASE_TIMEOUT, LeaseKeeper
+from rcoder.store.base import EventRow, RunEnd
 from rcoder.store.cluster import OWNER_LOST, Lease, LocalCoordination, Owner, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -112,8 +112,8 @@ async def test_writes_of_a_host_that_lost_the_lease_are_refused_and_change_nothi
     at = T0 + timedelta(minutes=1)
     entry = TranscriptEntry("s1", "r1", 0, "hi", "late answer", at)
     refused = [
-        store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry, lease=lease_a),
-        store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", at, None, lease=lease_a),
+        store_a.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry), lease=lease_a),
+        store_a.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", at, None), lease=lease_a),
         store_a.set_provider_session_id("s1", "p-late", at, lease=lease_a),
         store_a.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0), lease=lease_a),
         store_a.create_session(record("s2"), lease=lease_a),
@@ -129,7 +129,9 @@ async def test_writes_of_a_host_that_lost_the_lease_are_refused_and_change_nothi
     assert await store_b.transcript("s1") == []
     # the new owner's writes land
     await store_b.start_run(RunRecord("r3", "s1", RunStatus.RUNNING, T0), lease=takeover.lease)
-    await store_b.finish_run("r3", RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry, lease=takeover.lease)
+    await store_b.finish_run(
+        "r3", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", at, entry), lease=takeover.lease
+    )
     assert [e.response for e in await store_b.transcript("s1")] == ["late answer"]
 
 
@@ -149,7 +151,7 @@ async def test_a_run_of_a_host_whose_lease_expired_is_ended_as_owner_lost_and_it
     assert run is not None and run.status is RunStatus.FAILED and run.error == OWNER_LOST
     assert await a_short.renew([lease]) == [lease]  # revoked: the old owner learns it lost
     with pytest.raises(LeaseLost):
-        await store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, lease=lease)
+        await store_a.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None), lease=lease)
 
 
 async def test_a_live_owners_run_is_not_ended_as_orphaned(stores: tuple[PostgresStore, PostgresStore]) -> None:
@@ -232,7 +234,7 @@ async def test_a_retired_host_leaves_the_list_and_its_ended_runs_are_answered_by
     lease = taken(await a.acquire("s1")).lease
     await store_a.create_session(record("s1"), lease=lease)
     await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=lease)
-    await store_a.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, lease=lease)
+    await store_a.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None), lease=lease)
     await a.release([lease])
     owner = await b.run_owner("r1")
     assert owner is not None and owner.live, "an ended run is its host's while the host is alive"

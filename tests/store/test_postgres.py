@@ -13,7 +13,7 @@ import pytest
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
 from rcoder.errors import StoreError
-from rcoder.store.base import INTERRUPTED_ERROR
+from rcoder.store.base import INTERRUPTED_ERROR, RunEnd
 from rcoder.store.pg_schema import MIGRATION_LOCK, SCHEMA_VERSION
 from rcoder.store.postgres import PostgresStore
 from tests.pg import PgCluster, free_port
@@ -122,7 +122,7 @@ async def test_text_with_nul_characters_is_stored_with_replacement_characters(st
     await store.create_session(session("s1"))
     await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
     answer = TranscriptEntry("s1", "r1", 0, "hi", "before\x00after", T0)
-    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "err\x00or", T0, answer)
+    await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "err\x00or", T0, answer))
     (stored,) = await store.transcript("s1")
     run = await store.get_run("r1")
     assert stored.response == "before\ufffdafter"

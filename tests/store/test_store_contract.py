@@ -76,7 +76,7 @@ async def run_turn(store: SessionStore, session_id: str, run_id: str, prompt: st
     await store.start_run(RunRecord(run_id, session_id, RunStatus.RUNNING, T0))
     done = T0 + timedelta(minutes=1)
     transcript = entry(session_id, run_id, prompt)
-    await store.finish_run(run_id, RunStatus.COMPLETED, StopReason.END_TURN, "", done, transcript)
+    await store.finish_run(run_id, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", done, transcript))
 
 
 @pytest.mark.parametrize("backend", [SqliteStore, PostgresStore])
@@ -234,7 +234,9 @@ async def test_turns_finished_at_once_on_one_session_each_get_their_own_number(s
         await store.start_run(RunRecord(f"r{n}", "s1", RunStatus.RUNNING, T0))
     await asyncio.gather(
         *(
-            store.finish_run(f"r{n}", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry("s1", f"r{n}", f"p{n}"))
+            store.finish_run(
+                f"r{n}", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry("s1", f"r{n}", f"p{n}"))
+            )
             for n in range(8)
         )
     )
@@ -248,7 +250,7 @@ async def test_turns_finished_at_once_on_one_session_each_get_their_own_number(s
 async def test_finishing_a_run_without_a_transcript_does_not_count_a_turn(store: SessionStore) -> None:
     await store.create_session(session("s1"))
     await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
-    await store.finish_run("r1", RunStatus.FAILED, StopReason.ERROR, "agent crashed", T0, None)
+    await store.finish_run("r1", RunEnd(RunStatus.FAILED, StopReason.ERROR, "agent crashed", T0, None))
     got = await store.get_session("s1")
     run = await store.get_run("r1")
     assert got is not None
@@ -262,14 +264,14 @@ async def test_a_failed_finish_leaves_the_run_untouched(store: SessionStore) -> 
     await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
     stray = entry("ghost", "r1", "hello")  # unknown session: the whole transaction rolls back
     with pytest.raises(StoreError):
-        await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, stray)
+        await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, stray))
     run = await store.get_run("r1")
     assert run is not None
     assert run.status is RunStatus.RUNNING
     with pytest.raises(StoreError):
-        await store.finish_run("nope", RunStatus.COMPLETED, None, "", T0, None)
+        await store.finish_run("nope", RunEnd(RunStatus.COMPLETED, None, "", T0, None))
     with pytest.raises(StoreError):  # an unknown run with a transcript: no turn is counted either
-        await store.finish_run("nope", RunStatus.COMPLETED, None, "", T0, entry("s1", "nope", "hi"))
+        await store.finish_run("nope", RunEnd(RunStatus.COMPLETED, None, "", T0, entry("s1", "nope", "hi")))
     got = await store.get_session("s1")
     assert got is not None
     assert got.turns == 0
@@ -286,13 +288,15 @@ async def test_a_runs_last_events_are_stored_with_its_end_or_not_at_all(store: S
     # refused (its transcript names no session, or the run is unknown): none of the events lands
     with pytest.raises(StoreError):
         await store.finish_run(
-            "r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry("ghost", "r1", "hi"), events=events[1:]
+            "r1",
+            RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry("ghost", "r1", "hi")),
+            events=events[1:],
         )
     with pytest.raises(StoreError):
-        await store.finish_run("nope", RunStatus.COMPLETED, None, "", T0, turn, events=events[1:])
+        await store.finish_run("nope", RunEnd(RunStatus.COMPLETED, None, "", T0, turn), events=events[1:])
     assert await store.run_events("r1") == events[:1]
     # taken: the end and the events together, the one already stored left as it was
-    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, turn, events=events)
+    await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, turn), events=events)
     assert await store.run_events("r1") == events
     run, got = await store.get_run("r1"), await store.get_session("s1")
     assert run is not None and got is not None
@@ -376,7 +380,7 @@ async def test_a_run_left_running_is_marked_interrupted_on_reopen(new_store: Sto
     await first.create_session(session("s1"))
     await first.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
     await first.start_run(RunRecord("r2", "s1", RunStatus.RUNNING, T0))
-    await first.finish_run("r2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None)
+    await first.finish_run("r2", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None))
     await first.close()
     second = new_store()
     assert await second.open() == 1
@@ -402,7 +406,7 @@ async def test_a_rewind_left_running_is_found_unfinished_on_reopen_until_its_end
     await first.put_run_checkpoint("w1", "s1", RunCheckpoint("rewind", "t0", "[]"))
     await first.start_run(RunRecord("w2", "s1", RunStatus.RUNNING, T0))
     await first.put_run_checkpoint("w2", "s1", RunCheckpoint("rewind", "t0", "[]"))
-    await first.finish_run("w2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None)
+    await first.finish_run("w2", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None))
     assert await first.unfinished_rewinds() == []  # running here: not left by a daemon
     await first.close()
     second = new_store()
@@ -487,6 +491,7 @@ CRASHING_WRITER = textwrap.dedent(
     from pathlib import Path
     from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, TranscriptEntry
     from rcoder.store import make_store
+    from rcoder.store.base import RunEnd
 
     async def main() -> None:
         store = make_store(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
@@ -499,7 +504,7 @@ CRASHING_WRITER = textwrap.dedent(
             await store.start_run(RunRecord(rid, sid, RunStatus.RUNNING, now))
             if n % 2:
                 entry = TranscriptEntry(sid, rid, 0, "q", "a", now)
-                await store.finish_run(rid, RunStatus.COMPLETED, StopReason.END_TURN, "", now, entry)
+                await store.finish_run(rid, RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", now, entry))
             print("ready" if n == 0 else n, flush=True)
             n += 1
 

@@ -11,7 +11,7 @@ import pytest
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason
 from rcoder.store import make_store
-from rcoder.store.base import SessionStore
+from rcoder.store.base import RunEnd, SessionStore
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -33,13 +33,13 @@ async def test_a_running_run_of_any_session_of_the_project_is_named_and_an_ended
     assert await store.running_in_project("alpha") is None
 
     await store.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0))
-    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0 + timedelta(seconds=1), None)
+    await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0 + timedelta(seconds=1), None))
     await store.start_run(RunRecord("r3", "s3", RunStatus.RUNNING, T0))
     assert await store.running_in_project("alpha") is None  # r1 ended; r3 runs in another project
     assert await store.running_in_project("beta") == "r3"
 
     await store.start_run(RunRecord("r2", "s2", RunStatus.RUNNING, T0 + timedelta(seconds=2)))
     assert await store.running_in_project("alpha") == "r2"
-    await store.finish_run("r2", RunStatus.FAILED, StopReason.ERROR, "boom", T0 + timedelta(seconds=3), None)
+    await store.finish_run("r2", RunEnd(RunStatus.FAILED, StopReason.ERROR, "boom", T0 + timedelta(seconds=3), None))
     assert await store.running_in_project("alpha") is None
     assert await store.running_in_project("nowhere") is None

@@ -13,7 +13,7 @@ import pytest
 
 from rcoder.domain import RunRecord, RunStatus, SessionRecord, StopReason, Usage
 from rcoder.errors import LeaseLost
-from rcoder.store.base import SessionStore
+from rcoder.store.base import RunEnd, SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -106,7 +106,7 @@ async def test_an_end_stored_again_counts_once(store: SessionStore) -> None:
     await store.create_session(session("s1"))
     await run(store, "s1", "r1", CLAUDE_TURN, turn=False)
     # as a turn's end retried after the store seemed to refuse it (TurnRunner._record_end_later)
-    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=CLAUDE_TURN)
+    await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=CLAUDE_TURN))
     assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.25), 125), Spend(usd(0.25), 125))
 
 
@@ -130,7 +130,7 @@ async def test_usage_noted_mid_turn_counts_once_with_the_end_and_stays_when_no_e
 
     # r1 ends with the answer's tokens and a little more cost: only what is new is added
     end = Usage(input_tokens=100, total_tokens=125, cost_amount=0.65, cost_currency="USD")
-    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=end)
+    await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=end))
     await store.note_usage("r1", Usage(cost_amount=5.0, cost_currency="USD"), T0)  # late: the run has ended
     assert await store.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.95), 125), Spend(usd(0.95), 125))
 
@@ -173,7 +173,7 @@ async def test_holds_of_running_turns_count_for_the_others_until_their_runs_end(
     await store.note_usage("r1", Usage(cost_amount=0.3, cost_currency="USD"), T0)  # spent: no longer held
     await store.reserve_spend(SpendHold("r3", "s1", "proj", DAY, 0), admit)
     assert seen[-1] == SpendSoFar(Spend(usd(0.3), 0), Spend(usd(0.3), 0), usd(0.6), usd(1.1))
-    await store.finish_run("r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=None)
+    await store.finish_run("r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None))
     await store.release_spend("r2")
     await store.reserve_spend(SpendHold("r4", "s1", "proj", DAY, usd(0.1)), admit)
     assert seen[-1] == SpendSoFar(Spend(usd(0.3), 0), Spend(usd(0.3), 0), 0, 0)  # r1 ended, r2 released
@@ -212,7 +212,9 @@ async def test_a_fenced_end_that_is_refused_adds_nothing_to_the_projects_day(pg_
         assert isinstance(await b.acquire("s1"), Taken)  # b takes over: a's run is ended as orphaned
         with pytest.raises(LeaseLost):
             await store_a.finish_run(
-                "r2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, lost.lease, usage=CLAUDE_TURN
+                "r2",
+                RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=CLAUDE_TURN),
+                lease=lost.lease,
             )
         assert await store_b.spend("s1", "proj", DAY) == SpendSoFar(Spend(usd(0.25), 125), Spend(usd(0.25), 125))
     finally:

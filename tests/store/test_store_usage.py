@@ -24,7 +24,7 @@ from rcoder.domain import (
     UsageTotals,
 )
 from rcoder.errors import LeaseLost
-from rcoder.store.base import SessionStore
+from rcoder.store.base import RunEnd, SessionStore
 from rcoder.store.cluster import Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -228,7 +228,7 @@ async def test_a_fenced_end_stores_the_usage_under_the_lease_and_nothing_once_it
         await store_a.start_run(RunRecord("r1", "s1", RunStatus.RUNNING, T0), lease=held.lease)
         entry = TranscriptEntry("s1", "r1", 0, "hi", "hello", T0)
         await store_a.finish_run(
-            "r1", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry, held.lease, usage=CLAUDE_TURN
+            "r1", RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, entry, usage=CLAUDE_TURN), lease=held.lease
         )
         stored = await store_b.get_run("r1")
         assert stored is not None and stored.usage == CLAUDE_TURN
@@ -240,7 +240,9 @@ async def test_a_fenced_end_stores_the_usage_under_the_lease_and_nothing_once_it
         assert isinstance(await b.acquire("s1"), Taken)  # b takes over: a's run is ended as orphaned
         with pytest.raises(LeaseLost):
             await store_a.finish_run(
-                "r2", RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, lost.lease, usage=CLAUDE_TURN
+                "r2",
+                RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", T0, None, usage=CLAUDE_TURN),
+                lease=lost.lease,
             )
         orphaned = await store_b.get_run("r2")
         assert orphaned is not None and orphaned.status is RunStatus.FAILED and orphaned.usage is None

@@ -1,0 +1,350 @@
+"""``RewindSession`` (docs/checkpoints.md#rewind): the project's files as they were before a run,
+and the session going on from there.
+
+On the host that serves the session, in order:
+
+0. the rewind holds the session in the ``RunRegistry`` as a turn does (``claim``), from before
+   its first check to after its end is stored: a turn sent to the session meanwhile is refused
+   ``SessionBusy`` or waits, as its ``busy`` asks, and then opens the session re-seeded, never
+   the agent session the rewind forgets;
+1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
+   whatever its phase) or, as the store has it, on another host;
+2. under the project's checkpoint lock (no snapshot of a turn meanwhile), the project as it is
+   now is snapshotted (the rewind's before), and the run is recorded running, of kind ``rewind``
+   with its target and that before commit (``ListRuns``), before any file changes: the intent;
+3. git writes back the run's before snapshot (``CheckpointRepo.restore``) and the result is
+   snapshotted (the rewind's after); a failure here puts the files back to the before commit and
+   leaves the agent and the transcript as they were;
+4. only then the session's agent is ended, its provider session forgotten and rcoder's
+   transcript cut at the run; the rewind's end records both commits and what it undid. The next
+   turn opens a new agent session re-seeded from the transcript up to (not including) that run,
+   ``FALLBACK_RESEEDED`` with the reason "rewound to before run <id>"
+   (``checkpoints.rewound_reason``), since no agent can cut its own history.
+
+A daemon killed between 2 and 4 completes the rewind at its next start (``recover``): restoring
+to a commit again gives the same files (docs/checkpoints.md#a-rewind-finishes-or-never-happened).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+from rcoder.agent.files.beneath import DIR_FLAGS, Beneath
+from rcoder.agent.pool import AgentPool
+from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
+from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
+from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, OtherSessionsWork, ProjectBusy, RcoderError
+from rcoder.logs import get_logger
+from rcoder.session.runs.run import RUN_MISSING, Run, RunRegistry
+from rcoder.session.turns.checkpoints import Checkpoints, encode_changes
+from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
+from rcoder.store.checkpoint_repo import CheckpointRepo
+from rcoder.store.git_changes import listed
+
+log = get_logger(__name__)
+BUSY_ADVICE = "Wait for it to complete, or Cancel it, then rewind."
+UNFINISHED = "the daemon stopped in the middle of this rewind"
+
+
+@dataclass(frozen=True, slots=True)
+class Rewound:
+    """A rewind done: the run that records it, and the files it changed back."""
+
+    run_id: str
+    changes: tuple[FileChange, ...]
+    agent_stopped: bool
+    changes_unlisted: int = 0  # how many more files it changed back than ``changes`` lists
+    # what it could not bring back: files whose content is not stored, and the project's own .git
+    not_restored: tuple[FileChange, ...] = ()
+
+
+def give_back(project: Path, changes: Sequence[FileChange], beneath: Beneath | None = None) -> None:
+    """What the rewind wrote belongs to the project folder's owner, as the rest of it does (a
+    daemon run as root writes as root; its agents may run as a uid of their own).
+
+    Each entry is reached from the project's folder descriptor through real folders only
+    (``Beneath.exact``) and changed with ``fchownat`` relative to its folder, never followed:
+    a folder the agent swapped for a link meanwhile is left alone, so nothing outside the project
+    is ever given away (docs/files.md#the-daemons-own-work). A file with more than one hard link
+    is not given (it may be another name of a file elsewhere), as ``rcoder.agent.files.ownership`` does."""
+    if os.geteuid() != 0:
+        return
+    beneath = beneath or Beneath()
+    written: set[tuple[str, ...]] = set()
+    for change in changes:
+        if change.kind is ChangeKind.DELETED:
+            continue
+        parts = tuple(name for name in change.path.split("/") if name not in ("", "."))
+        if not parts or ".." in parts:
+            continue
+        written.update(parts[:i] for i in range(1, len(parts) + 1))
+    root = os.open(project, DIR_FLAGS | os.O_NOFOLLOW)
+    try:
+        owner = os.fstat(root)
+        for parts in sorted(written):
+            try:
+                folder = beneath.exact(root, parts[:-1], DIR_FLAGS)
+            except OSError:  # gone, or a name on the way is a link now: not followed
+                continue
+            try:
+                info = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
+                if (info.st_uid, info.st_gid) == (owner.st_uid, owner.st_gid):
+                    continue
+                if info.st_nlink > 1 and not stat.S_ISDIR(info.st_mode) and not stat.S_ISLNK(info.st_mode):
+                    log.warning("not_given_hard_link", path="/".join(parts), links=info.st_nlink)
+                    continue
+                os.chown(parts[-1], owner.st_uid, owner.st_gid, dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(folder)
+    finally:
+        os.close(root)
+
+
+class SessionRewinder:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SessionStore,
+        pool: AgentPool,
+        runs: RunRegistry,
+        checkpoints: Checkpoints,
+        claimed: ClaimedTurns,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._pool = pool
+        self._runs = runs
+        self._checkpoints = checkpoints
+        self._running_in = claimed.running_in  # project id -> a run claimed in it here, None: none
+        self._clock = clock
+
+    async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
+        record, target = await self._checked(session_id, run_id)
+        rewind_id = new_id()
+        holder = self._runs.holder(session_id)
+        if holder is not None:  # the session's own turn (or rewind) is one running in the project
+            raise ProjectBusy(record.project_id, holder.run_id, BUSY_ADVICE)
+        hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
+        self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
+        try:
+            return await self._rewind_held(record, target, rewind_id, include_other_sessions)
+        finally:
+            self._checkpoints.settled(rewind_id)
+            hold.fail(NotFound("run", rewind_id, "a rewind streams no events (ListRuns lists it)"))
+            self._runs.forget(hold)  # the first turn waiting for the session claims it now
+
+    async def _rewind_held(
+        self, record: SessionRecord, target: RunRecord, rewind_id: str, include_other_sessions: bool
+    ) -> Rewound:
+        session_id, run_id, project_id = record.session_id, target.run_id, record.project_id
+        repo = self._checkpoints.repo(project_id, record.cwd)
+        excludes = self._excludes(record)
+        async with self._checkpoints.locks[project_id]:
+            # a turn claimed here in the project (this session's own included), else one the store
+            # has running there on another host, as the file RPCs ask it
+            busy = self._running_in(project_id) or await self._store.running_in_project(project_id)
+            if busy is not None:
+                raise ProjectBusy(project_id, busy, BUSY_ADVICE)
+            goal, _ = await self._checkpoints.commits(repo, target)
+            if goal is None:
+                raise NoCheckpoint(run_id, "before", "checkpoints were off for it, or its snapshots were deleted")
+            run = RunRecord(
+                run_id=rewind_id, session_id=session_id, status=RunStatus.RUNNING, started_at=self._clock(),
+                prompt=f"rewind to before run {run_id}",
+            )  # fmt: skip
+            try:
+                # not refused by a full store (checkpoint_store_max_bytes): a rewind is how room is undone
+                now = await repo.snapshot(excludes, f"before rewind {rewind_id}", capped=False)  # its ref is on disk
+            except (RcoderError, OSError) as exc:  # nothing changed: recorded as failed, never left running
+                await self._store.start_run(run)
+                await self._store.finish_run(
+                    rewind_id, RunEnd(RunStatus.FAILED, StopReason.ERROR, said(exc), self._clock())
+                )
+                raise
+            self._checkpoints.pending(rewind_id, now)
+            taken = await self._others_work(repo, record, target, now, goal)
+            if taken and not include_other_sessions:
+                sessions = sorted({r.session_id for r in taken})
+                raise OtherSessionsWork([r.run_id for r in taken], sessions)
+            # the intent, before any file changes: what a restarted daemon completes or rolls back
+            await self._store.start_run(replace(run, checkpoint_before=now))
+            await self._store.put_run_checkpoint(
+                rewind_id, session_id, RunCheckpoint(RunKind.REWIND.value, run_id, "[]")
+            )
+            if taken:  # their runs say so (only once this rewind has completed is their session told)
+                await self._store.mark_rewound([r.run_id for r in taken], rewind_id)
+            try:
+                after, changed, lost = await self._restore(repo, excludes, rewind_id, goal, now)
+            except (RcoderError, OSError) as exc:  # the session as it was: files back, agent and transcript kept
+                if taken:
+                    await self._store.clear_rewound(rewind_id)
+                undone = await self._roll_back(repo, excludes, rewind_id, now)
+                failed = RunEnd(RunStatus.FAILED, StopReason.ERROR, f"{said(exc)}; {undone}", self._clock(),
+                                checkpoint_before=now)  # fmt: skip
+                await self._store.finish_run(rewind_id, failed)
+                raise
+            # the files are where they must be: only now the agent and the transcript
+            stopped = await self._forget(session_id, run_id)
+            for other in sorted({r.session_id for r in taken}):
+                if self._runs.holder(other) is None:  # its next turn opens anew, and is told
+                    await self._pool.close(other)
+        shown = listed(changed)
+        await self._store.put_run_checkpoint(
+            rewind_id, session_id,
+            RunCheckpoint(RunKind.REWIND.value, run_id, encode_changes(shown, len(changed) - len(shown))),
+        )  # fmt: skip
+        end = RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, "", self._clock(),
+                     checkpoint_before=now, checkpoint_after=after)  # fmt: skip
+        await self._store.finish_run(rewind_id, end)
+        log.info("session_rewound", session_id=session_id, run_id=run_id, rewind_run_id=rewind_id,
+                 files=len(changed), agent_stopped=stopped, not_restored=len(lost))  # fmt: skip
+        return Rewound(rewind_id, shown, stopped, len(changed) - len(shown), listed(lost))
+
+    async def recover(self) -> int:
+        """At the daemon's start, before it serves: each rewind its last daemon left half-way is
+        completed (the files restored to its target again, which is idempotent, then the transcript
+        cut and the agent session forgotten), or, when that fails, rolled back to its before
+        snapshot; its run's record says which (docs/checkpoints.md#a-rewind-finishes-or-never-happened).
+        How many it found."""
+        found = await self._store.unfinished_rewinds() if self._checkpoints.enabled else []
+        for rewind_id in found:
+            try:
+                await self._recover(rewind_id)
+            finally:
+                self._checkpoints.settled(rewind_id)
+        return len(found)
+
+    async def _recover(self, rewind_id: str) -> None:
+        run = await self._store.get_run(rewind_id)
+        stored = (await self._store.run_checkpoints([rewind_id])).get(rewind_id)
+        record = None if run is None else await self._store.get_session(run.session_id)
+        if run is None or stored is None or record is None:
+            return
+        before, target_id = run.checkpoint_before, stored.target_run_id
+        repo = self._checkpoints.repo(record.project_id, record.cwd)
+        excludes = self._excludes(record)
+        async with self._checkpoints.locks[record.project_id]:
+            try:
+                target = await self._store.get_run(target_id)
+                goal = None if target is None else (await self._checkpoints.commits(repo, target))[0]
+                if goal is None:
+                    raise NoCheckpoint(target_id, "before", "its snapshots were deleted")
+                await repo.snapshot(excludes, f"resuming rewind {rewind_id}", capped=False)  # restore's "now"
+                after, changed, _ = await self._restore(repo, excludes, rewind_id, goal, before)
+                await self._forget(run.session_id, target_id)
+            except (RcoderError, OSError) as exc:
+                undone = await self._roll_back(repo, excludes, rewind_id, before)
+                await self._store.clear_rewound(rewind_id)  # the other sessions' work is back too
+                error = f"{UNFINISHED}; its next start could not complete it ({said(exc)}): {undone}"
+                await self._store.finish_run(
+                    rewind_id, RunEnd(RunStatus.FAILED, StopReason.ERROR, error, self._clock())
+                )
+                log.warning("rewind_rolled_back_at_start", rewind_run_id=rewind_id, error=error)
+                return
+        shown = listed(changed)
+        await self._store.put_run_checkpoint(
+            rewind_id, run.session_id,
+            RunCheckpoint(RunKind.REWIND.value, target_id, encode_changes(shown, len(changed) - len(shown))),
+        )  # fmt: skip
+        end = RunEnd(RunStatus.COMPLETED, StopReason.END_TURN, f"{UNFINISHED}; its next start completed it",
+                     self._clock(), checkpoint_after=after)  # fmt: skip
+        await self._store.finish_run(rewind_id, end)
+        log.warning("rewind_completed_at_start", rewind_run_id=rewind_id, session_id=run.session_id,
+                    run_id=target_id, files=len(changed))  # fmt: skip
+
+    async def _others_work(
+        self, repo: CheckpointRepo, record: SessionRecord, target: RunRecord, now: str, goal: str
+    ) -> list[RunRecord]:
+        """The runs of other sessions since ``target`` that changed a file this rewind changes back
+        (docs/checkpoints.md#other-sessions-work): a run's own changes are the files that differ
+        between its before and after snapshots; a run its daemon's death cut (no after snapshot)
+        counts as having changed them, since what it wrote is unknown."""
+        since = await self._store.project_runs_since(record.project_id, target.started_at)
+        others = [r for r in since if r.session_id != record.session_id and r.run_id != target.run_id]
+        if not others:
+            return []
+        undone: set[str] = set()
+        for change in await repo.changes(now, goal, listed_only=False):
+            undone.update(path for path in (change.path, change.old_path) if path)
+        if not undone:
+            return []
+        taken = []
+        for run in others:
+            before, after = await self._checkpoints.commits(repo, run)
+            if before is None:
+                continue
+            if after is None:
+                if run.status is RunStatus.INTERRUPTED:
+                    taken.append(run)
+                continue
+            theirs = await repo.changes(before, after, listed_only=False)
+            if any(path in undone for change in theirs for path in (change.path, change.old_path) if path):
+                taken.append(run)
+        return taken
+
+    def _excludes(self, record: SessionRecord) -> tuple[str, ...]:
+        profile = self._settings.profile(record.agent)
+        return tuple(profile.checkpoint_exclude if profile is not None else DEFAULT_CHECKPOINT_EXCLUDE)
+
+    async def _checked(self, session_id: str, run_id: str) -> tuple[SessionRecord, RunRecord]:
+        """The session and the run, when ``run_id`` is one of its runs and checkpoints are on."""
+        record = await self._store.get_session(session_id)
+        if record is None:
+            raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
+        target = await self._store.get_run(run_id)
+        if target is None:
+            raise NotFound("run", run_id, RUN_MISSING)
+        if target.session_id != session_id:
+            raise InvalidArgument("run_id", f"run {run_id} is not a run of session {session_id}")
+        if not self._checkpoints.enabled:
+            raise NoCheckpoint(run_id, "before", "checkpoints are off (checkpoints = false)")
+        return record, target
+
+    async def _restore(
+        self, repo: CheckpointRepo, excludes: Sequence[str], rewind_id: str, goal: str, before: str
+    ) -> tuple[str, tuple[FileChange, ...], tuple[FileChange, ...]]:
+        """The project's files written back to ``goal`` (a snapshot of them as they are now must
+        just have been taken): the rewind's after commit, what changed since ``before``, and what
+        it could not restore. Restoring to a commit twice gives the same files: a restart redoes
+        this whole step."""
+        lost = await repo.restore(goal)
+        after = await repo.snapshot(excludes, f"after rewind {rewind_id}", capped=False)
+        self._checkpoints.pending(rewind_id, after)
+        changed = await repo.changes(before, after, listed_only=False)
+        await asyncio.to_thread(give_back, repo.work_tree, changed)
+        return after, changed, tuple(lost)
+
+    async def _roll_back(self, repo: CheckpointRepo, excludes: Sequence[str], rewind_id: str, before: str) -> str:
+        """After a restore that failed half-way: the files as they were before the rewind. What
+        was done, as the run's record says it."""
+        try:
+            middle = await repo.snapshot(excludes, f"rolling back rewind {rewind_id}", capped=False)
+            self._checkpoints.pending(rewind_id, middle)
+            await repo.restore(before)
+            await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(middle, before, listed_only=False))
+        except (RcoderError, OSError) as exc:
+            log.warning("rewind_roll_back_failed", rewind_run_id=rewind_id, error=said(exc), before=before)
+            return f"putting the files back failed too ({said(exc)}): the project's snapshot before it is {before}"
+        return "the project's files were put back as they were before it; the agent and the transcript are kept"
+
+    async def _forget(self, session_id: str, run_id: str) -> bool:
+        """The session forgets its agent and its history from ``run_id`` on (no turn of it runs:
+        the rewind holds it). Whether an agent was live."""
+        stopped = await self._pool.close(session_id)
+        await self._store.set_provider_session_id(session_id, "", self._clock())
+        await self._store.cut_transcript(session_id, run_id)
+        return stopped
+
+
+def said(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"

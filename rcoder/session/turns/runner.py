@@ -1,0 +1,406 @@
+"""One turn's whole life, driven by one runner: opened, started, prompted, cancelled, finished.
+
+The intake claims the session and registers the run, then starts ``TurnRunner.run`` in a task
+of its own. ``TurnRunner`` is the driver of the turn's state machine (``session.turns.machine``):
+it tells the machine what happened (the session opened, a cancel came, the agent answered, the
+store refused a write) and performs the actions the machine returns. The machine decides; this
+module does the I/O. Whatever way the turn's work ends, the runner then stores the result,
+releases the session and its agent, and publishes ``completed``. An exception nobody expected
+ends the turn ``STOP_REASON_ERROR`` with the error's text. A store that cannot record the end
+makes the turn an error too, so that the stream never claims something the store does not hold.
+
+The prompt goes to the agent as soon as the session is open, before the run is recorded: the
+agent works on it while the store writes and ``started`` goes out. What the agent sends
+meanwhile waits in the scope and is published after ``started``. So a client that has seen
+``started`` can rely on the run being in the store, and the stream still begins with
+``started``. If the store refuses the start, the prompt and the agent are ended, because the
+agent heard of a turn that the store never held.
+
+A cancel reaches a turn in any phase, from the claim on: the turn is registered when the intake
+starts its task, not when the task first runs. What a cancel does depends on the phase (the
+table is in ``session.turns.machine``):
+
+- claimed, its task not yet begun: the session is never opened;
+- opening (spawn, ``initialize``, a deferred load, a replay): that work is cancelled, which ends
+  the agent's process group;
+- opened, the prompt not yet sent: the prompt is never sent (a live agent stays live and idle,
+  having heard nothing of this turn);
+- prompting: ``session/cancel`` goes to the agent, and its group is ended after ``cancel_grace``;
+- ended (how it ended is decided): too late, the cancel is refused.
+
+A new session is stored (with no provider id yet) before its agent starts
+(``SessionOpener.name``): from then on it is listed, and the caller, told its run and session
+in the response headers, can cancel it by either id. A turn cancelled before its session opened
+is recorded as started and then cancelled (``RESUME_OUTCOME_NOT_OPENED``); one cancelled after
+it opened (while its options were being set, say) says how it opened (``TurnPlan.opened``).
+Every cancel accepted ends the turn ``CANCELLED``, even one the agent answers with ``end_turn``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from rcoder import tracing
+from rcoder.agent.acp.convert import prompt_blocks
+from rcoder.agent.acp.usage import USAGE_UPDATE
+from rcoder.agent.pool import AgentPool
+from rcoder.config import Settings
+from rcoder.domain import AgentEvent, AgentUpdate, RunStarted, StopReason, TextChunk, TranscriptEntry
+from rcoder.errors import AgentTimeout, Internal, NotFound, RcoderError
+from rcoder.logs import bind_context, get_logger
+from rcoder.metrics import Metrics
+from rcoder.session.guards.disk import DiskGuard
+from rcoder.session.guards.spend import SpendGuard
+from rcoder.session.guards.usage_writer import UsageWriter
+from rcoder.session.hosts.holds import SessionHolds
+from rcoder.session.resume.opening import Action, Opened, SessionOpener, TurnPlan
+from rcoder.session.runs.history import History
+from rcoder.session.runs.run import Heartbeats, Run
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.claimed_turn import Answer, ClaimedTurn
+from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.messages import (
+    Abandon,
+    AgentEnded,
+    Begin,
+    Event,
+    Failed,
+    OpeningCancelled,
+    Phase,
+    PromptSent,
+    Propagate,
+    SessionOpened,
+    Started,
+    StartRecording,
+    StopCause,
+    Stopping,
+    TimedOut,
+)
+from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.records import TurnRecords
+from rcoder.store.base import SessionStore
+
+# Phase and StopCause are named from here by the turn's callers and tests.
+__all__ = ["ClaimedTurn", "Phase", "StopCause", "TurnRunner"]
+
+log = get_logger(__name__)
+MAX_TRANSCRIPT_TEXT = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSteps:
+    """What the runner hands a turn's steps to, each built by the daemon: opening its session,
+    its records in the store, its end, and the agent's permission requests."""
+
+    opener: SessionOpener
+    records: TurnRecords
+    ender: TurnEnder
+    permissions: PermissionBroker
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SessionStore,
+        pool: AgentPool,
+        metrics: Metrics,
+        clock: Callable[[], datetime],
+        holds: SessionHolds,
+        history: History,
+        checkpoints: Checkpoints,
+        claimed: ClaimedTurns,
+        disk: DiskGuard,
+        spend: SpendGuard,
+        usage: UsageWriter,
+        steps: TurnSteps,
+    ) -> None:
+        """Every collaborator is built by the daemon (``rcoder.daemon``). ``claimed`` is where the
+        turns this runner drives are registered: the guards and the intake stop a turn through it."""
+        self._settings = self.settings = settings
+        self.checkpoints = checkpoints
+        self.history = history
+        self._store = store
+        self._pool = pool
+        self._metrics = metrics
+        self._clock = clock
+        self._holds = holds
+        self._claimed = claimed
+        self._opener = steps.opener
+        self._records = steps.records
+        self._ender = steps.ender
+        self.permissions = steps.permissions
+        # workspace_max_bytes (docs/limits.md#disk): a turn past it is stopped, and the next is refused.
+        self.disk = disk
+        # [budgets] and max_cost_usd (docs/budgets.md): a turn past one is stopped, and the next is refused.
+        self.spend = spend
+        # what the agent reports a turn cost, stored as it arrives (docs/budgets.md#however-a-turn-ends)
+        self._usage = usage
+
+    async def aclose(self) -> None:
+        """Stop retrying late store writes (the next start marks those runs ``interrupted``)."""
+        await self.disk.aclose()
+        await self._records.aclose()
+
+    # ------------------------------------------------------------ the claimed turns (``session.turns.claimed``)
+
+    def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
+        """``ClaimedTurns.cancel``: ask the turn to stop, whatever its phase."""
+        return self._claimed.cancel(run_id, cause)
+
+    def follows(self, run_id: str) -> str | None:
+        """``ClaimedTurns.follows``: the run the claimed turn follows in its session."""
+        return self._claimed.follows(run_id)
+
+    def phase(self, run_id: str) -> Phase | None:
+        """``ClaimedTurns.phase``: where the claimed turn stands (None: not running here)."""
+        return self._claimed.phase(run_id)
+
+    # ------------------------------------------------------------ the turn
+
+    def run(
+        self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run], queued: bool = False
+    ) -> Coroutine[Any, Any, None]:
+        """The turn, start to end, for the task the intake starts for each claimed turn. The turn
+        is registered now, so a cancel reaches it before that task first runs. A ``queued`` turn
+        was planned before the turns it waited for: it reads its session again first."""
+        scope = ClaimedTurn(self._settings, plan, run, ready)
+        self._claimed.claim(scope)
+        return self._run(scope, queued)
+
+    async def _run(self, scope: ClaimedTurn, queued: bool) -> None:
+        plan = scope.plan
+        bind_context(run_id=plan.run_id, session_id=plan.session_id, project_id=plan.turn.project_id)
+        try:
+            try:
+                await self._work(scope, queued)
+            except BaseException as exc:
+                self._usage.forget(scope.run.run_id)  # the end carries the last usage now
+                await self._ender.end(scope, self._ending(exc))
+                if isinstance(exc, asyncio.CancelledError):  # rcoder is stopping: the cancel goes on
+                    raise
+                return  # the error is now in the run's end, or, for a refused turn, with the caller
+            answer = scope.answer
+            self._usage.forget(scope.run.run_id)
+            await self._ender.end(scope, AgentEnded(answer.stop if answer is not None else StopReason.END_TURN))
+        finally:
+            scope.started_out.set()
+            if scope.kill_timer is not None:
+                scope.kill_timer.cancel()
+            self._forget(scope)
+
+    def _forget(self, scope: ClaimedTurn) -> None:
+        """The turn is over. Its lease goes too when no agent of its session is live here (a
+        cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
+        self._claimed.forget(scope.run.run_id)
+        self._usage.forget(scope.run.run_id)
+        plan = scope.plan
+        self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
+        self.spend.ended(scope.run.run_id)
+        if plan.lease is not None:
+            self._holds.let_go(plan.session_id, plan.lease)
+
+    @staticmethod
+    def _ending(exc: BaseException) -> Event:
+        """The machine's event for what the turn's work raised."""
+        if isinstance(exc, asyncio.CancelledError):
+            return Stopping()
+        if isinstance(exc, AgentTimeout):
+            return TimedOut(exc)
+        if isinstance(exc, RcoderError):
+            return Failed(exc)
+        log.error("turn_failed_unexpectedly", exc_info=exc)
+        return Failed(Internal(exc))
+
+    async def _work(self, scope: ClaimedTurn, queued: bool) -> None:
+        plan, run = scope.plan, scope.run
+        if queued:
+            await self._replan(scope)
+        # A turn is refused before any agent starts in a project past its profile's
+        # workspace_max_bytes, and in a session or project past a budget (the budget check reads
+        # nothing from the store when no budget is set).
+        await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
+        await self.spend.admit(run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd)
+        self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
+        loop = asyncio.get_running_loop()
+        checkpoints = self.checkpoints
+        if checkpoints.enabled and plan.action is not Action.LIVE:
+            # docs/checkpoints.md: taken while an agent starts or the session loads, beside it
+            snapshot = checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+            scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
+        opened = await self._open(scope)
+        if checkpoints.enabled and scope.before is None:
+            # A live session opens at once: the snapshot is taken now, with no task of its own.
+            scope.before = loop.create_future()
+            try:
+                scope.before.set_result(
+                    await checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
+                )
+            except BaseException:
+                scope.before.cancel()  # the turn's end then takes no after snapshot
+                raise
+        if scope.before is not None:
+            # The project as it was before the prompt reaches the agent. The wait is shielded
+            # because the end of the turn waits for the same snapshot.
+            scope.checkpoint = await asyncio.shield(scope.before)
+        prompting = loop.create_task(self._prompt(scope, opened), name=f"prompt-{run.run_id}")
+        try:
+            # One step for the prompt task first: it writes the prompt to the agent before the
+            # store's write, which runs inline and would hold the loop (see the module docstring).
+            await asyncio.sleep(0)
+            await self._start(scope, opened.started)
+        except BaseException:
+            # The start was not recorded: the prompt ends here, and its agent is let go of when
+            # the turn is refused.
+            prompting.cancel()
+            await asyncio.shield(asyncio.wait({prompting}, timeout=self._settings.cancel_grace))
+            if prompting.done() and not prompting.cancelled():
+                # Retrieved so that asyncio does not report it: when a cancel kept the prompt
+                # back, the caller is told the start's error instead.
+                prompting.exception()
+            raise
+        # Noted on the loop's next pass, after started reaches its followers: the log line
+        # alone costs as long as the agent's first reply.
+        loop.call_soon(self._note_started, plan, opened.started)
+        await prompting
+
+    def _step(self, scope: ClaimedTurn, event: Event) -> None:
+        """Tell the machine what the turn's work did, and perform what it says: a step that
+        begins work is abandoned when a cancel came first (its error raised); a cancelled opening
+        that no cancel or lost lease explains goes on being cancelled (``Propagate``: the caller
+        raises it on). Nothing else follows the events the runner tells (the end's are the
+        ender's): any other action is a bug, never dropped."""
+        for action in scope.machine.handle(event):
+            match action:
+                case Abandon(error=error):
+                    raise error
+                case Propagate():
+                    pass
+                case _:
+                    raise AssertionError(f"{action} does not follow {event} in the runner")
+
+    async def _open(self, scope: ClaimedTurn) -> Opened:
+        """Open the session in a task of its own, so that a cancel can stop just that (a live
+        agent is taken at once). Its span says by which route and with what outcome."""
+        plan = scope.plan
+        attributes = {"rcoder.agent": plan.profile.name, "rcoder.session_id": plan.session_id,
+                      "rcoder.run_id": plan.run_id, "rcoder.project_id": plan.turn.project_id}  # fmt: skip
+        with tracing.span("session.open", attributes) as span:
+            opened = await self._opening(scope)
+            if span.is_recording():
+                started = opened.started
+                span.set_attribute("rcoder.session.method", started.resume_method.value)
+                span.set_attribute("rcoder.session.outcome", f"RESUME_OUTCOME_{started.resume.name}")
+                if started.fallback_reason:
+                    span.set_attribute("rcoder.session.fallback_reason", started.fallback_reason)
+        return opened
+
+    async def _opening(self, scope: ClaimedTurn) -> Opened:
+        self._step(scope, Begin())
+        plan, opener = scope.plan, self._opener
+        opened = opener.live(plan)  # taken at once, with no await: there is nothing to cancel meanwhile
+        if opened is None or opened.pending:  # a new agent, or options to set on the live one first
+            work = opener.open(plan) if opened is None else opener.configure(plan, opened)
+            scope.opening = asyncio.get_running_loop().create_task(work, name=f"open-{scope.run.run_id}")
+            try:
+                opened = await scope.opening
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and not current.cancelling():  # the opening was cancelled, not this task
+                    self._step(scope, OpeningCancelled())
+                raise
+            finally:
+                scope.opening = None
+        scope.conn = opened.connection
+        # A cancel that came while the session opened keeps the prompt from being sent.
+        self._step(scope, SessionOpened())
+        return opened
+
+    async def _start(self, scope: ClaimedTurn, body: RunStarted) -> None:
+        """Record the run (and a new session) in the store, then publish ``started``."""
+        scope.body = body
+        # Awaited in this task, with no hop: the store's point writes run inline, and a write it
+        # hands to its worker thread is finished even if this task is cancelled meanwhile
+        # (``SqliteStore._call``).
+        self._step(scope, StartRecording())
+        await self._records.record_start(scope.plan, body, scope.conn, scope.checkpoint)
+        self._usage.recorded(scope.run.run_id, scope.plan.lease)  # its usage may be written from now on
+        self._step(scope, Started())
+        self._ender.publish_started(scope)
+
+    async def _replan(self, scope: ClaimedTurn) -> None:
+        """The session as the turns before this one left it: its record (its provider id, its
+        last run) and whether its agent is still live here."""
+        plan = scope.plan
+        record = self._pool.live_record(plan.session_id) or await self._store.get_session(plan.session_id)
+        if record is None:
+            raise NotFound("session", plan.session_id, "deleted while this turn was queued")
+        plan.record = record
+        plan.action = Action.LIVE if self._pool.is_live(plan.session_id) else Action.RESUME
+        scope.follows = record.last_run_id
+
+    def _note_started(self, plan: TurnPlan, started: RunStarted) -> None:
+        self._metrics.turn_started(
+            plan.profile.name, started.resume.value, started.resume_method.value, time.monotonic() - plan.received
+        )
+        log.info("run_started", agent=plan.profile.name, resume=started.resume.value,
+                 method=started.resume_method.value, provider_session_id=started.provider_session_id,
+                 fallback_reason=started.fallback_reason or None)  # fmt: skip
+
+    async def _prompt(self, scope: ClaimedTurn, opened: Opened) -> None:
+        texts: list[str] = []
+        size = 0
+        run, plan = scope.run, scope.plan
+        conn = opened.connection
+        spend = self.spend.watch(run.run_id, conn)  # None: no budget bounds the turn
+
+        def on_event(event: AgentEvent) -> None:
+            nonlocal size
+            if isinstance(event, TextChunk) and not event.thought and size < MAX_TRANSCRIPT_TEXT:
+                texts.append(event.text)
+                size += len(event.text)
+            scope.deliver(event)
+            if event.__class__ is AgentUpdate and event.kind == USAGE_UPDATE:
+                self._usage.note(run.run_id, conn.usage_so_far())  # stored as it arrives, coalesced
+            if spend is not None:
+                spend(event)  # a cost reported mid-turn, checked against the budgets
+
+        turn = plan.turn
+        beats = Heartbeats(run, self._settings.heartbeat_interval)
+        attributes = {
+            "rcoder.agent": plan.profile.name,
+            "rcoder.session_id": plan.session_id,
+            "rcoder.run_id": run.run_id,
+        }
+        # The prompt's span is current while it runs: session/prompt carries it to the agent in _meta.
+        with tracing.span("session.prompt", attributes) as span:
+            # Made inside the span, so that permission waits are its children.
+            decider = self.permissions.decider(run.run_id, turn.permission_mode, plan.profile.permission_rules)
+            try:
+                blocks = prompt_blocks(opened.preamble + turn.prompt, turn.attachments)
+                timeout = self._settings.turn_timeout or None
+                # From here on a cancel asks the agent to stop; a cancel that came before this
+                # point means the prompt is never sent (``RunCancelled``).
+                self._step(scope, PromptSent())
+                try:
+                    stop = await conn.prompt(blocks, on_event, decider, timeout, scope.room)
+                finally:
+                    scope.reported = conn.turn_usage  # the turn's cost however the prompt ended
+            finally:
+                beats.stop()
+            span.set_attribute("rcoder.stop_reason", stop.value)
+        transcript = TranscriptEntry(
+            session_id=plan.session_id,
+            run_id=run.run_id,
+            turn=0,
+            prompt=turn.prompt,
+            response="".join(texts)[:MAX_TRANSCRIPT_TEXT],
+            created_at=self._clock(),
+        )
+        scope.answer = Answer(stop, transcript, opened.connection.turn_usage)

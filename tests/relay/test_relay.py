@@ -1,0 +1,371 @@
+"""``rcoder relay`` as a process: agents spawned through it, ACP through Attach, re-attach, fencing.
+
+A real relay (tests/relay/relay_kit.py), a real gRPC client on its unix socket, the scripted fake
+agent (tests/fakes/fake_agent.py) spawned confined through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rcoder.relay.v1 import relay_pb2 as pb
+from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+from tests.harness import ROOT, die_with_the_test, error_info, eventually, processes_mentioning
+from tests.relay.conftest import RelayFactory
+from tests.relay.relay_kit import AcpOverAttach, chunks, fake_agent_spec, initialize
+from tests.test_access import make_certificate
+
+
+async def spawn(stub: pb_grpc.RelayServiceStub, metadata: tuple[tuple[str, str], ...], spec: pb.StartSpec,
+                session_id: str = "s1", generation: int = 1) -> pb.Agent:  # fmt: skip
+    request = pb.SpawnRequest(session_id=session_id, generation=generation, spec=spec)
+    answer: pb.SpawnResponse = await stub.Spawn(request, metadata=metadata)
+    return answer.agent
+
+
+async def open_session(acp: AcpOverAttach, cwd: Path) -> str:
+    await acp.call(*initialize())
+    opened = await acp.call(2, "session/new", {"cwd": str(cwd), "mcpServers": []})
+    return str(opened["sessionId"])
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def prompt(session_id: str, text: str) -> dict[str, object]:
+    return {"sessionId": session_id, "prompt": [{"type": "text", "text": text}]}
+
+
+async def test_an_acp_turn_goes_through_attach(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        assert agent.pid > 0 and agent.last_seq == 0
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        done = await acp.call(3, "session/prompt", prompt(session_id, "stream 5"))
+        assert done["stopReason"] == "end_turn"
+        assert chunks(acp.messages()) == [*(f"c{i} " for i in range(5)), "I remember nothing."]
+        assert sorted(acp.frames) == list(range(1, len(acp.frames) + 1))  # numbered from 1, no gap
+        status = (await stub.Status(pb.StatusRequest(agent_id=agent.agent_id), metadata=relay.metadata)).agent
+        assert status.last_seq == len(acp.frames) and status.stdin_seq == 3 and status.attached
+        acp.send({"jsonrpc": "2.0", "method": "never/mind"})  # stdin 4, then its end: the agent exits
+        acp._outbox.put_nowait(pb.AttachRequest(close_stdin=True))
+        await acp.until(lambda: acp.exit is not None)
+        assert acp.exit is not None and acp.exit.last_seq == len(acp.frames)
+        await acp.close()
+        listed = (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents
+        assert [a.agent_id for a in listed] == [agent.agent_id] and listed[0].exited
+
+
+def assert_whole_turn(frames: dict[int, bytes], count: int) -> None:
+    """Frames 1..n, each once, with the turn's ``count`` chunks in order and its answer."""
+    assert sorted(frames) == list(range(1, len(frames) + 1))
+    messages = [json.loads(frames[seq]) for seq in sorted(frames)]
+    assert chunks(messages)[:count] == [f"c{i} " for i in range(count)]
+    assert any(m.get("id") == 3 and m.get("result", {}).get("stopReason") == "end_turn" for m in messages)
+
+
+async def test_a_dropped_stream_attached_again_gets_every_frame_once_in_order(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id, ack_every=4)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        acp.send(
+            {"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": prompt(session_id, "stream 40 pace 25")}
+        )
+        await acp.until(lambda: len(chunks(acp.messages())) >= 10)
+        acp.drop()  # mid-turn; what was read and not acknowledged is not kept
+        kept = acp.acked
+        await acp.close()
+        ready = await acp.open()  # from the first frame not kept
+        assert ready.acked_seq == kept and ready.stdin_seq == 3
+        await acp.until(lambda: acp.response(3) is not None)
+        assert_whole_turn(acp.frames, 40)
+        assert acp.lagged == []
+        await acp.close()
+
+
+async def test_a_killed_client_leaves_the_rest_of_the_turn_to_the_next(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay()
+    project = tmp_path / "project"
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", project))
+        client = await asyncio.create_subprocess_exec(
+            *die_with_the_test(), sys.executable, "-m", "tests.relay.attach_client", str(relay.socket),
+            str(relay.state_dir / "secret"), agent.agent_id, str(project), "stream 60 pace 25",
+            stdout=asyncio.subprocess.PIPE, start_new_session=True, cwd=str(ROOT),
+        )  # fmt: skip
+        printed: dict[int, bytes] = {}
+        try:
+            assert client.stdout is not None
+            async with asyncio.timeout(60):
+                while len(chunks([json.loads(d) for d in printed.values()])) < 10:
+                    line = await client.stdout.readline()
+                    assert line, "the client ended before the turn was under way"
+                    row = json.loads(line)
+                    printed[row["seq"]] = row["data"].encode()
+        finally:
+            os.killpg(client.pid, signal.SIGKILL)
+            await client.wait()
+        assert client.returncode == -signal.SIGKILL
+        # what it printed it kept; the relay may not have its last acks: the next owner attaches from
+        # the first frame it does not have, as a daemon does from what it stored
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        acp.frames.update(printed)
+        acp.stdin_seq = 3
+        ready = await acp.open()
+        assert ready.stdin_seq == 3 and not ready.exited
+        await acp.until(lambda: acp.response(3) is not None)
+        assert_whole_turn(acp.frames, 60)
+        acp.close_stdin()
+        await acp.until(lambda: acp.exit is not None)
+        assert acp.exit is not None and acp.exit.exit_code == 0 and acp.exit.last_seq == max(acp.frames)
+        await acp.close()
+
+
+async def test_an_older_generation_is_refused_once_a_newer_one_attached(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+        agent = await spawn(stub, relay.metadata, spec, generation=2)
+        old = AcpOverAttach(stub, relay.metadata, agent.agent_id, generation=2)
+        await old.open()
+        new = AcpOverAttach(stub, relay.metadata, agent.agent_id, generation=3)
+        await new.open()
+        # the old owner's stream is ended: nothing it sends reaches the agent any more
+        await old.until(lambda: old.error is not None)
+        assert old.error is not None and old.error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(old.error).reason == "STALE_GENERATION"
+        await new.call(*initialize())  # the new owner's does
+        await old.close()
+        with pytest.raises(grpc.aio.AioRpcError) as attach:
+            await AcpOverAttach(stub, relay.metadata, agent.agent_id, generation=2).open()
+        with pytest.raises(grpc.aio.AioRpcError) as signalled:
+            await stub.Signal(pb.SignalRequest(agent_id=agent.agent_id, generation=2, signal=signal.SIGTERM),
+                              metadata=relay.metadata)  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as spawned:
+            await spawn(stub, relay.metadata, spec, generation=1)
+        for refused in (attach.value, signalled.value, spawned.value):
+            assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION, refused
+            info = error_info(refused)
+            assert info.reason == "STALE_GENERATION"
+            assert info.metadata["newest_generation"] == "3"
+            assert "no longer owns" in (refused.details() or "") or "older than" in (refused.details() or "")
+        status = (await stub.Status(pb.StatusRequest(agent_id=agent.agent_id), metadata=relay.metadata)).agent
+        assert status.generation == 3 and not status.exited and status.stdin_seq == 1
+        # another session's generations are its own
+        await spawn(stub, relay.metadata, spec, session_id="s2", generation=1)
+        await new.close()
+
+
+async def test_a_call_without_the_secret_is_refused(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        for metadata in ((), (("authorization", "Bearer not-the-secret"),), (("authorization", relay.secret),)):
+            with pytest.raises(grpc.aio.AioRpcError) as listed:
+                await stub.ListAgents(pb.ListAgentsRequest(), metadata=metadata)
+            assert listed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert error_info(listed.value).reason == "UNAUTHENTICATED"
+            with pytest.raises(grpc.aio.AioRpcError) as attached:
+                await AcpOverAttach(stub, metadata, "agent-x").open()
+            assert attached.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+        with pytest.raises(grpc.aio.AioRpcError) as spawned:
+            await stub.Spawn(pb.SpawnRequest(session_id="s1", generation=1, spec=spec))
+        assert spawned.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents == []
+    assert stat.S_IMODE(relay.socket.stat().st_mode) == 0o600
+    assert stat.S_IMODE(relay.state_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((relay.state_dir / "secret").stat().st_mode) == 0o600
+
+
+async def test_no_agent_can_read_the_secret(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay(state_dir=tmp_path / "relay")
+    secret_file = relay.state_dir / "secret"
+    environ = Path(f"/proc/{relay.pid}/environ")
+    leak = tmp_path / "project" / "leak.txt"
+    (tmp_path / "other").mkdir()
+    granted = tmp_path / "other" / "granted.txt"  # beside the relay's folder, in the grant around it
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+        # grants that hold the relay's folder: it is granted around
+        spec.confinement.read_paths.append(str(tmp_path))
+        spec.confinement.write_paths.append(str(tmp_path))
+        agent = await spawn(stub, relay.metadata, spec)
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        text = f"readfile {secret_file} readfile {environ} writefile {granted}\n"
+        text += f"shell cat {secret_file} > {leak}"
+        done = await acp.call(3, "session/prompt", prompt(session_id, text))
+        assert done["stopReason"] == "end_turn"
+        answer = "".join(chunks(acp.messages()))
+        assert f"readfile[{secret_file}]=EACCES" in answer
+        assert f"readfile[{environ}]=EACCES" in answer
+        assert f"writefile[{granted}]=ok" in answer  # the rest of the grant holds
+        assert "shell=exit 1" in answer
+        assert leak.read_text() == ""
+        await acp.close()
+
+
+async def test_tcp_is_served_with_tls(make_relay: RelayFactory, tmp_path: Path) -> None:
+    cert, key = make_certificate(tmp_path)
+    relay = await make_relay("--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key))
+    address = relay.serving["address"]
+    assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        await acp.call(*initialize())
+        await acp.close()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ListAgents(pb.ListAgentsRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with grpc.aio.insecure_channel(address) as plain:
+        with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+            await pb_grpc.RelayServiceStub(plain).ListAgents(
+                pb.ListAgentsRequest(), metadata=relay.metadata, timeout=10
+            )
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_tcp_without_tls_is_refused_at_start(tmp_path: Path) -> None:
+    started = await asyncio.create_subprocess_exec(
+        *die_with_the_test(), sys.executable, "-m", "rcoder", "relay", "--state-dir", str(tmp_path / "relay"),
+        "--listen", "127.0.0.1:0", stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=str(ROOT),
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        _, stderr = await started.communicate()
+    assert started.returncode == 2
+    assert b"only with TLS" in stderr
+
+
+async def test_a_client_behind_the_buffer_is_told_how_many_frames_it_lost(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    bound = 4096
+    relay = await make_relay("--buffer-bytes", str(bound))
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        first = AcpOverAttach(stub, relay.metadata, agent.agent_id, ack_every=1 << 30)  # it acknowledges nothing
+        await first.open()
+        session_id = await open_session(first, tmp_path / "project")
+        first.send({"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": prompt(session_id, "stream 300")})
+
+        async def prompted() -> bool:
+            answer: pb.StatusResponse = await stub.Status(pb.StatusRequest(agent_id=agent.agent_id),
+                                                          metadata=relay.metadata)  # fmt: skip
+            return answer.agent.stdin_seq == 3
+
+        await eventually(prompted)
+        first.drop()
+        await first.close()
+        kept = first.acked
+        assert kept == 0
+
+        # the turn's end: the answers to initialize and session/new, 300 chunks, the answer's chunk and
+        # the prompt's answer, all written while nobody acknowledged any
+        async def turn_written() -> bool:
+            answer: pb.StatusResponse = await stub.Status(pb.StatusRequest(agent_id=agent.agent_id),
+                                                          metadata=relay.metadata)  # fmt: skip
+            return answer.agent.last_seq >= 2 + 300 + 2
+
+        await eventually(turn_written)
+        behind = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        behind.frames.update(first.frames)
+        ready = await behind.open()
+        await behind.until(lambda: behind.response(3) is not None)
+        assert ready.dropped_frames > 0
+        assert len(behind.lagged) == 1
+        lag = behind.lagged[0]
+        assert lag.next_seq == ready.first_buffered_seq and lag.dropped_frames == lag.next_seq - (kept + 1)
+        held = [behind.frames[seq] for seq in range(lag.next_seq, ready.last_seq + 1)]
+        assert 0 < sum(map(len, held)) <= bound  # what the relay held when attached: within the bound
+        after = sorted(s for s in behind.frames if s >= lag.next_seq)
+        assert after == list(range(lag.next_seq, max(behind.frames) + 1))  # no gap after the lag
+        await behind.close()
+
+
+async def test_sigterm_ends_every_agent_and_what_it_started(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    marker = f"{3000 + os.getpid() % 1000}.{int.from_bytes(os.urandom(2), 'big')}"
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        # a process of the agent's outside its group, as a daemon it starts would be
+        await acp.call(3, "session/prompt", prompt(session_id, f"shell setsid sleep {marker} &"))
+        await eventually(lambda: bool(processes_mentioning(f"sleep {marker}")))
+        await acp.close()
+    assert await relay.stop() == 0
+    assert not alive(agent.pid)
+    assert processes_mentioning(f"sleep {marker}") == []
+    assert not relay.socket.exists()
+    assert relay.logs("relay_stopped")
+
+
+async def test_a_relay_outlives_the_process_that_started_it(tmp_path: Path) -> None:
+    state = tmp_path / "relay"
+    # the starter runs the relay in its own process group, as a daemon would run a child; then it is killed
+    starter = await asyncio.create_subprocess_exec(
+        *die_with_the_test(), sys.executable, "-c",
+        "import subprocess as s, sys; relay = s.Popen(sys.argv[1:], stdout=s.DEVNULL, stderr=s.DEVNULL); "
+        "print(relay.pid, flush=True); relay.wait()",
+        sys.executable, "-m", "rcoder", "relay", "--state-dir", str(state),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, start_new_session=True, cwd=str(ROOT),
+    )  # fmt: skip
+    assert starter.stdout is not None
+    relay_pid = int(await asyncio.wait_for(starter.stdout.readline(), 30))
+    try:
+        await eventually(lambda: (state / "relay.sock").exists())
+        assert os.getsid(relay_pid) == relay_pid  # a session of its own
+        os.killpg(starter.pid, signal.SIGKILL)
+        await starter.wait()
+        secret = (state / "secret").read_text().strip()
+        async with grpc.aio.insecure_channel(f"unix:{state / 'relay.sock'}") as channel:
+            listed = await pb_grpc.RelayServiceStub(channel).ListAgents(
+                pb.ListAgentsRequest(), metadata=(("authorization", f"Bearer {secret}"),), timeout=10
+            )
+        assert listed.agents == []
+        assert alive(relay_pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(relay_pid, signal.SIGKILL)
+        await eventually(lambda: not alive(relay_pid))

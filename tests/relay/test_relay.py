@@ -80,7 +80,8 @@ def assert_whole_turn(frames: dict[int, bytes], count: int) -> None:
     assert sorted(frames) == list(range(1, len(frames) + 1))
     messages = [json.loads(frames[seq]) for seq in sorted(frames)]
     assert chunks(messages)[:count] == [f"c{i} " for i in range(count)]
-    assert any(m.get("id") == 3 and m.get("result", {}).get("stopReason") == "end_turn" for m in messages)
+    answers = [m for m in messages if m.get("id") == 3 and "method" not in m]
+    assert [a.get("result", {}).get("stopReason") for a in answers] == ["end_turn"]  # one prompt, one answer
 
 
 async def test_a_dropped_stream_attached_again_gets_every_frame_once_in_order(
@@ -102,6 +103,9 @@ async def test_a_dropped_stream_attached_again_gets_every_frame_once_in_order(
         await acp.close()
         ready = await acp.open()  # from the first frame not kept
         assert ready.acked_seq == kept and ready.stdin_seq == 3
+        # a client unsure of what reached the agent sends its stdin again: what was written is skipped
+        for seq, data in enumerate(acp._pending, start=1):
+            acp._outbox.put_nowait(pb.AttachRequest(stdin=pb.StdinFrame(seq=seq, data=data)))
         await acp.until(lambda: acp.response(3) is not None)
         assert_whole_turn(acp.frames, 40)
         assert acp.lagged == []
@@ -185,6 +189,22 @@ async def test_an_older_generation_is_refused_once_a_newer_one_attached(
         # another session's generations are its own
         await spawn(stub, relay.metadata, spec, session_id="s2", generation=1)
         await new.close()
+
+
+async def test_stdin_after_a_gap_is_refused(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        acp._outbox.put_nowait(pb.AttachRequest(stdin=pb.StdinFrame(seq=2, data=b"{}\n")))  # frame 1 never sent
+        await acp.until(lambda: acp.error is not None)
+        assert acp.error is not None and acp.error.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "frames 1..1 were never sent" in (acp.error.details() or "")
+        await acp.close()
+        status = (await stub.Status(pb.StatusRequest(agent_id=agent.agent_id), metadata=relay.metadata)).agent
+        assert status.stdin_seq == 0 and not status.attached
 
 
 async def test_a_call_without_the_secret_is_refused(make_relay: RelayFactory, tmp_path: Path) -> None:

@@ -389,3 +389,73 @@ async def test_a_relay_outlives_the_process_that_started_it(tmp_path: Path) -> N
         with contextlib.suppress(ProcessLookupError):
             os.killpg(relay_pid, signal.SIGKILL)
         await eventually(lambda: not alive(relay_pid))
+
+
+async def test_a_spec_the_relay_cannot_run_is_refused_with_what_to_fix(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay()
+    good = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+    cases: list[tuple[pb.StartSpec, grpc.StatusCode, str]] = []
+    for change, code, said in (
+        ({"command": ["python3"]}, grpc.StatusCode.INVALID_ARGUMENT, "spec.command"),
+        ({"command": []}, grpc.StatusCode.INVALID_ARGUMENT, "spec.command"),
+        ({"cwd": str(tmp_path / "missing")}, grpc.StatusCode.INVALID_ARGUMENT, "spec.cwd"),
+        ({"image": "rcoder:latest"}, grpc.StatusCode.UNIMPLEMENTED, "container placement"),
+        ({"limits": pb.Limits(memory_max=1 << 30)}, grpc.StatusCode.INVALID_ARGUMENT, "pids_max"),
+        ({"confinement": pb.Confinement(read_paths=["usr"])}, grpc.StatusCode.INVALID_ARGUMENT, "absolute"),
+    ):
+        spec = pb.StartSpec()
+        spec.CopyFrom(good)
+        for name, value in change.items():
+            spec.ClearField(name)  # type: ignore[arg-type]
+            if isinstance(value, list):
+                getattr(spec, name).extend(value)
+            elif isinstance(value, str):
+                setattr(spec, name, value)
+            else:
+                getattr(spec, name).CopyFrom(value)
+        cases.append((spec, code, said))
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        for spec, code, said in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await spawn(stub, relay.metadata, spec)
+            assert refused.value.code() == code, (spec, refused.value)
+            assert said in (refused.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as unnamed:
+            await spawn(stub, relay.metadata, good, session_id="")
+        assert unnamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.Status(pb.StatusRequest(agent_id="agent-none"), metadata=relay.metadata)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents == []
+
+
+async def test_an_agent_runs_within_its_limits_and_a_signal_ends_its_group(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay()
+    if relay.serving["limits"] == "none":
+        pytest.skip("this host gives the relay no cgroups")
+    spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+    spec.limits.CopyFrom(pb.Limits(memory_max=1 << 30, pids_max=24))
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, spec)
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        await acp.call(3, "session/prompt", prompt(session_id, "forks 64"))
+        answer = "".join(chunks(acp.messages()))
+        assert "refused=EAGAIN" in answer, answer
+        signalled = await stub.Signal(pb.SignalRequest(agent_id=agent.agent_id, generation=1, signal=signal.SIGKILL),
+                                      metadata=relay.metadata)  # fmt: skip
+        assert signalled.agent.agent_id == agent.agent_id
+        await acp.until(lambda: acp.exit is not None)
+        assert acp.exit is not None and acp.exit.exit_code == -signal.SIGKILL
+        await acp.close()
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.Signal(pb.SignalRequest(agent_id=agent.agent_id, generation=1, signal=999),
+                              metadata=relay.metadata)  # fmt: skip
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT

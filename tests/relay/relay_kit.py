@@ -159,6 +159,7 @@ class AcpOverAttach:
         self._reader: asyncio.Task[None] | None = None
         self.error: grpc.aio.AioRpcError | None = None
         self._on_frame = on_frame  # told of each frame kept, before it is acknowledged
+        self._answers: dict[int, tuple[int, dict[str, Any]]] = {}  # request id -> (seq, answer): looked up per wakeup
 
     @property
     def acked(self) -> int:
@@ -202,6 +203,7 @@ class AcpOverAttach:
                 if kind == "frame":
                     assert response.frame.seq not in self.frames, f"frame {response.frame.seq} came twice"
                     self.frames[response.frame.seq] = response.frame.data
+                    self._note_answer(response.frame.seq, response.frame.data)
                     self._on_frame(response.frame.seq, response.frame.data)
                     if response.frame.seq % self.ack_every == 0:
                         self._outbox.put_nowait(pb.AttachRequest(ack=response.frame.seq))
@@ -254,8 +256,22 @@ class AcpOverAttach:
                 self._changed.clear()
                 await self._changed.wait()
 
+    def keep(self, frames: dict[int, bytes]) -> None:
+        """Frames kept before this client (by another, as a daemon's store holds them)."""
+        self.frames.update(frames)
+        for seq, data in frames.items():
+            self._note_answer(seq, data)
+
+    def _note_answer(self, seq: int, data: bytes) -> None:
+        with contextlib.suppress(ValueError):
+            message = json.loads(data)
+            if isinstance(message, dict) and "id" in message and "method" not in message:
+                self._answers[message["id"]] = (seq, message)
+
     def response(self, request_id: int) -> dict[str, Any] | None:
-        return next((m for m in self.messages() if m.get("id") == request_id and "method" not in m), None)
+        """The agent's answer to ``request_id``, once kept."""
+        seq, answer = self._answers.get(request_id, (0, None))
+        return answer if seq in self.frames else None
 
     async def call(self, request_id: int, method: str, params: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         self.send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})

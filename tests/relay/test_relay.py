@@ -141,7 +141,7 @@ async def test_a_killed_client_leaves_the_rest_of_the_turn_to_the_next(
         # what it printed it kept; the relay may not have its last acks: the next owner attaches from
         # the first frame it does not have, as a daemon does from what it stored
         acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
-        acp.frames.update(printed)
+        acp.keep(printed)
         acp.stdin_seq = 3
         ready = await acp.open()
         assert ready.stdin_seq == 3 and not ready.exited
@@ -327,7 +327,7 @@ async def test_a_client_behind_the_buffer_is_told_how_many_frames_it_lost(
 
         await eventually(turn_written)
         behind = AcpOverAttach(stub, relay.metadata, agent.agent_id)
-        behind.frames.update(first.frames)
+        behind.keep(first.frames)
         ready = await behind.open()
         await behind.until(lambda: behind.response(3) is not None)
         assert ready.dropped_frames > 0

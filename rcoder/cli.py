@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         "--stop-grace", type=float, default=2.0, help="seconds an agent gets after stdin closes, then after SIGTERM"
     )
     relay.add_argument("--secret-fd", type=int, help="read the secret from this descriptor instead of making one")
+    relay.add_argument(
+        "--keep-exited", type=int, default=64, help="exited agents still listed, newest first (default 64)"
+    )
     relay.add_argument("--log-level", default="info", help="debug | info | warning | error")
     relay.add_argument("--log-format", default="auto", help="auto | json | console")
     return parser
@@ -141,7 +144,7 @@ def _relay(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format))
     options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,
-                           args.stop_grace, args.secret_fd)  # fmt: skip
+                           args.stop_grace, args.secret_fd, args.keep_exited)  # fmt: skip
     try:
         return asyncio.run(serve.serve(options))
     except ConfigError as exc:

@@ -11,7 +11,8 @@ import contextlib
 import os
 import secrets
 import signal
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,8 +76,17 @@ class Attachment:
 class RelayAgent:
     """One agent process and its frames."""
 
-    def __init__(self, agent_id: str, session_id: str, name: str, process: AgentProcess, buffer_bytes: int) -> None:
+    def __init__(
+        self,
+        agent_id: str,
+        session_id: str,
+        name: str,
+        process: AgentProcess,
+        buffer_bytes: int,
+        on_exit: Callable[[RelayAgent], None] = lambda agent: None,
+    ) -> None:
         self.agent_id, self.session_id, self.name = agent_id, session_id, name
+        self._on_exit = on_exit
         self.process = process
         self.frames = FrameBuffer(buffer_bytes, self._wake)
         self.stdin_seq = 0  # the last stdin frame written
@@ -182,6 +192,7 @@ class RelayAgent:
         log.info("relay_agent_exited", agent_id=self.agent_id, pid=self.process.pid, exit_code=code,
                  last_seq=self.frames.last_seq)  # fmt: skip
         self._wake()
+        self._on_exit(self)
         await self.process.aclose()
 
     def _append(self, data: bytes) -> None:
@@ -210,8 +221,13 @@ class Agents:
         stop_grace: float,
         trees: Trees,
         cgroups: Cgroups | None,
+        keep_exited: int = 64,
     ) -> None:
         self._buffer_bytes = buffer_bytes
+        # exited agents stay listed (their last frames and exit for an owner that attaches late), the
+        # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran
+        self._keep_exited = keep_exited
+        self._exited: deque[str] = deque()
         # what no grant reaches: the relay's folder (socket, secret) and its TLS files
         self._hidden = [Path(os.path.realpath(p)) for p in hidden]
         self._stop_grace = stop_grace
@@ -247,11 +263,21 @@ class Agents:
             # before any stdin reaches it: an agent forks only in answer to a request
             cgroup = await asyncio.to_thread(self._cgroups.place, spec.name, process.pid, spec.limits)
             process.enter(cgroup, self._cgroup_ended)
-        agent = RelayAgent(f"agent-{secrets.token_hex(8)}", session_id, spec.name, process, self._buffer_bytes)
+        agent_id = f"agent-{secrets.token_hex(8)}"
+        agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._forget_old)
         self._agents[agent.agent_id] = agent
         log.info("relay_agent_spawned", agent_id=agent.agent_id, session_id=session_id, generation=generation,
                  pid=process.pid, confined=confinement is not None)  # fmt: skip
         return agent
+
+    def _forget_old(self, exited: RelayAgent) -> None:
+        """``exited`` has exited: the oldest exited agents past ``keep_exited`` are forgotten."""
+        self._exited.append(exited.agent_id)
+        while len(self._exited) > self._keep_exited:
+            forgotten = self._agents.pop(self._exited.popleft(), None)
+            if forgotten is not None:
+                log.info("relay_agent_forgotten", agent_id=forgotten.agent_id, session_id=forgotten.session_id,
+                         last_seq=forgotten.frames.last_seq, acked_seq=forgotten.frames.acked)  # fmt: skip
 
     def _cgroup_ended(self, cgroup: AgentCgroup) -> None:
         if self._cgroups is not None:

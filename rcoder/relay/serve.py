@@ -46,6 +46,7 @@ class RelayOptions:
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     stop_grace: float = 2.0
     secret_fd: int | None = None
+    keep_exited: int = 64
 
     def check(self) -> None:
         if self.listen and not (self.tls_cert and self.tls_key):
@@ -56,6 +57,8 @@ class RelayOptions:
             raise ConfigError("buffer-bytes", f"{self.buffer_bytes}: a frame buffer of at least 1024 bytes")
         if self.stop_grace <= 0:
             raise ConfigError("stop-grace", "seconds above 0")
+        if self.keep_exited < 0:
+            raise ConfigError("keep-exited", "a count, 0 or more")
 
 
 def leave_starters_session() -> None:
@@ -81,7 +84,7 @@ async def serve(options: RelayOptions) -> int:
     mechanism = await asyncio.to_thread(cgroups.probe)
     await asyncio.to_thread(cgroups.sweep)
     hidden = [folder, *(p for p in (options.tls_cert, options.tls_key) if p)]
-    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups)
+    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited)
     server = grpc.aio.server(
         interceptors=[SecretCheck(secret)],
         options=[

@@ -459,3 +459,31 @@ async def test_an_agent_runs_within_its_limits_and_a_signal_ends_its_group(
             await stub.Signal(pb.SignalRequest(agent_id=agent.agent_id, generation=1, signal=999),
                               metadata=relay.metadata)  # fmt: skip
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_the_oldest_exited_agents_are_forgotten_past_keep_exited(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay("--keep-exited", "1")
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+        first, second, running = [await spawn(stub, relay.metadata, spec, session_id=f"s{i}") for i in range(3)]
+        for agent in (first, second):
+            acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+            await acp.open()
+            acp.close_stdin()
+            await acp.until(lambda acp=acp: acp.exit is not None)
+            await acp.close()
+
+        async def listed() -> list[str]:
+            answer: pb.ListAgentsResponse = await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)
+            return sorted(a.agent_id for a in answer.agents)
+
+        await eventually(lambda: relay.logs("relay_agent_forgotten") != [])
+        assert await listed() == sorted([second.agent_id, running.agent_id])
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.Status(pb.StatusRequest(agent_id=first.agent_id), metadata=relay.metadata)
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        one = await stub.ListAgents(pb.ListAgentsRequest(session_id="s2"), metadata=relay.metadata)
+        assert [a.agent_id for a in one.agents] == [running.agent_id]

@@ -34,6 +34,8 @@ class Relay:
 
     state_dir: Path
     args: tuple[str, ...] = ()
+    pass_fds: tuple[int, ...] = ()
+    given_secret: str = ""  # the secret handed over by descriptor, when it was
     proc: asyncio.subprocess.Process | None = None
     serving: dict[str, Any] = field(default_factory=dict)
     log_lines: list[str] = field(default_factory=list)
@@ -44,7 +46,7 @@ class Relay:
         self.proc = await asyncio.create_subprocess_exec(
             *die_with_the_test(), sys.executable, "-m", "rcoder", "relay", "--state-dir", str(self.state_dir),
             *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, cwd=str(ROOT),
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, cwd=str(ROOT), pass_fds=self.pass_fds,
         )  # fmt: skip
         ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stderr = asyncio.create_task(self._read_stderr(ready))
@@ -73,7 +75,7 @@ class Relay:
 
     @property
     def secret(self) -> str:
-        return (self.state_dir / "secret").read_text().strip()
+        return self.given_secret or (self.state_dir / "secret").read_text().strip()
 
     @property
     def socket(self) -> Path:

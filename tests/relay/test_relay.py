@@ -22,7 +22,7 @@ from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 from tests.harness import ROOT, die_with_the_test, error_info, eventually, processes_mentioning
 from tests.relay.conftest import RelayFactory
-from tests.relay.relay_kit import AcpOverAttach, chunks, fake_agent_spec, initialize
+from tests.relay.relay_kit import AcpOverAttach, Relay, chunks, fake_agent_spec, initialize
 from tests.test_access import make_certificate
 
 
@@ -45,6 +45,12 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def held_by(pid: int, target: str) -> bool:
+    """Whether process ``pid`` holds a descriptor naming ``target`` (``pipe:[inode]``)."""
+    folder = Path(f"/proc/{pid}/fd")
+    return any(os.readlink(fd) == target for fd in folder.iterdir())
 
 
 def prompt(session_id: str, text: str) -> dict[str, object]:
@@ -487,3 +493,25 @@ async def test_the_oldest_exited_agents_are_forgotten_past_keep_exited(
         assert gone.value.code() == grpc.StatusCode.NOT_FOUND
         one = await stub.ListAgents(pb.ListAgentsRequest(session_id="s2"), metadata=relay.metadata)
         assert [a.agent_id for a in one.agents] == [running.agent_id]
+
+
+async def test_a_secret_handed_over_by_descriptor_is_the_one_asked(tmp_path: Path) -> None:
+    secret = "handed-over-" + os.urandom(16).hex()
+    read, write = os.pipe()
+    pipe = f"pipe:[{os.fstat(read).st_ino}]"
+    os.write(write, secret.encode())
+    os.close(write)
+    relay = Relay(tmp_path / "relay", ("--secret-fd", str(read)), pass_fds=(read,), given_secret=secret)
+    try:
+        await relay.start()
+        os.close(read)
+        assert not (relay.state_dir / "secret").exists()  # nothing written where it could be read
+        assert not held_by(relay.pid, pipe)  # read once, then closed: no agent inherits it
+        async with relay.channel() as channel:
+            stub = pb_grpc.RelayServiceStub(channel)
+            assert (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents == []
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ListAgents(pb.ListAgentsRequest(), metadata=(("authorization", "Bearer handed-over-"),))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await relay.kill()

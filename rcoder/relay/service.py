@@ -142,7 +142,7 @@ class RelayService(pb_grpc.RelayServiceServicer):
         finally:
             agent.detach(attachment)
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, errors.RcoderError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # said by _send already
                 await reader
 
     async def _send(
@@ -154,7 +154,11 @@ class RelayService(pb_grpc.RelayServiceServicer):
             if attachment.ended is not None:
                 raise attachment.ended
             if reader.done() and not reader.cancelled() and (failed := reader.exception()) is not None:
-                raise failed
+                if isinstance(failed, errors.RcoderError):
+                    raise failed
+                # the client's half broke under it (the call ended): nobody reads what would be sent
+                log.info("relay_attach_reader_ended", agent_id=agent.agent_id, error=repr(failed))
+                return
             read = agent.frames.read(next_seq, _BATCH)
             if read.lagged:
                 yield pb.AttachResponse(lagged=pb.AttachLagged(dropped_frames=read.lagged, next_seq=read.next_seq))

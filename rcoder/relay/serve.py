@@ -21,7 +21,8 @@ import grpc
 
 from rcoder.agent.limits import CGROUP_ROOT, Cgroups
 from rcoder.agent.tree import Trees
-from rcoder.errors import ConfigError, ListenFailed
+from rcoder.data_lock import DataDirLock
+from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
 from rcoder.relay.agents import Agents
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
@@ -73,6 +74,14 @@ async def serve(options: RelayOptions) -> int:
     leave_starters_session()
     os.umask(0o077)
     folder = state_dir(options.state_dir)
+    # one relay per state folder, before anything in it is touched: a second one would replace the
+    # first one's socket and secret under its clients
+    try:
+        lock = DataDirLock.acquire(folder, options.listen or f"unix:{folder / SOCKET_FILE}")
+    except DataDirInUse as exc:
+        holder = exc.holder.get("pid") or "unknown"
+        raise ConfigError("state-dir", f"{folder} is in use by another relay (pid {holder}): stop it, or give this "
+                                       "one a --state-dir of its own") from exc  # fmt: skip
     secret = secret_from_fd(options.secret_fd) if options.secret_fd is not None else made_secret(folder)
     tls = None
     if options.tls_cert and options.tls_key:
@@ -124,5 +133,6 @@ async def serve(options: RelayOptions) -> int:
         await agents.aclose()
         await asyncio.to_thread(cgroups.close)
         socket_path.unlink(missing_ok=True)
+        lock.release()
     log.info("relay_stopped")
     return 0

@@ -515,3 +515,20 @@ async def test_a_secret_handed_over_by_descriptor_is_the_one_asked(tmp_path: Pat
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await relay.kill()
+
+
+async def test_a_second_relay_on_the_same_state_folder_stops_at_once(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay(state_dir=tmp_path / "relay")
+    secret = relay.secret
+    second = await asyncio.create_subprocess_exec(
+        *die_with_the_test(), sys.executable, "-m", "rcoder", "relay", "--state-dir", str(relay.state_dir),
+        stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=str(ROOT),
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        _, stderr = await second.communicate()
+    assert second.returncode == 2
+    assert f"in use by another relay (pid {relay.pid})" in stderr.decode()
+    assert relay.secret == secret and relay.socket.exists()  # the first one's, untouched
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        assert (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents == []

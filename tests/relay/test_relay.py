@@ -532,3 +532,22 @@ async def test_a_second_relay_on_the_same_state_folder_stops_at_once(make_relay:
     async with relay.channel() as channel:
         stub = pb_grpc.RelayServiceStub(channel)
         assert (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents == []
+
+
+async def test_an_agent_run_as_root_holds_no_capability(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
+    spec.confinement.read_paths.append("/proc")  # to read its own status; nothing else of /proc matters here
+    check = (
+        "shell test $(id -u) = 0 && grep -Eq '^CapEff:\\s+0+$' /proc/self/status"
+        " && grep -Eq '^CapBnd:\\s+0+$' /proc/self/status && grep -Eq '^NoNewPrivs:\\s+1$' /proc/self/status"
+    )
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, spec)
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        await acp.call(3, "session/prompt", prompt(session_id, check))
+        assert "shell=exit 0" in "".join(chunks(acp.messages()))
+        await acp.close()

@@ -220,7 +220,10 @@ class AcpOverAttach:
             self._changed.set()
 
     def drop(self) -> None:
-        """Cut the stream (as a network would); frames received and not acknowledged are not kept."""
+        """Cut the stream (as a network would); frames received and not acknowledged are not kept.
+        The reader is cancelled first: once this returns, no frame of the old stream is taken."""
+        if self._reader is not None:
+            self._reader.cancel()
         acked = max((seq for seq in self.frames if seq % self.ack_every == 0), default=0)
         for seq in [s for s in self.frames if s > acked]:
             del self.frames[seq]

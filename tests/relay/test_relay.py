@@ -551,3 +551,28 @@ async def test_an_agent_run_as_root_holds_no_capability(make_relay: RelayFactory
         await acp.call(3, "session/prompt", prompt(session_id, check))
         assert "shell=exit 0" in "".join(chunks(acp.messages()))
         await acp.close()
+
+
+async def test_drops_at_any_point_of_a_burst_lose_and_repeat_nothing(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+        acp = AcpOverAttach(stub, relay.metadata, agent.agent_id, ack_every=3)
+        await acp.open()
+        session_id = await open_session(acp, tmp_path / "project")
+        acp.send({"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": prompt(session_id, "stream 400")})
+        drops = 0
+        for step in (1, 7, 2, 13, 5, 31, 3, 17, 11, 23, 1, 9):  # frames read before each cut, varied
+            if acp.response(3) is not None:
+                break
+            target = len(acp.frames) + step
+            await acp.until(lambda target=target: len(acp.frames) >= target or acp.response(3) is not None)
+            acp.drop()
+            await acp.close()
+            await acp.open()
+            drops += 1
+        await acp.until(lambda: acp.response(3) is not None)
+        assert drops >= 3  # the turn was cut several times while it streamed
+        assert_whole_turn(acp.frames, 400)
+        await acp.close()

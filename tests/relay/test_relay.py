@@ -576,3 +576,16 @@ async def test_drops_at_any_point_of_a_burst_lose_and_repeat_nothing(make_relay:
         assert drops >= 3  # the turn was cut several times while it streamed
         assert_whole_turn(acp.frames, 400)
         await acp.close()
+
+
+async def test_a_killed_relay_takes_its_agents_with_it(make_relay: RelayFactory, tmp_path: Path) -> None:
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = pb_grpc.RelayServiceStub(channel)
+        confined = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "a", tmp_path / "project"))
+        unconfined = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "b", tmp_path / "project",
+                                                                          confined=False))  # fmt: skip
+    assert alive(confined.pid) and alive(unconfined.pid)
+    os.kill(relay.pid, signal.SIGKILL)  # the relay alone, not its group: its agents' death signal ends them
+    await eventually(lambda: not alive(confined.pid) and not alive(unconfined.pid))
+    await relay.kill()

@@ -222,7 +222,9 @@ class Agents:
         trees: Trees,
         cgroups: Cgroups | None,
         keep_exited: int = 64,
+        pid_dir: Path | None = None,
     ) -> None:
+        self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.leftovers``)
         self._buffer_bytes = buffer_bytes
         # exited agents stay listed (their last frames and exit for an owner that attaches late), the
         # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran
@@ -255,6 +257,7 @@ class Agents:
             name=spec.name,
             stderr_tail_bytes=STDERR_TAIL_BYTES,
             stop_grace=self._stop_grace,
+            pid_dir=self._pid_dir,
             confinement=confinement,
             trees=self._trees,
             user=spec.user,

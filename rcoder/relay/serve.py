@@ -5,7 +5,8 @@ SIGKILL, or the end of its process group, does not reach it; the starter must no
 signal either). It serves on a unix socket in its state folder (mode 0600 in a folder of mode
 0700), and on TCP with TLS when ``--listen`` is given (TCP is never served without TLS). On SIGTERM
 or SIGINT it stops serving and ends every agent's process group; its agents die with it
-otherwise too (their death signal is the relay's, ``rcoder.agent.process``).
+otherwise too (their death signal is the relay's, ``rcoder.agent.process``), and what they started
+outside their groups is swept at the relay's next start on the same folder (``rcoder.agent.leftovers``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from rcoder.agent.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.limits import CGROUP_ROOT, Cgroups
 from rcoder.agent.tree import Trees
 from rcoder.data_lock import DataDirLock
@@ -32,6 +34,7 @@ from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 log = get_logger("rcoder.relay")
 
 SOCKET_FILE = "relay.sock"
+PID_DIR = "agent-pids"  # each agent's group and this run's mark, for the next start's sweep
 DEFAULT_BUFFER_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 8 << 20  # a stdin frame or a stdout frame (at most 1 MiB) with room to spare
 
@@ -89,11 +92,17 @@ async def serve(options: RelayOptions) -> int:
     loop = asyncio.get_running_loop()
     trees = Trees()
     trees.start(loop)
+    # what the agents of a relay killed before left outside their groups (their groups died with it)
+    pid_dir = folder / PID_DIR
+    swept = await asyncio.to_thread(sweep, pid_dir)
+    if swept:
+        log.warning("relay_leftovers_swept", processes=swept)
+    record_instance(pid_dir, trees.instance)
     cgroups = Cgroups(CGROUP_ROOT, folder)
     mechanism = await asyncio.to_thread(cgroups.probe)
     await asyncio.to_thread(cgroups.sweep)
     hidden = [folder, *(p for p in (options.tls_cert, options.tls_key) if p)]
-    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited)
+    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited, pid_dir)
     server = grpc.aio.server(
         interceptors=[SecretCheck(secret)],
         options=[
@@ -131,6 +140,7 @@ async def serve(options: RelayOptions) -> int:
         log.info("relay_stopping", agents=len(agents.all()))
         await server.stop(grace=1.0)
         await agents.aclose()
+        forget_instance(pid_dir, trees.instance)  # every process below the relay is ended
         await asyncio.to_thread(cgroups.close)
         socket_path.unlink(missing_ok=True)
         lock.release()

@@ -589,3 +589,31 @@ async def test_a_killed_relay_takes_its_agents_with_it(make_relay: RelayFactory,
     os.kill(relay.pid, signal.SIGKILL)  # the relay alone, not its group: its agents' death signal ends them
     await eventually(lambda: not alive(confined.pid) and not alive(unconfined.pid))
     await relay.kill()
+
+
+async def test_what_a_killed_relays_agents_left_is_ended_at_its_next_start(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay(state_dir=tmp_path / "relay")
+    marker = f"{4000 + os.getpid() % 1000}.{int.from_bytes(os.urandom(2), 'big')}"
+    try:
+        async with relay.channel() as channel:
+            stub = pb_grpc.RelayServiceStub(channel)
+            agent = await spawn(stub, relay.metadata, fake_agent_spec(tmp_path / "agent", tmp_path / "project"))
+            acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+            await acp.open()
+            session_id = await open_session(acp, tmp_path / "project")
+            await acp.call(3, "session/prompt", prompt(session_id, f"shell setsid sleep {marker} &"))
+            await eventually(lambda: bool(processes_mentioning(f"sleep {marker}")))
+            await acp.close()
+        os.kill(relay.pid, signal.SIGKILL)
+        await eventually(lambda: not alive(agent.pid))
+        assert processes_mentioning(f"sleep {marker}")  # outside the agent's group: the death signal missed it
+        await relay.kill()
+        again = await make_relay(state_dir=relay.state_dir)
+        await eventually(lambda: processes_mentioning(f"sleep {marker}") == [])
+        assert again.logs("relay_leftovers_swept")
+    finally:
+        for pid in processes_mentioning(f"sleep {marker}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -23,7 +23,7 @@ from rcoder.agent.sandbox import DEVICES, Confinement, around
 from rcoder.agent.tree import Trees
 from rcoder.errors import FailedPrecondition, NotFound, OutOfRange, RcoderError
 from rcoder.logs import get_logger
-from rcoder.relay.fencing import Generations
+from rcoder.relay.fencing import STALE_GENERATION, Generations
 from rcoder.relay.frames import FrameBuffer
 
 log = get_logger("rcoder.relay.agents")
@@ -107,24 +107,34 @@ class RelayAgent:
     def attach(self, generation: int) -> Attachment:
         """A new stream takes the agent; the one attached before, if any, is ended and told why."""
         old, new = self.attachment, Attachment(generation)
-        if old is not None:
-            if old.generation < generation:
-                old.ended = FailedPrecondition(
-                    f"agent {self.agent_id!r}: lease generation {generation} attached; this stream's generation "
-                    f"{old.generation} no longer owns session {self.session_id!r}",
-                    "STALE_GENERATION",
-                    session_id=self.session_id,
-                    generation=str(old.generation),
-                    newest_generation=str(generation),
-                )
-            else:
-                old.ended = AttachTakenOver(
-                    f"agent {self.agent_id!r}: another Attach of generation {generation} took this agent",
-                    agent_id=self.agent_id,
-                )
-            old.wake.set()
+        if old is not None and old.generation >= generation:
+            self._end(old, AttachTakenOver(
+                f"agent {self.agent_id!r}: another Attach of generation {generation} took this agent",
+                agent_id=self.agent_id,
+            ))  # fmt: skip
+        self.fence(generation)
         self.attachment = new
         return new
+
+    def fence(self, generation: int) -> None:
+        """``generation`` is the session's newest: a stream of an older one ends, and can write no more."""
+        old = self.attachment
+        if old is None or old.generation >= generation:
+            return
+        self._end(old, FailedPrecondition(
+            f"agent {self.agent_id!r}: lease generation {generation} has come since; this stream's generation "
+            f"{old.generation} no longer owns session {self.session_id!r}",
+            STALE_GENERATION,
+            session_id=self.session_id,
+            generation=str(old.generation),
+            newest_generation=str(generation),
+        ))  # fmt: skip
+
+    def _end(self, attachment: Attachment, why: RcoderError) -> None:
+        attachment.ended = why
+        attachment.wake.set()
+        if self.attachment is attachment:
+            self.attachment = None
 
     def detach(self, attachment: Attachment) -> None:
         if self.attachment is attachment:
@@ -247,8 +257,14 @@ class Agents:
     def all(self, session_id: str = "") -> list[RelayAgent]:
         return [a for _, a in sorted(self._agents.items()) if not session_id or a.session_id == session_id]
 
+    def _admit(self, session_id: str, generation: int) -> None:
+        """Refuse an older generation; a newer one ends the streams older ones hold on the session."""
+        if self.generations.admit(session_id, generation):
+            for agent in self.all(session_id):
+                agent.fence(generation)
+
     async def spawn(self, session_id: str, generation: int, spec: AgentSpec) -> RelayAgent:
-        self.generations.admit(session_id, generation)
+        self._admit(session_id, generation)
         confinement = await asyncio.to_thread(self._confinement, spec.grants) if spec.grants is not None else None
         process = await AgentProcess.spawn(
             spec.command,
@@ -313,7 +329,7 @@ class Agents:
     def attach(self, agent_id: str, generation: int, from_seq: int) -> tuple[RelayAgent, Attachment]:
         """The agent, taken by a new stream of ``generation`` that has every frame before ``from_seq``."""
         agent = self.get(agent_id)
-        self.generations.admit(agent.session_id, generation)
+        self._admit(agent.session_id, generation)
         attachment = agent.attach(generation)
         if from_seq > 1:
             agent.frames.ack(from_seq - 1)
@@ -321,7 +337,7 @@ class Agents:
 
     def signal(self, agent_id: str, generation: int, sig: int) -> RelayAgent:
         agent = self.get(agent_id)
-        self.generations.admit(agent.session_id, generation)
+        self._admit(agent.session_id, generation)
         agent.signal(sig)
         return agent
 

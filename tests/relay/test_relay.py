@@ -167,8 +167,15 @@ async def test_an_older_generation_is_refused_once_a_newer_one_attached(
         stub = pb_grpc.RelayServiceStub(channel)
         spec = fake_agent_spec(tmp_path / "agent", tmp_path / "project")
         agent = await spawn(stub, relay.metadata, spec, generation=2)
+        first = AcpOverAttach(stub, relay.metadata, agent.agent_id, generation=2)
+        await first.open()
+        # the same owner attaching again (its first stream not yet seen to drop) takes the agent
         old = AcpOverAttach(stub, relay.metadata, agent.agent_id, generation=2)
         await old.open()
+        await first.until(lambda: first.error is not None)
+        assert first.error is not None and first.error.code() == grpc.StatusCode.ABORTED
+        assert error_info(first.error).reason == "ATTACH_TAKEN_OVER"
+        await first.close()
         new = AcpOverAttach(stub, relay.metadata, agent.agent_id, generation=3)
         await new.open()
         # the old owner's stream is ended: nothing it sends reaches the agent any more
@@ -194,6 +201,12 @@ async def test_an_older_generation_is_refused_once_a_newer_one_attached(
         assert status.generation == 3 and not status.exited and status.stdin_seq == 1
         # another session's generations are its own
         await spawn(stub, relay.metadata, spec, session_id="s2", generation=1)
+        # a newer generation's Signal fences too: the stream generation 3 holds ends
+        resumed = pb.SignalRequest(agent_id=agent.agent_id, generation=4, signal=signal.SIGCONT)
+        await stub.Signal(resumed, metadata=relay.metadata)
+        await new.until(lambda: new.error is not None)
+        assert new.error is not None and new.error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(new.error).metadata["newest_generation"] == "4"
         await new.close()
 
 

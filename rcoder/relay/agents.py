@@ -83,6 +83,7 @@ class RelayAgent:
         name: str,
         process: AgentProcess,
         buffer_bytes: int,
+        stop_grace: float,
         on_exit: Callable[[RelayAgent], None] = lambda agent: None,
     ) -> None:
         self.agent_id, self.session_id, self.name = agent_id, session_id, name
@@ -93,7 +94,8 @@ class RelayAgent:
         self.exit_code: int | None = None
         self.attachment: Attachment | None = None
         self._stdin_lock = asyncio.Lock()
-        self._pump = asyncio.get_running_loop().create_task(self._read_stdout(), name=f"relay-stdout-{process.pid}")
+        self._stop_grace = stop_grace
+        self._pump = asyncio.get_running_loop().create_task(self._follow(), name=f"relay-agent-{process.pid}")
 
     @property
     def finished(self) -> bool:
@@ -175,9 +177,33 @@ class RelayAgent:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, sig)
 
+    async def _follow(self) -> None:
+        """Its stdout as frames, then its exit; the agent then let go (its group ended, its cgroup
+        removed). Every wait is bounded: a process that left the agent's tree while holding its stdout
+        keeps the pipe open after the agent exits, so its frames end ``stop_grace`` after the exit,
+        the group ended and our end of the pipe closed."""
+        reading = asyncio.get_running_loop().create_task(self._read_stdout(), name=f"relay-frames-{self.process.pid}")
+        code = await self.process.wait_exit()
+        _, held = await asyncio.wait({reading}, timeout=self._stop_grace)
+        if held:
+            log.warning("relay_agent_stdout_held", agent_id=self.agent_id, pid=self.process.pid,
+                        why="the agent exited and something it started still holds its stdout")  # fmt: skip
+            await self.process.aclose()  # the group ended, our ends of its pipes closed: the reader ends
+            _, held = await asyncio.wait({reading}, timeout=self._stop_grace)
+            for task in held:
+                task.cancel()
+            if not self.frames.closed:
+                self.frames.close()
+        await self.process.settle_stderr()
+        self.exit_code = code
+        log.info("relay_agent_exited", agent_id=self.agent_id, pid=self.process.pid, exit_code=code,
+                 last_seq=self.frames.last_seq)  # fmt: skip
+        self._wake()
+        self._on_exit(self)
+        await self.process.aclose()
+
     async def _read_stdout(self) -> None:
-        """Every line the agent writes becomes a frame (a longer one, pieces of MAX_FRAME); at its end,
-        its exit. The agent is then let go (its group ended, its cgroup removed)."""
+        """Every line the agent writes becomes a frame (a longer one, pieces of MAX_FRAME), to its end."""
         pending = bytearray()
         stream = self.process.stdout
         try:
@@ -196,14 +222,6 @@ class RelayAgent:
         if pending:
             self._append(bytes(pending))
         self.frames.close()
-        code = await self.process.wait_exit()
-        await self.process.settle_stderr()
-        self.exit_code = code
-        log.info("relay_agent_exited", agent_id=self.agent_id, pid=self.process.pid, exit_code=code,
-                 last_seq=self.frames.last_seq)  # fmt: skip
-        self._wake()
-        self._on_exit(self)
-        await self.process.aclose()
 
     def _append(self, data: bytes) -> None:
         dropped = self.frames.dropped
@@ -216,7 +234,7 @@ class RelayAgent:
         """End its process group (stdin closed, then SIGTERM, then SIGKILL) and its reader."""
         await self.process.aclose()
         with contextlib.suppress(asyncio.CancelledError):
-            done, _ = await asyncio.wait({self._pump}, timeout=5)
+            done, _ = await asyncio.wait({self._pump}, timeout=3 * self._stop_grace)
             if not done:
                 self._pump.cancel()
 
@@ -283,7 +301,8 @@ class Agents:
             cgroup = await asyncio.to_thread(self._cgroups.place, spec.name, process.pid, spec.limits)
             process.enter(cgroup, self._cgroup_ended)
         agent_id = f"agent-{secrets.token_hex(8)}"
-        agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._forget_old)
+        agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._stop_grace,
+                           self._forget_old)  # fmt: skip
         self._agents[agent.agent_id] = agent
         log.info("relay_agent_spawned", agent_id=agent.agent_id, session_id=session_id, generation=generation,
                  pid=process.pid, confined=confinement is not None)  # fmt: skip

@@ -630,3 +630,29 @@ async def test_what_a_killed_relays_agents_left_is_ended_at_its_next_start(
         for pid in processes_mentioning(f"sleep {marker}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_an_agent_whose_stdout_outlives_it_still_ends_with_its_exit(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    relay = await make_relay("--stop-grace", "0.5")
+    marker = f"{5000 + os.getpid() % 1000}.{int.from_bytes(os.urandom(2), 'big')}"
+    # a child that holds the agent's stdout, with no mark in its environment (env -i), stays in its group
+    script = f"env -i /bin/sleep {marker} & echo started; exit 3"
+    spec = pb.StartSpec(name="sh", command=["/bin/sh", "-c", script], env={"PATH": "/usr/bin:/bin"}, cwd=str(tmp_path))
+    try:
+        async with relay.channel() as channel:
+            stub = pb_grpc.RelayServiceStub(channel)
+            agent = await spawn(stub, relay.metadata, spec)
+            acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
+            await acp.open()
+            await acp.until(lambda: acp.exit is not None)
+            assert acp.exit is not None and acp.exit.exit_code == 3
+            assert acp.frames == {1: b"started\n"}
+            await acp.close()
+        assert relay.logs("relay_agent_stdout_held")
+        await eventually(lambda: processes_mentioning(f"sleep {marker}") == [])  # its group was ended
+    finally:
+        for pid in processes_mentioning(f"sleep {marker}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

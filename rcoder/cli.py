@@ -138,9 +138,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _relay(args: argparse.Namespace) -> int:
-    """``rcoder relay`` (its modules imported late, as the daemon's are)."""
-    from rcoder import logs
-    from rcoder.relay import serve
+    """``rcoder relay`` (its modules imported late, as the daemon's are: they need its dependencies)."""
+    try:
+        from rcoder import logs
+        from rcoder.relay import serve
+    except ModuleNotFoundError:
+        missing = missing_daemon_requirements()
+        if not missing:
+            raise
+        print(f"rcoder: `rcoder relay` needs the daemon's dependencies, which this install lacks "
+              f"(missing: {', '.join(missing)}): {DAEMON_INSTALL}", file=sys.stderr)  # fmt: skip
+        return 2
 
     logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format))
     options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,

@@ -1,7 +1,8 @@
 """``rcoder serve``: argv and environment → Settings → the daemon; ``rcoder chat``, ``sessions``
 and ``agents``: a client of a running daemon (``rcoder.client_cli``), ``rcoder files``
 (``rcoder.files_cli``), ``rcoder runs|diff|rewind|fork|cancel|attach`` (``rcoder.runs_cli``); ``rcoder health``:
-whether a daemon serves (``rcoder.health_check``).
+whether a daemon serves (``rcoder.health_check``); ``rcoder relay``: a process that owns agents for
+daemons (``rcoder.relay``, docs/relay.md).
 
 The only module that reads the environment or the config file.
 """
@@ -44,6 +45,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     health.add_argument("--config", type=Path, help="the daemon's config, for its listen (default: $RCODER_CONFIG)")
     health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    relay = commands.add_parser("relay", help="own agents for daemons, served over gRPC (docs/relay.md)")
+    relay.add_argument(
+        "--state-dir", type=Path, required=True, help="the relay's own folder (mode 0700): its socket and its secret"
+    )
+    relay.add_argument("--listen", default="", help="host:port to serve on over TCP too, with TLS only")
+    relay.add_argument("--tls-cert", type=Path, help="PEM certificate for --listen")
+    relay.add_argument("--tls-key", type=Path, help="PEM private key for --listen")
+    relay.add_argument(
+        "--buffer-bytes", type=int, default=16 << 20, help="stdout kept per agent until acknowledged (default 16 MiB)"
+    )
+    relay.add_argument(
+        "--stop-grace", type=float, default=2.0, help="seconds an agent gets after stdin closes, then after SIGTERM"
+    )
+    relay.add_argument("--secret-fd", type=int, help="read the secret from this descriptor instead of making one")
+    relay.add_argument(
+        "--keep-exited", type=int, default=64, help="exited agents still listed, newest first (default 64)"
+    )
+    relay.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    relay.add_argument("--log-format", default="auto", help="auto | json | console")
     return parser
 
 
@@ -68,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         target = args.target or env.get("RCODER_TARGET") or local_target(env, args.config)
         return health_check.check(target, args.timeout, sys.stdout, sys.stderr)
+    if args.command == "relay":
+        return _relay(args)
     try:
         # imported late: the daemon's modules and their dependencies (pydantic, structlog, the ACP
         # SDK, ...) are the daemon's alone; `rcoder --help` and the client commands run without them
@@ -120,6 +142,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except OSError as exc:
         print(f"rcoder: {exc}", file=sys.stderr)
+        return 1
+
+
+def _relay(args: argparse.Namespace) -> int:
+    """``rcoder relay`` (its modules imported late, as the daemon's are: they need its dependencies)."""
+    try:
+        from rcoder import logs
+        from rcoder.relay import serve
+    except ModuleNotFoundError:
+        missing = missing_daemon_requirements()
+        if not missing:
+            raise
+        print(f"rcoder: `rcoder relay` needs the daemon's dependencies, which this install lacks "
+              f"(missing: {', '.join(missing)}): {DAEMON_INSTALL}", file=sys.stderr)  # fmt: skip
+        return 2
+
+    logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format))
+    options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,
+                           args.stop_grace, args.secret_fd, args.keep_exited)  # fmt: skip
+    try:
+        return asyncio.run(serve.serve(options))
+    except ConfigError as exc:
+        print(f"rcoder relay: {exc}", file=sys.stderr)
+        return 2
+    except (ListenFailed, OSError) as exc:
+        print(f"rcoder relay: {exc}", file=sys.stderr)
         return 1
 
 

@@ -145,6 +145,10 @@ def test_rcoder_help_runs_and_serve_names_the_daemons_install_line(client_venv: 
     assert DAEMON_INSTALL in served.stderr and "agent-client-protocol" in served.stderr
     assert "Traceback" not in served.stderr
 
+    relayed = rcoder("relay", "--state-dir", str(tmp_path / "relay"))
+    assert relayed.returncode == 2
+    assert DAEMON_INSTALL in relayed.stderr and "Traceback" not in relayed.stderr
+
 
 async def run(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
     """A command of the fresh venv, its own process group ended on every path."""

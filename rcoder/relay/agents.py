@@ -1,0 +1,372 @@
+"""The relay's agents: each spawned and confined as the daemon spawns its own (``rcoder.agent.process``),
+its stdout numbered into a bounded buffer (``rcoder.relay.frames``), its stdin written in the
+order its owner numbered it, one stream attached at a time, fenced by lease generation
+(``rcoder.relay.fencing``). docs/relay.md says the contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rcoder import landlock
+from rcoder.agent.limits import AgentCgroup, Cgroups, Values
+from rcoder.agent.process import AgentProcess
+from rcoder.agent.sandbox import DEVICES, Confinement, around
+from rcoder.agent.tree import Trees
+from rcoder.errors import FailedPrecondition, NotFound, OutOfRange, RcoderError
+from rcoder.logs import get_logger
+from rcoder.relay.fencing import STALE_GENERATION, Generations
+from rcoder.relay.frames import FrameBuffer
+
+log = get_logger("rcoder.relay.agents")
+
+# One stdout read; a line longer than MAX_FRAME is sent in pieces of that size.
+_READ = 1 << 16
+MAX_FRAME = 1 << 20
+STDERR_TAIL_BYTES = 16 * 1024
+
+
+class AttachTakenOver(RcoderError):
+    """Another Attach of the same generation took this stream's agent (the owner re-attached after
+    a drop this stream had not seen yet)."""
+
+    reason = "ATTACH_TAKEN_OVER"
+
+
+@dataclass(frozen=True, slots=True)
+class Grants:
+    """What a confined agent may reach (Landlock): read and execute, read and write, TCP ports."""
+
+    read: tuple[str, ...]
+    write: tuple[str, ...]
+    connect: tuple[int, ...] = ()
+    bind: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    """How one agent starts on this relay's host (checked by the caller: ``rcoder.relay.service``)."""
+
+    name: str
+    command: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+    limits: Values | None = None
+    grants: Grants | None = None  # None: unconfined (still no capability)
+    user: tuple[int, int] | None = None
+
+
+@dataclass(eq=False)
+class Attachment:
+    """One attached stream: its generation, and the doorbell its sender waits on."""
+
+    generation: int
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: RcoderError | None = None  # why another stream took the agent
+
+
+class RelayAgent:
+    """One agent process and its frames."""
+
+    def __init__(
+        self,
+        agent_id: str,
+        session_id: str,
+        name: str,
+        process: AgentProcess,
+        buffer_bytes: int,
+        stop_grace: float,
+        on_exit: Callable[[RelayAgent], None] = lambda agent: None,
+    ) -> None:
+        self.agent_id, self.session_id, self.name = agent_id, session_id, name
+        self._on_exit = on_exit
+        self.process = process
+        self.frames = FrameBuffer(buffer_bytes, self._wake)
+        self.stdin_seq = 0  # the last stdin frame written
+        self.exit_code: int | None = None
+        self.attachment: Attachment | None = None
+        self._stdin_lock = asyncio.Lock()
+        self._stop_grace = stop_grace
+        self._pump = asyncio.get_running_loop().create_task(self._follow(), name=f"relay-agent-{process.pid}")
+
+    @property
+    def finished(self) -> bool:
+        """Its stdout ended and its exit is known: nothing more will come."""
+        return self.frames.closed and self.exit_code is not None
+
+    def _wake(self) -> None:
+        if self.attachment is not None:
+            self.attachment.wake.set()
+
+    def attach(self, generation: int) -> Attachment:
+        """A new stream takes the agent; the one attached before, if any, is ended and told why."""
+        old, new = self.attachment, Attachment(generation)
+        if old is not None and old.generation >= generation:
+            self._end(old, AttachTakenOver(
+                f"agent {self.agent_id!r}: another Attach of generation {generation} took this agent",
+                agent_id=self.agent_id,
+            ))  # fmt: skip
+        self.fence(generation)
+        self.attachment = new
+        return new
+
+    def fence(self, generation: int) -> None:
+        """``generation`` is the session's newest: a stream of an older one ends, and can write no more."""
+        old = self.attachment
+        if old is None or old.generation >= generation:
+            return
+        self._end(old, FailedPrecondition(
+            f"agent {self.agent_id!r}: lease generation {generation} has come since; this stream's generation "
+            f"{old.generation} no longer owns session {self.session_id!r}",
+            STALE_GENERATION,
+            session_id=self.session_id,
+            generation=str(old.generation),
+            newest_generation=str(generation),
+        ))  # fmt: skip
+
+    def _end(self, attachment: Attachment, why: RcoderError) -> None:
+        attachment.ended = why
+        attachment.wake.set()
+        if self.attachment is attachment:
+            self.attachment = None
+
+    def detach(self, attachment: Attachment) -> None:
+        if self.attachment is attachment:
+            self.attachment = None
+
+    async def write_stdin(self, attachment: Attachment, seq: int, data: bytes) -> None:
+        """Stdin frame ``seq``: written once, in order; one already written is skipped, a gap refused."""
+        async with self._stdin_lock:
+            if attachment.ended is not None:
+                raise attachment.ended
+            if seq <= self.stdin_seq:
+                return
+            if seq != self.stdin_seq + 1:
+                raise OutOfRange(
+                    f"agent {self.agent_id!r}: stdin frame {seq} after frame {self.stdin_seq}: frames "
+                    f"{self.stdin_seq + 1}..{seq - 1} were never sent; send them first",
+                    agent_id=self.agent_id,
+                )
+            if self.exit_code is not None or self.process.stdin.is_closing():
+                raise FailedPrecondition(
+                    f"agent {self.agent_id!r} takes no more stdin: it has exited or its stdin was closed",
+                    "STDIN_CLOSED",
+                    agent_id=self.agent_id,
+                )
+            self.process.stdin.write(data)
+            self.stdin_seq = seq
+            with contextlib.suppress(ConnectionError):  # it exited meanwhile: its exit tells the client
+                await self.process.stdin.drain()
+
+    async def close_stdin(self, attachment: Attachment) -> None:
+        async with self._stdin_lock:
+            if attachment.ended is not None:
+                raise attachment.ended
+            self.process.stdin.close()
+
+    def signal(self, sig: int) -> None:
+        if self.exit_code is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, sig)
+
+    async def _follow(self) -> None:
+        """Its stdout as frames, then its exit; the agent then let go (its group ended, its cgroup
+        removed). Every wait is bounded: a process that left the agent's tree while holding its stdout
+        keeps the pipe open after the agent exits, so its frames end ``stop_grace`` after the exit,
+        the group ended and our end of the pipe closed."""
+        reading = asyncio.get_running_loop().create_task(self._read_stdout(), name=f"relay-frames-{self.process.pid}")
+        code = await self.process.wait_exit()
+        _, held = await asyncio.wait({reading}, timeout=self._stop_grace)
+        if held:
+            log.warning("relay_agent_stdout_held", agent_id=self.agent_id, pid=self.process.pid,
+                        why="the agent exited and something it started still holds its stdout")  # fmt: skip
+            await self.process.aclose()  # the group ended, our ends of its pipes closed: the reader ends
+            _, held = await asyncio.wait({reading}, timeout=self._stop_grace)
+            for task in held:
+                task.cancel()
+            if not self.frames.closed:
+                self.frames.close()
+        await self.process.settle_stderr()
+        self.exit_code = code
+        log.info("relay_agent_exited", agent_id=self.agent_id, pid=self.process.pid, exit_code=code,
+                 last_seq=self.frames.last_seq)  # fmt: skip
+        self._wake()
+        self._on_exit(self)
+        await self.process.aclose()
+
+    async def _read_stdout(self) -> None:
+        """Every line the agent writes becomes a frame (a longer one, pieces of MAX_FRAME), to its end."""
+        pending = bytearray()
+        stream = self.process.stdout
+        try:
+            while chunk := await stream.read(_READ):
+                pending += chunk
+                start = 0
+                while (end := pending.find(b"\n", start)) >= 0:
+                    self._append(bytes(pending[start : end + 1]))
+                    start = end + 1
+                del pending[:start]
+                while len(pending) >= MAX_FRAME:
+                    self._append(bytes(pending[:MAX_FRAME]))
+                    del pending[:MAX_FRAME]
+        except OSError as exc:  # the pipe broke
+            log.warning("relay_agent_stdout_broken", agent_id=self.agent_id, error=str(exc))
+        if pending:
+            self._append(bytes(pending))
+        self.frames.close()
+
+    def _append(self, data: bytes) -> None:
+        dropped = self.frames.dropped
+        self.frames.append(data)
+        if self.frames.dropped > dropped and dropped == 0:  # said once per agent; counted in its status
+            log.warning("relay_frames_dropped", agent_id=self.agent_id, buffer_bytes=self.frames.max_bytes,
+                        why="no client acknowledged its frames before the buffer's bound")  # fmt: skip
+
+    async def aclose(self) -> None:
+        """End its process group (stdin closed, then SIGTERM, then SIGKILL) and its reader."""
+        await self.process.aclose()
+        with contextlib.suppress(asyncio.CancelledError):
+            done, _ = await asyncio.wait({self._pump}, timeout=3 * self._stop_grace)
+            if not done:
+                self._pump.cancel()
+
+
+class Agents:
+    """Every agent of this relay, by id; the generations of their sessions."""
+
+    def __init__(
+        self,
+        buffer_bytes: int,
+        hidden: Sequence[Path],
+        stop_grace: float,
+        trees: Trees,
+        cgroups: Cgroups | None,
+        keep_exited: int = 64,
+        pid_dir: Path | None = None,
+    ) -> None:
+        self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.leftovers``)
+        self._buffer_bytes = buffer_bytes
+        # exited agents stay listed (their last frames and exit for an owner that attaches late), the
+        # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran
+        self._keep_exited = keep_exited
+        self._exited: deque[str] = deque()
+        # what no grant reaches: the relay's folder (socket, secret) and its TLS files
+        self._hidden = [Path(os.path.realpath(p)) for p in hidden]
+        self._stop_grace = stop_grace
+        self._trees = trees
+        self._cgroups = cgroups
+        self.generations = Generations()
+        self._agents: dict[str, RelayAgent] = {}
+
+    def get(self, agent_id: str) -> RelayAgent:
+        agent = self._agents.get(agent_id)
+        if agent is None:
+            raise NotFound("agent", agent_id, "this relay never spawned it, or it was restarted since")
+        return agent
+
+    def all(self, session_id: str = "") -> list[RelayAgent]:
+        return [a for _, a in sorted(self._agents.items()) if not session_id or a.session_id == session_id]
+
+    def _admit(self, session_id: str, generation: int) -> None:
+        """Refuse an older generation; a newer one ends the streams older ones hold on the session."""
+        if self.generations.admit(session_id, generation):
+            for agent in self.all(session_id):
+                agent.fence(generation)
+
+    async def spawn(self, session_id: str, generation: int, spec: AgentSpec) -> RelayAgent:
+        self._admit(session_id, generation)
+        confinement = await asyncio.to_thread(self._confinement, spec.grants) if spec.grants is not None else None
+        process = await AgentProcess.spawn(
+            spec.command,
+            cwd=spec.cwd,
+            env=spec.env,
+            name=spec.name,
+            stderr_tail_bytes=STDERR_TAIL_BYTES,
+            stop_grace=self._stop_grace,
+            pid_dir=self._pid_dir,
+            confinement=confinement,
+            trees=self._trees,
+            user=spec.user,
+        )
+        if self._cgroups is not None and spec.limits is not None:
+            # before any stdin reaches it: an agent forks only in answer to a request
+            cgroup = await asyncio.to_thread(self._cgroups.place, spec.name, process.pid, spec.limits)
+            process.enter(cgroup, self._cgroup_ended)
+        agent_id = f"agent-{secrets.token_hex(8)}"
+        agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._stop_grace,
+                           self._forget_old)  # fmt: skip
+        self._agents[agent.agent_id] = agent
+        log.info("relay_agent_spawned", agent_id=agent.agent_id, session_id=session_id, generation=generation,
+                 pid=process.pid, confined=confinement is not None)  # fmt: skip
+        return agent
+
+    def _forget_old(self, exited: RelayAgent) -> None:
+        """``exited`` has exited: the oldest exited agents past ``keep_exited`` are forgotten."""
+        self._exited.append(exited.agent_id)
+        while len(self._exited) > self._keep_exited:
+            forgotten = self._agents.pop(self._exited.popleft(), None)
+            if forgotten is not None:
+                log.info("relay_agent_forgotten", agent_id=forgotten.agent_id, session_id=forgotten.session_id,
+                         last_seq=forgotten.frames.last_seq, acked_seq=forgotten.frames.acked)  # fmt: skip
+
+    def _cgroup_ended(self, cgroup: AgentCgroup) -> None:
+        if self._cgroups is not None:
+            self._cgroups.ended(cgroup)
+
+    def _confinement(self, grants: Grants) -> Confinement:
+        abi = landlock.abi()
+        if not abi:
+            raise FailedPrecondition(
+                f"this host's kernel has no Landlock ({landlock.why_not() or 'not available'}): an agent cannot be "
+                "confined here; spawn it without confinement, or run the relay on a kernel with Landlock",
+                "NO_LANDLOCK",
+            )
+        if (grants.connect or grants.bind) and abi < landlock.NET_ABI:
+            raise FailedPrecondition(
+                f"Landlock ABI {abi} has no TCP rules (ABI {landlock.NET_ABI} has): ports cannot be granted here",
+                "NO_LANDLOCK_NET",
+            )
+        devices = tuple(Path(d) for d in DEVICES if os.path.exists(d))
+        read = [p for path in grants.read for p in around(Path(path), self._hidden)]
+        write = [p for path in grants.write for p in around(Path(path), self._hidden)]
+        return Confinement(
+            read=tuple(dict.fromkeys(read)),
+            write=(*dict.fromkeys(write), *devices),
+            abi=abi,
+            connect=grants.connect,
+            bind=grants.bind,
+        )
+
+    def attach(self, agent_id: str, generation: int, from_seq: int) -> tuple[RelayAgent, Attachment]:
+        """The agent, taken by a new stream of ``generation`` that has every frame before ``from_seq``."""
+        agent = self.get(agent_id)
+        self._admit(agent.session_id, generation)
+        attachment = agent.attach(generation)
+        if from_seq > 1:
+            agent.frames.ack(from_seq - 1)
+        return agent, attachment
+
+    def signal(self, agent_id: str, generation: int, sig: int) -> RelayAgent:
+        agent = self.get(agent_id)
+        self._admit(agent.session_id, generation)
+        agent.signal(sig)
+        return agent
+
+    async def aclose(self) -> None:
+        """End every agent's group (the relay stops)."""
+        agents = list(self._agents.values())
+        await asyncio.gather(*(agent.aclose() for agent in agents), return_exceptions=True)
+        ended = self._trees.end_all()
+        if ended:
+            log.warning("relay_leftovers_ended", processes=ended)
+
+
+SIGNALS = {int(s) for s in signal.Signals}

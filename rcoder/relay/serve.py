@@ -1,0 +1,148 @@
+"""``rcoder relay``: the process, from its start to its stop (docs/relay.md#running-a-relay).
+
+It leaves its starter's session first, so that it outlives the daemon that started it (a daemon's
+SIGKILL, or the end of its process group, does not reach it; the starter must not give it a death
+signal either). It serves on a unix socket in its state folder (mode 0600 in a folder of mode
+0700), and on TCP with TLS when ``--listen`` is given (TCP is never served without TLS). On SIGTERM
+or SIGINT it stops serving and ends every agent's process group; its agents die with it
+otherwise too (their death signal is the relay's, ``rcoder.agent.process``), and what they started
+outside their groups is swept at the relay's next start on the same folder (``rcoder.agent.leftovers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from rcoder.agent.leftovers import forget_instance, record_instance, sweep
+from rcoder.agent.limits import CGROUP_ROOT, Cgroups
+from rcoder.agent.tree import Trees
+from rcoder.data_lock import DataDirLock
+from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
+from rcoder.logs import get_logger
+from rcoder.relay.agents import Agents
+from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
+from rcoder.relay.service import RelayService
+from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+
+log = get_logger("rcoder.relay")
+
+SOCKET_FILE = "relay.sock"
+PID_DIR = "agent-pids"  # each agent's group and this run's mark, for the next start's sweep
+DEFAULT_BUFFER_BYTES = 16 << 20
+MAX_MESSAGE_BYTES = 8 << 20  # a stdin frame or a stdout frame (at most 1 MiB) with room to spare
+
+
+@dataclass(frozen=True, slots=True)
+class RelayOptions:
+    """What ``rcoder relay`` is started with."""
+
+    state_dir: Path
+    listen: str = ""  # host:port for TCP, with TLS only
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    stop_grace: float = 2.0
+    secret_fd: int | None = None
+    keep_exited: int = 64
+
+    def check(self) -> None:
+        if self.listen and not (self.tls_cert and self.tls_key):
+            raise ConfigError("listen", "a relay serves TCP only with TLS: give --tls-cert and --tls-key too")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls-cert", "--tls-cert and --tls-key go together")
+        if self.buffer_bytes < 1024:
+            raise ConfigError("buffer-bytes", f"{self.buffer_bytes}: a frame buffer of at least 1024 bytes")
+        if self.stop_grace <= 0:
+            raise ConfigError("stop-grace", "seconds above 0")
+        if self.keep_exited < 0:
+            raise ConfigError("keep-exited", "a count, 0 or more")
+
+
+def leave_starters_session() -> None:
+    """A session of its own, unless it leads one already (its starter made it so)."""
+    if os.getsid(0) != os.getpid():
+        with contextlib.suppress(OSError):
+            os.setsid()
+
+
+async def serve(options: RelayOptions) -> int:
+    options.check()
+    leave_starters_session()
+    os.umask(0o077)
+    folder = state_dir(options.state_dir)
+    # one relay per state folder, before anything in it is touched: a second one would replace the
+    # first one's socket and secret under its clients
+    try:
+        lock = DataDirLock.acquire(folder, options.listen or f"unix:{folder / SOCKET_FILE}")
+    except DataDirInUse as exc:
+        holder = exc.holder.get("pid") or "unknown"
+        raise ConfigError("state-dir", f"{folder} is in use by another relay (pid {holder}): stop it, or give this "
+                                       "one a --state-dir of its own") from exc  # fmt: skip
+    secret = secret_from_fd(options.secret_fd) if options.secret_fd is not None else made_secret(folder)
+    tls = None
+    if options.tls_cert and options.tls_key:
+        tls = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())])
+    loop = asyncio.get_running_loop()
+    trees = Trees()
+    trees.start(loop)
+    # what the agents of a relay killed before left outside their groups (their groups died with it)
+    pid_dir = folder / PID_DIR
+    swept = await asyncio.to_thread(sweep, pid_dir)
+    if swept:
+        log.warning("relay_leftovers_swept", processes=swept)
+    record_instance(pid_dir, trees.instance)
+    cgroups = Cgroups(CGROUP_ROOT, folder)
+    mechanism = await asyncio.to_thread(cgroups.probe)
+    await asyncio.to_thread(cgroups.sweep)
+    hidden = [folder, *(p for p in (options.tls_cert, options.tls_key) if p)]
+    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited, pid_dir)
+    server = grpc.aio.server(
+        interceptors=[SecretCheck(secret)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents), server)
+    socket_path = folder / SOCKET_FILE
+    socket_path.unlink(missing_ok=True)
+    if server.add_insecure_port(f"unix:{socket_path}") == 0:
+        raise ListenFailed(f"unix:{socket_path}", "grpc could not bind it")
+    address = ""
+    if options.listen:
+        assert tls is not None  # check()
+        try:
+            port = server.add_secure_port(options.listen, tls)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise ListenFailed(options.listen, "grpc could not bind it")
+        address = f"{options.listen.rpartition(':')[0]}:{port}"
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    os.chmod(socket_path, 0o600)
+    log.info("relay_serving", socket=str(socket_path), address=address, pid=os.getpid(),
+             state_dir=str(folder), secret_from_fd=options.secret_fd is not None, limits=mechanism.kind,
+             buffer_bytes=options.buffer_bytes)  # fmt: skip
+    try:
+        await stopping.wait()
+    finally:
+        log.info("relay_stopping", agents=len(agents.all()))
+        await server.stop(grace=1.0)
+        await agents.aclose()
+        forget_instance(pid_dir, trees.instance)  # every process below the relay is ended
+        await asyncio.to_thread(cgroups.close)
+        socket_path.unlink(missing_ok=True)
+        lock.release()
+    log.info("relay_stopped")
+    return 0

@@ -1,0 +1,26 @@
+"""Fixtures of tests/relay: relays started for a test, each ended (its process group) after it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from tests.relay.relay_kit import Relay
+
+RelayFactory = Callable[..., Awaitable[Relay]]
+
+
+@pytest.fixture
+async def make_relay(tmp_path: Path) -> AsyncIterator[RelayFactory]:
+    started: list[Relay] = []
+
+    async def make(*args: str, state_dir: Path | None = None) -> Relay:
+        relay = Relay(state_dir or tmp_path / f"relay-{len(started)}", tuple(args))
+        started.append(relay)
+        return await relay.start()
+
+    yield make
+    for relay in started:
+        await relay.kill()

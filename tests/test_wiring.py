@@ -31,6 +31,8 @@ pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_
 PACKAGE = Path(__file__).resolve().parent.parent / "rcoder"
 GENERATED = PACKAGE / "v1"
 COMPOSITION_ROOT = PACKAGE / "daemon.py"
+# a process of its own that builds the parts it shares with the daemon (docs/relay.md): its own root
+OTHER_ROOTS = (PACKAGE / "relay" / "serve.py",)
 # the packages whose classes make up the daemon's parts
 ENGINE = ("session", "agent", "store")
 
@@ -172,7 +174,7 @@ def constructions(modules: list[tuple[Path, ast.Module]]) -> list[tuple[Path, as
     parts = classes.parts(root)
     found = []
     for path, tree in modules:
-        if path == COMPOSITION_ROOT:
+        if path == COMPOSITION_ROOT or path in OTHER_ROOTS:
             continue
         for node, inside in builders(tree):
             if isinstance(node, ast.Call):

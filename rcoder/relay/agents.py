@@ -1,4 +1,4 @@
-"""The relay's agents: each spawned and confined as the daemon spawns its own (``rcoder.agent.process``),
+"""The relay's agents: each spawned and confined as the daemon spawns its own (``rcoder.agent.processes.process``),
 its stdout numbered into a bounded buffer (``rcoder.relay.frames``), its stdin written in the
 order its owner numbered it, one stream attached at a time, fenced by lease generation
 (``rcoder.relay.fencing``). docs/relay.md says the contract.
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rcoder import landlock
-from rcoder.agent.limits import AgentCgroup, Cgroups, Values
-from rcoder.agent.process import AgentProcess
-from rcoder.agent.sandbox import DEVICES, Confinement, around
-from rcoder.agent.tree import Trees
+from rcoder.agent.confinement.limits import AgentCgroup, Cgroups, Values
+from rcoder.agent.confinement.sandbox import DEVICES, Confinement, around
+from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.processes.tree import Trees
 from rcoder.errors import FailedPrecondition, NotFound, OutOfRange, RcoderError
 from rcoder.logs import get_logger
 from rcoder.relay.fencing import STALE_GENERATION, Generations
@@ -252,7 +252,7 @@ class Agents:
         keep_exited: int = 64,
         pid_dir: Path | None = None,
     ) -> None:
-        self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.leftovers``)
+        self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.processes.leftovers``)
         self._buffer_bytes = buffer_bytes
         # exited agents stay listed (their last frames and exit for an owner that attaches late), the
         # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran

@@ -5,8 +5,8 @@ SIGKILL, or the end of its process group, does not reach it; the starter must no
 signal either). It serves on a unix socket in its state folder (mode 0600 in a folder of mode
 0700), and on TCP with TLS when ``--listen`` is given (TCP is never served without TLS). On SIGTERM
 or SIGINT it stops serving and ends every agent's process group; its agents die with it
-otherwise too (their death signal is the relay's, ``rcoder.agent.process``), and what they started
-outside their groups is swept at the relay's next start on the same folder (``rcoder.agent.leftovers``).
+otherwise too (their death signal is the relay's, ``rcoder.agent.processes.process``), and what they started
+outside their groups is swept at the relay's next start on the same folder (``rcoder.agent.processes.leftovers``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 
-from rcoder.agent.leftovers import forget_instance, record_instance, sweep
-from rcoder.agent.limits import CGROUP_ROOT, Cgroups
-from rcoder.agent.tree import Trees
+from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups
+from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
+from rcoder.agent.processes.tree import Trees
 from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger

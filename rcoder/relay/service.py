@@ -20,7 +20,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from rcoder import errors
-from rcoder.agent.limits import Values
+from rcoder.agent.confinement.limits import Values
 from rcoder.logs import get_logger
 from rcoder.relay.agents import SIGNALS, Agents, AgentSpec, Attachment, AttachTakenOver, Grants, RelayAgent
 from rcoder.relay.v1 import relay_pb2 as pb

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from rcoder.agent.sandbox import ETC_LINKS, SYSTEM_READ, python_dirs
+from rcoder.agent.confinement.sandbox import ETC_LINKS, SYSTEM_READ, python_dirs
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 from tests.harness import FAKE_AGENT, FAKE_AGENT_READS, ROOT, die_with_the_test

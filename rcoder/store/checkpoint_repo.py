@@ -196,6 +196,11 @@ class CheckpointRepo:
         bound = self.timeout if timeout is None else min(timeout, self.timeout)
         return await run_git([*flags, *args], env, self.work_tree, bound, limit, self._guard, stdin, ok, self._jail)
 
+    @property
+    def patterns(self) -> tuple[str, ...] | None:
+        """The exclude patterns of the last snapshot taken here (None: none since the daemon started)."""
+        return None if self._last is None else self._last.patterns
+
     def made(self) -> bool:
         """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
         return os.path.exists(self._head)

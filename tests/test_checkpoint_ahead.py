@@ -153,3 +153,24 @@ async def test_a_daemon_stopped_during_a_snapshot_ahead_leaves_no_git_and_no_hal
     assert not commits_of(tmp_path)  # cut: no commit, no ref
     pack = tmp_path / "data" / "checkpoints" / "proj.git" / "objects" / "pack"
     assert not list(pack.glob("tmp_*"))  # nor the temporary pack it was writing
+
+
+async def test_a_turn_asked_while_a_snapshot_ahead_runs_waits_for_it_and_starts_from_the_project_as_found(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    project = tmp_path / "workspace" / "proj"
+    project.mkdir(parents=True)
+    for n in range(256):
+        (project / f"f{n}.bin").write_bytes(os.urandom(1 << 20))
+    _, client = await make_daemon()
+    await eventually(lambda: bool(snapshotting(project)))  # its walk is done: git reads the files
+    (project / "late.txt").write_text("written while the snapshot ahead ran\n")
+
+    events = await client.chat(prompt="shell echo new > c.txt")
+    assert [c.path for c in completed(events).changes] == ["c.txt"]
+    before, after = run_commits(tmp_path, events[0].run_id)
+    store = tmp_path / "data" / "checkpoints" / "proj.git"
+    held = git(f"--git-dir={store}", "ls-tree", "-r", "--name-only", before, cwd=tmp_path).split()
+    assert len(held) == 257
+    assert "late.txt" in held
+    assert commits_of(tmp_path) == {before, after}  # the snapshot ahead, superseded, is gone

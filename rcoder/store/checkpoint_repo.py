@@ -171,6 +171,7 @@ class CheckpointRepo:
         self._manifests: dict[str, Manifest | None] = {}  # commit -> its files listed, not stored
         self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
         self._swept = False  # leftovers of gits ended long ago removed, once per process
+        self._index_folder = False  # this host's index folder made (``ensure``)
         # leftovers last written before this (Unix ns) are dead whatever their age: this daemon's
         # start, when no other host writes the store (0: only git's bound tells)
         self._dead_before_ns = dead_before_ns
@@ -207,8 +208,14 @@ class CheckpointRepo:
 
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises. A store made
-        anew (the project's was deleted, here or by another host) starts from a new index."""
+        anew (the project's was deleted, here or by another host) starts from a new index. This
+        host's index folder is made either way, once: on a shared ``checkpoint_root`` another host
+        may have made the store (its snapshot ahead at its start, say), and git cannot write an
+        index lock into a folder that is not there."""
         if self.made():
+            if not self._index_folder:
+                self.index.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._index_folder = True
             return
         self.forget_index()
         # 0700: no other user reads the stores (agents under a uid of their own included)

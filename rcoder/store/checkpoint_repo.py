@@ -35,6 +35,7 @@ from pathlib import Path
 from rcoder.domain import FileChange
 from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
+from rcoder.store import git_index
 from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.git_changes import listed, parse_changes
 from rcoder.store.git_jail import GitJail
@@ -398,10 +399,21 @@ class CheckpointRepo:
         ]
         try:
             done = await asyncio.gather(*adds, return_exceptions=True)
+            # the other shares' entries, with the stat data their processes took, into the real
+            # index: the real update-index then hashes none of their files again
+            whole = [
+                spare for spare, result in zip(spares, done[1:], strict=True) if not isinstance(result, BaseException)
+            ]
+            if whole and not isinstance(done[0], BaseException):
+                try:
+                    await asyncio.to_thread(git_index.join, self.index, whole)
+                except (git_index.NotUnderstood, OSError) as exc:
+                    log.warning("checkpoint_split_join_failed", git_dir=str(self.git_dir), error=str(exc)[:300])
         finally:
             for spare in spares:
                 spare.unlink(missing_ok=True)
                 spare.with_name(f"{spare.name}.lock").unlink(missing_ok=True)  # a git ended mid-way
+            self.index.with_name(f"{self.index.name}.joined").unlink(missing_ok=True)
         self._indexed = None  # the first share is in the index
         failed = [str(result)[:300] for result in done if isinstance(result, BaseException)]
         if failed:

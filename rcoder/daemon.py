@@ -160,7 +160,7 @@ class Daemon:
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
-        self.files = ProjectFiles(settings, self.store, self.runs)  # docs/files.md
+        self.files = ProjectFiles(settings, self.store, self.runs, checkpoints=self.checkpoints)  # docs/files.md
         self.server = GrpcServer(
             AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,
@@ -294,6 +294,8 @@ class Daemon:
             self._retention = asyncio.create_task(self._prune_history(), name="history-retention")
         if self.settings.checkpoints:
             self._checkpoint_sweep = asyncio.create_task(self._sweep_checkpoints(), name="checkpoint-sweep")
+        # docs/checkpoints.md#snapshots-taken-ahead: in the background, one at a time
+        ahead = self.checkpoints.ahead_of_all()
         log.info(
             "serving",
             address=self.bound_address,
@@ -308,6 +310,7 @@ class Daemon:
             runs_marked_interrupted=interrupted,
             leftover_agent_processes_killed=swept,
             unfinished_rewinds_settled=rewinds,
+            snapshots_ahead_queued=ahead,
         )
 
     async def _prune_history(self) -> None:
@@ -401,6 +404,7 @@ class Daemon:
         log.info("stopping", shutdown_grace=self.settings.shutdown_grace)
         await self.server.not_serving()
         self.intake.stop_accepting()
+        await self.checkpoints.aclose()  # the snapshots taken ahead, their git ended: no turn will wait for them
         drain = asyncio.create_task(self.intake.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)

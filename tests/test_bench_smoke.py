@@ -49,6 +49,7 @@ MEASURES = {
     "checkpoint_confinement_ms",
     "checkpoint_turn_start_ms",
     "checkpoint_first_turn_wait_ms",
+    "checkpoint_cold_first_turn_wait_ms",
     "checkpoint_turn_end_wait_ms",
     "unauth_flood_rss_mb",
     "unauth_health_flood_rss_mb",

@@ -35,6 +35,7 @@ from pathlib import Path
 from rcoder.domain import FileChange
 from rcoder.errors import CheckpointError
 from rcoder.logs import get_logger
+from rcoder.store import git_index
 from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.git_changes import listed, parse_changes
 from rcoder.store.git_jail import GitJail
@@ -171,6 +172,7 @@ class CheckpointRepo:
         self._manifests: dict[str, Manifest | None] = {}  # commit -> its files listed, not stored
         self._listing: tuple[bytes, str] = (b"", "")  # the last manifest written, and its commit
         self._swept = False  # leftovers of gits ended long ago removed, once per process
+        self._index_folder = False  # this host's index folder made (``ensure``)
         # leftovers last written before this (Unix ns) are dead whatever their age: this daemon's
         # start, when no other host writes the store (0: only git's bound tells)
         self._dead_before_ns = dead_before_ns
@@ -196,14 +198,25 @@ class CheckpointRepo:
         bound = self.timeout if timeout is None else min(timeout, self.timeout)
         return await run_git([*flags, *args], env, self.work_tree, bound, limit, self._guard, stdin, ok, self._jail)
 
+    @property
+    def patterns(self) -> tuple[str, ...] | None:
+        """The exclude patterns of the last snapshot taken here (None: none since the daemon started)."""
+        return None if self._last is None else self._last.patterns
+
     def made(self) -> bool:
         """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
         return os.path.exists(self._head)
 
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises. A store made
-        anew (the project's was deleted, here or by another host) starts from a new index."""
+        anew (the project's was deleted, here or by another host) starts from a new index. This
+        host's index folder is made either way, once: on a shared ``checkpoint_root`` another host
+        may have made the store (its snapshot ahead at its start, say), and git cannot write an
+        index lock into a folder that is not there."""
         if self.made():
+            if not self._index_folder:
+                self.index.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._index_folder = True
             return
         self.forget_index()
         # 0700: no other user reads the stores (agents under a uid of their own included)
@@ -386,10 +399,21 @@ class CheckpointRepo:
         ]
         try:
             done = await asyncio.gather(*adds, return_exceptions=True)
+            # the other shares' entries, with the stat data their processes took, into the real
+            # index: the real update-index then hashes none of their files again
+            whole = [
+                spare for spare, result in zip(spares, done[1:], strict=True) if not isinstance(result, BaseException)
+            ]
+            if whole and not isinstance(done[0], BaseException):
+                try:
+                    await asyncio.to_thread(git_index.join, self.index, whole)
+                except (git_index.NotUnderstood, OSError) as exc:
+                    log.warning("checkpoint_split_join_failed", git_dir=str(self.git_dir), error=str(exc)[:300])
         finally:
             for spare in spares:
                 spare.unlink(missing_ok=True)
                 spare.with_name(f"{spare.name}.lock").unlink(missing_ok=True)  # a git ended mid-way
+            self.index.with_name(f"{self.index.name}.joined").unlink(missing_ok=True)
         self._indexed = None  # the first share is in the index
         failed = [str(result)[:300] for result in done if isinstance(result, BaseException)]
         if failed:

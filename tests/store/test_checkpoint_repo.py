@@ -207,3 +207,19 @@ async def test_an_emptied_project_is_restored_by_a_repo_that_did_not_take_its_sn
     await fresh.snapshot((), "now")
     await fresh.restore(full)
     assert sorted(path.name for path in (root / "d").iterdir()) == sorted(f"f{n}" for n in range(20))
+
+
+async def test_a_host_snapshots_a_store_another_host_made(tmp_path: Path) -> None:
+    # docs/checkpoints.md#several-hosts: one checkpoint_root, an index folder per host; the second
+    # host's first snapshot finds the store made (it failed: its index folder was made only with
+    # a new store, and git could not write its lock)
+    work = tmp_path / "proj"
+    work.mkdir()
+    (work / "a.txt").write_text("one\n")
+    store = tmp_path / "checkpoints" / "proj.git"
+    first = CheckpointRepo(store, work, tmp_path / "host-a" / "checkpoint-index" / "proj" / "index")
+    second = CheckpointRepo(store, work, tmp_path / "host-b" / "checkpoint-index" / "proj" / "index")
+    await first.snapshot((), "host a")
+    commit = await second.snapshot((), "host b")
+    listed = await second.git("ls-tree", "-r", "--name-only", commit)
+    assert listed.out.split() == [b"a.txt"]

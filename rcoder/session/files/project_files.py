@@ -22,6 +22,9 @@ The rules added here:
   usually has a bug, and one that means it says so. "A turn runs" is this host's own turns (from
   the moment one claims its session, before its agent has started) and the store's running runs
   (any host's). Checked when the request starts and again just before the rename.
+- **Checkpoints.** A project's snapshot is taken in the background after each write or delete, and
+  when a request first names a project this host has no snapshot of, so that its next turn does not
+  wait for git to read it (docs/checkpoints.md#snapshots-taken-ahead).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from rcoder.agent.files.beneath import Beneath, open_project, path_parts, remove_empty_folder
 from rcoder.config import Settings
@@ -52,6 +55,13 @@ ABSENT = "absent"  # if_sha256: write only where there is no file yet
 UPLOADS_FOLDER = "uploads"  # beneath data_dir: the writes under way (rcoder.session.files.upload_journal)
 log = get_logger(__name__)
 T = TypeVar("T")
+
+
+class SnapshotsAhead(Protocol):
+    """What the file calls ask of the checkpoints (``rcoder.session.turns.checkpoints.Checkpoints``,
+    passed in by the daemon): a project's snapshot taken ahead of its next turn."""
+
+    def ahead(self, project_id: str, first_only: bool = False) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +105,15 @@ class Written:
 
 class ProjectFiles:
     def __init__(
-        self, settings: Settings, store: SessionStore, runs: RunRegistry, beneath: Beneath | None = None
+        self,
+        settings: Settings,
+        store: SessionStore,
+        runs: RunRegistry,
+        beneath: Beneath | None = None,
+        checkpoints: SnapshotsAhead | None = None,
     ) -> None:
         self._root = settings.workspace_root
+        self._checkpoints = checkpoints  # snapshots taken ahead of turns (``_snapshot_ahead``)
         self._max_bytes = settings.max_file_bytes
         self._store = store
         self._runs = runs
@@ -176,7 +192,9 @@ class ProjectFiles:
             with self._project(project_id) as root, pf.translated(parts):
                 return pf.list_entries(self._beneath, root, parts, recursive, limit, cursor)
 
-        return await self._settled(Who(project_id, caller), parts, work)
+        listing = await self._settled(Who(project_id, caller), parts, work)
+        self._snapshot_ahead(project_id, first_only=True)
+        return listing
 
     async def read(
         self, project_id: str, parts: tuple[str, ...], offset: int, limit: int, caller: str = ""
@@ -190,6 +208,7 @@ class ProjectFiles:
 
         who = Who(project_id, caller)
         file = await self._settled(who, parts, opened, lambda f: os.close(f.fd))
+        self._snapshot_ahead(project_id, first_only=True)
         try:
             if file.size > self._max_bytes:
                 raise self._too_large(pf.shown(parts), file.size)
@@ -245,6 +264,7 @@ class ProjectFiles:
                     if (found or ABSENT) != head.if_sha256:
                         raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
                 await self._settled(who, head.parts, lambda: self._commit(temp))
+            self._snapshot_ahead(head.project_id)
             return Written(temp.digest.hexdigest(), temp.size, mode)
         finally:
             temp.discard()
@@ -279,7 +299,18 @@ class ProjectFiles:
 
         who = Who(project_id, caller)
         async with self._lock(await self._settled(who, parts, key)):
-            return await self._settled(who, parts, work)
+            removed = await self._settled(who, parts, work)
+        self._snapshot_ahead(project_id)
+        return removed
+
+    def _snapshot_ahead(self, project_id: str, first_only: bool = False) -> None:
+        """The project's snapshot taken in the background, so that its next turn finds it
+        (docs/checkpoints.md#snapshots-taken-ahead); ``first_only``: only when this host has none
+        of it yet. Not while a turn of this host runs in it: that turn's after snapshot reads
+        what a write (``while_busy``) changed."""
+        if self._checkpoints is None or any(r.project_id == project_id and not r.done for r in self._runs.running()):
+            return
+        self._checkpoints.ahead(project_id, first_only)
 
     @contextlib.asynccontextmanager
     async def _lock(self, key: pf.FileKey) -> AsyncIterator[None]:

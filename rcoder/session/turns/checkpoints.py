@@ -23,6 +23,15 @@ no project's id can name another's index or lock), so hosts sharing a workspace 
 each other. A snapshot that fails is logged and the turn goes on without it (its changes empty,
 GetRunChanges and a rewind to it refused ``NoCheckpoint``): a store of checkpoints that cannot be
 written must not stop the agents.
+
+A project's snapshot is also taken ahead of its turns, in the background (``ahead``): when the
+daemon starts and finds a project this host has no index of, when a request of the file API first
+names one, and after each write through it (docs/checkpoints.md#snapshots-taken-ahead). A turn's
+before snapshot then finds the files hashed and stored already and only walks the project (or
+waits for the part of that snapshot still in flight, under the project's lock): the first turn of a
+large project no longer waits for git to read all of it. Such a snapshot's commit is a snapshot
+like any other, but no run may ever name it: the next snapshot of the project that makes another
+commit deletes its ref when no run names it then.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, St
 from rcoder.logs import get_logger
 from rcoder.session.hosts.checkpoint_sharing import MARKS
 from rcoder.session.runs.run import RUN_MISSING
+from rcoder.session.sessions.workspace import PROJECT_ID
 from rcoder.store.base import RunCheckpoint, SessionStore
 from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref, store_bytes
 from rcoder.store.git_changes import listed
@@ -56,6 +66,9 @@ if TYPE_CHECKING:
     from rcoder.session.turns.claimed_turn import ClaimedTurn
 
 log = get_logger(__name__)
+# snapshots taken ahead at once on this host (``ahead``): the first snapshot of a large project keeps
+# a core busy for seconds, and the cores are the agents' first
+AHEAD_AT_ONCE = 1
 CUT_MARKER = "\n[rcoder: the diff is cut here: it is longer than max_diff_bytes ({limit} bytes)]\n"
 REF_PREFIX = "refs/rcoder/runs/"  # a run's own refs, as runs recorded before the store named commits have
 REFS = "refs/rcoder/"
@@ -170,6 +183,15 @@ class Checkpoints:
         # run_id -> the commits its snapshots returned that its store row may not name yet: their
         # refs are never deleted meanwhile (``settled`` forgets them once the run's end is stored)
         self._in_flight: dict[str, set[str]] = {}
+        # snapshots taken ahead of turns (``ahead``): the task of each project's, the projects
+        # written again while theirs ran (it runs once more), and the last commit each made that
+        # no run may name yet (its ref goes once another snapshot supersedes it)
+        self._ahead: dict[str, asyncio.Task[None]] = {}
+        self._ahead_again: set[str] = set()
+        self._ahead_commits: dict[str, str] = {}
+        self._ahead_slots = asyncio.Semaphore(AHEAD_AT_ONCE)
+        self._closed = False  # the daemon stops: no snapshot is taken ahead any more
+        self._default_exclude = tuple(settings.agents[settings.default_agent].checkpoint_exclude)
 
     def repo(self, project_id: str, cwd: str | Path | None = None) -> CheckpointRepo:
         repo = self._repos.get(project_id)
@@ -223,13 +245,17 @@ class Checkpoints:
             return ""
         try:
             async with self.locks[project_id]:
-                commit = await self.repo(project_id, cwd).snapshot(profile.checkpoint_exclude, f"before run {run_id}")
+                repo = self.repo(project_id, cwd)
+                commit = await repo.snapshot(profile.checkpoint_exclude, f"before run {run_id}")
+                self.pending(run_id, commit)
+                if self._ahead_commits.get(project_id) == commit:
+                    # the run names it now; one it superseded goes at the turn's end, off the prompt's path
+                    del self._ahead_commits[project_id]
         except (CheckpointError, OSError) as exc:
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
             self._note_full(exc)
             self._failed[run_id] = f"no before snapshot: {str(exc)[:500]}"
             return ""
-        self.pending(run_id, commit)
         return commit
 
     async def after(
@@ -250,6 +276,7 @@ class Checkpoints:
                 await repo.keep_existing(before)
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"after run {run_id}")
                 self.pending(run_id, commit)
+                await self._supersede_ahead(repo, project_id, commit)
                 changes, unlisted = await listed_changes(repo, before, commit)
         except TimeoutError:
             why = f"the after snapshot was cut: it took longer than checkpoint_snapshot_timeout ({self._end_wait:g} s)"
@@ -264,6 +291,116 @@ class Checkpoints:
                 run_id, session_id, RunCheckpoint(RunKind.TURN.value, "", encode_changes(changes, unlisted))
             )
         return commit, changes, unlisted, ""
+
+    # ------------------------------------------------------------ ahead of a turn
+
+    def ahead(self, project_id: str, first_only: bool = False) -> None:
+        """Snapshot the project in the background, ahead of the turn that would otherwise wait
+        for it (docs/checkpoints.md#snapshots-taken-ahead); ``first_only``: only when this host
+        has no snapshot of it yet (no index). One at a time per project (its lock) and
+        ``AHEAD_AT_ONCE`` on this host; asked again while one runs, it runs once more after it
+        (a write it may have missed), never more."""
+        if not self.enabled or self._closed:
+            return
+        if project_id in self._ahead:
+            if not first_only:
+                self._ahead_again.add(project_id)
+            return
+        if first_only and self.repo(project_id).index.exists():
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._take_ahead(project_id), name=f"checkpoint-ahead-{project_id}"
+        )
+        self._ahead[project_id] = task
+
+    def ahead_of_all(self) -> int:
+        """At start: a snapshot ahead of every project of ``workspace_root`` this host has no
+        index of (a new host, a project put there while the daemon was down); how many."""
+        if not self.enabled:
+            return 0
+        try:
+            with os.scandir(self._workspace) as entries:
+                found = sorted(
+                    e.name for e in entries if e.is_dir(follow_symlinks=False) and PROJECT_ID.fullmatch(e.name)
+                )
+        except OSError:
+            return 0
+        before = len(self._ahead)
+        for project_id in found:
+            if set(project_id) != {"."}:
+                self.ahead(project_id, first_only=True)
+        return len(self._ahead) - before
+
+    async def ahead_settled(self, project_id: str) -> None:
+        """Until no snapshot ahead of the project is in flight (what a turn's before snapshot would
+        wait for: ``scripts/bench_checkpoints.py`` measures the two apart)."""
+        while (task := self._ahead.get(project_id)) is not None:
+            await asyncio.wait({task})
+
+    async def _take_ahead(self, project_id: str) -> None:
+        try:
+            while True:
+                self._ahead_again.discard(project_id)
+                async with self._ahead_slots:
+                    await self._snapshot_ahead(project_id)
+                if project_id not in self._ahead_again:
+                    return
+        finally:
+            if self._ahead.get(project_id) is asyncio.current_task():
+                del self._ahead[project_id]
+                self._ahead_again.discard(project_id)
+
+    async def _snapshot_ahead(self, project_id: str) -> None:
+        repo = self.repo(project_id)
+        began = time.perf_counter()
+        try:
+            async with self.locks[project_id]:
+                if not await asyncio.to_thread(repo.work_tree.is_dir):  # deleted since it was asked
+                    return
+                # the patterns of the last turn here (most likely those of the next), else the default profile's
+                patterns = repo.patterns if repo.patterns is not None else self._default_exclude
+                commit = await repo.snapshot(patterns, "ahead of a turn")
+                await self._supersede_ahead(repo, project_id, commit)
+                self._ahead_commits[project_id] = commit
+        except (CheckpointError, OSError) as exc:
+            log.warning("checkpoint_ahead_failed", project_id=project_id, error=str(exc)[:500])
+            self._note_full(exc)
+            return
+        log.info(
+            "checkpoint_taken_ahead",
+            project_id=project_id,
+            commit=commit,
+            seconds=round(time.perf_counter() - began, 3),
+        )
+
+    async def _supersede_ahead(self, repo: CheckpointRepo, project_id: str, commit: str) -> None:
+        """A snapshot of the project made ``commit``: the last commit a snapshot ahead made, when
+        another, loses its ref unless a run names it (it was the project as it was then, which no
+        turn found); the caller holds the project's lock."""
+        earlier = self._ahead_commits.pop(project_id, None)
+        if earlier is None or earlier == commit:
+            return
+        try:
+            await self._forget_commits(repo, project_id, {earlier}, None)
+        except StoreError as exc:  # its ref stays; retention deletes it in its time
+            log.warning("checkpoint_ahead_not_forgotten", project_id=project_id, error=exc.message[:300])
+
+    def _drop_ahead(self, project_id: str) -> None:
+        task = self._ahead.pop(project_id, None)
+        if task is not None:
+            task.cancel()
+        self._ahead_again.discard(project_id)
+        self._ahead_commits.pop(project_id, None)
+
+    async def aclose(self) -> None:
+        """The daemon stops: the snapshots taken ahead are ended (their git with its group), and
+        none is taken from now on."""
+        self._closed = True
+        tasks = list(self._ahead.values())
+        for project_id in list(self._ahead):
+            self._drop_ahead(project_id)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------ reading
 
@@ -319,6 +456,7 @@ class Checkpoints:
         async with self.locks[project_id]:
             repo = self.repo(project_id)
             if project_left:
+                self._drop_ahead(project_id)  # a snapshot queued now would make the store again
                 await asyncio.to_thread(shutil.rmtree, repo.git_dir, True)
                 await asyncio.to_thread(shutil.rmtree, repo.index.parent, True)
                 self._repos.pop(project_id, None)

@@ -204,7 +204,7 @@ async def test_the_default_user_missing_runs_agents_as_the_daemons_user_and_says
 )
 def test_an_explicit_agent_user_that_cannot_be_is_a_config_error(tmp_path: Path, value: str, said: str) -> None:
     config = write_config(tmp_path / "rcoder.toml", {}, agent_user=value, default_agent="echo")
-    with pytest.raises(ConfigError, match="agent_user") as caught:
+    with pytest.raises(ConfigError, match=r"agent_processes\.user") as caught:  # as the file (grouped) names it
         resolve(load_settings(config, {}))
     assert said in str(caught.value), caught.value
 
@@ -214,7 +214,7 @@ async def test_a_daemon_refuses_to_start_with_an_agent_user_that_does_not_exist(
     with pytest.raises(RuntimeError, match="daemon exited before serving") as caught:
         await start(root, {"fake": fake.profile()}, agent_user="no-such-user-rcoder")
     said = str(caught.value)
-    assert "agent_user" in said and "useradd --system" in said and "no-such-user-rcoder" in said, said
+    assert "agent_processes.user" in said and "useradd --system" in said and "no-such-user-rcoder" in said, said
 
 
 async def test_an_agent_user_the_agents_cannot_reach_their_homes_as_is_refused_naming_the_folder(root: Path) -> None:

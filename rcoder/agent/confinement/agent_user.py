@@ -75,14 +75,17 @@ def _own_status() -> str:
 
 def resolve(settings: Settings) -> AgentUser:
     """Who agents of this daemon run as (``agent_user``, set or its default); see ``resolve_value``."""
-    return resolve_value(settings.agent_user, "agent_user" in settings.model_fields_set)
+    return resolve_value(
+        settings.agent_user, "agent_user" in settings.model_fields_set, key=settings.key_name("agent_user")
+    )
 
 
-def resolve_value(value: str, explicit: bool, status: str | None = None) -> AgentUser:
+def resolve_value(value: str, explicit: bool, status: str | None = None, key: str = "agent_user") -> AgentUser:
     """Who agents run as for ``agent_user = value`` (``explicit``: set, not the default);
     ``ConfigError`` for an explicit value that does not resolve, that the daemon cannot switch
     to, or for root or the daemon's own uid. ``status``: the ``/proc/<pid>/status`` of the
-    process that would switch (this one's when None)."""
+    process that would switch (this one's when None); ``key``: the setting as the file named it
+    (``agent_processes.user``, or ``agent_user`` written flat)."""
     daemon_uid, daemon_gid = os.geteuid(), os.getegid()
     name_of = _name(daemon_uid)
 
@@ -90,25 +93,25 @@ def resolve_value(value: str, explicit: bool, status: str | None = None) -> Agen
         return AgentUser(daemon_uid, daemon_gid, name_of, separate=False, reason=reason, fix=fix)
 
     if value == "":
-        return as_daemon('agent_user is set to ""', f'set agent_user (e.g. "{DEFAULT}") to give agents a uid')
+        return as_daemon(f'{key} is set to ""', f'set {key} (e.g. "{DEFAULT}") to give agents a uid')
     target = _lookup(value)
     if target is None:
         if explicit:
             fix = 'a user of this machine, or a numeric "UID:GID"'
-            raise ConfigError("agent_user", f"{value!r} is no user of this machine (getent passwd {value}) "
+            raise ConfigError(key, f"{value!r} is no user of this machine (getent passwd {value}) "
                                             f"and not \"UID:GID\": create it ({FIX_CREATE.replace(DEFAULT, value)}), "
                                             f"or set {fix}, or \"\" to run agents as the daemon's user")  # fmt: skip
         return as_daemon(f"no user {value!r} on this machine", FIX_CREATE)
     uid, gid, name = target
     if uid == 0 or uid == daemon_uid:
         who = "root" if uid == 0 else f"the daemon's own uid ({daemon_uid})"
-        raise ConfigError("agent_user", f"{value!r} is {who}: agents must run as a uid of their own, "
+        raise ConfigError(key, f"{value!r} is {who}: agents must run as a uid of their own, "
                                         "or set \"\" to run them as the daemon's user knowingly")  # fmt: skip
     if not can_switch(_own_status() if status is None else status):
         reason = f"the daemon (uid {daemon_uid}) cannot switch uid (not root, no CAP_SETUID and CAP_SETGID)"
         fix = "run the daemon as root (or with CAP_SETUID and CAP_SETGID)"
         if explicit:
-            raise ConfigError("agent_user", f"{value!r} is set but {reason}: {fix}, or set \"\" to run agents "
+            raise ConfigError(key, f"{value!r} is set but {reason}: {fix}, or set \"\" to run agents "
                                             "as the daemon's user")  # fmt: skip
         return as_daemon(reason, fix)
     return AgentUser(uid, gid, name, separate=True)

@@ -9,6 +9,7 @@ import pytest
 
 from rcoder import errors
 from rcoder.relay.containers import PROJECT_MOUNT, STATE_MOUNT, RelayLaunch
+from rcoder.relay.engine_api import Engine
 from rcoder.relay.v1 import relay_pb2 as pb
 
 pytestmark = pytest.mark.fast
@@ -53,3 +54,8 @@ def test_the_engine_is_asked_for_an_unprivileged_read_only_offline_limited_conta
     assert host["Binds"] == [f"{tmp_path / 'state'}:{STATE_MOUNT}:rw"]
     assert host["Mounts"] == [{"Type": "volume", "Source": "project-a", "Target": PROJECT_MOUNT, "ReadOnly": False}]
     assert not any("secret" in item.lower() for item in body["Env"])
+
+
+def test_an_engine_that_is_not_there_is_said_with_what_to_start(tmp_path: Path) -> None:
+    with pytest.raises(errors.ContainerEngineError, match=r"no container engine socket at .*podman system service"):
+        Engine(tmp_path / "engine.sock").ping()

@@ -266,3 +266,19 @@ async def test_a_relay_that_does_not_fit_its_containers_memory_is_said_and_remov
     finally:
         await asyncio.to_thread(engine.remove_container, name)
         await asyncio.to_thread(engine.remove_volume, volume)
+
+
+async def test_a_second_relay_of_the_same_name_is_refused_and_the_first_untouched(
+    relay: RelayContainer, relays: ContainerRelays, tmp_path: Path
+) -> None:
+    """The engine's refusal (the name in use: Docker's 409, podman 4.3's 500) is said with its
+    message; the relay serving under that name goes on."""
+    again = RelayLaunch.from_spec(relay.launch.name, relay_spec(relay.launch.image, relay.launch.mounts[0].volume),
+                                  tmp_path / "state")  # fmt: skip
+    with pytest.raises(errors.ContainerEngineError) as refused:
+        await relays.start(again)
+    assert refused.value.status in (409, 500) and "already in use" in refused.value.message, refused.value
+    assert await relays.ended(relay) is None
+    async with relay.channel() as channel:
+        listed = await pb_grpc.RelayServiceStub(channel).ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)
+    assert listed.agents

@@ -44,6 +44,7 @@ log = get_logger("rcoder.relay.containers")
 STATE_MOUNT = "/run/rcoder-relay"  # the relay's state folder in the container: its socket and secret
 PROJECT_MOUNT = "/workspace"  # the project's volume: its files and the agents' homes
 RELAY_USER = (10001, 10001)  # the image's user rcoder (Containerfile), never root
+RELAY_UID = RELAY_USER[0]
 DEFAULT_COMMAND = ("relay", "--state-dir", STATE_MOUNT)  # after the image's entrypoint (tini, rcoder)
 IMAGE_DATA_VOLUME = "/var/lib/rcoder"  # the image's VOLUME for a daemon's data_dir: unused by a relay
 CONTAINER_TMP = "/tmp"  # noqa: S108 - the container's own /tmp, a tmpfs of its own
@@ -334,5 +335,13 @@ def _state_folder(path: Path) -> None:
     """The host folder the relay keeps its socket and secret in: mode 0700, the container user's,
     so that only that uid (and root: the daemon) reaches them."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chown(path, *RELAY_USER)
+    try:
+        if path.stat().st_uid != RELAY_UID:
+            os.chown(path, *RELAY_USER)
+    except PermissionError as exc:
+        raise errors.FailedPrecondition(
+            f"{path}: the relay's state folder must belong to uid {RELAY_UID} (the container's user), which "
+            "only root can give: start the relay's container from a daemon run as root, or make the folder so",
+            "RELAY_STATE_FOLDER", path=str(path),
+        ) from exc  # fmt: skip
     os.chmod(path, 0o700)

@@ -282,3 +282,26 @@ async def test_a_second_relay_of_the_same_name_is_refused_and_the_first_untouche
     async with relay.channel() as channel:
         listed = await pb_grpc.RelayServiceStub(channel).ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)
     assert listed.agents
+
+
+async def test_a_network_the_profile_allows_is_the_containers_only_one(
+    image: str, engine: Engine, relays: ContainerRelays, tmp_path: Path
+) -> None:
+    """Named, the engine's network (podman's default bridge here) gives the container one interface
+    of that network beside loopback, and an address on it: that network only."""
+    name, volume = f"{RUN}-networked", f"{RUN}-networked-project"
+    launch = RelayLaunch.from_spec(name, relay_spec(image, volume), tmp_path / "state", network="podman")
+    started: RelayContainer | None = None
+    try:
+        started = await relays.start(launch)
+        inspected = await asyncio.to_thread(engine.inspect_container, started.container_id)
+        assert inspected is not None
+        devices = {line.split(":")[0].strip() for line in proc(inspected["State"]["Pid"], "net/dev").splitlines()[2:]}
+        assert "lo" in devices and len(devices) == 2, devices
+        networks = inspected["NetworkSettings"]["Networks"]
+        assert list(networks) == ["podman"] and networks["podman"]["IPAddress"], networks
+    finally:
+        if started is not None:
+            await relays.remove(started, volumes=True)
+        await asyncio.to_thread(engine.remove_container, name)
+        await asyncio.to_thread(engine.remove_volume, volume)

@@ -51,7 +51,7 @@ CONTAINER_TMP = "/tmp"  # noqa: S108 - the container's own /tmp, a tmpfs of its 
 TMP_SIZE = "64m"  # the tmpfs /tmp: the root file system is read-only
 READY_TIMEOUT = 60.0  # a container to a serving relay, on a loaded two-core machine
 STOP_GRACE = 10  # seconds between SIGTERM (the relay ends its agents' groups) and SIGKILL
-LABEL = "dev.rcoder.relay"  # every container and volume made here carries it (the project's name)
+LABEL = "dev.rcoder.relay"  # every container and volume made here carries it (the container's name)
 _NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
 _PROBE_EVERY = 0.5  # while the relay is not serving yet: how often the container's state is looked at
 

@@ -305,3 +305,24 @@ async def test_a_network_the_profile_allows_is_the_containers_only_one(
             await relays.remove(started, volumes=True)
         await asyncio.to_thread(engine.remove_container, name)
         await asyncio.to_thread(engine.remove_volume, volume)
+
+
+async def test_a_confined_agent_cannot_read_the_relays_secret(relay: RelayContainer) -> None:
+    """In the container the agent has the relay's uid (no capability to switch), so Landlock keeps it
+    from the state folder: granted all of / to read and the project to write, it reads the system and
+    writes the project, and the secret's file stays out of its reach."""
+    script = (
+        f"cat {STATE_MOUNT}/secret > /dev/null 2>&1 && echo secret-read || echo secret-refused; "
+        f"echo ok > {PROJECT_MOUNT}/confined.txt && echo project-written; "
+        "head -c 4 /etc/os-release >/dev/null && echo system-read"
+    )
+    confinement = pb.Confinement(read_paths=["/"], write_paths=[PROJECT_MOUNT])
+    spec = pb.StartSpec(name="probe", command=["/bin/sh", "-c", script], cwd=PROJECT_MOUNT, confinement=confinement)
+    agent = await spawn(relay, spec, "s5")
+    async with relay.channel() as channel:
+        acp = AcpOverAttach(pb_grpc.RelayServiceStub(channel), relay.metadata, agent.agent_id)
+        await acp.open()
+        await acp.until(lambda: acp.exit is not None, 60)
+        await acp.close()
+    said = [acp.frames[seq].decode().strip() for seq in sorted(acp.frames)]
+    assert said == ["secret-refused", "project-written", "system-read"], (said, acp.exit)

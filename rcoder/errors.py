@@ -358,6 +358,19 @@ class AgentStoppedAtLimit(AgentCrashed):
         self.limit = limit
 
 
+class ContainerEngineError(AgentUnavailable):
+    """The container engine (Docker's API, or podman's compatible one) refused or failed a call that
+    starts or ends a relay's container (docs/relay.md#containers): the agent cannot start there."""
+
+    reason = "CONTAINER_ENGINE_ERROR"
+
+    def __init__(self, call: str, status: int, message: str) -> None:
+        said = f"status {status}: " if status else ""
+        super().__init__(f"container engine, {call}: {said}{message}", call=call, status=str(status or ""))
+        self.call = call
+        self.status = status
+
+
 class AgentClosed(AgentError):
     """rcoder itself ended the agent (a cancel past its grace, idle closing, shutdown): not a fault of the agent."""
 

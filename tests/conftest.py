@@ -36,9 +36,10 @@ DaemonFactory = Callable[..., Awaitable[tuple[Daemon, Client]]]
 # stress test keeps its place near the end, so that with `--dist loadfile` they never run beside
 # each other (side by side, the bench smoke run once took 248 s instead of 118 s at the end of the suite).
 FIRST_FILES = ("test_bench_smoke.py",)
-# The image's tests go last: `make test` builds the image in the background meanwhile (minutes on
-# a fresh machine), and their fixture waits for that build (scripts/image.py's lock) and reuses it.
-LAST_FILES = ("test_image.py", "test_compose.py")
+# The image's tests (and the relay's containers', from the same image) go last: `make test` builds the
+# image in the background meanwhile (minutes on a fresh machine), and their fixture waits for that
+# build (scripts/image.py's lock) and reuses it.
+LAST_FILES = ("test_image.py", "test_compose.py", "test_containers.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

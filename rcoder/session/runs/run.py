@@ -493,7 +493,7 @@ class RunRegistry:
         # New runs count their bytes here (``Run(ledger=...)``).
         self.ledger = ByteLedger(total_bytes, over=self._evict)
         # Told, without awaiting, the moment a session's running turn lets go of it: the first
-        # turn queued for it claims the session then, before anything else can (``session.turns.queue``).
+        # turn queued for it claims the session then, before anything else can (``session.turns.live_sessions``).
         self.on_released = on_released
         self._deleting: set[str] = set()  # sessions being deleted: no turn claims them
 

@@ -43,7 +43,7 @@ from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, OtherSessions
 from rcoder.logs import get_logger
 from rcoder.session.runs.run import RUN_MISSING, Run, RunRegistry
 from rcoder.session.turns.checkpoints import Checkpoints, encode_changes
-from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
 from rcoder.store.git_changes import listed
@@ -117,7 +117,7 @@ class SessionRewinder:
         pool: AgentPool,
         runs: RunRegistry,
         checkpoints: Checkpoints,
-        claimed: ClaimedTurns,
+        live: LiveSessions,
         clock: Callable[[], datetime],
     ) -> None:
         self._settings = settings
@@ -125,7 +125,7 @@ class SessionRewinder:
         self._pool = pool
         self._runs = runs
         self._checkpoints = checkpoints
-        self._running_in = claimed.running_in  # project id -> a run claimed in it here, None: none
+        self._running_in = live.running_in  # project id -> a run claimed in it here, None: none
         self._clock = clock
 
     async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:

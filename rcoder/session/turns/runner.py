@@ -62,9 +62,9 @@ from rcoder.session.resume.opening import Action, Opened, SessionOpener, TurnPla
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Heartbeats, Run
 from rcoder.session.turns.checkpoints import Checkpoints
-from rcoder.session.turns.claimed import ClaimedTurns
 from rcoder.session.turns.claimed_turn import Answer, ClaimedTurn
 from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.messages import (
     Abandon,
     AgentEnded,
@@ -115,14 +115,15 @@ class TurnRunner:
         holds: SessionHolds,
         history: History,
         checkpoints: Checkpoints,
-        claimed: ClaimedTurns,
+        live: LiveSessions,
         disk: DiskGuard,
         spend: SpendGuard,
         usage: UsageWriter,
         steps: TurnSteps,
     ) -> None:
-        """Every collaborator is built by the daemon (``rcoder.daemon``). ``claimed`` is where the
-        turns this runner drives are registered: the guards and the intake stop a turn through it."""
+        """Every collaborator is built by the daemon (``rcoder.daemon``). ``live`` holds each
+        session's owner, where the turns this runner drives are registered: the guards and the
+        intake stop a turn through it."""
         self._settings = self.settings = settings
         self.checkpoints = checkpoints
         self.history = history
@@ -131,7 +132,7 @@ class TurnRunner:
         self._metrics = metrics
         self._clock = clock
         self._holds = holds
-        self._claimed = claimed
+        self._live = live
         self._opener = steps.opener
         self._records = steps.records
         self._ender = steps.ender
@@ -148,19 +149,19 @@ class TurnRunner:
         await self.disk.aclose()
         await self._records.aclose()
 
-    # ------------------------------------------------------------ the claimed turns (``session.turns.claimed``)
+    # ------------------------------------------------------------ the sessions' owners (``live_sessions``)
 
     def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
-        """``ClaimedTurns.cancel``: ask the turn to stop, whatever its phase."""
-        return self._claimed.cancel(run_id, cause)
+        """``LiveSessions.cancel``: ask the turn to stop, whatever its phase."""
+        return self._live.cancel(run_id, cause)
 
     def follows(self, run_id: str) -> str | None:
-        """``ClaimedTurns.follows``: the run the claimed turn follows in its session."""
-        return self._claimed.follows(run_id)
+        """``LiveSessions.follows``: the run the claimed turn follows in its session."""
+        return self._live.follows(run_id)
 
     def phase(self, run_id: str) -> Phase | None:
-        """``ClaimedTurns.phase``: where the claimed turn stands (None: not running here)."""
-        return self._claimed.phase(run_id)
+        """``LiveSessions.phase``: where the claimed turn stands (None: not running here)."""
+        return self._live.phase(run_id)
 
     # ------------------------------------------------------------ the turn
 
@@ -171,7 +172,7 @@ class TurnRunner:
         is registered now, so a cancel reaches it before that task first runs. A ``queued`` turn
         was planned before the turns it waited for: it reads its session again first."""
         scope = ClaimedTurn(self._settings, plan, run, ready)
-        self._claimed.claim(scope)
+        self._live.claim(scope)
         return self._run(scope, queued)
 
     async def _run(self, scope: ClaimedTurn, queued: bool) -> None:
@@ -198,7 +199,7 @@ class TurnRunner:
     def _forget(self, scope: ClaimedTurn) -> None:
         """The turn is over. Its lease goes too when no agent of its session is live here (a
         cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
-        self._claimed.forget(scope.run.run_id)
+        self._live.turn_over(scope)
         self._usage.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)

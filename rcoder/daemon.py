@@ -188,7 +188,7 @@ class Daemon:
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
         # Each session's owner here: its running turn and its waiting ones, where a cancel, a guard,
         # a delete and a rewind reach them; and the one scope of the tasks the turns start.
-        live = LiveSessions(settings.cancel_grace, settings.max_queued_turns, runs)
+        live = LiveSessions(settings.max_queued_turns, runs)
         # workspace_max_bytes (docs/limits.md#disk) and [budgets] (docs/budgets.md): past one, the
         # turn is stopped (through ``live``) and the next is refused.
         disk = DiskGuard(settings, live)

@@ -77,7 +77,6 @@ STATE_WRITES: dict[tuple[str, str], str] = {
     ("session/turns/runner.py", "scope"): "the claimed turn: its agent, start, answer, snapshot, usage",
     ("session/turns/ending.py", "scope"): "the claimed turn: its start and its changes",
     ("session/turns/checkpoints.py", "scope"): "the claimed turn: its snapshots and changes",
-    ("session/turns/live_sessions.py", "turn"): "the claimed turn: the timer that ends its agent's group",
 }
 
 

@@ -42,15 +42,7 @@ from rcoder.logs import get_logger
 from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.claimed_turn import ClaimedTurn
-from rcoder.session.turns.messages import (
-    AskAgentToStop,
-    CancelOpening,
-    CancelRequested,
-    LeaseGone,
-    Phase,
-    StopCause,
-    TooLate,
-)
+from rcoder.session.turns.messages import Phase, StopCause
 
 log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
@@ -75,9 +67,8 @@ class LiveSession:
     """One session's turns on this host: the one that runs (claimed, in any phase) and those
     that wait for it, in order."""
 
-    def __init__(self, session_id: str, owners: LiveSessions) -> None:
+    def __init__(self, session_id: str) -> None:
         self.session_id = session_id
-        self._owners = owners  # the scope its tasks run in, and where it is dropped once idle
         self.turn: ClaimedTurn | None = None
         self.waiting: deque[Waiting] = deque()
 
@@ -105,53 +96,19 @@ class LiveSession:
     def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
         """Ask the turn ``run_id`` to stop, whatever its phase; with ``cause``, rcoder stops it
         and the turn ends as the cause says. Asking twice is asking once: the first cause stays.
-        False when the turn is no longer running."""
+        False when the turn is no longer running. The turn's runner tells its machine
+        (``TurnDriver``)."""
         turn = self.turn_of(run_id)
-        if turn is None:
-            return False
-        asked_before = turn.machine.cancel_requested
-        actions = turn.machine.handle(CancelRequested(cause))
-        if any(isinstance(action, TooLate) for action in actions):
-            return False
-        if not asked_before:
-            log.info("run_cancel_requested", run_id=run_id, phase=turn.phase.value,
-                     cause=cause.error_reason if cause is not None else None)  # fmt: skip
-        for action in actions:
-            match action:
-                case CancelOpening():
-                    if turn.opening is not None:  # None: the opening has no task (a live agent)
-                        turn.opening.cancel()
-                case AskAgentToStop():
-                    self._ask_agent_to_stop(turn)
-                case _:
-                    raise AssertionError(f"{action} does not follow a cancel")
-        return True
+        return turn is not None and turn.driver.cancel_turn(turn, cause)
 
     def lease_lost(self, run_id: str, generation: int) -> None:
         """The session's lease was lost while the turn ``run_id``'s agent is starting or opening
         the session: that work is stopped (the agent's group ended) and the turn, which nothing
         has seen start, is refused ``LeaseLost``. In a later phase, the agent ended with the lease
-        ends the turn."""
+        ends the turn. The turn's runner tells its machine (``TurnDriver``)."""
         turn = self.turn_of(run_id)
-        if turn is None:
-            return
-        for action in turn.machine.handle(LeaseGone(self.session_id, generation)):
-            match action:
-                case CancelOpening():
-                    if turn.opening is not None:
-                        log.warning("run_opening_lease_lost", run_id=run_id, generation=generation)
-                        turn.opening.cancel()
-                case _:
-                    raise AssertionError(f"{action} does not follow a lost lease")
-
-    def _ask_agent_to_stop(self, turn: ClaimedTurn) -> None:
-        """``session/cancel`` now; the agent's group is ended after ``cancel_grace``."""
-        conn, run_id, spawn = turn.conn, turn.run.run_id, self._owners.spawn
-        assert conn is not None
-        spawn(conn.cancel(), f"cancel-{run_id}")
-        turn.kill_timer = asyncio.get_running_loop().call_later(
-            self._owners.cancel_grace, lambda: spawn(conn.aclose(), f"kill-{run_id}")
-        )
+        if turn is not None:
+            turn.driver.turn_lease_lost(turn, generation)
 
     # ------------------------------------------------------------ the waiting turns
 
@@ -183,8 +140,7 @@ class LiveSession:
 
 
 class LiveSessions:
-    def __init__(self, cancel_grace: float, queue_limit: int, runs: RunRegistry) -> None:
-        self.cancel_grace = cancel_grace  # from a cancel sent to an agent to its group ended
+    def __init__(self, queue_limit: int, runs: RunRegistry) -> None:
         self._queue_limit = queue_limit  # max_queued_turns
         self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
         self._owners: dict[str, LiveSession] = {}
@@ -195,7 +151,7 @@ class LiveSessions:
     def _owner(self, session_id: str) -> LiveSession:
         owner = self._owners.get(session_id)
         if owner is None:
-            owner = self._owners[session_id] = LiveSession(session_id, self)
+            owner = self._owners[session_id] = LiveSession(session_id)
         return owner
 
     def _tidy(self, owner: LiveSession) -> None:

@@ -164,9 +164,7 @@ class TurnIntake:
         """Another host has the session now: its agent is ended here, and so is a start under way
         (``LiveSession.lease_lost``): neither outlasts the lease, however long the start would take."""
         self._holds.lease_lost(session_id)
-        holder = self._runs.holder(session_id)
-        if holder is not None:
-            self._live.lease_lost(holder.run_id, generation)
+        self._live.lease_lost(session_id, generation)
 
     def _queue(self, waiting: Waiting, holder: Run) -> int:
         """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""

@@ -101,14 +101,13 @@ class LiveSession:
         turn = self.turn_of(run_id)
         return turn is not None and turn.driver.cancel_turn(turn, cause)
 
-    def lease_lost(self, run_id: str, generation: int) -> None:
-        """The session's lease was lost while the turn ``run_id``'s agent is starting or opening
-        the session: that work is stopped (the agent's group ended) and the turn, which nothing
-        has seen start, is refused ``LeaseLost``. In a later phase, the agent ended with the lease
-        ends the turn. The turn's runner tells its machine (``TurnDriver``)."""
-        turn = self.turn_of(run_id)
-        if turn is not None:
-            turn.driver.turn_lease_lost(turn, generation)
+    def lease_lost(self, generation: int) -> None:
+        """The session's lease was lost: a start or an opening under way is stopped (the agent's
+        group ended) and its turn, which nothing has seen start, is refused ``LeaseLost``. In a
+        later phase, the agent ended with the lease ends the turn (and a turn already ended is
+        told nothing it acts on). The turn's runner tells its machine (``TurnDriver``)."""
+        if self.turn is not None:
+            self.turn.driver.turn_lease_lost(self.turn, generation)
 
     # ------------------------------------------------------------ the waiting turns
 
@@ -205,11 +204,11 @@ class LiveSessions:
         owner = self._of_run(run_id)
         return owner is not None and owner.cancel(run_id, cause)
 
-    def lease_lost(self, run_id: str, generation: int) -> None:
-        """``LiveSession.lease_lost`` of the run's session."""
-        owner = self._of_run(run_id)
+    def lease_lost(self, session_id: str, generation: int) -> None:
+        """``LiveSession.lease_lost``: the session's running turn, if any, hears of it."""
+        owner = self._owners.get(session_id)
         if owner is not None:
-            owner.lease_lost(run_id, generation)
+            owner.lease_lost(generation)
 
     # ------------------------------------------------------------ the waiting turns
 

@@ -114,9 +114,9 @@ class Daemon:
         # every process tree the daemon starts (agents, git), marked and ended whole (docs/design/turn.md#the-parts)
         self.trees = Trees()
         self.launcher = AgentLauncher(settings, self.trees, limits=self.limits)
-        # The registry, the pool and the lease keeper tell the daemon what happened to a session
-        # (``_session_released``, ``_agent_closed``, ``_lease_lost``); they never call each other.
-        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes, on_released=self._session_released)
+        # The pool and the lease keeper tell the daemon what happened to a session (``_agent_closed``,
+        # ``_lease_lost``); they never call each other.
+        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
         self.metrics = Metrics()
         self.metrics.watch_runs(self.runs.held)
         self.metrics.watch_limits(self.limits.per_profile)
@@ -226,10 +226,6 @@ class Daemon:
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
         self.intake.lease_lost(session_id, generation)
-
-    def _session_released(self, session_id: str) -> None:
-        """The session's running turn let go of it: the first turn queued for it claims it now."""
-        self.intake.next_turn(session_id)
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""

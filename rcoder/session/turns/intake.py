@@ -28,7 +28,6 @@ from rcoder.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    RcoderError,
     SessionBusy,
     SessionDeleting,
     ShuttingDown,
@@ -101,8 +100,7 @@ class TurnIntake:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
-        intake when a session's lease is lost (``lease_lost``) and when a session's running turn
-        lets go of it (``next_turn``)."""
+        intake when a session's lease is lost (``lease_lost``)."""
         self._settings = settings
         self.metrics = metrics
         self._store = store
@@ -118,14 +116,13 @@ class TurnIntake:
         self._forker = parts.forker
         self._eraser = parts.eraser
         self._rewinder = parts.rewinder
-        self._closing = False
 
     # ------------------------------------------------------------ entry
 
     async def submit(self, turn: ChatTurn) -> Ticket:
         """Take a turn in: its run once ``started`` is published, or at once when it waits for
         the session's running turn (``Ticket.position``; ``session.turns.live_sessions``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         clash = meta_collision(turn.extra_meta)
         if clash:
@@ -134,7 +131,7 @@ class TurnIntake:
         trust.check(plan.profile, turn)
         seen = self._launcher.capabilities_seen.get(plan.profile.name)
         content.check(plan.profile, turn, seen[0] if seen else None)
-        if self._closing:  # checked again, because the store reads above gave way to other tasks
+        if self._live.closing:  # checked again, because the store reads above gave way to other tasks
             raise ShuttingDown()
         settings = self._settings
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
@@ -149,7 +146,7 @@ class TurnIntake:
         named.add_done_callback(_retrieved)
         holder = self._runs.holder(plan.session_id)
         if holder is not None:
-            position = self._queue(Waiting(plan, run, ready), holder)
+            position = self._queue(Waiting(plan, run, ready, self.turns), holder)
             named.set_result(None)  # it waits for the holder's session, which was named before it
             return Ticket(run, named, position=position)
         if plan.record is not None:
@@ -182,26 +179,6 @@ class TurnIntake:
         log.info("run_queued", run_id=waiting.run.run_id, session_id=session_id, policy=policy.value,
                  position=position, behind=holder.run_id)  # fmt: skip
         return position
-
-    def next_turn(self, session_id: str) -> None:
-        """The session's running turn let go of it: the first turn waiting claims it now. Called
-        from the end of that turn, so it never raises: a turn that cannot claim the session
-        (rcoder stopping, the session being deleted) is refused, and so is every one behind it."""
-        waiting = self._live.next_waiting(session_id)
-        if waiting is None:
-            return
-        run = waiting.run
-        try:
-            if self._closing:
-                raise ShuttingDown()
-            self._runs.claim(run)
-        except RcoderError as exc:
-            self._live.refuse(waiting, exc)
-            self._live.refuse_waiting(session_id, exc)
-            return
-        run.begin()
-        waiting.plan.received = run.started_monotonic
-        self._live.spawn(self.turns.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
 
     @property
     def permissions(self) -> PermissionBroker:
@@ -285,7 +262,7 @@ class TurnIntake:
 
     async def fork(self, session_id: str, project_id: str, agent: str = "") -> Forked:
         """A new session branching from ``session_id``, on ``agent`` ("": its own; ``session.sessions.forking``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         return await self._forker.fork(session_id, project_id, agent)
 
@@ -300,14 +277,14 @@ class TurnIntake:
 
     async def delete_session(self, session_id: str) -> SessionErased:
         """Erase the session everywhere this host can (``session.sessions.erasing``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         return await self._eraser.erase(session_id)
 
     async def rewind_session(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
         """The project's files as before ``run_id``, the session going on from there
         (``session.sessions.rewinding``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         return await self._rewinder.rewind(session_id, run_id, include_other_sessions)
 
@@ -319,7 +296,7 @@ class TurnIntake:
 
     def stop_accepting(self) -> None:
         """New turns are refused with ``ShuttingDown`` from now on, and so are those queued."""
-        self._closing = True
+        self._live.close()
         self._refuse_queued()
 
     def _refuse_queued(self) -> None:

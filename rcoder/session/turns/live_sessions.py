@@ -10,13 +10,14 @@ Waiting turns (``ChatRequest.busy``): a turn for a session that already runs one
 (``REJECT``, the default), or waits in its owner's line (``QUEUE``), or cancels what runs and
 waits before it (``INTERRUPT``) and every turn that waited too (they were asked for before it:
 the interrupter is what the agent should do next). At most ``max_queued_turns`` wait per session
-(``ResourceExhausted`` past it). Only the intake changes a line, and never across an await: the
-running turn's run lets go of its session (``RunRegistry.release``) and the first waiting turn
-claims it in the same step, so a session with turns waiting always has a holder, and no new turn
-overtakes them. A waiting turn is already a run: ``Subscribe`` and ``Cancel`` find it by its id.
-A cancelled one never starts: it leaves no trace in the store, and its followers (its ``Chat``
-stream) get ``RunCancelled``. Waiting turns live in this process only: a daemon that stops
-refuses them (``ShuttingDown``), and they are not there after a restart.
+(``ResourceExhausted`` past it). A line changes only in one step with what it waits for, never
+across an await: whatever let go of the session (a turn's end, a rewind's hold) tells the owner
+(``released``) at once, and the first waiting turn claims the session in the same step, so a
+session with turns waiting always has a holder, and no new turn overtakes them. A waiting turn
+is already a run: ``Subscribe`` and ``Cancel`` find it by its id. A cancelled one never starts:
+it leaves no trace in the store, and its followers (its ``Chat`` stream) get ``RunCancelled``.
+Waiting turns live in this process only: a daemon that stops refuses them (``ShuttingDown``),
+and they are not there after a restart.
 
 The tasks: every task a turn starts (the turn's own, a cancel sent to its agent, its group ended
 after ``cancel_grace``, a snapshot discarded) is started in the registry's one scope, which
@@ -25,8 +26,7 @@ outlives the owner that started it when the session is left with no turn meanwhi
 group ended after the turn's end, say), so the scope is the registry's, not each owner's.
 
 Not yet here: the session's lease and its agent checkout are still held by ``SessionHolds`` and
-the pool, and which run holds the session by ``RunRegistry`` (the owner reads it through the
-run's session id; issue 56 item 1 names what moves next).
+the pool, and which run holds the session by ``RunRegistry`` (the owner reads it there).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import asyncio
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled
+from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
@@ -48,13 +48,22 @@ log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
 
 
+class TurnStarter(Protocol):
+    """What runs a turn once it claims its session (``TurnRunner``)."""
+
+    def run(
+        self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run], queued: bool = False
+    ) -> Coroutine[Any, Any, None]: ...
+
+
 @dataclass(eq=False, slots=True)
 class Waiting:
-    """A turn queued for its session: what it runs once it claims it."""
+    """A turn queued for its session: what it runs once it claims it, and what runs it."""
 
     plan: TurnPlan
     run: Run
     ready: asyncio.Future[Run]
+    starter: TurnStarter
 
     def refuse(self, error: RcoderError) -> None:
         """It never starts: whoever follows it (or awaits it) gets ``error``."""
@@ -144,6 +153,11 @@ class LiveSessions:
         self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
         self._owners: dict[str, LiveSession] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the one scope of the tasks the turns start
+        self.closing = False  # rcoder is stopping: no turn is taken in or claims its session
+
+    def close(self) -> None:
+        """No turn is taken in from now on, and none waiting claims its session (``ShuttingDown``)."""
+        self.closing = True
 
     # ------------------------------------------------------------ owners
 
@@ -223,6 +237,29 @@ class LiveSessions:
             return owner.queue(waiting, self._queue_limit, holder_run_id)
         finally:
             self._tidy(owner)
+
+    def released(self, session_id: str) -> None:
+        """Whatever held the session let go of it (a turn's end, a rewind's hold): the first turn
+        waiting claims it now, in this step, and its task starts. Never raises, as it is called
+        from the end of what let go: a turn that cannot claim the session (rcoder stopping, the
+        session being deleted) is refused, and so is every one behind it."""
+        if self._runs.holder(session_id) is not None:
+            return  # still held: what let go was not its holder
+        waiting = self.next_waiting(session_id)
+        if waiting is None:
+            return
+        run = waiting.run
+        try:
+            if self.closing:
+                raise ShuttingDown()
+            self._runs.claim(run)
+        except RcoderError as exc:
+            self.refuse(waiting, exc)
+            self.refuse_waiting(session_id, exc)
+            return
+        run.begin()
+        waiting.plan.received = run.started_monotonic
+        self.spawn(waiting.starter.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
 
     def next_waiting(self, session_id: str) -> Waiting | None:
         """The first turn waiting for ``session_id``, taken out of the line."""

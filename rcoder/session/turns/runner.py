@@ -65,7 +65,7 @@ from rcoder.session.guards.usage_writer import UsageWriter
 from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
-from rcoder.session.runs.run import Heartbeats, Run
+from rcoder.session.runs.run import Heartbeats, Run, guarded
 from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.session.turns.claimed_turn import Answer, ClaimedTurn
 from rcoder.session.turns.ending import TurnEnder
@@ -355,6 +355,8 @@ class TurnRunner:
                     await self._finish(scope)
                 case Refuse(error=error, heard=heard):
                     ender.refuse(scope, error, heard)
+                    # the session's owner hands the session to its first waiting turn, never failing the end
+                    guarded("next_turn", self._live.released, scope.plan.session_id)
                 case RecordStartAnyway():
                     await self._settle_start(scope, await ender.record_start_anyway(scope))
                 case CheckStartLanded():
@@ -393,6 +395,7 @@ class TurnRunner:
                         raise AssertionError(f"{action} does not follow a refused end") from exc
         finally:
             ender.release(scope)
+            guarded("next_turn", self._live.released, scope.plan.session_id)  # as for a refused turn
             try:
                 if after:
                     end = ender.completed(scope)

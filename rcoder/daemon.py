@@ -52,14 +52,12 @@ from rcoder.session.sessions.forking import SessionForker
 from rcoder.session.sessions.queries import Queries
 from rcoder.session.sessions.rewinding import SessionRewinder
 from rcoder.session.turns.checkpoints import Checkpoints
-from rcoder.session.turns.claimed import ClaimedTurns
 from rcoder.session.turns.ending import TurnEnder
 from rcoder.session.turns.intake import IntakeParts, TurnIntake
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.permissions import PermissionBroker
-from rcoder.session.turns.queue import TurnQueues
 from rcoder.session.turns.records import TurnRecords
 from rcoder.session.turns.runner import TurnRunner, TurnSteps
-from rcoder.session.turns.tasks import TurnTasks
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
 from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 
@@ -116,9 +114,9 @@ class Daemon:
         # every process tree the daemon starts (agents, git), marked and ended whole (docs/design/turn.md#the-parts)
         self.trees = Trees()
         self.launcher = AgentLauncher(settings, self.trees, limits=self.limits)
-        # The registry, the pool and the lease keeper tell the daemon what happened to a session
-        # (``_session_released``, ``_agent_closed``, ``_lease_lost``); they never call each other.
-        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes, on_released=self._session_released)
+        # The pool and the lease keeper tell the daemon what happened to a session (``_agent_closed``,
+        # ``_lease_lost``); they never call each other.
+        self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
         self.metrics = Metrics()
         self.metrics.watch_runs(self.runs.held)
         self.metrics.watch_limits(self.limits.per_profile)
@@ -188,13 +186,13 @@ class Daemon:
         store, pool, runs, metrics = self.store, self.pool, self.runs, self.metrics
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
-        # The turns' tasks, and the turns claimed here: a cancel, a guard and a rewind reach a turn there.
-        tasks = TurnTasks()
-        claimed = ClaimedTurns(settings.cancel_grace, tasks.spawn)
+        # Each session's owner here: its running turn and its waiting ones, where a cancel, a guard,
+        # a delete and a rewind reach them; and the one scope of the tasks the turns start.
+        live = LiveSessions(settings.max_queued_turns, runs)
         # workspace_max_bytes (docs/limits.md#disk) and [budgets] (docs/budgets.md): past one, the
-        # turn is stopped (through ``claimed``) and the next is refused.
-        disk = DiskGuard(settings, claimed)
-        spend = SpendGuard(settings, store, clock, claimed)
+        # turn is stopped (through ``live``) and the next is refused.
+        disk = DiskGuard(settings, live)
+        spend = SpendGuard(settings, store, clock, live)
         # What agents report turns cost, stored as it arrives: a run ended by a crash still counts it.
         usage = UsageWriter(store, clock)
         # A turn's steps: opening its session, its records in the store, its end, the agent's
@@ -203,23 +201,20 @@ class Daemon:
         steps = TurnSteps(
             opener=SessionOpener(settings, store, pool, metrics, self.holds, clock),
             records=records,
-            ender=TurnEnder(store, pool, runs, metrics, clock, tasks.spawn, history, self.checkpoints, records),
+            ender=TurnEnder(store, pool, runs, metrics, clock, live.spawn, history, self.checkpoints, records),
             permissions=PermissionBroker(settings.permission_timeout),
         )
         turns = TurnRunner(
-            settings, store, pool, metrics, clock, self.holds, history, self.checkpoints, claimed,
+            settings, store, pool, metrics, clock, self.holds, history, self.checkpoints, live,
             disk, spend, usage, steps,
         )  # fmt: skip
-        queues = TurnQueues(settings.max_queued_turns, runs)
         # kept: the start completes or rolls back a rewind the last daemon left half-way
-        self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, claimed, clock)
+        self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, live, clock)
         parts = IntakeParts(
             turns=turns,
-            claimed=claimed,
-            tasks=tasks,
-            queues=queues,
+            live=live,
             forker=SessionForker(settings, store, pool, metrics, clock, self.holds),
-            eraser=SessionEraser(settings, store, self.launcher, pool, runs, claimed, queues, self.checkpoints),
+            eraser=SessionEraser(settings, store, self.launcher, pool, runs, live, self.checkpoints),
             rewinder=self.rewinder,
         )
         return TurnIntake(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
@@ -231,10 +226,6 @@ class Daemon:
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
         self.intake.lease_lost(session_id, generation)
-
-    def _session_released(self, session_id: str) -> None:
-        """The session's running turn let go of it: the first turn queued for it claims it now."""
-        self.intake.next_turn(session_id)
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""

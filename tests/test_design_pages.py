@@ -93,7 +93,7 @@ def test_each_row_of_the_parts_table_names_classes_its_module_holds() -> None:
 
 def test_the_parts_table_lists_every_part_the_intake_and_the_runner_are_given() -> None:
     given = given_parts()
-    assert {"SessionOpener", "TurnEnder", "ClaimedTurns", "History", "AgentPool"} <= given
+    assert {"SessionOpener", "TurnEnder", "LiveSessions", "History", "AgentPool"} <= given
     listed = set().union(*(classes for classes, _ in table(TURN.read_text())))
     assert not given - listed, f"docs/design/turn.md's parts table leaves out {sorted(given - listed)}"
 

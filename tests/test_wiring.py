@@ -73,13 +73,12 @@ STATE_WRITES: dict[tuple[str, str], str] = {
     # turns' kill timer); they are values of the turn, not parts of the daemon.
     ("session/resume/opening.py", "plan"): "the turn's plan: the lease and the agent it opened with",
     ("session/turns/intake.py", "plan"): "the turn's plan: its session named once stored",
-    ("session/turns/intake.py", "waiting.plan"): "a queued turn's plan: when it left the queue",
+    ("session/turns/live_sessions.py", "waiting.plan"): "a queued turn's plan: when it left the queue",
     ("session/turns/records.py", "plan"): "the turn's plan: the session's record as stored",
     ("session/turns/runner.py", "plan"): "the turn's plan: re-planned after a refused start",
     ("session/turns/runner.py", "scope"): "the claimed turn: its agent, start, answer, snapshot, usage",
     ("session/turns/ending.py", "scope"): "the claimed turn: its start and its changes",
     ("session/turns/checkpoints.py", "scope"): "the claimed turn: its snapshots and changes",
-    ("session/turns/claimed.py", "scope"): "the claimed turn: the timer that ends its agent's group",
 }
 
 

@@ -45,8 +45,8 @@ from rcoder.session.resume.opening import Action, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.checkpoints import Checkpoints
-from rcoder.session.turns.claimed import ClaimedTurns
 from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.permissions import PermissionBroker
 from rcoder.session.turns.records import TurnRecords
 from rcoder.session.turns.runner import Phase, TurnRunner, TurnSteps
@@ -60,29 +60,22 @@ TURN_BOUND = START_BOUND + CLOSE_BOUND
 
 
 class Tasks:
-    """The runner's ``spawn``: starts background work and keeps it, to be waited for."""
+    """The runner's ``spawn``: the sessions' owners' scope of tasks, to be waited for."""
 
-    def __init__(self) -> None:
-        self.running: set[asyncio.Task[None]] = set()
+    def __init__(self, live: LiveSessions) -> None:
+        self.live = live
 
     def __call__(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(work, name=name)
-        self.running.add(task)
-        task.add_done_callback(self.running.discard)
+        self.live.spawn(work, name)
 
     async def settled(self) -> None:
         """Every turn and background step (a cancel, a kill) over, bounded."""
-        async with asyncio.timeout(TURN_BOUND):
-            while self.running:
-                await asyncio.wait(set(self.running))
+        assert await self.live.wait_idle(TURN_BOUND), "tasks still running"
 
     async def aclose(self) -> None:
         """Cancel what is still running (as the intake does when rcoder stops) and wait, bounded."""
-        for task in self.running:
-            task.cancel()
-        if self.running:
-            _, late = await asyncio.wait(set(self.running), timeout=TURN_BOUND)
-            assert not late, f"tasks still running: {late}"
+        await self.live.cancel_all(TURN_BOUND)
+        assert await self.live.wait_idle(TURN_BOUND), "tasks still running"
 
 
 @dataclass
@@ -149,9 +142,9 @@ async def make_turns(
         launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
-        tasks = Tasks()
+        live = LiveSessions(settings.max_queued_turns, runs)
+        tasks = Tasks(live)
         clock = lambda: datetime.now(UTC)  # noqa: E731
-        claimed = ClaimedTurns(settings.cancel_grace, tasks)
         holds = SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
         checkpoints = Checkpoints(settings, store, launcher.trees)
@@ -162,8 +155,8 @@ async def make_turns(
             PermissionBroker(settings.permission_timeout),
         )  # fmt: skip
         runner = TurnRunner(
-            settings, store, pool, metrics, clock, holds, history, checkpoints, claimed,
-            DiskGuard(settings, claimed), SpendGuard(settings, store, clock, claimed), UsageWriter(store, clock), steps,
+            settings, store, pool, metrics, clock, holds, history, checkpoints, live,
+            DiskGuard(settings, live), SpendGuard(settings, store, clock, live), UsageWriter(store, clock), steps,
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)
         made.append(turns)

@@ -42,9 +42,8 @@ from rcoder.config import AgentProfile, Settings
 from rcoder.domain import StopReason
 from rcoder.errors import WorkspaceTooLarge, human_bytes
 from rcoder.logs import get_logger
-from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.live_sessions import LiveSessions, report_failure
 from rcoder.session.turns.messages import StopCause
-from rcoder.session.turns.tasks import report_failure
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -172,7 +171,7 @@ class _Project:
 class DiskGuard:
     """Keeps each project under the ``workspace_max_bytes`` of the turns' profiles."""
 
-    def __init__(self, settings: Settings, turns: ClaimedTurns) -> None:
+    def __init__(self, settings: Settings, turns: LiveSessions) -> None:
         self._interval = settings.disk_check_interval
         self._settings = settings
         self._profiles = list(settings.agents.values())  # whose homes in a project count against its limit

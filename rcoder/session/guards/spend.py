@@ -36,7 +36,7 @@ from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentEvent, AgentUpdate, StopReason
 from rcoder.errors import BudgetExceeded, StoreError
 from rcoder.logs import get_logger
-from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.messages import StopCause
 from rcoder.store.base import SessionStore
 from rcoder.store.usage import BUDGET_CURRENCY, NANOS, Spend, SpendHold, SpendSoFar, utc_day
@@ -107,7 +107,7 @@ class TurnSpend:
     """One running turn's caps, the spend stored when it started, and what it has spent since."""
 
     def __init__(
-        self, turns: ClaimedTurns, run_id: str, caps: tuple[Cap, ...], before: SpendSoFar, ids: dict[str, str]
+        self, turns: LiveSessions, run_id: str, caps: tuple[Cap, ...], before: SpendSoFar, ids: dict[str, str]
     ) -> None:
         self._turns = turns  # where the turn is stopped at a cap
         self.run_id = run_id
@@ -160,7 +160,7 @@ class SpendGuard:
     """Refuses turns over a spent budget and stops those that reach one (the module docstring)."""
 
     def __init__(
-        self, settings: Settings, store: SessionStore, clock: Callable[[], datetime], turns: ClaimedTurns
+        self, settings: Settings, store: SessionStore, clock: Callable[[], datetime], turns: LiveSessions
     ) -> None:
         self._settings = settings
         self._store = store

@@ -481,9 +481,7 @@ class RunRegistry:
     while all runs together hold more than ``total_bytes`` (``ledger``).
     """
 
-    def __init__(
-        self, retention: float, total_bytes: int = 256 << 20, on_released: Callable[[str], None] | None = None
-    ) -> None:
+    def __init__(self, retention: float, total_bytes: int = 256 << 20) -> None:
         self._runs: dict[str, Run] = {}
         self._holders: dict[str, Run] = {}  # session_id -> the run holding it
         self._retention = retention
@@ -492,9 +490,6 @@ class RunRegistry:
         self._finished: deque[Run] = deque()
         # New runs count their bytes here (``Run(ledger=...)``).
         self.ledger = ByteLedger(total_bytes, over=self._evict)
-        # Told, without awaiting, the moment a session's running turn lets go of it: the first
-        # turn queued for it claims the session then, before anything else can (``session.turns.queue``).
-        self.on_released = on_released
         self._deleting: set[str] = set()  # sessions being deleted: no turn claims them
 
     @contextmanager
@@ -553,12 +548,10 @@ class RunRegistry:
         return self.ledger.held, len(self._runs)
 
     def release(self, run: Run) -> None:
-        """The run no longer holds its session (idempotent). ``on_released`` failing is logged:
-        it never keeps the run that let go from ending."""
+        """The run no longer holds its session (idempotent). Whoever let go then tells the
+        session's owner (``LiveSessions.released``), which hands it to the first waiting turn."""
         if self._holders.get(run.session_id) is run:
             del self._holders[run.session_id]
-            if self.on_released is not None:
-                guarded("next_turn", self.on_released, run.session_id)
 
     def forget(self, run: Run) -> None:
         """A run refused before it started: released, and never visible again."""

@@ -32,8 +32,7 @@ from rcoder.errors import NotFound, RcoderError, SessionBusy, SessionDeleting, U
 from rcoder.logs import get_logger
 from rcoder.session.runs.run import RunRegistry
 from rcoder.session.turns.checkpoints import Checkpoints
-from rcoder.session.turns.claimed import ClaimedTurns
-from rcoder.session.turns.queue import TurnQueues
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.store.base import SessionStore
 
 log = get_logger(__name__)
@@ -48,8 +47,7 @@ class SessionEraser:
         launcher: AgentLauncher,
         pool: AgentPool,
         runs: RunRegistry,
-        claimed: ClaimedTurns,
-        queues: TurnQueues,
+        live: LiveSessions,
         checkpoints: Checkpoints,
     ) -> None:
         self._settings = settings
@@ -57,8 +55,7 @@ class SessionEraser:
         self._launcher = launcher
         self._pool = pool
         self._runs = runs
-        self._claimed = claimed  # the session's running turn is cancelled there
-        self._queues = queues  # the turns waiting for the session are refused there
+        self._live = live  # the session's owner: its running turn is cancelled, its waiting ones refused
         self._checkpoints = checkpoints
 
     async def erase(self, session_id: str) -> SessionErased:
@@ -68,7 +65,7 @@ class SessionEraser:
         with self._runs.deleting(session_id):
             # The waiting turns are refused before the running one is cancelled, so that none of them
             # takes the session over when the running turn lets go of it.
-            refused = self._queues.refuse_waiting(session_id, SessionDeleting(session_id))
+            refused = self._live.refuse_waiting(session_id, SessionDeleting(session_id))
             cancelled = await self._end_turn(session_id)
             # The cancelled turn may have opened a new agent session (a fallback), so the record is
             # read again as the turn left it.
@@ -92,11 +89,11 @@ class SessionEraser:
         holder = self._runs.holder(session_id)
         if holder is None:
             return False
-        if self._claimed.phase(holder.run_id) is None:  # not a turn: a rewind holds it, and is not cancelled
+        if self._live.phase(holder.run_id) is None:  # not a turn: a rewind holds it, and is not cancelled
             raise SessionBusy(session_id, holder.run_id)
         ended = asyncio.Event()
         holder.add_done_callback(lambda _: ended.set())
-        self._claimed.cancel(holder.run_id)
+        self._live.cancel(holder.run_id)
         settings = self._settings
         bound = settings.cancel_grace + 4 * settings.agent_stop_grace + TURN_END_MARGIN
         try:

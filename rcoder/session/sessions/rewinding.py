@@ -41,9 +41,9 @@ from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
 from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, OtherSessionsWork, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
-from rcoder.session.runs.run import RUN_MISSING, Run, RunRegistry
+from rcoder.session.runs.run import RUN_MISSING, Run, RunRegistry, guarded
 from rcoder.session.turns.checkpoints import Checkpoints, encode_changes
-from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
 from rcoder.store.git_changes import listed
@@ -117,7 +117,7 @@ class SessionRewinder:
         pool: AgentPool,
         runs: RunRegistry,
         checkpoints: Checkpoints,
-        claimed: ClaimedTurns,
+        live: LiveSessions,
         clock: Callable[[], datetime],
     ) -> None:
         self._settings = settings
@@ -125,7 +125,7 @@ class SessionRewinder:
         self._pool = pool
         self._runs = runs
         self._checkpoints = checkpoints
-        self._running_in = claimed.running_in  # project id -> a run claimed in it here, None: none
+        self._live = live  # where a turn runs in the project, and who takes the session on after the rewind
         self._clock = clock
 
     async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
@@ -141,7 +141,8 @@ class SessionRewinder:
         finally:
             self._checkpoints.settled(rewind_id)
             hold.fail(NotFound("run", rewind_id, "a rewind streams no events (ListRuns lists it)"))
-            self._runs.forget(hold)  # the first turn waiting for the session claims it now
+            self._runs.forget(hold)
+            guarded("next_turn", self._live.released, session_id)  # the first turn waiting claims the session now
 
     async def _rewind_held(
         self, record: SessionRecord, target: RunRecord, rewind_id: str, include_other_sessions: bool
@@ -152,7 +153,7 @@ class SessionRewinder:
         async with self._checkpoints.locks[project_id]:
             # a turn claimed here in the project (this session's own included), else one the store
             # has running there on another host, as the file RPCs ask it
-            busy = self._running_in(project_id) or await self._store.running_in_project(project_id)
+            busy = self._live.running_in(project_id) or await self._store.running_in_project(project_id)
             if busy is not None:
                 raise ProjectBusy(project_id, busy, BUSY_ADVICE)
             goal, _ = await self._checkpoints.commits(repo, target)

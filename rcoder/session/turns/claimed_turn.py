@@ -1,15 +1,18 @@
 """What one claimed turn holds while it runs: its plan, its run, its state machine, its agent.
 
 ``ClaimedTurn`` is data and the few steps that need no I/O (keeping what the agent sends until
-``started`` is out, then publishing it in order). It never calls back into the runner that
-drives it (``session.turns.runner``): the runner feeds ``scope.machine`` (``session.turns.machine``) and
-performs the actions it returns.
+``started`` is out, then publishing it in order). Its runner (``session.turns.runner``) is the one
+driver of ``scope.machine`` (``session.turns.machine``): it tells the machine what happened and
+performs the actions it returns. What happens from outside the turn's task (a cancel, a guard, a
+lost lease) reaches the machine through the turn's session owner, which hands it to the turn's
+``driver``, that runner.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Protocol
 
 from rcoder.agent.connection import AgentConnection
 from rcoder.config import Settings
@@ -31,11 +34,23 @@ class Answer:
     usage: Usage | None
 
 
+class TurnDriver(Protocol):
+    """The one driver of a claimed turn's machine (``TurnRunner``), as the turn's session owner
+    (``session.turns.live_sessions``) reaches it from another task."""
+
+    def cancel_turn(self, turn: ClaimedTurn, cause: StopCause | None) -> bool: ...
+
+    def turn_lease_lost(self, turn: ClaimedTurn, generation: int) -> None: ...
+
+
 class ClaimedTurn:
     """A claimed turn from its first step to ``completed`` (the module docstring of ``session.turns.runner``)."""
 
-    def __init__(self, settings: Settings, plan: TurnPlan, run: Run, ready: asyncio.Future[Run]) -> None:
+    def __init__(
+        self, settings: Settings, plan: TurnPlan, run: Run, ready: asyncio.Future[Run], driver: TurnDriver
+    ) -> None:
         self.plan = plan
+        self.driver = driver  # what a cancel or a lost lease is handed to (the machine's one driver)
         self.run = run
         self.ready = ready  # resolved once started is out; failed with the error of a refused turn
         self.machine = TurnMachine(run.run_id)

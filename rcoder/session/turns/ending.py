@@ -1,18 +1,20 @@
-"""How a turn ends: the actions of the turn's state machine (``session.turns.machine``) that come
-after its work is over, performed.
+"""How a turn ends: the steps that perform the actions of the turn's state machine
+(``session.turns.machine``) that come after its work is over. The runner (``session.turns.runner``)
+is the machine's one driver: it tells the machine what happened, and calls these steps for what
+it says; nothing here tells the machine anything (``tests/session/test_machine_results.py``).
 
 A turn whose ``started`` event is out is finished (``Finish``) in three steps:
 
-1. store its end: what it changed in the project's files, the session's options, then the
-   rest of the run's history together with ``completed`` in one transaction;
-2. let go of the session and of its agent;
-3. publish ``completed``, then count and log the turn.
+1. store its end (``store_end``): what it changed in the project's files, the session's options,
+   then the rest of the run's history together with ``completed`` in one transaction;
+2. let go of the session and of its agent (``release``);
+3. publish ``completed``, then count and log the turn (``publish_end``).
 
-The second and third steps happen on every path. If the store refused the end or this task was
-cancelled during the first step, ``completed`` is stored on its own before it is published.
-A turn whose ``started`` event is not out is refused (``Refuse``): the caller gets the error and
-nothing of the turn is kept, unless the machine first asks to settle its start
-(``RecordStartAnyway``, ``CheckStartLanded``).
+The second and third steps happen on every path. If the store refused the end or the turn's task
+was cancelled during the first step, ``completed`` is stored on its own before it is published
+(``store_end_alone``). A turn whose ``started`` event is not out is refused (``refuse``): the
+caller gets the error and nothing of the turn is kept, unless the machine first asks to settle
+its start (``record_start_anyway``, ``start_landed``).
 """
 
 from __future__ import annotations
@@ -34,29 +36,13 @@ from rcoder.session.runs.history import History
 from rcoder.session.runs.run import RunRegistry, guarded
 from rcoder.session.turns.checkpoints import Checkpoints, checkpoint_after, checkpoint_discard
 from rcoder.session.turns.claimed_turn import ClaimedTurn
-from rcoder.session.turns.messages import (
-    Action,
-    CheckStartLanded,
-    EndRefused,
-    Event,
-    Finish,
-    ForgetAfterPublish,
-    RecordStartAnyway,
-    Refuse,
-    RetryEndLater,
-    Started,
-    StartRefused,
-    StoreEndAlone,
-)
+from rcoder.session.turns.messages import Started, StartRefused
 from rcoder.session.turns.records import TurnRecords
 from rcoder.store.base import EventRow, RunEnd, SessionStore
 
 log = get_logger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], None]
-# What is done after an end that was not stored with the run's history: this task was cancelled
-# (rcoder is stopping) or something nobody expected failed, and the store may still take it.
-STORE_ALONE = (StoreEndAlone(wait=True),)
 
 
 class TurnEnder:
@@ -82,24 +68,6 @@ class TurnEnder:
         self._checkpoints = checkpoints
         self._records = records
 
-    async def end(self, scope: ClaimedTurn, event: Event) -> None:
-        """Tell the machine how the turn's work ended, and perform what it says."""
-        await self._perform(scope, scope.machine.handle(event))
-
-    async def _perform(self, scope: ClaimedTurn, actions: Sequence[Action]) -> None:
-        for action in actions:
-            match action:
-                case Finish():
-                    await self._finish(scope)
-                case Refuse(error=error, heard=heard):
-                    self._refuse(scope, error, heard)
-                case RecordStartAnyway():
-                    await self._perform(scope, await self._record_start_anyway(scope))
-                case CheckStartLanded():
-                    await self._perform(scope, await self._check_start_landed(scope))
-                case _:
-                    raise AssertionError(f"{action} is not an action of a turn's end")
-
     # ------------------------------------------------------------ a start not yet out
 
     def publish_started(self, scope: ClaimedTurn) -> None:
@@ -108,14 +76,10 @@ class TurnEnder:
         self._history.track(scope.run, scope.plan.lease)
         scope.publish_started()
 
-    def _started(self, scope: ClaimedTurn) -> Sequence[Action]:
-        actions = scope.machine.handle(Started())
-        self.publish_started(scope)
-        return actions
-
-    async def _record_start_anyway(self, scope: ClaimedTurn) -> Sequence[Action]:
+    async def record_start_anyway(self, scope: ClaimedTurn) -> Started | StartRefused:
         """A turn cancelled before its prompt went out is still seen to start, then end: it is
-        recorded as its session opened, or, if the session never opened, as never opened."""
+        recorded as its session opened, or, if the session never opened, as never opened. Returns
+        what to tell the machine: the start stored, or refused."""
         plan = scope.plan
         provider_id = plan.record.provider_session_id if plan.record else ""
         body = plan.opened or plan.started(provider_id, ResumeOutcome.NOT_OPENED, OpenMethod.NOT_OPENED, "")
@@ -123,18 +87,19 @@ class TurnEnder:
         try:
             await self._records.record_start(plan, body, None, scope.checkpoint)
         except (StoreError, LeaseLost) as exc:
-            return scope.machine.handle(StartRefused(exc))
-        return self._started(scope)
+            return StartRefused(exc)
+        return Started()
 
-    async def _check_start_landed(self, scope: ClaimedTurn) -> Sequence[Action]:
-        """rcoder stopped while the start was being written: the turn started if the write landed."""
+    async def start_landed(self, scope: ClaimedTurn) -> Started | StartRefused:
+        """rcoder stopped while the start was being written: the turn started if the write landed
+        (what to tell the machine)."""
         try:
             landed = await self._records.run_recorded(scope.run.run_id)
         except (StoreError, LeaseLost):
             landed = False
-        return self._started(scope) if landed else scope.machine.handle(StartRefused())
+        return Started() if landed else StartRefused()
 
-    def _refuse(self, scope: ClaimedTurn, error: RcoderError, heard: bool) -> None:
+    def refuse(self, scope: ClaimedTurn, error: RcoderError, heard: bool) -> None:
         """A turn that never started leaves no trace but the caller's error (and, for a new
         session, its record, which the caller was told of: it stays, with no run, and a turn sent
         to it later opens it new). An agent that ``heard`` the prompt is not reused, because it
@@ -152,39 +117,15 @@ class TurnEnder:
 
     # ------------------------------------------------------------ a started turn's end
 
-    async def _finish(self, scope: ClaimedTurn) -> None:
-        """Store the end with the rest of the run's history and ``completed`` itself (one
-        transaction), free the session and its agent, then publish ``completed``: whoever sees it
-        can go on at once, and read the whole run back anywhere. A store that cannot record the
-        end makes the turn an error, and that ``completed`` is stored on its own."""
-        end = self._completed(scope)  # what completed says if the store takes the end as it is
-        after: Sequence[Action] = STORE_ALONE
-        try:
-            end = await self._store_end(scope)
-            after = ()
-        except (LeaseLost, StoreError) as exc:
-            after = self._end_refused(scope, exc)
-        finally:
-            # Neither release may keep the end from its streams and the store (``guarded``).
-            guarded("release_session", self._runs.release, scope.run)
-            release = partial(self._pool.release, scope.plan.session_id, broken=scope.machine.agent_broken)
-            guarded("release_agent", release)
-            try:
-                if after:
-                    end = self._completed(scope)
-                    await self._store_end_alone(scope, end, after)
-            finally:
-                # Published even if this task is cancelled while the end is stored on its own:
-                # that write goes on in a task of the history writer's own.
-                self._publish_end(scope, end, after)
-
-    async def _store_end(self, scope: ClaimedTurn) -> RunEvent:
-        """Step 1: the turn's changes and the session's options, then the end with the history."""
+    async def store_end(self, scope: ClaimedTurn) -> RunEvent:
+        """Step 1: the turn's changes and the session's options, then the end with the history
+        and ``completed`` itself, in one transaction. ``LeaseLost`` or ``StoreError`` when the
+        store refused it."""
         run, plan = scope.run, scope.plan
         # What the turn changed in the project's files (docs/checkpoints.md) goes into its completed.
         if scope.before is not None:  # no before snapshot (checkpoints off, a turn ended first): no after one
             scope.changes = await asyncio.shield(checkpoint_after(self._checkpoints, scope))
-        end = self._completed(scope)
+        end = self.completed(scope)
         # Store what the agent changed during the turn (its options, its commands) first. Most
         # turns change nothing, and then no task is started for it.
         if not self._records.state_unchanged(plan, scope.conn):
@@ -203,30 +144,41 @@ class TurnEnder:
             self._checkpoints.settled(run.run_id)
         return end
 
-    def _end_refused(self, scope: ClaimedTurn, exc: LeaseLost | StoreError) -> Sequence[Action]:
+    @staticmethod
+    def end_refused(exc: LeaseLost | StoreError) -> None:
+        """The store refused the end (the runner tells the machine ``EndRefused``)."""
         if isinstance(exc, LeaseLost):  # another host serves the session now: nothing more is written
             log.warning("run_end_refused_lease_lost", generation=exc.generation)
         else:
             log.error("run_end_not_stored", error=exc.message)
-        actions = scope.machine.handle(EndRefused(exc))
-        if any(isinstance(action, RetryEndLater) for action in actions):
-            # Not the intake's task: shutdown never waits for it.
-            self._records.finish_later(scope.run.run_id, self._run_end(scope), scope.plan.lease)
-        return actions
 
-    async def _store_end_alone(self, scope: ClaimedTurn, end: RunEvent, after: Sequence[Action]) -> None:
-        """``completed`` stored on its own, before it is published. A store that has just refused
-        the run's end is not waited for again (the write is tried all the same)."""
+    def finish_later(self, scope: ClaimedTurn) -> None:
+        """The end is retried in the background (``RetryEndLater``): not the turn's task, so
+        shutdown never waits for it."""
+        self._records.finish_later(scope.run.run_id, self._run_end(scope), scope.plan.lease)
+
+    def release(self, scope: ClaimedTurn) -> None:
+        """Step 2: the session and its agent let go of. Neither release may keep the end from its
+        streams and the store (``guarded``)."""
+        guarded("release_session", self._runs.release, scope.run)
+        release = partial(self._pool.release, scope.plan.session_id, broken=scope.machine.agent_broken)
+        guarded("release_agent", release)
+
+    async def store_end_alone(self, scope: ClaimedTurn, end: RunEvent, wait: bool) -> None:
+        """``completed`` stored on its own, before it is published (``StoreEndAlone``). A store
+        that has just refused the run's end is not waited for again (the write is tried all the
+        same)."""
         storing = self._history.store_end(scope.run, end)
-        if any(isinstance(action, StoreEndAlone) and action.wait for action in after):
+        if wait:
             await asyncio.shield(storing)
 
-    def _publish_end(self, scope: ClaimedTurn, end: RunEvent, after: Sequence[Action]) -> None:
-        """Step 3: ``completed`` goes out; the turn is counted and logged."""
+    def publish_end(self, scope: ClaimedTurn, end: RunEvent, forget: bool) -> None:
+        """Step 3: ``completed`` goes out; the turn is counted and logged. With ``forget``
+        (``ForgetAfterPublish``), the run is not kept for ``Subscribe``."""
         run, plan, outcome = scope.run, scope.plan, scope.machine.outcome
         assert outcome is not None and scope.body is not None
         run.publish_end(end)
-        if any(isinstance(action, ForgetAfterPublish) for action in after):
+        if forget:
             # Not kept for Subscribe: this end, and the events after the lease was lost, are not
             # the run's history. The store has the run as the other host ended it.
             self._runs.forget_finished(run.run_id)
@@ -238,7 +190,7 @@ class TurnEnder:
             plan.profile.name, scope.body.resume.value, outcome.stop.value, time.monotonic() - run.started_monotonic
         )
 
-    def _completed(self, scope: ClaimedTurn) -> RunEvent:
+    def completed(self, scope: ClaimedTurn) -> RunEvent:
         """``completed`` as the turn stands (``Run.prepare_end``: numbered, every event before it sealed)."""
         body, outcome = scope.body, scope.machine.outcome
         assert body is not None and outcome is not None

@@ -4,7 +4,7 @@
 the session for a new run and starts the turn (``session.turns.runner``) in a task the
 intake owns, then returns the run once ``started`` is published. A session that
 already runs a turn is refused (``SessionBusy``) or, as the request's ``busy``
-asks, the turn waits for it (``session.turns.queue``): then the run is returned at
+asks, the turn waits for it in the session's owner (``session.turns.live_sessions``): then the run is returned at
 once, queued, and claims the session when the turns before it are done. From
 the claim on (from the queue on), the run is registered: ``Cancel`` and shutdown
 reach it in every phase, and the turn goes on whether or not anyone is still
@@ -28,7 +28,6 @@ from rcoder.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
-    RcoderError,
     SessionBusy,
     SessionDeleting,
     ShuttingDown,
@@ -45,11 +44,9 @@ from rcoder.session.sessions.rewinding import Rewound, SessionRewinder
 from rcoder.session.sessions.workspace import project_dir, stored_cwd
 from rcoder.session.turns import content, trust
 from rcoder.session.turns.checkpoints import RunDiff
-from rcoder.session.turns.claimed import ClaimedTurns
+from rcoder.session.turns.live_sessions import LiveSessions, Waiting
 from rcoder.session.turns.permissions import PermissionBroker
-from rcoder.session.turns.queue import TurnQueues, Waiting
 from rcoder.session.turns.runner import TurnRunner
-from rcoder.session.turns.tasks import TurnTasks
 from rcoder.store.base import SessionStore
 
 __all__ = ["Action", "TurnIntake", "decide"]
@@ -77,13 +74,12 @@ class Ticket:
 @dataclass(frozen=True, slots=True)
 class IntakeParts:
     """What the intake hands a turn, a cancel, a fork, a delete and a rewind to, each built by
-    the daemon: the turn's runner, the claimed turns (where a cancel reaches a turn), the turns'
-    tasks, the queues of waiting turns, and one class per session operation."""
+    the daemon: the turn's runner, the sessions' owners (each session's running and waiting
+    turns, where a cancel reaches a turn, and the scope of the turns' tasks), and one class per
+    session operation."""
 
     turns: TurnRunner
-    claimed: ClaimedTurns
-    tasks: TurnTasks
-    queues: TurnQueues
+    live: LiveSessions
     forker: SessionForker
     eraser: SessionEraser
     rewinder: SessionRewinder
@@ -104,8 +100,7 @@ class TurnIntake:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
-        intake when a session's lease is lost (``lease_lost``) and when a session's running turn
-        lets go of it (``next_turn``)."""
+        intake when a session's lease is lost (``lease_lost``)."""
         self._settings = settings
         self.metrics = metrics
         self._store = store
@@ -117,20 +112,17 @@ class TurnIntake:
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         self.history = history
         self.turns = parts.turns
-        self._claimed = parts.claimed
-        self._tasks = parts.tasks
-        self._queues = parts.queues
+        self._live = parts.live
         self._forker = parts.forker
         self._eraser = parts.eraser
         self._rewinder = parts.rewinder
-        self._closing = False
 
     # ------------------------------------------------------------ entry
 
     async def submit(self, turn: ChatTurn) -> Ticket:
         """Take a turn in: its run once ``started`` is published, or at once when it waits for
-        the session's running turn (``Ticket.position``; ``session.turns.queue``)."""
-        if self._closing:
+        the session's running turn (``Ticket.position``; ``session.turns.live_sessions``)."""
+        if self._live.closing:
             raise ShuttingDown()
         clash = meta_collision(turn.extra_meta)
         if clash:
@@ -139,7 +131,7 @@ class TurnIntake:
         trust.check(plan.profile, turn)
         seen = self._launcher.capabilities_seen.get(plan.profile.name)
         content.check(plan.profile, turn, seen[0] if seen else None)
-        if self._closing:  # checked again, because the store reads above gave way to other tasks
+        if self._live.closing:  # checked again, because the store reads above gave way to other tasks
             raise ShuttingDown()
         settings = self._settings
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
@@ -154,24 +146,22 @@ class TurnIntake:
         named.add_done_callback(_retrieved)
         holder = self._runs.holder(plan.session_id)
         if holder is not None:
-            position = self._queue(Waiting(plan, run, ready), holder)
+            position = self._queue(Waiting(plan, run, ready, self.turns), holder)
             named.set_result(None)  # it waits for the holder's session, which was named before it
             return Ticket(run, named, position=position)
         if plan.record is not None:
             named.set_result(None)
         self._runs.claim(run)  # from here on, Cancel and shutdown see the turn
-        self._tasks.spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
+        self._live.spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
         # The caller awaits these futures without a shield, which saves a task hop. A caller that
         # leaves cancels only the futures, which the turn never needs: the turn goes on in its own task.
         return Ticket(run, named, ready)
 
     def lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent is ended here, and so is a start under way
-        (``ClaimedTurns.lease_lost``): neither outlasts the lease, however long the start would take."""
+        (``LiveSession.lease_lost``): neither outlasts the lease, however long the start would take."""
         self._holds.lease_lost(session_id)
-        holder = self._runs.holder(session_id)
-        if holder is not None:
-            self._claimed.lease_lost(holder.run_id, generation)
+        self._live.lease_lost(session_id, generation)
 
     def _queue(self, waiting: Waiting, holder: Run) -> int:
         """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""
@@ -180,35 +170,15 @@ class TurnIntake:
             raise SessionBusy(session_id, holder.run_id)
         if self._runs.is_deleting(session_id):  # it would wait for a session that is about to be gone
             raise SessionDeleting(session_id)
-        if policy is BusyPolicy.INTERRUPT and self._queues.has_room():
-            for earlier in self._queues.take(session_id):
-                self._queues.drop(earlier, "superseded by a turn sent with busy INTERRUPT")
-            self._claimed.cancel(holder.run_id)
-        position = self._queues.add(waiting, holder.run_id)  # no await since the holder was read: it still holds
+        if policy is BusyPolicy.INTERRUPT and self._live.has_room():
+            for earlier in self._live.take_waiting(session_id):
+                self._live.drop(earlier, "superseded by a turn sent with busy INTERRUPT")
+            self._live.cancel(holder.run_id)
+        position = self._live.queue(waiting, holder.run_id)  # no await since the holder was read: it still holds
         self._runs.admit(waiting.run)
         log.info("run_queued", run_id=waiting.run.run_id, session_id=session_id, policy=policy.value,
                  position=position, behind=holder.run_id)  # fmt: skip
         return position
-
-    def next_turn(self, session_id: str) -> None:
-        """The session's running turn let go of it: the first turn waiting claims it now. Called
-        from the end of that turn, so it never raises: a turn that cannot claim the session
-        (rcoder stopping, the session being deleted) is refused, and so is every one behind it."""
-        waiting = self._queues.pop(session_id)
-        if waiting is None:
-            return
-        run = waiting.run
-        try:
-            if self._closing:
-                raise ShuttingDown()
-            self._runs.claim(run)
-        except RcoderError as exc:
-            self._queues.refuse(waiting, exc)
-            self._queues.refuse_waiting(session_id, exc)
-            return
-        run.begin()
-        waiting.plan.received = run.started_monotonic
-        self._tasks.spawn(self.turns.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
 
     @property
     def permissions(self) -> PermissionBroker:
@@ -268,16 +238,16 @@ class TurnIntake:
         process group. The turn ends ``CANCELLED`` either way and the session
         stays resumable.
 
-        A queued turn (``session.turns.queue``) is taken out of its line and never starts: its
+        A queued turn (``session.turns.live_sessions``) is taken out of its line and never starts: its
         followers get ``RunCancelled``. By ``session_id``, every turn queued is, besides the
         running one: the session comes to rest.
         """
         if not run_id:
             holder = self._runs.holder(session_id)
-            if holder is not None and follows is not None and self._claimed.follows(holder.run_id) != follows:
+            if holder is not None and follows is not None and self._live.follows(holder.run_id) != follows:
                 return holder.run_id, False  # the turn meant has ended, and this one came after it
-            for waiting in self._queues.take(session_id):  # none of them runs: the session comes to rest
-                self._queues.drop(waiting, "the session's turns were cancelled")
+            for waiting in self._live.take_waiting(session_id):  # none of them runs: the session comes to rest
+                self._live.drop(waiting, "the session's turns were cancelled")
             if holder is None:
                 record = await self._store.get_session(session_id)
                 if record is None:
@@ -285,14 +255,14 @@ class TurnIntake:
                 return record.last_run_id, False
             run_id = holder.run_id
         run = self._runs.get(run_id)
-        for waiting in self._queues.take(run.session_id, run_id):
-            self._queues.drop(waiting, "cancelled")
+        for waiting in self._live.take_waiting(run.session_id, run_id):
+            self._live.drop(waiting, "cancelled")
             return run_id, True
-        return run_id, not run.done and self._claimed.cancel(run_id)
+        return run_id, not run.done and self._live.cancel(run_id)
 
     async def fork(self, session_id: str, project_id: str, agent: str = "") -> Forked:
         """A new session branching from ``session_id``, on ``agent`` ("": its own; ``session.sessions.forking``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         return await self._forker.fork(session_id, project_id, agent)
 
@@ -307,14 +277,14 @@ class TurnIntake:
 
     async def delete_session(self, session_id: str) -> SessionErased:
         """Erase the session everywhere this host can (``session.sessions.erasing``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         return await self._eraser.erase(session_id)
 
     async def rewind_session(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
         """The project's files as before ``run_id``, the session going on from there
         (``session.sessions.rewinding``)."""
-        if self._closing:
+        if self._live.closing:
             raise ShuttingDown()
         return await self._rewinder.rewind(session_id, run_id, include_other_sessions)
 
@@ -326,23 +296,23 @@ class TurnIntake:
 
     def stop_accepting(self) -> None:
         """New turns are refused with ``ShuttingDown`` from now on, and so are those queued."""
-        self._closing = True
+        self._live.close()
         self._refuse_queued()
 
     def _refuse_queued(self) -> None:
-        for waiting in self._queues.take_all():
-            self._queues.refuse(waiting, ShuttingDown())
+        for waiting in self._live.take_all_waiting():
+            self._live.refuse(waiting, ShuttingDown())
 
     async def drain(self, grace: float, cancel_grace: float) -> None:
         """Give running turns ``grace`` seconds to finish, then cancel the rest (in whatever
         phase) and wait (bounded) for them to end ``CANCELLED``."""
-        if await self._tasks.wait_idle(grace):
+        if await self._live.wait_idle(grace):
             return
-        running = self._claimed.running()
+        running = self._live.running()
         log.info("shutdown_cancelling_turns", runs=len(running))
         for run_id in running:
-            self._claimed.cancel(run_id)
-        await self._tasks.wait_idle(cancel_grace + 4 * self._settings.agent_stop_grace)
+            self._live.cancel(run_id)
+        await self._live.wait_idle(cancel_grace + 4 * self._settings.agent_stop_grace)
 
     def kill_agents(self) -> None:
         """SIGKILL every agent process group now (second signal)."""
@@ -351,7 +321,7 @@ class TurnIntake:
     async def aclose(self) -> None:
         """Stop taking turns, end the ones running, end every agent; each step bounded. Idempotent."""
         self.stop_accepting()
-        await self._tasks.cancel_all(self._settings.initialize_timeout + 4 * self._settings.agent_stop_grace)
+        await self._live.cancel_all(self._settings.initialize_timeout + 4 * self._settings.agent_stop_grace)
         await self.turns.aclose()
         await self.history.aclose()
         await self._pool.aclose(timeout=4 * self._settings.agent_stop_grace + 1)

@@ -1,11 +1,16 @@
 """One turn's whole life, driven by one runner: opened, started, prompted, cancelled, finished.
 
 The intake claims the session and registers the run, then starts ``TurnRunner.run`` in a task
-of its own. ``TurnRunner`` is the driver of the turn's state machine (``session.turns.machine``):
-it tells the machine what happened (the session opened, a cancel came, the agent answered, the
-store refused a write) and performs the actions the machine returns. The machine decides; this
-module does the I/O. Whatever way the turn's work ends, the runner then stores the result,
-releases the session and its agent, and publishes ``completed``. An exception nobody expected
+of its own. ``TurnRunner`` is the one driver of the turn's state machine (``session.turns.machine``):
+nothing else tells the machine anything (``tests/session/test_machine_results.py``). It tells the
+machine what happened (the session opened, a cancel came, the agent answered, the store refused a
+write) and performs every action the machine returns, itself or through the ender's steps
+(``session.turns.ending``); an action it does not expect after what it told is a bug, raised. A
+cancel, a guard or a lost lease, from other tasks, reach it through the turn's session owner
+(``session.turns.live_sessions``), which hands them to the turn's driver (``cancel_turn``,
+``turn_lease_lost``). The machine decides; this module and the ender do the I/O. Whatever way
+the turn's work ends, the runner then stores the result, releases the session and its agent,
+and publishes ``completed``. An exception nobody expected
 ends the turn ``STOP_REASON_ERROR`` with the error's text. A store that cannot record the end
 makes the turn an error too, so that the stream never claims something the store does not hold.
 
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -51,7 +56,7 @@ from rcoder.agent.acp.usage import USAGE_UPDATE
 from rcoder.agent.pool import AgentPool
 from rcoder.config import Settings
 from rcoder.domain import AgentEvent, AgentUpdate, RunStarted, StopReason, TextChunk, TranscriptEntry
-from rcoder.errors import AgentTimeout, Internal, NotFound, RcoderError
+from rcoder.errors import AgentTimeout, Internal, LeaseLost, NotFound, RcoderError, StoreError
 from rcoder.logs import bind_context, get_logger
 from rcoder.metrics import Metrics
 from rcoder.session.guards.disk import DiskGuard
@@ -60,28 +65,43 @@ from rcoder.session.guards.usage_writer import UsageWriter
 from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
-from rcoder.session.runs.run import Heartbeats, Run
+from rcoder.session.runs.run import Heartbeats, Run, guarded
 from rcoder.session.turns.checkpoints import Checkpoints
-from rcoder.session.turns.claimed import ClaimedTurns
 from rcoder.session.turns.claimed_turn import Answer, ClaimedTurn
 from rcoder.session.turns.ending import TurnEnder
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.messages import (
     Abandon,
     AgentEnded,
+    AskAgentToStop,
     Begin,
+    CancelOpening,
+    CancelRequested,
+    CheckStartLanded,
+    EndRefused,
     Event,
     Failed,
+    Finish,
+    ForgetAfterPublish,
+    LeaseGone,
     OpeningCancelled,
     Phase,
     PromptSent,
     Propagate,
+    RecordStartAnyway,
+    Refuse,
+    RetryEndLater,
     SessionOpened,
     Started,
     StartRecording,
+    StartRefused,
     StopCause,
     Stopping,
+    StoreEndAlone,
     TimedOut,
+    TooLate,
 )
+from rcoder.session.turns.messages import Action as MachineAction
 from rcoder.session.turns.permissions import PermissionBroker
 from rcoder.session.turns.records import TurnRecords
 from rcoder.store.base import SessionStore
@@ -91,6 +111,9 @@ __all__ = ["ClaimedTurn", "Phase", "StopCause", "TurnRunner"]
 
 log = get_logger(__name__)
 MAX_TRANSCRIPT_TEXT = 1 << 20
+# What is done after an end that was not stored with the run's history: the turn's task was
+# cancelled (rcoder is stopping) or something nobody expected failed, and the store may still take it.
+STORE_ALONE = (StoreEndAlone(wait=True),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +138,15 @@ class TurnRunner:
         holds: SessionHolds,
         history: History,
         checkpoints: Checkpoints,
-        claimed: ClaimedTurns,
+        live: LiveSessions,
         disk: DiskGuard,
         spend: SpendGuard,
         usage: UsageWriter,
         steps: TurnSteps,
     ) -> None:
-        """Every collaborator is built by the daemon (``rcoder.daemon``). ``claimed`` is where the
-        turns this runner drives are registered: the guards and the intake stop a turn through it."""
+        """Every collaborator is built by the daemon (``rcoder.daemon``). ``live`` holds each
+        session's owner, where the turns this runner drives are registered: the guards and the
+        intake stop a turn through it."""
         self._settings = self.settings = settings
         self.checkpoints = checkpoints
         self.history = history
@@ -131,7 +155,7 @@ class TurnRunner:
         self._metrics = metrics
         self._clock = clock
         self._holds = holds
-        self._claimed = claimed
+        self._live = live
         self._opener = steps.opener
         self._records = steps.records
         self._ender = steps.ender
@@ -148,19 +172,19 @@ class TurnRunner:
         await self.disk.aclose()
         await self._records.aclose()
 
-    # ------------------------------------------------------------ the claimed turns (``session.turns.claimed``)
+    # ------------------------------------------------------------ the sessions' owners (``live_sessions``)
 
     def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
-        """``ClaimedTurns.cancel``: ask the turn to stop, whatever its phase."""
-        return self._claimed.cancel(run_id, cause)
+        """``LiveSessions.cancel``: ask the turn to stop, whatever its phase."""
+        return self._live.cancel(run_id, cause)
 
     def follows(self, run_id: str) -> str | None:
-        """``ClaimedTurns.follows``: the run the claimed turn follows in its session."""
-        return self._claimed.follows(run_id)
+        """``LiveSessions.follows``: the run the claimed turn follows in its session."""
+        return self._live.follows(run_id)
 
     def phase(self, run_id: str) -> Phase | None:
-        """``ClaimedTurns.phase``: where the claimed turn stands (None: not running here)."""
-        return self._claimed.phase(run_id)
+        """``LiveSessions.phase``: where the claimed turn stands (None: not running here)."""
+        return self._live.phase(run_id)
 
     # ------------------------------------------------------------ the turn
 
@@ -170,8 +194,8 @@ class TurnRunner:
         """The turn, start to end, for the task the intake starts for each claimed turn. The turn
         is registered now, so a cancel reaches it before that task first runs. A ``queued`` turn
         was planned before the turns it waited for: it reads its session again first."""
-        scope = ClaimedTurn(self._settings, plan, run, ready)
-        self._claimed.claim(scope)
+        scope = ClaimedTurn(self._settings, plan, run, ready, self)
+        self._live.claim(scope)
         return self._run(scope, queued)
 
     async def _run(self, scope: ClaimedTurn, queued: bool) -> None:
@@ -182,13 +206,13 @@ class TurnRunner:
                 await self._work(scope, queued)
             except BaseException as exc:
                 self._usage.forget(scope.run.run_id)  # the end carries the last usage now
-                await self._ender.end(scope, self._ending(exc))
+                await self._end(scope, self._ending(exc))
                 if isinstance(exc, asyncio.CancelledError):  # rcoder is stopping: the cancel goes on
                     raise
                 return  # the error is now in the run's end, or, for a refused turn, with the caller
             answer = scope.answer
             self._usage.forget(scope.run.run_id)
-            await self._ender.end(scope, AgentEnded(answer.stop if answer is not None else StopReason.END_TURN))
+            await self._end(scope, AgentEnded(answer.stop if answer is not None else StopReason.END_TURN))
         finally:
             scope.started_out.set()
             if scope.kill_timer is not None:
@@ -198,7 +222,7 @@ class TurnRunner:
     def _forget(self, scope: ClaimedTurn) -> None:
         """The turn is over. Its lease goes too when no agent of its session is live here (a
         cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
-        self._claimed.forget(scope.run.run_id)
+        self._live.turn_over(scope)
         self._usage.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
@@ -269,6 +293,118 @@ class TurnRunner:
         # alone costs as long as the agent's first reply.
         loop.call_soon(self._note_started, plan, opened.started)
         await prompting
+
+    # ------------------------------------------------------------ told from other tasks (``TurnDriver``)
+
+    def cancel_turn(self, scope: ClaimedTurn, cause: StopCause | None = None) -> bool:
+        """Ask the turn to stop, whatever its phase; with ``cause``, rcoder stops it and the turn
+        ends as the cause says. Asking twice is asking once: the first cause stays. False when
+        the turn is no longer running (too late)."""
+        asked_before = scope.machine.cancel_requested
+        actions = scope.machine.handle(CancelRequested(cause))
+        if any(isinstance(action, TooLate) for action in actions):
+            return False
+        run_id = scope.run.run_id
+        if not asked_before:
+            log.info("run_cancel_requested", run_id=run_id, phase=scope.phase.value,
+                     cause=cause.error_reason if cause is not None else None)  # fmt: skip
+        for action in actions:
+            match action:
+                case CancelOpening():
+                    if scope.opening is not None:  # None: the opening has no task (a live agent)
+                        scope.opening.cancel()
+                case AskAgentToStop():
+                    self._ask_agent_to_stop(scope)
+                case _:
+                    raise AssertionError(f"{action} does not follow a cancel")
+        return True
+
+    def turn_lease_lost(self, scope: ClaimedTurn, generation: int) -> None:
+        """The session's lease was lost while its agent is starting or opening the session: that
+        work is stopped (the agent's group ended) and the turn, which nothing has seen start,
+        is refused ``LeaseLost``. In a later phase, the agent ended with the lease ends the turn."""
+        for action in scope.machine.handle(LeaseGone(scope.plan.session_id, generation)):
+            match action:
+                case CancelOpening():
+                    if scope.opening is not None:
+                        log.warning("run_opening_lease_lost", run_id=scope.run.run_id, generation=generation)
+                        scope.opening.cancel()
+                case _:
+                    raise AssertionError(f"{action} does not follow a lost lease")
+
+    def _ask_agent_to_stop(self, scope: ClaimedTurn) -> None:
+        """``session/cancel`` now; the agent's group is ended after ``cancel_grace``."""
+        conn, run_id, spawn = scope.conn, scope.run.run_id, self._live.spawn
+        assert conn is not None
+        spawn(conn.cancel(), f"cancel-{run_id}")
+        scope.kill_timer = asyncio.get_running_loop().call_later(
+            self._settings.cancel_grace, lambda: spawn(conn.aclose(), f"kill-{run_id}")
+        )
+
+    # ------------------------------------------------------------ the end (``session.turns.ending``)
+
+    async def _end(self, scope: ClaimedTurn, event: Event) -> None:
+        """Tell the machine how the turn's work ended, and perform what it says."""
+        await self._perform_end(scope, scope.machine.handle(event))
+
+    async def _perform_end(self, scope: ClaimedTurn, actions: Sequence[MachineAction]) -> None:
+        ender = self._ender
+        for action in actions:
+            match action:
+                case Finish():
+                    await self._finish(scope)
+                case Refuse(error=error, heard=heard):
+                    ender.refuse(scope, error, heard)
+                    # the session's owner hands the session to its first waiting turn, never failing the end
+                    guarded("next_turn", self._live.released, scope.plan.session_id)
+                case RecordStartAnyway():
+                    await self._settle_start(scope, await ender.record_start_anyway(scope))
+                case CheckStartLanded():
+                    await self._settle_start(scope, await ender.start_landed(scope))
+                case _:
+                    raise AssertionError(f"{action} is not an action of a turn's end")
+
+    async def _settle_start(self, scope: ClaimedTurn, event: Started | StartRefused) -> None:
+        """A start settled at the end: told, ``started`` published if it is out, then what follows."""
+        actions = scope.machine.handle(event)
+        if isinstance(event, Started):
+            self._ender.publish_started(scope)
+        await self._perform_end(scope, actions)
+
+    async def _finish(self, scope: ClaimedTurn) -> None:
+        """Store the end with the rest of the run's history and ``completed`` itself (one
+        transaction), free the session and its agent, then publish ``completed``: whoever sees it
+        can go on at once, and read the whole run back anywhere. A store that cannot record the
+        end makes the turn an error (``EndRefused``), and that ``completed`` is stored on its own."""
+        ender = self._ender
+        end = ender.completed(scope)  # what completed says if the store takes the end as it is
+        after: Sequence[MachineAction] = STORE_ALONE
+        try:
+            end = await ender.store_end(scope)
+            after = ()
+        except (LeaseLost, StoreError) as exc:
+            ender.end_refused(exc)
+            after = scope.machine.handle(EndRefused(exc))
+            for action in after:
+                match action:
+                    case RetryEndLater():
+                        ender.finish_later(scope)
+                    case StoreEndAlone() | ForgetAfterPublish():
+                        pass  # performed below, once the session and its agent are let go of
+                    case _:
+                        raise AssertionError(f"{action} does not follow a refused end") from exc
+        finally:
+            ender.release(scope)
+            guarded("next_turn", self._live.released, scope.plan.session_id)  # as for a refused turn
+            try:
+                if after:
+                    end = ender.completed(scope)
+                    wait = any(isinstance(action, StoreEndAlone) and action.wait for action in after)
+                    await ender.store_end_alone(scope, end, wait)
+            finally:
+                # Published even if this task is cancelled while the end is stored on its own:
+                # that write goes on in a task of the history writer's own.
+                ender.publish_end(scope, end, any(isinstance(action, ForgetAfterPublish) for action in after))
 
     def _step(self, scope: ClaimedTurn, event: Event) -> None:
         """Tell the machine what the turn's work did, and perform what it says: a step that

@@ -1,0 +1,342 @@
+"""This host's one owner of each session it runs or queues a turn for (``LiveSession``), kept in
+one registry (``LiveSessions``), and the one scope of the tasks they start.
+
+A session's owner holds its running turn (the ``ClaimedTurn``: plan, run, state machine, agent)
+and its line of waiting turns (``ChatRequest.busy``), and is where a cancel, a lost lease, a
+guard, a delete and shutdown reach them (docs/design/turn.md#the-parts). It exists while the
+session has a turn here, running or waiting, and is dropped when it has none.
+
+Waiting turns (``ChatRequest.busy``): a turn for a session that already runs one is refused
+(``REJECT``, the default), or waits in its owner's line (``QUEUE``), or cancels what runs and
+waits before it (``INTERRUPT``) and every turn that waited too (they were asked for before it:
+the interrupter is what the agent should do next). At most ``max_queued_turns`` wait per session
+(``ResourceExhausted`` past it). A line changes only in one step with what it waits for, never
+across an await: whatever let go of the session (a turn's end, a rewind's hold) tells the owner
+(``released``) at once, and the first waiting turn claims the session in the same step, so a
+session with turns waiting always has a holder, and no new turn overtakes them. A waiting turn
+is already a run: ``Subscribe`` and ``Cancel`` find it by its id. A cancelled one never starts:
+it leaves no trace in the store, and its followers (its ``Chat`` stream) get ``RunCancelled``.
+Waiting turns live in this process only: a daemon that stops refuses them (``ShuttingDown``),
+and they are not there after a restart.
+
+The tasks: every task a turn starts (the turn's own, a cancel sent to its agent, its group ended
+after ``cancel_grace``, a snapshot discarded) is started in the registry's one scope, which
+shutdown waits for (``wait_idle``) and, past its grace, cancels (``cancel_all``). A task
+outlives the owner that started it when the session is left with no turn meanwhile (the agent's
+group ended after the turn's end, say), so the scope is the registry's, not each owner's.
+
+Not yet here: the session's lease and its agent checkout are still held by ``SessionHolds`` and
+the pool, and which run holds the session by ``RunRegistry`` (the owner reads it there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, ShuttingDown
+from rcoder.logs import get_logger
+from rcoder.session.resume.opening import TurnPlan
+from rcoder.session.runs.run import Run, RunRegistry
+from rcoder.session.turns.claimed_turn import ClaimedTurn
+from rcoder.session.turns.messages import Phase, StopCause
+
+log = get_logger(__name__)
+QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
+
+
+class TurnStarter(Protocol):
+    """What runs a turn once it claims its session (``TurnRunner``)."""
+
+    def run(
+        self, plan: TurnPlan, run: Run, ready: asyncio.Future[Run], queued: bool = False
+    ) -> Coroutine[Any, Any, None]: ...
+
+
+@dataclass(eq=False, slots=True)
+class Waiting:
+    """A turn queued for its session: what it runs once it claims it, and what runs it."""
+
+    plan: TurnPlan
+    run: Run
+    ready: asyncio.Future[Run]
+    starter: TurnStarter
+
+    def refuse(self, error: RcoderError) -> None:
+        """It never starts: whoever follows it (or awaits it) gets ``error``."""
+        self.run.fail(error)
+        if not self.ready.done():
+            self.ready.set_exception(error)
+
+
+class LiveSession:
+    """One session's turns on this host: the one that runs (claimed, in any phase) and those
+    that wait for it, in order."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.turn: ClaimedTurn | None = None
+        self.waiting: deque[Waiting] = deque()
+
+    @property
+    def idle(self) -> bool:
+        """No turn runs or waits: the registry keeps the owner no longer."""
+        return self.turn is None and not self.waiting
+
+    def turn_of(self, run_id: str) -> ClaimedTurn | None:
+        """The running turn if it is run ``run_id``."""
+        turn = self.turn
+        return turn if turn is not None and turn.run.run_id == run_id else None
+
+    # ------------------------------------------------------------ the running turn
+
+    def claim(self, turn: ClaimedTurn) -> None:
+        """``turn`` runs now (a turn before it that let go of the session is no longer reached)."""
+        self.turn = turn
+
+    def turn_over(self, turn: ClaimedTurn) -> None:
+        """``turn`` is over (a turn after it, which claimed the session meanwhile, stays)."""
+        if self.turn is turn:
+            self.turn = None
+
+    def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
+        """Ask the turn ``run_id`` to stop, whatever its phase; with ``cause``, rcoder stops it
+        and the turn ends as the cause says. Asking twice is asking once: the first cause stays.
+        False when the turn is no longer running. The turn's runner tells its machine
+        (``TurnDriver``)."""
+        turn = self.turn_of(run_id)
+        return turn is not None and turn.driver.cancel_turn(turn, cause)
+
+    def lease_lost(self, generation: int) -> None:
+        """The session's lease was lost: a start or an opening under way is stopped (the agent's
+        group ended) and its turn, which nothing has seen start, is refused ``LeaseLost``. In a
+        later phase, the agent ended with the lease ends the turn (and a turn already ended is
+        told nothing it acts on). The turn's runner tells its machine (``TurnDriver``)."""
+        if self.turn is not None:
+            self.turn.driver.turn_lease_lost(self.turn, generation)
+
+    # ------------------------------------------------------------ the waiting turns
+
+    def queue(self, waiting: Waiting, limit: int, holder_run_id: str) -> int:
+        """Queue ``waiting`` last; returns how many turns run or wait before it (the running one
+        included). ``ResourceExhausted`` when ``limit`` already wait."""
+        if len(self.waiting) >= limit:
+            what = (
+                f"already has {limit} turns queued behind run {holder_run_id} (max_queued_turns); "
+                "wait for one to start, or send with busy INTERRUPT"
+                if limit
+                else f"runs run {holder_run_id}, and turns are not queued here (max_queued_turns = 0); wait for it"
+            )
+            raise ResourceExhausted(
+                f"session {self.session_id} {what}",
+                reason="QUEUED_TURNS_LIMIT",
+                session_id=self.session_id,
+                limit=str(limit),
+            )
+        self.waiting.append(waiting)
+        return len(self.waiting)
+
+    def take(self, run_id: str = "") -> list[Waiting]:
+        """Take out the waiting turn ``run_id``, or every one ("")."""
+        taken = [w for w in self.waiting if not run_id or w.run.run_id == run_id]
+        for waiting in taken:
+            self.waiting.remove(waiting)
+        return taken
+
+
+class LiveSessions:
+    def __init__(self, queue_limit: int, runs: RunRegistry) -> None:
+        self._queue_limit = queue_limit  # max_queued_turns
+        self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
+        self._owners: dict[str, LiveSession] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # the one scope of the tasks the turns start
+        self.closing = False  # rcoder is stopping: no turn is taken in or claims its session
+
+    def close(self) -> None:
+        """No turn is taken in from now on, and none waiting claims its session (``ShuttingDown``)."""
+        self.closing = True
+
+    # ------------------------------------------------------------ owners
+
+    def _owner(self, session_id: str) -> LiveSession:
+        owner = self._owners.get(session_id)
+        if owner is None:
+            owner = self._owners[session_id] = LiveSession(session_id)
+        return owner
+
+    def _tidy(self, owner: LiveSession) -> None:
+        if owner.idle and self._owners.get(owner.session_id) is owner:
+            del self._owners[owner.session_id]
+
+    def _of_run(self, run_id: str) -> LiveSession | None:
+        """The owner of the run's session (None: the run is not kept here, or its session has no turn)."""
+        run = self._runs.find(run_id)
+        return self._owners.get(run.session_id) if run is not None else None
+
+    def _turn(self, run_id: str) -> ClaimedTurn | None:
+        owner = self._of_run(run_id)
+        return owner.turn_of(run_id) if owner is not None else None
+
+    # ------------------------------------------------------------ the running turns
+
+    def claim(self, turn: ClaimedTurn) -> None:
+        """The turn is claimed: from now on a cancel reaches it. It is its session's running turn
+        (a turn before it that let go of the session is no longer reached)."""
+        self._owner(turn.plan.session_id).claim(turn)
+
+    def turn_over(self, turn: ClaimedTurn) -> None:
+        """The turn is over."""
+        owner = self._owners.get(turn.plan.session_id)
+        if owner is not None:
+            owner.turn_over(turn)
+            self._tidy(owner)
+
+    def running(self) -> list[str]:
+        """Every claimed turn, whatever its phase."""
+        return [owner.turn.run.run_id for owner in self._owners.values() if owner.turn is not None]
+
+    def running_in(self, project_id: str) -> str | None:
+        """A turn claimed here in the project (any phase), None when there is none."""
+        turns = (owner.turn for owner in self._owners.values() if owner.turn is not None)
+        return next((turn.run.run_id for turn in turns if turn.plan.turn.project_id == project_id), None)
+
+    def follows(self, run_id: str) -> str | None:
+        """The run the claimed turn follows in its session ("" for its first; None: not running here)."""
+        turn = self._turn(run_id)
+        return turn.follows if turn is not None else None
+
+    def phase(self, run_id: str) -> Phase | None:
+        """Where the claimed turn stands (None: not running here)."""
+        turn = self._turn(run_id)
+        return turn.phase if turn is not None else None
+
+    def cancel(self, run_id: str, cause: StopCause | None = None) -> bool:
+        """``LiveSession.cancel`` of the run's session; False when the turn is not running here."""
+        owner = self._of_run(run_id)
+        return owner is not None and owner.cancel(run_id, cause)
+
+    def lease_lost(self, session_id: str, generation: int) -> None:
+        """``LiveSession.lease_lost``: the session's running turn, if any, hears of it."""
+        owner = self._owners.get(session_id)
+        if owner is not None:
+            owner.lease_lost(generation)
+
+    # ------------------------------------------------------------ the waiting turns
+
+    def has_room(self) -> bool:
+        """Whether a turn can wait at all (``max_queued_turns`` is not 0)."""
+        return self._queue_limit > 0
+
+    def queue(self, waiting: Waiting, holder_run_id: str) -> int:
+        """``LiveSession.queue`` in the turn's session, within ``max_queued_turns``."""
+        owner = self._owner(waiting.plan.session_id)
+        try:
+            return owner.queue(waiting, self._queue_limit, holder_run_id)
+        finally:
+            self._tidy(owner)
+
+    def released(self, session_id: str) -> None:
+        """Whatever held the session let go of it (a turn's end, a rewind's hold): the first turn
+        waiting claims it now, in this step, and its task starts. Never raises, as it is called
+        from the end of what let go: a turn that cannot claim the session (rcoder stopping, the
+        session being deleted) is refused, and so is every one behind it."""
+        if self._runs.holder(session_id) is not None:
+            return  # still held: what let go was not its holder
+        waiting = self.next_waiting(session_id)
+        if waiting is None:
+            return
+        run = waiting.run
+        try:
+            if self.closing:
+                raise ShuttingDown()
+            self._runs.claim(run)
+        except RcoderError as exc:
+            self.refuse(waiting, exc)
+            self.refuse_waiting(session_id, exc)
+            return
+        run.begin()
+        waiting.plan.received = run.started_monotonic
+        self.spawn(waiting.starter.run(waiting.plan, run, waiting.ready, queued=True), f"run-{run.run_id}")
+
+    def next_waiting(self, session_id: str) -> Waiting | None:
+        """The first turn waiting for ``session_id``, taken out of the line."""
+        owner = self._owners.get(session_id)
+        if owner is None or not owner.waiting:
+            return None
+        waiting = owner.waiting.popleft()
+        self._tidy(owner)
+        return waiting
+
+    def take_waiting(self, session_id: str, run_id: str = "") -> list[Waiting]:
+        """Take out the turn ``run_id`` waiting for ``session_id``, or every one ("")."""
+        owner = self._owners.get(session_id)
+        if owner is None:
+            return []
+        taken = owner.take(run_id)
+        self._tidy(owner)
+        return taken
+
+    def take_all_waiting(self) -> list[Waiting]:
+        """Every waiting turn, of every session, taken out."""
+        return [w for session_id in list(self._owners) for w in self.take_waiting(session_id)]
+
+    def refuse_waiting(self, session_id: str, error: RcoderError) -> int:
+        """Every turn waiting for ``session_id`` never runs: its followers get ``error``. Returns how many."""
+        line = self.take_waiting(session_id)
+        for waiting in line:
+            log.info("queued_run_refused", run_id=waiting.run.run_id, reason=error.reason)
+            self.refuse(waiting, error)
+        return len(line)
+
+    def refuse(self, waiting: Waiting, error: RcoderError) -> None:
+        """A turn taken out of its line that will never run: its followers get ``error``, and it is forgotten."""
+        waiting.refuse(error)
+        self._runs.forget(waiting.run)
+
+    def drop(self, waiting: Waiting, why: str) -> None:
+        """A turn taken out of its line that will never run: cancelled; its followers are told."""
+        log.info("queued_run_cancelled", run_id=waiting.run.run_id, why=why)
+        self.refuse(waiting, RunCancelled(waiting.run.run_id, f"{QUEUED}; {why}"))
+
+    # ------------------------------------------------------------ the tasks' scope
+
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` in a task of the scope, kept until it ends."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(report_failure)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no task is left (those started meanwhile included); False after ``timeout``."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self._tasks:
+                    await asyncio.wait(set(self._tasks))
+        except TimeoutError:
+            return False
+        return True
+
+    async def cancel_all(self, timeout: float) -> None:
+        """Cancel every task and wait for them, at most ``timeout`` seconds (a warning says how many were late)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=timeout)
+            if late:
+                log.warning("turns_not_ended_in_time", count=len(late), timeout=timeout)
+
+
+def report_failure(task: asyncio.Task[Any]) -> None:
+    """A background task of ours that raised (a turn's, a cancel it sent, a disk check) is a bug
+    of ours: logged with its traceback (``background_task_failed``, which fails the tests) rather
+    than left for asyncio's "never retrieved" at some later collection."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("background_task_failed", task=task.get_name(), exc_info=exc)

@@ -1,0 +1,108 @@
+"""A profile's ``placement = "relay"`` (docs/relay.md#placement): a real daemon starts a real
+``rcoder relay`` for the project, and the scripted fake agent runs under it, its ACP over Attach.
+
+Every relay a test's daemon leaves running (its SIGKILL) is ended by the test, its whole process
+group, on every path (``relays_ended``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory, exited
+from tests.harness import FakeAgentSetup, completed, config_error, eventually, started, text_of
+
+
+def relay_pid(data_dir: Path, project: str = "proj") -> int | None:
+    """The pid the project's relay wrote in its lock (None when the file has none)."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = json.loads((data_dir / "relays" / project / "daemon.lock").read_text()).get("pid")
+        return pid if isinstance(pid, int) else None
+    return None
+
+
+def parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("PPid:")).split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+async def relays_ended(tmp_path: Path) -> AsyncIterator[list[int]]:
+    """Relays the test saw; each one's group SIGKILLed after it, whatever happened (a relay leads
+    its own session, so its group is its own), and waited for."""
+    seen: list[int] = []
+    try:
+        yield seen
+    finally:
+        for pid in seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            await exited(pid)
+
+
+def profiles(fake: FakeAgentSetup) -> dict[str, dict[str, object]]:
+    return {"fake": fake.profile(), "relayed": fake.profile(placement="relay")}
+
+
+def shape(events: list[pb.ChatStream]) -> list[str]:
+    """What a client sees of a turn, without ids and times: the kinds of its events in order, a run
+    of text chunks as one (how many chunks one event joins depends on when they arrived, whatever
+    the placement)."""
+    kinds: list[str] = []
+    for event in events:
+        kind = str(event.WhichOneof("event"))
+        if not (kinds and kind == kinds[-1] == "agent_message"):
+            kinds.append(kind)
+    return kinds
+
+
+async def test_a_relayed_turn_ends_as_a_local_one_and_the_next_resumes_live(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    local = await client.chat(prompt="remember 42 stream 3", agent="fake", project_id="local")
+    relayed = await client.chat(prompt="remember 42 stream 3", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+
+    assert completed(relayed).stop_reason == pb.STOP_REASON_END_TURN
+    assert shape(relayed) == shape(local)
+    assert text_of(relayed) == text_of(local) == "c0 c1 c2 I remember: 42"
+    second = await client.chat(prompt="what number?", session_id=relayed[0].session_id)
+    assert started(second).resume == pb.RESUME_OUTCOME_LIVE
+    assert text_of(second) == "I remember: 42"
+
+    spawned = daemon.logs("agent_spawned")
+    relayed_spawn = next(row for row in spawned if row.get("placement") == "relay")
+    agent = relayed_spawn["pid"]
+    assert relayed_spawn["relay_pid"] == pid
+    assert parent_of(agent) == pid, "the relayed agent is the relay's child, not the daemon's"
+    assert agent in fake.pids()
+    assert relayed_spawn["state_dir"] == str(tmp_path / "data" / "relays" / "proj")
+
+    # the daemon's stop closes the agent through the relay, then stops the relay
+    await daemon.stop()
+    await eventually(lambda: not alive(agent) and not alive(pid))
+
+
+@pytest.mark.fast
+def test_a_container_placement_is_refused_naming_the_placements_there_are(tmp_path: Path) -> None:
+    error = config_error(tmp_path, '[agents.x]\ncommand = "/bin/true"\nplacement = "container"\n')
+    assert error.key == "agents.x.placement"
+    assert '"container" is not built yet' in str(error) and '"local" and "relay"' in str(error)

@@ -6,6 +6,7 @@ group, on every path (``relays_ended``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -13,8 +14,11 @@ import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from rcoder.relay.v1 import relay_pb2 as relay_pb
+from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
 from tests.harness import FakeAgentSetup, completed, config_error, eventually, started, text_of
@@ -95,10 +99,85 @@ async def test_a_relayed_turn_ends_as_a_local_one_and_the_next_resumes_live(
     assert parent_of(agent) == pid, "the relayed agent is the relay's child, not the daemon's"
     assert agent in fake.pids()
     assert relayed_spawn["state_dir"] == str(tmp_path / "data" / "relays" / "proj")
+    listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
+    assert (listed["relayed"].placement, listed["relayed"].relay_root) == ("relay", str(tmp_path / "data" / "relays"))
+    assert (listed["fake"].placement, listed["fake"].relay_root) == ("local", "")
 
     # the daemon's stop closes the agent through the relay, then stops the relay
     await daemon.stop()
     await eventually(lambda: not alive(agent) and not alive(pid))
+
+
+async def test_a_killed_daemon_leaves_its_relay_and_agent_running_and_the_next_daemon_stops_them(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    first = await client.chat(prompt="remember 7", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+
+    await daemon.kill()  # SIGKILL to the daemon's group: the relay leads a session of its own
+    assert alive(pid) and alive(agent), "the relay and its agent outlive the daemon"
+    assert parent_of(agent) == pid
+
+    # the next daemon on the same data_dir stops what it finds before it serves: no agent is left
+    # that no session holds (re-attaching it is the session owner's, not built yet)
+    second, client = await make_daemon(profiles(fake))
+    found = second.logs("relay_found_stopped")
+    assert [row["pid"] for row in found] == [pid]
+    await eventually(lambda: not alive(agent) and not alive(pid))
+    again = await client.chat(prompt="what number?", session_id=first[0].session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 7"
+    new_relay = relay_pid(tmp_path / "data")
+    assert new_relay is not None and new_relay != pid
+    relays_ended.append(new_relay)
+
+
+async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats_nothing(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    opened = await client.chat(prompt="hello", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    agent_id = next(row["agent_id"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    folder = tmp_path / "data" / "relays" / "proj"
+    secret = (folder / "secret").read_text().strip()
+
+    turn = asyncio.create_task(
+        client.chat(prompt="stream 40 pace 25", session_id=opened[0].session_id, agent="relayed")
+    )
+    # Another stream of the same generation takes the agent from the daemon's mid-turn (the relay
+    # ends the daemon's stream ABORTED), reads a few frames without acknowledging them, and drops.
+    async with grpc.aio.insecure_channel(f"unix:{folder / 'relay.sock'}") as channel:
+        stub = relay_grpc.RelayServiceStub(channel)
+        metadata = (("authorization", f"Bearer {secret}"),)
+        # the turn's prompt reached the agent: it streams for a second from now
+        await eventually(lambda: len(fake.requests("session/prompt")) == 2)
+        status = await stub.Status(relay_pb.StatusRequest(agent_id=agent_id), metadata=metadata)
+        before = status.agent.last_seq
+        assert not turn.done()
+        call = stub.Attach(metadata=metadata)
+        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=1,
+                                                                          from_seq=before + 1)))  # fmt: skip
+        ready = await call.read()
+        assert ready.WhichOneof("message") == "ready"
+        taken = 0
+        with contextlib.suppress(grpc.aio.AioRpcError):  # ABORTED: the daemon took the agent back already
+            while taken < 3 and (message := await call.read()) is not grpc.aio.EOF:
+                taken += message.WhichOneof("message") == "frame"
+        call.cancel()
+    events = await turn
+
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(events) == "".join(f"c{i} " for i in range(40)) + "I remember nothing."
+    assert daemon.logs("relayed_agent_reattaching"), "the daemon's stream was taken and attached again"
+    assert not daemon.logs("relayed_agent_lost")
 
 
 @pytest.mark.fast

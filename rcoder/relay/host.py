@@ -71,6 +71,7 @@ class HostRelays:
         self._log_format = log_format
         self._relays: dict[str, _Relay] = {}
         self._starting: dict[str, asyncio.Lock] = {}
+        self._undoing: set[asyncio.Task[None]] = set()  # spawns being undone (``_end_spawned``)
 
     @property
     def root(self) -> Path:
@@ -81,14 +82,25 @@ class HostRelays:
         request = pb.SpawnRequest(session_id=start.session_id, generation=start.generation, spec=_spec(start))
         try:
             answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+            agent = answer.agent
+            place = RelayPlace(str(relay.folder), relay.socket, relay.pid, agent.agent_id)
+            return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, start.generation, stop_grace)
         except grpc.aio.AioRpcError as exc:
+            self._end_spawned(relay, start)
             if exc.code() == grpc.StatusCode.UNAVAILABLE and not _alive(relay.pid):
                 self._relays.pop(start.project, None)  # gone: the next start makes a new one
             raise AgentUnavailable(f"agent {start.name!r}: the relay at {relay.folder} refused its spawn "
                                    f"({exc.code().name}: {exc.details()})", agent=start.name) from exc  # fmt: skip
-        agent = answer.agent
-        place = RelayPlace(str(relay.folder), relay.socket, relay.pid, agent.agent_id)
-        return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, start.generation, stop_grace)
+        except BaseException:
+            self._end_spawned(relay, start)
+            raise
+
+    def _end_spawned(self, relay: _Relay, start: RelayedStart) -> None:
+        """A spawn that failed or was cancelled once asked: whatever the relay started for it (its
+        session name is its own) is ended in the background, so that no agent runs that nobody owns."""
+        task = asyncio.get_running_loop().create_task(_end_session(relay, start), name="relay-spawn-undone")
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
 
     async def _relay(self, project: str, agent: str) -> _Relay:
         """The project's relay: the one this daemon holds, one found alive in its folder, or a new one."""
@@ -197,6 +209,22 @@ def _launch(folder: Path, argv: list[str]) -> subprocess.Popen[bytes]:
     with open(folder / LOG_FILE, "ab", buffering=0) as output:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=folder,
                                 start_new_session=True, env=_relay_env())  # fmt: skip
+
+
+async def _end_session(relay: _Relay, start: RelayedStart) -> None:
+    """SIGKILL to every agent the relay runs under ``start``'s session name (bounded; a relay that
+    is gone took its agents with it)."""
+    try:
+        listed = await relay.stub.ListAgents(pb.ListAgentsRequest(session_id=start.session_id),
+                                             metadata=relay.metadata, timeout=SPAWN_TIMEOUT)  # fmt: skip
+        for agent in listed.agents:
+            if not agent.exited:
+                request = pb.SignalRequest(agent_id=agent.agent_id, generation=start.generation,
+                                           signal=int(signal.SIGKILL))  # fmt: skip
+                await relay.stub.Signal(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+                log.warning("relay_spawn_undone", agent=start.name, agent_id=agent.agent_id, pid=agent.pid)
+    except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+        log.info("relay_spawn_not_undone", agent=start.name, state_dir=str(relay.folder), error=str(exc)[:300])
 
 
 def _relay_env() -> dict[str, str]:

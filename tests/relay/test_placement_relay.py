@@ -108,6 +108,23 @@ async def test_a_relayed_turn_ends_as_a_local_one_and_the_next_resumes_live(
     await eventually(lambda: not alive(agent) and not alive(pid))
 
 
+async def test_a_relayed_agents_crash_is_told_as_a_local_agents(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    _, client = await make_daemon(profiles(fake))
+    local = completed(await client.chat(prompt="crash", agent="fake", project_id="local"))
+    relayed = completed(await client.chat(prompt="crash", agent="relayed"))
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+
+    assert relayed.stop_reason == local.stop_reason == pb.STOP_REASON_ERROR
+    assert relayed.error_reason == local.error_reason
+    # its exit code and the end of its stderr, from the relay's exit message
+    assert "fake agent crashing" in relayed.error and "fake agent crashing" in local.error
+    assert relayed.error.replace("relayed", "fake") == local.error, (relayed.error, local.error)
+
+
 async def test_a_killed_daemon_leaves_its_relay_and_agent_running_and_the_next_daemon_stops_them(
     make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
 ) -> None:

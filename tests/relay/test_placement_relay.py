@@ -22,6 +22,7 @@ from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
 from tests.harness import FakeAgentSetup, completed, config_error, eventually, started, text_of
+from tests.relay.conftest import RelayFactory
 
 
 def relay_pid(data_dir: Path, project: str = "proj") -> int | None:
@@ -123,6 +124,20 @@ async def test_a_relayed_agents_crash_is_told_as_a_local_agents(
     # its exit code and the end of its stderr, from the relay's exit message
     assert "fake agent crashing" in relayed.error and "fake agent crashing" in local.error
     assert relayed.error.replace("relayed", "fake") == local.error, (relayed.error, local.error)
+
+
+async def test_a_relay_found_alive_in_the_projects_folder_is_used_as_it_is(
+    make_daemon: DaemonFactory, make_relay: RelayFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    relay = await make_relay(state_dir=tmp_path / "data" / "relays" / "proj")  # after the daemon's start
+
+    events = await client.chat(prompt="remember 5", agent="relayed")
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+    assert [row["pid"] for row in daemon.logs("relay_reused")] == [relay.pid]
+    assert not daemon.logs("relay_started")
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    assert parent_of(agent) == relay.pid
 
 
 async def test_a_killed_daemon_leaves_its_relay_and_agent_running_and_the_next_daemon_stops_them(

@@ -18,8 +18,8 @@ the bytes across:
 
 Signals (``AgentProcess``'s SIGTERM and SIGKILL after its grace) are ``Signal`` calls to the
 agent's whole group. Every wait is bounded: a relay that cannot be reached for ``REATTACH_FOR``
-seconds, or that no longer knows the agent, or a newer owner's generation, ends the child as an
-exit the daemon reports like a local agent's.
+seconds, or whose process is gone (its agents die with it), or that no longer knows the agent, or a
+newer owner's generation, ends the child as an exit the daemon reports like a local agent's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import contextlib
 import os
 import signal
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -170,6 +171,9 @@ class AttachedAgent:
                 self._call = None
                 call.cancel()
             waited = asyncio.get_running_loop().time() - since
+            if not _alive(self.place.relay_pid):  # its agents died with it (their death signal)
+                self._lost(f"the relay (pid {self.place.relay_pid}) is gone ({why})")
+                return
             if waited > REATTACH_FOR:
                 self._lost(f"the relay could not be reached for {waited:.0f} s ({why})")
                 return
@@ -303,6 +307,18 @@ class AttachedAgent:
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (a relay on this host) still runs: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except (PermissionError, OSError, IndexError):
+        return True  # there, though not ours to read: counted as running
+    return state != "Z"
 
 
 async def _writer(loop: asyncio.AbstractEventLoop, pipe: Any) -> asyncio.StreamWriter:

@@ -140,6 +140,32 @@ async def test_a_relay_found_alive_in_the_projects_folder_is_used_as_it_is(
     assert parent_of(agent) == relay.pid
 
 
+async def test_a_relay_killed_mid_turn_ends_the_turn_as_a_crash_and_the_next_turn_resumes_on_a_new_one(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    opened = await client.chat(prompt="remember 9", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    turn = asyncio.create_task(client.chat(prompt="stream 400 pace 25", session_id=opened[0].session_id))
+    await eventually(lambda: len(fake.requests("session/prompt")) == 2)
+    os.killpg(pid, signal.SIGKILL)  # the relay leads its own group; its agent dies with it (death signal)
+
+    async with asyncio.timeout(8):  # well before REATTACH_FOR: the relay's death is seen, not waited out
+        events = await turn
+    assert completed(events).stop_reason == pb.STOP_REASON_ERROR
+    assert completed(events).error_reason == "AGENT_CRASHED"
+    assert daemon.logs("relayed_agent_lost")
+    again = await client.chat(prompt="what number?", session_id=opened[0].session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 9"
+    new_relay = relay_pid(tmp_path / "data")
+    assert new_relay is not None and new_relay != pid
+    relays_ended.append(new_relay)
+
+
 async def test_a_killed_daemon_leaves_its_relay_and_agent_running_and_the_next_daemon_stops_them(
     make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
 ) -> None:

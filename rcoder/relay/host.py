@@ -56,6 +56,8 @@ class _Relay:
     channel: grpc.aio.Channel
     stub: pb_grpc.RelayServiceStub
     metadata: tuple[tuple[str, str], ...]
+    # the relay this daemon started (None: one it found), kept until it is stopped and reaped
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def socket(self) -> str:
@@ -108,8 +110,10 @@ class HostRelays:
             relay = self._relays.get(project)
             if relay is not None and _alive(relay.pid):
                 return relay
-            if relay is not None:
+            if relay is not None:  # it died: a new one is started
                 await relay.channel.close()
+                if relay.process is not None:
+                    relay.process.poll()
             folder = self._root / project
             try:
                 relay = await self._found(folder) or await self._started(folder)
@@ -134,6 +138,7 @@ class HostRelays:
                 "--stop-grace", str(self._stop_grace), "--log-format", self._log_format]  # fmt: skip
         process = await asyncio.to_thread(_launch, folder, argv)
         relay = self._connect(folder, process.pid)
+        relay.process = process
         try:
             await self._ready(relay, lambda: process.poll() is None)
         except BaseException:
@@ -182,6 +187,8 @@ class HostRelays:
         await asyncio.gather(*(_stop(r.folder, r.pid) for r in relays))
         for relay in relays:
             await relay.channel.close()
+            if relay.process is not None:
+                relay.process.poll()  # reaped (by the daemon's reaper, or now): nothing left to wait for
 
 
 def _spec(start: RelayedStart) -> pb.StartSpec:

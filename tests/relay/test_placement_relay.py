@@ -11,12 +11,15 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from rcoder.agent.processes.relayed import RelayedStart
+from rcoder.relay.host import HostRelays
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -236,6 +239,49 @@ async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats
     assert text_of(events) == "".join(f"c{i} " for i in range(40)) + "I remember nothing."
     assert daemon.logs("relayed_agent_reattaching"), "the daemon's stream was taken and attached again"
     assert not daemon.logs("relayed_agent_lost")
+
+
+async def test_stdin_written_while_another_stream_holds_the_agent_reaches_it_once(
+    fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    """The daemon's side alone (``HostRelays``, ``AttachedAgent``) on a real relay: a stdin frame
+    written while its stream is taken is sent again after the re-attach, and arrives once."""
+    relays = HostRelays(tmp_path / "relays", stop_grace=1.0)
+    project = tmp_path / "workspace" / "p"
+    project.mkdir(parents=True)
+    args = fake.profile()["args"]
+    assert isinstance(args, list)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(fake.folder)}
+    start = RelayedStart(name="fake", project="p", session_id="s", argv=(sys.executable, *args), env=env,
+                         cwd=str(project), confinement=None, limits=None, user=None)  # fmt: skip
+    try:
+        child = await relays.spawn(start, 1.0)
+        relays_ended.append(child.place.relay_pid)
+        secret = (tmp_path / "relays" / "p" / "secret").read_text().strip()
+        async with grpc.aio.insecure_channel(child.place.socket) as channel:
+            stub = relay_grpc.RelayServiceStub(channel)
+            call = stub.Attach(metadata=(("authorization", f"Bearer {secret}"),))
+            opening = relay_pb.AttachOpen(agent_id=child.place.agent_id, generation=1, from_seq=1)
+            await call.write(relay_pb.AttachRequest(open=opening))
+            assert (await call.read()).WhichOneof("message") == "ready"  # the child's stream was ended
+            request = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+            child.stdin.write(json.dumps(request).encode() + b"\n")
+            await child.stdin.drain()
+            call.cancel()
+        output = b""
+        async with asyncio.timeout(20):
+            while b"\n" not in output:  # the reader holds at most one read: read() it, as the transport does
+                output += await child.stdout.read(1 << 16)
+        answer = json.loads(output)
+        assert answer["id"] == 1 and "result" in answer
+        assert len(fake.requests("initialize")) == 1
+        child.stdin.close()  # the end of stdin through the stream: the fake agent exits 0
+        async with asyncio.timeout(20):
+            await child.exited
+            assert await child.stdout.read() == b""  # its end, after the exit
+        assert child.returncode == 0
+    finally:
+        await relays.aclose()
 
 
 @pytest.mark.fast

@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, field_validator
 
 from rcoder import landlock
 from rcoder.builtin_agents import AGENTS_DIR as AGENTS_DIR  # public here too
@@ -177,6 +177,11 @@ class ProfileKeys(_Schema):
     # the agent reach everything the daemon's user may reach.
     sandbox: Literal["auto", "landlock", "none"] = "auto"
     """auto (landlock where the kernel has it) | landlock | none; see What an agent can reach"""
+    # Where its agents run (docs/relay.md#placement): "local", the daemon's own child; "relay", a child of
+    # `rcoder relay`, a process per project on this host that the daemon starts and that outlives it.
+    placement: Literal["local", "relay"] = "local"
+    """local (a child of the daemon) | relay (a child of a relay per project on this host, started by
+    the daemon and outliving it); see Relay"""
     read_paths: Array[ConfigPath] = ()
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
@@ -210,6 +215,16 @@ class ProfileKeys(_Schema):
     checkpoint_exclude: Array[str] = DEFAULT_CHECKPOINT_EXCLUDE
     """gitignore patterns a turn's snapshots leave out, besides the project's .gitignore files
     (default: node_modules/, .venv/, __pycache__/); see Checkpoints"""
+
+    @field_validator("placement", mode="before")
+    @classmethod
+    def _placement_built(cls, value: Any) -> Any:
+        """``container`` is a placement the issue names and that is not built yet: said so, with
+        what exists, rather than as one more value the key does not take."""
+        if value == "container":
+            raise ValueError('"container" is not built yet; the placements there are "local" and "relay" '
+                             "(docs/relay.md#placement)")  # fmt: skip
+        return value
 
 
 class AgentProfile(ProfileKeys):

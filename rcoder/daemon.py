@@ -20,7 +20,7 @@ from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
 from rcoder.agent.processes.tree import MARK, Trees
-from rcoder.agent.profiles.profile import network_of, readiness_of
+from rcoder.agent.profiles.profile import network_of, readiness_of, relays_root
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
 from rcoder.api.callers import ClientTable, jwt_callers
@@ -34,6 +34,7 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
+from rcoder.relay.host import HostRelays
 from rcoder.session.files.project_files import ProjectFiles
 from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
@@ -113,7 +114,9 @@ class Daemon:
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
         # every process tree the daemon starts (agents, git), marked and ended whole (docs/design/turn.md#the-parts)
         self.trees = Trees()
-        self.launcher = AgentLauncher(settings, self.trees, limits=self.limits)
+        # a relay per project for the profiles with placement = "relay" (docs/relay.md#placement)
+        self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace)
+        self.launcher = AgentLauncher(settings, self.trees, limits=self.limits, relays=self.relays)
         # The pool and the lease keeper tell the daemon what happened to a session (``_agent_closed``,
         # ``_lease_lost``); they never call each other.
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
@@ -261,6 +264,9 @@ class Daemon:
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
         self.trees.start(asyncio.get_running_loop())
+        # what a killed daemon's relays still run serves no session held here: they are stopped, their
+        # agents with them (docs/relay.md#placement), after the reaper is started (they are our children)
+        await self.relays.end_found()
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()
@@ -412,6 +418,7 @@ class Daemon:
             self._checkpoint_sweep.cancel()
             await asyncio.gather(self._checkpoint_sweep, return_exceptions=True)
         await self.intake.aclose()
+        await self.relays.aclose()  # every agent is closed: the relays go, before the rest below the daemon
         self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()

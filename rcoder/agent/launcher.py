@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
+import os
 import stat
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -35,6 +38,7 @@ from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.processes.relayed import RelayedStart, Relays
 from rcoder.agent.processes.tree import Trees
 from rcoder.agent.profiles.erase import Erased, erase_conversation
 from rcoder.agent.profiles.homes import SHARED, Homes
@@ -42,7 +46,7 @@ from rcoder.agent.profiles.kinds import OwnDelete, kind_of
 from rcoder.agent.profiles.profile import agent_homes, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import AgentCapabilities, ModelProvider, OpenMethod, ResumeRoute
-from rcoder.errors import AgentProtocolError, ConfigError, SessionGone
+from rcoder.errors import AgentProtocolError, AgentUnavailable, ConfigError, SessionGone
 from rcoder.logs import get_logger
 
 log = get_logger(__name__)
@@ -76,8 +80,11 @@ class AgentLauncher:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         lists: SessionLists | None = None,
         limits: Cgroups | None = None,
+        relays: Relays | None = None,
     ) -> None:
         self._settings = settings
+        # where a profile with placement = "relay" runs its agents (docs/relay.md#placement); None: nowhere
+        self.relays = relays
         # each agent's cgroup (docs/limits.md); None: agents run unlimited
         self.limits = limits
         self._clock = clock
@@ -402,11 +409,51 @@ class AgentLauncher:
         self._processes.add(process)
         return process
 
+    async def _spawn_relayed(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
+        """``argv`` started on the relay of ``cwd``'s project (docs/relay.md#placement) with what the
+        local spawn would give it (``ready``: its environment and grants; the profile's limits; the
+        agents' uid), owned as a local agent is: an ``AgentProcess`` whose child is the relay's."""
+        if self.relays is None:
+            raise AgentUnavailable(f'agent {profile.name!r} has placement = "relay" and this daemon runs no '
+                                   "relays", agent=profile.name)  # fmt: skip
+        project = relay_folder(self._settings.workspace_root, cwd)
+        start = RelayedStart(
+            name=profile.name,
+            project=project,
+            # the relay files agents by session; the session's owner will pass its own id and lease
+            # generation (relayed.RELAY_GENERATION until then)
+            session_id=f"{project}/{uuid.uuid4().hex}",
+            argv=tuple(argv),
+            env=ready.env,
+            cwd=cwd,
+            confinement=ready.confinement,
+            limits=Values(profile.memory_max, profile.pids_max, profile.cpu_max or None),
+            user=self.user.switch,
+        )
+        try:
+            child = await self.relays.spawn(start, self._settings.agent_stop_grace)
+        except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
+            remove_tmpdir(ready.home, ready.tmpdir)
+            raise
+        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, self._settings.agent_stop_grace,
+                               on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir))  # fmt: skip
+        place = child.place
+        log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement="relay",
+                 relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
+                 sandbox=f"landlock (ABI {ready.confinement.abi})" if ready.confinement else "none",
+                 uid=self.user.switch[0] if self.user.switch else os.geteuid())  # fmt: skip
+        self._processes.add(process)
+        return process
+
     async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
         """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
         ready = await prepared(self._settings, self.homes, profile, cwd, provider)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
-            process = await self._spawn(profile, [ready.command, *profile.args, *ready.args], cwd, ready)
+            argv = [ready.command, *profile.args, *ready.args]
+            if profile.placement == "relay":
+                process = await self._spawn_relayed(profile, argv, cwd, ready)
+            else:
+                process = await self._spawn(profile, argv, cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)
         handler = AcpClientHandler(profile.name)
         pipe = PipeTransport(
@@ -473,3 +520,12 @@ class AgentLauncher:
             return OpenMethod.LOAD
         # agents that take it (Claude's adapter) resume through session/new _meta
         return OpenMethod.META
+
+
+def relay_folder(workspace_root: Path, cwd: str) -> str:
+    """The name of ``cwd``'s project's relay folder: the project's folder name under the workspace
+    (one relay per project on this host), or, for a cwd elsewhere, a name made from its path."""
+    path = Path(cwd)
+    if path.is_relative_to(workspace_root) and path != workspace_root:
+        return path.relative_to(workspace_root).parts[0]
+    return "cwd-" + hashlib.sha256(cwd.encode()).hexdigest()[:16]

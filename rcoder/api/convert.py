@@ -339,6 +339,8 @@ class _Readiness(Protocol):
     def not_runnable(self) -> tuple[str, ...]: ...
     @property
     def placement(self) -> str: ...
+    @property
+    def relay_root(self) -> str: ...
 
 
 def agent_readiness(readiness: _Readiness) -> dict[str, Any]:
@@ -350,6 +352,7 @@ def agent_readiness(readiness: _Readiness) -> dict[str, Any]:
         "key_variable": readiness.key_variable,
         "key_present": readiness.key_present,
         "placement": readiness.placement,
+        "relay_root": readiness.relay_root,
     }
 
 

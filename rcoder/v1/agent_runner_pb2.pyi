@@ -2395,6 +2395,7 @@ class AgentInfo(_message.Message):
     KEY_VARIABLE_FIELD_NUMBER: _builtins.int
     KEY_PRESENT_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
+    RELAY_ROOT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """the profile's name: what ChatRequest.agent names"""
     command: _builtins.str
@@ -2436,7 +2437,9 @@ class AgentInfo(_message.Message):
     key_present: _builtins.bool
     """that variable is set for its agents (or the profile's model_api_key is)"""
     placement: _builtins.str
-    """where its agents run: "local" (on the host that answered; the only placement today)"""
+    """where its agents run: "local" (children of the host that answered) or "relay" (children of a relay per project on that host, docs/relay.md#placement)"""
+    relay_root: _builtins.str
+    """With placement "relay": the folder holding each project's relay folder on the host that answered (<relay_root>/<project>: its lock, its socket relay.sock, its secret and relay.log); "" otherwise."""
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """its arguments"""
@@ -2490,10 +2493,11 @@ class AgentInfo(_message.Message):
         key_variable: _builtins.str = ...,
         key_present: _builtins.bool = ...,
         placement: _builtins.str = ...,
+        relay_root: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network", "promises", b"promises"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "command_found", b"command_found", "cpu_max", b"cpu_max", "default", b"default", "key_present", b"key_present", "key_variable", b"key_variable", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "not_runnable", b"not_runnable", "pids_max", b"pids_max", "placement", b"placement", "promises", b"promises", "resume", b"resume", "runnable", b"runnable", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "command_found", b"command_found", "cpu_max", b"cpu_max", "default", b"default", "key_present", b"key_present", "key_variable", b"key_variable", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "not_runnable", b"not_runnable", "pids_max", b"pids_max", "placement", b"placement", "promises", b"promises", "relay_root", b"relay_root", "resume", b"resume", "runnable", b"runnable", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -286,7 +286,7 @@ class _Pipes:
 
 
 class ConfinedChild:
-    """A confined agent, as ``AgentProcess`` owns it (see ``process._Child``)."""
+    """A confined agent, as ``AgentProcess`` owns it (see ``process.Child``)."""
 
     def __init__(self, pid: int, exited: _Exit, pipes: _Pipes) -> None:
         assert pipes.stdin is not None and len(pipes.streams) == 2

@@ -137,9 +137,10 @@ class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
 _Creation = asyncio.Task[tuple[asyncio.SubprocessTransport, _Protocol]]
 
 
-class _Child(Protocol):
-    """A started agent process, however it was started: an asyncio subprocess (``_Subprocess``)
-    or a confined one (``confined.ConfinedChild``)."""
+class Child(Protocol):
+    """A started agent process, however it was started: an asyncio subprocess (``_Subprocess``),
+    a confined one (``confined.ConfinedChild``), or one a relay runs, its stdio over the relay's
+    Attach stream (``rcoder.agent.processes.relayed``, docs/relay.md#placement)."""
 
     pid: int
     stdin: asyncio.StreamWriter
@@ -160,7 +161,7 @@ class _Child(Protocol):
 
 
 class _Subprocess:
-    """An asyncio subprocess as a ``_Child``."""
+    """An asyncio subprocess as a ``Child``."""
 
     def __init__(self, transport: asyncio.SubprocessTransport, protocol: _Protocol) -> None:
         self._transport = transport
@@ -189,7 +190,7 @@ class AgentProcess:
 
     def __init__(
         self,
-        child: _Child,
+        child: Child,
         name: str,
         stderr_tail_bytes: int,
         stop_grace: float,
@@ -342,7 +343,7 @@ class AgentProcess:
     @classmethod
     def _started(
         cls,
-        child: _Child,
+        child: Child,
         name: str,
         stderr_tail_bytes: int,
         stop_grace: float,

@@ -48,11 +48,18 @@ class Readiness:
     key_variable: str  # where its agent reads its model key ("": rcoder knows of none it needs)
     key_present: bool  # that variable is set for its agents, or the profile's model_api_key is
     not_runnable: tuple[str, ...]  # why it cannot run, each with its fix; empty when it can
-    placement: str = "local"  # where its agents run: on this host (the only placement today)
+    placement: str = "local"  # where its agents run: "local" or "relay" (docs/relay.md#placement)
+    relay_root: str = ""  # with "relay": the folder of each project's relay folder
 
     @property
     def runnable(self) -> bool:
         return not self.not_runnable
+
+
+def relays_root(settings: Settings) -> Path:
+    """Where the relays of this host's projects keep their state, a folder each
+    (docs/relay.md#placement)."""
+    return settings.data_dir / "relays"
 
 
 def readiness_of(settings: Settings, profile: AgentProfile) -> Readiness:
@@ -68,7 +75,8 @@ def readiness_of(settings: Settings, profile: AgentProfile) -> Readiness:
     if not has_key:
         why.append(f"{profile.key_variable} is not set: set it in the daemon's environment (the profile passes it "
                    "through) or the profile's model_api_key, or send model_provider.api_key")  # fmt: skip
-    return Readiness(found, profile.key_variable, has_key, tuple(why))
+    relays = str(relays_root(settings)) if profile.placement == "relay" else ""
+    return Readiness(found, profile.key_variable, has_key, tuple(why), profile.placement, relays)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,76 @@
+"""An agent a relay runs (a profile's ``placement = "relay"``, docs/relay.md#placement): what the
+launcher hands the relays (``RelayedStart``) and what it asks of them (``Relays``).
+
+The agent layer imports no gRPC: the relays are the relay package's (``rcoder.relay.host``), built
+by the daemon and passed to the launcher. What a spawn gives back is a ``Child`` like a local one
+(``rcoder.agent.processes.process``), its stdio carried over the relay's Attach stream, so an
+``AgentProcess`` owns it and the ACP layer reads and writes it as it does a local agent's pipes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from rcoder.agent.confinement.limits import Values
+from rcoder.agent.confinement.sandbox import Confinement
+from rcoder.agent.processes.process import Child
+
+# The lease generation a relayed agent is spawned and attached with. A relay takes 1 or more
+# (docs/relay.md#fencing); until the session's owner holds its agent and passes its lease's real
+# generation, every spawn of this daemon uses 1, so nothing is fenced between its own calls.
+RELAY_GENERATION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RelayedStart:
+    """One agent to start on the relay of ``project``: what the local spawn would start, as
+    ``rcoder.agent.prepare`` computed it (argv, environment, grants), with its limits and uid."""
+
+    name: str  # the profile's
+    project: str  # the relay's folder name under the relays' root
+    session_id: str  # what the relay files the agent under (its generations are per session)
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+    confinement: Confinement | None
+    limits: Values | None
+    user: tuple[int, int] | None
+    generation: int = RELAY_GENERATION
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPlace:
+    """Where a relayed agent runs: said in its start's log line."""
+
+    state_dir: str  # the relay's folder: its lock, socket, secret and log
+    socket: str  # its address on this host (unix:<state_dir>/relay.sock)
+    relay_pid: int
+    agent_id: str  # the relay's id of the agent
+
+
+class RelayedChild(Child, Protocol):
+    """A ``Child`` run by a relay, saying where."""
+
+    @property
+    def place(self) -> RelayPlace: ...
+
+
+class Relays(Protocol):
+    """The relays of this host's projects, each started on first use and reused while it lives."""
+
+    @property
+    def root(self) -> Path:
+        """The folder holding each project's relay folder."""
+
+    async def spawn(self, start: RelayedStart, stop_grace: float) -> RelayedChild:
+        """``start`` spawned on its project's relay (started first if none lives), attached.
+        ``AgentUnavailable`` when the relay cannot be started or reached, or refuses the spawn."""
+
+    async def end_found(self) -> int:
+        """At the daemon's start: every relay a killed daemon left under ``root`` stopped (its
+        agents ended with it); how many."""
+
+    async def aclose(self) -> None:
+        """At the daemon's stop, once its agents are closed: every relay stopped."""

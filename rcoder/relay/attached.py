@@ -1,0 +1,328 @@
+"""A relayed agent as the daemon owns it: a ``Child`` (``rcoder.agent.processes.process``) whose
+stdio is the relay's Attach stream (docs/relay.md#attach), so the whole ACP layer runs over it
+unchanged (docs/relay.md#placement).
+
+Its ``stdin`` and ``stdout`` are real pipes of the daemon's own, each end an asyncio stream: the
+ACP transport writes and reads them as it does a local agent's, and a full pipe holds the stream
+back as it holds a local agent (a turn's pacing, ``rcoder.agent.acp.transport``). Two tasks carry
+the bytes across:
+
+- the follower attaches, writes every stdout frame into the stdout pipe, acknowledges what the pipe
+  took, and, when the stream drops (the relay restarted its listener, a cut), attaches again from
+  the frame after the last one written, with a bounded backoff: nothing lost, nothing repeated. The
+  agent's exit, after its last frame, is the child's exit: its code, and its stderr's end on
+  ``stderr``;
+- the feeder numbers what the transport writes on stdin into frames, keeps each until a re-attach's
+  ``ready`` says the relay wrote it, and sends it; the end of stdin (``AgentProcess`` closing it)
+  is ``close_stdin``. After a re-attach the frames the relay has not written are sent again.
+
+Signals (``AgentProcess``'s SIGTERM and SIGKILL after its grace) are ``Signal`` calls to the
+agent's whole group. Every wait is bounded: a relay that cannot be reached for ``REATTACH_FOR``
+seconds, or whose process is gone (its agents die with it), or that no longer knows the agent, or a
+newer owner's generation, ends the child as an exit the daemon reports like a local agent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rcoder.agent.processes.relayed import RelayPlace
+from rcoder.logs import get_logger
+from rcoder.relay.v1 import relay_pb2 as pb
+from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+
+log = get_logger("rcoder.relay.attached")
+
+ACK_EVERY = 16  # frames written into the pipe between acknowledgements (and at every pause)
+REATTACH_FOR = 30.0  # seconds a dropped stream is attached again before the agent counts as lost
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 1.0
+_STDIN_READ = 1 << 20  # at most a frame's bound (MAX_FRAME in rcoder.relay.agents)
+_STDIN_KEPT = 4 << 20  # bytes of stdin frames kept before a Status call trims what the relay wrote
+# the exit code of an agent whose relay was lost: what a shell reports for a SIGKILLed process
+LOST_EXIT = -int(signal.SIGKILL)
+# what ends the attaching: the relay forgot the agent, a newer owner holds its session, the secret
+_FINAL = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}  # fmt: skip
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+class AttachedAgent:
+    """One agent of a relay, attached: the ``Child`` an ``AgentProcess`` owns. ``open`` makes it."""
+
+    def __init__(self, stub: pb_grpc.RelayServiceStub, metadata: Metadata, agent: pb.Agent, place: RelayPlace,
+                 generation: int, stop_grace: float) -> None:  # fmt: skip
+        self._stub, self._metadata = stub, metadata
+        self._agent_id, self._generation = agent.agent_id, generation
+        self._name = agent.name
+        self._stop_grace = stop_grace
+        self.place = place
+        self.pid = agent.pid
+        loop = asyncio.get_running_loop()
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self._returncode: int | None = None
+        self.stderr = asyncio.StreamReader()  # the exit's stderr tail, fed at the exit
+        self._written = 0  # the last stdout frame written into the pipe
+        self._acked = 0
+        self._stdin_seq = 0  # the last stdin frame numbered
+        self._stdin_frames: deque[pb.StdinFrame] = deque()  # numbered, not yet known written by the relay
+        self._stdin_kept = 0  # their bytes
+        self._stdin_ended = False  # the transport closed stdin: close_stdin is (re)sent after the frames
+        self._call: Any = None  # the Attach stream now open, while it is
+        self._write_lock = asyncio.Lock()  # one writer on the stream at a time, stdin frames in order
+        self._let_go = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # set by ``open``
+        self.stdin: asyncio.StreamWriter
+        self.stdout: asyncio.StreamReader
+        self._stdout_writer: asyncio.StreamWriter
+        self._stdout_read: asyncio.ReadTransport
+        self._stdin_reader: asyncio.StreamReader
+        self._follower: asyncio.Task[None]
+        self._feeder: asyncio.Task[None]
+
+    @classmethod
+    async def open(cls, stub: pb_grpc.RelayServiceStub, metadata: Metadata, agent: pb.Agent, place: RelayPlace,
+                   generation: int, stop_grace: float) -> AttachedAgent:  # fmt: skip
+        """The agent just spawned, its pipes made and its stream attached from its first frame."""
+        self = cls(stub, metadata, agent, place, generation, stop_grace)
+        loop = asyncio.get_running_loop()
+        out_r, out_w = os.pipe()
+        in_r, in_w = os.pipe()
+        try:
+            # the reader stops reading while it holds unread data (limit 1), as a local agent's
+            # (``rcoder.agent.processes.process._PIPE_BUFFER``): the rest waits in the pipe, then here
+            self.stdout = asyncio.StreamReader(limit=1)
+            read_transport, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(self.stdout), os.fdopen(out_r, "rb", 0)
+            )
+            self._stdout_read = read_transport
+            self._stdout_writer = await _writer(loop, os.fdopen(out_w, "wb", 0))
+            self.stdin = await _writer(loop, os.fdopen(in_w, "wb", 0))
+            self._stdin_reader = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._stdin_reader),
+                                         os.fdopen(in_r, "rb", 0))  # fmt: skip
+        except BaseException:
+            for fd in (out_r, out_w, in_r, in_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        self._follower = loop.create_task(self._follow(), name=f"relayed-stdout-{self.pid}")
+        self._feeder = loop.create_task(self._feed(), name=f"relayed-stdin-{self.pid}")
+        return self
+
+    # ------------------------------------------------------------ Child
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """The signal to the agent's whole group, by the relay (sent in the background: the caller
+        waits for the exit, bounded, as it does for a local agent)."""
+        if self._returncode is None:
+            self._spawn(self._signal(sig), f"relayed-signal-{self.pid}")
+
+    def let_go(self) -> None:
+        """SIGKILL the group, close our ends of the pipes (the readers see their end), waiting for
+        nothing; the exit still comes from the relay, or, ``stop_grace`` on, is taken as lost."""
+        self.signal_group(signal.SIGKILL)
+        self._let_go = True
+        if not self.stdin.transport.is_closing():
+            self.stdin.transport.abort()
+        self._stdout_read.close()
+        if not self.exited.done():
+            self._spawn(self._lost_after(self._stop_grace), f"relayed-letgo-{self.pid}")
+
+    def pipe_inodes(self) -> set[int]:
+        return set()  # the agent's own pipes are the relay's, on its side
+
+    # ------------------------------------------------------------ the stream
+
+    async def _follow(self) -> None:
+        """Attach, and attach again after every drop, until the agent's exit (or it is lost)."""
+        backoff, since = _BACKOFF_FIRST, asyncio.get_running_loop().time()
+        why = ""
+        while not self.exited.done():
+            call = self._stub.Attach(metadata=self._metadata)
+            try:
+                await self._opened(call)
+                backoff, since = _BACKOFF_FIRST, asyncio.get_running_loop().time()
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    if await self._took(call, response):
+                        return
+                why = "the relay ended the stream"
+            except grpc.aio.AioRpcError as exc:
+                why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() in _FINAL:
+                    self._lost(f"the relay refused the agent's stream ({why})")
+                    return
+            except (asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as exc:
+                why = str(exc) or type(exc).__name__
+            finally:
+                self._call = None
+                call.cancel()
+            waited = asyncio.get_running_loop().time() - since
+            if not _alive(self.place.relay_pid):  # its agents died with it (their death signal)
+                self._lost(f"the relay (pid {self.place.relay_pid}) is gone ({why})")
+                return
+            if waited > REATTACH_FOR:
+                self._lost(f"the relay could not be reached for {waited:.0f} s ({why})")
+                return
+            log.info("relayed_agent_reattaching", agent=self._name, pid=self.pid, agent_id=self._agent_id,
+                     from_seq=self._written + 1, why=why)  # fmt: skip
+            await asyncio.sleep(backoff)  # a retry's pace, not a synchronisation: the relay is away
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    async def _opened(self, call: Any) -> None:
+        """Open ``call`` from the frame after the last one written; once ready, the stdin frames the
+        relay has not written are sent again (and the end of stdin, when it came)."""
+        opening = pb.AttachOpen(agent_id=self._agent_id, generation=self._generation, from_seq=self._written + 1)
+        await call.write(pb.AttachRequest(open=opening))
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("message") != "ready":
+            raise ConnectionError("the relay's stream did not start with ready")
+        async with self._write_lock:
+            self._trim(first.ready.stdin_seq)
+            for frame in self._stdin_frames:
+                await call.write(pb.AttachRequest(stdin=frame))
+            if self._stdin_ended:
+                await call.write(pb.AttachRequest(close_stdin=True))
+            self._acked = self._written
+            self._call = call
+
+    async def _took(self, call: Any, response: pb.AttachResponse) -> bool:
+        """One message of the relay's; True at the agent's exit."""
+        kind = response.WhichOneof("message")
+        if kind == "frame":
+            frame = response.frame
+            if frame.seq <= self._written:
+                return False  # never sent twice by a relay; kept out all the same
+            if not self._let_go:
+                try:
+                    self._stdout_writer.write(frame.data)
+                    await self._stdout_writer.drain()  # a full pipe: the reader is paced, the relay keeps it
+                except ConnectionError:
+                    self._let_go = True  # our reading end is closed: the agent is being let go
+            self._written = frame.seq
+            if self._written - self._acked >= ACK_EVERY or self._let_go:
+                await self._ack(call)
+        elif kind == "lagged":
+            lagged = response.lagged
+            log.error("relayed_agent_lagged", agent=self._name, pid=self.pid, agent_id=self._agent_id,
+                      dropped_frames=lagged.dropped_frames, next_seq=lagged.next_seq,
+                      why="the relay's buffer dropped frames before the daemon read them")  # fmt: skip
+            self._written = lagged.next_seq - 1
+        elif kind == "exit":
+            await self._ack(call)
+            self._exit(response.exit.exit_code, response.exit.stderr_tail)
+            return True
+        return False
+
+    async def _ack(self, call: Any) -> None:
+        if self._written > self._acked:
+            async with self._write_lock:
+                await call.write(pb.AttachRequest(ack=self._written))
+            self._acked = self._written
+
+    async def _feed(self) -> None:
+        """What the transport writes on stdin, numbered into frames and sent; its end, close_stdin."""
+        while chunk := await self._stdin_reader.read(_STDIN_READ):
+            async with self._write_lock:
+                self._stdin_seq += 1
+                frame = pb.StdinFrame(seq=self._stdin_seq, data=chunk)
+                self._stdin_frames.append(frame)
+                self._stdin_kept += len(chunk)
+                await self._send(pb.AttachRequest(stdin=frame))
+            if self._stdin_kept > _STDIN_KEPT:
+                await self._trim_by_status()
+        async with self._write_lock:
+            self._stdin_ended = True
+            await self._send(pb.AttachRequest(close_stdin=True))
+
+    async def _send(self, request: pb.AttachRequest) -> None:
+        """On the stream open now (the write lock held); with none, or a broken one, the next
+        attach sends it again."""
+        if self._call is None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            await self._call.write(request)
+
+    def _trim(self, written: int) -> None:
+        """Forget the stdin frames the relay says it wrote."""
+        while self._stdin_frames and self._stdin_frames[0].seq <= written:
+            self._stdin_kept -= len(self._stdin_frames.popleft().data)
+
+    async def _trim_by_status(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            status = await self._stub.Status(pb.StatusRequest(agent_id=self._agent_id), metadata=self._metadata,
+                                             timeout=self._stop_grace)  # fmt: skip
+            self._trim(status.agent.stdin_seq)
+
+    async def _signal(self, sig: signal.Signals) -> None:
+        request = pb.SignalRequest(agent_id=self._agent_id, generation=self._generation, signal=int(sig))
+        try:
+            await self._stub.Signal(request, metadata=self._metadata, timeout=self._stop_grace)
+        except grpc.aio.AioRpcError as exc:  # gone already, or the relay is away: its exit says the rest
+            log.info("relayed_agent_signal_failed", agent=self._name, pid=self.pid, signal=sig.name,
+                     code=exc.code().name, details=exc.details())  # fmt: skip
+        except grpc.aio.UsageError as exc:  # the daemon is stopping: its channel to the relay is closed
+            log.info("relayed_agent_signal_failed", agent=self._name, pid=self.pid, signal=sig.name, details=str(exc))
+
+    async def _lost_after(self, grace: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.exited), grace)
+            return
+        self._follower.cancel()
+        self._lost(f"no exit came from the relay {grace} s after the agent was let go")
+
+    # ------------------------------------------------------------ the end
+
+    def _exit(self, code: int, stderr_tail: str) -> None:
+        """The agent's exit: its code, its stderr's end, the end of its stdout (after what was written)."""
+        if self.exited.done():
+            return
+        self._returncode = code
+        if stderr_tail:
+            self.stderr.feed_data(stderr_tail.encode())
+        self.stderr.feed_eof()
+        self._stdout_writer.close()
+        self._feeder.cancel()
+        self.exited.set_result(None)
+
+    def _lost(self, why: str) -> None:
+        log.warning("relayed_agent_lost", agent=self._name, pid=self.pid, agent_id=self._agent_id, why=why,
+                    relay=self.place.socket)  # fmt: skip
+        self._exit(LOST_EXIT, f"rcoder: {why}")
+
+    def _spawn(self, coroutine: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (a relay on this host) still runs: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except (PermissionError, OSError, IndexError):
+        return True  # there, though not ours to read: counted as running
+    return state != "Z"
+
+
+async def _writer(loop: asyncio.AbstractEventLoop, pipe: Any) -> asyncio.StreamWriter:
+    """A stream writer on our end of a pipe (asyncio's own flow control: ``drain`` waits while the
+    pipe is full)."""
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, pipe)
+    return asyncio.StreamWriter(transport, protocol, None, loop)

@@ -1,0 +1,291 @@
+"""A profile's ``placement = "relay"`` (docs/relay.md#placement): a real daemon starts a real
+``rcoder relay`` for the project, and the scripted fake agent runs under it, its ACP over Attach.
+
+Every relay a test's daemon leaves running (its SIGKILL) is ended by the test, its whole process
+group, on every path (``relays_ended``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rcoder.agent.processes.relayed import RelayedStart
+from rcoder.relay.host import HostRelays
+from rcoder.relay.v1 import relay_pb2 as relay_pb
+from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory, exited
+from tests.harness import FakeAgentSetup, completed, config_error, eventually, started, text_of
+from tests.relay.conftest import RelayFactory
+
+
+def relay_pid(data_dir: Path, project: str = "proj") -> int | None:
+    """The pid the project's relay wrote in its lock (None when the file has none)."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = json.loads((data_dir / "relays" / project / "daemon.lock").read_text()).get("pid")
+        return pid if isinstance(pid, int) else None
+    return None
+
+
+def parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("PPid:")).split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+async def relays_ended(tmp_path: Path) -> AsyncIterator[list[int]]:
+    """Relays the test saw; each one's group SIGKILLed after it, whatever happened (a relay leads
+    its own session, so its group is its own), and waited for."""
+    seen: list[int] = []
+    try:
+        yield seen
+    finally:
+        for pid in seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            await exited(pid)
+
+
+def profiles(fake: FakeAgentSetup) -> dict[str, dict[str, object]]:
+    return {"fake": fake.profile(), "relayed": fake.profile(placement="relay")}
+
+
+def shape(events: list[pb.ChatStream]) -> list[str]:
+    """What a client sees of a turn, without ids and times: the kinds of its events in order, a run
+    of text chunks as one (how many chunks one event joins depends on when they arrived, whatever
+    the placement)."""
+    kinds: list[str] = []
+    for event in events:
+        kind = str(event.WhichOneof("event"))
+        if not (kinds and kind == kinds[-1] == "agent_message"):
+            kinds.append(kind)
+    return kinds
+
+
+async def test_a_relayed_turn_ends_as_a_local_one_and_the_next_resumes_live(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    local = await client.chat(prompt="remember 42 stream 3", agent="fake", project_id="local")
+    relayed = await client.chat(prompt="remember 42 stream 3", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+
+    assert completed(relayed).stop_reason == pb.STOP_REASON_END_TURN
+    assert shape(relayed) == shape(local)
+    assert text_of(relayed) == text_of(local) == "c0 c1 c2 I remember: 42"
+    second = await client.chat(prompt="what number?", session_id=relayed[0].session_id)
+    assert started(second).resume == pb.RESUME_OUTCOME_LIVE
+    assert text_of(second) == "I remember: 42"
+
+    spawned = daemon.logs("agent_spawned")
+    relayed_spawn = next(row for row in spawned if row.get("placement") == "relay")
+    agent = relayed_spawn["pid"]
+    assert relayed_spawn["relay_pid"] == pid
+    assert parent_of(agent) == pid, "the relayed agent is the relay's child, not the daemon's"
+    assert agent in fake.pids()
+    assert relayed_spawn["state_dir"] == str(tmp_path / "data" / "relays" / "proj")
+    listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
+    assert (listed["relayed"].placement, listed["relayed"].relay_root) == ("relay", str(tmp_path / "data" / "relays"))
+    assert (listed["fake"].placement, listed["fake"].relay_root) == ("local", "")
+
+    # the daemon's stop closes the agent through the relay, then stops the relay
+    await daemon.stop()
+    await eventually(lambda: not alive(agent) and not alive(pid))
+
+
+async def test_a_relayed_agents_crash_is_told_as_a_local_agents(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    _, client = await make_daemon(profiles(fake))
+    local = completed(await client.chat(prompt="crash", agent="fake", project_id="local"))
+    relayed = completed(await client.chat(prompt="crash", agent="relayed"))
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+
+    assert relayed.stop_reason == local.stop_reason == pb.STOP_REASON_ERROR
+    assert relayed.error_reason == local.error_reason
+    # its exit code and the end of its stderr, from the relay's exit message
+    assert "fake agent crashing" in relayed.error and "fake agent crashing" in local.error
+    assert relayed.error.replace("relayed", "fake") == local.error, (relayed.error, local.error)
+
+
+async def test_a_relay_found_alive_in_the_projects_folder_is_used_as_it_is(
+    make_daemon: DaemonFactory, make_relay: RelayFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    relay = await make_relay(state_dir=tmp_path / "data" / "relays" / "proj")  # after the daemon's start
+
+    events = await client.chat(prompt="remember 5", agent="relayed")
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+    assert [row["pid"] for row in daemon.logs("relay_reused")] == [relay.pid]
+    assert not daemon.logs("relay_started")
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    assert parent_of(agent) == relay.pid
+
+
+async def test_a_relay_killed_mid_turn_ends_the_turn_as_a_crash_and_the_next_turn_resumes_on_a_new_one(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    opened = await client.chat(prompt="remember 9", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    turn = asyncio.create_task(client.chat(prompt="stream 400 pace 25", session_id=opened[0].session_id))
+    await eventually(lambda: len(fake.requests("session/prompt")) == 2)
+    os.killpg(pid, signal.SIGKILL)  # the relay leads its own group; its agent dies with it (death signal)
+
+    async with asyncio.timeout(8):  # well before REATTACH_FOR: the relay's death is seen, not waited out
+        events = await turn
+    assert completed(events).stop_reason == pb.STOP_REASON_ERROR
+    assert completed(events).error_reason == "AGENT_CRASHED"
+    assert daemon.logs("relayed_agent_lost")
+    again = await client.chat(prompt="what number?", session_id=opened[0].session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 9"
+    new_relay = relay_pid(tmp_path / "data")
+    assert new_relay is not None and new_relay != pid
+    relays_ended.append(new_relay)
+
+
+async def test_a_killed_daemon_leaves_its_relay_and_agent_running_and_the_next_daemon_stops_them(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    first = await client.chat(prompt="remember 7", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+
+    await daemon.kill()  # SIGKILL to the daemon's group: the relay leads a session of its own
+    assert alive(pid) and alive(agent), "the relay and its agent outlive the daemon"
+    assert parent_of(agent) == pid
+
+    # the next daemon on the same data_dir stops what it finds before it serves: no agent is left
+    # that no session holds (re-attaching it is the session owner's, not built yet)
+    second, client = await make_daemon(profiles(fake))
+    found = second.logs("relay_found_stopped")
+    assert [row["pid"] for row in found] == [pid]
+    await eventually(lambda: not alive(agent) and not alive(pid))
+    again = await client.chat(prompt="what number?", session_id=first[0].session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    assert text_of(again) == "I remember: 7"
+    new_relay = relay_pid(tmp_path / "data")
+    assert new_relay is not None and new_relay != pid
+    relays_ended.append(new_relay)
+
+
+async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats_nothing(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    opened = await client.chat(prompt="hello", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    agent_id = next(row["agent_id"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    folder = tmp_path / "data" / "relays" / "proj"
+    secret = (folder / "secret").read_text().strip()
+
+    turn = asyncio.create_task(
+        client.chat(prompt="stream 40 pace 25", session_id=opened[0].session_id, agent="relayed")
+    )
+    # Another stream of the same generation takes the agent from the daemon's mid-turn (the relay
+    # ends the daemon's stream ABORTED), reads a few frames without acknowledging them, and drops.
+    async with grpc.aio.insecure_channel(f"unix:{folder / 'relay.sock'}") as channel:
+        stub = relay_grpc.RelayServiceStub(channel)
+        metadata = (("authorization", f"Bearer {secret}"),)
+        # the turn's prompt reached the agent: it streams for a second from now
+        await eventually(lambda: len(fake.requests("session/prompt")) == 2)
+        status = await stub.Status(relay_pb.StatusRequest(agent_id=agent_id), metadata=metadata)
+        before = status.agent.last_seq
+        assert not turn.done()
+        call = stub.Attach(metadata=metadata)
+        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=1,
+                                                                          from_seq=before + 1)))  # fmt: skip
+        ready = await call.read()
+        assert ready.WhichOneof("message") == "ready"
+        taken = 0
+        with contextlib.suppress(grpc.aio.AioRpcError):  # ABORTED: the daemon took the agent back already
+            while taken < 3 and (message := await call.read()) is not grpc.aio.EOF:
+                taken += message.WhichOneof("message") == "frame"
+        call.cancel()
+    events = await turn
+
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(events) == "".join(f"c{i} " for i in range(40)) + "I remember nothing."
+    assert daemon.logs("relayed_agent_reattaching"), "the daemon's stream was taken and attached again"
+    assert not daemon.logs("relayed_agent_lost")
+
+
+async def test_stdin_written_while_another_stream_holds_the_agent_reaches_it_once(
+    fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    """The daemon's side alone (``HostRelays``, ``AttachedAgent``) on a real relay: a stdin frame
+    written while its stream is taken is sent again after the re-attach, and arrives once."""
+    relays = HostRelays(tmp_path / "relays", stop_grace=1.0)
+    project = tmp_path / "workspace" / "p"
+    project.mkdir(parents=True)
+    args = fake.profile()["args"]
+    assert isinstance(args, list)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(fake.folder)}
+    start = RelayedStart(name="fake", project="p", session_id="s", argv=(sys.executable, *args), env=env,
+                         cwd=str(project), confinement=None, limits=None, user=None)  # fmt: skip
+    try:
+        child = await relays.spawn(start, 1.0)
+        relays_ended.append(child.place.relay_pid)
+        secret = (tmp_path / "relays" / "p" / "secret").read_text().strip()
+        async with grpc.aio.insecure_channel(child.place.socket) as channel:
+            stub = relay_grpc.RelayServiceStub(channel)
+            call = stub.Attach(metadata=(("authorization", f"Bearer {secret}"),))
+            opening = relay_pb.AttachOpen(agent_id=child.place.agent_id, generation=1, from_seq=1)
+            await call.write(relay_pb.AttachRequest(open=opening))
+            assert (await call.read()).WhichOneof("message") == "ready"  # the child's stream was ended
+            request = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+            child.stdin.write(json.dumps(request).encode() + b"\n")
+            await child.stdin.drain()
+            call.cancel()
+        output = b""
+        async with asyncio.timeout(20):
+            while b"\n" not in output:  # the reader holds at most one read: read() it, as the transport does
+                output += await child.stdout.read(1 << 16)
+        answer = json.loads(output)
+        assert answer["id"] == 1 and "result" in answer
+        assert len(fake.requests("initialize")) == 1
+        child.stdin.close()  # the end of stdin through the stream: the fake agent exits 0
+        async with asyncio.timeout(20):
+            await child.exited
+            assert await child.stdout.read() == b""  # its end, after the exit
+        assert child.returncode == 0
+    finally:
+        await relays.aclose()
+
+
+@pytest.mark.fast
+def test_a_container_placement_is_refused_naming_the_placements_there_are(tmp_path: Path) -> None:
+    error = config_error(tmp_path, '[agents.x]\ncommand = "/bin/true"\nplacement = "container"\n')
+    assert error.key == "agents.x.placement"
+    assert '"container" is not built yet' in str(error) and '"local" and "relay"' in str(error)

@@ -120,6 +120,10 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.watch_runs(self.runs.held)
         self.metrics.watch_limits(self.limits.per_profile)
+        # Each session's owner here: its running turn and its waiting ones, where a cancel, a guard,
+        # a delete and a rewind reach them, and the one answer to whether a project is busy; and
+        # the one scope of the tasks the turns start.
+        self.live = LiveSessions(settings.max_queued_turns, self.runs, self.store)
         self.pool = AgentPool(settings, self.launcher, self.metrics, on_session_closed=self._agent_closed)
         coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
         self.leases = LeaseKeeper(
@@ -158,7 +162,7 @@ class Daemon:
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
-        self.files = ProjectFiles(settings, self.store, self.runs, checkpoints=self.checkpoints)  # docs/files.md
+        self.files = ProjectFiles(settings, self.store, self.live, checkpoints=self.checkpoints)  # docs/files.md
         self.server = GrpcServer(
             AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,
@@ -183,12 +187,9 @@ class Daemon:
     def _intake(self, settings: Settings) -> TurnIntake:
         """The turn engine: every part of it built here and handed down, none built by another
         (``tests/test_wiring.py`` keeps it so)."""
-        store, pool, runs, metrics = self.store, self.pool, self.runs, self.metrics
+        store, pool, runs, metrics, live = self.store, self.pool, self.runs, self.metrics, self.live
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
-        # Each session's owner here: its running turn and its waiting ones, where a cancel, a guard,
-        # a delete and a rewind reach them; and the one scope of the tasks the turns start.
-        live = LiveSessions(settings.max_queued_turns, runs)
         # workspace_max_bytes (docs/limits.md#disk) and [budgets] (docs/budgets.md): past one, the
         # turn is stopped (through ``live``) and the next is refused.
         disk = DiskGuard(settings, live)

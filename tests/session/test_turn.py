@@ -142,7 +142,7 @@ async def make_turns(
         launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
-        live = LiveSessions(settings.max_queued_turns, runs)
+        live = LiveSessions(settings.max_queued_turns, runs, store)
         tasks = Tasks(live)
         clock = lambda: datetime.now(UTC)  # noqa: E731
         holds = SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))

@@ -131,9 +131,11 @@ class SessionRewinder:
     async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
         record, target = await self._checked(session_id, run_id)
         rewind_id = new_id()
-        holder = self._runs.holder(session_id)
-        if holder is not None:  # the session's own turn (or rewind) is one running in the project
-            raise ProjectBusy(record.project_id, holder.run_id, BUSY_ADVICE)
+        # what runs in the project (the session's own turn or rewind included) is asked first, as a
+        # file write asks it, then again on this host with no await before the claim
+        busy = await self._live.busy(record.project_id) or self._live.busy_here(record.project_id)
+        if busy is not None:
+            raise ProjectBusy(record.project_id, busy, BUSY_ADVICE)
         hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
         self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
         try:
@@ -151,9 +153,8 @@ class SessionRewinder:
         repo = self._checkpoints.repo(project_id, record.cwd)
         excludes = self._excludes(record)
         async with self._checkpoints.locks[project_id]:
-            # a turn claimed here in the project (this session's own included), else one the store
-            # has running there on another host, as the file RPCs ask it
-            busy = self._live.running_in(project_id) or await self._store.running_in_project(project_id)
+            # asked again now that it is this rewind's turn: what claimed the project meanwhile
+            busy = await self._live.busy(project_id, besides=rewind_id)
             if busy is not None:
                 raise ProjectBusy(project_id, busy, BUSY_ADVICE)
             goal, _ = await self._checkpoints.commits(repo, target)

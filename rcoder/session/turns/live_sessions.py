@@ -43,6 +43,7 @@ from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.claimed_turn import ClaimedTurn
 from rcoder.session.turns.messages import Phase, StopCause
+from rcoder.store.base import SessionStore
 
 log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
@@ -148,9 +149,10 @@ class LiveSession:
 
 
 class LiveSessions:
-    def __init__(self, queue_limit: int, runs: RunRegistry) -> None:
+    def __init__(self, queue_limit: int, runs: RunRegistry, store: SessionStore) -> None:
         self._queue_limit = queue_limit  # max_queued_turns
         self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
+        self._store = store  # what runs in a project on other hosts (``busy``)
         self._owners: dict[str, LiveSession] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # the one scope of the tasks the turns start
         self.closing = False  # rcoder is stopping: no turn is taken in or claims its session
@@ -198,10 +200,24 @@ class LiveSessions:
         """Every claimed turn, whatever its phase."""
         return [owner.turn.run.run_id for owner in self._owners.values() if owner.turn is not None]
 
-    def running_in(self, project_id: str) -> str | None:
-        """A turn claimed here in the project (any phase), None when there is none."""
+    def busy_here(self, project_id: str, besides: str = "") -> str | None:
+        """What holds a session of the project on this host, by its run id: a claimed turn, in
+        any phase, or a hold that is no turn (a rewind's); ``besides`` (the asker's own hold) does
+        not count. None when nothing does. The one answer on this host to "is this project busy"
+        (docs/design/turn.md#busy)."""
         turns = (owner.turn for owner in self._owners.values() if owner.turn is not None)
-        return next((turn.run.run_id for turn in turns if turn.plan.turn.project_id == project_id), None)
+        for turn in turns:
+            if turn.plan.turn.project_id == project_id and turn.run.run_id != besides:
+                return turn.run.run_id
+        for run in self._runs.running():
+            if run.project_id == project_id and not run.done and run.run_id != besides:
+                return run.run_id
+        return None
+
+    async def busy(self, project_id: str, besides: str = "") -> str | None:
+        """``busy_here``, else a run the store has running in the project on another host: what a
+        file write, a rewind and a delete ask before they change the project's files."""
+        return self.busy_here(project_id, besides) or await self._store.running_in_project(project_id)
 
     def follows(self, run_id: str) -> str | None:
         """The run the claimed turn follows in its session ("" for its first; None: not running here)."""

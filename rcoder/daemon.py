@@ -134,7 +134,7 @@ class Daemon:
         jail = git_jail(settings, self.trees)
         self.checkpoints = Checkpoints(settings, self.store, self.trees, jail)  # docs/checkpoints.md
         self.intake = self._intake(settings)
-        queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
+        queries = Queries(settings, self.store, self.pool, self.runs, self.live, self.launcher)
         tls = None
         if settings.tls_cert:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
@@ -157,7 +157,7 @@ class Daemon:
         # whether the other hosts share this host's checkpoint_root (docs/design/hosts.md#checkpoint-roots)
         self.checkpoint_sharing = CheckpointSharing(checkpoint_root(settings), settings.checkpoints, self.leases)
         router = Router(
-            self.leases, self.runs, self.store, self.metrics, signals=sender, sharing=self.checkpoint_sharing
+            self.leases, self.runs, self.live, self.store, self.metrics, signals=sender, sharing=self.checkpoint_sharing
         )
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
@@ -202,7 +202,7 @@ class Daemon:
         steps = TurnSteps(
             opener=SessionOpener(settings, store, pool, metrics, self.holds, clock),
             records=records,
-            ender=TurnEnder(store, pool, runs, metrics, clock, live.spawn, history, self.checkpoints, records),
+            ender=TurnEnder(store, pool, runs, metrics, clock, live, history, self.checkpoints, records),
             permissions=PermissionBroker(settings.permission_timeout),
         )
         turns = TurnRunner(

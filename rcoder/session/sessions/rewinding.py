@@ -3,12 +3,13 @@ and the session going on from there.
 
 On the host that serves the session, in order:
 
-0. the rewind holds the session in the ``RunRegistry`` as a turn does (``claim``), from before
+0. the rewind holds the session in its owner (``LiveSessions.hold``) as a turn does, from before
    its first check to after its end is stored: a turn sent to the session meanwhile is refused
    ``SessionBusy`` or waits, as its ``busy`` asks, and then opens the session re-seeded, never
    the agent session the rewind forgets;
-1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
-   whatever its phase) or, as the store has it, on another host;
+1. refused (``ProjectBusy``) while a turn of any session or another rewind runs in the project,
+   here (claimed, whatever its phase, or held) or, as the store has it, on another host: the one
+   answer of ``LiveSessions.busy``, asked before the hold and again under the lock;
 2. under the project's checkpoint lock (no snapshot of a turn meanwhile), the project as it is
    now is snapshotted (the rewind's before), and the run is recorded running, of kind ``rewind``
    with its target and that before commit (``ListRuns``), before any file changes: the intent;
@@ -137,13 +138,13 @@ class SessionRewinder:
         if busy is not None:
             raise ProjectBusy(record.project_id, busy, BUSY_ADVICE)
         hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
-        self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
+        self._live.hold(hold)  # SessionDeleting; no await since the holder was read
         try:
             return await self._rewind_held(record, target, rewind_id, include_other_sessions)
         finally:
             self._checkpoints.settled(rewind_id)
             hold.fail(NotFound("run", rewind_id, "a rewind streams no events (ListRuns lists it)"))
-            self._runs.forget(hold)
+            self._live.forget(hold)
             guarded("next_turn", self._live.released, session_id)  # the first turn waiting claims the session now
 
     async def _rewind_held(
@@ -198,7 +199,7 @@ class SessionRewinder:
             # the files are where they must be: only now the agent and the transcript
             stopped = await self._forget(session_id, run_id)
             for other in sorted({r.session_id for r in taken}):
-                if self._runs.holder(other) is None:  # its next turn opens anew, and is told
+                if self._live.holder(other) is None:  # its next turn opens anew, and is told
                     await self._pool.close(other)
         shown = listed(changed)
         await self._store.put_run_checkpoint(

@@ -25,19 +25,22 @@ shutdown waits for (``wait_idle``) and, past its grace, cancels (``cancel_all``)
 outlives the owner that started it when the session is left with no turn meanwhile (the agent's
 group ended after the turn's end, say), so the scope is the registry's, not each owner's.
 
-Not yet here: the session's lease and its agent checkout are still held by ``SessionHolds`` and
-the pool, and which run holds the session by ``RunRegistry`` (the owner reads it there).
+The owner also holds which run holds the session (``hold``, ``let_go``: a turn's run, from its
+claim to its end, or a rewind's hold) and whether ``DeleteSession`` is erasing it (``deleting``),
+and so answers whether a project is busy (``busy``). Not yet here: the session's lease and its
+agent checkout are still held by ``SessionHolds`` and the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, ShuttingDown
+from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, SessionBusy, SessionDeleting, ShuttingDown
 from rcoder.logs import get_logger
 from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
@@ -79,18 +82,46 @@ class LiveSession:
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
+        self.holder: Run | None = None  # the run holding the session: a turn's, or a rewind's hold
         self.turn: ClaimedTurn | None = None
         self.waiting: deque[Waiting] = deque()
+        self.deleting = False  # DeleteSession is erasing the session: nothing claims it
 
     @property
     def idle(self) -> bool:
-        """No turn runs or waits: the registry keeps the owner no longer."""
-        return self.turn is None and not self.waiting
+        """Nothing holds the session, no turn runs or waits, no delete is under way: the
+        registry keeps the owner no longer."""
+        return self.holder is None and self.turn is None and not self.waiting and not self.deleting
 
     def turn_of(self, run_id: str) -> ClaimedTurn | None:
         """The running turn if it is run ``run_id``."""
         turn = self.turn
         return turn if turn is not None and turn.run.run_id == run_id else None
+
+    # ------------------------------------------------------------ who holds it
+
+    def hold(self, run: Run) -> None:
+        """``run`` holds the session from now on, else ``SessionBusy`` or ``SessionDeleting``."""
+        if self.holder is not None:
+            raise SessionBusy(self.session_id, self.holder.run_id)
+        if self.deleting:
+            raise SessionDeleting(self.session_id)
+        self.holder = run
+
+    def let_go(self, run: Run) -> None:
+        """``run`` no longer holds the session (a run that does not hold it changes nothing)."""
+        if self.holder is run:
+            self.holder = None
+
+    def delete(self) -> None:
+        """``DeleteSession`` erases the session from now on: nothing holds it anew."""
+        if self.deleting:
+            raise SessionDeleting(self.session_id)
+        self.deleting = True
+
+    def deleted(self) -> None:
+        """The delete is over (erased, or refused)."""
+        self.deleting = False
 
     # ------------------------------------------------------------ the running turn
 
@@ -182,6 +213,58 @@ class LiveSessions:
         owner = self._of_run(run_id)
         return owner.turn_of(run_id) if owner is not None else None
 
+    # ------------------------------------------------------------ who holds a session
+
+    def hold(self, run: Run) -> None:
+        """``run`` holds its session from now on (a turn's, or a rewind's hold), else
+        ``SessionBusy`` (another run holds it) or ``SessionDeleting``. The run is kept
+        (``RunRegistry.keep``): ``Cancel`` and shutdown see it in every phase."""
+        owner = self._owner(run.session_id)
+        try:
+            owner.hold(run)
+        finally:
+            self._tidy(owner)
+        self._runs.keep(run)
+
+    def let_go(self, run: Run) -> None:
+        """``run`` no longer holds its session (idempotent; a run that does not hold it changes
+        nothing). Whoever let go then tells ``released``, which hands the session on."""
+        owner = self._owners.get(run.session_id)
+        if owner is not None:
+            owner.let_go(run)
+            self._tidy(owner)
+
+    def forget(self, run: Run) -> None:
+        """A run refused before it started: its session let go of, and the run never visible again."""
+        self.let_go(run)
+        self._runs.forget(run)
+
+    def holder(self, session_id: str) -> Run | None:
+        """The run holding ``session_id``, in any phase (opening its agent included)."""
+        owner = self._owners.get(session_id)
+        return owner.holder if owner is not None else None
+
+    @contextmanager
+    def deleting(self, session_id: str) -> Iterator[None]:
+        """While in it, no run holds ``session_id`` anew (``SessionDeleting``); a second delete
+        of it is refused ``SessionDeleting``."""
+        owner = self._owner(session_id)
+        try:
+            owner.delete()
+        except SessionDeleting:
+            self._tidy(owner)
+            raise
+        try:
+            yield
+        finally:
+            owner.deleted()
+            self._tidy(owner)
+
+    def is_deleting(self, session_id: str) -> bool:
+        """Whether ``DeleteSession`` is erasing ``session_id`` now."""
+        owner = self._owners.get(session_id)
+        return owner is not None and owner.deleting
+
     # ------------------------------------------------------------ the running turns
 
     def claim(self, turn: ClaimedTurn) -> None:
@@ -209,7 +292,8 @@ class LiveSessions:
         for turn in turns:
             if turn.plan.turn.project_id == project_id and turn.run.run_id != besides:
                 return turn.run.run_id
-        for run in self._runs.running():
+        holds = (owner.holder for owner in self._owners.values() if owner.holder is not None)
+        for run in holds:
             if run.project_id == project_id and not run.done and run.run_id != besides:
                 return run.run_id
         return None
@@ -259,7 +343,7 @@ class LiveSessions:
         waiting claims it now, in this step, and its task starts. Never raises, as it is called
         from the end of what let go: a turn that cannot claim the session (rcoder stopping, the
         session being deleted) is refused, and so is every one behind it."""
-        if self._runs.holder(session_id) is not None:
+        if self.holder(session_id) is not None:
             return  # still held: what let go was not its holder
         waiting = self.next_waiting(session_id)
         if waiting is None:
@@ -268,7 +352,7 @@ class LiveSessions:
         try:
             if self.closing:
                 raise ShuttingDown()
-            self._runs.claim(run)
+            self.hold(run)
         except RcoderError as exc:
             self.refuse(waiting, exc)
             self.refuse_waiting(session_id, exc)
@@ -310,7 +394,7 @@ class LiveSessions:
     def refuse(self, waiting: Waiting, error: RcoderError) -> None:
         """A turn taken out of its line that will never run: its followers get ``error``, and it is forgotten."""
         waiting.refuse(error)
-        self._runs.forget(waiting.run)
+        self.forget(waiting.run)
 
     def drop(self, waiting: Waiting, why: str) -> None:
         """A turn taken out of its line that will never run: cancelled; its followers are told."""

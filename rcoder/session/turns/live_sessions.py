@@ -20,8 +20,9 @@ Waiting turns live in this process only: a daemon that stops refuses them (``Shu
 and they are not there after a restart.
 
 The tasks: every task a turn starts (the turn's own, a cancel sent to its agent, its group ended
-after ``cancel_grace``, a snapshot discarded) is started in the registry's one scope, which
-shutdown waits for (``wait_idle``) and, past its grace, cancels (``cancel_all``). A task
+after ``cancel_grace``, a snapshot discarded) is started in the registry's one scope
+(``TaskScope``: a TaskGroup's guarantees), which shutdown waits for (``wait_idle``) and, past its
+grace, closes (``cancel_all``: every task cancelled and awaited, those started meanwhile too). A task
 outlives the owner that started it when the session is left with no turn meanwhile (the agent's
 group ended after the turn's end, say), so the scope is the registry's, not each owner's.
 
@@ -46,6 +47,7 @@ from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.claimed_turn import ClaimedTurn
 from rcoder.session.turns.messages import Phase, StopCause
+from rcoder.session.turns.task_scope import TaskScope
 from rcoder.store.base import SessionStore
 
 log = get_logger(__name__)
@@ -185,7 +187,7 @@ class LiveSessions:
         self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
         self._store = store  # what runs in a project on other hosts (``busy``)
         self._owners: dict[str, LiveSession] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # the one scope of the tasks the turns start
+        self._tasks = TaskScope("turns")  # the one scope of the tasks the turns start
         self.closing = False  # rcoder is stopping: no turn is taken in or claims its session
 
     def close(self) -> None:
@@ -404,39 +406,14 @@ class LiveSessions:
     # ------------------------------------------------------------ the tasks' scope
 
     def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        """Run ``work`` in a task of the scope, kept until it ends."""
-        task = asyncio.create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(report_failure)
+        """Run ``work`` in a task of the scope (``TaskScope.spawn``)."""
+        self._tasks.spawn(work, name)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no task is left (those started meanwhile included); False after ``timeout``."""
-        try:
-            async with asyncio.timeout(timeout):
-                while self._tasks:
-                    await asyncio.wait(set(self._tasks))
-        except TimeoutError:
-            return False
-        return True
+        return await self._tasks.wait_idle(timeout)
 
     async def cancel_all(self, timeout: float) -> None:
-        """Cancel every task and wait for them, at most ``timeout`` seconds (a warning says how many were late)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=timeout)
-            if late:
-                log.warning("turns_not_ended_in_time", count=len(late), timeout=timeout)
-
-
-def report_failure(task: asyncio.Task[Any]) -> None:
-    """A background task of ours that raised (a turn's, a cancel it sent, a disk check) is a bug
-    of ours: logged with its traceback (``background_task_failed``, which fails the tests) rather
-    than left for asyncio's "never retrieved" at some later collection."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("background_task_failed", task=task.get_name(), exc_info=exc)
+        """The scope's close: every task cancelled and waited for, with those started meanwhile
+        (an ending turn's last steps), at most ``timeout`` seconds (``TaskScope.close``)."""
+        await self._tasks.close(timeout)

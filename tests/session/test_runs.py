@@ -12,8 +12,7 @@ from rcoder.domain import AgentUpdate, ResumeOutcome, RunCompleted, StopReason, 
 from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
 from rcoder.session.runs.event_bytes import DROPPED_KIND, EarlyEvents
 from rcoder.session.runs.run import MERGE_LIMIT, Run, RunLimits, RunRegistry
-from rcoder.session.turns.live_sessions import LiveSessions
-from rcoder.store.sqlite import SqliteStore
+from tests.session.conftest import live_sessions
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
@@ -217,7 +216,7 @@ def test_a_run_still_going_is_kept_while_runs_started_after_it_are_forgotten() -
 
 def test_a_session_is_held_by_one_run_from_its_claim_until_released(tmp_path: Path) -> None:
     registry = RunRegistry(retention=60)
-    live = LiveSessions(0, registry, SqliteStore(tmp_path / "rcoder.db"))
+    live = live_sessions(tmp_path, registry)
     first, second = Run("a", "s", buffer_events=10), Run("b", "s", buffer_events=10)
     live.hold(first)
     assert live.holder("s") is first
@@ -235,7 +234,7 @@ def test_a_session_is_held_by_one_run_from_its_claim_until_released(tmp_path: Pa
 
 def test_a_run_refused_before_it_started_is_forgotten_at_once(tmp_path: Path) -> None:
     registry = RunRegistry(retention=60)
-    live = LiveSessions(0, registry, SqliteStore(tmp_path / "rcoder.db"))
+    live = live_sessions(tmp_path, registry)
     run = Run("r", "s", buffer_events=10)
     live.hold(run)
     live.forget(run)
@@ -409,7 +408,7 @@ async def test_a_run_that_started_is_never_failed() -> None:
 async def test_the_owner_keeps_a_session_held_until_its_holder_lets_go(tmp_path: Path) -> None:
     # Who takes the session on next is its owner's step too (LiveSessions.released, tests/test_busy.py).
     registry = RunRegistry(retention=60)
-    live = LiveSessions(0, registry, SqliteStore(tmp_path / "rcoder.db"))
+    live = live_sessions(tmp_path, registry)
     holder, queued = Run("r1", "s", buffer_events=10), Run("r2", "s", buffer_events=10)
     live.hold(holder)
     registry.admit(queued)

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from rcoder.session.runs.run import RunRegistry
-from rcoder.session.turns.live_sessions import LiveSessions
-from rcoder.store.sqlite import SqliteStore
+from tests.session.conftest import live_sessions
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 BOUND = 10.0
@@ -18,7 +17,7 @@ STILL = 0.5  # how long the close is seen still waiting (a bounded look, not a s
 
 
 async def test_a_task_started_while_the_owners_scope_closes_is_waited_for_too(tmp_path: Path) -> None:
-    live = LiveSessions(0, RunRegistry(retention=60), SqliteStore(tmp_path / "rcoder.db"))
+    live = live_sessions(tmp_path, RunRegistry(retention=60))
     started, spawned, release, finished = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def last_step() -> None:  # what a cancelled turn starts as it ends (its agent's group ended)

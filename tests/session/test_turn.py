@@ -39,7 +39,6 @@ from rcoder.metrics import Metrics
 from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
 from rcoder.session.guards.usage_writer import UsageWriter
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.resume.opening import Action, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
@@ -147,20 +146,21 @@ async def make_turns(
         launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
-        live = LiveSessions(settings.max_queued_turns, runs, store)
+        live = LiveSessions(
+            settings.max_queued_turns, runs, store, pool, LeaseKeeper.local(settings.lease_ttl, metrics)
+        )
         tasks = Tasks(live)
         clock = lambda: datetime.now(UTC)  # noqa: E731
-        holds = SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
         checkpoints = Checkpoints(settings, store, launcher.trees)
         records = TurnRecords(store, pool, clock)
         steps = TurnSteps(
-            SessionOpener(settings, store, pool, metrics, holds, clock), records,
+            SessionOpener(settings, store, pool, metrics, live, clock), records,
             TurnEnder(store, pool, runs, metrics, clock, live, history, checkpoints, records),
             PermissionBroker(settings.permission_timeout),
         )  # fmt: skip
         runner = TurnRunner(
-            settings, store, pool, metrics, clock, holds, history, checkpoints, live,
+            settings, store, pool, metrics, clock, history, checkpoints, live,
             DiskGuard(settings, live), SpendGuard(settings, store, clock, live), UsageWriter(store, clock), steps,
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)

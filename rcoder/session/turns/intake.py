@@ -34,7 +34,6 @@ from rcoder.errors import (
 )
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume.opening import Action, TurnPlan, decide
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Run, RunLimits, RunRegistry
@@ -94,13 +93,11 @@ class TurnIntake:
         pool: AgentPool,
         runs: RunRegistry,
         metrics: Metrics,
-        holds: SessionHolds,
         history: History,
         parts: IntakeParts,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
-        intake when a session's lease is lost (``lease_lost``)."""
+        """Every collaborator is built by the daemon (``rcoder.daemon``)."""
         self._settings = settings
         self.metrics = metrics
         self._store = store
@@ -108,7 +105,6 @@ class TurnIntake:
         self._pool = pool
         self._runs = runs
         self._clock = clock
-        self._holds = holds
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         self.history = history
         self.turns = parts.turns
@@ -156,12 +152,6 @@ class TurnIntake:
         # The caller awaits these futures without a shield, which saves a task hop. A caller that
         # leaves cancels only the futures, which the turn never needs: the turn goes on in its own task.
         return Ticket(run, named, ready)
-
-    def lease_lost(self, session_id: str, generation: int) -> None:
-        """Another host has the session now: its agent is ended here, and so is a start under way
-        (``LiveSession.lease_lost``): neither outlasts the lease, however long the start would take."""
-        self._holds.lease_lost(session_id)
-        self._live.lease_lost(session_id, generation)
 
     def _queue(self, waiting: Waiting, holder: Run) -> int:
         """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""

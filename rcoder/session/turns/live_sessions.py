@@ -28,8 +28,10 @@ group ended after the turn's end, say), so the scope is the registry's, not each
 
 The owner also holds which run holds the session (``hold``, ``let_go``: a turn's run, from its
 claim to its end, or a rewind's hold) and whether ``DeleteSession`` is erasing it (``deleting``),
-and so answers whether a project is busy (``busy``). Not yet here: the session's lease and its
-agent checkout are still held by ``SessionHolds`` and the pool.
+and so answers whether a project is busy (``busy``); and the rules of the session's lease on this
+host (taken before its agent opens, lasting as long as that agent, ended with it when lost). Not
+yet here: the lease itself is kept by the ``LeaseKeeper`` and the agent checkout by the pool,
+which tell the daemon, not the owner, of an agent closed or a lease lost.
 """
 
 from __future__ import annotations
@@ -41,14 +43,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rcoder.agent.pool import AgentPool
 from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, SessionBusy, SessionDeleting, ShuttingDown
 from rcoder.logs import get_logger
+from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.claimed_turn import ClaimedTurn
 from rcoder.session.turns.messages import Phase, StopCause
 from rcoder.session.turns.task_scope import TaskScope
 from rcoder.store.base import SessionStore
+from rcoder.store.cluster import Lease
 
 log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
@@ -182,7 +187,11 @@ class LiveSession:
 
 
 class LiveSessions:
-    def __init__(self, queue_limit: int, runs: RunRegistry, store: SessionStore) -> None:
+    def __init__(
+        self, queue_limit: int, runs: RunRegistry, store: SessionStore, pool: AgentPool, leases: LeaseKeeper
+    ) -> None:
+        self._pool = pool  # the sessions' live agents: a lease lasts as long as the session's agent
+        self._leases = leases  # this host's session leases (docs/design/hosts.md#leases)
         self._queue_limit = queue_limit  # max_queued_turns
         self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
         self._store = store  # what runs in a project on other hosts (``busy``)
@@ -267,6 +276,34 @@ class LiveSessions:
         owner = self._owners.get(session_id)
         return owner is not None and owner.deleting
 
+    # ------------------------------------------------------------ a session's lease
+    # The rules (docs/design/hosts.md#leases): a session's lease is taken before an agent is
+    # opened for it (``take_lease``), and lasts as long as the session has a live agent here:
+    # when the pool lets go of the agent (idle, evicted, replaced, broken, closed), the daemon
+    # tells ``agent_closed`` and the lease goes. A turn or a fork that took the lease but leaves
+    # no live agent lets go of it when it is over (``let_go_lease``); a cancelled start keeps it
+    # until its turn's end is written, because that end is written under the lease. A lost lease
+    # ends the session's agent at once (``lease_lost``).
+
+    def lease(self, session_id: str) -> Lease | None:
+        """The lease this host holds on the session, with no I/O (it is renewed in the background)."""
+        return self._leases.lease(session_id)
+
+    async def take_lease(self, session_id: str) -> Lease:
+        """Take the session's lease before opening an agent for it (``OwnedElsewhere`` while
+        another live host holds it)."""
+        return await self._leases.acquire(session_id)
+
+    def let_go_lease(self, session_id: str, lease: Lease) -> None:
+        """The work that took ``lease`` is over: the lease goes, unless the session has a live
+        agent here now (then it goes with that agent)."""
+        if not self._pool.is_live(session_id):
+            self._leases.release(session_id, lease)
+
+    def agent_closed(self, session_id: str) -> None:
+        """The session no longer has a live agent here: its lease goes with it."""
+        self._leases.release(session_id)
+
     # ------------------------------------------------------------ the running turns
 
     def claim(self, turn: ClaimedTurn) -> None:
@@ -321,7 +358,10 @@ class LiveSessions:
         return owner is not None and owner.cancel(run_id, cause)
 
     def lease_lost(self, session_id: str, generation: int) -> None:
-        """``LiveSession.lease_lost``: the session's running turn, if any, hears of it."""
+        """Another host holds the session's lease now: its agent here is ended, busy or not, and
+        its running turn, if any, hears of it (``LiveSession.lease_lost``): neither outlasts the
+        lease, however long a start would take."""
+        self._pool.drop(session_id)
         owner = self._owners.get(session_id)
         if owner is not None:
             owner.lease_lost(generation)

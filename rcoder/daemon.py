@@ -40,7 +40,6 @@ from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
 from rcoder.session.guards.usage_writer import UsageWriter
 from rcoder.session.hosts.checkpoint_sharing import CheckpointSharing
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.hosts.routing import Router
 from rcoder.session.hosts.signals import SignalListener, SignalSender
@@ -128,12 +127,14 @@ class Daemon:
         self.leases = LeaseKeeper(
             coordination, settings.lease_ttl, self.metrics, on_lost=self._lease_lost, on_store=self._on_store
         )
-        # The one owner of a session's lease and its live agent here.
-        self.holds = SessionHolds(self.pool, self.leases)
+        # Each session's owner here: who holds it, its running turn and its waiting ones, where a
+        # cancel, a guard, a delete and a rewind reach them; the rules of its lease; the one answer
+        # to whether a project is busy; and the one scope of the tasks the turns start.
+        self.live = LiveSessions(settings.max_queued_turns, self.runs, self.store, self.pool, self.leases)
         jail = git_jail(settings, self.trees)
         self.checkpoints = Checkpoints(settings, self.store, self.trees, jail)  # docs/checkpoints.md
         self.intake = self._intake(settings)
-        queries = Queries(settings, self.store, self.pool, self.runs, self.launcher)
+        queries = Queries(settings, self.store, self.pool, self.runs, self.live, self.launcher)
         tls = None
         if settings.tls_cert:
             tls = TlsFiles(cert_pem=Path(settings.tls_cert).read_bytes(), key_pem=Path(settings.tls_key).read_bytes())
@@ -156,12 +157,12 @@ class Daemon:
         # whether the other hosts share this host's checkpoint_root (docs/design/hosts.md#checkpoint-roots)
         self.checkpoint_sharing = CheckpointSharing(checkpoint_root(settings), settings.checkpoints, self.leases)
         router = Router(
-            self.leases, self.runs, self.store, self.metrics, signals=sender, sharing=self.checkpoint_sharing
+            self.leases, self.runs, self.live, self.store, self.metrics, signals=sender, sharing=self.checkpoint_sharing
         )
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
-        self.files = ProjectFiles(settings, self.store, self.runs, checkpoints=self.checkpoints)  # docs/files.md
+        self.files = ProjectFiles(settings, self.store, self.live, checkpoints=self.checkpoints)  # docs/files.md
         self.server = GrpcServer(
             AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,
@@ -186,12 +187,9 @@ class Daemon:
     def _intake(self, settings: Settings) -> TurnIntake:
         """The turn engine: every part of it built here and handed down, none built by another
         (``tests/test_wiring.py`` keeps it so)."""
-        store, pool, runs, metrics = self.store, self.pool, self.runs, self.metrics
+        store, pool, runs, metrics, live = self.store, self.pool, self.runs, self.metrics, self.live
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
-        # Each session's owner here: its running turn and its waiting ones, where a cancel, a guard,
-        # a delete and a rewind reach them; and the one scope of the tasks the turns start.
-        live = LiveSessions(settings.max_queued_turns, runs)
         # workspace_max_bytes (docs/limits.md#disk) and [budgets] (docs/budgets.md): past one, the
         # turn is stopped (through ``live``) and the next is refused.
         disk = DiskGuard(settings, live)
@@ -202,13 +200,13 @@ class Daemon:
         # permission requests.
         records = TurnRecords(store, pool, clock)
         steps = TurnSteps(
-            opener=SessionOpener(settings, store, pool, metrics, self.holds, clock),
+            opener=SessionOpener(settings, store, pool, metrics, live, clock),
             records=records,
-            ender=TurnEnder(store, pool, runs, metrics, clock, live.spawn, history, self.checkpoints, records),
+            ender=TurnEnder(store, pool, runs, metrics, clock, live, history, self.checkpoints, records),
             permissions=PermissionBroker(settings.permission_timeout),
         )
         turns = TurnRunner(
-            settings, store, pool, metrics, clock, self.holds, history, self.checkpoints, live,
+            settings, store, pool, metrics, clock, history, self.checkpoints, live,
             disk, spend, usage, steps,
         )  # fmt: skip
         # kept: the start completes or rolls back a rewind the last daemon left half-way
@@ -216,19 +214,19 @@ class Daemon:
         parts = IntakeParts(
             turns=turns,
             live=live,
-            forker=SessionForker(settings, store, pool, metrics, clock, self.holds),
+            forker=SessionForker(settings, store, pool, metrics, clock, live),
             eraser=SessionEraser(settings, store, self.launcher, pool, runs, live, self.checkpoints),
             rewinder=self.rewinder,
         )
-        return TurnIntake(settings, store, self.launcher, pool, runs, metrics, self.holds, history, parts, clock)
+        return TurnIntake(settings, store, self.launcher, pool, runs, metrics, history, parts, clock)
 
     def _agent_closed(self, session_id: str) -> None:
         """A session no longer has a live agent here: its lease goes with it."""
-        self.holds.agent_closed(session_id)
+        self.live.agent_closed(session_id)
 
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
-        self.intake.lease_lost(session_id, generation)
+        self.live.lease_lost(session_id, generation)
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""

@@ -110,3 +110,43 @@ async def test_a_rewind_of_a_session_whose_own_turn_runs_is_refused_project_busy
         await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
         _, end = await read_until(call, "completed")
     assert end.completed.stop_reason == pb.STOP_REASON_CANCELLED
+
+
+async def test_a_rewind_is_refused_project_busy_while_another_sessions_rewind_holds_the_project_as_a_write_is(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path
+) -> None:
+    """Whether a project is busy has one answer (docs/design/turn.md#busy): a rewind under way in
+    the project is what runs there for a file write and for another session's rewind alike. The
+    second rewind is refused at once, not left waiting behind the first."""
+    async with CloseGate(tmp_path / "close.sock") as gate:
+        profile = fake.profile("--hang", "close", "--tell", str(gate.path))
+        _, client = await make_daemon({"fake": profile}, agent_stop_grace=120.0)
+        other = await client.chat(prompt="shell echo other > other.txt")
+        first = await client.chat(prompt="shell echo one > one.txt")  # no other session's run after it
+        assert first[0].session_id != other[0].session_id
+        request = pb.RewindSessionRequest(session_id=first[0].session_id, run_id=first[0].run_id)
+        rewinding = asyncio.ensure_future(client.stub.RewindSession(request))
+        async with asyncio.timeout(BOUND):
+            await gate.held.wait()  # the first rewind is ending its session's agent now
+
+        chunks = [pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"during\n")]
+        with pytest.raises(grpc.aio.AioRpcError) as written:
+            await client.stub.WriteFile(iter(chunks))
+        assert error_info(written.value).reason == "PROJECT_BUSY"
+        rewind_id = error_info(written.value).metadata["run_id"]
+
+        again = pb.RewindSessionRequest(session_id=other[0].session_id, run_id=other[0].run_id)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async with asyncio.timeout(10.0):  # before: it waited for the first rewind to end
+                await client.stub.RewindSession(again)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+        assert error_info(refused.value).reason == "PROJECT_BUSY"
+        assert error_info(refused.value).metadata["run_id"] == rewind_id
+        assert not rewinding.done()
+
+        gate.release()
+        async with asyncio.timeout(BOUND):
+            await rewinding
+        again.include_other_sessions = True  # the first rewind ran after it
+        assert (await client.stub.RewindSession(again)).run_id  # the project is free again
+        assert not (tmp_path / "workspace" / "proj" / "other.txt").exists()

@@ -44,6 +44,8 @@ OWN_PARTS: dict[tuple[str, str], str] = {
     ("ProjectFiles", "UploadJournal"): "the file calls' own journal of writes in flight",
     ("ProjectFiles", "Beneath"): "a stateless opener (whether the kernel has openat2 is its class's)",
     ("give_back", "Beneath"): "the same opener, for a rewind's files given back to their folder's owner",
+    ("LiveSessions", "TaskScope"): "the owners' scope of the tasks their turns start, closed by shutdown through them",
+    ("DiskGuard", "TaskScope"): "the guard's own checks and watchers, closed by its aclose; no other part uses them",
     ("RunRegistry", "ByteLedger"): "the byte count all its runs share (runs_total_bytes), its own",
     ("Run", "ByteLedger"): "a run kept by no registry (a test's, a released one) counts its bytes alone",
 }

@@ -12,7 +12,17 @@ from typing import Any
 
 import pytest
 
-from tests.harness import FakeAgentSetup
+from rcoder.agent.launcher import AgentLauncher
+from rcoder.agent.pool import AgentPool
+from rcoder.agent.processes.tree import Trees
+from rcoder.config import load_settings
+from rcoder.metrics import Metrics
+from rcoder.session.hosts.leases import LeaseKeeper
+from rcoder.session.runs.run import RunRegistry
+from rcoder.session.turns.live_sessions import LiveSessions
+from rcoder.store.sqlite import SqliteStore
+from tests.conftest import base_settings
+from tests.harness import FakeAgentSetup, write_config
 from tests.processes import START_BOUND
 
 
@@ -64,3 +74,14 @@ async def agent_requests(fake: FakeAgentSetup) -> AsyncIterator[AgentRequests]:
     requests = await AgentRequests.open(fake.record)
     yield requests
     requests.close()
+
+
+def live_sessions(tmp_path: Path, runs: RunRegistry) -> LiveSessions:
+    """The sessions' owners over real parts (a store, a pool with no agent, this host's leases),
+    for the tests of who holds a session and of their tasks' scope."""
+    config = write_config(tmp_path / "rcoder.toml", {}, **{**base_settings(tmp_path), "default_agent": "echo"})
+    settings = load_settings(config, environ={})
+    metrics = Metrics()
+    pool = AgentPool(settings, AgentLauncher(settings, Trees()), metrics)
+    leases = LeaseKeeper.local(settings.lease_ttl, metrics)
+    return LiveSessions(0, runs, SqliteStore(tmp_path / "rcoder.db"), pool, leases)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from rcoder.domain import AgentUpdate, ResumeOutcome, RunCompleted, StopReason, 
 from rcoder.errors import NotFound, OutOfRange, ResourceExhausted, SessionBusy
 from rcoder.session.runs.event_bytes import DROPPED_KIND, EarlyEvents
 from rcoder.session.runs.run import MERGE_LIMIT, Run, RunLimits, RunRegistry
+from tests.session.conftest import live_sessions
 
 pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
 
@@ -191,10 +193,9 @@ def test_nothing_may_follow_completed() -> None:
 def test_finished_runs_are_forgotten_after_the_retention() -> None:
     registry = RunRegistry(retention=0)
     run = Run("r", "s", buffer_events=10)
-    registry.claim(run)
+    registry.keep(run)
     assert registry.get("r") is run  # still running: kept
     run.publish(DONE)
-    registry.release(run)
     with pytest.raises(NotFound):
         registry.get("r")
 
@@ -202,43 +203,42 @@ def test_finished_runs_are_forgotten_after_the_retention() -> None:
 def test_a_run_still_going_is_kept_while_runs_started_after_it_are_forgotten() -> None:
     registry = RunRegistry(retention=0)
     long, short = Run("long", "s1", buffer_events=10), Run("short", "s2", buffer_events=10)
-    registry.claim(long)
-    registry.claim(short)
+    registry.keep(long)
+    registry.keep(short)
     short.publish(DONE)
-    registry.release(short)
     with pytest.raises(NotFound):
         registry.get("short")
     assert registry.get("long") is long
-    assert registry.running() == [long]
     long.publish(DONE)
-    registry.release(long)
     with pytest.raises(NotFound):
         registry.get("long")
 
 
-def test_a_session_is_held_by_one_run_from_its_claim_until_released() -> None:
+def test_a_session_is_held_by_one_run_from_its_claim_until_released(tmp_path: Path) -> None:
     registry = RunRegistry(retention=60)
+    live = live_sessions(tmp_path, registry)
     first, second = Run("a", "s", buffer_events=10), Run("b", "s", buffer_events=10)
-    registry.claim(first)
-    assert registry.holder("s") is first
+    live.hold(first)
+    assert live.holder("s") is first
     assert registry.get("a") is first, "visible (Cancel, Subscribe) before anything is published"
     with pytest.raises(SessionBusy) as busy:
-        registry.claim(second)
+        live.hold(second)
     assert busy.value.metadata["run_id"] == "a"
-    registry.release(second)  # not the holder: changes nothing
-    assert registry.holder("s") is first
-    registry.release(first)
-    registry.release(first)  # twice is once
-    registry.claim(second)
-    assert registry.holder("s") is second
+    live.let_go(second)  # not the holder: changes nothing
+    assert live.holder("s") is first
+    live.let_go(first)
+    live.let_go(first)  # twice is once
+    live.hold(second)
+    assert live.holder("s") is second
 
 
-def test_a_run_refused_before_it_started_is_forgotten_at_once() -> None:
+def test_a_run_refused_before_it_started_is_forgotten_at_once(tmp_path: Path) -> None:
     registry = RunRegistry(retention=60)
+    live = live_sessions(tmp_path, registry)
     run = Run("r", "s", buffer_events=10)
-    registry.claim(run)
-    registry.forget(run)
-    assert registry.holder("s") is None
+    live.hold(run)
+    live.forget(run)
+    assert live.holder("s") is None
     with pytest.raises(NotFound):
         registry.get("r")
 
@@ -345,10 +345,9 @@ def test_finished_runs_are_evicted_oldest_first_when_all_runs_hold_more_than_the
     limits = RunLimits(buffer_bytes=1 << 20, event_bytes=128 * KIB)
     runs = [Run(name, name, 100, limits=limits, ledger=registry.ledger) for name in ("a", "b", "c")]
     for run in runs:
-        registry.claim(run)
+        registry.keep(run)
         run.publish(big_tool(0, 100 * KIB))
         run.publish(DONE)
-        registry.release(run)
     with pytest.raises(NotFound):
         registry.get("a")
     assert registry.get("b") is runs[1] and registry.get("c") is runs[2]
@@ -360,7 +359,7 @@ def test_finished_runs_are_evicted_oldest_first_when_all_runs_hold_more_than_the
 def test_a_running_run_is_never_evicted_for_the_total() -> None:
     registry = RunRegistry(retention=600, total_bytes=50 * KIB)
     run = Run("r", "s", 100, limits=RunLimits(buffer_bytes=1 << 20), ledger=registry.ledger)
-    registry.claim(run)
+    registry.keep(run)
     run.publish(big_tool(0, 100 * KIB))
     assert registry.get("r") is run
     registry.forget(run)
@@ -406,16 +405,17 @@ async def test_a_run_that_started_is_never_failed() -> None:
     assert await collect(run) == [1, 2]
 
 
-async def test_the_registry_keeps_a_session_held_until_its_holder_lets_go() -> None:
-    # Who takes the session on next is its owner's step now (LiveSessions.released, tests/test_busy.py).
+async def test_the_owner_keeps_a_session_held_until_its_holder_lets_go(tmp_path: Path) -> None:
+    # Who takes the session on next is its owner's step too (LiveSessions.released, tests/test_busy.py).
     registry = RunRegistry(retention=60)
+    live = live_sessions(tmp_path, registry)
     holder, queued = Run("r1", "s", buffer_events=10), Run("r2", "s", buffer_events=10)
-    registry.claim(holder)
+    live.hold(holder)
     registry.admit(queued)
-    assert registry.get("r2") is queued and registry.holder("s") is holder
+    assert registry.get("r2") is queued and live.holder("s") is holder
 
-    registry.forget(queued)  # a queued run dropped: the session is still its holder's
-    assert registry.holder("s") is holder
-    registry.release(holder)
-    registry.release(holder)
-    assert registry.holder("s") is None
+    live.forget(queued)  # a queued run dropped: the session is still its holder's
+    assert live.holder("s") is holder
+    live.let_go(holder)
+    live.let_go(holder)
+    assert live.holder("s") is None

@@ -39,7 +39,6 @@ from rcoder.metrics import Metrics
 from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
 from rcoder.session.guards.usage_writer import UsageWriter
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.resume.opening import Action, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
@@ -90,6 +89,11 @@ class Turns:
     tasks: Tasks
 
     @property
+    def live(self) -> LiveSessions:
+        """The sessions' owners: which run holds a session."""
+        return self.tasks.live
+
+    @property
     def profile(self) -> AgentProfile:
         profile = self.settings.profile("fake")
         assert profile is not None
@@ -112,7 +116,7 @@ class Turns:
     def start(self, plan: TurnPlan) -> tuple[Run, asyncio.Future[Run]]:
         """Claim the session for a new run and start the turn, the way the intake does."""
         run = Run(plan.run_id, plan.session_id, 1000)
-        self.runs.claim(run)
+        self.live.hold(run)
         ready: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
         self.tasks(self.runner.run(plan, run, ready), f"run-{plan.run_id}")
         return run, ready
@@ -142,20 +146,21 @@ async def make_turns(
         launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
-        live = LiveSessions(settings.max_queued_turns, runs)
+        live = LiveSessions(
+            settings.max_queued_turns, runs, store, pool, LeaseKeeper.local(settings.lease_ttl, metrics)
+        )
         tasks = Tasks(live)
         clock = lambda: datetime.now(UTC)  # noqa: E731
-        holds = SessionHolds(pool, LeaseKeeper.local(settings.lease_ttl, metrics))
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
         checkpoints = Checkpoints(settings, store, launcher.trees)
         records = TurnRecords(store, pool, clock)
         steps = TurnSteps(
-            SessionOpener(settings, store, pool, metrics, holds, clock), records,
-            TurnEnder(store, pool, runs, metrics, clock, tasks, history, checkpoints, records),
+            SessionOpener(settings, store, pool, metrics, live, clock), records,
+            TurnEnder(store, pool, runs, metrics, clock, live, history, checkpoints, records),
             PermissionBroker(settings.permission_timeout),
         )  # fmt: skip
         runner = TurnRunner(
-            settings, store, pool, metrics, clock, holds, history, checkpoints, live,
+            settings, store, pool, metrics, clock, history, checkpoints, live,
             DiskGuard(settings, live), SpendGuard(settings, store, clock, live), UsageWriter(store, clock), steps,
         )  # fmt: skip
         turns = Turns(settings, store, pool, runs, runner, tasks)
@@ -213,7 +218,7 @@ async def test_a_turn_completes_is_stored_frees_its_session_and_leaves_its_agent
     assert stored is not None
     assert (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.END_TURN)
     assert stored.ended_at is not None
-    assert turns.runs.holder(plan.session_id) is None
+    assert turns.live.holder(plan.session_id) is None
     assert turns.pool.is_live(plan.session_id) and turns.pool.live_count() == 1
 
     record = await turns.store.get_session(plan.session_id)
@@ -250,7 +255,7 @@ async def test_a_turn_cancelled_while_its_agent_initializes_starts_then_ends_can
     assert reaped(initialize.pid), "the agent is ended before completed is out"
     stored = await turns.store.get_run(plan.run_id)
     assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
-    assert turns.runs.holder(plan.session_id) is None and turns.pool.agent_count() == 0
+    assert turns.live.holder(plan.session_id) is None and turns.pool.agent_count() == 0
 
 
 async def test_a_turn_cancelled_during_its_prompt_ends_cancelled(
@@ -268,7 +273,7 @@ async def test_a_turn_cancelled_during_its_prompt_ends_cancelled(
     assert (completed.stop_reason, completed.error, text) == (StopReason.CANCELLED, "", "")
     stored = await turns.store.get_run(plan.run_id)
     assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.COMPLETED, StopReason.CANCELLED)
-    assert turns.runs.holder(plan.session_id) is None
+    assert turns.live.holder(plan.session_id) is None
     assert turns.runner.cancel(plan.run_id) is False, "a finished turn is no longer running"
 
 
@@ -414,7 +419,7 @@ async def test_a_turn_refused_before_it_started_leaves_no_run_and_no_claim_and_i
 
     with pytest.raises(NotFound):
         turns.runs.get(plan.run_id)
-    assert turns.runs.holder(plan.session_id) is None
+    assert turns.live.holder(plan.session_id) is None
     assert run.last_seq == 0, "nothing was published"
     assert await turns.store.get_run(plan.run_id) is None
     # the new session was stored before its agent was started (its id was told): it stays, unopened
@@ -437,7 +442,7 @@ async def test_a_turn_whose_end_cannot_be_stored_ends_as_a_store_error_and_frees
 
     assert (completed.stop_reason, completed.error_reason) == (StopReason.ERROR, "STORE_UNAVAILABLE")
     assert "could not record the end of this turn" in completed.error
-    assert turns.runs.holder(plan.session_id) is None
+    assert turns.live.holder(plan.session_id) is None
     assert not turns.pool.is_live(plan.session_id), "the turn is an error: its agent does not serve another"
 
 
@@ -455,6 +460,6 @@ async def test_a_turn_past_turn_timeout_ends_as_an_agent_timeout_and_ends_its_ag
     assert "turn_timeout" in completed.error
     stored = await turns.store.get_run(plan.run_id)
     assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.FAILED, StopReason.ERROR)
-    assert turns.runs.holder(plan.session_id) is None
+    assert turns.live.holder(plan.session_id) is None
     await ended(prompt.pid)
     assert turns.pool.agent_count() == 0

@@ -45,7 +45,6 @@ from rcoder.logs import get_logger
 from rcoder.session.files import blocking as pf
 from rcoder.session.files.threads import FileThreads
 from rcoder.session.files.upload_journal import UploadJournal
-from rcoder.session.runs.run import RunRegistry
 from rcoder.store.base import SessionStore
 
 __all__ = ["ABSENT", "CHUNK_BYTES", "Chunk", "ProjectFiles", "WriteHead", "Written", "path_parts"]
@@ -62,6 +61,16 @@ class SnapshotsAhead(Protocol):
     passed in by the daemon): a project's snapshot taken ahead of its next turn."""
 
     def ahead(self, project_id: str, first_only: bool = False) -> None: ...
+
+
+class ProjectsBusy(Protocol):
+    """Whether a project is busy, the one answer the rewinder and the guards get too
+    (``rcoder.session.turns.live_sessions.LiveSessions``, passed in by the daemon;
+    docs/design/turn.md#busy): the run that holds it, None when nothing does."""
+
+    async def busy(self, project_id: str, besides: str = "") -> str | None: ...
+
+    def busy_here(self, project_id: str, besides: str = "") -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +117,7 @@ class ProjectFiles:
         self,
         settings: Settings,
         store: SessionStore,
-        runs: RunRegistry,
+        live: ProjectsBusy,
         beneath: Beneath | None = None,
         checkpoints: SnapshotsAhead | None = None,
     ) -> None:
@@ -116,7 +125,7 @@ class ProjectFiles:
         self._checkpoints = checkpoints  # snapshots taken ahead of turns (``_snapshot_ahead``)
         self._max_bytes = settings.max_file_bytes
         self._store = store
-        self._runs = runs
+        self._live = live  # whether the project is busy (what runs in it, here or on another host)
         self._beneath = beneath or Beneath()
         self._locks: dict[pf.FileKey, tuple[asyncio.Lock, int]] = {}
         self._threads = FileThreads()  # shared fairly by projects and callers (docs/files.md#fair-share)
@@ -161,15 +170,8 @@ class ProjectFiles:
         finally:
             os.close(fd)
 
-    async def busy(self, project_id: str) -> str | None:
-        """The id of a turn running in the project: this host's first, else any the store has."""
-        for run in self._runs.running():
-            if run.project_id == project_id and not run.done:
-                return run.run_id
-        return await self._store.running_in_project(project_id)
-
     async def _refuse_if_busy(self, project_id: str, while_busy: bool) -> None:
-        if not while_busy and (run_id := await self.busy(project_id)):
+        if not while_busy and (run_id := await self._live.busy(project_id)):
             raise ProjectBusy(
                 project_id,
                 run_id,
@@ -308,7 +310,7 @@ class ProjectFiles:
         (docs/checkpoints.md#snapshots-taken-ahead); ``first_only``: only when this host has none
         of it yet. Not while a turn of this host runs in it: that turn's after snapshot reads
         what a write (``while_busy``) changed."""
-        if self._checkpoints is None or any(r.project_id == project_id and not r.done for r in self._runs.running()):
+        if self._checkpoints is None or self._live.busy_here(project_id) is not None:
             return
         self._checkpoints.ahead(project_id, first_only)
 

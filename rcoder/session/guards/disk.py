@@ -42,8 +42,9 @@ from rcoder.config import AgentProfile, Settings
 from rcoder.domain import StopReason
 from rcoder.errors import WorkspaceTooLarge, human_bytes
 from rcoder.logs import get_logger
-from rcoder.session.turns.live_sessions import LiveSessions, report_failure
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.messages import StopCause
+from rcoder.session.turns.task_scope import TaskScope
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -177,7 +178,7 @@ class DiskGuard:
         self._profiles = list(settings.agents.values())  # whose homes in a project count against its limit
         self._turns = turns  # where a turn past the limit is stopped
         self._projects: OrderedDict[str, _Project] = OrderedDict()
-        self._tasks: set[asyncio.Task[Any]] = set()  # checks and watchers, ended by ``aclose``
+        self._tasks = TaskScope("disk")  # checks and watchers, ended by ``aclose``
 
     async def admit(self, project_id: str, path: str, profile: AgentProfile) -> None:
         """``WorkspaceTooLarge`` when the project holds more than ``profile`` allows; measured
@@ -216,11 +217,7 @@ class DiskGuard:
 
     async def aclose(self) -> None:
         """Stop every check (their du ended) and watcher."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        await self._tasks.close(None)
 
     # ------------------------------------------------------------ checks
 
@@ -321,11 +318,7 @@ class DiskGuard:
             self._turns.cancel(run_id, StopCause(StopReason.CANCELLED, error, REASON))
 
     def _spawn(self, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
-        task = asyncio.get_running_loop().create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(report_failure)
-        return task
+        return self._tasks.spawn(work, name)
 
 
 def _done(project: _Project, check: _Check, _: asyncio.Task[int | None]) -> None:

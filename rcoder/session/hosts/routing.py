@@ -11,6 +11,7 @@ otherwise ended in the store as ``failed{ERROR, "owner host lost"}`` and replaye
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 from rcoder.domain import RunStatus
 from rcoder.errors import NoCheckpoint
@@ -19,7 +20,7 @@ from rcoder.metrics import Metrics
 from rcoder.session.hosts.checkpoint_sharing import CheckpointSharing
 from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.hosts.signals import QueuedCancel, SignalSender
-from rcoder.session.runs.run import RunRegistry
+from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import HostRecord, Owner
 
@@ -28,11 +29,19 @@ __all__ = ["HostRecord", "Owner", "QueuedCancel", "Router"]  # the api names the
 log = get_logger(__name__)
 
 
+class SessionHolders(Protocol):
+    """Which run holds a session here (``rcoder.session.turns.live_sessions.LiveSessions``,
+    passed in by the daemon)."""
+
+    def holder(self, session_id: str) -> Run | None: ...
+
+
 class Router:
     def __init__(
         self,
         leases: LeaseKeeper,
         runs: RunRegistry,
+        holders: SessionHolders,
         store: SessionStore,
         metrics: Metrics,
         signals: SignalSender | None = None,
@@ -40,6 +49,7 @@ class Router:
     ) -> None:
         self._leases = leases
         self._runs = runs
+        self._holders = holders  # a session held here is served here
         self._store = store
         self._metrics = metrics
         self._signals = signals  # several hosts only: what an owner that does not answer is left
@@ -61,7 +71,7 @@ class Router:
         """The live host that serves ``session_id`` if not this one (None: serve it here)."""
         if not self._leases.shared or not session_id or self._leases.lease(session_id) is not None:
             return None
-        if self._runs.holder(session_id) is not None:
+        if self._holders.holder(session_id) is not None:
             return None  # a turn of it is opening here
         owner = await self._leases.coordination.session_owner(session_id)
         return owner if owner is not None and owner.live and owner.host_id != self.host_id else None

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Protocol
 
 from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.connection import AgentConnection
@@ -33,7 +34,6 @@ from rcoder.domain import (
 from rcoder.errors import AgentError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume import options, reseed
 from rcoder.session.turns import checkpoints, content
 from rcoder.store.base import SessionStore
@@ -141,6 +141,17 @@ class Opened:
     pending: tuple[options.Change, ...] = ()
 
 
+class SessionLeases(Protocol):
+    """This host's leases on sessions, as a turn's opening and a fork ask them
+    (``rcoder.session.turns.live_sessions.LiveSessions``, passed in by the daemon)."""
+
+    def lease(self, session_id: str) -> Lease | None: ...
+
+    async def take_lease(self, session_id: str) -> Lease: ...
+
+    def let_go_lease(self, session_id: str, lease: Lease) -> None: ...
+
+
 class SessionOpener:
     def __init__(
         self,
@@ -148,10 +159,10 @@ class SessionOpener:
         store: SessionStore,
         pool: AgentPool,
         metrics: Metrics,
-        holds: SessionHolds,
+        leases: SessionLeases,
         clock: Callable[[], datetime],
     ) -> None:
-        self._holds = holds
+        self._leases = leases
         self._clock = clock
         self._settings = settings
         self._store = store
@@ -163,7 +174,7 @@ class SessionOpener:
         start of a live turn costs nothing here). Otherwise the turn resumes on a new one."""
         if plan.action is not Action.LIVE:
             return None
-        lease = self._holds.lease(plan.session_id)  # held and renewed: nothing asked of the store
+        lease = self._leases.lease(plan.session_id)  # held and renewed: nothing asked of the store
         live = None
         if lease is not None:
             live = self._pool.take_live(plan.session_id, plan.profile.name, plan.turn.model_provider)
@@ -212,7 +223,7 @@ class SessionOpener:
         opened = self.live(plan)
         if opened is not None:
             return await self.configure(plan, opened) if opened.pending else opened
-        lease = plan.lease = await self._holds.take(plan.session_id)
+        lease = plan.lease = await self._leases.take_lease(plan.session_id)
         try:
             if plan.record is None:
                 await self.name(plan, lease)
@@ -220,10 +231,10 @@ class SessionOpener:
             return await self.configure(plan, opened) if opened.pending else opened
         except asyncio.CancelledError:
             # A cancelled start keeps the lease: the turn still writes its end under it, and
-            # lets go of it once the turn is over (``SessionHolds.let_go``).
+            # lets go of it once the turn is over (``LiveSessions.let_go_lease``).
             raise
         except BaseException:
-            self._holds.let_go(plan.session_id, lease)
+            self._leases.let_go_lease(plan.session_id, lease)
             raise
 
     async def name(self, plan: TurnPlan, lease: Lease) -> None:

@@ -44,13 +44,12 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
-from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted, SessionBusy, SessionDeleting
+from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted
 from rcoder.logs import get_logger
 from rcoder.session.runs.event_bytes import EVENT_OVERHEAD, ByteLedger, body_size, shrink, utf8_size
 
@@ -473,9 +472,9 @@ class Heartbeats:
 
 
 class RunRegistry:
-    """Runs by id, and which run holds each session.
+    """Runs by id (which run holds each session is its owner's: ``LiveSessions``).
 
-    A run is registered when it claims its session, before its agent is even
+    A run is kept from when it claims its session, before its agent is even
     started, so ``Cancel`` and shutdown see a turn in every phase. Finished
     runs are forgotten after ``retention`` seconds, and earlier, oldest first,
     while all runs together hold more than ``total_bytes`` (``ledger``).
@@ -483,29 +482,12 @@ class RunRegistry:
 
     def __init__(self, retention: float, total_bytes: int = 256 << 20) -> None:
         self._runs: dict[str, Run] = {}
-        self._holders: dict[str, Run] = {}  # session_id -> the run holding it
         self._retention = retention
         # finished runs in the order they finished: pruning looks only at the oldest
         # (a scan of every run on each add made a busy daemon's turns O(runs kept))
         self._finished: deque[Run] = deque()
         # New runs count their bytes here (``Run(ledger=...)``).
         self.ledger = ByteLedger(total_bytes, over=self._evict)
-        self._deleting: set[str] = set()  # sessions being deleted: no turn claims them
-
-    @contextmanager
-    def deleting(self, session_id: str) -> Iterator[None]:
-        """While in it, no new turn claims ``session_id`` (``SessionDeleting``)."""
-        if session_id in self._deleting:
-            raise SessionDeleting(session_id)
-        self._deleting.add(session_id)
-        try:
-            yield
-        finally:
-            self._deleting.discard(session_id)
-
-    def is_deleting(self, session_id: str) -> bool:
-        """Whether ``DeleteSession`` is erasing ``session_id`` now."""
-        return session_id in self._deleting
 
     def finished(self, run_id: str) -> bool:
         """Whether ``run_id`` is kept here and has ended."""
@@ -525,15 +507,10 @@ class RunRegistry:
             self._drop(run)
         return len(gone)
 
-    def claim(self, run: Run) -> None:
-        """Register ``run`` as its session's one running turn, or raise ``SessionBusy``."""
-        holder = self._holders.get(run.session_id)
-        if holder is not None:
-            raise SessionBusy(run.session_id, holder.run_id)
-        if run.session_id in self._deleting:
-            raise SessionDeleting(run.session_id)
+    def keep(self, run: Run) -> None:
+        """Keep ``run``, which holds its session now (``LiveSessions.hold``): ``Subscribe`` and
+        ``Cancel`` find it, and once it is done it is forgotten after ``retention``."""
         self._prune()
-        self._holders[run.session_id] = run
         self._runs[run.run_id] = run
         run.add_done_callback(self._finished.append)
 
@@ -547,22 +524,12 @@ class RunRegistry:
         """Bytes all kept runs hold, and how many runs are kept (running and finished)."""
         return self.ledger.held, len(self._runs)
 
-    def release(self, run: Run) -> None:
-        """The run no longer holds its session (idempotent). Whoever let go then tells the
-        session's owner (``LiveSessions.released``), which hands it to the first waiting turn."""
-        if self._holders.get(run.session_id) is run:
-            del self._holders[run.session_id]
-
     def forget(self, run: Run) -> None:
-        """A run refused before it started: released, and never visible again."""
-        self.release(run)
+        """A run refused before it started: never visible again (its session is let go of by
+        its owner, ``LiveSessions.forget``)."""
         if self._runs.get(run.run_id) is run:
             del self._runs[run.run_id]
             run.release_bytes()
-
-    def holder(self, session_id: str) -> Run | None:
-        """The run holding ``session_id``, in any phase (opening its agent included)."""
-        return self._holders.get(session_id)
 
     def get(self, run_id: str) -> Run:
         self._prune()
@@ -575,9 +542,6 @@ class RunRegistry:
         """The run if this host still keeps it (running, or finished within ``retention``)."""
         self._prune()
         return self._runs.get(run_id)
-
-    def running(self) -> list[Run]:
-        return list(self._holders.values())
 
     def known(self, run_id: str) -> bool:
         """Whether this host has ``run_id`` (running, or finished within ``retention``)."""

@@ -1,6 +1,6 @@
 """``DeleteSession`` on the host that serves the session (its owner, or any when none holds it).
 
-In order, while no new turn may claim the session (``RunRegistry.deleting``):
+In order, while no new turn may claim the session (``LiveSessions.deleting``):
 
 1. every turn queued for the session is refused (``SessionDeleting``: its stream ends ``ABORTED``),
    then a running turn is cancelled, and waited for (bounded) until it has ended ``CANCELLED``;
@@ -62,7 +62,7 @@ class SessionEraser:
         record = await self._store.get_session(session_id)
         if record is None:
             raise NotFound("session", session_id, "no session with this id (it may have been deleted)")
-        with self._runs.deleting(session_id):
+        with self._live.deleting(session_id):
             # The waiting turns are refused before the running one is cancelled, so that none of them
             # takes the session over when the running turn lets go of it.
             refused = self._live.refuse_waiting(session_id, SessionDeleting(session_id))
@@ -86,7 +86,7 @@ class SessionEraser:
 
     async def _end_turn(self, session_id: str) -> bool:
         """Cancel the session's running turn, if any, and wait until it has ended."""
-        holder = self._runs.holder(session_id)
+        holder = self._live.holder(session_id)
         if holder is None:
             return False
         if self._live.phase(holder.run_id) is None:  # not a turn: a rewind holds it, and is not cancelled

@@ -30,7 +30,7 @@ from rcoder.domain import Forked, ForkMethod, ModelProvider, OpenMethod, Session
 from rcoder.errors import AgentError, InvalidArgument, NotFound, PermissionDenied
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.hosts.holds import SessionHolds
+from rcoder.session.resume.opening import SessionLeases
 from rcoder.session.sessions.workspace import stored_cwd
 from rcoder.store.base import SessionStore
 
@@ -59,9 +59,9 @@ class SessionForker:
         pool: AgentPool,
         metrics: Metrics,
         clock: Callable[[], datetime],
-        holds: SessionHolds,
+        leases: SessionLeases,
     ) -> None:
-        self._holds = holds
+        self._leases = leases
         self._settings = settings
         self._store = store
         self._pool = pool
@@ -102,11 +102,11 @@ class SessionForker:
 
     async def _by_agent(self, profile: AgentProfile, source: SessionRecord, branch: SessionRecord) -> Forked | str:
         """The branch opened by the agent's ``session/fork`` and live for it, or why not."""
-        lease = await self._holds.take(branch.session_id)  # this host opens the branch's agent
+        lease = await self._leases.take_lease(branch.session_id)  # this host opens the branch's agent
         try:
             return await self._fork_by_agent(profile, source, branch)
         finally:
-            self._holds.let_go(branch.session_id, lease)
+            self._leases.let_go_lease(branch.session_id, lease)
 
     async def _fork_by_agent(self, profile: AgentProfile, source: SessionRecord, branch: SessionRecord) -> Forked | str:
         config = AgentStartConfig(cwd=source.cwd, fork_from=source.provider_session_id)

@@ -34,6 +34,7 @@ from rcoder.errors import NotFound
 from rcoder.session.resume import options
 from rcoder.session.runs.run import RunRegistry
 from rcoder.session.turns.checkpoints import decode_changes
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.store.base import RunCheckpoint, SessionStore
 
 PROJECTS_KEPT = 65536  # sessions whose project is kept for scope checks (~10 MB at most)
@@ -80,12 +81,19 @@ class AgentView:
 
 class Queries:
     def __init__(
-        self, settings: Settings, store: SessionStore, pool: AgentPool, runs: RunRegistry, launcher: AgentLauncher
+        self,
+        settings: Settings,
+        store: SessionStore,
+        pool: AgentPool,
+        runs: RunRegistry,
+        live: LiveSessions,
+        launcher: AgentLauncher,
     ) -> None:
         self._settings = settings
         self._store = store
         self._pool = pool
         self._runs = runs
+        self._live = live  # which run holds a session (its status)
         self._launcher = launcher
         self._projects: dict[str, str] = {}  # session_id -> its project (project_of_session)
 
@@ -117,7 +125,7 @@ class Queries:
         return project_id
 
     def status(self, session_id: str) -> SessionStatus:
-        if self._runs.holder(session_id) is not None:
+        if self._live.holder(session_id) is not None:
             return SessionStatus.BUSY
         return SessionStatus.LIVE if self._pool.is_live(session_id) else SessionStatus.IDLE
 

@@ -3,12 +3,13 @@ and the session going on from there.
 
 On the host that serves the session, in order:
 
-0. the rewind holds the session in the ``RunRegistry`` as a turn does (``claim``), from before
+0. the rewind holds the session in its owner (``LiveSessions.hold``) as a turn does, from before
    its first check to after its end is stored: a turn sent to the session meanwhile is refused
    ``SessionBusy`` or waits, as its ``busy`` asks, and then opens the session re-seeded, never
    the agent session the rewind forgets;
-1. refused (``ProjectBusy``) while a turn of any session runs in the project, here (claimed,
-   whatever its phase) or, as the store has it, on another host;
+1. refused (``ProjectBusy``) while a turn of any session or another rewind runs in the project,
+   here (claimed, whatever its phase, or held) or, as the store has it, on another host: the one
+   answer of ``LiveSessions.busy``, asked before the hold and again under the lock;
 2. under the project's checkpoint lock (no snapshot of a turn meanwhile), the project as it is
    now is snapshotted (the rewind's before), and the run is recorded running, of kind ``rewind``
    with its target and that before commit (``ListRuns``), before any file changes: the intent;
@@ -131,17 +132,19 @@ class SessionRewinder:
     async def rewind(self, session_id: str, run_id: str, include_other_sessions: bool = False) -> Rewound:
         record, target = await self._checked(session_id, run_id)
         rewind_id = new_id()
-        holder = self._runs.holder(session_id)
-        if holder is not None:  # the session's own turn (or rewind) is one running in the project
-            raise ProjectBusy(record.project_id, holder.run_id, BUSY_ADVICE)
+        # what runs in the project (the session's own turn or rewind included) is asked first, as a
+        # file write asks it, then again on this host with no await before the claim
+        busy = await self._live.busy(record.project_id) or self._live.busy_here(record.project_id)
+        if busy is not None:
+            raise ProjectBusy(record.project_id, busy, BUSY_ADVICE)
         hold = Run(rewind_id, session_id, 1, self._clock, project_id=record.project_id)
-        self._runs.claim(hold)  # SessionDeleting; no await since the holder was read
+        self._live.hold(hold)  # SessionDeleting; no await since the holder was read
         try:
             return await self._rewind_held(record, target, rewind_id, include_other_sessions)
         finally:
             self._checkpoints.settled(rewind_id)
             hold.fail(NotFound("run", rewind_id, "a rewind streams no events (ListRuns lists it)"))
-            self._runs.forget(hold)
+            self._live.forget(hold)
             guarded("next_turn", self._live.released, session_id)  # the first turn waiting claims the session now
 
     async def _rewind_held(
@@ -151,9 +154,8 @@ class SessionRewinder:
         repo = self._checkpoints.repo(project_id, record.cwd)
         excludes = self._excludes(record)
         async with self._checkpoints.locks[project_id]:
-            # a turn claimed here in the project (this session's own included), else one the store
-            # has running there on another host, as the file RPCs ask it
-            busy = self._live.running_in(project_id) or await self._store.running_in_project(project_id)
+            # asked again now that it is this rewind's turn: what claimed the project meanwhile
+            busy = await self._live.busy(project_id, besides=rewind_id)
             if busy is not None:
                 raise ProjectBusy(project_id, busy, BUSY_ADVICE)
             goal, _ = await self._checkpoints.commits(repo, target)
@@ -197,7 +199,7 @@ class SessionRewinder:
             # the files are where they must be: only now the agent and the transcript
             stopped = await self._forget(session_id, run_id)
             for other in sorted({r.session_id for r in taken}):
-                if self._runs.holder(other) is None:  # its next turn opens anew, and is told
+                if self._live.holder(other) is None:  # its next turn opens anew, and is told
                     await self._pool.close(other)
         shown = listed(changed)
         await self._store.put_run_checkpoint(

@@ -14,12 +14,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
-from rcoder.agent.connection import AgentConnection
 from rcoder.config import Settings
 from rcoder.domain import AgentEvent, FileChange, RunStarted, StopReason, TranscriptEntry, Usage
 from rcoder.session.resume.opening import Opened, TurnPlan
 from rcoder.session.runs.event_bytes import EarlyEvents
 from rcoder.session.runs.run import HARD_LIMIT_FACTOR, Run
+from rcoder.session.turns.agent_handle import AgentHandle
 from rcoder.session.turns.machine import TurnMachine
 from rcoder.session.turns.messages import Phase, StopCause
 
@@ -63,7 +63,7 @@ class ClaimedTurn:
         self._early_limit = settings.run_buffer_bytes
         self._early = EarlyEvents(settings.run_buffer_bytes * HARD_LIMIT_FACTOR, settings.run_event_bytes)
         self.started_out = asyncio.Event()  # set once started is out (or the turn is over)
-        self.conn: AgentConnection | None = None
+        self.conn: AgentHandle | None = None  # its agent (a handle: local today, a relay's later)
         self.kill_timer: asyncio.TimerHandle | None = None
         self.answer: Answer | None = None  # set when the agent answered the prompt
         # what the agent reported the turn cost, however its prompt ended (answered or not)

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import partial
-from typing import Any
 
 from rcoder.agent.pool import AgentPool
 from rcoder.domain import OpenMethod, ResumeOutcome, RunCompleted, RunEvent
@@ -36,13 +35,12 @@ from rcoder.session.runs.history import History
 from rcoder.session.runs.run import RunRegistry, guarded
 from rcoder.session.turns.checkpoints import Checkpoints, checkpoint_after, checkpoint_discard
 from rcoder.session.turns.claimed_turn import ClaimedTurn
+from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.messages import Started, StartRefused
 from rcoder.session.turns.records import TurnRecords
 from rcoder.store.base import EventRow, RunEnd, SessionStore
 
 log = get_logger(__name__)
-
-Spawn = Callable[[Coroutine[Any, Any, None], str], None]
 
 
 class TurnEnder:
@@ -53,7 +51,7 @@ class TurnEnder:
         runs: RunRegistry,
         metrics: Metrics,
         clock: Callable[[], datetime],
-        spawn: Spawn,
+        live: LiveSessions,
         history: History,
         checkpoints: Checkpoints,
         records: TurnRecords,
@@ -63,7 +61,7 @@ class TurnEnder:
         self._runs = runs
         self._metrics = metrics
         self._clock = clock
-        self._spawn = spawn
+        self._live = live  # who holds the session (let go of at the end), and the tasks' scope
         self._history = history
         self._checkpoints = checkpoints
         self._records = records
@@ -109,11 +107,11 @@ class TurnEnder:
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error)
         run.fail(error)  # its followers (a queued turn's Chat stream, Subscribe) are told too
-        guarded("forget_run", self._runs.forget, run)
+        guarded("forget_run", self._live.forget, run)
         broken = heard or plan.action is not OpenAction.LIVE
         guarded("release_agent", partial(self._pool.release, plan.session_id, broken=broken))
         if scope.before is not None:  # nor does it leave a snapshot (docs/checkpoints.md)
-            self._spawn(checkpoint_discard(self._checkpoints, scope), f"checkpoint-discard-{run.run_id}")
+            self._live.spawn(checkpoint_discard(self._checkpoints, scope), f"checkpoint-discard-{run.run_id}")
 
     # ------------------------------------------------------------ a started turn's end
 
@@ -160,7 +158,7 @@ class TurnEnder:
     def release(self, scope: ClaimedTurn) -> None:
         """Step 2: the session and its agent let go of. Neither release may keep the end from its
         streams and the store (``guarded``)."""
-        guarded("release_session", self._runs.release, scope.run)
+        guarded("release_session", self._live.let_go, scope.run)
         release = partial(self._pool.release, scope.plan.session_id, broken=scope.machine.agent_broken)
         guarded("release_agent", release)
 

@@ -34,7 +34,6 @@ from rcoder.errors import (
 )
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume.opening import Action, TurnPlan, decide
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Run, RunLimits, RunRegistry
@@ -94,13 +93,11 @@ class TurnIntake:
         pool: AgentPool,
         runs: RunRegistry,
         metrics: Metrics,
-        holds: SessionHolds,
         history: History,
         parts: IntakeParts,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        """Every collaborator is built by the daemon (``rcoder.daemon``), which also tells this
-        intake when a session's lease is lost (``lease_lost``)."""
+        """Every collaborator is built by the daemon (``rcoder.daemon``)."""
         self._settings = settings
         self.metrics = metrics
         self._store = store
@@ -108,7 +105,6 @@ class TurnIntake:
         self._pool = pool
         self._runs = runs
         self._clock = clock
-        self._holds = holds
         # Every run's events, stored as they are streamed, and read back by Subscribe.
         self.history = history
         self.turns = parts.turns
@@ -144,31 +140,25 @@ class TurnIntake:
         ready.add_done_callback(_retrieved)  # its error counts as seen even if nobody waits for it
         named = plan.named = loop.create_future()
         named.add_done_callback(_retrieved)
-        holder = self._runs.holder(plan.session_id)
+        holder = self._live.holder(plan.session_id)
         if holder is not None:
             position = self._queue(Waiting(plan, run, ready, self.turns), holder)
             named.set_result(None)  # it waits for the holder's session, which was named before it
             return Ticket(run, named, position=position)
         if plan.record is not None:
             named.set_result(None)
-        self._runs.claim(run)  # from here on, Cancel and shutdown see the turn
+        self._live.hold(run)  # from here on, Cancel and shutdown see the turn
         self._live.spawn(self.turns.run(plan, run, ready), f"run-{plan.run_id}")
         # The caller awaits these futures without a shield, which saves a task hop. A caller that
         # leaves cancels only the futures, which the turn never needs: the turn goes on in its own task.
         return Ticket(run, named, ready)
-
-    def lease_lost(self, session_id: str, generation: int) -> None:
-        """Another host has the session now: its agent is ended here, and so is a start under way
-        (``LiveSession.lease_lost``): neither outlasts the lease, however long the start would take."""
-        self._holds.lease_lost(session_id)
-        self._live.lease_lost(session_id, generation)
 
     def _queue(self, waiting: Waiting, holder: Run) -> int:
         """The turn waits for ``holder`` as its ``busy`` asks (``SessionBusy``: it does not)."""
         policy, session_id = waiting.plan.turn.busy, holder.session_id
         if policy is BusyPolicy.REJECT:
             raise SessionBusy(session_id, holder.run_id)
-        if self._runs.is_deleting(session_id):  # it would wait for a session that is about to be gone
+        if self._live.is_deleting(session_id):  # it would wait for a session that is about to be gone
             raise SessionDeleting(session_id)
         if policy is BusyPolicy.INTERRUPT and self._live.has_room():
             for earlier in self._live.take_waiting(session_id):
@@ -243,7 +233,7 @@ class TurnIntake:
         running one: the session comes to rest.
         """
         if not run_id:
-            holder = self._runs.holder(session_id)
+            holder = self._live.holder(session_id)
             if holder is not None and follows is not None and self._live.follows(holder.run_id) != follows:
                 return holder.run_id, False  # the turn meant has ended, and this one came after it
             for waiting in self._live.take_waiting(session_id):  # none of them runs: the session comes to rest
@@ -270,7 +260,7 @@ class TurnIntake:
         """End the session's agent (the record stays). Returns whether one was live."""
         if await self._store.get_session(session_id) is None:
             raise NotFound("session", session_id)
-        holder = self._runs.holder(session_id)
+        holder = self._live.holder(session_id)
         if holder is not None:
             raise SessionBusy(session_id, holder.run_id)
         return await self._pool.close(session_id)

@@ -20,29 +20,40 @@ Waiting turns live in this process only: a daemon that stops refuses them (``Shu
 and they are not there after a restart.
 
 The tasks: every task a turn starts (the turn's own, a cancel sent to its agent, its group ended
-after ``cancel_grace``, a snapshot discarded) is started in the registry's one scope, which
-shutdown waits for (``wait_idle``) and, past its grace, cancels (``cancel_all``). A task
+after ``cancel_grace``, a snapshot discarded) is started in the registry's one scope
+(``TaskScope``: a TaskGroup's guarantees), which shutdown waits for (``wait_idle``) and, past its
+grace, closes (``cancel_all``: every task cancelled and awaited, those started meanwhile too). A task
 outlives the owner that started it when the session is left with no turn meanwhile (the agent's
 group ended after the turn's end, say), so the scope is the registry's, not each owner's.
 
-Not yet here: the session's lease and its agent checkout are still held by ``SessionHolds`` and
-the pool, and which run holds the session by ``RunRegistry`` (the owner reads it there).
+The owner also holds which run holds the session (``hold``, ``let_go``: a turn's run, from its
+claim to its end, or a rewind's hold) and whether ``DeleteSession`` is erasing it (``deleting``),
+and so answers whether a project is busy (``busy``); and the rules of the session's lease on this
+host (taken before its agent opens, lasting as long as that agent, ended with it when lost). Not
+yet here: the lease itself is kept by the ``LeaseKeeper`` and the agent checkout by the pool,
+which tell the daemon, not the owner, of an agent closed or a lease lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, ShuttingDown
+from rcoder.agent.pool import AgentPool
+from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, SessionBusy, SessionDeleting, ShuttingDown
 from rcoder.logs import get_logger
+from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.runs.run import Run, RunRegistry
 from rcoder.session.turns.claimed_turn import ClaimedTurn
 from rcoder.session.turns.messages import Phase, StopCause
+from rcoder.session.turns.task_scope import TaskScope
+from rcoder.store.base import SessionStore
+from rcoder.store.cluster import Lease
 
 log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
@@ -78,18 +89,46 @@ class LiveSession:
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
+        self.holder: Run | None = None  # the run holding the session: a turn's, or a rewind's hold
         self.turn: ClaimedTurn | None = None
         self.waiting: deque[Waiting] = deque()
+        self.deleting = False  # DeleteSession is erasing the session: nothing claims it
 
     @property
     def idle(self) -> bool:
-        """No turn runs or waits: the registry keeps the owner no longer."""
-        return self.turn is None and not self.waiting
+        """Nothing holds the session, no turn runs or waits, no delete is under way: the
+        registry keeps the owner no longer."""
+        return self.holder is None and self.turn is None and not self.waiting and not self.deleting
 
     def turn_of(self, run_id: str) -> ClaimedTurn | None:
         """The running turn if it is run ``run_id``."""
         turn = self.turn
         return turn if turn is not None and turn.run.run_id == run_id else None
+
+    # ------------------------------------------------------------ who holds it
+
+    def hold(self, run: Run) -> None:
+        """``run`` holds the session from now on, else ``SessionBusy`` or ``SessionDeleting``."""
+        if self.holder is not None:
+            raise SessionBusy(self.session_id, self.holder.run_id)
+        if self.deleting:
+            raise SessionDeleting(self.session_id)
+        self.holder = run
+
+    def let_go(self, run: Run) -> None:
+        """``run`` no longer holds the session (a run that does not hold it changes nothing)."""
+        if self.holder is run:
+            self.holder = None
+
+    def delete(self) -> None:
+        """``DeleteSession`` erases the session from now on: nothing holds it anew."""
+        if self.deleting:
+            raise SessionDeleting(self.session_id)
+        self.deleting = True
+
+    def deleted(self) -> None:
+        """The delete is over (erased, or refused)."""
+        self.deleting = False
 
     # ------------------------------------------------------------ the running turn
 
@@ -148,11 +187,16 @@ class LiveSession:
 
 
 class LiveSessions:
-    def __init__(self, queue_limit: int, runs: RunRegistry) -> None:
+    def __init__(
+        self, queue_limit: int, runs: RunRegistry, store: SessionStore, pool: AgentPool, leases: LeaseKeeper
+    ) -> None:
+        self._pool = pool  # the sessions' live agents: a lease lasts as long as the session's agent
+        self._leases = leases  # this host's session leases (docs/design/hosts.md#leases)
         self._queue_limit = queue_limit  # max_queued_turns
         self._runs = runs  # a run's session, by its id; a turn refused while it waits is forgotten there
+        self._store = store  # what runs in a project on other hosts (``busy``)
         self._owners: dict[str, LiveSession] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # the one scope of the tasks the turns start
+        self._tasks = TaskScope("turns")  # the one scope of the tasks the turns start
         self.closing = False  # rcoder is stopping: no turn is taken in or claims its session
 
     def close(self) -> None:
@@ -180,6 +224,86 @@ class LiveSessions:
         owner = self._of_run(run_id)
         return owner.turn_of(run_id) if owner is not None else None
 
+    # ------------------------------------------------------------ who holds a session
+
+    def hold(self, run: Run) -> None:
+        """``run`` holds its session from now on (a turn's, or a rewind's hold), else
+        ``SessionBusy`` (another run holds it) or ``SessionDeleting``. The run is kept
+        (``RunRegistry.keep``): ``Cancel`` and shutdown see it in every phase."""
+        owner = self._owner(run.session_id)
+        try:
+            owner.hold(run)
+        finally:
+            self._tidy(owner)
+        self._runs.keep(run)
+
+    def let_go(self, run: Run) -> None:
+        """``run`` no longer holds its session (idempotent; a run that does not hold it changes
+        nothing). Whoever let go then tells ``released``, which hands the session on."""
+        owner = self._owners.get(run.session_id)
+        if owner is not None:
+            owner.let_go(run)
+            self._tidy(owner)
+
+    def forget(self, run: Run) -> None:
+        """A run refused before it started: its session let go of, and the run never visible again."""
+        self.let_go(run)
+        self._runs.forget(run)
+
+    def holder(self, session_id: str) -> Run | None:
+        """The run holding ``session_id``, in any phase (opening its agent included)."""
+        owner = self._owners.get(session_id)
+        return owner.holder if owner is not None else None
+
+    @contextmanager
+    def deleting(self, session_id: str) -> Iterator[None]:
+        """While in it, no run holds ``session_id`` anew (``SessionDeleting``); a second delete
+        of it is refused ``SessionDeleting``."""
+        owner = self._owner(session_id)
+        try:
+            owner.delete()
+        except SessionDeleting:
+            self._tidy(owner)
+            raise
+        try:
+            yield
+        finally:
+            owner.deleted()
+            self._tidy(owner)
+
+    def is_deleting(self, session_id: str) -> bool:
+        """Whether ``DeleteSession`` is erasing ``session_id`` now."""
+        owner = self._owners.get(session_id)
+        return owner is not None and owner.deleting
+
+    # ------------------------------------------------------------ a session's lease
+    # The rules (docs/design/hosts.md#leases): a session's lease is taken before an agent is
+    # opened for it (``take_lease``), and lasts as long as the session has a live agent here:
+    # when the pool lets go of the agent (idle, evicted, replaced, broken, closed), the daemon
+    # tells ``agent_closed`` and the lease goes. A turn or a fork that took the lease but leaves
+    # no live agent lets go of it when it is over (``let_go_lease``); a cancelled start keeps it
+    # until its turn's end is written, because that end is written under the lease. A lost lease
+    # ends the session's agent at once (``lease_lost``).
+
+    def lease(self, session_id: str) -> Lease | None:
+        """The lease this host holds on the session, with no I/O (it is renewed in the background)."""
+        return self._leases.lease(session_id)
+
+    async def take_lease(self, session_id: str) -> Lease:
+        """Take the session's lease before opening an agent for it (``OwnedElsewhere`` while
+        another live host holds it)."""
+        return await self._leases.acquire(session_id)
+
+    def let_go_lease(self, session_id: str, lease: Lease) -> None:
+        """The work that took ``lease`` is over: the lease goes, unless the session has a live
+        agent here now (then it goes with that agent)."""
+        if not self._pool.is_live(session_id):
+            self._leases.release(session_id, lease)
+
+    def agent_closed(self, session_id: str) -> None:
+        """The session no longer has a live agent here: its lease goes with it."""
+        self._leases.release(session_id)
+
     # ------------------------------------------------------------ the running turns
 
     def claim(self, turn: ClaimedTurn) -> None:
@@ -198,10 +322,25 @@ class LiveSessions:
         """Every claimed turn, whatever its phase."""
         return [owner.turn.run.run_id for owner in self._owners.values() if owner.turn is not None]
 
-    def running_in(self, project_id: str) -> str | None:
-        """A turn claimed here in the project (any phase), None when there is none."""
+    def busy_here(self, project_id: str, besides: str = "") -> str | None:
+        """What holds a session of the project on this host, by its run id: a claimed turn, in
+        any phase, or a hold that is no turn (a rewind's); ``besides`` (the asker's own hold) does
+        not count. None when nothing does. The one answer on this host to "is this project busy"
+        (docs/design/turn.md#busy)."""
         turns = (owner.turn for owner in self._owners.values() if owner.turn is not None)
-        return next((turn.run.run_id for turn in turns if turn.plan.turn.project_id == project_id), None)
+        for turn in turns:
+            if turn.plan.turn.project_id == project_id and turn.run.run_id != besides:
+                return turn.run.run_id
+        holds = (owner.holder for owner in self._owners.values() if owner.holder is not None)
+        for run in holds:
+            if run.project_id == project_id and not run.done and run.run_id != besides:
+                return run.run_id
+        return None
+
+    async def busy(self, project_id: str, besides: str = "") -> str | None:
+        """``busy_here``, else a run the store has running in the project on another host: what a
+        file write, a rewind and a delete ask before they change the project's files."""
+        return self.busy_here(project_id, besides) or await self._store.running_in_project(project_id)
 
     def follows(self, run_id: str) -> str | None:
         """The run the claimed turn follows in its session ("" for its first; None: not running here)."""
@@ -219,7 +358,10 @@ class LiveSessions:
         return owner is not None and owner.cancel(run_id, cause)
 
     def lease_lost(self, session_id: str, generation: int) -> None:
-        """``LiveSession.lease_lost``: the session's running turn, if any, hears of it."""
+        """Another host holds the session's lease now: its agent here is ended, busy or not, and
+        its running turn, if any, hears of it (``LiveSession.lease_lost``): neither outlasts the
+        lease, however long a start would take."""
+        self._pool.drop(session_id)
         owner = self._owners.get(session_id)
         if owner is not None:
             owner.lease_lost(generation)
@@ -243,7 +385,7 @@ class LiveSessions:
         waiting claims it now, in this step, and its task starts. Never raises, as it is called
         from the end of what let go: a turn that cannot claim the session (rcoder stopping, the
         session being deleted) is refused, and so is every one behind it."""
-        if self._runs.holder(session_id) is not None:
+        if self.holder(session_id) is not None:
             return  # still held: what let go was not its holder
         waiting = self.next_waiting(session_id)
         if waiting is None:
@@ -252,7 +394,7 @@ class LiveSessions:
         try:
             if self.closing:
                 raise ShuttingDown()
-            self._runs.claim(run)
+            self.hold(run)
         except RcoderError as exc:
             self.refuse(waiting, exc)
             self.refuse_waiting(session_id, exc)
@@ -294,7 +436,7 @@ class LiveSessions:
     def refuse(self, waiting: Waiting, error: RcoderError) -> None:
         """A turn taken out of its line that will never run: its followers get ``error``, and it is forgotten."""
         waiting.refuse(error)
-        self._runs.forget(waiting.run)
+        self.forget(waiting.run)
 
     def drop(self, waiting: Waiting, why: str) -> None:
         """A turn taken out of its line that will never run: cancelled; its followers are told."""
@@ -304,39 +446,14 @@ class LiveSessions:
     # ------------------------------------------------------------ the tasks' scope
 
     def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        """Run ``work`` in a task of the scope, kept until it ends."""
-        task = asyncio.create_task(work, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(report_failure)
+        """Run ``work`` in a task of the scope (``TaskScope.spawn``)."""
+        self._tasks.spawn(work, name)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no task is left (those started meanwhile included); False after ``timeout``."""
-        try:
-            async with asyncio.timeout(timeout):
-                while self._tasks:
-                    await asyncio.wait(set(self._tasks))
-        except TimeoutError:
-            return False
-        return True
+        return await self._tasks.wait_idle(timeout)
 
     async def cancel_all(self, timeout: float) -> None:
-        """Cancel every task and wait for them, at most ``timeout`` seconds (a warning says how many were late)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, late = await asyncio.wait(tasks, timeout=timeout)
-            if late:
-                log.warning("turns_not_ended_in_time", count=len(late), timeout=timeout)
-
-
-def report_failure(task: asyncio.Task[Any]) -> None:
-    """A background task of ours that raised (a turn's, a cancel it sent, a disk check) is a bug
-    of ours: logged with its traceback (``background_task_failed``, which fails the tests) rather
-    than left for asyncio's "never retrieved" at some later collection."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("background_task_failed", task=task.get_name(), exc_info=exc)
+        """The scope's close: every task cancelled and waited for, with those started meanwhile
+        (an ending turn's last steps), at most ``timeout`` seconds (``TaskScope.close``)."""
+        await self._tasks.close(timeout)

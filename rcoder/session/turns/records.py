@@ -11,13 +11,13 @@ from datetime import datetime
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from rcoder.agent.connection import AgentConnection
 from rcoder.agent.pool import AgentPool
 from rcoder.domain import ChatTurn, RunRecord, RunStarted, RunStatus, SessionRecord
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.resume import options
 from rcoder.session.resume.opening import TurnPlan
+from rcoder.session.turns.agent_handle import AgentHandle
 from rcoder.store.base import RunEnd, SessionStore
 from rcoder.store.cluster import Lease
 
@@ -26,7 +26,7 @@ log = get_logger(__name__)
 END_RETRY_FOR = 60.0
 
 
-def session_state(record: SessionRecord, turn: ChatTurn, conn: AgentConnection | None) -> SessionRecord | None:
+def session_state(record: SessionRecord, turn: ChatTurn, conn: AgentHandle | None) -> SessionRecord | None:
     """``record`` with the options and commands its agent reports now, and the turn's choices;
     None when nothing of them changed."""
     if conn is None:
@@ -47,7 +47,7 @@ class TurnRecords:
         self._late: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
 
     async def record_start(
-        self, plan: TurnPlan, body: RunStarted, conn: AgentConnection | None, checkpoint: str = ""
+        self, plan: TurnPlan, body: RunStarted, conn: AgentHandle | None, checkpoint: str = ""
     ) -> None:
         """Record the run as started (with ``checkpoint``, the commit of its before snapshot:
         docs/checkpoints.md), and the session first when it is new."""
@@ -98,14 +98,14 @@ class TurnRecords:
         self._pool.remember(plan.record)
 
     @staticmethod
-    def state_unchanged(plan: TurnPlan, conn: AgentConnection | None) -> bool:
+    def state_unchanged(plan: TurnPlan, conn: AgentHandle | None) -> bool:
         """Whether ``store_state`` has nothing to write, known without any I/O: the record holds
         what this agent reported, and this turn chose no option."""
         if conn is None:
             return True
         return conn.state_version == conn.stored_state_version and not plan.turn.config_options
 
-    async def store_state(self, plan: TurnPlan, conn: AgentConnection | None, now: datetime) -> None:
+    async def store_state(self, plan: TurnPlan, conn: AgentHandle | None, now: datetime) -> None:
         """Store the session's options and commands where this turn changed them (rarely: a
         turn that sets no option on an agent that lists nothing new writes nothing)."""
         assert plan.record is not None

@@ -62,7 +62,6 @@ from rcoder.metrics import Metrics
 from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
 from rcoder.session.guards.usage_writer import UsageWriter
-from rcoder.session.hosts.holds import SessionHolds
 from rcoder.session.resume.opening import Action, Opened, SessionOpener, TurnPlan
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Heartbeats, Run, guarded
@@ -135,7 +134,6 @@ class TurnRunner:
         pool: AgentPool,
         metrics: Metrics,
         clock: Callable[[], datetime],
-        holds: SessionHolds,
         history: History,
         checkpoints: Checkpoints,
         live: LiveSessions,
@@ -154,7 +152,6 @@ class TurnRunner:
         self._pool = pool
         self._metrics = metrics
         self._clock = clock
-        self._holds = holds
         self._live = live
         self._opener = steps.opener
         self._records = steps.records
@@ -221,14 +218,14 @@ class TurnRunner:
 
     def _forget(self, scope: ClaimedTurn) -> None:
         """The turn is over. Its lease goes too when no agent of its session is live here (a
-        cancelled start keeps the lease until its end is written; ``SessionHolds``)."""
+        cancelled start keeps the lease until its end is written; ``LiveSessions.let_go_lease``)."""
         self._live.turn_over(scope)
         self._usage.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
         self.spend.ended(scope.run.run_id)
         if plan.lease is not None:
-            self._holds.let_go(plan.session_id, plan.lease)
+            self._live.let_go_lease(plan.session_id, plan.lease)
 
     @staticmethod
     def _ending(exc: BaseException) -> Event:

@@ -186,6 +186,12 @@ class AttachedAgent:
         """Open ``call`` from the frame after the last one written; once ready, the stdin frames the
         relay has not written are sent again (and the end of stdin, when it came)."""
         opening = pb.AttachOpen(agent_id=self._agent_id, generation=self._generation, from_seq=self._written + 1)
+        # nothing written before the relay's headers: a write racing its refusal would turn the
+        # refusal into grpc's own INTERNAL (docs/relay.md#attach)
+        await call.initial_metadata()
+        if call.done():
+            await call.read()  # raises the refusal as it was sent
+            raise ConnectionError("the relay ended the stream before it opened")
         await call.write(pb.AttachRequest(open=opening))
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("message") != "ready":
@@ -223,6 +229,9 @@ class AttachedAgent:
             self._written = lagged.next_seq - 1
         elif kind == "exit":
             await self._ack(call)
+            async with self._write_lock:  # our half closed: the relay ends the stream then, not before
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                    await call.done_writing()
             self._exit(response.exit.exit_code, response.exit.stderr_tail)
             return True
         return False

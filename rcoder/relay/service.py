@@ -30,6 +30,7 @@ log = get_logger("rcoder.relay.service")
 ERROR_DOMAIN = "rcoder.dev"
 # frames sent at most in one go before the stream looks at its acknowledgements again
 _BATCH = 256
+_HALF_CLOSE_WAIT = 5.0  # seconds an ended agent's stream waits for its client to close its half
 
 # Most specific first: the first class an error is an instance of wins.
 STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
@@ -121,6 +122,10 @@ class RelayService(pb_grpc.RelayServiceServicer):
     async def Attach(
         self, requests: AsyncIterator[pb.AttachRequest], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.AttachResponse]:
+        # Headers first, before a byte is read: a client writes its first message only once they
+        # came, so no write of its races a refusal (grpc's client would report its own INTERNAL in
+        # place of the refusal); the secret was checked before this (SecretCheck)
+        await context.send_initial_metadata(())
         try:
             first = await anext(requests, None)
             if first is None or first.WhichOneof("message") != "open":
@@ -173,6 +178,11 @@ class RelayService(pb_grpc.RelayServiceServicer):
                 code = agent.exit_code if agent.exit_code is not None else 0
                 yield pb.AttachResponse(exit=pb.AgentExit(exit_code=code, last_seq=agent.frames.last_seq,
                                                           stderr_tail=tail))  # fmt: skip
+                # the stream ends once the client has closed its half (its last acknowledgement
+                # written), bounded: ended first, a write of the client's in flight would fail, and
+                # grpc's client reports that as INTERNAL in place of this call's end
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(reader), _HALF_CLOSE_WAIT)
                 return
             await attachment.wake.wait()
 

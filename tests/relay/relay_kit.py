@@ -175,10 +175,15 @@ class AcpOverAttach:
         """Attach (again), from the first frame not kept; stdin the relay has not written is sent again."""
         self._outbox = asyncio.Queue()
         start = self.acked + 1 if from_seq is None else from_seq
-        self._outbox.put_nowait(pb.AttachRequest(open=pb.AttachOpen(agent_id=self.agent_id, generation=self.generation,
-                                                                     from_seq=start)))  # fmt: skip
         self._call = self._stub.Attach(self._requests(self._outbox), metadata=self._metadata)
         try:
+            # the open is written once the relay's headers came, as the daemon's client does: a write
+            # racing a refusal would turn it into grpc's own INTERNAL (docs/relay.md#attach)
+            await self._call.initial_metadata()
+            if not self._call.done():
+                self._outbox.put_nowait(pb.AttachRequest(open=pb.AttachOpen(agent_id=self.agent_id,
+                                                                             generation=self.generation,
+                                                                             from_seq=start)))  # fmt: skip
             first: pb.AttachResponse = await self._call.read()
         except BaseException:
             self._outbox.put_nowait(None)  # its requests end: refused, the call is over
@@ -213,6 +218,7 @@ class AcpOverAttach:
                     self.lagged.append(response.lagged)
                 elif kind == "exit":
                     self.exit = response.exit
+                    self._outbox.put_nowait(None)  # our half closed after the last ack: the relay ends the stream
                 self._changed.set()
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:

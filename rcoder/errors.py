@@ -186,7 +186,7 @@ class AgentLimitReached(RcoderError):
 
     def __init__(self, limit: int) -> None:
         super().__init__(
-            f"all {limit} live agents are busy (max_live_agents = {limit}); retry when a turn finishes",
+            f"all {limit} live agents are busy (agent_processes.max_live = {limit}); retry when a turn finishes",
             limit=str(limit),
         )
 

@@ -146,7 +146,7 @@ async def test_past_max_queued_turns_a_queued_turn_is_refused_resource_exhausted
     refused = await client.chat_error(session_id=begin.session_id, prompt="remember 4", busy=pb.BUSY_POLICY_QUEUE)
 
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
-    assert error_info(refused).reason == "QUEUED_TURNS_LIMIT" and "max_queued_turns" in (refused.details() or "")
+    assert error_info(refused).reason == "QUEUED_TURNS_LIMIT" and "turns.max_queued" in (refused.details() or "")
     await release(client, begin, asked)
     await rest_of(first)
     assert text_of(await rest_of(waiting)) == "I remember: 1, 2"

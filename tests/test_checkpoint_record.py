@@ -189,7 +189,7 @@ async def test_a_full_store_takes_no_snapshot_and_the_turn_says_so(make_daemon: 
     first = completed(await client.chat(prompt="shell head -c 1000000 /dev/urandom > big.bin"))
     assert [c.path for c in first.changes] == ["big.bin"] and not first.checkpoint_error
     second = completed(await client.chat(prompt="shell echo more > more.txt"))
-    assert not second.changes and "checkpoint_store_max_bytes" in second.checkpoint_error, second
+    assert not second.changes and "checkpoints.store_max_bytes" in second.checkpoint_error, second
 
 
 async def test_a_snapshot_past_its_bound_is_cut_leaves_nothing_behind_and_the_next_works(
@@ -200,7 +200,7 @@ async def test_a_snapshot_past_its_bound_is_cut_leaves_nothing_behind_and_the_ne
     began = time.monotonic()
     cut = completed(await client.chat(prompt="shell head -c 200000000 /dev/zero > big.bin"))
     assert time.monotonic() - began < 20
-    assert not cut.changes and "checkpoint_snapshot_timeout" in cut.checkpoint_error, cut
+    assert not cut.changes and "checkpoints.snapshot_timeout" in cut.checkpoint_error, cut
     assert leftovers(store) == [] and held(store) < 1 << 20
     # the next turn's before snapshot is not bounded by a turn's end: it stores the file
     quiet = completed(await client.chat(prompt="hello"))

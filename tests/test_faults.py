@@ -62,7 +62,7 @@ async def test_a_line_over_agent_line_limit_ends_the_run_with_an_error_naming_th
 
     end = completed(events)
     assert end.stop_reason == pb.STOP_REASON_ERROR
-    assert "agent_line_limit" in end.error and "1048576" in end.error
+    assert "agent_processes.line_limit" in end.error and "1048576" in end.error
     assert "x" * 1000 not in text_of(events)
     again = await client.chat(prompt="what number?", session_id=first[0].session_id)
     assert started(again).resume == pb.RESUME_OUTCOME_RESUMED, "the agent was ended; the session resumes"

@@ -112,7 +112,7 @@ async def test_the_token_reaches_an_allowed_peer_and_never_a_unix_socket_or_a_ho
         assert (await forward(allowed, tcp)).session_id == "s"
         with pytest.raises(OwnerUnreachable, match="not dialled"):
             await forward(allowed, socket)
-        with pytest.raises(OwnerUnreachable, match="peer_hosts"):
+        with pytest.raises(OwnerUnreachable, match=r"hosts\.peers"):
             await forward(elsewhere, tcp)
     finally:
         await allowed.aclose()

@@ -177,7 +177,7 @@ def test_an_aud_list_that_names_the_audience_is_accepted_and_one_that_does_not_i
 ) -> None:
     assert verifier.verify(token(keys.rsa, "RS256", aud=["other", AUDIENCE])).subject == "client-7"
     message = refused(verifier, token(keys.rsa, "RS256", aud=["other", "another"]))
-    assert message == "JWT aud ['other', 'another'] does not name the configured jwt_audience 'rcoder'"
+    assert message == "JWT aud ['other', 'another'] does not name the configured jwt.audience 'rcoder'"
 
 
 def test_a_token_without_kid_takes_the_one_key_of_a_file_that_holds_one(
@@ -217,12 +217,12 @@ def test_an_exp_that_is_no_time_is_refused(verifier: JwtVerifier, keys: Keys, ex
 
 def test_a_token_of_another_issuer_is_refused_naming_both(verifier: JwtVerifier, keys: Keys) -> None:
     message = refused(verifier, token(keys.rsa, "RS256", iss="https://evil.example"))
-    assert message == "JWT iss 'https://evil.example' is not the configured jwt_issuer 'https://idp.example'"
+    assert message == "JWT iss 'https://evil.example' is not the configured jwt.issuer 'https://idp.example'"
 
 
 def test_a_token_for_another_audience_is_refused_naming_both(verifier: JwtVerifier, keys: Keys) -> None:
     message = refused(verifier, token(keys.rsa, "RS256", aud="billing"))
-    assert message == "JWT aud 'billing' does not name the configured jwt_audience 'rcoder'"
+    assert message == "JWT aud 'billing' does not name the configured jwt.audience 'rcoder'"
 
 
 @pytest.mark.parametrize("claim", ["exp", "iss", "aud", "sub", "rcoder_projects", "rcoder_role"])
@@ -245,7 +245,7 @@ def test_a_token_missing_a_required_claim_is_refused_naming_it(verifier: JwtVeri
         ("sub", 42, "JWT claim sub is not a non-empty string"),
         ("sub", "", "JWT claim sub is not a non-empty string"),
         ("aud", [AUDIENCE, 3], "JWT claim aud is not a string or a list of strings"),
-        ("iss", 5, "JWT iss 5 is not the configured jwt_issuer 'https://idp.example'"),
+        ("iss", 5, "JWT iss 5 is not the configured jwt.issuer 'https://idp.example'"),
     ],
 )
 def test_a_claim_of_the_wrong_type_is_refused_naming_it(

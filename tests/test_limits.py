@@ -98,7 +98,7 @@ async def test_a_follower_past_run_max_followers_is_refused_resource_exhausted(m
 
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert error_info(refused).reason == "RUN_FOLLOWERS_LIMIT"
-    assert "run_max_followers" in (refused.details() or "")
+    assert "runs.max_followers" in (refused.details() or "")
     await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
     assert completed(await rest_of(call)).stop_reason == pb.STOP_REASON_CANCELLED
     second.cancel()

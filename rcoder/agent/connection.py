@@ -301,7 +301,7 @@ class AgentConnection:
                 raise
         except AgentTimeout as exc:
             raise AgentTimeout(
-                f"agent {self.agent!r} did not finish the turn within turn_timeout ({timeout:g}s)",
+                f"agent {self.agent!r} did not finish the turn within turns.timeout ({timeout:g}s)",
                 agent=self.agent, stderr_tail=exc.stderr_tail,
             ) from exc  # fmt: skip
         finally:

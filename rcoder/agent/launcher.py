@@ -209,7 +209,8 @@ class AgentLauncher:
                 raise ConfigError("agent_user", f"agents run as uid {owner[0]}, which cannot reach {path}: {stop} "
                                                 f"(mode {mode:04o}) lets it not pass. Give other users search "
                                                 f"there (chmod o+x {stop}), or move data_dir and workspace_root "
-                                                "below folders they can pass, or set agent_user = \"\"")  # fmt: skip
+                                                "below folders they can pass, or set agent_processes.user = "
+                                                "\"\"")  # fmt: skip
 
     def log_sandboxes(self) -> None:
         """Say what each profile's agents run under (docs/design/trust.md#confinement: in the log at start)."""

@@ -99,7 +99,7 @@ def refusal(address: str, tls: bool, peer_hosts: Sequence[str]) -> str:
             return ""
         if network is None and fnmatch.fnmatchcase(host, pattern.lower()):
             return ""
-    return f"host {host!r} is not on peer_hosts (without TLS the callers' requests go in plaintext only to those)"
+    return f"host {host!r} is not on hosts.peers (without TLS the callers' requests go in plaintext only to those)"
 
 
 def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:

@@ -211,7 +211,7 @@ class CallLimit:
     def check(self) -> None:
         if self.active >= self.limit:
             raise errors.ResourceExhausted(
-                f"{self.limit} calls are in progress on this host (max_concurrent_rpcs); retry shortly",
+                f"{self.limit} calls are in progress on this host (limits.max_concurrent_rpcs); retry shortly",
                 reason="RPC_LIMIT_REACHED",
                 limit=str(self.limit),
             )
@@ -245,7 +245,7 @@ class RequestBytes:
                 granted.cancel()
             if isinstance(exc, TimeoutError):
                 raise errors.ResourceExhausted(
-                    f"requests in flight hold {self.held} bytes of max_request_bytes_in_flight ({self.total}); "
+                    f"requests in flight hold {self.held} bytes of limits.max_request_bytes_in_flight ({self.total}); "
                     "retry shortly",
                     reason="REQUEST_BYTES_LIMIT_REACHED",
                     limit=str(self.total),
@@ -294,7 +294,7 @@ class Gate:
             budget.release(budget.largest)
             raise errors.InvalidArgument(  # what the caller saw is grpc's RESOURCE_EXHAUSTED, if that
                 "request",
-                f"no request message: none was sent, or one over max_request_bytes ({budget.largest})",
+                f"no request message: none was sent, or one over limits.max_request_bytes ({budget.largest})",
                 reason="BAD_REQUEST",
             )
         request, size = read

@@ -252,14 +252,14 @@ class JwtVerifier:
             )
         iss = _present(payload, "iss")
         if iss != self._issuer:
-            raise errors.Unauthenticated(f"JWT iss {_shown(iss)} is not the configured jwt_issuer {self._issuer!r}")
+            raise errors.Unauthenticated(f"JWT iss {_shown(iss)} is not the configured jwt.issuer {self._issuer!r}")
         aud = _present(payload, "aud")
         audiences = [aud] if isinstance(aud, str) else aud
         if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences):
             raise errors.Unauthenticated("JWT claim aud is not a string or a list of strings")
         if self._audience not in audiences:
             raise errors.Unauthenticated(
-                f"JWT aud {_shown(aud)} does not name the configured jwt_audience {self._audience!r}"
+                f"JWT aud {_shown(aud)} does not name the configured jwt.audience {self._audience!r}"
             )
         sub = _present(payload, "sub")
         if not isinstance(sub, str) or not sub:

@@ -301,7 +301,7 @@ class CheckpointRepo:
         if held >= self.bounds.max_store_bytes:
             raise CheckpointError(
                 "store-full",
-                f"the project's checkpoint store holds {held} bytes, checkpoint_store_max_bytes is "
+                f"the project's checkpoint store holds {held} bytes, checkpoints.store_max_bytes is "
                 f"{self.bounds.max_store_bytes}: no snapshot is taken until retention and gc free room "
                 "(or the bound is raised)",
             )

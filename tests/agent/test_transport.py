@@ -99,7 +99,7 @@ async def test_a_line_over_the_limit_ends_input_with_a_fault(fed: Fed) -> None:
     fed.feed(line(update(1)) + b"x" * (LIMIT + 10))
 
     assert await fed.messages() == []
-    assert "agent_line_limit" in fed.pipe.fault
+    assert "agent_processes.line_limit" in fed.pipe.fault
     assert len(fed.updates) == 1
 
 

@@ -29,7 +29,7 @@ async def test_host_local_checkpoint_roots_are_said_at_start_in_list_hosts_and_i
         (b,) = await hosts.start("b")
         (said,) = await b.daemon.wait_log("checkpoint_root_not_shared", host="host-a")
         assert said["checkpoint_root"] == str(hosts.root / "data-b" / "checkpoints")
-        assert "NO_CHECKPOINT" in said["effect"] and "checkpoint_root" in said["effect"]
+        assert "NO_CHECKPOINT" in said["effect"] and "checkpoints.root" in said["effect"]
 
         events, _ = await chat(a, prompt="shell echo made on a > a.txt")
         assert [c.path for c in completed(events).changes] == ["a.txt"]  # a has its snapshots

@@ -457,7 +457,7 @@ async def test_a_turn_past_turn_timeout_ends_as_an_agent_timeout_and_ends_its_ag
     _, _, completed = split(await events_of(run))
 
     assert (completed.stop_reason, completed.error_reason) == (StopReason.ERROR, "AGENT_TIMEOUT")
-    assert "turn_timeout" in completed.error
+    assert "turns.timeout" in completed.error
     stored = await turns.store.get_run(plan.run_id)
     assert stored is not None and (stored.status, stored.stop_reason) == (RunStatus.FAILED, StopReason.ERROR)
     assert turns.live.holder(plan.session_id) is None

@@ -199,7 +199,7 @@ class PipeTransport:
             self._lines.extend(complete)
         self._partial += rest
         if len(self._partial) > self._line_limit:
-            self.fault = f"wrote a line over {self._line_limit} bytes (agent_line_limit)"
+            self.fault = f"wrote a line over {self._line_limit} bytes (agent_processes.line_limit)"
             log.error("agent_line_too_long", agent=self._agent, limit=self._line_limit)
             self._partial.clear()
             self._eof = True  # the complete lines before it are still read

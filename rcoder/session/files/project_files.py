@@ -232,7 +232,7 @@ class ProjectFiles:
 
     def _too_large(self, path: str, size: int) -> ResourceExhausted:
         return ResourceExhausted(
-            f"{path!r} holds {human_bytes(size)} or more, past max_file_bytes ({human_bytes(self._max_bytes)})",
+            f"{path!r} holds {human_bytes(size)} or more, past limits.max_file_bytes ({human_bytes(self._max_bytes)})",
             reason="FILE_TOO_LARGE",
             path=path,
             limit_bytes=str(self._max_bytes),

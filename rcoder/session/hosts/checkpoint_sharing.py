@@ -35,7 +35,7 @@ MARKS = ".rcoder-hosts"  # never a project's store: those are <project_id>.git
 CHECK_EVERY = 10  # lease_ttl: how often the hosts are looked at again for one that does not share
 COST = (
     "GetRunChanges and RewindSession answer NO_CHECKPOINT here for every run made there, and there for every run "
-    "made here; set one checkpoint_root on storage every host shares (docs: Checkpoints, Several hosts)"
+    "made here; set one checkpoints.root on storage every host shares (docs: Checkpoints, Several hosts)"
 )
 
 
@@ -119,8 +119,8 @@ class CheckpointSharing:
         return NoCheckpoint(
             run_id,
             error.metadata.get("which", "before"),
-            f"it ran on host {owner.host_id}{where}, whose checkpoint_root is not this host's ({self._root} has no "
-            f"mark of it): its snapshots are in that host's store. Set one checkpoint_root on storage every host "
+            f"it ran on host {owner.host_id}{where}, whose checkpoints.root is not this host's ({self._root} has no "
+            f"mark of it): its snapshots are in that host's store. Set one checkpoints.root on storage every host "
             f"shares",
             host_id=owner.host_id,
         )

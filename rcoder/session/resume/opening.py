@@ -51,7 +51,7 @@ UNOPENED_BRANCH_NOT_RESEEDED = (
 )
 
 CONTINUED = "continued from another agent"  # a branch ForkSession made on another profile
-CONTINUED_NOT_RESEEDED = f"{CONTINUED}; reseed_on_fallback is off, so it starts without its history"
+CONTINUED_NOT_RESEEDED = f"{CONTINUED}; turns.reseed_on_fallback is off, so it starts without its history"
 
 
 class Action(enum.Enum):

@@ -367,7 +367,7 @@ class Run:
         self._check_available(after_seq, "")
         if len(self._positions) >= self._max_followers:
             raise ResourceExhausted(
-                f"run {self.run_id} already has {self._max_followers} followers (run_max_followers); "
+                f"run {self.run_id} already has {self._max_followers} followers (runs.max_followers); "
                 "retry when one of them leaves",
                 reason="RUN_FOLLOWERS_LIMIT",
                 run_id=self.run_id,

@@ -279,7 +279,7 @@ class Checkpoints:
                 await self._supersede_ahead(repo, project_id, commit)
                 changes, unlisted = await listed_changes(repo, before, commit)
         except TimeoutError:
-            why = f"the after snapshot was cut: it took longer than checkpoint_snapshot_timeout ({self._end_wait:g} s)"
+            why = f"the after snapshot was cut: it took longer than checkpoints.snapshot_timeout ({self._end_wait:g} s)"
             log.warning("checkpoint_after_cut", run_id=run_id, error=why)
             return "", (), 0, why
         except (CheckpointError, OSError) as exc:

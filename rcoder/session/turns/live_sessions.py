@@ -164,10 +164,10 @@ class LiveSession:
         included). ``ResourceExhausted`` when ``limit`` already wait."""
         if len(self.waiting) >= limit:
             what = (
-                f"already has {limit} turns queued behind run {holder_run_id} (max_queued_turns); "
+                f"already has {limit} turns queued behind run {holder_run_id} (turns.max_queued); "
                 "wait for one to start, or send with busy INTERRUPT"
                 if limit
-                else f"runs run {holder_run_id}, and turns are not queued here (max_queued_turns = 0); wait for it"
+                else f"runs run {holder_run_id}, and turns are not queued here (turns.max_queued = 0); wait for it"
             )
             raise ResourceExhausted(
                 f"session {self.session_id} {what}",

@@ -400,7 +400,10 @@ async def test_a_relay_outlives_the_process_that_started_it(tmp_path: Path) -> N
         secret = (state / "secret").read_text().strip()
         async with grpc.aio.insecure_channel(f"unix:{state / 'relay.sock'}") as channel:
             listed = await pb_grpc.RelayServiceStub(channel).ListAgents(
-                pb.ListAgentsRequest(), metadata=(("authorization", f"Bearer {secret}"),), timeout=10
+                pb.ListAgentsRequest(),
+                metadata=(("authorization", f"Bearer {secret}"),),
+                timeout=10,
+                wait_for_ready=True,  # its socket is made when it binds, a moment before it serves
             )
         assert listed.agents == []
         assert alive(relay_pid)

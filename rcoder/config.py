@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import ipaddress
 import os
 import shutil
 import tomllib
@@ -29,6 +28,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, field_validator
 
 from rcoder import landlock
+from rcoder.addresses import is_loopback
 from rcoder.builtin_agents import AGENTS_DIR as AGENTS_DIR  # public here too
 from rcoder.builtin_agents import builtin_tables
 from rcoder.config_groups import GROUPED_NAME, GROUPS, TABLE_OF, ungroup
@@ -465,13 +465,7 @@ class Settings(SettingsKeys):
         whether ``listen`` is a loopback address (docs/access.md)."""
         if isinstance(self.open_reflection, bool):
             return self.open_reflection
-        host = self.listen.rpartition(":")[0].strip("[]")
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(self.listen)
 
     def profile(self, name: str) -> AgentProfile | None:
         return self.agents.get(name)

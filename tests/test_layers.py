@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "relay": {"relay", "agent", "errors", "logs", "landlock", "data_lock", ROOT},
     "domain": set(),
     "errors": set(),
-    "config": {"config_types", "config_groups", "domain", "errors", "builtin_agents", "landlock"},
+    "config": {"config_types", "config_groups", "domain", "errors", "builtin_agents", "landlock", "addresses"},
+    "addresses": set(),  # what a host:port says of its host (loopback or not): stdlib only
     "config_groups": set(),  # which table of the file holds each setting, and the flat names still read
     "config_types": {"errors"},  # the schema's value types, and pydantic's errors as ConfigError
     "builtin_agents": set(),  # the profiles rcoder ships, as plain tables
@@ -62,7 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
     # beside the daemon: the Python client of it (the generated stubs only), the CLI made on that
     # client, and an ACP agent it runs
-    "client": {"client", "v1"},
+    "client": {"client", "v1", "addresses"},
     "client_cli": {"client", "client_args"},
     "files_cli": {"client", "client_cli"},  # `rcoder files`: the client's file calls, with chat's output
     "runs_cli": {"client", "client_cli"},  # `rcoder runs|diff|rewind|fork|cancel|attach`, with chat's output

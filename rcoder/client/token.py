@@ -8,13 +8,14 @@ the daemon's config says. What a person can read there, an agent cannot (its san
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from rcoder.addresses import is_loopback
 
 TOKEN_FILE = "auth_token"  # noqa: S105 (a file name) - the daemon's name for it (rcoder.api.access)
 LOCK_RECORD = "daemon.lock"  # where the daemon holding a data_dir records its pid and address, as JSON
@@ -58,13 +59,7 @@ def recorded_address(data_dir: Path) -> str:
 
 def on_this_host(target: str) -> bool:
     """Whether ``target``'s host is a loopback address (``localhost`` included)."""
-    host = target.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(target)
 
 
 def same_daemon(target: str, local: str) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import pydantic
@@ -92,8 +92,12 @@ class AgentConnection:
         kind: AgentKind = GENERIC,
         lists: SessionLists | None = None,
         key_variable: str = "",
+        held_key: Mapping[str, str] | None = None,
     ) -> None:
         self.process = process
+        # a warm agent started without its model key: the variables that hold it, handed over at
+        # the session's opening once a request claimed it (docs/placement.md#warm-agents-and-keys)
+        self.held_key: Mapping[str, str] = held_key or {}
         self._kind = kind
         self._key_variable = key_variable  # where its model key comes from, named when the agent refuses it
         self._pipe = pipe

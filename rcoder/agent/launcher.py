@@ -354,8 +354,11 @@ class AgentLauncher:
         log.info("session_load_deferred", agent=profile.name, provider_session_id=session_id, seconds=round(delay, 1))
         await asyncio.sleep(delay)
 
-    async def start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
-        """Spawn the agent and ``initialize`` it; no session yet.
+    async def start(
+        self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
+    ) -> AgentConnection:
+        """Spawn the agent and ``initialize`` it; no session yet. ``keyless`` (a warm agent): its
+        model key is left out of its environment and kept in ``AgentConnection.held_key``.
 
         At most ``agent_start_concurrency`` agents start at once: a burst of new
         sessions must not starve the daemon's own event loop of CPU (on 2 cores,
@@ -364,7 +367,7 @@ class AgentLauncher:
         at once can fail (OpenCode: both migrate its fresh database).
         """
         async with self._slot(profile):
-            connection = await self._start(profile, cwd, provider)
+            connection = await self._start(profile, cwd, provider, keyless)
         self._started_once.add(profile.name)
         return connection
 
@@ -446,9 +449,11 @@ class AgentLauncher:
         self._processes.add(process)
         return process
 
-    async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
+    async def _start(
+        self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
+    ) -> AgentConnection:
         """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
-        ready = await prepared(self._settings, self.homes, profile, cwd, provider)
+        ready = await prepared(self._settings, self.homes, profile, cwd, provider, keyless=keyless)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
             if profile.placement == "relay":
@@ -469,7 +474,7 @@ class AgentLauncher:
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
             process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind,
-            self.lists, profile.key_variable,
+            self.lists, profile.key_variable, ready.held,
         )  # fmt: skip
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):

@@ -24,6 +24,12 @@ agents whose ``session/new`` is the slow part (claude-agent-acp starts the
 Claude Code CLI then, ~1 s) the next such session starts at its prompt. A
 refill never evicts anything, and a start failure is logged once, not retried
 in a loop.
+
+A warm agent starts without the model key (docs/placement.md#warm-agents-and-keys): nothing
+that runs before a request claimed it holds the key, in its environment or, under a relay, the
+relay's. The claim hands the key to the session it opens, through the kind's ``key_meta``
+(Claude's adapter: the session's own environment); a profile that holds a key and whose kind
+cannot take it so gets no warm agents, and such a warm agent opens no session ahead.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from rcoder import tracing
 from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.launcher import AgentLauncher, Launched
+from rcoder.agent.profiles.kinds import kind_of
+from rcoder.agent.profiles.profile import holds_key
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider, SessionRecord
 from rcoder.errors import AgentError, AgentLimitReached, ShuttingDown, UnsafePath
@@ -117,6 +125,10 @@ class Checkout:
 
     async def _launching(self, config: AgentStartConfig) -> Launched:
         slot = self._slot
+        held = slot.connection.held_key if slot.connection is not None else {}
+        key_meta = kind_of(self._profile.kind).key_meta(held) if held else None
+        if key_meta is not None:  # a warm agent, started without its key: its session gets it
+            config = config.with_key(key_meta)
         launched = await self._pool.launcher.launch(self._profile, config, warm=slot.connection)
         if not self._pool.holds(slot):  # let go of as the launch returned (its cancel came too late)
             await launched.connection.aclose()
@@ -148,6 +160,7 @@ class AgentPool:
         self._live: dict[str, _Slot] = {}  # session_id -> its LIVE slot
         self._warm_cwd: dict[str, str] = {}  # profile -> the project its warm agents serve
         self._primes: set[str] = set()  # profiles whose warm agents open a session ahead of time
+        self._keyed_cold: set[str] = set()  # profiles not warmed for their key, said once in the log
         self._closes: set[asyncio.Task[None]] = set()
         self._closing = False
         # (live, warm) per profile, replaced whole on every change: read by the metrics thread
@@ -366,7 +379,7 @@ class AgentPool:
         """Start agents in the background until ``profile``'s pool is full (within the limit).
         Warm agents of a project no longer asked for make way for the current one."""
         name, cwd = profile.name, self._warm_cwd.get(profile.name)
-        if self._closing or not profile.warm_pool or cwd is None:
+        if self._closing or not profile.warm_pool or cwd is None or self._keyed_only(profile):
             return
         pool = [s for s in self._slots if s.profile == name and s.state in (SlotState.WARM, SlotState.WARMING)]
         for slot in pool:
@@ -379,15 +392,29 @@ class AgentPool:
             slot = self._add(_Slot(name, cwd, SlotState.WARMING))
             slot.task = asyncio.get_running_loop().create_task(self._warm_up(profile, slot), name=f"warm-{name}")
 
+    def _keyed_only(self, profile: AgentProfile) -> bool:
+        """Whether the profile's agents hold a model key that its kind takes only at the agent's
+        start: a warm one would hold it before any request (docs/placement.md#warm-agents-and-keys)."""
+        if not holds_key(self._settings, profile) or kind_of(profile.kind).key_meta({}) is not None:
+            return False
+        if profile.name not in self._keyed_cold:
+            self._keyed_cold.add(profile.name)
+            log.info("warm_pool_not_filled", agent=profile.name, warm_pool=profile.warm_pool,
+                     reason=f"its agents hold a model key ({profile.key_variable or 'model_api_key'}) that kind "
+                            f"{profile.kind!r} takes only at the agent's start")  # fmt: skip
+        return True
+
     async def _warm_up(self, profile: AgentProfile, slot: _Slot) -> None:
         tracing.detach()  # started from some request's task: its spawn is no part of that request's trace
         try:
-            connection = await self.launcher.start(profile, slot.cwd, ModelProvider())
+            # without its key: the claim hands it over (Checkout.launch)
+            connection = await self.launcher.start(profile, slot.cwd, ModelProvider(), keyless=True)
             slot.connection = connection  # no await since start returned: the slot owns it
             if slot not in self._slots:  # let go of while starting
                 self._own(connection.aclose(), f"close-agent-{profile.name}")
                 return
-            if profile.name in self._primes:
+            # a session opened ahead would run without the key: only for a profile that holds none
+            if profile.name in self._primes and not connection.held_key:
                 await connection.prime(slot.cwd, self._settings.session_open_timeout)
         except (AgentError, UnsafePath) as exc:  # logged once; refilled again only when one is taken
             log.warning("warm_agent_failed", agent=profile.name, error=getattr(exc, "summary", exc.message))

@@ -62,7 +62,9 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     costs N      N usage_updates, each 0.10 USD more than the last (the session's cost so far in this
                  process, as `usage` counts it: 0.25 USD a turn), with no tokens: a cost reported mid-turn
     spend X      one usage_update X USD (a decimal) more than the last, after those of `costs`
-    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
+    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment, or,
+                 with the `meta` capability, from the session's `_meta.claudeCode.options.env` first
+                 (Claude's adapter starts the session's CLI with its own environment plus that)
     readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
     writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
     child-readfile P, child-writefile P
@@ -695,6 +697,8 @@ class FakeAgent:
         self.conn = conn
         self.store = SessionStore(opts.state_dir)
         self.sessions: dict[str, Session] = {}  # sessions open in this process
+        # the environment a session/new's _meta.claudeCode.options.env gave a session (the `meta` capability)
+        self.session_env: dict[str, dict[str, str]] = {}
         self.never = asyncio.Event()  # awaited by --hang; nobody sets it
         self.background: set[asyncio.Task[None]] = set()
         self.usage_turns: dict[str, int] = {}  # turns that reported usage, per session, in this process
@@ -842,6 +846,10 @@ class FakeAgent:
             session = Session(f"fake-{uuid.uuid4().hex}", cwd, system_prompt)
             self.store.save(session)
             self.sessions[session.id] = session
+        env = _dig(meta, "claudeCode", "options", "env")
+        if "meta" in self.opts.caps and isinstance(env, dict):
+            # Claude's adapter: the session's CLI runs with the adapter's environment plus this one
+            self.session_env[session.id] = {str(k): str(v) for k, v in env.items()}
         if self.opts.commands_at_open:
             self._background(self._update(session.id, commands_update()))  # after the answer, as Claude's adapter
         return {"sessionId": session.id, **self._offer(session)}
@@ -950,7 +958,8 @@ class FakeAgent:
         text = "\n".join(block["text"] for block in blocks if block.get("type") == "text")
         attachments = "".join(f" [got {b.get('type')}]" for b in blocks if b.get("type") != "text")
         script = Script(text)
-        attachments += "".join(f" env[{n}]={os.environ.get(n, '<unset>')}" for n in script.env_names)
+        env = {**os.environ, **self.session_env.get(session_id, {})}
+        attachments += "".join(f" env[{n}]={env.get(n, '<unset>')}" for n in script.env_names)
         for op, path in script.file_ops:
             attachments += f" {op}[{path}]={await file_op(op, path)}"
 

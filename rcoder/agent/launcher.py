@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import stat
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -440,7 +441,8 @@ class AgentLauncher:
             remove_tmpdir(ready.home, ready.tmpdir)
             raise
         process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, self._settings.agent_stop_grace,
-                               on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir))  # fmt: skip
+                               on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
+                               place=child.place)  # fmt: skip
         place = child.place
         log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement="relay",
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
@@ -453,6 +455,7 @@ class AgentLauncher:
         self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
     ) -> AgentConnection:
         """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
+        begun = time.monotonic()
         ready = await prepared(self._settings, self.homes, profile, cwd, provider, keyless=keyless)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
@@ -501,7 +504,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.initialized(capabilities_from_initialize(init))
+        connection.initialized(capabilities_from_initialize(init), time.monotonic() - begun)
         self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
         caps = connection.capabilities
         log.info("agent_initialized", agent=profile.name, pid=process.pid, agent_name=caps.agent_name,

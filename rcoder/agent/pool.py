@@ -61,9 +61,11 @@ AgentCounts = Mapping[str, tuple[int, int]]  # profile -> (live agents, warm age
 class PoolMetrics(Protocol):
     """What the pool reports to the daemon's metrics (``rcoder.metrics.Metrics`` is one)."""
 
-    def watch_agents(self, counts: Callable[[], AgentCounts]) -> None: ...
+    def watch_agents(self, counts: Callable[[], AgentCounts], placements: Mapping[str, str]) -> None: ...
 
     def spawn_failed(self, agent: str, reason: str) -> None: ...
+
+    def agent_started(self, agent: str, placement: str, seconds: float) -> None: ...
 
 
 class SlotState(enum.Enum):
@@ -125,11 +127,14 @@ class Checkout:
 
     async def _launching(self, config: AgentStartConfig) -> Launched:
         slot = self._slot
-        held = slot.connection.held_key if slot.connection is not None else {}
+        warm = slot.connection
+        held = warm.held_key if warm is not None else {}
         key_meta = kind_of(self._profile.kind).key_meta(held) if held else None
         if key_meta is not None:  # a warm agent, started without its key: its session gets it
             config = config.with_key(key_meta)
-        launched = await self._pool.launcher.launch(self._profile, config, warm=slot.connection)
+        launched = await self._pool.launcher.launch(self._profile, config, warm=warm)
+        if launched.connection is not warm:  # started for this request (or in place of a warm one that died)
+            self._pool.started(self._profile, launched.connection)
         if not self._pool.holds(slot):  # let go of as the launch returned (its cancel came too late)
             await launched.connection.aclose()
             raise ShuttingDown()
@@ -165,7 +170,7 @@ class AgentPool:
         self._closing = False
         # (live, warm) per profile, replaced whole on every change: read by the metrics thread
         self.counts: AgentCounts = {}
-        metrics.watch_agents(lambda: self.counts)
+        metrics.watch_agents(lambda: self.counts, {name: p.placement for name, p in settings.agents.items()})
 
     # ------------------------------------------------------------ taking an agent
 
@@ -188,6 +193,10 @@ class AgentPool:
         finally:
             if slot.state is not SlotState.LIVE:
                 self._remove(slot)
+
+    def started(self, profile: AgentProfile, connection: AgentConnection) -> None:
+        """An agent of ``profile`` started: counted and timed by placement (``rcoder_agent_start_seconds``)."""
+        self._metrics.agent_started(profile.name, profile.placement, connection.start_seconds)
 
     def holds(self, slot: _Slot) -> bool:
         """Whether ``slot`` is still the pool's (it is let go of when the pool closes)."""
@@ -277,6 +286,13 @@ class AgentPool:
     def _alive(self, session_id: str) -> _Slot | None:
         slot = self._live.get(session_id)
         return slot if slot is not None and slot.connection is not None and slot.connection.alive else None
+
+    def agents_of(self, profile: str) -> list[tuple[str, str, AgentConnection]]:
+        """Each started agent of ``profile``, live or warm: (the session it serves or "", "live" or
+        "warm", its connection), to read where it runs (docs/placement.md#what-a-platform-sees)."""
+        found = [(s.session_id, s.state.value, s.connection) for s in self._slots
+                 if s.profile == profile and s.state in (SlotState.LIVE, SlotState.WARM)]  # fmt: skip
+        return sorted((sid, state, conn) for sid, state, conn in found if conn is not None and conn.alive)
 
     def live_count(self, profile: str | None = None) -> int:
         return sum(live for name, (live, _) in self.counts.items() if profile in (None, name))
@@ -410,6 +426,7 @@ class AgentPool:
             # without its key: the claim hands it over (Checkout.launch)
             connection = await self.launcher.start(profile, slot.cwd, ModelProvider(), keyless=True)
             slot.connection = connection  # no await since start returned: the slot owns it
+            self.started(profile, connection)
             if slot not in self._slots:  # let go of while starting
                 self._own(connection.aclose(), f"close-agent-{profile.name}")
                 return

@@ -111,6 +111,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -1131,12 +1132,14 @@ class FakeAgent:
 
 
 def make_recorder(path: Path) -> Callable[[JsonObject], None]:
-    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "message": ...}."""
+    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "t": ..., "message": ...}
+    (``t``: when it was read, ``time.monotonic()``, which every process of the host shares: a benchmark
+    splits a turn's latency at the agent with it)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     pid = os.getpid()
 
     def record(message: JsonObject) -> None:
-        data = (json.dumps({"pid": pid, "message": message}) + "\n").encode()
+        data = (json.dumps({"pid": pid, "t": time.monotonic(), "message": message}) + "\n").encode()
         while data:  # unbuffered: on disk before the message is even dispatched
             data = data[os.write(fd, data) :]
 

@@ -103,6 +103,21 @@ class RunStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class AgentPlace:
+    """Where one agent runs, as this host sees it (docs/placement.md#what-a-platform-sees)."""
+
+    placement: str  # "local", "relay" or "container"
+    pid: int  # the agent's, as its parent sees it
+    relay_address: str = ""  # unix:<state_dir>/relay.sock, or its TCP address; "" without a relay
+    relay_state_dir: str = ""
+    relay_pid: int = 0  # 0: not known (or no relay)
+    relay_agent_id: str = ""
+    container_id: str = ""  # with "container", when known
+    session_id: str = ""  # the session it serves; "" for a warm agent
+    state: str = ""  # "live" or "warm" in a profile's list; "" for a session's own
+
+
+@dataclass(frozen=True, slots=True)
 class AgentResources:
     """What a live agent's cgroup has used, and its limits
     (docs/limits.md#what-a-client-sees-when-a-limit-is-hit)."""

@@ -57,15 +57,21 @@ class _LimitGauges(Collector):
 
 
 class _AgentGauges(Collector):
-    def __init__(self, counts: AgentCounts) -> None:
+    """Live and warm agents per profile, labelled with where the profile's agents run
+    (docs/placement.md#what-a-platform-sees): a profile has one placement."""
+
+    def __init__(self, counts: AgentCounts, placements: Mapping[str, str]) -> None:
         self._counts = counts
+        self._placements = placements
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        live = GaugeMetricFamily("rcoder_live_agents", "Agent processes serving a session", labels=["agent"])
-        warm = GaugeMetricFamily("rcoder_warm_agents", "Initialised agents waiting in the warm pool", labels=["agent"])
+        labels = ["agent", "placement"]
+        live = GaugeMetricFamily("rcoder_live_agents", "Agent processes serving a session", labels=labels)
+        warm = GaugeMetricFamily("rcoder_warm_agents", "Initialised agents waiting in the warm pool", labels=labels)
         for agent, (n_live, n_warm) in sorted(self._counts().items()):
-            live.add_metric([agent], n_live)
-            warm.add_metric([agent], n_warm)
+            placement = self._placements.get(agent, "local")
+            live.add_metric([agent, placement], n_live)
+            warm.add_metric([agent, placement], n_warm)
         yield live
         yield warm
 
@@ -106,6 +112,14 @@ class Metrics:
             "the warm pool (warm), or the warm pool with the session already open (primed)",
             ["agent", "source"],
             registry=self.registry,
+        )
+        self.agent_starts = Histogram(
+            "rcoder_agent_start_seconds",
+            "Agents started (for a request or the warm pool), by agent and placement: seconds from its "
+            "preparation to its initialize answer, a relay's own start included",
+            ["agent", "placement"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
         )
         self.spawn_failures = Counter(
             "rcoder_agent_start_failures",
@@ -233,8 +247,14 @@ class Metrics:
         """An agent could not be started or initialised (``rcoder_agent_start_failures``)."""
         self.spawn_failures.labels(agent, reason).inc()
 
-    def watch_agents(self, counts: AgentCounts) -> None:
-        self.registry.register(_AgentGauges(counts))
+    def agent_started(self, agent: str, placement: str, seconds: float) -> None:
+        """An agent started, from its preparation to its ``initialize`` answer, for a request or the
+        warm pool (``rcoder_agent_start_seconds``: its ``_count`` counts the starts)."""
+        self.agent_starts.labels(agent, placement).observe(seconds)
+
+    def watch_agents(self, counts: AgentCounts, placements: Mapping[str, str]) -> None:
+        """Live and warm agents per profile, read at scrape time, with each profile's placement."""
+        self.registry.register(_AgentGauges(counts, placements))
 
     def watch_limits(self, totals: AgentResourceTotals) -> None:
         self.registry.register(_LimitGauges(totals))

@@ -54,6 +54,7 @@ from bench_common import (  # noqa: E402
 )
 from bench_files import files_fair, read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
+from bench_relay import relay_turns  # noqa: E402
 from bench_unauth import unauth_flood, unauth_health_flood, unauth_reflection_flood  # noqa: E402
 
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, Values  # noqa: E402
@@ -908,6 +909,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("confined_spawn", confined_spawn),
         ("limited_spawn", lambda b: _one(limited_spawn(b))),
         ("first_chunk", first_chunks),
+        ("relay", relay_turns),  # placement = "relay" against local (scripts/bench_relay.py)
         ("scale", scale),
         ("startup", startup_and_added_latency),
         ("history", history),

@@ -56,6 +56,8 @@ MEASURES = {
     "unauth_reflection_flood_rss_mb",
     "auth_check_us",
     "auth_check_jwt_us",
+    "relay_live_turn",
+    "relay_first_chunk_added_ms",
 }
 
 

@@ -53,8 +53,8 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
     assert value("rcoder_agent_start_failures_total", agent="broken", reason="AGENT_UNAVAILABLE") == 1
     assert value("rcoder_time_to_first_event_seconds_count", agent="fake") == 3
     assert value("rcoder_turn_duration_seconds_count", agent="fake") == 3
-    assert value("rcoder_live_agents", agent="fake") == 1
-    assert value("rcoder_warm_agents", agent="fake") == 1
+    assert value("rcoder_live_agents", agent="fake", placement="local") == 1
+    assert value("rcoder_warm_agents", agent="fake", placement="local") == 1
     assert value("rcoder_session_agents_total", agent="fake", source="cold") == 1
 
     # the pool opened a session in the project the first turn used: the next new one takes it
@@ -62,4 +62,4 @@ async def test_metrics_count_runs_outcomes_agents_and_failures(
     m = await asyncio.to_thread(scrape, serving["address"], daemon.token)
     assert value("rcoder_session_agents_total", agent="fake", source="primed") == 1
     assert value("rcoder_session_agents_total", agent="fake", source="cold") == 1
-    assert value("rcoder_live_agents", agent="fake") == 2
+    assert value("rcoder_live_agents", agent="fake", placement="local") == 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import pydantic
@@ -92,8 +92,12 @@ class AgentConnection:
         kind: AgentKind = GENERIC,
         lists: SessionLists | None = None,
         key_variable: str = "",
+        held_key: Mapping[str, str] | None = None,
     ) -> None:
         self.process = process
+        # a warm agent started without its model key: the variables that hold it, handed over at
+        # the session's opening once a request claimed it (docs/placement.md#warm-agents-and-keys)
+        self.held_key: Mapping[str, str] = held_key or {}
         self._kind = kind
         self._key_variable = key_variable  # where its model key comes from, named when the agent refuses it
         self._pipe = pipe
@@ -101,6 +105,7 @@ class AgentConnection:
         self._handler = handler
         self.agent = agent
         self.capabilities = capabilities
+        self.start_seconds = 0.0  # its start, prepared to initialized (``initialized``)
         self._stop_grace = stop_grace
         self.provider_session_id = ""
         # set when the warm pool opened a plain session ahead of any request, for this cwd
@@ -118,9 +123,11 @@ class AgentConnection:
         # the version of the options and commands the session's record holds (-1: none stored from here)
         self.stored_state_version = -1
 
-    def initialized(self, capabilities: AgentCapabilities) -> None:
-        """The agent answered ``initialize``: what it can do (the launcher, before it hands this out)."""
+    def initialized(self, capabilities: AgentCapabilities, start_seconds: float = 0.0) -> None:
+        """The agent answered ``initialize``: what it can do (the launcher, before it hands this out),
+        and how long its start took, from its preparation to that answer."""
         self.capabilities = capabilities
+        self.start_seconds = start_seconds
 
     def listed_under(self, key: ListKey) -> None:
         """Its session is open: each turn's end marks it active in the session lists under ``key``."""

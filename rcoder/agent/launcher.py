@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import stat
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -354,8 +355,11 @@ class AgentLauncher:
         log.info("session_load_deferred", agent=profile.name, provider_session_id=session_id, seconds=round(delay, 1))
         await asyncio.sleep(delay)
 
-    async def start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
-        """Spawn the agent and ``initialize`` it; no session yet.
+    async def start(
+        self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
+    ) -> AgentConnection:
+        """Spawn the agent and ``initialize`` it; no session yet. ``keyless`` (a warm agent): its
+        model key is left out of its environment and kept in ``AgentConnection.held_key``.
 
         At most ``agent_start_concurrency`` agents start at once: a burst of new
         sessions must not starve the daemon's own event loop of CPU (on 2 cores,
@@ -364,7 +368,7 @@ class AgentLauncher:
         at once can fail (OpenCode: both migrate its fresh database).
         """
         async with self._slot(profile):
-            connection = await self._start(profile, cwd, provider)
+            connection = await self._start(profile, cwd, provider, keyless)
         self._started_once.add(profile.name)
         return connection
 
@@ -437,7 +441,8 @@ class AgentLauncher:
             remove_tmpdir(ready.home, ready.tmpdir)
             raise
         process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, self._settings.agent_stop_grace,
-                               on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir))  # fmt: skip
+                               on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
+                               place=child.place)  # fmt: skip
         place = child.place
         log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement="relay",
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
@@ -446,9 +451,12 @@ class AgentLauncher:
         self._processes.add(process)
         return process
 
-    async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
+    async def _start(
+        self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
+    ) -> AgentConnection:
         """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
-        ready = await prepared(self._settings, self.homes, profile, cwd, provider)
+        begun = time.monotonic()
+        ready = await prepared(self._settings, self.homes, profile, cwd, provider, keyless=keyless)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
             if profile.placement == "relay":
@@ -469,7 +477,7 @@ class AgentLauncher:
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
             process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind,
-            self.lists, profile.key_variable,
+            self.lists, profile.key_variable, ready.held,
         )  # fmt: skip
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):
@@ -496,7 +504,7 @@ class AgentLauncher:
         except BaseException:
             await connection.aclose()
             raise
-        connection.initialized(capabilities_from_initialize(init))
+        connection.initialized(capabilities_from_initialize(init), time.monotonic() - begun)
         self.capabilities_seen[profile.name] = (connection.capabilities, datetime.now(UTC))
         caps = connection.capabilities
         log.info("agent_initialized", agent=profile.name, pid=process.pid, agent_name=caps.agent_name,

@@ -24,6 +24,12 @@ agents whose ``session/new`` is the slow part (claude-agent-acp starts the
 Claude Code CLI then, ~1 s) the next such session starts at its prompt. A
 refill never evicts anything, and a start failure is logged once, not retried
 in a loop.
+
+A warm agent starts without the model key (docs/placement.md#warm-agents-and-keys): nothing
+that runs before a request claimed it holds the key, in its environment or, under a relay, the
+relay's. The claim hands the key to the session it opens, through the kind's ``key_meta``
+(Claude's adapter: the session's own environment); a profile that holds a key and whose kind
+cannot take it so gets no warm agents, and such a warm agent opens no session ahead.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from rcoder import tracing
 from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.connection import AgentConnection
 from rcoder.agent.launcher import AgentLauncher, Launched
+from rcoder.agent.profiles.kinds import kind_of
+from rcoder.agent.profiles.profile import holds_key
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider, SessionRecord
 from rcoder.errors import AgentError, AgentLimitReached, ShuttingDown, UnsafePath
@@ -53,9 +61,11 @@ AgentCounts = Mapping[str, tuple[int, int]]  # profile -> (live agents, warm age
 class PoolMetrics(Protocol):
     """What the pool reports to the daemon's metrics (``rcoder.metrics.Metrics`` is one)."""
 
-    def watch_agents(self, counts: Callable[[], AgentCounts]) -> None: ...
+    def watch_agents(self, counts: Callable[[], AgentCounts], placements: Mapping[str, str]) -> None: ...
 
     def spawn_failed(self, agent: str, reason: str) -> None: ...
+
+    def agent_started(self, agent: str, placement: str, seconds: float) -> None: ...
 
 
 class SlotState(enum.Enum):
@@ -117,7 +127,14 @@ class Checkout:
 
     async def _launching(self, config: AgentStartConfig) -> Launched:
         slot = self._slot
-        launched = await self._pool.launcher.launch(self._profile, config, warm=slot.connection)
+        warm = slot.connection
+        held = warm.held_key if warm is not None else {}
+        key_meta = kind_of(self._profile.kind).key_meta(held) if held else None
+        if key_meta is not None:  # a warm agent, started without its key: its session gets it
+            config = config.with_key(key_meta)
+        launched = await self._pool.launcher.launch(self._profile, config, warm=warm)
+        if launched.connection is not warm:  # started for this request (or in place of a warm one that died)
+            self._pool.started(self._profile, launched.connection)
         if not self._pool.holds(slot):  # let go of as the launch returned (its cancel came too late)
             await launched.connection.aclose()
             raise ShuttingDown()
@@ -148,11 +165,12 @@ class AgentPool:
         self._live: dict[str, _Slot] = {}  # session_id -> its LIVE slot
         self._warm_cwd: dict[str, str] = {}  # profile -> the project its warm agents serve
         self._primes: set[str] = set()  # profiles whose warm agents open a session ahead of time
+        self._keyed_cold: set[str] = set()  # profiles not warmed for their key, said once in the log
         self._closes: set[asyncio.Task[None]] = set()
         self._closing = False
         # (live, warm) per profile, replaced whole on every change: read by the metrics thread
         self.counts: AgentCounts = {}
-        metrics.watch_agents(lambda: self.counts)
+        metrics.watch_agents(lambda: self.counts, {name: p.placement for name, p in settings.agents.items()})
 
     # ------------------------------------------------------------ taking an agent
 
@@ -175,6 +193,10 @@ class AgentPool:
         finally:
             if slot.state is not SlotState.LIVE:
                 self._remove(slot)
+
+    def started(self, profile: AgentProfile, connection: AgentConnection) -> None:
+        """An agent of ``profile`` started: counted and timed by placement (``rcoder_agent_start_seconds``)."""
+        self._metrics.agent_started(profile.name, profile.placement, connection.start_seconds)
 
     def holds(self, slot: _Slot) -> bool:
         """Whether ``slot`` is still the pool's (it is let go of when the pool closes)."""
@@ -264,6 +286,13 @@ class AgentPool:
     def _alive(self, session_id: str) -> _Slot | None:
         slot = self._live.get(session_id)
         return slot if slot is not None and slot.connection is not None and slot.connection.alive else None
+
+    def agents_of(self, profile: str) -> list[tuple[str, str, AgentConnection]]:
+        """Each started agent of ``profile``, live or warm: (the session it serves or "", "live" or
+        "warm", its connection), to read where it runs (docs/placement.md#what-a-platform-sees)."""
+        found = [(s.session_id, s.state.value, s.connection) for s in self._slots
+                 if s.profile == profile and s.state in (SlotState.LIVE, SlotState.WARM)]  # fmt: skip
+        return sorted((sid, state, conn) for sid, state, conn in found if conn is not None and conn.alive)
 
     def live_count(self, profile: str | None = None) -> int:
         return sum(live for name, (live, _) in self.counts.items() if profile in (None, name))
@@ -366,7 +395,7 @@ class AgentPool:
         """Start agents in the background until ``profile``'s pool is full (within the limit).
         Warm agents of a project no longer asked for make way for the current one."""
         name, cwd = profile.name, self._warm_cwd.get(profile.name)
-        if self._closing or not profile.warm_pool or cwd is None:
+        if self._closing or not profile.warm_pool or cwd is None or self._keyed_only(profile):
             return
         pool = [s for s in self._slots if s.profile == name and s.state in (SlotState.WARM, SlotState.WARMING)]
         for slot in pool:
@@ -379,15 +408,30 @@ class AgentPool:
             slot = self._add(_Slot(name, cwd, SlotState.WARMING))
             slot.task = asyncio.get_running_loop().create_task(self._warm_up(profile, slot), name=f"warm-{name}")
 
+    def _keyed_only(self, profile: AgentProfile) -> bool:
+        """Whether the profile's agents hold a model key that its kind takes only at the agent's
+        start: a warm one would hold it before any request (docs/placement.md#warm-agents-and-keys)."""
+        if not holds_key(self._settings, profile) or kind_of(profile.kind).key_meta({}) is not None:
+            return False
+        if profile.name not in self._keyed_cold:
+            self._keyed_cold.add(profile.name)
+            log.info("warm_pool_not_filled", agent=profile.name, warm_pool=profile.warm_pool,
+                     reason=f"its agents hold a model key ({profile.key_variable or 'model_api_key'}) that kind "
+                            f"{profile.kind!r} takes only at the agent's start")  # fmt: skip
+        return True
+
     async def _warm_up(self, profile: AgentProfile, slot: _Slot) -> None:
         tracing.detach()  # started from some request's task: its spawn is no part of that request's trace
         try:
-            connection = await self.launcher.start(profile, slot.cwd, ModelProvider())
+            # without its key: the claim hands it over (Checkout.launch)
+            connection = await self.launcher.start(profile, slot.cwd, ModelProvider(), keyless=True)
             slot.connection = connection  # no await since start returned: the slot owns it
+            self.started(profile, connection)
             if slot not in self._slots:  # let go of while starting
                 self._own(connection.aclose(), f"close-agent-{profile.name}")
                 return
-            if profile.name in self._primes:
+            # a session opened ahead would run without the key: only for a profile that holds none
+            if profile.name in self._primes and not connection.held_key:
                 await connection.prime(slot.cwd, self._settings.session_open_timeout)
         except (AgentError, UnsafePath) as exc:  # logged once; refilled again only when one is taken
             log.warning("warm_agent_failed", agent=profile.name, error=getattr(exc, "summary", exc.message))

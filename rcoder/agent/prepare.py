@@ -10,7 +10,8 @@ import dataclasses
 import os
 import socket
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rcoder import landlock
@@ -37,6 +38,8 @@ class Prepared:
     args: tuple[str, ...]  # the kind's, after the profile's own
     confinement: Confinement | None
     tmpdir: Path  # this process's own TMPDIR, <home>/tmp/<name>: removed when it ends (``remove_tmpdir``)
+    # with ``keyless``: the model key's variables, taken out of ``env``, for the claim to hand over
+    held: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 async def prepared(
@@ -46,12 +49,15 @@ async def prepared(
     cwd: str,
     provider: ModelProvider,
     workdir: str | None = None,
+    keyless: bool = False,
 ) -> Prepared:
     """What a process of ``profile`` for a session in ``cwd`` is started with: the profile's kind
     writes its config files into its home (for this process's model provider: the request's, else
     the profile's defaults) and adds its environment and arguments; it is confined to ``workdir``
     (default ``cwd``, the project) and the home, as the profile's sandbox says.
-    ``AgentUnavailable`` when the home cannot be prepared or the command is not there."""
+    ``AgentUnavailable`` when the home cannot be prepared or the command is not there.
+    ``keyless`` (a warm agent, docs/placement.md#warm-agents-and-keys): the model key is left out of
+    its environment, every variable that holds it (``Prepared.held``)."""
     provider = model_provider(profile, provider)
     try:
         home = await homes.home(profile, cwd)
@@ -73,10 +79,11 @@ async def prepared(
     env = settings.agent_env(profile, {"HOME": str(home), **setup.env, **tmp_env})
     if setup.path_first:
         env["PATH"] = os.pathsep.join([*setup.path_first, *filter(None, [env.get("PATH", "")])])
-    for field, var in profile.provider_env.items():
-        value = getattr(provider, field)
+    for name, var in profile.provider_env.items():
+        value = getattr(provider, name)
         if value:
             env[var] = value
+    held = _take_key(env, profile.key_variable, provider.api_key) if keyless else {}
     command = profile.resolve_command(env.get("PATH", ""))
     if command is None:
         where = "at that path" if "/" in profile.command else "on PATH"
@@ -98,7 +105,15 @@ async def prepared(
         confined = dataclasses.replace(
             confined, connect=tuple(sorted({*confined.connect, port})), bind=tuple(sorted({*confined.bind, port}))
         )
-    return Prepared(home, env, command, args, confined, tmpdir)
+    return Prepared(home, env, command, args, confined, tmpdir, held)
+
+
+def _take_key(env: dict[str, str], variable: str, api_key: str) -> dict[str, str]:
+    """The variables of ``env`` that hold the model key, taken out of it: the profile's key variable
+    (inherited, or its ``env``'s), and any the kind or ``provider_env`` set to the provider's key
+    (Codex's and OpenCode's have names of their own)."""
+    names = {name for name, value in env.items() if name == variable or (api_key and value == api_key)}
+    return {name: env.pop(name) for name in sorted(names)}
 
 
 def _free_port() -> int:

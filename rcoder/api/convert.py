@@ -13,6 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from rcoder.config import AgentProfile
 from rcoder.domain import (
     AgentCapabilities,
+    AgentPlace,
     AgentResources,
     AgentUpdate,
     AvailableCommands,
@@ -278,7 +279,11 @@ def usage_totals(value: UsageTotals) -> pb.UsageTotals:
 
 
 def session(
-    record: SessionRecord, status: int, usage: UsageTotals | None = None, resources: AgentResources | None = None
+    record: SessionRecord,
+    status: int,
+    usage: UsageTotals | None = None,
+    resources: AgentResources | None = None,
+    place: AgentPlace | None = None,
 ) -> pb.Session:
     msg = pb.Session(
         session_id=record.session_id,
@@ -298,7 +303,14 @@ def session(
         msg.usage.CopyFrom(usage_totals(usage))
     if resources is not None:
         msg.resources.CopyFrom(pb.AgentResources(**asdict(resources)))
+    if place is not None:
+        msg.agent_place.CopyFrom(agent_place(place))
     return msg
+
+
+def agent_place(place: AgentPlace) -> pb.AgentPlace:
+    """Where an agent runs (docs/placement.md#what-a-platform-sees)."""
+    return pb.AgentPlace(**asdict(place))
 
 
 class _Limits(Protocol):

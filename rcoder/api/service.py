@@ -446,7 +446,9 @@ class AgentRunnerService(FileRpcs):
 
             async def here() -> pb.Session:
                 view = await self._queries.session(request.session_id)
-                return convert.session(view.record, _SESSION_STATUS[view.status], view.usage, view.resources)
+                return convert.session(
+                    view.record, _SESSION_STATUS[view.status], view.usage, view.resources, view.place
+                )
 
             find, what = partial(self._router.session_owner, request.session_id), ("session", request.session_id)
             response: pb.Session = await self._routes.unary(
@@ -519,6 +521,7 @@ class AgentRunnerService(FileRpcs):
                 ),
                 **convert.agent_limits(view.limits, view.profile),
                 **convert.agent_readiness(view.readiness),
+                places=[convert.agent_place(place) for place in view.places],
             )
             if view.capabilities is not None:
                 info.capabilities.CopyFrom(convert.capabilities(view.capabilities, view.seen_at))

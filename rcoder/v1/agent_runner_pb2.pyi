@@ -2144,6 +2144,7 @@ class Session(_message.Message):
     CONFIG_OPTIONS_FIELD_NUMBER: _builtins.int
     COMMANDS_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
+    AGENT_PLACE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """rcoder's id of the session: what ChatRequest.session_id sends back"""
     project_id: _builtins.str
@@ -2188,6 +2189,12 @@ class Session(_message.Message):
         when it has no live agent, or its agent runs without limits ("limits: none")
         """
 
+    @_builtins.property
+    def agent_place(self) -> Global___AgentPlace:
+        """Where the session's live agent runs (docs/placement.md#what-a-platform-sees); unset when it
+        has no live agent on the host that answered
+        """
+
     def __init__(
         self,
         *,
@@ -2205,14 +2212,71 @@ class Session(_message.Message):
         config_options: _abc.Iterable[Global___ConfigOption] | None = ...,
         commands: _abc.Iterable[Global___SlashCommand] | None = ...,
         resources: Global___AgentResources | None = ...,
+        agent_place: Global___AgentPlace | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "resources", b"resources", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent_place", b"agent_place", "created_at", b"created_at", "resources", b"resources", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "commands", b"commands", "config_options", b"config_options", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "resources", b"resources", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "agent_place", b"agent_place", "commands", b"commands", "config_options", b"config_options", "created_at", b"created_at", "cwd", b"cwd", "last_run_id", b"last_run_id", "project_id", b"project_id", "provider_session_id", b"provider_session_id", "resources", b"resources", "session_id", b"session_id", "status", b"status", "turns", b"turns", "updated_at", b"updated_at", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class AgentPlace(_message.Message):
+    """Where one agent runs (docs/placement.md#what-a-platform-sees), as the host that answered sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLACEMENT_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    RELAY_ADDRESS_FIELD_NUMBER: _builtins.int
+    RELAY_STATE_DIR_FIELD_NUMBER: _builtins.int
+    RELAY_PID_FIELD_NUMBER: _builtins.int
+    RELAY_AGENT_ID_FIELD_NUMBER: _builtins.int
+    CONTAINER_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    placement: _builtins.str
+    """"local" (a child of the host that answered), "relay" (a child of its project's relay on that
+    host) or "container" (a child of its project's relay in a container)
+    """
+    pid: _builtins.int
+    """the agent's process id, as its parent sees it (the relay's, for "relay")"""
+    relay_address: _builtins.str
+    """With a relay: where it is reached (unix:<relay_state_dir>/relay.sock, or its TCP address); "" otherwise"""
+    relay_state_dir: _builtins.str
+    """the relay's folder on the host that answered (its lock, socket, secret, log); "" without a relay"""
+    relay_pid: _builtins.int
+    """the relay's process id on that host, when known; 0 otherwise"""
+    relay_agent_id: _builtins.str
+    """the relay's id of the agent; "" without a relay"""
+    container_id: _builtins.str
+    """with "container": the relay's container, when known; "" otherwise"""
+    session_id: _builtins.str
+    """in AgentInfo.places: the session the agent serves; "" for a warm agent"""
+    state: _builtins.str
+    """in AgentInfo.places: "live" (serving session_id) or "warm"; "" in Session"""
+    def __init__(
+        self,
+        *,
+        placement: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        relay_address: _builtins.str = ...,
+        relay_state_dir: _builtins.str = ...,
+        relay_pid: _builtins.int = ...,
+        relay_agent_id: _builtins.str = ...,
+        container_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "pid", b"pid", "placement", b"placement", "relay_address", b"relay_address", "relay_agent_id", b"relay_agent_id", "relay_pid", b"relay_pid", "relay_state_dir", b"relay_state_dir", "session_id", b"session_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentPlace: _TypeAlias = AgentPlace  # noqa: Y015
 
 @_typing.final
 class AgentResources(_message.Message):
@@ -2396,6 +2460,7 @@ class AgentInfo(_message.Message):
     KEY_PRESENT_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
     RELAY_ROOT_FIELD_NUMBER: _builtins.int
+    PLACES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """the profile's name: what ChatRequest.agent names"""
     command: _builtins.str
@@ -2464,6 +2529,10 @@ class AgentInfo(_message.Message):
     def not_runnable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """why it cannot run here, each reason with its fix; empty when it can"""
 
+    @_builtins.property
+    def places(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentPlace]:
+        """Where each of its agents on the host that answered runs, live and warm (docs/placement.md#what-a-platform-sees)"""
+
     def __init__(
         self,
         *,
@@ -2494,10 +2563,11 @@ class AgentInfo(_message.Message):
         key_present: _builtins.bool = ...,
         placement: _builtins.str = ...,
         relay_root: _builtins.str = ...,
+        places: _abc.Iterable[Global___AgentPlace] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "network", b"network", "promises", b"promises"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "command_found", b"command_found", "cpu_max", b"cpu_max", "default", b"default", "key_present", b"key_present", "key_variable", b"key_variable", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "not_runnable", b"not_runnable", "pids_max", b"pids_max", "placement", b"placement", "promises", b"promises", "relay_root", b"relay_root", "resume", b"resume", "runnable", b"runnable", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "capabilities", b"capabilities", "command", b"command", "command_found", b"command_found", "cpu_max", b"cpu_max", "default", b"default", "key_present", b"key_present", "key_variable", b"key_variable", "kind", b"kind", "landlock_abi", b"landlock_abi", "limit_controllers", b"limit_controllers", "limits", b"limits", "limits_reason", b"limits_reason", "live_agents", b"live_agents", "memory_max", b"memory_max", "name", b"name", "network", b"network", "not_runnable", b"not_runnable", "pids_max", b"pids_max", "placement", b"placement", "places", b"places", "promises", b"promises", "relay_root", b"relay_root", "resume", b"resume", "runnable", b"runnable", "sandbox", b"sandbox", "warm_agents", b"warm_agents", "warm_pool", b"warm_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

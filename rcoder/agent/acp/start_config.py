@@ -46,6 +46,12 @@ class AgentStartConfig:
     # the provider's id of a session to branch from with session/fork (ForkSession); the
     # launch opens no session when the agent cannot fork
     fork_from: str = ""
+    # the kind's _meta that hands a warm agent's session its model key (``AgentKind.key_meta``):
+    # set by the pool once a request claimed the agent, never by a client
+    key_meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def with_key(self, key_meta: dict[str, Any]) -> AgentStartConfig:
+        return replace(self, key_meta=key_meta)
 
     def without_resume(self) -> AgentStartConfig:
         return replace(self, resume_session_id="", resume_method=None, replay_end=None, fork_from="")
@@ -68,6 +74,7 @@ class AgentStartConfig:
         """
         meta = copy.deepcopy(self.extra_meta)
         _drop_client_resume(meta)
+        _merge(meta, copy.deepcopy(self.key_meta))
         if self.system_prompt:
             prompt = meta.get("systemPrompt")
             meta["systemPrompt"] = {
@@ -91,3 +98,13 @@ def _drop_client_resume(meta: dict[str, Any]) -> None:
             claude.pop("options")
     if not claude:
         meta.pop("claudeCode")
+
+
+def _merge(into: dict[str, Any], more: dict[str, Any]) -> None:
+    """``more`` merged into ``into``, object by object (``more`` wins on a leaf)."""
+    for key, value in more.items():
+        here = into.get(key)
+        if isinstance(here, dict) and isinstance(value, dict):
+            _merge(here, value)
+        else:
+            into[key] = value

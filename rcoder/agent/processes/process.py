@@ -31,13 +31,16 @@ import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rcoder.agent.confinement.limits import AgentCgroup
 from rcoder.agent.confinement.sandbox import Confinement
 from rcoder.agent.processes.confined import spawn_confined
 from rcoder.agent.processes.leftovers import record
 from rcoder.agent.processes.tree import MARK, Trees
+
+if TYPE_CHECKING:  # relayed.py builds on this module
+    from rcoder.agent.processes.relayed import RelayPlace
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 
@@ -199,9 +202,12 @@ class AgentProcess:
         trees: Trees | None = None,
         mark: str = "",
         on_closed: Callable[[], None] | None = None,
+        place: RelayPlace | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._child = child
+        # where it runs when a relay runs it (docs/placement.md#what-a-platform-sees); None: a child of ours
+        self.place = place
         self._exited = child.exited
         self.name = name
         self.pid = child.pid

@@ -11,7 +11,9 @@ session may be loaded (Gemini). ``generic`` knows nothing and changes
 nothing. The facts come from the real agents (``docs/design/real-agents.md``).
 
 API keys only ever travel in the agent's environment: never in a file, an
-argument or a log line.
+argument or a log line. A warm agent starts without its key; a kind that can take it
+once started, at the session's opening (``key_meta``), is given it there after a
+request claimed the agent (docs/placement.md#warm-agents-and-keys).
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ class AgentKind:
         ``confined``: rcoder's Landlock confines the agent (``sandbox = "landlock"``)."""
         return AgentSetup()
 
+    def key_meta(self, env: Mapping[str, str]) -> dict[str, Any] | None:
+        """The ``session/new`` ``_meta`` that gives a started agent's session the environment
+        ``env`` (its model key), or None when the kind's agent takes its key only at its start
+        (its warm pool then stays empty when the profile holds a key:
+        docs/placement.md#warm-agents-and-keys)."""
+        return None
+
     def gone_reason(self, step: str, code: int, message: str, data: Any) -> str | None:
         """An extra "session gone" rule for an error answering ``step`` (beyond ``classify``)."""
         return None
@@ -144,6 +153,12 @@ class ClaudeKind(AgentKind):
             env.update(dict.fromkeys(CLAUDE_MODEL_VARS, provider.model))
         return AgentSetup(env)
 
+    def key_meta(self, env: Mapping[str, str]) -> dict[str, Any] | None:
+        # claude-agent-acp starts each session's Claude Code CLI with its own environment plus
+        # _meta.claudeCode.options.env (dist/acp-agent.js, newSession's options.env), and the CLI is
+        # what calls the model: the adapter itself needs no key.
+        return {"claudeCode": {"options": {"env": dict(env)}}}
+
     def auth_reason(self, code: int, message: str, data: Any) -> str | None:
         if code != INTERNAL_ERROR:
             return None
@@ -157,6 +172,11 @@ class ClaudeLegacyKind(ClaudeKind):
     """``@zed-industries/claude-code-acp`` 0.16: as ``claude``; it answers -32603 for a lost session."""
 
     name = "claude-legacy"
+
+    def key_meta(self, env: Mapping[str, str]) -> dict[str, Any] | None:
+        # claude-code-acp 0.16 passes options.env to the SDK as the CLI's whole environment (its PATH
+        # and HOME lost), not merged with its own: no key after the start
+        return None
 
 
 CODEX_PROVIDER = "rcoder"

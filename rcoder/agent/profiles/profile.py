@@ -40,6 +40,14 @@ def sandbox_of(settings: Settings, profile: AgentProfile) -> Literal["landlock",
     return profile.sandbox
 
 
+def holds_key(settings: Settings, profile: AgentProfile) -> bool:
+    """Whether a cold agent of the profile starts with a model key in its environment (its
+    ``model_api_key``, or its key variable set for it): what a warm agent must start without and
+    be given after the claim (docs/placement.md#warm-agents-and-keys)."""
+    variable = profile.key_variable
+    return bool(profile.model_api_key) or bool(variable and settings.agent_env(profile).get(variable))
+
+
 @dataclass(frozen=True, slots=True)
 class Readiness:
     """Whether a profile can run on this host (docs/configuration.md#can-a-profile-run-here)."""

@@ -9,6 +9,7 @@ from datetime import datetime
 
 from rcoder.agent.confinement.agent_user import AgentUser
 from rcoder.agent.confinement.limits import Mechanism
+from rcoder.agent.connection import AgentConnection
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
 from rcoder.agent.profiles.profile import (
@@ -23,6 +24,7 @@ from rcoder.agent.profiles.profile import (
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import (
     AgentCapabilities,
+    AgentPlace,
     AgentResources,
     RunKind,
     RunRecord,
@@ -52,6 +54,7 @@ class SessionView:
     status: SessionStatus
     usage: UsageTotals | None  # its runs' usage summed; None when none reported any
     resources: AgentResources | None = None  # its live agent's cgroup: None without one (docs/limits.md)
+    place: AgentPlace | None = None  # where its live agent runs: None without one here (docs/placement.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ class AgentView:
     promises: SandboxPromises  # what the kernel keeps from its agents
     limits: Mechanism  # what limits its agents (docs/limits.md)
     readiness: Readiness  # can it run here (docs/configuration.md#can-a-profile-run-here)
+    places: tuple[AgentPlace, ...] = ()  # where each of its live and warm agents runs (docs/placement.md)
 
 
 class Queries:
@@ -134,9 +138,11 @@ class Queries:
         if record is None:
             raise NotFound("session", session_id, "no session with this id (sessions are listed by ListSessions)")
         totals = await self._store.usage_totals([session_id])
+        live = self._pool.live_connection(session_id)
         return SessionView(
-            self._live_state(record), self.status(session_id), totals.get(session_id), self._resources(session_id)
-        )
+            self._live_state(record), self.status(session_id), totals.get(session_id), self._resources(session_id),
+            place_of(live) if live is not None else None,
+        )  # fmt: skip
 
     def _resources(self, session_id: str) -> AgentResources | None:
         """What the session's live agent uses now, read from its cgroup (docs/limits.md)."""
@@ -223,9 +229,22 @@ class Queries:
                     promises=promises_of(self._settings, profile),
                     limits=self._launcher.limits.mechanism if self._launcher.limits else Mechanism("none"),
                     readiness=readiness_of(self._settings, profile),
+                    places=tuple(
+                        place_of(conn, session_id, state) for session_id, state, conn in self._pool.agents_of(name)
+                    ),
                 )
             )
         return views
+
+
+def place_of(conn: AgentConnection, session_id: str = "", state: str = "") -> AgentPlace:
+    """Where the agent of ``conn`` runs (docs/placement.md#what-a-platform-sees): a child of this
+    daemon, or of its project's relay, said by the relay's start."""
+    process, relay = conn.process, conn.process.place
+    if relay is None:
+        return AgentPlace("local", process.pid, session_id=session_id, state=state)
+    return AgentPlace("relay", process.pid, relay.socket, relay.state_dir, relay.relay_pid, relay.agent_id,
+                      session_id=session_id, state=state)  # fmt: skip
 
 
 def with_checkpoint(record: RunRecord, stored: RunCheckpoint | None) -> RunRecord:

@@ -25,11 +25,13 @@ Claude Code CLI then, ~1 s) the next such session starts at its prompt. A
 refill never evicts anything, and a start failure is logged once, not retried
 in a loop.
 
-A warm agent starts without the model key (docs/placement.md#warm-agents-and-keys): nothing
-that runs before a request claimed it holds the key, in its environment or, under a relay, the
-relay's. The claim hands the key to the session it opens, through the kind's ``key_meta``
-(Claude's adapter: the session's own environment); a profile that holds a key and whose kind
-cannot take it so gets no warm agents, and such a warm agent opens no session ahead.
+A warm agent placed on a relay or in a container starts without the model key
+(docs/placement.md#warm-agents-and-keys): nothing that runs there before a request claimed it
+holds the key, in its environment or the relay's. A ``local`` one starts with it, as every agent of
+its profile does: it is the daemon's own child, on the host that holds the key already. The
+claim hands a placed agent's key to the session it opens, through the kind's ``key_meta`` (Claude's
+adapter: the session's own environment); a placed profile that holds a key and whose kind cannot
+take it so gets no warm agents, and such a warm agent opens no session ahead.
 """
 
 from __future__ import annotations
@@ -410,8 +412,11 @@ class AgentPool:
 
     def _keyed_only(self, profile: AgentProfile) -> bool:
         """Whether the profile's agents hold a model key that its kind takes only at the agent's
-        start: a warm one would hold it before any request (docs/placement.md#warm-agents-and-keys)."""
-        if not holds_key(self._settings, profile) or kind_of(profile.kind).key_meta({}) is not None:
+        start: a warm one would hold it before any request (docs/placement.md#warm-agents-and-keys).
+        A ``local`` agent may: it is the daemon's own child, on the host that holds the key already."""
+        if profile.placement == "local" or not holds_key(self._settings, profile):
+            return False
+        if kind_of(profile.kind).key_meta({}) is not None:
             return False
         if profile.name not in self._keyed_cold:
             self._keyed_cold.add(profile.name)
@@ -423,8 +428,9 @@ class AgentPool:
     async def _warm_up(self, profile: AgentProfile, slot: _Slot) -> None:
         tracing.detach()  # started from some request's task: its spawn is no part of that request's trace
         try:
-            # without its key: the claim hands it over (Checkout.launch)
-            connection = await self.launcher.start(profile, slot.cwd, ModelProvider(), keyless=True)
+            # placed elsewhere, without its key: the claim hands it over (Checkout.launch)
+            keyless = profile.placement != "local"
+            connection = await self.launcher.start(profile, slot.cwd, ModelProvider(), keyless=keyless)
             slot.connection = connection  # no await since start returned: the slot owns it
             self.started(profile, connection)
             if slot not in self._slots:  # let go of while starting

@@ -166,3 +166,17 @@ def test_the_hosts_network_is_refused_for_a_relays_container(tmp_path: Path) -> 
     error = config_error(tmp_path, '[containers]\nnetwork = "host"\n')
     assert error.key == "containers.network"
     assert 'never "host"' in str(error)
+
+
+async def test_an_engine_that_is_not_there_is_said_at_start_and_refuses_the_agent_naming_its_socket(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    socket = tmp_path / "no-engine.sock"
+    profiles = {"boxed": echo_in_image(tmp_path / "echo")}
+    daemon, client = await make_daemon(profiles, container_engine_socket=str(socket), default_agent="boxed")
+    (unswept,) = daemon.logs("relay_containers_not_swept")
+    assert str(socket) in unswept["error"]
+    refused = await client.chat_error(prompt="hello", project_id="proj")
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(refused).reason == "CONTAINER_ENGINE_ERROR"
+    assert f"no container engine socket at {socket}" in (refused.details() or ""), refused.details()

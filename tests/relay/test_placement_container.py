@@ -24,7 +24,7 @@ from rcoder.relay.container_host import DATA_DIR_LABEL
 from rcoder.relay.engine_api import Engine
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import completed, config_error, error_info, eventually, text_of
+from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, text_of
 from tests.image.podman import BUILD_TIMEOUT
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
@@ -133,19 +133,38 @@ async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_
     await eventually(lambda: not Path(f"/proc/{agent}").exists())
 
 
-async def test_an_agent_past_its_containers_memory_limit_is_told_as_a_local_agents(
-    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+async def test_an_agent_past_its_containers_memory_limit_ends_its_turn_as_a_local_agents_cgroup_does(
+    make_daemon: DaemonFactory,
+    containers_removed: None,
+    engine: Engine,
+    image: str,
+    fake: FakeAgentSetup,
+    tmp_path: Path,
 ) -> None:
-    hungry = {"command": PYTHON, "args": ["-c", "x = b'x' * (1 << 30)"], "placement": "container",
-              "memory_max": "192MiB", "pids_max": 256}  # fmt: skip
-    _, client = await make_daemon({"boxed": hungry}, **settings_of(engine, image))
-    # it dies as it starts (during initialize): the call is refused, as a local agent's start at its limit
-    refused = await client.chat_error(prompt="anything", project_id="proj")
-    assert refused.code() == grpc.StatusCode.UNAVAILABLE
-    assert error_info(refused).reason == "AGENT_MEMORY_LIMIT", refused.details()
-    assert (refused.details() or "").startswith(
-        "the agent was stopped: memory limit 192 MiB of its relay's container reached (memory_max of profile 'boxed'"
-    ), refused.details()
+    """The scripted fake agent (its script bound read-only into the container, run by the image's
+    Python) allocates 1 GiB mid-turn under 256 MiB: the kernel ends it in its container, and the
+    turn ends as the same agent's does locally, at its own cgroup's limit."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")  # a folder of its own: it is given to the container's user
+    profiles = {
+        "fake": fake.profile(memory_max="256MiB"),
+        "boxed": boxed.profile(command=PYTHON, placement="container", memory_max="256MiB", pids_max=256),
+    }
+    _, client = await make_daemon(profiles, **settings_of(engine, image))
+    local = completed(await client.chat(prompt="hog 1024", agent="fake", project_id="local"))
+    events = await client.chat(prompt="hog 1024", agent="boxed", project_id="proj")
+    end = completed(events)
+    assert end.stop_reason == local.stop_reason == pb.STOP_REASON_ERROR
+    assert end.error_reason == local.error_reason == "AGENT_MEMORY_LIMIT", (end.error, local.error)
+    assert local.error.startswith("the agent was stopped: memory limit 256 MiB reached (memory_max of profile 'fake'")
+    assert end.error.startswith(
+        "the agent was stopped: memory limit 256 MiB of its relay's container reached (memory_max of profile 'boxed'"
+    ), end.error
+    assert "hog=" not in text_of(events)  # the kernel stopped it before it held 1 GiB
+    # the relay survived its agent: the session's next turn runs in the same container
+    (before,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    again = await client.chat(prompt="remember 2", session_id=events[0].session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+    assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [before["Id"]]
 
 
 @pytest.mark.fast

@@ -57,6 +57,8 @@ from rcoder.relay.containers import (
     oom_kills,
 )
 from rcoder.relay.engine_api import Engine
+from rcoder.relay.secret import SECRET_FILE
+from rcoder.relay.serve import SOCKET_FILE
 
 log = get_logger("rcoder.relay.container_host")
 
@@ -199,7 +201,18 @@ class ContainerHostRelays:
             )
             await asyncio.to_thread(self._engine.stop_container, ident, int(self._stop_grace) + 1)
             await asyncio.to_thread(self._engine.remove_container, ident)
+        await asyncio.to_thread(self._forget_secrets)
         return len(found)
+
+    def _forget_secrets(self) -> None:
+        """No container of this ``data_dir`` runs now: no secret or socket a removed one left stays
+        in its state folder (each new relay makes its own)."""
+        if not self._root.is_dir():
+            return
+        for folder in self._root.iterdir():
+            for name in (SECRET_FILE, SOCKET_FILE):
+                with contextlib.suppress(OSError):
+                    (folder / name).unlink()
 
     async def aclose(self) -> None:
         """At the daemon's stop, once its agents are closed: every container it started, stopped and

@@ -104,6 +104,8 @@ async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_
     (found,) = second.logs("relay_container_found_removed")
     assert left["Id"].startswith(found["container_id"])
     assert await asyncio.to_thread(engine.inspect_container, left["Id"]) is None
+    state = tmp_path / "data" / "relay-containers" / "proj.boxed"
+    assert not (state / "secret").exists() and not (state / "relay.sock").exists()  # the removed relay's
 
     events = await client.chat(prompt="once more", project_id="proj")
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events).error

@@ -15,8 +15,8 @@ image's rcoder (10001); never root, no capability, a read-only root file system.
 The spawn path is ``HostRelays``', by composition: one ``HostRelays`` over the containers' root
 whose relay of a folder is the one in that folder's container (``_InContainers``), so the spec,
 the Spawn, the Attach and the undoing of a failed spawn are that code's. The relay is known by its
-container's init on this host (its pid: alive while the container runs), never by the pid in its
-lock, which is the container's own namespace's.
+container's init on this host (a pidfd of it says when the container ended), never by the pid in
+its lock, which is the container's own namespace's.
 
 A memory limit hit is said as a local agent's cgroup says it: an agent ended by SIGKILL while its
 container's OOM kill count grew since its spawn (or whose whole container the kernel ended at its
@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import select
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,6 +94,12 @@ class _Running:
     container: RelayContainer
     init_pid: int  # the container's init on this host: alive while the container runs
     relay: host._Relay
+    init_fd: int  # a pidfd of that init: it, not a pid a later process may take, says when it ended
+
+    @property
+    def running(self) -> bool:
+        readable, _, _ = select.select([self.init_fd], [], [], 0)
+        return not readable
 
 
 class ContainerHostRelays:
@@ -138,7 +145,7 @@ class ContainerHostRelays:
     async def relay_of(self, folder: str, agent: str) -> host._Relay:
         """The relay of ``folder``'s container, as ``HostRelays`` reaches it (``_InContainers``)."""
         running = self._running.get(folder)
-        if running is None or not _alive(running.init_pid):
+        if running is None or not running.running:
             raise errors.AgentUnavailable(f"agent {agent!r}: the relay's container of {folder} is not running",
                                           agent=agent)  # fmt: skip
         return running.relay
@@ -146,7 +153,7 @@ class ContainerHostRelays:
     async def _running_for(self, folder: str, start: RelayedStart) -> _Running:
         async with self._starting.setdefault(folder, asyncio.Lock()):
             running = self._running.get(folder)
-            if running is not None and _alive(running.init_pid):
+            if running is not None and running.running:
                 return running
             if running is not None:  # it ended: said, removed, and a new one started
                 del self._running[folder]
@@ -161,7 +168,11 @@ class ContainerHostRelays:
         try:
             state = await asyncio.to_thread(self._engine.inspect_container, container.container_id)
             init_pid = int(state["State"].get("Pid") or 0) if state else 0
-            if not init_pid:
+            try:
+                init_fd = os.pidfd_open(init_pid) if init_pid else -1
+            except ProcessLookupError:
+                init_fd = -1
+            if init_fd < 0:
                 raise errors.ContainerEngineError("inspect", 0, f"{launch.name} has no process on this host")
         except BaseException:
             with contextlib.suppress(errors.ContainerEngineError):
@@ -171,7 +182,7 @@ class ContainerHostRelays:
         log.info("relay_container_placed", agent=start.name, project=start.project, name=launch.name,
                  container_id=container.container_id[:12], init_pid=init_pid, user=f"{launch.user[0]}",
                  memory_max=launch.limits.memory_max if launch.limits else 0)  # fmt: skip
-        return _Running(container, init_pid, relay)
+        return _Running(container, init_pid, relay, init_fd)
 
     def _launch(self, folder: str, start: RelayedStart) -> RelayLaunch:
         profile = self._placement.profiles.get(start.name, ProfilePaths())
@@ -222,6 +233,7 @@ class ContainerHostRelays:
 
     async def _remove(self, running: _Running, why: str) -> None:
         await running.relay.channel.close()
+        os.close(running.init_fd)
         try:
             await self._containers.remove(running.container)
         except errors.ContainerEngineError as exc:
@@ -302,7 +314,7 @@ class _Watched:
         size = human(limits.memory_max) if limits is not None and limits.memory_max else "(the engine's)"
         if await asyncio.to_thread(oom_kills, running.init_pid) > self._kills_at_spawn:
             return f"the agent was stopped: memory limit {size} of its relay's container reached"
-        if not _alive(running.init_pid):  # the whole container ended: did its limit end it?
+        if not running.running:  # the whole container ended: did its limit end it?
             end = await self._containers.ended(running.container)
             if end is not None and end.oom_killed:
                 return f"the agent was stopped: its relay's container reached its memory limit {size}"
@@ -313,16 +325,3 @@ def _container_name(data_dir: Path, folder: str) -> str:
     """A name of the engine's alphabet, readable, and unique per ``data_dir`` and folder."""
     digest = hashlib.sha256(f"{data_dir}\0{folder}".encode()).hexdigest()[:10]
     return f"rcoder-relay-{_UNSAFE.sub('-', folder)[:80].strip('-.') or 'project'}-{digest}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False

@@ -129,6 +129,16 @@ async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_
     assert (listed["boxed"].placement, listed["boxed"].runnable) == ("container", True)
     assert listed["boxed"].relay_root == str(tmp_path / "data" / "relay-containers")
 
+    # a container that ended (stopped by hand here) is removed, and a new one started, at the next agent
+    await asyncio.to_thread(engine.stop_container, row["Id"], 0)
+    await eventually(lambda: not Path(f"/proc/{agent}").exists())
+    events = await client.chat(prompt="after its end", session_id=events[0].session_id)
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events).error
+    (replaced,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    assert replaced["Id"] != row["Id"]
+    (relay,) = children((await asyncio.to_thread(engine.inspect_container, replaced["Id"]) or {})["State"]["Pid"])
+    (agent,) = children(relay)
+
     # the daemon's stop ends the agent through the relay and removes the container
     await second.stop()
     assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from rcoder.agent.profiles.profile import container_engine_socket, container_image
+from rcoder.agent.profiles.profile import container_engine_socket, container_image, readiness_of
 from rcoder.config import load_settings
 from rcoder.relay.container_host import DATA_DIR_LABEL
 from rcoder.relay.engine_api import Engine
@@ -211,3 +211,19 @@ async def test_an_engine_that_is_not_there_is_said_at_start_and_refuses_the_agen
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert error_info(refused).reason == "CONTAINER_ENGINE_ERROR"
     assert f"no container engine socket at {socket}" in (refused.details() or ""), refused.details()
+
+
+@pytest.mark.fast
+def test_a_container_profiles_command_is_the_images_by_absolute_path(tmp_path: Path) -> None:
+    config = tmp_path / "rcoder.toml"
+    config.write_text('[agents.x]\ncommand = "python3"\nplacement = "container"\n')
+    settings = load_settings(config, {})
+    readiness = readiness_of(settings, settings.agents["x"])
+    assert not readiness.runnable and "absolute path in the image" in readiness.not_runnable[0]
+    config.write_text(f'[agents.x]\ncommand = "{PYTHON}"\nplacement = "container"\n')  # not on this host
+    settings = load_settings(config, {})
+    readiness = readiness_of(settings, settings.agents["x"])
+    assert readiness.runnable and (readiness.placement, readiness.relay_root) == (
+        "container",
+        str(settings.data_dir / "relay-containers"),
+    )

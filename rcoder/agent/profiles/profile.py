@@ -94,7 +94,10 @@ def readiness_of(settings: Settings, profile: AgentProfile) -> Readiness:
         found = profile.resolve_command(path) is not None
     has_key = settings.has_key(profile)
     why = []
-    if not found:
+    if not found and profile.placement == "container":
+        why.append(f"command {profile.command!r}: with placement = \"container\" it is the program's absolute path "
+                   "in the image")  # fmt: skip
+    elif not found:
         where = f"under {profile.base_dir}" if "/" in profile.command else "on its agents' PATH"
         why.append(f"command {profile.command!r} not found {where}: install it, or set the profile's command")
     if not has_key:

@@ -13,7 +13,7 @@ TWINE_VENV := .venv-twine
 TWINE_STAMP := $(TWINE_VENV)/.installed
 CONFIG ?=
 
-.PHONY: all run test check fast docs docs-serve docs-reference lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres helper image clean
+.PHONY: all run test check fast docs docs-serve docs-reference lint typecheck unit soak bench bytecode proto check-proto check-api api-baseline dist venv twine agents tools postgres podman helper image clean podman
 
 all: test
 
@@ -79,7 +79,7 @@ run: $(STAMP) agents helper bytecode
 ## the generated code and API checks, lint, type check and the whole suite. The container image is
 ## built meanwhile, in the background (its log: build/image.log; the build's whole process group is
 ## ended when this ends); the image's tests run last and wait for that build (scripts/image.py's lock)
-test: $(STAMP) agents tools twine postgres helper
+test: $(STAMP) agents tools twine postgres podman helper
 	@mkdir -p build
 	@setsid $(PYTHON) scripts/image.py > build/image.log 2>&1 & image=$$!; \
 		trap 'kill -TERM -- -$$image 2>/dev/null; wait $$image 2>/dev/null' EXIT; trap 'exit 143' INT TERM; \
@@ -137,7 +137,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-unit: $(STAMP) agents tools twine postgres helper bytecode
+unit: $(STAMP) agents tools twine postgres podman helper bytecode
 	$(BIN)/pytest -p no:cacheprovider -n 2 --dist loadfile --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
@@ -156,6 +156,22 @@ postgres:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			-o Dpkg::Options::=--force-confold postgresql-15 >/dev/null; \
 		test -x $(PG_BIN)/postgres || { echo "make: postgresql-15 installed, but $(PG_BIN)/postgres is still missing" >&2; exit 1; }; \
+	}
+
+## Debian's podman and runc: the relays' containers (placement = "container": tests/relay/test_containers.py,
+## test_placement_container.py, the benchmark's cold start) and the image's tests run on podman's service.
+## Installed when missing and we are root (deploy/containers.conf gives them the rlimits they need);
+## otherwise says what to install. Nothing to do on a machine that has them.
+podman:
+	@command -v podman >/dev/null && command -v runc >/dev/null || { \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "make: the container tests need podman and runc: install Debian's (sudo apt-get install --no-install-recommends podman runc)" >&2; \
+			exit 1; \
+		fi; \
+		echo "installing Debian's podman and runc (the relays' containers and the image's tests run on them)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			podman runc >/dev/null; \
+		command -v podman >/dev/null || { echo "make: podman installed, but still not on PATH" >&2; exit 1; }; \
 	}
 
 ## the container image localhost/rcoder:<version>, tagged :latest (Containerfile; scripts/image.py): podman,
@@ -197,7 +213,7 @@ dist: $(STAMP) twine
 
 ## benchmarks against a direct-client baseline taken in the same run (never part of `make test`);
 ## prints ratio, target and PASS/FAIL per line, writes bench-results.json
-bench: $(STAMP) agents helper bytecode
+bench: $(STAMP) agents podman helper bytecode
 	$(BIN)/python scripts/bench.py --json bench-results.json
 
 clean:

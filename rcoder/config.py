@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import inspect
 import os
+import re
 import shutil
 import tomllib
 from collections.abc import Callable, Mapping
@@ -25,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter
 
 from rcoder import landlock
 from rcoder.addresses import is_loopback
@@ -178,10 +179,12 @@ class ProfileKeys(_Schema):
     sandbox: Literal["auto", "landlock", "none"] = "auto"
     """auto (landlock where the kernel has it) | landlock | none; see What an agent can reach"""
     # Where its agents run (docs/relay.md#placement): "local", the daemon's own child; "relay", a child of
-    # `rcoder relay`, a process per project on this host that the daemon starts and that outlives it.
-    placement: Literal["local", "relay"] = "local"
+    # `rcoder relay`, a process per project on this host that the daemon starts and that outlives it;
+    # "container", a child of a relay in a container per project and profile (docs/relay.md#containers).
+    placement: Literal["local", "relay", "container"] = "local"
     """local (a child of the daemon) | relay (a child of a relay per project on this host, started by
-    the daemon and outliving it); see Relay"""
+    the daemon and outliving it) | container (a child of a relay in a container of the project's, from
+    containers.image; command is then the program's absolute path in the image); see Relay"""
     read_paths: Array[ConfigPath] = ()
     """more folders (or files) the agent may read and execute: toolchains, SDKs"""
     write_paths: Array[ConfigPath] = ()
@@ -215,16 +218,6 @@ class ProfileKeys(_Schema):
     checkpoint_exclude: Array[str] = DEFAULT_CHECKPOINT_EXCLUDE
     """gitignore patterns a turn's snapshots leave out, besides the project's .gitignore files
     (default: node_modules/, .venv/, __pycache__/); see Checkpoints"""
-
-    @field_validator("placement", mode="before")
-    @classmethod
-    def _placement_built(cls, value: Any) -> Any:
-        """``container`` is a placement the issue names and that is not built yet: said so, with
-        what exists, rather than as one more value the key does not take."""
-        if value == "container":
-            raise ValueError('"container" is not built yet; the placements there are "local" and "relay" '
-                             "(docs/relay.md#placement)")  # fmt: skip
-        return value
 
 
 class AgentProfile(ProfileKeys):
@@ -411,6 +404,17 @@ class SettingsKeys(_Schema):
     """days a run's stored events are kept (0: forever); see History"""
     history_max_bytes_per_run: Count = 8 << 20
     """stored bytes of one run's events (8 MiB; past it a note, then only completed)"""
+    # the `container` placement (docs/relay.md#containers): the engine a project's relay container is
+    # asked of, the image it runs, the engine network it joins
+    container_engine_socket: str = ""
+    """the Docker Engine API's unix socket (Docker's, or podman's `podman system service`); "": the
+    first of /run/podman/podman.sock and /var/run/docker.sock that is there; see Relay"""
+    container_image: str = ""
+    """the image a relay's container runs (rcoder's own, which `make image` builds); "":
+    localhost/rcoder:<this version>"""
+    container_network: str = "none"
+    """the engine network a relay's container joins: "none" (loopback only) or a network's name
+    (never "host")"""
     metrics_listen: str = ""
     """host:port for Prometheus /metrics (e.g. "127.0.0.1:9464"); empty: off"""
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
@@ -592,7 +596,8 @@ def load_settings(
         flat_keys=flat_defaults | grouped.flat,
     )
     # the checks between keys, each on its own, every one run: all their problems in one error
-    checks = [_check_default_agent, _check_tls, _check_shared_token, _check_callers, _check_checkpoint_root]
+    checks = [_check_default_agent, _check_tls, _check_shared_token, _check_callers, _check_checkpoint_root,
+              _check_containers]  # fmt: skip
     for check in checks + [partial(_check_sandbox, name=name) for name in settings.agents]:
         problems.run(check, settings)
     problems.raise_any()
@@ -609,6 +614,19 @@ def _check_tls(settings: Settings) -> None:
     if bool(settings.tls_cert) != bool(settings.tls_key):
         cert, key = settings.key_name("tls_cert"), settings.key_name("tls_key")
         raise ConfigError(key if settings.tls_cert else cert, f"set both {cert} and {key}, or neither")
+
+
+def _check_containers(settings: Settings) -> None:
+    """docs/relay.md#containers: a relay's container never shares the host's network (its loopback
+    holds the daemon's port), and an engine network's name is one the engine can have."""
+    network = settings.container_network
+    if network == "host" or not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}", network):
+        key = settings.key_name("container_network")
+        raise ConfigError(key, f"{network!r}: \"none\" or an engine network's name; never \"host\", which would give "
+                          "agents the host's loopback")  # fmt: skip
+    socket = settings.container_engine_socket
+    if socket and not socket.startswith("/"):
+        raise ConfigError(settings.key_name("container_engine_socket"), f"{socket!r}: the socket's absolute path")
 
 
 def _check_shared_token(settings: Settings) -> None:

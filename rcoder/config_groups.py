@@ -76,6 +76,11 @@ GROUPS: Mapping[str, Mapping[str, str]] = {
         "max_file_bytes": "max_file_bytes",
     },
     "logs": {"level": "log_level", "format": "log_format"},
+    "containers": {
+        "engine_socket": "container_engine_socket",
+        "image": "container_image",
+        "network": "container_network",
+    },
     "telemetry": {"metrics_listen": "metrics_listen", "otlp_endpoint": "otlp_endpoint"},
 }
 # each grouped setting's name as a file writes it: "tls_cert" -> "tls.cert"

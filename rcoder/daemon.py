@@ -19,8 +19,16 @@ from rcoder.agent.confinement import sandbox
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, check_limits
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
+from rcoder.agent.processes.relayed import Relays
 from rcoder.agent.processes.tree import MARK, Trees
-from rcoder.agent.profiles.profile import network_of, readiness_of, relays_root
+from rcoder.agent.profiles.profile import (
+    container_engine_socket,
+    container_image,
+    containers_root,
+    network_of,
+    readiness_of,
+    relays_root,
+)
 from rcoder.api.access import access_of
 from rcoder.api.accounting import Accounting
 from rcoder.api.callers import ClientTable, jwt_callers
@@ -31,9 +39,11 @@ from rcoder.api.server import CallBounds, GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings, checkpoint_root
 from rcoder.data_lock import DataDirLock
-from rcoder.errors import ConfigError, StoreError
+from rcoder.errors import ConfigError, ContainerEngineError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
+from rcoder.relay.container_host import ContainerHostRelays, ContainerPlacement, ProfilePaths
+from rcoder.relay.engine_api import Engine
 from rcoder.relay.host import HostRelays
 from rcoder.session.files.project_files import ProjectFiles
 from rcoder.session.guards.disk import DiskGuard
@@ -115,7 +125,16 @@ class Daemon:
         self.trees = Trees()
         # a relay per project for the profiles with placement = "relay" (docs/relay.md#placement)
         self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace)
-        self.launcher = AgentLauncher(settings, self.trees, limits=self.limits, relays=self.relays)
+        # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers)
+        placement = ContainerPlacement(
+            settings.data_dir, container_image(settings), settings.container_network,
+            {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},
+            tuple(sandbox.protected(settings)),
+        )  # fmt: skip
+        engine = Engine(container_engine_socket(settings))
+        self.containers = ContainerHostRelays(placement, containers_root(settings), engine, settings.agent_stop_grace)
+        relays: dict[str, Relays] = {"relay": self.relays, "container": self.containers}
+        self.launcher = AgentLauncher(settings, self.trees, limits=self.limits, relays=relays)
         # The pool and the lease keeper tell the daemon what happened to a session (``_agent_closed``,
         # ``_lease_lost``); they never call each other.
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
@@ -253,6 +272,16 @@ class Daemon:
         """Where other hosts reach this one: ``advertise_address``, else the address as bound."""
         return self.settings.advertise_address or self.bound_address
 
+    async def _end_found_containers(self) -> None:
+        """The relays' containers a killed daemon left, removed, where a profile runs in containers:
+        an engine not reached is said, and the daemon starts (each container start says it again)."""
+        if not any(profile.placement == "container" for profile in self.settings.agents.values()):
+            return
+        try:
+            await self.containers.end_found()
+        except ContainerEngineError as exc:
+            log.error("relay_containers_not_swept", error=str(exc))  # noqa: TRY400 - said, not a crash
+
     async def start(self) -> None:
         self.tracing = tracing.configure(self.settings.otlp_endpoint)
         check_limits(self.settings, self.limits.probe())  # docs/limits.md: ConfigError under "required"
@@ -265,6 +294,7 @@ class Daemon:
         # what a killed daemon's relays still run serves no session held here: they are stopped, their
         # agents with them (docs/relay.md#placement), after the reaper is started (they are our children)
         await self.relays.end_found()
+        await self._end_found_containers()
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()
@@ -417,6 +447,7 @@ class Daemon:
             await asyncio.gather(self._checkpoint_sweep, return_exceptions=True)
         await self.intake.aclose()
         await self.relays.aclose()  # every agent is closed: the relays go, before the rest below the daemon
+        await self.containers.aclose()
         self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()

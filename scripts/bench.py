@@ -54,6 +54,7 @@ from bench_common import (  # noqa: E402
 )
 from bench_files import files_fair, read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
+from bench_placement import placement_cold_start  # noqa: E402
 from bench_relay import relay_turns  # noqa: E402
 from bench_unauth import unauth_flood, unauth_health_flood, unauth_reflection_flood  # noqa: E402
 
@@ -906,6 +907,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("resumed", lambda b: _one(resumed_first_chunk(b))),
         ("fallback", lambda b: _one(fallback_first_event(b))),
         ("confined", lambda b: _one(cold_start_confined(b))),
+        ("placement", placement_cold_start),  # local, relay, container (scripts/bench_placement.py)
         ("confined_spawn", confined_spawn),
         ("limited_spawn", lambda b: _one(limited_spawn(b))),
         ("first_chunk", first_chunks),

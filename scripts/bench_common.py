@@ -310,8 +310,10 @@ async def live_pair(bench: Bench) -> AsyncIterator[tuple[pb_grpc.AgentRunnerStub
             await direct.aclose()
 
 
-async def chat(stub: pb_grpc.AgentRunnerStub, prompt: str, session_id: str = "", agent: str = "") -> Turn:
-    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt, agent=agent)
+async def chat(
+    stub: pb_grpc.AgentRunnerStub, prompt: str, session_id: str = "", agent: str = "", project: str = "proj"
+) -> Turn:
+    request = pb.ChatRequest(project_id=project, session_id=session_id, prompt=prompt, agent=agent)
     start = time.perf_counter()
     first_event = first_chunk = None
     text_bytes, sid, resume = 0, session_id, ""

@@ -21,6 +21,7 @@ MEASURES = {
     "first_chunk_resumed",
     "fallback_first_event",
     "cold_start_confined",
+    "cold_start_relay",  # and cold_start_container, which --smoke leaves out (scripts/bench_placement.py)
     "confined_spawn_added_ms",
     "confined_spawn_added_ms_opencode",
     "confined_spawn_added_ms_generic",

@@ -38,6 +38,9 @@ NOT_DEFAULTS: dict[str, Any] = {
     "log_format": "json",
     "metrics_listen": "127.0.0.1:9464",
     "otlp_endpoint": "http://127.0.0.1:4317",
+    "container_engine_socket": "/run/podman/podman.sock",
+    "container_image": "localhost/rcoder:latest",
+    "container_network": "rcoder-agents",
 }
 
 

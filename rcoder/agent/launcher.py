@@ -16,7 +16,7 @@ import stat
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,7 +38,7 @@ from rcoder.agent.connection import AgentConnection, call_agent, capabilities_fr
 from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
-from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.processes.process import AgentProcess, LimitWatch
 from rcoder.agent.processes.relayed import RelayedStart, Relays
 from rcoder.agent.processes.tree import Trees
 from rcoder.agent.profiles.erase import Erased, erase_conversation
@@ -81,11 +81,12 @@ class AgentLauncher:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         lists: SessionLists | None = None,
         limits: Cgroups | None = None,
-        relays: Relays | None = None,
+        relays: Mapping[str, Relays] | None = None,
     ) -> None:
         self._settings = settings
-        # where a profile with placement = "relay" runs its agents (docs/relay.md#placement); None: nowhere
-        self.relays = relays
+        # where a profile with placement = "relay" or "container" runs its agents, by placement
+        # (docs/relay.md#placement); a placement missing here runs none
+        self.relays: Mapping[str, Relays] = relays or {}
         # each agent's cgroup (docs/limits.md); None: agents run unlimited
         self.limits = limits
         self._clock = clock
@@ -417,10 +418,12 @@ class AgentLauncher:
     async def _spawn_relayed(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
         """``argv`` started on the relay of ``cwd``'s project (docs/relay.md#placement) with what the
         local spawn would give it (``ready``: its environment and grants; the profile's limits; the
-        agents' uid), owned as a local agent is: an ``AgentProcess`` whose child is the relay's."""
-        if self.relays is None:
-            raise AgentUnavailable(f'agent {profile.name!r} has placement = "relay" and this daemon runs no '
-                                   "relays", agent=profile.name)  # fmt: skip
+        agents' uid), owned as a local agent is: an ``AgentProcess`` whose child is the relay's. The
+        profile's placement picks the relays: this host's, or containers' (docs/relay.md#containers)."""
+        relays = self.relays.get(profile.placement)
+        if relays is None:
+            raise AgentUnavailable(f"agent {profile.name!r} has placement = {profile.placement!r} and this daemon "
+                                   "runs no relays for it", agent=profile.name)  # fmt: skip
         project = relay_folder(self._settings.workspace_root, cwd)
         start = RelayedStart(
             name=profile.name,
@@ -436,15 +439,16 @@ class AgentLauncher:
             user=self.user.switch,
         )
         try:
-            child = await self.relays.spawn(start, self._settings.agent_stop_grace)
+            child = await relays.spawn(start, self._settings.agent_stop_grace)
         except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
             remove_tmpdir(ready.home, ready.tmpdir)
             raise
+        watch = child.limit_reached if isinstance(child, LimitWatch) else None  # a container's limits
         process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, self._settings.agent_stop_grace,
                                on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
-                               place=child.place)  # fmt: skip
+                               place=child.place, limit_reached=watch)  # fmt: skip
         place = child.place
-        log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement="relay",
+        log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement=profile.placement,
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
                  sandbox=f"landlock (ABI {ready.confinement.abi})" if ready.confinement else "none",
                  uid=self.user.switch[0] if self.user.switch else os.geteuid())  # fmt: skip
@@ -459,7 +463,7 @@ class AgentLauncher:
         ready = await prepared(self._settings, self.homes, profile, cwd, provider, keyless=keyless)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
-            if profile.placement == "relay":
+            if profile.placement != "local":
                 process = await self._spawn_relayed(profile, argv, cwd, ready)
             else:
                 process = await self._spawn(profile, argv, cwd, ready)

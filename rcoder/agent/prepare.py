@@ -84,7 +84,14 @@ async def prepared(
         if value:
             env[var] = value
     held = _take_key(env, profile.key_variable, provider.api_key) if keyless else {}
-    command = profile.resolve_command(env.get("PATH", ""))
+    # a container's agent is the image's program (docs/relay.md#containers): it is not looked for here
+    command = profile.command if profile.placement == "container" else profile.resolve_command(env.get("PATH", ""))
+    if profile.placement == "container" and not profile.command.startswith("/"):
+        raise AgentUnavailable(
+            f'agent {profile.name!r} has placement = "container": its command {profile.command!r} must be the '
+            f"program's absolute path in the image (agents.{profile.name}.command)",
+            agent=profile.name,
+        )
     if command is None:
         where = "at that path" if "/" in profile.command else "on PATH"
         raise AgentUnavailable(

@@ -66,6 +66,15 @@ class Mount:
 
 
 @dataclass(frozen=True, slots=True)
+class Bind:
+    """A host folder (or file) at the same path in the container: what the daemon's placement binds
+    while it still reads a project's files itself (a hostPath, in a pod)."""
+
+    path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class RelayLaunch:
     """One relay's container, as the engine is asked for it."""
 
@@ -78,6 +87,8 @@ class RelayLaunch:
     limits: Values | None = None
     network: str = "none"  # "none", or an engine network the profile allows (never "host")
     labels: Mapping[str, str] = field(default_factory=dict)
+    binds: tuple[Bind, ...] = ()  # never from a spec (named volumes only): the daemon's own placement
+    user: tuple[int, int] = RELAY_USER  # a uid of the container's, never root
 
     @classmethod
     def from_spec(cls, name: str, spec: pb.StartSpec, state_dir: Path, network: str = "none") -> RelayLaunch:
@@ -115,7 +126,10 @@ class RelayLaunch:
     def create_body(self) -> dict[str, Any]:
         """The Engine API's ``POST /containers/create`` body."""
         host: dict[str, Any] = {
-            "Binds": [f"{self.state_dir}:{STATE_MOUNT}:rw"],
+            "Binds": [
+                f"{self.state_dir}:{STATE_MOUNT}:rw",
+                *(f"{b.path}:{b.path}:{'ro' if b.read_only else 'rw'}" for b in self.binds),
+            ],
             "Mounts": [_volume(mount) for mount in self.mounts],
             "CapDrop": ["ALL"],
             "SecurityOpt": ["no-new-privileges"],
@@ -136,7 +150,7 @@ class RelayLaunch:
         return {
             "Image": self.image,
             "Cmd": list(self.command),
-            "User": f"{RELAY_USER[0]}:{RELAY_USER[1]}",
+            "User": f"{self.user[0]}:{self.user[1]}",
             "Env": [f"{key}={value}" for key, value in self.env.items()],
             "WorkingDir": PROJECT_MOUNT,
             "Labels": dict(self.labels),
@@ -188,7 +202,9 @@ class ContainerRelays:
     async def start(self, launch: RelayLaunch) -> RelayContainer:
         """The relay serving in a new container, its secret read back. Nothing is left on a failure:
         the container made is removed (the volumes stay: they hold the project's files)."""
-        await asyncio.to_thread(_state_folder, launch.state_dir)
+        if launch.user[0] == 0:
+            raise errors.InvalidArgument("user", "a relay's container never runs as root")
+        await asyncio.to_thread(_state_folder, launch.state_dir, launch.user)
         for mount in launch.mounts:
             await asyncio.to_thread(self._engine.create_volume, mount.volume, dict(launch.labels))
         container_id = await asyncio.to_thread(self._engine.create_container, launch.name, launch.create_body())
@@ -257,7 +273,7 @@ class ContainerRelays:
         host's view of the container's cgroup; 0 when it does not run or its cgroup is not readable)."""
         state = await asyncio.to_thread(self._engine.inspect_container, relay.container_id)
         pid = int(state["State"].get("Pid") or 0) if state else 0
-        return await asyncio.to_thread(_oom_kills, pid) if pid else 0
+        return await asyncio.to_thread(oom_kills, pid) if pid else 0
 
     async def agent_end(
         self, relay: RelayContainer, exit: pb.AgentExit, kills_at_spawn: int
@@ -303,7 +319,7 @@ def _size(limits: Values | None) -> str:
     return human(limits.memory_max) if limits is not None and limits.memory_max else "(the engine's)"
 
 
-def _oom_kills(pid: int) -> int:
+def oom_kills(pid: int) -> int:
     """The OOM kill count of process ``pid``'s memory cgroup, from the host: cgroup v1's
     memory.oom_control where a v1 memory hierarchy holds it, else v2's memory.events."""
     try:
@@ -331,16 +347,16 @@ def _volume(mount: Mount) -> dict[str, Any]:
     return {"Type": "volume", "Source": mount.volume, "Target": mount.path, "ReadOnly": mount.read_only}
 
 
-def _state_folder(path: Path) -> None:
+def _state_folder(path: Path, user: tuple[int, int] = RELAY_USER) -> None:
     """The host folder the relay keeps its socket and secret in: mode 0700, the container user's,
     so that only that uid (and root: the daemon) reaches them."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        if path.stat().st_uid != RELAY_UID:
-            os.chown(path, *RELAY_USER)
+        if path.stat().st_uid != user[0]:
+            os.chown(path, *user)
     except PermissionError as exc:
         raise errors.FailedPrecondition(
-            f"{path}: the relay's state folder must belong to uid {RELAY_UID} (the container's user), which "
+            f"{path}: the relay's state folder must belong to uid {user[0]} (the container's user), which "
             "only root can give: start the relay's container from a daemon run as root, or make the folder so",
             "RELAY_STATE_FOLDER", path=str(path),
         ) from exc  # fmt: skip

@@ -2,7 +2,7 @@
 
 Docker's ``/var/run/docker.sock``, or podman's compatible one (``podman system service``). Only what
 a relay's container needs: a named volume made and inspected, a container created, started,
-inspected, waited for, stopped and removed, and the end of its log. The standard library's
+inspected, listed by label, waited for, stopped and removed, and the end of its log. The standard library's
 ``http.client`` over ``AF_UNIX``: no dependency for six calls. Each call is blocking and bounded by
 its timeout (a new connection per call: nothing held between calls); callers in the event loop run
 it in a thread.
@@ -128,6 +128,12 @@ class Engine:
         status, _ = self._call("DELETE", f"/containers/{_quote(ident)}", query={"force": "true", "v": "true"},
                                allowed=(404,))  # fmt: skip
         return status != 404
+
+    def list_containers(self, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Every container (running or not) that carries each of ``labels``."""
+        filters = json.dumps({"label": [f"{key}={value}" for key, value in labels.items()]})
+        found = self._json("GET", "/containers/json", query={"all": "true", "filters": filters})
+        return [dict(row) for row in found or []]
 
     def log_tail(self, ident: str, lines: int = _LOG_TAIL) -> str:
         """The end of its stdout and stderr, for a person (empty when it has gone)."""

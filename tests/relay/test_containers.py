@@ -17,8 +17,7 @@ import contextlib
 import os
 import signal
 import stat
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,7 @@ from rcoder.relay.containers import PROJECT_MOUNT, STATE_MOUNT, ContainerRelays,
 from rcoder.relay.engine_api import Engine
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
-from tests.harness import die_with_the_test, eventually
-from tests.image.podman import BUILD_TIMEOUT, RUN, build_image, podman_env
+from tests.image.podman import BUILD_TIMEOUT, RUN
 from tests.relay.relay_kit import AcpOverAttach, chunks, initialize
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(BUILD_TIMEOUT + 300)]
@@ -40,41 +38,6 @@ MEMORY_MAX = 192 * MIB
 PIDS_MAX = 256
 PYTHON = "/opt/rcoder/.venv/bin/python"  # the image's
 RELAY_UID = "10001"
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    """The image's id: built once (or reused) by `make image`'s script."""
-    return build_image()
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    """podman's Docker-compatible service on a socket of this module's, its process group ended after."""
-    folder = tmp_path_factory.mktemp("engine")
-    socket = folder / "engine.sock"
-    with open(folder / "service.log", "wb") as service_log:  # the child keeps its own copy
-        service = subprocess.Popen(
-            [*die_with_the_test(), "podman", "system", "service", "--time=0", f"unix://{socket}"],
-            env=podman_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=service_log,
-            start_new_session=True, cwd=folder,  # conmon writes an `oom` file where it is started
-        )  # fmt: skip
-    try:
-        engine = Engine(socket)
-        asyncio.run(eventually(lambda: _answers(engine), timeout=60))
-        yield engine
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(service.pid, signal.SIGKILL)
-        service.wait(timeout=30)
-
-
-def _answers(engine: Engine) -> bool:
-    try:
-        engine.ping()
-    except errors.ContainerEngineError:
-        return False
-    return True
 
 
 def relay_spec(image: str, volume: str, memory_max: int = MEMORY_MAX) -> pb.StartSpec:

@@ -24,7 +24,7 @@ from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory, exited
-from tests.harness import FakeAgentSetup, completed, config_error, eventually, started, text_of
+from tests.harness import FakeAgentSetup, completed, eventually, started, text_of
 from tests.relay.conftest import RelayFactory
 
 
@@ -282,10 +282,3 @@ async def test_stdin_written_while_another_stream_holds_the_agent_reaches_it_onc
         assert child.returncode == 0
     finally:
         await relays.aclose()
-
-
-@pytest.mark.fast
-def test_a_container_placement_is_refused_naming_the_placements_there_are(tmp_path: Path) -> None:
-    error = config_error(tmp_path, '[agents.x]\ncommand = "/bin/true"\nplacement = "container"\n')
-    assert error.key == "agents.x.placement"
-    assert '"container" is not built yet' in str(error) and '"local" and "relay"' in str(error)

@@ -31,7 +31,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rcoder.agent.confinement.limits import AgentCgroup
 from rcoder.agent.confinement.sandbox import Confinement
@@ -163,6 +163,15 @@ class Child(Protocol):
     def pipe_inodes(self) -> set[int]: ...
 
 
+@runtime_checkable
+class LimitWatch(Protocol):
+    """A child whose limits are not a cgroup of the daemon's (a relay's container): it says itself
+    whether one of them stopped it (docs/relay.md#containers)."""
+
+    def limit_reached(self) -> str:
+        """Why the kernel stopped it, when one of its limits did it ("" otherwise)."""
+
+
 class _Subprocess:
     """An asyncio subprocess as a ``Child``."""
 
@@ -203,6 +212,7 @@ class AgentProcess:
         mark: str = "",
         on_closed: Callable[[], None] | None = None,
         place: RelayPlace | None = None,
+        limit_reached: Callable[[], str] | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._child = child
@@ -231,6 +241,9 @@ class AgentProcess:
         self.cgroup: AgentCgroup | None = None  # its limits (``enter``), when it has any
         self._cgroup_ended: Callable[[AgentCgroup], None] | None = None
         self._cgroup_removal: asyncio.Task[None] | None = None
+        # where the limits are not a cgroup of ours (a relay's container: docs/relay.md#containers),
+        # what says whether one of them stopped the agent
+        self._limit_reached = limit_reached
 
     def enter(self, cgroup: AgentCgroup | None, ended: Callable[[AgentCgroup], None]) -> None:
         """The agent is in ``cgroup`` (docs/limits.md#how-an-agent-enters-its-cgroup): removed once
@@ -239,7 +252,9 @@ class AgentProcess:
 
     def limit_reached(self) -> str:
         """Why the kernel stopped the agent, when one of its limits did it ("" otherwise)."""
-        return self.cgroup.limit_reached() if self.cgroup is not None else ""
+        if self.cgroup is not None:
+            return self.cgroup.limit_reached()
+        return self._limit_reached() if self._limit_reached is not None else ""
 
     @classmethod
     async def spawn(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rcoder import landlock
+from rcoder import __version__, landlock
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
 
@@ -56,8 +56,8 @@ class Readiness:
     key_variable: str  # where its agent reads its model key ("": rcoder knows of none it needs)
     key_present: bool  # that variable is set for its agents, or the profile's model_api_key is
     not_runnable: tuple[str, ...]  # why it cannot run, each with its fix; empty when it can
-    placement: str = "local"  # where its agents run: "local" or "relay" (docs/relay.md#placement)
-    relay_root: str = ""  # with "relay": the folder of each project's relay folder
+    placement: str = "local"  # where its agents run: "local", "relay" or "container" (docs/relay.md#placement)
+    relay_root: str = ""  # with "relay" or "container": the folder of each project's relay folder
 
     @property
     def runnable(self) -> bool:
@@ -70,20 +70,49 @@ def relays_root(settings: Settings) -> Path:
     return settings.data_dir / "relays"
 
 
+def containers_root(settings: Settings) -> Path:
+    """Where the relays in containers keep their state, a folder each bound into its container
+    (docs/relay.md#containers): apart from ``relays_root``, whose relays' locks hold host pids."""
+    return settings.data_dir / "relay-containers"
+
+
+ENGINE_SOCKETS = (Path("/run/podman/podman.sock"), Path("/var/run/docker.sock"))  # podman's, Docker's
+
+
+def container_engine_socket(settings: Settings) -> Path:
+    """``containers.engine_socket``, or the first of podman's and Docker's usual sockets that is
+    there (Docker's when neither is: the engine's error then names it); docs/relay.md#containers."""
+    if settings.container_engine_socket:
+        return Path(settings.container_engine_socket)
+    return next((path for path in ENGINE_SOCKETS if path.exists()), ENGINE_SOCKETS[-1])
+
+
+def container_image(settings: Settings) -> str:
+    """``containers.image``, or the image ``make image`` builds of this version."""
+    return settings.container_image or f"localhost/rcoder:{__version__}"
+
+
 def readiness_of(settings: Settings, profile: AgentProfile) -> Readiness:
     """What ``ListAgents`` and the start's log say of the profile: can its agent start here, with
     the key its kind reads? A request's own ``model_provider.api_key`` may still give a missing key."""
     path = settings.agent_env(profile).get("PATH", "")
-    found = profile.resolve_command(path) is not None
+    if profile.placement == "container":  # the image's program, not this host's (docs/relay.md#containers)
+        found = profile.command.startswith("/")
+    else:
+        found = profile.resolve_command(path) is not None
     has_key = settings.has_key(profile)
     why = []
-    if not found:
+    if not found and profile.placement == "container":
+        why.append(f"command {profile.command!r}: with placement = \"container\" it is the program's absolute path "
+                   "in the image")  # fmt: skip
+    elif not found:
         where = f"under {profile.base_dir}" if "/" in profile.command else "on its agents' PATH"
         why.append(f"command {profile.command!r} not found {where}: install it, or set the profile's command")
     if not has_key:
         why.append(f"{profile.key_variable} is not set: set it in the daemon's environment (the profile passes it "
                    "through) or the profile's model_api_key, or send model_provider.api_key")  # fmt: skip
-    relays = str(relays_root(settings)) if profile.placement == "relay" else ""
+    roots = {"relay": relays_root, "container": containers_root}
+    relays = str(roots[profile.placement](settings)) if profile.placement in roots else ""
     return Readiness(found, profile.key_variable, has_key, tuple(why), profile.placement, relays)
 
 

@@ -1,0 +1,327 @@
+"""The relays of a profile's ``placement = "container"`` (docs/relay.md#containers): a relay in a
+container per project and profile, started through the Docker Engine API (``containers``), its
+agents spawned and attached exactly as the ``relay`` placement does it (``host.HostRelays``).
+
+What the container holds: the profile's limits as its own (memory with no swap beyond it, processes,
+CPU: each container is one profile's, so they are that profile's exactly), the project's folder and
+the agent's home bound at the paths they have on the host (the daemon still reads and writes a
+project's files itself, for the file calls and the checkpoints, so they stay where it reads them;
+once the relay serves them, a named volume per project takes their place), the profile's
+``write_paths`` read-write and ``read_paths`` read-only at their paths, and the relay's state
+folder, ``<data_dir>/relay-containers/<project>.<profile>``, at ``/run/rcoder-relay``. It runs as
+the agents' uid where the daemon has one (the project and home are theirs already), else as the
+image's rcoder (10001); never root, no capability, a read-only root file system.
+
+The spawn path is ``HostRelays``', by composition: one ``HostRelays`` over the containers' root
+whose relay of a folder is the one in that folder's container (``_InContainers``), so the spec,
+the Spawn, the Attach and the undoing of a failed spawn are that code's. The relay is known by its
+container's init on this host (a pidfd of it says when the container ended), never by the pid in
+its lock, which is the container's own namespace's.
+
+A memory limit hit is said as a local agent's cgroup says it: an agent ended by SIGKILL while its
+container's OOM kill count grew since its spawn (or whose whole container the kernel ended at its
+limit) stopped at its limit (``AgentStoppedAtLimit``, through ``LimitWatch``).
+
+At the daemon's stop every container it started is stopped (the relay ends its agents' groups)
+and removed; at its start, every container a killed daemon of the same ``data_dir`` left (found by
+its labels) is removed: re-attaching to a turn in one is not built for containers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import os
+import re
+import select
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rcoder import errors
+from rcoder.agent.confinement.limits import human
+from rcoder.agent.files import ownership
+from rcoder.agent.processes.relayed import RelayedChild, RelayedStart, RelayPlace
+from rcoder.logs import get_logger
+from rcoder.relay import host
+from rcoder.relay.containers import (
+    LABEL,
+    RELAY_USER,
+    STATE_MOUNT,
+    Bind,
+    ContainerRelays,
+    RelayContainer,
+    RelayLaunch,
+    oom_kills,
+)
+from rcoder.relay.engine_api import Engine
+from rcoder.relay.secret import SECRET_FILE
+from rcoder.relay.serve import SOCKET_FILE
+
+log = get_logger("rcoder.relay.container_host")
+
+DATA_DIR_LABEL = "dev.rcoder.data_dir"  # the daemon's data_dir: a daemon removes only its own leftovers
+_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
+_LIMIT_CHECK_TIMEOUT = 10.0  # reading an ended container's state from the engine, at an agent's exit
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilePaths:
+    """What a profile's agents reach beyond the project and their home, bound at the same paths."""
+
+    write: tuple[Path, ...] = ()  # its write_paths, read-write
+    read: tuple[Path, ...] = ()  # its read_paths, read-only
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerPlacement:
+    """What the daemon's settings say of its relays' containers (docs/relay.md#containers)."""
+
+    data_dir: Path  # its containers are labelled with it: a daemon removes only its own leftovers
+    image: str
+    network: str  # "none", or an engine network's name
+    profiles: Mapping[str, ProfilePaths]  # by profile name
+    keep: tuple[Path, ...]  # rcoder's own folders, never given to the container's user
+
+
+@dataclass(eq=False)
+class _Running:
+    """One relay's container this daemon started, and the host's view of its relay."""
+
+    container: RelayContainer
+    init_pid: int  # the container's init on this host: alive while the container runs
+    relay: host._Relay
+    init_fd: int  # a pidfd of that init: it, not a pid a later process may take, says when it ended
+
+    @property
+    def running(self) -> bool:
+        readable, _, _ = select.select([self.init_fd], [], [], 0)
+        return not readable
+
+
+class ContainerHostRelays:
+    """The ``Relays`` of ``rcoder.agent.processes.relayed`` for ``placement = "container"``."""
+
+    def __init__(self, placement: ContainerPlacement, root: Path, engine: Engine, stop_grace: float) -> None:
+        self._placement = placement
+        self._root = root
+        self._engine = engine
+        self._containers = ContainerRelays(engine)
+        self._host = _InContainers(root, stop_grace, self)
+        self._stop_grace = stop_grace
+        self._running: dict[str, _Running] = {}
+        self._starting: dict[str, asyncio.Lock] = {}
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    async def spawn(self, start: RelayedStart, stop_grace: float) -> RelayedChild:
+        """``start`` on the relay of its project's and profile's container (started first when none
+        runs): as the agents' uid of the container, under its limits (not a cgroup of the relay's)."""
+        folder = f"{start.project}.{start.name}"
+        running = await self._running_for(folder, start)
+        if start.user is None:  # the daemon runs agents as itself: what they write is the container user's
+            await asyncio.to_thread(self._give, start, running.container.launch.user)
+        kills = await asyncio.to_thread(oom_kills, running.init_pid)
+        inside = dataclasses.replace(start, project=folder, user=None, limits=None)
+        child = await self._host.spawn(inside, stop_grace)
+        return _Watched(child, running, self._containers, kills)
+
+    def _give(self, start: RelayedStart, user: tuple[int, int]) -> None:
+        """The project, the home, the agent's TMPDIR and the profile's ``write_paths`` given to the
+        container's user where they are not theirs yet (the agents' uid has them already, where the
+        daemon has one), rcoder's own folders inside them left out. Off the event loop."""
+        profile = self._placement.profiles.get(start.name, ProfilePaths())
+        paths = [start.cwd, start.env.get("HOME", ""), start.env.get("TMPDIR", ""), *map(str, profile.write)]
+        for path in filter(None, paths):
+            if Path(path).is_dir() and not ownership.owned_by(Path(path), user):
+                changed = ownership.give(Path(path), user, keep=self._placement.keep)
+                log.info("relay_container_folder_given", path=path, uid=user[0], entries=changed)
+
+    async def relay_of(self, folder: str, agent: str) -> host._Relay:
+        """The relay of ``folder``'s container, as ``HostRelays`` reaches it (``_InContainers``)."""
+        running = self._running.get(folder)
+        if running is None or not running.running:
+            raise errors.AgentUnavailable(f"agent {agent!r}: the relay's container of {folder} is not running",
+                                          agent=agent)  # fmt: skip
+        return running.relay
+
+    async def _running_for(self, folder: str, start: RelayedStart) -> _Running:
+        async with self._starting.setdefault(folder, asyncio.Lock()):
+            running = self._running.get(folder)
+            if running is not None and running.running:
+                return running
+            if running is not None:  # it ended: said, removed, and a new one started
+                del self._running[folder]
+                await self._remove(running, why="ended")
+            running = await self._start(folder, start)
+            self._running[folder] = running
+            return running
+
+    async def _start(self, folder: str, start: RelayedStart) -> _Running:
+        launch = self._launch(folder, start)
+        container = await self._containers.start(launch)
+        try:
+            state = await asyncio.to_thread(self._engine.inspect_container, container.container_id)
+            init_pid = int(state["State"].get("Pid") or 0) if state else 0
+            try:
+                init_fd = os.pidfd_open(init_pid) if init_pid else -1
+            except ProcessLookupError:
+                init_fd = -1
+            if init_fd < 0:
+                raise errors.ContainerEngineError("inspect", 0, f"{launch.name} has no process on this host")
+        except BaseException:
+            with contextlib.suppress(errors.ContainerEngineError):
+                await self._containers.remove(container)
+            raise
+        relay = self._host.connect(launch.state_dir, init_pid, container.secret)
+        log.info("relay_container_placed", agent=start.name, project=start.project, name=launch.name,
+                 container_id=container.container_id[:12], init_pid=init_pid, user=f"{launch.user[0]}",
+                 memory_max=launch.limits.memory_max if launch.limits else 0)  # fmt: skip
+        return _Running(container, init_pid, relay, init_fd)
+
+    def _launch(self, folder: str, start: RelayedStart) -> RelayLaunch:
+        profile = self._placement.profiles.get(start.name, ProfilePaths())
+        paths = [Bind(start.cwd)]
+        if "HOME" in start.env:
+            paths.append(Bind(start.env["HOME"]))
+        paths += [Bind(str(p)) for p in profile.write]
+        paths += [Bind(str(p), read_only=True) for p in profile.read if p.exists()]
+        binds = tuple({b.path: b for b in paths if b.path != STATE_MOUNT}.values())
+        command = ("relay", "--state-dir", STATE_MOUNT, "--stop-grace", str(self._stop_grace), "--log-format", "json")
+        name = _container_name(self._placement.data_dir, folder)
+        labels = {LABEL: name, DATA_DIR_LABEL: str(self._placement.data_dir)}
+        return RelayLaunch(name, self._placement.image, self._root / folder, (), command, {}, start.limits,
+                           self._placement.network, labels, binds, start.user or RELAY_USER)  # fmt: skip
+
+    async def end_found(self) -> int:
+        """Every relay's container a daemon of this ``data_dir`` left, removed (its agents with it)."""
+        labels = {DATA_DIR_LABEL: str(self._placement.data_dir)}
+        found = await asyncio.to_thread(self._engine.list_containers, labels)
+        for row in found:
+            ident = str(row.get("Id", ""))
+            log.warning(
+                "relay_container_found_removed",
+                container_id=ident[:12],
+                names=row.get("Names"),
+                why="a relay's container a daemon left: re-attaching to it is not built for containers",
+            )
+            await asyncio.to_thread(self._engine.stop_container, ident, int(self._stop_grace) + 1)
+            await asyncio.to_thread(self._engine.remove_container, ident)
+        await asyncio.to_thread(self._forget_secrets)
+        return len(found)
+
+    def _forget_secrets(self) -> None:
+        """No container of this ``data_dir`` runs now: no secret or socket a removed one left stays
+        in its state folder (each new relay makes its own)."""
+        if not self._root.is_dir():
+            return
+        for folder in self._root.iterdir():
+            for name in (SECRET_FILE, SOCKET_FILE):
+                with contextlib.suppress(OSError):
+                    (folder / name).unlink()
+
+    async def aclose(self) -> None:
+        """At the daemon's stop, once its agents are closed: every container it started, stopped and
+        removed."""
+        running, self._running = list(self._running.values()), {}
+        await asyncio.gather(*(self._remove(r, why="daemon stopping") for r in running))
+
+    async def _remove(self, running: _Running, why: str) -> None:
+        await running.relay.channel.close()
+        os.close(running.init_fd)
+        try:
+            await self._containers.remove(running.container)
+        except errors.ContainerEngineError as exc:
+            log.error("relay_container_not_removed", container_id=running.container.container_id[:12],  # noqa: TRY400
+                      why=why, error=str(exc))  # fmt: skip
+            return
+        log.info("relay_container_ended", container_id=running.container.container_id[:12], why=why)
+
+
+class _InContainers(host.HostRelays):
+    """``HostRelays`` whose relay of a folder is the one in that folder's container: its spawn,
+    attach and undo as they are; nothing of its own started, found or stopped (its ``end_found`` and
+    ``aclose`` are never called: a container's relay wrote its namespace's pid in its lock)."""
+
+    def __init__(self, root: Path, stop_grace: float, owner: ContainerHostRelays) -> None:
+        super().__init__(root, stop_grace)
+        self._owner = owner
+
+    async def _relay(self, project: str, agent: str) -> host._Relay:
+        return await self._owner.relay_of(project, agent)
+
+    def connect(self, folder: Path, pid: int, secret: str) -> host._Relay:
+        """A channel to the relay serving in ``folder``, known by ``pid`` on this host."""
+        relay = self._connect(folder, pid)
+        return dataclasses.replace(relay, metadata=(("authorization", f"Bearer {secret}"),))
+
+
+class _Watched:
+    """A relayed agent in a container whose exit is said once it is known whether the container's
+    memory limit ended it (``LimitWatch``): its ``exited`` is set after that is read."""
+
+    def __init__(self, child: RelayedChild, running: _Running, containers: ContainerRelays, kills: int) -> None:
+        self._child = child
+        self._running = running
+        self._containers = containers
+        self._kills_at_spawn = kills
+        self._reached = ""
+        self.pid = child.pid
+        self.stdin, self.stdout, self.stderr = child.stdin, child.stdout, child.stderr
+        self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._check = asyncio.get_running_loop().create_task(self._said(), name=f"container-agent-{child.pid}")
+
+    @property
+    def place(self) -> RelayPlace:
+        return self._child.place
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.returncode
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        self._child.signal_group(sig)
+
+    def let_go(self) -> None:
+        self._child.let_go()
+
+    def pipe_inodes(self) -> set[int]:
+        return self._child.pipe_inodes()
+
+    def limit_reached(self) -> str:
+        return self._reached
+
+    async def _said(self) -> None:
+        try:
+            await self._child.exited
+            if self._child.returncode == -signal.SIGKILL:
+                async with asyncio.timeout(_LIMIT_CHECK_TIMEOUT):
+                    self._reached = await self._memory_limit()
+        except (errors.RcoderError, OSError, TimeoutError) as exc:
+            log.info("relay_container_limit_unknown", pid=self.pid, error=str(exc)[:300])
+        finally:
+            if not self.exited.done():
+                self.exited.set_result(None)
+
+    async def _memory_limit(self) -> str:
+        running = self._running
+        limits = running.container.launch.limits
+        size = human(limits.memory_max) if limits is not None and limits.memory_max else "(the engine's)"
+        if await asyncio.to_thread(oom_kills, running.init_pid) > self._kills_at_spawn:
+            return f"the agent was stopped: memory limit {size} of its relay's container reached"
+        if not running.running:  # the whole container ended: did its limit end it?
+            end = await self._containers.ended(running.container)
+            if end is not None and end.oom_killed:
+                return f"the agent was stopped: its relay's container reached its memory limit {size}"
+        return ""
+
+
+def _container_name(data_dir: Path, folder: str) -> str:
+    """A name of the engine's alphabet, readable, and unique per ``data_dir`` and folder."""
+    digest = hashlib.sha256(f"{data_dir}\0{folder}".encode()).hexdigest()[:10]
+    return f"rcoder-relay-{_UNSAFE.sub('-', folder)[:80].strip('-.') or 'project'}-{digest}"

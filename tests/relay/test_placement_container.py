@@ -1,0 +1,229 @@
+"""A profile's ``placement = "container"`` (docs/relay.md#containers): a real daemon starts a relay in
+a container per project and profile through podman's Docker-compatible service, from the rcoder
+image, and the image's echo agent runs under it, its ACP over Attach.
+
+The engine and the image are tests/relay/conftest.py's, shared with tests/relay/test_containers.py.
+Every container a test's daemon made (found by its ``data_dir`` label) is removed after the test,
+whatever happened, before the daemons' own teardown looks for processes left in the test's folders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rcoder.agent.profiles.profile import container_engine_socket, container_image, readiness_of
+from rcoder.config import load_settings
+from rcoder.relay.container_host import DATA_DIR_LABEL
+from rcoder.relay.engine_api import Engine
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory
+from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, text_of
+from tests.image.podman import BUILD_TIMEOUT
+
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
+
+PYTHON = "/opt/rcoder/.venv/bin/python"  # the image's
+CONTAINER_UID = "10001"  # the image's rcoder: the container's user where the daemon runs agents as itself
+
+
+def labelled(engine: Engine, data_dir: Path) -> list[dict[str, Any]]:
+    return engine.list_containers({DATA_DIR_LABEL: str(data_dir)})
+
+
+@pytest.fixture
+async def containers_removed(engine: Engine, tmp_path: Path) -> AsyncIterator[None]:
+    """Every container a daemon of this test made, removed after it on every path."""
+    try:
+        yield
+    finally:
+        for row in await asyncio.to_thread(labelled, engine, tmp_path / "data"):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(engine.remove_container, row["Id"])
+        assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+
+
+def settings_of(engine: Engine, image: str) -> dict[str, Any]:
+    return {
+        "container_engine_socket": str(engine.socket_path),
+        "container_image": image,
+        "default_agent": "boxed",
+    }
+
+
+def echo_in_image(state: Path, **keys: Any) -> dict[str, Any]:
+    """rcoder's echo agent as the image has it, its sessions in ``state`` (bound into the container)."""
+    return {
+        "command": PYTHON,
+        "args": ["-P", "-m", "rcoder.echo_agent", "--state-dir", str(state)],
+        "write_paths": [str(state / "sessions")],
+        "placement": "container",
+        **keys,
+    }
+
+
+def children(pid: int) -> list[int]:
+    """Every child of ``pid``, whichever of its threads started it."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return sorted(int(c) for task in tasks for c in (task / "children").read_text().split())
+
+
+def status_of(pid: int) -> dict[str, str]:
+    rows = (line.partition(":") for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: value.strip() for key, _, value in rows}
+
+
+def root_mount(pid: int) -> list[str]:
+    """The options of the root file system's mount as process ``pid`` sees it."""
+    mounts = [line.split() for line in Path(f"/proc/{pid}/mounts").read_text().splitlines()]
+    return next(fields for fields in reversed(mounts) if fields[1] == "/")[3].split(",")
+
+
+async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_its_containers(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    settings = settings_of(engine, image)
+    profiles = {"boxed": echo_in_image(tmp_path / "echo", memory_max="256MiB", pids_max=256)}
+    first, client = await make_daemon(profiles, **settings)
+    events = await client.chat(prompt="hello container", project_id="proj")
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(events).startswith("echo: hello container")
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+
+    # a killed daemon leaves its container; the next one on the same data_dir removes it at its start
+    await first.kill()
+    still = await asyncio.to_thread(engine.inspect_container, left["Id"])
+    assert still is not None and still["State"]["Running"]
+    second, client = await make_daemon(profiles, **settings)
+    (found,) = second.logs("relay_container_found_removed")
+    assert left["Id"].startswith(found["container_id"])
+    assert await asyncio.to_thread(engine.inspect_container, left["Id"]) is None
+    state = tmp_path / "data" / "relay-containers" / "proj.boxed"
+    assert not (state / "secret").exists() and not (state / "relay.sock").exists()  # the removed relay's
+
+    events = await client.chat(prompt="once more", project_id="proj")
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events).error
+    (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    inspected = await asyncio.to_thread(engine.inspect_container, row["Id"])
+    assert inspected is not None
+    host = inspected["HostConfig"]
+    assert (host["Memory"], host["PidsLimit"], host["ReadonlyRootfs"]) == (256 << 20, 256, True)
+    spawned = next(r for r in second.logs("agent_spawned") if r.get("placement") == "container")
+    assert spawned["state_dir"] == str(tmp_path / "data" / "relay-containers" / "proj.boxed")
+    # the agent: the relay's child (the relay: the one child of the container's init), not root,
+    # no capability, on a read-only root file system
+    (relay,) = children(inspected["State"]["Pid"])
+    (agent,) = children(relay)
+    status = status_of(agent)
+    assert status["Uid"].split() == [CONTAINER_UID] * 4
+    assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+    assert status["NoNewPrivs"] == "1"
+    assert "ro" in root_mount(agent)
+    listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
+    assert (listed["boxed"].placement, listed["boxed"].runnable) == ("container", True)
+    assert listed["boxed"].relay_root == str(tmp_path / "data" / "relay-containers")
+
+    # a container that ended (stopped by hand here) is removed, and a new one started, at the next agent
+    await asyncio.to_thread(engine.stop_container, row["Id"], 0)
+    await eventually(lambda: not Path(f"/proc/{agent}").exists())
+    events = await client.chat(prompt="after its end", session_id=events[0].session_id)
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events).error
+    (replaced,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    assert replaced["Id"] != row["Id"]
+    (relay,) = children((await asyncio.to_thread(engine.inspect_container, replaced["Id"]) or {})["State"]["Pid"])
+    (agent,) = children(relay)
+
+    # the daemon's stop ends the agent through the relay and removes the container
+    await second.stop()
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+    await eventually(lambda: not Path(f"/proc/{agent}").exists())
+
+
+async def test_an_agent_past_its_containers_memory_limit_ends_its_turn_as_a_local_agents_cgroup_does(
+    make_daemon: DaemonFactory,
+    containers_removed: None,
+    engine: Engine,
+    image: str,
+    fake: FakeAgentSetup,
+    tmp_path: Path,
+) -> None:
+    """The scripted fake agent (its script bound read-only into the container, run by the image's
+    Python) allocates 1 GiB mid-turn under 256 MiB: the kernel ends it in its container, and the
+    turn ends as the same agent's does locally, at its own cgroup's limit."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")  # a folder of its own: it is given to the container's user
+    profiles = {
+        "fake": fake.profile(memory_max="256MiB"),
+        "boxed": boxed.profile(command=PYTHON, placement="container", memory_max="256MiB", pids_max=256),
+    }
+    _, client = await make_daemon(profiles, **settings_of(engine, image))
+    local = completed(await client.chat(prompt="hog 1024", agent="fake", project_id="local"))
+    events = await client.chat(prompt="hog 1024", agent="boxed", project_id="proj")
+    end = completed(events)
+    assert end.stop_reason == local.stop_reason == pb.STOP_REASON_ERROR
+    assert end.error_reason == local.error_reason == "AGENT_MEMORY_LIMIT", (end.error, local.error)
+    assert local.error.startswith("the agent was stopped: memory limit 256 MiB reached (memory_max of profile 'fake'")
+    assert end.error.startswith(
+        "the agent was stopped: memory limit 256 MiB of its relay's container reached (memory_max of profile 'boxed'"
+    ), end.error
+    assert "hog=" not in text_of(events)  # the kernel stopped it before it held 1 GiB
+    # the relay survived its agent: the session's next turn runs in the same container
+    (before,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    again = await client.chat(prompt="remember 2", session_id=events[0].session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+    assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [before["Id"]]
+
+
+@pytest.mark.fast
+def test_the_container_settings_default_to_the_image_of_this_version_and_a_usual_socket(tmp_path: Path) -> None:
+    config = tmp_path / "rcoder.toml"
+    config.write_text(f'[agents.x]\ncommand = "{PYTHON}"\nplacement = "container"\n')
+    settings = load_settings(config, {})
+    assert settings.agents["x"].placement == "container"
+    assert container_image(settings).startswith("localhost/rcoder:")
+    assert container_engine_socket(settings) in (Path("/run/podman/podman.sock"), Path("/var/run/docker.sock"))
+    config.write_text('[containers]\nengine_socket = "/run/e.sock"\nimage = "example/rcoder:1"\n')
+    settings = load_settings(config, {})
+    assert (container_engine_socket(settings), container_image(settings)) == (Path("/run/e.sock"), "example/rcoder:1")
+
+
+@pytest.mark.fast
+def test_the_hosts_network_is_refused_for_a_relays_container(tmp_path: Path) -> None:
+    error = config_error(tmp_path, '[containers]\nnetwork = "host"\n')
+    assert error.key == "containers.network"
+    assert 'never "host"' in str(error)
+
+
+async def test_an_engine_that_is_not_there_is_said_at_start_and_refuses_the_agent_naming_its_socket(
+    make_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    socket = tmp_path / "no-engine.sock"
+    profiles = {"boxed": echo_in_image(tmp_path / "echo")}
+    daemon, client = await make_daemon(profiles, container_engine_socket=str(socket), default_agent="boxed")
+    (unswept,) = daemon.logs("relay_containers_not_swept")
+    assert str(socket) in unswept["error"]
+    refused = await client.chat_error(prompt="hello", project_id="proj")
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(refused).reason == "CONTAINER_ENGINE_ERROR"
+    assert f"no container engine socket at {socket}" in (refused.details() or ""), refused.details()
+
+
+@pytest.mark.fast
+def test_a_container_profiles_command_is_the_images_by_absolute_path(tmp_path: Path) -> None:
+    config = tmp_path / "rcoder.toml"
+    config.write_text('[agents.x]\ncommand = "python3"\nplacement = "container"\n')
+    settings = load_settings(config, {})
+    readiness = readiness_of(settings, settings.agents["x"])
+    assert not readiness.runnable and "absolute path in the image" in readiness.not_runnable[0]
+    config.write_text(f'[agents.x]\ncommand = "{PYTHON}"\nplacement = "container"\n')  # not on this host
+    settings = load_settings(config, {})
+    readiness = readiness_of(settings, settings.agents["x"])
+    assert readiness.runnable and (readiness.placement, readiness.relay_root) == (
+        "container",
+        str(settings.data_dir / "relay-containers"),
+    )

@@ -35,6 +35,7 @@ from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.relay.host import HostRelays
+from rcoder.relay.workspace_client import RelayedWorkspaces
 from rcoder.session.files.project_files import ProjectFiles
 from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
@@ -162,7 +163,14 @@ class Daemon:
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
-        self.files = ProjectFiles(settings, self.store, self.live, checkpoints=self.checkpoints)  # docs/files.md
+        # a relayed project's files are its relay's (docs/relay.md#files-and-checkpoints)
+        self.workspaces = RelayedWorkspaces(
+            self.relays, settings.workspace_root, settings.max_file_bytes,
+            by_default=settings.agents[settings.default_agent].placement == "relay",
+        )  # fmt: skip
+        self.files = ProjectFiles(
+            settings, self.store, self.live, checkpoints=self.checkpoints, relayed=self.workspaces
+        )  # docs/files.md
         self.server = GrpcServer(
             AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,

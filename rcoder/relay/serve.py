@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups
+from rcoder.agent.files.threads import FileThreads
+from rcoder.agent.files.upload_journal import UploadJournal
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.tree import Trees
 from rcoder.data_lock import DataDirLock
@@ -30,6 +32,8 @@ from rcoder.relay.agents import Agents
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+from rcoder.relay.v1 import workspace_pb2_grpc as workspace_grpc
+from rcoder.relay.workspace_service import UPLOADS_FOLDER, RelayWorkspaceService, Workspaces
 
 log = get_logger("rcoder.relay")
 
@@ -112,6 +116,9 @@ async def serve(options: RelayOptions) -> int:
         ],
     )
     pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents), server)
+    # the projects' files and checkpoints, where they are (docs/relay.md#files-and-checkpoints)
+    workspaces = Workspaces(FileThreads(), UploadJournal(folder / UPLOADS_FOLDER))
+    workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces), server)
     socket_path = folder / SOCKET_FILE
     socket_path.unlink(missing_ok=True)
     if server.add_insecure_port(f"unix:{socket_path}") == 0:
@@ -140,6 +147,7 @@ async def serve(options: RelayOptions) -> int:
         log.info("relay_stopping", agents=len(agents.all()))
         await server.stop(grace=1.0)
         await agents.aclose()
+        workspaces.close()
         forget_instance(pid_dir, trees.instance)  # every process below the relay is ended
         await asyncio.to_thread(cgroups.close)
         socket_path.unlink(missing_ok=True)

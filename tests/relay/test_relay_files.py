@@ -1,0 +1,203 @@
+"""A relayed project's files and checkpoints (docs/relay.md#files-and-checkpoints): a real daemon
+whose default profile's placement is ``relay`` serves the file RPCs through the project's real
+``rcoder relay``, which does the work where the files are; its answers, refusals included, are
+those of a local project.
+
+That the daemon did not do the work itself is read in the relay's own log: the relay logs each
+call it serves (``relay_workspace_call``), and a daemon that did the work on its own disk would
+leave that log without them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory, exited
+from tests.harness import Client, FakeAgentSetup, error_info
+
+PROJECT = "proj"
+MIB = 1 << 20
+
+
+@pytest.fixture
+async def relays_ended(tmp_path: Path) -> AsyncIterator[None]:
+    """Whatever relay the test's daemons left (a daemon stops the relays it used; a failed test may
+    not get there): each one's group SIGKILLed after the test, and waited for."""
+    try:
+        yield
+    finally:
+        for pid in relay_pids(tmp_path / "data"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            await exited(pid)
+
+
+def relay_pids(data_dir: Path) -> list[int]:
+    pids = []
+    for lock in (data_dir / "relays").glob("*/daemon.lock"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = json.loads(lock.read_text()).get("pid")
+            if isinstance(pid, int) and Path(f"/proc/{pid}").exists():
+                pids.append(pid)
+    return pids
+
+
+def relay_calls(tmp_path: Path, project: str = PROJECT) -> dict[str, int]:
+    """How many calls of each kind the project's relay logged serving."""
+    counts: dict[str, int] = {}
+    log = tmp_path / "data" / "relays" / project / "relay.log"
+    for line in log.read_text().splitlines() if log.exists() else ():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if row.get("event") == "relay_workspace_call":
+                counts[row["call"]] = counts.get(row["call"], 0) + 1
+    return counts
+
+
+async def relayed_daemon(make_daemon: DaemonFactory, fake: FakeAgentSetup, **top: Any) -> tuple[Any, Client]:
+    return await make_daemon({"fake": fake.profile(placement="relay")}, **top)
+
+
+def project(tmp_path: Path) -> Path:
+    folder = tmp_path / "workspace" / PROJECT
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+async def refused(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    return caught.value
+
+
+def said(exc: grpc.aio.AioRpcError) -> tuple[str, str]:
+    return exc.code().name, error_info(exc).reason
+
+
+async def read_all(client: Client, path: str, **fields: Any) -> list[pb.FileChunk]:
+    async with asyncio.timeout(60):
+        request = pb.ReadFileRequest(project_id=PROJECT, path=path, **fields)
+        return [chunk async for chunk in client.stub.ReadFile(request)]
+
+
+async def write(client: Client, path: str, data: bytes, **head: Any) -> pb.WriteFileResponse:
+    pieces = [data[i : i + MIB] for i in range(0, len(data), MIB)] or [b""]
+    chunks = [pb.WriteFileChunk(project_id=PROJECT, path=path, data=pieces[0], **head)]
+    chunks += [pb.WriteFileChunk(data=p) for p in pieces[1:]]
+    async with asyncio.timeout(60):
+        answer: pb.WriteFileResponse = await client.stub.WriteFile(iter(chunks))
+    return answer
+
+
+async def listing(client: Client, path: str = "", **fields: Any) -> list[pb.FileEntry]:
+    entries, token = [], ""
+    while True:
+        request = pb.ListFilesRequest(project_id=PROJECT, path=path, page_token=token, **fields)
+        page = await client.stub.ListFiles(request)
+        entries += page.entries
+        if not (token := page.next_page_token):
+            return entries
+
+
+async def test_the_file_rpcs_of_a_relayed_project_are_done_by_its_relay(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: None
+) -> None:
+    root = project(tmp_path)
+    (root / "old.txt").write_bytes(b"old\n")
+    daemon, client = await relayed_daemon(make_daemon, fake)
+    stub = client.stub
+
+    data = os.urandom(2 * MIB + 5)  # three chunks each way
+    written = await write(client, "src/deep/blob.bin", data, mode=0o600)
+    assert (written.size, written.sha256, written.mode) == (len(data), hashlib.sha256(data).hexdigest(), 0o600)
+    assert (root / "src" / "deep" / "blob.bin").read_bytes() == data
+    chunks = await read_all(client, "src/deep/blob.bin")
+    assert b"".join(c.data for c in chunks) == data and len(chunks) == 3
+    assert (chunks[0].size, chunks[0].sha256, chunks[0].mode) == (len(data), written.sha256, 0o600)
+    ranged = await read_all(client, "src/deep/blob.bin", offset=MIB + 1, limit=10)
+    assert b"".join(c.data for c in ranged) == data[MIB + 1 : MIB + 11] and ranged[0].offset == MIB + 1
+
+    # compare-and-swap, as locally: a stale base is refused, the right one wins
+    exc = await refused(write(client, "old.txt", b"new\n", if_sha256=hashlib.sha256(b"other").hexdigest()))
+    assert said(exc) == ("ABORTED", "SHA256_MISMATCH")
+    assert error_info(exc).metadata["current_sha256"] == hashlib.sha256(b"old\n").hexdigest()
+    await write(client, "old.txt", b"new\n", if_sha256=hashlib.sha256(b"old\n").hexdigest())
+    assert (root / "old.txt").read_bytes() == b"new\n"
+
+    entries = {e.path: e.kind for e in await listing(client, recursive=True, page_size=2)}
+    assert entries == {"old.txt": pb.FILE_KIND_FILE, "src": pb.FILE_KIND_DIR, "src/deep": pb.FILE_KIND_DIR,
+                       "src/deep/blob.bin": pb.FILE_KIND_FILE}  # fmt: skip
+
+    gone = await stub.DeleteFile(pb.DeleteFileRequest(project_id=PROJECT, path="src", recursive=True))
+    assert gone.kind == pb.FILE_KIND_DIR and not (root / "src").exists()
+    exc = await refused(read_all(client, "src/deep/blob.bin"))
+    assert said(exc) == ("NOT_FOUND", "FILE_NOT_FOUND")
+
+    # the relay did each of them, started by the daemon for the files (no agent ever ran)
+    calls = relay_calls(tmp_path)
+    assert calls.get("WriteFile") == 3 and calls.get("ReadFile") == 3 and calls.get("DeleteFile") == 1
+    assert calls.get("ListFiles", 0) >= 2, calls
+    assert daemon.logs("relay_started") and not daemon.logs("agent_spawned")
+
+
+async def test_a_relayed_project_refuses_links_out_and_bounds_as_a_local_one(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: None
+) -> None:
+    root = project(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_bytes(b"not yours\n")
+    os.symlink(outside / "secret.txt", root / "secret-link")  # a file out of the project
+    os.symlink("../../outside", root / "dir-link")  # a folder out of it, by a relative target
+    (root / "src").mkdir()
+    (root / "src" / "a.txt").write_bytes(b"inside\n")
+    os.symlink("../src", root / "src" / "self")  # stays inside: followed
+    (root / "big.bin").write_bytes(b"z" * (MIB + 1))
+    _, client = await relayed_daemon(make_daemon, fake, max_file_bytes="1MiB")
+    stub = client.stub
+
+    for path in ("secret-link", "dir-link/secret.txt"):
+        exc = await refused(read_all(client, path))
+        assert said(exc) == ("FAILED_PRECONDITION", "LINK_LEADS_OUT"), path
+        assert error_info(exc).metadata["path"] == path
+        assert "leads out of the project through a link" in (exc.details() or "")
+    assert b"".join(c.data for c in await read_all(client, "src/self/self/a.txt")) == b"inside\n"
+    for path in ("dir-link/new.txt", "dir-link/deeper/new.txt", "dir-link/secret.txt"):
+        exc = await refused(write(client, path, b"pwned\n"))
+        assert said(exc) == ("FAILED_PRECONDITION", "LINK_LEADS_OUT"), path
+        exc = await refused(stub.DeleteFile(pb.DeleteFileRequest(project_id=PROJECT, path=path)))
+        assert said(exc) == ("FAILED_PRECONDITION", "LINK_LEADS_OUT"), path
+    exc = await refused(write(client, "secret-link", b"pwned\n"))
+    assert said(exc) == ("FAILED_PRECONDITION", "PATH_IS_LINK")
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_bytes() == b"not yours\n"
+    # a link's own delete removes the link, never what it points to
+    gone = await stub.DeleteFile(pb.DeleteFileRequest(project_id=PROJECT, path="dir-link", recursive=True))
+    assert gone.kind == pb.FILE_KIND_SYMLINK and (outside / "secret.txt").exists()
+
+    # the daemon's limits.max_file_bytes, applied by the relay both ways, leaving nothing
+    exc = await refused(read_all(client, "big.bin"))
+    assert said(exc) == ("RESOURCE_EXHAUSTED", "FILE_TOO_LARGE") and "max_file_bytes" in (exc.details() or "")
+    exc = await refused(write(client, "upload.bin", b"y" * (MIB + 1)))
+    assert said(exc) == ("RESOURCE_EXHAUSTED", "FILE_TOO_LARGE")
+    assert not (root / "upload.bin").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".rcoder-upload-")]
+    # a bad path and a missing project are said as locally
+    exc = await refused(read_all(client, "../escape.txt"))
+    assert said(exc) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT")
+    exc = await refused(stub.ListFiles(pb.ListFilesRequest(project_id="nowhere")))
+    assert said(exc) == ("NOT_FOUND", "PROJECT_NOT_FOUND")
+
+    calls = relay_calls(tmp_path)
+    assert calls.get("ReadFile", 0) >= 4 and calls.get("WriteFile", 0) >= 5 and calls.get("DeleteFile", 0) >= 4

@@ -33,7 +33,7 @@ from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 from rcoder.relay.v1 import workspace_pb2_grpc as workspace_grpc
-from rcoder.relay.workspace_service import UPLOADS_FOLDER, RelayWorkspaceService, Workspaces
+from rcoder.relay.workspace_service import UPLOADS_FOLDER, CheckpointStores, RelayWorkspaceService, Workspaces
 
 log = get_logger("rcoder.relay")
 
@@ -118,7 +118,8 @@ async def serve(options: RelayOptions) -> int:
     pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents), server)
     # the projects' files and checkpoints, where they are (docs/relay.md#files-and-checkpoints)
     workspaces = Workspaces(FileThreads(), UploadJournal(folder / UPLOADS_FOLDER))
-    workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces), server)
+    stores = CheckpointStores(folder, trees)
+    workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces, stores), server)
     socket_path = folder / SOCKET_FILE
     socket_path.unlink(missing_ok=True)
     if server.add_insecure_port(f"unix:{socket_path}") == 0:

@@ -12,10 +12,10 @@ what it sees for a local project; a relay that cannot be reached is ``RelayUnava
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,12 +25,18 @@ from grpc_status import rpc_status
 from rcoder import errors
 from rcoder.agent.files.blocking import Cursor, Entry, EntryKind, Listing
 from rcoder.agent.files.disk import Chunk, FileHead, WriteHead, Written
+from rcoder.domain import FileChange
 from rcoder.logs import get_logger
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
+from rcoder.relay.workspace_service import change_message, change_of
+from rcoder.store.git_process import GIT_TIMEOUT, GitResult
+from rcoder.store.unstored import Bounds
 
 log = get_logger("rcoder.relay.workspace_client")
 CALL_TIMEOUT = 60.0  # a unary call's bound (a listing's page, a delete); streams are bounded by their use
+GIT_CALL_TIMEOUT = GIT_TIMEOUT + 30.0  # a checkpoint step: git's own bound in the relay, and the way there
+T = TypeVar("T")
 Metadata = tuple[tuple[str, str], ...]
 
 # each status code a relay sends, as the error class the daemon's own table gives that code
@@ -226,3 +232,101 @@ class RelayedWorkspaces:
             return None
         channel, metadata = found
         return WorkspaceClient(channel, metadata, self._root, self._max_bytes)
+
+    async def checkpoints(self, project_id: str, work_tree: str, bounds: Bounds) -> CheckpointClient:
+        """The project's checkpoint store in its relay (started when none lives): a relayed
+        project's snapshots are taken where its files are, whatever asks."""
+        try:
+            found = await self._relays.channel_of(project_id, True)
+        except errors.AgentUnavailable as exc:
+            raise errors.RelayUnavailable(exc.summary, project_id=project_id) from exc
+        assert found is not None  # started when none lives
+        channel, metadata = found
+        project = pb.Project(workspace_root=str(self._root), project_id=project_id)
+        store = pb.CheckpointStore(project=project, work_tree=work_tree or str(self._root / project_id),
+                                   max_file_bytes=bounds.max_file_bytes, max_snapshot_bytes=bounds.max_snapshot_bytes,
+                                   max_store_bytes=bounds.max_store_bytes)  # fmt: skip
+        return CheckpointClient(channel, metadata, store)
+
+
+class CheckpointClient:
+    """A relayed project's checkpoint store, in its relay (``rcoder.relay.workspace_service``):
+    the steps of ``rcoder.store.checkpoint_repo.CheckpointRepo`` the daemon's checkpoints take,
+    each a call (``rcoder.session.turns.checkpoints.Repo``). ``work_tree`` is the project's
+    folder on the relay's side, never opened here."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: Metadata, store: pb.CheckpointStore) -> None:
+        self._stub = pb_grpc.RelayWorkspaceServiceStub(channel)
+        self._metadata = metadata
+        self._store = store
+        self.work_tree = Path(store.work_tree)
+        self._patterns: tuple[str, ...] | None = None
+
+    @property
+    def project_id(self) -> str:
+        return self._store.project.project_id
+
+    @property
+    def patterns(self) -> tuple[str, ...] | None:
+        """The exclude patterns of the last snapshot taken through this client (None: none yet)."""
+        return self._patterns
+
+    def kept(self, commit: str) -> bool:
+        """Never known here without a call: the caller asks ``resolve`` (one call) instead."""
+        return False
+
+    async def _call(self, method: Callable[..., Awaitable[T]], request: object, timeout: float = GIT_CALL_TIMEOUT) -> T:
+        try:
+            return await method(request, metadata=self._metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_of(exc, self.project_id) from None
+
+    async def snapshot(self, patterns: Sequence[str], message: str, capped: bool = True) -> str:
+        request = pb.SnapshotRequest(store=self._store, patterns=list(patterns), message=message, capped=capped)
+        answer = await self._call(self._stub.Snapshot, request)
+        self._patterns = tuple(patterns)
+        return str(answer.commit)
+
+    async def keep(self, commit: str) -> None:
+        await self._call(self._stub.KeepCommit, pb.KeepCommitRequest(store=self._store, commit=commit))
+
+    async def keep_existing(self, commit: str) -> None:
+        await self._call(self._stub.KeepCommit, pb.KeepCommitRequest(store=self._store, commit=commit, existing=True))
+
+    async def resolve(self, ref: str) -> str | None:
+        answer = await self._call(self._stub.ResolveCommit, pb.ResolveCommitRequest(store=self._store, ref=ref))
+        return str(answer.commit) or None
+
+    async def refs(self, prefix: str) -> dict[str, int]:
+        answer = await self._call(self._stub.ListRefs, pb.ListRefsRequest(store=self._store, prefix=prefix))
+        return dict(answer.refs)
+
+    async def delete_refs(self, names: Sequence[str]) -> None:
+        if names:
+            await self._call(self._stub.DeleteRefs, pb.DeleteRefsRequest(store=self._store, names=list(names)))
+
+    async def changes(
+        self, before: str, after: str, path: str = "", listed_only: bool = True
+    ) -> tuple[FileChange, ...]:
+        if before == after:
+            return ()
+        request = pb.ListChangesRequest(store=self._store, before=before, after=after, path=path,
+                                        listed_only=listed_only)  # fmt: skip
+        answer = await self._call(self._stub.ListChanges, request)
+        return tuple(change_of(c) for c in answer.changes)
+
+    async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult:
+        request = pb.DiffRequest(store=self._store, before=before, after=after, path=path, limit=limit)
+        answer = await self._call(self._stub.Diff, request)
+        return GitResult(answer.diff, answer.truncated)
+
+    async def restore(self, commit: str) -> list[FileChange]:
+        answer = await self._call(self._stub.Restore, pb.RestoreRequest(store=self._store, commit=commit))
+        return [change_of(c) for c in answer.not_restored]
+
+    async def give_back(self, changes: Sequence[FileChange]) -> None:
+        request = pb.GiveBackRequest(store=self._store, changes=[change_message(c) for c in changes])
+        await self._call(self._stub.GiveBack, request)
+
+    async def remove_store(self) -> None:
+        await self._call(self._stub.RemoveStore, pb.RemoveStoreRequest(store=self._store))

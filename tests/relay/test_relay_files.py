@@ -1,7 +1,7 @@
 """A relayed project's files and checkpoints (docs/relay.md#files-and-checkpoints): a real daemon
-whose default profile's placement is ``relay`` serves the file RPCs through the project's real
-``rcoder relay``, which does the work where the files are; its answers, refusals included, are
-those of a local project.
+whose default profile's placement is ``relay`` serves the file RPCs, a turn's snapshots,
+GetRunChanges and RewindSession through the project's real ``rcoder relay``, which does the work
+where the files are; its answers, refusals included, are those of a local project.
 
 That the daemon did not do the work itself is read in the relay's own log: the relay logs each
 call it serves (``relay_workspace_call``), and a daemon that did the work on its own disk would
@@ -23,8 +23,10 @@ import grpc
 import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
+from rcoder.v1.agent_runner_pb2 import FileChangeKind as K
 from tests.conftest import DaemonFactory, exited
-from tests.harness import Client, FakeAgentSetup, error_info
+from tests.harness import Client, FakeAgentSetup, completed, error_info
+from tests.turns import read_until, rest_of, start_turn
 
 PROJECT = "proj"
 MIB = 1 << 20
@@ -201,3 +203,61 @@ async def test_a_relayed_project_refuses_links_out_and_bounds_as_a_local_one(
 
     calls = relay_calls(tmp_path)
     assert calls.get("ReadFile", 0) >= 4 and calls.get("WriteFile", 0) >= 5 and calls.get("DeleteFile", 0) >= 4
+
+
+async def test_a_relayed_turns_changes_are_snapshotted_listed_and_rewound_by_its_relay(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: None
+) -> None:
+    root = project(tmp_path)
+    (root / "edit.txt").write_bytes(b"old line\n")
+    (root / "gone.txt").write_bytes(b"to be removed\n")
+    _, client = await relayed_daemon(make_daemon, fake)
+    turn = "\n".join(("shell echo brand new > added.txt", "shell echo new line > edit.txt", "shell rm gone.txt",
+                      "hello"))  # fmt: skip
+
+    events = await client.chat(prompt=turn, project_id=PROJECT)
+    end = completed(events)
+    run_id, session_id = events[0].run_id, events[0].session_id
+    kinds = {c.path: c.kind for c in end.changes}
+    assert kinds == {"added.txt": K.FILE_CHANGE_KIND_ADDED, "edit.txt": K.FILE_CHANGE_KIND_MODIFIED,
+                     "gone.txt": K.FILE_CHANGE_KIND_DELETED}, end.changes  # fmt: skip
+    whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
+    assert {c.path for c in whole.changes} == set(kinds)
+    for line in ("+brand new", "-old line", "+new line", "-to be removed"):
+        assert line in whole.diff, line
+    one = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id, path="edit.txt"))
+    assert [c.path for c in one.changes] == ["edit.txt"] and "gone.txt" not in one.diff
+
+    rewound = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
+    assert {c.path for c in rewound.changes} == set(kinds)
+    assert sorted(p.name for p in root.iterdir()) == ["edit.txt", "gone.txt"]
+    assert (root / "edit.txt").read_bytes() == b"old line\n" and (root / "gone.txt").read_bytes() == b"to be removed\n"
+
+    # the store is the relay's, in its folder; the daemon made none of its own
+    assert (tmp_path / "data" / "relays" / PROJECT / "checkpoints" / f"{PROJECT}.git" / "HEAD").is_file()
+    assert not (tmp_path / "data" / "checkpoints" / f"{PROJECT}.git").exists()
+    calls = relay_calls(tmp_path)
+    assert calls.get("Snapshot", 0) >= 4, calls  # before and after the turn, before and after the rewind
+    assert calls.get("ListChanges", 0) >= 2 and calls.get("Diff", 0) == 2 and calls.get("Restore") == 1, calls
+
+
+async def test_a_write_while_a_turn_runs_in_a_relayed_project_is_refused_unless_while_busy(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: None
+) -> None:
+    root = project(tmp_path)
+    (root / "notes.txt").write_bytes(b"before\n")
+    _, client = await relayed_daemon(make_daemon, fake)
+    call, begin = await start_turn(client, project_id=PROJECT, prompt="hang")
+
+    exc = await refused(write(client, "notes.txt", b"during\n"))
+    assert said(exc) == ("FAILED_PRECONDITION", "PROJECT_BUSY") and error_info(exc).metadata["run_id"] == begin.run_id
+    exc = await refused(client.stub.DeleteFile(pb.DeleteFileRequest(project_id=PROJECT, path="notes.txt")))
+    assert said(exc) == ("FAILED_PRECONDITION", "PROJECT_BUSY")
+    assert (root / "notes.txt").read_bytes() == b"before\n"
+    assert (await write(client, "notes.txt", b"during\n", while_busy=True)).size == 7
+    assert (root / "notes.txt").read_bytes() == b"during\n"
+    assert relay_calls(tmp_path).get("WriteFile") == 1  # the refused ones never reached the relay
+
+    await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
+    await read_until(call, "completed")
+    await rest_of(call)

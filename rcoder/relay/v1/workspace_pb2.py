@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frcoder/relay/v1/workspace.proto\x12\x0frcoder.relay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"]\n\x07Project\x12\x16\n\x0eworkspace_root\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x16\n\x0emax_file_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x63\x61ller\x18\x04 \x01(\t\",\n\x06\x43ursor\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x0f\n\x07\x65ntered\x18\x02 \x03(\t\"\x7f\n\x05\x45ntry\x12\x0c\n\x04path\x18\x01 \x03(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12)\n\x05mtime\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blink_target\x18\x06 \x01(\t\"\x96\x01\n\x10ListFilesRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x11\n\trecursive\x18\x03 \x01(\x08\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\'\n\x06\x63ursor\x18\x05 \x01(\x0b\x32\x17.rcoder.relay.v1.Cursor\"u\n\x11ListFilesResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.rcoder.relay.v1.Entry\x12%\n\x04next\x18\x02 \x01(\x0b\x32\x17.rcoder.relay.v1.Cursor\x12\x10\n\x08unlisted\x18\x03 \x01(\x03\"J\n\x0fStatFileRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\"9\n\x10StatFileResponse\x12%\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Entry\"i\n\x0fReadFileRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\x03\"\x99\x01\n\x10ReadFileResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x10\n\x08has_head\x18\x03 \x01(\x08\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\r\x12)\n\x05mtime\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06sha256\x18\x07 \x01(\t\"e\n\tWriteHead\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x11\n\tif_sha256\x18\x04 \x01(\t\"Y\n\x10WriteFileRequest\x12*\n\x04head\x18\x01 \x01(\x0b\x32\x1a.rcoder.relay.v1.WriteHeadH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07message\"?\n\x11WriteFileResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04mode\x18\x03 \x01(\r\"_\n\x11\x44\x65leteFileRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x11\n\trecursive\x18\x03 \x01(\x08\"\"\n\x12\x44\x65leteFileResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t2\xbc\x03\n\x15RelayWorkspaceService\x12R\n\tListFiles\x12!.rcoder.relay.v1.ListFilesRequest\x1a\".rcoder.relay.v1.ListFilesResponse\x12O\n\x08StatFile\x12 .rcoder.relay.v1.StatFileRequest\x1a!.rcoder.relay.v1.StatFileResponse\x12Q\n\x08ReadFile\x12 .rcoder.relay.v1.ReadFileRequest\x1a!.rcoder.relay.v1.ReadFileResponse0\x01\x12T\n\tWriteFile\x12!.rcoder.relay.v1.WriteFileRequest\x1a\".rcoder.relay.v1.WriteFileResponse(\x01\x12U\n\nDeleteFile\x12\".rcoder.relay.v1.DeleteFileRequest\x1a#.rcoder.relay.v1.DeleteFileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frcoder/relay/v1/workspace.proto\x12\x0frcoder.relay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"]\n\x07Project\x12\x16\n\x0eworkspace_root\x18\x01 \x01(\t\x12\x12\n\nproject_id\x18\x02 \x01(\t\x12\x16\n\x0emax_file_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06\x63\x61ller\x18\x04 \x01(\t\",\n\x06\x43ursor\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x0f\n\x07\x65ntered\x18\x02 \x03(\t\"\x7f\n\x05\x45ntry\x12\x0c\n\x04path\x18\x01 \x03(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12)\n\x05mtime\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blink_target\x18\x06 \x01(\t\"\x96\x01\n\x10ListFilesRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x11\n\trecursive\x18\x03 \x01(\x08\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\'\n\x06\x63ursor\x18\x05 \x01(\x0b\x32\x17.rcoder.relay.v1.Cursor\"u\n\x11ListFilesResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.rcoder.relay.v1.Entry\x12%\n\x04next\x18\x02 \x01(\x0b\x32\x17.rcoder.relay.v1.Cursor\x12\x10\n\x08unlisted\x18\x03 \x01(\x03\"J\n\x0fStatFileRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\"9\n\x10StatFileResponse\x12%\n\x05\x65ntry\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Entry\"i\n\x0fReadFileRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\x03\"\x99\x01\n\x10ReadFileResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x10\n\x08has_head\x18\x03 \x01(\x08\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\r\x12)\n\x05mtime\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06sha256\x18\x07 \x01(\t\"e\n\tWriteHead\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x0c\n\x04mode\x18\x03 \x01(\r\x12\x11\n\tif_sha256\x18\x04 \x01(\t\"Y\n\x10WriteFileRequest\x12*\n\x04head\x18\x01 \x01(\x0b\x32\x1a.rcoder.relay.v1.WriteHeadH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07message\"?\n\x11WriteFileResponse\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04mode\x18\x03 \x01(\r\"_\n\x11\x44\x65leteFileRequest\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x0c\n\x04path\x18\x02 \x03(\t\x12\x11\n\trecursive\x18\x03 \x01(\x08\"\"\n\x12\x44\x65leteFileResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\"\x9c\x01\n\x0f\x43heckpointStore\x12)\n\x07project\x18\x01 \x01(\x0b\x32\x18.rcoder.relay.v1.Project\x12\x11\n\twork_tree\x18\x02 \x01(\t\x12\x16\n\x0emax_file_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12max_snapshot_bytes\x18\x04 \x01(\x03\x12\x17\n\x0fmax_store_bytes\x18\x05 \x01(\x03\"\x98\x01\n\nFileChange\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08old_path\x18\x03 \x01(\t\x12\x13\n\x0blines_added\x18\x04 \x01(\x03\x12\x15\n\rlines_removed\x18\x05 \x01(\x03\x12\x0e\n\x06\x62inary\x18\x06 \x01(\x08\x12\x0c\n\x04size\x18\x07 \x01(\x03\x12\x12\n\nnot_stored\x18\x08 \x01(\t\"u\n\x0fSnapshotRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x10\n\x08patterns\x18\x02 \x03(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06\x63\x61pped\x18\x04 \x01(\x08\"\"\n\x10SnapshotResponse\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\t\"T\n\x14ResolveCommitRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x0b\n\x03ref\x18\x02 \x01(\t\"\'\n\x15ResolveCommitResponse\x12\x0e\n\x06\x63ommit\x18\x01 \x01(\t\"f\n\x11KeepCommitRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\x12\x10\n\x08\x65xisting\x18\x03 \x01(\x08\"\x14\n\x12KeepCommitResponse\"R\n\x0fListRefsRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x0e\n\x06prefix\x18\x02 \x01(\t\"z\n\x10ListRefsResponse\x12\x39\n\x04refs\x18\x01 \x03(\x0b\x32+.rcoder.relay.v1.ListRefsResponse.RefsEntry\x1a+\n\tRefsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"S\n\x11\x44\x65leteRefsRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\r\n\x05names\x18\x02 \x03(\t\"\x14\n\x12\x44\x65leteRefsResponse\"\x87\x01\n\x12ListChangesRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x0e\n\x06\x62\x65\x66ore\x18\x02 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x13\n\x0blisted_only\x18\x05 \x01(\x08\"C\n\x13ListChangesResponse\x12,\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x1b.rcoder.relay.v1.FileChange\"z\n\x0b\x44iffRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x0e\n\x06\x62\x65\x66ore\x18\x02 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\r\n\x05limit\x18\x05 \x01(\x03\"/\n\x0c\x44iffResponse\x12\x0c\n\x04\x64iff\x18\x01 \x01(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"Q\n\x0eRestoreRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\"D\n\x0fRestoreResponse\x12\x31\n\x0cnot_restored\x18\x01 \x03(\x0b\x32\x1b.rcoder.relay.v1.FileChange\"p\n\x0fGiveBackRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\x12,\n\x07\x63hanges\x18\x02 \x03(\x0b\x32\x1b.rcoder.relay.v1.FileChange\"\x12\n\x10GiveBackResponse\"E\n\x12RemoveStoreRequest\x12/\n\x05store\x18\x01 \x01(\x0b\x32 .rcoder.relay.v1.CheckpointStore\"\x15\n\x13RemoveStoreResponse2\x84\n\n\x15RelayWorkspaceService\x12R\n\tListFiles\x12!.rcoder.relay.v1.ListFilesRequest\x1a\".rcoder.relay.v1.ListFilesResponse\x12O\n\x08StatFile\x12 .rcoder.relay.v1.StatFileRequest\x1a!.rcoder.relay.v1.StatFileResponse\x12Q\n\x08ReadFile\x12 .rcoder.relay.v1.ReadFileRequest\x1a!.rcoder.relay.v1.ReadFileResponse0\x01\x12T\n\tWriteFile\x12!.rcoder.relay.v1.WriteFileRequest\x1a\".rcoder.relay.v1.WriteFileResponse(\x01\x12U\n\nDeleteFile\x12\".rcoder.relay.v1.DeleteFileRequest\x1a#.rcoder.relay.v1.DeleteFileResponse\x12O\n\x08Snapshot\x12 .rcoder.relay.v1.SnapshotRequest\x1a!.rcoder.relay.v1.SnapshotResponse\x12^\n\rResolveCommit\x12%.rcoder.relay.v1.ResolveCommitRequest\x1a&.rcoder.relay.v1.ResolveCommitResponse\x12U\n\nKeepCommit\x12\".rcoder.relay.v1.KeepCommitRequest\x1a#.rcoder.relay.v1.KeepCommitResponse\x12O\n\x08ListRefs\x12 .rcoder.relay.v1.ListRefsRequest\x1a!.rcoder.relay.v1.ListRefsResponse\x12U\n\nDeleteRefs\x12\".rcoder.relay.v1.DeleteRefsRequest\x1a#.rcoder.relay.v1.DeleteRefsResponse\x12X\n\x0bListChanges\x12#.rcoder.relay.v1.ListChangesRequest\x1a$.rcoder.relay.v1.ListChangesResponse\x12\x43\n\x04\x44iff\x12\x1c.rcoder.relay.v1.DiffRequest\x1a\x1d.rcoder.relay.v1.DiffResponse\x12L\n\x07Restore\x12\x1f.rcoder.relay.v1.RestoreRequest\x1a .rcoder.relay.v1.RestoreResponse\x12O\n\x08GiveBack\x12 .rcoder.relay.v1.GiveBackRequest\x1a!.rcoder.relay.v1.GiveBackResponse\x12X\n\x0bRemoveStore\x12#.rcoder.relay.v1.RemoveStoreRequest\x1a$.rcoder.relay.v1.RemoveStoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rcoder.relay.v1.workspace_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_LISTREFSRESPONSE_REFSENTRY']._loaded_options = None
+  _globals['_LISTREFSRESPONSE_REFSENTRY']._serialized_options = b'8\001'
   _globals['_PROJECT']._serialized_start=85
   _globals['_PROJECT']._serialized_end=178
   _globals['_CURSOR']._serialized_start=180
@@ -60,6 +62,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETEFILEREQUEST']._serialized_end=1379
   _globals['_DELETEFILERESPONSE']._serialized_start=1381
   _globals['_DELETEFILERESPONSE']._serialized_end=1415
-  _globals['_RELAYWORKSPACESERVICE']._serialized_start=1418
-  _globals['_RELAYWORKSPACESERVICE']._serialized_end=1862
+  _globals['_CHECKPOINTSTORE']._serialized_start=1418
+  _globals['_CHECKPOINTSTORE']._serialized_end=1574
+  _globals['_FILECHANGE']._serialized_start=1577
+  _globals['_FILECHANGE']._serialized_end=1729
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1731
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1848
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=1850
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=1884
+  _globals['_RESOLVECOMMITREQUEST']._serialized_start=1886
+  _globals['_RESOLVECOMMITREQUEST']._serialized_end=1970
+  _globals['_RESOLVECOMMITRESPONSE']._serialized_start=1972
+  _globals['_RESOLVECOMMITRESPONSE']._serialized_end=2011
+  _globals['_KEEPCOMMITREQUEST']._serialized_start=2013
+  _globals['_KEEPCOMMITREQUEST']._serialized_end=2115
+  _globals['_KEEPCOMMITRESPONSE']._serialized_start=2117
+  _globals['_KEEPCOMMITRESPONSE']._serialized_end=2137
+  _globals['_LISTREFSREQUEST']._serialized_start=2139
+  _globals['_LISTREFSREQUEST']._serialized_end=2221
+  _globals['_LISTREFSRESPONSE']._serialized_start=2223
+  _globals['_LISTREFSRESPONSE']._serialized_end=2345
+  _globals['_LISTREFSRESPONSE_REFSENTRY']._serialized_start=2302
+  _globals['_LISTREFSRESPONSE_REFSENTRY']._serialized_end=2345
+  _globals['_DELETEREFSREQUEST']._serialized_start=2347
+  _globals['_DELETEREFSREQUEST']._serialized_end=2430
+  _globals['_DELETEREFSRESPONSE']._serialized_start=2432
+  _globals['_DELETEREFSRESPONSE']._serialized_end=2452
+  _globals['_LISTCHANGESREQUEST']._serialized_start=2455
+  _globals['_LISTCHANGESREQUEST']._serialized_end=2590
+  _globals['_LISTCHANGESRESPONSE']._serialized_start=2592
+  _globals['_LISTCHANGESRESPONSE']._serialized_end=2659
+  _globals['_DIFFREQUEST']._serialized_start=2661
+  _globals['_DIFFREQUEST']._serialized_end=2783
+  _globals['_DIFFRESPONSE']._serialized_start=2785
+  _globals['_DIFFRESPONSE']._serialized_end=2832
+  _globals['_RESTOREREQUEST']._serialized_start=2834
+  _globals['_RESTOREREQUEST']._serialized_end=2915
+  _globals['_RESTORERESPONSE']._serialized_start=2917
+  _globals['_RESTORERESPONSE']._serialized_end=2985
+  _globals['_GIVEBACKREQUEST']._serialized_start=2987
+  _globals['_GIVEBACKREQUEST']._serialized_end=3099
+  _globals['_GIVEBACKRESPONSE']._serialized_start=3101
+  _globals['_GIVEBACKRESPONSE']._serialized_end=3119
+  _globals['_REMOVESTOREREQUEST']._serialized_start=3121
+  _globals['_REMOVESTOREREQUEST']._serialized_end=3190
+  _globals['_REMOVESTORERESPONSE']._serialized_start=3192
+  _globals['_REMOVESTORERESPONSE']._serialized_end=3213
+  _globals['_RELAYWORKSPACESERVICE']._serialized_start=3216
+  _globals['_RELAYWORKSPACESERVICE']._serialized_end=4500
 # @@protoc_insertion_point(module_scope)

@@ -512,3 +512,641 @@ class DeleteFileResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteFileResponse: _TypeAlias = DeleteFileResponse  # noqa: Y015
+
+@_typing.final
+class CheckpointStore(_message.Message):
+    """A project's checkpoint store in the relay: which project, and the daemon's bounds on it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_FIELD_NUMBER: _builtins.int
+    WORK_TREE_FIELD_NUMBER: _builtins.int
+    MAX_FILE_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_SNAPSHOT_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_STORE_BYTES_FIELD_NUMBER: _builtins.int
+    work_tree: _builtins.str
+    """The folder snapshotted, absolute, on the relay's side (the session's cwd)."""
+    max_file_bytes: _builtins.int
+    """The largest file a snapshot stores (checkpoints.max_file_bytes)."""
+    max_snapshot_bytes: _builtins.int
+    """The most a snapshot stores (checkpoints.max_snapshot_bytes)."""
+    max_store_bytes: _builtins.int
+    """The most the store holds before a capped snapshot is refused (checkpoints.store_max_bytes)."""
+    @_builtins.property
+    def project(self) -> Global___Project:
+        """The project (its checkpoint store is named after project_id)."""
+
+    def __init__(
+        self,
+        *,
+        project: Global___Project | None = ...,
+        work_tree: _builtins.str = ...,
+        max_file_bytes: _builtins.int = ...,
+        max_snapshot_bytes: _builtins.int = ...,
+        max_store_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["project", b"project"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_file_bytes", b"max_file_bytes", "max_snapshot_bytes", b"max_snapshot_bytes", "max_store_bytes", b"max_store_bytes", "project", b"project", "work_tree", b"work_tree"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointStore: _TypeAlias = CheckpointStore  # noqa: Y015
+
+@_typing.final
+class FileChange(_message.Message):
+    """One file changed between two snapshots."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    OLD_PATH_FIELD_NUMBER: _builtins.int
+    LINES_ADDED_FIELD_NUMBER: _builtins.int
+    LINES_REMOVED_FIELD_NUMBER: _builtins.int
+    BINARY_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    NOT_STORED_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Its path in the project."""
+    kind: _builtins.str
+    """"added", "modified", "deleted", "renamed" or "mode_changed"."""
+    old_path: _builtins.str
+    """Where a renamed file was."""
+    lines_added: _builtins.int
+    """Lines added."""
+    lines_removed: _builtins.int
+    """Lines removed."""
+    binary: _builtins.bool
+    """No lines counted: git found it binary."""
+    size: _builtins.int
+    """A file not stored: its length."""
+    not_stored: _builtins.str
+    """Why it is not stored ("": it is)."""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        old_path: _builtins.str = ...,
+        lines_added: _builtins.int = ...,
+        lines_removed: _builtins.int = ...,
+        binary: _builtins.bool = ...,
+        size: _builtins.int = ...,
+        not_stored: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["binary", b"binary", "kind", b"kind", "lines_added", b"lines_added", "lines_removed", b"lines_removed", "not_stored", b"not_stored", "old_path", b"old_path", "path", b"path", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileChange: _TypeAlias = FileChange  # noqa: Y015
+
+@_typing.final
+class SnapshotRequest(_message.Message):
+    """Snapshot: the project's files as a commit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    PATTERNS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    CAPPED_FIELD_NUMBER: _builtins.int
+    message: _builtins.str
+    """The commit's message."""
+    capped: _builtins.bool
+    """Refused when the store holds max_store_bytes already."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    @_builtins.property
+    def patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Path patterns left out (the profile's checkpoint_exclude)."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        patterns: _abc.Iterable[_builtins.str] | None = ...,
+        message: _builtins.str = ...,
+        capped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capped", b"capped", "message", b"message", "patterns", b"patterns", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotRequest: _TypeAlias = SnapshotRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotResponse(_message.Message):
+    """Snapshot's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMIT_FIELD_NUMBER: _builtins.int
+    commit: _builtins.str
+    """The commit."""
+    def __init__(
+        self,
+        *,
+        commit: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotResponse: _TypeAlias = SnapshotResponse  # noqa: Y015
+
+@_typing.final
+class ResolveCommitRequest(_message.Message):
+    """ResolveCommit: what a ref names."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    REF_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    """A ref or an object name."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        ref: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveCommitRequest: _TypeAlias = ResolveCommitRequest  # noqa: Y015
+
+@_typing.final
+class ResolveCommitResponse(_message.Message):
+    """ResolveCommit's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMIT_FIELD_NUMBER: _builtins.int
+    commit: _builtins.str
+    """The commit ("": none)."""
+    def __init__(
+        self,
+        *,
+        commit: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveCommitResponse: _TypeAlias = ResolveCommitResponse  # noqa: Y015
+
+@_typing.final
+class KeepCommitRequest(_message.Message):
+    """KeepCommit: a commit's ref on disk."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    EXISTING_FIELD_NUMBER: _builtins.int
+    commit: _builtins.str
+    """The commit."""
+    existing: _builtins.bool
+    """Only if the store still has the commit."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        commit: _builtins.str = ...,
+        existing: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "existing", b"existing", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepCommitRequest: _TypeAlias = KeepCommitRequest  # noqa: Y015
+
+@_typing.final
+class KeepCommitResponse(_message.Message):
+    """KeepCommit's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepCommitResponse: _TypeAlias = KeepCommitResponse  # noqa: Y015
+
+@_typing.final
+class ListRefsRequest(_message.Message):
+    """ListRefs: the refs under a prefix."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
+    prefix: _builtins.str
+    """The prefix, e.g. refs/rcoder/."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        prefix: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix", b"prefix", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRefsRequest: _TypeAlias = ListRefsRequest  # noqa: Y015
+
+@_typing.final
+class ListRefsResponse(_message.Message):
+    """ListRefs' answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class RefsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REFS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def refs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Each ref, with its commit's time in Unix seconds."""
+
+    def __init__(
+        self,
+        *,
+        refs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refs", b"refs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRefsResponse: _TypeAlias = ListRefsResponse  # noqa: Y015
+
+@_typing.final
+class DeleteRefsRequest(_message.Message):
+    """DeleteRefs: refs deleted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    @_builtins.property
+    def names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Their full names."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names", b"names", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteRefsRequest: _TypeAlias = DeleteRefsRequest  # noqa: Y015
+
+@_typing.final
+class DeleteRefsResponse(_message.Message):
+    """DeleteRefs' answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteRefsResponse: _TypeAlias = DeleteRefsResponse  # noqa: Y015
+
+@_typing.final
+class ListChangesRequest(_message.Message):
+    """ListChanges: what changed between two snapshots."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    LISTED_ONLY_FIELD_NUMBER: _builtins.int
+    before: _builtins.str
+    """The earlier commit."""
+    after: _builtins.str
+    """The later commit."""
+    path: _builtins.str
+    """One path alone ("": every file)."""
+    listed_only: _builtins.bool
+    """Only the first changes, as many as a client can receive in one message."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        before: _builtins.str = ...,
+        after: _builtins.str = ...,
+        path: _builtins.str = ...,
+        listed_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "listed_only", b"listed_only", "path", b"path", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListChangesRequest: _TypeAlias = ListChangesRequest  # noqa: Y015
+
+@_typing.final
+class ListChangesResponse(_message.Message):
+    """ListChanges' answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """The changes, in git's path order."""
+
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[Global___FileChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListChangesResponse: _TypeAlias = ListChangesResponse  # noqa: Y015
+
+@_typing.final
+class DiffRequest(_message.Message):
+    """Diff: a unified diff."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    BEFORE_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    before: _builtins.str
+    """The earlier commit."""
+    after: _builtins.str
+    """The later commit."""
+    path: _builtins.str
+    """One path alone ("": every file)."""
+    limit: _builtins.int
+    """The most bytes of it sent."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        before: _builtins.str = ...,
+        after: _builtins.str = ...,
+        path: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "before", b"before", "limit", b"limit", "path", b"path", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiffRequest: _TypeAlias = DiffRequest  # noqa: Y015
+
+@_typing.final
+class DiffResponse(_message.Message):
+    """Diff's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIFF_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    diff: _builtins.bytes
+    """The diff's bytes."""
+    truncated: _builtins.bool
+    """It was cut at the limit."""
+    def __init__(
+        self,
+        *,
+        diff: _builtins.bytes = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["diff", b"diff", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DiffResponse: _TypeAlias = DiffResponse  # noqa: Y015
+
+@_typing.final
+class RestoreRequest(_message.Message):
+    """Restore: the files made as a snapshot holds them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    commit: _builtins.str
+    """The snapshot's commit."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        commit: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreRequest: _TypeAlias = RestoreRequest  # noqa: Y015
+
+@_typing.final
+class RestoreResponse(_message.Message):
+    """Restore's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOT_RESTORED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def not_restored(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """The files it could not bring back (their content is not stored, or in the project's own .git)."""
+
+    def __init__(
+        self,
+        *,
+        not_restored: _abc.Iterable[Global___FileChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["not_restored", b"not_restored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
+
+@_typing.final
+class GiveBackRequest(_message.Message):
+    """GiveBack: what a restore wrote, given to the project folder's owner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store (its work_tree is the folder)."""
+
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileChange]:
+        """The files written."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        changes: _abc.Iterable[Global___FileChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GiveBackRequest: _TypeAlias = GiveBackRequest  # noqa: Y015
+
+@_typing.final
+class GiveBackResponse(_message.Message):
+    """GiveBack's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GiveBackResponse: _TypeAlias = GiveBackResponse  # noqa: Y015
+
+@_typing.final
+class RemoveStoreRequest(_message.Message):
+    """RemoveStore: the project's checkpoint store removed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveStoreRequest: _TypeAlias = RemoveStoreRequest  # noqa: Y015
+
+@_typing.final
+class RemoveStoreResponse(_message.Message):
+    """RemoveStore's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveStoreResponse: _TypeAlias = RemoveStoreResponse  # noqa: Y015

@@ -60,6 +60,56 @@ class RelayWorkspaceServiceStub:
                 request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteFileRequest.SerializeToString,
                 response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteFileResponse.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/Snapshot',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
+        self.ResolveCommit = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/ResolveCommit',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ResolveCommitRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ResolveCommitResponse.FromString,
+                _registered_method=True)
+        self.KeepCommit = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/KeepCommit',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.KeepCommitRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.KeepCommitResponse.FromString,
+                _registered_method=True)
+        self.ListRefs = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/ListRefs',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListRefsRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListRefsResponse.FromString,
+                _registered_method=True)
+        self.DeleteRefs = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/DeleteRefs',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteRefsRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteRefsResponse.FromString,
+                _registered_method=True)
+        self.ListChanges = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/ListChanges',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListChangesRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListChangesResponse.FromString,
+                _registered_method=True)
+        self.Diff = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/Diff',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DiffRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DiffResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/Restore',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RestoreResponse.FromString,
+                _registered_method=True)
+        self.GiveBack = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/GiveBack',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.GiveBackRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.GiveBackResponse.FromString,
+                _registered_method=True)
+        self.RemoveStore = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/RemoveStore',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreResponse.FromString,
+                _registered_method=True)
 
 
 class RelayWorkspaceServiceServicer:
@@ -102,6 +152,79 @@ class RelayWorkspaceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """The project's files now, as a commit of its checkpoint store (made on first use, in the
+        relay's state folder); its ref is written before the answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveCommit(self, request, context):
+        """The commit a ref or an object name names in the store ("" when none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepCommit(self, request, context):
+        """A commit's ref written (again) so that gc keeps it; with `existing`, only if the store still
+        has the commit (CHECKPOINT_FAILED otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRefs(self, request, context):
+        """The store's refs under a prefix, with their commits' times.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRefs(self, request, context):
+        """Refs deleted (their commits go at the store's next gc).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListChanges(self, request, context):
+        """What changed between two snapshots, per file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Diff(self, request, context):
+        """The unified diff between two snapshots, bounded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """The project's files made as a snapshot holds them (a snapshot of them as they are now must
+        have been taken just before); what it could not bring back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GiveBack(self, request, context):
+        """What a restore wrote given to the owner of the project's folder (never through a link).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveStore(self, request, context):
+        """The project's whole checkpoint store removed (its last session deleted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayWorkspaceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +252,56 @@ def add_RelayWorkspaceServiceServicer_to_server(servicer, server):
                     servicer.DeleteFile,
                     request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteFileRequest.FromString,
                     response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteFileResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.SnapshotRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'ResolveCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveCommit,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ResolveCommitRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ResolveCommitResponse.SerializeToString,
+            ),
+            'KeepCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepCommit,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.KeepCommitRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.KeepCommitResponse.SerializeToString,
+            ),
+            'ListRefs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRefs,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListRefsRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListRefsResponse.SerializeToString,
+            ),
+            'DeleteRefs': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRefs,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteRefsRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteRefsResponse.SerializeToString,
+            ),
+            'ListChanges': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListChanges,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListChangesRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListChangesResponse.SerializeToString,
+            ),
+            'Diff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Diff,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DiffRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.DiffResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RestoreRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RestoreResponse.SerializeToString,
+            ),
+            'GiveBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.GiveBack,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.GiveBackRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.GiveBackResponse.SerializeToString,
+            ),
+            'RemoveStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveStore,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +440,276 @@ class RelayWorkspaceService:
             '/rcoder.relay.v1.RelayWorkspaceService/DeleteFile',
             rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteFileRequest.SerializeToString,
             rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/Snapshot',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.SnapshotRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/ResolveCommit',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.ResolveCommitRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.ResolveCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/KeepCommit',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.KeepCommitRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.KeepCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRefs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/ListRefs',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListRefsRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListRefsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRefs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/DeleteRefs',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteRefsRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.DeleteRefsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/ListChanges',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListChangesRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.ListChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Diff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/Diff',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.DiffRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.DiffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/Restore',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.RestoreRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GiveBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/GiveBack',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.GiveBackRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.GiveBackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/RemoveStore',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,32 @@ class RelayWorkspaceServiceStub:
     """
     DeleteFile: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.DeleteFileRequest, _workspace_pb2.DeleteFileResponse]
     """Remove an entry (a link as a link; a folder with all it holds only when recursive)."""
+    Snapshot: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.SnapshotRequest, _workspace_pb2.SnapshotResponse]
+    """The project's files now, as a commit of its checkpoint store (made on first use, in the
+    relay's state folder); its ref is written before the answer.
+    """
+    ResolveCommit: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.ResolveCommitRequest, _workspace_pb2.ResolveCommitResponse]
+    """The commit a ref or an object name names in the store ("" when none)."""
+    KeepCommit: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.KeepCommitRequest, _workspace_pb2.KeepCommitResponse]
+    """A commit's ref written (again) so that gc keeps it; with `existing`, only if the store still
+    has the commit (CHECKPOINT_FAILED otherwise).
+    """
+    ListRefs: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.ListRefsRequest, _workspace_pb2.ListRefsResponse]
+    """The store's refs under a prefix, with their commits' times."""
+    DeleteRefs: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.DeleteRefsRequest, _workspace_pb2.DeleteRefsResponse]
+    """Refs deleted (their commits go at the store's next gc)."""
+    ListChanges: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.ListChangesRequest, _workspace_pb2.ListChangesResponse]
+    """What changed between two snapshots, per file."""
+    Diff: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.DiffRequest, _workspace_pb2.DiffResponse]
+    """The unified diff between two snapshots, bounded."""
+    Restore: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.RestoreRequest, _workspace_pb2.RestoreResponse]
+    """The project's files made as a snapshot holds them (a snapshot of them as they are now must
+    have been taken just before); what it could not bring back.
+    """
+    GiveBack: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.GiveBackRequest, _workspace_pb2.GiveBackResponse]
+    """What a restore wrote given to the owner of the project's folder (never through a link)."""
+    RemoveStore: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.RemoveStoreRequest, _workspace_pb2.RemoveStoreResponse]
+    """The project's whole checkpoint store removed (its last session deleted)."""
 
 @_typing.type_check_only
 class RelayWorkspaceServiceAsyncStub(RelayWorkspaceServiceStub):
@@ -73,6 +99,32 @@ class RelayWorkspaceServiceAsyncStub(RelayWorkspaceServiceStub):
     """
     DeleteFile: _aio.UnaryUnaryMultiCallable[_workspace_pb2.DeleteFileRequest, _workspace_pb2.DeleteFileResponse]  # type: ignore[assignment]
     """Remove an entry (a link as a link; a folder with all it holds only when recursive)."""
+    Snapshot: _aio.UnaryUnaryMultiCallable[_workspace_pb2.SnapshotRequest, _workspace_pb2.SnapshotResponse]  # type: ignore[assignment]
+    """The project's files now, as a commit of its checkpoint store (made on first use, in the
+    relay's state folder); its ref is written before the answer.
+    """
+    ResolveCommit: _aio.UnaryUnaryMultiCallable[_workspace_pb2.ResolveCommitRequest, _workspace_pb2.ResolveCommitResponse]  # type: ignore[assignment]
+    """The commit a ref or an object name names in the store ("" when none)."""
+    KeepCommit: _aio.UnaryUnaryMultiCallable[_workspace_pb2.KeepCommitRequest, _workspace_pb2.KeepCommitResponse]  # type: ignore[assignment]
+    """A commit's ref written (again) so that gc keeps it; with `existing`, only if the store still
+    has the commit (CHECKPOINT_FAILED otherwise).
+    """
+    ListRefs: _aio.UnaryUnaryMultiCallable[_workspace_pb2.ListRefsRequest, _workspace_pb2.ListRefsResponse]  # type: ignore[assignment]
+    """The store's refs under a prefix, with their commits' times."""
+    DeleteRefs: _aio.UnaryUnaryMultiCallable[_workspace_pb2.DeleteRefsRequest, _workspace_pb2.DeleteRefsResponse]  # type: ignore[assignment]
+    """Refs deleted (their commits go at the store's next gc)."""
+    ListChanges: _aio.UnaryUnaryMultiCallable[_workspace_pb2.ListChangesRequest, _workspace_pb2.ListChangesResponse]  # type: ignore[assignment]
+    """What changed between two snapshots, per file."""
+    Diff: _aio.UnaryUnaryMultiCallable[_workspace_pb2.DiffRequest, _workspace_pb2.DiffResponse]  # type: ignore[assignment]
+    """The unified diff between two snapshots, bounded."""
+    Restore: _aio.UnaryUnaryMultiCallable[_workspace_pb2.RestoreRequest, _workspace_pb2.RestoreResponse]  # type: ignore[assignment]
+    """The project's files made as a snapshot holds them (a snapshot of them as they are now must
+    have been taken just before); what it could not bring back.
+    """
+    GiveBack: _aio.UnaryUnaryMultiCallable[_workspace_pb2.GiveBackRequest, _workspace_pb2.GiveBackResponse]  # type: ignore[assignment]
+    """What a restore wrote given to the owner of the project's folder (never through a link)."""
+    RemoveStore: _aio.UnaryUnaryMultiCallable[_workspace_pb2.RemoveStoreRequest, _workspace_pb2.RemoveStoreResponse]  # type: ignore[assignment]
+    """The project's whole checkpoint store removed (its last session deleted)."""
 
 class RelayWorkspaceServiceServicer(metaclass=_abc_1.ABCMeta):
     """A project's files, on the relay's side."""
@@ -118,5 +170,91 @@ class RelayWorkspaceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_workspace_pb2.DeleteFileResponse, _abc.Awaitable[_workspace_pb2.DeleteFileResponse]]:
         """Remove an entry (a link as a link; a folder with all it holds only when recursive)."""
+
+    @_abc_1.abstractmethod
+    def Snapshot(
+        self,
+        request: _workspace_pb2.SnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.SnapshotResponse, _abc.Awaitable[_workspace_pb2.SnapshotResponse]]:
+        """The project's files now, as a commit of its checkpoint store (made on first use, in the
+        relay's state folder); its ref is written before the answer.
+        """
+
+    @_abc_1.abstractmethod
+    def ResolveCommit(
+        self,
+        request: _workspace_pb2.ResolveCommitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.ResolveCommitResponse, _abc.Awaitable[_workspace_pb2.ResolveCommitResponse]]:
+        """The commit a ref or an object name names in the store ("" when none)."""
+
+    @_abc_1.abstractmethod
+    def KeepCommit(
+        self,
+        request: _workspace_pb2.KeepCommitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.KeepCommitResponse, _abc.Awaitable[_workspace_pb2.KeepCommitResponse]]:
+        """A commit's ref written (again) so that gc keeps it; with `existing`, only if the store still
+        has the commit (CHECKPOINT_FAILED otherwise).
+        """
+
+    @_abc_1.abstractmethod
+    def ListRefs(
+        self,
+        request: _workspace_pb2.ListRefsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.ListRefsResponse, _abc.Awaitable[_workspace_pb2.ListRefsResponse]]:
+        """The store's refs under a prefix, with their commits' times."""
+
+    @_abc_1.abstractmethod
+    def DeleteRefs(
+        self,
+        request: _workspace_pb2.DeleteRefsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.DeleteRefsResponse, _abc.Awaitable[_workspace_pb2.DeleteRefsResponse]]:
+        """Refs deleted (their commits go at the store's next gc)."""
+
+    @_abc_1.abstractmethod
+    def ListChanges(
+        self,
+        request: _workspace_pb2.ListChangesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.ListChangesResponse, _abc.Awaitable[_workspace_pb2.ListChangesResponse]]:
+        """What changed between two snapshots, per file."""
+
+    @_abc_1.abstractmethod
+    def Diff(
+        self,
+        request: _workspace_pb2.DiffRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.DiffResponse, _abc.Awaitable[_workspace_pb2.DiffResponse]]:
+        """The unified diff between two snapshots, bounded."""
+
+    @_abc_1.abstractmethod
+    def Restore(
+        self,
+        request: _workspace_pb2.RestoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.RestoreResponse, _abc.Awaitable[_workspace_pb2.RestoreResponse]]:
+        """The project's files made as a snapshot holds them (a snapshot of them as they are now must
+        have been taken just before); what it could not bring back.
+        """
+
+    @_abc_1.abstractmethod
+    def GiveBack(
+        self,
+        request: _workspace_pb2.GiveBackRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.GiveBackResponse, _abc.Awaitable[_workspace_pb2.GiveBackResponse]]:
+        """What a restore wrote given to the owner of the project's folder (never through a link)."""
+
+    @_abc_1.abstractmethod
+    def RemoveStore(
+        self,
+        request: _workspace_pb2.RemoveStoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.RemoveStoreResponse, _abc.Awaitable[_workspace_pb2.RemoveStoreResponse]]:
+        """The project's whole checkpoint store removed (its last session deleted)."""
 
 def add_RelayWorkspaceServiceServicer_to_server(servicer: RelayWorkspaceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -45,7 +45,7 @@ class SnapshotsAhead(Protocol):
     """What the file calls ask of the checkpoints (``rcoder.session.turns.checkpoints.Checkpoints``,
     passed in by the daemon): a project's snapshot taken ahead of its next turn."""
 
-    def ahead(self, project_id: str, first_only: bool = False) -> None: ...
+    def ahead(self, project_id: str, first_only: bool = False, relayed: bool = False) -> None: ...
 
 
 class ProjectsBusy(Protocol):
@@ -139,7 +139,7 @@ class ProjectFiles:
     ) -> Listing:
         where = await self._where(project_id)
         listing = await where.list(project_id, parts, recursive, limit, cursor, caller)
-        self._snapshot_ahead(project_id, first_only=True)
+        self._snapshot_ahead(project_id, where, first_only=True)
         return listing
 
     async def read(
@@ -151,7 +151,7 @@ class ProjectFiles:
         first = True
         async for chunk in where.read(project_id, parts, offset, limit, caller):
             if first:
-                self._snapshot_ahead(project_id, first_only=True)
+                self._snapshot_ahead(project_id, where, first_only=True)
                 first = False
             yield chunk
 
@@ -166,7 +166,7 @@ class ProjectFiles:
 
         where = await self._where(head.project_id)
         written = await where.write(head, chunks, caller, still_free)
-        self._snapshot_ahead(head.project_id)
+        self._snapshot_ahead(head.project_id, where)
         return written
 
     async def delete(
@@ -176,14 +176,15 @@ class ProjectFiles:
         await self._refuse_if_busy(project_id, while_busy)
         where = await self._where(project_id)
         removed = await where.delete(project_id, parts, recursive, caller)
-        self._snapshot_ahead(project_id)
+        self._snapshot_ahead(project_id, where)
         return removed
 
-    def _snapshot_ahead(self, project_id: str, first_only: bool = False) -> None:
+    def _snapshot_ahead(self, project_id: str, where: Workspace, first_only: bool = False) -> None:
         """The project's snapshot taken in the background, so that its next turn finds it
         (docs/checkpoints.md#snapshots-taken-ahead); ``first_only``: only when this host has none
         of it yet. Not while a turn of this host runs in it: that turn's after snapshot reads
-        what a write (``while_busy``) changed."""
+        what a write (``while_busy``) changed. A relayed project's (``where`` is not this host's
+        disk) is taken by its relay, in its store."""
         if self._checkpoints is None or self._live.busy_here(project_id) is not None:
             return
-        self._checkpoints.ahead(project_id, first_only)
+        self._checkpoints.ahead(project_id, first_only, relayed=where is not self.disk)

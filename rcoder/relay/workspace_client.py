@@ -261,6 +261,10 @@ class CheckpointClient:
         self._store = store
         self.work_tree = Path(store.work_tree)
         self._patterns: tuple[str, ...] | None = None
+        # the commits whose refs this client wrote or saw written, and has not deleted since: the
+        # relay's store has one writer, this daemon (its retention is not built), so ``kept`` can
+        # answer them without a call; any other is asked (``resolve``)
+        self._kept: set[str] = set()
 
     @property
     def project_id(self) -> str:
@@ -272,8 +276,8 @@ class CheckpointClient:
         return self._patterns
 
     def kept(self, commit: str) -> bool:
-        """Never known here without a call: the caller asks ``resolve`` (one call) instead."""
-        return False
+        """Whether ``commit``'s ref is known written (``_kept``); False sends the caller to ``resolve``."""
+        return commit in self._kept
 
     async def _call(self, method: Callable[..., Awaitable[T]], request: object, timeout: float = GIT_CALL_TIMEOUT) -> T:
         try:
@@ -285,13 +289,16 @@ class CheckpointClient:
         request = pb.SnapshotRequest(store=self._store, patterns=list(patterns), message=message, capped=capped)
         answer = await self._call(self._stub.Snapshot, request)
         self._patterns = tuple(patterns)
+        self._kept.add(answer.commit)  # its ref is written before the answer
         return str(answer.commit)
 
     async def keep(self, commit: str) -> None:
         await self._call(self._stub.KeepCommit, pb.KeepCommitRequest(store=self._store, commit=commit))
+        self._kept.add(commit)
 
     async def keep_existing(self, commit: str) -> None:
         await self._call(self._stub.KeepCommit, pb.KeepCommitRequest(store=self._store, commit=commit, existing=True))
+        self._kept.add(commit)
 
     async def resolve(self, ref: str) -> str | None:
         answer = await self._call(self._stub.ResolveCommit, pb.ResolveCommitRequest(store=self._store, ref=ref))
@@ -303,6 +310,9 @@ class CheckpointClient:
 
     async def delete_refs(self, names: Sequence[str]) -> None:
         if names:
+            self._kept.difference_update(
+                name.rpartition("/")[2] for name in names
+            )  # first: a failed delete may have done some
             await self._call(self._stub.DeleteRefs, pb.DeleteRefsRequest(store=self._store, names=list(names)))
 
     async def changes(
@@ -329,4 +339,5 @@ class CheckpointClient:
         await self._call(self._stub.GiveBack, request)
 
     async def remove_store(self) -> None:
+        self._kept.clear()
         await self._call(self._stub.RemoveStore, pb.RemoveStoreRequest(store=self._store))

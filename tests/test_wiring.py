@@ -45,6 +45,10 @@ OWN_PARTS: dict[tuple[str, str], str] = {
     ("ProjectFiles", "ProjectDisk"): "the disk half of the file calls (rcoder/agent/files/disk.py), theirs alone",
     ("ProjectDisk", "Beneath"): "a stateless opener (whether the kernel has openat2 is its class's)",
     ("Workspaces", "ProjectDisk"): "the relay's disk for each workspace root a daemon names, made at its first call",
+    (
+        "Workspaces",
+        "UploadJournal",
+    ): "the relay's journal of the writes under way for each workspace root, made with its disk",
     ("give_back", "Beneath"): "the same opener, for a rewind's files given back to their folder's owner",
     ("LiveSessions", "TaskScope"): "the owners' scope of the tasks their turns start, closed by shutdown through them",
     ("DiskGuard", "TaskScope"): "the guard's own checks and watchers, closed by its aclose; no other part uses them",

@@ -22,7 +22,6 @@ import grpc
 
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups
 from rcoder.agent.files.threads import FileThreads
-from rcoder.agent.files.upload_journal import UploadJournal
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.tree import Trees
 from rcoder.data_lock import DataDirLock
@@ -117,7 +116,7 @@ async def serve(options: RelayOptions) -> int:
     )
     pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents), server)
     # the projects' files and checkpoints, where they are (docs/relay.md#files-and-checkpoints)
-    workspaces = Workspaces(FileThreads(), UploadJournal(folder / UPLOADS_FOLDER))
+    workspaces = Workspaces(FileThreads(), folder / UPLOADS_FOLDER)
     stores = CheckpointStores(folder, trees)
     workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces, stores), server)
     socket_path = folder / SOCKET_FILE

@@ -19,6 +19,7 @@ before it in the same one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -53,13 +54,16 @@ MAX_PAGE = 1000
 
 class Workspaces:
     """The relay's disks, one per workspace root and file bound a daemon names, sharing one set of
-    file threads (fair between projects and callers) and one journal of the writes under way.
-    Counts each call by its name (``calls``), which a test reads to see the relay did the work."""
+    file threads (fair between projects and callers). Each root has its journal of the writes under
+    way (``<uploads>/<a hash of the root>``), swept at the root's first call: what a killed relay's
+    writes left there is removed before this relay writes anything (``ProjectDisk.sweep_uploads``).
+    Counts each call by its name (``calls``)."""
 
-    def __init__(self, threads: FileThreads, journal: UploadJournal) -> None:
+    def __init__(self, threads: FileThreads, uploads: Path) -> None:
         self._threads = threads
-        self._journal = journal
+        self._uploads = uploads
         self._disks: dict[tuple[str, int], ProjectDisk] = {}
+        self._swept: dict[str, asyncio.Task[int]] = {}  # per root: its journal's sweep, once
         self.calls: dict[str, int] = {}
 
     def named(self, project: pb.Project, call: str) -> str:
@@ -72,17 +76,31 @@ class Workspaces:
         log.info("relay_workspace_call", call=call, project_id=project.project_id, calls=self.calls[call])
         return project.project_id
 
-    def disk(self, project: pb.Project, call: str) -> tuple[ProjectDisk, str, str]:
-        """The disk of ``project``'s root, its project id and its caller; the call counted."""
+    async def disk(self, project: pb.Project, call: str) -> tuple[ProjectDisk, str, str]:
+        """The disk of ``project``'s root, its project id and its caller; the call counted, and the
+        root's journal swept first when this relay has not yet."""
         project_id = self.named(project, call)
         if project.max_file_bytes <= 0:
             raise errors.InvalidArgument("project.max_file_bytes", "the largest file, in bytes, above 0")
-        key = (project.workspace_root, project.max_file_bytes)
+        root = project.workspace_root
+        key = (root, project.max_file_bytes)
         disk = self._disks.get(key)
         if disk is None:
-            disk = ProjectDisk(Path(project.workspace_root), project.max_file_bytes, self._journal, self._threads)
+            journal = UploadJournal(self._uploads / hashlib.sha256(root.encode()).hexdigest()[:16])
+            disk = ProjectDisk(Path(root), project.max_file_bytes, journal, self._threads)
             self._disks[key] = disk
+        sweep = self._swept.get(root)
+        if sweep is None:
+            sweep = self._swept[root] = asyncio.get_running_loop().create_task(self._sweep(root, disk))
+        await asyncio.shield(sweep)  # one sweep, whichever call came first; a cancelled call leaves it running
         return disk, project_id, project.caller
+
+    @staticmethod
+    async def _sweep(root: str, disk: ProjectDisk) -> int:
+        removed = await asyncio.to_thread(disk.sweep_uploads)
+        if removed:
+            log.warning("relay_uploads_swept", workspace_root=root, removed=removed)
+        return removed
 
     def close(self) -> None:
         self._threads.close()
@@ -161,7 +179,7 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         self, request: pb.ListFilesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListFilesResponse:
         try:
-            disk, project_id, caller = self._workspaces.disk(request.project, "ListFiles")
+            disk, project_id, caller = await self._workspaces.disk(request.project, "ListFiles")
             if not 0 < request.limit <= MAX_PAGE:
                 raise errors.InvalidArgument("limit", f"1 to {MAX_PAGE} entries")
             cursor: Cursor | None = None
@@ -180,7 +198,7 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         self, request: pb.StatFileRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StatFileResponse:
         try:
-            disk, project_id, caller = self._workspaces.disk(request.project, "StatFile")
+            disk, project_id, caller = await self._workspaces.disk(request.project, "StatFile")
             entry = await disk.stat(project_id, parts_of(request.path), caller)
         except errors.RcoderError as exc:
             await abort(context, exc)
@@ -190,7 +208,7 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         self, request: pb.ReadFileRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ReadFileResponse]:
         try:
-            disk, project_id, caller = self._workspaces.disk(request.project, "ReadFile")
+            disk, project_id, caller = await self._workspaces.disk(request.project, "ReadFile")
             if request.offset < 0 or request.limit < 0:
                 raise errors.InvalidArgument("offset", "offset and limit are 0 or more")
             async for chunk in disk.read(project_id, parts_of(request.path), request.offset, request.limit, caller):
@@ -211,7 +229,7 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
             if first is None or first.WhichOneof("message") != "head":
                 raise errors.InvalidArgument("head", "a WriteFile stream's first message is its WriteHead")
             given = first.head
-            disk, project_id, caller = self._workspaces.disk(given.project, "WriteFile")
+            disk, project_id, caller = await self._workspaces.disk(given.project, "WriteFile")
             if given.mode > 0o777:
                 raise errors.InvalidArgument("mode", f"{given.mode:#o}: permission bits only, at most 0777 (511)")
             expected = given.if_sha256.lower()
@@ -230,7 +248,7 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         self, request: pb.DeleteFileRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.DeleteFileResponse:
         try:
-            disk, project_id, caller = self._workspaces.disk(request.project, "DeleteFile")
+            disk, project_id, caller = await self._workspaces.disk(request.project, "DeleteFile")
             parts = parts_of(request.path)
             if not parts:
                 raise errors.InvalidArgument("path", "the entry's path in the project (the project's folder stays)")

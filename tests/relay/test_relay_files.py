@@ -25,7 +25,7 @@ import pytest
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1.agent_runner_pb2 import FileChangeKind as K
 from tests.conftest import DaemonFactory, exited
-from tests.harness import Client, FakeAgentSetup, completed, error_info
+from tests.harness import Client, FakeAgentSetup, completed, error_info, eventually
 from tests.turns import read_until, rest_of, start_turn
 
 PROJECT = "proj"
@@ -261,3 +261,34 @@ async def test_a_write_while_a_turn_runs_in_a_relayed_project_is_refused_unless_
     await client.stub.Cancel(pb.CancelRequest(run_id=begin.run_id))
     await read_until(call, "completed")
     await rest_of(call)
+
+
+async def test_the_temporary_file_of_a_write_cut_by_sigkill_of_the_relay_is_removed_by_the_next_relay(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: None
+) -> None:
+    root = project(tmp_path)
+    (root / "sub").mkdir()
+    (root / "sub" / f".rcoder-upload-{'0' * 32}.tmp").write_bytes(b"the project's own, no write's")
+    _, client = await relayed_daemon(make_daemon, fake)
+    never = asyncio.Event()
+
+    async def stream() -> AsyncIterator[pb.WriteFileChunk]:
+        yield pb.WriteFileChunk(project_id=PROJECT, path="sub/big.bin", data=b"a" * MIB)
+        await never.wait()  # the relay is killed mid-file
+
+    def leftovers() -> list[str]:
+        return sorted(p.name for p in (root / "sub").iterdir() if p.name.startswith(".rcoder-upload-"))
+
+    call = client.stub.WriteFile(stream())
+    await eventually(lambda: len(leftovers()) == 2)  # the relay is writing it
+    (pid,) = relay_pids(tmp_path / "data")
+    os.killpg(pid, signal.SIGKILL)
+    await exited(pid)
+    call.cancel()
+    assert len(leftovers()) == 2  # nothing ended the write: its file is still there
+
+    # the daemon's next call starts the project's next relay, which sweeps before it serves the root
+    await client.stub.ListFiles(pb.ListFilesRequest(project_id=PROJECT))
+    assert leftovers() == [f".rcoder-upload-{'0' * 32}.tmp"]  # a file no write noted stays
+    assert not (root / "sub" / "big.bin").exists()
+    assert relay_pids(tmp_path / "data") != [pid]

@@ -42,6 +42,7 @@ from rcoder.relay.service import abort
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
 from rcoder.store.checkpoint_repo import CheckpointRepo
+from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard
 from rcoder.store.unstored import Bounds
 
@@ -109,11 +110,13 @@ class Workspaces:
 class CheckpointStores:
     """The projects' checkpoint stores in the relay's state folder, one ``CheckpointRepo`` each,
     kept while the relay lives (its last snapshot is what the next one and a restore build on);
-    git runs as the relay's children, marked and ended whole (``guard``)."""
+    git runs as the relay's children, marked and ended whole (``guard``), each confined by the
+    kernel to what its command needs (``jail``; None where the kernel has no Landlock)."""
 
-    def __init__(self, state_dir: Path, guard: ChildGuard) -> None:
+    def __init__(self, state_dir: Path, guard: ChildGuard, jail: GitJail | None) -> None:
         self._folder = state_dir
         self._guard = guard
+        self._jail = jail  # each git confined by the kernel, as the daemon's (docs/checkpoints.md#confinement)
         self._repos: dict[str, CheckpointRepo] = {}
 
     def repo(self, store: pb.CheckpointStore, call: str, workspaces: Workspaces) -> CheckpointRepo:
@@ -127,7 +130,7 @@ class CheckpointStores:
         if repo is None or repo.work_tree != work_tree.absolute() or repo.bounds != bounds:
             git_dir = self._folder / STORES_FOLDER / f"{project_id}.git"
             index = self._folder / INDEX_FOLDER / project_id / "index"
-            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=bounds)
+            repo = CheckpointRepo(git_dir, work_tree, index, self._guard, bounds=bounds, jail=self._jail)
             self._repos[project_id] = repo
         return repo
 

@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,19 @@ from typing import Any
 import grpc
 import pytest
 
+from rcoder import landlock
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1.agent_runner_pb2 import FileChangeKind as K
 from tests.conftest import DaemonFactory, exited
-from tests.harness import Client, FakeAgentSetup, completed, error_info, eventually
+from tests.harness import Client, FakeAgentSetup, completed, error_info, eventually, processes_mentioning
 from tests.turns import read_until, rest_of, start_turn
 
 PROJECT = "proj"
 MIB = 1 << 20
+SWAP = Path(__file__).resolve().parent.parent / "fakes" / "swap_names.py"
+SECRET = b"SECRET-of-another-tenant"
+SWAP_FILES = 20  # files beneath the swapped folder: each a chance per git for the race
+SWAP_TRIES = 25  # turns (two snapshots each), as tests/test_git_confinement.py runs them
 
 
 @pytest.fixture
@@ -292,3 +299,42 @@ async def test_the_temporary_file_of_a_write_cut_by_sigkill_of_the_relay_is_remo
     assert leftovers() == [f".rcoder-upload-{'0' * 32}.tmp"]  # a file no write noted stays
     assert not (root / "sub" / "big.bin").exists()
     assert relay_pids(tmp_path / "data") != [pid]
+
+
+@pytest.mark.skipif(not landlock.abi(), reason="this kernel offers no Landlock")
+async def test_a_relays_snapshot_never_stores_a_file_from_outside_the_project_whatever_the_agent_swaps(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: None
+) -> None:
+    """tests/test_git_confinement.py's race, on a relayed project: the relay's git is confined as
+    the daemon's is (an agent swapping a folder of its project with a link out of it while git
+    reads beneath it never gets an outside byte into the relay's store)."""
+    root, outside, go = project(tmp_path), tmp_path / "secrets", fake.folder / "go"
+    (root / "d").mkdir()
+    outside.mkdir()
+    for n in range(SWAP_FILES):
+        (root / "d" / f"f{n}").write_bytes(b"x" * len(SECRET) + b" %d\n" % n)  # a decoy of the same size
+        (outside / f"f{n}").write_bytes(SECRET + b" %d\n" % n)
+    (root / "e").symlink_to(outside)
+    go.touch()
+    _, client = await relayed_daemon(make_daemon, fake)
+    swap = f"shell setsid {sys.executable} {SWAP} d e {go} 300 >/dev/null 2>&1 &"
+    session_id = (await client.chat(prompt=swap, project_id=PROJECT))[0].session_id
+    store = tmp_path / "data" / "relays" / PROJECT / "checkpoints" / f"{PROJECT}.git"
+    try:
+        for _ in range(SWAP_TRIES):
+            await client.chat(prompt="shell touch d/* 2>/dev/null; echo hello", session_id=session_id)
+            if SECRET in store_objects(store):
+                break
+        assert processes_mentioning(str(SWAP)), "the swapping agent was ended: the race was not run"
+    finally:
+        go.unlink()
+    assert SECRET not in store_objects(store), "an outside file is in the relay's store"
+    assert relay_calls(tmp_path).get("Snapshot", 0) >= 2 * SWAP_TRIES
+
+
+def store_objects(store: Path) -> bytes:
+    """Every object of a store, as git reads them."""
+    if not store.exists():
+        return b""
+    argv = ["git", f"--git-dir={store}", "cat-file", "--batch-all-objects", "--batch"]
+    return subprocess.run(argv, check=True, capture_output=True, timeout=60).stdout

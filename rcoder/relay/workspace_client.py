@@ -30,6 +30,7 @@ from rcoder.logs import get_logger
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
 from rcoder.relay.workspace_service import change_message, change_of
+from rcoder.store.checkpoint_repo import GcPass
 from rcoder.store.git_process import GIT_TIMEOUT, GitResult
 from rcoder.store.unstored import Bounds
 
@@ -58,6 +59,9 @@ _BY_REASON: dict[str, type[errors.RcoderError]] = {
 
 class Relays(Protocol):
     """What this needs of the host's relays (``rcoder.relay.host.HostRelays``)."""
+
+    @property
+    def root(self) -> Path: ...
 
     async def channel_of(self, project: str, start: bool) -> tuple[grpc.aio.Channel, Metadata] | None: ...
 
@@ -233,6 +237,12 @@ class RelayedWorkspaces:
         channel, metadata = found
         return WorkspaceClient(channel, metadata, self._root, self._max_bytes)
 
+    async def live(self) -> list[str]:
+        """The projects whose relays live now (their stores are swept while they do)."""
+        root = self._relays.root
+        names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return [name for name in names if await self._relays.channel_of(name, False) is not None]
+
     async def checkpoints(self, project_id: str, work_tree: str, bounds: Bounds) -> CheckpointClient:
         """The project's checkpoint store in its relay (started when none lives): a relayed
         project's snapshots are taken where its files are, whatever asks."""
@@ -337,6 +347,15 @@ class CheckpointClient:
     async def give_back(self, changes: Sequence[FileChange]) -> None:
         request = pb.GiveBackRequest(store=self._store, changes=[change_message(c) for c in changes])
         await self._call(self._stub.GiveBack, request)
+
+    async def gc(self, bound: float) -> GcPass:
+        request = pb.CollectGarbageRequest(store=self._store, bound_seconds=bound)
+        answer = await self._call(self._stub.CollectGarbage, request, timeout=bound + GIT_CALL_TIMEOUT)
+        return GcPass(answer.packs, answer.freed, answer.cut)
+
+    async def store_bytes(self) -> int:
+        answer = await self._call(self._stub.StoreSize, pb.StoreSizeRequest(store=self._store))
+        return int(answer.bytes)
 
     async def remove_store(self) -> None:
         self._kept.clear()

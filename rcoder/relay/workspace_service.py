@@ -41,7 +41,7 @@ from rcoder.logs import get_logger
 from rcoder.relay.service import abort
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
-from rcoder.store.checkpoint_repo import CheckpointRepo
+from rcoder.store.checkpoint_repo import CheckpointRepo, store_bytes
 from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard
 from rcoder.store.unstored import Bounds
@@ -367,6 +367,26 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         except errors.RcoderError as exc:
             await abort(context, exc)
         return pb.RemoveStoreResponse()
+
+    async def CollectGarbage(
+        self, request: pb.CollectGarbageRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CollectGarbageResponse:
+        try:
+            if request.bound_seconds <= 0:
+                raise errors.InvalidArgument("bound_seconds", "the seconds a pass may take, above 0")
+            done = await self._repo(request.store, "CollectGarbage").gc(request.bound_seconds)
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.CollectGarbageResponse(packs=done.packs, freed=done.freed, cut=done.cut)
+
+    async def StoreSize(
+        self, request: pb.StoreSizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.StoreSizeResponse:
+        try:
+            repo = self._repo(request.store, "StoreSize")
+        except errors.RcoderError as exc:
+            await abort(context, exc)
+        return pb.StoreSizeResponse(bytes=await asyncio.to_thread(store_bytes, repo.git_dir))
 
 
 async def _data(requests: AsyncIterator[pb.WriteFileRequest]) -> AsyncIterator[bytes]:

@@ -17,7 +17,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,13 @@ import grpc
 import pytest
 
 from rcoder import landlock
+from rcoder.agent.profiles.profile import relays_root
+from rcoder.config import load_settings
+from rcoder.domain import RunRecord, RunStatus, SessionRecord
+from rcoder.relay.host import HostRelays
+from rcoder.relay.workspace_client import RelayedWorkspaces
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.store.sqlite import SqliteStore
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1.agent_runner_pb2 import FileChangeKind as K
 from tests.conftest import DaemonFactory, exited
@@ -338,3 +347,51 @@ def store_objects(store: Path) -> bytes:
         return b""
     argv = ["git", f"--git-dir={store}", "cat-file", "--batch-all-objects", "--batch"]
     return subprocess.run(argv, check=True, capture_output=True, timeout=60).stdout
+
+
+async def test_retention_reaches_a_live_relays_store_as_it_reaches_a_local_one(tmp_path: Path) -> None:
+    """The daemon's sweep (tests/test_checkpoint_retention.py's keep case) on a relayed project's
+    store, with the daemon's Checkpoints over a real relay: past ``checkpoints.keep`` the oldest
+    snapshots go, but one a later run names, and the store gets its gc pass."""
+    config = tmp_path / "rcoder.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nworkspace_root = "{tmp_path / "workspace"}"\n'
+                      'default_agent = "r"\n[checkpoints]\nkeep = 2\n[agents.r]\ncommand = "/bin/true"\n'
+                      'placement = "relay"\n')  # fmt: skip
+    settings = load_settings(config, {})
+    root = project(tmp_path)
+    store = SqliteStore(tmp_path / "data" / "rcoder.db")
+    await store.open()
+    relays = HostRelays(relays_root(settings), 1.0)
+    marks = Checkpoints(settings, store, relayed=RelayedWorkspaces(relays, settings.workspace_root, MIB, True))
+    profile = settings.agents["r"]
+    try:
+        commits = []
+        for n in range(4):
+            if n:
+                now = int(time.time())  # a commit's time is in whole seconds
+                await eventually(lambda: int(time.time()) > now, timeout=3)  # noqa: B023
+            (root / "a.txt").write_text(f"{n}\n")
+            commits.append(await marks.before(PROJECT, str(root), f"run-{n}", profile))
+            marks.settled(f"run-{n}")
+        assert all(commits) and len(set(commits)) == 4
+        now_at = datetime.now(UTC)
+        await store.create_session(SessionRecord("s1", PROJECT, str(root), "r", "", now_at, now_at))
+        for run_id, commit, started in (("old", commits[0], now_at - timedelta(days=1)),
+                                        ("reused", commits[1], now_at + timedelta(hours=1))):  # fmt: skip
+            await store.start_run(RunRecord(run_id, "s1", RunStatus.COMPLETED, started, checkpoint_before=commit))
+        relay_store = tmp_path / "data" / "relays" / PROJECT / "checkpoints" / f"{PROJECT}.git"
+        assert refs_in(relay_store) == {f"refs/rcoder/commits/{c}" for c in commits}
+
+        await marks.sweep(settings.checkpoint_retention, time.time())
+        assert refs_in(relay_store) == {f"refs/rcoder/commits/{c}" for c in commits[1:]}
+        assert not (tmp_path / "data" / "checkpoints" / f"{PROJECT}.git").exists()
+        calls = relay_calls(tmp_path)
+        assert calls.get("DeleteRefs", 0) >= 1 and calls.get("CollectGarbage", 0) >= 1, calls
+    finally:
+        await relays.aclose()
+        await store.close()
+
+
+def refs_in(store: Path) -> set[str]:
+    argv = ["git", f"--git-dir={store}", "for-each-ref", "--format=%(refname)"]
+    return set(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout.split())

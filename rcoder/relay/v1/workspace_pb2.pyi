@@ -1150,3 +1150,107 @@ class RemoveStoreResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RemoveStoreResponse: _TypeAlias = RemoveStoreResponse  # noqa: Y015
+
+@_typing.final
+class CollectGarbageRequest(_message.Message):
+    """CollectGarbage: a gc pass."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    BOUND_SECONDS_FIELD_NUMBER: _builtins.int
+    bound_seconds: _builtins.float
+    """Seconds the pass may take (checkpoints.gc_timeout)."""
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+        bound_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound_seconds", b"bound_seconds", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectGarbageRequest: _TypeAlias = CollectGarbageRequest  # noqa: Y015
+
+@_typing.final
+class CollectGarbageResponse(_message.Message):
+    """CollectGarbage's answer: what the pass did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PACKS_FIELD_NUMBER: _builtins.int
+    FREED_FIELD_NUMBER: _builtins.int
+    CUT_FIELD_NUMBER: _builtins.int
+    packs: _builtins.int
+    """Packs rewritten or deleted."""
+    freed: _builtins.int
+    """Bytes they held that nothing named."""
+    cut: _builtins.str
+    """Why it stopped short ("": it did not)."""
+    def __init__(
+        self,
+        *,
+        packs: _builtins.int = ...,
+        freed: _builtins.int = ...,
+        cut: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cut", b"cut", "freed", b"freed", "packs", b"packs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectGarbageResponse: _TypeAlias = CollectGarbageResponse  # noqa: Y015
+
+@_typing.final
+class StoreSizeRequest(_message.Message):
+    """StoreSize: the store's size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def store(self) -> Global___CheckpointStore:
+        """The store."""
+
+    def __init__(
+        self,
+        *,
+        store: Global___CheckpointStore | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreSizeRequest: _TypeAlias = StoreSizeRequest  # noqa: Y015
+
+@_typing.final
+class StoreSizeResponse(_message.Message):
+    """StoreSize's answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    """Its apparent size on disk, in bytes."""
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreSizeResponse: _TypeAlias = StoreSizeResponse  # noqa: Y015

@@ -110,6 +110,16 @@ class RelayWorkspaceServiceStub:
                 request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreRequest.SerializeToString,
                 response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreResponse.FromString,
                 _registered_method=True)
+        self.CollectGarbage = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/CollectGarbage',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.CollectGarbageRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.CollectGarbageResponse.FromString,
+                _registered_method=True)
+        self.StoreSize = channel.unary_unary(
+                '/rcoder.relay.v1.RelayWorkspaceService/StoreSize',
+                request_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.StoreSizeRequest.SerializeToString,
+                response_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.StoreSizeResponse.FromString,
+                _registered_method=True)
 
 
 class RelayWorkspaceServiceServicer:
@@ -225,6 +235,20 @@ class RelayWorkspaceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CollectGarbage(self, request, context):
+        """A gc pass over the store, bounded in time: what no ref names freed, by pieces.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreSize(self, request, context):
+        """What the store holds on disk, in bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayWorkspaceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -302,6 +326,16 @@ def add_RelayWorkspaceServiceServicer_to_server(servicer, server):
                     servicer.RemoveStore,
                     request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreRequest.FromString,
                     response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreResponse.SerializeToString,
+            ),
+            'CollectGarbage': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectGarbage,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.CollectGarbageRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.CollectGarbageResponse.SerializeToString,
+            ),
+            'StoreSize': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreSize,
+                    request_deserializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.StoreSizeRequest.FromString,
+                    response_serializer=rcoder_dot_relay_dot_v1_dot_workspace__pb2.StoreSizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -710,6 +744,60 @@ class RelayWorkspaceService:
             '/rcoder.relay.v1.RelayWorkspaceService/RemoveStore',
             rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreRequest.SerializeToString,
             rcoder_dot_relay_dot_v1_dot_workspace__pb2.RemoveStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectGarbage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/CollectGarbage',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.CollectGarbageRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.CollectGarbageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreSize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rcoder.relay.v1.RelayWorkspaceService/StoreSize',
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.StoreSizeRequest.SerializeToString,
+            rcoder_dot_relay_dot_v1_dot_workspace__pb2.StoreSizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

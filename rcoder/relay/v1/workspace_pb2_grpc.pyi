@@ -81,6 +81,10 @@ class RelayWorkspaceServiceStub:
     """What a restore wrote given to the owner of the project's folder (never through a link)."""
     RemoveStore: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.RemoveStoreRequest, _workspace_pb2.RemoveStoreResponse]
     """The project's whole checkpoint store removed (its last session deleted)."""
+    CollectGarbage: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.CollectGarbageRequest, _workspace_pb2.CollectGarbageResponse]
+    """A gc pass over the store, bounded in time: what no ref names freed, by pieces."""
+    StoreSize: _grpc.UnaryUnaryMultiCallable[_workspace_pb2.StoreSizeRequest, _workspace_pb2.StoreSizeResponse]
+    """What the store holds on disk, in bytes."""
 
 @_typing.type_check_only
 class RelayWorkspaceServiceAsyncStub(RelayWorkspaceServiceStub):
@@ -125,6 +129,10 @@ class RelayWorkspaceServiceAsyncStub(RelayWorkspaceServiceStub):
     """What a restore wrote given to the owner of the project's folder (never through a link)."""
     RemoveStore: _aio.UnaryUnaryMultiCallable[_workspace_pb2.RemoveStoreRequest, _workspace_pb2.RemoveStoreResponse]  # type: ignore[assignment]
     """The project's whole checkpoint store removed (its last session deleted)."""
+    CollectGarbage: _aio.UnaryUnaryMultiCallable[_workspace_pb2.CollectGarbageRequest, _workspace_pb2.CollectGarbageResponse]  # type: ignore[assignment]
+    """A gc pass over the store, bounded in time: what no ref names freed, by pieces."""
+    StoreSize: _aio.UnaryUnaryMultiCallable[_workspace_pb2.StoreSizeRequest, _workspace_pb2.StoreSizeResponse]  # type: ignore[assignment]
+    """What the store holds on disk, in bytes."""
 
 class RelayWorkspaceServiceServicer(metaclass=_abc_1.ABCMeta):
     """A project's files, on the relay's side."""
@@ -256,5 +264,21 @@ class RelayWorkspaceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_workspace_pb2.RemoveStoreResponse, _abc.Awaitable[_workspace_pb2.RemoveStoreResponse]]:
         """The project's whole checkpoint store removed (its last session deleted)."""
+
+    @_abc_1.abstractmethod
+    def CollectGarbage(
+        self,
+        request: _workspace_pb2.CollectGarbageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.CollectGarbageResponse, _abc.Awaitable[_workspace_pb2.CollectGarbageResponse]]:
+        """A gc pass over the store, bounded in time: what no ref names freed, by pieces."""
+
+    @_abc_1.abstractmethod
+    def StoreSize(
+        self,
+        request: _workspace_pb2.StoreSizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_workspace_pb2.StoreSizeResponse, _abc.Awaitable[_workspace_pb2.StoreSizeResponse]]:
+        """What the store holds on disk, in bytes."""
 
 def add_RelayWorkspaceServiceServicer_to_server(servicer: RelayWorkspaceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

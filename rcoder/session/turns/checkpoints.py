@@ -29,7 +29,7 @@ profile's placement is ``relay`` (the turn's, the session's, or for the file cal
 ahead, the default profile's) is snapshotted, diffed and restored by its relay, through a
 ``Repo`` of the relay's (``Relayed.checkpoints``); everything decided here (which commit a run
 names, which refs go, the locks) is decided the same way for both. Retention's sweep and gc reach
-only this host's stores.
+this host's stores and those of the relays alive as it runs.
 
 A project's snapshot is also taken ahead of its turns, in the background (``ahead``): when the
 daemon starts and finds a project this host has no index of, when a request of the file API first
@@ -58,13 +58,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rcoder.config import AgentProfile, Settings, checkpoint_root
 from rcoder.domain import ChangeKind, FileChange, NotStored, RunKind, RunRecord
-from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, RelayUnavailable, StoreError
+from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, RcoderError, RelayUnavailable, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.hosts.checkpoint_sharing import MARKS
 from rcoder.session.runs.run import RUN_MISSING
 from rcoder.session.sessions.workspace import PROJECT_ID
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref, store_bytes
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, GcPass, commit_ref, store_bytes
 from rcoder.store.git_changes import listed
 from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard, GitResult
@@ -119,12 +119,18 @@ class RelayedRepo(Repo, Protocol):
 
     async def remove_store(self) -> None: ...
 
+    async def gc(self, bound: float) -> GcPass: ...
+
+    async def store_bytes(self) -> int: ...
+
 
 class Relayed(Protocol):
     """The relayed projects' stores (``rcoder.relay.workspace_client.RelayedWorkspaces``, passed in
     by the daemon)."""
 
     async def checkpoints(self, project_id: str, work_tree: str, bounds: Bounds) -> RelayedRepo: ...
+
+    async def live(self) -> list[str]: ...
 
 
 def ref(run_id: str, which: str) -> str:
@@ -285,7 +291,8 @@ class Checkpoints:
         assert self._relayed is not None
         work_tree = str(cwd) if cwd else str(self._workspace / project_id)
         repo = self._relayed_repos.get(project_id)
-        if repo is None or str(getattr(repo, "work_tree", "")) != work_tree:
+        # one asked with no cwd (a sweep, a snapshot ahead) takes the store as the last turn named it
+        if repo is None or (cwd and str(getattr(repo, "work_tree", "")) != work_tree):
             repo = await self._relayed.checkpoints(project_id, work_tree, self._bounds)
             self._relayed_repos[project_id] = repo
         return repo
@@ -581,22 +588,37 @@ class Checkpoints:
         """Off the hot path, for every store this host can see: the snapshots retention lets go
         deleted (``_retain``), then a ``gc`` pass bounded by ``checkpoint_gc_timeout``; a store
         still past ``checkpoint_store_max_bytes`` then sheds its oldest snapshots (``_shed``)."""
-        if not self.enabled or not self._root.is_dir():
+        if not self.enabled:
             return
-        for git_dir in sorted(self._root.glob("*.git")):
+        found = sorted(self._root.glob("*.git")) if self._root.is_dir() else []
+        for git_dir in found:
             project_id = git_dir.name.removesuffix(".git")
-            try:
-                async with self.locks[project_id]:
-                    repo = self.repo(project_id)
-                    await self._retain(repo, project_id, keep_days, now)
-                    await self._collect(repo, project_id)
-                    if await asyncio.to_thread(store_bytes, repo.git_dir) > self._bounds.max_store_bytes:
-                        await self._shed(repo, project_id)
-                        await self._collect(repo, project_id)
-            except (CheckpointError, OSError, StoreError) as exc:
-                log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
+            await self._sweep_one(project_id, False, keep_days, now)
+        # the relayed projects' stores, in their relays: those whose relays live now (a relay is not
+        # started to be swept; its store waits for its next turn's sweep)
+        try:
+            relayed = await self._relayed.live() if self._relayed is not None else []
+        except (RcoderError, OSError) as exc:
+            log.warning("checkpoint_sweep_failed", project_id="", error=str(exc)[:500])
+            relayed = []
+        for project_id in relayed:
+            await self._sweep_one(project_id, True, keep_days, now)
 
-    async def _retain(self, repo: CheckpointRepo, project_id: str, keep_days: float, now: float) -> None:
+    async def _sweep_one(self, project_id: str, relayed: bool, keep_days: float, now: float) -> None:
+        try:
+            async with self.locks[project_id]:
+                repo: CheckpointRepo | RelayedRepo = (
+                    await self._relayed_repo(project_id, None) if relayed else self.repo(project_id)
+                )
+                await self._retain(repo, project_id, keep_days, now)
+                await self._collect(repo, project_id)
+                if await _store_bytes(repo) > self._bounds.max_store_bytes:
+                    await self._shed(repo, project_id)
+                    await self._collect(repo, project_id)
+        except (CheckpointError, OSError, StoreError, RelayUnavailable) as exc:
+            log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
+
+    async def _retain(self, repo: Repo, project_id: str, keep_days: float, now: float) -> None:
         """Delete the refs of snapshots older than ``keep_days`` (0: none by age) and of those past
         the newest ``checkpoint_keep`` (0: none by count), but those a run started since names
         (a quiet turn reuses an old snapshot) and those a turn here is about to record. A run's
@@ -619,7 +641,7 @@ class Checkpoints:
             past = {name.removeprefix(COMMIT_REF_PREFIX) for _, name in newest[self._keep :]}
             await self._forget_commits(repo, project_id, past, since)
 
-    async def _shed(self, repo: CheckpointRepo, project_id: str) -> None:
+    async def _shed(self, repo: CheckpointRepo | RelayedRepo, project_id: str) -> None:
         """A store past ``checkpoint_store_max_bytes`` after gc: the oldest half of its snapshots
         go, whatever run names them (those runs keep their rows and changes; their diff and a
         rewind to them answer ``NO_CHECKPOINT``), but the newest and those a turn here is about
@@ -627,7 +649,8 @@ class Checkpoints:
         refs = await repo.refs(COMMIT_REF_PREFIX)
         # by commit time, then (snapshots of one second) by when each loose ref was written: the
         # newest is never the one a tie of seconds sorts first by name
-        order = sorted((when, _written_ns(repo.git_dir / name), name) for name, when in refs.items())
+        git_dir = repo.git_dir if isinstance(repo, CheckpointRepo) else None  # a relay's: by time and name
+        order = sorted((when, _written_ns(git_dir / name) if git_dir else 0, name) for name, when in refs.items())
         oldest = [name for _, _, name in order][:-1]
         shed = {name.removeprefix(COMMIT_REF_PREFIX) for name in oldest[: max(1, len(oldest) // 2)]}
         shed -= self._unsettled()
@@ -635,7 +658,7 @@ class Checkpoints:
             await repo.delete_refs([commit_ref(c) for c in sorted(shed)])
             log.warning("checkpoint_store_shed", project_id=project_id, snapshots=len(shed), left=len(refs) - len(shed))
 
-    async def _collect(self, repo: CheckpointRepo, project_id: str) -> None:
+    async def _collect(self, repo: CheckpointRepo | RelayedRepo, project_id: str) -> None:
         done = await repo.gc(self._gc_bound)
         if done.cut:
             log.warning("checkpoint_gc_cut", project_id=project_id, packs=done.packs, freed=done.freed, why=done.cut)
@@ -684,6 +707,13 @@ async def checkpoint_discard(checkpoints: Checkpoints, scope: ClaimedTurn) -> No
         log.warning("checkpoint_discard_failed", run_id=plan.run_id, error=exc.message[:500])
         return
     log.info("checkpoint_discarded", run_id=plan.run_id)
+
+
+async def _store_bytes(repo: CheckpointRepo | RelayedRepo) -> int:
+    """What a store holds on disk: this host's, read here; a relay's, asked of it."""
+    if isinstance(repo, CheckpointRepo):
+        return await asyncio.to_thread(store_bytes, repo.git_dir)
+    return await repo.store_bytes()
 
 
 def _written_ns(ref: Path) -> int:

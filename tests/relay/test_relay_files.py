@@ -31,6 +31,8 @@ from rcoder.agent.profiles.profile import relays_root
 from rcoder.config import load_settings
 from rcoder.domain import RunRecord, RunStatus, SessionRecord
 from rcoder.relay.host import HostRelays
+from rcoder.relay.v1 import workspace_pb2 as workspace_pb
+from rcoder.relay.v1 import workspace_pb2_grpc as workspace_grpc
 from rcoder.relay.workspace_client import RelayedWorkspaces
 from rcoder.session.turns.checkpoints import Checkpoints
 from rcoder.store.sqlite import SqliteStore
@@ -38,6 +40,7 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1.agent_runner_pb2 import FileChangeKind as K
 from tests.conftest import DaemonFactory, exited
 from tests.harness import Client, FakeAgentSetup, completed, error_info, eventually, processes_mentioning
+from tests.relay.conftest import RelayFactory
 from tests.turns import read_until, rest_of, start_turn
 
 PROJECT = "proj"
@@ -395,3 +398,33 @@ async def test_retention_reaches_a_live_relays_store_as_it_reaches_a_local_one(t
 def refs_in(store: Path) -> set[str]:
     argv = ["git", f"--git-dir={store}", "for-each-ref", "--format=%(refname)"]
     return set(subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60).stdout.split())
+
+
+async def test_the_relay_states_an_entry_and_refuses_a_call_without_its_secret(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    """The workspace service's own contract, on a relay alone: StatFile gives the entry itself (a
+    link as a link), refusals carry the daemon's reasons, and a call without the relay's secret is
+    refused before it reaches a file."""
+    root = project(tmp_path)
+    (root / "a.txt").write_bytes(b"hello\n")
+    os.chmod(root / "a.txt", 0o640)
+    os.symlink("/etc/hostname", root / "out")
+    relay = await make_relay()
+    async with relay.channel() as channel:
+        stub = workspace_grpc.RelayWorkspaceServiceStub(channel)
+        where = workspace_pb.Project(workspace_root=str(tmp_path / "workspace"), project_id=PROJECT, max_file_bytes=MIB)
+
+        def stat(*path: str) -> workspace_pb.StatFileRequest:
+            return workspace_pb.StatFileRequest(project=where, path=list(path))
+
+        found = await stub.StatFile(stat("a.txt"), metadata=relay.metadata)
+        assert (found.entry.kind, found.entry.size, found.entry.mode) == ("file", 6, 0o640)
+        link = await stub.StatFile(stat("out"), metadata=relay.metadata)
+        assert (link.entry.kind, link.entry.link_target) == ("symlink", "/etc/hostname")
+        exc = await refused(stub.StatFile(stat("nope"), metadata=relay.metadata))
+        assert said(exc) == ("NOT_FOUND", "FILE_NOT_FOUND")
+        exc = await refused(stub.StatFile(stat("..", "x"), metadata=relay.metadata))
+        assert said(exc) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT")
+        exc = await refused(stub.StatFile(stat("a.txt")))
+        assert exc.code() == grpc.StatusCode.UNAUTHENTICATED

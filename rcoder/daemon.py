@@ -45,6 +45,7 @@ from rcoder.metrics import Metrics
 from rcoder.relay.container_host import ContainerHostRelays, ContainerPlacement, ProfilePaths
 from rcoder.relay.engine_api import Engine
 from rcoder.relay.host import HostRelays
+from rcoder.relay.workspace_client import RelayedWorkspaces
 from rcoder.session.files.project_files import ProjectFiles
 from rcoder.session.guards.disk import DiskGuard
 from rcoder.session.guards.spend import SpendGuard
@@ -151,7 +152,12 @@ class Daemon:
         # to whether a project is busy; and the one scope of the tasks the turns start.
         self.live = LiveSessions(settings.max_queued_turns, self.runs, self.store, self.pool, self.leases)
         jail = git_jail(settings, self.trees)
-        self.checkpoints = Checkpoints(settings, self.store, self.trees, jail)  # docs/checkpoints.md
+        # a relayed project's files and checkpoints are its relay's (docs/relay.md#files-and-checkpoints)
+        self.workspaces = RelayedWorkspaces(
+            self.relays, settings.workspace_root, settings.max_file_bytes,
+            by_default=settings.agents[settings.default_agent].placement == "relay",
+        )  # fmt: skip
+        self.checkpoints = Checkpoints(settings, self.store, self.trees, jail, self.workspaces)  # docs/checkpoints.md
         self.intake = self._intake(settings)
         queries = Queries(settings, self.store, self.pool, self.runs, self.live, self.launcher)
         tls = None
@@ -181,7 +187,9 @@ class Daemon:
         routes = Routes(router, self.forwarder, lambda: self.advertise_address)
         self.audit = AuditTrail(self.store, queries.project_of_session)
         accounting = Accounting(lambda *labels: self.metrics.requests.labels(*labels).inc(), self.audit)
-        self.files = ProjectFiles(settings, self.store, self.live, checkpoints=self.checkpoints)  # docs/files.md
+        self.files = ProjectFiles(
+            settings, self.store, self.live, checkpoints=self.checkpoints, relayed=self.workspaces
+        )  # docs/files.md
         self.server = GrpcServer(
             AgentRunnerService(self.intake, queries, routes, self.files),
             settings.listen,

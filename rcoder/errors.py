@@ -403,6 +403,13 @@ class SessionGone(AgentError):
         self.why = why
 
 
+class RelayUnavailable(RcoderError):
+    """A relayed project's relay could not be reached, or refused the daemon itself (its secret):
+    its files and checkpoints are there and nowhere else (docs/relay.md#files-and-checkpoints)."""
+
+    reason = "RELAY_UNAVAILABLE"
+
+
 # ---------------------------------------------------------------- checkpoints (docs/checkpoints.md)
 
 

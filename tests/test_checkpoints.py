@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rcoder.agent.files.blocking import TEMP_PREFIX
 from rcoder.config import load_settings
 from rcoder.errors import ConfigError
-from rcoder.session.files.blocking import TEMP_PREFIX
 from rcoder.store.checkpoint_repo import ALWAYS_EXCLUDED, CheckpointRepo
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.checkpoint_stores import git, store_refs

@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "store": {"store", "domain", "errors", "logs"},
     # `rcoder relay` (docs/relay.md): a gRPC edge of its own, in a process of its own, spawning agents as
     # the daemon does; its generated code (rcoder/relay/v1) is part of it
-    "relay": {"relay", "agent", "errors", "logs", "landlock", "data_lock", ROOT},
+    # its checkpoint stores too, with the store's git code (docs/relay.md#files-and-checkpoints)
+    "relay": {"relay", "agent", "store", "domain", "errors", "logs", "landlock", "data_lock", ROOT},
     "domain": set(),
     "errors": set(),
     "config": {"config_types", "config_groups", "domain", "errors", "builtin_agents", "landlock", "addresses"},

@@ -25,9 +25,17 @@ from rcoder.api import convert
 from rcoder.api.gate import Undecodable
 from rcoder.api.scope import Call, Scope
 from rcoder.logs import get_logger
-from rcoder.session.files.blocking import MAX_DEPTH, Cursor, Entry
-from rcoder.session.files.folder_read import MAX_POSITION
-from rcoder.session.files.project_files import ABSENT, CHUNK_BYTES, ProjectFiles, WriteHead, path_parts
+from rcoder.session.files.project_files import (
+    ABSENT,
+    CHUNK_BYTES,
+    MAX_DEPTH,
+    MAX_POSITION,
+    Cursor,
+    Entry,
+    ProjectFiles,
+    WriteHead,
+    path_parts,
+)  # fmt: skip
 from rcoder.session.sessions.workspace import check_project_id
 from rcoder.v1 import agent_runner_pb2 as pb
 

@@ -56,6 +56,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.NoCheckpoint, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.CheckpointError, grpc.StatusCode.UNAVAILABLE),
+    (errors.RelayUnavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.AgentError, grpc.StatusCode.UNAVAILABLE),
     (errors.RcoderError, grpc.StatusCode.INTERNAL),
 )

@@ -97,6 +97,18 @@ class HostRelays:
             self._end_spawned(relay, start)
             raise
 
+    async def channel_of(
+        self, project: str, start: bool
+    ) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]] | None:
+        """The channel to ``project``'s relay and the metadata its calls carry (its secret), for its
+        files and checkpoints (``rcoder.relay.workspace_client``): the relay held here or found alive
+        in its folder; with ``start``, a new one when none lives; None when none lives otherwise."""
+        held = self._relays.get(project)
+        if not start and not (held is not None and _alive(held.pid)) and _holder(self._root / project) is None:
+            return None
+        relay = await self._relay(project, "its files")
+        return relay.channel, relay.metadata
+
     def _end_spawned(self, relay: _Relay, start: RelayedStart) -> None:
         """A spawn that failed or was cancelled once asked: whatever the relay started for it (its
         session name is its own) is ended in the background, so that no agent runs that nobody owns."""

@@ -20,9 +20,12 @@ from pathlib import Path
 
 import grpc
 
+from rcoder import landlock
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups
+from rcoder.agent.confinement.sandbox import around, wrapper_command
+from rcoder.agent.files.threads import FileThreads
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
-from rcoder.agent.processes.tree import Trees
+from rcoder.agent.processes.tree import MARK, Trees
 from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
@@ -30,6 +33,9 @@ from rcoder.relay.agents import Agents
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+from rcoder.relay.v1 import workspace_pb2_grpc as workspace_grpc
+from rcoder.relay.workspace_service import UPLOADS_FOLDER, CheckpointStores, RelayWorkspaceService, Workspaces
+from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 
 log = get_logger("rcoder.relay")
 
@@ -63,6 +69,19 @@ class RelayOptions:
             raise ConfigError("stop-grace", "seconds above 0")
         if self.keep_exited < 0:
             raise ConfigError("keep-exited", "a count, 0 or more")
+
+
+def git_jail(hidden: list[Path], trees: Trees) -> GitJail | None:
+    """How the checkpoints' git runs in the relay, as in the daemon (docs/checkpoints.md#confinement):
+    through the agents' exec wrapper, reading the system around the relay's own folder and TLS
+    files, marked as this relay run's for the sweep after a killed relay; unconfined (said once)
+    where the kernel has no Landlock."""
+    if not landlock.abi():
+        effect = "a snapshot or a rewind may reach outside its project through a link the agent swaps in"
+        log.warning("relay_checkpoint_git_unconfined", reason=landlock.why_not() or "no Landlock", effect=effect)
+        return None
+    system = [p for path in GIT_SYSTEM for p in around(Path(path), hidden)]
+    return GitJail(wrapper_command(), system, {MARK: trees.new_mark()})
 
 
 def leave_starters_session() -> None:
@@ -112,6 +131,10 @@ async def serve(options: RelayOptions) -> int:
         ],
     )
     pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents), server)
+    # the projects' files and checkpoints, where they are (docs/relay.md#files-and-checkpoints)
+    workspaces = Workspaces(FileThreads(), folder / UPLOADS_FOLDER)
+    stores = CheckpointStores(folder, trees, git_jail(hidden, trees))
+    workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces, stores), server)
     socket_path = folder / SOCKET_FILE
     socket_path.unlink(missing_ok=True)
     if server.add_insecure_port(f"unix:{socket_path}") == 0:
@@ -140,6 +163,7 @@ async def serve(options: RelayOptions) -> int:
         log.info("relay_stopping", agents=len(agents.all()))
         await server.stop(grace=1.0)
         await agents.aclose()
+        workspaces.close()
         forget_instance(pid_dir, trees.instance)  # every process below the relay is ended
         await asyncio.to_thread(cgroups.close)
         socket_path.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from rcoder.store.exclude_patterns import ExcludePatterns
 from rcoder.store.tree_stat import IN_REPOSITORY, IN_TREE, Entry, is_dot_git
 
 # left out of every snapshot and its list whatever the profile says: a file the file API is still
-# writing, before it is renamed over its path (rcoder.session.files.blocking.TEMP_PREFIX), half a
+# writing, before it is renamed over its path (rcoder.agent.files.blocking.TEMP_PREFIX), half a
 # file a rewind would otherwise bring back or remove
 ALWAYS_EXCLUDED = (".rcoder-upload-*.tmp",)
 _HIDDEN = re.compile(rb"\.rcoder-upload-.*\.tmp", re.DOTALL)

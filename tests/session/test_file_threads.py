@@ -1,4 +1,4 @@
-"""The file RPCs' threads shared fairly (rcoder.session.files.threads, docs/files.md#fair-share):
+"""The file RPCs' threads shared fairly (rcoder.agent.files.threads, docs/files.md#fair-share):
 the steps of one project past its bound, and of one caller past its, wait without holding a thread,
 so another project's step runs at once. Ordering, not timing: steps are held on events."""
 
@@ -10,7 +10,7 @@ from functools import partial
 
 import pytest
 
-from rcoder.session.files.threads import FileThreads
+from rcoder.agent.files.threads import FileThreads
 from tests.harness import eventually
 
 pytestmark = pytest.mark.fast  # starts no process

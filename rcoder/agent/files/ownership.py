@@ -19,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from rcoder.agent.files.beneath import DIR_FLAGS, Beneath
+from rcoder.domain import ChangeKind, FileChange
 from rcoder.logs import get_logger
 
 log = get_logger(__name__)
@@ -124,3 +126,47 @@ def blocked(path: Path, owner: tuple[int, int]) -> Path | None:
         if not mode & bit:
             return step
     return None
+
+
+def give_back(project: Path, changes: Sequence[FileChange], beneath: Beneath | None = None) -> None:
+    """What the rewind wrote belongs to the project folder's owner, as the rest of it does (a
+    daemon run as root writes as root; its agents may run as a uid of their own).
+
+    Each entry is reached from the project's folder descriptor through real folders only
+    (``Beneath.exact``) and changed with ``fchownat`` relative to its folder, never followed:
+    a folder the agent swapped for a link meanwhile is left alone, so nothing outside the project
+    is ever given away (docs/files.md#the-daemons-own-work). A file with more than one hard link
+    is not given (it may be another name of a file elsewhere), as the rest of this module does."""
+    if os.geteuid() != 0:
+        return
+    beneath = beneath or Beneath()
+    written: set[tuple[str, ...]] = set()
+    for change in changes:
+        if change.kind is ChangeKind.DELETED:
+            continue
+        parts = tuple(name for name in change.path.split("/") if name not in ("", "."))
+        if not parts or ".." in parts:
+            continue
+        written.update(parts[:i] for i in range(1, len(parts) + 1))
+    root = os.open(project, DIR_FLAGS | os.O_NOFOLLOW)
+    try:
+        owner = os.fstat(root)
+        for parts in sorted(written):
+            try:
+                folder = beneath.exact(root, parts[:-1], DIR_FLAGS)
+            except OSError:  # gone, or a name on the way is a link now: not followed
+                continue
+            try:
+                info = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
+                if (info.st_uid, info.st_gid) == (owner.st_uid, owner.st_gid):
+                    continue
+                if info.st_nlink > 1 and not stat.S_ISDIR(info.st_mode) and not stat.S_ISLNK(info.st_mode):
+                    log.warning("not_given_hard_link", path="/".join(parts), links=info.st_nlink)
+                    continue
+                os.chown(parts[-1], owner.st_uid, owner.st_gid, dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(folder)
+    finally:
+        os.close(root)

@@ -1,27 +1,16 @@
 """A project's files through the API: ListFiles, ReadFile, WriteFile, DeleteFile (docs/files.md).
 
-Every path is resolved beneath ``<workspace_root>/<project_id>`` and no link out of it is followed
-(``rcoder.agent.files.beneath``); the blocking work runs in threads (``rcoder.session.files.blocking``).
-The rules added here:
+The work on the files is ``rcoder.agent.files.disk``'s (paths beneath the project, sizes, whole
+files, compare-and-swap), done where the files are: on this host's disk for a local project, in the
+project's relay for a relayed one (``Relayed``, docs/relay.md#files-and-checkpoints), which answers
+with the same code and so the same errors. The rules added here need the daemon's own state:
 
-- **Sizes.** A file past ``max_file_bytes`` is refused (``RESOURCE_EXHAUSTED``): ReadFile before
-  a byte is sent, WriteFile as soon as its stream passes the bound, leaving nothing behind.
-- **Whole files.** A write goes to a temporary file in the target's folder, is synced, then renamed
-  over the target: a reader sees the old file or the new, never half of one. A stream that ends
-  early (the client cancelled, the connection broke) removes the temporary file.
-- **Compare-and-swap.** ``if_sha256`` is checked when the write starts (a stale write fails before
-  its data is sent) and again under a per-file lock held from that check to the rename, so of two
-  writers based on the same file exactly one wins on this host. The lock is keyed on the file
-  itself, not on the path as given: the device and inode of the folder the write renames into, and
-  the name there (``pf.FileKey``), so two paths to one file (one through a link inside the project)
-  share it; the check under the lock reads the file through that same folder descriptor. Between
-  hosts sharing a workspace the lock is not shared: the check and the rename are then a few system
-  calls apart, not atomic.
 - **Turns.** A write or a delete while a turn runs in the project is refused (``PROJECT_BUSY``)
   unless the request sets ``while_busy``: a platform that changes files under a working agent
   usually has a bug, and one that means it says so. "A turn runs" is this host's own turns (from
   the moment one claims its session, before its agent has started) and the store's running runs
-  (any host's). Checked when the request starts and again just before the rename.
+  (any host's). Checked when the request starts and again just before the rename (for a relayed
+  project: once the data is all sent, before the relay renames).
 - **Checkpoints.** A project's snapshot is taken in the background after each write or delete, and
   when a request first names a project this host has no snapshot of, so that its next turn does not
   wait for git to read it (docs/checkpoints.md#snapshots-taken-ahead).
@@ -29,38 +18,34 @@ The rules added here:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime
-from functools import partial
-from typing import Protocol, TypeVar
+from collections.abc import AsyncIterator
+from typing import Protocol
 
-from rcoder.agent.files.beneath import Beneath, open_project, path_parts, remove_empty_folder
+from rcoder.agent.files.beneath import Beneath, path_parts
+from rcoder.agent.files.blocking import MAX_DEPTH, Cursor, Entry, Listing
+from rcoder.agent.files.disk import ABSENT, CHUNK_BYTES, Check, Chunk, ProjectDisk, WriteHead, Written
+from rcoder.agent.files.folder_read import MAX_POSITION
+from rcoder.agent.files.threads import FileThreads
+from rcoder.agent.files.upload_journal import UploadJournal
 from rcoder.config import Settings
-from rcoder.errors import ProjectBusy, RcoderError, ResourceExhausted, Sha256Mismatch, human_bytes
+from rcoder.errors import ProjectBusy
 from rcoder.logs import get_logger
-from rcoder.session.files import blocking as pf
-from rcoder.session.files.threads import FileThreads
-from rcoder.session.files.upload_journal import UploadJournal
 from rcoder.store.base import SessionStore
 
-__all__ = ["ABSENT", "CHUNK_BYTES", "Chunk", "ProjectFiles", "WriteHead", "Written", "path_parts"]
+__all__ = [
+    "ABSENT", "CHUNK_BYTES", "MAX_DEPTH", "MAX_POSITION", "Chunk", "Cursor", "Entry", "Listing", "ProjectFiles",
+    "Relayed", "WriteHead", "Written", "path_parts",
+]  # fmt: skip
 
-CHUNK_BYTES = 1 << 20  # the most data one FileChunk or WriteFileChunk carries
-ABSENT = "absent"  # if_sha256: write only where there is no file yet
-UPLOADS_FOLDER = "uploads"  # beneath data_dir: the writes under way (rcoder.session.files.upload_journal)
+UPLOADS_FOLDER = "uploads"  # beneath data_dir: the writes under way (rcoder.agent.files.upload_journal)
 log = get_logger(__name__)
-T = TypeVar("T")
 
 
 class SnapshotsAhead(Protocol):
     """What the file calls ask of the checkpoints (``rcoder.session.turns.checkpoints.Checkpoints``,
     passed in by the daemon): a project's snapshot taken ahead of its next turn."""
 
-    def ahead(self, project_id: str, first_only: bool = False) -> None: ...
+    def ahead(self, project_id: str, first_only: bool = False, relayed: bool = False) -> None: ...
 
 
 class ProjectsBusy(Protocol):
@@ -73,43 +58,31 @@ class ProjectsBusy(Protocol):
     def busy_here(self, project_id: str, besides: str = "") -> str | None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class FileHead:
-    size: int
-    mode: int
-    mtime: datetime
-    sha256: str
+class Workspace(Protocol):
+    """A project's files where they are: ``ProjectDisk`` on this host's disk, or a relay's
+    (``rcoder.relay.workspace_client.WorkspaceClient``); the same calls, the same answers."""
+
+    async def list(
+        self, project_id: str, parts: tuple[str, ...], recursive: bool, limit: int, cursor: Cursor | None,
+        caller: str = "",
+    ) -> Listing: ...  # fmt: skip
+
+    def read(
+        self, project_id: str, parts: tuple[str, ...], offset: int, limit: int, caller: str = ""
+    ) -> AsyncIterator[Chunk]: ...
+
+    async def write(
+        self, head: WriteHead, chunks: AsyncIterator[bytes], caller: str = "", check: Check = ...
+    ) -> Written: ...
+
+    async def delete(self, project_id: str, parts: tuple[str, ...], recursive: bool, caller: str = "") -> str: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    data: bytes
-    offset: int
-    head: FileHead | None  # the first chunk's: the whole file
+class Relayed(Protocol):
+    """Which projects' files are a relay's, and that relay's workspace
+    (``rcoder.relay.workspace_client.RelayedWorkspaces``, passed in by the daemon)."""
 
-
-@dataclass(frozen=True, slots=True)
-class WriteHead:
-    project_id: str
-    parts: tuple[str, ...]
-    mode: int  # 0: the replaced file's, or 0644
-    if_sha256: str  # "": no compare; ABSENT; else lowercase hex
-    while_busy: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Who:
-    """Whose step a file thread runs: its project and its caller (``FileThreads``' slots)."""
-
-    project_id: str
-    caller: str
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    sha256: str
-    size: int
-    mode: int
+    async def files(self, project_id: str) -> Workspace | None: ...
 
 
 class ProjectFiles:
@@ -120,55 +93,29 @@ class ProjectFiles:
         live: ProjectsBusy,
         beneath: Beneath | None = None,
         checkpoints: SnapshotsAhead | None = None,
+        relayed: Relayed | None = None,
     ) -> None:
-        self._root = settings.workspace_root
         self._checkpoints = checkpoints  # snapshots taken ahead of turns (``_snapshot_ahead``)
-        self._max_bytes = settings.max_file_bytes
         self._store = store
         self._live = live  # whether the project is busy (what runs in it, here or on another host)
-        self._beneath = beneath or Beneath()
-        self._locks: dict[pf.FileKey, tuple[asyncio.Lock, int]] = {}
-        self._threads = FileThreads()  # shared fairly by projects and callers (docs/files.md#fair-share)
-        self._journal = UploadJournal(settings.data_dir / UPLOADS_FOLDER)
+        self._relayed = relayed  # the projects whose files are their relay's (None: every project is local)
+        journal = UploadJournal(settings.data_dir / UPLOADS_FOLDER)
+        threads = FileThreads()  # shared fairly by projects and callers (docs/files.md#fair-share)
+        self.disk = ProjectDisk(settings.workspace_root, settings.max_file_bytes, journal, threads, beneath)
 
     def sweep_uploads(self) -> int:
-        """Remove the temporary files of the writes a stopped daemon left unfinished, and the
-        folders they made (``rcoder.session.files.upload_journal``); how many files and folders. Blocking:
-        called at start, in a thread. A file is removed only if it is still a regular file by that
-        name, a folder only if it is still an empty folder, each reached through real folders only."""
-        removed = 0
-        for note, upload in self._journal.left():
-            if upload is not None:
-                try:
-                    with self._project(upload.project_id) as root:
-                        with contextlib.suppress(OSError):  # the folder is gone, or a link now: so is the file
-                            removed += pf.remove_temp(self._beneath, root, upload.folder, upload.name)
-                        for folder in reversed(upload.folders):  # the deepest first
-                            removed += remove_empty_folder(self._beneath, root, folder)
-                except (OSError, RcoderError) as exc:  # the project is gone: so is what the write left
-                    log.info("upload_leftover_not_removed", project_id=upload.project_id, error=str(exc)[:200])
-            UploadJournal.done(note)
-        return removed
+        """The temporary files of the writes a stopped daemon left, removed (``ProjectDisk.sweep_uploads``)."""
+        return self.disk.sweep_uploads()
 
     def close(self) -> None:
         """Let the threads go once idle (idempotent); the server has stopped its calls by then."""
-        self._threads.close()
+        self.disk.close()
 
-    async def _settled(
-        self, who: Who, parts: tuple[str, ...], work: Callable[[], T], undo: Callable[[T], None] | None = None
-    ) -> T:
-        """``work`` in a file thread, fairly (``FileThreads.run``); what the file system answers
-        about ``parts`` said as rcoder's own error (``translated``)."""
-        with pf.translated(parts):
-            return await self._threads.run(who.project_id, who.caller, work, undo)
-
-    @contextlib.contextmanager
-    def _project(self, project_id: str) -> Iterator[int]:
-        fd = open_project(self._root, project_id)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
+    async def _where(self, project_id: str) -> Workspace:
+        """Where the project's files are: its relay's workspace, or this host's disk."""
+        if self._relayed is not None and (relayed := await self._relayed.files(project_id)) is not None:
+            return relayed
+        return self.disk
 
     async def _refuse_if_busy(self, project_id: str, while_busy: bool) -> None:
         if not while_busy and (run_id := await self._live.busy(project_id)):
@@ -187,15 +134,12 @@ class ProjectFiles:
         parts: tuple[str, ...],
         recursive: bool,
         limit: int,
-        cursor: pf.Cursor | None,
+        cursor: Cursor | None,
         caller: str = "",
-    ) -> pf.Listing:
-        def work() -> pf.Listing:
-            with self._project(project_id) as root, pf.translated(parts):
-                return pf.list_entries(self._beneath, root, parts, recursive, limit, cursor)
-
-        listing = await self._settled(Who(project_id, caller), parts, work)
-        self._snapshot_ahead(project_id, first_only=True)
+    ) -> Listing:
+        where = await self._where(project_id)
+        listing = await where.list(project_id, parts, recursive, limit, cursor, caller)
+        self._snapshot_ahead(project_id, where, first_only=True)
         return listing
 
     async def read(
@@ -203,129 +147,44 @@ class ProjectFiles:
     ) -> AsyncIterator[Chunk]:
         """The file's chunks from ``offset``, ``limit`` bytes at most (0: to the end); the first
         carries the whole file's head (its SHA-256 over every byte, whatever the range)."""
-
-        def opened() -> pf.Opened:
-            with self._project(project_id) as root:
-                return pf.open_file(self._beneath, root, parts)
-
-        who = Who(project_id, caller)
-        file = await self._settled(who, parts, opened, lambda f: os.close(f.fd))
-        self._snapshot_ahead(project_id, first_only=True)
-        try:
-            if file.size > self._max_bytes:
-                raise self._too_large(pf.shown(parts), file.size)
-            sha = await self._settled(who, parts, lambda: pf.sha256_of(file.fd))
-            head: FileHead | None = FileHead(file.size, file.mode, file.mtime, sha)
-            end = file.size if not limit else min(file.size, offset + limit)
-            position = offset
-            while head is not None or position < end:
-                count = min(CHUNK_BYTES, end - position) if position < end else 0
-                read = partial(os.pread, file.fd, count, position)
-                data = await self._settled(who, parts, read) if count else b""
-                if count and not data:
-                    break  # the file shrank meanwhile: what there was
-                yield Chunk(data, position, head)
-                head = None
-                position += len(data)
-        finally:
-            os.close(file.fd)
-
-    def _too_large(self, path: str, size: int) -> ResourceExhausted:
-        return ResourceExhausted(
-            f"{path!r} holds {human_bytes(size)} or more, past limits.max_file_bytes ({human_bytes(self._max_bytes)})",
-            reason="FILE_TOO_LARGE",
-            path=path,
-            limit_bytes=str(self._max_bytes),
-        )
+        where = await self._where(project_id)
+        first = True
+        async for chunk in where.read(project_id, parts, offset, limit, caller):
+            if first:
+                self._snapshot_ahead(project_id, where, first_only=True)
+                first = False
+            yield chunk
 
     # ------------------------------------------------------------ changing
 
     async def write(self, head: WriteHead, chunks: AsyncIterator[bytes], caller: str = "") -> Written:
-        """Write the file from ``chunks`` (see the module's docstring)."""
-        who = Who(head.project_id, caller)
+        """Write the file from ``chunks`` (``ProjectDisk.write``), refused while a turn runs."""
         await self._refuse_if_busy(head.project_id, head.while_busy)
-        if head.if_sha256:
-            await self._compare(head, who)  # early: a stale write fails before its data is sent
 
-        def made() -> pf.TempFile:
-            with self._project(head.project_id) as root:
-                return pf.TempFile(self._beneath, root, head.parts, self._journal, head.project_id)
+        async def still_free() -> None:
+            await self._refuse_if_busy(head.project_id, head.while_busy)
 
-        temp = await self._settled(who, head.parts, made, pf.TempFile.discard)
-        try:
-            async for data in chunks:
-                if temp.size + len(data) > self._max_bytes:
-                    raise self._too_large(pf.shown(head.parts), temp.size + len(data))
-                await self._settled(who, head.parts, partial(temp.write, data))
-            mode = head.mode or await self._settled(who, head.parts, lambda: temp.target_mode(0))
-            await self._settled(who, head.parts, lambda: temp.sync(mode))
-            async with self._lock(temp.key):
-                await self._refuse_if_busy(head.project_id, head.while_busy)
-                if head.if_sha256:
-                    found = await self._settled(who, head.parts, temp.current_sha256)
-                    if (found or ABSENT) != head.if_sha256:
-                        raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
-                await self._settled(who, head.parts, lambda: self._commit(temp))
-            self._snapshot_ahead(head.project_id)
-            return Written(temp.digest.hexdigest(), temp.size, mode)
-        finally:
-            temp.discard()
-
-    @staticmethod
-    def _commit(temp: pf.TempFile) -> None:
-        with pf.translated(temp.parts):
-            temp.commit()
-
-    async def _compare(self, head: WriteHead, who: Who) -> None:
-        def current() -> str | None:
-            with self._project(head.project_id) as root:
-                return pf.current_sha256(self._beneath, root, head.parts)
-
-        found = await self._settled(who, head.parts, current)
-        if (found or ABSENT) != head.if_sha256:
-            raise Sha256Mismatch(pf.shown(head.parts), head.if_sha256, found or "")
+        where = await self._where(head.project_id)
+        written = await where.write(head, chunks, caller, still_free)
+        self._snapshot_ahead(head.project_id, where)
+        return written
 
     async def delete(
         self, project_id: str, parts: tuple[str, ...], recursive: bool, while_busy: bool, caller: str = ""
     ) -> str:
         """Remove the entry at ``parts`` (a link as a link); what it was."""
         await self._refuse_if_busy(project_id, while_busy)
-
-        def key() -> pf.FileKey:
-            with self._project(project_id) as root:
-                return pf.file_key(self._beneath, root, parts)
-
-        def work() -> str:
-            with self._project(project_id) as root:
-                return pf.delete(self._beneath, root, parts, recursive)
-
-        who = Who(project_id, caller)
-        async with self._lock(await self._settled(who, parts, key)):
-            removed = await self._settled(who, parts, work)
-        self._snapshot_ahead(project_id)
+        where = await self._where(project_id)
+        removed = await where.delete(project_id, parts, recursive, caller)
+        self._snapshot_ahead(project_id, where)
         return removed
 
-    def _snapshot_ahead(self, project_id: str, first_only: bool = False) -> None:
+    def _snapshot_ahead(self, project_id: str, where: Workspace, first_only: bool = False) -> None:
         """The project's snapshot taken in the background, so that its next turn finds it
         (docs/checkpoints.md#snapshots-taken-ahead); ``first_only``: only when this host has none
         of it yet. Not while a turn of this host runs in it: that turn's after snapshot reads
-        what a write (``while_busy``) changed."""
+        what a write (``while_busy``) changed. A relayed project's (``where`` is not this host's
+        disk) is taken by its relay, in its store."""
         if self._checkpoints is None or self._live.busy_here(project_id) is not None:
             return
-        self._checkpoints.ahead(project_id, first_only)
-
-    @contextlib.asynccontextmanager
-    async def _lock(self, key: pf.FileKey) -> AsyncIterator[None]:
-        """One writer at a time per file on this host (``key``: its folder's identity and its
-        name, however the path reached it); the lock is dropped with its last user."""
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
+        self._checkpoints.ahead(project_id, first_only, relayed=where is not self.disk)

@@ -123,7 +123,7 @@ class SessionEraser:
             await self._store.delete_run_checkpoints(record.session_id)
             left = not await self._store.list_sessions(record.project_id, limit=1)
             run_ids = [r.run_id for r in runs]
-            await self._checkpoints.forget_runs(record.project_id, run_ids, commits, left)
+            await self._checkpoints.forget_runs(record.project_id, run_ids, commits, left, record.agent)
         except (RcoderError, OSError) as exc:
             log.warning("checkpoints_not_erased", session_id=record.session_id, error=str(exc)[:300])
             return [f"the session's checkpoints could not be removed: {exc}"]

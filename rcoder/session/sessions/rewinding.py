@@ -29,21 +29,19 @@ to a commit again gives the same files (docs/checkpoints.md#a-rewind-finishes-or
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from pathlib import Path
+from typing import cast
 
-from rcoder.agent.files.beneath import DIR_FLAGS, Beneath
+from rcoder.agent.files.ownership import give_back
 from rcoder.agent.pool import AgentPool
 from rcoder.config import DEFAULT_CHECKPOINT_EXCLUDE, Settings
-from rcoder.domain import ChangeKind, FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
+from rcoder.domain import FileChange, RunKind, RunRecord, RunStatus, SessionRecord, StopReason, new_id
 from rcoder.errors import InvalidArgument, NoCheckpoint, NotFound, OtherSessionsWork, ProjectBusy, RcoderError
 from rcoder.logs import get_logger
 from rcoder.session.runs.run import RUN_MISSING, Run, RunRegistry, guarded
-from rcoder.session.turns.checkpoints import Checkpoints, encode_changes
+from rcoder.session.turns.checkpoints import Checkpoints, RelayedRepo, Repo, encode_changes
 from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.store.base import RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.checkpoint_repo import CheckpointRepo
@@ -64,50 +62,6 @@ class Rewound:
     changes_unlisted: int = 0  # how many more files it changed back than ``changes`` lists
     # what it could not bring back: files whose content is not stored, and the project's own .git
     not_restored: tuple[FileChange, ...] = ()
-
-
-def give_back(project: Path, changes: Sequence[FileChange], beneath: Beneath | None = None) -> None:
-    """What the rewind wrote belongs to the project folder's owner, as the rest of it does (a
-    daemon run as root writes as root; its agents may run as a uid of their own).
-
-    Each entry is reached from the project's folder descriptor through real folders only
-    (``Beneath.exact``) and changed with ``fchownat`` relative to its folder, never followed:
-    a folder the agent swapped for a link meanwhile is left alone, so nothing outside the project
-    is ever given away (docs/files.md#the-daemons-own-work). A file with more than one hard link
-    is not given (it may be another name of a file elsewhere), as ``rcoder.agent.files.ownership`` does."""
-    if os.geteuid() != 0:
-        return
-    beneath = beneath or Beneath()
-    written: set[tuple[str, ...]] = set()
-    for change in changes:
-        if change.kind is ChangeKind.DELETED:
-            continue
-        parts = tuple(name for name in change.path.split("/") if name not in ("", "."))
-        if not parts or ".." in parts:
-            continue
-        written.update(parts[:i] for i in range(1, len(parts) + 1))
-    root = os.open(project, DIR_FLAGS | os.O_NOFOLLOW)
-    try:
-        owner = os.fstat(root)
-        for parts in sorted(written):
-            try:
-                folder = beneath.exact(root, parts[:-1], DIR_FLAGS)
-            except OSError:  # gone, or a name on the way is a link now: not followed
-                continue
-            try:
-                info = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
-                if (info.st_uid, info.st_gid) == (owner.st_uid, owner.st_gid):
-                    continue
-                if info.st_nlink > 1 and not stat.S_ISDIR(info.st_mode) and not stat.S_ISLNK(info.st_mode):
-                    log.warning("not_given_hard_link", path="/".join(parts), links=info.st_nlink)
-                    continue
-                os.chown(parts[-1], owner.st_uid, owner.st_gid, dir_fd=folder, follow_symlinks=False)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(folder)
-    finally:
-        os.close(root)
 
 
 class SessionRewinder:
@@ -151,7 +105,7 @@ class SessionRewinder:
         self, record: SessionRecord, target: RunRecord, rewind_id: str, include_other_sessions: bool
     ) -> Rewound:
         session_id, run_id, project_id = record.session_id, target.run_id, record.project_id
-        repo = self._checkpoints.repo(project_id, record.cwd)
+        repo = await self._checkpoints.store_of(project_id, record.cwd, self._checkpoints.relayed(record.agent))
         excludes = self._excludes(record)
         async with self._checkpoints.locks[project_id]:
             # asked again now that it is this rewind's turn: what claimed the project meanwhile
@@ -234,7 +188,7 @@ class SessionRewinder:
         if run is None or stored is None or record is None:
             return
         before, target_id = run.checkpoint_before, stored.target_run_id
-        repo = self._checkpoints.repo(record.project_id, record.cwd)
+        repo = await self._checkpoints.store_of(record.project_id, record.cwd, self._checkpoints.relayed(record.agent))
         excludes = self._excludes(record)
         async with self._checkpoints.locks[record.project_id]:
             try:
@@ -266,7 +220,7 @@ class SessionRewinder:
                     run_id=target_id, files=len(changed))  # fmt: skip
 
     async def _others_work(
-        self, repo: CheckpointRepo, record: SessionRecord, target: RunRecord, now: str, goal: str
+        self, repo: Repo, record: SessionRecord, target: RunRecord, now: str, goal: str
     ) -> list[RunRecord]:
         """The runs of other sessions since ``target`` that changed a file this rewind changes back
         (docs/checkpoints.md#other-sessions-work): a run's own changes are the files that differ
@@ -314,7 +268,7 @@ class SessionRewinder:
         return record, target
 
     async def _restore(
-        self, repo: CheckpointRepo, excludes: Sequence[str], rewind_id: str, goal: str, before: str
+        self, repo: Repo, excludes: Sequence[str], rewind_id: str, goal: str, before: str
     ) -> tuple[str, tuple[FileChange, ...], tuple[FileChange, ...]]:
         """The project's files written back to ``goal`` (a snapshot of them as they are now must
         just have been taken): the rewind's after commit, what changed since ``before``, and what
@@ -324,17 +278,17 @@ class SessionRewinder:
         after = await repo.snapshot(excludes, f"after rewind {rewind_id}", capped=False)
         self._checkpoints.pending(rewind_id, after)
         changed = await repo.changes(before, after, listed_only=False)
-        await asyncio.to_thread(give_back, repo.work_tree, changed)
+        await given_back(repo, changed)
         return after, changed, tuple(lost)
 
-    async def _roll_back(self, repo: CheckpointRepo, excludes: Sequence[str], rewind_id: str, before: str) -> str:
+    async def _roll_back(self, repo: Repo, excludes: Sequence[str], rewind_id: str, before: str) -> str:
         """After a restore that failed half-way: the files as they were before the rewind. What
         was done, as the run's record says it."""
         try:
             middle = await repo.snapshot(excludes, f"rolling back rewind {rewind_id}", capped=False)
             self._checkpoints.pending(rewind_id, middle)
             await repo.restore(before)
-            await asyncio.to_thread(give_back, repo.work_tree, await repo.changes(middle, before, listed_only=False))
+            await given_back(repo, await repo.changes(middle, before, listed_only=False))
         except (RcoderError, OSError) as exc:
             log.warning("rewind_roll_back_failed", rewind_run_id=rewind_id, error=said(exc), before=before)
             return f"putting the files back failed too ({said(exc)}): the project's snapshot before it is {before}"
@@ -347,6 +301,15 @@ class SessionRewinder:
         await self._store.set_provider_session_id(session_id, "", self._clock())
         await self._store.cut_transcript(session_id, run_id)
         return stopped
+
+
+async def given_back(repo: Repo, changes: Sequence[FileChange]) -> None:
+    """What a restore wrote, given to the project folder's owner (``give_back``) where the files
+    are: here, or by a relayed project's relay (docs/relay.md#files-and-checkpoints)."""
+    if isinstance(repo, CheckpointRepo):
+        await asyncio.to_thread(give_back, repo.work_tree, changes)
+    else:
+        await cast(RelayedRepo, repo).give_back(changes)
 
 
 def said(exc: BaseException) -> str:

@@ -24,6 +24,13 @@ each other. A snapshot that fails is logged and the turn goes on without it (its
 GetRunChanges and a rewind to it refused ``NoCheckpoint``): a store of checkpoints that cannot be
 written must not stop the agents.
 
+A relayed project's store is its relay's (docs/relay.md#files-and-checkpoints): a project whose
+profile's placement is ``relay`` (the turn's, the session's, or for the file calls' snapshots
+ahead, the default profile's) is snapshotted, diffed and restored by its relay, through a
+``Repo`` of the relay's (``Relayed.checkpoints``); everything decided here (which commit a run
+names, which refs go, the locks) is decided the same way for both. Retention's sweep and gc reach
+this host's stores and those of the relays alive as it runs.
+
 A project's snapshot is also taken ahead of its turns, in the background (``ahead``): when the
 daemon starts and finds a project this host has no index of, when a request of the file API first
 names one, and after each write through it (docs/checkpoints.md#snapshots-taken-ahead). A turn's
@@ -47,20 +54,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rcoder.config import AgentProfile, Settings, checkpoint_root
 from rcoder.domain import ChangeKind, FileChange, NotStored, RunKind, RunRecord
-from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, StoreError
+from rcoder.errors import CheckpointError, LeaseLost, NoCheckpoint, NotFound, RcoderError, RelayUnavailable, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.hosts.checkpoint_sharing import MARKS
 from rcoder.session.runs.run import RUN_MISSING
 from rcoder.session.sessions.workspace import PROJECT_ID
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, commit_ref, store_bytes
+from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, GcPass, commit_ref, store_bytes
 from rcoder.store.git_changes import listed
 from rcoder.store.git_jail import GitJail
-from rcoder.store.git_process import ChildGuard
+from rcoder.store.git_process import ChildGuard, GitResult
 
 if TYPE_CHECKING:
     from rcoder.session.turns.claimed_turn import ClaimedTurn
@@ -72,6 +79,58 @@ AHEAD_AT_ONCE = 1
 CUT_MARKER = "\n[rcoder: the diff is cut here: it is longer than max_diff_bytes ({limit} bytes)]\n"
 REF_PREFIX = "refs/rcoder/runs/"  # a run's own refs, as runs recorded before the store named commits have
 REFS = "refs/rcoder/"
+
+
+class Repo(Protocol):
+    """The steps of a project's checkpoint store the checkpoints and the rewind take: a
+    ``CheckpointRepo`` on this host, or a relayed project's in its relay
+    (``rcoder.relay.workspace_client.CheckpointClient``)."""
+
+    @property
+    def patterns(self) -> tuple[str, ...] | None: ...
+
+    def kept(self, commit: str) -> bool: ...
+
+    async def snapshot(self, patterns: Sequence[str], message: str, capped: bool = True) -> str: ...
+
+    async def keep(self, commit: str) -> None: ...
+
+    async def keep_existing(self, commit: str) -> None: ...
+
+    async def resolve(self, ref: str) -> str | None: ...
+
+    async def refs(self, prefix: str) -> dict[str, int]: ...
+
+    async def delete_refs(self, names: Sequence[str]) -> None: ...
+
+    async def changes(
+        self, before: str, after: str, path: str = "", listed_only: bool = True
+    ) -> tuple[FileChange, ...]: ...
+
+    async def diff(self, before: str, after: str, path: str, limit: int) -> GitResult: ...
+
+    async def restore(self, commit: str) -> list[FileChange]: ...
+
+
+class RelayedRepo(Repo, Protocol):
+    """A relayed project's store: what a local one does on this host's disk, the relay does."""
+
+    async def give_back(self, changes: Sequence[FileChange]) -> None: ...
+
+    async def remove_store(self) -> None: ...
+
+    async def gc(self, bound: float) -> GcPass: ...
+
+    async def store_bytes(self) -> int: ...
+
+
+class Relayed(Protocol):
+    """The relayed projects' stores (``rcoder.relay.workspace_client.RelayedWorkspaces``, passed in
+    by the daemon)."""
+
+    async def checkpoints(self, project_id: str, work_tree: str, bounds: Bounds) -> RelayedRepo: ...
+
+    async def live(self) -> list[str]: ...
 
 
 def ref(run_id: str, which: str) -> str:
@@ -121,7 +180,7 @@ def decode_changes(text: str) -> tuple[tuple[FileChange, ...], int]:
     return changes, unlisted
 
 
-async def listed_changes(repo: CheckpointRepo, before: str, after: str) -> tuple[tuple[FileChange, ...], int]:
+async def listed_changes(repo: Repo, before: str, after: str) -> tuple[tuple[FileChange, ...], int]:
     """What changed from ``before`` to ``after``: the files listed (``listed``: what a client can
     receive in one message) and how many more changed."""
     found = await repo.changes(before, after, listed_only=False)
@@ -156,8 +215,17 @@ class RunDiff:
 
 class Checkpoints:
     def __init__(
-        self, settings: Settings, store: SessionStore, guard: ChildGuard | None = None, jail: GitJail | None = None
+        self,
+        settings: Settings,
+        store: SessionStore,
+        guard: ChildGuard | None = None,
+        jail: GitJail | None = None,
+        relayed: Relayed | None = None,
     ) -> None:
+        self._settings = settings
+        self._relayed = relayed  # the relayed projects' stores, in their relays (None: every store is here)
+        self._relayed_repos: dict[str, RelayedRepo] = {}
+        self._relayed_seen: set[str] = set()  # relayed projects snapshotted ahead since the start (first_only)
         self._guard = guard  # the daemon's reaper, kept off git's exit status (``ChildGuard``)
         self._jail = jail  # each git confined by the kernel (rcoder.store.git_jail)
         self.enabled = settings.checkpoints
@@ -207,6 +275,28 @@ class Checkpoints:
             self._repos[project_id] = repo
         return repo
 
+    def relayed(self, agent: str | None) -> bool:
+        """Whether the store of a project a session of profile ``agent`` runs in is its relay's
+        (None: the default profile, as the file calls' snapshots ahead ask)."""
+        profile = self._settings.profile(agent or self._settings.default_agent)
+        return self._relayed is not None and profile is not None and profile.placement == "relay"
+
+    async def store_of(self, project_id: str, cwd: str | Path | None, relayed: bool) -> Repo:
+        """The project's store: its relay's when ``relayed``, else this host's (``repo``)."""
+        if not relayed or self._relayed is None:
+            return self.repo(project_id, cwd)
+        return await self._relayed_repo(project_id, cwd)
+
+    async def _relayed_repo(self, project_id: str, cwd: str | Path | None) -> RelayedRepo:
+        assert self._relayed is not None
+        work_tree = str(cwd) if cwd else str(self._workspace / project_id)
+        repo = self._relayed_repos.get(project_id)
+        # one asked with no cwd (a sweep, a snapshot ahead) takes the store as the last turn named it
+        if repo is None or (cwd and str(getattr(repo, "work_tree", "")) != work_tree):
+            repo = await self._relayed.checkpoints(project_id, work_tree, self._bounds)
+            self._relayed_repos[project_id] = repo
+        return repo
+
     def _alone(self) -> bool:
         """Whether this host alone writes the stores: at most one host's mark in the root (none
         with one host; ``rcoder.session.hosts.checkpoint_sharing``). Then what a git left there before
@@ -245,13 +335,13 @@ class Checkpoints:
             return ""
         try:
             async with self.locks[project_id]:
-                repo = self.repo(project_id, cwd)
+                repo = await self.store_of(project_id, cwd, self.relayed(profile.name))
                 commit = await repo.snapshot(profile.checkpoint_exclude, f"before run {run_id}")
                 self.pending(run_id, commit)
                 if self._ahead_commits.get(project_id) == commit:
                     # the run names it now; one it superseded goes at the turn's end, off the prompt's path
                     del self._ahead_commits[project_id]
-        except (CheckpointError, OSError) as exc:
+        except (CheckpointError, OSError, RelayUnavailable) as exc:
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
             self._note_full(exc)
             self._failed[run_id] = f"no before snapshot: {str(exc)[:500]}"
@@ -270,7 +360,7 @@ class Checkpoints:
             return "", (), 0, self._failed.pop(run_id, "")
         try:
             async with asyncio.timeout(self._end_wait), self.locks[project_id]:
-                repo = self.repo(project_id, cwd)
+                repo = await self.store_of(project_id, cwd, self.relayed(profile.name))
                 # Its ref again (a stat call): another host may have deleted it after the store
                 # said no run named the commit and before this run's start named it.
                 await repo.keep_existing(before)
@@ -282,7 +372,7 @@ class Checkpoints:
             why = f"the after snapshot was cut: it took longer than checkpoints.snapshot_timeout ({self._end_wait:g} s)"
             log.warning("checkpoint_after_cut", run_id=run_id, error=why)
             return "", (), 0, why
-        except (CheckpointError, OSError) as exc:
+        except (CheckpointError, OSError, RelayUnavailable) as exc:
             log.warning("checkpoint_after_failed", run_id=run_id, error=str(exc)[:500])
             self._note_full(exc)
             return "", (), 0, f"no after snapshot: {str(exc)[:500]}"
@@ -294,7 +384,7 @@ class Checkpoints:
 
     # ------------------------------------------------------------ ahead of a turn
 
-    def ahead(self, project_id: str, first_only: bool = False) -> None:
+    def ahead(self, project_id: str, first_only: bool = False, relayed: bool = False) -> None:
         """Snapshot the project in the background, ahead of the turn that would otherwise wait
         for it (docs/checkpoints.md#snapshots-taken-ahead); ``first_only``: only when this host
         has no snapshot of it yet (no index). One at a time per project (its lock) and
@@ -306,17 +396,20 @@ class Checkpoints:
             if not first_only:
                 self._ahead_again.add(project_id)
             return
-        if first_only and self.repo(project_id).index.exists():
+        relayed = relayed and self._relayed is not None
+        if first_only and (project_id in self._relayed_seen if relayed else self.repo(project_id).index.exists()):
             return
+        if relayed:
+            self._relayed_seen.add(project_id)
         task = asyncio.get_running_loop().create_task(
-            self._take_ahead(project_id), name=f"checkpoint-ahead-{project_id}"
+            self._take_ahead(project_id, relayed), name=f"checkpoint-ahead-{project_id}"
         )
         self._ahead[project_id] = task
 
     def ahead_of_all(self) -> int:
         """At start: a snapshot ahead of every project of ``workspace_root`` this host has no
         index of (a new host, a project put there while the daemon was down); how many."""
-        if not self.enabled:
+        if not self.enabled or self.relayed(None):  # a relayed workspace is not this host's to read
             return 0
         try:
             with os.scandir(self._workspace) as entries:
@@ -337,12 +430,12 @@ class Checkpoints:
         while (task := self._ahead.get(project_id)) is not None:
             await asyncio.wait({task})
 
-    async def _take_ahead(self, project_id: str) -> None:
+    async def _take_ahead(self, project_id: str, relayed: bool = False) -> None:
         try:
             while True:
                 self._ahead_again.discard(project_id)
                 async with self._ahead_slots:
-                    await self._snapshot_ahead(project_id)
+                    await self._snapshot_ahead(project_id, relayed)
                 if project_id not in self._ahead_again:
                     return
         finally:
@@ -350,19 +443,20 @@ class Checkpoints:
                 del self._ahead[project_id]
                 self._ahead_again.discard(project_id)
 
-    async def _snapshot_ahead(self, project_id: str) -> None:
-        repo = self.repo(project_id)
+    async def _snapshot_ahead(self, project_id: str, relayed: bool = False) -> None:
         began = time.perf_counter()
         try:
             async with self.locks[project_id]:
-                if not await asyncio.to_thread(repo.work_tree.is_dir):  # deleted since it was asked
+                repo = await self.store_of(project_id, None, relayed)
+                # deleted since it was asked (a relayed one's relay says so: NotFound, below)
+                if isinstance(repo, CheckpointRepo) and not await asyncio.to_thread(repo.work_tree.is_dir):
                     return
                 # the patterns of the last turn here (most likely those of the next), else the default profile's
                 patterns = repo.patterns if repo.patterns is not None else self._default_exclude
                 commit = await repo.snapshot(patterns, "ahead of a turn")
                 await self._supersede_ahead(repo, project_id, commit)
                 self._ahead_commits[project_id] = commit
-        except (CheckpointError, OSError) as exc:
+        except (CheckpointError, OSError, RelayUnavailable, NotFound) as exc:
             log.warning("checkpoint_ahead_failed", project_id=project_id, error=str(exc)[:500])
             self._note_full(exc)
             return
@@ -373,7 +467,7 @@ class Checkpoints:
             seconds=round(time.perf_counter() - began, 3),
         )
 
-    async def _supersede_ahead(self, repo: CheckpointRepo, project_id: str, commit: str) -> None:
+    async def _supersede_ahead(self, repo: Repo, project_id: str, commit: str) -> None:
         """A snapshot of the project made ``commit``: the last commit a snapshot ahead made, when
         another, loses its ref unless a run names it (it was the project as it was then, which no
         turn found); the caller holds the project's lock."""
@@ -404,7 +498,7 @@ class Checkpoints:
 
     # ------------------------------------------------------------ reading
 
-    async def commits(self, repo: CheckpointRepo, run: RunRecord) -> tuple[str | None, str | None]:
+    async def commits(self, repo: Repo, run: RunRecord) -> tuple[str | None, str | None]:
         """The run's before and after commits whose refs keep them (None: none, or deleted): as
         its store row names them, else (a run recorded before the row kept them) its own refs."""
         found: list[str | None] = []
@@ -423,7 +517,7 @@ class Checkpoints:
         session = await self._store.get_session(run.session_id)
         if session is None:
             raise NotFound("session", run.session_id)
-        repo = self.repo(session.project_id, session.cwd)
+        repo = await self.store_of(session.project_id, session.cwd, self.relayed(session.agent))
         before, after = await self.commits(repo, run)
         if before is None:
             raise NoCheckpoint(run_id, "before", "checkpoints were off, or its snapshots were deleted")
@@ -446,7 +540,9 @@ class Checkpoints:
 
     # ------------------------------------------------------------ lifetime
 
-    async def forget_runs(self, project_id: str, run_ids: Sequence[str], commits: set[str], project_left: bool) -> None:
+    async def forget_runs(
+        self, project_id: str, run_ids: Sequence[str], commits: set[str], project_left: bool, agent: str | None = None
+    ) -> None:
         """After the store deleted these runs: delete the refs of ``commits`` (theirs) that no
         run left in the project names, and the runs' own refs (runs recorded before the store
         named their commits); the whole store when no session of the project is left. Their
@@ -454,12 +550,17 @@ class Checkpoints:
         if not self.enabled:
             return
         async with self.locks[project_id]:
-            repo = self.repo(project_id)
+            repo = await self.store_of(project_id, None, self.relayed(agent))
             if project_left:
                 self._drop_ahead(project_id)  # a snapshot queued now would make the store again
-                await asyncio.to_thread(shutil.rmtree, repo.git_dir, True)
-                await asyncio.to_thread(shutil.rmtree, repo.index.parent, True)
-                self._repos.pop(project_id, None)
+                if isinstance(repo, CheckpointRepo):
+                    await asyncio.to_thread(shutil.rmtree, repo.git_dir, True)
+                    await asyncio.to_thread(shutil.rmtree, repo.index.parent, True)
+                    self._repos.pop(project_id, None)
+                else:
+                    await (await self._relayed_repo(project_id, None)).remove_store()
+                    self._relayed_repos.pop(project_id, None)
+                    self._relayed_seen.discard(project_id)
                 return
             existing = await repo.refs(REFS)
             names = [ref(r, which) for r in run_ids for which in ("before", "after")]
@@ -467,9 +568,7 @@ class Checkpoints:
             kept = {c for c in commits if commit_ref(c) in existing}
             await self._forget_commits(repo, project_id, kept, None)
 
-    async def _forget_commits(
-        self, repo: CheckpointRepo, project_id: str, commits: set[str], since: datetime | None
-    ) -> bool:
+    async def _forget_commits(self, repo: Repo, project_id: str, commits: set[str], since: datetime | None) -> bool:
         """Delete the refs of those of ``commits`` no run of the project (started since
         ``since``) names and no turn here is about to; the caller holds the project's lock.
         Whether any was deleted."""
@@ -489,22 +588,37 @@ class Checkpoints:
         """Off the hot path, for every store this host can see: the snapshots retention lets go
         deleted (``_retain``), then a ``gc`` pass bounded by ``checkpoint_gc_timeout``; a store
         still past ``checkpoint_store_max_bytes`` then sheds its oldest snapshots (``_shed``)."""
-        if not self.enabled or not self._root.is_dir():
+        if not self.enabled:
             return
-        for git_dir in sorted(self._root.glob("*.git")):
+        found = sorted(self._root.glob("*.git")) if self._root.is_dir() else []
+        for git_dir in found:
             project_id = git_dir.name.removesuffix(".git")
-            try:
-                async with self.locks[project_id]:
-                    repo = self.repo(project_id)
-                    await self._retain(repo, project_id, keep_days, now)
-                    await self._collect(repo, project_id)
-                    if await asyncio.to_thread(store_bytes, repo.git_dir) > self._bounds.max_store_bytes:
-                        await self._shed(repo, project_id)
-                        await self._collect(repo, project_id)
-            except (CheckpointError, OSError, StoreError) as exc:
-                log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
+            await self._sweep_one(project_id, False, keep_days, now)
+        # the relayed projects' stores, in their relays: those whose relays live now (a relay is not
+        # started to be swept; its store waits for its next turn's sweep)
+        try:
+            relayed = await self._relayed.live() if self._relayed is not None else []
+        except (RcoderError, OSError) as exc:
+            log.warning("checkpoint_sweep_failed", project_id="", error=str(exc)[:500])
+            relayed = []
+        for project_id in relayed:
+            await self._sweep_one(project_id, True, keep_days, now)
 
-    async def _retain(self, repo: CheckpointRepo, project_id: str, keep_days: float, now: float) -> None:
+    async def _sweep_one(self, project_id: str, relayed: bool, keep_days: float, now: float) -> None:
+        try:
+            async with self.locks[project_id]:
+                repo: CheckpointRepo | RelayedRepo = (
+                    await self._relayed_repo(project_id, None) if relayed else self.repo(project_id)
+                )
+                await self._retain(repo, project_id, keep_days, now)
+                await self._collect(repo, project_id)
+                if await _store_bytes(repo) > self._bounds.max_store_bytes:
+                    await self._shed(repo, project_id)
+                    await self._collect(repo, project_id)
+        except (CheckpointError, OSError, StoreError, RelayUnavailable) as exc:
+            log.warning("checkpoint_sweep_failed", project_id=project_id, error=str(exc)[:500])
+
+    async def _retain(self, repo: Repo, project_id: str, keep_days: float, now: float) -> None:
         """Delete the refs of snapshots older than ``keep_days`` (0: none by age) and of those past
         the newest ``checkpoint_keep`` (0: none by count), but those a run started since names
         (a quiet turn reuses an old snapshot) and those a turn here is about to record. A run's
@@ -527,7 +641,7 @@ class Checkpoints:
             past = {name.removeprefix(COMMIT_REF_PREFIX) for _, name in newest[self._keep :]}
             await self._forget_commits(repo, project_id, past, since)
 
-    async def _shed(self, repo: CheckpointRepo, project_id: str) -> None:
+    async def _shed(self, repo: CheckpointRepo | RelayedRepo, project_id: str) -> None:
         """A store past ``checkpoint_store_max_bytes`` after gc: the oldest half of its snapshots
         go, whatever run names them (those runs keep their rows and changes; their diff and a
         rewind to them answer ``NO_CHECKPOINT``), but the newest and those a turn here is about
@@ -535,7 +649,8 @@ class Checkpoints:
         refs = await repo.refs(COMMIT_REF_PREFIX)
         # by commit time, then (snapshots of one second) by when each loose ref was written: the
         # newest is never the one a tie of seconds sorts first by name
-        order = sorted((when, _written_ns(repo.git_dir / name), name) for name, when in refs.items())
+        git_dir = repo.git_dir if isinstance(repo, CheckpointRepo) else None  # a relay's: by time and name
+        order = sorted((when, _written_ns(git_dir / name) if git_dir else 0, name) for name, when in refs.items())
         oldest = [name for _, _, name in order][:-1]
         shed = {name.removeprefix(COMMIT_REF_PREFIX) for name in oldest[: max(1, len(oldest) // 2)]}
         shed -= self._unsettled()
@@ -543,19 +658,20 @@ class Checkpoints:
             await repo.delete_refs([commit_ref(c) for c in sorted(shed)])
             log.warning("checkpoint_store_shed", project_id=project_id, snapshots=len(shed), left=len(refs) - len(shed))
 
-    async def _collect(self, repo: CheckpointRepo, project_id: str) -> None:
+    async def _collect(self, repo: CheckpointRepo | RelayedRepo, project_id: str) -> None:
         done = await repo.gc(self._gc_bound)
         if done.cut:
             log.warning("checkpoint_gc_cut", project_id=project_id, packs=done.packs, freed=done.freed, why=done.cut)
         elif done.packs:
             log.info("checkpoint_gc", project_id=project_id, packs=done.packs, freed=done.freed)
 
-    async def discard(self, project_id: str, cwd: str, run_id: str, commit: str) -> None:
+    async def discard(self, project_id: str, cwd: str, run_id: str, commit: str, agent: str | None = None) -> None:
         """A turn refused before it started: its before snapshot's ref goes unless a run names
         the commit (a reused one mostly is)."""
         self.settled(run_id)
         async with self.locks[project_id]:
-            await self._forget_commits(self.repo(project_id, cwd), project_id, {commit}, None)
+            repo = await self.store_of(project_id, cwd, self.relayed(agent))
+            await self._forget_commits(repo, project_id, {commit}, None)
 
 
 async def checkpoint_after(checkpoints: Checkpoints, scope: ClaimedTurn) -> tuple[FileChange, ...]:
@@ -586,11 +702,18 @@ async def checkpoint_discard(checkpoints: Checkpoints, scope: ClaimedTurn) -> No
         checkpoints.settled(plan.run_id)
         return
     try:
-        await checkpoints.discard(plan.turn.project_id, plan.cwd, plan.run_id, scope.before.result())
+        await checkpoints.discard(plan.turn.project_id, plan.cwd, plan.run_id, scope.before.result(), plan.profile.name)
     except (CheckpointError, StoreError) as exc:
         log.warning("checkpoint_discard_failed", run_id=plan.run_id, error=exc.message[:500])
         return
     log.info("checkpoint_discarded", run_id=plan.run_id)
+
+
+async def _store_bytes(repo: CheckpointRepo | RelayedRepo) -> int:
+    """What a store holds on disk: this host's, read here; a relay's, asked of it."""
+    if isinstance(repo, CheckpointRepo):
+        return await asyncio.to_thread(store_bytes, repo.git_dir)
+    return await repo.store_bytes()
 
 
 def _written_ns(ref: Path) -> int:

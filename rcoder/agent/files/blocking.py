@@ -1,7 +1,7 @@
 """The blocking half of the file RPCs (docs/files.md): listing, reading, writing and deleting
 beneath a project's folder descriptor (``rcoder.agent.files.beneath``).
-``rcoder.session.files.project_files`` runs these in threads and adds the rules (scope of a
-turn, sizes, locks).
+``rcoder.agent.files.disk`` runs these in threads and adds the rules (sizes, locks); the daemon's
+``rcoder.session.files.project_files`` and the relay's ``rcoder.relay.workspace_service`` use it.
 
 Nothing here follows a link out of the project, and nothing writes through a link at all: the
 last name of a write or a delete is taken as the entry itself (``O_NOFOLLOW``, ``renameat``,
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Literal
 
 from rcoder.agent.files.beneath import DIR_FLAGS, Beneath, below, give_to_folder_owner, remove_empty_folder
+from rcoder.agent.files.folder_read import names_from
 from rcoder.agent.files.safe_fs import remove_at
+from rcoder.agent.files.upload_journal import TEMP_PREFIX as TEMP_PREFIX  # where tests and docs look for it
+from rcoder.agent.files.upload_journal import Upload, UploadJournal, temp_name
 from rcoder.errors import FailedPrecondition, NotFound, ResourceExhausted, UnsafePath
-from rcoder.session.files.folder_read import names_from
-from rcoder.session.files.upload_journal import TEMP_PREFIX as TEMP_PREFIX  # where tests and docs look for it
-from rcoder.session.files.upload_journal import Upload, UploadJournal, temp_name
 
 EntryKind = Literal["file", "dir", "symlink", "other"]
 HASH_BLOCK = 1 << 20
@@ -128,7 +128,7 @@ class _Level:
 
 class Lister:
     """One page of a folder (or of all below it, depth first), in the folders' own order
-    (``rcoder.session.files.folder_read``): at most ``limit`` entries from ``cursor`` on. A page costs
+    (``rcoder.agent.files.folder_read``): at most ``limit`` entries from ``cursor`` on. A page costs
     what it lists, not what the folders hold."""
 
     def __init__(self, limit: int, recursive: bool, base: int = 0) -> None:
@@ -219,6 +219,20 @@ def list_entries(
     finally:
         os.close(fd)
     return Listing(lister.entries, lister.next, lister.unlisted)
+
+
+def stat_entry(beneath: Beneath, root_fd: int, parts: tuple[str, ...]) -> Entry:
+    """The entry at ``parts`` itself (a link as a link, never followed), its folder reached as a
+    listing reaches it; the project's own folder for no parts."""
+    with translated(parts):
+        dir_fd = beneath.folder(root_fd, parts[:-1])
+    try:
+        name = parts[-1] if parts else "."
+        with translated(parts):
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return _entry(parts, info, dir_fd, name)
+    finally:
+        os.close(dir_fd)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ from rcoder.session.turns.ending import TurnEnder
 from rcoder.session.turns.intake import IntakeParts, TurnIntake
 from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.reattached import ReattachedTurns
 from rcoder.session.turns.records import TurnRecords
 from rcoder.session.turns.runner import TurnRunner, TurnSteps
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
@@ -209,6 +210,10 @@ class Daemon:
             settings, store, pool, metrics, clock, history, self.checkpoints, live,
             disk, spend, usage, steps,
         )  # fmt: skip
+        # kept: the start takes up the relayed turns a killed daemon left running (docs/relay.md#re-attach)
+        self.reattached = ReattachedTurns(
+            settings, store, self.launcher, pool, runs, live, history, steps.permissions, clock
+        )
         # kept: the start completes or rolls back a rewind the last daemon left half-way
         self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, live, clock)
         parts = IntakeParts(
@@ -262,9 +267,10 @@ class Daemon:
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
         self.trees.start(asyncio.get_running_loop())
-        # what a killed daemon's relays still run serves no session held here: they are stopped, their
-        # agents with them (docs/relay.md#placement), after the reaper is started (they are our children)
-        await self.relays.end_found()
+        # what a killed daemon's relays still run: the turns the store has running on them are taken
+        # up, every other agent ended (docs/relay.md#re-attach), after the reaper is started (they are
+        # our children); before anything is served, so no turn is begun on a session taken up
+        reattached, not_reattached = await self.reattached.recover(self.relays)
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()
@@ -302,7 +308,8 @@ class Daemon:
             data_dir=str(self.settings.data_dir),
             store=redact_url(self.settings.store_url) if self.settings.store_url else "sqlite",
             workspace_root=str(self.settings.workspace_root),
-            runs_marked_interrupted=interrupted,
+            runs_marked_interrupted=interrupted + not_reattached,
+            relayed_turns_reattached=reattached,
             leftover_agent_processes_killed=swept,
             unfinished_rewinds_settled=rewinds,
             snapshots_ahead_queued=ahead,

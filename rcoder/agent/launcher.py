@@ -38,7 +38,7 @@ from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.process import AgentProcess
-from rcoder.agent.processes.relayed import RelayedStart, Relays
+from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, Relays
 from rcoder.agent.processes.tree import Trees
 from rcoder.agent.profiles.erase import Erased, erase_conversation
 from rcoder.agent.profiles.homes import SHARED, Homes
@@ -410,6 +410,38 @@ class AgentLauncher:
         self._processes.add(process)
         return process
 
+    async def reattach(
+        self,
+        profile: AgentProfile,
+        found: FoundAgent,
+        capabilities: AgentCapabilities,
+        provider_session_id: str,
+        request_offset: int,
+    ) -> AgentConnection:
+        """A relayed agent another daemon left mid-turn, attached again from ``found.after_frame``
+        (docs/relay.md#re-attach): a live connection, with no ``initialize`` (``capabilities`` are
+        what it answered then) and its ACP session ``provider_session_id`` open; its new requests'
+        ids start at ``request_offset``. ``AgentUnavailable`` when its relay is gone or lost it."""
+        if self.relays is None:
+            raise AgentUnavailable(f"agent {profile.name!r}: this daemon runs no relays", agent=profile.name)
+        grace = self._settings.agent_stop_grace
+        child = await self.relays.reattach(found, profile.name, grace)
+        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, grace)
+        self._processes.add(process)
+        handler = AcpClientHandler(profile.name)
+        pipe = PipeTransport(process.stdout, process.stdin, handler.on_update, agent=profile.name,
+                             line_limit=self._settings.agent_line_limit, request_offset=request_offset)  # fmt: skip
+        conn = acp.connect_to_agent(cast(acp.Client, handler), pipe)
+        connection = AgentConnection(
+            process, pipe, conn, handler, profile.name, capabilities, grace, kind_of(profile.kind), self.lists,
+            profile.key_variable, relayed=child, provider_session_id=provider_session_id,
+        )  # fmt: skip
+        place = child.place
+        log.info("agent_reattached", agent=profile.name, pid=process.pid, placement="relay", relay_pid=place.relay_pid,
+                 relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
+                 from_frame=found.after_frame + 1)  # fmt: skip
+        return connection
+
     async def _spawn_relayed(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
         """``argv`` started on the relay of ``cwd``'s project (docs/relay.md#placement) with what the
         local spawn would give it (``ready``: its environment and grants; the profile's limits; the
@@ -451,8 +483,10 @@ class AgentLauncher:
         ready = await prepared(self._settings, self.homes, profile, cwd, provider)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
+            relayed: RelayedChild | None = None
             if profile.placement == "relay":
                 process = await self._spawn_relayed(profile, argv, cwd, ready)
+                relayed = cast(RelayedChild, process.child)
             else:
                 process = await self._spawn(profile, argv, cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)
@@ -469,7 +503,7 @@ class AgentLauncher:
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
             process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind,
-            self.lists, profile.key_variable,
+            self.lists, profile.key_variable, relayed,
         )  # fmt: skip
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):

@@ -51,7 +51,8 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  then a command "ls -la" completed with output "x\n" and exit code 2
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
-    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
+    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them, and
+                 `gap-at K MS` waits MS ms more before chunk K (a quiet spell mid-stream)
     fill N       write N files of 1 MiB (fill-<turn>-<i>.bin) into its cwd, one after another, `pace MS`
                  between them too; session/cancel stops it at once (stop reason "cancelled", no answer),
                  else the answer gets " filled=N"
@@ -291,6 +292,8 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
+        gap = re.search(r"\bgap-at\s+(\d+)\s+(\d+)\b", text)
+        self.gap_at, self.gap_ms = (int(gap.group(1)), int(gap.group(2))) if gap else (-1, 0)
         self.fill = number("fill") or 0
         self.show_options, self.commands = word("show-options"), word("commands")
         mode = re.search(r"\bagent-mode\s+(\w+)", text)
@@ -1001,6 +1004,8 @@ class FakeAgent:
                 return "cancelled", suffix  # still answers, so "permission=cancelled" is visible
         for i in range(script.stream):
             if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
+                return "cancelled", None
+            if i == script.gap_at and await self._cancelled_within(session, script.gap_ms):
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
         if script.fill:

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,7 @@ from rcoder.relay.host import HostRelays
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import DaemonFactory, exited
+from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, config_error, eventually, started, text_of
 from tests.relay.conftest import RelayFactory
 
@@ -47,20 +46,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-@pytest.fixture
-async def relays_ended(tmp_path: Path) -> AsyncIterator[list[int]]:
-    """Relays the test saw; each one's group SIGKILLed after it, whatever happened (a relay leads
-    its own session, so its group is its own), and waited for."""
-    seen: list[int] = []
-    try:
-        yield seen
-    finally:
-        for pid in seen:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            await exited(pid)
 
 
 def profiles(fake: FakeAgentSetup) -> dict[str, dict[str, object]]:

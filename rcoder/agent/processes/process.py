@@ -226,6 +226,11 @@ class AgentProcess:
         self._cgroup_ended: Callable[[AgentCgroup], None] | None = None
         self._cgroup_removal: asyncio.Task[None] | None = None
 
+    @property
+    def child(self) -> Child:
+        """The process owned (a relayed agent's: the relay's, ``processes.relayed``)."""
+        return self._child
+
     def enter(self, cgroup: AgentCgroup | None, ended: Callable[[AgentCgroup], None]) -> None:
         """The agent is in ``cgroup`` (docs/limits.md#how-an-agent-enters-its-cgroup): removed once
         the agent has exited and been let go, ``ended`` told first."""

@@ -47,6 +47,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
 from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted
@@ -58,6 +59,16 @@ log = get_logger(__name__)
 RUN_MISSING = "unknown, or finished longer ago than run_retention (or earlier, to keep runs_total_bytes)"
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
 HARD_LIMIT_FACTOR = 4
+
+
+class FrameMarks(Protocol):
+    """A relayed agent's frames as a turn stores them (docs/relay.md#re-attach)."""
+
+    def current(self) -> int:
+        """The frame of the agent's output the event being published came from."""
+
+    def stored(self, frame: int) -> None:
+        """The events made of the frames up to ``frame`` are stored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,10 @@ class Run:
         # history tracks it, and nothing sets it afterwards.
         self.on_behind = on_behind
         self._end: RunEvent | None = None  # completed, numbered and not yet published (``prepare_end``)
+        # a relayed agent's frames (``trace_frames``): the frame each event came from, from the oldest
+        # not stored on (seq, frame), by seq; a merge moves the last one's frame
+        self._frames: FrameMarks | None = None
+        self._marks: deque[tuple[int, int]] = deque()
         self.finished_at: float | None = None  # monotonic
         self._done_callbacks: list[Callable[[Run], None]] = []
         self.started_monotonic = time.monotonic()
@@ -129,6 +144,45 @@ class Run:
         it stored (``mark_stored``), none is, and trim keeps every event."""
         if self.stored_seq is None:
             self.stored_seq = 0
+
+    def continue_after(self, seq: int) -> None:
+        """A run taken up again by another daemon (docs/relay.md#re-attach): its events up to ``seq``
+        are stored, the next is ``seq + 1``. Only before its first event here."""
+        assert not self._seq and not self._events
+        self._seq = self._taken = seq
+        self.stored_seq = seq
+
+    def trace_frames(self, frames: FrameMarks) -> None:
+        """From now on each event is marked with the relayed agent's frame it came from, and the
+        history tells ``frames`` how far the stored events reach (``frames_through``). The events
+        published before (those the agent sent before ``started``) are frozen, marked with the
+        frame now: they are stored together, or not at all."""
+        self._seal()
+        self._taken = self._seq
+        self._frames = frames
+        if self._seq:
+            self._marks.append((self._seq, frames.current()))
+
+    def frames_through(self, seq: int) -> int:
+        """The last frame of the agent's output whose events are all among those up to ``seq``
+        (0: none known). A frame whose events go on past ``seq`` is not counted."""
+        reached = 0
+        for index, (marked, frame) in enumerate(self._marks):
+            if marked > seq:
+                break
+            after = self._marks[index + 1] if index + 1 < len(self._marks) else None
+            if after is None or after[0] > seq:
+                reached = frame - 1 if after is not None and after[1] == frame else frame
+                break
+        return reached
+
+    def frames_stored(self, seq: int, frame: int) -> None:
+        """The history stored the events up to ``seq``, which reach ``frame``: the relay may let go
+        of the frames up to it."""
+        while self._marks and self._marks[0][0] < seq:
+            self._marks.popleft()
+        if self._frames is not None and frame:
+            self._frames.stored(frame)
 
     @property
     def last_seq(self) -> int:
@@ -192,13 +246,18 @@ class Run:
             if size > self._event_bytes:
                 body, size = shrink(body, self._event_bytes)
         self.last_published = time.monotonic()
+        frames = self._frames if body.__class__ is not Heartbeat else None
         if isinstance(body, TextChunk) and self._merges(body, size):
             # counted when sealed (at most MERGE_LIMIT later): a merge stays two appends
             self._open.append(body.text)
             self._open_len += size
+            if frames is not None and self._marks and self._marks[-1][0] == self._seq:
+                self._marks[-1] = (self._seq, frames.current())
             return self._seq
         self._seal()
         self._seq += 1
+        if frames is not None:
+            self._marks.append((self._seq, frames.current()))
         self._append(RunEvent(self.run_id, self.session_id, self._seq, self._clock(), body), size)
         return self._seq
 

@@ -54,6 +54,7 @@ from bench_common import (  # noqa: E402
 )
 from bench_files import files_fair, read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
+from bench_reattach import reattach  # noqa: E402
 from bench_unauth import unauth_flood, unauth_health_flood, unauth_reflection_flood  # noqa: E402
 
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, Values  # noqa: E402
@@ -910,6 +911,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("first_chunk", first_chunks),
         ("scale", scale),
         ("startup", startup_and_added_latency),
+        ("reattach", reattach),  # a relayed turn across its daemon's SIGKILL (scripts/bench_reattach.py)
         ("history", history),
         ("history_flood", lambda b: _one(history_flood(b))),
         ("list_runs", lambda b: _one(list_runs(b))),

@@ -38,7 +38,7 @@ from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.process import AgentProcess
-from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, Relays
+from rcoder.agent.processes.relayed import RELAY_GENERATION, FoundAgent, RelayedChild, RelayedStart, Relays
 from rcoder.agent.processes.tree import Trees
 from rcoder.agent.profiles.erase import Erased, erase_conversation
 from rcoder.agent.profiles.homes import SHARED, Homes
@@ -275,7 +275,8 @@ class AgentLauncher:
         self, profile: AgentProfile, config: AgentStartConfig, ready: AgentConnection | None = None
     ) -> Launched:
         """One launch; its ``fallback_reason`` says why an asked-for resume did not happen."""
-        connection = ready or await self.start(profile, config.cwd, config.model_provider)
+        owner = (config.owner_session, config.generation) if config.generation else None
+        connection = ready or await self.start(profile, config.cwd, config.model_provider, owner)
         skipped = ""
         key = (str(self.homes.path(profile, config.cwd)), config.cwd)
         try:
@@ -354,8 +355,11 @@ class AgentLauncher:
         log.info("session_load_deferred", agent=profile.name, provider_session_id=session_id, seconds=round(delay, 1))
         await asyncio.sleep(delay)
 
-    async def start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
-        """Spawn the agent and ``initialize`` it; no session yet.
+    async def start(
+        self, profile: AgentProfile, cwd: str, provider: ModelProvider, owner: tuple[str, int] | None = None
+    ) -> AgentConnection:
+        """Spawn the agent and ``initialize`` it; no session yet. ``owner``: the session it is
+        started for and this host's lease generation on it (a relayed agent is fenced by it).
 
         At most ``agent_start_concurrency`` agents start at once: a burst of new
         sessions must not starve the daemon's own event loop of CPU (on 2 cores,
@@ -364,7 +368,7 @@ class AgentLauncher:
         at once can fail (OpenCode: both migrate its fresh database).
         """
         async with self._slot(profile):
-            connection = await self._start(profile, cwd, provider)
+            connection = await self._start(profile, cwd, provider, owner)
         self._started_once.add(profile.name)
         return connection
 
@@ -442,7 +446,9 @@ class AgentLauncher:
                  from_frame=found.after_frame + 1)  # fmt: skip
         return connection
 
-    async def _spawn_relayed(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
+    async def _spawn_relayed(
+        self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared, owner: tuple[str, int] | None
+    ) -> AgentProcess:
         """``argv`` started on the relay of ``cwd``'s project (docs/relay.md#placement) with what the
         local spawn would give it (``ready``: its environment and grants; the profile's limits; the
         agents' uid), owned as a local agent is: an ``AgentProcess`` whose child is the relay's."""
@@ -453,15 +459,17 @@ class AgentLauncher:
         start = RelayedStart(
             name=profile.name,
             project=project,
-            # the relay files agents by session; the session's owner will pass its own id and lease
-            # generation (relayed.RELAY_GENERATION until then)
-            session_id=f"{project}/{uuid.uuid4().hex}",
+            # the relay files agents by session and fences each by its lease's generation
+            # (docs/relay.md#fencing); an agent started ahead of any session (warm) under a name of
+            # its own and relayed.RELAY_GENERATION
+            session_id=owner[0] if owner else f"{project}/{uuid.uuid4().hex}",
             argv=tuple(argv),
             env=ready.env,
             cwd=cwd,
             confinement=ready.confinement,
             limits=Values(profile.memory_max, profile.pids_max, profile.cpu_max or None),
             user=self.user.switch,
+            generation=owner[1] if owner else RELAY_GENERATION,
         )
         try:
             child = await self.relays.spawn(start, self._settings.agent_stop_grace)
@@ -473,19 +481,22 @@ class AgentLauncher:
         place = child.place
         log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement="relay",
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
+                 relay_session=start.session_id, generation=start.generation,
                  sandbox=f"landlock (ABI {ready.confinement.abi})" if ready.confinement else "none",
                  uid=self.user.switch[0] if self.user.switch else os.geteuid())  # fmt: skip
         self._processes.add(process)
         return process
 
-    async def _start(self, profile: AgentProfile, cwd: str, provider: ModelProvider) -> AgentConnection:
+    async def _start(
+        self, profile: AgentProfile, cwd: str, provider: ModelProvider, owner: tuple[str, int] | None = None
+    ) -> AgentConnection:
         """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
         ready = await prepared(self._settings, self.homes, profile, cwd, provider)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
             relayed: RelayedChild | None = None
             if profile.placement == "relay":
-                process = await self._spawn_relayed(profile, argv, cwd, ready)
+                process = await self._spawn_relayed(profile, argv, cwd, ready, owner)
                 relayed = cast(RelayedChild, process.child)
             else:
                 process = await self._spawn(profile, argv, cwd, ready)

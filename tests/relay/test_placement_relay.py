@@ -191,7 +191,8 @@ async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats
     pid = relay_pid(tmp_path / "data")
     assert pid is not None
     relays_ended.append(pid)
-    agent_id = next(row["agent_id"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    spawned = next(row for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    agent_id, generation = spawned["agent_id"], spawned["generation"]  # the session's lease's
     folder = tmp_path / "data" / "relays" / "proj"
     secret = (folder / "secret").read_text().strip()
 
@@ -209,7 +210,7 @@ async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats
         before = status.agent.last_seq
         assert not turn.done()
         call = stub.Attach(metadata=metadata)
-        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=1,
+        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=generation,
                                                                           from_seq=before + 1)))  # fmt: skip
         ready = await call.read()
         assert ready.WhichOneof("message") == "ready"

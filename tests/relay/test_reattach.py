@@ -9,40 +9,61 @@ path (``relays_ended``)."""
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pytest
 
+from rcoder.relay.v1 import relay_pb2 as relay_pb
+from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, completed, eventually, started, text_of
+from tests.harness import Client, FakeAgentSetup, completed, error_info, started, text_of
 from tests.relay.test_placement_relay import alive, profiles, relay_pid
 
-CHUNKS, GAP_AT = 30, 8
-# 8 chunks, a quiet spell (the daemon is killed in it, once what the client saw is stored), 22 more
-PROMPT = f"stream {CHUNKS} pace 30 gap-at {GAP_AT} 4000"
+CHUNKS, SEEN = 80, 10
+# 80 chunks 40 ms apart: the daemon is killed once the client saw 10 (whatever of them is stored),
+# and the agent streams on through the next daemon's start
+PROMPT = f"stream {CHUNKS} pace 40"
 WHOLE = "".join(f"c{i} " for i in range(CHUNKS)) + "I remember nothing."
 
 
-def stored_seq(data_dir: Path, run_id: str) -> int:
-    """The highest seq the store holds of ``run_id`` (read from its file, as any reader can)."""
-    with sqlite3.connect(f"file:{data_dir / 'rcoder.db'}?mode=ro", uri=True) as db:
-        row = db.execute("SELECT max(seq) FROM run_events WHERE run_id = ?", (run_id,)).fetchone()
-    return int(row[0] or 0)
-
-
-async def seen_until_gap(client: Client, session_id: str) -> tuple[str, list[pb.ChatStream]]:
-    """A turn's Chat read until the chunk before the gap; its run id and what it saw."""
+async def seen_until(client: Client, session_id: str) -> tuple[str, list[pb.ChatStream]]:
+    """A turn's Chat read until its SEEN-th chunk; its run id and what it saw."""
     call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=PROMPT))
     seen: list[pb.ChatStream] = []
     async with asyncio.timeout(20):
-        while f"c{GAP_AT - 1} " not in text_of(seen):
+        while f"c{SEEN - 1} " not in text_of(seen):
             event = await call.read()
             assert event is not grpc.aio.EOF
             seen.append(event)
     call.cancel()  # the client goes away as its daemon will
     return seen[0].run_id, seen
+
+
+async def attached(
+    stub: relay_grpc.RelayServiceStub, metadata: tuple[tuple[str, str], ...], agent_id: str, generation: int
+) -> Any:
+    """An Attach stream on the agent with ``generation``, past its ``ready`` (nothing acknowledged)."""
+    call = stub.Attach(metadata=metadata)
+    await call.initial_metadata()
+    await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=generation,
+                                                                      from_seq=1)))  # fmt: skip
+    ready = await call.read()
+    assert ready is not grpc.aio.EOF and ready.WhichOneof("message") == "ready"
+    return call
+
+
+async def refusal(call: Any) -> tuple[grpc.StatusCode, str]:
+    """The status and reason the relay ended ``call`` with (its frames read past)."""
+    try:
+        async with asyncio.timeout(30):
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), error_info(exc).reason
+    raise AssertionError("the stream ended without a refusal")
 
 
 async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_last_seq_gets_the_rest_once(
@@ -55,15 +76,29 @@ async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_l
     relay = relay_pid(data_dir)
     assert relay is not None
     relays_ended.append(relay)
-    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    spawned = next(row for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    agent, agent_id, generation = spawned["pid"], spawned["agent_id"], spawned["generation"]
+    assert spawned["relay_session"] == session_id and generation > 1, "filed under the session, its lease's"
 
-    run_id, seen = await seen_until_gap(client, session_id)
+    run_id, seen = await seen_until(client, session_id)
     last_seen = seen[-1].seq
-    await eventually(lambda: stored_seq(data_dir, run_id) >= last_seen)  # what the client saw is stored
     await daemon.kill()  # SIGKILL mid-turn: the relay and its agent go on
     assert alive(relay) and alive(agent)
 
-    second, client = await make_daemon(profiles(fake))
+    # an owner of the old generation (a paused daemon that woke up) holds the agent meanwhile ...
+    folder = data_dir / "relays" / "proj"
+    metadata = (("authorization", f"Bearer {(folder / 'secret').read_text().strip()}"),)
+    async with grpc.aio.insecure_channel(f"unix:{folder / 'relay.sock'}") as channel:
+        stub = relay_grpc.RelayServiceStub(channel)
+        old_owner = await attached(stub, metadata, agent_id, generation)
+
+        second, client = await make_daemon(profiles(fake))
+        # ... and is fenced by the next daemon's lease generation: its stream ends, and it attaches no more
+        assert await refusal(old_owner) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_GENERATION")
+        with pytest.raises(grpc.aio.AioRpcError) as stale:
+            await attached(stub, metadata, agent_id, generation)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(stale.value).reason == "STALE_GENERATION"
     assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
     assert not second.logs("relay_found_stopped")
     rest = []

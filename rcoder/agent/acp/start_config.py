@@ -46,6 +46,10 @@ class AgentStartConfig:
     # the provider's id of a session to branch from with session/fork (ForkSession); the
     # launch opens no session when the agent cannot fork
     fork_from: str = ""
+    # rcoder's session the agent is started for, and this host's lease generation on it: what a
+    # relay files a relayed agent under and fences by (docs/relay.md#fencing); "" and 0: none yet
+    owner_session: str = ""
+    generation: int = 0
 
     def without_resume(self) -> AgentStartConfig:
         return replace(self, resume_session_id="", resume_method=None, replay_end=None, fork_from="")

@@ -17,9 +17,9 @@ from rcoder.agent.confinement.limits import Values
 from rcoder.agent.confinement.sandbox import Confinement
 from rcoder.agent.processes.process import Child
 
-# The lease generation a relayed agent is spawned and attached with. A relay takes 1 or more
-# (docs/relay.md#fencing); until the session's owner holds its agent and passes its lease's real
-# generation, every spawn of this daemon uses 1, so nothing is fenced between its own calls.
+# The lease generation of a relayed agent started ahead of any session (the warm pool's), under a
+# session name of its own. A relay takes 1 or more (docs/relay.md#fencing); an agent started for a
+# session is spawned, attached and signalled with its session's lease generation.
 RELAY_GENERATION = 1
 
 

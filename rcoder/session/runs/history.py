@@ -301,7 +301,7 @@ class History:
             async for event in self.stored(run_id, after_seq):
                 yield event
             return
-        if after_seq > run.last_seq:  # as from the store: nothing is made up past the last event
+        if after_seq > run.last_seq and not run.continued:  # as from the store: nothing is made up past the last
             raise past_end(run_id, after_seq, run.last_seq)
         if not run.last_seq and run.failure is None:
             log.info("run_followed_before_start", run_id=run_id)  # a Subscribe waits for its started

@@ -108,6 +108,12 @@ class ClaimedTurn:
             return self.run.room()
         return self.started_out if self._early.bytes >= self._early_limit else None
 
+    def hold_frames(self, frames: TurnFrames) -> None:
+        """The turn's agent is relayed: its events are made of its frames alone, none merged
+        before ``started`` either (docs/relay.md#re-attach)."""
+        self.frames = frames
+        self._early.keep_apart()
+
     def deliver(self, event: AgentEvent) -> None:
         """Publish what the agent sent; before ``started`` is out it waits, in order."""
         if self.published:

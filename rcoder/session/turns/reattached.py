@@ -17,11 +17,11 @@ writes published and stored, the prompt's answer the turn's end, stored then pub
 turn's. A turn that cannot be taken up (its relay or agent gone) is marked interrupted, as the
 store marks every other run left running.
 
-What a follower gets is what the store had, then what is made here of the frames after it. The
-events the dead daemon published and had not stored (at most the history's flush interval,
-``FLUSH_INTERVAL``) are made again from the same frames, numbered from the last stored seq on:
-the same updates, but text merged as it comes now, so a client that saw one of those is not
-promised the same seqs for them (docs/relay.md#re-attach says what a resuming client gets).
+What a follower gets is what the store had, then what is made here of the frames after it. A
+relayed turn's events are made of its frames alone (``Run.trace_frames``: no merge, no heartbeat,
+nothing shown before it is stored until ``started`` is), so the events the dead daemon showed and
+had not stored are made here again with the same seqs: a client that subscribes from the last seq
+it saw gets every later event once (docs/relay.md#re-attach).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from rcoder.config import Settings
 from rcoder.domain import (
     AgentCapabilities,
     AgentEvent,
+    OpenMethod,
     PermissionMode,
     ResumeOutcome,
     RunCompleted,
+    RunStarted,
     RunStatus,
     StopReason,
     TextChunk,
@@ -148,7 +150,7 @@ class ReattachedTurns:
         last = await self._store.last_run_event(turn.run_id)
         lease = await self._live.take_lease(turn.session_id)
         capabilities = AgentCapabilities(**state["capabilities"])
-        found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq)
+        found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation)
         try:
             conn = await self._launcher.reattach(profile, found, capabilities, state["provider_session_id"],
                                                  request_offset=turn.prompt_id + 1)  # fmt: skip
@@ -160,6 +162,16 @@ class ReattachedTurns:
         run = Run(turn.run_id, turn.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger,
                   state["project_id"], on_behind=self._history.hurry)  # fmt: skip
         run.continue_after(last.seq if last is not None else 0)
+        if last is None:  # its daemon died before its first events were stored (and shown): started first
+            record = await self._store.get_run(turn.run_id)
+            run.publish(RunStarted(
+                provider_session_id=state["provider_session_id"], resume=ResumeOutcome(state["resume"]),
+                resume_method=OpenMethod(record.resume_method) if record and record.resume_method
+                else OpenMethod.NOT_OPENED,
+                agent=profile.name, project_id=state["project_id"],
+                fallback_reason=record.fallback_reason if record else "",
+                request_id=record.request_id if record else "",
+            ))  # fmt: skip
         self._live.hold(run)
         self._history.track(run, lease)
         frames = conn.turn_frames()

@@ -523,9 +523,10 @@ class TurnRunner:
         conn = opened.connection
         spend = self.spend.watch(run.run_id, conn)  # None: no budget bounds the turn
         # a relayed agent's frames are held until what is made of them is stored (docs/relay.md#re-attach)
-        frames = scope.frames = conn.turn_frames()
+        frames = conn.turn_frames()
         on_sent = None
         if frames is not None:
+            scope.hold_frames(frames)
             sent = scope.prompt_sent = asyncio.get_running_loop().create_future()
             on_sent = sent.set_result
 

@@ -51,8 +51,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  then a command "ls -la" completed with output "x\n" and exit code 2
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
-    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them, and
-                 `gap-at K MS` waits MS ms more before chunk K (a quiet spell mid-stream)
+    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
     fill N       write N files of 1 MiB (fill-<turn>-<i>.bin) into its cwd, one after another, `pace MS`
                  between them too; session/cancel stops it at once (stop reason "cancelled", no answer),
                  else the answer gets " filled=N"
@@ -63,7 +62,9 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     costs N      N usage_updates, each 0.10 USD more than the last (the session's cost so far in this
                  process, as `usage` counts it: 0.25 USD a turn), with no tokens: a cost reported mid-turn
     spend X      one usage_update X USD (a decimal) more than the last, after those of `costs`
-    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
+    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment, or,
+                 with the `meta` capability, from the session's `_meta.claudeCode.options.env` first
+                 (Claude's adapter starts the session's CLI with its own environment plus that)
     readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
     writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
     child-readfile P, child-writefile P
@@ -110,6 +111,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -292,8 +294,6 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
-        gap = re.search(r"\bgap-at\s+(\d+)\s+(\d+)\b", text)
-        self.gap_at, self.gap_ms = (int(gap.group(1)), int(gap.group(2))) if gap else (-1, 0)
         self.fill = number("fill") or 0
         self.show_options, self.commands = word("show-options"), word("commands")
         mode = re.search(r"\bagent-mode\s+(\w+)", text)
@@ -698,6 +698,8 @@ class FakeAgent:
         self.conn = conn
         self.store = SessionStore(opts.state_dir)
         self.sessions: dict[str, Session] = {}  # sessions open in this process
+        # the environment a session/new's _meta.claudeCode.options.env gave a session (the `meta` capability)
+        self.session_env: dict[str, dict[str, str]] = {}
         self.never = asyncio.Event()  # awaited by --hang; nobody sets it
         self.background: set[asyncio.Task[None]] = set()
         self.usage_turns: dict[str, int] = {}  # turns that reported usage, per session, in this process
@@ -845,6 +847,10 @@ class FakeAgent:
             session = Session(f"fake-{uuid.uuid4().hex}", cwd, system_prompt)
             self.store.save(session)
             self.sessions[session.id] = session
+        env = _dig(meta, "claudeCode", "options", "env")
+        if "meta" in self.opts.caps and isinstance(env, dict):
+            # Claude's adapter: the session's CLI runs with the adapter's environment plus this one
+            self.session_env[session.id] = {str(k): str(v) for k, v in env.items()}
         if self.opts.commands_at_open:
             self._background(self._update(session.id, commands_update()))  # after the answer, as Claude's adapter
         return {"sessionId": session.id, **self._offer(session)}
@@ -953,7 +959,8 @@ class FakeAgent:
         text = "\n".join(block["text"] for block in blocks if block.get("type") == "text")
         attachments = "".join(f" [got {b.get('type')}]" for b in blocks if b.get("type") != "text")
         script = Script(text)
-        attachments += "".join(f" env[{n}]={os.environ.get(n, '<unset>')}" for n in script.env_names)
+        env = {**os.environ, **self.session_env.get(session_id, {})}
+        attachments += "".join(f" env[{n}]={env.get(n, '<unset>')}" for n in script.env_names)
         for op, path in script.file_ops:
             attachments += f" {op}[{path}]={await file_op(op, path)}"
 
@@ -1004,8 +1011,6 @@ class FakeAgent:
                 return "cancelled", suffix  # still answers, so "permission=cancelled" is visible
         for i in range(script.stream):
             if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
-                return "cancelled", None
-            if i == script.gap_at and await self._cancelled_within(session, script.gap_ms):
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
         if script.fill:
@@ -1127,12 +1132,14 @@ class FakeAgent:
 
 
 def make_recorder(path: Path) -> Callable[[JsonObject], None]:
-    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "message": ...}."""
+    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "t": ..., "message": ...}
+    (``t``: when it was read, ``time.monotonic()``, which every process of the host shares: a benchmark
+    splits a turn's latency at the agent with it)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     pid = os.getpid()
 
     def record(message: JsonObject) -> None:
-        data = (json.dumps({"pid": pid, "message": message}) + "\n").encode()
+        data = (json.dumps({"pid": pid, "t": time.monotonic(), "message": message}) + "\n").encode()
         while data:  # unbuffered: on disk before the message is even dispatched
             data = data[os.write(fd, data) :]
 

@@ -9,6 +9,8 @@ path (``relays_ended``)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,8 @@ import pytest
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import DaemonFactory
-from tests.harness import Client, FakeAgentSetup, completed, error_info, started, text_of
+from tests.conftest import DaemonFactory, exited
+from tests.harness import Client, FakeAgentSetup, completed, error_info, eventually, started, text_of
 from tests.relay.test_placement_relay import alive, profiles, relay_pid
 
 CHUNKS, SEEN = 80, 10
@@ -76,7 +78,9 @@ async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_l
     relay = relay_pid(data_dir)
     assert relay is not None
     relays_ended.append(relay)
-    spawned = next(row for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    # another session's agent in the same relay, idle: no running turn names it
+    await client.chat(prompt="hello", agent="relayed")
+    spawned, idle = [row for row in daemon.logs("agent_spawned") if row.get("placement") == "relay"]
     agent, agent_id, generation = spawned["pid"], spawned["agent_id"], spawned["generation"]
     assert spawned["relay_session"] == session_id and generation > 1, "filed under the session, its lease's"
 
@@ -101,6 +105,8 @@ async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_l
         assert error_info(stale.value).reason == "STALE_GENERATION"
     assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
     assert not second.logs("relay_found_stopped")
+    assert [row["agent_id"] for row in second.logs("relayed_agent_found_ended")] == [idle["agent_id"]]
+    await eventually(lambda: not alive(idle["pid"]))
     rest = []
     async with asyncio.timeout(30):
         async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=last_seen)):
@@ -110,9 +116,9 @@ async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_l
     assert seqs == sorted(set(seqs)) and seqs[0] == last_seen + 1, seqs
     assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
     assert text_of(seen) + text_of(rest) == WHOLE, "every chunk once, in order"
-    # the same agent answered: no second initialize, no second prompt
-    assert len(fake.requests("initialize")) == 1
-    assert len(fake.requests("session/prompt")) == 2
+    # the same agent answered: no initialize but the two sessions' first, no prompt but the three turns'
+    assert len(fake.requests("initialize")) == 2
+    assert len(fake.requests("session/prompt")) == 3
     assert alive(agent)
 
     # the whole run reads back as it went, and the session's next turn is served by the same agent
@@ -122,4 +128,32 @@ async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_l
     again = await client.chat(prompt="remember 5", session_id=session_id)
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
     assert started(again).resume == pb.RESUME_OUTCOME_LIVE
-    assert len(fake.requests("initialize")) == 1
+    assert len(fake.requests("initialize")) == 2
+
+
+async def test_a_turn_whose_relay_died_with_its_daemon_is_interrupted_as_before(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    data_dir = tmp_path / "data"
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(data_dir)
+    assert relay is not None
+    relays_ended.append(relay)
+    run_id, seen = await seen_until(client, session_id)
+    await daemon.kill()
+    os.killpg(relay, signal.SIGKILL)  # the relay leads its own group; its agent dies with it
+    await exited(relay)
+
+    second, client = await make_daemon(profiles(fake))
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert second.logs("serving")[0]["runs_marked_interrupted"] == 1
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+    assert completed(rest).error_reason == "DAEMON_STOPPED"
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    new_relay = relay_pid(data_dir)
+    assert new_relay is not None and new_relay != relay
+    relays_ended.append(new_relay)

@@ -157,3 +157,25 @@ async def test_a_turn_whose_relay_died_with_its_daemon_is_interrupted_as_before(
     new_relay = relay_pid(data_dir)
     assert new_relay is not None and new_relay != relay
     relays_ended.append(new_relay)
+
+
+async def test_a_turn_taken_up_is_cancelled_as_a_running_one(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    run_id, seen = await seen_until(client, session_id)
+    await daemon.kill()
+
+    _, client = await make_daemon(profiles(fake))
+    answer = await client.stub.Cancel(pb.CancelRequest(run_id=run_id))
+    assert answer.cancelled, "a turn taken up is running"
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
+    assert len(fake.requests("session/cancel")) == 1
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_LIVE, "the agent stays live after a cancel"

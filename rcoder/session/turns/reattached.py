@@ -27,9 +27,12 @@ it saw gets every later event once (docs/relay.md#re-attach).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -54,8 +57,9 @@ from rcoder.domain import (
 from rcoder.errors import AgentError, RcoderError, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs.history import History
-from rcoder.session.runs.run import Heartbeats, Run, RunLimits, RunRegistry, guarded
+from rcoder.session.runs.run import Run, RunLimits, RunRegistry, guarded
 from rcoder.session.turns.live_sessions import LiveSessions
+from rcoder.session.turns.messages import StopCause
 from rcoder.session.turns.permissions import PermissionBroker
 from rcoder.store.base import EventRow, RelayedTurn, RunEnd, SessionStore
 from rcoder.store.cluster import Lease
@@ -63,6 +67,30 @@ from rcoder.store.cluster import Lease
 log = get_logger(__name__)
 
 MAX_TRANSCRIPT_TEXT = 64 * 1024  # of the answer kept in the transcript, as the runner keeps
+
+
+@dataclass(eq=False)
+class _TakenUp:
+    """A turn taken up here, as a cancel reaches it."""
+
+    session_id: str
+    conn: AgentConnection
+    cancelled: bool = False
+    cause: StopCause | None = None
+    ending: bool = False  # the agent answered (or failed): a cancel is too late
+    answered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def ask_to_stop(self, cause: StopCause | None) -> bool:
+        """A cancel: True the first time (the first cause stays)."""
+        if self.cancelled:
+            return False
+        self.cancelled, self.cause = True, cause
+        return True
+
+    def over(self) -> None:
+        """The agent answered, or failed: a cancel comes too late from now on."""
+        self.ending = True
+        self.answered.set()
 
 
 def relayed_turn(
@@ -172,25 +200,46 @@ class ReattachedTurns:
                 fallback_reason=record.fallback_reason if record else "",
                 request_id=record.request_id if record else "",
             ))  # fmt: skip
-        self._live.hold(run)
+        taken = _TakenUp(turn.session_id, conn)
+        self._live.hold_taken_up(run, functools.partial(self._cancel, taken))
         self._history.track(run, lease)
         frames = conn.turn_frames()
         assert frames is not None  # a relayed agent's
         run.trace_frames(frames)
         log.info("relayed_turn_reattached", run_id=turn.run_id, session_id=turn.session_id, agent=profile.name,
                  after_seq=run.last_seq, from_frame=turn.frame_seq + 1, prompt_id=turn.prompt_id)  # fmt: skip
-        self._live.spawn(self._drive(turn, state, run, conn, frames, lease), f"reattached-{turn.run_id}")
+        self._live.spawn(self._drive(turn, state, run, taken, frames, lease), f"reattached-{turn.run_id}")
+
+    def _cancel(self, taken: _TakenUp, cause: StopCause | None) -> bool:
+        """A cancel of the taken-up turn, as a claimed turn's prompting phase takes it:
+        ``session/cancel`` to the agent, its group ended after ``cancel_grace`` if it has not
+        answered; the turn ends ``CANCELLED`` (or as ``cause`` says). Asking twice is asking once;
+        False once the turn's end is decided."""
+        if taken.ending:
+            return False
+        if taken.ask_to_stop(cause):
+            self._live.spawn(self._stop(taken), f"reattached-cancel-{taken.session_id}")
+        return True
+
+    async def _stop(self, taken: _TakenUp) -> None:
+        await taken.conn.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(taken.answered.wait(), self._settings.cancel_grace)
+            return
+        log.warning("reattached_turn_not_stopped", session_id=taken.session_id, grace=self._settings.cancel_grace)
+        await self._pool.close(taken.session_id)  # its whole group ended: the prompt fails, the turn ends
 
     async def _drive(
         self,
         turn: RelayedTurn,
         state: dict[str, Any],
         run: Run,
-        conn: AgentConnection,
+        taken: _TakenUp,
         frames: TurnFrames,
         lease: Lease,
     ) -> None:
         """The rest of the turn: what the agent writes published, its answer the turn's end."""
+        conn = taken.conn
         texts: list[str] = []
         size = 0
 
@@ -204,7 +253,6 @@ class ReattachedTurns:
         profile = self._settings.profile(state["profile"])
         rules = profile.permission_rules if profile is not None else ()
         decider = self._permissions.decider(run.run_id, PermissionMode(state["permission_mode"]), rules)
-        beats = Heartbeats(run, self._settings.heartbeat_interval)
         status, stop, error, reason = RunStatus.COMPLETED, StopReason.END_TURN, "", ""
         try:
             stop = await conn.resume_prompt(turn.prompt_id, on_event, decider, self._settings.turn_timeout or None,
@@ -212,11 +260,14 @@ class ReattachedTurns:
         except AgentError as exc:
             status, stop, error, reason = RunStatus.FAILED, StopReason.ERROR, exc.summary, exc.reason
         except asyncio.CancelledError:  # rcoder is stopping: the run ends interrupted at its next start
-            beats.stop()
             frames.close()
             raise
         finally:
-            beats.stop()
+            taken.over()
+        if taken.cancelled:  # every cancel taken ends the turn so, whatever the agent answered
+            cause = taken.cause
+            status, stop = RunStatus.COMPLETED, cause.stop if cause is not None else StopReason.CANCELLED
+            error, reason = (cause.error, cause.error_reason) if cause is not None else ("", "")
         resume = ResumeOutcome(state["resume"])
         completed = RunCompleted(stop, conn.provider_session_id, resume, error, reason, conn.turn_usage)
         end = run.prepare_end(completed)
@@ -236,7 +287,8 @@ class ReattachedTurns:
         finally:
             frames.close()
             guarded("release_session", self._live.let_go, run)
-            guarded("release_agent", lambda: self._pool.release(turn.session_id, broken=status is RunStatus.FAILED))
+            broken = status is RunStatus.FAILED or not conn.alive
+            guarded("release_agent", lambda: self._pool.release(turn.session_id, broken=broken))
             guarded("next_turn", self._live.released, turn.session_id)
             run.publish_end(end)
             log.info("run_completed", run_id=run.run_id, stop_reason=stop.value, error=error[:500] or None,

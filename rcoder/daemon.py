@@ -182,6 +182,7 @@ class Daemon:
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
         self._retention: asyncio.Task[None] | None = None  # history_retention's timer
+        self._takeovers: asyncio.Task[None] | None = None  # the relayed turns of lost hosts, taken over
         self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
@@ -284,6 +285,9 @@ class Daemon:
         await self.leases.coordination.register(self.advertise_address, __version__)
         if self.leases.shared:
             self.leases.start()
+            # the relayed turns of hosts lost meanwhile are taken over here (docs/relay.md#re-attach)
+            watch = self.reattached.watch_lost_hosts(self.settings.lease_ttl / 2)
+            self._takeovers = asyncio.create_task(watch, name="relayed-takeovers")
         await self.checkpoint_sharing.start()  # after registering: the hosts see each other's marks
         if self.signals is not None:
             self.signals.start()
@@ -407,6 +411,9 @@ class Daemon:
         await self.server.not_serving()
         self.intake.stop_accepting()
         await self.checkpoints.aclose()  # the snapshots taken ahead, their git ended: no turn will wait for them
+        if self._takeovers is not None:  # no turn is taken over while they end
+            self._takeovers.cancel()
+            await asyncio.gather(self._takeovers, return_exceptions=True)
         drain = asyncio.create_task(self.intake.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)

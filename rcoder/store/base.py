@@ -306,6 +306,17 @@ class SessionStore(Protocol):
         store), oldest first: what ``open`` left running for the daemon's start to take up again."""
         ...
 
+    async def lost_relayed_turns(self) -> list[RelayedTurn]:
+        """The relayed turns of running runs whose host is lost (no live lease of its on the
+        session, no heartbeat within the lease's time), oldest first: another host may take them
+        over. A store of one host has none."""
+        ...
+
+    async def adopt_run(self, run_id: str, lease: Lease) -> bool:
+        """A running run is this host's from now on (its relayed turn taken over), while it holds
+        ``lease``; False when the run no longer runs or the lease is no longer held."""
+        ...
+
     async def interrupt_run(self, run_id: str) -> bool:
         """Mark a run still ``running`` ``interrupted`` as ``open`` marks the others (its relayed
         turn could not be taken up again); False when it was no longer running."""

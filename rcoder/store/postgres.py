@@ -595,6 +595,15 @@ class PostgresStore:
         rows = await self._rows(pg_schema.RELAYED_TURNS, _params(self._host_id))
         return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
 
+    async def lost_relayed_turns(self) -> list[RelayedTurn]:
+        rows = await self._rows(pg_schema.LOST_RELAYED_TURNS, _params(self._host_id, self._lease_ttl))
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+
+    async def adopt_run(self, run_id: str, lease: Lease) -> bool:
+        params = _params(self._host_id, run_id, self._host_id, lease.generation)
+        rows = await self._pool.rows(pg_schema.ADOPT_RUN + " RETURNING run_id", params, read=False)
+        return bool(rows)
+
     async def interrupt_run(self, run_id: str) -> bool:
         params = _params(RunStatus.INTERRUPTED.value, datetime.now(UTC), INTERRUPTED_ERROR,
                          StopReason.INTERRUPTED.value, RunStatus.RUNNING.value, run_id)  # fmt: skip

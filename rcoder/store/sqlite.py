@@ -581,6 +581,12 @@ class SqliteStore:
         rows = await self._rows(sqlite_schema.RELAYED_TURNS, (), point=False)
         return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
 
+    async def lost_relayed_turns(self) -> list[RelayedTurn]:
+        return []  # one host: its own are taken up at its start
+
+    async def adopt_run(self, run_id: str, lease: Lease) -> bool:
+        return True  # one host: every run is its own
+
     async def interrupt_run(self, run_id: str) -> bool:
         params = (RunStatus.INTERRUPTED.value, time_text(datetime.now(UTC)), INTERRUPTED_ERROR,
                   StopReason.INTERRUPTED.value, RunStatus.RUNNING.value, run_id)  # fmt: skip

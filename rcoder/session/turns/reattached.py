@@ -169,14 +169,54 @@ class ReattachedTurns:
                     log.error("relayed_turn_not_marked", run_id=turn.run_id, error=error.message)  # noqa: TRY400
         return taken, interrupted
 
-    async def _take_up(self, turn: RelayedTurn) -> None:
+    async def watch_lost_hosts(self, interval: float) -> None:
+        """Where several hosts share the store: every ``interval``, the relayed turns of the hosts
+        lost are taken over here, until cancelled (the daemon's task: the turns taken over are the
+        sessions' owners', which a stop waits for; this loop is not)."""
+        while True:
+            await asyncio.sleep(interval)  # a poll's pace: a lost host is seen within the lease's time
+            try:
+                turns = await self._store.lost_relayed_turns()
+            except StoreError as exc:
+                log.info("lost_relayed_turns_not_read", error=exc.message)
+                continue
+            for turn in turns:
+                if self._runs.find(turn.run_id) is None:
+                    await self._take_over(turn)
+
+    async def _take_over(self, turn: RelayedTurn) -> None:
+        """A lost host's relayed turn taken up here: its session's lease taken (a newer
+        generation: the relay fences the lost host out), its run made this host's, then as at a
+        start. Another host that took the lease first keeps it."""
+        try:
+            lease = await self._live.take_lease(turn.session_id)
+        except RcoderError as exc:
+            log.info("relayed_turn_taken_elsewhere", run_id=turn.run_id, why=str(exc))
+            return
+        try:
+            if not await self._store.adopt_run(turn.run_id, lease):
+                self._live.let_go_lease(turn.session_id, lease)
+                return
+            await self._take_up(turn, lease)
+            log.warning("relayed_turn_taken_over", run_id=turn.run_id, session_id=turn.session_id,
+                        generation=lease.generation, relay=turn.relay)  # fmt: skip
+        except (RcoderError, OSError, ValueError, KeyError) as exc:
+            why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
+            log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
+                        relay=turn.relay, agent_id=turn.agent_id, why=why)  # fmt: skip
+            with contextlib.suppress(StoreError):
+                await self._store.interrupt_run(turn.run_id)
+            self._live.let_go_lease(turn.session_id, lease)
+
+    async def _take_up(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
         state: dict[str, Any] = json.loads(turn.agent)
         profile = self._settings.profile(state["profile"])
         if profile is None:
             raise ValueError(f"profile {state['profile']!r} is no longer configured")
         settings = self._settings
         last = await self._store.last_run_event(turn.run_id)
-        lease = await self._live.take_lease(turn.session_id)
+        if lease is None:
+            lease = await self._live.take_lease(turn.session_id)
         capabilities = AgentCapabilities(**state["capabilities"])
         found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation)
         try:

@@ -179,3 +179,24 @@ async def test_a_turn_taken_up_is_cancelled_as_a_running_one(
     again = await client.chat(prompt="what number?", session_id=session_id)
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
     assert started(again).resume == pb.RESUME_OUTCOME_LIVE, "the agent stays live after a cancel"
+
+
+async def test_a_turn_that_cannot_be_taken_up_has_its_agent_and_relay_ended(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    run_id, _ = await seen_until(client, session_id)
+    await daemon.kill()
+
+    # the next daemon no longer has the turn's profile: the turn is interrupted, nothing of it left running
+    second, client = await make_daemon({"fake": fake.profile()})
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert [row["pid"] for row in second.logs("relay_found_stopped")] == [relay]
+    await eventually(lambda: not alive(agent) and not alive(relay))
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED

@@ -155,10 +155,12 @@ class ReattachedTurns:
         turns = await self._store.relayed_turns()
         await relays.end_found(frozenset((turn.relay, turn.agent_id) for turn in turns))
         taken = interrupted = 0
+        kept: set[tuple[str, str]] = set()
         for turn in turns:
             try:
                 await self._take_up(turn)
                 taken += 1
+                kept.add((turn.relay, turn.agent_id))
             except (RcoderError, OSError, ValueError, KeyError) as exc:
                 why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
                 log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
@@ -167,6 +169,8 @@ class ReattachedTurns:
                     interrupted += await self._store.interrupt_run(turn.run_id)
                 except StoreError as error:
                     log.error("relayed_turn_not_marked", run_id=turn.run_id, error=error.message)  # noqa: TRY400
+        if taken < len(turns):  # the agents of the turns not taken up end too, and a relay left with none
+            await relays.end_found(frozenset(kept))
         return taken, interrupted
 
     async def watch_lost_hosts(self, interval: float) -> None:
@@ -215,6 +219,7 @@ class ReattachedTurns:
             raise ValueError(f"profile {state['profile']!r} is no longer configured")
         settings = self._settings
         last = await self._store.last_run_event(turn.run_id)
+        record = await self._store.get_run(turn.run_id) if last is None else None
         if lease is None:
             lease = await self._live.take_lease(turn.session_id)
         capabilities = AgentCapabilities(**state["capabilities"])
@@ -225,13 +230,17 @@ class ReattachedTurns:
         except BaseException:
             self._live.let_go_lease(turn.session_id, lease)
             raise
-        self._pool.adopt_reattached(profile.name, state["cwd"], turn.session_id, conn)
+        try:
+            self._pool.adopt_reattached(profile.name, state["cwd"], turn.session_id, conn)
+        except BaseException:  # no room, or rcoder stopping: the agent ends, no session holding it
+            await conn.aclose()
+            self._live.let_go_lease(turn.session_id, lease)
+            raise
         limits = RunLimits(settings.run_buffer_bytes, settings.run_event_bytes, settings.run_max_followers)
         run = Run(turn.run_id, turn.session_id, settings.run_buffer_events, self._clock, limits, self._runs.ledger,
                   state["project_id"], on_behind=self._history.hurry)  # fmt: skip
         run.continue_after(last.seq if last is not None else 0)
         if last is None:  # its daemon died before its first events were stored (and shown): started first
-            record = await self._store.get_run(turn.run_id)
             run.publish(RunStarted(
                 provider_session_id=state["provider_session_id"], resume=ResumeOutcome(state["resume"]),
                 resume_method=OpenMethod(record.resume_method) if record and record.resume_method
@@ -241,7 +250,11 @@ class ReattachedTurns:
                 request_id=record.request_id if record else "",
             ))  # fmt: skip
         taken = _TakenUp(turn.session_id, conn)
-        self._live.hold_taken_up(run, functools.partial(self._cancel, taken))
+        try:
+            self._live.hold_taken_up(run, functools.partial(self._cancel, taken))
+        except BaseException:  # held meanwhile, or being deleted: the agent ends with its slot
+            self._pool.release(turn.session_id, broken=True)
+            raise
         self._history.track(run, lease)
         frames = conn.turn_frames()
         assert frames is not None  # a relayed agent's

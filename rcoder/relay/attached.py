@@ -220,14 +220,16 @@ class AttachedAgent:
                 self._lost(f"the relay could not be reached for {waited:.0f} s ({why})")
                 return
             log.info("relayed_agent_reattaching", agent=self._name, pid=self.pid, agent_id=self._agent_id,
-                     from_seq=self._written + 1, why=why)  # fmt: skip
+                     from_seq=self._acked + 1, why=why)  # fmt: skip
             await asyncio.sleep(backoff)  # a retry's pace, not a synchronisation: the relay is away
             backoff = min(backoff * 2, _BACKOFF_MAX)
 
     async def _opened(self, call: Any) -> None:
-        """Open ``call`` from the frame after the last one written; once ready, the stdin frames the
-        relay has not written are sent again (and the end of stdin, when it came)."""
-        opening = pb.AttachOpen(agent_id=self._agent_id, generation=self._generation, from_seq=self._written + 1)
+        """Open ``call`` from the frame after the last one acknowledged (those written since come
+        again and are skipped: an attach counts the frames before it acknowledged, and while a
+        turn runs only what is stored may be, docs/relay.md#re-attach); once ready, the stdin
+        frames the relay has not written are sent again (and the end of stdin, when it came)."""
+        opening = pb.AttachOpen(agent_id=self._agent_id, generation=self._generation, from_seq=self._acked + 1)
         # nothing written before the relay's headers: a write racing its refusal would turn the
         # refusal into grpc's own INTERNAL (docs/relay.md#attach)
         await call.initial_metadata()
@@ -244,7 +246,6 @@ class AttachedAgent:
                 await call.write(pb.AttachRequest(stdin=frame))
             if self._stdin_ended:
                 await call.write(pb.AttachRequest(close_stdin=True))
-            self._acked = self._written
             self._call = call
 
     async def _took(self, call: Any, response: pb.AttachResponse) -> bool:
@@ -269,10 +270,11 @@ class AttachedAgent:
                 await self._ack(call)
         elif kind == "lagged":
             lagged = response.lagged
-            log.error("relayed_agent_lagged", agent=self._name, pid=self.pid, agent_id=self._agent_id,
-                      dropped_frames=lagged.dropped_frames, next_seq=lagged.next_seq,
-                      why="the relay's buffer dropped frames before the daemon read them")  # fmt: skip
-            self._written = lagged.next_seq - 1
+            if lagged.next_seq - 1 > self._written:  # not only frames written already, sent again
+                log.error("relayed_agent_lagged", agent=self._name, pid=self.pid, agent_id=self._agent_id,
+                          dropped_frames=lagged.dropped_frames, next_seq=lagged.next_seq,
+                          why="the relay's buffer dropped frames before the daemon read them")  # fmt: skip
+                self._written = lagged.next_seq - 1
         elif kind == "exit":
             self._ack_limit = None  # the agent's end: nothing more is kept for a turn
             await self._ack(call)

@@ -62,9 +62,7 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
     costs N      N usage_updates, each 0.10 USD more than the last (the session's cost so far in this
                  process, as `usage` counts it: 0.25 USD a turn), with no tokens: a cost reported mid-turn
     spend X      one usage_update X USD (a decimal) more than the last, after those of `costs`
-    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment, or,
-                 with the `meta` capability, from the session's `_meta.claudeCode.options.env` first
-                 (Claude's adapter starts the session's CLI with its own environment plus that)
+    env NAME     the answer gets " env[NAME]=<value>" (or "<unset>") from the agent's environment
     readfile P   read the file P; the answer gets " readfile[P]=ok", or the errno's name (EACCES, ...)
     writefile P  append a line to the file P (made if missing); " writefile[P]=ok" or the errno's name
     child-readfile P, child-writefile P
@@ -111,7 +109,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -698,8 +695,6 @@ class FakeAgent:
         self.conn = conn
         self.store = SessionStore(opts.state_dir)
         self.sessions: dict[str, Session] = {}  # sessions open in this process
-        # the environment a session/new's _meta.claudeCode.options.env gave a session (the `meta` capability)
-        self.session_env: dict[str, dict[str, str]] = {}
         self.never = asyncio.Event()  # awaited by --hang; nobody sets it
         self.background: set[asyncio.Task[None]] = set()
         self.usage_turns: dict[str, int] = {}  # turns that reported usage, per session, in this process
@@ -847,10 +842,6 @@ class FakeAgent:
             session = Session(f"fake-{uuid.uuid4().hex}", cwd, system_prompt)
             self.store.save(session)
             self.sessions[session.id] = session
-        env = _dig(meta, "claudeCode", "options", "env")
-        if "meta" in self.opts.caps and isinstance(env, dict):
-            # Claude's adapter: the session's CLI runs with the adapter's environment plus this one
-            self.session_env[session.id] = {str(k): str(v) for k, v in env.items()}
         if self.opts.commands_at_open:
             self._background(self._update(session.id, commands_update()))  # after the answer, as Claude's adapter
         return {"sessionId": session.id, **self._offer(session)}
@@ -959,8 +950,7 @@ class FakeAgent:
         text = "\n".join(block["text"] for block in blocks if block.get("type") == "text")
         attachments = "".join(f" [got {b.get('type')}]" for b in blocks if b.get("type") != "text")
         script = Script(text)
-        env = {**os.environ, **self.session_env.get(session_id, {})}
-        attachments += "".join(f" env[{n}]={env.get(n, '<unset>')}" for n in script.env_names)
+        attachments += "".join(f" env[{n}]={os.environ.get(n, '<unset>')}" for n in script.env_names)
         for op, path in script.file_ops:
             attachments += f" {op}[{path}]={await file_op(op, path)}"
 
@@ -1132,14 +1122,12 @@ class FakeAgent:
 
 
 def make_recorder(path: Path) -> Callable[[JsonObject], None]:
-    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "t": ..., "message": ...}
-    (``t``: when it was read, ``time.monotonic()``, which every process of the host shares: a benchmark
-    splits a turn's latency at the agent with it)."""
+    """Append every incoming message to ``path`` as one JSON line {"pid": ..., "message": ...}."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     pid = os.getpid()
 
     def record(message: JsonObject) -> None:
-        data = (json.dumps({"pid": pid, "t": time.monotonic(), "message": message}) + "\n").encode()
+        data = (json.dumps({"pid": pid, "message": message}) + "\n").encode()
         while data:  # unbuffered: on disk before the message is even dispatched
             data = data[os.write(fd, data) :]
 

@@ -67,6 +67,7 @@ from rcoder.session.turns.ending import TurnEnder
 from rcoder.session.turns.intake import IntakeParts, TurnIntake
 from rcoder.session.turns.live_sessions import LiveSessions
 from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.reattached import ReattachedTurns
 from rcoder.session.turns.records import TurnRecords
 from rcoder.session.turns.runner import TurnRunner, TurnSteps
 from rcoder.store import make_coordination, make_signals, make_store, redact_url
@@ -208,6 +209,7 @@ class Daemon:
         self._stopped = False
         self._health: set[asyncio.Task[None]] = set()
         self._retention: asyncio.Task[None] | None = None  # history_retention's timer
+        self._takeovers: asyncio.Task[None] | None = None  # the relayed turns of lost hosts, taken over
         self._checkpoint_sweep: asyncio.Task[None] | None = None  # checkpoints' retention and gc
         self.tracing = tracing.Tracing()  # configured at start: OTLP export when otlp_endpoint is set
 
@@ -236,6 +238,10 @@ class Daemon:
             settings, store, pool, metrics, clock, history, self.checkpoints, live,
             disk, spend, usage, steps,
         )  # fmt: skip
+        # kept: the start takes up the relayed turns a killed daemon left running (docs/relay.md#re-attach)
+        self.reattached = ReattachedTurns(
+            settings, store, self.launcher, pool, runs, live, history, steps.permissions, clock
+        )
         # kept: the start completes or rolls back a rewind the last daemon left half-way
         self.rewinder = SessionRewinder(settings, store, pool, runs, self.checkpoints, live, clock)
         parts = IntakeParts(
@@ -299,10 +305,12 @@ class Daemon:
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
         self.trees.start(asyncio.get_running_loop())
-        # what a killed daemon's relays still run serves no session held here: they are stopped, their
-        # agents with them (docs/relay.md#placement), after the reaper is started (they are our children)
-        await self.relays.end_found()
+        # what a killed daemon's containers ran is removed (re-attach is not built for containers), then
+        # what its relays still run: the turns the store has running on them are taken up, every other
+        # agent ended (docs/relay.md#re-attach), after the reaper is started (they are our children);
+        # before anything is served, so no turn is begun on a session taken up
         await self._end_found_containers()
+        reattached, not_reattached = await self.reattached.recover(self.relays)
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()
@@ -316,6 +324,9 @@ class Daemon:
         await self.leases.coordination.register(self.advertise_address, __version__)
         if self.leases.shared:
             self.leases.start()
+            # the relayed turns of hosts lost meanwhile are taken over here (docs/relay.md#re-attach)
+            watch = self.reattached.watch_lost_hosts(self.settings.lease_ttl / 2)
+            self._takeovers = asyncio.create_task(watch, name="relayed-takeovers")
         await self.checkpoint_sharing.start()  # after registering: the hosts see each other's marks
         if self.signals is not None:
             self.signals.start()
@@ -340,7 +351,8 @@ class Daemon:
             data_dir=str(self.settings.data_dir),
             store=redact_url(self.settings.store_url) if self.settings.store_url else "sqlite",
             workspace_root=str(self.settings.workspace_root),
-            runs_marked_interrupted=interrupted,
+            runs_marked_interrupted=interrupted + not_reattached,
+            relayed_turns_reattached=reattached,
             leftover_agent_processes_killed=swept,
             unfinished_rewinds_settled=rewinds,
             snapshots_ahead_queued=ahead,
@@ -438,6 +450,9 @@ class Daemon:
         await self.server.not_serving()
         self.intake.stop_accepting()
         await self.checkpoints.aclose()  # the snapshots taken ahead, their git ended: no turn will wait for them
+        if self._takeovers is not None:  # no turn is taken over while they end
+            self._takeovers.cancel()
+            await asyncio.gather(self._takeovers, return_exceptions=True)
         drain = asyncio.create_task(self.intake.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)

@@ -55,6 +55,7 @@ from bench_common import (  # noqa: E402
 from bench_files import files_fair, read_file  # noqa: E402
 from bench_multihost import multihost  # noqa: E402
 from bench_placement import placement_cold_start  # noqa: E402
+from bench_reattach import reattach  # noqa: E402
 from bench_relay import relay_turns  # noqa: E402
 from bench_unauth import unauth_flood, unauth_health_flood, unauth_reflection_flood  # noqa: E402
 
@@ -914,6 +915,7 @@ async def run_all(sizes: Sizes, gate: bool, only: set[str]) -> list[Result]:
         ("relay", relay_turns),  # placement = "relay" against local (scripts/bench_relay.py)
         ("scale", scale),
         ("startup", startup_and_added_latency),
+        ("reattach", reattach),  # a relayed turn across its daemon's SIGKILL (scripts/bench_reattach.py)
         ("history", history),
         ("history_flood", lambda b: _one(history_flood(b))),
         ("list_runs", lambda b: _one(list_runs(b))),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import pydantic
@@ -25,6 +25,7 @@ from rcoder.agent.acp.options import acp_options
 from rcoder.agent.acp.start_config import AgentStartConfig
 from rcoder.agent.acp.transport import Pace, PipeTransport
 from rcoder.agent.processes.process import AgentProcess
+from rcoder.agent.processes.relayed import RelayedChild, RelayPlace
 from rcoder.agent.profiles.kinds import GENERIC, AgentKind
 from rcoder.domain import (
     OPTION_BOOLEAN,
@@ -77,6 +78,26 @@ def capabilities_from_initialize(init: acp.InitializeResponse) -> AgentCapabilit
     )
 
 
+class TurnFrames:
+    """A turn's hold on a relayed agent's frames (docs/relay.md#re-attach): which frame the
+    update being handled came in (``current``), and that the relay may let go of the frames whose
+    events are stored (``stored``), and no others until ``close``."""
+
+    def __init__(self, child: RelayedChild, pipe: PipeTransport) -> None:
+        self._child, self._pipe = child, pipe
+        self.base = self.current()  # the frame the agent's output was handled up to as the turn began
+        child.hold_acks(self.base)
+
+    def current(self) -> int:
+        return self._child.frame_at(self._pipe.position)
+
+    def stored(self, frame: int) -> None:
+        self._child.ack_through(frame)
+
+    def close(self) -> None:
+        self._child.release_acks()
+
+
 class AgentConnection:
     """Owns an agent process and its ACP connection. ``aclose()`` is bounded and idempotent."""
 
@@ -93,11 +114,14 @@ class AgentConnection:
         lists: SessionLists | None = None,
         key_variable: str = "",
         held_key: Mapping[str, str] | None = None,
+        relayed: RelayedChild | None = None,
+        provider_session_id: str = "",
     ) -> None:
         self.process = process
         # a warm agent started without its model key: the variables that hold it, handed over at
         # the session's opening once a request claimed it (docs/placement.md#warm-agents-and-keys)
         self.held_key: Mapping[str, str] = held_key or {}
+        self._relayed = relayed  # the relay's child, when a relay runs the agent (docs/relay.md#placement)
         self._kind = kind
         self._key_variable = key_variable  # where its model key comes from, named when the agent refuses it
         self._pipe = pipe
@@ -107,7 +131,7 @@ class AgentConnection:
         self.capabilities = capabilities
         self.start_seconds = 0.0  # its start, prepared to initialized (``initialized``)
         self._stop_grace = stop_grace
-        self.provider_session_id = ""
+        self.provider_session_id = provider_session_id  # a re-attached agent's session is open already
         # set when the warm pool opened a plain session ahead of any request, for this cwd
         self.primed_cwd = ""
         self._closed = False
@@ -122,6 +146,16 @@ class AgentConnection:
         self.list_key: ListKey | None = None
         # the version of the options and commands the session's record holds (-1: none stored from here)
         self.stored_state_version = -1
+
+    @property
+    def relay_place(self) -> RelayPlace | None:
+        """Where the relay that runs the agent is (None: a local agent)."""
+        return self._relayed.place if self._relayed is not None else None
+
+    def turn_frames(self) -> TurnFrames | None:
+        """For a turn whose events are stored from a relayed agent's frames: the frames held
+        until stored (None: a local agent, nothing to hold)."""
+        return TurnFrames(self._relayed, self._pipe) if self._relayed is not None else None
 
     def initialized(self, capabilities: AgentCapabilities, start_seconds: float = 0.0) -> None:
         """The agent answered ``initialize``: what it can do (the launcher, before it hands this out),
@@ -284,10 +318,14 @@ class AgentConnection:
         on_permission: PermissionDecider,
         timeout: float | None = None,
         pace: Pace | None = None,
+        on_sent: Callable[[int], None] | None = None,
     ) -> StopReason:
         """Run one turn; updates go to ``on_event`` as they arrive, and while ``pace`` answers an
         event the agent's output is not read (``PipeTransport.pace_by``). Not answered within
-        ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``."""
+        ``timeout`` (``turn_timeout``), it fails with ``AgentTimeout``. ``on_sent`` is told the
+        JSON-RPC id the prompt went out with, as it goes."""
+        if on_sent is not None:
+            self._pipe.on_prompt_sent(on_sent)
         self._handler.begin_turn(on_event, on_permission)
         self._pipe.pace_by(pace)
         self.turn_usage = None
@@ -316,6 +354,43 @@ class AgentConnection:
             self._handler.end_turn()
             if self._lists is not None and self.list_key is not None:
                 self._lists.active(self.list_key, self.provider_session_id)
+        self.turn_usage = self._handler.usage.end_turn(response.usage)
+        return stop_reason(response.stop_reason)
+
+    async def resume_prompt(
+        self,
+        prompt_id: int,
+        on_event: EventSink,
+        on_permission: PermissionDecider,
+        timeout: float | None = None,
+        pace: Pace | None = None,
+    ) -> StopReason:
+        """The rest of a turn another daemon prompted (request ``prompt_id``) on this re-attached
+        agent (docs/relay.md#re-attach), as ``prompt`` runs one: its updates to ``on_event``, its
+        answer's stop reason."""
+        self._handler.begin_turn(on_event, on_permission)
+        self._pipe.pace_by(pace)
+        self.turn_usage = None
+        try:
+            try:
+                answer: dict[str, Any] = await self._call(_awaited(self._pipe.await_response(prompt_id)), timeout,
+                                                          "session/prompt")  # fmt: skip
+                if "error" in answer:
+                    error = answer["error"]
+                    raise RequestError(error.get("code", -32603), error.get("message", ""), error.get("data"))
+                response = acp.PromptResponse.model_validate(answer.get("result"))
+            except RequestError as exc:
+                raise _from_request_error(exc, self.process, self.agent, "session/prompt", "", self._kind,
+                                          self._key_variable) from exc  # fmt: skip
+            except pydantic.ValidationError as exc:
+                raise AgentProtocolError(f"agent {self.agent!r} answered session/prompt with a malformed result",
+                                         agent=self.agent) from exc  # fmt: skip
+            except BaseException:
+                self.turn_usage = self._handler.usage.end_turn(None)
+                raise
+        finally:
+            self._pipe.unpace()
+            self._handler.end_turn()
         self.turn_usage = self._handler.usage.end_turn(response.usage)
         return stop_reason(response.stop_reason)
 
@@ -377,6 +452,11 @@ class AgentConnection:
             if closing and self._closed and not isinstance(exc, AgentClosed):
                 raise AgentClosed(f"rcoder ended agent {self.agent!r} during {step}", agent=self.agent) from exc
             raise
+
+
+async def _awaited(future: asyncio.Future[T]) -> T:
+    """``future`` as a coroutine (what ``AgentConnection._call`` bounds)."""
+    return await future
 
 
 async def call_agent(

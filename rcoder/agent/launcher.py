@@ -39,7 +39,7 @@ from rcoder.agent.files import ownership
 from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.process import AgentProcess, LimitWatch
-from rcoder.agent.processes.relayed import RelayedStart, Relays
+from rcoder.agent.processes.relayed import RELAY_GENERATION, FoundAgent, RelayedChild, RelayedStart, Relays
 from rcoder.agent.processes.tree import Trees
 from rcoder.agent.profiles.erase import Erased, erase_conversation
 from rcoder.agent.profiles.homes import SHARED, Homes
@@ -277,7 +277,8 @@ class AgentLauncher:
         self, profile: AgentProfile, config: AgentStartConfig, ready: AgentConnection | None = None
     ) -> Launched:
         """One launch; its ``fallback_reason`` says why an asked-for resume did not happen."""
-        connection = ready or await self.start(profile, config.cwd, config.model_provider)
+        owner = (config.owner_session, config.generation) if config.generation else None
+        connection = ready or await self.start(profile, config.cwd, config.model_provider, owner=owner)
         skipped = ""
         key = (str(self.homes.path(profile, config.cwd)), config.cwd)
         try:
@@ -357,10 +358,17 @@ class AgentLauncher:
         await asyncio.sleep(delay)
 
     async def start(
-        self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
+        self,
+        profile: AgentProfile,
+        cwd: str,
+        provider: ModelProvider,
+        keyless: bool = False,
+        owner: tuple[str, int] | None = None,
     ) -> AgentConnection:
         """Spawn the agent and ``initialize`` it; no session yet. ``keyless`` (a warm agent): its
-        model key is left out of its environment and kept in ``AgentConnection.held_key``.
+        model key is left out of its environment and kept in ``AgentConnection.held_key``. ``owner``:
+        the session it is started for and this host's lease generation on it (a relayed agent is
+        fenced by it).
 
         At most ``agent_start_concurrency`` agents start at once: a burst of new
         sessions must not starve the daemon's own event loop of CPU (on 2 cores,
@@ -369,7 +377,7 @@ class AgentLauncher:
         at once can fail (OpenCode: both migrate its fresh database).
         """
         async with self._slot(profile):
-            connection = await self._start(profile, cwd, provider, keyless)
+            connection = await self._start(profile, cwd, provider, keyless, owner)
         self._started_once.add(profile.name)
         return connection
 
@@ -415,7 +423,42 @@ class AgentLauncher:
         self._processes.add(process)
         return process
 
-    async def _spawn_relayed(self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared) -> AgentProcess:
+    async def reattach(
+        self,
+        profile: AgentProfile,
+        found: FoundAgent,
+        capabilities: AgentCapabilities,
+        provider_session_id: str,
+        request_offset: int,
+    ) -> AgentConnection:
+        """A relayed agent another daemon left mid-turn, attached again from ``found.after_frame``
+        (docs/relay.md#re-attach): a live connection, with no ``initialize`` (``capabilities`` are
+        what it answered then) and its ACP session ``provider_session_id`` open; its new requests'
+        ids start at ``request_offset``. ``AgentUnavailable`` when its relay is gone or lost it."""
+        relays = self.relays.get("relay")
+        if relays is None:
+            raise AgentUnavailable(f"agent {profile.name!r}: this daemon runs no relays", agent=profile.name)
+        grace = self._settings.agent_stop_grace
+        child = await relays.reattach(found, profile.name, grace)
+        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, grace)
+        self._processes.add(process)
+        handler = AcpClientHandler(profile.name)
+        pipe = PipeTransport(process.stdout, process.stdin, handler.on_update, agent=profile.name,
+                             line_limit=self._settings.agent_line_limit, request_offset=request_offset)  # fmt: skip
+        conn = acp.connect_to_agent(cast(acp.Client, handler), pipe)
+        connection = AgentConnection(
+            process, pipe, conn, handler, profile.name, capabilities, grace, kind_of(profile.kind), self.lists,
+            profile.key_variable, relayed=child, provider_session_id=provider_session_id,
+        )  # fmt: skip
+        place = child.place
+        log.info("agent_reattached", agent=profile.name, pid=process.pid, placement="relay", relay_pid=place.relay_pid,
+                 relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
+                 from_frame=found.after_frame + 1)  # fmt: skip
+        return connection
+
+    async def _spawn_relayed(
+        self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared, owner: tuple[str, int] | None
+    ) -> AgentProcess:
         """``argv`` started on the relay of ``cwd``'s project (docs/relay.md#placement) with what the
         local spawn would give it (``ready``: its environment and grants; the profile's limits; the
         agents' uid), owned as a local agent is: an ``AgentProcess`` whose child is the relay's. The
@@ -428,15 +471,17 @@ class AgentLauncher:
         start = RelayedStart(
             name=profile.name,
             project=project,
-            # the relay files agents by session; the session's owner will pass its own id and lease
-            # generation (relayed.RELAY_GENERATION until then)
-            session_id=f"{project}/{uuid.uuid4().hex}",
+            # the relay files agents by session and fences each by its lease's generation
+            # (docs/relay.md#fencing); an agent started ahead of any session (warm) under a name of
+            # its own and relayed.RELAY_GENERATION
+            session_id=owner[0] if owner else f"{project}/{uuid.uuid4().hex}",
             argv=tuple(argv),
             env=ready.env,
             cwd=cwd,
             confinement=ready.confinement,
             limits=Values(profile.memory_max, profile.pids_max, profile.cpu_max or None),
             user=self.user.switch,
+            generation=owner[1] if owner else RELAY_GENERATION,
         )
         try:
             child = await relays.spawn(start, self._settings.agent_stop_grace)
@@ -450,21 +495,31 @@ class AgentLauncher:
         place = child.place
         log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement=profile.placement,
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
+                 relay_session=start.session_id, generation=start.generation,
                  sandbox=f"landlock (ABI {ready.confinement.abi})" if ready.confinement else "none",
                  uid=self.user.switch[0] if self.user.switch else os.geteuid())  # fmt: skip
         self._processes.add(process)
         return process
 
     async def _start(
-        self, profile: AgentProfile, cwd: str, provider: ModelProvider, keyless: bool = False
+        self,
+        profile: AgentProfile,
+        cwd: str,
+        provider: ModelProvider,
+        keyless: bool = False,
+        owner: tuple[str, int] | None = None,
     ) -> AgentConnection:
         """The agent of ``profile`` (``rcoder.agent.prepare``), spawned in ``cwd`` and initialised."""
         begun = time.monotonic()
         ready = await prepared(self._settings, self.homes, profile, cwd, provider, keyless=keyless)
         with tracing.span("agent.spawn", {"rcoder.agent": profile.name}) as span:
             argv = [ready.command, *profile.args, *ready.args]
+            relayed: RelayedChild | None = None
             if profile.placement != "local":
-                process = await self._spawn_relayed(profile, argv, cwd, ready)
+                process = await self._spawn_relayed(profile, argv, cwd, ready, owner)
+                # a turn on a relay's agent is stored from its frames and taken up after a restart
+                # (docs/relay.md#re-attach); a container's is not taken up yet
+                relayed = cast(RelayedChild, process.child) if profile.placement == "relay" else None
             else:
                 process = await self._spawn(profile, argv, cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)
@@ -481,7 +536,7 @@ class AgentLauncher:
         # owned from here on: a failed or cancelled initialize ends the agent through aclose()
         connection = AgentConnection(
             process, pipe, conn, handler, profile.name, AgentCapabilities(), self._settings.agent_stop_grace, kind,
-            self.lists, profile.key_variable, ready.held,
+            self.lists, profile.key_variable, ready.held, relayed,
         )  # fmt: skip
         try:
             with tracing.span("agent.initialize", {"rcoder.agent": profile.name}):

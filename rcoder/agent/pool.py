@@ -215,6 +215,17 @@ class AgentPool:
         self._recount()
         return slot.connection
 
+    def adopt_reattached(self, profile: str, cwd: str, session_id: str, connection: AgentConnection) -> None:
+        """A relayed agent taken up again mid-turn (docs/relay.md#re-attach) is the session's live
+        agent, busy with that turn until ``release``. Its model provider is the profile's own:
+        what a turn named otherwise is not known here (its next turn with another starts anew)."""
+        if self._closing:
+            raise ShuttingDown()
+        self._make_room()
+        slot = self._add(_Slot(profile, cwd, SlotState.TAKEN))
+        slot.connection = connection
+        self.adopt(slot, session_id)
+
     def take_live(self, session_id: str, profile: str, provider: ModelProvider) -> AgentConnection | None:
         """The session's live agent, now busy, if it can serve this turn as it is. One that died,
         or was started for another profile or model provider (other credentials), is closed."""

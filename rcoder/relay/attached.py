@@ -8,7 +8,8 @@ back as it holds a local agent (a turn's pacing, ``rcoder.agent.acp.transport``)
 the bytes across:
 
 - the follower attaches, writes every stdout frame into the stdout pipe, acknowledges what the pipe
-  took, and, when the stream drops (the relay restarted its listener, a cut), attaches again from
+  took (while a turn's events are stored, only the frames whose events are: ``hold_acks``), and,
+  when the stream drops (the relay restarted its listener, a cut), attaches again from
   the frame after the last one written, with a bounded backoff: nothing lost, nothing repeated. The
   agent's exit, after its last frame, is the child's exit: its code, and its stderr's end on
   ``stderr``;
@@ -45,6 +46,7 @@ ACK_EVERY = 16  # frames written into the pipe between acknowledgements (and at 
 REATTACH_FOR = 30.0  # seconds a dropped stream is attached again before the agent counts as lost
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 1.0
 _STDIN_READ = 1 << 20  # at most a frame's bound (MAX_FRAME in rcoder.relay.agents)
+_ENDS_KEPT = 1 << 16  # frame ends kept for ``frame_at``: more than the pipe and a read can hold unread
 _STDIN_KEPT = 4 << 20  # bytes of stdin frames kept before a Status call trims what the relay wrote
 # the exit code of an agent whose relay was lost: what a shell reports for a SIGKILLed process
 LOST_EXIT = -int(signal.SIGKILL)
@@ -72,7 +74,10 @@ class AttachedAgent:
         self.stderr = asyncio.StreamReader()  # the exit's stderr tail, fed at the exit
         self._written = 0  # the last stdout frame written into the pipe
         self._acked = 0
-        self._stdin_seq = 0  # the last stdin frame numbered
+        self._ack_limit: int | None = None  # while held (``hold_acks``): acknowledged up to it at most
+        self._piped = 0  # bytes written into the stdout pipe
+        self._ends: deque[tuple[int, int]] = deque()  # (bytes piped through its end, seq) of each frame
+        self._stdin_seq = agent.stdin_seq  # the last stdin frame numbered (a re-attached agent's go on)
         self._stdin_frames: deque[pb.StdinFrame] = deque()  # numbered, not yet known written by the relay
         self._stdin_kept = 0  # their bytes
         self._stdin_ended = False  # the transport closed stdin: close_stdin is (re)sent after the frames
@@ -91,9 +96,11 @@ class AttachedAgent:
 
     @classmethod
     async def open(cls, stub: pb_grpc.RelayServiceStub, metadata: Metadata, agent: pb.Agent, place: RelayPlace,
-                   generation: int, stop_grace: float) -> AttachedAgent:  # fmt: skip
-        """The agent just spawned, its pipes made and its stream attached from its first frame."""
+                   generation: int, stop_grace: float, after_frame: int = 0) -> AttachedAgent:  # fmt: skip
+        """The agent, its pipes made and its stream attached from the frame after ``after_frame``
+        (0: one just spawned; more: one another daemon read up to there, docs/relay.md#re-attach)."""
         self = cls(stub, metadata, agent, place, generation, stop_grace)
+        self._written = self._acked = after_frame
         loop = asyncio.get_running_loop()
         out_r, out_w = os.pipe()
         in_r, in_w = os.pipe()
@@ -145,6 +152,41 @@ class AttachedAgent:
     def pipe_inodes(self) -> set[int]:
         return set()  # the agent's own pipes are the relay's, on its side
 
+    # ------------------------------------------------------------ frames and their acknowledgement
+
+    def frame_at(self, position: int) -> int:
+        """The frame whose bytes reach ``position`` of what the stdout pipe carried (the frame of
+        the line the transport handled through there); positions are asked in order."""
+        ends = self._ends
+        while len(ends) > 1 and ends[0][0] < position:
+            ends.popleft()
+        return ends[0][1] if ends else self._written
+
+    def hold_acks(self, frame: int) -> None:
+        """From now on acknowledge no frame past ``frame`` until ``ack_through`` says (a turn whose
+        events are stored from its frames: the relay keeps what the store has not)."""
+        self._ack_limit = frame
+
+    def ack_through(self, frame: int) -> None:
+        """The events of the frames up to ``frame`` are stored: they may be acknowledged."""
+        if self._ack_limit is not None and frame > self._ack_limit:
+            self._ack_limit = frame
+            self._ack_soon()
+
+    def release_acks(self) -> None:
+        """The turn is over: every frame written is acknowledged again."""
+        self._ack_limit = None
+        self._ack_soon()
+
+    def _ack_soon(self) -> None:
+        call = self._call
+        if call is not None and self._ackable() > self._acked and not self.exited.done():
+            self._spawn(self._ack(call), f"relayed-ack-{self.pid}")
+
+    def _ackable(self) -> int:
+        limit = self._ack_limit
+        return self._written if limit is None else min(self._written, limit)
+
     # ------------------------------------------------------------ the stream
 
     async def _follow(self) -> None:
@@ -178,14 +220,16 @@ class AttachedAgent:
                 self._lost(f"the relay could not be reached for {waited:.0f} s ({why})")
                 return
             log.info("relayed_agent_reattaching", agent=self._name, pid=self.pid, agent_id=self._agent_id,
-                     from_seq=self._written + 1, why=why)  # fmt: skip
+                     from_seq=self._acked + 1, why=why)  # fmt: skip
             await asyncio.sleep(backoff)  # a retry's pace, not a synchronisation: the relay is away
             backoff = min(backoff * 2, _BACKOFF_MAX)
 
     async def _opened(self, call: Any) -> None:
-        """Open ``call`` from the frame after the last one written; once ready, the stdin frames the
-        relay has not written are sent again (and the end of stdin, when it came)."""
-        opening = pb.AttachOpen(agent_id=self._agent_id, generation=self._generation, from_seq=self._written + 1)
+        """Open ``call`` from the frame after the last one acknowledged (those written since come
+        again and are skipped: an attach counts the frames before it acknowledged, and while a
+        turn runs only what is stored may be, docs/relay.md#re-attach); once ready, the stdin
+        frames the relay has not written are sent again (and the end of stdin, when it came)."""
+        opening = pb.AttachOpen(agent_id=self._agent_id, generation=self._generation, from_seq=self._acked + 1)
         # nothing written before the relay's headers: a write racing its refusal would turn the
         # refusal into grpc's own INTERNAL (docs/relay.md#attach)
         await call.initial_metadata()
@@ -202,7 +246,6 @@ class AttachedAgent:
                 await call.write(pb.AttachRequest(stdin=frame))
             if self._stdin_ended:
                 await call.write(pb.AttachRequest(close_stdin=True))
-            self._acked = self._written
             self._call = call
 
     async def _took(self, call: Any, response: pb.AttachResponse) -> bool:
@@ -213,21 +256,27 @@ class AttachedAgent:
             if frame.seq <= self._written:
                 return False  # never sent twice by a relay; kept out all the same
             if not self._let_go:
+                self._piped += len(frame.data)
+                self._ends.append((self._piped, frame.seq))
+                if len(self._ends) > _ENDS_KEPT:  # nobody asks (no turn stores from frames): bounded
+                    self._ends.popleft()
                 try:
                     self._stdout_writer.write(frame.data)
                     await self._stdout_writer.drain()  # a full pipe: the reader is paced, the relay keeps it
                 except ConnectionError:
                     self._let_go = True  # our reading end is closed: the agent is being let go
             self._written = frame.seq
-            if self._written - self._acked >= ACK_EVERY or self._let_go:
+            if self._ackable() - self._acked >= ACK_EVERY or self._let_go:
                 await self._ack(call)
         elif kind == "lagged":
             lagged = response.lagged
-            log.error("relayed_agent_lagged", agent=self._name, pid=self.pid, agent_id=self._agent_id,
-                      dropped_frames=lagged.dropped_frames, next_seq=lagged.next_seq,
-                      why="the relay's buffer dropped frames before the daemon read them")  # fmt: skip
-            self._written = lagged.next_seq - 1
+            if lagged.next_seq - 1 > self._written:  # not only frames written already, sent again
+                log.error("relayed_agent_lagged", agent=self._name, pid=self.pid, agent_id=self._agent_id,
+                          dropped_frames=lagged.dropped_frames, next_seq=lagged.next_seq,
+                          why="the relay's buffer dropped frames before the daemon read them")  # fmt: skip
+                self._written = lagged.next_seq - 1
         elif kind == "exit":
+            self._ack_limit = None  # the agent's end: nothing more is kept for a turn
             await self._ack(call)
             async with self._write_lock:  # our half closed: the relay ends the stream then, not before
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
@@ -237,10 +286,12 @@ class AttachedAgent:
         return False
 
     async def _ack(self, call: Any) -> None:
-        if self._written > self._acked:
+        seq = self._ackable()
+        if seq > self._acked:
+            self._acked = seq
             async with self._write_lock:
-                await call.write(pb.AttachRequest(ack=self._written))
-            self._acked = self._written
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                    await call.write(pb.AttachRequest(ack=seq))
 
     async def _feed(self) -> None:
         """What the transport writes on stdin, numbered into frames and sent; its end, close_stdin."""

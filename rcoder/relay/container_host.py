@@ -44,7 +44,7 @@ from pathlib import Path
 from rcoder import errors
 from rcoder.agent.confinement.limits import human
 from rcoder.agent.files import ownership
-from rcoder.agent.processes.relayed import RelayedChild, RelayedStart, RelayPlace
+from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
 from rcoder.logs import get_logger
 from rcoder.relay import host
 from rcoder.relay.containers import (
@@ -198,8 +198,15 @@ class ContainerHostRelays:
         return RelayLaunch(name, self._placement.image, self._root / folder, (), command, {}, start.limits,
                            self._placement.network, labels, binds, start.user or RELAY_USER)  # fmt: skip
 
-    async def end_found(self) -> int:
-        """Every relay's container a daemon of this ``data_dir`` left, removed (its agents with it)."""
+    async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
+        """Not built for containers: a daemon's start removes the containers a killed one left
+        (``end_found``), so there is no turn in one to take up (docs/relay.md#what-is-not-built-yet)."""
+        raise errors.AgentUnavailable(f"agent {name!r}: re-attaching to a relay's container is not built",
+                                      agent=name)  # fmt: skip
+
+    async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
+        """Every relay's container a daemon of this ``data_dir`` left, removed (its agents with it):
+        none is kept, whatever ``keep`` names (re-attach is not built for containers)."""
         labels = {DATA_DIR_LABEL: str(self._placement.data_dir)}
         found = await asyncio.to_thread(self._engine.list_containers, labels)
         for row in found:
@@ -295,6 +302,19 @@ class _Watched:
 
     def limit_reached(self) -> str:
         return self._reached
+
+    # the frames its stdout came in: its relay's (docs/relay.md#re-attach)
+    def frame_at(self, position: int) -> int:
+        return self._child.frame_at(position)
+
+    def hold_acks(self, frame: int) -> None:
+        self._child.hold_acks(frame)
+
+    def ack_through(self, frame: int) -> None:
+        self._child.ack_through(frame)
+
+    def release_acks(self) -> None:
+        self._child.release_acks()
 
     async def _said(self) -> None:
         try:

@@ -6,10 +6,11 @@ A relay is started in a session of its own (not in the daemon's process group, n
 tied to the daemon: it outlives a killed daemon, and its agents with it), its output appended to
 ``relay.log`` in its folder (never a pipe to the daemon, which would break when the daemon dies).
 One found alive (its lock held, ``rcoder.data_lock``) is reused: its socket and secret are in its
-folder. At the daemon's start every relay a killed daemon left is stopped (SIGTERM: it ends its
-agents' groups and what they left, then exits): re-attaching a turn that went on without its daemon
-is the session owner's, and until it does, no agent is left running that no session holds. At the
-daemon's stop, once its agents are closed, each relay is stopped too.
+folder. At the daemon's start the agents a killed daemon left are attached again where a running
+turn of the store names them (``reattach``, docs/relay.md#re-attach); every other agent found is
+ended, and a relay left with none is stopped (SIGTERM: it ends its agents' groups and what they
+left, then exits), so that no agent is left running that no session holds. At the daemon's stop,
+once its agents are closed, each relay is stopped too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from rcoder.agent.processes.relayed import RelayedChild, RelayedStart, RelayPlace
+from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
 from rcoder.data_lock import LOCK_FILE
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
@@ -181,17 +182,75 @@ class HostRelays:
                     return
                 await asyncio.sleep(_POLL)  # a start's pace: the relay is a process of its own
 
-    async def end_found(self) -> int:
-        """Every relay alive under ``root`` stopped (SIGTERM: it ends its agents, then exits)."""
+    async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
+        folder = Path(found.relay)
+        try:
+            relay = await self.reattach_relay(folder)
+        except (OSError, TimeoutError) as exc:
+            raise AgentUnavailable(f"agent {name!r}: its relay in {folder} is not there: {exc}", agent=name) from exc
+        try:
+            listed = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata,
+                                                 timeout=SPAWN_TIMEOUT)  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            raise AgentUnavailable(f"agent {name!r}: the relay in {folder} did not list its agents "
+                                   f"({exc.code().name}: {exc.details()})", agent=name) from exc  # fmt: skip
+        agent = next((a for a in listed.agents if a.agent_id == found.agent_id), None)
+        if agent is None:
+            raise AgentUnavailable(f"agent {name!r}: the relay in {folder} no longer runs agent {found.agent_id}",
+                                   agent=name)  # fmt: skip
+        place = RelayPlace(str(folder), relay.socket, relay.pid, agent.agent_id)
+        return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, found.generation, stop_grace,
+                                        after_frame=found.after_frame)  # fmt: skip
+
+    async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
+        """Every agent alive under ``root`` but those of ``keep`` ended (SIGKILL to its group); a
+        relay left with none of ``keep`` stopped (SIGTERM: it ends its agents, then exits)."""
         if not self._root.is_dir():
             return 0
         found = [(folder, pid) for folder in sorted(self._root.iterdir()) if (pid := _holder(folder)) is not None]
-        for folder, pid in found:
+        kept_in = {relay for relay, _ in keep}
+        stopped = [(folder, pid) for folder, pid in found if str(folder) not in kept_in]
+        for folder, pid in stopped:
             log.warning("relay_found_stopped", state_dir=str(folder), pid=pid,
-                        why="a relay a daemon left: its agents serve no session held here (re-attach is not "
-                            "built yet)")  # fmt: skip
-        await asyncio.gather(*(_stop(folder, pid) for folder, pid in found))
-        return len(found)
+                        why="a relay a daemon left, running no turn the store has running")  # fmt: skip
+        kept = [folder for folder, _ in found if str(folder) in kept_in]
+        ended = await asyncio.gather(*(self._end_unkept(folder, keep) for folder in kept))
+        await asyncio.gather(*(_stop(folder, pid) for folder, pid in stopped))
+        return len(stopped) + sum(ended)
+
+    async def _end_unkept(self, folder: Path, keep: frozenset[tuple[str, str]]) -> int:
+        """The agents of the relay in ``folder`` that no turn is taken up on, ended; how many."""
+        try:
+            relay = await self.reattach_relay(folder)
+            listed = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+            ended = 0
+            for agent in listed.agents:
+                if agent.exited or (str(folder), agent.agent_id) in keep:
+                    continue
+                request = pb.SignalRequest(agent_id=agent.agent_id, generation=max(agent.generation, 1),
+                                           signal=int(signal.SIGKILL))  # fmt: skip
+                await relay.stub.Signal(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+                log.warning("relayed_agent_found_ended", state_dir=str(folder), agent_id=agent.agent_id, pid=agent.pid,
+                            why="an agent a daemon left, running no turn the store has running")  # fmt: skip
+                ended += 1
+        except (grpc.aio.AioRpcError, OSError, TimeoutError) as exc:
+            log.warning("relayed_agents_not_ended", state_dir=str(folder), error=str(exc)[:300])
+            return 0
+        return ended
+
+    async def reattach_relay(self, folder: Path) -> _Relay:
+        """The relay alive in ``folder``, connected and kept (stopped at the daemon's stop);
+        ``OSError`` when none runs there."""
+        key = folder.name if folder.parent == self._root else str(folder)
+        async with self._starting.setdefault(key, asyncio.Lock()):
+            relay = self._relays.get(key)
+            if relay is not None and _alive(relay.pid):
+                return relay
+            relay = await self._found(folder)
+            if relay is None:
+                raise OSError(f"no relay runs in {folder}")
+            self._relays[key] = relay
+            return relay
 
     async def aclose(self) -> None:
         """Every relay this daemon used, stopped, and its channel closed."""

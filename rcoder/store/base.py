@@ -62,6 +62,21 @@ class RunEnd:
     checkpoint_after: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class RelayedTurn:
+    """A turn running on a relayed agent, as a daemon that did not start it needs it to take the
+    turn up again (docs/relay.md#re-attach): stored once its prompt went out, its ``frame_seq``
+    moved in the transaction of each batch of its events, deleted with its end."""
+
+    run_id: str
+    session_id: str
+    relay: str  # the relay's state folder: its socket and secret
+    agent_id: str  # the relay's id of the agent
+    prompt_id: int  # the JSON-RPC id of the turn's ``session/prompt`` on the agent's stdin: its answer ends the turn
+    frame_seq: int  # the agent's last stdout frame whose events are stored (0: none yet)
+    agent: str  # JSON: the profile, the agent's capabilities, its ACP session (``session.turns.reattached``)
+
+
 class RunCheckpoint(NamedTuple):
     """What the store keeps of a run's checkpoints (docs/checkpoints.md): its kind ("turn",
     "rewind"), the run a rewind went back before, and its changes (JSON)."""
@@ -84,8 +99,9 @@ class SessionStore(Protocol):
 
     async def open(self) -> int:
         """Create or migrate the schema; mark runs left ``running`` by a previous
-        daemon (of this host, where several share the store) as ``interrupted``.
-        Returns how many were marked."""
+        daemon (of this host, where several share the store) as ``interrupted``, but those
+        with a relayed turn (``relayed_turns``: the daemon's start takes them up again, or
+        marks them, ``interrupt_run``). Returns how many were marked."""
         ...
 
     async def close(self) -> None:
@@ -280,16 +296,47 @@ class SessionStore(Protocol):
         """The last ``limit`` entries (of one session, or of every one), oldest first."""
         ...
 
+    # relayed turns (docs/relay.md#re-attach)
+    async def put_relayed_turn(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
+        """Record (or replace) the relayed turn of a running run."""
+        ...
+
+    async def relayed_turns(self) -> list[RelayedTurn]:
+        """The relayed turns of the runs still ``running`` (on this host, where several share the
+        store), oldest first: what ``open`` left running for the daemon's start to take up again."""
+        ...
+
+    async def lost_relayed_turns(self) -> list[RelayedTurn]:
+        """The relayed turns of running runs whose host is lost (no live lease of its on the
+        session, no heartbeat within the lease's time), oldest first: another host may take them
+        over. A store of one host has none."""
+        ...
+
+    async def adopt_run(self, run_id: str, lease: Lease) -> bool:
+        """A running run is this host's from now on (its relayed turn taken over), while it holds
+        ``lease``; False when the run no longer runs or the lease is no longer held."""
+        ...
+
+    async def interrupt_run(self, run_id: str) -> bool:
+        """Mark a run still ``running`` ``interrupted`` as ``open`` marks the others (its relayed
+        turn could not be taken up again); False when it was no longer running."""
+        ...
+
     # history (run_events)
     async def append_events(
-        self, rows: Sequence[EventRow], leases: Mapping[str, Lease] | None = None
+        self,
+        rows: Sequence[EventRow],
+        leases: Mapping[str, Lease] | None = None,
+        frames: Mapping[str, int] | None = None,
     ) -> frozenset[str]:
         """Store these events, all in one transaction; an event already stored (same run_id and
         seq) is left as it is. ``leases``: by run_id, the lease its turn started under. Where
         several hosts share the store, a run's rows land only while this host still holds that
         lease (one statement for the whole batch, as fenced as a turn's end); the rows of a run
         whose lease is lost are dropped, the other runs' land, and those runs are returned.
-        A run not in ``leases`` is not fenced; the store of one host fences nothing."""
+        A run not in ``leases`` is not fenced; the store of one host fences nothing. ``frames``:
+        by run_id, the agent's last frame these rows reach, set on its relayed turn in the same
+        transaction (never lowered)."""
         ...
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:

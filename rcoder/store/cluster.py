@@ -13,7 +13,7 @@ I/O (taking a lease there costs a dict update).
 
 from __future__ import annotations
 
-import itertools
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -125,7 +125,10 @@ class LocalCoordination:
         self.host_id = host_id
         self._ttl = lease_ttl
         self._generations: dict[str, int] = {}  # session -> the generation this host holds
-        self._next = itertools.count(1)  # one counter for all: a generation is never handed out twice
+        # One counter for all: a generation is never handed out twice, and never one below what an
+        # earlier daemon on this data_dir handed out, since it counts on from the time in microseconds
+        # (a relay fences an agent's session by the highest generation it saw: docs/relay.md#fencing)
+        self._last = 0
         self._address = ""
         self._version = ""
         self._started = datetime.now(UTC)
@@ -144,7 +147,8 @@ class LocalCoordination:
         return [HostRecord(self.host_id, self._address, now, self._version, self._started, True)]
 
     async def acquire(self, session_id: str) -> Taken | Owner:
-        generation = self._generations[session_id] = next(self._next)
+        self._last = max(self._last + 1, time.time_ns() // 1000)
+        generation = self._generations[session_id] = self._last
         return Taken(Lease(session_id, generation))
 
     async def renew(self, leases: list[Lease]) -> list[Lease]:

@@ -151,6 +151,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # rows before this migration)
         "ALTER TABLE audit ADD COLUMN path text NOT NULL DEFAULT ''",
     ),
+    (  # 16: a turn running on a relayed agent (docs/relay.md#re-attach): where its agent runs, the
+        # request its end answers, how far its stored events reach in the agent's frames, and what a
+        # daemon needs to take the agent up again (JSON, rcoder.store.base.RelayedTurn)
+        """CREATE TABLE relayed_turns (
+            run_id text COLLATE "C" PRIMARY KEY, session_id text COLLATE "C" NOT NULL, relay text NOT NULL,
+            agent_id text NOT NULL, prompt_id bigint NOT NULL, frame_seq bigint NOT NULL, agent text NOT NULL)""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -233,6 +240,7 @@ RUNNING_IN_PROJECT = (
 # two hosts end a run once. Parameters: the project (or the run), this host, lease_ttl, the error
 _LOST_RUNS = (
     " AND r.status = 'running' AND r.host_id <> %s"
+    " AND r.run_id NOT IN (SELECT run_id FROM relayed_turns)"  # taken over whole (docs/relay.md#re-attach)
     " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
     " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
     " AND h.heartbeat > now() - make_interval(secs => %s)) FOR UPDATE OF r),"
@@ -431,6 +439,38 @@ PRUNE_EVENTS = (
 )
 MARK_INTERRUPTED = (
     "UPDATE runs SET status = %s, ended_at = %s, error = %s, stop_reason = %s WHERE status = %s AND host_id = %s"
+    " AND run_id NOT IN (SELECT run_id FROM relayed_turns)"  # taken up again, or marked, by the daemon's start
+)
+INTERRUPT_RUN = (
+    "UPDATE runs SET status = %s, ended_at = %s, error = %s, stop_reason = %s WHERE status = %s AND run_id = %s"
+)
+# the relayed turns of runs that ended (their end deletes nothing: it stays one statement)
+DELETE_ENDED_RELAYED = "DELETE FROM relayed_turns t USING runs r WHERE r.run_id = t.run_id AND r.status <> 'running'"
+PUT_RELAYED_TURN = (
+    "INSERT INTO relayed_turns VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET"
+    " relay = excluded.relay, agent_id = excluded.agent_id, prompt_id = excluded.prompt_id,"
+    " frame_seq = excluded.frame_seq, agent = excluded.agent"
+)
+SET_RELAYED_FRAME = "UPDATE relayed_turns SET frame_seq = greatest(frame_seq, %s) WHERE run_id = %s"
+DELETE_RELAYED_TURN = "DELETE FROM relayed_turns WHERE run_id = %s"
+# the relayed turns of lost hosts (no live lease of theirs on the session, no heartbeat within the ttl)
+LOST_RELAYED_TURNS = (
+    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
+    " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' AND r.host_id <> %s"
+    " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
+    " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
+    " AND h.heartbeat > now() - make_interval(secs => %s)) ORDER BY r.started_at, t.run_id"
+)
+# a relayed turn taken over: its run is this host's from now on, under the lease it took
+ADOPT_RUN = (
+    "UPDATE runs SET host_id = %s WHERE run_id = %s AND status = 'running' AND EXISTS (SELECT 1 FROM leases l"
+    " WHERE l.session_id = runs.session_id AND l.owner = %s AND l.generation = %s)"
+)
+DELETE_RELAYED_TURNS = "DELETE FROM relayed_turns WHERE session_id = %s"
+RELAYED_TURNS = (
+    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
+    " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' AND r.host_id = %s"
+    " ORDER BY r.started_at, t.run_id"
 )
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"
 
@@ -515,7 +555,8 @@ ACQUIRE = (
 )
 END_ORPHANS = (
     "UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now()"
-    " WHERE session_id = %s AND status = 'running' AND host_id <> %s RETURNING run_id"
+    " WHERE session_id = %s AND status = 'running' AND host_id <> %s"
+    " AND run_id NOT IN (SELECT run_id FROM relayed_turns) RETURNING run_id"  # taken over whole
 )
 RENEW = (
     "UPDATE leases SET expires = now() + make_interval(secs => %s)"
@@ -551,7 +592,8 @@ REVOKE_FOR_RUN = (
 )
 END_ORPHANED_RUN = (
     "UPDATE runs SET status = 'failed', stop_reason = 'error', error = %s, ended_at = now()"
-    " WHERE run_id = %s AND status = 'running' AND NOT EXISTS (SELECT 1 FROM leases l"
+    " WHERE run_id = %s AND status = 'running' AND run_id NOT IN (SELECT run_id FROM relayed_turns)"
+    " AND NOT EXISTS (SELECT 1 FROM leases l"
     " WHERE l.session_id = runs.session_id AND l.owner = runs.host_id AND l.expires > now())"
 )
 

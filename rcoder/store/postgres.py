@@ -41,7 +41,7 @@ from rcoder.domain import (
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.logs import get_logger
 from rcoder.store import pg_schema, redact_url
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RelayedTurn, RunCheckpoint, RunEnd
 from rcoder.store.cluster import OWNER_LOST, Lease
 from rcoder.store.patterns import regexes
 from rcoder.store.pg_pool import Conn as Conn  # re-exported: the store's connection and row types
@@ -187,6 +187,7 @@ class PostgresStore:
                 StopReason.INTERRUPTED.value, RunStatus.RUNNING.value, self._host_id,
             ),
         )  # fmt: skip
+        await conn.execute(pg_schema.DELETE_ENDED_RELAYED)
         return cursor.rowcount
 
     async def close(self) -> None:
@@ -511,6 +512,7 @@ class PostgresStore:
                 await conn.execute(pg_schema.DELETE_SIGNALS, (*key, *key))
                 events = (await conn.execute(pg_schema.DELETE_EVENTS, key)).rowcount
                 entries = (await conn.execute(pg_schema.DELETE_TRANSCRIPT, key)).rowcount
+                await conn.execute(pg_schema.DELETE_RELAYED_TURNS, key)
                 runs = (await conn.execute(pg_schema.DELETE_RUNS, key)).rowcount
                 await conn.execute(pg_schema.DELETE_LEASE, key)
                 await conn.execute(pg_schema.DELETE_SESSION, key)
@@ -584,12 +586,46 @@ class PostgresStore:
 
     # ------------------------------------------------------------ history
 
+    async def put_relayed_turn(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
+        params = _params(turn.run_id, turn.session_id, turn.relay, turn.agent_id, turn.prompt_id, turn.frame_seq,
+                         turn.agent)  # fmt: skip
+        await self._write(pg_schema.PUT_RELAYED_TURN, params, None)
+
+    async def relayed_turns(self) -> list[RelayedTurn]:
+        rows = await self._rows(pg_schema.RELAYED_TURNS, _params(self._host_id))
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+
+    async def lost_relayed_turns(self) -> list[RelayedTurn]:
+        rows = await self._rows(pg_schema.LOST_RELAYED_TURNS, _params(self._host_id, self._lease_ttl))
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+
+    async def adopt_run(self, run_id: str, lease: Lease) -> bool:
+        params = _params(self._host_id, run_id, self._host_id, lease.generation)
+        rows = await self._pool.rows(pg_schema.ADOPT_RUN + " RETURNING run_id", params, read=False)
+        return bool(rows)
+
+    async def interrupt_run(self, run_id: str) -> bool:
+        params = _params(RunStatus.INTERRUPTED.value, datetime.now(UTC), INTERRUPTED_ERROR,
+                         StopReason.INTERRUPTED.value, RunStatus.RUNNING.value, run_id)  # fmt: skip
+
+        async def work(conn: Conn) -> bool:
+            async with conn.transaction():
+                await conn.execute(pg_schema.DELETE_RELAYED_TURN, _params(run_id))
+                return (await conn.execute(pg_schema.INTERRUPT_RUN, params)).rowcount > 0
+
+        return await self._pool.call(work)
+
     async def append_events(
-        self, rows: Sequence[EventRow], leases: Mapping[str, Lease] | None = None
+        self,
+        rows: Sequence[EventRow],
+        leases: Mapping[str, Lease] | None = None,
+        frames: Mapping[str, int] | None = None,
     ) -> frozenset[str]:
         if not rows:
             return frozenset()
         columns = _event_columns(rows)
+        if frames:
+            return await self._append_with_frames(rows, columns, leases or {}, frames)
         if not leases:
             await self._write(pg_schema.INSERT_EVENTS, columns, None)
             return frozenset()
@@ -601,6 +637,36 @@ class PostgresStore:
         )  # fmt: skip
         lost = await self._pool.rows(pg_schema.INSERT_EVENTS_FENCED, (*fence, *columns), read=False)
         return frozenset(str(row[0]) for row in lost)
+
+    async def _append_with_frames(
+        self,
+        rows: Sequence[EventRow],
+        columns: tuple[list[object], ...],
+        leases: Mapping[str, Lease],
+        frames: Mapping[str, int],
+    ) -> frozenset[str]:
+        """``append_events`` and the frames its rows reach on their relayed turns, in one transaction."""
+        runs = {row.run_id for row in rows}
+        fenced = [(run_id, lease) for run_id, lease in leases.items() if run_id in runs]
+
+        async def work(conn: Conn) -> frozenset[str]:
+            async with conn.transaction():
+                lost: frozenset[str] = frozenset()
+                if fenced:
+                    fence = (
+                        [_text(run_id) for run_id, _ in fenced], [_text(lease.session_id) for _, lease in fenced],
+                        [lease.generation for _, lease in fenced], self._host_id,
+                    )  # fmt: skip
+                    cursor = await conn.execute(pg_schema.INSERT_EVENTS_FENCED, (*fence, *columns))
+                    lost = frozenset(str(row[0]) for row in await cursor.fetchall())
+                else:
+                    await conn.execute(pg_schema.INSERT_EVENTS, columns)
+                for run_id, frame in frames.items():
+                    if run_id in runs and run_id not in lost:
+                        await conn.execute(pg_schema.SET_RELAYED_FRAME, _params(frame, run_id))
+                return lost
+
+        return await self._pool.call(work)
 
     async def run_events(self, run_id: str, after_seq: int = 0, limit: int = 1000) -> list[EventRow]:
         rows = await self._rows(pg_schema.RUN_EVENTS, _params(run_id, after_seq, _positive(limit)))

@@ -40,7 +40,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import sqlite_schema
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RelayedTurn, RunCheckpoint, RunEnd
 from rcoder.store.cluster import Lease
 from rcoder.store.patterns import globs_json
 from rcoder.store.session_state import state_params
@@ -164,6 +164,7 @@ def _finish_run(conn: sqlite3.Connection, run_id: str, end: RunEnd, events: list
             sqlite_schema.END_RUN, (status.value, stop, error, time_text(at), *usage_params(usage), *commits, run_id)
         )
         _require_row(cursor, "run", run_id)
+        conn.execute(sqlite_schema.DELETE_RELAYED_TURN, (run_id,))
         if entry is None:
             return
         cursor = conn.execute(
@@ -213,6 +214,7 @@ def _delete_session(conn: sqlite3.Connection, session_id: str) -> Deleted | None
             return None
         events = conn.execute(sqlite_schema.DELETE_EVENTS, (session_id,)).rowcount
         entries = conn.execute(sqlite_schema.DELETE_TRANSCRIPT, (session_id,)).rowcount
+        conn.execute(sqlite_schema.DELETE_RELAYED_TURNS, (session_id,))
         runs = conn.execute(sqlite_schema.DELETE_RUNS, (session_id,)).rowcount
         conn.execute(sqlite_schema.DELETE_SESSION, (session_id,))
     # a reader holding an old snapshot can keep the log from being truncated now (busy_timeout
@@ -570,17 +572,49 @@ class SqliteStore:
 
     # history
 
+    async def put_relayed_turn(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
+        del lease  # one host: no fence
+        params = (turn.run_id, turn.session_id, turn.relay, turn.agent_id, turn.prompt_id, turn.frame_seq, turn.agent)
+        await self._write(sqlite_schema.PUT_RELAYED_TURN, params, None)
+
+    async def relayed_turns(self) -> list[RelayedTurn]:
+        rows = await self._rows(sqlite_schema.RELAYED_TURNS, (), point=False)
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+
+    async def lost_relayed_turns(self) -> list[RelayedTurn]:
+        return []  # one host: its own are taken up at its start
+
+    async def adopt_run(self, run_id: str, lease: Lease) -> bool:
+        return True  # one host: every run is its own
+
+    async def interrupt_run(self, run_id: str) -> bool:
+        params = (RunStatus.INTERRUPTED.value, time_text(datetime.now(UTC)), INTERRUPTED_ERROR,
+                  StopReason.INTERRUPTED.value, RunStatus.RUNNING.value, run_id)  # fmt: skip
+
+        def work(conn: sqlite3.Connection) -> bool:
+            with _transaction(conn):
+                conn.execute(sqlite_schema.DELETE_RELAYED_TURN, (run_id,))
+                return conn.execute(sqlite_schema.INTERRUPT_RUN, params).rowcount > 0
+
+        return await self._call(work)
+
     async def append_events(
-        self, rows: Sequence[EventRow], leases: Mapping[str, Lease] | None = None
+        self,
+        rows: Sequence[EventRow],
+        leases: Mapping[str, Lease] | None = None,
+        frames: Mapping[str, int] | None = None,
     ) -> frozenset[str]:
         # one host: every lease is its own (LocalCoordination), nothing to fence
         if not rows:
             return frozenset()
         params = _event_params(rows)
+        reached = [(frame, run_id) for run_id, frame in (frames or {}).items()]
 
         def work(conn: sqlite3.Connection) -> None:
             with _transaction(conn):
                 conn.executemany(sqlite_schema.INSERT_EVENT, params)
+                if reached:  # in the same transaction: the frames reached are those of stored events
+                    conn.executemany(sqlite_schema.SET_RELAYED_FRAME, reached)
 
         # a turn's last few events inline (its completed waits for them); a large batch on the
         # worker, so the loop (every live stream) goes on meanwhile

@@ -128,6 +128,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # rows before this migration)
         "ALTER TABLE audit ADD COLUMN path TEXT NOT NULL DEFAULT ''",
     ),
+    (  # 13: a turn running on a relayed agent (docs/relay.md#re-attach): where its agent runs, the
+        # request its end answers, how far its stored events reach in the agent's frames, and what a
+        # daemon needs to take the agent up again (JSON, rcoder.store.relayed); deleted with its end
+        """CREATE TABLE relayed_turns (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, relay TEXT NOT NULL, agent_id TEXT NOT NULL,
+            prompt_id INTEGER NOT NULL, frame_seq INTEGER NOT NULL, agent TEXT NOT NULL)""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -150,7 +157,19 @@ def migrate(conn: sqlite3.Connection) -> int:
 # ---------------------------------------------------------------- the statements
 
 # Every statement in full (no SQL is ever built from values).
-MARK_INTERRUPTED = "UPDATE runs SET status = ?, ended_at = ?, error = ?, stop_reason = ? WHERE status = ?"
+MARK_INTERRUPTED = (
+    "UPDATE runs SET status = ?, ended_at = ?, error = ?, stop_reason = ? WHERE status = ?"
+    " AND run_id NOT IN (SELECT run_id FROM relayed_turns)"  # taken up again, or marked, by the daemon's start
+)
+INTERRUPT_RUN = "UPDATE runs SET status = ?, ended_at = ?, error = ?, stop_reason = ? WHERE status = ? AND run_id = ?"
+PUT_RELAYED_TURN = "INSERT OR REPLACE INTO relayed_turns VALUES (?,?,?,?,?,?,?)"
+SET_RELAYED_FRAME = "UPDATE relayed_turns SET frame_seq = max(frame_seq, ?) WHERE run_id = ?"
+DELETE_RELAYED_TURN = "DELETE FROM relayed_turns WHERE run_id = ?"
+DELETE_RELAYED_TURNS = "DELETE FROM relayed_turns WHERE session_id = ?"
+RELAYED_TURNS = (
+    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
+    " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' ORDER BY r.started_at, t.run_id"
+)
 
 # sessions
 INSERT_SESSION = "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"

@@ -56,6 +56,7 @@ class Hosts:
     # the clients' credentials when the hosts serve TLS (None: plaintext)
     credentials: grpc.ChannelCredentials | None = None
     agent_flags: tuple[str, ...] = ()  # the fake agent's flags, for the hosts started after they are set
+    profile_keys: dict[str, Any] = field(default_factory=dict)  # more keys of the profile (placement, ...)
 
     def __getitem__(self, name: str) -> Host:
         return self.by_name[name]
@@ -74,7 +75,7 @@ class Hosts:
                 **self.top,
                 **(each or {}).get(name, {}),
             }
-            profiles = {"fake": self.fake.profile(*self.agent_flags)}
+            profiles = {"fake": self.fake.profile(*self.agent_flags, **self.profile_keys)}
             config = write_config(self.root / f"rcoder-{name}.toml", profiles, **settings)
             daemon = await Daemon(config).start()
             channel = (

@@ -12,18 +12,16 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-import pytest
 
 from rcoder.agent.processes.relayed import RelayedStart
 from rcoder.relay.host import HostRelays
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import DaemonFactory, exited
+from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, eventually, started, text_of
 from tests.relay.conftest import RelayFactory
 
@@ -47,20 +45,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-@pytest.fixture
-async def relays_ended(tmp_path: Path) -> AsyncIterator[list[int]]:
-    """Relays the test saw; each one's group SIGKILLed after it, whatever happened (a relay leads
-    its own session, so its group is its own), and waited for."""
-    seen: list[int] = []
-    try:
-        yield seen
-    finally:
-        for pid in seen:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            await exited(pid)
 
 
 def profiles(fake: FakeAgentSetup) -> dict[str, dict[str, object]]:
@@ -206,7 +190,8 @@ async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats
     pid = relay_pid(tmp_path / "data")
     assert pid is not None
     relays_ended.append(pid)
-    agent_id = next(row["agent_id"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    spawned = next(row for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    agent_id, generation = spawned["agent_id"], spawned["generation"]  # the session's lease's
     folder = tmp_path / "data" / "relays" / "proj"
     secret = (folder / "secret").read_text().strip()
 
@@ -224,7 +209,7 @@ async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats
         before = status.agent.last_seq
         assert not turn.done()
         call = stub.Attach(metadata=metadata)
-        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=1,
+        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=generation,
                                                                           from_seq=before + 1)))  # fmt: skip
         ready = await call.read()
         assert ready.WhichOneof("message") == "ready"

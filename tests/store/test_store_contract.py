@@ -30,7 +30,7 @@ from rcoder.domain import (
 )
 from rcoder.errors import StoreError
 from rcoder.store import make_store
-from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RunCheckpoint, RunEnd, SessionStore
+from rcoder.store.base import INTERRUPTED_ERROR, EventRow, RelayedTurn, RunCheckpoint, RunEnd, SessionStore
 from rcoder.store.cluster import Coordination, LocalCoordination, Taken
 from rcoder.store.pg_cluster import PgCoordination
 from rcoder.store.postgres import PostgresStore
@@ -694,3 +694,43 @@ async def test_audit_entries_are_kept_in_order_and_outlive_their_session(store: 
     assert await store.audit_entries("nope") == []
     with pytest.raises(ValueError, match="limit"):
         await store.audit_entries(limit=0)
+
+
+async def test_a_relayed_turn_is_kept_running_at_open_its_frames_move_with_its_events_and_it_goes_with_its_end(
+    new_store: StoreFactory,
+) -> None:
+    """docs/relay.md#re-attach: what a daemon's start needs to take a relayed turn up."""
+    first = new_store()
+    await first.open()
+    coordination: Coordination = (
+        PgCoordination(first, 30.0) if isinstance(first, PostgresStore) else LocalCoordination(HOST, 30.0)
+    )
+    taken = await coordination.acquire("s1")
+    assert isinstance(taken, Taken)
+    await first.create_session(session("s1"), lease=taken.lease)
+    for run in ("r-relayed", "r-local"):
+        await first.start_run(RunRecord(run, "s1", RunStatus.RUNNING, T0), lease=taken.lease)
+    turn = RelayedTurn("r-relayed", "s1", "/data/relays/proj", "agent-1", 3, 7, '{"profile": "fake"}')
+    await first.put_relayed_turn(turn, taken.lease)
+    leases = {"r-relayed": taken.lease}
+    events = [EventRow("s1", "r-relayed", seq, T0, "text", "{}") for seq in (1, 2)]
+    assert await first.append_events(events, leases, {"r-relayed": 12}) == frozenset()
+    assert await first.append_events(events[1:], leases, {"r-relayed": 9}) == frozenset()  # never lowered
+    assert await first.relayed_turns() == [replace(turn, frame_seq=12)]
+    assert await first.run_events("r-relayed") == events
+    await first.close()
+
+    again = new_store()  # the next daemon's start
+    assert await again.open() == 1  # the local run is interrupted, the relayed one left running
+    try:
+        assert await again.relayed_turns() == [replace(turn, frame_seq=12)]
+        relayed, local = await again.get_run("r-relayed"), await again.get_run("r-local")
+        assert relayed is not None and local is not None
+        assert (relayed.status, local.status) == (RunStatus.RUNNING, RunStatus.INTERRUPTED)
+        assert await again.interrupt_run("r-relayed")  # it could not be taken up
+        assert not await again.interrupt_run("r-relayed")
+        assert await again.relayed_turns() == []
+        relayed = await again.get_run("r-relayed")
+        assert relayed is not None and relayed.status is RunStatus.INTERRUPTED
+    finally:
+        await again.close()

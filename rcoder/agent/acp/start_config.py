@@ -53,6 +53,11 @@ class AgentStartConfig:
     def with_key(self, key_meta: dict[str, Any]) -> AgentStartConfig:
         return replace(self, key_meta=key_meta)
 
+    # rcoder's session the agent is started for, and this host's lease generation on it: what a
+    # relay files a relayed agent under and fences by (docs/relay.md#fencing); "" and 0: none yet
+    owner_session: str = ""
+    generation: int = 0
+
     def without_resume(self) -> AgentStartConfig:
         return replace(self, resume_session_id="", resume_method=None, replay_end=None, fork_from="")
 

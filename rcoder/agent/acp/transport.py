@@ -15,6 +15,13 @@ is set, so the agent blocks on its full pipe as on a slow terminal and nothing
 it wrote is dropped (``session.runs.run``, ``Run.room``). ``unpace`` ends that at
 the end of the turn, whatever the event.
 
+An agent taken up again mid-turn by another daemon (docs/relay.md#re-attach) answers a
+``session/prompt`` the SDK's connection never sent: ``await_response`` takes that answer for the
+re-attached turn, and ``request_offset`` moves every id the SDK sends past the ids the first
+connection used (the answers are moved back), so no new request is taken for an old one.
+``position`` is how far the agent's output has been handled, in bytes: a relayed agent's frames
+are counted in the same bytes (``AttachedAgent.frame_at``).
+
 What an agent writes is never trusted to be well formed: a line that is not
 one JSON object is skipped, a lone UTF-16 surrogate (a ``\\ud800`` escape,
 which no UTF-8 encoder takes: protobuf, SQLite) becomes U+FFFD, and a
@@ -94,8 +101,13 @@ class PipeTransport:
         *,
         agent: str,
         line_limit: int,
+        request_offset: int = 0,
     ) -> None:
         self._reader = reader
+        self._offset = request_offset  # added to every id the SDK sends (a re-attached agent's)
+        self.position = 0  # bytes of the agent's output handled, through the line handled now
+        self._awaited: dict[int, asyncio.Future[dict[str, Any]]] = {}  # answers to requests the SDK never sent
+        self._on_prompt: Callable[[int], None] | None = None  # told the id the next session/prompt goes out with
         self._writer = writer
         self._on_update = on_update
         self._agent = agent
@@ -116,6 +128,12 @@ class PipeTransport:
     async def send(self, message: dict[str, Any]) -> None:
         if self._closed or self._writer.is_closing():
             raise ConnectionError("agent connection closed")
+        if "method" in message and "id" in message:  # a request of ours
+            if self._offset and type(message["id"]) is int:
+                message = {**message, "id": message["id"] + self._offset}
+            if message["method"] == "session/prompt" and (told := self._on_prompt) is not None:
+                self._on_prompt = None
+                told(message["id"])
         # default=str: an error's data (a validation error's details) may hold objects JSON has no form for
         self._writer.write(json.dumps(message, separators=(",", ":"), default=str).encode() + b"\n")
         await self._writer.drain()
@@ -123,7 +141,9 @@ class PipeTransport:
     async def receive(self) -> dict[str, Any] | None:
         while True:
             while self._lines:
-                message = self._decode(self._lines.popleft())
+                line = self._lines.popleft()
+                self.position += len(line) + 1  # its newline (one too many for a last line without one)
+                message = self._decode(line)
                 if message is None:
                     continue
                 if message.get("method") == "session/update" and "id" not in message:
@@ -131,11 +151,14 @@ class PipeTransport:
                     continue
                 if message.get("method") is None and "id" in message:  # what the SDK takes for a response
                     message = self._checked_response(message)
-                    if message is None:
+                    if message is None or self._took_awaited(message):
                         continue
                 self._streak = 0
                 return message
             if self._eof:
+                for awaited in self._awaited.values():
+                    if not awaited.done():
+                        awaited.set_exception(ConnectionError("the agent's output ended"))
                 return None
             if self._streak >= COALESCE_AFTER and self._last_read < _SMALL_READ:
                 # the agent is streaming a line at a time: let a few more lines arrive
@@ -153,6 +176,35 @@ class PipeTransport:
                 await room.wait()
             finally:
                 self._waiting = None
+
+    def on_prompt_sent(self, told: Callable[[int], None]) -> None:
+        """``told`` the id the next ``session/prompt`` goes out with, once, as it is written."""
+        self._on_prompt = told
+
+    def await_response(self, request_id: int) -> asyncio.Future[dict[str, Any]]:
+        """The answer to ``request_id``, a request an earlier connection sent the agent (its
+        ``result`` or ``error`` as the agent wrote it); ``ConnectionError`` at the end of output."""
+        awaited = self._awaited.get(request_id)
+        if awaited is None:
+            awaited = self._awaited[request_id] = asyncio.get_running_loop().create_future()
+        return awaited
+
+    def _took_awaited(self, message: dict[str, Any]) -> bool:
+        """Whether ``message`` answers an awaited request (then taken), else its id is moved back
+        to the SDK's (False); an answer to an old request nobody awaits is dropped (True)."""
+        rid = message["id"]
+        awaited = self._awaited.pop(rid, None)
+        if awaited is not None:
+            if not awaited.done():
+                awaited.set_result(message)
+            return True
+        if not self._offset or type(rid) is not int:
+            return False
+        if rid < self._offset:
+            self._warn("agent_answered_an_old_request", id=rid)
+            return True
+        message["id"] = rid - self._offset
+        return False
 
     def pace_by(self, pace: Pace | None) -> None:
         """A turn starts (``AgentConnection.prompt``): until ``unpace``, ask ``pace`` before each read."""

@@ -245,6 +245,11 @@ class AgentProcess:
         # what says whether one of them stopped the agent
         self._limit_reached = limit_reached
 
+    @property
+    def child(self) -> Child:
+        """The process owned (a relayed agent's: the relay's, ``processes.relayed``)."""
+        return self._child
+
     def enter(self, cgroup: AgentCgroup | None, ended: Callable[[AgentCgroup], None]) -> None:
         """The agent is in ``cgroup`` (docs/limits.md#how-an-agent-enters-its-cgroup): removed once
         the agent has exited and been let go, ``ended`` told first."""

@@ -17,9 +17,9 @@ from rcoder.agent.confinement.limits import Values
 from rcoder.agent.confinement.sandbox import Confinement
 from rcoder.agent.processes.process import Child
 
-# The lease generation a relayed agent is spawned and attached with. A relay takes 1 or more
-# (docs/relay.md#fencing); until the session's owner holds its agent and passes its lease's real
-# generation, every spawn of this daemon uses 1, so nothing is fenced between its own calls.
+# The lease generation of a relayed agent started ahead of any session (the warm pool's), under a
+# session name of its own. A relay takes 1 or more (docs/relay.md#fencing); an agent started for a
+# session is spawned, attached and signalled with its session's lease generation.
 RELAY_GENERATION = 1
 
 
@@ -51,10 +51,34 @@ class RelayPlace:
 
 
 class RelayedChild(Child, Protocol):
-    """A ``Child`` run by a relay, saying where."""
+    """A ``Child`` run by a relay, saying where, and the frames its stdout came in
+    (docs/relay.md#re-attach): which frame a position of its stdout is in, and how far the relay
+    may let them go."""
 
     @property
     def place(self) -> RelayPlace: ...
+
+    def frame_at(self, position: int) -> int:
+        """The frame holding byte ``position - 1`` of the stdout read so far."""
+
+    def hold_acks(self, frame: int) -> None:
+        """Acknowledge no frame past ``frame`` until ``ack_through`` allows more."""
+
+    def ack_through(self, frame: int) -> None:
+        """The frames up to ``frame`` may be acknowledged (what was made of them is stored)."""
+
+    def release_acks(self) -> None:
+        """Acknowledge every frame written again."""
+
+
+@dataclass(frozen=True, slots=True)
+class FoundAgent:
+    """An agent of a relay a daemon left running, to take up again (docs/relay.md#re-attach)."""
+
+    relay: str  # the relay's state folder
+    agent_id: str
+    after_frame: int  # the last frame whose events are stored: the stream starts after it
+    generation: int = RELAY_GENERATION
 
 
 class Relays(Protocol):
@@ -68,9 +92,14 @@ class Relays(Protocol):
         """``start`` spawned on its project's relay (started first if none lives), attached.
         ``AgentUnavailable`` when the relay cannot be started or reached, or refuses the spawn."""
 
-    async def end_found(self) -> int:
-        """At the daemon's start: every relay a killed daemon left under ``root`` stopped (its
-        agents ended with it); how many."""
+    async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
+        """At the daemon's start: every agent a killed daemon left running under ``root`` ended but
+        those of ``keep`` (relay folder, agent id); a relay left with none of them stopped. How
+        many agents were ended."""
+
+    async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
+        """``found`` attached again from the frame after ``found.after_frame``. ``AgentUnavailable``
+        when its relay is gone, or no longer runs it."""
 
     async def aclose(self) -> None:
         """At the daemon's stop, once its agents are closed: every relay stopped."""

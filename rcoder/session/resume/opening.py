@@ -115,6 +115,8 @@ class TurnPlan:
             extra_meta=turn.extra_meta,
             model_provider=turn.model_provider,
             resume_session_id=resume_id,
+            owner_session=self.session_id,
+            generation=self.lease.generation if self.lease is not None else 0,
         )
 
     def started(

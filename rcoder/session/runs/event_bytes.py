@@ -156,15 +156,23 @@ class EarlyEvents:
         self.bytes = 0
         self._dropped = 0
         self._dropped_bytes = 0
+        self._merge = True
+
+    def keep_apart(self) -> None:
+        """Merge no text from now on: each event as the agent sent it (a relayed agent's, whose
+        events another daemon may make again from its frames: docs/relay.md#re-attach)."""
+        self._merge = False
 
     def add(self, event: AgentEvent) -> None:
-        if isinstance(event, TextChunk):
+        if isinstance(event, TextChunk) and self._merge:
             size = utf8_size(event.text)
             last = self._events[-1] if self._events else None
             if isinstance(last, TextChunk) and last.thought == event.thought and self._fits(size):
                 self._parts.append(event.text)
                 self.bytes += size
                 return
+        elif isinstance(event, TextChunk):
+            size = utf8_size(event.text)
         else:
             size = body_size(event)
             if size > self._event_bytes:

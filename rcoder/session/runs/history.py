@@ -114,6 +114,7 @@ class _Batch:
     seq: int  # the last seq it covers (stored or not: heartbeats, events past the bound)
     bytes: int  # the run's stored bytes once it lands
     cut: int
+    frame: int = 0  # a relayed agent's last frame its events reach (0: none, or not relayed)
 
 
 class History:
@@ -215,7 +216,7 @@ class History:
             events.append(completed)
         if not events:
             return None
-        batch = _Batch(entry, [], events[-1].seq, entry.bytes, entry.cut)
+        batch = _Batch(entry, [], events[-1].seq, entry.bytes, entry.cut, entry.run.frames_through(events[-1].seq))
         for event in events:
             body = event.body
             if not event_codec.stored(body):
@@ -255,7 +256,9 @@ class History:
         lost is dropped (``_lost``), the others have landed. ``StoreError``: none landed."""
         rows = [row for batch in batches for row in batch.rows]
         leases = {batch.entry.run.run_id: batch.entry.lease for batch in batches if batch.entry.lease is not None}
-        lost = await self._store.append_events(rows, leases)
+        # a relayed turn's frames reached, in the same transaction (docs/relay.md#re-attach)
+        frames = {batch.entry.run.run_id: batch.frame for batch in batches if batch.frame}
+        lost = await self._store.append_events(rows, leases, frames or None)
         for batch in batches:
             if batch.entry.run.run_id in lost:
                 self._lost(batch.entry)
@@ -278,6 +281,7 @@ class History:
         entry = batch.entry
         entry.bytes, entry.cut = batch.bytes, batch.cut
         entry.run.mark_stored(batch.seq)
+        entry.run.frames_stored(batch.seq, batch.frame)
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """Stop flushing; the ends being stored get ``timeout`` seconds to land."""
@@ -297,7 +301,7 @@ class History:
             async for event in self.stored(run_id, after_seq):
                 yield event
             return
-        if after_seq > run.last_seq:  # as from the store: nothing is made up past the last event
+        if after_seq > run.last_seq and not run.continued:  # as from the store: nothing is made up past the last
             raise past_end(run_id, after_seq, run.last_seq)
         if not run.last_seq and run.failure is None:
             log.info("run_followed_before_start", run_id=run_id)  # a Subscribe waits for its started

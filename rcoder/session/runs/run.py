@@ -47,6 +47,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from rcoder.domain import Heartbeat, RunCompleted, RunEvent, RunEventBody, TextChunk
 from rcoder.errors import NotFound, OutOfRange, RcoderError, ResourceExhausted
@@ -58,6 +59,16 @@ log = get_logger(__name__)
 RUN_MISSING = "unknown, or finished longer ago than run_retention (or earlier, to keep runs_total_bytes)"
 MERGE_LIMIT = 64 * 1024  # bytes (UTF-8) of text in one event, merged or split: whatever the script
 HARD_LIMIT_FACTOR = 4
+
+
+class FrameMarks(Protocol):
+    """A relayed agent's frames as a turn stores them (docs/relay.md#re-attach)."""
+
+    def current(self) -> int:
+        """The frame of the agent's output the event being published came from."""
+
+    def stored(self, frame: int) -> None:
+        """The events made of the frames up to ``frame`` are stored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,15 @@ class Run:
         # history tracks it, and nothing sets it afterwards.
         self.on_behind = on_behind
         self._end: RunEvent | None = None  # completed, numbered and not yet published (``prepare_end``)
+        # a relayed agent's frames (``trace_frames``): the frame each event came from, from the oldest
+        # not stored on (seq, frame), by seq; a merge moves the last one's frame
+        self._frames: FrameMarks | None = None
+        self._marks: deque[tuple[int, int]] = deque()
+        # a traced run shows its followers nothing past what is stored until its first events are
+        # (started and what came before it), so that no daemon dies having shown an event no frame
+        # can make again; one taken up by another daemon may be asked for seqs it has yet to reach
+        self._gated = False
+        self.continued = False
         self.finished_at: float | None = None  # monotonic
         self._done_callbacks: list[Callable[[Run], None]] = []
         self.started_monotonic = time.monotonic()
@@ -129,6 +149,51 @@ class Run:
         it stored (``mark_stored``), none is, and trim keeps every event."""
         if self.stored_seq is None:
             self.stored_seq = 0
+
+    def continue_after(self, seq: int) -> None:
+        """A run taken up again by another daemon (docs/relay.md#re-attach): its events up to ``seq``
+        are stored, the next is ``seq + 1``. Only before its first event here."""
+        assert not self._seq and not self._events
+        self._seq = self._taken = seq
+        self.stored_seq = seq
+        self.continued = True
+
+    def trace_frames(self, frames: FrameMarks) -> None:
+        """From now on each event is marked with the relayed agent's frame it came from, and the
+        history tells ``frames`` how far the stored events reach (``frames_through``); events are
+        made of the frames alone, so that another daemon reading the same frames numbers them the
+        same (docs/relay.md#re-attach): no text merges, no heartbeat is published. The events
+        published before (``started``, what the agent sent before it) are frozen, marked with the
+        frame now, and shown to no follower until they are stored (the history is hurried)."""
+        self._seal()
+        self._taken = self._seq
+        self._frames = frames
+        if self._seq:
+            self._marks.append((self._seq, frames.current()))
+            self._gated = (self.stored_seq or 0) < self._seq and not self.continued
+            if self._gated and self.on_behind is not None:
+                guarded("history_hurry", self.on_behind)
+
+    def frames_through(self, seq: int) -> int:
+        """The last frame of the agent's output whose events are all among those up to ``seq``
+        (0: none known). A frame whose events go on past ``seq`` is not counted."""
+        reached = 0
+        for index, (marked, frame) in enumerate(self._marks):
+            if marked > seq:
+                break
+            after = self._marks[index + 1] if index + 1 < len(self._marks) else None
+            if after is None or after[0] > seq:
+                reached = frame - 1 if after is not None and after[1] == frame else frame
+                break
+        return reached
+
+    def frames_stored(self, seq: int, frame: int) -> None:
+        """The history stored the events up to ``seq``, which reach ``frame``: the relay may let go
+        of the frames up to it."""
+        while self._marks and self._marks[0][0] < seq:
+            self._marks.popleft()
+        if self._frames is not None and frame:
+            self._frames.stored(frame)
 
     @property
     def last_seq(self) -> int:
@@ -191,14 +256,21 @@ class Run:
             size = body_size(body)
             if size > self._event_bytes:
                 body, size = shrink(body, self._event_bytes)
+        frames = self._frames
+        if frames is not None and body.__class__ is Heartbeat:
+            return self._seq  # a traced run's seqs are its frames' alone (``trace_frames``)
         self.last_published = time.monotonic()
         if isinstance(body, TextChunk) and self._merges(body, size):
             # counted when sealed (at most MERGE_LIMIT later): a merge stays two appends
             self._open.append(body.text)
             self._open_len += size
+            if frames is not None and self._marks and self._marks[-1][0] == self._seq:
+                self._marks[-1] = (self._seq, frames.current())
             return self._seq
         self._seal()
         self._seq += 1
+        if frames is not None:
+            self._marks.append((self._seq, frames.current()))
         self._append(RunEvent(self.run_id, self.session_id, self._seq, self._clock(), body), size)
         return self._seq
 
@@ -225,7 +297,8 @@ class Run:
         events, stored = self._events, self.stored_seq or 0
         if not events or self._seq <= stored:
             return []
-        final = self._seq <= self._taken or self._end is not None or self.completed is not None
+        final = (self._seq <= self._taken or self._end is not None or self.completed is not None
+                 or self._frames is not None)  # fmt: skip
         last = self._seq if final else self._seq - 1
         first = events[0].seq
         start = max(stored + 1, first)
@@ -270,7 +343,7 @@ class Run:
 
     def _merges(self, body: TextChunk, size: int) -> bool:
         """Whether ``body`` grows the last event: text of its kind that no follower has taken."""
-        if not self._events or self._seq <= self._taken:
+        if not self._events or self._seq <= self._taken or self._frames is not None:
             return False
         prev = self._events[-1].body
         return isinstance(prev, TextChunk) and prev.thought == body.thought and self._open_len + size <= MERGE_LIMIT
@@ -341,6 +414,10 @@ class Run:
         they may leave the buffer, and the agent's reader goes on once it is within the bounds."""
         before = self.stored_seq or 0
         self.stored_seq = seq
+        if self._gated and (seq is None or seq >= before):
+            self._gated = False  # what was shown to nobody yet is stored: the followers go on
+            self._appended.set()
+            self._appended = asyncio.Event()
         if seq is None:
             self._open_room()
             self._trim()
@@ -379,7 +456,7 @@ class Run:
         try:
             while True:
                 appended = self._appended
-                if position < self._seq:
+                if position < (self._seq if not self._gated else self.stored_seq or 0):
                     self._check_available(position, "this follower fell behind: ")
                     batch = self._take_from(position + 1)
                     for event in batch:

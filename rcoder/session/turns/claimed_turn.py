@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
+from rcoder.agent.connection import TurnFrames
 from rcoder.config import Settings
 from rcoder.domain import AgentEvent, FileChange, RunStarted, StopReason, TranscriptEntry, Usage
 from rcoder.session.resume.opening import Opened, TurnPlan
@@ -64,6 +65,10 @@ class ClaimedTurn:
         self._early = EarlyEvents(settings.run_buffer_bytes * HARD_LIMIT_FACTOR, settings.run_event_bytes)
         self.started_out = asyncio.Event()  # set once started is out (or the turn is over)
         self.conn: AgentHandle | None = None  # its agent (a handle: local today, a relay's later)
+        # a relayed agent's frames, held until the events made of them are stored, and the id its
+        # prompt went out with (docs/relay.md#re-attach); None for a local agent
+        self.frames: TurnFrames | None = None
+        self.prompt_sent: asyncio.Future[int] | None = None
         self.kill_timer: asyncio.TimerHandle | None = None
         self.answer: Answer | None = None  # set when the agent answered the prompt
         # what the agent reported the turn cost, however its prompt ended (answered or not)
@@ -102,6 +107,12 @@ class ClaimedTurn:
         if self.published:
             return self.run.room()
         return self.started_out if self._early.bytes >= self._early_limit else None
+
+    def hold_frames(self, frames: TurnFrames) -> None:
+        """The turn's agent is relayed: its events are made of its frames alone, none merged
+        before ``started`` either (docs/relay.md#re-attach)."""
+        self.frames = frames
+        self._early.keep_apart()
 
     def deliver(self, event: AgentEvent) -> None:
         """Publish what the agent sent; before ``started`` is out it waits, in order."""

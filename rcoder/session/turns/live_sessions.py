@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -93,6 +93,9 @@ class LiveSession:
         self.turn: ClaimedTurn | None = None
         self.waiting: deque[Waiting] = deque()
         self.deleting = False  # DeleteSession is erasing the session: nothing claims it
+        # a turn taken up from a killed daemon (``session.turns.reattached``): its run, and how a
+        # cancel reaches it, as ``TurnDriver.cancel_turn`` reaches a claimed turn
+        self.taken_up: tuple[str, Callable[[StopCause | None], bool]] | None = None
 
     @property
     def idle(self) -> bool:
@@ -119,6 +122,12 @@ class LiveSession:
         """``run`` no longer holds the session (a run that does not hold it changes nothing)."""
         if self.holder is run:
             self.holder = None
+        if self.taken_up is not None and self.taken_up[0] == run.run_id:
+            self.taken_up = None
+
+    def take_up(self, run_id: str, cancel: Callable[[StopCause | None], bool]) -> None:
+        """The run holding the session is a turn taken up from a killed daemon: ``cancel`` reaches it."""
+        self.taken_up = (run_id, cancel)
 
     def delete(self) -> None:
         """``DeleteSession`` erases the session from now on: nothing holds it anew."""
@@ -147,6 +156,8 @@ class LiveSession:
         False when the turn is no longer running. The turn's runner tells its machine
         (``TurnDriver``)."""
         turn = self.turn_of(run_id)
+        if turn is None and self.taken_up is not None and self.taken_up[0] == run_id:
+            return self.taken_up[1](cause)
         return turn is not None and turn.driver.cancel_turn(turn, cause)
 
     def lease_lost(self, generation: int) -> None:
@@ -236,6 +247,12 @@ class LiveSessions:
         finally:
             self._tidy(owner)
         self._runs.keep(run)
+
+    def hold_taken_up(self, run: Run, cancel: Callable[[StopCause | None], bool]) -> None:
+        """``hold`` for a turn taken up from a killed daemon (docs/relay.md#re-attach), which no
+        runner drives: a cancel of its run is ``cancel(cause)``, until it lets go."""
+        self.hold(run)
+        self._owner(run.session_id).take_up(run.run_id, cancel)
 
     def let_go(self, run: Run) -> None:
         """``run`` no longer holds its session (idempotent; a run that does not hold it changes

@@ -53,6 +53,7 @@ from typing import Any
 from rcoder import tracing
 from rcoder.agent.acp.convert import prompt_blocks
 from rcoder.agent.acp.usage import USAGE_UPDATE
+from rcoder.agent.connection import AgentConnection
 from rcoder.agent.pool import AgentPool
 from rcoder.config import Settings
 from rcoder.domain import AgentEvent, AgentUpdate, RunStarted, StopReason, TextChunk, TranscriptEntry
@@ -102,6 +103,7 @@ from rcoder.session.turns.messages import (
 )
 from rcoder.session.turns.messages import Action as MachineAction
 from rcoder.session.turns.permissions import PermissionBroker
+from rcoder.session.turns.reattached import relayed_turn
 from rcoder.session.turns.records import TurnRecords
 from rcoder.store.base import SessionStore
 
@@ -214,6 +216,8 @@ class TurnRunner:
             scope.started_out.set()
             if scope.kill_timer is not None:
                 scope.kill_timer.cancel()
+            if scope.frames is not None:  # the end is stored (or never will be from here): frames go
+                scope.frames.close()
             self._forget(scope)
 
     def _forget(self, scope: ClaimedTurn) -> None:
@@ -275,7 +279,7 @@ class TurnRunner:
             # One step for the prompt task first: it writes the prompt to the agent before the
             # store's write, which runs inline and would hold the loop (see the module docstring).
             await asyncio.sleep(0)
-            await self._start(scope, opened.started)
+            await self._start(scope, opened.started, prompting)
         except BaseException:
             # The start was not recorded: the prompt ends here, and its agent is let go of when
             # the turn is refused.
@@ -455,7 +459,7 @@ class TurnRunner:
         self._step(scope, SessionOpened())
         return opened
 
-    async def _start(self, scope: ClaimedTurn, body: RunStarted) -> None:
+    async def _start(self, scope: ClaimedTurn, body: RunStarted, prompting: asyncio.Task[None]) -> None:
         """Record the run (and a new session) in the store, then publish ``started``."""
         scope.body = body
         # Awaited in this task, with no hop: the store's point writes run inline, and a write it
@@ -464,8 +468,34 @@ class TurnRunner:
         self._step(scope, StartRecording())
         await self._records.record_start(scope.plan, body, scope.conn, scope.checkpoint)
         self._usage.recorded(scope.run.run_id, scope.plan.lease)  # its usage may be written from now on
+        await self._record_relayed(scope, body, prompting)
         self._step(scope, Started())
         self._ender.publish_started(scope)
+        if scope.frames is not None:  # from now on the history stores how far the agent's frames are read
+            scope.run.trace_frames(scope.frames)
+
+    async def _record_relayed(self, scope: ClaimedTurn, body: RunStarted, prompting: asyncio.Task[None]) -> None:
+        """A relayed agent's turn: what another daemon needs to take it up (its relay, its prompt's
+        id), stored before ``started`` goes out, so before any event of the run is stored
+        (docs/relay.md#re-attach). Not stored (the prompt never went out, the store refused it):
+        the turn goes on, and is interrupted, not taken up, if this daemon dies."""
+        sent, frames, conn = scope.prompt_sent, scope.frames, scope.conn
+        if sent is None or frames is None or not isinstance(conn, AgentConnection):
+            return
+        await asyncio.wait((sent, prompting), return_when=asyncio.FIRST_COMPLETED)
+        if not sent.done():
+            return
+        plan = scope.plan
+        turn = relayed_turn(
+            scope.run.run_id, plan.session_id, plan.profile.name, plan.cwd, plan.turn.project_id, plan.turn.prompt,
+            plan.turn.permission_mode, body.resume, conn, frames, sent.result(),
+        )  # fmt: skip
+        if turn is None:
+            return
+        try:
+            await self._store.put_relayed_turn(turn, plan.lease)
+        except (StoreError, LeaseLost) as exc:
+            log.warning("relayed_turn_not_recorded", error=str(exc), effect="the turn is not taken up if rcoder dies")
 
     async def _replan(self, scope: ClaimedTurn) -> None:
         """The session as the turns before this one left it: its record (its provider id, its
@@ -492,6 +522,13 @@ class TurnRunner:
         run, plan = scope.run, scope.plan
         conn = opened.connection
         spend = self.spend.watch(run.run_id, conn)  # None: no budget bounds the turn
+        # a relayed agent's frames are held until what is made of them is stored (docs/relay.md#re-attach)
+        frames = conn.turn_frames()
+        on_sent = None
+        if frames is not None:
+            scope.hold_frames(frames)
+            sent = scope.prompt_sent = asyncio.get_running_loop().create_future()
+            on_sent = sent.set_result
 
         def on_event(event: AgentEvent) -> None:
             nonlocal size
@@ -522,7 +559,7 @@ class TurnRunner:
                 # point means the prompt is never sent (``RunCancelled``).
                 self._step(scope, PromptSent())
                 try:
-                    stop = await conn.prompt(blocks, on_event, decider, timeout, scope.room)
+                    stop = await conn.prompt(blocks, on_event, decider, timeout, scope.room, on_sent)
                 finally:
                     scope.reported = conn.turn_usage  # the turn's cost however the prompt ended
             finally:

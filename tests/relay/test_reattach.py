@@ -1,0 +1,202 @@
+"""A daemon that goes away mid-turn loses nothing, for ``placement = "relay"`` (docs/relay.md#re-attach):
+the turn goes on in its relay, the next daemon takes it up at its start, stores what it missed and
+ends it with its real stop reason; a client that subscribes from the last seq it saw gets every
+later event once, in order, and the end.
+
+Every relay a test's daemons leave running is ended by the test, its whole process group, on every
+path (``relays_ended``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rcoder.relay.v1 import relay_pb2 as relay_pb
+from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.conftest import DaemonFactory, exited
+from tests.harness import Client, FakeAgentSetup, completed, error_info, eventually, started, text_of
+from tests.relay.test_placement_relay import alive, profiles, relay_pid
+
+CHUNKS, SEEN = 80, 10
+# 80 chunks 40 ms apart: the daemon is killed once the client saw 10 (whatever of them is stored),
+# and the agent streams on through the next daemon's start
+PROMPT = f"stream {CHUNKS} pace 40"
+WHOLE = "".join(f"c{i} " for i in range(CHUNKS)) + "I remember nothing."
+
+
+async def seen_until(client: Client, session_id: str) -> tuple[str, list[pb.ChatStream]]:
+    """A turn's Chat read until its SEEN-th chunk; its run id and what it saw."""
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=PROMPT))
+    seen: list[pb.ChatStream] = []
+    async with asyncio.timeout(20):
+        while f"c{SEEN - 1} " not in text_of(seen):
+            event = await call.read()
+            assert event is not grpc.aio.EOF
+            seen.append(event)
+    call.cancel()  # the client goes away as its daemon will
+    return seen[0].run_id, seen
+
+
+async def attached(
+    stub: relay_grpc.RelayServiceStub, metadata: tuple[tuple[str, str], ...], agent_id: str, generation: int
+) -> Any:
+    """An Attach stream on the agent with ``generation``, past its ``ready`` (nothing acknowledged)."""
+    call = stub.Attach(metadata=metadata)
+    await call.initial_metadata()
+    await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent_id, generation=generation,
+                                                                      from_seq=1)))  # fmt: skip
+    ready = await call.read()
+    assert ready is not grpc.aio.EOF and ready.WhichOneof("message") == "ready"
+    return call
+
+
+async def refusal(call: Any) -> tuple[grpc.StatusCode, str]:
+    """The status and reason the relay ended ``call`` with (its frames read past)."""
+    try:
+        async with asyncio.timeout(30):
+            while await call.read() is not grpc.aio.EOF:
+                pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), error_info(exc).reason
+    raise AssertionError("the stream ended without a refusal")
+
+
+async def test_a_turn_streams_across_a_killed_daemon_and_a_subscriber_from_its_last_seq_gets_the_rest_once(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    data_dir = tmp_path / "data"
+    daemon, client = await make_daemon(profiles(fake))
+    first = await client.chat(prompt="hello", agent="relayed")
+    session_id = first[0].session_id
+    relay = relay_pid(data_dir)
+    assert relay is not None
+    relays_ended.append(relay)
+    # another session's agent in the same relay, idle: no running turn names it
+    await client.chat(prompt="hello", agent="relayed")
+    spawned, idle = [row for row in daemon.logs("agent_spawned") if row.get("placement") == "relay"]
+    agent, agent_id, generation = spawned["pid"], spawned["agent_id"], spawned["generation"]
+    assert spawned["relay_session"] == session_id and generation > 1, "filed under the session, its lease's"
+
+    run_id, seen = await seen_until(client, session_id)
+    last_seen = seen[-1].seq
+    await daemon.kill()  # SIGKILL mid-turn: the relay and its agent go on
+    assert alive(relay) and alive(agent)
+
+    # an owner of the old generation (a paused daemon that woke up) holds the agent meanwhile ...
+    folder = data_dir / "relays" / "proj"
+    metadata = (("authorization", f"Bearer {(folder / 'secret').read_text().strip()}"),)
+    async with grpc.aio.insecure_channel(f"unix:{folder / 'relay.sock'}") as channel:
+        stub = relay_grpc.RelayServiceStub(channel)
+        old_owner = await attached(stub, metadata, agent_id, generation)
+
+        second, client = await make_daemon(profiles(fake))
+        # ... and is fenced by the next daemon's lease generation: its stream ends, and it attaches no more
+        assert await refusal(old_owner) == (grpc.StatusCode.FAILED_PRECONDITION, "STALE_GENERATION")
+        with pytest.raises(grpc.aio.AioRpcError) as stale:
+            await attached(stub, metadata, agent_id, generation)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(stale.value).reason == "STALE_GENERATION"
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    assert not second.logs("relay_found_stopped")
+    assert [row["agent_id"] for row in second.logs("relayed_agent_found_ended")] == [idle["agent_id"]]
+    await eventually(lambda: not alive(idle["pid"]))
+    rest = []
+    async with asyncio.timeout(30):
+        async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=last_seen)):
+            rest.append(event)
+
+    seqs = [event.seq for event in rest]
+    assert seqs == sorted(set(seqs)) and seqs[0] == last_seen + 1, seqs
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(seen) + text_of(rest) == WHOLE, "every chunk once, in order"
+    # the same agent answered: no initialize but the two sessions' first, no prompt but the three turns'
+    assert len(fake.requests("initialize")) == 2
+    assert len(fake.requests("session/prompt")) == 3
+    assert alive(agent)
+
+    # the whole run reads back as it went, and the session's next turn is served by the same agent
+    whole = [event async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert text_of(whole) == WHOLE
+    assert completed(whole).stop_reason == pb.STOP_REASON_END_TURN
+    again = await client.chat(prompt="remember 5", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_LIVE
+    assert len(fake.requests("initialize")) == 2
+
+
+async def test_a_turn_whose_relay_died_with_its_daemon_is_interrupted_as_before(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    data_dir = tmp_path / "data"
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(data_dir)
+    assert relay is not None
+    relays_ended.append(relay)
+    run_id, seen = await seen_until(client, session_id)
+    await daemon.kill()
+    os.killpg(relay, signal.SIGKILL)  # the relay leads its own group; its agent dies with it
+    await exited(relay)
+
+    second, client = await make_daemon(profiles(fake))
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert second.logs("serving")[0]["runs_marked_interrupted"] == 1
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+    assert completed(rest).error_reason == "DAEMON_STOPPED"
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    new_relay = relay_pid(data_dir)
+    assert new_relay is not None and new_relay != relay
+    relays_ended.append(new_relay)
+
+
+async def test_a_turn_taken_up_is_cancelled_as_a_running_one(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    run_id, seen = await seen_until(client, session_id)
+    await daemon.kill()
+
+    _, client = await make_daemon(profiles(fake))
+    answer = await client.stub.Cancel(pb.CancelRequest(run_id=run_id))
+    assert answer.cancelled, "a turn taken up is running"
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
+    assert len(fake.requests("session/cancel")) == 1
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+    assert started(again).resume == pb.RESUME_OUTCOME_LIVE, "the agent stays live after a cancel"
+
+
+async def test_a_turn_that_cannot_be_taken_up_has_its_agent_and_relay_ended(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    run_id, _ = await seen_until(client, session_id)
+    await daemon.kill()
+
+    # the next daemon no longer has the turn's profile: the turn is interrupted, nothing of it left running
+    second, client = await make_daemon({"fake": fake.profile()})
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert [row["pid"] for row in second.logs("relay_found_stopped")] == [relay]
+    await eventually(lambda: not alive(agent) and not alive(relay))
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED

@@ -285,7 +285,7 @@ class _Watched:
 
     @property
     def place(self) -> RelayPlace:
-        return self._child.place
+        return dataclasses.replace(self._child.place, container_id=self._running.container.container_id)
 
     @property
     def returncode(self) -> int | None:

@@ -128,6 +128,9 @@ async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_
     listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
     assert (listed["boxed"].placement, listed["boxed"].runnable) == ("container", True)
     assert listed["boxed"].relay_root == str(tmp_path / "data" / "relay-containers")
+    place = (await client.stub.GetSession(pb.GetSessionRequest(session_id=events[0].session_id))).agent_place
+    assert (place.placement, place.container_id) == ("container", row["Id"])
+    assert place.relay_state_dir == str(state)
 
     # a container that ended (stopped by hand here) is removed, and a new one started, at the next agent
     await asyncio.to_thread(engine.stop_container, row["Id"], 0)

@@ -48,6 +48,7 @@ class RelayPlace:
     socket: str  # its address on this host (unix:<state_dir>/relay.sock)
     relay_pid: int
     agent_id: str  # the relay's id of the agent
+    container_id: str = ""  # the relay's container, under placement = "container"
 
 
 class RelayedChild(Child, Protocol):

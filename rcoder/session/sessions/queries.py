@@ -239,12 +239,14 @@ class Queries:
 
 def place_of(conn: AgentConnection, session_id: str = "", state: str = "") -> AgentPlace:
     """Where the agent of ``conn`` runs (docs/placement.md#what-a-platform-sees): a child of this
-    daemon, or of its project's relay, said by the relay's start."""
+    daemon, or of its project's relay (in its container, under ``placement = "container"``), said by
+    the relay's start."""
     process, relay = conn.process, conn.process.place
     if relay is None:
         return AgentPlace("local", process.pid, session_id=session_id, state=state)
-    return AgentPlace("relay", process.pid, relay.socket, relay.state_dir, relay.relay_pid, relay.agent_id,
-                      session_id=session_id, state=state)  # fmt: skip
+    placement = "container" if relay.container_id else "relay"
+    return AgentPlace(placement, process.pid, relay.socket, relay.state_dir, relay.relay_pid, relay.agent_id,
+                      relay.container_id, session_id=session_id, state=state)  # fmt: skip
 
 
 def with_checkpoint(record: RunRecord, stored: RunCheckpoint | None) -> RunRecord:

@@ -405,7 +405,7 @@ class Daemon:
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
         if force.is_set():
             log.warning("stopping_now")
-            self.intake.kill_agents()
+            self.intake.stop_now()
         drain.cancel()
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)

@@ -453,6 +453,12 @@ class LiveSessions:
         """Wait until no task is left (those started meanwhile included); False after ``timeout``."""
         return await self._tasks.wait_idle(timeout)
 
+    def stop_tasks(self) -> None:
+        """Every task of the scope cancelled now, without waiting (``TaskScope.cancel``): a second
+        signal's first step, before the agents are killed, so that each turn ends as rcoder
+        stopping (``interrupted``) and never as its agent's death (docs/operating.md#operating-notes)."""
+        self._tasks.cancel()
+
     async def cancel_all(self, timeout: float) -> None:
         """The scope's close: every task cancelled and waited for, with those started meanwhile
         (an ending turn's last steps), at most ``timeout`` seconds (``TaskScope.close``)."""

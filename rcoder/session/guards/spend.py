@@ -167,22 +167,22 @@ class SpendGuard:
         self._clock = clock
         self._turns = turns  # where a turn past a cap is stopped
         self._caps: dict[str, tuple[Cap, ...]] = {}  # by profile name: the config's, made once
-        self._watched: dict[str, TurnSpend] = {}  # the running turns that a cap bounds
         self._held: set[str] = set()  # the running turns that hold some of a cost cap (``SpendHold``)
         self._releases: set[asyncio.Task[None]] = set()  # holds being deleted
 
     async def admit(
         self, run_id: str, session_id: str, project_id: str, profile: AgentProfile, max_cost: float
-    ) -> None:
+    ) -> TurnSpend | None:
         """``BudgetExceeded`` when the session or the project's day has spent a cap of ``profile``;
-        else the turn is watched (``watch``) when any cap bounds it. No cap: no store read."""
+        else the turn's watcher when any cap bounds it, which the turn keeps (``ClaimedTurn.spend``,
+        read by ``watch``); None, with no store read, when none does."""
         caps = self._caps.get(profile.name)
         if caps is None:
             caps = self._caps[profile.name] = profile_caps(self._settings, profile)
         if max_cost:
             caps = (*caps, Cap("max_cost_usd", "turn", True, _nanos_cap(max_cost)))
         if not caps:
-            return
+            return None
         day = utc_day(self._clock())
         ids = {"session_id": session_id, "project_id": project_id, "day": day}
         before = SpendSoFar(Spend(), Spend())
@@ -198,16 +198,16 @@ class SpendGuard:
             before = await self._store.reserve_spend(hold, partial(_admit, shared, reserve, held_by, ids))
             if reserve:
                 self._held.add(run_id)
-        self._watched[run_id] = TurnSpend(self._turns, run_id, caps, before, ids)
+        return TurnSpend(self._turns, run_id, caps, before, ids)
 
     def watch(self, run_id: str, conn: AgentConnection) -> Callable[[AgentEvent], None] | None:
-        """What to tell each event of the turn's prompt (None: no cap bounds it)."""
-        turn = self._watched.get(run_id)
+        """What to tell each event of the turn's prompt (None: no cap bounds it): its watcher, which
+        its session's owner holds with the running turn (``LiveSessions.spend_of``)."""
+        turn = self._turns.spend_of(run_id)
         return None if turn is None else lambda event: turn.seen(event, conn)
 
     def ended(self, run_id: str) -> None:
         """The turn is over (or was refused): what it held is free again."""
-        self._watched.pop(run_id, None)
         if run_id in self._held:
             self._held.discard(run_id)
             task = asyncio.get_running_loop().create_task(self._release(run_id), name=f"spend-release-{run_id}")

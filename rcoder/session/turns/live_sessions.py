@@ -50,8 +50,10 @@ The maps that hold something of a session, and why each is where it is (docs/des
   turns of all its sessions that run in it.
 - ``Checkpoints._in_flight``: stays. Per run, the commits about to be recorded, read when a
   project's refs are deleted (any session's); settled when the store names them.
-- ``SpendGuard._watched``: stays for now, and is the one that should move: it is a running turn's
-  cap watcher, keyed by run, read in the turn's prompt step; its place is the ``ClaimedTurn``.
+- ``SpendGuard._watched``: gone. A running turn's cap watcher is the turn's (``ClaimedTurn.spend``),
+  found through its owner (``spend_of``). ``SpendGuard._held`` stays for now: the running turns
+  that hold part of a cost cap in the store, whose hold the guard deletes at their end in a task
+  that outlasts them; a turn's state all the same, and the next to move.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from collections import deque
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rcoder.agent.pool import AgentPool
 from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, SessionBusy, SessionDeleting, ShuttingDown
@@ -74,6 +76,9 @@ from rcoder.session.turns.messages import Phase, StopCause
 from rcoder.session.turns.task_scope import TaskScope
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Lease
+
+if TYPE_CHECKING:  # the guard imports this module
+    from rcoder.session.guards.spend import TurnSpend
 
 log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
@@ -362,6 +367,11 @@ class LiveSessions:
         """The run the claimed turn follows in its session ("" for its first; None: not running here)."""
         turn = self._turn(run_id)
         return turn.follows if turn is not None else None
+
+    def spend_of(self, run_id: str) -> TurnSpend | None:
+        """The budgets' watcher of the claimed turn (None: no cap bounds it, or not running here)."""
+        turn = self._turn(run_id)
+        return turn.spend if turn is not None else None
 
     def phase(self, run_id: str) -> Phase | None:
         """Where the claimed turn stands (None: not running here)."""

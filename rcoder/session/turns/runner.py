@@ -247,7 +247,9 @@ class TurnRunner:
         # workspace_max_bytes, and in a session or project past a budget (the budget check reads
         # nothing from the store when no budget is set).
         await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
-        await self.spend.admit(run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd)
+        scope.spend = await self.spend.admit(
+            run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd
+        )
         self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
         loop = asyncio.get_running_loop()
         checkpoints = self.checkpoints

@@ -50,10 +50,9 @@ The maps that hold something of a session, and why each is where it is (docs/des
   turns of all its sessions that run in it.
 - ``Checkpoints._in_flight``: stays. Per run, the commits about to be recorded, read when a
   project's refs are deleted (any session's); settled when the store names them.
-- ``SpendGuard._watched``: gone. A running turn's cap watcher is the turn's (``ClaimedTurn.spend``),
-  found through its owner (``spend_of``). ``SpendGuard._held`` stays for now: the running turns
-  that hold part of a cost cap in the store, whose hold the guard deletes at their end in a task
-  that outlasts them; a turn's state all the same, and the next to move.
+- ``SpendGuard._watched`` and ``_held``: gone. A running turn's cap watcher, and whether it holds
+  part of a cost cap in the store, are the turn's (``ClaimedTurn.spend``), found through its owner
+  (``spend_of``) and handed to the guard at its end (``SpendGuard.ended``), which deletes the hold.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ class TurnRunner:
         self._usage.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
-        self.spend.ended(scope.run.run_id)
+        self.spend.ended(scope.spend)
         if plan.lease is not None:
             self._live.let_go_lease(plan.session_id, plan.lease)
 

@@ -137,17 +137,19 @@ class Daemon:
         self.containers = ContainerHostRelays(placement, containers_root(settings), engine, settings.agent_stop_grace)
         relays: dict[str, Relays] = {"relay": self.relays, "container": self.containers}
         self.launcher = AgentLauncher(settings, self.trees, limits=self.limits, relays=relays)
-        # The pool and the lease keeper tell the daemon what happened to a session (``_agent_closed``,
-        # ``_lease_lost``); they never call each other.
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)
         self.metrics = Metrics()
         self.metrics.watch_runs(self.runs.held)
         self.metrics.watch_limits(self.limits.per_profile)
-        self.pool = AgentPool(settings, self.launcher, self.metrics, on_session_closed=self._agent_closed)
+        # A lost lease is the session's owner's to act on; the keeper tells it through the daemon
+        # (``_lease_lost``) because the owner takes its leases from the keeper, so is built after it.
         coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
         self.leases = LeaseKeeper(
             coordination, settings.lease_ttl, self.metrics, on_lost=self._lease_lost, on_store=self._on_store
         )
+        # A session's lease lasts as long as its agent here: the pool lets go of the lease with the
+        # agent (docs/design/hosts.md#leases); no owner's state is involved.
+        self.pool = AgentPool(settings, self.launcher, self.metrics, on_session_closed=self.leases.release)
         # Each session's owner here: who holds it, its running turn and its waiting ones, where a
         # cancel, a guard, a delete and a rewind reach them; the rules of its lease; the one answer
         # to whether a project is busy; and the one scope of the tasks the turns start.
@@ -252,10 +254,6 @@ class Daemon:
             rewinder=self.rewinder,
         )
         return TurnIntake(settings, store, self.launcher, pool, runs, metrics, history, parts, clock)
-
-    def _agent_closed(self, session_id: str) -> None:
-        """A session no longer has a live agent here: its lease goes with it."""
-        self.live.agent_closed(session_id)
 
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
@@ -458,7 +456,7 @@ class Daemon:
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
         if force.is_set():
             log.warning("stopping_now")
-            self.intake.kill_agents()
+            self.intake.stop_now()
         drain.cancel()
         forced.cancel()
         await asyncio.gather(drain, forced, return_exceptions=True)

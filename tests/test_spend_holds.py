@@ -6,6 +6,9 @@ each keeps to its own ``max_cost_usd``. Two hosts on PostgreSQL: tests/multihost
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,7 +16,7 @@ import pytest
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import Client, completed, error_info
+from tests.harness import Client, completed, error_info, eventually
 from tests.test_spend_ends import ledger
 
 QUEUE = pb.BUSY_POLICY_QUEUE
@@ -82,3 +85,24 @@ async def test_turns_with_no_max_cost_hold_the_configured_estimate(make_daemon: 
     assert ledger(tmp_path / "data" / "rcoder.db") == pytest.approx(0.9)
     assert error_info(refused[0]).metadata["turn_hold_usd"] == "0.45 USD"
     assert "less than this turn's turn_hold_usd 0.45 USD" in refused[0].details()
+
+
+def holds(db: Path) -> list[str]:
+    """The runs that hold part of a cost cap in the store now."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return [run_id for (run_id,) in conn.execute("SELECT run_id FROM spend_holds")]
+
+
+async def test_a_turns_hold_is_let_go_of_once_it_ended(make_daemon: DaemonFactory, tmp_path: Path) -> None:
+    # what the turn held is the turn's (ClaimedTurn.spend), handed to the guard at its end, which
+    # deletes the hold: no row of it is left once the turn is over
+    _, client = await make_daemon(budgets={"project_max_cost_usd_per_day": 2.0})
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", prompt="spend 0.2 hang", max_cost_usd=0.9))
+    first = await call.read()
+    assert first.WhichOneof("event") == "started"
+    db = tmp_path / "data" / "rcoder.db"
+    assert holds(db) == [first.run_id]  # held while it runs
+    await client.stub.Cancel(pb.CancelRequest(run_id=first.run_id))
+    while await call.read() is not grpc.aio.EOF:  # to its end
+        pass
+    await eventually(lambda: holds(db) == [])

@@ -46,3 +46,34 @@ async def test_a_task_started_while_the_owners_scope_closes_is_waited_for_too(tm
         await closing
     assert finished.is_set()
     assert await live.wait_idle(0)
+
+
+async def test_a_task_cancelled_before_the_close_is_not_cut_short_in_its_end_by_it(tmp_path: Path) -> None:
+    """A second signal cancels the turns first (``stop_tasks``); the close that follows must not
+    cancel them again, which would cut a turn's end (its store write) short."""
+    live = live_sessions(tmp_path, RunRegistry(retention=60))
+    started, ending, release, ended = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def turn() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            ending.set()
+            await release.wait()  # the turn's end, written after its cancel
+            ended.set()
+            raise
+
+    live.spawn(turn(), "turn")
+    async with asyncio.timeout(BOUND):
+        await started.wait()
+    live.stop_tasks()
+    async with asyncio.timeout(BOUND):
+        await ending.wait()
+    closing = asyncio.ensure_future(live.cancel_all(BOUND))
+    done, _ = await asyncio.wait({closing}, timeout=STILL)
+    assert not done, "the close cut the turn's end short"
+    release.set()
+    async with asyncio.timeout(BOUND):
+        await closing
+    assert ended.is_set()

@@ -107,14 +107,27 @@ class TurnSpend:
     """One running turn's caps, the spend stored when it started, and what it has spent since."""
 
     def __init__(
-        self, turns: LiveSessions, run_id: str, caps: tuple[Cap, ...], before: SpendSoFar, ids: dict[str, str]
+        self,
+        turns: LiveSessions,
+        run_id: str,
+        caps: tuple[Cap, ...],
+        before: SpendSoFar,
+        ids: dict[str, str],
+        held: bool = False,
     ) -> None:
         self._turns = turns  # where the turn is stopped at a cap
         self.run_id = run_id
+        self.held = held  # it holds some of a cost cap in the store (``SpendHold``) until it ends
         self.caps = caps
         self.before = before
         self.ids = ids  # session_id, project_id, day: for the error's words
         self.stopped = False
+
+    def let_go(self) -> bool:
+        """Whether the turn held some of a cost cap in the store until now: it holds none from now
+        on (the guard deletes the hold once, however often the turn's end tells it)."""
+        held, self.held = self.held, False
+        return held
 
     def seen(self, event: AgentEvent, conn: AgentConnection) -> None:
         """An event of the turn: a ``usage_update`` with a cost is checked against the caps."""
@@ -167,25 +180,25 @@ class SpendGuard:
         self._clock = clock
         self._turns = turns  # where a turn past a cap is stopped
         self._caps: dict[str, tuple[Cap, ...]] = {}  # by profile name: the config's, made once
-        self._watched: dict[str, TurnSpend] = {}  # the running turns that a cap bounds
-        self._held: set[str] = set()  # the running turns that hold some of a cost cap (``SpendHold``)
         self._releases: set[asyncio.Task[None]] = set()  # holds being deleted
 
     async def admit(
         self, run_id: str, session_id: str, project_id: str, profile: AgentProfile, max_cost: float
-    ) -> None:
+    ) -> TurnSpend | None:
         """``BudgetExceeded`` when the session or the project's day has spent a cap of ``profile``;
-        else the turn is watched (``watch``) when any cap bounds it. No cap: no store read."""
+        else the turn's watcher when any cap bounds it, which the turn keeps (``ClaimedTurn.spend``,
+        read by ``watch``); None, with no store read, when none does."""
         caps = self._caps.get(profile.name)
         if caps is None:
             caps = self._caps[profile.name] = profile_caps(self._settings, profile)
         if max_cost:
             caps = (*caps, Cap("max_cost_usd", "turn", True, _nanos_cap(max_cost)))
         if not caps:
-            return
+            return None
         day = utc_day(self._clock())
         ids = {"session_id": session_id, "project_id": project_id, "day": day}
         before = SpendSoFar(Spend(), Spend())
+        held = False  # whether the turn holds some of a cost cap in the store (``SpendHold``)
         shared = tuple(cap for cap in caps if cap.scope != "turn")
         if shared:
             # docs/budgets.md#turns-at-once: the turn's max_cost_usd is held against the session's
@@ -196,20 +209,20 @@ class SpendGuard:
             hold = SpendHold(run_id, session_id, project_id, day, reserve)
             held_by = "max_cost_usd" if max_cost else "turn_hold_usd"
             before = await self._store.reserve_spend(hold, partial(_admit, shared, reserve, held_by, ids))
-            if reserve:
-                self._held.add(run_id)
-        self._watched[run_id] = TurnSpend(self._turns, run_id, caps, before, ids)
+            held = reserve > 0
+        return TurnSpend(self._turns, run_id, caps, before, ids, held)
 
     def watch(self, run_id: str, conn: AgentConnection) -> Callable[[AgentEvent], None] | None:
-        """What to tell each event of the turn's prompt (None: no cap bounds it)."""
-        turn = self._watched.get(run_id)
+        """What to tell each event of the turn's prompt (None: no cap bounds it): its watcher, which
+        its session's owner holds with the running turn (``LiveSessions.spend_of``)."""
+        turn = self._turns.spend_of(run_id)
         return None if turn is None else lambda event: turn.seen(event, conn)
 
-    def ended(self, run_id: str) -> None:
-        """The turn is over (or was refused): what it held is free again."""
-        self._watched.pop(run_id, None)
-        if run_id in self._held:
-            self._held.discard(run_id)
+    def ended(self, turn: TurnSpend | None) -> None:
+        """The turn of this watcher is over (or was refused): what it held is free again (None:
+        no cap bounded it)."""
+        if turn is not None and turn.let_go():
+            run_id = turn.run_id
             task = asyncio.get_running_loop().create_task(self._release(run_id), name=f"spend-release-{run_id}")
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)

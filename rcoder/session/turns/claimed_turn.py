@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rcoder.agent.connection import TurnFrames
 from rcoder.config import Settings
@@ -23,6 +23,9 @@ from rcoder.session.runs.run import HARD_LIMIT_FACTOR, Run
 from rcoder.session.turns.agent_handle import AgentHandle
 from rcoder.session.turns.machine import TurnMachine
 from rcoder.session.turns.messages import Phase, StopCause
+
+if TYPE_CHECKING:  # the guard imports the sessions' owners, which import this module
+    from rcoder.session.guards.spend import TurnSpend
 
 
 @dataclass
@@ -81,6 +84,8 @@ class ClaimedTurn:
         self.changes: tuple[FileChange, ...] = ()  # what the turn changed in the project's files
         self.changes_unlisted = 0  # how many more files it changed than ``changes`` lists
         self.checkpoint_error = ""  # why it has no after snapshot (``completed.checkpoint_error``)
+        # the budgets' watcher of this turn, from its admission on (``SpendGuard``); None: no cap bounds it
+        self.spend: TurnSpend | None = None
 
     @property
     def phase(self) -> Phase:

@@ -304,8 +304,11 @@ class TurnIntake:
             self._live.cancel(run_id)
         await self._live.wait_idle(cancel_grace + 4 * self._settings.agent_stop_grace)
 
-    def kill_agents(self) -> None:
-        """SIGKILL every agent process group now (second signal)."""
+    def stop_now(self) -> None:
+        """A second signal: every turn's task cancelled, then every agent process group SIGKILLed.
+        In that order: a turn that saw its agent killed before its cancel ended as the agent's
+        crash, or, cancelled in the middle of that end, was left ``running`` in the store."""
+        self._live.stop_tasks()
         self._launcher.kill_all()
 
     async def aclose(self) -> None:

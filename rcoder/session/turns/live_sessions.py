@@ -29,9 +29,30 @@ group ended after the turn's end, say), so the scope is the registry's, not each
 The owner also holds which run holds the session (``hold``, ``let_go``: a turn's run, from its
 claim to its end, or a rewind's hold) and whether ``DeleteSession`` is erasing it (``deleting``),
 and so answers whether a project is busy (``busy``); and the rules of the session's lease on this
-host (taken before its agent opens, lasting as long as that agent, ended with it when lost). Not
-yet here: the lease itself is kept by the ``LeaseKeeper`` and the agent checkout by the pool,
-which tell the daemon, not the owner, of an agent closed or a lease lost.
+host (taken before its agent opens, lasting as long as that agent, ended with it when lost). While
+a turn runs, the owner reaches the session's lease and agent through it (``ClaimedTurn.plan.lease``,
+the lease's generation included, and ``ClaimedTurn.conn``, an ``AgentHandle``: not a process, so
+an agent that runs elsewhere can take its place). A lost lease is the owner's step
+(``lease_lost``: the agent ended, the running turn told); an agent closed is the lease keeper's
+(the pool lets go of the lease with it: no owner's state is involved).
+
+The maps that hold something of a session, and why each is where it is (docs/design/turn.md#state):
+
+- a session's holder, its running turn, its waiting turns, its delete: here, in its owner.
+- ``LeaseKeeper._held`` and ``_until``: stay. They are the renewal's state: every lease of the
+  host renewed in one statement a tick, one timer for the first to expire; and a lease outlives the
+  owner (it lasts as long as the session's agent, idle between turns, when no owner is kept).
+- ``AgentPool._live``: stays. The agent layer's slots, off which ``max_live_agents``, the warm
+  counts and the metrics are read; a live agent, too, outlives its session's turns.
+- ``History._tracked``: stays. The event writer's queue: the runs whose events wait for the next
+  batch, all runs in one transaction; a run's end may be stored after its turn's task is over.
+- ``DiskGuard._projects``: stays. Per project, not per session: a project's measured size and the
+  turns of all its sessions that run in it.
+- ``Checkpoints._in_flight``: stays. Per run, the commits about to be recorded, read when a
+  project's refs are deleted (any session's); settled when the store names them.
+- ``SpendGuard._watched`` and ``_held``: gone. A running turn's cap watcher, and whether it holds
+  part of a cost cap in the store, are the turn's (``ClaimedTurn.spend``), found through its owner
+  (``spend_of``) and handed to the guard at its end (``SpendGuard.ended``), which deletes the hold.
 """
 
 from __future__ import annotations
@@ -41,7 +62,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rcoder.agent.pool import AgentPool
 from rcoder.errors import RcoderError, ResourceExhausted, RunCancelled, SessionBusy, SessionDeleting, ShuttingDown
@@ -54,6 +75,9 @@ from rcoder.session.turns.messages import Phase, StopCause
 from rcoder.session.turns.task_scope import TaskScope
 from rcoder.store.base import SessionStore
 from rcoder.store.cluster import Lease
+
+if TYPE_CHECKING:  # the guard imports this module
+    from rcoder.session.guards.spend import TurnSpend
 
 log = get_logger(__name__)
 QUEUED = "queued behind the session's running turn (nothing of it reached the agent or the store)"
@@ -296,8 +320,8 @@ class LiveSessions:
     # ------------------------------------------------------------ a session's lease
     # The rules (docs/design/hosts.md#leases): a session's lease is taken before an agent is
     # opened for it (``take_lease``), and lasts as long as the session has a live agent here:
-    # when the pool lets go of the agent (idle, evicted, replaced, broken, closed), the daemon
-    # tells ``agent_closed`` and the lease goes. A turn or a fork that took the lease but leaves
+    # when the pool lets go of the agent (idle, evicted, replaced, broken, closed), it lets go of
+    # the lease too (the daemon gives it ``LeaseKeeper.release``). A turn or a fork that took the lease but leaves
     # no live agent lets go of it when it is over (``let_go_lease``); a cancelled start keeps it
     # until its turn's end is written, because that end is written under the lease. A lost lease
     # ends the session's agent at once (``lease_lost``).
@@ -316,10 +340,6 @@ class LiveSessions:
         agent here now (then it goes with that agent)."""
         if not self._pool.is_live(session_id):
             self._leases.release(session_id, lease)
-
-    def agent_closed(self, session_id: str) -> None:
-        """The session no longer has a live agent here: its lease goes with it."""
-        self._leases.release(session_id)
 
     # ------------------------------------------------------------ the running turns
 
@@ -363,6 +383,11 @@ class LiveSessions:
         """The run the claimed turn follows in its session ("" for its first; None: not running here)."""
         turn = self._turn(run_id)
         return turn.follows if turn is not None else None
+
+    def spend_of(self, run_id: str) -> TurnSpend | None:
+        """The budgets' watcher of the claimed turn (None: no cap bounds it, or not running here)."""
+        turn = self._turn(run_id)
+        return turn.spend if turn is not None else None
 
     def phase(self, run_id: str) -> Phase | None:
         """Where the claimed turn stands (None: not running here)."""
@@ -469,6 +494,12 @@ class LiveSessions:
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no task is left (those started meanwhile included); False after ``timeout``."""
         return await self._tasks.wait_idle(timeout)
+
+    def stop_tasks(self) -> None:
+        """Every task of the scope cancelled now, without waiting (``TaskScope.cancel``): a second
+        signal's first step, before the agents are killed, so that each turn ends as rcoder
+        stopping (``interrupted``) and never as its agent's death (docs/operating.md#operating-notes)."""
+        self._tasks.cancel()
 
     async def cancel_all(self, timeout: float) -> None:
         """The scope's close: every task cancelled and waited for, with those started meanwhile

@@ -227,7 +227,7 @@ class TurnRunner:
         self._usage.forget(scope.run.run_id)
         plan = scope.plan
         self.disk.ended(scope.run.run_id, plan.turn.project_id)  # measured again now (``DiskGuard``)
-        self.spend.ended(scope.run.run_id)
+        self.spend.ended(scope.spend)
         if plan.lease is not None:
             self._live.let_go_lease(plan.session_id, plan.lease)
 
@@ -251,7 +251,9 @@ class TurnRunner:
         # workspace_max_bytes, and in a session or project past a budget (the budget check reads
         # nothing from the store when no budget is set).
         await self.disk.admit(plan.turn.project_id, plan.cwd, plan.profile)
-        await self.spend.admit(run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd)
+        scope.spend = await self.spend.admit(
+            run.run_id, plan.session_id, plan.turn.project_id, plan.profile, plan.turn.max_cost_usd
+        )
         self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
         loop = asyncio.get_running_loop()
         checkpoints = self.checkpoints

@@ -3,9 +3,10 @@ long as the daemon rather than one ``async with`` block: the tasks the sessions'
 (``LiveSessions``: a turn's own, a cancel sent to its agent, its group ended after
 ``cancel_grace``, a snapshot discarded) and the disk guard's checks.
 
-- Every task it starts is kept until it ends; at its close (``close``) every one is cancelled and
-  waited for, and so is any task started while it closes (an ending turn's last steps), bounded:
-  none outlives it unseen (a late one is said, ``tasks_not_ended_in_time``, and still kept).
+- Every task it starts is kept until it ends; at its close (``close``) every one is cancelled (once:
+  a task cancelled before, ``cancel``, is not cancelled again while it ends) and waited for, and
+  so is any task started while it closes (an ending turn's last steps), bounded: none outlives it
+  unseen (a late one is said, ``tasks_not_ended_in_time``, and still kept).
 - A task that raises is surfaced at once with its traceback (``background_task_failed``, which
   the tests fail on), never lost to asyncio's "exception was never retrieved".
 - ``wait_idle`` waits for every task, those started meanwhile included.
@@ -55,11 +56,18 @@ class TaskScope:
             return False
         return True
 
-    async def close(self, timeout: float | None) -> None:
-        """Cancel every task, and wait for them and for those started meanwhile, at most
-        ``timeout`` seconds (None: until they end); a warning says how many were late."""
+    def cancel(self) -> None:
+        """Cancel every task now, without waiting. A task already cancelled is not cancelled
+        again: asked once is asked once, so a task that is ending after a cancel (a turn storing
+        its end) is not cut short in that end by a second one."""
         for task in list(self._tasks):
-            task.cancel()
+            if not task.cancelling():
+                task.cancel()
+
+    async def close(self, timeout: float | None) -> None:
+        """Cancel every task (``cancel``), and wait for them and for those started meanwhile, at
+        most ``timeout`` seconds (None: until they end); a warning says how many were late."""
+        self.cancel()
         if not await self.wait_idle(timeout):
             log.warning("tasks_not_ended_in_time", scope=self.name, count=len(self._tasks), timeout=timeout)
 

@@ -59,6 +59,7 @@ MEASURES = {
     "auth_check_jwt_us",
     "relay_live_turn",
     "relay_first_chunk_added_ms",
+    "reattach_next_event_ms",
 }
 
 

@@ -24,8 +24,9 @@ from rcoder.relay.container_host import DATA_DIR_LABEL
 from rcoder.relay.engine_api import Engine
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, text_of
+from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, started, text_of
 from tests.image.podman import BUILD_TIMEOUT
+from tests.relay.test_reattach import WHOLE, seen_until
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
@@ -180,6 +181,58 @@ async def test_an_agent_past_its_containers_memory_limit_ends_its_turn_as_a_loca
     again = await client.chat(prompt="remember 2", session_id=events[0].session_id)
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
     assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [before["Id"]]
+
+
+async def test_a_container_turn_streams_across_a_killed_daemon_and_the_next_one_takes_it_up(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The scripted fake agent in a container (its script bound read-only, run by the image's
+    Python) streams paced chunks; its daemon is SIGKILLed mid-turn. The next daemon on the same
+    data_dir takes the container up instead of removing it: the turn ends END_TURN, a subscriber
+    from the last seq seen gets every later event once, and the idle agent no turn names is ended."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")  # a folder of its own: it is given to the container's user
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container", memory_max="256MiB", pids_max=256)}
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon(profiles, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    await client.chat(prompt="hello", project_id="proj")  # another session's agent, idle in the same container
+    spawned, idle = [row for row in daemon.logs("agent_spawned") if row.get("placement") == "container"]
+    assert spawned["relay_session"] == session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+
+    run_id, seen = await seen_until(client, session_id)
+    last_seen = seen[-1].seq
+    await daemon.kill()  # SIGKILL mid-turn: the container, its relay and its agent go on
+
+    second, client = await make_daemon(profiles, **settings)
+    assert not second.logs("relay_container_found_removed")
+    (taken,) = second.logs("relay_container_taken_up")
+    assert left["Id"].startswith(taken["container_id"])
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    (reattached,) = second.logs("agent_reattached")
+    assert (reattached["placement"], reattached["container_id"]) == ("container", left["Id"])
+    assert [row["agent_id"] for row in second.logs("relayed_agent_found_ended")] == [idle["agent_id"]]
+    rest = []
+    async with asyncio.timeout(60):
+        async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=last_seen)):
+            rest.append(event)
+    seqs = [event.seq for event in rest]
+    assert seqs == sorted(set(seqs)) and seqs[0] == last_seen + 1, seqs
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN, completed(rest).error
+    assert text_of(seen) + text_of(rest) == WHOLE, "every chunk once, in order"
+    assert len(boxed.requests("initialize")) == 2, "the same agent answered, not a new one"
+
+    # the session's next turn: the same agent, in the same container
+    again = await client.chat(prompt="remember 5", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+    assert started(again).resume == pb.RESUME_OUTCOME_LIVE
+    assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [left["Id"]]
+    place = (await client.stub.GetSession(pb.GetSessionRequest(session_id=session_id))).agent_place
+    assert (place.placement, place.container_id) == ("container", left["Id"])
+
+    # the daemon's stop removes the container it took up
+    await second.stop()
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
 
 
 @pytest.mark.fast

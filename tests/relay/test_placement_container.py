@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,13 @@ from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, started, text_of
 from tests.image.podman import BUILD_TIMEOUT
+from tests.relay.placement_kit import environ
 from tests.relay.test_reattach import WHOLE, seen_until
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
 PYTHON = "/opt/rcoder/.venv/bin/python"  # the image's
+KEY = "sk-profile-0123456789"  # the warm profile's model_api_key
 CONTAINER_UID = "10001"  # the image's rcoder: the container's user where the daemon runs agents as itself
 
 
@@ -233,6 +236,48 @@ async def test_a_container_turn_streams_across_a_killed_daemon_and_the_next_one_
     # the daemon's stop removes the container it took up
     await second.stop()
     assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+
+
+def host_pid(inside: int, candidates: list[int]) -> int:
+    """Which of ``candidates`` (pids on this host) is ``inside`` in its container's pid namespace."""
+    return next(pid for pid in candidates if status_of(pid)["NSpid"].split()[-1] == str(inside))
+
+
+async def test_a_warm_agent_waits_in_the_projects_container_without_its_key_and_the_claim_hands_it_over(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """docs/placement.md#warm-agents-and-keys, in a container: kind "claude" takes its key at
+    session/new, as the fake agent does; the key is read where it would be, the environment of the
+    warm agent and of its relay on this host."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profile = boxed.profile(command=PYTHON, placement="container", warm_pool=1, kind="claude", model_api_key=KEY)
+    daemon, client = await make_daemon({"warm": profile}, **{**settings_of(engine, image), "default_agent": "warm"})
+    first = await client.chat(prompt="remember 1", project_id="proj")
+    assert completed(first).stop_reason == pb.STOP_REASON_END_TURN, completed(first).error
+    (ready,) = await daemon.wait_log("warm_agent_ready", agent="warm")
+    assert ready["primed_cwd"] == "", "no session opened ahead: it would run without the key"
+
+    # the warm agent is the relay's child in the project's container, beside the first session's agent
+    (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    inspected = await asyncio.to_thread(engine.inspect_container, row["Id"])
+    assert inspected is not None
+    (relay,) = children(inspected["State"]["Pid"])
+    warm = host_pid(ready["pid"], children(relay))
+    assert KEY.encode() not in environ(warm), "a warm agent holds no key before a request claims it"
+    assert KEY.encode() not in environ(relay)
+    listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
+    assert listed["warm"].warm_agents == 1
+
+    claimed = await client.chat(prompt="env ANTHROPIC_API_KEY", project_id="proj")
+    assert completed(claimed).stop_reason == pb.STOP_REASON_END_TURN, completed(claimed).error
+    opened = [json.loads(line) for line in boxed.record.read_text().splitlines()]
+    assert [r for r in opened if r["message"].get("method") == "session/new"][-1]["pid"] == ready["pid"], (
+        "the request took the warm agent"
+    )
+    assert f"env[ANTHROPIC_API_KEY]={KEY}" in text_of(claimed), "the claim handed the key to its session"
+    assert KEY.encode() not in environ(warm), "handed to the session, never put in the agent's environment"
+    assert KEY.encode() not in environ(relay)
+    assert [r["Id"] for r in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [row["Id"]]
 
 
 @pytest.mark.fast

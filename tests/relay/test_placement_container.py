@@ -238,6 +238,64 @@ async def test_a_container_turn_streams_across_a_killed_daemon_and_the_next_one_
     assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
 
 
+async def test_a_turn_whose_container_ended_with_its_daemon_is_interrupted_and_the_container_removed(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The fallback of docs/relay.md#re-attach in a container: the container a running turn names
+    is gone (stopped by hand after the daemon's SIGKILL), so the next daemon cannot take the turn up;
+    it marks it interrupted, removes the ended container, and the session's next turn resumes in a
+    new one."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon(profiles, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    run_id, seen = await seen_until(client, session_id)
+    await daemon.kill()
+    await asyncio.to_thread(engine.stop_container, left["Id"], 0)  # its relay and agent end with it
+
+    second, client = await make_daemon(profiles, **settings)
+    assert [row["folder"] for row in second.logs("relay_container_not_taken_up")] == ["proj.boxed"]
+    assert [row["container_id"] for row in second.logs("relay_container_found_removed")] == [left["Id"][:12]]
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert await asyncio.to_thread(engine.inspect_container, left["Id"]) is None
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    (new,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    assert new["Id"] != left["Id"]
+    await second.stop()
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+
+
+async def test_a_container_whose_turn_cannot_be_taken_up_is_removed_with_its_agent(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The container runs, but the next daemon no longer has the turn's profile: the container is
+    taken up for the turn, which then fails to be, so it is removed, and nothing of it is left."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon({"boxed": boxed.profile(command=PYTHON, placement="container")}, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    init = (await asyncio.to_thread(engine.inspect_container, left["Id"]) or {})["State"]["Pid"]
+    run_id, _ = await seen_until(client, session_id)
+    await daemon.kill()
+
+    other = {"other": boxed.profile(command=PYTHON, placement="container")}
+    second, client = await make_daemon(other, **{**settings, "default_agent": "other"})
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert left["Id"].startswith(second.logs("relay_container_taken_up")[0]["container_id"])
+    assert [row["container_id"] for row in second.logs("relay_container_ended")] == [left["Id"][:12]]
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+    await eventually(lambda: not Path(f"/proc/{init}").exists())
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+
+
 def host_pid(inside: int, candidates: list[int]) -> int:
     """Which of ``candidates`` (pids on this host) is ``inside`` in its container's pid namespace."""
     return next(pid for pid in candidates if status_of(pid)["NSpid"].split()[-1] == str(inside))

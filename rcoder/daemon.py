@@ -286,9 +286,12 @@ class Daemon:
 
     def _found_relays(self) -> list[Relays]:
         """The placements whose relays a killed daemon may have left: this host's, and the
-        containers' where a profile runs in containers (an engine not reached is said, and the
-        daemon starts: each container start says it again)."""
-        if any(profile.placement == "container" for profile in self.settings.agents.values()):
+        containers' where a profile runs in containers or a daemon of this data_dir once ran one
+        (its state folders are there: a profile taken out of the config leaves no container
+        behind). An engine not reached is said, and the daemon starts (each container start says
+        it again)."""
+        placed = any(profile.placement == "container" for profile in self.settings.agents.values())
+        if placed or self.containers.root.is_dir():
             return [self.relays, self.containers]
         return [self.relays]
 

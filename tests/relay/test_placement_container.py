@@ -274,8 +274,9 @@ async def test_a_turn_whose_container_ended_with_its_daemon_is_interrupted_and_t
 async def test_a_container_whose_turn_cannot_be_taken_up_is_removed_with_its_agent(
     make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    """The container runs, but the next daemon no longer has the turn's profile: the container is
-    taken up for the turn, which then fails to be, so it is removed, and nothing of it is left."""
+    """The container runs, but the next daemon no longer has the turn's profile, nor any profile in
+    a container: the container is taken up for the turn, which then fails to be, so it is removed,
+    and nothing of it is left."""
     boxed = FakeAgentSetup(tmp_path / "boxed")
     settings = settings_of(engine, image)
     daemon, client = await make_daemon({"boxed": boxed.profile(command=PYTHON, placement="container")}, **settings)
@@ -285,8 +286,7 @@ async def test_a_container_whose_turn_cannot_be_taken_up_is_removed_with_its_age
     run_id, _ = await seen_until(client, session_id)
     await daemon.kill()
 
-    other = {"other": boxed.profile(command=PYTHON, placement="container")}
-    second, client = await make_daemon(other, **{**settings, "default_agent": "other"})
+    second, client = await make_daemon({"local": boxed.profile()}, **{**settings, "default_agent": "local"})
     assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
     assert left["Id"].startswith(second.logs("relay_container_taken_up")[0]["container_id"])
     assert [row["container_id"] for row in second.logs("relay_container_ended")] == [left["Id"][:12]]

@@ -435,8 +435,10 @@ class AgentLauncher:
         (docs/relay.md#re-attach): a live connection, with no ``initialize`` (``capabilities`` are
         what it answered then) and its ACP session ``provider_session_id`` open; its new requests'
         ids start at ``request_offset``. ``AgentUnavailable`` when its relay is gone or lost it."""
-        # the relays whose root holds the turn's relay folder: this host's, or containers'
-        relays = next((r for r in self.relays.values() if Path(found.relay).parent == r.root), None)
+        # the relays whose root holds the turn's relay folder (this host's, or containers'); a
+        # folder under another host's data_dir (a takeover) is the profile's placement's
+        under = (r for r in self.relays.values() if Path(found.relay).parent == r.root)
+        relays = next(under, None) or self.relays.get(profile.placement)
         if relays is None:
             raise AgentUnavailable(f"agent {profile.name!r}: this daemon runs no relays under {found.relay}",
                                    agent=profile.name)  # fmt: skip

@@ -39,7 +39,7 @@ from rcoder.api.server import CallBounds, GrpcServer, TlsFiles
 from rcoder.api.service import AgentRunnerService
 from rcoder.config import Settings, checkpoint_root
 from rcoder.data_lock import DataDirLock
-from rcoder.errors import ConfigError, ContainerEngineError, StoreError
+from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
 from rcoder.relay.container_host import ContainerHostRelays, ContainerPlacement, ProfilePaths
@@ -284,15 +284,16 @@ class Daemon:
         """Where other hosts reach this one: ``advertise_address``, else the address as bound."""
         return self.settings.advertise_address or self.bound_address
 
-    async def _end_found_containers(self) -> None:
-        """The relays' containers a killed daemon left, removed, where a profile runs in containers:
-        an engine not reached is said, and the daemon starts (each container start says it again)."""
-        if not any(profile.placement == "container" for profile in self.settings.agents.values()):
-            return
-        try:
-            await self.containers.end_found()
-        except ContainerEngineError as exc:
-            log.error("relay_containers_not_swept", error=str(exc))  # noqa: TRY400 - said, not a crash
+    def _found_relays(self) -> list[Relays]:
+        """The placements whose relays a killed daemon may have left: this host's, and the
+        containers' where a profile runs in containers or a daemon of this data_dir once ran one
+        (its state folders are there: a profile taken out of the config leaves no container
+        behind). An engine not reached is said, and the daemon starts (each container start says
+        it again)."""
+        placed = any(profile.placement == "container" for profile in self.settings.agents.values())
+        if placed or self.containers.root.is_dir():
+            return [self.relays, self.containers]
+        return [self.relays]
 
     async def start(self) -> None:
         self.tracing = tracing.configure(self.settings.otlp_endpoint)
@@ -303,12 +304,11 @@ class Daemon:
         swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
         self.trees.start(asyncio.get_running_loop())
-        # what a killed daemon's containers ran is removed (re-attach is not built for containers), then
-        # what its relays still run: the turns the store has running on them are taken up, every other
-        # agent ended (docs/relay.md#re-attach), after the reaper is started (they are our children);
+        # what a killed daemon's relays and their containers still run: the turns the store has
+        # running on them are taken up, every other agent ended and every container no turn names
+        # removed (docs/relay.md#re-attach), after the reaper is started (they are our children);
         # before anything is served, so no turn is begun on a session taken up
-        await self._end_found_containers()
-        reattached, not_reattached = await self.reattached.recover(self.relays)
+        reattached, not_reattached = await self.reattached.recover(self._found_relays())
         self.launcher.log_sandboxes()
         self._log_network()
         self._log_default_agent()

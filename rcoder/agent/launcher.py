@@ -435,12 +435,18 @@ class AgentLauncher:
         (docs/relay.md#re-attach): a live connection, with no ``initialize`` (``capabilities`` are
         what it answered then) and its ACP session ``provider_session_id`` open; its new requests'
         ids start at ``request_offset``. ``AgentUnavailable`` when its relay is gone or lost it."""
-        relays = self.relays.get("relay")
+        # the relays whose root holds the turn's relay folder (this host's, or containers'); a
+        # folder under another host's data_dir (a takeover) is the profile's placement's
+        under = (r for r in self.relays.values() if Path(found.relay).parent == r.root)
+        relays = next(under, None) or self.relays.get(profile.placement)
         if relays is None:
-            raise AgentUnavailable(f"agent {profile.name!r}: this daemon runs no relays", agent=profile.name)
+            raise AgentUnavailable(f"agent {profile.name!r}: this daemon runs no relays under {found.relay}",
+                                   agent=profile.name)  # fmt: skip
         grace = self._settings.agent_stop_grace
         child = await relays.reattach(found, profile.name, grace)
-        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, grace)
+        watch = child.limit_reached if isinstance(child, LimitWatch) else None  # a container's limits
+        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, grace, place=child.place,
+                               limit_reached=watch)  # fmt: skip
         self._processes.add(process)
         handler = AcpClientHandler(profile.name)
         pipe = PipeTransport(process.stdout, process.stdin, handler.on_update, agent=profile.name,
@@ -451,7 +457,8 @@ class AgentLauncher:
             profile.key_variable, relayed=child, provider_session_id=provider_session_id,
         )  # fmt: skip
         place = child.place
-        log.info("agent_reattached", agent=profile.name, pid=process.pid, placement="relay", relay_pid=place.relay_pid,
+        log.info("agent_reattached", agent=profile.name, pid=process.pid, placement=profile.placement,
+                 relay_pid=place.relay_pid, container_id=place.container_id or None,
                  relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
                  from_frame=found.after_frame + 1)  # fmt: skip
         return connection
@@ -517,9 +524,9 @@ class AgentLauncher:
             relayed: RelayedChild | None = None
             if profile.placement != "local":
                 process = await self._spawn_relayed(profile, argv, cwd, ready, owner)
-                # a turn on a relay's agent is stored from its frames and taken up after a restart
-                # (docs/relay.md#re-attach); a container's is not taken up yet
-                relayed = cast(RelayedChild, process.child) if profile.placement == "relay" else None
+                # a turn on a relay's agent (on this host or in a container) is stored from its
+                # frames and taken up after a restart (docs/relay.md#re-attach)
+                relayed = cast(RelayedChild, process.child)
             else:
                 process = await self._spawn(profile, argv, cwd, ready)
             span.set_attribute("rcoder.agent.pid", process.pid)

@@ -22,9 +22,10 @@ A memory limit hit is said as a local agent's cgroup says it: an agent ended by 
 container's OOM kill count grew since its spawn (or whose whole container the kernel ended at its
 limit) stopped at its limit (``AgentStoppedAtLimit``, through ``LimitWatch``).
 
-At the daemon's stop every container it started is stopped (the relay ends its agents' groups)
-and removed; at its start, every container a killed daemon of the same ``data_dir`` left (found by
-its labels) is removed: re-attaching to a turn in one is not built for containers.
+At the daemon's stop every container it started or took up is stopped (the relay ends its agents'
+groups) and removed. At its start, a container a killed daemon of the same ``data_dir`` left (found
+by its labels) whose state folder a running turn names is taken up, its turns re-attached as the
+``relay`` placement's are (docs/relay.md#re-attach); every other one is removed.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from rcoder import errors
-from rcoder.agent.confinement.limits import human
+from rcoder.agent.confinement.limits import Values, human
 from rcoder.agent.files import ownership
 from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
 from rcoder.logs import get_logger
@@ -60,11 +63,13 @@ from rcoder.relay.containers import (
 from rcoder.relay.engine_api import Engine
 from rcoder.relay.secret import SECRET_FILE
 from rcoder.relay.serve import SOCKET_FILE
+from rcoder.relay.v1 import relay_pb2 as pb
 
 log = get_logger("rcoder.relay.container_host")
 
 DATA_DIR_LABEL = "dev.rcoder.data_dir"  # the daemon's data_dir: a daemon removes only its own leftovers
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
+_ADOPT_TIMEOUT = 10.0  # a found container's relay answering its first call, at the daemon's start
 _LIMIT_CHECK_TIMEOUT = 10.0  # reading an ended container's state from the engine, at an agent's exit
 
 
@@ -199,35 +204,103 @@ class ContainerHostRelays:
                            self._placement.network, labels, binds, start.user or RELAY_USER)  # fmt: skip
 
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
-        """Not built for containers: a daemon's start removes the containers a killed one left
-        (``end_found``), so there is no turn in one to take up (docs/relay.md#what-is-not-built-yet)."""
-        raise errors.AgentUnavailable(f"agent {name!r}: re-attaching to a relay's container is not built",
-                                      agent=name)  # fmt: skip
+        """``found`` attached again in the container a killed daemon left (taken up by ``end_found``,
+        which ran first): as ``HostRelays.reattach`` does it, on that container's relay
+        (docs/relay.md#re-attach)."""
+        folder = Path(found.relay).name
+        running = self._running.get(folder)
+        if running is None or not running.running or Path(found.relay).parent != self._root:
+            raise errors.AgentUnavailable(f"agent {name!r}: no relay's container of {found.relay} runs",
+                                          agent=name)  # fmt: skip
+        kills = await asyncio.to_thread(oom_kills, running.init_pid)
+        child = await self._host.reattach(found, name, stop_grace)
+        return _Watched(child, running, self._containers, kills)
 
     async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
-        """Every relay's container a daemon of this ``data_dir`` left, removed (its agents with it):
-        none is kept, whatever ``keep`` names (re-attach is not built for containers)."""
+        """At the daemon's start: the relays' containers a daemon of this ``data_dir`` left. One whose
+        state folder ``keep`` names is taken up (its relay reached through that folder's socket, with
+        the secret the relay wrote there) and its agents that ``keep`` does not name are ended; every
+        other one is removed, its agents with it. An engine that does not answer is said, and none
+        is taken up. How many agents and containers were ended."""
         labels = {DATA_DIR_LABEL: str(self._placement.data_dir)}
-        found = await asyncio.to_thread(self._engine.list_containers, labels)
+        try:
+            found = await asyncio.to_thread(self._engine.list_containers, labels)
+        except errors.ContainerEngineError as exc:
+            log.error("relay_containers_not_swept", error=str(exc))  # noqa: TRY400 - said, not a crash
+            return 0
+        wanted = {Path(relay).name for relay, _ in keep if Path(relay).parent == self._root}
+        by_name = {_container_name(self._placement.data_dir, folder): folder for folder in wanted}
+        ended = 0
+        kept: set[str] = set()
         for row in found:
             ident = str(row.get("Id", ""))
-            log.warning(
-                "relay_container_found_removed",
-                container_id=ident[:12],
-                names=row.get("Names"),
-                why="a relay's container a daemon left: re-attaching to it is not built for containers",
-            )
+            folder = by_name.get(str((row.get("Labels") or {}).get(LABEL, "")))
+            if folder is not None:
+                try:
+                    running = self._running.get(folder)
+                    if running is None or not running.running:
+                        running = await self._adopt(folder, ident)
+                        self._running[folder] = running
+                    ended += await self._host.end_unkept(self._root / folder, keep)
+                    kept.add(folder)
+                    continue
+                except (errors.RcoderError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
+                    log.warning("relay_container_not_taken_up", container_id=ident[:12], folder=folder,
+                                error=str(exc)[:300])  # fmt: skip
+            ended += 1
+            log.warning("relay_container_found_removed", container_id=ident[:12], names=row.get("Names"),
+                        why="a relay's container a daemon left, running no turn the store has running")  # fmt: skip
+            held = next((f for f, r in self._running.items() if r.container.container_id == ident), None)
+            if held is not None:
+                await self._remove(self._running.pop(held), why="no turn taken up in it")
+                continue
             await asyncio.to_thread(self._engine.stop_container, ident, int(self._stop_grace) + 1)
             await asyncio.to_thread(self._engine.remove_container, ident)
-        await asyncio.to_thread(self._forget_secrets)
-        return len(found)
+        await asyncio.to_thread(self._forget_secrets, kept)
+        return ended
 
-    def _forget_secrets(self) -> None:
-        """No container of this ``data_dir`` runs now: no secret or socket a removed one left stays
-        in its state folder (each new relay makes its own)."""
+    async def _adopt(self, folder: str, ident: str) -> _Running:
+        """The running container ``ident`` of ``folder`` a killed daemon started, known again: its
+        init's pidfd, its relay connected with the secret in its state folder (answering a call
+        with it), its launch read back from the engine (its user and limits)."""
+        state = await asyncio.to_thread(self._engine.inspect_container, ident)
+        if state is None or not state["State"].get("Running"):
+            raise errors.AgentUnavailable(f"the relay's container {ident[:12]} of {folder} is not running")
+        init_pid = int(state["State"].get("Pid") or 0)
+        init_fd = os.pidfd_open(init_pid)
+        try:
+            state_dir = self._root / folder
+            secret = (state_dir / SECRET_FILE).read_text().strip()
+            config, hosted = state.get("Config") or {}, state.get("HostConfig") or {}
+            uid, _, gid = str(config.get("User") or "").partition(":")
+            user = (int(uid), int(gid or uid)) if uid.isdigit() else RELAY_USER
+            limits = Values(max(int(hosted.get("Memory") or 0), 0), max(int(hosted.get("PidsLimit") or 0), 0),
+                            (int(hosted.get("NanoCpus") or 0) / 1e9) or None)  # fmt: skip
+            labels = dict(config.get("Labels") or {})
+            launch = RelayLaunch(labels.get(LABEL, ""), str(config.get("Image", "")), state_dir, (),
+                                 tuple(config.get("Cmd") or ()), {}, limits, self._placement.network, labels,
+                                 (), user)  # fmt: skip
+            container = RelayContainer(launch, ident, state_dir / SOCKET_FILE, secret)
+            relay = self._host.connect(state_dir, init_pid, secret)
+            try:
+                await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=_ADOPT_TIMEOUT)
+            except BaseException:
+                await relay.channel.close()
+                raise
+        except BaseException:
+            os.close(init_fd)
+            raise
+        log.info("relay_container_taken_up", folder=folder, container_id=ident[:12], init_pid=init_pid)
+        return _Running(container, init_pid, relay, init_fd)
+
+    def _forget_secrets(self, kept: set[str]) -> None:
+        """No container of this ``data_dir`` runs now but those of ``kept``: no secret or socket a
+        removed one left stays in its state folder (each new relay makes its own)."""
         if not self._root.is_dir():
             return
         for folder in self._root.iterdir():
+            if folder.name in kept:
+                continue
             for name in (SECRET_FILE, SOCKET_FILE):
                 with contextlib.suppress(OSError):
                     (folder / name).unlink()
@@ -261,6 +334,15 @@ class _InContainers(host.HostRelays):
 
     async def _relay(self, project: str, agent: str) -> host._Relay:
         return await self._owner.relay_of(project, agent)
+
+    async def reattach_relay(self, folder: Path) -> host._Relay:
+        """The relay of ``folder``'s container, taken up by ``ContainerHostRelays.end_found``; never
+        one found by the pid in its lock (the container's namespace's)."""
+        return await self._owner.relay_of(folder.name, "its turn")
+
+    async def end_unkept(self, folder: Path, keep: frozenset[tuple[str, str]]) -> int:
+        """The agents of the relay in ``folder``'s container that ``keep`` does not name, ended."""
+        return await self._end_unkept(folder, keep)
 
     def connect(self, folder: Path, pid: int, secret: str) -> host._Relay:
         """A channel to the relay serving in ``folder``, known by ``pid`` on this host."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,15 @@ from rcoder.relay.container_host import DATA_DIR_LABEL
 from rcoder.relay.engine_api import Engine
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, text_of
+from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, started, text_of
 from tests.image.podman import BUILD_TIMEOUT
+from tests.relay.placement_kit import environ
+from tests.relay.test_reattach import WHOLE, seen_until
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
 PYTHON = "/opt/rcoder/.venv/bin/python"  # the image's
+KEY = "sk-profile-0123456789"  # the warm profile's model_api_key
 CONTAINER_UID = "10001"  # the image's rcoder: the container's user where the daemon runs agents as itself
 
 
@@ -180,6 +184,158 @@ async def test_an_agent_past_its_containers_memory_limit_ends_its_turn_as_a_loca
     again = await client.chat(prompt="remember 2", session_id=events[0].session_id)
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
     assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [before["Id"]]
+
+
+async def test_a_container_turn_streams_across_a_killed_daemon_and_the_next_one_takes_it_up(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The scripted fake agent in a container (its script bound read-only, run by the image's
+    Python) streams paced chunks; its daemon is SIGKILLed mid-turn. The next daemon on the same
+    data_dir takes the container up instead of removing it: the turn ends END_TURN, a subscriber
+    from the last seq seen gets every later event once, and the idle agent no turn names is ended."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")  # a folder of its own: it is given to the container's user
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container", memory_max="256MiB", pids_max=256)}
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon(profiles, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    await client.chat(prompt="hello", project_id="proj")  # another session's agent, idle in the same container
+    spawned, idle = [row for row in daemon.logs("agent_spawned") if row.get("placement") == "container"]
+    assert spawned["relay_session"] == session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+
+    run_id, seen = await seen_until(client, session_id)
+    last_seen = seen[-1].seq
+    await daemon.kill()  # SIGKILL mid-turn: the container, its relay and its agent go on
+
+    second, client = await make_daemon(profiles, **settings)
+    assert not second.logs("relay_container_found_removed")
+    (taken,) = second.logs("relay_container_taken_up")
+    assert left["Id"].startswith(taken["container_id"])
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    (reattached,) = second.logs("agent_reattached")
+    assert (reattached["placement"], reattached["container_id"]) == ("container", left["Id"])
+    assert [row["agent_id"] for row in second.logs("relayed_agent_found_ended")] == [idle["agent_id"]]
+    rest = []
+    async with asyncio.timeout(60):
+        async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=last_seen)):
+            rest.append(event)
+    seqs = [event.seq for event in rest]
+    assert seqs == sorted(set(seqs)) and seqs[0] == last_seen + 1, seqs
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN, completed(rest).error
+    assert text_of(seen) + text_of(rest) == WHOLE, "every chunk once, in order"
+    assert len(boxed.requests("initialize")) == 2, "the same agent answered, not a new one"
+
+    # the session's next turn: the same agent, in the same container
+    again = await client.chat(prompt="remember 5", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+    assert started(again).resume == pb.RESUME_OUTCOME_LIVE
+    assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [left["Id"]]
+    place = (await client.stub.GetSession(pb.GetSessionRequest(session_id=session_id))).agent_place
+    assert (place.placement, place.container_id) == ("container", left["Id"])
+
+    # the daemon's stop removes the container it took up
+    await second.stop()
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+
+
+async def test_a_turn_whose_container_ended_with_its_daemon_is_interrupted_and_the_container_removed(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The fallback of docs/relay.md#re-attach in a container: the container a running turn names
+    is gone (stopped by hand after the daemon's SIGKILL), so the next daemon cannot take the turn up;
+    it marks it interrupted, removes the ended container, and the session's next turn resumes in a
+    new one."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon(profiles, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    run_id, seen = await seen_until(client, session_id)
+    await daemon.kill()
+    await asyncio.to_thread(engine.stop_container, left["Id"], 0)  # its relay and agent end with it
+
+    second, client = await make_daemon(profiles, **settings)
+    assert [row["folder"] for row in second.logs("relay_container_not_taken_up")] == ["proj.boxed"]
+    assert [row["container_id"] for row in second.logs("relay_container_found_removed")] == [left["Id"][:12]]
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert await asyncio.to_thread(engine.inspect_container, left["Id"]) is None
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+    assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
+    (new,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    assert new["Id"] != left["Id"]
+    await second.stop()
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+
+
+async def test_a_container_whose_turn_cannot_be_taken_up_is_removed_with_its_agent(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The container runs, but the next daemon no longer has the turn's profile, nor any profile in
+    a container: the container is taken up for the turn, which then fails to be, so it is removed,
+    and nothing of it is left."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon({"boxed": boxed.profile(command=PYTHON, placement="container")}, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    init = (await asyncio.to_thread(engine.inspect_container, left["Id"]) or {})["State"]["Pid"]
+    run_id, _ = await seen_until(client, session_id)
+    await daemon.kill()
+
+    second, client = await make_daemon({"local": boxed.profile()}, **{**settings, "default_agent": "local"})
+    assert [row["run_id"] for row in second.logs("relayed_turn_not_reattached")] == [run_id]
+    assert left["Id"].startswith(second.logs("relay_container_taken_up")[0]["container_id"])
+    assert [row["container_id"] for row in second.logs("relay_container_ended")] == [left["Id"][:12]]
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+    await eventually(lambda: not Path(f"/proc/{init}").exists())
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+
+
+def host_pid(inside: int, candidates: list[int]) -> int:
+    """Which of ``candidates`` (pids on this host) is ``inside`` in its container's pid namespace."""
+    return next(pid for pid in candidates if status_of(pid)["NSpid"].split()[-1] == str(inside))
+
+
+async def test_a_warm_agent_waits_in_the_projects_container_without_its_key_and_the_claim_hands_it_over(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """docs/placement.md#warm-agents-and-keys, in a container: kind "claude" takes its key at
+    session/new, as the fake agent does; the key is read where it would be, the environment of the
+    warm agent and of its relay on this host."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profile = boxed.profile(command=PYTHON, placement="container", warm_pool=1, kind="claude", model_api_key=KEY)
+    daemon, client = await make_daemon({"warm": profile}, **{**settings_of(engine, image), "default_agent": "warm"})
+    first = await client.chat(prompt="remember 1", project_id="proj")
+    assert completed(first).stop_reason == pb.STOP_REASON_END_TURN, completed(first).error
+    (ready,) = await daemon.wait_log("warm_agent_ready", agent="warm")
+    assert ready["primed_cwd"] == "", "no session opened ahead: it would run without the key"
+
+    # the warm agent is the relay's child in the project's container, beside the first session's agent
+    (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    inspected = await asyncio.to_thread(engine.inspect_container, row["Id"])
+    assert inspected is not None
+    (relay,) = children(inspected["State"]["Pid"])
+    warm = host_pid(ready["pid"], children(relay))
+    assert KEY.encode() not in environ(warm), "a warm agent holds no key before a request claims it"
+    assert KEY.encode() not in environ(relay)
+    listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
+    assert listed["warm"].warm_agents == 1
+
+    claimed = await client.chat(prompt="env ANTHROPIC_API_KEY", project_id="proj")
+    assert completed(claimed).stop_reason == pb.STOP_REASON_END_TURN, completed(claimed).error
+    opened = [json.loads(line) for line in boxed.record.read_text().splitlines()]
+    assert [r for r in opened if r["message"].get("method") == "session/new"][-1]["pid"] == ready["pid"], (
+        "the request took the warm agent"
+    )
+    assert f"env[ANTHROPIC_API_KEY]={KEY}" in text_of(claimed), "the claim handed the key to its session"
+    assert KEY.encode() not in environ(warm), "handed to the session, never put in the agent's environment"
+    assert KEY.encode() not in environ(relay)
+    assert [r["Id"] for r in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [row["Id"]]
 
 
 @pytest.mark.fast

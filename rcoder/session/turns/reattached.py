@@ -148,12 +148,13 @@ class ReattachedTurns:
         self._permissions = permissions
         self._clock = clock
 
-    async def recover(self, relays: Relays) -> tuple[int, int]:
-        """Take up every relayed turn the store has running; the agents of the relays found that
-        none names are ended (a relay with none left is stopped). Returns how many turns were
-        taken up, and how many were marked interrupted."""
+    async def recover(self, relays: Sequence[Relays]) -> tuple[int, int]:
+        """Take up every relayed turn the store has running; the agents of the relays found (of
+        every placement in ``relays``) that none names are ended (a relay with none left is
+        stopped). Returns how many turns were taken up, and how many were marked interrupted."""
         turns = await self._store.relayed_turns()
-        await relays.end_found(frozenset((turn.relay, turn.agent_id) for turn in turns))
+        for placed in relays:
+            await placed.end_found(frozenset((turn.relay, turn.agent_id) for turn in turns))
         taken = interrupted = 0
         kept: set[tuple[str, str]] = set()
         for turn in turns:
@@ -170,7 +171,8 @@ class ReattachedTurns:
                 except StoreError as error:
                     log.error("relayed_turn_not_marked", run_id=turn.run_id, error=error.message)  # noqa: TRY400
         if taken < len(turns):  # the agents of the turns not taken up end too, and a relay left with none
-            await relays.end_found(frozenset(kept))
+            for placed in relays:
+                await placed.end_found(frozenset(kept))
         return taken, interrupted
 
     async def watch_lost_hosts(self, interval: float) -> None:

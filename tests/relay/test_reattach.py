@@ -31,9 +31,9 @@ PROMPT = f"stream {CHUNKS} pace 40"
 WHOLE = "".join(f"c{i} " for i in range(CHUNKS)) + "I remember nothing."
 
 
-async def seen_until(client: Client, session_id: str) -> tuple[str, list[pb.ChatStream]]:
+async def seen_until(client: Client, session_id: str, prompt: str = PROMPT) -> tuple[str, list[pb.ChatStream]]:
     """A turn's Chat read until its SEEN-th chunk; its run id and what it saw."""
-    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=PROMPT))
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt))
     seen: list[pb.ChatStream] = []
     async with asyncio.timeout(20):
         while f"c{SEEN - 1} " not in text_of(seen):
@@ -200,3 +200,32 @@ async def test_a_turn_that_cannot_be_taken_up_has_its_agent_and_relay_ended(
     await eventually(lambda: not alive(agent) and not alive(relay))
     rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
     assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+
+
+async def test_a_deaf_agent_taken_up_is_ended_at_a_cancel_and_its_turn_stored_cancelled_on_postgres(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int], pg_url: str
+) -> None:
+    # restarted as the same host; the agent ignores session/cancel: the cancel ends its group after
+    # cancel_grace, and the turn's end is stored under the session's lease, let go of only once the
+    # end is written
+    daemon, client = await make_daemon(profiles(fake), store_url=pg_url, host_id="h", cancel_grace=0.5)
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    run_id, seen = await seen_until(client, session_id, f"stream {SEEN + 2} deaf")
+    await daemon.kill()
+
+    second, client = await make_daemon(profiles(fake), store_url=pg_url, host_id="h", cancel_grace=0.5)
+    assert (await client.stub.Cancel(pb.CancelRequest(run_id=run_id))).cancelled
+    async with asyncio.timeout(30):  # the prompt awaited fails as the agent is ended (it hung there before)
+        rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
+    await eventually(lambda: not alive(agent))
+    assert not second.logs("reattached_run_end_not_stored")
+    runs = (await client.stub.ListRuns(pb.ListRunsRequest(session_id=session_id))).runs
+    stored = next(run for run in runs if run.run_id == run_id)
+    assert (stored.status, stored.stop_reason) == (pb.RUN_STATUS_COMPLETED, pb.STOP_REASON_CANCELLED), stored
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN

@@ -280,7 +280,10 @@ class ReattachedTurns:
             await asyncio.wait_for(taken.answered.wait(), self._settings.cancel_grace)
             return
         log.warning("reattached_turn_not_stopped", session_id=taken.session_id, grace=self._settings.cancel_grace)
-        await self._pool.close(taken.session_id)  # its whole group ended: the prompt fails, the turn ends
+        # Its whole group ended: the prompt fails, the turn ends. The agent alone, as the runner ends a
+        # local one: its slot stays the session's until ``_drive`` has stored the end and releases it
+        # (closing the slot would let go of the session's lease first, and the end be refused).
+        await taken.conn.aclose()
 
     async def _drive(
         self,

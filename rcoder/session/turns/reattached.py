@@ -54,7 +54,7 @@ from rcoder.domain import (
     TextChunk,
     TranscriptEntry,
 )
-from rcoder.errors import AgentError, RcoderError, StoreError
+from rcoder.errors import AgentError, RcoderError, ShuttingDown, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Run, RunLimits, RunRegistry, guarded
@@ -310,17 +310,22 @@ class ReattachedTurns:
         rules = profile.permission_rules if profile is not None else ()
         decider = self._permissions.decider(run.run_id, PermissionMode(state["permission_mode"]), rules)
         status, stop, error, reason = RunStatus.COMPLETED, StopReason.END_TURN, "", ""
+        stopping = False
         try:
             stop = await conn.resume_prompt(turn.prompt_id, on_event, decider, self._settings.turn_timeout or None,
                                             run.room)  # fmt: skip
         except AgentError as exc:
             status, stop, error, reason = RunStatus.FAILED, StopReason.ERROR, exc.summary, exc.reason
-        except asyncio.CancelledError:  # rcoder is stopping: the run ends interrupted at its next start
-            frames.close()
-            raise
+        except asyncio.CancelledError:
+            # rcoder is stopping past its waits (a clean stop's cancel came and went, or a second
+            # signal): the turn ends as the runner ends a local one then (machine.py, Stopping), its
+            # end stored below and the cancel going on after it
+            stopping = True
+            status, stop, error, reason = (RunStatus.INTERRUPTED, StopReason.CANCELLED,
+                                           "rcoder stopped while the turn ran", ShuttingDown.reason)  # fmt: skip
         finally:
             taken.over()
-        if taken.cancelled:  # every cancel taken ends the turn so, whatever the agent answered
+        if taken.cancelled and not stopping:  # every cancel taken ends the turn so, whatever the agent answered
             cause = taken.cause
             status, stop = RunStatus.COMPLETED, cause.stop if cause is not None else StopReason.CANCELLED
             error, reason = (cause.error, cause.error_reason) if cause is not None else ("", "")
@@ -330,13 +335,14 @@ class ReattachedTurns:
         answer = "".join(texts)[:MAX_TRANSCRIPT_TEXT]
         transcript = TranscriptEntry(session_id=turn.session_id, run_id=run.run_id, turn=0, prompt=state["prompt"],
                                      response=answer, created_at=self._clock())  # fmt: skip
-        ended = RunEnd(status, stop, error, self._clock(), transcript, conn.turn_usage, reason)
+        kept = transcript if not stopping else None  # as the runner keeps none of a turn rcoder stopped
+        ended = RunEnd(status, stop, error, self._clock(), kept, conn.turn_usage, reason)
 
         async def finish(rows: Sequence[EventRow]) -> None:
             await self._store.finish_run(run.run_id, ended, lease, rows)
 
         try:
-            await self._history.end_with(run, end, finish)
+            await asyncio.shield(self._history.end_with(run, end, finish))
         except (RcoderError, StoreError) as exc:
             log.error("reattached_run_end_not_stored", run_id=run.run_id, error=str(exc))  # noqa: TRY400
             await asyncio.shield(self._history.store_end(run, end))
@@ -349,3 +355,5 @@ class ReattachedTurns:
             run.publish_end(end)
             log.info("run_completed", run_id=run.run_id, stop_reason=stop.value, error=error[:500] or None,
                      reattached=True)  # fmt: skip
+        if stopping:
+            raise asyncio.CancelledError()

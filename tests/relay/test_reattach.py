@@ -282,3 +282,26 @@ async def test_a_second_signal_records_a_taken_up_turn_interrupted(
     with contextlib.closing(sqlite3.connect(tmp_path / "data" / "rcoder.db")) as db:
         stored = db.execute("SELECT status, stop_reason FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     assert stored == ("interrupted", "cancelled")
+
+
+async def test_a_taken_up_agents_tmpdir_is_kept_while_it_runs_and_removed_at_its_end(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    tmp = tmp_path / "data" / "agents" / "relayed" / "proj" / "tmp"
+    [tmpdir] = list(tmp.iterdir())  # the agent's own TMPDIR, its first daemon's making
+    run_id, _ = await seen_until(client, session_id)
+    await daemon.kill()
+
+    second, client = await make_daemon(profiles(fake))
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    assert tmpdir.is_dir(), "the start's sweep spares the TMPDIR of an agent whose turn it takes up"
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert tmpdir.is_dir(), "the agent lives on, idle"
+    assert (await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))).agent_stopped
+    await eventually(lambda: not tmpdir.exists())

@@ -119,6 +119,8 @@ def relayed_turn(
         "permission_mode": permission_mode.value,
         "resume": resume.value,
         "prompt": prompt[:MAX_TRANSCRIPT_TEXT],
+        # its own TMPDIR: spared by the next start's sweep, removed at its end by whoever takes it up
+        "tmpdir": str(conn.process.tmpdir or ""),
     }
     return RelayedTurn(run_id, session_id, place.state_dir, place.agent_id, prompt_id, frames.base, json.dumps(agent))
 
@@ -147,6 +149,16 @@ class ReattachedTurns:
         self._history = history
         self._permissions = permissions
         self._clock = clock
+
+    async def kept_tmpdirs(self) -> frozenset[str]:
+        """The TMPDIRs of the relayed agents whose turns the store has running (``recover`` takes
+        them up): what the start's sweep leaves (read before it)."""
+        kept = set()
+        for turn in await self._store.relayed_turns():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                if tmpdir := json.loads(turn.agent).get("tmpdir"):
+                    kept.add(str(tmpdir))
+        return frozenset(kept)
 
     async def recover(self, relays: Relays) -> tuple[int, int]:
         """Take up every relayed turn the store has running; the agents of the relays found that
@@ -226,7 +238,8 @@ class ReattachedTurns:
         found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation)
         try:
             conn = await self._launcher.reattach(profile, found, capabilities, state["provider_session_id"],
-                                                 request_offset=turn.prompt_id + 1)  # fmt: skip
+                                                 request_offset=turn.prompt_id + 1,
+                                                 tmpdir=str(state.get("tmpdir") or ""))  # fmt: skip
         except BaseException:
             self._live.let_go_lease(turn.session_id, lease)
             raise

@@ -301,7 +301,9 @@ class Daemon:
         await self._check_store_access()
         interrupted = await self.store.open()
         self.launcher.ready_for_user()  # after the store made data_dir: its way to the homes opened
-        swept = await asyncio.to_thread(self.launcher.sweep_leftovers)
+        # the TMPDIRs of the relayed agents whose turns are taken up below are theirs still
+        kept = await self.reattached.kept_tmpdirs()
+        swept = await asyncio.to_thread(self.launcher.sweep_leftovers, kept)
         # orphans of agents come to the daemon, which ends them with their agent and reaps them
         self.trees.start(asyncio.get_running_loop())
         # what a killed daemon's relays and their containers still run: the turns the store has

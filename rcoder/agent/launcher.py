@@ -42,7 +42,7 @@ from rcoder.agent.processes.process import AgentProcess, LimitWatch
 from rcoder.agent.processes.relayed import RELAY_GENERATION, FoundAgent, RelayedChild, RelayedStart, Relays
 from rcoder.agent.processes.tree import Trees
 from rcoder.agent.profiles.erase import Erased, erase_conversation
-from rcoder.agent.profiles.homes import SHARED, Homes
+from rcoder.agent.profiles.homes import SHARED, Homes, is_ready
 from rcoder.agent.profiles.kinds import OwnDelete, kind_of
 from rcoder.agent.profiles.profile import agent_homes, promises_of, sandbox_of
 from rcoder.config import AgentProfile, Settings
@@ -151,8 +151,10 @@ class AgentLauncher:
         """Where each running agent's process group is recorded, for ``sweep_leftovers``."""
         return self._settings.data_dir / "agent-pids"
 
-    def sweep_leftovers(self) -> int:
-        """End agent groups and trees a killed daemon left behind (call before starting any agent)."""
+    def sweep_leftovers(self, kept_tmpdirs: frozenset[str] = frozenset()) -> int:
+        """End agent groups and trees a killed daemon left behind (call before starting any agent).
+        ``kept_tmpdirs``: the TMPDIRs of relayed agents whose turns this start takes up, left as they
+        are (docs/relay.md#re-attach)."""
         swept = sweep(self.pid_dir)
         if self.limits is not None:
             # After the groups, whatever is left in this daemon's cgroups is ended too, and counted in a
@@ -160,7 +162,8 @@ class AgentLauncher:
             self.limits.sweep()
         self._record_instance()
         # What the agents' TMPDIRs held is removed too, before any agent runs (docs/limits.md#the-agents-tmpdir).
-        sweep_tmpdirs([agent_homes(self._settings, profile) for profile in self._settings.agents.values()])
+        sweep_tmpdirs([agent_homes(self._settings, profile) for profile in self._settings.agents.values()],
+                      kept_tmpdirs)  # fmt: skip
         return swept
 
     def _record_instance(self) -> None:
@@ -430,11 +433,15 @@ class AgentLauncher:
         capabilities: AgentCapabilities,
         provider_session_id: str,
         request_offset: int,
+        tmpdir: str = "",
     ) -> AgentConnection:
         """A relayed agent another daemon left mid-turn, attached again from ``found.after_frame``
         (docs/relay.md#re-attach): a live connection, with no ``initialize`` (``capabilities`` are
         what it answered then) and its ACP session ``provider_session_id`` open; its new requests'
-        ids start at ``request_offset``. ``AgentUnavailable`` when its relay is gone or lost it."""
+        ids start at ``request_offset``. Its ``tmpdir`` (as its first daemon made it) is removed
+        once it ends, when it is one of this daemon's homes of the profile (a turn taken over from
+        another host's data_dir leaves it to that host's sweep). ``AgentUnavailable`` when its
+        relay is gone or lost it."""
         # the relays whose root holds the turn's relay folder (this host's, or containers'); a
         # folder under another host's data_dir (a takeover) is the profile's placement's
         under = (r for r in self.relays.values() if Path(found.relay).parent == r.root)
@@ -444,9 +451,11 @@ class AgentLauncher:
                                    agent=profile.name)  # fmt: skip
         grace = self._settings.agent_stop_grace
         child = await relays.reattach(found, profile.name, grace)
+        own = self._own_tmpdir(profile, tmpdir)
+        removal = functools.partial(remove_tmpdir, own.parent.parent, own) if own is not None else None
         watch = child.limit_reached if isinstance(child, LimitWatch) else None  # a container's limits
-        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, grace, place=child.place,
-                               limit_reached=watch)  # fmt: skip
+        process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, grace, on_closed=removal,
+                               place=child.place, limit_reached=watch, tmpdir=own)  # fmt: skip
         self._processes.add(process)
         handler = AcpClientHandler(profile.name)
         pipe = PipeTransport(process.stdout, process.stdin, handler.on_update, agent=profile.name,
@@ -462,6 +471,18 @@ class AgentLauncher:
                  relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,
                  from_frame=found.after_frame + 1)  # fmt: skip
         return connection
+
+    def _own_tmpdir(self, profile: AgentProfile, tmpdir: str) -> Path | None:
+        """``tmpdir`` if it is an agent's TMPDIR in one of this daemon's homes of ``profile``
+        (``<homes>/<project>/tmp/<name>``, the home marked as one), else None: what a store row
+        names is removed only there."""
+        if not tmpdir:
+            return None
+        path, homes = Path(tmpdir), agent_homes(self._settings, profile)
+        home = path.parent.parent
+        if home.parent != homes or path.parent.name != "tmp" or path.name in ("", ".", ".."):
+            return None
+        return path if is_ready(homes, home) else None
 
     async def _spawn_relayed(
         self, profile: AgentProfile, argv: list[str], cwd: str, ready: Prepared, owner: tuple[str, int] | None
@@ -498,7 +519,7 @@ class AgentLauncher:
         watch = child.limit_reached if isinstance(child, LimitWatch) else None  # a container's limits
         process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, self._settings.agent_stop_grace,
                                on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
-                               place=child.place, limit_reached=watch)  # fmt: skip
+                               place=child.place, limit_reached=watch, tmpdir=ready.tmpdir)  # fmt: skip
         place = child.place
         log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement=profile.placement,
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,

@@ -139,11 +139,12 @@ def remove_tmpdir(home: Path, tmpdir: Path) -> None:
         log.warning("agent_tmpdir_not_removed", tmpdir=str(tmpdir), error=str(exc))
 
 
-def sweep_tmpdirs(homes: list[Path]) -> int:
+def sweep_tmpdirs(homes: list[Path], kept: frozenset[str] = frozenset()) -> int:
     """At the daemon's start, before any agent: the agents' TMPDIRs a killed daemon left in each
     home's ``tmp`` removed; how many went. Only a folder marked as a home (``homes.is_ready``) is
     one: an old shared home (``<homes>/.gemini``, say, before it is set aside) is not, and its
-    ``tmp`` (Gemini's saved chats) is never touched."""
+    ``tmp`` (Gemini's saved chats) is never touched. Those ``kept`` (by path) are a relayed
+    agent's that still runs a turn the daemon takes up: its end removes them."""
     swept = 0
     for profile_homes in homes:
         if not profile_homes.is_dir():
@@ -154,6 +155,8 @@ def sweep_tmpdirs(homes: list[Path]) -> int:
                 if name.startswith("@") or not is_ready(profile_homes, home):
                     continue
                 for entry in safe_fs.listdir(home, home / "tmp"):
+                    if str(home / "tmp" / entry) in kept:
+                        continue
                     remove_tmpdir(home, home / "tmp" / entry)
                     swept += 1
             except (OSError, UnsafePath) as exc:

@@ -305,9 +305,22 @@ async def _end_session(relay: _Relay, start: RelayedStart) -> None:
         log.info("relay_spawn_not_undone", agent=start.name, state_dir=str(relay.folder), error=str(exc)[:300])
 
 
+# What a relay needs of the daemon's environment (docs/placement.md#warm-agents-and-keys): to find
+# its Python and its package (PATH, PYTHONPATH, VIRTUAL_ENV), git and the confine helper (PATH: git
+# itself runs on an environment of its own, rcoder.store.git_process.git_env), its home, locale,
+# time zone and temporary folder; and coverage's start variables, so a test run measures it too.
+# Nothing else: a model key the daemon holds, or its own secrets, never reach the relay's
+# /proc/<pid>/environ (each agent's environment is sent in its Spawn). Not its log format either:
+# the relay is given its own.
+RELAY_ENV = frozenset({
+    "PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+    "COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG",
+})  # fmt: skip
+
+
 def _relay_env() -> dict[str, str]:
-    """The daemon's environment, less what names its own log format (the relay is given its own)."""
-    return {k: v for k, v in os.environ.items() if k != "RCODER_LOG_FORMAT"}
+    """The part of the daemon's environment a relay starts with (``RELAY_ENV``, and ``LC_*``)."""
+    return {k: v for k, v in os.environ.items() if k in RELAY_ENV or k.startswith("LC_")}
 
 
 async def _answers(relay: _Relay, secret: str) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from rcoder.agent.processes.relayed import RelayedStart
-from rcoder.relay.host import HostRelays
+from rcoder.relay.host import RELAY_ENV, HostRelays
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
@@ -111,6 +111,28 @@ async def test_a_relayed_agents_crash_is_told_as_a_local_agents(
     # its exit code and the end of its stderr, from the relay's exit message
     assert "fake agent crashing" in relayed.error and "fake agent crashing" in local.error
     assert relayed.error.replace("relayed", "fake") == local.error, (relayed.error, local.error)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(entry.decode().partition("=")[::2] for entry in raw.split(b"\0") if entry)
+
+
+async def test_a_relay_starts_with_the_daemons_path_and_locale_and_never_its_model_key(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    env = {"ANTHROPIC_API_KEY": "sk-ant-daemons-own", "RCODER_TEST_SECRET": "s3cret", "LC_MESSAGES": "C"}
+    _, client = await make_daemon(profiles(fake), env=env)
+    assert completed(await client.chat(prompt="remember 5", agent="relayed")).stop_reason == pb.STOP_REASON_END_TURN
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+
+    environ = environ_of(pid)
+    assert "ANTHROPIC_API_KEY" not in environ and "RCODER_TEST_SECRET" not in environ, sorted(environ)
+    assert "RCODER_LOG_FORMAT" not in environ, "the relay is given its own log format"
+    assert environ["LC_MESSAGES"] == "C" and environ["PATH"] == os.environ["PATH"]
+    assert set(environ) <= RELAY_ENV | {"LC_MESSAGES"}, sorted(environ)
 
 
 async def test_a_relay_found_alive_in_the_projects_folder_is_used_as_it_is(

@@ -9,8 +9,10 @@ path (``relays_ended``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +33,9 @@ PROMPT = f"stream {CHUNKS} pace 40"
 WHOLE = "".join(f"c{i} " for i in range(CHUNKS)) + "I remember nothing."
 
 
-async def seen_until(client: Client, session_id: str) -> tuple[str, list[pb.ChatStream]]:
+async def seen_until(client: Client, session_id: str, prompt: str = PROMPT) -> tuple[str, list[pb.ChatStream]]:
     """A turn's Chat read until its SEEN-th chunk; its run id and what it saw."""
-    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=PROMPT))
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt))
     seen: list[pb.ChatStream] = []
     async with asyncio.timeout(20):
         while f"c{SEEN - 1} " not in text_of(seen):
@@ -200,3 +202,106 @@ async def test_a_turn_that_cannot_be_taken_up_has_its_agent_and_relay_ended(
     await eventually(lambda: not alive(agent) and not alive(relay))
     rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
     assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
+
+
+async def test_a_deaf_agent_taken_up_is_ended_at_a_cancel_and_its_turn_stored_cancelled_on_postgres(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int], pg_url: str
+) -> None:
+    # restarted as the same host; the agent ignores session/cancel: the cancel ends its group after
+    # cancel_grace, and the turn's end is stored under the session's lease, let go of only once the
+    # end is written
+    daemon, client = await make_daemon(profiles(fake), store_url=pg_url, host_id="h", cancel_grace=0.5)
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    run_id, seen = await seen_until(client, session_id, f"stream {SEEN + 2} deaf")
+    await daemon.kill()
+
+    second, client = await make_daemon(profiles(fake), store_url=pg_url, host_id="h", cancel_grace=0.5)
+    assert (await client.stub.Cancel(pb.CancelRequest(run_id=run_id))).cancelled
+    async with asyncio.timeout(30):  # the prompt awaited fails as the agent is ended (it hung there before)
+        rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_CANCELLED
+    await eventually(lambda: not alive(agent))
+    assert not second.logs("reattached_run_end_not_stored")
+    runs = (await client.stub.ListRuns(pb.ListRunsRequest(session_id=session_id))).runs
+    stored = next(run for run in runs if run.run_id == run_id)
+    assert (stored.status, stored.stop_reason) == (pb.RUN_STATUS_COMPLETED, pb.STOP_REASON_CANCELLED), stored
+    again = await client.chat(prompt="what number?", session_id=session_id)
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+
+
+async def test_a_clean_stop_of_the_daemon_that_took_a_turn_up_ends_it_cancelled_as_a_local_turn(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    # a clean stop ends a taken-up turn as it ends any running turn: its grace, then a cancel, the
+    # end stored (CANCELLED), never the run left running for a next start to mark interrupted
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    run_id, _ = await seen_until(client, session_id, "stream 400 pace 40")  # 16 s: it outlasts the stop
+    await daemon.kill()
+
+    second, client = await make_daemon(profiles(fake), shutdown_grace=0.5, cancel_grace=1)
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    assert await second.stop() == 0
+    ended = [row for row in second.logs("run_completed") if row.get("run_id") == run_id]
+    assert [row["stop_reason"] for row in ended] == ["cancelled"], ended
+    assert len(fake.requests("session/cancel")) == 1
+    with contextlib.closing(sqlite3.connect(tmp_path / "data" / "rcoder.db")) as db:
+        stored = db.execute("SELECT status, stop_reason FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    assert stored == ("completed", "cancelled")
+    await eventually(lambda: not alive(agent) and not alive(relay))
+
+
+async def test_a_second_signal_records_a_taken_up_turn_interrupted(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    # the agent ignores the stop's cancel; a second signal cuts the wait: the turn is recorded
+    # interrupted (rcoder stopped it), as a local turn is, never left running
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    run_id, _ = await seen_until(client, session_id, f"stream {SEEN + 2} deaf")
+    await daemon.kill()
+
+    second, _ = await make_daemon(profiles(fake), shutdown_grace=0.5, cancel_grace=60)
+    assert second.proc is not None
+    second.proc.send_signal(signal.SIGTERM)
+    await second.wait_log("shutdown_cancelling_turns")
+    second.proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(30):
+        await second.proc.wait()
+    with contextlib.closing(sqlite3.connect(tmp_path / "data" / "rcoder.db")) as db:
+        stored = db.execute("SELECT status, stop_reason FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    assert stored == ("interrupted", "cancelled")
+
+
+async def test_a_taken_up_agents_tmpdir_is_kept_while_it_runs_and_removed_at_its_end(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    daemon, client = await make_daemon(profiles(fake))
+    session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
+    relay = relay_pid(tmp_path / "data")
+    assert relay is not None
+    relays_ended.append(relay)
+    tmp = tmp_path / "data" / "agents" / "relayed" / "proj" / "tmp"
+    [tmpdir] = list(tmp.iterdir())  # the agent's own TMPDIR, its first daemon's making
+    run_id, _ = await seen_until(client, session_id)
+    await daemon.kill()
+
+    second, client = await make_daemon(profiles(fake))
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    assert tmpdir.is_dir(), "the start's sweep spares the TMPDIR of an agent whose turn it takes up"
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert tmpdir.is_dir(), "the agent lives on, idle"
+    assert (await client.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))).agent_stopped
+    await eventually(lambda: not tmpdir.exists())

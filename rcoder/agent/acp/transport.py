@@ -224,6 +224,11 @@ class PipeTransport:
     async def close(self) -> None:
         # the pipes belong to the AgentProcess, which closes them when it ends the agent
         self._closed = True
+        # nobody reads on once the SDK's connection is closed: an answer still awaited never comes
+        # (a re-attached turn's prompt, its agent ended at a cancel: docs/relay.md#re-attach)
+        for awaited in self._awaited.values():
+            if not awaited.done():
+                awaited.set_exception(ConnectionError("agent connection closed"))
 
     # ------------------------------------------------------------ reading
 

@@ -213,9 +213,13 @@ class AgentProcess:
         on_closed: Callable[[], None] | None = None,
         place: RelayPlace | None = None,
         limit_reached: Callable[[], str] | None = None,
+        tmpdir: Path | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._child = child
+        # its own TMPDIR (``on_closed`` removes it), named for a relayed agent's turn so that the
+        # daemon that takes the turn up removes it at its end (docs/relay.md#re-attach)
+        self.tmpdir = tmpdir
         # where it runs when a relay runs it (docs/placement.md#what-a-platform-sees); None: a child of ours
         self.place = place
         self._exited = child.exited

@@ -356,8 +356,10 @@ class LiveSessions:
             self._tidy(owner)
 
     def running(self) -> list[str]:
-        """Every claimed turn, whatever its phase."""
-        return [owner.turn.run.run_id for owner in self._owners.values() if owner.turn is not None]
+        """Every claimed turn, whatever its phase, and every turn taken up from a killed daemon
+        (what a clean stop cancels once its grace is over)."""
+        claimed = [owner.turn.run.run_id for owner in self._owners.values() if owner.turn is not None]
+        return claimed + [owner.taken_up[0] for owner in self._owners.values() if owner.taken_up is not None]
 
     def busy_here(self, project_id: str, besides: str = "") -> str | None:
         """What holds a session of the project on this host, by its run id: a claimed turn, in

@@ -54,7 +54,7 @@ from rcoder.domain import (
     TextChunk,
     TranscriptEntry,
 )
-from rcoder.errors import AgentError, RcoderError, StoreError
+from rcoder.errors import AgentError, RcoderError, ShuttingDown, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs.history import History
 from rcoder.session.runs.run import Run, RunLimits, RunRegistry, guarded
@@ -119,6 +119,8 @@ def relayed_turn(
         "permission_mode": permission_mode.value,
         "resume": resume.value,
         "prompt": prompt[:MAX_TRANSCRIPT_TEXT],
+        # its own TMPDIR: spared by the next start's sweep, removed at its end by whoever takes it up
+        "tmpdir": str(conn.process.tmpdir or ""),
     }
     return RelayedTurn(run_id, session_id, place.state_dir, place.agent_id, prompt_id, frames.base, json.dumps(agent))
 
@@ -147,6 +149,16 @@ class ReattachedTurns:
         self._history = history
         self._permissions = permissions
         self._clock = clock
+
+    async def kept_tmpdirs(self) -> frozenset[str]:
+        """The TMPDIRs of the relayed agents whose turns the store has running (``recover`` takes
+        them up): what the start's sweep leaves (read before it)."""
+        kept = set()
+        for turn in await self._store.relayed_turns():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                if tmpdir := json.loads(turn.agent).get("tmpdir"):
+                    kept.add(str(tmpdir))
+        return frozenset(kept)
 
     async def recover(self, relays: Sequence[Relays]) -> tuple[int, int]:
         """Take up every relayed turn the store has running; the agents of the relays found (of
@@ -228,7 +240,8 @@ class ReattachedTurns:
         found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation)
         try:
             conn = await self._launcher.reattach(profile, found, capabilities, state["provider_session_id"],
-                                                 request_offset=turn.prompt_id + 1)  # fmt: skip
+                                                 request_offset=turn.prompt_id + 1,
+                                                 tmpdir=str(state.get("tmpdir") or ""))  # fmt: skip
         except BaseException:
             self._live.let_go_lease(turn.session_id, lease)
             raise
@@ -282,7 +295,10 @@ class ReattachedTurns:
             await asyncio.wait_for(taken.answered.wait(), self._settings.cancel_grace)
             return
         log.warning("reattached_turn_not_stopped", session_id=taken.session_id, grace=self._settings.cancel_grace)
-        await self._pool.close(taken.session_id)  # its whole group ended: the prompt fails, the turn ends
+        # Its whole group ended: the prompt fails, the turn ends. The agent alone, as the runner ends a
+        # local one: its slot stays the session's until ``_drive`` has stored the end and releases it
+        # (closing the slot would let go of the session's lease first, and the end be refused).
+        await taken.conn.aclose()
 
     async def _drive(
         self,
@@ -309,17 +325,22 @@ class ReattachedTurns:
         rules = profile.permission_rules if profile is not None else ()
         decider = self._permissions.decider(run.run_id, PermissionMode(state["permission_mode"]), rules)
         status, stop, error, reason = RunStatus.COMPLETED, StopReason.END_TURN, "", ""
+        stopping = False
         try:
             stop = await conn.resume_prompt(turn.prompt_id, on_event, decider, self._settings.turn_timeout or None,
                                             run.room)  # fmt: skip
         except AgentError as exc:
             status, stop, error, reason = RunStatus.FAILED, StopReason.ERROR, exc.summary, exc.reason
-        except asyncio.CancelledError:  # rcoder is stopping: the run ends interrupted at its next start
-            frames.close()
-            raise
+        except asyncio.CancelledError:
+            # rcoder is stopping past its waits (a clean stop's cancel came and went, or a second
+            # signal): the turn ends as the runner ends a local one then (machine.py, Stopping), its
+            # end stored below and the cancel going on after it
+            stopping = True
+            status, stop, error, reason = (RunStatus.INTERRUPTED, StopReason.CANCELLED,
+                                           "rcoder stopped while the turn ran", ShuttingDown.reason)  # fmt: skip
         finally:
             taken.over()
-        if taken.cancelled:  # every cancel taken ends the turn so, whatever the agent answered
+        if taken.cancelled and not stopping:  # every cancel taken ends the turn so, whatever the agent answered
             cause = taken.cause
             status, stop = RunStatus.COMPLETED, cause.stop if cause is not None else StopReason.CANCELLED
             error, reason = (cause.error, cause.error_reason) if cause is not None else ("", "")
@@ -329,13 +350,14 @@ class ReattachedTurns:
         answer = "".join(texts)[:MAX_TRANSCRIPT_TEXT]
         transcript = TranscriptEntry(session_id=turn.session_id, run_id=run.run_id, turn=0, prompt=state["prompt"],
                                      response=answer, created_at=self._clock())  # fmt: skip
-        ended = RunEnd(status, stop, error, self._clock(), transcript, conn.turn_usage, reason)
+        kept = transcript if not stopping else None  # as the runner keeps none of a turn rcoder stopped
+        ended = RunEnd(status, stop, error, self._clock(), kept, conn.turn_usage, reason)
 
         async def finish(rows: Sequence[EventRow]) -> None:
             await self._store.finish_run(run.run_id, ended, lease, rows)
 
         try:
-            await self._history.end_with(run, end, finish)
+            await asyncio.shield(self._history.end_with(run, end, finish))
         except (RcoderError, StoreError) as exc:
             log.error("reattached_run_end_not_stored", run_id=run.run_id, error=str(exc))  # noqa: TRY400
             await asyncio.shield(self._history.store_end(run, end))
@@ -348,3 +370,5 @@ class ReattachedTurns:
             run.publish_end(end)
             log.info("run_completed", run_id=run.run_id, stop_reason=stop.value, error=error[:500] or None,
                      reattached=True)  # fmt: skip
+        if stopping:
+            raise asyncio.CancelledError()

@@ -57,9 +57,8 @@ from rcoder.relay.containers import (
     RelayLaunch,
     oom_kills,
 )
+from rcoder.relay.endpoint import SECRET_FILE, SOCKET_FILE
 from rcoder.relay.engine_api import Engine
-from rcoder.relay.secret import SECRET_FILE
-from rcoder.relay.serve import SOCKET_FILE
 
 log = get_logger("rcoder.relay.container_host")
 

@@ -60,9 +60,8 @@ from rcoder.relay.containers import (
     RelayLaunch,
     oom_kills,
 )
+from rcoder.relay.endpoint import SECRET_FILE, SOCKET_FILE
 from rcoder.relay.engine_api import Engine
-from rcoder.relay.secret import SECRET_FILE
-from rcoder.relay.serve import SOCKET_FILE
 from rcoder.relay.v1 import relay_pb2 as pb
 
 log = get_logger("rcoder.relay.container_host")

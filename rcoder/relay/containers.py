@@ -33,9 +33,8 @@ import grpc
 from rcoder import errors
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Values, human
 from rcoder.logs import get_logger
+from rcoder.relay.endpoint import SECRET_FILE, SOCKET_FILE
 from rcoder.relay.engine_api import Engine
-from rcoder.relay.secret import SECRET_FILE
-from rcoder.relay.serve import SOCKET_FILE
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 

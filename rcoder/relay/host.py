@@ -34,8 +34,7 @@ from rcoder.data_lock import LOCK_FILE
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 from rcoder.relay.attached import AttachedAgent
-from rcoder.relay.secret import SECRET_FILE
-from rcoder.relay.serve import MAX_MESSAGE_BYTES, SOCKET_FILE
+from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SECRET_FILE, SOCKET_FILE
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 

@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 
 from rcoder import errors
+from rcoder.relay.endpoint import SECRET_FILE
 from rcoder.relay.service import abort
 
-SECRET_FILE = "secret"  # noqa: S105 - the file's name, not a secret
 _MIN_SECRET = 16
 
 

@@ -30,6 +30,7 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
 from rcoder.relay.agents import Agents
+from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SOCKET_FILE
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
@@ -39,10 +40,8 @@ from rcoder.store.git_jail import GIT_SYSTEM, GitJail
 
 log = get_logger("rcoder.relay")
 
-SOCKET_FILE = "relay.sock"
 PID_DIR = "agent-pids"  # each agent's group and this run's mark, for the next start's sweep
 DEFAULT_BUFFER_BYTES = 16 << 20
-MAX_MESSAGE_BYTES = 8 << 20  # a stdin frame or a stdout frame (at most 1 MiB) with room to spare
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from rcoder.domain import FileChange
 from rcoder.logs import get_logger
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
-from rcoder.relay.workspace_service import change_message, change_of
+from rcoder.relay.workspace_changes import change_message, change_of
 from rcoder.store.checkpoint_repo import GcPass
 from rcoder.store.git_process import GIT_TIMEOUT, GitResult
 from rcoder.store.unstored import Bounds

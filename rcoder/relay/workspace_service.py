@@ -36,11 +36,11 @@ from rcoder.agent.files.disk import ABSENT, CHUNK_BYTES, ProjectDisk, WriteHead
 from rcoder.agent.files.ownership import give_back
 from rcoder.agent.files.threads import FileThreads
 from rcoder.agent.files.upload_journal import UploadJournal
-from rcoder.domain import ChangeKind, FileChange, NotStored
 from rcoder.logs import get_logger
 from rcoder.relay.service import abort
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
+from rcoder.relay.workspace_changes import change_message, change_of
 from rcoder.store.checkpoint_repo import CheckpointRepo, store_bytes
 from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard
@@ -136,22 +136,6 @@ class CheckpointStores:
 
     def forget(self, project_id: str) -> CheckpointRepo | None:
         return self._repos.pop(project_id, None)
-
-
-def change_message(change: FileChange) -> pb.FileChange:
-    return pb.FileChange(path=change.path, kind=change.kind.value, old_path=change.old_path,
-                         lines_added=change.lines_added, lines_removed=change.lines_removed, binary=change.binary,
-                         size=change.size, not_stored=change.not_stored.value if change.not_stored else "")  # fmt: skip
-
-
-def change_of(message: pb.FileChange) -> FileChange:
-    try:
-        kind = ChangeKind(message.kind)
-        not_stored = NotStored(message.not_stored) if message.not_stored else None
-    except ValueError:
-        raise errors.InvalidArgument("changes", f"{message.kind!r} / {message.not_stored!r}: no such kind") from None
-    return FileChange(message.path, kind, message.old_path, message.lines_added, message.lines_removed,
-                      message.binary, message.size, not_stored)  # fmt: skip
 
 
 def parts_of(path: list[str] | Any) -> tuple[str, ...]:

@@ -60,7 +60,7 @@ from rcoder.domain import (
     RunStatus,
     StopReason,
 )
-from rcoder.errors import NotFound, OutOfRange, StoreError
+from rcoder.errors import LeaseLost, NotFound, OutOfRange, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs import event_codec
 from rcoder.session.runs.run import Run, RunRegistry
@@ -138,6 +138,7 @@ class History:
         self._failing = False  # the last batch was refused (logged once until one lands)
         self._ends: set[asyncio.Task[None]] = set()  # ends of runs being stored (``store_end``)
         self._hurry = asyncio.Event()  # a run is half a buffer behind: flush now (``hurry``)
+        self._detached: set[str] = set()  # runs left to the next daemon: nothing more of them is stored here
 
     # ------------------------------------------------------------ writing
 
@@ -172,6 +173,22 @@ class History:
                 batches = [batch for entry in list(self._tracked.values()) if (batch := self._take(entry, None))]
                 await self._write(batches)
 
+    async def detach(self, run: Run) -> None:
+        """rcoder stops and leaves ``run`` (a relayed turn) to the next daemon (docs/relay.md#re-attach):
+        what is sealed of it is stored now, with the frame it reaches, and nothing more of it
+        afterwards (its end included: ``end_with`` refuses it, ``LeaseLost``, as a lost lease's).
+        The next daemon reads the agent's frames on from there."""
+        async with self._lock:
+            entry = self._tracked.pop(run.run_id, None)
+            self._detached.add(run.run_id)
+            batch = self._take(entry, None) if entry is not None else None
+            if batch is None:
+                return
+            try:
+                await self._store_batches([batch])
+            except StoreError as exc:  # the store has what it had: the next daemon reads on from there
+                log.warning("history_not_stored_at_detach", run_id=run.run_id, error=exc.message)
+
     async def end_with(
         self, run: Run, completed: RunEvent, finish: Callable[[Sequence[EventRow]], Awaitable[None]]
     ) -> None:
@@ -180,6 +197,8 @@ class History:
         longer tracked afterwards. What ``finish`` raises is raised, and the run stays tracked:
         ``store_end`` then stores its history on its own."""
         async with self._lock:
+            if run.run_id in self._detached:
+                raise LeaseLost(run.session_id, 0)  # this daemon let go of the turn: the next one ends it
             entry = self._tracked.get(run.run_id)
             batch = self._take(entry, completed) if entry is not None else None
             await finish(batch.rows if batch is not None else ())

@@ -158,6 +158,7 @@ class AgentConnection:
         if self._relayed is None:
             return False
         self._relayed.detach()
+        self.process.detach()
         return True
 
     def turn_frames(self) -> TurnFrames | None:

@@ -318,7 +318,9 @@ class TurnIntake:
                 continue
             if not self._pool.detach(turn.session_id):  # its agent is not here (any more): nothing to leave
                 continue
-            await self.history.detach(run)  # after the stream's close: no frame comes in meanwhile
+            # after the stream's close: no frame comes in meanwhile
+            if not await self.history.detach(run):  # its end was stored first: it ends here as any turn
+                continue
             run.detach(TurnContinuesElsewhere(run_id, run.stored_seq or 0))
             self._live.stop_turn_task(run_id)
             folders.add(turn.relay)

@@ -438,7 +438,8 @@ class Daemon:
     async def stop(self, force: asyncio.Event | None = None) -> None:
         """Shut down in phases, each bounded; ``force`` (a second signal) skips to the end.
 
-        Not serving, new turns refused → running turns get ``shutdown_grace`` →
+        Not serving, new turns refused → the turns on relayed agents left running in their relays
+        (``TurnIntake.detach_relayed``) → the other running turns get ``shutdown_grace`` →
         the rest are cancelled → every agent group and tree ended, then whatever is still below
         the daemon → server stopped → store closed.
         """

@@ -352,7 +352,7 @@ class SettingsKeys(_Schema):
     idle_timeout: Seconds = 600.0
     """seconds an idle live agent is kept"""
     shutdown_grace: Seconds = 30.0
-    """seconds running turns get to end on SIGTERM before their agents are ended"""
+    """seconds running turns get to end on SIGTERM before their agents are ended (relayed: left running)"""
     initialize_timeout: Seconds = 30.0
     """seconds for the agent to answer initialize"""
     session_open_timeout: Seconds = 60.0

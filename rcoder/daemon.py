@@ -438,7 +438,8 @@ class Daemon:
     async def stop(self, force: asyncio.Event | None = None) -> None:
         """Shut down in phases, each bounded; ``force`` (a second signal) skips to the end.
 
-        Not serving, new turns refused → running turns get ``shutdown_grace`` →
+        Not serving, new turns refused → the turns on relayed agents left running in their relays
+        (``TurnIntake.detach_relayed``) → the other running turns get ``shutdown_grace`` →
         the rest are cancelled → every agent group and tree ended, then whatever is still below
         the daemon → server stopped → store closed.
         """
@@ -453,6 +454,9 @@ class Daemon:
         if self._takeovers is not None:  # no turn is taken over while they end
             self._takeovers.cancel()
             await asyncio.gather(self._takeovers, return_exceptions=True)
+        # the turns on relayed agents are left running in their relays for the next daemon, not
+        # waited for (docs/relay.md#re-attach); the rest drain
+        detached = await self.intake.detach_relayed()
         drain = asyncio.create_task(self.intake.drain(self.settings.shutdown_grace, self.settings.cancel_grace))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
@@ -469,9 +473,10 @@ class Daemon:
             self._checkpoint_sweep.cancel()
             await asyncio.gather(self._checkpoint_sweep, return_exceptions=True)
         await self.intake.aclose()
-        await self.relays.aclose()  # every agent is closed: the relays go, before the rest below the daemon
-        await self.containers.aclose()
-        self.launcher.end_leftovers()  # every agent is closed: what is still below the daemon goes
+        # every agent is closed or left: the relays go (but those of the turns left), before the rest below the daemon
+        kept = await self.relays.aclose(keep=detached)
+        kept |= await self.containers.aclose(keep=detached)
+        self.launcher.end_leftovers(spare=kept)  # every agent is closed: what is still below the daemon goes
         if self.signals is not None:  # no turn runs any more: nothing to apply a signal to
             await self.signals.aclose()
         await self.checkpoint_sharing.aclose()

@@ -245,6 +245,22 @@ class ShuttingDown(RcoderError):
         super().__init__("rcoder is shutting down; retry against another instance or after restart")
 
 
+class TurnContinuesElsewhere(RcoderError):
+    """rcoder is stopping and left a relayed turn running in its relay (docs/relay.md#re-attach):
+    the stream that follows it here ends; the next daemon takes the turn up, and a client
+    subscribes there from the last seq it saw."""
+
+    reason = "TURN_CONTINUES_ELSEWHERE"
+
+    def __init__(self, run_id: str, last_seq: int) -> None:
+        super().__init__(
+            f"rcoder is stopping; the turn goes on: Subscribe(run_id={run_id}, after_seq={last_seq}) on the "
+            "next daemon (after_seq: the last seq you saw, if lower)",
+            run_id=run_id,
+            last_seq=str(last_seq),
+        )
+
+
 class StoreError(RcoderError):
     """The store could not do what was asked: unavailable, closed, or it refused the write.
     ``closed``: it is closed for good (rcoder is stopping), so trying again is pointless."""

@@ -152,6 +152,15 @@ class AgentConnection:
         """Where the relay that runs the agent is (None: a local agent)."""
         return self._relayed.place if self._relayed is not None else None
 
+    def detach(self) -> bool:
+        """rcoder stops and leaves a relayed agent running for the next daemon: its stream closed,
+        nothing more sent to it (docs/relay.md#re-attach). False for a local agent."""
+        if self._relayed is None:
+            return False
+        self._relayed.detach()
+        self.process.detach()
+        return True
+
     def turn_frames(self) -> TurnFrames | None:
         """For a turn whose events are stored from a relayed agent's frames: the frames held
         until stored (None: a local agent, nothing to hold)."""

@@ -171,10 +171,11 @@ class AgentLauncher:
             record_instance(self.pid_dir, self.trees.instance)
             self._instance_recorded = True
 
-    def end_leftovers(self) -> int:
+    def end_leftovers(self, spare: frozenset[int] = frozenset()) -> int:
         """End whatever is still below the daemon once every agent is closed (its stop): orphans
-        that lost their agent's mark; how many processes."""
-        ended = self.trees.end_all()
+        that lost their agent's mark; how many processes. The relays of ``spare`` (pids) and
+        their agents go on: they run turns left to the next daemon (docs/relay.md#re-attach)."""
+        ended = self.trees.end_all(spare)
         if self.limits is not None:  # an agent cgroup whose removal was still being retried, then the subtree
             self.limits.sweep()
             self.limits.close()

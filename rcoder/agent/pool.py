@@ -275,6 +275,17 @@ class AgentPool:
             log.warning("agent_ended_lease_lost", session_id=session_id)
             self._remove(slot)
 
+    def detach(self, session_id: str) -> bool:
+        """rcoder stops and leaves the session's relayed agent running for the next daemon
+        (docs/relay.md#re-attach): its slot let go of (the session's lease with it), the agent
+        not ended. False when the session has no relayed agent here."""
+        slot = self._live.get(session_id)
+        if slot is None or slot.connection is None or not slot.connection.detach():
+            return False
+        slot.connection = None  # not ended with the slot
+        self._remove(slot)
+        return True
+
     def remember(self, record: SessionRecord) -> None:
         """The live session's record, as a turn just stored it."""
         slot = self._live.get(record.session_id)

@@ -49,6 +49,7 @@ STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
     (errors.AgentLimitReached, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (errors.TurnContinuesElsewhere, grpc.StatusCode.UNAVAILABLE),
     (errors.StoreError, grpc.StatusCode.UNAVAILABLE),
     (errors.RunCancelled, grpc.StatusCode.CANCELLED),
     (errors.AgentAuthRequired, grpc.StatusCode.FAILED_PRECONDITION),

@@ -84,6 +84,7 @@ class AttachedAgent:
         self._call: Any = None  # the Attach stream now open, while it is
         self._write_lock = asyncio.Lock()  # one writer on the stream at a time, stdin frames in order
         self._let_go = False
+        self._detached = False  # left running to the next daemon (``detach``): nothing more sent
         self._tasks: set[asyncio.Task[Any]] = set()
         # set by ``open``
         self.stdin: asyncio.StreamWriter
@@ -135,7 +136,7 @@ class AttachedAgent:
     def signal_group(self, sig: signal.Signals) -> None:
         """The signal to the agent's whole group, by the relay (sent in the background: the caller
         waits for the exit, bounded, as it does for a local agent)."""
-        if self._returncode is None:
+        if self._returncode is None and not self._detached:
             self._spawn(self._signal(sig), f"relayed-signal-{self.pid}")
 
     def let_go(self) -> None:
@@ -151,6 +152,17 @@ class AttachedAgent:
 
     def pipe_inodes(self) -> set[int]:
         return set()  # the agent's own pipes are the relay's, on its side
+
+    def detach(self) -> None:
+        """rcoder stops and leaves the agent running in its relay for the next daemon
+        (docs/relay.md#re-attach): the stream closed, acknowledging nothing more (the relay keeps
+        every frame past what was acknowledged, which the store has), no signal and no stdin sent
+        from now on. The exit never comes: nothing here waits for it any more."""
+        self._detached = True
+        self._follower.cancel()  # its end cancels the call
+        self._feeder.cancel()
+        for task in list(self._tasks):
+            task.cancel()
 
     # ------------------------------------------------------------ frames and their acknowledgement
 
@@ -180,7 +192,7 @@ class AttachedAgent:
 
     def _ack_soon(self) -> None:
         call = self._call
-        if call is not None and self._ackable() > self._acked and not self.exited.done():
+        if call is not None and self._ackable() > self._acked and not self.exited.done() and not self._detached:
             self._spawn(self._ack(call), f"relayed-ack-{self.pid}")
 
     def _ackable(self) -> int:
@@ -287,7 +299,7 @@ class AttachedAgent:
 
     async def _ack(self, call: Any) -> None:
         seq = self._ackable()
-        if seq > self._acked:
+        if seq > self._acked and not self._detached:
             self._acked = seq
             async with self._write_lock:
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
@@ -311,7 +323,7 @@ class AttachedAgent:
     async def _send(self, request: pb.AttachRequest) -> None:
         """On the stream open now (the write lock held); with none, or a broken one, the next
         attach sends it again."""
-        if self._call is None:
+        if self._call is None or self._detached:
             return
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
             await self._call.write(request)

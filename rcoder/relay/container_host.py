@@ -304,11 +304,19 @@ class ContainerHostRelays:
                 with contextlib.suppress(OSError):
                     (folder / name).unlink()
 
-    async def aclose(self) -> None:
+    async def aclose(self, keep: frozenset[str] = frozenset()) -> frozenset[int]:
         """At the daemon's stop, once its agents are closed: every container it started, stopped and
-        removed."""
+        removed, but those whose relay folder is in ``keep`` (they run turns left to the next
+        daemon, docs/relay.md#re-attach): only our channel to them closed."""
         running, self._running = list(self._running.values()), {}
-        await asyncio.gather(*(self._remove(r, why="daemon stopping") for r in running))
+        kept = [r for r in running if str(r.relay.folder) in keep]
+        for each in kept:
+            await each.relay.channel.close()
+            os.close(each.init_fd)
+            log.info("relay_container_kept", container_id=each.container.container_id[:12],
+                     why="it runs a turn left to the next daemon")  # fmt: skip
+        await asyncio.gather(*(self._remove(r, why="daemon stopping") for r in running if r not in kept))
+        return frozenset()  # a container's relay is the engine's child, not the daemon's
 
     async def _remove(self, running: _Running, why: str) -> None:
         await running.relay.channel.close()
@@ -383,6 +391,9 @@ class _Watched:
 
     def limit_reached(self) -> str:
         return self._reached
+
+    def detach(self) -> None:
+        self._child.detach()
 
     # the frames its stdout came in: its relay's (docs/relay.md#re-attach)
     def frame_at(self, position: int) -> int:

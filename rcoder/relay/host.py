@@ -251,14 +251,21 @@ class HostRelays:
             self._relays[key] = relay
             return relay
 
-    async def aclose(self) -> None:
-        """Every relay this daemon used, stopped, and its channel closed."""
+    async def aclose(self, keep: frozenset[str] = frozenset()) -> frozenset[int]:
+        """Every relay this daemon used, stopped, and its channel closed; those of the folders in
+        ``keep`` run turns left to the next daemon (docs/relay.md#re-attach): only the channel closed."""
         relays, self._relays = list(self._relays.values()), {}
-        await asyncio.gather(*(_stop(r.folder, r.pid) for r in relays))
+        for relay in relays:
+            if str(relay.folder) in keep:
+                log.info("relay_kept", state_dir=str(relay.folder), pid=relay.pid,
+                         why="it runs a turn left to the next daemon")  # fmt: skip
+        await asyncio.gather(*(_stop(r.folder, r.pid) for r in relays if str(r.folder) not in keep))
+        kept = frozenset(r.pid for r in relays if str(r.folder) in keep)
         for relay in relays:
             await relay.channel.close()
             if relay.process is not None:
                 relay.process.poll()  # reaped (by the daemon's reaper, or now): nothing left to wait for
+        return kept
 
 
 def _spec(start: RelayedStart) -> pb.StartSpec:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, started, text_of
 from tests.image.podman import BUILD_TIMEOUT
 from tests.relay.placement_kit import environ
-from tests.relay.test_reattach import WHOLE, seen_until
+from tests.relay.test_reattach import LONG, LONG_WHOLE, WHOLE, left_running, seen_until
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
@@ -234,6 +235,48 @@ async def test_a_container_turn_streams_across_a_killed_daemon_and_the_next_one_
     assert (place.placement, place.container_id) == ("container", left["Id"])
 
     # the daemon's stop removes the container it took up
+    await second.stop()
+    assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+
+
+async def test_a_container_turn_is_left_running_by_a_clean_stop_and_the_next_daemon_takes_it_up(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """SIGTERM of the daemon mid-turn (docs/relay.md#re-attach): the container is kept, not
+    removed, its Chat stream ends UNAVAILABLE TURN_CONTINUES_ELSEWHERE, and the next daemon takes
+    the turn up: END_TURN, every chunk once; that daemon's stop, with no turn running, removes it."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container", memory_max="256MiB", pids_max=256)}
+    settings = settings_of(engine, image)
+    daemon, client = await make_daemon(profiles, shutdown_grace=60, **settings)
+    session_id = (await client.chat(prompt="hello", project_id="proj"))[0].session_id
+    (left,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=LONG))
+    seen: list[pb.ChatStream] = []
+    async with asyncio.timeout(60):
+        while "c9 " not in text_of(seen):
+            event = await call.read()
+            assert event is not grpc.aio.EOF
+            seen.append(event)
+    run_id = seen[0].run_id
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+    ended = await left_running(call, seen)
+    assert (ended.code(), error_info(ended).reason) == (grpc.StatusCode.UNAVAILABLE, "TURN_CONTINUES_ELSEWHERE")
+    async with asyncio.timeout(30):
+        assert await daemon.proc.wait() == 0
+    await daemon.stop()
+    assert [row["container_id"] for row in daemon.logs("relay_container_kept")] == [left["Id"][:12]]
+    assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [left["Id"]]
+
+    second, client = await make_daemon(profiles, **settings)
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    rest = []
+    async with asyncio.timeout(60):
+        async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq)):
+            rest.append(event)
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN, completed(rest).error
+    assert text_of(seen) + text_of(rest) == LONG_WHOLE, "every chunk once, in order"
     await second.stop()
     assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
 

@@ -233,55 +233,128 @@ async def test_a_deaf_agent_taken_up_is_ended_at_a_cancel_and_its_turn_stored_ca
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
 
 
-async def test_a_clean_stop_of_the_daemon_that_took_a_turn_up_ends_it_cancelled_as_a_local_turn(
+LONG_CHUNKS = 150
+# 150 chunks 40 ms apart (6 s): a turn that outlasts a daemon's stop and the next one's start
+LONG = f"stream {LONG_CHUNKS} pace 40"
+LONG_WHOLE = "".join(f"c{i} " for i in range(LONG_CHUNKS)) + "I remember nothing."
+
+
+def stored_run(data_dir: Path, run_id: str) -> tuple[str, str | None]:
+    with contextlib.closing(sqlite3.connect(data_dir / "rcoder.db")) as db:
+        row = db.execute("SELECT status, stop_reason FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return row[0], row[1]
+
+
+async def left_running(call: Any, seen: list[pb.ChatStream]) -> grpc.aio.AioRpcError:
+    """``call`` read to its end (into ``seen``): the error a daemon that left the turn ends it with."""
+    try:
+        async with asyncio.timeout(30):
+            while (event := await call.read()) is not grpc.aio.EOF:
+                seen.append(event)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError(f"the stream ended without an error: {text_of(seen)[-80:]!r}")
+
+
+async def test_a_clean_stop_leaves_a_relayed_turn_running_and_the_next_daemon_ends_it(
     make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
 ) -> None:
-    # a clean stop ends a taken-up turn as it ends any running turn: its grace, then a cancel, the
-    # end stored (CANCELLED), never the run left running for a next start to mark interrupted
-    daemon, client = await make_daemon(profiles(fake))
+    # SIGTERM mid-turn: the turn is neither waited for (shutdown_grace is longer than it) nor
+    # cancelled; its Chat stream ends UNAVAILABLE with where to follow it, and the next daemon on
+    # the data_dir takes it up: a Subscribe from the last seq seen gets the rest once, and END_TURN
+    data_dir = tmp_path / "data"
+    daemon, client = await make_daemon(profiles(fake), shutdown_grace=60)
     session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
-    relay = relay_pid(tmp_path / "data")
+    relay = relay_pid(data_dir)
     assert relay is not None
     relays_ended.append(relay)
     agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
-    run_id, _ = await seen_until(client, session_id, "stream 400 pace 40")  # 16 s: it outlasts the stop
-    await daemon.kill()
+    call = client.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=LONG))
+    seen: list[pb.ChatStream] = []
+    async with asyncio.timeout(20):
+        while f"c{SEEN - 1} " not in text_of(seen):
+            event = await call.read()
+            assert event is not grpc.aio.EOF
+            seen.append(event)
+    run_id = seen[0].run_id
 
-    second, client = await make_daemon(profiles(fake), shutdown_grace=0.5, cancel_grace=1)
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+    ended = await left_running(call, seen)
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+    info = error_info(ended)
+    assert info.reason == "TURN_CONTINUES_ELSEWHERE", info
+    last_seen = seen[-1].seq
+    assert info.metadata["run_id"] == run_id and int(info.metadata["last_seq"]) == last_seen, (info, last_seen)
+    assert "Subscribe" in ended.details() and "next daemon" in ended.details()
+    async with asyncio.timeout(15):  # not shutdown_grace: the turn is not waited for
+        assert await daemon.proc.wait() == 0
+    await daemon.stop()
+    assert [row["run_id"] for row in daemon.logs("relayed_turn_detached")] == [run_id]
+    assert not daemon.logs("stopping_now") and not daemon.logs("run_completed")[1:]
+    assert alive(relay) and alive(agent), "the relay and its agent go on"
+    assert stored_run(data_dir, run_id) == ("running", None)
+    assert not fake.requests("session/cancel")
+
+    second, client = await make_daemon(profiles(fake))
     assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
-    assert await second.stop() == 0
-    ended = [row for row in second.logs("run_completed") if row.get("run_id") == run_id]
-    assert [row["stop_reason"] for row in ended] == ["cancelled"], ended
-    assert len(fake.requests("session/cancel")) == 1
-    with contextlib.closing(sqlite3.connect(tmp_path / "data" / "rcoder.db")) as db:
-        stored = db.execute("SELECT status, stop_reason FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-    assert stored == ("completed", "cancelled")
-    await eventually(lambda: not alive(agent) and not alive(relay))
+    rest = []
+    async with asyncio.timeout(30):
+        async for event in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=last_seen)):
+            rest.append(event)
+    seqs = [event.seq for event in rest]
+    assert seqs == sorted(set(seqs)) and seqs[0] == last_seen + 1, seqs
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(seen) + text_of(rest) == LONG_WHOLE, "every chunk once, in order"
+    assert len(fake.requests("session/prompt")) == 2 and len(fake.requests("initialize")) == 1
+    assert stored_run(data_dir, run_id) == ("completed", "end_turn")
 
 
-async def test_a_second_signal_records_a_taken_up_turn_interrupted(
+async def test_a_taken_up_turn_is_left_running_again_by_a_clean_stop_even_at_a_second_signal(
     make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
 ) -> None:
-    # the agent ignores the stop's cancel; a second signal cuts the wait: the turn is recorded
-    # interrupted (rcoder stopped it), as a local turn is, never left running
+    # a daemon that took a turn up (after a kill) and is stopped, twice signalled, leaves it as a
+    # turn it started: the third daemon takes it up and it ends END_TURN, never cancelled or interrupted
+    data_dir = tmp_path / "data"
     daemon, client = await make_daemon(profiles(fake))
     session_id = (await client.chat(prompt="hello", agent="relayed"))[0].session_id
-    relay = relay_pid(tmp_path / "data")
+    relay = relay_pid(data_dir)
     assert relay is not None
     relays_ended.append(relay)
-    run_id, _ = await seen_until(client, session_id, f"stream {SEEN + 2} deaf")
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    run_id, seen = await seen_until(client, session_id, LONG)
     await daemon.kill()
 
-    second, _ = await make_daemon(profiles(fake), shutdown_grace=0.5, cancel_grace=60)
+    second, client = await make_daemon(profiles(fake), shutdown_grace=60, cancel_grace=60)
+    assert [row["run_id"] for row in second.logs("relayed_turn_reattached")] == [run_id]
+    call = client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))
+    async with asyncio.timeout(20):  # the taken-up turn streams here
+        while True:
+            event = await call.read()
+            assert event is not grpc.aio.EOF
+            seen.append(event)
+            if event.WhichOneof("event") == "agent_message":
+                break
     assert second.proc is not None
     second.proc.send_signal(signal.SIGTERM)
-    await second.wait_log("shutdown_cancelling_turns")
     second.proc.send_signal(signal.SIGTERM)
-    async with asyncio.timeout(30):
-        await second.proc.wait()
-    with contextlib.closing(sqlite3.connect(tmp_path / "data" / "rcoder.db")) as db:
-        stored = db.execute("SELECT status, stop_reason FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-    assert stored == ("interrupted", "cancelled")
+    ended = await left_running(call, seen)
+    assert (ended.code(), error_info(ended).reason) == (grpc.StatusCode.UNAVAILABLE, "TURN_CONTINUES_ELSEWHERE")
+    async with asyncio.timeout(15):
+        assert await second.stop() == 0
+    assert [row["run_id"] for row in second.logs("relayed_turn_detached")] == [run_id]
+    assert not [row for row in second.logs("run_completed") if row.get("run_id") == run_id]
+    assert alive(relay) and alive(agent)
+    assert stored_run(data_dir, run_id) == ("running", None)
+
+    third, client = await make_daemon(profiles(fake))
+    assert [row["run_id"] for row in third.logs("relayed_turn_reattached")] == [run_id]
+    rest = [e async for e in client.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq))]
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    assert text_of(seen) + text_of(rest) == LONG_WHOLE, "every chunk once, in order"
+    assert not fake.requests("session/cancel")
+    await third.stop()
+    await eventually(lambda: not alive(agent) and not alive(relay))
 
 
 async def test_a_taken_up_agents_tmpdir_is_kept_while_it_runs_and_removed_at_its_end(

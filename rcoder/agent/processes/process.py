@@ -230,6 +230,7 @@ class AgentProcess:
         self._tail_limit = stderr_tail_bytes
         self._stop_grace = stop_grace
         self._closed = False
+        self._detached = False  # left running for the next daemon (``detach``)
         self._close_lock = asyncio.Lock()
         self._pid_file = record(pid_dir, self.pid) if pid_dir else None
         self._pipe_inodes = child.pipe_inodes()
@@ -438,8 +439,15 @@ class AgentProcess:
         except OSError as exc:  # the pipe broke
             log.debug("agent_stderr_broken", agent=self.name, pid=self.pid, error=str(exc))
 
+    def detach(self) -> None:
+        """Left running for the next daemon (a relayed agent, docs/relay.md#re-attach): no longer
+        this daemon's to end, at a second signal either (``kill``)."""
+        self._detached = True
+
     def kill(self) -> None:
         """SIGKILL the whole group at once (the daemon was told to stop now); reaped by ``aclose``."""
+        if self._detached:
+            return
         if self.is_running():
             log.warning("agent_killed", agent=self.name, pid=self.pid)
         self._killpg(signal.SIGKILL)

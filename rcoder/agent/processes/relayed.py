@@ -71,6 +71,10 @@ class RelayedChild(Child, Protocol):
     def release_acks(self) -> None:
         """Acknowledge every frame written again."""
 
+    def detach(self) -> None:
+        """rcoder stops and leaves the agent running for the next daemon: its stream closed,
+        nothing more acknowledged, signalled or written (docs/relay.md#re-attach)."""
+
 
 @dataclass(frozen=True, slots=True)
 class FoundAgent:
@@ -102,5 +106,7 @@ class Relays(Protocol):
         """``found`` attached again from the frame after ``found.after_frame``. ``AgentUnavailable``
         when its relay is gone, or no longer runs it."""
 
-    async def aclose(self) -> None:
-        """At the daemon's stop, once its agents are closed: every relay stopped."""
+    async def aclose(self, keep: frozenset[str] = frozenset()) -> frozenset[int]:
+        """At the daemon's stop, once its agents are closed: every relay stopped but those of the
+        folders in ``keep`` (they run turns left to the next daemon: only our channel closed).
+        Returns the pids of the relays kept that are the daemon's children (spared its last sweep)."""

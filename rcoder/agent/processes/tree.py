@@ -126,10 +126,11 @@ class Trees:
 
         return end(members)
 
-    def end_all(self) -> int:
-        """End every process below the daemon (at its stop, once its agents are closed)."""
+    def end_all(self, spare: frozenset[int] = frozenset()) -> int:
+        """End every process below the daemon (at its stop, once its agents are closed) but the
+        trees of ``spare`` (relays left running with their turns, docs/relay.md#re-attach)."""
         me = os.getpid()
-        return end(lambda: _with_descendants(set(_children(me))))
+        return end(lambda: _with_descendants(set(_children(me)) - spare))
 
     def reap(self) -> None:
         """Wait for every zombie child that is no agent of ours (orphans re-parented to us)."""

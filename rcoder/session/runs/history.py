@@ -60,7 +60,7 @@ from rcoder.domain import (
     RunStatus,
     StopReason,
 )
-from rcoder.errors import NotFound, OutOfRange, StoreError
+from rcoder.errors import LeaseLost, NotFound, OutOfRange, StoreError
 from rcoder.logs import get_logger
 from rcoder.session.runs import event_codec
 from rcoder.session.runs.run import Run, RunRegistry
@@ -138,12 +138,15 @@ class History:
         self._failing = False  # the last batch was refused (logged once until one lands)
         self._ends: set[asyncio.Task[None]] = set()  # ends of runs being stored (``store_end``)
         self._hurry = asyncio.Event()  # a run is half a buffer behind: flush now (``hurry``)
+        self._detached: set[str] = set()  # runs left to the next daemon: nothing more of them is stored here
 
     # ------------------------------------------------------------ writing
 
     def track(self, run: Run, lease: Lease | None = None) -> None:
         """Store ``run``'s events from now on (before its first event is published), while this
-        host holds ``lease`` (None: unfenced)."""
+        host holds ``lease`` (None: unfenced). Not a run left to the next daemon (``detach``)."""
+        if run.run_id in self._detached:
+            return
         run.track_storage()
         self._tracked[run.run_id] = _Tracked(run, lease)
         if self._flusher is None:
@@ -172,6 +175,26 @@ class History:
                 batches = [batch for entry in list(self._tracked.values()) if (batch := self._take(entry, None))]
                 await self._write(batches)
 
+    async def detach(self, run: Run) -> bool:
+        """rcoder stops and leaves ``run`` (a relayed turn) to the next daemon (docs/relay.md#re-attach):
+        what is sealed of it is stored now, with the frame it reaches, and nothing more of it
+        afterwards (its end included: ``end_with`` refuses it, ``LeaseLost``, as a lost lease's).
+        The next daemon reads the agent's frames on from there. False when its end was stored
+        first (it is over: nothing is left)."""
+        async with self._lock:
+            entry = self._tracked.pop(run.run_id, None)
+            if entry is None and run.stored_seq is not None:  # tracked, and no longer: its end is stored
+                return False
+            self._detached.add(run.run_id)
+            batch = self._take(entry, None) if entry is not None else None
+            if batch is None:
+                return True
+            try:
+                await self._store_batches([batch])
+            except StoreError as exc:  # the store has what it had: the next daemon reads on from there
+                log.warning("history_not_stored_at_detach", run_id=run.run_id, error=exc.message)
+            return True
+
     async def end_with(
         self, run: Run, completed: RunEvent, finish: Callable[[Sequence[EventRow]], Awaitable[None]]
     ) -> None:
@@ -180,6 +203,8 @@ class History:
         longer tracked afterwards. What ``finish`` raises is raised, and the run stays tracked:
         ``store_end`` then stores its history on its own."""
         async with self._lock:
+            if run.run_id in self._detached:
+                raise LeaseLost(run.session_id, 0)  # this daemon let go of the turn: the next one ends it
             entry = self._tracked.get(run.run_id)
             batch = self._take(entry, completed) if entry is not None else None
             await finish(batch.rows if batch is not None else ())

@@ -119,6 +119,7 @@ class Run:
         self.completed: RunCompleted | None = None
         # why the run never started (``fail``): its followers get it, as the caller of Chat does
         self.failure: RcoderError | None = None
+        self._detached = False  # left running to the next daemon (``detach``)
         # the history writer stored the events up to it (trim keeps the rest); None: no history
         self.stored_seq: int | None = None
         self._unstored = 0  # bytes of the kept events after stored_seq (what room() bounds)
@@ -222,6 +223,20 @@ class Run:
         self._appended.set()
         self._appended = asyncio.Event()
 
+    @property
+    def detached(self) -> bool:
+        """Left running to the next daemon (``detach``)."""
+        return self._detached
+
+    def detach(self, error: RcoderError) -> None:
+        """rcoder stops and leaves this turn to the next daemon (docs/relay.md#re-attach): its
+        followers get what is stored, then ``error``; its ``completed`` is never published here
+        (the next daemon publishes the real one)."""
+        self.failure = error
+        self._detached = True
+        self._appended.set()
+        self._appended = asyncio.Event()
+
     def add_done_callback(self, callback: Callable[[Run], None]) -> None:
         """Call ``callback(run)`` when ``completed`` is published (at once if it was)."""
         if self.completed is not None:
@@ -286,6 +301,8 @@ class Run:
         """Publish the ``completed`` that ``prepare_end`` made."""
         assert event is self._end and isinstance(event.body, RunCompleted)
         self._end = None
+        if self._detached:  # the turn goes on elsewhere: this end is not its end
+            return
         self.last_published = time.monotonic()
         self._seq = event.seq
         self._append(event, body_size(event.body))

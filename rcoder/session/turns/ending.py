@@ -176,6 +176,9 @@ class TurnEnder:
         run, plan, outcome = scope.run, scope.plan, scope.machine.outcome
         assert outcome is not None and scope.body is not None
         run.publish_end(end)
+        if run.detached:  # left running in its relay: the next daemon ends it (docs/relay.md#re-attach)
+            log.info("run_left_running")
+            return
         if forget:
             # Not kept for Subscribe: this end, and the events after the lease was lost, are not
             # the run's history. The store has the run as the other host ended it.

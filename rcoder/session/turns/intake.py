@@ -31,6 +31,8 @@ from rcoder.errors import (
     SessionBusy,
     SessionDeleting,
     ShuttingDown,
+    StoreError,
+    TurnContinuesElsewhere,
 )
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
@@ -292,6 +294,39 @@ class TurnIntake:
     def _refuse_queued(self) -> None:
         for waiting in self._live.take_all_waiting():
             self._live.refuse(waiting, ShuttingDown())
+
+    async def detach_relayed(self) -> frozenset[str]:
+        """A clean stop's first step for the turns on relayed agents the next daemon can take up
+        (those the store has a relayed turn of, docs/relay.md#re-attach): each is left running in
+        its relay, not cancelled and not waited for. Its agent's stream closed without
+        acknowledging past what is stored, its slot and the session's lease let go of; what is
+        sealed of its events stored with the agent's frame it reaches; its followers get what is stored, then
+        ``TurnContinuesElsewhere``; its task cancelled, storing nothing more (``History.detach``).
+        Returns the relay folders of the turns left so (their relays are not stopped)."""
+        running = self._live.running()
+        if not running:
+            return frozenset()
+        try:
+            relayed = {turn.run_id: turn for turn in await self._store.relayed_turns()}
+        except StoreError as exc:  # they are drained as any turn: ended, never left unknown to the store
+            log.warning("relayed_turns_not_read_at_stop", error=exc.message)
+            return frozenset()
+        folders: set[str] = set()
+        for run_id in running:
+            turn, run = relayed.get(run_id), self._runs.find(run_id)
+            if turn is None or run is None:
+                continue
+            if not self._pool.detach(turn.session_id):  # its agent is not here (any more): nothing to leave
+                continue
+            # after the stream's close: no frame comes in meanwhile
+            if not await self.history.detach(run):  # its end was stored first: it ends here as any turn
+                continue
+            run.detach(TurnContinuesElsewhere(run_id, run.stored_seq or 0))
+            self._live.stop_turn_task(run_id)
+            folders.add(turn.relay)
+            log.info("relayed_turn_detached", run_id=run_id, session_id=turn.session_id, relay=turn.relay,
+                     agent_id=turn.agent_id, stored_seq=run.stored_seq)  # fmt: skip
+        return frozenset(folders)
 
     async def drain(self, grace: float, cancel_grace: float) -> None:
         """Give running turns ``grace`` seconds to finish, then cancel the rest (in whatever

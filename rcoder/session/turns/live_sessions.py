@@ -503,6 +503,12 @@ class LiveSessions:
         stopping (``interrupted``) and never as its agent's death (docs/operating.md#operating-notes)."""
         self._tasks.cancel()
 
+    def stop_turn_task(self, run_id: str) -> None:
+        """The task of the turn ``run_id`` cancelled now (a turn this daemon started, or one it
+        took up: their tasks are named so), without asking its agent anything: a turn left
+        running for the next daemon (docs/relay.md#re-attach)."""
+        self._tasks.cancel_named(frozenset((f"run-{run_id}", f"reattached-{run_id}")))
+
     async def cancel_all(self, timeout: float) -> None:
         """The scope's close: every task cancelled and waited for, with those started meanwhile
         (an ending turn's last steps), at most ``timeout`` seconds (``TaskScope.close``)."""

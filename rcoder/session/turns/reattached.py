@@ -368,7 +368,10 @@ class ReattachedTurns:
             guarded("release_agent", lambda: self._pool.release(turn.session_id, broken=broken))
             guarded("next_turn", self._live.released, turn.session_id)
             run.publish_end(end)
-            log.info("run_completed", run_id=run.run_id, stop_reason=stop.value, error=error[:500] or None,
-                     reattached=True)  # fmt: skip
+            if run.detached:  # left running in its relay: the next daemon ends it (docs/relay.md#re-attach)
+                log.info("run_left_running", run_id=run.run_id)
+            else:
+                log.info("run_completed", run_id=run.run_id, stop_reason=stop.value, error=error[:500] or None,
+                         reattached=True)  # fmt: skip
         if stopping:
             raise asyncio.CancelledError()

@@ -64,6 +64,12 @@ class TaskScope:
             if not task.cancelling():
                 task.cancel()
 
+    def cancel_named(self, names: frozenset[str]) -> None:
+        """Cancel the tasks named in ``names`` now, without waiting (as ``cancel``)."""
+        for task in list(self._tasks):
+            if task.get_name() in names and not task.cancelling():
+                task.cancel()
+
     async def close(self, timeout: float | None) -> None:
         """Cancel every task (``cancel``), and wait for them and for those started meanwhile, at
         most ``timeout`` seconds (None: until they end); a warning says how many were late."""

@@ -33,7 +33,7 @@ import grpc
 from rcoder import errors
 from rcoder.agent.confinement.limits import CGROUP_ROOT, Values, human
 from rcoder.logs import get_logger
-from rcoder.relay.endpoint import SECRET_FILE, SOCKET_FILE
+from rcoder.relay.endpoint import SECRET_FILE, SOCKET_FILE, socket_target
 from rcoder.relay.engine_api import Engine
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
@@ -187,7 +187,7 @@ class RelayContainer:
         return (("authorization", f"Bearer {self.secret}"),)
 
     def channel(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(f"unix:{self.socket}")
+        return grpc.aio.insecure_channel(socket_target(self.socket))
 
 
 class ContainerRelays:
@@ -225,7 +225,7 @@ class ContainerRelays:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._ready_timeout
         options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 250)]
-        async with grpc.aio.insecure_channel(f"unix:{socket}", options=options) as channel:
+        async with grpc.aio.insecure_channel(socket_target(socket), options=options) as channel:
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(channel.channel_ready(), _PROBE_EVERY)

@@ -9,6 +9,40 @@ imports.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 SOCKET_FILE = "relay.sock"
 SECRET_FILE = "secret"  # noqa: S105 - the file's name, not a secret
 MAX_MESSAGE_BYTES = 8 << 20  # a stdin frame or a stdout frame (at most 1 MiB) with room to spare
+
+# a unix socket's path must fit in sun_path (108 bytes, its terminating NUL included)
+_SUN_PATH = 107
+_FOLDERS: dict[str, int] = {}  # folder -> a descriptor of it, for the sockets whose path is longer
+
+
+def socket_target(socket: Path) -> str:
+    """The gRPC target of the unix socket ``socket``, to bind or to connect to. A path longer than
+    a socket's address holds (a deep ``data_dir``: the kernel refuses it, and a client's connect
+    fails until its deadline) is reached through a descriptor of its folder,
+    ``/proc/self/fd/N/relay.sock``: one per such folder, held for the process's life, opened again
+    if the folder was made anew."""
+    path = str(socket)
+    if len(os.fsencode(path)) <= _SUN_PATH:
+        return f"unix:{path}"
+    folder = str(socket.parent)
+    fd = _FOLDERS.get(folder)
+    if fd is not None and not _same(fd, folder):
+        os.close(fd)
+        fd = None
+    if fd is None:
+        fd = _FOLDERS[folder] = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"unix:/proc/self/fd/{fd}/{socket.name}"
+
+
+def _same(fd: int, folder: str) -> bool:
+    try:
+        held, now = os.fstat(fd), os.stat(folder)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)

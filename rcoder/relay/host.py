@@ -34,7 +34,7 @@ from rcoder.data_lock import LOCK_FILE
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 from rcoder.relay.attached import AttachedAgent
-from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SECRET_FILE, SOCKET_FILE
+from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SECRET_FILE, SOCKET_FILE, socket_target
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 
@@ -162,7 +162,7 @@ class HostRelays:
 
     def _connect(self, folder: Path, pid: int) -> _Relay:
         channel = grpc.aio.insecure_channel(
-            f"unix:{folder / SOCKET_FILE}",
+            socket_target(folder / SOCKET_FILE),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )  # fmt: skip

@@ -30,7 +30,7 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
 from rcoder.relay.agents import Agents
-from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SOCKET_FILE
+from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SOCKET_FILE, socket_target
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
@@ -136,7 +136,7 @@ async def serve(options: RelayOptions) -> int:
     workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces, stores), server)
     socket_path = folder / SOCKET_FILE
     socket_path.unlink(missing_ok=True)
-    if server.add_insecure_port(f"unix:{socket_path}") == 0:
+    if server.add_insecure_port(socket_target(socket_path)) == 0:
         raise ListenFailed(f"unix:{socket_path}", "grpc could not bind it")
     address = ""
     if options.listen:

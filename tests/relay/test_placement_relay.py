@@ -289,3 +289,22 @@ async def test_stdin_written_while_another_stream_holds_the_agent_reaches_it_onc
         assert child.returncode == 0
     finally:
         await relays.aclose()
+
+
+async def test_a_relay_whose_socket_path_is_past_what_a_socket_address_holds_is_reached(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    """A deep data_dir makes the relay's socket path longer than the kernel's 108 bytes (a fresh
+    clone's pytest folders did it to the container placement): the relay binds, and the daemon
+    connects, through a descriptor of the folder, and the turn ends as any other."""
+    data_dir = tmp_path / ("d" * 60) / ("e" * 40)
+    socket = data_dir / "relays" / "proj" / "relay.sock"
+    assert len(os.fsencode(str(socket))) > 107
+    _daemon, client = await make_daemon(profiles(fake), data_dir=str(data_dir))
+    events = await client.chat(prompt="remember 5", agent="relayed", timeout=40)
+    pid = relay_pid(data_dir)
+    assert pid is not None
+    relays_ended.append(pid)
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events).error
+    assert text_of(events) == "I remember: 5"
+    assert socket.is_socket(), "the socket is in the relay's folder, whatever the path's length"

@@ -16,9 +16,9 @@ import pytest
 
 from rcoder import errors
 from rcoder.relay.engine_api import Engine
-from tests.conftest import exited
 from tests.harness import die_with_the_test, eventually
 from tests.image.podman import build_image, podman_env
+from tests.relay import placement_kit
 from tests.relay.relay_kit import Relay
 
 RelayFactory = Callable[..., Awaitable[Relay]]
@@ -77,14 +77,8 @@ def _answers(engine: Engine) -> bool:
 
 
 @pytest.fixture
-async def relays_ended(tmp_path: Path) -> AsyncIterator[list[int]]:
-    """Relays the test saw; each one's group SIGKILLed after it, whatever happened (a relay leads
-    its own session, so its group is its own), and waited for."""
-    seen: list[int] = []
-    try:
+async def relays_ended() -> AsyncIterator[list[int]]:
+    """Relays the test saw; each one's group SIGKILLed after it, whatever happened, and waited for
+    (``placement_kit.relays_ended``)."""
+    async with placement_kit.relays_ended() as seen:
         yield seen
-    finally:
-        for pid in seen:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            await exited(pid)

@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO, cast
 
 from rcoder import __version__, client_args
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
@@ -64,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     relay.add_argument("--log-level", default="info", help="debug | info | warning | error")
     relay.add_argument("--log-format", default="auto", help="auto | json | console")
+    relay.add_argument(
+        "--log-file", type=Path, help="write the log to this file (and stdout, stderr), kept within a bound"
+    )
+    relay.add_argument(
+        "--log-max-bytes", type=int, default=16 << 20,
+        help="with --log-file: its size at which it is moved aside to FILE.1 (the one before dropped); default 16 MiB",
+    )  # fmt: skip
     return parser
 
 
@@ -149,7 +157,7 @@ def _relay(args: argparse.Namespace) -> int:
     """``rcoder relay`` (its modules imported late, as the daemon's are: they need its dependencies)."""
     try:
         from rcoder import logs
-        from rcoder.relay import serve
+        from rcoder.relay import log_file, serve
     except ModuleNotFoundError:
         missing = missing_daemon_requirements()
         if not missing:
@@ -158,7 +166,18 @@ def _relay(args: argparse.Namespace) -> int:
               f"(missing: {', '.join(missing)}): {DAEMON_INSTALL}", file=sys.stderr)  # fmt: skip
         return 2
 
-    logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format))
+    stream: TextIO | None = None
+    if args.log_file is not None:
+        if args.log_max_bytes < log_file.MIN_MAX_BYTES:
+            print(f"rcoder relay: --log-max-bytes: {args.log_max_bytes}: at least {log_file.MIN_MAX_BYTES}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            stream = cast(TextIO, log_file.RotatingLog(args.log_file.absolute(), args.log_max_bytes))
+        except OSError as exc:
+            print(f"rcoder relay: --log-file: {exc}", file=sys.stderr)
+            return 2
+    logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format), stream)
     options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,
                            args.stop_grace, args.secret_fd, args.keep_exited)  # fmt: skip
     try:

@@ -4,7 +4,8 @@ started on the first agent of that project and reused while it lives.
 
 A relay is started in a session of its own (not in the daemon's process group, no death signal
 tied to the daemon: it outlives a killed daemon, and its agents with it), its output appended to
-``relay.log`` in its folder (never a pipe to the daemon, which would break when the daemon dies).
+``relay.log`` in its folder (never a pipe to the daemon, which would break when the daemon dies),
+moved aside to ``relay.log.1`` at 16 MiB by the relay itself (``rcoder.relay.log_file``).
 One found alive (its lock held, ``rcoder.data_lock``) is reused: its socket and secret are in its
 folder. At the daemon's start the agents a killed daemon left are attached again where a running
 turn of the store names them (``reattach``, docs/relay.md#re-attach); every other agent found is
@@ -33,6 +34,7 @@ from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStar
 from rcoder.data_lock import LOCK_FILE
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
+from rcoder.relay import log_file
 from rcoder.relay.attached import AttachedAgent
 from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SECRET_FILE, SOCKET_FILE, socket_target
 from rcoder.relay.v1 import relay_pb2 as pb
@@ -147,7 +149,8 @@ class HostRelays:
 
     async def _started(self, folder: Path) -> _Relay:
         argv = [sys.executable, "-m", "rcoder", "relay", "--state-dir", str(folder),
-                "--stop-grace", str(self._stop_grace), "--log-format", self._log_format]  # fmt: skip
+                "--stop-grace", str(self._stop_grace), "--log-format", self._log_format,
+                "--log-file", str(folder / LOG_FILE), "--log-max-bytes", str(log_file.DEFAULT_MAX_BYTES)]  # fmt: skip
         process = await asyncio.to_thread(_launch, folder, argv)
         relay = self._connect(folder, process.pid)
         relay.process = process

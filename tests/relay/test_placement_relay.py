@@ -26,6 +26,10 @@ from tests.harness import FakeAgentSetup, completed, eventually, started, text_o
 from tests.relay.conftest import RelayFactory
 
 
+def argv_of(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+
+
 def relay_pid(data_dir: Path, project: str = "proj") -> int | None:
     """The pid the project's relay wrote in its lock (None when the file has none)."""
     with contextlib.suppress(OSError, ValueError):
@@ -87,6 +91,9 @@ async def test_a_relayed_turn_ends_as_a_local_one_and_the_next_resumes_live(
     assert parent_of(agent) == pid, "the relayed agent is the relay's child, not the daemon's"
     assert agent in fake.pids()
     assert relayed_spawn["state_dir"] == str(tmp_path / "data" / "relays" / "proj")
+    argv = argv_of(pid)  # its log kept within a bound, by the relay itself
+    assert argv[argv.index(b"--log-file") + 1] == str(tmp_path / "data" / "relays" / "proj" / "relay.log").encode()
+    assert int(argv[argv.index(b"--log-max-bytes") + 1]) == 16 << 20
     listed = {a.name: a for a in (await client.stub.ListAgents(pb.ListAgentsRequest())).agents}
     assert (listed["relayed"].placement, listed["relayed"].relay_root) == ("relay", str(tmp_path / "data" / "relays"))
     assert (listed["fake"].placement, listed["fake"].relay_root) == ("local", "")

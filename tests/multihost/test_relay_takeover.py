@@ -22,6 +22,7 @@ from tests.conftest import exited
 from tests.harness import completed, error_info, text_of
 from tests.multihost.conftest import AUTH_MD, Host, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
+from tests.relay.test_placement_relay import alive
 from tests.relay.test_reattach import left_running
 
 CHUNKS, SEEN = 120, 10
@@ -203,8 +204,15 @@ async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared
             again, _ = await chat(b, prompt="remember 3", session_id=seen[0].session_id)
             assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
             assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
+            # and B ends it over TCP: the agent goes, its relay (A's) stays
+            agent = (await b.daemon.wait_log("agent_reattached"))[0]["pid"]
+            closing = pb.CloseSessionRequest(session_id=seen[0].session_id)
+            assert (await b.stub.CloseSession(closing, metadata=AUTH_MD)).agent_stopped
+            async with asyncio.timeout(15):
+                await exited(agent)
+            assert alive(relay), "the relay is A's to stop, not B's"
         finally:
-            await hosts.close()  # B ends the agent over TCP; the relay stays A's
+            await hosts.close()
             if relay:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(relay, signal.SIGKILL)

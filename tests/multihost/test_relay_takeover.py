@@ -235,6 +235,7 @@ async def test_a_host_with_another_key_marks_the_turn_interrupted_and_says_why(
             run_id = seen[0].run_id
             refused = await b.daemon.wait_log("relayed_turn_not_reattached", timeout=30, run_id=run_id)
             assert "key_file" in refused[0]["why"] and "secret" in refused[0]["why"], refused[0]
+            assert refused[0]["address"].startswith("127.0.0.1:"), refused[0]
             subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
             async with asyncio.timeout(30):
                 rest = [event async for event in subscribe]

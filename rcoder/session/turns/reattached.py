@@ -180,7 +180,8 @@ class ReattachedTurns:
             except (RcoderError, OSError, ValueError, KeyError) as exc:
                 why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
                 log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
-                            relay=turn.relay, agent_id=turn.agent_id, why=why)  # fmt: skip
+                            relay=turn.relay, address=turn.address or None, agent_id=turn.agent_id,
+                            why=why)  # fmt: skip
                 try:
                     interrupted += await self._store.interrupt_run(turn.run_id)
                 except StoreError as error:
@@ -224,7 +225,7 @@ class ReattachedTurns:
         except (RcoderError, OSError, ValueError, KeyError) as exc:
             why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
             log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
-                        relay=turn.relay, agent_id=turn.agent_id, why=why)  # fmt: skip
+                        relay=turn.relay, address=turn.address or None, agent_id=turn.agent_id, why=why)  # fmt: skip
             with contextlib.suppress(StoreError):
                 await self._store.interrupt_run(turn.run_id)
             self._live.let_go_lease(turn.session_id, lease)

@@ -16,7 +16,9 @@ is a ``ConfigError`` naming the key's full path, e.g. ``agents.codex.warm_pool``
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import ipaddress
 import os
 import re
 import shutil
@@ -415,6 +417,15 @@ class SettingsKeys(_Schema):
     container_network: str = "none"
     """the engine network a relay's container joins: "none" (loopback only) or a network's name
     (never "host")"""
+    # a `relay` placement's relays over TCP with TLS (docs/relay.md#re-attach): the host other hosts
+    # reach them at, and the key their secrets are derived from (the same on every host of a store)
+    relays_listen_host: str = ""
+    """the address each relay also serves TCP with TLS on, which other hosts reach (e.g. "10.0.0.5");
+    "": its unix socket only. Needs key_file; see Relay"""
+    relays_key_file: OptionalConfigPath = ""
+    """a file of at least 32 random bytes, the same on every host of a store (mode 0600, owned by the
+    daemon's user): each relay's secret is derived from it; needed to take over another host's turn
+    over TCP"""
     metrics_listen: str = ""
     """host:port for Prometheus /metrics (e.g. "127.0.0.1:9464"); empty: off"""
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
@@ -597,7 +608,7 @@ def load_settings(
     )
     # the checks between keys, each on its own, every one run: all their problems in one error
     checks = [_check_default_agent, _check_tls, _check_shared_token, _check_callers, _check_checkpoint_root,
-              _check_containers]  # fmt: skip
+              _check_containers, _check_relays]  # fmt: skip
     for check in checks + [partial(_check_sandbox, name=name) for name in settings.agents]:
         problems.run(check, settings)
     problems.raise_any()
@@ -627,6 +638,51 @@ def _check_containers(settings: Settings) -> None:
     socket = settings.container_engine_socket
     if socket and not socket.startswith("/"):
         raise ConfigError(settings.key_name("container_engine_socket"), f"{socket!r}: the socket's absolute path")
+
+
+MIN_RELAY_KEY_BYTES = 32
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")  # a DNS name, as a certificate's SAN holds it
+
+
+def _ip_or_host_name(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return True
+    return _HOST_NAME.fullmatch(host) is not None
+
+
+def _check_relays(settings: Settings) -> None:
+    """docs/relay.md#security: a relay serves TCP only with a secret derived from a key no one else
+    can read, so ``listen_host`` needs ``key_file``, and the key file is long, private and ours."""
+    listen, key_file = settings.key_name("relays_listen_host"), settings.key_name("relays_key_file")
+    host = settings.relays_listen_host
+    if host and not _ip_or_host_name(host):
+        raise ConfigError(listen, f"{host!r}: an IP address or a host name, with no port (the relay picks its port)")
+    if host and not settings.relays_key_file:
+        raise ConfigError(key_file, f"{listen} = {host!r} needs {key_file}: a file of at least {MIN_RELAY_KEY_BYTES} "
+                          "random bytes, the same on every host (head -c 32 /dev/urandom > relay.key; chmod 600 "
+                          f"relay.key), or leave {listen} unset to serve relays on their unix socket only")  # fmt: skip
+    if not settings.relays_key_file:
+        return
+    path = Path(settings.relays_key_file)
+    try:
+        info = path.stat()
+        size = info.st_size
+    except OSError as exc:
+        raise ConfigError(key_file, f"{path}: {exc.strerror or exc}: make it with head -c 32 /dev/urandom > {path}; "
+                          f"chmod 600 {path}") from exc  # fmt: skip
+    if not path.is_file():
+        raise ConfigError(key_file, f"{path} is not a file")
+    if size < MIN_RELAY_KEY_BYTES:
+        raise ConfigError(key_file, f"{path} holds {size} bytes: a key of at least {MIN_RELAY_KEY_BYTES} random bytes "
+                          f"(head -c 32 /dev/urandom > {path})")  # fmt: skip
+    if info.st_mode & 0o077:
+        raise ConfigError(key_file, f"{path} has mode {info.st_mode & 0o777:04o}: others than its owner may read it, "
+                          f"and every relay's secret is derived from it: chmod 600 {path}")  # fmt: skip
+    if info.st_uid != os.geteuid():
+        raise ConfigError(key_file, f"{path} belongs to uid {info.st_uid}, not to the daemon's {os.geteuid()}: "
+                          f"chown it to the daemon's user")  # fmt: skip
 
 
 def _check_shared_token(settings: Settings) -> None:

@@ -125,8 +125,12 @@ class Daemon:
         self.limits = Cgroups(CGROUP_ROOT, settings.data_dir)  # docs/limits.md
         # every process tree the daemon starts (agents, git), marked and ended whole (docs/design/turn.md#the-parts)
         self.trees = Trees()
-        # a relay per project for the profiles with placement = "relay" (docs/relay.md#placement)
-        self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace)
+        # a relay per project for the profiles with placement = "relay" (docs/relay.md#placement); over
+        # TCP too with [relays] listen_host, their secrets derived from key_file (docs/relay.md#re-attach),
+        # which rcoder.config checked (long enough, private, ours)
+        relays_key = Path(settings.relays_key_file).read_bytes() if settings.relays_key_file else None
+        self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace,
+                                 listen_host=settings.relays_listen_host, key=relays_key)  # fmt: skip
         # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers)
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,

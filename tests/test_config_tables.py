@@ -15,6 +15,7 @@ from rcoder.errors import ConfigError
 from tests.conftest import base_settings
 from tests.harness import Client, Daemon, FakeAgentSetup, config_error, toml_value, write_config
 from tests.test_config_readme import configuration_listing
+from tests.test_config_relays import relay_key_file
 
 ROOT = Path(__file__).resolve().parent.parent
 fast = pytest.mark.fast
@@ -41,6 +42,8 @@ NOT_DEFAULTS: dict[str, Any] = {
     "container_engine_socket": "/run/podman/podman.sock",
     "container_image": "localhost/rcoder:latest",
     "container_network": "rcoder-agents",
+    "relays_listen_host": "10.0.0.5",
+    "relays_key_file": "relay.key",  # made by the test that reads it (tests/test_config_relays.py)
 }
 
 
@@ -66,6 +69,7 @@ def grouped_text(settings: dict[str, Any]) -> str:
 @fast
 def test_a_setting_reads_the_same_in_its_table_and_by_its_flat_name(tmp_path: Path) -> None:
     values = {setting: not_default(setting) for setting in GROUPED_NAME}
+    relay_key_file(tmp_path / "relay.key")
     (tmp_path / "flat.toml").write_text(flat_text(values))
     (tmp_path / "grouped.toml").write_text(grouped_text(values))
 

@@ -91,7 +91,8 @@ EDGES = {
     "structlog": {"logs"},
     "opentelemetry": {"tracing"},
     "jwt": {"api"},  # PyJWT: scoped clients' bearer tokens (rcoder/api/jwt_tokens.py)
-    "cryptography": {"api"},  # PyJWT's RSA, EC and Ed25519 keys; nothing in rcoder calls it itself yet
+    # PyJWT's RSA, EC and Ed25519 keys (api); a TCP relay's self-signed certificate (relay.relay_cert)
+    "cryptography": {"api", "relay"},
 }
 
 # Inside a layer, which of its sub-packages each may import ("." is the layer's own modules, which

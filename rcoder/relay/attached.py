@@ -225,7 +225,9 @@ class AttachedAgent:
                 self._call = None
                 call.cancel()
             waited = asyncio.get_running_loop().time() - since
-            if not _alive(self.place.relay_pid):  # its agents died with it (their death signal)
+            # its agents died with it (their death signal); another host's relay (pid 0, reached over
+            # TCP) is alive while it answers: REATTACH_FOR bounds the wait for it
+            if self.place.relay_pid and not _alive(self.place.relay_pid):
                 self._lost(f"the relay (pid {self.place.relay_pid}) is gone ({why})")
                 return
             if waited > REATTACH_FOR:

@@ -14,6 +14,13 @@ from pathlib import Path
 
 SOCKET_FILE = "relay.sock"
 SECRET_FILE = "secret"  # noqa: S105 - the file's name, not a secret
+# a relay served over TCP too (docs/relay.md#re-attach): the address it bound (written by the relay
+# once it serves), the id its secret is derived from, and its TLS certificate and key (made by its
+# starter); each in its state folder, which no agent can read
+ADDRESS_FILE = "address"
+RELAY_ID_FILE = "relay_id"
+TLS_CERT_FILE = "tls.crt"
+TLS_KEY_FILE = "tls.key"
 MAX_MESSAGE_BYTES = 8 << 20  # a stdin frame or a stdout frame (at most 1 MiB) with room to spare
 
 # a unix socket's path must fit in sun_path (108 bytes, its terminating NUL included)

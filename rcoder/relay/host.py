@@ -12,6 +12,12 @@ turn of the store names them (``reattach``, docs/relay.md#re-attach); every othe
 ended, and a relay left with none is stopped (SIGTERM: it ends its agents' groups and what they
 left, then exits), so that no agent is left running that no session holds. At the daemon's stop,
 once its agents are closed, each relay is stopped too.
+
+With ``[relays] listen_host`` each relay also serves TCP with TLS (a certificate made here, its
+secret derived from its id and the hosts' key, ``rcoder.relay.relay_key``), and a turn another
+host left is taken up over TCP, with the address, id and certificate the store has, where its
+folder is not under this host's root: such a relay is another host's (``remote``), alive while it
+answers, and never stopped from here (docs/relay.md#re-attach).
 """
 
 from __future__ import annotations
@@ -30,13 +36,23 @@ from pathlib import Path
 
 import grpc
 
-from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
+from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace, TcpReach
 from rcoder.data_lock import LOCK_FILE
 from rcoder.errors import AgentUnavailable
 from rcoder.logs import get_logger
 from rcoder.relay import log_file
 from rcoder.relay.attached import AttachedAgent
-from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SECRET_FILE, SOCKET_FILE, socket_target
+from rcoder.relay.endpoint import (
+    ADDRESS_FILE,
+    MAX_MESSAGE_BYTES,
+    RELAY_ID_FILE,
+    SECRET_FILE,
+    SOCKET_FILE,
+    TLS_CERT_FILE,
+    TLS_KEY_FILE,
+    socket_target,
+)
+from rcoder.relay.relay_key import new_relay_id, relay_secret
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 
@@ -47,6 +63,8 @@ START_TIMEOUT = 30.0  # a relay's start, its Python import included, on a loaded
 STOP_TIMEOUT = 15.0  # a relay's stop: its agents' grace twice (stdin, SIGTERM), then it exits
 _POLL = 0.02  # how often a starting relay's socket is tried
 SPAWN_TIMEOUT = 30.0
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -54,25 +72,42 @@ class _Relay:
     """One live relay: its folder, pid and a channel to it."""
 
     folder: Path
-    pid: int
+    pid: int  # 0: another host's relay (``remote``)
     channel: grpc.aio.Channel
     stub: pb_grpc.RelayServiceStub
     metadata: tuple[tuple[str, str], ...]
     # the relay this daemon started (None: one it found), kept until it is stopped and reaped
     process: subprocess.Popen[bytes] | None = None
+    tcp: TcpReach | None = None  # where other hosts reach it, when it serves TCP too
+    # another host's relay, reached over TCP (a takeover): no pid here, alive while it answers, and
+    # never stopped from here (its host stops it at its next start)
+    remote: bool = False
 
     @property
     def socket(self) -> str:
+        if self.remote and self.tcp is not None:
+            return self.tcp.address
         return f"unix:{self.folder / SOCKET_FILE}"
+
+    def alive(self) -> bool:
+        return self.remote or _alive(self.pid)
+
+    def place(self, agent_id: str) -> RelayPlace:
+        return RelayPlace(str(self.folder), self.socket, self.pid, agent_id, tcp=self.tcp)
 
 
 class HostRelays:
     """The ``Relays`` of ``rcoder.agent.processes.relayed``: a relay per project under ``root``."""
 
-    def __init__(self, root: Path, stop_grace: float, log_format: str = "json") -> None:
+    def __init__(self, root: Path, stop_grace: float, log_format: str = "json", listen_host: str = "",
+                 key: bytes | None = None) -> None:  # fmt: skip
         self._root = root
         self._stop_grace = stop_grace
         self._log_format = log_format
+        # ``[relays]`` (docs/relay.md#re-attach): the host each relay started here serves TCP on
+        # too ("": its socket only), and the key every relay's secret is derived from
+        self._listen_host = listen_host
+        self._key = key
         self._relays: dict[str, _Relay] = {}
         self._starting: dict[str, asyncio.Lock] = {}
         self._undoing: set[asyncio.Task[None]] = set()  # spawns being undone (``_end_spawned``)
@@ -87,11 +122,11 @@ class HostRelays:
         try:
             answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
             agent = answer.agent
-            place = RelayPlace(str(relay.folder), relay.socket, relay.pid, agent.agent_id)
+            place = relay.place(agent.agent_id)
             return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, start.generation, stop_grace)
         except grpc.aio.AioRpcError as exc:
             self._end_spawned(relay, start)
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and not _alive(relay.pid):
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not relay.alive():
                 self._relays.pop(start.project, None)  # gone: the next start makes a new one
             raise AgentUnavailable(f"agent {start.name!r}: the relay at {relay.folder} refused its spawn "
                                    f"({exc.code().name}: {exc.details()})", agent=start.name) from exc  # fmt: skip
@@ -106,7 +141,7 @@ class HostRelays:
         files and checkpoints (``rcoder.relay.workspace_client``): the relay held here or found alive
         in its folder; with ``start``, a new one when none lives; None when none lives otherwise."""
         held = self._relays.get(project)
-        if not start and not (held is not None and _alive(held.pid)) and _holder(self._root / project) is None:
+        if not start and not (held is not None and held.alive()) and _holder(self._root / project) is None:
             return None
         relay = await self._relay(project, "its files")
         return relay.channel, relay.metadata
@@ -122,7 +157,7 @@ class HostRelays:
         """The project's relay: the one this daemon holds, one found alive in its folder, or a new one."""
         async with self._starting.setdefault(project, asyncio.Lock()):
             relay = self._relays.get(project)
-            if relay is not None and _alive(relay.pid):
+            if relay is not None and relay.alive():
                 return relay
             if relay is not None:  # it died: a new one is started
                 await relay.channel.close()
@@ -144,52 +179,115 @@ class HostRelays:
             return None
         relay = self._connect(folder, pid)
         await self._ready(relay, lambda: _alive(pid))
-        log.info("relay_reused", state_dir=str(folder), pid=pid)
+        relay.tcp = await asyncio.to_thread(_tcp_of, folder)
+        log.info("relay_reused", state_dir=str(folder), pid=pid, address=relay.tcp.address if relay.tcp else None)
         return relay
 
     async def _started(self, folder: Path) -> _Relay:
         argv = [sys.executable, "-m", "rcoder", "relay", "--state-dir", str(folder),
                 "--stop-grace", str(self._stop_grace), "--log-format", self._log_format,
                 "--log-file", str(folder / LOG_FILE), "--log-max-bytes", str(log_file.DEFAULT_MAX_BYTES)]  # fmt: skip
-        process = await asyncio.to_thread(_launch, folder, argv)
+        secret = None
+        if self._listen_host:
+            secret = await asyncio.to_thread(self._tcp_files, folder)
+            host = f"[{self._listen_host}]" if ":" in self._listen_host else self._listen_host
+            argv += ["--listen", f"{host}:0", "--tls-cert", str(folder / TLS_CERT_FILE),
+                     "--tls-key", str(folder / TLS_KEY_FILE)]  # fmt: skip
+        process = await asyncio.to_thread(_launch, folder, argv, secret)
         relay = self._connect(folder, process.pid)
         relay.process = process
         try:
-            await self._ready(relay, lambda: process.poll() is None)
+            await self._ready(relay, lambda: process.poll() is None, tcp=bool(self._listen_host))
+            relay.tcp = await asyncio.to_thread(_tcp_of, folder)
         except BaseException:
             _signal(process.pid, signal.SIGKILL)
             await relay.channel.close()
             raise
-        log.info("relay_started", state_dir=str(folder), pid=process.pid, socket=relay.socket)
+        log.info("relay_started", state_dir=str(folder), pid=process.pid, socket=relay.socket,
+                 address=relay.tcp.address if relay.tcp else None)  # fmt: skip
         return relay
 
+    def _tcp_files(self, folder: Path) -> str:
+        """What a relay serving TCP starts with, made in its folder (mode 0700, outside every
+        agent's grants): its id, its certificate for ``listen_host`` and that certificate's key
+        (mode 0600); returns its secret, derived from the id and the hosts' key (handed to it on
+        a descriptor, and written to its ``secret`` file for this host's later daemons)."""
+        assert self._key is not None  # rcoder.config: listen_host needs key_file
+        # imported here alone: cryptography is heavy, and a relay serving its socket only needs none
+        from rcoder.relay.relay_cert import self_signed
+
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        relay_id = new_relay_id()
+        cert, key = self_signed(self._listen_host)
+        _write_private(folder / TLS_KEY_FILE, key)
+        _write_private(folder / TLS_CERT_FILE, cert)
+        _write_private(folder / RELAY_ID_FILE, relay_id.encode() + b"\n")
+        return relay_secret(self._key, relay_id)
+
+    async def _remote(self, folder: Path, tcp: TcpReach, name: str) -> _Relay:
+        """Another host's relay reached over TCP (docs/relay.md#re-attach): TLS with its stored
+        certificate as the only root of trust, its secret derived from this host's key; kept
+        while this daemon runs, never stopped from here. ``AgentUnavailable`` when this host has
+        no key, or the relay does not answer, or refuses the secret."""
+        if self._key is None:
+            raise AgentUnavailable(f"agent {name!r}: its relay (in {folder}) is another host's, reached over TCP at "
+                                   f"{tcp.address}, and this host has no [relays] key_file to derive its secret: "
+                                   "set the key file every host of this store shares", agent=name)  # fmt: skip
+        key = f"tcp:{tcp.address}/{tcp.relay_id}"
+        async with self._starting.setdefault(key, asyncio.Lock()):
+            held = self._relays.get(key)
+            if held is not None:
+                return held
+            credentials = grpc.ssl_channel_credentials(root_certificates=tcp.cert.encode())
+            channel = grpc.aio.secure_channel(tcp.address, credentials, options=_CHANNEL_OPTIONS)
+            secret = relay_secret(self._key, tcp.relay_id)
+            metadata = (("authorization", f"Bearer {secret}"),)
+            relay = _Relay(folder, 0, channel, pb_grpc.RelayServiceStub(channel), metadata, tcp=tcp, remote=True)
+            try:
+                await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=metadata, timeout=SPAWN_TIMEOUT)
+            except grpc.aio.AioRpcError as exc:
+                await channel.close()
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    why = ("it refused this host's secret: this host's [relays] key_file is not the key of the host "
+                           "that started it (every host of a store needs the same key)")  # fmt: skip
+                else:
+                    why = f"it did not answer over TCP ({exc.code().name}: {exc.details()})"
+                raise AgentUnavailable(f"agent {name!r}: the relay at {tcp.address} (in {folder}): {why}",
+                                       agent=name) from exc  # fmt: skip
+            self._relays[key] = relay
+            log.info("relay_reached_over_tcp", state_dir=str(folder), address=tcp.address, relay_id=tcp.relay_id)
+            return relay
+
     def _connect(self, folder: Path, pid: int) -> _Relay:
-        channel = grpc.aio.insecure_channel(
-            socket_target(folder / SOCKET_FILE),
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
-        )  # fmt: skip
+        channel = grpc.aio.insecure_channel(socket_target(folder / SOCKET_FILE), options=_CHANNEL_OPTIONS)
         return _Relay(folder, pid, channel, pb_grpc.RelayServiceStub(channel), ())
 
-    async def _ready(self, relay: _Relay, alive: Callable[[], bool]) -> None:
-        """Until the relay answers a call with its secret (read once it has written it), bounded;
-        ``OSError`` when it dies first."""
+    async def _ready(self, relay: _Relay, alive: Callable[[], bool], tcp: bool = False) -> None:
+        """Until the relay answers a call with its secret (read once it has written it), and, with
+        ``tcp``, has written the address it bound, bounded; ``OSError`` when it dies first."""
         async with asyncio.timeout(START_TIMEOUT):
             while True:
                 if not alive():
                     raise OSError(f"the relay exited before serving (its log: {relay.folder / LOG_FILE})")
                 secret = _read_secret(relay.folder)
-                if secret and (await _answers(relay, secret)):
+                if secret and (not tcp or (relay.folder / ADDRESS_FILE).exists()) and (await _answers(relay, secret)):
                     relay.metadata = (("authorization", f"Bearer {secret}"),)
                     return
                 await asyncio.sleep(_POLL)  # a start's pace: the relay is a process of its own
 
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
+        """``found`` attached again: through its relay's socket when its folder is under this
+        host's root, or has no TCP address; over TCP otherwise (another host's relay, with no shared
+        disk: docs/relay.md#re-attach)."""
         folder = Path(found.relay)
-        try:
-            relay = await self.reattach_relay(folder)
-        except (OSError, TimeoutError) as exc:
-            raise AgentUnavailable(f"agent {name!r}: its relay in {folder} is not there: {exc}", agent=name) from exc
+        if found.tcp is not None and folder.parent != self._root:
+            relay = await self._remote(folder, found.tcp, name)
+        else:
+            try:
+                relay = await self.reattach_relay(folder)
+            except (OSError, TimeoutError) as exc:
+                raise AgentUnavailable(f"agent {name!r}: its relay in {folder} is not there: {exc}",
+                                       agent=name) from exc  # fmt: skip
         try:
             listed = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata,
                                                  timeout=SPAWN_TIMEOUT)  # fmt: skip
@@ -200,7 +298,7 @@ class HostRelays:
         if agent is None:
             raise AgentUnavailable(f"agent {name!r}: the relay in {folder} no longer runs agent {found.agent_id}",
                                    agent=name)  # fmt: skip
-        place = RelayPlace(str(folder), relay.socket, relay.pid, agent.agent_id)
+        place = relay.place(agent.agent_id)
         return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, found.generation, stop_grace,
                                         after_frame=found.after_frame)  # fmt: skip
 
@@ -246,7 +344,7 @@ class HostRelays:
         key = folder.name if folder.parent == self._root else str(folder)
         async with self._starting.setdefault(key, asyncio.Lock()):
             relay = self._relays.get(key)
-            if relay is not None and _alive(relay.pid):
+            if relay is not None and relay.alive():
                 return relay
             relay = await self._found(folder)
             if relay is None:
@@ -256,14 +354,16 @@ class HostRelays:
 
     async def aclose(self, keep: frozenset[str] = frozenset()) -> frozenset[int]:
         """Every relay this daemon used, stopped, and its channel closed; those of the folders in
-        ``keep`` run turns left to the next daemon (docs/relay.md#re-attach): only the channel closed."""
+        ``keep`` run turns left to the next daemon (docs/relay.md#re-attach): only the channel closed.
+        Another host's relays (``remote``, a takeover's) are that host's to stop: only the channel closed."""
         relays, self._relays = list(self._relays.values()), {}
         for relay in relays:
-            if str(relay.folder) in keep:
+            if str(relay.folder) in keep and not relay.remote:
                 log.info("relay_kept", state_dir=str(relay.folder), pid=relay.pid,
                          why="it runs a turn left to the next daemon")  # fmt: skip
-        await asyncio.gather(*(_stop(r.folder, r.pid) for r in relays if str(r.folder) not in keep))
-        kept = frozenset(r.pid for r in relays if str(r.folder) in keep)
+        ours = [r for r in relays if not r.remote]
+        await asyncio.gather(*(_stop(r.folder, r.pid) for r in ours if str(r.folder) not in keep))
+        kept = frozenset(r.pid for r in ours if str(r.folder) in keep)
         for relay in relays:
             await relay.channel.close()
             if relay.process is not None:
@@ -287,15 +387,53 @@ def _spec(start: RelayedStart) -> pb.StartSpec:
     return spec
 
 
-def _launch(folder: Path, argv: list[str]) -> subprocess.Popen[bytes]:
+def _launch(folder: Path, argv: list[str], secret: str | None = None) -> subprocess.Popen[bytes]:
     """``rcoder relay`` started on ``folder``, in a session of its own and with no death signal: it
     outlives the daemon (docs/relay.md#placement). Its output goes to its log file, never to a pipe
-    of the daemon's, which would break under it when the daemon dies."""
+    of the daemon's, which would break under it when the daemon dies. A ``secret`` (derived: a relay
+    serving TCP) is handed to it on a pipe (``--secret-fd``) and written to its ``secret`` file
+    here; without one, the relay makes its own and writes that file."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / SECRET_FILE).unlink(missing_ok=True)  # the new relay's secret is read, not an old one's
+    (folder / ADDRESS_FILE).unlink(missing_ok=True)  # nor an old one's address
+    if secret is None:
+        return _popen(folder, argv, ())
+    read, write = os.pipe()
+    try:
+        os.write(write, secret.encode())  # well within a pipe's buffer: written before the start
+        os.close(write)
+        _write_private(folder / SECRET_FILE, secret.encode() + b"\n")
+        return _popen(folder, [*argv, "--secret-fd", str(read)], (read,))
+    finally:
+        os.close(read)
+        with contextlib.suppress(OSError):
+            os.close(write)
+
+
+def _popen(folder: Path, argv: list[str], fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
     with open(folder / LOG_FILE, "ab", buffering=0) as output:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output, cwd=folder,
-                                start_new_session=True, env=_relay_env())  # fmt: skip
+                                start_new_session=True, env=_relay_env(), pass_fds=fds)  # fmt: skip
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """``data`` written to ``path`` anew, mode 0600, no link followed."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+
+
+def _tcp_of(folder: Path) -> TcpReach | None:
+    """Where other hosts reach the relay of ``folder`` over TCP, as its files say; None when it
+    serves its socket only."""
+    try:
+        address = (folder / ADDRESS_FILE).read_text().strip()
+        relay_id = (folder / RELAY_ID_FILE).read_text().strip()
+        cert = (folder / TLS_CERT_FILE).read_text()
+    except OSError:
+        return None
+    return TcpReach(address, relay_id, cert) if address and relay_id else None
 
 
 async def _end_session(relay: _Relay, start: RelayedStart) -> None:

@@ -30,7 +30,7 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
 from rcoder.relay.agents import Agents
-from rcoder.relay.endpoint import MAX_MESSAGE_BYTES, SOCKET_FILE, socket_target
+from rcoder.relay.endpoint import ADDRESS_FILE, MAX_MESSAGE_BYTES, SOCKET_FILE, socket_target
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
@@ -81,6 +81,15 @@ def git_jail(hidden: list[Path], trees: Trees) -> GitJail | None:
         return None
     system = [p for path in GIT_SYSTEM for p in around(Path(path), hidden)]
     return GitJail(wrapper_command(), system, {MARK: trees.new_mark()})
+
+
+def _write_address(folder: Path, address: str) -> None:
+    """The TCP address bound (its port the kernel's pick with ``--listen host:0``), written whole
+    (renamed into place) for the relay's starter, which stores it for other hosts
+    (docs/relay.md#re-attach)."""
+    partial = folder / f"{ADDRESS_FILE}.new"
+    partial.write_text(address + "\n")
+    os.replace(partial, folder / ADDRESS_FILE)
 
 
 def leave_starters_session() -> None:
@@ -153,6 +162,8 @@ async def serve(options: RelayOptions) -> int:
         loop.add_signal_handler(sig, stopping.set)
     await server.start()
     os.chmod(socket_path, 0o600)
+    if address:
+        _write_address(folder, address)
     log.info("relay_serving", socket=str(socket_path), address=address, pid=os.getpid(),
              state_dir=str(folder), secret_from_fd=options.secret_fd is not None, limits=mechanism.kind,
              buffer_bytes=options.buffer_bytes)  # fmt: skip
@@ -166,6 +177,7 @@ async def serve(options: RelayOptions) -> int:
         forget_instance(pid_dir, trees.instance)  # every process below the relay is ended
         await asyncio.to_thread(cgroups.close)
         socket_path.unlink(missing_ok=True)
+        (folder / ADDRESS_FILE).unlink(missing_ok=True)
         lock.release()
     log.info("relay_stopped")
     return 0

@@ -75,6 +75,10 @@ class RelayedTurn:
     prompt_id: int  # the JSON-RPC id of the turn's ``session/prompt`` on the agent's stdin: its answer ends the turn
     frame_seq: int  # the agent's last stdout frame whose events are stored (0: none yet)
     agent: str  # JSON: the profile, the agent's capabilities, its ACP session (``session.turns.reattached``)
+    # where another host reaches the relay over TCP with TLS ("" each: it serves its socket only)
+    address: str = ""  # host:port
+    relay_id: str = ""  # its secret is derived from it and the hosts' shared key, never stored
+    cert: str = ""  # its self-signed certificate (PEM), the only root of trust of that channel
 
 
 class RunCheckpoint(NamedTuple):

@@ -158,6 +158,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             run_id text COLLATE "C" PRIMARY KEY, session_id text COLLATE "C" NOT NULL, relay text NOT NULL,
             agent_id text NOT NULL, prompt_id bigint NOT NULL, frame_seq bigint NOT NULL, agent text NOT NULL)""",
     ),
+    (  # 17: where another host reaches a relayed turn's relay over TCP with TLS (docs/relay.md#re-attach):
+        # its address, its id (its secret derived from it) and its certificate; '' when it serves no TCP
+        "ALTER TABLE relayed_turns ADD COLUMN address text NOT NULL DEFAULT '',"
+        " ADD COLUMN relay_id text NOT NULL DEFAULT '', ADD COLUMN cert text NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -447,15 +452,17 @@ INTERRUPT_RUN = (
 # the relayed turns of runs that ended (their end deletes nothing: it stays one statement)
 DELETE_ENDED_RELAYED = "DELETE FROM relayed_turns t USING runs r WHERE r.run_id = t.run_id AND r.status <> 'running'"
 PUT_RELAYED_TURN = (
-    "INSERT INTO relayed_turns VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET"
+    "INSERT INTO relayed_turns VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (run_id) DO UPDATE SET"
     " relay = excluded.relay, agent_id = excluded.agent_id, prompt_id = excluded.prompt_id,"
-    " frame_seq = excluded.frame_seq, agent = excluded.agent"
+    " frame_seq = excluded.frame_seq, agent = excluded.agent, address = excluded.address,"
+    " relay_id = excluded.relay_id, cert = excluded.cert"
 )
 SET_RELAYED_FRAME = "UPDATE relayed_turns SET frame_seq = greatest(frame_seq, %s) WHERE run_id = %s"
 DELETE_RELAYED_TURN = "DELETE FROM relayed_turns WHERE run_id = %s"
 # the relayed turns of lost hosts (no live lease of theirs on the session, no heartbeat within the ttl)
 LOST_RELAYED_TURNS = (
-    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
+    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent, t.address,"
+    " t.relay_id, t.cert FROM relayed_turns t"
     " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' AND r.host_id <> %s"
     " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.session_id = r.session_id AND l.owner = r.host_id"
     " AND l.expires > now()) AND NOT EXISTS (SELECT 1 FROM hosts h WHERE h.id = r.host_id"
@@ -468,7 +475,8 @@ ADOPT_RUN = (
 )
 DELETE_RELAYED_TURNS = "DELETE FROM relayed_turns WHERE session_id = %s"
 RELAYED_TURNS = (
-    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
+    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent, t.address,"
+    " t.relay_id, t.cert FROM relayed_turns t"
     " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' AND r.host_id = %s"
     " ORDER BY r.started_at, t.run_id"
 )

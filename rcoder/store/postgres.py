@@ -588,16 +588,16 @@ class PostgresStore:
 
     async def put_relayed_turn(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
         params = _params(turn.run_id, turn.session_id, turn.relay, turn.agent_id, turn.prompt_id, turn.frame_seq,
-                         turn.agent)  # fmt: skip
+                         turn.agent, turn.address, turn.relay_id, turn.cert)  # fmt: skip
         await self._write(pg_schema.PUT_RELAYED_TURN, params, None)
 
     async def relayed_turns(self) -> list[RelayedTurn]:
         rows = await self._rows(pg_schema.RELAYED_TURNS, _params(self._host_id))
-        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6], r[7], r[8], r[9]) for r in rows]
 
     async def lost_relayed_turns(self) -> list[RelayedTurn]:
         rows = await self._rows(pg_schema.LOST_RELAYED_TURNS, _params(self._host_id, self._lease_ttl))
-        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6], r[7], r[8], r[9]) for r in rows]
 
     async def adopt_run(self, run_id: str, lease: Lease) -> bool:
         params = _params(self._host_id, run_id, self._host_id, lease.generation)

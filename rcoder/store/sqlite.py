@@ -574,12 +574,13 @@ class SqliteStore:
 
     async def put_relayed_turn(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
         del lease  # one host: no fence
-        params = (turn.run_id, turn.session_id, turn.relay, turn.agent_id, turn.prompt_id, turn.frame_seq, turn.agent)
+        params = (turn.run_id, turn.session_id, turn.relay, turn.agent_id, turn.prompt_id, turn.frame_seq, turn.agent,
+                  turn.address, turn.relay_id, turn.cert)  # fmt: skip
         await self._write(sqlite_schema.PUT_RELAYED_TURN, params, None)
 
     async def relayed_turns(self) -> list[RelayedTurn]:
         rows = await self._rows(sqlite_schema.RELAYED_TURNS, (), point=False)
-        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6]) for r in rows]
+        return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6], r[7], r[8], r[9]) for r in rows]
 
     async def lost_relayed_turns(self) -> list[RelayedTurn]:
         return []  # one host: its own are taken up at its start

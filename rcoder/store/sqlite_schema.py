@@ -135,6 +135,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, relay TEXT NOT NULL, agent_id TEXT NOT NULL,
             prompt_id INTEGER NOT NULL, frame_seq INTEGER NOT NULL, agent TEXT NOT NULL)""",
     ),
+    (  # 14: where another host reaches a relayed turn's relay over TCP with TLS (docs/relay.md#re-attach):
+        # its address, its id (its secret derived from it) and its certificate; '' when it serves no TCP
+        "ALTER TABLE relayed_turns ADD COLUMN address TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE relayed_turns ADD COLUMN relay_id TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE relayed_turns ADD COLUMN cert TEXT NOT NULL DEFAULT ''",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -162,12 +168,13 @@ MARK_INTERRUPTED = (
     " AND run_id NOT IN (SELECT run_id FROM relayed_turns)"  # taken up again, or marked, by the daemon's start
 )
 INTERRUPT_RUN = "UPDATE runs SET status = ?, ended_at = ?, error = ?, stop_reason = ? WHERE status = ? AND run_id = ?"
-PUT_RELAYED_TURN = "INSERT OR REPLACE INTO relayed_turns VALUES (?,?,?,?,?,?,?)"
+PUT_RELAYED_TURN = "INSERT OR REPLACE INTO relayed_turns VALUES (?,?,?,?,?,?,?,?,?,?)"
 SET_RELAYED_FRAME = "UPDATE relayed_turns SET frame_seq = max(frame_seq, ?) WHERE run_id = ?"
 DELETE_RELAYED_TURN = "DELETE FROM relayed_turns WHERE run_id = ?"
 DELETE_RELAYED_TURNS = "DELETE FROM relayed_turns WHERE session_id = ?"
 RELAYED_TURNS = (
-    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
+    "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent, t.address,"
+    " t.relay_id, t.cert FROM relayed_turns t"
     " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' ORDER BY r.started_at, t.run_id"
 )
 

@@ -1,6 +1,7 @@
 """A relayed turn outlives its host (docs/relay.md#re-attach): its host paused past its lease, another
 host of the store takes the session's lease over, finds the relay where the store says it is (the
-first host's data_dir, not its own), attaches to the agent with the newer generation and drives the
+first host's data_dir, not its own; or, where the first host's relays serve TCP, the address, relay
+id and certificate the store has, with no folder shared), attaches to the agent with the newer generation and drives the
 turn to its real end; the paused host, woken up, is fenced by the relay.
 
 The relay a test leaves is ended, its whole process group, whatever happened."""
@@ -19,8 +20,9 @@ import grpc
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import exited
 from tests.harness import completed, error_info, text_of
-from tests.multihost.conftest import AUTH_MD, chat
+from tests.multihost.conftest import AUTH_MD, Host, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
+from tests.relay.test_placement_relay import alive
 from tests.relay.test_reattach import left_running
 
 CHUNKS, SEEN = 120, 10
@@ -130,6 +132,114 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
             assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
             whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
             assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+        finally:
+            await hosts.close()
+            if relay:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
+def relay_key(path: Path, byte: int | None = None) -> Path:
+    """A key file as ``[relays] key_file`` wants it: 32 bytes (random, or ``byte`` repeated), mode 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(os.urandom(32) if byte is None else bytes([byte]) * 32)
+    return path
+
+
+async def a_turn_left_by_a_killed_host(hosts: Hosts, a: Host, chunks: int) -> tuple[list[pb.ChatStream], int]:
+    """A paced turn on ``a``'s relay, its first events seen; then ``a``'s relay folder made unusable
+    to any other host (its socket and secret file removed: the relay keeps serving TCP, and the
+    connections open on the socket) and ``a`` SIGKILLed. The events seen, and the relay's pid."""
+    session_id = (await chat(a, prompt="hello"))[0][0].session_id
+    folder = hosts.root / "data-a" / "relays" / "proj"
+    relay = relay_pid(hosts.root / "data-a")
+    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
+    call = a.stub.Chat(request, metadata=AUTH_MD)
+    seen: list[pb.ChatStream] = []
+    async with asyncio.timeout(20):
+        while f"c{SEEN - 1} " not in text_of(seen):
+            seen.append(await call.read())
+    assert (folder / "address").read_text().startswith("127.0.0.1:"), "the relay serves TCP"
+    (folder / "relay.sock").unlink()
+    (folder / "secret").unlink()
+    await a.daemon.kill()
+    return seen, relay
+
+
+async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared_folder(
+    make_hosts: MakeHosts, tmp_path: Path
+) -> None:
+    # host A serves its relays over TCP too; A is SIGKILLed mid-turn and its relay folder is made
+    # unusable (no socket, no secret): host B, holding the same key, reaches the relay at the address
+    # the store has, trusting the certificate the store has, with the secret it derives; the turn
+    # ends END_TURN, every chunk once from the last seq seen
+    key = relay_key(tmp_path / "relay.key")
+    chunks = 150
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key)},
+                "b": {"relays_key_file": str(key)}}  # fmt: skip
+        a, b = await hosts.start("a", "b", each=each)
+        relay = 0
+        try:
+            seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks)
+            run_id = seen[0].run_id
+            taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+            assert taken[0]["run_id"] == run_id
+            assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
+            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+            rest = []
+            async with asyncio.timeout(30):
+                async for event in subscribe:
+                    rest.append(event)
+            seqs = [event.seq for event in rest]
+            assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
+            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
+            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+
+            # the agent is B's live agent now, over TCP: a next turn runs on it
+            again, _ = await chat(b, prompt="remember 3", session_id=seen[0].session_id)
+            assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+            assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
+            # and B ends it over TCP: the agent goes, its relay (A's) stays
+            agent = (await b.daemon.wait_log("agent_reattached"))[0]["pid"]
+            closing = pb.CloseSessionRequest(session_id=seen[0].session_id)
+            assert (await b.stub.CloseSession(closing, metadata=AUTH_MD)).agent_stopped
+            async with asyncio.timeout(15):
+                await exited(agent)
+            assert alive(relay), "the relay is A's to stop, not B's"
+        finally:
+            await hosts.close()
+            if relay:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
+async def test_a_host_with_another_key_marks_the_turn_interrupted_and_says_why(
+    make_hosts: MakeHosts, tmp_path: Path
+) -> None:
+    # B's key is not A's: the secret it derives is refused, the turn is marked interrupted with a
+    # log line naming the key, and a follower's stream ends
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(relay_key(tmp_path / "a.key", 1))},
+                "b": {"relays_key_file": str(relay_key(tmp_path / "b.key", 2))}}  # fmt: skip
+        a, b = await hosts.start("a", "b", each=each)
+        relay = 0
+        try:
+            seen, relay = await a_turn_left_by_a_killed_host(hosts, a, 300)
+            run_id = seen[0].run_id
+            refused = await b.daemon.wait_log("relayed_turn_not_reattached", timeout=30, run_id=run_id)
+            assert "key_file" in refused[0]["why"] and "secret" in refused[0]["why"], refused[0]
+            assert refused[0]["address"].startswith("127.0.0.1:"), refused[0]
+            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+            async with asyncio.timeout(30):
+                rest = [event async for event in subscribe]
+            assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
         finally:
             await hosts.close()
             if relay:

@@ -15,14 +15,16 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 
 from rcoder.agent.processes.relayed import RelayedStart
 from rcoder.relay.host import RELAY_ENV, HostRelays
+from rcoder.relay.relay_key import relay_secret
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
-from tests.harness import FakeAgentSetup, completed, eventually, started, text_of
+from tests.harness import FAKE_AGENT_READS, FakeAgentSetup, completed, eventually, started, text_of
 from tests.relay.conftest import RelayFactory
 
 
@@ -140,6 +142,49 @@ async def test_a_relay_starts_with_the_daemons_path_and_locale_and_never_its_mod
     assert "RCODER_LOG_FORMAT" not in environ, "the relay is given its own log format"
     assert environ["LC_MESSAGES"] == "C" and environ["PATH"] == os.environ["PATH"]
     assert set(environ) <= RELAY_ENV | {"LC_MESSAGES"}, sorted(environ)
+
+
+async def test_a_relay_on_tcp_has_a_derived_secret_and_no_agent_reads_its_key_or_the_hosts_key(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    # [relays] listen_host: the relay serves TCP with a certificate the daemon made, its secret
+    # derived from its id and the hosts' key (docs/relay.md#security); the key file is hidden from
+    # agents even inside a folder their profile grants whole, as the relay's TLS key is
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    key_file = keys / "relay.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    granted = fake.profile(placement="relay", read_paths=[*FAKE_AGENT_READS, str(keys)])
+    _, client = await make_daemon({"fake": granted}, relays_listen_host="127.0.0.1", relays_key_file=str(key_file))
+    folder = tmp_path / "data" / "relays" / "proj"
+    prompt = f"remember 5\nshell cat {key_file} > /dev/null\n"
+    events = await client.chat(prompt=prompt)
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)
+    assert completed(events).stop_reason == pb.STOP_REASON_END_TURN
+    assert "shell=exit 1" in text_of(events), "the agent read the hosts' key"
+    again = await client.chat(prompt=f"shell cat {folder / 'tls.key'} > /dev/null", session_id=events[0].session_id)
+    assert "shell=exit 1" in text_of(again), "the agent read the relay's TLS key"
+
+    relay_id = (folder / "relay_id").read_text().strip()
+    assert (folder / "secret").read_text().strip() == relay_secret(key_file.read_bytes(), relay_id)
+    for name in ("secret", "relay_id", "tls.key", "tls.crt"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o600, name
+    address = (folder / "address").read_text().strip()
+    credentials = grpc.ssl_channel_credentials(root_certificates=(folder / "tls.crt").read_bytes())
+
+    def bearer(key: bytes) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {relay_secret(key, relay_id)}"),)
+
+    async with grpc.aio.secure_channel(address, credentials) as channel:
+        stub = relay_grpc.RelayServiceStub(channel)
+        listed = await stub.ListAgents(relay_pb.ListAgentsRequest(), metadata=bearer(key_file.read_bytes()), timeout=10)
+        assert len(listed.agents) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ListAgents(relay_pb.ListAgentsRequest(), metadata=bearer(b"x" * 32), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_a_relay_found_alive_in_the_projects_folder_is_used_as_it_is(

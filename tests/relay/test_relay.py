@@ -283,6 +283,8 @@ async def test_tcp_is_served_with_tls(make_relay: RelayFactory, tmp_path: Path) 
     relay = await make_relay("--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key))
     address = relay.serving["address"]
     assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+    # the port bound, in its folder for its starter to store (docs/relay.md#placement)
+    assert (relay.state_dir / "address").read_text() == address + "\n"
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     async with grpc.aio.secure_channel(address, credentials) as channel:
         stub = pb_grpc.RelayServiceStub(channel)

@@ -710,7 +710,9 @@ async def test_a_relayed_turn_is_kept_running_at_open_its_frames_move_with_its_e
     await first.create_session(session("s1"), lease=taken.lease)
     for run in ("r-relayed", "r-local"):
         await first.start_run(RunRecord(run, "s1", RunStatus.RUNNING, T0), lease=taken.lease)
-    turn = RelayedTurn("r-relayed", "s1", "/data/relays/proj", "agent-1", 3, 7, '{"profile": "fake"}')
+    # a relay serving TCP: its address, id and certificate kept with the turn, for another host
+    turn = RelayedTurn("r-relayed", "s1", "/data/relays/proj", "agent-1", 3, 7, '{"profile": "fake"}',
+                       "10.0.0.5:40123", "relay-id-1", "-----BEGIN CERTIFICATE-----\n...")  # fmt: skip
     await first.put_relayed_turn(turn, taken.lease)
     leases = {"r-relayed": taken.lease}
     events = [EventRow("s1", "r-relayed", seq, T0, "text", "{}") for seq in (1, 2)]

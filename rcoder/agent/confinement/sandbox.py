@@ -160,9 +160,11 @@ def make_write_paths(settings: Settings, profile: AgentProfile, owner: tuple[int
 
 def protected(settings: Settings) -> list[Path]:
     """What no grant may contain: the store and homes, every project, the config, defaults and TLS
-    files, the clients' token files."""
+    files, the relays' key (every relay's secret derives from it), the clients' token files."""
     paths = [settings.data_dir, settings.workspace_root, checkpoint_root(settings)]
-    paths += [Path(p) for p in (settings.config_file, settings.defaults_file, settings.tls_cert, settings.tls_key) if p]
+    files = (settings.config_file, settings.defaults_file, settings.tls_cert, settings.tls_key,
+             settings.relays_key_file)  # fmt: skip
+    paths += [Path(p) for p in files if p]
     paths += [client.token_file for client in settings.clients if client.token_file is not None]
     return [_real(p) for p in paths]
 

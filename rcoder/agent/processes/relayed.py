@@ -41,14 +41,25 @@ class RelayedStart:
 
 
 @dataclass(frozen=True, slots=True)
+class TcpReach:
+    """How another host reaches a relay served over TCP with TLS (docs/relay.md#re-attach), as the
+    store keeps it with a relayed turn: no shared disk needed."""
+
+    address: str  # host:port, as the relay bound it
+    relay_id: str  # its secret is derived from it and the hosts' key (rcoder.relay.relay_key)
+    cert: str  # its self-signed certificate (PEM): the channel's only root of trust
+
+
+@dataclass(frozen=True, slots=True)
 class RelayPlace:
     """Where a relayed agent runs: said in its start's log line."""
 
     state_dir: str  # the relay's folder: its lock, socket, secret and log
     socket: str  # its address on this host (unix:<state_dir>/relay.sock)
-    relay_pid: int
+    relay_pid: int  # 0: a relay on another host, reached over TCP (alive while it answers)
     agent_id: str  # the relay's id of the agent
     container_id: str = ""  # the relay's container, under placement = "container"
+    tcp: TcpReach | None = None  # where other hosts reach it, when it serves TCP too
 
 
 class RelayedChild(Child, Protocol):
@@ -84,6 +95,7 @@ class FoundAgent:
     agent_id: str
     after_frame: int  # the last frame whose events are stored: the stream starts after it
     generation: int = RELAY_GENERATION
+    tcp: TcpReach | None = None  # its relay over TCP, for a host that cannot reach its folder
 
 
 class Relays(Protocol):

@@ -39,7 +39,7 @@ from typing import Any
 from rcoder.agent.connection import AgentConnection, TurnFrames
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
-from rcoder.agent.processes.relayed import FoundAgent, Relays
+from rcoder.agent.processes.relayed import FoundAgent, Relays, TcpReach
 from rcoder.config import Settings
 from rcoder.domain import (
     AgentCapabilities,
@@ -122,7 +122,10 @@ def relayed_turn(
         # its own TMPDIR: spared by the next start's sweep, removed at its end by whoever takes it up
         "tmpdir": str(conn.process.tmpdir or ""),
     }
-    return RelayedTurn(run_id, session_id, place.state_dir, place.agent_id, prompt_id, frames.base, json.dumps(agent))
+    tcp = place.tcp
+    reach = (tcp.address, tcp.relay_id, tcp.cert) if tcp is not None else ("", "", "")
+    return RelayedTurn(run_id, session_id, place.state_dir, place.agent_id, prompt_id, frames.base, json.dumps(agent),
+                       *reach)  # fmt: skip
 
 
 class ReattachedTurns:
@@ -177,7 +180,8 @@ class ReattachedTurns:
             except (RcoderError, OSError, ValueError, KeyError) as exc:
                 why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
                 log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
-                            relay=turn.relay, agent_id=turn.agent_id, why=why)  # fmt: skip
+                            relay=turn.relay, address=turn.address or None, agent_id=turn.agent_id,
+                            why=why)  # fmt: skip
                 try:
                     interrupted += await self._store.interrupt_run(turn.run_id)
                 except StoreError as error:
@@ -217,11 +221,11 @@ class ReattachedTurns:
                 return
             await self._take_up(turn, lease)
             log.warning("relayed_turn_taken_over", run_id=turn.run_id, session_id=turn.session_id,
-                        generation=lease.generation, relay=turn.relay)  # fmt: skip
+                        generation=lease.generation, relay=turn.relay, address=turn.address or None)  # fmt: skip
         except (RcoderError, OSError, ValueError, KeyError) as exc:
             why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
             log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
-                        relay=turn.relay, agent_id=turn.agent_id, why=why)  # fmt: skip
+                        relay=turn.relay, address=turn.address or None, agent_id=turn.agent_id, why=why)  # fmt: skip
             with contextlib.suppress(StoreError):
                 await self._store.interrupt_run(turn.run_id)
             self._live.let_go_lease(turn.session_id, lease)
@@ -237,7 +241,8 @@ class ReattachedTurns:
         if lease is None:
             lease = await self._live.take_lease(turn.session_id)
         capabilities = AgentCapabilities(**state["capabilities"])
-        found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation)
+        tcp = TcpReach(turn.address, turn.relay_id, turn.cert) if turn.address else None
+        found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation, tcp)
         try:
             conn = await self._launcher.reattach(profile, found, capabilities, state["provider_session_id"],
                                                  request_offset=turn.prompt_id + 1,

@@ -1,0 +1,89 @@
+"""``[relays]``: a relay placement's relays over TCP with TLS, their secrets derived from a key
+every host of a store shares (docs/relay.md#re-attach, docs/relay.md#security). The key file is
+checked at load: there, long enough, private and the daemon's user's; listen_host needs it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from rcoder.config import load_settings
+from rcoder.relay.relay_key import relay_secret
+from tests.harness import config_error
+
+pytestmark = pytest.mark.fast  # starts no process: `make check` (tests/process_guard.py)
+
+
+def relay_key_file(path: Path, size: int = 32, mode: int = 0o600) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(os.urandom(size))
+    os.chmod(path, mode)
+    return path
+
+
+def test_listen_host_and_a_private_key_of_32_bytes_load(tmp_path: Path) -> None:
+    relay_key_file(tmp_path / "relay.key")
+    (tmp_path / "rcoder.toml").write_text('[relays]\nlisten_host = "127.0.0.1"\nkey_file = "relay.key"\n')
+    settings = load_settings(tmp_path / "rcoder.toml", {})
+    assert settings.relays_listen_host == "127.0.0.1"
+    assert Path(settings.relays_key_file) == tmp_path / "relay.key"  # read against the config's folder
+
+
+def test_a_key_file_alone_loads_for_a_host_that_only_takes_turns_over(tmp_path: Path) -> None:
+    relay_key_file(tmp_path / "relay.key")
+    (tmp_path / "rcoder.toml").write_text('[relays]\nkey_file = "relay.key"\n')
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_listen_host == ""
+
+
+def test_listen_host_without_a_key_file_is_refused_saying_how_to_make_one(tmp_path: Path) -> None:
+    error = config_error(tmp_path, '[relays]\nlisten_host = "127.0.0.1"\n')
+    assert error.key == "relays.key_file", error.problems
+    assert "needs relays.key_file" in error.problems[0][1] and "head -c 32 /dev/urandom" in error.problems[0][1]
+    assert "leave relays.listen_host unset" in error.problems[0][1]
+
+
+def test_a_missing_key_file_is_refused_naming_it(tmp_path: Path) -> None:
+    error = config_error(tmp_path, '[relays]\nlisten_host = "127.0.0.1"\nkey_file = "nowhere.key"\n')
+    assert error.key == "relays.key_file", error.problems
+    assert "nowhere.key" in error.problems[0][1] and "No such file" in error.problems[0][1], error.problems
+
+
+def test_a_short_key_is_refused(tmp_path: Path) -> None:
+    relay_key_file(tmp_path / "relay.key", size=31)
+    error = config_error(tmp_path, '[relays]\nkey_file = "relay.key"\n')
+    assert error.key == "relays.key_file", error.problems
+    assert "holds 31 bytes" in error.problems[0][1] and "at least 32" in error.problems[0][1]
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660])
+def test_a_key_others_may_read_is_refused(tmp_path: Path, mode: int) -> None:
+    relay_key_file(tmp_path / "relay.key", mode=mode)
+    error = config_error(tmp_path, '[relays]\nlisten_host = "10.0.0.5"\nkey_file = "relay.key"\n')
+    assert error.key == "relays.key_file", error.problems
+    assert f"mode {mode:04o}" in error.problems[0][1] and "chmod 600" in error.problems[0][1]
+
+
+def test_a_key_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = relay_key_file(tmp_path / "relay.key")
+    os.chown(path, os.geteuid() + 1, -1)  # the tests run as root (CONTRIBUTING.md)
+    error = config_error(tmp_path, '[relays]\nkey_file = "relay.key"\n')
+    assert error.key == "relays.key_file", error.problems
+    assert f"belongs to uid {os.geteuid() + 1}" in error.problems[0][1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:7000x", "a host", "10.0.0.5/24"])
+def test_a_listen_host_that_is_no_host_is_refused(tmp_path: Path, host: str) -> None:
+    relay_key_file(tmp_path / "relay.key")
+    error = config_error(tmp_path, f'[relays]\nlisten_host = "{host}"\nkey_file = "relay.key"\n')
+    assert error.key == "relays.listen_host", error.problems
+    assert "no port" in error.problems[0][1]
+
+
+def test_a_relays_secret_is_the_same_for_the_same_key_and_differs_otherwise() -> None:
+    one, other = b"k" * 32, b"q" * 32
+    assert relay_secret(one, "r1") == relay_secret(one, "r1")
+    assert len({relay_secret(one, "r1"), relay_secret(one, "r2"), relay_secret(other, "r1")}) == 3
+    assert len(relay_secret(one, "r1")) == 43 and "=" not in relay_secret(one, "r1")

@@ -724,12 +724,14 @@ async def test_a_relayed_turn_is_kept_running_at_open_its_frames_move_with_its_e
     assert await again.open() == 1  # the local run is interrupted, the relayed one left running
     try:
         assert await again.relayed_turns() == [replace(turn, frame_seq=12)]
+        assert await again.relay_folders_in_use() == frozenset({"/data/relays/proj"})
         relayed, local = await again.get_run("r-relayed"), await again.get_run("r-local")
         assert relayed is not None and local is not None
         assert (relayed.status, local.status) == (RunStatus.RUNNING, RunStatus.INTERRUPTED)
         assert await again.interrupt_run("r-relayed")  # it could not be taken up
         assert not await again.interrupt_run("r-relayed")
         assert await again.relayed_turns() == []
+        assert await again.relay_folders_in_use() == frozenset()  # its run ended: its folder is free
         relayed = await again.get_run("r-relayed")
         assert relayed is not None and relayed.status is RunStatus.INTERRUPTED
     finally:

@@ -23,7 +23,7 @@ container's OOM kill count grew since its spawn (or whose whole container the ke
 limit) stopped at its limit (``AgentStoppedAtLimit``, through ``LimitWatch``).
 
 At the daemon's stop every container it started or took up is stopped (the relay ends its agents'
-groups) and removed, but one a running turn of the store names. At its start, a container a killed
+groups) and removed, but one another host's running turn names. At its start, a container a killed
 daemon of the same ``data_dir`` left (found by its labels) whose state folder a running turn of its
 own names is taken up, its turns re-attached as the ``relay`` placement's are
 (docs/relay.md#re-attach); one whose state folder another host's running turn names (a turn that
@@ -31,7 +31,7 @@ host took over) is left alone; every other one is removed.
 
 Another host's container (a turn taken over from a lost host, whose store row names a state folder
 under that host's ``data_dir``) is found by its labels too and taken over: held while the agents
-taken over in it live, then stopped and removed unless a running turn of the store names it, so
+taken over in it live, then stopped and removed unless another host's running turn names it, so
 that nothing is left of it when its host never comes back (docs/relay.md#re-attach, "In a
 container").
 """
@@ -129,7 +129,7 @@ class ContainerHostRelays:
         root: Path,
         engine: Engine,
         stop_grace: float,
-        in_use: Callable[[], Awaitable[frozenset[str]]],
+        elsewhere: Callable[[], Awaitable[frozenset[str]]],
     ) -> None:
         self._placement = placement
         self._root = root
@@ -137,9 +137,9 @@ class ContainerHostRelays:
         self._containers = ContainerRelays(engine)
         self._host = _InContainers(root, stop_grace, self)
         self._stop_grace = stop_grace
-        # the state folders the running turns of the store name, every host's (the store's
-        # relay_folders_in_use): a container one of them names is never removed here
-        self._in_use = in_use
+        # the state folders other hosts' running turns name (the store's relay_folders_elsewhere):
+        # a container one of them names is never removed here
+        self._elsewhere = elsewhere
         # by the name of its state folder under ``root``; another host's (taken over) by its path
         self._running: dict[str, _Running] = {}
         self._starting: dict[str, asyncio.Lock] = {}
@@ -156,11 +156,11 @@ class ContainerHostRelays:
         """Where ``_running`` holds the container of ``state_dir``: its name under ``root``, else its path."""
         return state_dir.name if state_dir.parent == self._root else str(state_dir)
 
-    async def _folders_in_use(self) -> frozenset[str]:
-        """The state folders the store's running turns name; none when it cannot be read (said):
-        what is done then is what was done before another host could take a container over."""
+    async def _folders_elsewhere(self) -> frozenset[str]:
+        """The state folders other hosts' running turns name; none when the store cannot be read
+        (said): what is done then is what was done before another host could take a container over."""
         try:
-            return await self._in_use()
+            return await self._elsewhere()
         except errors.StoreError as exc:
             log.warning("relay_containers_in_use_unknown", error=exc.message)
             return frozenset()
@@ -333,16 +333,17 @@ class ContainerHostRelays:
             self._track(self._letting_go, self._let_go(running), f"let-go-{key}")
 
     async def _let_go(self, running: _Running) -> None:
-        """Another host's container no agent of ours runs in any more: stopped and removed unless a
-        running turn of the store names it (its host's, come back, or another's taken over), so
-        that none is left when its host never comes back; else only our hold on it dropped."""
-        if str(running.state_dir) in await self._folders_in_use():
+        """Another host's container no agent of ours runs in any more: stopped and removed unless
+        another host's running turn names it (its own host's, come back, or a third's that took a
+        turn over there too), so that none is left when its host never comes back; else only our
+        hold on it dropped. A running turn of ours there is one whose agent ended: it is ending."""
+        if str(running.state_dir) in await self._folders_elsewhere():
             await running.relay.channel.close()
             os.close(running.init_fd)
             log.info("relay_container_left", container_id=running.container.container_id[:12],
-                     state_dir=str(running.state_dir), why="a running turn of the store names it")  # fmt: skip
+                     state_dir=str(running.state_dir), why="another host's running turn names it")  # fmt: skip
             return
-        await self._remove(running, why="the turns taken over in it ended, and no running turn names it")
+        await self._remove(running, why="the agents taken over in it ended, and no other host's turn names it")
 
     def _forget(self, key: str, running: _Running) -> None:
         """Our hold on another host's container dropped, the container left as it is: its channel,
@@ -366,7 +367,7 @@ class ContainerHostRelays:
             return 0
         wanted = {Path(relay).name for relay, _ in keep if Path(relay).parent == self._root}
         # the folders of this data_dir another host's running turn names: it took the turn over
-        named = await self._folders_in_use() if found else frozenset()
+        named = await self._folders_elsewhere() if found else frozenset()
         elsewhere = {Path(f).name for f in named if Path(f).parent == self._root} - wanted
         by_name = {_container_name(self._placement.data_dir, folder): folder for folder in wanted | elsewhere}
         ended = 0
@@ -453,13 +454,13 @@ class ContainerHostRelays:
     async def aclose(self, keep: frozenset[str] = frozenset()) -> frozenset[int]:
         """At the daemon's stop, once its agents are closed: every container it started or took
         over, stopped and removed, but those whose relay folder is in ``keep`` (they run turns left
-        to the next daemon, docs/relay.md#re-attach) or that a running turn of the store names
-        (another host's, taken over from this one while it was lost): only our channel to them closed."""
+        to the next daemon, docs/relay.md#re-attach) or that another host's running turn names (a
+        turn taken over from this one while it was lost): only our channel to them closed."""
         for task in list(self._watching):
             task.cancel()
         await asyncio.gather(*self._watching, *self._letting_go, return_exceptions=True)
         running, self._running = list(self._running.values()), {}
-        named = await self._folders_in_use() if running else frozenset()
+        named = await self._folders_elsewhere() if running else frozenset()
         kept = [r for r in running if str(r.relay.folder) in keep or str(r.state_dir) in named]
         for each in kept:
             await each.relay.channel.close()

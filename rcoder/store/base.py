@@ -306,10 +306,10 @@ class SessionStore(Protocol):
         store), oldest first: what ``open`` left running for the daemon's start to take up again."""
         ...
 
-    async def relay_folders_in_use(self) -> frozenset[str]:
-        """The relay folders the relayed turns of running runs name, whichever host runs them: a
-        relay's container another host took a turn over in is named here while that turn runs
-        (docs/relay.md#re-attach)."""
+    async def relay_folders_elsewhere(self) -> frozenset[str]:
+        """The relay folders the relayed turns of other hosts' running runs name: a relay's
+        container another host took a turn over in is named here while that turn runs
+        (docs/relay.md#re-attach). A store of one host has none."""
         ...
 
     async def lost_relayed_turns(self) -> list[RelayedTurn]:

@@ -296,6 +296,7 @@ class ContainerHostRelays:
                 return running
             if running is not None:
                 self._forget(key, running)
+            began = asyncio.get_running_loop().time()
             data_dir = state_dir.parent.parent
             labels = {LABEL: _container_name(data_dir, state_dir.name), DATA_DIR_LABEL: str(data_dir)}
             try:
@@ -312,7 +313,8 @@ class ContainerHostRelays:
                                               f"taken over: {str(exc)[:300]}", agent=agent) from exc  # fmt: skip
             self._running[key] = running
             log.warning("relay_container_taken_over", state_dir=str(state_dir), container_id=ident[:12],
-                        init_pid=running.init_pid, data_dir=str(data_dir))  # fmt: skip
+                        init_pid=running.init_pid, data_dir=str(data_dir),
+                        took_ms=round((asyncio.get_running_loop().time() - began) * 1000, 1))  # fmt: skip
             return running
 
     def _track(self, tasks: set[asyncio.Task[None]], work: Awaitable[None], name: str) -> None:

@@ -234,13 +234,17 @@ class ContainerHostRelays:
 
     async def _still_spared(self, folder: str, agent: str) -> None:
         """``folder``'s container, left alone at the start for another host's turn taken over in it:
-        ``AgentUnavailable`` (retry later) while it is there, its name the one a new one would take."""
+        ``AgentUnavailable`` (retry later) while it runs, its name the one a new one would take;
+        removed once it has ended (nobody else does then)."""
         name = _container_name(self._placement.data_dir, folder)
         labels = {LABEL: name, DATA_DIR_LABEL: str(self._placement.data_dir)}
-        if await asyncio.to_thread(self._engine.list_containers, labels):
+        rows = await asyncio.to_thread(self._engine.list_containers, labels)
+        if any(row.get("State") == "running" for row in rows):
             raise errors.AgentUnavailable(f"agent {agent!r}: the relay's container of {folder} runs a turn another "
                                           "host took over; a new one starts once that host has let go of it",
                                           agent=agent)  # fmt: skip
+        for row in rows:
+            await asyncio.to_thread(self._engine.remove_container, str(row.get("Id", "")))
         self._spared.discard(folder)
 
     def _launch(self, folder: str, start: RelayedStart) -> RelayLaunch:
@@ -370,7 +374,10 @@ class ContainerHostRelays:
         wanted = {Path(relay).name for relay, _ in keep if Path(relay).parent == self._root}
         # the folders of this data_dir another host's running turn names: it took the turn over
         named = await self._folders_elsewhere() if found else frozenset()
-        elsewhere = {Path(f).name for f in named if Path(f).parent == self._root} - wanted
+        in_use = {Path(f).name for f in named if Path(f).parent == self._root}
+        # a folder in ``shared`` runs a turn of ours and one another host took over: taken up, and
+        # none of its agents ended (which of them that host holds, the store does not say)
+        elsewhere, shared = in_use - wanted, in_use & wanted
         by_name = {_container_name(self._placement.data_dir, folder): folder for folder in wanted | elsewhere}
         ended = 0
         kept: set[str] = set()
@@ -391,12 +398,17 @@ class ContainerHostRelays:
                         self._running[folder] = running
                         log.info("relay_container_taken_up", folder=folder, container_id=ident[:12],
                                  init_pid=running.init_pid)  # fmt: skip
-                    ended += await self._host.end_unkept(self._root / folder, keep)
+                    if folder not in shared:
+                        ended += await self._host.end_unkept(self._root / folder, keep)
                     kept.add(folder)
                     continue
                 except (errors.RcoderError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
                     log.warning("relay_container_not_taken_up", container_id=ident[:12], folder=folder,
                                 error=str(exc)[:300])  # fmt: skip
+                    if folder in shared and row.get("State") == "running":  # another host's turn goes on
+                        kept.add(folder)
+                        self._spared.add(folder)
+                        continue
             ended += 1
             log.warning("relay_container_found_removed", container_id=ident[:12], names=row.get("Names"),
                         why="a relay's container a daemon left, running no turn the store has running")  # fmt: skip

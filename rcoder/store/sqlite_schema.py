@@ -170,6 +170,7 @@ RELAYED_TURNS = (
     "SELECT t.run_id, t.session_id, t.relay, t.agent_id, t.prompt_id, t.frame_seq, t.agent FROM relayed_turns t"
     " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' ORDER BY r.started_at, t.run_id"
 )
+
 # sessions
 INSERT_SESSION = "INSERT INTO sessions VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
 SESSION_COLUMNS = (

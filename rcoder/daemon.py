@@ -138,7 +138,9 @@ class Daemon:
             tuple(sandbox.protected(settings)),
         )  # fmt: skip
         engine = Engine(container_engine_socket(settings))
-        self.containers = ContainerHostRelays(placement, containers_root(settings), engine, settings.agent_stop_grace)
+        # a container another host's running turn names (a turn taken over) is never removed here
+        self.containers = ContainerHostRelays(placement, containers_root(settings), engine, settings.agent_stop_grace,
+                                              elsewhere=self.store.relay_folders_elsewhere)  # fmt: skip
         relays: dict[str, Relays] = {"relay": self.relays, "container": self.containers}
         self.launcher = AgentLauncher(settings, self.trees, limits=self.limits, relays=relays)
         self.runs = RunRegistry(settings.run_retention, settings.runs_total_bytes)

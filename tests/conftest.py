@@ -39,7 +39,10 @@ FIRST_FILES = ("test_bench_smoke.py",)
 # The image's tests (and the relay's containers', from the same image) go last: `make test` builds the
 # image in the background meanwhile (minutes on a fresh machine), and their fixture waits for that
 # build (scripts/image.py's lock) and reuses it.
-LAST_FILES = ("test_image.py", "test_compose.py", "test_containers.py", "test_placement_container.py")
+LAST_FILES = (
+    "test_image.py", "test_compose.py", "test_containers.py", "test_placement_container.py",
+    "test_container_takeover.py",  # tests/multihost's: its hosts' profile runs in containers
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -23,9 +23,17 @@ container's OOM kill count grew since its spawn (or whose whole container the ke
 limit) stopped at its limit (``AgentStoppedAtLimit``, through ``LimitWatch``).
 
 At the daemon's stop every container it started or took up is stopped (the relay ends its agents'
-groups) and removed. At its start, a container a killed daemon of the same ``data_dir`` left (found
-by its labels) whose state folder a running turn names is taken up, its turns re-attached as the
-``relay`` placement's are (docs/relay.md#re-attach); every other one is removed.
+groups) and removed, but one another host's running turn names. At its start, a container a killed
+daemon of the same ``data_dir`` left (found by its labels) whose state folder a running turn of its
+own names is taken up, its turns re-attached as the ``relay`` placement's are
+(docs/relay.md#re-attach); one whose state folder another host's running turn names (a turn that
+host took over) is left alone; every other one is removed.
+
+Another host's container (a turn taken over from a lost host, whose store row names a state folder
+under that host's ``data_dir``) is found by its labels too and taken over: held while the agents
+taken over in it live, then stopped and removed unless another host's running turn names it, so
+that nothing is left of it when its host never comes back (docs/relay.md#re-attach, "In a
+container").
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import os
 import re
 import select
 import signal
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +107,12 @@ class _Running:
     init_pid: int  # the container's init on this host: alive while the container runs
     relay: host._Relay
     init_fd: int  # a pidfd of that init: it, not a pid a later process may take, says when it ended
+    foreign: bool = False  # another host's (a turn taken over): held while agents taken over in it live
+    agents: int = 0  # of a foreign one: the agents taken over in it that have not ended
+
+    @property
+    def state_dir(self) -> Path:
+        return self.container.launch.state_dir
 
     @property
     def running(self) -> bool:
@@ -109,19 +123,47 @@ class _Running:
 class ContainerHostRelays:
     """The ``Relays`` of ``rcoder.agent.processes.relayed`` for ``placement = "container"``."""
 
-    def __init__(self, placement: ContainerPlacement, root: Path, engine: Engine, stop_grace: float) -> None:
+    def __init__(
+        self,
+        placement: ContainerPlacement,
+        root: Path,
+        engine: Engine,
+        stop_grace: float,
+        elsewhere: Callable[[], Awaitable[frozenset[str]]],
+    ) -> None:
         self._placement = placement
         self._root = root
         self._engine = engine
         self._containers = ContainerRelays(engine)
         self._host = _InContainers(root, stop_grace, self)
         self._stop_grace = stop_grace
+        # the state folders other hosts' running turns name (the store's relay_folders_elsewhere):
+        # a container one of them names is never removed here
+        self._elsewhere = elsewhere
+        # by the name of its state folder under ``root``; another host's (taken over) by its path
         self._running: dict[str, _Running] = {}
         self._starting: dict[str, asyncio.Lock] = {}
+        # this data_dir's containers left alone at the start: another host runs a turn taken over there
+        self._spared: set[str] = set()
+        self._watching: set[asyncio.Task[None]] = set()  # a foreign container's agents, until they end
+        self._letting_go: set[asyncio.Task[None]] = set()  # a foreign container being let go of
 
     @property
     def root(self) -> Path:
         return self._root
+
+    def key_of(self, state_dir: Path) -> str:
+        """Where ``_running`` holds the container of ``state_dir``: its name under ``root``, else its path."""
+        return state_dir.name if state_dir.parent == self._root else str(state_dir)
+
+    async def _folders_elsewhere(self) -> frozenset[str]:
+        """The state folders other hosts' running turns name; none when the store cannot be read
+        (said): what is done then is what was done before another host could take a container over."""
+        try:
+            return await self._elsewhere()
+        except errors.StoreError as exc:
+            log.warning("relay_containers_in_use_unknown", error=exc.message)
+            return frozenset()
 
     async def spawn(self, start: RelayedStart, stop_grace: float) -> RelayedChild:
         """``start`` on the relay of its project's and profile's container (started first when none
@@ -162,6 +204,8 @@ class ContainerHostRelays:
             if running is not None:  # it ended: said, removed, and a new one started
                 del self._running[folder]
                 await self._remove(running, why="ended")
+            if folder in self._spared:
+                await self._still_spared(folder, start.name)
             running = await self._start(folder, start)
             self._running[folder] = running
             return running
@@ -188,6 +232,21 @@ class ContainerHostRelays:
                  memory_max=launch.limits.memory_max if launch.limits else 0)  # fmt: skip
         return _Running(container, init_pid, relay, init_fd)
 
+    async def _still_spared(self, folder: str, agent: str) -> None:
+        """``folder``'s container, left alone at the start for another host's turn taken over in it:
+        ``AgentUnavailable`` (retry later) while it runs, its name the one a new one would take;
+        removed once it has ended (nobody else does then)."""
+        name = _container_name(self._placement.data_dir, folder)
+        labels = {LABEL: name, DATA_DIR_LABEL: str(self._placement.data_dir)}
+        rows = await asyncio.to_thread(self._engine.list_containers, labels)
+        if any(row.get("State") == "running" for row in rows):
+            raise errors.AgentUnavailable(f"agent {agent!r}: the relay's container of {folder} runs a turn another "
+                                          "host took over; a new one starts once that host has let go of it",
+                                          agent=agent)  # fmt: skip
+        for row in rows:
+            await asyncio.to_thread(self._engine.remove_container, str(row.get("Id", "")))
+        self._spared.discard(folder)
+
     def _launch(self, folder: str, start: RelayedStart) -> RelayLaunch:
         profile = self._placement.profiles.get(start.name, ProfilePaths())
         paths = [Bind(start.cwd)]
@@ -203,17 +262,102 @@ class ContainerHostRelays:
                            self._placement.network, labels, binds, start.user or RELAY_USER)  # fmt: skip
 
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
-        """``found`` attached again in the container a killed daemon left (taken up by ``end_found``,
-        which ran first): as ``HostRelays.reattach`` does it, on that container's relay
-        (docs/relay.md#re-attach)."""
-        folder = Path(found.relay).name
-        running = self._running.get(folder)
-        if running is None or not running.running or Path(found.relay).parent != self._root:
-            raise errors.AgentUnavailable(f"agent {name!r}: no relay's container of {found.relay} runs",
-                                          agent=name)  # fmt: skip
-        kills = await asyncio.to_thread(oom_kills, running.init_pid)
-        child = await self._host.reattach(found, name, stop_grace)
-        return _Watched(child, running, self._containers, kills)
+        """``found`` attached again in the container a killed daemon left: one of this ``data_dir``
+        (taken up by ``end_found``, which ran first), or another host's whose turn is taken over
+        here (its state folder under that host's ``data_dir``: the container is found by its labels
+        and held while the agents taken over in it live). As ``HostRelays.reattach`` does it, on that
+        container's relay (docs/relay.md#re-attach)."""
+        state_dir = Path(found.relay)
+        key = self.key_of(state_dir)
+        if state_dir.parent == self._root:
+            running = self._running.get(key)
+            if running is None or not running.running:
+                raise errors.AgentUnavailable(f"agent {name!r}: no relay's container of {found.relay} runs",
+                                              agent=name)  # fmt: skip
+        else:
+            running = await self._taken_over(state_dir, name)
+        try:
+            kills = await asyncio.to_thread(oom_kills, running.init_pid)
+            child = await self._host.reattach(found, name, stop_grace)
+        except BaseException:
+            if running.foreign and running.agents == 0:  # nothing of ours in it: its host's again
+                self._forget(key, running)
+            raise
+        watched = _Watched(child, running, self._containers, kills)
+        if running.foreign:
+            running.agents += 1
+            self._track(self._watching, self._let_go_after(key, running, watched), f"taken-over-{child.pid}")
+        return watched
+
+    async def _taken_over(self, state_dir: Path, agent: str) -> _Running:
+        """The running container of another host's ``state_dir`` (``<its data_dir>/relay-containers/
+        <folder>``), found by the labels that host gave it, its relay connected with the secret in
+        that folder: the hosts share the disk and the engine. ``AgentUnavailable`` when none runs."""
+        key = self.key_of(state_dir)
+        async with self._starting.setdefault(key, asyncio.Lock()):
+            running = self._running.get(key)
+            if running is not None and running.running:
+                return running
+            if running is not None:
+                self._forget(key, running)
+            began = asyncio.get_running_loop().time()
+            data_dir = state_dir.parent.parent
+            labels = {LABEL: _container_name(data_dir, state_dir.name), DATA_DIR_LABEL: str(data_dir)}
+            try:
+                rows = await asyncio.to_thread(self._engine.list_containers, labels)
+                if not rows:
+                    raise errors.AgentUnavailable(f"agent {agent!r}: no relay's container of {state_dir} is on "
+                                                  "this host's engine", agent=agent)  # fmt: skip
+                ident = str(rows[0].get("Id", ""))
+                running = await self._adopt(state_dir, ident, foreign=True)
+            except errors.RcoderError:
+                raise
+            except (OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
+                raise errors.AgentUnavailable(f"agent {agent!r}: the relay's container of {state_dir} could not be "
+                                              f"taken over: {str(exc)[:300]}", agent=agent) from exc  # fmt: skip
+            self._running[key] = running
+            log.warning("relay_container_taken_over", state_dir=str(state_dir), container_id=ident[:12],
+                        init_pid=running.init_pid, data_dir=str(data_dir),
+                        took_ms=round((asyncio.get_running_loop().time() - began) * 1000, 1))  # fmt: skip
+            return running
+
+    def _track(self, tasks: set[asyncio.Task[None]], work: Awaitable[None], name: str) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.get_running_loop().create_task(run(), name=name)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _let_go_after(self, key: str, running: _Running, watched: _Watched) -> None:
+        """Once the agent taken over in another host's container has ended: that container let go
+        of when it was the last (``_let_go``), in a task of its own that the daemon's stop waits for."""
+        await watched.exited
+        running.agents -= 1
+        if running.agents == 0 and self._running.get(key) is running:
+            del self._running[key]
+            self._track(self._letting_go, self._let_go(running), f"let-go-{key}")
+
+    async def _let_go(self, running: _Running) -> None:
+        """Another host's container no agent of ours runs in any more: stopped and removed unless
+        another host's running turn names it (its own host's, come back, or a third's that took a
+        turn over there too), so that none is left when its host never comes back; else only our
+        hold on it dropped. A running turn of ours there is one whose agent ended: it is ending."""
+        if str(running.state_dir) in await self._folders_elsewhere():
+            await running.relay.channel.close()
+            os.close(running.init_fd)
+            log.info("relay_container_left", container_id=running.container.container_id[:12],
+                     state_dir=str(running.state_dir), why="another host's running turn names it")  # fmt: skip
+            return
+        await self._remove(running, why="the agents taken over in it ended, and no other host's turn names it")
+
+    def _forget(self, key: str, running: _Running) -> None:
+        """Our hold on another host's container dropped, the container left as it is: its channel,
+        its pidfd (closed in the background: a channel's close is awaited)."""
+        if self._running.get(key) is running:
+            del self._running[key]
+        os.close(running.init_fd)
+        self._track(self._letting_go, running.relay.channel.close(), f"forget-{key}")
 
     async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
         """At the daemon's start: the relays' containers a daemon of this ``data_dir`` left. One whose
@@ -228,24 +372,43 @@ class ContainerHostRelays:
             log.error("relay_containers_not_swept", error=str(exc))  # noqa: TRY400 - said, not a crash
             return 0
         wanted = {Path(relay).name for relay, _ in keep if Path(relay).parent == self._root}
-        by_name = {_container_name(self._placement.data_dir, folder): folder for folder in wanted}
+        # the folders of this data_dir another host's running turn names: it took the turn over
+        named = await self._folders_elsewhere() if found else frozenset()
+        in_use = {Path(f).name for f in named if Path(f).parent == self._root}
+        # a folder in ``shared`` runs a turn of ours and one another host took over: taken up, and
+        # none of its agents ended (which of them that host holds, the store does not say)
+        elsewhere, shared = in_use - wanted, in_use & wanted
+        by_name = {_container_name(self._placement.data_dir, folder): folder for folder in wanted | elsewhere}
         ended = 0
         kept: set[str] = set()
         for row in found:
             ident = str(row.get("Id", ""))
             folder = by_name.get(str((row.get("Labels") or {}).get(LABEL, "")))
+            if folder in elsewhere:  # never ours to remove, nor its agents to end, while that turn runs
+                kept.add(folder)
+                self._spared.add(folder)
+                log.warning("relay_container_spared", container_id=ident[:12], folder=folder,
+                            why="another host runs a turn it took over in it")  # fmt: skip
+                continue
             if folder is not None:
                 try:
                     running = self._running.get(folder)
                     if running is None or not running.running:
-                        running = await self._adopt(folder, ident)
+                        running = await self._adopt(self._root / folder, ident)
                         self._running[folder] = running
-                    ended += await self._host.end_unkept(self._root / folder, keep)
+                        log.info("relay_container_taken_up", folder=folder, container_id=ident[:12],
+                                 init_pid=running.init_pid)  # fmt: skip
+                    if folder not in shared:
+                        ended += await self._host.end_unkept(self._root / folder, keep)
                     kept.add(folder)
                     continue
                 except (errors.RcoderError, OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
                     log.warning("relay_container_not_taken_up", container_id=ident[:12], folder=folder,
                                 error=str(exc)[:300])  # fmt: skip
+                    if folder in shared and row.get("State") == "running":  # another host's turn goes on
+                        kept.add(folder)
+                        self._spared.add(folder)
+                        continue
             ended += 1
             log.warning("relay_container_found_removed", container_id=ident[:12], names=row.get("Names"),
                         why="a relay's container a daemon left, running no turn the store has running")  # fmt: skip
@@ -258,17 +421,16 @@ class ContainerHostRelays:
         await asyncio.to_thread(self._forget_secrets, kept)
         return ended
 
-    async def _adopt(self, folder: str, ident: str) -> _Running:
-        """The running container ``ident`` of ``folder`` a killed daemon started, known again: its
-        init's pidfd, its relay connected with the secret in its state folder (answering a call
-        with it), its launch read back from the engine (its user and limits)."""
+    async def _adopt(self, state_dir: Path, ident: str, foreign: bool = False) -> _Running:
+        """The running container ``ident`` of ``state_dir`` a killed (or lost) daemon started, known
+        again: its init's pidfd, its relay connected with the secret in its state folder (answering a
+        call with it), its launch read back from the engine (its user and limits)."""
         state = await asyncio.to_thread(self._engine.inspect_container, ident)
         if state is None or not state["State"].get("Running"):
-            raise errors.AgentUnavailable(f"the relay's container {ident[:12]} of {folder} is not running")
+            raise errors.AgentUnavailable(f"the relay's container {ident[:12]} of {state_dir} is not running")
         init_pid = int(state["State"].get("Pid") or 0)
         init_fd = os.pidfd_open(init_pid)
         try:
-            state_dir = self._root / folder
             secret = (state_dir / SECRET_FILE).read_text().strip()
             config, hosted = state.get("Config") or {}, state.get("HostConfig") or {}
             uid, _, gid = str(config.get("User") or "").partition(":")
@@ -289,8 +451,7 @@ class ContainerHostRelays:
         except BaseException:
             os.close(init_fd)
             raise
-        log.info("relay_container_taken_up", folder=folder, container_id=ident[:12], init_pid=init_pid)
-        return _Running(container, init_pid, relay, init_fd)
+        return _Running(container, init_pid, relay, init_fd, foreign=foreign)
 
     def _forget_secrets(self, kept: set[str]) -> None:
         """No container of this ``data_dir`` runs now but those of ``kept``: no secret or socket a
@@ -305,16 +466,22 @@ class ContainerHostRelays:
                     (folder / name).unlink()
 
     async def aclose(self, keep: frozenset[str] = frozenset()) -> frozenset[int]:
-        """At the daemon's stop, once its agents are closed: every container it started, stopped and
-        removed, but those whose relay folder is in ``keep`` (they run turns left to the next
-        daemon, docs/relay.md#re-attach): only our channel to them closed."""
+        """At the daemon's stop, once its agents are closed: every container it started or took
+        over, stopped and removed, but those whose relay folder is in ``keep`` (they run turns left
+        to the next daemon, docs/relay.md#re-attach) or that another host's running turn names (a
+        turn taken over from this one while it was lost): only our channel to them closed."""
+        for task in list(self._watching):
+            task.cancel()
+        await asyncio.gather(*self._watching, *self._letting_go, return_exceptions=True)
         running, self._running = list(self._running.values()), {}
-        kept = [r for r in running if str(r.relay.folder) in keep]
+        named = await self._folders_elsewhere() if running else frozenset()
+        kept = [r for r in running if str(r.relay.folder) in keep or str(r.state_dir) in named]
         for each in kept:
             await each.relay.channel.close()
             os.close(each.init_fd)
-            log.info("relay_container_kept", container_id=each.container.container_id[:12],
-                     why="it runs a turn left to the next daemon")  # fmt: skip
+            why = "it runs a turn left to the next daemon" if str(each.relay.folder) in keep else (
+                "another host runs a turn in it")  # fmt: skip
+            log.info("relay_container_kept", container_id=each.container.container_id[:12], why=why)
         await asyncio.gather(*(self._remove(r, why="daemon stopping") for r in running if r not in kept))
         return frozenset()  # a container's relay is the engine's child, not the daemon's
 
@@ -343,9 +510,10 @@ class _InContainers(host.HostRelays):
         return await self._owner.relay_of(project, agent)
 
     async def reattach_relay(self, folder: Path) -> host._Relay:
-        """The relay of ``folder``'s container, taken up by ``ContainerHostRelays.end_found``; never
-        one found by the pid in its lock (the container's namespace's)."""
-        return await self._owner.relay_of(folder.name, "its turn")
+        """The relay of ``folder``'s container, taken up by ``ContainerHostRelays.end_found`` (or
+        taken over from another host); never one found by the pid in its lock (the container's
+        namespace's)."""
+        return await self._owner.relay_of(self._owner.key_of(folder), "its turn")
 
     async def end_unkept(self, folder: Path, keep: frozenset[tuple[str, str]]) -> int:
         """The agents of the relay in ``folder``'s container that ``keep`` does not name, ended."""

@@ -310,6 +310,12 @@ class SessionStore(Protocol):
         store), oldest first: what ``open`` left running for the daemon's start to take up again."""
         ...
 
+    async def relay_folders_elsewhere(self) -> frozenset[str]:
+        """The relay folders the relayed turns of other hosts' running runs name: a relay's
+        container another host took a turn over in is named here while that turn runs
+        (docs/relay.md#re-attach). A store of one host has none."""
+        ...
+
     async def lost_relayed_turns(self) -> list[RelayedTurn]:
         """The relayed turns of running runs whose host is lost (no live lease of its on the
         session, no heartbeat within the lease's time), oldest first: another host may take them

@@ -480,6 +480,11 @@ RELAYED_TURNS = (
     " JOIN runs r ON r.run_id = t.run_id WHERE r.status = 'running' AND r.host_id = %s"
     " ORDER BY r.started_at, t.run_id"
 )
+# other hosts': a relay's container another host took a turn over in is in use (docs/relay.md#re-attach)
+RELAY_FOLDERS_ELSEWHERE = (
+    "SELECT DISTINCT t.relay FROM relayed_turns t JOIN runs r ON r.run_id = t.run_id"
+    " WHERE r.status = 'running' AND r.host_id <> %s"
+)
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"
 
 # ---------------------------------------------------------------- several hosts (cluster.py, pg_cluster.py)

@@ -595,6 +595,10 @@ class PostgresStore:
         rows = await self._rows(pg_schema.RELAYED_TURNS, _params(self._host_id))
         return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6], r[7], r[8], r[9]) for r in rows]
 
+    async def relay_folders_elsewhere(self) -> frozenset[str]:
+        rows = await self._rows(pg_schema.RELAY_FOLDERS_ELSEWHERE, _params(self._host_id))
+        return frozenset(str(r[0]) for r in rows)
+
     async def lost_relayed_turns(self) -> list[RelayedTurn]:
         rows = await self._rows(pg_schema.LOST_RELAYED_TURNS, _params(self._host_id, self._lease_ttl))
         return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6], r[7], r[8], r[9]) for r in rows]

@@ -582,6 +582,9 @@ class SqliteStore:
         rows = await self._rows(sqlite_schema.RELAYED_TURNS, (), point=False)
         return [RelayedTurn(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), r[6], r[7], r[8], r[9]) for r in rows]
 
+    async def relay_folders_elsewhere(self) -> frozenset[str]:
+        return frozenset()  # one host: every run is its own
+
     async def lost_relayed_turns(self) -> list[RelayedTurn]:
         return []  # one host: its own are taken up at its start
 

@@ -697,7 +697,7 @@ async def test_audit_entries_are_kept_in_order_and_outlive_their_session(store: 
 
 
 async def test_a_relayed_turn_is_kept_running_at_open_its_frames_move_with_its_events_and_it_goes_with_its_end(
-    new_store: StoreFactory,
+    new_store: StoreFactory, store_url: str, tmp_path: Path
 ) -> None:
     """docs/relay.md#re-attach: what a daemon's start needs to take a relayed turn up."""
     first = new_store()
@@ -726,6 +726,15 @@ async def test_a_relayed_turn_is_kept_running_at_open_its_frames_move_with_its_e
     assert await again.open() == 1  # the local run is interrupted, the relayed one left running
     try:
         assert await again.relayed_turns() == [replace(turn, frame_seq=12)]
+        # its folder is in use elsewhere for another host of the store (a store of one host has none)
+        other = make_store(store_url, tmp_path / "state" / "rcoder.db", "host-b")
+        await other.open()
+        try:
+            assert await again.relay_folders_elsewhere() == frozenset()  # its own
+            in_use = frozenset({"/data/relays/proj"}) if store_url else frozenset()
+            assert await other.relay_folders_elsewhere() == in_use
+        finally:
+            await other.close()
         relayed, local = await again.get_run("r-relayed"), await again.get_run("r-local")
         assert relayed is not None and local is not None
         assert (relayed.status, local.status) == (RunStatus.RUNNING, RunStatus.INTERRUPTED)

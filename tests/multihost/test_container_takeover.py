@@ -1,0 +1,187 @@
+"""A lost host's turn in a relay's container is taken over by another host (docs/relay.md#re-attach,
+"In a container"): the container the first host started is found through the state folder the store
+names (the first host's data_dir, not the taker's) and the labels the first host gave it, its relay
+reached with the secret there, the agent attached with the newer generation and the turn driven to its
+real end; the container is held while the agents taken over in it live, then removed. The first host,
+started again or woken from a pause meanwhile, leaves it to the taker.
+
+Several daemons on one PostgreSQL store (tests/multihost), the container engine and the image of
+tests/relay/conftest.py (this file runs last with the other container tests: tests/conftest.py).
+Every container a test's hosts made is removed after it (by their data_dir labels), whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from rcoder.relay.engine_api import Engine
+from rcoder.v1 import agent_runner_pb2 as pb
+from tests.harness import completed, error_info, text_of
+from tests.image.podman import BUILD_TIMEOUT
+from tests.multihost.conftest import AUTH_MD, Hosts, chat
+from tests.multihost.test_failover import MakeHosts
+from tests.relay.conftest import engine, image  # noqa: F401 - the engine and image tests/relay shares
+from tests.relay.test_placement_container import PYTHON, labelled
+
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
+
+SEEN = 10  # the chunks a client sees before its host goes away
+
+
+@contextlib.asynccontextmanager
+async def container_hosts(make_hosts: MakeHosts, on: Engine, image_id: str) -> AsyncIterator[Hosts]:
+    """Hosts whose one profile runs the scripted fake agent in a relay's container (its script
+    bound read-only, run by the image's Python), limited to 256 MiB; every container their
+    data_dirs label removed at the end, whatever happened, before the hosts' check for agents left."""
+    top = {"container_engine_socket": str(on.socket_path), "container_image": image_id}
+    async with make_hosts(**top) as hosts:
+        hosts.profile_keys.update(placement="container", command=PYTHON, memory_max="256MiB", pids_max=256)
+        try:
+            yield hosts
+        finally:
+            await hosts.close()
+            for data_dir in (hosts.root / "data-a", hosts.root / "data-b"):
+                for row in await asyncio.to_thread(labelled, on, data_dir):
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(on.remove_container, row["Id"])
+                assert await asyncio.to_thread(labelled, on, data_dir) == []
+
+
+async def streaming_in_a_container(hosts: Hosts, on: Engine, chunks: int) -> tuple[str, Any, list[pb.ChatStream]]:
+    """Hosts a and b started; a's turn of ``chunks`` paced chunks streaming in a's container, read
+    until its SEEN-th chunk: the container's id, the Chat call and what it saw."""
+    a, _ = await hosts.start("a", "b")
+    session_id = (await chat(a, prompt="hello"))[0][0].session_id
+    (left,) = await asyncio.to_thread(labelled, on, hosts.root / "data-a")
+    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
+    call = a.stub.Chat(request, metadata=AUTH_MD)
+    seen: list[pb.ChatStream] = []
+    async with asyncio.timeout(30):
+        while f"c{SEEN - 1} " not in text_of(seen):
+            seen.append(await call.read())
+    return str(left["Id"]), call, seen
+
+
+async def taken_over(hosts: Hosts, container_id: str, seen: list[pb.ChatStream]) -> None:
+    """Once host b has taken a's turn over, re-attached in a's container through a's state folder."""
+    b = hosts["b"]
+    (taken,) = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+    assert taken["run_id"] == seen[0].run_id
+    (reattached,) = b.daemon.logs("agent_reattached")
+    assert (reattached["placement"], reattached["container_id"]) == ("container", container_id)
+    assert reattached["state_dir"] == str(hosts.root / "data-a" / "relay-containers" / "proj.fake")
+
+
+async def the_rest(hosts: Hosts, seen: list[pb.ChatStream], chunks: int) -> None:
+    """Subscribe to the turn on host b from the last seq seen: every later event once, in order,
+    and END_TURN."""
+    request = pb.SubscribeRequest(run_id=seen[0].run_id, after_seq=seen[-1].seq)
+    rest = []
+    async with asyncio.timeout(60):
+        async for event in hosts["b"].stub.Subscribe(request, metadata=AUTH_MD):
+            rest.append(event)
+    seqs = [event.seq for event in rest]
+    assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN, completed(rest).error
+    whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
+    assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+
+
+async def test_a_killed_hosts_turn_in_a_container_is_taken_over_its_next_start_spares_it_and_the_taker_removes_it(
+    make_hosts: MakeHosts,
+    engine: Engine,  # noqa: F811 - the fixture imported above
+    image: str,  # noqa: F811
+) -> None:
+    # host A's turn streams in a container; A is SIGKILLed mid-turn. Host B takes the turn over
+    # through A's state folder: END_TURN, every chunk once from the last seq seen. A started again
+    # while B's turn runs spares the container B uses (it removed it before: labelled with its
+    # data_dir, no turn of its own in it), and refuses a new agent of that project and profile (a
+    # new container would take its name). B's stop ends its taken-over agent, and no other host's
+    # running turn names the container: B removes it; A's next agent there starts a new one
+    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look and A's restart
+    async with container_hosts(make_hosts, engine, image) as hosts:
+        data_a = hosts.root / "data-a"
+        container_id, call, seen = await streaming_in_a_container(hosts, engine, chunks)
+        await hosts["a"].daemon.kill()  # SIGKILL mid-turn: its container, relay and agent go on
+        call.cancel()
+        await hosts["a"].client.channel.close()
+        await taken_over(hosts, container_id, seen)
+
+        (a,) = await hosts.start("a")  # A's next start, B's turn running in A's container
+        (spared,) = a.daemon.logs("relay_container_spared")
+        assert container_id.startswith(spared["container_id"])
+        assert not a.daemon.logs("relay_container_found_removed")
+        assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, data_a)] == [container_id]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await chat(a, prompt="hello")
+        assert (refused.value.code(), error_info(refused.value).reason) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "AGENT_UNAVAILABLE",
+        ), refused.value.details()
+        assert "runs a turn another host took over" in (refused.value.details() or "")
+        await the_rest(hosts, seen, chunks)
+
+        # nothing is left of A's container once B's agent in it ended, were A never to come back
+        await hosts["b"].daemon.stop()
+        (ended,) = hosts["b"].daemon.logs("relay_container_ended")
+        assert container_id.startswith(ended["container_id"]), ended
+        assert await asyncio.to_thread(labelled, engine, data_a) == []
+        again, _ = await chat(a, prompt="hello")
+        assert completed(again).stop_reason == pb.STOP_REASON_END_TURN, completed(again).error
+        (new,) = await asyncio.to_thread(labelled, engine, data_a)
+        assert new["Id"] != container_id
+
+
+async def test_a_paused_hosts_turn_in_a_container_is_taken_over_its_stop_keeps_it_and_a_limit_hit_after_is_said(
+    make_hosts: MakeHosts,
+    engine: Engine,  # noqa: F811 - the fixture imported above
+    image: str,  # noqa: F811
+) -> None:
+    # host A paused mid-turn (SIGSTOP) past its lease: host B takes the turn over in A's container.
+    # A woken is fenced, and its clean stop keeps the container B's turn runs in (it removed every
+    # container it started). The turn ends END_TURN, every chunk once. The session's next turn on B
+    # runs the same agent, in A's container, past its memory limit: said AGENT_MEMORY_LIMIT from
+    # the container's cgroup as before the takeover; with B's last agent there ended, and no other
+    # host's turn naming it, B removes the container
+    chunks = 400  # 400 chunks 50 ms apart (20 s): the turn outlasts B's look, A's waking and stop
+    async with container_hosts(make_hosts, engine, image) as hosts:
+        data_a = hosts.root / "data-a"
+        container_id, call, seen = await streaming_in_a_container(hosts, engine, chunks)
+        a = hosts["a"]
+        assert a.daemon.proc is not None
+        os.kill(a.daemon.proc.pid, signal.SIGSTOP)  # paused mid-turn: its lease runs out
+        try:
+            await taken_over(hosts, container_id, seen)
+        finally:
+            os.kill(a.daemon.proc.pid, signal.SIGCONT)
+        lost = await a.daemon.wait_log("relayed_agent_lost", timeout=30)
+        assert "STALE_GENERATION" in lost[0]["why"] or "lease generation" in lost[0]["why"], lost[0]
+        with contextlib.suppress(grpc.aio.AioRpcError):  # its client's stream ends, however it ends
+            async with asyncio.timeout(30):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+        await a.daemon.stop()
+        kept = a.daemon.logs("relay_container_kept")
+        assert [(row["container_id"], row["why"]) for row in kept] == [
+            (container_id[:12], "another host runs a turn in it")
+        ]
+        assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, data_a)] == [container_id]
+        await the_rest(hosts, seen, chunks)
+
+        b = hosts["b"]
+        hog, _ = await chat(b, prompt="hog 1024", session_id=seen[0].session_id)
+        assert hog[0].started.resume == pb.RESUME_OUTCOME_LIVE, "the agent taken over, in A's container"
+        end = completed(hog)
+        assert (end.stop_reason, end.error_reason) == (pb.STOP_REASON_ERROR, "AGENT_MEMORY_LIMIT"), end.error
+        assert end.error.startswith("the agent was stopped: memory limit 256 MiB of its relay's container reached")
+        (ended,) = await b.daemon.wait_log("relay_container_ended", timeout=30)
+        assert container_id.startswith(ended["container_id"]), ended
+        assert await asyncio.to_thread(labelled, engine, data_a) == []

@@ -4,13 +4,17 @@ agents spawned and attached exactly as the ``relay`` placement does it (``host.H
 
 What the container holds: the profile's limits as its own (memory with no swap beyond it, processes,
 CPU: each container is one profile's, so they are that profile's exactly), the project's folder and
-the agent's home bound at the paths they have on the host (the daemon still reads and writes a
-project's files itself, for the file calls and the checkpoints, so they stay where it reads them;
-once the relay serves them, a named volume per project takes their place), the profile's
+the agent's home bound at the paths they have on the host (a named volume per project in their
+place is not built), the profile's
 ``write_paths`` read-write and ``read_paths`` read-only at their paths, and the relay's state
 folder, ``<data_dir>/relay-containers/<project>.<profile>``, at ``/run/rcoder-relay``. It runs as
 the agents' uid where the daemon has one (the project and home are theirs already), else as the
 image's rcoder (10001); never root, no capability, a read-only root file system.
+
+When the default profile's placement is ``container`` (``StoreProfile``), the relay in each
+project's container of that profile also holds the project's files and checkpoint store for the
+daemon (``channel_of``, for ``rcoder.relay.workspace_client``; docs/relay.md#a-container-projects-files),
+that container started for a file call when none runs.
 
 The spawn path is ``HostRelays``', by composition: one ``HostRelays`` over the containers' root
 whose relay of a folder is the one in that folder's container (``_InContainers``), so the spec,
@@ -48,6 +52,7 @@ from rcoder import errors
 from rcoder.agent.confinement.limits import Values, human
 from rcoder.agent.files import ownership
 from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
+from rcoder.agent.profiles.homes import ensure_home
 from rcoder.logs import get_logger
 from rcoder.relay import host
 from rcoder.relay.containers import (
@@ -81,6 +86,22 @@ class ProfilePaths:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreProfile:
+    """The profile whose container holds each project's files and checkpoint store: the default
+    profile, when its placement is ``container`` (docs/relay.md#a-container-projects-files). A
+    file call or a checkpoint step with no such container running starts one, as an agent of that
+    profile would find it: the project's folder and the profile's home of the project bound, its
+    limits, its user."""
+
+    name: str
+    workspace_root: Path  # resolved, as a session's cwd is
+    homes: Path  # ``<data_dir>/agents/<profile>``: the profile's home of each project is a folder of it
+    kind: str  # the profile's kind: what its homes hold (``rcoder.agent.profiles.homes.ensure_home``)
+    limits: Values
+    user: tuple[int, int] | None  # the agents' uid where the daemon has one (``agent_processes.user``)
+
+
+@dataclass(frozen=True, slots=True)
 class ContainerPlacement:
     """What the daemon's settings say of its relays' containers (docs/relay.md#containers)."""
 
@@ -89,6 +110,7 @@ class ContainerPlacement:
     network: str  # "none", or an engine network's name
     profiles: Mapping[str, ProfilePaths]  # by profile name
     keep: tuple[Path, ...]  # rcoder's own folders, never given to the container's user
+    store: StoreProfile | None = None  # None: no project's files are a container's
 
 
 @dataclass(eq=False)
@@ -145,6 +167,51 @@ class ContainerHostRelays:
             if Path(path).is_dir() and not ownership.owned_by(Path(path), user):
                 changed = ownership.give(Path(path), user, keep=self._placement.keep)
                 log.info("relay_container_folder_given", path=path, uid=user[0], entries=changed)
+
+    async def channel_of(
+        self, project: str, start: bool
+    ) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]] | None:
+        """The channel to the relay holding ``project``'s files and checkpoint store, and the
+        metadata its calls carry (its secret): the relay in the project's container of the store
+        profile (``StoreProfile``, docs/relay.md#a-container-projects-files); with ``start``, that
+        container started when none runs. None when no profile's container holds stores, when none
+        runs and ``start`` is not asked, or when the project has no folder on this host yet (the
+        container binds it: the daemon's own disk then answers that there is no such project)."""
+        store = self._placement.store
+        if store is None:
+            return None
+        folder = f"{project}.{store.name}"
+        running = self._running.get(folder)
+        if running is None or not running.running:
+            if not start:
+                return None
+            start_of = self._store_start(project, store)
+            if not await asyncio.to_thread(Path(start_of.cwd).is_dir):
+                return None
+            # made as an agent's start makes it, so that the container binds it for the agents to come
+            home, cwd = Path(start_of.env["HOME"]), Path(start_of.cwd)
+            await asyncio.to_thread(ensure_home, store.homes, home, store.kind, cwd)
+            running = await self._running_for(folder, start_of)
+            if store.user is None:  # as at an agent's spawn: what the relay writes is the container user's
+                await asyncio.to_thread(self._give, start_of, running.container.launch.user)
+        return running.relay.channel, running.relay.metadata
+
+    async def live_projects(self) -> list[str]:
+        """The projects whose store profile's container runs now (their stores are swept while they do)."""
+        store = self._placement.store
+        if store is None:
+            return []
+        suffix = f".{store.name}"
+        return sorted(f.removesuffix(suffix) for f, r in self._running.items() if f.endswith(suffix) and r.running)
+
+    @staticmethod
+    def _store_start(project: str, store: StoreProfile) -> RelayedStart:
+        """What starts the store profile's container of ``project`` with no agent: the binds and
+        limits its first agent would have started it with (``_launch``)."""
+        home = store.homes / project
+        return RelayedStart(name=store.name, project=project, session_id="", argv=(), env={"HOME": str(home)},
+                            cwd=str(store.workspace_root / project), confinement=None, limits=store.limits,
+                            user=store.user)  # fmt: skip
 
     async def relay_of(self, folder: str, agent: str) -> host._Relay:
         """The relay of ``folder``'s container, as ``HostRelays`` reaches it (``_InContainers``)."""

@@ -431,3 +431,75 @@ def test_a_container_profiles_command_is_the_images_by_absolute_path(tmp_path: P
         "container",
         str(settings.data_dir / "relay-containers"),
     )
+
+
+def relay_calls_in(engine: Engine, container_id: str) -> dict[str, int]:
+    """How many calls of each kind the container's relay logged serving (its log is the container's)."""
+    counts: dict[str, int] = {}
+    for line in engine.log_tail(container_id, 100_000).splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == "relay_workspace_call":
+                counts[row["call"]] = counts.get(row["call"], 0) + 1
+    return counts
+
+
+def relay_events_in(engine: Engine, container_id: str, event: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in engine.log_tail(container_id, 100_000).splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == event:
+                rows.append(row)
+    return rows
+
+
+async def test_a_container_projects_files_and_checkpoints_are_done_by_its_containers_relay(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """docs/relay.md#a-container-projects-files: with a default profile in a container, the file
+    RPCs (before any agent: the container is started for them), the turn's snapshots, GetRunChanges
+    and RewindSession are served by the relay in the project's container of that profile, its git
+    confined there as the daemon's is; the daemon keeps no store of its own."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    daemon, client = await make_daemon(profiles, **settings_of(engine, image))
+    root = tmp_path / "workspace" / "proj"
+    root.mkdir(parents=True)
+    (root / "old.txt").write_bytes(b"old line\n")
+
+    chunk = pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"from the api\n", mode=0o644)
+    written = await client.stub.WriteFile(iter([chunk]))
+    assert written.size == len(b"from the api\n")
+    read = [c async for c in client.stub.ReadFile(pb.ReadFileRequest(project_id="proj", path="old.txt"))]
+    assert b"".join(c.data for c in read) == b"old line\n"
+    listed = await client.stub.ListFiles(pb.ListFilesRequest(project_id="proj"))
+    assert sorted(e.path for e in listed.entries) == ["notes.txt", "old.txt"]
+    (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    assert row["Labels"]["dev.rcoder.relay"].startswith("rcoder-relay-proj.boxed-")
+    assert not daemon.logs("agent_spawned"), "the container was started for the files, no agent ran"
+
+    turn = "shell grep -q 'from the api' notes.txt\nshell echo new line > old.txt\nhello"
+    events = await client.chat(prompt=turn, project_id="proj")
+    end = completed(events)
+    assert end.stop_reason == pb.STOP_REASON_END_TURN, end.error
+    assert "shell=exit 0 shell=exit 0" in text_of(events), "the agent read the file WriteFile put there"
+    run_id, session_id = events[0].run_id, events[0].session_id
+    assert [(c.path, c.kind) for c in end.changes] == [("old.txt", pb.FILE_CHANGE_KIND_MODIFIED)]
+    whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
+    assert "-old line" in whole.diff and "+new line" in whole.diff
+    rewound = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
+    assert [c.path for c in rewound.changes] == ["old.txt"]
+    assert (root / "old.txt").read_bytes() == b"old line\n"
+    assert (root / "old.txt").stat().st_uid == int(CONTAINER_UID), "the relay wrote it, as the container's user"
+
+    # one container served them all; its relay did the work, its store in its state folder
+    assert [r["Id"] for r in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [row["Id"]]
+    calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
+    assert calls.get("WriteFile") == 1 and calls.get("ReadFile") == 1 and calls.get("ListFiles") == 1, calls
+    assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1 and calls.get("Diff") == 1, calls
+    assert calls.get("GiveBack") == 1, calls
+    state = tmp_path / "data" / "relay-containers" / "proj.boxed"
+    assert (state / "checkpoints" / "proj.git" / "HEAD").is_file()
+    assert not (tmp_path / "data" / "checkpoints" / "proj.git").exists()
+    assert not await asyncio.to_thread(relay_events_in, engine, row["Id"], "relay_checkpoint_git_unconfined")

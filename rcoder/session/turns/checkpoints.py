@@ -26,7 +26,8 @@ written must not stop the agents.
 
 A relayed project's store is its relay's (docs/relay.md#files-and-checkpoints): a project whose
 profile's placement is ``relay`` (the turn's, the session's, or for the file calls' snapshots
-ahead, the default profile's) is snapshotted, diffed and restored by its relay, through a
+ahead, the default profile's), or ``container`` when the default profile's is too (the default
+profile's container's relay), is snapshotted, diffed and restored by its relay, through a
 ``Repo`` of the relay's (``Relayed.checkpoints``); everything decided here (which commit a run
 names, which refs go, the locks) is decided the same way for both. Retention's sweep and gc reach
 this host's stores and those of the relays alive as it runs.
@@ -277,9 +278,17 @@ class Checkpoints:
 
     def relayed(self, agent: str | None) -> bool:
         """Whether the store of a project a session of profile ``agent`` runs in is its relay's
-        (None: the default profile, as the file calls' snapshots ahead ask)."""
+        (None: the default profile, as the file calls' snapshots ahead ask): a ``relay`` profile's
+        session's, and a ``container`` profile's when the default profile's placement is
+        ``container`` too (the store is then the default profile's container's, whichever container
+        profile runs the turn: docs/relay.md#a-container-projects-files). A ``local`` profile's
+        session keeps this host's store."""
         profile = self._settings.profile(agent or self._settings.default_agent)
-        return self._relayed is not None and profile is not None and profile.placement == "relay"
+        if self._relayed is None or profile is None:
+            return False
+        default = self._settings.profile(self._settings.default_agent)
+        in_containers = profile.placement == "container" and default is not None and default.placement == "container"
+        return profile.placement == "relay" or in_containers
 
     async def store_of(self, project_id: str, cwd: str | Path | None, relayed: bool) -> Repo:
         """The project's store: its relay's when ``relayed``, else this host's (``repo``)."""

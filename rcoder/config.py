@@ -415,6 +415,10 @@ class SettingsKeys(_Schema):
     container_network: str = "none"
     """the engine network a relay's container joins: "none" (loopback only) or a network's name
     (never "host")"""
+    container_project_volumes: bool = False
+    """each project's files on a named volume of the project, mounted in its containers at the
+    project's path, never on this host's disk (every profile then placement = "container", the
+    built-in ones left out); false: the project's folder is bound in; see Relay"""
     metrics_listen: str = ""
     """host:port for Prometheus /metrics (e.g. "127.0.0.1:9464"); empty: off"""
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
@@ -584,6 +588,10 @@ def load_settings(
         name: AgentProfile(**dict(keys), name=name, base_dir=base_dir if name in file.agents else AGENTS_DIR)
         for name, keys in profiles.items()
     }
+    if values.get("container_project_volumes"):
+        # the projects' files are on volumes only their containers mount: the built-in profiles,
+        # which run on this host, are left out (docs/relay.md#a-named-volume-per-project)
+        agents = {name: profile for name, profile in agents.items() if name in file.agents}
     visible = {*BASE_AGENT_ENV, *(name for profile in agents.values() for name in profile.inherit_env)}
     settings = Settings(
         **values,
@@ -627,6 +635,16 @@ def _check_containers(settings: Settings) -> None:
     socket = settings.container_engine_socket
     if socket and not socket.startswith("/"):
         raise ConfigError(settings.key_name("container_engine_socket"), f"{socket!r}: the socket's absolute path")
+    if settings.container_project_volumes:
+        # a profile run on this host would find an empty project folder: the files are on the volume
+        key = settings.key_name("container_project_volumes")
+        problems = tuple(
+            (f"agents.{name}.placement", f"{profile.placement!r}: with {key} = true each project's files are on a "
+             "volume only its containers mount; set placement = \"container\" (or take the profile out)")
+            for name, profile in sorted(settings.agents.items()) if profile.placement != "container"
+        )  # fmt: skip
+        if problems:
+            raise ConfigError(*problems[0], more=problems[1:])
 
 
 def _check_shared_token(settings: Settings) -> None:

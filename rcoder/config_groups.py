@@ -80,6 +80,7 @@ GROUPS: Mapping[str, Mapping[str, str]] = {
         "engine_socket": "container_engine_socket",
         "image": "container_image",
         "network": "container_network",
+        "project_volumes": "container_project_volumes",
     },
     "telemetry": {"metrics_listen": "metrics_listen", "otlp_endpoint": "otlp_endpoint"},
 }

@@ -143,7 +143,7 @@ class Daemon:
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,
             {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},
-            tuple(sandbox.protected(settings)), store_profile(settings),
+            tuple(sandbox.protected(settings)), store_profile(settings), settings.container_project_volumes,
         )  # fmt: skip
         engine = Engine(container_engine_socket(settings))
         self.containers = ContainerHostRelays(placement, containers_root(settings), engine, settings.agent_stop_grace)

@@ -4,8 +4,8 @@ agents spawned and attached exactly as the ``relay`` placement does it (``host.H
 
 What the container holds: the profile's limits as its own (memory with no swap beyond it, processes,
 CPU: each container is one profile's, so they are that profile's exactly), the project's folder and
-the agent's home bound at the paths they have on the host (a named volume per project in their
-place is not built), the profile's
+the agent's home bound at the paths they have on the host (with ``project_volumes``, the project's
+folder is a named volume of the project mounted at that path instead: ``project_volume``), the profile's
 ``write_paths`` read-write and ``read_paths`` read-only at their paths, and the relay's state
 folder, ``<data_dir>/relay-containers/<project>.<profile>``, at ``/run/rcoder-relay``. It runs as
 the agents' uid where the daemon has one (the project and home are theirs already), else as the
@@ -61,6 +61,7 @@ from rcoder.relay.containers import (
     STATE_MOUNT,
     Bind,
     ContainerRelays,
+    Mount,
     RelayContainer,
     RelayLaunch,
     oom_kills,
@@ -111,6 +112,9 @@ class ContainerPlacement:
     profiles: Mapping[str, ProfilePaths]  # by profile name
     keep: tuple[Path, ...]  # rcoder's own folders, never given to the container's user
     store: StoreProfile | None = None  # None: no project's files are a container's
+    # each project's folder a named volume of the project (``project_volume``) mounted at its path,
+    # never this host's folder bound in (docs/relay.md#a-named-volume-per-project)
+    project_volumes: bool = False
 
 
 @dataclass(eq=False)
@@ -162,7 +166,8 @@ class ContainerHostRelays:
         container's user where they are not theirs yet (the agents' uid has them already, where the
         daemon has one), rcoder's own folders inside them left out. Off the event loop."""
         profile = self._placement.profiles.get(start.name, ProfilePaths())
-        paths = [start.cwd, start.env.get("HOME", ""), start.env.get("TMPDIR", ""), *map(str, profile.write)]
+        project = "" if self._placement.project_volumes else start.cwd  # a volume's owner is set at its making
+        paths = [project, start.env.get("HOME", ""), start.env.get("TMPDIR", ""), *map(str, profile.write)]
         for path in filter(None, paths):
             if Path(path).is_dir() and not ownership.owned_by(Path(path), user):
                 changed = ownership.give(Path(path), user, keep=self._placement.keep)
@@ -186,8 +191,8 @@ class ContainerHostRelays:
             if not start:
                 return None
             start_of = self._store_start(project, store)
-            if not await asyncio.to_thread(Path(start_of.cwd).is_dir):
-                return None
+            if not self._placement.project_volumes and not await asyncio.to_thread(Path(start_of.cwd).is_dir):
+                return None  # a volume is made at the project's first call; a host folder is not
             # made as an agent's start makes it, so that the container binds it for the agents to come
             home, cwd = Path(start_of.env["HOME"]), Path(start_of.cwd)
             await asyncio.to_thread(ensure_home, store.homes, home, store.kind, cwd)
@@ -257,7 +262,12 @@ class ContainerHostRelays:
 
     def _launch(self, folder: str, start: RelayedStart) -> RelayLaunch:
         profile = self._placement.profiles.get(start.name, ProfilePaths())
+        user = start.user or RELAY_USER
+        mounts: tuple[Mount, ...] = ()
         paths = [Bind(start.cwd)]
+        if self._placement.project_volumes:  # the project's files on its volume, at the project's path
+            mounts = (Mount(project_volume(self._placement.data_dir, start.project), start.cwd, owner=user),)
+            paths = []
         if "HOME" in start.env:
             paths.append(Bind(start.env["HOME"]))
         paths += [Bind(str(p)) for p in profile.write]
@@ -266,8 +276,8 @@ class ContainerHostRelays:
         command = ("relay", "--state-dir", STATE_MOUNT, "--stop-grace", str(self._stop_grace), "--log-format", "json")
         name = _container_name(self._placement.data_dir, folder)
         labels = {LABEL: name, DATA_DIR_LABEL: str(self._placement.data_dir)}
-        return RelayLaunch(name, self._placement.image, self._root / folder, (), command, {}, start.limits,
-                           self._placement.network, labels, binds, start.user or RELAY_USER)  # fmt: skip
+        return RelayLaunch(name, self._placement.image, self._root / folder, mounts, command, {}, start.limits,
+                           self._placement.network, labels, binds, user)  # fmt: skip
 
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
         """``found`` attached again in the container a killed daemon left (taken up by ``end_found``,
@@ -498,6 +508,13 @@ class _Watched:
             if end is not None and end.oom_killed:
                 return f"the agent was stopped: its relay's container reached its memory limit {size}"
         return ""
+
+
+def project_volume(data_dir: Path, project: str) -> str:
+    """The name of ``project``'s volume under a daemon of ``data_dir``: ``rcoder-<project>-<hash>``,
+    of the engine's alphabet, unique per ``data_dir`` and project."""
+    digest = hashlib.sha256(f"{data_dir}\0{project}".encode()).hexdigest()[:10]
+    return f"rcoder-{_UNSAFE.sub('-', project)[:80].strip('-.') or 'project'}-{digest}"
 
 
 def _container_name(data_dir: Path, folder: str) -> str:

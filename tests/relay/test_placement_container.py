@@ -22,7 +22,7 @@ import pytest
 
 from rcoder.agent.profiles.profile import container_engine_socket, container_image, readiness_of
 from rcoder.config import load_settings
-from rcoder.relay.container_host import DATA_DIR_LABEL
+from rcoder.relay.container_host import DATA_DIR_LABEL, project_volume
 from rcoder.relay.engine_api import Engine
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
@@ -503,3 +503,79 @@ async def test_a_container_projects_files_and_checkpoints_are_done_by_its_contai
     assert (state / "checkpoints" / "proj.git" / "HEAD").is_file()
     assert not (tmp_path / "data" / "checkpoints" / "proj.git").exists()
     assert not await asyncio.to_thread(relay_events_in, engine, row["Id"], "relay_checkpoint_git_unconfined")
+
+
+async def test_a_projects_files_on_its_volume_are_written_read_snapshotted_and_rewound_never_on_the_hosts_disk(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """docs/relay.md#a-named-volume-per-project: with ``containers.project_volumes``, a file written
+    through the API lands on the project's volume (made at that first call, before any agent), the
+    agent in the container reads it there, the turn's snapshots and a rewind are the container
+    relay's, and the project's folder on this host never holds a file of it."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    volume = project_volume(tmp_path / "data", "proj")
+    try:
+        daemon, client = await make_daemon(profiles, container_project_volumes=True, **settings_of(engine, image))
+        chunk = pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"from the api\n", mode=0o644)
+        await client.stub.WriteFile(iter([chunk]))
+        root = tmp_path / "workspace" / "proj"
+        assert not root.exists(), "the file call made nothing on this host"
+        made = await asyncio.to_thread(engine.inspect_volume, volume)
+        assert made is not None
+        assert made["Labels"] == {"dev.rcoder.relay": volume, DATA_DIR_LABEL: str(tmp_path / "data")}
+        assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+
+        turn = "shell grep -q 'from the api' notes.txt\nshell echo made here > added.txt\nhello"
+        events = await client.chat(prompt=turn, project_id="proj")
+        end = completed(events)
+        assert end.stop_reason == pb.STOP_REASON_END_TURN, end.error
+        assert "shell=exit 0 shell=exit 0" in text_of(events), "the agent read the file WriteFile put on the volume"
+        assert [(c.path, c.kind) for c in end.changes] == [("added.txt", pb.FILE_CHANGE_KIND_ADDED)]
+        read = [c async for c in client.stub.ReadFile(pb.ReadFileRequest(project_id="proj", path="added.txt"))]
+        assert b"".join(c.data for c in read) == b"made here\n"
+        session_id, run_id = events[0].session_id, events[0].run_id
+        await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
+        listed = await client.stub.ListFiles(pb.ListFilesRequest(project_id="proj"))
+        assert [e.path for e in listed.entries] == ["notes.txt"]
+
+        # the host's project folder (the session's cwd, made by the turn) never held a file
+        assert names_in(root) == []
+        assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+        (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+        inspected = await asyncio.to_thread(engine.inspect_container, row["Id"])
+        assert inspected is not None
+        mounts = {m["Destination"]: m for m in inspected["Mounts"]}
+        assert (mounts[str(root)]["Type"], mounts[str(root)]["Name"]) == ("volume", volume)
+        calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
+        assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1, calls
+
+        # a daemon's stop removes the container and keeps the volume, with the project's files
+        await daemon.stop()
+        assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+        kept = await asyncio.to_thread(engine.inspect_volume, volume)
+        assert kept is not None and (Path(kept["Mountpoint"]) / "notes.txt").read_bytes() == b"from the api\n"
+    finally:
+        for row in await asyncio.to_thread(labelled, engine, tmp_path / "data"):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(engine.remove_container, row["Id"])
+        await asyncio.to_thread(engine.remove_volume, volume)
+
+
+def names_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.fast
+def test_project_volumes_take_every_profile_into_containers_and_leave_the_built_in_ones_out(tmp_path: Path) -> None:
+    boxed = f'[agents.boxed]\ncommand = "{PYTHON}"\nplacement = "container"\n'
+    error = config_error(tmp_path, f'default_agent = "boxed"\n[containers]\nproject_volumes = true\n{boxed}'
+                                   '[agents.here]\ncommand = "/bin/true"\n')  # fmt: skip
+    assert error.key == "agents.here.placement"
+    assert "containers.project_volumes = true" in str(error) and 'placement = "container"' in str(error)
+    config = tmp_path / "ok.toml"
+    config.write_text(f'default_agent = "boxed"\n[containers]\nproject_volumes = true\n{boxed}')
+    settings = load_settings(config, {})
+    assert settings.container_project_volumes and list(settings.agents) == ["boxed"]
+    config.write_text(f'default_agent = "boxed"\n{boxed}')
+    assert "claude" in load_settings(config, {}).agents, "off by default: the built-in profiles stay"

@@ -179,9 +179,10 @@ class ContainerHostRelays:
         """The channel to the relay holding ``project``'s files and checkpoint store, and the
         metadata its calls carry (its secret): the relay in the project's container of the store
         profile (``StoreProfile``, docs/relay.md#a-container-projects-files); with ``start``, that
-        container started when none runs. None when no profile's container holds stores, when none
-        runs and ``start`` is not asked, or when the project has no folder on this host yet (the
-        container binds it: the daemon's own disk then answers that there is no such project)."""
+        container started when none runs (with ``project_volumes``, its volume made with it). None
+        when no profile's container holds stores, when none runs and ``start`` is not asked, or,
+        with binds, when the project has no folder on this host yet (the container binds it: the
+        daemon's own disk then answers that there is no such project)."""
         store = self._placement.store
         if store is None:
             return None
@@ -193,7 +194,8 @@ class ContainerHostRelays:
             start_of = self._store_start(project, store)
             if not self._placement.project_volumes and not await asyncio.to_thread(Path(start_of.cwd).is_dir):
                 return None  # a volume is made at the project's first call; a host folder is not
-            # made as an agent's start makes it, so that the container binds it for the agents to come
+            # made as an agent's start makes it (Homes.home, without its lock: a home made twice at once
+            # is made the same), so that the container binds it for the agents to come
             home, cwd = Path(start_of.env["HOME"]), Path(start_of.cwd)
             await asyncio.to_thread(ensure_home, store.homes, home, store.kind, cwd)
             running = await self._running_for(folder, start_of)

@@ -232,7 +232,7 @@ class RelayedWorkspaces:
     async def files(self, project_id: str) -> WorkspaceClient | None:
         try:
             found = await self._relays.channel_of(project_id, self._by_default)
-        except errors.AgentUnavailable as exc:  # its relay could not start
+        except errors.AgentError as exc:  # its relay (or its relay's container) could not start
             raise errors.RelayUnavailable(exc.summary, project_id=project_id) from exc
         if found is None:
             return None
@@ -248,7 +248,7 @@ class RelayedWorkspaces:
         project's snapshots are taken where its files are, whatever asks."""
         try:
             found = await self._relays.channel_of(project_id, True)
-        except errors.AgentUnavailable as exc:
+        except errors.AgentError as exc:
             raise errors.RelayUnavailable(exc.summary, project_id=project_id) from exc
         if found is None:  # a container's: the project has no folder to bind yet
             raise errors.RelayUnavailable(f"project {project_id!r} has no folder for its relay to hold yet",

@@ -415,6 +415,12 @@ async def test_an_engine_that_is_not_there_is_said_at_start_and_refuses_the_agen
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert error_info(refused).reason == "CONTAINER_ENGINE_ERROR"
     assert f"no container engine socket at {socket}" in (refused.details() or ""), refused.details()
+    # the project's files are its container's (docs/relay.md#a-container-projects-files): never this host's instead
+    (tmp_path / "workspace" / "proj").mkdir(parents=True, exist_ok=True)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.stub.ListFiles(pb.ListFilesRequest(project_id="proj"))
+    assert (caught.value.code(), error_info(caught.value).reason) == (grpc.StatusCode.UNAVAILABLE, "RELAY_UNAVAILABLE")
+    assert str(socket) in (caught.value.details() or ""), caught.value.details()
 
 
 @pytest.mark.fast

@@ -280,9 +280,10 @@ class Checkpoints:
         """Whether the store of a project a session of profile ``agent`` runs in is its relay's
         (None: the default profile, as the file calls' snapshots ahead ask): a ``relay`` profile's
         session's, and a ``container`` profile's when the default profile's placement is
-        ``container`` too (the store is then the default profile's container's, whichever container
-        profile runs the turn: docs/relay.md#a-container-projects-files). A ``local`` profile's
-        session keeps this host's store."""
+        ``container`` too. Which relay holds it is ``Relayed``'s: the default profile's container's
+        when that profile's placement is ``container`` (whichever profile runs the turn:
+        docs/relay.md#a-container-projects-files), else the project's host relay. A ``local``
+        profile's session keeps this host's store."""
         profile = self._settings.profile(agent or self._settings.default_agent)
         if self._relayed is None or profile is None:
             return False

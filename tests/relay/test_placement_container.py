@@ -556,6 +556,14 @@ async def test_a_projects_files_on_its_volume_are_written_read_snapshotted_and_r
         calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
         assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1, calls
 
+        # the project's last session deleted: its store goes (the relay's), its files stay on the volume
+        store = tmp_path / "data" / "relay-containers" / "proj.boxed" / "checkpoints" / "proj.git"
+        assert store.is_dir()
+        await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id))
+        assert not store.exists()
+        assert (await asyncio.to_thread(relay_calls_in, engine, row["Id"])).get("RemoveStore") == 1
+        assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+
         # a daemon's stop removes the container and keeps the volume, with the project's files
         await daemon.stop()
         assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []

@@ -13,23 +13,43 @@ import asyncio
 import contextlib
 import json
 import signal
+import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from rcoder.agent.profiles.profile import container_engine_socket, container_image, readiness_of
+from rcoder.agent.confinement.limits import Values
+from rcoder.agent.profiles.profile import (
+    agent_homes,
+    container_engine_socket,
+    container_image,
+    containers_root,
+    readiness_of,
+)
 from rcoder.config import load_settings
-from rcoder.relay.container_host import DATA_DIR_LABEL, project_volume
+from rcoder.domain import RunRecord, RunStatus, SessionRecord
+from rcoder.relay.container_host import (
+    DATA_DIR_LABEL,
+    ContainerHostRelays,
+    ContainerPlacement,
+    StoreProfile,
+    project_volume,
+)
 from rcoder.relay.engine_api import Engine
+from rcoder.relay.workspace_client import RelayedWorkspaces
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.store.sqlite import SqliteStore
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, started, text_of
 from tests.image.podman import BUILD_TIMEOUT
 from tests.relay.placement_kit import environ
 from tests.relay.test_reattach import LONG, LONG_WHOLE, WHOLE, left_running, seen_until
+from tests.relay.test_relay_files import refs_in
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
@@ -593,3 +613,54 @@ def test_project_volumes_take_every_profile_into_containers_and_leave_the_built_
     assert settings.container_project_volumes and list(settings.agents) == ["boxed"]
     config.write_text(f'default_agent = "boxed"\n{boxed}')
     assert "claude" in load_settings(config, {}).agents, "off by default: the built-in profiles stay"
+
+
+async def test_retention_reaches_the_store_of_a_running_projects_container(
+    containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The daemon's sweep (tests/relay/test_relay_files.py's keep case) on a container project's
+    store, with the daemon's Checkpoints over a real container: the store profile's container of the
+    project runs (started by the first snapshot), so the sweep finds it (``live_projects``) and the
+    snapshots past ``checkpoints.keep`` go there, but one a run names."""
+    config = tmp_path / "rcoder.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nworkspace_root = "{tmp_path / "workspace"}"\n'
+                      f'default_agent = "r"\n[checkpoints]\nkeep = 1\n[agents.r]\ncommand = "{PYTHON}"\n'
+                      'placement = "container"\n')  # fmt: skip
+    settings = load_settings(config, {})
+    root = tmp_path / "workspace" / "proj"
+    root.mkdir(parents=True)
+    profile = settings.agents["r"]
+    homes = agent_homes(settings, profile).resolve()
+    placement = ContainerPlacement(
+        settings.data_dir, image, "none", {}, (),
+        StoreProfile("r", settings.workspace_root.resolve(), homes, profile.kind, Values(0, 0, None), None),
+    )  # fmt: skip
+    containers = ContainerHostRelays(placement, containers_root(settings), engine, 1.0)
+    store = SqliteStore(tmp_path / "data" / "rcoder.db")
+    await store.open()
+    relayed = RelayedWorkspaces(containers, settings.workspace_root, 1 << 20, True)
+    marks = Checkpoints(settings, store, relayed=relayed)
+    try:
+        assert await containers.live_projects() == []
+        commits = []
+        for n in range(3):
+            await asyncio.to_thread((root / "a.txt").write_text, f"{n}\n")
+            commits.append(await marks.before("proj", str(root.resolve()), f"run-{n}", profile))
+            marks.settled(f"run-{n}")
+        assert all(commits) and len(set(commits)) == 3
+        now_at = datetime.now(UTC)
+        await store.create_session(SessionRecord("s1", "proj", str(root), "r", "", now_at, now_at))
+        await store.start_run(RunRecord("named", "s1", RunStatus.COMPLETED, now_at, checkpoint_before=commits[0]))
+        assert await containers.live_projects() == ["proj"]
+
+        await marks.sweep(settings.checkpoint_retention, time.time())
+        git_dir = containers_root(settings) / "proj.r" / "checkpoints" / "proj.git"
+        assert await asyncio.to_thread(refs_in, git_dir) == {
+            f"refs/rcoder/commits/{c}" for c in (commits[0], commits[2])
+        }
+        (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+        calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
+        assert calls.get("DeleteRefs", 0) >= 1 and calls.get("CollectGarbage", 0) >= 1, calls
+    finally:
+        await containers.aclose()
+        await store.close()

@@ -170,8 +170,9 @@ class Daemon:
         # a relayed project's files and checkpoints are its relay's (docs/relay.md#files-and-checkpoints)
         # (a container's when the default profile's placement is container: docs/relay.md#a-container-projects-files)
         default_placement = settings.agents[settings.default_agent].placement
+        # (at workspace_root's real path: a container has a project there alone, where a session's cwd is)
         self.workspaces = RelayedWorkspaces(
-            self.containers if default_placement == "container" else self.relays, settings.workspace_root,
+            self.containers if default_placement == "container" else self.relays, settings.workspace_root.resolve(),
             settings.max_file_bytes, by_default=default_placement in ("relay", "container"),
         )  # fmt: skip
         self.checkpoints = Checkpoints(settings, self.store, self.trees, jail, self.workspaces)  # docs/checkpoints.md

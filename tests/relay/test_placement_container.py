@@ -486,12 +486,15 @@ async def test_a_container_projects_files_and_checkpoints_are_done_by_its_contai
     """docs/relay.md#a-container-projects-files: with a default profile in a container, the file
     RPCs (before any agent: the container is started for them), the turn's snapshots, GetRunChanges
     and RewindSession are served by the relay in the project's container of that profile, its git
-    confined there as the daemon's is; the daemon keeps no store of its own."""
+    confined there as the daemon's is; the daemon keeps no store of its own. The workspace_root is
+    named through a link: the container has the project at its real path alone."""
     boxed = FakeAgentSetup(tmp_path / "boxed")
     profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
-    daemon, client = await make_daemon(profiles, **settings_of(engine, image))
     root = tmp_path / "workspace" / "proj"
     root.mkdir(parents=True)
+    (tmp_path / "linked").symlink_to(tmp_path / "workspace")
+    settings = {**settings_of(engine, image), "workspace_root": str(tmp_path / "linked")}
+    daemon, client = await make_daemon(profiles, **settings)
     (root / "old.txt").write_bytes(b"old line\n")
 
     chunk = pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"from the api\n", mode=0o644)

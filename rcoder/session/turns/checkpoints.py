@@ -299,7 +299,8 @@ class Checkpoints:
 
     async def _relayed_repo(self, project_id: str, cwd: str | Path | None) -> RelayedRepo:
         assert self._relayed is not None
-        work_tree = str(cwd) if cwd else str(self._workspace / project_id)
+        # a session's cwd is the project's real path, the only one a relay's container has: the same here
+        work_tree = str(cwd) if cwd else str(self._workspace.resolve() / project_id)
         repo = self._relayed_repos.get(project_id)
         # one asked with no cwd (a sweep, a snapshot ahead) takes the store as the last turn named it
         if repo is None or (cwd and str(getattr(repo, "work_tree", "")) != work_tree):

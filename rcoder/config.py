@@ -417,6 +417,10 @@ class SettingsKeys(_Schema):
     container_network: str = "none"
     """the engine network a relay's container joins: "none" (loopback only) or a network's name
     (never "host")"""
+    container_project_volumes: bool = False
+    """each project's files on a named volume of the project, mounted in its containers at the
+    project's path, never on this host's disk (every profile then placement = "container", the
+    built-in ones left out); false: the project's folder is bound in; see Relay"""
     # a `relay` placement's relays over TCP with TLS (docs/relay.md#re-attach): the host other hosts
     # reach them at, and the key their secrets are derived from (the same on every host of a store)
     relays_listen_host: str = ""
@@ -595,6 +599,10 @@ def load_settings(
         name: AgentProfile(**dict(keys), name=name, base_dir=base_dir if name in file.agents else AGENTS_DIR)
         for name, keys in profiles.items()
     }
+    if values.get("container_project_volumes"):
+        # the projects' files are on volumes only their containers mount: the built-in profiles,
+        # which run on this host, are left out (docs/relay.md#a-named-volume-per-project)
+        agents = {name: profile for name, profile in agents.items() if name in file.agents}
     visible = {*BASE_AGENT_ENV, *(name for profile in agents.values() for name in profile.inherit_env)}
     settings = Settings(
         **values,
@@ -638,6 +646,16 @@ def _check_containers(settings: Settings) -> None:
     socket = settings.container_engine_socket
     if socket and not socket.startswith("/"):
         raise ConfigError(settings.key_name("container_engine_socket"), f"{socket!r}: the socket's absolute path")
+    if settings.container_project_volumes:
+        # a profile run on this host would find an empty project folder: the files are on the volume
+        key = settings.key_name("container_project_volumes")
+        problems = tuple(
+            (f"agents.{name}.placement", f"{profile.placement!r}: with {key} = true each project's files are on a "
+             "volume only its containers mount; set placement = \"container\" (or take the profile out)")
+            for name, profile in sorted(settings.agents.items()) if profile.placement != "container"
+        )  # fmt: skip
+        if problems:
+            raise ConfigError(*problems[0], more=problems[1:])
 
 
 MIN_RELAY_KEY_BYTES = 32

@@ -15,13 +15,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from rcoder import __version__, landlock, tracing
-from rcoder.agent.confinement import sandbox
-from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, check_limits
+from rcoder.agent.confinement import agent_user, sandbox
+from rcoder.agent.confinement.limits import CGROUP_ROOT, Cgroups, Values, check_limits
 from rcoder.agent.launcher import AgentLauncher
 from rcoder.agent.pool import AgentPool
 from rcoder.agent.processes.relayed import Relays
 from rcoder.agent.processes.tree import MARK, Trees
 from rcoder.agent.profiles.profile import (
+    agent_homes,
     container_engine_socket,
     container_image,
     containers_root,
@@ -42,7 +43,7 @@ from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, StoreError
 from rcoder.logs import get_logger
 from rcoder.metrics import Metrics
-from rcoder.relay.container_host import ContainerHostRelays, ContainerPlacement, ProfilePaths
+from rcoder.relay.container_host import ContainerHostRelays, ContainerPlacement, ProfilePaths, StoreProfile
 from rcoder.relay.engine_api import Engine
 from rcoder.relay.host import HostRelays
 from rcoder.relay.workspace_client import RelayedWorkspaces
@@ -107,6 +108,17 @@ def git_jail(settings: Settings, trees: Trees) -> GitJail:
     return GitJail(wrapper, system, {MARK: trees.new_mark()})
 
 
+def store_profile(settings: Settings) -> StoreProfile | None:
+    """The profile whose container holds each project's files and checkpoint store: the default
+    one, when its placement is ``container`` (docs/relay.md#a-container-projects-files)."""
+    profile = settings.agents[settings.default_agent]
+    if profile.placement != "container":
+        return None
+    limits = Values(profile.memory_max, profile.pids_max, profile.cpu_max or None)  # as its agents' spawn gives them
+    return StoreProfile(profile.name, settings.workspace_root.resolve(), agent_homes(settings, profile).resolve(),
+                        profile.kind, limits, agent_user.resolve(settings).switch)  # fmt: skip
+
+
 def clock() -> datetime:
     """The time the turn engine's parts stamp their records with."""
     return datetime.now(UTC)
@@ -135,7 +147,7 @@ class Daemon:
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,
             {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},
-            tuple(sandbox.protected(settings)),
+            tuple(sandbox.protected(settings)), store_profile(settings), settings.container_project_volumes,
         )  # fmt: skip
         engine = Engine(container_engine_socket(settings))
         # a container another host's running turn names (a turn taken over) is never removed here
@@ -162,9 +174,12 @@ class Daemon:
         self.live = LiveSessions(settings.max_queued_turns, self.runs, self.store, self.pool, self.leases)
         jail = git_jail(settings, self.trees)
         # a relayed project's files and checkpoints are its relay's (docs/relay.md#files-and-checkpoints)
+        # (a container's when the default profile's placement is container: docs/relay.md#a-container-projects-files)
+        default_placement = settings.agents[settings.default_agent].placement
+        # (at workspace_root's real path: a container has a project there alone, where a session's cwd is)
         self.workspaces = RelayedWorkspaces(
-            self.relays, settings.workspace_root, settings.max_file_bytes,
-            by_default=settings.agents[settings.default_agent].placement == "relay",
+            self.containers if default_placement == "container" else self.relays, settings.workspace_root.resolve(),
+            settings.max_file_bytes, by_default=default_placement in ("relay", "container"),
         )  # fmt: skip
         self.checkpoints = Checkpoints(settings, self.store, self.trees, jail, self.workspaces)  # docs/checkpoints.md
         self.intake = self._intake(settings)

@@ -44,7 +44,10 @@ NOT_DEFAULTS: dict[str, Any] = {
     "container_network": "rcoder-agents",
     "relays_listen_host": "10.0.0.5",
     "relays_key_file": "relay.key",  # made by the test that reads it (tests/test_config_relays.py)
+    "container_project_volumes": True,
 }
+# with containers.project_volumes every profile runs in a container: the default one, written so
+IN_CONTAINERS = '[agents.boxed]\ncommand = "/opt/rcoder/.venv/bin/python"\nplacement = "container"\n'
 
 
 def not_default(setting: str) -> Any:
@@ -70,8 +73,8 @@ def grouped_text(settings: dict[str, Any]) -> str:
 def test_a_setting_reads_the_same_in_its_table_and_by_its_flat_name(tmp_path: Path) -> None:
     values = {setting: not_default(setting) for setting in GROUPED_NAME}
     relay_key_file(tmp_path / "relay.key")
-    (tmp_path / "flat.toml").write_text(flat_text(values))
-    (tmp_path / "grouped.toml").write_text(grouped_text(values))
+    (tmp_path / "flat.toml").write_text(f'default_agent = "boxed"\n{flat_text(values)}{IN_CONTAINERS}')
+    (tmp_path / "grouped.toml").write_text(f'default_agent = "boxed"\n{grouped_text(values)}{IN_CONTAINERS}')
 
     flat = load_settings(tmp_path / "flat.toml", {})
     grouped = load_settings(tmp_path / "grouped.toml", {})

@@ -496,7 +496,7 @@ class AgentLauncher:
         if relays is None:
             raise AgentUnavailable(f"agent {profile.name!r} has placement = {profile.placement!r} and this daemon "
                                    "runs no relays for it", agent=profile.name)  # fmt: skip
-        project = relay_folder(self._settings.workspace_root, cwd)
+        project = relay_folder(self._settings.workspace_root.resolve(), cwd)  # cwd is the project's real path
         start = RelayedStart(
             name=profile.name,
             project=project,

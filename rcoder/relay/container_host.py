@@ -4,13 +4,17 @@ agents spawned and attached exactly as the ``relay`` placement does it (``host.H
 
 What the container holds: the profile's limits as its own (memory with no swap beyond it, processes,
 CPU: each container is one profile's, so they are that profile's exactly), the project's folder and
-the agent's home bound at the paths they have on the host (the daemon still reads and writes a
-project's files itself, for the file calls and the checkpoints, so they stay where it reads them;
-once the relay serves them, a named volume per project takes their place), the profile's
+the agent's home bound at the paths they have on the host (with ``project_volumes``, the project's
+folder is a named volume of the project mounted at that path instead: ``project_volume``), the profile's
 ``write_paths`` read-write and ``read_paths`` read-only at their paths, and the relay's state
 folder, ``<data_dir>/relay-containers/<project>.<profile>``, at ``/run/rcoder-relay``. It runs as
 the agents' uid where the daemon has one (the project and home are theirs already), else as the
 image's rcoder (10001); never root, no capability, a read-only root file system.
+
+When the default profile's placement is ``container`` (``StoreProfile``), the relay in each
+project's container of that profile also holds the project's files and checkpoint store for the
+daemon (``channel_of``, for ``rcoder.relay.workspace_client``; docs/relay.md#a-container-projects-files),
+that container started for a file call when none runs.
 
 The spawn path is ``HostRelays``', by composition: one ``HostRelays`` over the containers' root
 whose relay of a folder is the one in that folder's container (``_InContainers``), so the spec,
@@ -56,6 +60,7 @@ from rcoder import errors
 from rcoder.agent.confinement.limits import Values, human
 from rcoder.agent.files import ownership
 from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
+from rcoder.agent.profiles.homes import ensure_home
 from rcoder.logs import get_logger
 from rcoder.relay import host
 from rcoder.relay.containers import (
@@ -64,6 +69,7 @@ from rcoder.relay.containers import (
     STATE_MOUNT,
     Bind,
     ContainerRelays,
+    Mount,
     RelayContainer,
     RelayLaunch,
     oom_kills,
@@ -89,6 +95,22 @@ class ProfilePaths:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreProfile:
+    """The profile whose container holds each project's files and checkpoint store: the default
+    profile, when its placement is ``container`` (docs/relay.md#a-container-projects-files). A
+    file call or a checkpoint step with no such container running starts one, as an agent of that
+    profile would find it: the project's folder and the profile's home of the project bound, its
+    limits, its user."""
+
+    name: str
+    workspace_root: Path  # resolved, as a session's cwd is
+    homes: Path  # ``<data_dir>/agents/<profile>``: the profile's home of each project is a folder of it
+    kind: str  # the profile's kind: what its homes hold (``rcoder.agent.profiles.homes.ensure_home``)
+    limits: Values
+    user: tuple[int, int] | None  # the agents' uid where the daemon has one (``agent_processes.user``)
+
+
+@dataclass(frozen=True, slots=True)
 class ContainerPlacement:
     """What the daemon's settings say of its relays' containers (docs/relay.md#containers)."""
 
@@ -97,6 +119,10 @@ class ContainerPlacement:
     network: str  # "none", or an engine network's name
     profiles: Mapping[str, ProfilePaths]  # by profile name
     keep: tuple[Path, ...]  # rcoder's own folders, never given to the container's user
+    store: StoreProfile | None = None  # None: no project's files are a container's
+    # each project's folder a named volume of the project (``project_volume``) mounted at its path,
+    # never this host's folder bound in (docs/relay.md#a-named-volume-per-project)
+    project_volumes: bool = False
 
 
 @dataclass(eq=False)
@@ -182,11 +208,59 @@ class ContainerHostRelays:
         container's user where they are not theirs yet (the agents' uid has them already, where the
         daemon has one), rcoder's own folders inside them left out. Off the event loop."""
         profile = self._placement.profiles.get(start.name, ProfilePaths())
-        paths = [start.cwd, start.env.get("HOME", ""), start.env.get("TMPDIR", ""), *map(str, profile.write)]
+        project = "" if self._placement.project_volumes else start.cwd  # a volume's owner is set at its making
+        paths = [project, start.env.get("HOME", ""), start.env.get("TMPDIR", ""), *map(str, profile.write)]
         for path in filter(None, paths):
             if Path(path).is_dir() and not ownership.owned_by(Path(path), user):
                 changed = ownership.give(Path(path), user, keep=self._placement.keep)
                 log.info("relay_container_folder_given", path=path, uid=user[0], entries=changed)
+
+    async def channel_of(
+        self, project: str, start: bool
+    ) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]] | None:
+        """The channel to the relay holding ``project``'s files and checkpoint store, and the
+        metadata its calls carry (its secret): the relay in the project's container of the store
+        profile (``StoreProfile``, docs/relay.md#a-container-projects-files); with ``start``, that
+        container started when none runs (with ``project_volumes``, its volume made with it). None
+        when no profile's container holds stores, when none runs and ``start`` is not asked, or,
+        with binds, when the project has no folder on this host yet (the container binds it: the
+        daemon's own disk then answers that there is no such project)."""
+        store = self._placement.store
+        if store is None:
+            return None
+        folder = f"{project}.{store.name}"
+        running = self._running.get(folder)
+        if running is None or not running.running:
+            if not start:
+                return None
+            start_of = self._store_start(project, store)
+            if not self._placement.project_volumes and not await asyncio.to_thread(Path(start_of.cwd).is_dir):
+                return None  # a volume is made at the project's first call; a host folder is not
+            # made as an agent's start makes it (Homes.home, without its lock: a home made twice at once
+            # is made the same), so that the container binds it for the agents to come
+            home, cwd = Path(start_of.env["HOME"]), Path(start_of.cwd)
+            await asyncio.to_thread(ensure_home, store.homes, home, store.kind, cwd)
+            running = await self._running_for(folder, start_of)
+            if store.user is None:  # as at an agent's spawn: what the relay writes is the container user's
+                await asyncio.to_thread(self._give, start_of, running.container.launch.user)
+        return running.relay.channel, running.relay.metadata
+
+    async def live_projects(self) -> list[str]:
+        """The projects whose store profile's container runs now (their stores are swept while they do)."""
+        store = self._placement.store
+        if store is None:
+            return []
+        suffix = f".{store.name}"
+        return sorted(f.removesuffix(suffix) for f, r in self._running.items() if f.endswith(suffix) and r.running)
+
+    @staticmethod
+    def _store_start(project: str, store: StoreProfile) -> RelayedStart:
+        """What starts the store profile's container of ``project`` with no agent: the binds and
+        limits its first agent would have started it with (``_launch``)."""
+        home = store.homes / project
+        return RelayedStart(name=store.name, project=project, session_id="", argv=(), env={"HOME": str(home)},
+                            cwd=str(store.workspace_root / project), confinement=None, limits=store.limits,
+                            user=store.user)  # fmt: skip
 
     async def relay_of(self, folder: str, agent: str) -> host._Relay:
         """The relay of ``folder``'s container, as ``HostRelays`` reaches it (``_InContainers``)."""
@@ -249,7 +323,12 @@ class ContainerHostRelays:
 
     def _launch(self, folder: str, start: RelayedStart) -> RelayLaunch:
         profile = self._placement.profiles.get(start.name, ProfilePaths())
+        user = start.user or RELAY_USER
+        mounts: tuple[Mount, ...] = ()
         paths = [Bind(start.cwd)]
+        if self._placement.project_volumes:  # the project's files on its volume, at the project's path
+            mounts = (Mount(project_volume(self._placement.data_dir, start.project), start.cwd, owner=user),)
+            paths = []
         if "HOME" in start.env:
             paths.append(Bind(start.env["HOME"]))
         paths += [Bind(str(p)) for p in profile.write]
@@ -258,8 +337,8 @@ class ContainerHostRelays:
         command = ("relay", "--state-dir", STATE_MOUNT, "--stop-grace", str(self._stop_grace), "--log-format", "json")
         name = _container_name(self._placement.data_dir, folder)
         labels = {LABEL: name, DATA_DIR_LABEL: str(self._placement.data_dir)}
-        return RelayLaunch(name, self._placement.image, self._root / folder, (), command, {}, start.limits,
-                           self._placement.network, labels, binds, start.user or RELAY_USER)  # fmt: skip
+        return RelayLaunch(name, self._placement.image, self._root / folder, mounts, command, {}, start.limits,
+                           self._placement.network, labels, binds, user)  # fmt: skip
 
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
         """``found`` attached again in the container a killed daemon left: one of this ``data_dir``
@@ -599,6 +678,13 @@ class _Watched:
             if end is not None and end.oom_killed:
                 return f"the agent was stopped: its relay's container reached its memory limit {size}"
         return ""
+
+
+def project_volume(data_dir: Path, project: str) -> str:
+    """The name of ``project``'s volume under a daemon of ``data_dir``: ``rcoder-<project>-<hash>``,
+    of the engine's alphabet, unique per ``data_dir`` and project."""
+    digest = hashlib.sha256(f"{data_dir}\0{project}".encode()).hexdigest()[:10]
+    return f"rcoder-{_UNSAFE.sub('-', project)[:80].strip('-.') or 'project'}-{digest}"
 
 
 def _container_name(data_dir: Path, folder: str) -> str:

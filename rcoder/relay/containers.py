@@ -50,7 +50,7 @@ CONTAINER_TMP = "/tmp"  # noqa: S108 - the container's own /tmp, a tmpfs of its 
 TMP_SIZE = "64m"  # the tmpfs /tmp: the root file system is read-only
 READY_TIMEOUT = 60.0  # a container to a serving relay, on a loaded two-core machine
 STOP_GRACE = 10  # seconds between SIGTERM (the relay ends its agents' groups) and SIGKILL
-LABEL = "dev.rcoder.relay"  # every container and volume made here carries it (the container's name)
+LABEL = "dev.rcoder.relay"  # every container and volume made here carries it (its own name)
 _NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")
 _PROBE_EVERY = 0.5  # while the relay is not serving yet: how often the container's state is looked at
 
@@ -62,6 +62,9 @@ class Mount:
     volume: str
     path: str
     read_only: bool = False
+    # the uid and gid its root is made for (None: the engine's default, the image's owner of ``path``
+    # where the image has it, else root): the local driver's ``o=uid=,gid=`` (podman's; a pod's fsGroup)
+    owner: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +208,10 @@ class ContainerRelays:
             raise errors.InvalidArgument("user", "a relay's container never runs as root")
         await asyncio.to_thread(_state_folder, launch.state_dir, launch.user)
         for mount in launch.mounts:
-            await asyncio.to_thread(self._engine.create_volume, mount.volume, dict(launch.labels))
+            # labelled as the container is, but named after itself: a project's volume outlives its containers
+            labels = {**launch.labels, LABEL: mount.volume}
+            options = {"o": f"uid={mount.owner[0]},gid={mount.owner[1]}"} if mount.owner else None
+            await asyncio.to_thread(self._engine.create_volume, mount.volume, labels, options)
         container_id = await asyncio.to_thread(self._engine.create_container, launch.name, launch.create_body())
         try:
             await asyncio.to_thread(self._engine.start_container, container_id)

@@ -84,9 +84,15 @@ class Engine:
 
     # ---------------------------------------------------------------- volumes
 
-    def create_volume(self, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
-        """The named volume, made (the engine answers an existing one as it is)."""
-        made: dict[str, Any] = self._json("POST", "/volumes/create", {"Name": name, "Labels": dict(labels)})
+    def create_volume(
+        self, name: str, labels: Mapping[str, str], options: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The named volume, made (the engine answers an existing one as it is); ``options``: its
+        driver's (``DriverOpts``)."""
+        body: dict[str, Any] = {"Name": name, "Labels": dict(labels)}
+        if options:
+            body["DriverOpts"] = dict(options)
+        made: dict[str, Any] = self._json("POST", "/volumes/create", body)
         return made
 
     def inspect_volume(self, name: str) -> dict[str, Any] | None:

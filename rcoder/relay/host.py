@@ -146,6 +146,12 @@ class HostRelays:
         relay = await self._relay(project, "its files")
         return relay.channel, relay.metadata
 
+    async def live_projects(self) -> list[str]:
+        """The projects whose relays live now: held here, or found alive in their folders."""
+        root = self._root
+        names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return [name for name in names if await self.channel_of(name, False) is not None]
+
     def _end_spawned(self, relay: _Relay, start: RelayedStart) -> None:
         """A spawn that failed or was cancelled once asked: whatever the relay started for it (its
         session name is its own) is ended in the background, so that no agent runs that nobody owns."""

@@ -5,7 +5,9 @@ of ``rcoder.session.files.project_files.Workspace`` made to the project's relay
 Which projects are relayed (``RelayedWorkspaces.files``): one whose relay lives (held by this
 daemon, or found alive in its folder under ``<data_dir>/relays``: a turn of a relay-placed profile
 started it), and every project when the default profile's placement is ``relay`` (its relay is then
-started for the call). A relay's refusal comes back as the error it was on the relay's side (its
+started for the call) or ``container`` (the relay in the project's container of that profile,
+``rcoder.relay.container_host.ContainerHostRelays``: docs/relay.md#a-container-projects-files).
+A relay's refusal comes back as the error it was on the relay's side (its
 class by the status code, its reason, metadata and message as sent), so the daemon's caller sees
 what it sees for a local project; a relay that cannot be reached is ``RelayUnavailable``.
 """
@@ -58,12 +60,12 @@ _BY_REASON: dict[str, type[errors.RcoderError]] = {
 
 
 class Relays(Protocol):
-    """What this needs of the host's relays (``rcoder.relay.host.HostRelays``)."""
-
-    @property
-    def root(self) -> Path: ...
+    """What this needs of the relays that hold the projects' files and stores: the host's
+    (``rcoder.relay.host.HostRelays``) or the containers' (``rcoder.relay.container_host.ContainerHostRelays``)."""
 
     async def channel_of(self, project: str, start: bool) -> tuple[grpc.aio.Channel, Metadata] | None: ...
+
+    async def live_projects(self) -> list[str]: ...
 
 
 def error_of(exc: grpc.aio.AioRpcError, project_id: str) -> errors.RcoderError:
@@ -219,7 +221,7 @@ class WorkspaceClient:
 class RelayedWorkspaces:
     """Which projects' files are their relay's, and a client of each (``Relayed`` of
     ``rcoder.session.files.project_files``). ``by_default``: the default profile's placement is
-    ``relay``, so every project is, its relay started for the call when none lives."""
+    ``relay`` or ``container``, so every project is, its relay started for the call when none lives."""
 
     def __init__(self, relays: Relays, workspace_root: Path, max_bytes: int, by_default: bool) -> None:
         self._relays = relays
@@ -230,7 +232,7 @@ class RelayedWorkspaces:
     async def files(self, project_id: str) -> WorkspaceClient | None:
         try:
             found = await self._relays.channel_of(project_id, self._by_default)
-        except errors.AgentUnavailable as exc:  # its relay could not start
+        except errors.AgentError as exc:  # its relay (or its relay's container) could not start
             raise errors.RelayUnavailable(exc.summary, project_id=project_id) from exc
         if found is None:
             return None
@@ -239,18 +241,18 @@ class RelayedWorkspaces:
 
     async def live(self) -> list[str]:
         """The projects whose relays live now (their stores are swept while they do)."""
-        root = self._relays.root
-        names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        return [name for name in names if await self._relays.channel_of(name, False) is not None]
+        return await self._relays.live_projects()
 
     async def checkpoints(self, project_id: str, work_tree: str, bounds: Bounds) -> CheckpointClient:
         """The project's checkpoint store in its relay (started when none lives): a relayed
         project's snapshots are taken where its files are, whatever asks."""
         try:
             found = await self._relays.channel_of(project_id, True)
-        except errors.AgentUnavailable as exc:
+        except errors.AgentError as exc:
             raise errors.RelayUnavailable(exc.summary, project_id=project_id) from exc
-        assert found is not None  # started when none lives
+        if found is None:  # a container's: the project has no folder to bind yet
+            raise errors.RelayUnavailable(f"project {project_id!r} has no folder for its relay to hold yet",
+                                          project_id=project_id)  # fmt: skip
         channel, metadata = found
         project = pb.Project(workspace_root=str(self._root), project_id=project_id)
         store = pb.CheckpointStore(project=project, work_tree=work_tree or str(self._root / project_id),

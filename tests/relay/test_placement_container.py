@@ -13,23 +13,43 @@ import asyncio
 import contextlib
 import json
 import signal
+import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from rcoder.agent.profiles.profile import container_engine_socket, container_image, readiness_of
+from rcoder.agent.confinement.limits import Values
+from rcoder.agent.profiles.profile import (
+    agent_homes,
+    container_engine_socket,
+    container_image,
+    containers_root,
+    readiness_of,
+)
 from rcoder.config import load_settings
-from rcoder.relay.container_host import DATA_DIR_LABEL
+from rcoder.domain import RunRecord, RunStatus, SessionRecord
+from rcoder.relay.container_host import (
+    DATA_DIR_LABEL,
+    ContainerHostRelays,
+    ContainerPlacement,
+    StoreProfile,
+    project_volume,
+)
 from rcoder.relay.engine_api import Engine
+from rcoder.relay.workspace_client import RelayedWorkspaces
+from rcoder.session.turns.checkpoints import Checkpoints
+from rcoder.store.sqlite import SqliteStore
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import DaemonFactory
 from tests.harness import FakeAgentSetup, completed, config_error, error_info, eventually, started, text_of
 from tests.image.podman import BUILD_TIMEOUT
 from tests.relay.placement_kit import environ
 from tests.relay.test_reattach import LONG, LONG_WHOLE, WHOLE, left_running, seen_until
+from tests.relay.test_relay_files import refs_in
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
@@ -415,6 +435,12 @@ async def test_an_engine_that_is_not_there_is_said_at_start_and_refuses_the_agen
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert error_info(refused).reason == "CONTAINER_ENGINE_ERROR"
     assert f"no container engine socket at {socket}" in (refused.details() or ""), refused.details()
+    # the project's files are its container's (docs/relay.md#a-container-projects-files): never this host's instead
+    (tmp_path / "workspace" / "proj").mkdir(parents=True, exist_ok=True)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.stub.ListFiles(pb.ListFilesRequest(project_id="proj"))
+    assert (caught.value.code(), error_info(caught.value).reason) == (grpc.StatusCode.UNAVAILABLE, "RELAY_UNAVAILABLE")
+    assert str(socket) in (caught.value.details() or ""), caught.value.details()
 
 
 @pytest.mark.fast
@@ -431,3 +457,213 @@ def test_a_container_profiles_command_is_the_images_by_absolute_path(tmp_path: P
         "container",
         str(settings.data_dir / "relay-containers"),
     )
+
+
+def relay_calls_in(engine: Engine, container_id: str) -> dict[str, int]:
+    """How many calls of each kind the container's relay logged serving (its log is the container's)."""
+    counts: dict[str, int] = {}
+    for line in engine.log_tail(container_id, 100_000).splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == "relay_workspace_call":
+                counts[row["call"]] = counts.get(row["call"], 0) + 1
+    return counts
+
+
+def relay_events_in(engine: Engine, container_id: str, event: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in engine.log_tail(container_id, 100_000).splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == event:
+                rows.append(row)
+    return rows
+
+
+async def test_a_container_projects_files_and_checkpoints_are_done_by_its_containers_relay(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """docs/relay.md#a-container-projects-files: with a default profile in a container, the file
+    RPCs (before any agent: the container is started for them), the turn's snapshots, GetRunChanges
+    and RewindSession are served by the relay in the project's container of that profile, its git
+    confined there as the daemon's is; the daemon keeps no store of its own. The workspace_root is
+    named through a link: the container has the project at its real path alone."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    root = tmp_path / "workspace" / "proj"
+    root.mkdir(parents=True)
+    (tmp_path / "linked").symlink_to(tmp_path / "workspace")
+    settings = {**settings_of(engine, image), "workspace_root": str(tmp_path / "linked")}
+    daemon, client = await make_daemon(profiles, **settings)
+    (root / "old.txt").write_bytes(b"old line\n")
+
+    chunk = pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"from the api\n", mode=0o644)
+    written = await client.stub.WriteFile(iter([chunk]))
+    assert written.size == len(b"from the api\n")
+    read = [c async for c in client.stub.ReadFile(pb.ReadFileRequest(project_id="proj", path="old.txt"))]
+    assert b"".join(c.data for c in read) == b"old line\n"
+    listed = await client.stub.ListFiles(pb.ListFilesRequest(project_id="proj"))
+    assert sorted(e.path for e in listed.entries) == ["notes.txt", "old.txt"]
+    (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+    assert row["Labels"]["dev.rcoder.relay"].startswith("rcoder-relay-proj.boxed-")
+    assert not daemon.logs("agent_spawned"), "the container was started for the files, no agent ran"
+
+    turn = "shell grep -q 'from the api' notes.txt\nshell echo new line > old.txt\nhello"
+    events = await client.chat(prompt=turn, project_id="proj")
+    end = completed(events)
+    assert end.stop_reason == pb.STOP_REASON_END_TURN, end.error
+    assert "shell=exit 0 shell=exit 0" in text_of(events), "the agent read the file WriteFile put there"
+    run_id, session_id = events[0].run_id, events[0].session_id
+    assert [(c.path, c.kind) for c in end.changes] == [("old.txt", pb.FILE_CHANGE_KIND_MODIFIED)]
+    whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
+    assert "-old line" in whole.diff and "+new line" in whole.diff
+    rewound = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
+    assert [c.path for c in rewound.changes] == ["old.txt"]
+    assert (root / "old.txt").read_bytes() == b"old line\n"
+    assert (root / "old.txt").stat().st_uid == int(CONTAINER_UID), "the relay wrote it, as the container's user"
+
+    # one container served them all; its relay did the work, its store in its state folder
+    assert [r["Id"] for r in await asyncio.to_thread(labelled, engine, tmp_path / "data")] == [row["Id"]]
+    calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
+    assert calls.get("WriteFile") == 1 and calls.get("ReadFile") == 1 and calls.get("ListFiles") == 1, calls
+    assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1 and calls.get("Diff") == 1, calls
+    assert calls.get("GiveBack") == 1, calls
+    state = tmp_path / "data" / "relay-containers" / "proj.boxed"
+    assert (state / "checkpoints" / "proj.git" / "HEAD").is_file()
+    assert not (tmp_path / "data" / "checkpoints" / "proj.git").exists()
+    assert not await asyncio.to_thread(relay_events_in, engine, row["Id"], "relay_checkpoint_git_unconfined")
+
+
+async def test_a_projects_files_on_its_volume_are_written_read_snapshotted_and_rewound_never_on_the_hosts_disk(
+    make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """docs/relay.md#a-named-volume-per-project: with ``containers.project_volumes``, a file written
+    through the API lands on the project's volume (made at that first call, before any agent), the
+    agent in the container reads it there, the turn's snapshots and a rewind are the container
+    relay's, and the project's folder on this host never holds a file of it."""
+    boxed = FakeAgentSetup(tmp_path / "boxed")
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    volume = project_volume(tmp_path / "data", "proj")
+    try:
+        daemon, client = await make_daemon(profiles, container_project_volumes=True, **settings_of(engine, image))
+        chunk = pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"from the api\n", mode=0o644)
+        await client.stub.WriteFile(iter([chunk]))
+        root = tmp_path / "workspace" / "proj"
+        assert not root.exists(), "the file call made nothing on this host"
+        made = await asyncio.to_thread(engine.inspect_volume, volume)
+        assert made is not None
+        assert made["Labels"] == {"dev.rcoder.relay": volume, DATA_DIR_LABEL: str(tmp_path / "data")}
+        assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+
+        turn = "shell grep -q 'from the api' notes.txt\nshell echo made here > added.txt\nhello"
+        events = await client.chat(prompt=turn, project_id="proj")
+        end = completed(events)
+        assert end.stop_reason == pb.STOP_REASON_END_TURN, end.error
+        assert "shell=exit 0 shell=exit 0" in text_of(events), "the agent read the file WriteFile put on the volume"
+        assert [(c.path, c.kind) for c in end.changes] == [("added.txt", pb.FILE_CHANGE_KIND_ADDED)]
+        read = [c async for c in client.stub.ReadFile(pb.ReadFileRequest(project_id="proj", path="added.txt"))]
+        assert b"".join(c.data for c in read) == b"made here\n"
+        session_id, run_id = events[0].session_id, events[0].run_id
+        await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
+        listed = await client.stub.ListFiles(pb.ListFilesRequest(project_id="proj"))
+        assert [e.path for e in listed.entries] == ["notes.txt"]
+
+        # the host's project folder (the session's cwd, made by the turn) never held a file
+        assert names_in(root) == []
+        assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+        (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+        inspected = await asyncio.to_thread(engine.inspect_container, row["Id"])
+        assert inspected is not None
+        mounts = {m["Destination"]: m for m in inspected["Mounts"]}
+        assert (mounts[str(root)]["Type"], mounts[str(root)]["Name"]) == ("volume", volume)
+        calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
+        assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1, calls
+
+        # the project's last session deleted: its store goes (the relay's), its files stay on the volume
+        store = tmp_path / "data" / "relay-containers" / "proj.boxed" / "checkpoints" / "proj.git"
+        assert store.is_dir()
+        await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id))
+        assert not store.exists()
+        assert (await asyncio.to_thread(relay_calls_in, engine, row["Id"])).get("RemoveStore") == 1
+        assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+
+        # a daemon's stop removes the container and keeps the volume, with the project's files
+        await daemon.stop()
+        assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
+        kept = await asyncio.to_thread(engine.inspect_volume, volume)
+        assert kept is not None and (Path(kept["Mountpoint"]) / "notes.txt").read_bytes() == b"from the api\n"
+    finally:
+        for row in await asyncio.to_thread(labelled, engine, tmp_path / "data"):
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(engine.remove_container, row["Id"])
+        await asyncio.to_thread(engine.remove_volume, volume)
+
+
+def names_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.fast
+def test_project_volumes_take_every_profile_into_containers_and_leave_the_built_in_ones_out(tmp_path: Path) -> None:
+    boxed = f'[agents.boxed]\ncommand = "{PYTHON}"\nplacement = "container"\n'
+    error = config_error(tmp_path, f'default_agent = "boxed"\n[containers]\nproject_volumes = true\n{boxed}'
+                                   '[agents.here]\ncommand = "/bin/true"\n')  # fmt: skip
+    assert error.key == "agents.here.placement"
+    assert "containers.project_volumes = true" in str(error) and 'placement = "container"' in str(error)
+    config = tmp_path / "ok.toml"
+    config.write_text(f'default_agent = "boxed"\n[containers]\nproject_volumes = true\n{boxed}')
+    settings = load_settings(config, {})
+    assert settings.container_project_volumes and list(settings.agents) == ["boxed"]
+    config.write_text(f'default_agent = "boxed"\n{boxed}')
+    assert "claude" in load_settings(config, {}).agents, "off by default: the built-in profiles stay"
+
+
+async def test_retention_reaches_the_store_of_a_running_projects_container(
+    containers_removed: None, engine: Engine, image: str, tmp_path: Path
+) -> None:
+    """The daemon's sweep (tests/relay/test_relay_files.py's keep case) on a container project's
+    store, with the daemon's Checkpoints over a real container: the store profile's container of the
+    project runs (started by the first snapshot), so the sweep finds it (``live_projects``) and the
+    snapshots past ``checkpoints.keep`` go there, but one a run names."""
+    config = tmp_path / "rcoder.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nworkspace_root = "{tmp_path / "workspace"}"\n'
+                      f'default_agent = "r"\n[checkpoints]\nkeep = 1\n[agents.r]\ncommand = "{PYTHON}"\n'
+                      'placement = "container"\n')  # fmt: skip
+    settings = load_settings(config, {})
+    root = tmp_path / "workspace" / "proj"
+    root.mkdir(parents=True)
+    profile = settings.agents["r"]
+    homes = agent_homes(settings, profile).resolve()
+    placement = ContainerPlacement(
+        settings.data_dir, image, "none", {}, (),
+        StoreProfile("r", settings.workspace_root.resolve(), homes, profile.kind, Values(0, 0, None), None),
+    )  # fmt: skip
+    containers = ContainerHostRelays(placement, containers_root(settings), engine, 1.0)
+    store = SqliteStore(tmp_path / "data" / "rcoder.db")
+    await store.open()
+    relayed = RelayedWorkspaces(containers, settings.workspace_root, 1 << 20, True)
+    marks = Checkpoints(settings, store, relayed=relayed)
+    try:
+        assert await containers.live_projects() == []
+        commits = []
+        for n in range(3):
+            await asyncio.to_thread((root / "a.txt").write_text, f"{n}\n")
+            commits.append(await marks.before("proj", str(root.resolve()), f"run-{n}", profile))
+            marks.settled(f"run-{n}")
+        assert all(commits) and len(set(commits)) == 3
+        now_at = datetime.now(UTC)
+        await store.create_session(SessionRecord("s1", "proj", str(root), "r", "", now_at, now_at))
+        await store.start_run(RunRecord("named", "s1", RunStatus.COMPLETED, now_at, checkpoint_before=commits[0]))
+        assert await containers.live_projects() == ["proj"]
+
+        await marks.sweep(settings.checkpoint_retention, time.time())
+        git_dir = containers_root(settings) / "proj.r" / "checkpoints" / "proj.git"
+        assert await asyncio.to_thread(refs_in, git_dir) == {
+            f"refs/rcoder/commits/{c}" for c in (commits[0], commits[2])
+        }
+        (row,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")
+        calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
+        assert calls.get("DeleteRefs", 0) >= 1 and calls.get("CollectGarbage", 0) >= 1, calls
+    finally:
+        await containers.aclose()
+        await store.close()

@@ -26,7 +26,8 @@ written must not stop the agents.
 
 A relayed project's store is its relay's (docs/relay.md#files-and-checkpoints): a project whose
 profile's placement is ``relay`` (the turn's, the session's, or for the file calls' snapshots
-ahead, the default profile's) is snapshotted, diffed and restored by its relay, through a
+ahead, the default profile's), or ``container`` when the default profile's is too (the default
+profile's container's relay), is snapshotted, diffed and restored by its relay, through a
 ``Repo`` of the relay's (``Relayed.checkpoints``); everything decided here (which commit a run
 names, which refs go, the locks) is decided the same way for both. Retention's sweep and gc reach
 this host's stores and those of the relays alive as it runs.
@@ -277,9 +278,18 @@ class Checkpoints:
 
     def relayed(self, agent: str | None) -> bool:
         """Whether the store of a project a session of profile ``agent`` runs in is its relay's
-        (None: the default profile, as the file calls' snapshots ahead ask)."""
+        (None: the default profile, as the file calls' snapshots ahead ask): a ``relay`` profile's
+        session's, and a ``container`` profile's when the default profile's placement is
+        ``container`` too. Which relay holds it is ``Relayed``'s: the default profile's container's
+        when that profile's placement is ``container`` (whichever profile runs the turn:
+        docs/relay.md#a-container-projects-files), else the project's host relay. A ``local``
+        profile's session keeps this host's store."""
         profile = self._settings.profile(agent or self._settings.default_agent)
-        return self._relayed is not None and profile is not None and profile.placement == "relay"
+        if self._relayed is None or profile is None:
+            return False
+        default = self._settings.profile(self._settings.default_agent)
+        in_containers = profile.placement == "container" and default is not None and default.placement == "container"
+        return profile.placement == "relay" or in_containers
 
     async def store_of(self, project_id: str, cwd: str | Path | None, relayed: bool) -> Repo:
         """The project's store: its relay's when ``relayed``, else this host's (``repo``)."""
@@ -289,7 +299,8 @@ class Checkpoints:
 
     async def _relayed_repo(self, project_id: str, cwd: str | Path | None) -> RelayedRepo:
         assert self._relayed is not None
-        work_tree = str(cwd) if cwd else str(self._workspace / project_id)
+        # a session's cwd is the project's real path, the only one a relay's container has: the same here
+        work_tree = str(cwd) if cwd else str(self._workspace.resolve() / project_id)
         repo = self._relayed_repos.get(project_id)
         # one asked with no cwd (a sweep, a snapshot ahead) takes the store as the last turn named it
         if repo is None or (cwd and str(getattr(repo, "work_tree", "")) != work_tree):

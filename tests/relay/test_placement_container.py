@@ -638,9 +638,9 @@ async def test_retention_reaches_the_store_of_a_running_projects_container(
         settings.data_dir, image, "none", {}, (),
         StoreProfile("r", settings.workspace_root.resolve(), homes, profile.kind, Values(0, 0, None), None),
     )  # fmt: skip
-    containers = ContainerHostRelays(placement, containers_root(settings), engine, 1.0)
     store = SqliteStore(tmp_path / "data" / "rcoder.db")
     await store.open()
+    containers = ContainerHostRelays(placement, containers_root(settings), engine, 1.0, store.relay_folders_elsewhere)
     relayed = RelayedWorkspaces(containers, settings.workspace_root, 1 << 20, True)
     marks = Checkpoints(settings, store, relayed=relayed)
     try:

@@ -144,7 +144,7 @@ class Daemon:
         self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace,
                                  listen_host=settings.relays_listen_host, key=relays_key)  # fmt: skip
         # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers);
-        # over TCP too with [relays] listen_host and a container network (docs/relay.md#in-a-container)
+        # over TCP too with [relays] listen_host and a container network (docs/relay.md#re-attach)
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,
             {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},

@@ -94,8 +94,9 @@ DATA_DIR_LABEL = "dev.rcoder.data_dir"  # the daemon's data_dir: a daemon remove
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 _ADOPT_TIMEOUT = 10.0  # a found container's relay answering its first call, at the daemon's start
 _LIMIT_CHECK_TIMEOUT = 10.0  # reading an ended container's state from the engine, at an agent's exit
-# the port a container's relay serves TCP on (docs/relay.md#in-a-container): in the container's own
-# network namespace, so the same in every container; other hosts reach it at the container's address
+# the port a container's relay serves TCP on (docs/relay.md#re-attach, "Over TCP, in a container"):
+# in the container's own network namespace, so the same in every container; other hosts reach it at
+# the container's address
 RELAY_PORT = 7443
 
 
@@ -136,9 +137,10 @@ class ContainerPlacement:
     # each project's folder a named volume of the project (``project_volume``) mounted at its path,
     # never this host's folder bound in (docs/relay.md#a-named-volume-per-project)
     project_volumes: bool = False
-    # ``[relays] listen_host`` set: the host serves its relays over TCP, and its containers' relays too
-    # where they have a network (docs/relay.md#in-a-container); ``relay_key`` is ``[relays] key_file``'s
-    # key, every such relay's secret derived from it, and the key a turn taken over is reached with
+    # ``[relays] listen_host`` set: the host serves its relays over TCP, and its containers' relays
+    # too where they have a network (docs/relay.md#re-attach, "Over TCP, in a container");
+    # ``relay_key`` is ``[relays] key_file``'s key, every such relay's secret derived from it, and
+    # the key a turn taken over is reached with
     serve_tcp: bool = False
     relay_key: bytes | None = None
 

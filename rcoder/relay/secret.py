@@ -3,11 +3,11 @@
 It is written to ``<state_dir>/secret`` (mode 0600, in a folder of mode 0700 owned by the relay's
 user), or read once from a descriptor its starter hands over (``--secret-fd``), which is closed
 at once, or from a file its starter wrote (``--secret-file``: a relay's container serving TCP,
-whose secret is derived from the hosts' key, docs/relay.md#in-a-container; no descriptor crosses
-into a container). Never in the relay's environment: ``/proc/<pid>/environ`` keeps a process's first
-environment whatever it removes later. No agent can read it: the relay's folder is outside every
-agent's Landlock grants (granted around, where a grant holds it), and an agent running as another
-uid cannot open the file.
+whose secret is derived from the hosts' key, docs/relay.md#re-attach, "Over TCP, in a container";
+no descriptor crosses into a container). Never in the relay's environment: ``/proc/<pid>/environ``
+keeps a process's first environment whatever it removes later. No agent can read it: the relay's
+folder is outside every agent's Landlock grants (granted around, where a grant holds it), and an
+agent running as another uid cannot open the file.
 """
 
 from __future__ import annotations

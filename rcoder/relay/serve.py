@@ -57,7 +57,7 @@ class RelayOptions:
     secret_fd: int | None = None
     keep_exited: int = 64
     # a secret its starter wrote in its state folder (a relay's container serving TCP: no descriptor
-    # crosses into a container, docs/relay.md#in-a-container)
+    # crosses into a container, docs/relay.md#re-attach, "Over TCP, in a container")
     secret_file: Path | None = None
 
     def check(self) -> None:

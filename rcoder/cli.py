@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     relay.add_argument("--secret-fd", type=int, help="read the secret from this descriptor instead of making one")
     relay.add_argument(
+        "--secret-file", type=Path, help="read the secret from this file (mode 0600) instead of making one"
+    )
+    relay.add_argument(
         "--keep-exited", type=int, default=64, help="exited agents still listed, newest first (default 64)"
     )
     relay.add_argument("--log-level", default="info", help="debug | info | warning | error")
@@ -179,7 +182,7 @@ def _relay(args: argparse.Namespace) -> int:
             return 2
     logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format), stream)
     options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,
-                           args.stop_grace, args.secret_fd, args.keep_exited)  # fmt: skip
+                           args.stop_grace, args.secret_fd, args.keep_exited, args.secret_file)  # fmt: skip
     try:
         return asyncio.run(serve.serve(options))
     except ConfigError as exc:

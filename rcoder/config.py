@@ -416,7 +416,7 @@ class SettingsKeys(_Schema):
     localhost/rcoder:<this version>"""
     container_network: str = "none"
     """the engine network a relay's container joins: "none" (loopback only) or a network's name
-    (never "host")"""
+    (never "host"); with [relays] listen_host, its relay serves TCP with TLS at its address there"""
     container_project_volumes: bool = False
     """each project's files on a named volume of the project, mounted in its containers at the
     project's path, never on this host's disk (every profile then placement = "container", the
@@ -425,7 +425,8 @@ class SettingsKeys(_Schema):
     # reach them at, and the key their secrets are derived from (the same on every host of a store)
     relays_listen_host: str = ""
     """the address each relay also serves TCP with TLS on, which other hosts reach (e.g. "10.0.0.5");
-    "": its unix socket only. Needs key_file; see Relay"""
+    "": its unix socket only. A relay's container on a network serves TCP at its own address. Needs
+    key_file; see Relay"""
     relays_key_file: OptionalConfigPath = ""
     """a file of at least 32 random bytes, the same on every host of a store (mode 0600, owned by the
     daemon's user): each relay's secret is derived from it; needed to take over another host's turn

@@ -143,11 +143,13 @@ class Daemon:
         relays_key = Path(settings.relays_key_file).read_bytes() if settings.relays_key_file else None
         self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace,
                                  listen_host=settings.relays_listen_host, key=relays_key)  # fmt: skip
-        # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers)
+        # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers);
+        # over TCP too with [relays] listen_host and a container network (docs/relay.md#re-attach)
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,
             {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},
             tuple(sandbox.protected(settings)), store_profile(settings), settings.container_project_volumes,
+            serve_tcp=bool(settings.relays_listen_host), relay_key=relays_key,
         )  # fmt: skip
         engine = Engine(container_engine_socket(settings))
         # a container another host's running turn names (a turn taken over) is never removed here

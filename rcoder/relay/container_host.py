@@ -38,6 +38,14 @@ under that host's ``data_dir``) is found by its labels too and taken over: held 
 taken over in it live, then stopped and removed unless another host's running turn names it, so
 that nothing is left of it when its host never comes back (docs/relay.md#re-attach, "In a
 container").
+
+With ``[relays] listen_host`` and a network (``containers.network`` not "none"), each container's
+relay serves TCP with TLS at the container's address too (``RELAY_PORT``), its secret derived from
+the hosts' key and a certificate naming its relay_id, written in its state folder before the start
+(``_tcp_files``); the turns' rows store that address. Another host takes such a turn over there
+(``_reached_over_tcp``), the state folder unused, the engine asked only for the container's init
+(its OOM count) and its removal, and done without when it has not the container
+(docs/relay.md#re-attach, "Over TCP, in a container").
 """
 
 from __future__ import annotations
@@ -53,13 +61,14 @@ import signal
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from rcoder import errors
 from rcoder.agent.confinement.limits import Values, human
 from rcoder.agent.files import ownership
-from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace
+from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace, TcpReach
 from rcoder.agent.profiles.homes import ensure_home
 from rcoder.logs import get_logger
 from rcoder.relay import host
@@ -74,8 +83,9 @@ from rcoder.relay.containers import (
     RelayLaunch,
     oom_kills,
 )
-from rcoder.relay.endpoint import SECRET_FILE, SOCKET_FILE
+from rcoder.relay.endpoint import RELAY_ID_FILE, SECRET_FILE, SOCKET_FILE, TLS_CERT_FILE, TLS_KEY_FILE
 from rcoder.relay.engine_api import Engine
+from rcoder.relay.relay_key import new_relay_id, relay_secret
 from rcoder.relay.v1 import relay_pb2 as pb
 
 log = get_logger("rcoder.relay.container_host")
@@ -84,6 +94,10 @@ DATA_DIR_LABEL = "dev.rcoder.data_dir"  # the daemon's data_dir: a daemon remove
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 _ADOPT_TIMEOUT = 10.0  # a found container's relay answering its first call, at the daemon's start
 _LIMIT_CHECK_TIMEOUT = 10.0  # reading an ended container's state from the engine, at an agent's exit
+# the port a container's relay serves TCP on (docs/relay.md#re-attach, "Over TCP, in a container"):
+# in the container's own network namespace, so the same in every container; other hosts reach it at
+# the container's address
+RELAY_PORT = 7443
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +137,18 @@ class ContainerPlacement:
     # each project's folder a named volume of the project (``project_volume``) mounted at its path,
     # never this host's folder bound in (docs/relay.md#a-named-volume-per-project)
     project_volumes: bool = False
+    # ``[relays] listen_host`` set: the host serves its relays over TCP, and its containers' relays
+    # too where they have a network (docs/relay.md#re-attach, "Over TCP, in a container");
+    # ``relay_key`` is ``[relays] key_file``'s key, every such relay's secret derived from it, and
+    # the key a turn taken over is reached with
+    serve_tcp: bool = False
+    relay_key: bytes | None = None
+
+    @property
+    def tcp(self) -> bool:
+        """Whether each relay's container serves TCP with TLS: the host serves TCP and the
+        container has an address of its own (a network, not "none")."""
+        return self.serve_tcp and self.relay_key is not None and self.network != "none"
 
 
 @dataclass(eq=False)
@@ -130,9 +156,11 @@ class _Running:
     """One relay's container this daemon started, and the host's view of its relay."""
 
     container: RelayContainer
-    init_pid: int  # the container's init on this host: alive while the container runs
+    init_pid: int  # the container's init on this host: alive while the container runs (0: unknown)
     relay: host._Relay
-    init_fd: int  # a pidfd of that init: it, not a pid a later process may take, says when it ended
+    # a pidfd of that init: it, not a pid a later process may take, says when it ended; -1 for another
+    # host's container reached over TCP that this host's engine does not run (alive while it answers)
+    init_fd: int
     foreign: bool = False  # another host's (a turn taken over): held while agents taken over in it live
     agents: int = 0  # of a foreign one: the agents taken over in it that have not ended
 
@@ -142,8 +170,14 @@ class _Running:
 
     @property
     def running(self) -> bool:
+        if self.init_fd < 0:
+            return True
         readable, _, _ = select.select([self.init_fd], [], [], 0)
         return not readable
+
+    def close_init(self) -> None:
+        if self.init_fd >= 0:
+            os.close(self.init_fd)
 
 
 class ContainerHostRelays:
@@ -161,7 +195,7 @@ class ContainerHostRelays:
         self._root = root
         self._engine = engine
         self._containers = ContainerRelays(engine)
-        self._host = _InContainers(root, stop_grace, self)
+        self._host = _InContainers(root, stop_grace, self, placement.relay_key)
         self._stop_grace = stop_grace
         # the state folders other hosts' running turns name (the store's relay_folders_elsewhere):
         # a container one of them names is never removed here
@@ -286,6 +320,7 @@ class ContainerHostRelays:
 
     async def _start(self, folder: str, start: RelayedStart) -> _Running:
         launch = self._launch(folder, start)
+        made = await asyncio.to_thread(self._tcp_files, launch) if self._placement.tcp else None
         container = await self._containers.start(launch)
         try:
             state = await asyncio.to_thread(self._engine.inspect_container, container.container_id)
@@ -301,10 +336,35 @@ class ContainerHostRelays:
                 await self._containers.remove(container)
             raise
         relay = self._host.connect(launch.state_dir, init_pid, container.secret)
+        if made is not None:
+            relay.tcp = _reach(state or {}, self._placement.network, *made)
         log.info("relay_container_placed", agent=start.name, project=start.project, name=launch.name,
                  container_id=container.container_id[:12], init_pid=init_pid, user=f"{launch.user[0]}",
-                 memory_max=launch.limits.memory_max if launch.limits else 0)  # fmt: skip
+                 memory_max=launch.limits.memory_max if launch.limits else 0,
+                 address=relay.tcp.address if relay.tcp else None)  # fmt: skip
         return _Running(container, init_pid, relay, init_fd)
+
+    def _tcp_files(self, launch: RelayLaunch) -> tuple[str, str]:
+        """What a container's relay serving TCP starts with, written in its state folder (mode 0700,
+        bound at STATE_MOUNT; no agent's grant reaches it), each file mode 0600 and the container
+        user's: its id, its secret derived from the id and the hosts' key (read by the relay with
+        ``--secret-file``: no descriptor crosses into a container, and never its env or argv), and a
+        certificate naming the relay_id (the container's address is the engine's pick, known only
+        once it runs: a host dials it with that name, ``_InContainers._tls_options``) with its key.
+        Off the event loop; returns the id and the certificate."""
+        assert self._placement.relay_key is not None  # ContainerPlacement.tcp
+        # imported here alone: cryptography is heavy (as in host.HostRelays._tcp_files)
+        from rcoder.relay.relay_cert import self_signed
+
+        folder, user = launch.state_dir, launch.user
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        relay_id = new_relay_id()
+        cert, key = self_signed(relay_id)
+        secret = relay_secret(self._placement.relay_key, relay_id)
+        for name, data in ((TLS_KEY_FILE, key), (TLS_CERT_FILE, cert), (RELAY_ID_FILE, relay_id.encode() + b"\n"),
+                           (SECRET_FILE, secret.encode() + b"\n")):  # fmt: skip
+            host.write_private(folder / name, data, user)
+        return relay_id, cert.decode()
 
     async def _still_spared(self, folder: str, agent: str) -> None:
         """``folder``'s container, left alone at the start for another host's turn taken over in it:
@@ -334,7 +394,12 @@ class ContainerHostRelays:
         paths += [Bind(str(p)) for p in profile.write]
         paths += [Bind(str(p), read_only=True) for p in profile.read if p.exists()]
         binds = tuple({b.path: b for b in paths if b.path != STATE_MOUNT}.values())
-        command = ("relay", "--state-dir", STATE_MOUNT, "--stop-grace", str(self._stop_grace), "--log-format", "json")
+        command: tuple[str, ...] = ("relay", "--state-dir", STATE_MOUNT, "--stop-grace", str(self._stop_grace),
+                                    "--log-format", "json")  # fmt: skip
+        if self._placement.tcp:  # its files written by ``_tcp_files`` before the start
+            command += ("--listen", f"0.0.0.0:{RELAY_PORT}", "--tls-cert", f"{STATE_MOUNT}/{TLS_CERT_FILE}",
+                        "--tls-key", f"{STATE_MOUNT}/{TLS_KEY_FILE}", "--secret-file",
+                        f"{STATE_MOUNT}/{SECRET_FILE}")  # fmt: skip
         name = _container_name(self._placement.data_dir, folder)
         labels = {LABEL: name, DATA_DIR_LABEL: str(self._placement.data_dir)}
         return RelayLaunch(name, self._placement.image, self._root / folder, mounts, command, {}, start.limits,
@@ -354,7 +419,7 @@ class ContainerHostRelays:
                 raise errors.AgentUnavailable(f"agent {name!r}: no relay's container of {found.relay} runs",
                                               agent=name)  # fmt: skip
         else:
-            running = await self._taken_over(state_dir, name)
+            running = await self._taken_over(state_dir, name, found.tcp)
         try:
             kills = await asyncio.to_thread(oom_kills, running.init_pid)
             child = await self._host.reattach(found, name, stop_grace)
@@ -368,10 +433,11 @@ class ContainerHostRelays:
             self._track(self._watching, self._let_go_after(key, running, watched), f"taken-over-{child.pid}")
         return watched
 
-    async def _taken_over(self, state_dir: Path, agent: str) -> _Running:
+    async def _taken_over(self, state_dir: Path, agent: str, tcp: TcpReach | None = None) -> _Running:
         """The running container of another host's ``state_dir`` (``<its data_dir>/relay-containers/
-        <folder>``), found by the labels that host gave it, its relay connected with the secret in
-        that folder: the hosts share the disk and the engine. ``AgentUnavailable`` when none runs."""
+        <folder>``): reached over TCP where the store has its relay's address (``tcp``), else found
+        by the labels that host gave it, its relay connected with the secret in that folder (the hosts
+        share the disk and the engine). ``AgentUnavailable`` when none runs."""
         key = self.key_of(state_dir)
         async with self._starting.setdefault(key, asyncio.Lock()):
             running = self._running.get(key)
@@ -382,6 +448,14 @@ class ContainerHostRelays:
             began = asyncio.get_running_loop().time()
             data_dir = state_dir.parent.parent
             labels = {LABEL: _container_name(data_dir, state_dir.name), DATA_DIR_LABEL: str(data_dir)}
+            if tcp is not None:
+                running = await self._reached_over_tcp(state_dir, tcp, agent, labels)
+                self._running[key] = running
+                log.warning("relay_container_taken_over", state_dir=str(state_dir), address=tcp.address,
+                            container_id=running.container.container_id[:12], init_pid=running.init_pid,
+                            data_dir=str(data_dir), engine=running.init_fd >= 0,
+                            took_ms=round((asyncio.get_running_loop().time() - began) * 1000, 1))  # fmt: skip
+                return running
             try:
                 rows = await asyncio.to_thread(self._engine.list_containers, labels)
                 if not rows:
@@ -399,6 +473,48 @@ class ContainerHostRelays:
                         init_pid=running.init_pid, data_dir=str(data_dir),
                         took_ms=round((asyncio.get_running_loop().time() - began) * 1000, 1))  # fmt: skip
             return running
+
+    async def _reached_over_tcp(self, state_dir: Path, tcp: TcpReach, agent: str,
+                                labels: dict[str, str]) -> _Running:  # fmt: skip
+        """Another host's container whose relay the store says serves TCP, reached there with the
+        secret derived from the hosts' key (``HostRelays._remote``), its state folder unused. The
+        engine is asked only for what it alone knows: the container's init on this host (its OOM
+        kill count, its end) and its removal once no agent of ours runs in it. An engine that does not
+        answer, or does not run that container, is said; the turn is taken over all the same, an
+        agent's end at the memory limit then said as a plain exit, and the container left to its host."""
+        relay = await self._host.remote(state_dir, tcp, agent)
+        state = None
+        try:
+            rows = await asyncio.to_thread(self._engine.list_containers, labels)
+            if rows:
+                state = await asyncio.to_thread(self._engine.inspect_container, str(rows[0].get("Id", "")))
+            if state is None or not state["State"].get("Running"):
+                raise errors.ContainerEngineError("inspect", 0, "this host's engine runs no such container")
+        except errors.ContainerEngineError as exc:
+            log.warning("relay_container_engine_unknown", state_dir=str(state_dir), address=tcp.address,
+                        error=str(exc)[:300], effect="an agent stopped at the container's memory limit is said as a "
+                        "plain exit, and the container is left to its host to remove")  # fmt: skip
+            state = None
+        ident, init_pid, init_fd = "", 0, -1
+        if state is not None:
+            ident, init_pid = str(state.get("Id", "")), int(state["State"].get("Pid") or 0)
+            with contextlib.suppress(ProcessLookupError):
+                init_fd = os.pidfd_open(init_pid) if init_pid else -1
+        launch = self._launch_of(state_dir, state or {})
+        container = RelayContainer(launch, ident, state_dir / SOCKET_FILE, "")
+        return _Running(container, init_pid if init_fd >= 0 else 0, relay, init_fd, foreign=True)
+
+    def _launch_of(self, state_dir: Path, state: Mapping[str, Any]) -> RelayLaunch:
+        """The launch of a running container, read back from the engine's inspect (its user, limits)."""
+        config, hosted = dict(state.get("Config") or {}), dict(state.get("HostConfig") or {})
+        uid, _, gid = str(config.get("User") or "").partition(":")
+        user = (int(uid), int(gid or uid)) if uid.isdigit() else RELAY_USER
+        limits = Values(max(int(hosted.get("Memory") or 0), 0), max(int(hosted.get("PidsLimit") or 0), 0),
+                        (int(hosted.get("NanoCpus") or 0) / 1e9) or None)  # fmt: skip
+        labels = dict(config.get("Labels") or {})
+        return RelayLaunch(labels.get(LABEL, ""), str(config.get("Image", "")), state_dir, (),
+                           tuple(config.get("Cmd") or ()), {}, limits, self._placement.network, labels,
+                           (), user)  # fmt: skip
 
     def _track(self, tasks: set[asyncio.Task[None]], work: Awaitable[None], name: str) -> None:
         async def run() -> None:
@@ -424,7 +540,8 @@ class ContainerHostRelays:
         hold on it dropped. A running turn of ours there is one whose agent ended: it is ending."""
         if str(running.state_dir) in await self._folders_elsewhere():
             await running.relay.channel.close()
-            os.close(running.init_fd)
+            self._host.forget(running.relay)
+            running.close_init()
             log.info("relay_container_left", container_id=running.container.container_id[:12],
                      state_dir=str(running.state_dir), why="another host's running turn names it")  # fmt: skip
             return
@@ -435,7 +552,8 @@ class ContainerHostRelays:
         its pidfd (closed in the background: a channel's close is awaited)."""
         if self._running.get(key) is running:
             del self._running[key]
-        os.close(running.init_fd)
+        running.close_init()
+        self._host.forget(running.relay)
         self._track(self._letting_go, running.relay.channel.close(), f"forget-{key}")
 
     async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
@@ -511,17 +629,11 @@ class ContainerHostRelays:
         init_fd = os.pidfd_open(init_pid)
         try:
             secret = (state_dir / SECRET_FILE).read_text().strip()
-            config, hosted = state.get("Config") or {}, state.get("HostConfig") or {}
-            uid, _, gid = str(config.get("User") or "").partition(":")
-            user = (int(uid), int(gid or uid)) if uid.isdigit() else RELAY_USER
-            limits = Values(max(int(hosted.get("Memory") or 0), 0), max(int(hosted.get("PidsLimit") or 0), 0),
-                            (int(hosted.get("NanoCpus") or 0) / 1e9) or None)  # fmt: skip
-            labels = dict(config.get("Labels") or {})
-            launch = RelayLaunch(labels.get(LABEL, ""), str(config.get("Image", "")), state_dir, (),
-                                 tuple(config.get("Cmd") or ()), {}, limits, self._placement.network, labels,
-                                 (), user)  # fmt: skip
+            launch = self._launch_of(state_dir, state)
             container = RelayContainer(launch, ident, state_dir / SOCKET_FILE, secret)
             relay = self._host.connect(state_dir, init_pid, secret)
+            if "--listen" in launch.command:  # it serves TCP: where other hosts reach it, for the turns' rows
+                relay.tcp = await asyncio.to_thread(_reach_in, state_dir, state, self._placement.network)
             try:
                 await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=_ADOPT_TIMEOUT)
             except BaseException:
@@ -557,7 +669,7 @@ class ContainerHostRelays:
         kept = [r for r in running if str(r.relay.folder) in keep or str(r.state_dir) in named]
         for each in kept:
             await each.relay.channel.close()
-            os.close(each.init_fd)
+            each.close_init()
             why = "it runs a turn left to the next daemon" if str(each.relay.folder) in keep else (
                 "another host runs a turn in it")  # fmt: skip
             log.info("relay_container_kept", container_id=each.container.container_id[:12], why=why)
@@ -566,7 +678,12 @@ class ContainerHostRelays:
 
     async def _remove(self, running: _Running, why: str) -> None:
         await running.relay.channel.close()
-        os.close(running.init_fd)
+        self._host.forget(running.relay)
+        if running.init_fd < 0:  # another host's, that this host's engine does not run: its host's to remove
+            log.warning("relay_container_left", state_dir=str(running.state_dir), why=why,
+                        effect="this host's engine does not run it: its host removes it at its next start")  # fmt: skip
+            return
+        running.close_init()
         try:
             await self._containers.remove(running.container)
         except errors.ContainerEngineError as exc:
@@ -581,9 +698,22 @@ class _InContainers(host.HostRelays):
     attach and undo as they are; nothing of its own started, found or stopped (its ``end_found`` and
     ``aclose`` are never called: a container's relay wrote its namespace's pid in its lock)."""
 
-    def __init__(self, root: Path, stop_grace: float, owner: ContainerHostRelays) -> None:
-        super().__init__(root, stop_grace)
+    def __init__(self, root: Path, stop_grace: float, owner: ContainerHostRelays, key: bytes | None) -> None:
+        super().__init__(root, stop_grace, key=key)  # the key: another host's relay reached over TCP
         self._owner = owner
+
+    def _tls_options(self, tcp: TcpReach) -> list[tuple[str, int | str]]:
+        """A container's relay's certificate names its relay_id, not its address (the engine's pick,
+        unknown when the certificate is made): the name its certificate is checked against."""
+        return [*super()._tls_options(tcp), ("grpc.ssl_target_name_override", tcp.relay_id)]
+
+    async def remote(self, folder: Path, tcp: TcpReach, agent: str) -> host._Relay:
+        """Another host's container's relay, reached over TCP (``HostRelays._remote``)."""
+        return await self._remote(folder, tcp, agent)
+
+    def forget(self, relay: host._Relay) -> None:
+        """A relay reached over TCP no longer held (its channel closed): the next takeover reaches it anew."""
+        self._relays = {key: held for key, held in self._relays.items() if held is not relay}
 
     async def _relay(self, project: str, agent: str) -> host._Relay:
         return await self._owner.relay_of(project, agent)
@@ -691,3 +821,27 @@ def _container_name(data_dir: Path, folder: str) -> str:
     """A name of the engine's alphabet, readable, and unique per ``data_dir`` and folder."""
     digest = hashlib.sha256(f"{data_dir}\0{folder}".encode()).hexdigest()[:10]
     return f"rcoder-relay-{_UNSAFE.sub('-', folder)[:80].strip('-.') or 'project'}-{digest}"
+
+
+def _reach(state: Mapping[str, Any], network: str, relay_id: str, cert: str) -> TcpReach | None:
+    """Where other hosts reach a container's relay over TCP: its address on ``network`` (from the
+    engine's inspect), the relay's port; None (said) when the engine gave it none."""
+    networks: dict[str, Any] = dict((state.get("NetworkSettings") or {}).get("Networks") or {})
+    ours = networks.get(network) or next(iter(networks.values()), None) or {}
+    address = str(ours.get("IPAddress") or "")
+    if not address:
+        log.warning("relay_container_no_address", network=network,
+                    effect="its turns are not taken over over TCP by another host")  # fmt: skip
+        return None
+    host_part = f"[{address}]" if ":" in address else address
+    return TcpReach(f"{host_part}:{RELAY_PORT}", relay_id, cert)
+
+
+def _reach_in(state_dir: Path, state: Mapping[str, Any], network: str) -> TcpReach | None:
+    """``_reach`` of a running container, its relay_id and certificate read back from its state folder."""
+    try:
+        relay_id = (state_dir / RELAY_ID_FILE).read_text().strip()
+        cert = (state_dir / TLS_CERT_FILE).read_text()
+    except OSError:
+        return None
+    return _reach(state, network, relay_id, cert) if relay_id else None

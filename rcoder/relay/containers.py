@@ -13,7 +13,8 @@ no network unless the launch names one (never the host's), the spec's limits as 
 (memory with no swap beyond it, CPU, processes), and no restart by the engine (a relay that dies is
 the daemon's to notice). The secret is never in the container's environment or image: the relay
 makes it in its state folder (mode 0600), a host folder bound into the container (mode 0700, given
-to the container's user), and the starter reads it back from there once the relay serves.
+to the container's user), or reads the one its starter wrote there (``--secret-file``: a relay
+serving TCP, ``container_host``), and the starter reads it back from there once the relay serves.
 """
 
 from __future__ import annotations

@@ -225,9 +225,9 @@ class HostRelays:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         relay_id = new_relay_id()
         cert, key = self_signed(self._listen_host)
-        _write_private(folder / TLS_KEY_FILE, key)
-        _write_private(folder / TLS_CERT_FILE, cert)
-        _write_private(folder / RELAY_ID_FILE, relay_id.encode() + b"\n")
+        write_private(folder / TLS_KEY_FILE, key)
+        write_private(folder / TLS_CERT_FILE, cert)
+        write_private(folder / RELAY_ID_FILE, relay_id.encode() + b"\n")
         return relay_secret(self._key, relay_id)
 
     async def _remote(self, folder: Path, tcp: TcpReach, name: str) -> _Relay:
@@ -245,7 +245,7 @@ class HostRelays:
             if held is not None:
                 return held
             credentials = grpc.ssl_channel_credentials(root_certificates=tcp.cert.encode())
-            channel = grpc.aio.secure_channel(tcp.address, credentials, options=_CHANNEL_OPTIONS)
+            channel = grpc.aio.secure_channel(tcp.address, credentials, options=self._tls_options(tcp))
             secret = relay_secret(self._key, tcp.relay_id)
             metadata = (("authorization", f"Bearer {secret}"),)
             relay = _Relay(folder, 0, channel, pb_grpc.RelayServiceStub(channel), metadata, tcp=tcp, remote=True)
@@ -263,6 +263,11 @@ class HostRelays:
             self._relays[key] = relay
             log.info("relay_reached_over_tcp", state_dir=str(folder), address=tcp.address, relay_id=tcp.relay_id)
             return relay
+
+    def _tls_options(self, tcp: TcpReach) -> list[tuple[str, int | str]]:
+        """The options of a channel to another host's relay: its certificate names the host it listens
+        on, which its address names too (a relay's container's names its relay_id instead)."""
+        return list(_CHANNEL_OPTIONS)
 
     def _connect(self, folder: Path, pid: int) -> _Relay:
         channel = grpc.aio.insecure_channel(socket_target(folder / SOCKET_FILE), options=_CHANNEL_OPTIONS)
@@ -408,7 +413,7 @@ def _launch(folder: Path, argv: list[str], secret: str | None = None) -> subproc
     try:
         os.write(write, secret.encode())  # well within a pipe's buffer: written before the start
         os.close(write)
-        _write_private(folder / SECRET_FILE, secret.encode() + b"\n")
+        write_private(folder / SECRET_FILE, secret.encode() + b"\n")
         return _popen(folder, [*argv, "--secret-fd", str(read)], (read,))
     finally:
         os.close(read)
@@ -422,11 +427,14 @@ def _popen(folder: Path, argv: list[str], fds: tuple[int, ...]) -> subprocess.Po
                                 start_new_session=True, env=_relay_env(), pass_fds=fds)  # fmt: skip
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """``data`` written to ``path`` anew, mode 0600, no link followed."""
+def write_private(path: Path, data: bytes, owner: tuple[int, int] | None = None) -> None:
+    """``data`` written to ``path`` anew, mode 0600, no link followed; ``owner``'s (uid, gid) when
+    given (a container's user: the relay in it reads the file)."""
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as file:
+        if owner is not None:
+            os.fchown(file.fileno(), *owner)
         file.write(data)
 
 

@@ -2,10 +2,12 @@
 
 It is written to ``<state_dir>/secret`` (mode 0600, in a folder of mode 0700 owned by the relay's
 user), or read once from a descriptor its starter hands over (``--secret-fd``), which is closed
-at once. Never in the relay's environment: ``/proc/<pid>/environ`` keeps a process's first
-environment whatever it removes later. No agent can read it: the relay's folder is outside every
-agent's Landlock grants (granted around, where a grant holds it), and an agent running as another
-uid cannot open the file.
+at once, or from a file its starter wrote (``--secret-file``: a relay's container serving TCP,
+whose secret is derived from the hosts' key, docs/relay.md#re-attach, "Over TCP, in a container";
+no descriptor crosses into a container). Never in the relay's environment: ``/proc/<pid>/environ``
+keeps a process's first environment whatever it removes later. No agent can read it: the relay's
+folder is outside every agent's Landlock grants (granted around, where a grant holds it), and an
+agent running as another uid cannot open the file.
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ def secret_from_fd(fd: int) -> str:
         secret = file.read().strip()
     if len(secret) < _MIN_SECRET:
         raise errors.ConfigError("secret-fd", f"the secret read from descriptor {fd} is shorter than {_MIN_SECRET}")
+    return secret
+
+
+def secret_from_file(path: Path) -> str:
+    """The secret its starter wrote to ``path`` (kept: the starter's later daemons read it there).
+    ``ConfigError`` when it cannot be read, is a link, is readable by others or is too short."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise errors.ConfigError("secret-file", f"{path}: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "r") as file:
+        if os.fstat(fd).st_mode & 0o077:
+            raise errors.ConfigError("secret-file", f"{path} may be read by others than its owner: give it mode 0600")
+        secret = file.read().strip()
+    if len(secret) < _MIN_SECRET:
+        raise errors.ConfigError("secret-file", f"the secret read from {path} is shorter than {_MIN_SECRET}")
     return secret
 
 

@@ -31,7 +31,7 @@ from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
 from rcoder.relay.agents import Agents
 from rcoder.relay.endpoint import ADDRESS_FILE, MAX_MESSAGE_BYTES, SOCKET_FILE, socket_target
-from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, state_dir
+from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, secret_from_file, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 from rcoder.relay.v1 import workspace_pb2_grpc as workspace_grpc
@@ -56,6 +56,9 @@ class RelayOptions:
     stop_grace: float = 2.0
     secret_fd: int | None = None
     keep_exited: int = 64
+    # a secret its starter wrote in its state folder (a relay's container serving TCP: no descriptor
+    # crosses into a container, docs/relay.md#re-attach, "Over TCP, in a container")
+    secret_file: Path | None = None
 
     def check(self) -> None:
         if self.listen and not (self.tls_cert and self.tls_key):
@@ -66,6 +69,8 @@ class RelayOptions:
             raise ConfigError("buffer-bytes", f"{self.buffer_bytes}: a frame buffer of at least 1024 bytes")
         if self.stop_grace <= 0:
             raise ConfigError("stop-grace", "seconds above 0")
+        if self.secret_fd is not None and self.secret_file is not None:
+            raise ConfigError("secret-file", "--secret-fd or --secret-file, not both")
         if self.keep_exited < 0:
             raise ConfigError("keep-exited", "a count, 0 or more")
 
@@ -112,7 +117,12 @@ async def serve(options: RelayOptions) -> int:
         holder = exc.holder.get("pid") or "unknown"
         raise ConfigError("state-dir", f"{folder} is in use by another relay (pid {holder}): stop it, or give this "
                                        "one a --state-dir of its own") from exc  # fmt: skip
-    secret = secret_from_fd(options.secret_fd) if options.secret_fd is not None else made_secret(folder)
+    if options.secret_fd is not None:
+        secret = secret_from_fd(options.secret_fd)
+    elif options.secret_file is not None:
+        secret = secret_from_file(options.secret_file)
+    else:
+        secret = made_secret(folder)
     tls = None
     if options.tls_cert and options.tls_key:
         tls = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())])

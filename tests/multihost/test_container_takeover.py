@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,6 +29,7 @@ from tests.harness import completed, error_info, text_of
 from tests.image.podman import BUILD_TIMEOUT
 from tests.multihost.conftest import AUTH_MD, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
+from tests.multihost.test_relay_takeover import relay_key
 from tests.relay.conftest import engine, image  # noqa: F401 - the engine and image tests/relay shares
 from tests.relay.test_placement_container import PYTHON, labelled
 
@@ -55,10 +57,13 @@ async def container_hosts(make_hosts: MakeHosts, on: Engine, image_id: str) -> A
                 assert await asyncio.to_thread(labelled, on, data_dir) == []
 
 
-async def streaming_in_a_container(hosts: Hosts, on: Engine, chunks: int) -> tuple[str, Any, list[pb.ChatStream]]:
-    """Hosts a and b started; a's turn of ``chunks`` paced chunks streaming in a's container, read
-    until its SEEN-th chunk: the container's id, the Chat call and what it saw."""
-    a, _ = await hosts.start("a", "b")
+async def streaming_in_a_container(
+    hosts: Hosts, on: Engine, chunks: int, each: dict[str, dict[str, Any]] | None = None
+) -> tuple[str, Any, list[pb.ChatStream]]:
+    """Hosts a and b started (``each``: more keys by host); a's turn of ``chunks`` paced chunks
+    streaming in a's container, read until its SEEN-th chunk: the container's id, the Chat call and
+    what it saw."""
+    a, _ = await hosts.start("a", "b", each=each)
     session_id = (await chat(a, prompt="hello"))[0][0].session_id
     (left,) = await asyncio.to_thread(labelled, on, hosts.root / "data-a")
     request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
@@ -185,3 +190,45 @@ async def test_a_paused_hosts_turn_in_a_container_is_taken_over_its_stop_keeps_i
         (ended,) = await b.daemon.wait_log("relay_container_ended", timeout=30)
         assert container_id.startswith(ended["container_id"]), ended
         assert await asyncio.to_thread(labelled, engine, data_a) == []
+
+
+async def test_a_killed_hosts_turn_in_a_container_on_a_network_is_taken_over_over_tcp_with_no_shared_folder(
+    make_hosts: MakeHosts,
+    engine: Engine,  # noqa: F811 - the fixture imported above
+    image: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # host A serves its relays over TCP and its profile's container is on the engine's bridge
+    # network: the container's relay serves TCP with TLS at the container's address, its secret
+    # derived from the hosts' key. A paced turn streams there; the container's state folder is made
+    # unusable to any other host (its socket and secret removed: the relay keeps serving, and A's
+    # connections stay open) and A is SIGKILLed. Host B, holding the same key, reaches the relay at
+    # the address the store has, trusting the certificate the store has: END_TURN, every chunk once
+    # from the last seq seen
+    key = relay_key(tmp_path / "relay.key")
+    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look
+    each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key), "container_network": "podman"},
+            "b": {"relays_key_file": str(key)}}  # fmt: skip
+    async with container_hosts(make_hosts, engine, image) as hosts:
+        container_id, call, seen = await streaming_in_a_container(hosts, engine, chunks, each)
+        (placed,) = hosts["a"].daemon.logs("relay_container_placed")
+        assert placed["address"], (
+            "the container on the engine's 'podman' bridge network has no address from the engine: the "
+            "bridge network (CNI) does not work here, and a container's relay cannot be reached over TCP"
+        )
+        folder = hosts.root / "data-a" / "relay-containers" / "proj.fake"
+        (folder / "relay.sock").unlink()
+        (folder / "secret").unlink()
+        await hosts["a"].daemon.kill()  # SIGKILL mid-turn: its container, relay and agent go on
+        call.cancel()
+        await hosts["a"].client.channel.close()
+
+        b = hosts["b"]
+        (taken,) = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+        assert taken["run_id"] == seen[0].run_id
+        assert taken["address"] == placed["address"], taken
+        (over,) = b.daemon.logs("relay_container_taken_over")
+        assert (over["address"], over["engine"]) == (placed["address"], True), over
+        (reattached,) = b.daemon.logs("agent_reattached")
+        assert (reattached["placement"], reattached["container_id"]) == ("container", container_id)
+        await the_rest(hosts, seen, chunks)

@@ -537,6 +537,40 @@ async def test_a_secret_handed_over_by_descriptor_is_the_one_asked(tmp_path: Pat
         await relay.kill()
 
 
+async def test_a_secret_its_starter_wrote_is_the_one_asked_and_one_others_may_read_is_refused(tmp_path: Path) -> None:
+    # --secret-file (a relay's container serving TCP: its starter derives the secret and writes it
+    # in the state folder): the relay asks that one, and leaves the file as it was; a file of a
+    # wider mode than 0600 is refused at the start, saying what to do
+    folder = tmp_path / "relay"
+    folder.mkdir(mode=0o700)
+    secret = "written-" + os.urandom(16).hex()
+    fd = os.open(folder / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, secret.encode() + b"\n")
+    os.close(fd)
+    relay = Relay(folder, ("--secret-file", str(folder / "secret")), given_secret=secret)
+    try:
+        await relay.start()
+        assert (folder / "secret").read_text() == secret + "\n", "read, not replaced by a secret of its own"
+        async with relay.channel() as channel:
+            stub = pb_grpc.RelayServiceStub(channel)
+            assert (await stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)).agents == []
+    finally:
+        await relay.kill()
+
+    wide = tmp_path / "wide"
+    wide.mkdir(mode=0o700)
+    (wide / "secret").write_text(secret)
+    os.chmod(wide / "secret", 0o644)
+    started = await asyncio.create_subprocess_exec(
+        *die_with_the_test(), sys.executable, "-m", "rcoder", "relay", "--state-dir", str(wide),
+        "--secret-file", str(wide / "secret"), stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=str(ROOT),
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        _, stderr = await started.communicate()
+    assert started.returncode == 2
+    assert b"give it mode 0600" in stderr, stderr
+
+
 async def test_a_second_relay_on_the_same_state_folder_stops_at_once(make_relay: RelayFactory, tmp_path: Path) -> None:
     relay = await make_relay(state_dir=tmp_path / "relay")
     secret = relay.secret

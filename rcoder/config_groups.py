@@ -81,7 +81,7 @@ GROUPS: Mapping[str, Mapping[str, str]] = {
         "image": "container_image",
         "network": "container_network",
     },
-    "relays": {"listen_host": "relays_listen_host", "key_file": "relays_key_file"},
+    "relays": {"listen_host": "relays_listen_host", "key_file": "relays_key_file", "idle_exit": "relays_idle_exit"},
     "telemetry": {"metrics_listen": "metrics_listen", "otlp_endpoint": "otlp_endpoint"},
 }
 # each grouped setting's name as a file writes it: "tls_cert" -> "tls.cert"

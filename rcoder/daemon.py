@@ -133,7 +133,8 @@ class Daemon:
         self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace,
                                  listen_host=settings.relays_listen_host, key=relays_key,
                                  elsewhere=self.store.relay_folders_elsewhere,
-                                 held_elsewhere=self.store.sessions_held_elsewhere)  # fmt: skip
+                                 held_elsewhere=self.store.sessions_held_elsewhere,
+                                 idle_exit=settings.relays_idle_exit)  # fmt: skip
         # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers)
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,

@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace, TcpReach
 from rcoder.data_lock import LOCK_FILE
@@ -46,6 +49,7 @@ from rcoder.relay import log_file
 from rcoder.relay.attached import AttachedAgent
 from rcoder.relay.endpoint import (
     ADDRESS_FILE,
+    EXITING,
     MAX_MESSAGE_BYTES,
     RELAY_ID_FILE,
     SECRET_FILE,
@@ -114,8 +118,11 @@ class HostRelays:
     def __init__(self, root: Path, stop_grace: float, log_format: str = "json", listen_host: str = "",
                  key: bytes | None = None, elsewhere: Callable[[], Awaitable[frozenset[str]]] = _nothing_elsewhere,
                  held_elsewhere: Callable[[Collection[str]], Awaitable[frozenset[str]]] = _none_held,
-                 ) -> None:  # fmt: skip
+                 idle_exit: float = 0.0) -> None:  # fmt: skip
         self._root = root
+        # each relay started here stops itself after this long with no agent and no call (``[relays]
+        # idle_exit``, docs/relay.md#placement): one whose host never comes back does not linger; 0: never
+        self._idle_exit = idle_exit
         # what other hosts hold in this host's relays (docs/relay.md#re-attach): the relay folders their
         # running turns name (the store's relay_folders_elsewhere), and which sessions they hold a live
         # lease on (sessions_held_elsewhere): a relay or an agent of theirs is never ended from here
@@ -139,7 +146,16 @@ class HostRelays:
         relay = await self._relay(start.project, start.name)
         request = pb.SpawnRequest(session_id=start.session_id, generation=start.generation, spec=_spec(start))
         try:
-            answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+            try:
+                answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+            except grpc.aio.AioRpcError as exc:
+                if _reason(exc) != EXITING:
+                    raise
+                # it is stopping itself (idle, --idle-exit) and spawned nothing: once it has exited,
+                # a new one is started and asked, once
+                await self._gone(relay, start.project)
+                relay = await self._relay(start.project, start.name)
+                answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
             agent = answer.agent
             place = relay.place(agent.agent_id)
             return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, start.generation, stop_grace)
@@ -164,6 +180,20 @@ class HostRelays:
             return None
         relay = await self._relay(project, "its files")
         return relay.channel, relay.metadata
+
+    async def _gone(self, relay: _Relay, project: str) -> None:
+        """Once ``relay``, stopping itself, has exited (bounded: ``OSError`` past ``STOP_TIMEOUT``),
+        forgotten: the next ``_relay`` starts a new one."""
+        log.info("relay_exiting_waited", state_dir=str(relay.folder), pid=relay.pid)
+        if not await _exited(relay.pid, STOP_TIMEOUT):
+            raise OSError(f"the relay in {relay.folder} (pid {relay.pid}) said it was stopping itself and had not "
+                          f"exited {STOP_TIMEOUT:g} s later")  # fmt: skip
+        async with self._starting.setdefault(project, asyncio.Lock()):
+            if self._relays.get(project) is relay:
+                del self._relays[project]
+        await relay.channel.close()
+        if relay.process is not None:
+            relay.process.poll()
 
     def _end_spawned(self, relay: _Relay, start: RelayedStart) -> None:
         """A spawn that failed or was cancelled once asked: whatever the relay started for it (its
@@ -204,7 +234,8 @@ class HostRelays:
 
     async def _started(self, folder: Path) -> _Relay:
         argv = [sys.executable, "-m", "rcoder", "relay", "--state-dir", str(folder),
-                "--stop-grace", str(self._stop_grace), "--log-format", self._log_format,
+                "--stop-grace", str(self._stop_grace), "--idle-exit", str(self._idle_exit),
+                "--log-format", self._log_format,
                 "--log-file", str(folder / LOG_FILE), "--log-max-bytes", str(log_file.DEFAULT_MAX_BYTES)]  # fmt: skip
         secret = None
         if self._listen_host:
@@ -662,6 +693,43 @@ def _state(pid: int) -> str:
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def _reason(exc: grpc.aio.AioRpcError) -> str:
+    """The ErrorInfo reason of a relay's refusal; "" when it sent none."""
+    try:
+        status = rpc_status.from_call(exc)
+    except (ValueError, DecodeError):
+        return ""
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return str(info.reason)
+    return ""
+
+
+async def _exited(pid: int, timeout: float) -> bool:
+    """Whether ``pid`` has exited within ``timeout`` (waited on its pidfd)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await asyncio.wait_for(gone, timeout)
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return True
 
 
 async def _stop(folder: Path, pid: int) -> None:

@@ -321,8 +321,8 @@ class Agents:
         self._on_exit()
 
     def busy(self) -> bool:
-        """Whether an agent runs, or a stream is attached to one (its exit not yet read)."""
-        return any(a.exit_code is None or a.attachment is not None for a in self._agents.values())
+        """Whether an agent runs (one attached has its Attach call in flight: the idle watch counts it)."""
+        return any(a.exit_code is None for a in self._agents.values())
 
     def _cgroup_ended(self, cgroup: AgentCgroup) -> None:
         if self._cgroups is not None:

@@ -3,9 +3,11 @@ docs/relay.md#running-a-relay): once it has had no agent (none running, none att
 in flight for ``S`` seconds, it stops as on SIGTERM. A relay whose host never comes back, or whose
 last agent another host took over and has ended, is then not left running for good.
 
-The watch counts the calls in flight (a server interceptor wrapping every handler) and is told when
-an agent exits; a spawn and an attach are calls, so nothing else changes whether the relay is idle.
-Each change starts the wait again. Once it decides, the watch refuses every later call at once,
+The watch counts the calls in flight (a server interceptor wrapping every handler, each call
+counted until grpc says it has ended: a streaming handler's generator may be finalized much later)
+and is told when an agent exits; a spawn and an attach are calls (an agent is attached while its
+Attach call is in flight), so nothing else changes whether the relay is idle. Each change starts
+the wait again. Once it decides, the watch refuses every later call at once,
 ``UNAVAILABLE`` with reason ``RELAY_EXITING``, before its handler runs, so no call can be taken in
 by a relay about to end its agents: the daemon starts a new relay and asks again.
 """
@@ -40,7 +42,7 @@ class RelayExiting(errors.ShuttingDown):
 
 class IdleWatch(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Whether the relay has been idle for ``seconds`` (``idle``); ``busy`` says whether an agent
-    runs or is attached. ``seconds`` 0: never idle."""
+    runs. ``seconds`` 0: never idle."""
 
     def __init__(self, seconds: float, busy: Callable[[], bool]) -> None:
         self._seconds = seconds
@@ -78,11 +80,15 @@ class IdleWatch(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         return _counted(handler, self)
 
-    def _enter(self) -> None:
+    def _enter(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """A call begins: counted until it has ended, however it ends (its end told by grpc, on the
+        loop's thread or not); ``RelayExiting`` once the relay has decided to stop."""
         if self._exiting:
             raise RelayExiting(self._seconds)
         self._calls += 1
         self._changed.set()
+        loop = asyncio.get_running_loop()
+        context.add_done_callback(lambda _: loop.call_soon_threadsafe(self._leave))
 
     def _leave(self) -> None:
         self._calls -= 1
@@ -110,13 +116,10 @@ def _counted(handler: grpc.RpcMethodHandler, watch: IdleWatch) -> grpc.RpcMethod
 def _coroutine(behavior: Callable[..., Awaitable[Any]], watch: IdleWatch) -> Callable[..., Awaitable[Any]]:
     async def counted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
-            watch._enter()
+            watch._enter(context)
         except errors.RcoderError as exc:
             await abort(context, exc)
-        try:
-            return await behavior(request, context)
-        finally:
-            watch._leave()
+        return await behavior(request, context)
 
     return counted
 
@@ -124,13 +127,10 @@ def _coroutine(behavior: Callable[..., Awaitable[Any]], watch: IdleWatch) -> Cal
 def _generator(behavior: Callable[..., AsyncIterator[Any]], watch: IdleWatch) -> Callable[..., AsyncIterator[Any]]:
     async def counted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
-            watch._enter()
+            watch._enter(context)
         except errors.RcoderError as exc:
             await abort(context, exc)
-        try:
-            async for response in behavior(request, context):
-                yield response
-        finally:
-            watch._leave()
+        async for response in behavior(request, context):
+            yield response
 
     return counted

@@ -147,11 +147,13 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
     # again while B's turn runs leaves that relay alone (relay_found_spared: not stopped, none of its
     # agents ended), where it stopped every relay of its data_dir running none of its own turns. Once
     # the turn ended, the agent is B's idle live agent there (B holds the session's lease): A's own
-    # session in that relay, A's clean stop and its next start leave it, and B's next turn runs on it
+    # session in that relay, A's clean stop and its next start leave it, and B's next turn runs on it.
+    # Once B has closed the session, the relay (of [relays] idle_exit 3 s) stops itself
     chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look and A's restart
+    idle = 3.0
     async with make_hosts() as hosts:
         hosts.profile_keys["placement"] = "relay"
-        a, b = await hosts.start("a", "b")
+        a, b = await hosts.start("a", "b", each={"a": {"relays_idle_exit": idle}})
         relay = 0
         try:
             session_id = (await chat(a, prompt="hello"))[0][0].session_id
@@ -201,6 +203,13 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
             assert (kept["pid"], kept["why"]) == (relay, "another host holds agents in it")
             (spared,) = a.daemon.logs("relay_found_spared")
             assert (spared["pid"], spared["agents"]) == (relay, 1), spared
+
+            closing = pb.CloseSessionRequest(session_id=session_id)
+            assert (await b.stub.CloseSession(closing, metadata=AUTH_MD)).agent_stopped
+            async with asyncio.timeout(idle + 30):
+                await exited(relay)
+            log = (hosts.root / "data-a" / "relays" / "proj" / "relay.log").read_text()
+            assert '"relay_idle_exit"' in log and a.daemon.logs("relay_stopped") == []
         finally:
             await hosts.close()
             if relay:

@@ -70,6 +70,7 @@ STOP_TIMEOUT = 15.0  # a relay's stop: its agents' grace twice (stdin, SIGTERM),
 _POLL = 0.02  # how often a starting relay's socket is tried
 SPAWN_TIMEOUT = 30.0
 _LIST_AT_STOP = 5.0  # a relay listing its agents at the daemon's stop (is another host's agent in it?)
+_EXIT_WAIT = 5.0  # a relay grpc already refuses calls of, exiting (it stopped itself: ``_stopped_itself``)
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
 
@@ -149,11 +150,9 @@ class HostRelays:
             try:
                 answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
             except grpc.aio.AioRpcError as exc:
-                if _reason(exc) != EXITING:
+                if not await self._stopped_itself(relay, start.project, exc):
                     raise
-                # it is stopping itself (idle, --idle-exit) and spawned nothing: once it has exited,
-                # a new one is started and asked, once
-                await self._gone(relay, start.project)
+                # it stopped itself (idle, --idle-exit) and spawned nothing: a new one is asked, once
                 relay = await self._relay(start.project, start.name)
                 answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
             agent = answer.agent
@@ -181,19 +180,26 @@ class HostRelays:
         relay = await self._relay(project, "its files")
         return relay.channel, relay.metadata
 
-    async def _gone(self, relay: _Relay, project: str) -> None:
-        """Once ``relay``, stopping itself, has exited (bounded: ``OSError`` past ``STOP_TIMEOUT``),
-        forgotten: the next ``_relay`` starts a new one."""
-        log.info("relay_exiting_waited", state_dir=str(relay.folder), pid=relay.pid)
-        if not await _exited(relay.pid, STOP_TIMEOUT):
-            raise OSError(f"the relay in {relay.folder} (pid {relay.pid}) said it was stopping itself and had not "
-                          f"exited {STOP_TIMEOUT:g} s later")  # fmt: skip
+    async def _stopped_itself(self, relay: _Relay, project: str, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether ``relay`` refused a call because it is stopping itself (``--idle-exit``), and has
+        now exited, forgotten (the next ``_relay`` starts a new one). It says so (``RELAY_EXITING``)
+        until it stops serving; grpc refuses calls after that with ``UNAVAILABLE`` and no reason of
+        ours: then it must exit within ``_EXIT_WAIT`` (a relay with no agent ends in milliseconds)."""
+        if relay.remote or exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        reason = _reason(exc)
+        if reason not in (EXITING, ""):
+            return False
+        if not await _exited(relay.pid, STOP_TIMEOUT if reason == EXITING else _EXIT_WAIT):
+            return False
+        log.info("relay_exited_meanwhile", state_dir=str(relay.folder), pid=relay.pid, reason=reason or None)
         async with self._starting.setdefault(project, asyncio.Lock()):
             if self._relays.get(project) is relay:
                 del self._relays[project]
         await relay.channel.close()
         if relay.process is not None:
             relay.process.poll()
+        return True
 
     def _end_spawned(self, relay: _Relay, start: RelayedStart) -> None:
         """A spawn that failed or was cancelled once asked: whatever the relay started for it (its

@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     relay.add_argument(
         "--keep-exited", type=int, default=64, help="exited agents still listed, newest first (default 64)"
     )
+    relay.add_argument(
+        "--idle-exit", type=float, default=0.0,
+        help="stop after this many seconds with no agent (running or attached) and no call (default 0: never)",
+    )  # fmt: skip
     relay.add_argument("--log-level", default="info", help="debug | info | warning | error")
     relay.add_argument("--log-format", default="auto", help="auto | json | console")
     relay.add_argument(
@@ -182,7 +186,8 @@ def _relay(args: argparse.Namespace) -> int:
             return 2
     logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format), stream)
     options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,
-                           args.stop_grace, args.secret_fd, args.keep_exited, args.secret_file)  # fmt: skip
+                           args.stop_grace, args.secret_fd, args.keep_exited, args.secret_file,
+                           args.idle_exit)  # fmt: skip
     try:
         return asyncio.run(serve.serve(options))
     except ConfigError as exc:

@@ -431,6 +431,11 @@ class SettingsKeys(_Schema):
     """a file of at least 32 random bytes, the same on every host of a store (mode 0600, owned by the
     daemon's user): each relay's secret is derived from it; needed to take over another host's turn
     over TCP"""
+    # how long a `relay` placement's relay lives on with no agent (docs/relay.md#placement): its
+    # memory against the cold start of the next one
+    relays_idle_exit: Seconds = 300.0
+    """seconds a relay the daemon started lives on with no agent (running or attached) and no call,
+    then stops itself; the project's next agent or file call starts a new one. 0: never"""
     metrics_listen: str = ""
     """host:port for Prometheus /metrics (e.g. "127.0.0.1:9464"); empty: off"""
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported

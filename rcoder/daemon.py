@@ -141,8 +141,12 @@ class Daemon:
         # TCP too with [relays] listen_host, their secrets derived from key_file (docs/relay.md#re-attach),
         # which rcoder.config checked (long enough, private, ours)
         relays_key = Path(settings.relays_key_file).read_bytes() if settings.relays_key_file else None
+        # (a relay or agent of it another host holds, a turn taken over, is never ended here)
         self.relays = HostRelays(relays_root(settings), settings.agent_stop_grace,
-                                 listen_host=settings.relays_listen_host, key=relays_key)  # fmt: skip
+                                 listen_host=settings.relays_listen_host, key=relays_key,
+                                 elsewhere=self.store.relay_folders_elsewhere,
+                                 held_elsewhere=self.store.sessions_held_elsewhere,
+                                 idle_exit=settings.relays_idle_exit)  # fmt: skip
         # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers);
         # over TCP too with [relays] listen_host and a container network (docs/relay.md#re-attach)
         placement = ContainerPlacement(

@@ -23,6 +23,7 @@ RELAY_SERVER = {
     "rcoder.relay.agents",
     "rcoder.relay.secret",
     "rcoder.relay.workspace_service",
+    "rcoder.relay.idle",
 }
 MODULES = {module_of(path)[0]: path for path in PACKAGE.rglob("*.py")}
 

@@ -251,8 +251,10 @@ class Agents:
         cgroups: Cgroups | None,
         keep_exited: int = 64,
         pid_dir: Path | None = None,
+        on_exit: Callable[[], None] = lambda: None,
     ) -> None:
         self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.processes.leftovers``)
+        self._on_exit = on_exit  # told after each agent's exit (the relay's idle watch, rcoder.relay.idle)
         self._buffer_bytes = buffer_bytes
         # exited agents stay listed (their last frames and exit for an owner that attaches late), the
         # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran
@@ -316,6 +318,11 @@ class Agents:
             if forgotten is not None:
                 log.info("relay_agent_forgotten", agent_id=forgotten.agent_id, session_id=forgotten.session_id,
                          last_seq=forgotten.frames.last_seq, acked_seq=forgotten.frames.acked)  # fmt: skip
+        self._on_exit()
+
+    def busy(self) -> bool:
+        """Whether an agent runs (one attached has its Attach call in flight: the idle watch counts it)."""
+        return any(a.exit_code is None for a in self._agents.values())
 
     def _cgroup_ended(self, cgroup: AgentCgroup) -> None:
         if self._cgroups is not None:

@@ -22,6 +22,9 @@ RELAY_ID_FILE = "relay_id"
 TLS_CERT_FILE = "tls.crt"
 TLS_KEY_FILE = "tls.key"
 MAX_MESSAGE_BYTES = 8 << 20  # a stdin frame or a stdout frame (at most 1 MiB) with room to spare
+# the ErrorInfo reason of a call refused by a relay stopping itself, idle (``relay.idle``): its
+# starter starts a new one and asks again
+EXITING = "RELAY_EXITING"
 
 # a unix socket's path must fit in sun_path (108 bytes, its terminating NUL included)
 _SUN_PATH = 107

@@ -11,7 +11,9 @@ folder. At the daemon's start the agents a killed daemon left are attached again
 turn of the store names them (``reattach``, docs/relay.md#re-attach); every other agent found is
 ended, and a relay left with none is stopped (SIGTERM: it ends its agents' groups and what they
 left, then exits), so that no agent is left running that no session holds. At the daemon's stop,
-once its agents are closed, each relay is stopped too.
+once its agents are closed, each relay is stopped too. Both leave what another host of the store
+holds in a relay of this host's (a turn it took over while this host was lost, and the idle agent
+of a session it holds a live lease on): such a relay is kept, and those agents with it.
 
 With ``[relays] listen_host`` each relay also serves TCP with TLS (a certificate made here, its
 secret derived from its id and the hosts' key, ``rcoder.relay.relay_key``), and a turn another
@@ -30,20 +32,24 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStart, RelayPlace, TcpReach
 from rcoder.data_lock import LOCK_FILE
-from rcoder.errors import AgentUnavailable
+from rcoder.errors import AgentUnavailable, StoreError
 from rcoder.logs import get_logger
 from rcoder.relay import log_file
 from rcoder.relay.attached import AttachedAgent
 from rcoder.relay.endpoint import (
     ADDRESS_FILE,
+    EXITING,
     MAX_MESSAGE_BYTES,
     RELAY_ID_FILE,
     SECRET_FILE,
@@ -63,8 +69,19 @@ START_TIMEOUT = 30.0  # a relay's start, its Python import included, on a loaded
 STOP_TIMEOUT = 15.0  # a relay's stop: its agents' grace twice (stdin, SIGTERM), then it exits
 _POLL = 0.02  # how often a starting relay's socket is tried
 SPAWN_TIMEOUT = 30.0
+_LIST_AT_STOP = 5.0  # a relay listing its agents at the daemon's stop (is another host's agent in it?)
+_EXIT_WAIT = 5.0  # a relay grpc already refuses calls of, exiting (it stopped itself: ``_stopped_itself``)
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
+
+
+async def _nothing_elsewhere() -> frozenset[str]:
+    return frozenset()  # no store asked: no other host holds a relay folder of this one's
+
+
+async def _none_held(session_ids: Collection[str]) -> frozenset[str]:
+    del session_ids
+    return frozenset()  # no store asked: no other host holds a session
 
 
 @dataclass(eq=False)
@@ -100,8 +117,18 @@ class HostRelays:
     """The ``Relays`` of ``rcoder.agent.processes.relayed``: a relay per project under ``root``."""
 
     def __init__(self, root: Path, stop_grace: float, log_format: str = "json", listen_host: str = "",
-                 key: bytes | None = None) -> None:  # fmt: skip
+                 key: bytes | None = None, elsewhere: Callable[[], Awaitable[frozenset[str]]] = _nothing_elsewhere,
+                 held_elsewhere: Callable[[Collection[str]], Awaitable[frozenset[str]]] = _none_held,
+                 idle_exit: float = 0.0) -> None:  # fmt: skip
         self._root = root
+        # each relay started here stops itself after this long with no agent and no call (``[relays]
+        # idle_exit``, docs/relay.md#placement): one whose host never comes back does not linger; 0: never
+        self._idle_exit = idle_exit
+        # what other hosts hold in this host's relays (docs/relay.md#re-attach): the relay folders their
+        # running turns name (the store's relay_folders_elsewhere), and which sessions they hold a live
+        # lease on (sessions_held_elsewhere): a relay or an agent of theirs is never ended from here
+        self._elsewhere = elsewhere
+        self._held_elsewhere = held_elsewhere
         self._stop_grace = stop_grace
         self._log_format = log_format
         # ``[relays]`` (docs/relay.md#re-attach): the host each relay started here serves TCP on
@@ -120,7 +147,14 @@ class HostRelays:
         relay = await self._relay(start.project, start.name)
         request = pb.SpawnRequest(session_id=start.session_id, generation=start.generation, spec=_spec(start))
         try:
-            answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+            try:
+                answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+            except grpc.aio.AioRpcError as exc:
+                if not await self._stopped_itself(relay, start.project, exc):
+                    raise
+                # it stopped itself (idle, --idle-exit) and spawned nothing: a new one is asked, once
+                relay = await self._relay(start.project, start.name)
+                answer = await relay.stub.Spawn(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
             agent = answer.agent
             place = relay.place(agent.agent_id)
             return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, start.generation, stop_grace)
@@ -151,6 +185,27 @@ class HostRelays:
         root = self._root
         names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         return [name for name in names if await self.channel_of(name, False) is not None]
+
+    async def _stopped_itself(self, relay: _Relay, project: str, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether ``relay`` refused a call because it is stopping itself (``--idle-exit``), and has
+        now exited, forgotten (the next ``_relay`` starts a new one). It says so (``RELAY_EXITING``)
+        until it stops serving; grpc refuses calls after that with ``UNAVAILABLE`` and no reason of
+        ours: then it must exit within ``_EXIT_WAIT`` (a relay with no agent ends in milliseconds)."""
+        if relay.remote or exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        reason = _reason(exc)
+        if reason not in (EXITING, ""):
+            return False
+        if not await _exited(relay.pid, STOP_TIMEOUT if reason == EXITING else _EXIT_WAIT):
+            return False
+        log.info("relay_exited_meanwhile", state_dir=str(relay.folder), pid=relay.pid, reason=reason or None)
+        async with self._starting.setdefault(project, asyncio.Lock()):
+            if self._relays.get(project) is relay:
+                del self._relays[project]
+        await relay.channel.close()
+        if relay.process is not None:
+            relay.process.poll()
+        return True
 
     def _end_spawned(self, relay: _Relay, start: RelayedStart) -> None:
         """A spawn that failed or was cancelled once asked: whatever the relay started for it (its
@@ -191,7 +246,8 @@ class HostRelays:
 
     async def _started(self, folder: Path) -> _Relay:
         argv = [sys.executable, "-m", "rcoder", "relay", "--state-dir", str(folder),
-                "--stop-grace", str(self._stop_grace), "--log-format", self._log_format,
+                "--stop-grace", str(self._stop_grace), "--idle-exit", str(self._idle_exit),
+                "--log-format", self._log_format,
                 "--log-file", str(folder / LOG_FILE), "--log-max-bytes", str(log_file.DEFAULT_MAX_BYTES)]  # fmt: skip
         secret = None
         if self._listen_host:
@@ -314,40 +370,153 @@ class HostRelays:
                                         after_frame=found.after_frame)  # fmt: skip
 
     async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
-        """Every agent alive under ``root`` but those of ``keep`` ended (SIGKILL to its group); a
-        relay left with none of ``keep`` stopped (SIGTERM: it ends its agents, then exits)."""
+        """Every agent alive under ``root`` ended (SIGKILL to its group) but those of ``keep``
+        and those another host holds; a relay left with none stopped (SIGTERM: it ends its agents,
+        then exits). Another host holds (docs/relay.md#re-attach) every agent of a relay its running
+        turn names (the store does not say which: the relay is left alone, ``relay_found_spared``),
+        and the agent of a session it holds a live lease on (the idle agent of a turn it took over)."""
         if not self._root.is_dir():
             return 0
         found = [(folder, pid) for folder in sorted(self._root.iterdir()) if (pid := _holder(folder)) is not None]
+        if not found:
+            return 0
+        elsewhere = await self._folders_elsewhere()
+        for folder, pid in found:
+            if str(folder) in elsewhere:
+                log.warning("relay_found_spared", state_dir=str(folder), pid=pid,
+                            why="another host runs a turn it took over in it")  # fmt: skip
+        found = [(folder, pid) for folder, pid in found if str(folder) not in elsewhere]
+        listed = await asyncio.gather(*(self._listed(folder, pid) for folder, pid in found))
+        held = await self._sessions_elsewhere(
+            {a.session_id for _, agents in listed if agents for a in agents if not a.exited}
+        )
         kept_in = {relay for relay, _ in keep}
-        stopped = [(folder, pid) for folder, pid in found if str(folder) not in kept_in]
-        for folder, pid in stopped:
+        sweeps = [self._sweep(folder, pid, relay, agents, keep, held, str(folder) in kept_in)
+                  for (folder, pid), (relay, agents) in zip(found, listed, strict=True)]  # fmt: skip
+        ended = await asyncio.gather(*sweeps)
+        return sum(ended)
+
+    async def _listed(self, folder: Path, pid: int) -> tuple[_Relay | None, list[pb.Agent] | None]:
+        """The relay of ``folder`` connected, and its agents; None for what could not be had."""
+        try:
+            relay = await self._found(folder)
+        except (OSError, TimeoutError) as exc:
+            log.warning("relayed_agents_not_listed", state_dir=str(folder), pid=pid, error=str(exc)[:300])
+            return None, None
+        if relay is None:
+            return None, None
+        try:
+            answer = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("relayed_agents_not_listed", state_dir=str(folder), pid=pid, error=str(exc)[:300])
+            return relay, None
+        return relay, list(answer.agents)
+
+    async def _sweep(self, folder: Path, pid: int, relay: _Relay | None, agents: list[pb.Agent] | None,
+                     keep: frozenset[tuple[str, str]], held: frozenset[str], ours: bool) -> int:  # fmt: skip
+        """A relay found at the start: kept, its agents but those of ``keep`` and of the sessions in
+        ``held`` ended, while one of those runs in it (``ours``: a turn of this host's is to be taken
+        up there); stopped otherwise (one that could not be listed too, as before any host could
+        hold an agent in it). How many agents and relays were ended."""
+        live = [a for a in agents or () if not a.exited]
+        theirs = [a for a in live if a.session_id in held and (str(folder), a.agent_id) not in keep]
+        if not ours and not theirs:
             log.warning("relay_found_stopped", state_dir=str(folder), pid=pid,
                         why="a relay a daemon left, running no turn the store has running")  # fmt: skip
-        kept = [folder for folder, _ in found if str(folder) in kept_in]
-        ended = await asyncio.gather(*(self._end_unkept(folder, keep) for folder in kept))
-        await asyncio.gather(*(_stop(folder, pid) for folder, pid in stopped))
-        return len(stopped) + sum(ended)
+            if relay is not None:
+                await relay.channel.close()
+            await _stop(folder, pid)
+            return 1
+        if relay is None:
+            return 0
+        key = folder.name
+        async with self._starting.setdefault(key, asyncio.Lock()):
+            held_here = self._relays.get(key)
+            if held_here is not None and held_here.alive():
+                await relay.channel.close()
+                relay = held_here
+            else:
+                self._relays[key] = relay
+        if theirs:
+            log.warning("relay_found_spared", state_dir=str(folder), pid=relay.pid, agents=len(theirs),
+                        why="another host holds the sessions of agents in it")  # fmt: skip
+        if agents is None:
+            return 0
+        spared = {a.agent_id for a in theirs}
+        return await self._end_agents(relay, [a for a in live if a.agent_id not in spared], keep)
+
+    async def _end_agents(self, relay: _Relay, agents: list[pb.Agent], keep: frozenset[tuple[str, str]]) -> int:
+        """Those of ``agents`` no turn is taken up on, ended (SIGKILL to their groups); how many."""
+        ended = 0
+        try:
+            for agent in agents:
+                if (str(relay.folder), agent.agent_id) in keep:
+                    continue
+                request = pb.SignalRequest(agent_id=agent.agent_id, generation=max(agent.generation, 1),
+                                           signal=int(signal.SIGKILL))  # fmt: skip
+                await relay.stub.Signal(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
+                log.warning("relayed_agent_found_ended", state_dir=str(relay.folder), agent_id=agent.agent_id,
+                            pid=agent.pid,
+                            why="an agent a daemon left, running no turn the store has running")  # fmt: skip
+                ended += 1
+        except grpc.aio.AioRpcError as exc:
+            log.warning("relayed_agents_not_ended", state_dir=str(relay.folder), error=str(exc)[:300])
+        return ended
 
     async def _end_unkept(self, folder: Path, keep: frozenset[tuple[str, str]]) -> int:
         """The agents of the relay in ``folder`` that no turn is taken up on, ended; how many."""
         try:
             relay = await self.reattach_relay(folder)
             listed = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
-            ended = 0
-            for agent in listed.agents:
-                if agent.exited or (str(folder), agent.agent_id) in keep:
-                    continue
-                request = pb.SignalRequest(agent_id=agent.agent_id, generation=max(agent.generation, 1),
-                                           signal=int(signal.SIGKILL))  # fmt: skip
-                await relay.stub.Signal(request, metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
-                log.warning("relayed_agent_found_ended", state_dir=str(folder), agent_id=agent.agent_id, pid=agent.pid,
-                            why="an agent a daemon left, running no turn the store has running")  # fmt: skip
-                ended += 1
         except (grpc.aio.AioRpcError, OSError, TimeoutError) as exc:
             log.warning("relayed_agents_not_ended", state_dir=str(folder), error=str(exc)[:300])
             return 0
-        return ended
+        return await self._end_agents(relay, [a for a in listed.agents if not a.exited], keep)
+
+    async def _folders_elsewhere(self) -> frozenset[str]:
+        """The relay folders other hosts' running turns name; none when the store cannot be read
+        (said): what is done then is what was done before another host could take a turn over."""
+        try:
+            return await self._elsewhere()
+        except StoreError as exc:
+            log.warning("relay_folders_in_use_unknown", error=exc.message)
+            return frozenset()
+
+    async def _sessions_elsewhere(self, session_ids: set[str]) -> frozenset[str]:
+        """Those of ``session_ids`` another host holds a live lease on; none when the store cannot
+        be read (said), as above."""
+        if not session_ids:
+            return frozenset()
+        try:
+            return await self._held_elsewhere(session_ids)
+        except StoreError as exc:
+            log.warning("relay_sessions_held_unknown", error=exc.message)
+            return frozenset()
+
+    async def _held_by_others(self, relays: list[_Relay]) -> set[_Relay]:
+        """Those of ``relays`` another host holds agents in (docs/relay.md#re-attach): one its running
+        turn names, or running an agent of a session it holds a live lease on (``relay_kept``). One
+        that does not list its agents within ``_LIST_AT_STOP`` is not: a stop is not held up for it."""
+        if not relays:
+            return set()
+        elsewhere = await self._folders_elsewhere()
+        named = {r for r in relays if str(r.folder) in elsewhere}
+
+        async def listed(relay: _Relay) -> list[pb.Agent]:
+            try:
+                answer = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata,
+                                                     timeout=_LIST_AT_STOP)  # fmt: skip
+            except grpc.aio.AioRpcError:
+                return []
+            return [a for a in answer.agents if not a.exited]
+
+        rest = [r for r in relays if r not in named]
+        agents = await asyncio.gather(*(listed(r) for r in rest))
+        held = await self._sessions_elsewhere({a.session_id for each in agents for a in each})
+        theirs = named | {r for r, each in zip(rest, agents, strict=True) if any(a.session_id in held for a in each)}
+        for relay in theirs:
+            log.info("relay_kept", state_dir=str(relay.folder), pid=relay.pid, why="another host holds agents in it")
+        return theirs
 
     async def reattach_relay(self, folder: Path) -> _Relay:
         """The relay alive in ``folder``, connected and kept (stopped at the daemon's stop);
@@ -368,13 +537,15 @@ class HostRelays:
         ``keep`` run turns left to the next daemon (docs/relay.md#re-attach): only the channel closed.
         Another host's relays (``remote``, a takeover's) are that host's to stop: only the channel closed."""
         relays, self._relays = list(self._relays.values()), {}
-        for relay in relays:
-            if str(relay.folder) in keep and not relay.remote:
+        # another host's relay, reached over TCP or through its folder (a turn taken over), is that host's to stop
+        ours = [r for r in relays if not r.remote and r.folder.parent == self._root]
+        for relay in ours:
+            if str(relay.folder) in keep:
                 log.info("relay_kept", state_dir=str(relay.folder), pid=relay.pid,
                          why="it runs a turn left to the next daemon")  # fmt: skip
-        ours = [r for r in relays if not r.remote]
-        await asyncio.gather(*(_stop(r.folder, r.pid) for r in ours if str(r.folder) not in keep))
-        kept = frozenset(r.pid for r in ours if str(r.folder) in keep)
+        theirs = await self._held_by_others([r for r in ours if str(r.folder) not in keep and r.alive()])
+        await asyncio.gather(*(_stop(r.folder, r.pid) for r in ours if str(r.folder) not in keep and r not in theirs))
+        kept = frozenset(r.pid for r in ours if str(r.folder) in keep or r in theirs)
         for relay in relays:
             await relay.channel.close()
             if relay.process is not None:
@@ -542,6 +713,43 @@ def _state(pid: int) -> str:
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def _reason(exc: grpc.aio.AioRpcError) -> str:
+    """The ErrorInfo reason of a relay's refusal; "" when it sent none."""
+    try:
+        status = rpc_status.from_call(exc)
+    except (ValueError, DecodeError):
+        return ""
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return str(info.reason)
+    return ""
+
+
+async def _exited(pid: int, timeout: float) -> bool:
+    """Whether ``pid`` has exited within ``timeout`` (waited on its pidfd)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not gone.done():
+            gone.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await asyncio.wait_for(gone, timeout)
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return True
 
 
 async def _stop(folder: Path, pid: int) -> None:

@@ -4,7 +4,8 @@ It leaves its starter's session first, so that it outlives the daemon that start
 SIGKILL, or the end of its process group, does not reach it; the starter must not give it a death
 signal either). It serves on a unix socket in its state folder (mode 0600 in a folder of mode
 0700), and on TCP with TLS when ``--listen`` is given (TCP is never served without TLS). On SIGTERM
-or SIGINT it stops serving and ends every agent's process group; its agents die with it
+or SIGINT it stops serving and ends every agent's process group, and so it does by itself after
+``--idle-exit`` seconds with no agent and no call (``rcoder.relay.idle``); its agents die with it
 otherwise too (their death signal is the relay's, ``rcoder.agent.processes.process``), and what they started
 outside their groups is swept at the relay's next start on the same folder (``rcoder.agent.processes.leftovers``).
 """
@@ -31,6 +32,7 @@ from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
 from rcoder.relay.agents import Agents
 from rcoder.relay.endpoint import ADDRESS_FILE, MAX_MESSAGE_BYTES, SOCKET_FILE, socket_target
+from rcoder.relay.idle import IdleWatch
 from rcoder.relay.secret import SecretCheck, made_secret, secret_from_fd, secret_from_file, state_dir
 from rcoder.relay.service import RelayService
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
@@ -59,6 +61,7 @@ class RelayOptions:
     # a secret its starter wrote in its state folder (a relay's container serving TCP: no descriptor
     # crosses into a container, docs/relay.md#re-attach, "Over TCP, in a container")
     secret_file: Path | None = None
+    idle_exit: float = 0.0  # seconds with no agent and no call before it stops itself; 0: never
 
     def check(self) -> None:
         if self.listen and not (self.tls_cert and self.tls_key):
@@ -73,6 +76,8 @@ class RelayOptions:
             raise ConfigError("secret-file", "--secret-fd or --secret-file, not both")
         if self.keep_exited < 0:
             raise ConfigError("keep-exited", "a count, 0 or more")
+        if not self.idle_exit >= 0:  # NaN too
+            raise ConfigError("idle-exit", f"{self.idle_exit}: seconds, 0 (never) or more")
 
 
 def git_jail(hidden: list[Path], trees: Trees) -> GitJail | None:
@@ -139,9 +144,12 @@ async def serve(options: RelayOptions) -> int:
     mechanism = await asyncio.to_thread(cgroups.probe)
     await asyncio.to_thread(cgroups.sweep)
     hidden = [folder, *(p for p in (options.tls_cert, options.tls_key) if p)]
-    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited, pid_dir)
+    # a relay no daemon needs any more stops itself (--idle-exit): no agent, no call, for that long
+    idle = IdleWatch(options.idle_exit, lambda: agents.busy())
+    agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited, pid_dir,
+                    on_exit=idle.changed)  # fmt: skip
     server = grpc.aio.server(
-        interceptors=[SecretCheck(secret)],
+        interceptors=[SecretCheck(secret), idle],
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -176,10 +184,16 @@ async def serve(options: RelayOptions) -> int:
         _write_address(folder, address)
     log.info("relay_serving", socket=str(socket_path), address=address, pid=os.getpid(),
              state_dir=str(folder), secret_from_fd=options.secret_fd is not None, limits=mechanism.kind,
-             buffer_bytes=options.buffer_bytes)  # fmt: skip
+             buffer_bytes=options.buffer_bytes, idle_exit=options.idle_exit)  # fmt: skip
+    signalled = asyncio.create_task(stopping.wait(), name="relay-signalled")
+    idled = asyncio.create_task(idle.idle(), name="relay-idle")
     try:
-        await stopping.wait()
+        await asyncio.wait({signalled, idled}, return_when=asyncio.FIRST_COMPLETED)
+        if idled.done() and not idled.cancelled():
+            log.info("relay_idle_exit", seconds=idled.result(), why="no agent and no call for its --idle-exit time")
     finally:
+        for task in (signalled, idled):
+            task.cancel()
         log.info("relay_stopping", agents=len(agents.all()))
         await server.stop(grace=1.0)
         await agents.aclose()

@@ -3,7 +3,7 @@ the one several hosts share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple, Protocol
@@ -313,6 +313,12 @@ class SessionStore(Protocol):
     async def relay_folders_elsewhere(self) -> frozenset[str]:
         """The relay folders the relayed turns of other hosts' running runs name: a relay's
         container another host took a turn over in is named here while that turn runs
+        (docs/relay.md#re-attach). A store of one host has none."""
+        ...
+
+    async def sessions_held_elsewhere(self, session_ids: Collection[str]) -> frozenset[str]:
+        """Those of ``session_ids`` another host holds a live lease on (its lease not run out): a
+        relay's idle agent another host took over is that host's while it holds the session
         (docs/relay.md#re-attach). A store of one host has none."""
         ...
 

@@ -485,6 +485,10 @@ RELAY_FOLDERS_ELSEWHERE = (
     "SELECT DISTINCT t.relay FROM relayed_turns t JOIN runs r ON r.run_id = t.run_id"
     " WHERE r.status = 'running' AND r.host_id <> %s"
 )
+# a session another live host holds (its lease not run out): its agent in a relay of this host's is that host's
+SESSIONS_HELD_ELSEWHERE = (
+    "SELECT session_id FROM leases WHERE session_id = ANY(%s::text[]) AND owner <> %s AND expires > now()"
+)
 CURRENT_VERSION = "SELECT coalesce(max(version), 0) FROM schema_migrations"
 
 # ---------------------------------------------------------------- several hosts (cluster.py, pg_cluster.py)

@@ -19,7 +19,7 @@ contract is the SQLite store's (``base.SessionStore``), method by method; how it
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -597,6 +597,13 @@ class PostgresStore:
 
     async def relay_folders_elsewhere(self) -> frozenset[str]:
         rows = await self._rows(pg_schema.RELAY_FOLDERS_ELSEWHERE, _params(self._host_id))
+        return frozenset(str(r[0]) for r in rows)
+
+    async def sessions_held_elsewhere(self, session_ids: Collection[str]) -> frozenset[str]:
+        if not session_ids:
+            return frozenset()
+        ids = sorted(map(_text, session_ids))
+        rows = await self._rows(pg_schema.SESSIONS_HELD_ELSEWHERE, (ids, _text(self._host_id)))
         return frozenset(str(r[0]) for r in rows)
 
     async def lost_relayed_turns(self) -> list[RelayedTurn]:

@@ -19,7 +19,7 @@ import asyncio
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -584,6 +584,9 @@ class SqliteStore:
 
     async def relay_folders_elsewhere(self) -> frozenset[str]:
         return frozenset()  # one host: every run is its own
+
+    async def sessions_held_elsewhere(self, session_ids: Collection[str]) -> frozenset[str]:
+        return frozenset()  # one host: every lease is its own
 
     async def lost_relayed_turns(self) -> list[RelayedTurn]:
         return []  # one host: its own are taken up at its start

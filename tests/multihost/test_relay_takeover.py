@@ -140,6 +140,84 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
                 await exited(relay)
 
 
+async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_in_its_relay(
+    make_hosts: MakeHosts,
+) -> None:
+    # host A is SIGKILLed mid-turn; host B takes the turn over through A's relay folder; A started
+    # again while B's turn runs leaves that relay alone (relay_found_spared: not stopped, none of its
+    # agents ended), where it stopped every relay of its data_dir running none of its own turns. Once
+    # the turn ended, the agent is B's idle live agent there (B holds the session's lease): A's own
+    # session in that relay, A's clean stop and its next start leave it, and B's next turn runs on it.
+    # Once B has closed the session, the relay (of [relays] idle_exit 3 s) stops itself
+    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look and A's restart
+    idle = 3.0
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        a, b = await hosts.start("a", "b", each={"a": {"relays_idle_exit": idle}})
+        relay = 0
+        try:
+            session_id = (await chat(a, prompt="hello"))[0][0].session_id
+            relay = relay_pid(hosts.root / "data-a")
+            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
+            call = a.stub.Chat(request, metadata=AUTH_MD)
+            seen: list[pb.ChatStream] = []
+            async with asyncio.timeout(20):
+                while f"c{SEEN - 1} " not in text_of(seen):
+                    seen.append(await call.read())
+            await a.daemon.kill()  # its relay and agent go on
+            call.cancel()
+            await a.client.channel.close()
+            run_id = seen[0].run_id
+            (taken,) = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+            assert taken["run_id"] == run_id
+
+            (a,) = await hosts.start("a")  # A's next start, B's turn running in A's relay
+            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+            rest = []
+            async with asyncio.timeout(60):
+                async for event in subscribe:
+                    rest.append(event)
+            seqs = [event.seq for event in rest]
+            assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
+            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN, completed(rest).error
+            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
+            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+            (spared,) = a.daemon.logs("relay_found_spared")
+            assert (spared["pid"], spared["state_dir"]) == (relay, str(hosts.root / "data-a" / "relays" / "proj"))
+            assert a.daemon.logs("relay_found_stopped") == a.daemon.logs("relayed_agent_found_ended") == []
+            assert alive(relay)
+
+            (reattached,) = b.daemon.logs("agent_reattached")
+            mine, _ = await chat(a, prompt="hello")  # a session of A's own, its agent in the same relay
+            assert completed(mine).stop_reason == pb.STOP_REASON_END_TURN
+            assert relay_pid(hosts.root / "data-a") == relay
+            stopped = a
+            assert await stopped.daemon.stop() == 0
+            await stopped.client.channel.close()
+            (a,) = await hosts.start("a")
+            again, _ = await chat(b, prompt="remember 3", session_id=session_id)
+            assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+            assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE, "B's agent, where A's stop or start ended it"
+            assert alive(reattached["pid"]) and alive(relay)
+            (kept,) = stopped.daemon.logs("relay_kept")
+            assert (kept["pid"], kept["why"]) == (relay, "another host holds agents in it")
+            (spared,) = a.daemon.logs("relay_found_spared")
+            assert (spared["pid"], spared["agents"]) == (relay, 1), spared
+
+            closing = pb.CloseSessionRequest(session_id=session_id)
+            assert (await b.stub.CloseSession(closing, metadata=AUTH_MD)).agent_stopped
+            async with asyncio.timeout(idle + 30):
+                await exited(relay)
+            log = (hosts.root / "data-a" / "relays" / "proj" / "relay.log").read_text()
+            assert '"relay_idle_exit"' in log and a.daemon.logs("relay_stopped") == []
+        finally:
+            await hosts.close()
+            if relay:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
 def relay_key(path: Path, byte: int | None = None) -> Path:
     """A key file as ``[relays] key_file`` wants it: 32 bytes (random, or ``byte`` repeated), mode 0600."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -391,3 +391,18 @@ async def test_a_batch_of_events_lands_only_for_the_runs_whose_lease_still_holds
     assert await store_a.append_events(batch, leases) == {"r1", "r3"}
     assert len(await store_b.run_events("r2")) == 3
     assert await store_a.append_events([], leases) == frozenset()
+
+
+async def test_the_sessions_held_elsewhere_are_those_another_host_holds_a_live_lease_on(
+    stores: tuple[PostgresStore, PostgresStore],
+) -> None:
+    # what a host's start asks before it ends an idle agent in one of its relays (docs/relay.md#re-attach):
+    # another host's live lease keeps it, its own does not, and a lease run out counts as no holder
+    a, expiring = PgCoordination(stores[0], TTL), PgCoordination(stores[0], 0)
+    await a.register("127.0.0.1:1111", "1")
+    taken(await a.acquire("held"))
+    taken(await expiring.acquire("run-out"))
+    asked = ["held", "run-out", "free"]
+    assert await stores[1].sessions_held_elsewhere(asked) == frozenset({"held"})
+    assert await stores[0].sessions_held_elsewhere(asked) == frozenset()  # its own
+    assert await stores[1].sessions_held_elsewhere([]) == frozenset()

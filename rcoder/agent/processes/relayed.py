@@ -111,8 +111,8 @@ class Relays(Protocol):
 
     async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
         """At the daemon's start: every agent a killed daemon left running under ``root`` ended but
-        those of ``keep`` (relay folder, agent id); a relay left with none of them stopped. How
-        many agents were ended."""
+        those of ``keep`` (relay folder, agent id) and those another host holds (docs/relay.md#re-attach);
+        a relay left with none of them stopped. How many agents were ended."""
 
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
         """``found`` attached again from the frame after ``found.after_frame``. ``AgentUnavailable``

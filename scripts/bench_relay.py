@@ -3,11 +3,12 @@
 
 The agent is the scripted fake agent with a paced turn (``stream 100 pace 10``: 100 chunks 10 ms
 apart, as a model's tokens come), so the ratio says what the relay's path (the relay's frame, its
-Attach stream, the daemon's AttachedAgent and its pipe) adds to a turn, not how fast it carries a
+Attach stream, the daemon's AttachedAgent and its stdout pipe) adds to a turn, not how fast it carries a
 burst. The first chunk's latency is compared as a difference in milliseconds, and split at the
 agent: the fake agent records when it read the prompt (``time.monotonic()``, shared by every
-process of the host), so the way in (client to agent: the daemon, then for a relay the pipe,
-AttachedAgent, Attach and the relay) and the way out (agent to client) are measured apart."""
+process of the host), so the way in (client to agent: the daemon, then for a relay its
+AttachedAgent's stdin frames, Attach and the relay) and the way out (agent to client: for a relay
+its frames, Attach, the AttachedAgent's stdout pipe) are measured apart."""
 
 from __future__ import annotations
 

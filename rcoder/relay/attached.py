@@ -2,20 +2,24 @@
 stdio is the relay's Attach stream (docs/relay.md#attach), so the whole ACP layer runs over it
 unchanged (docs/relay.md#placement).
 
-Its ``stdin`` and ``stdout`` are real pipes of the daemon's own, each end an asyncio stream: the
-ACP transport writes and reads them as it does a local agent's, and a full pipe holds the stream
-back as it holds a local agent (a turn's pacing, ``rcoder.agent.acp.transport``). Two tasks carry
-the bytes across:
+Its ``stdout`` is a real pipe of the daemon's own, its reading end an asyncio stream: the ACP
+transport reads it as it does a local agent's, and a full pipe holds the stream back as it holds a
+local agent (a turn's pacing, ``rcoder.agent.acp.transport``). The follower task attaches, writes
+every stdout frame into that pipe, acknowledges what the pipe took (while a turn's events are
+stored, only the frames whose events are: ``hold_acks``), and, when the stream drops (the relay
+restarted its listener, a cut), attaches again from the frame after the last one written, with a
+bounded backoff: nothing lost, nothing repeated. The agent's exit, after its last frame, is the
+child's exit: its code, and its stderr's end on ``stderr``.
 
-- the follower attaches, writes every stdout frame into the stdout pipe, acknowledges what the pipe
-  took (while a turn's events are stored, only the frames whose events are: ``hold_acks``), and,
-  when the stream drops (the relay restarted its listener, a cut), attaches again from
-  the frame after the last one written, with a bounded backoff: nothing lost, nothing repeated. The
-  agent's exit, after its last frame, is the child's exit: its code, and its stderr's end on
-  ``stderr``;
-- the feeder numbers what the transport writes on stdin into frames, keeps each until a re-attach's
-  ``ready`` says the relay wrote it, and sends it; the end of stdin (``AgentProcess`` closing it)
-  is ``close_stdin``. After a re-attach the frames the relay has not written are sent again.
+Its ``stdin`` is a ``StreamWriter`` on ``StdinFrames`` (``rcoder.relay.stdin_frames``): what the
+transport writes is numbered into frames, kept until a re-attach's ``ready`` says the relay wrote
+them, and sent on the stream open now at once, by the writer's own ``drain`` (or a task started
+right after the write, for a writer that does not drain): no pipe and no reader of one between
+(docs/benchmarks.md#the-relay-placement). Its end (``AgentProcess`` closing it) is
+``close_stdin``, after the frames. After a re-attach the frames the relay has not written are
+sent again; a writer waits while more than a pipe's worth is not on a stream. A writer cancelled
+in the middle of a frame's write cancels the stream (grpc's write does): the follower takes that
+as a drop and attaches again, and the frame goes on the next stream.
 
 Signals (``AgentProcess``'s SIGTERM and SIGKILL after its grace) are ``Signal`` calls to the
 agent's whole group. Every wait is bounded: a relay that cannot be reached for ``REATTACH_FOR``
@@ -37,6 +41,7 @@ import grpc
 
 from rcoder.agent.processes.relayed import RelayPlace
 from rcoder.logs import get_logger
+from rcoder.relay.stdin_frames import StdinFrames, StdinWriter
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
 
@@ -45,7 +50,6 @@ log = get_logger("rcoder.relay.attached")
 ACK_EVERY = 16  # frames written into the pipe between acknowledgements (and at every pause)
 REATTACH_FOR = 30.0  # seconds a dropped stream is attached again before the agent counts as lost
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 1.0
-_STDIN_READ = 1 << 20  # at most a frame's bound (MAX_FRAME in rcoder.relay.agents)
 _ENDS_KEPT = 1 << 16  # frame ends kept for ``frame_at``: more than the pipe and a read can hold unread
 _STDIN_KEPT = 4 << 20  # bytes of stdin frames kept before a Status call trims what the relay wrote
 # the exit code of an agent whose relay was lost: what a shell reports for a SIGKILLed process
@@ -68,7 +72,7 @@ class AttachedAgent:
         self._stop_grace = stop_grace
         self.place = place
         self.pid = agent.pid
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[None] = loop.create_future()
         self._returncode: int | None = None
         self.stderr = asyncio.StreamReader()  # the exit's stderr tail, fed at the exit
@@ -77,34 +81,31 @@ class AttachedAgent:
         self._ack_limit: int | None = None  # while held (``hold_acks``): acknowledged up to it at most
         self._piped = 0  # bytes written into the stdout pipe
         self._ends: deque[tuple[int, int]] = deque()  # (bytes piped through its end, seq) of each frame
-        self._stdin_seq = agent.stdin_seq  # the last stdin frame numbered (a re-attached agent's go on)
-        self._stdin_frames: deque[pb.StdinFrame] = deque()  # numbered, not yet known written by the relay
-        self._stdin_kept = 0  # their bytes
-        self._stdin_ended = False  # the transport closed stdin: close_stdin is (re)sent after the frames
+        # numbered on from the last stdin frame the relay wrote (a re-attached agent's go on)
+        self._stdin = StdinFrames(agent.stdin_seq, self._send_soon)
+        self.stdin: asyncio.StreamWriter = StdinWriter(self._stdin, self._send_stdin, loop)
+        self._sending = False  # a sender of stdin frames runs (it sends what is written meanwhile too)
+        self._trimming = False  # a Status call trims the stdin frames kept
         self._call: Any = None  # the Attach stream now open, while it is
         self._write_lock = asyncio.Lock()  # one writer on the stream at a time, stdin frames in order
         self._let_go = False
         self._detached = False  # left running to the next daemon (``detach``): nothing more sent
         self._tasks: set[asyncio.Task[Any]] = set()
         # set by ``open``
-        self.stdin: asyncio.StreamWriter
         self.stdout: asyncio.StreamReader
         self._stdout_writer: asyncio.StreamWriter
         self._stdout_read: asyncio.ReadTransport
-        self._stdin_reader: asyncio.StreamReader
         self._follower: asyncio.Task[None]
-        self._feeder: asyncio.Task[None]
 
     @classmethod
     async def open(cls, stub: pb_grpc.RelayServiceStub, metadata: Metadata, agent: pb.Agent, place: RelayPlace,
                    generation: int, stop_grace: float, after_frame: int = 0) -> AttachedAgent:  # fmt: skip
-        """The agent, its pipes made and its stream attached from the frame after ``after_frame``
+        """The agent, its stdout pipe made and its stream attached from the frame after ``after_frame``
         (0: one just spawned; more: one another daemon read up to there, docs/relay.md#re-attach)."""
         self = cls(stub, metadata, agent, place, generation, stop_grace)
         self._written = self._acked = after_frame
         loop = asyncio.get_running_loop()
         out_r, out_w = os.pipe()
-        in_r, in_w = os.pipe()
         try:
             # the reader stops reading while it holds unread data (limit 1), as a local agent's
             # (``rcoder.agent.processes.process._PIPE_BUFFER``): the rest waits in the pipe, then here
@@ -114,17 +115,12 @@ class AttachedAgent:
             )
             self._stdout_read = read_transport
             self._stdout_writer = await _writer(loop, os.fdopen(out_w, "wb", 0))
-            self.stdin = await _writer(loop, os.fdopen(in_w, "wb", 0))
-            self._stdin_reader = asyncio.StreamReader()
-            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(self._stdin_reader),
-                                         os.fdopen(in_r, "rb", 0))  # fmt: skip
         except BaseException:
-            for fd in (out_r, out_w, in_r, in_w):
+            for fd in (out_r, out_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
             raise
         self._follower = loop.create_task(self._follow(), name=f"relayed-stdout-{self.pid}")
-        self._feeder = loop.create_task(self._feed(), name=f"relayed-stdin-{self.pid}")
         return self
 
     # ------------------------------------------------------------ Child
@@ -140,8 +136,9 @@ class AttachedAgent:
             self._spawn(self._signal(sig), f"relayed-signal-{self.pid}")
 
     def let_go(self) -> None:
-        """SIGKILL the group, close our ends of the pipes (the readers see their end), waiting for
-        nothing; the exit still comes from the relay, or, ``stop_grace`` on, is taken as lost."""
+        """SIGKILL the group, end stdin and close our end of the stdout pipe (the readers see
+        their end), waiting for nothing; the exit still comes from the relay, or, ``stop_grace``
+        on, is taken as lost."""
         self.signal_group(signal.SIGKILL)
         self._let_go = True
         if not self.stdin.transport.is_closing():
@@ -159,8 +156,8 @@ class AttachedAgent:
         every frame past what was acknowledged, which the store has), no signal and no stdin sent
         from now on. The exit never comes: nothing here waits for it any more."""
         self._detached = True
+        self._stdin.forget()
         self._follower.cancel()  # its end cancels the call
-        self._feeder.cancel()
         for task in list(self._tasks):
             task.cancel()
 
@@ -221,6 +218,12 @@ class AttachedAgent:
                     return
             except (asyncio.InvalidStateError, grpc.aio.UsageError, ConnectionError) as exc:
                 why = str(exc) or type(exc).__name__
+            except asyncio.CancelledError:
+                # grpc cancels the stream under a write whose task is cancelled (a writer of stdin
+                # given up on mid-frame, ``_send_stdin``), and reading it then raises this: a drop
+                if not call.cancelled() or _cancelling():
+                    raise
+                why = "a write on the stream was cancelled"
             finally:
                 self._call = None
                 call.cancel()
@@ -255,11 +258,8 @@ class AttachedAgent:
         if first is grpc.aio.EOF or first.WhichOneof("message") != "ready":
             raise ConnectionError("the relay's stream did not start with ready")
         async with self._write_lock:
-            self._trim(first.ready.stdin_seq)
-            for frame in self._stdin_frames:
-                await call.write(pb.AttachRequest(stdin=frame))
-            if self._stdin_ended:
-                await call.write(pb.AttachRequest(close_stdin=True))
+            self._stdin.rewind(first.ready.stdin_seq)
+            await self._send_unsent(call)  # a broken stream raises: attached again
             self._call = call
 
     async def _took(self, call: Any, response: pb.AttachResponse) -> bool:
@@ -307,39 +307,57 @@ class AttachedAgent:
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
                     await call.write(pb.AttachRequest(ack=seq))
 
-    async def _feed(self) -> None:
-        """What the transport writes on stdin, numbered into frames and sent; its end, close_stdin."""
-        while chunk := await self._stdin_reader.read(_STDIN_READ):
+    # ------------------------------------------------------------ stdin
+
+    def _send_soon(self) -> None:
+        """Something was written on stdin (or it was closed): sent from a task of its own unless a
+        sender runs, or the writer's ``drain`` starts one before this comes round."""
+        if not self._loop.is_closed():  # a writer closed by the garbage collector, after the loop
+            self._loop.call_soon(self._send_if_idle)
+
+    def _send_if_idle(self) -> None:
+        stdin = self._stdin
+        if not self._sending and (stdin.next_unsent() is not None or (stdin.ended and not stdin.end_sent)):
+            self._spawn(self._send_stdin(), f"relayed-stdin-{self.pid}")
+
+    async def _send_stdin(self) -> None:
+        """What was written on stdin and is not yet on the stream open now, sent (the end of stdin
+        after it); with no stream open, or a broken one, the next attach sends it all again."""
+        if self._sending or self._detached:
+            return  # the sender running sends what was written meanwhile too
+        self._sending = True
+        try:
             async with self._write_lock:
-                self._stdin_seq += 1
-                frame = pb.StdinFrame(seq=self._stdin_seq, data=chunk)
-                self._stdin_frames.append(frame)
-                self._stdin_kept += len(chunk)
-                await self._send(pb.AttachRequest(stdin=frame))
-            if self._stdin_kept > _STDIN_KEPT:
-                await self._trim_by_status()
-        async with self._write_lock:
-            self._stdin_ended = True
-            await self._send(pb.AttachRequest(close_stdin=True))
+                if (call := self._call) is not None:
+                    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                        await self._send_unsent(call)
+        finally:
+            self._sending = False
+        if self._stdin.kept_bytes > _STDIN_KEPT and not self._trimming:
+            self._spawn(self._trim_by_status(), f"relayed-stdin-trim-{self.pid}")
 
-    async def _send(self, request: pb.AttachRequest) -> None:
-        """On the stream open now (the write lock held); with none, or a broken one, the next
-        attach sends it again."""
-        if self._call is None or self._detached:
-            return
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            await self._call.write(request)
-
-    def _trim(self, written: int) -> None:
-        """Forget the stdin frames the relay says it wrote."""
-        while self._stdin_frames and self._stdin_frames[0].seq <= written:
-            self._stdin_kept -= len(self._stdin_frames.popleft().data)
+    async def _send_unsent(self, call: Any) -> None:
+        """On ``call`` (the write lock held): every stdin frame unsent on it, in order, then the end
+        of stdin once it came; written meanwhile goes too."""
+        stdin = self._stdin
+        while (frame := stdin.next_unsent()) is not None:
+            await call.write(pb.AttachRequest(stdin=frame))
+            stdin.sent(frame.seq)
+        if stdin.ended and not stdin.end_sent:
+            await call.write(pb.AttachRequest(close_stdin=True))
+            stdin.sent_end()
 
     async def _trim_by_status(self) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            status = await self._stub.Status(pb.StatusRequest(agent_id=self._agent_id), metadata=self._metadata,
-                                             timeout=self._stop_grace)  # fmt: skip
-            self._trim(status.agent.stdin_seq)
+        """Forget the stdin frames the relay says it wrote (a long-lived stream's, which no
+        re-attach's ``ready`` trims)."""
+        self._trimming = True
+        try:
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                status = await self._stub.Status(pb.StatusRequest(agent_id=self._agent_id), metadata=self._metadata,
+                                                 timeout=self._stop_grace)  # fmt: skip
+                self._stdin.written(status.agent.stdin_seq)
+        finally:
+            self._trimming = False
 
     async def _signal(self, sig: signal.Signals) -> None:
         request = pb.SignalRequest(agent_id=self._agent_id, generation=self._generation, signal=int(sig))
@@ -369,7 +387,8 @@ class AttachedAgent:
             self.stderr.feed_data(stderr_tail.encode())
         self.stderr.feed_eof()
         self._stdout_writer.close()
-        self._feeder.cancel()
+        # a writer's drain raises from now on, as on a local agent's closed pipe
+        self._stdin.lost(BrokenPipeError(f"the agent (pid {self.pid}) exited"))
         self.exited.set_result(None)
 
     def _lost(self, why: str) -> None:
@@ -381,6 +400,12 @@ class AttachedAgent:
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _cancelling() -> bool:
+    """Whether the task running is being cancelled (not merely handed a ``CancelledError``)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _alive(pid: int) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rcoder.agent.processes.relayed import RelayedStart
+from rcoder.agent.processes.relayed import RelayedChild, RelayedStart
 from rcoder.relay.host import RELAY_ENV, HostRelays
 from rcoder.relay.relay_key import relay_secret
 from rcoder.relay.v1 import relay_pb2 as relay_pb
@@ -300,21 +300,37 @@ async def test_a_dropped_attach_is_attached_again_and_the_turn_loses_and_repeats
     assert not daemon.logs("relayed_agent_lost")
 
 
+def fake_start(fake: FakeAgentSetup, tmp_path: Path) -> RelayedStart:
+    """The fake agent, unconfined, to spawn on the relay of project ``p`` under ``tmp_path``."""
+    project = tmp_path / "workspace" / "p"
+    project.mkdir(parents=True)
+    args = fake.profile()["args"]
+    assert isinstance(args, list)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(fake.folder)}
+    return RelayedStart(name="fake", project="p", session_id="s", argv=(sys.executable, *args), env=env,
+                        cwd=str(project), confinement=None, limits=None, user=None)  # fmt: skip
+
+
+async def answer_of(child: RelayedChild) -> dict[str, object]:
+    """The next line the agent wrote on stdout (the reader holds at most one read: read() it, as
+    the transport does)."""
+    output = b""
+    async with asyncio.timeout(20):
+        while b"\n" not in output:
+            output += await child.stdout.read(1 << 16)
+    answer = json.loads(output)
+    assert isinstance(answer, dict)
+    return answer
+
+
 async def test_stdin_written_while_another_stream_holds_the_agent_reaches_it_once(
     fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
 ) -> None:
     """The daemon's side alone (``HostRelays``, ``AttachedAgent``) on a real relay: a stdin frame
     written while its stream is taken is sent again after the re-attach, and arrives once."""
     relays = HostRelays(tmp_path / "relays", stop_grace=1.0)
-    project = tmp_path / "workspace" / "p"
-    project.mkdir(parents=True)
-    args = fake.profile()["args"]
-    assert isinstance(args, list)
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(fake.folder)}
-    start = RelayedStart(name="fake", project="p", session_id="s", argv=(sys.executable, *args), env=env,
-                         cwd=str(project), confinement=None, limits=None, user=None)  # fmt: skip
     try:
-        child = await relays.spawn(start, 1.0)
+        child = await relays.spawn(fake_start(fake, tmp_path), 1.0)
         relays_ended.append(child.place.relay_pid)
         secret = (tmp_path / "relays" / "p" / "secret").read_text().strip()
         async with grpc.aio.insecure_channel(child.place.socket) as channel:
@@ -327,17 +343,73 @@ async def test_stdin_written_while_another_stream_holds_the_agent_reaches_it_onc
             child.stdin.write(json.dumps(request).encode() + b"\n")
             await child.stdin.drain()
             call.cancel()
-        output = b""
-        async with asyncio.timeout(20):
-            while b"\n" not in output:  # the reader holds at most one read: read() it, as the transport does
-                output += await child.stdout.read(1 << 16)
-        answer = json.loads(output)
+        answer = await answer_of(child)
         assert answer["id"] == 1 and "result" in answer
         assert len(fake.requests("initialize")) == 1
         child.stdin.close()  # the end of stdin through the stream: the fake agent exits 0
         async with asyncio.timeout(20):
             await child.exited
             assert await child.stdout.read() == b""  # its end, after the exit
+        assert child.returncode == 0
+    finally:
+        await relays.aclose()
+
+
+async def test_a_long_stdin_write_waits_for_a_stopped_relay_and_is_sent_again_after_a_drop_once(
+    fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    """The daemon's stdin of a relayed agent has no pipe (docs/relay.md#placement), and does what
+    one did: a write is numbered into frames of at most 1 MiB with no gap; a writer's drain waits
+    while the relay does not take them (here it is stopped: a daemon's memory is not the relay's
+    buffer), and what it wrote goes even when it gives up waiting; a request written while
+    another stream holds the agent is sent again after the re-attach; each reaches the agent once."""
+    relays = HostRelays(tmp_path / "relays", stop_grace=1.0)
+    try:
+        child = await relays.spawn(fake_start(fake, tmp_path), 1.0)
+        relays_ended.append(child.place.relay_pid)
+
+        def request(id_: int, pad: int) -> bytes:
+            params = {"protocolVersion": 1, "pad": "x" * pad}  # the fake agent reads past what it knows
+            return json.dumps({"jsonrpc": "2.0", "id": id_, "method": "initialize", "params": params}).encode() + b"\n"
+
+        secret = (tmp_path / "relays" / "p" / "secret").read_text().strip()
+        metadata = (("authorization", f"Bearer {secret}"),)
+        async with grpc.aio.insecure_channel(child.place.socket) as channel:
+            stub = relay_grpc.RelayServiceStub(channel)
+            status = relay_pb.StatusRequest(agent_id=child.place.agent_id)
+
+            # the child's stream open: the write below is under way on it when its writer gives up
+            async def attached() -> bool:
+                return bool((await stub.Status(status, metadata=metadata)).agent.attached)
+
+            await eventually(attached)
+        os.kill(child.place.relay_pid, signal.SIGSTOP)
+        try:
+            child.stdin.write(request(1, (4 << 20) + 10))  # 5 frames: past what the stream's windows hold
+            draining = asyncio.create_task(child.stdin.drain())
+            done, _ = await asyncio.wait({draining}, timeout=1.0)
+            assert not done, "the writer waits for the relay to take what it wrote"
+            draining.cancel()  # a writer given up on (its caller's timeout): what it wrote still goes
+        finally:
+            os.kill(child.place.relay_pid, signal.SIGCONT)
+        assert (await answer_of(child))["id"] == 1
+
+        async with grpc.aio.insecure_channel(child.place.socket) as channel:
+            stub = relay_grpc.RelayServiceStub(channel)
+            call = stub.Attach(metadata=metadata)
+            opening = relay_pb.AttachOpen(agent_id=child.place.agent_id, generation=1, from_seq=1)
+            await call.write(relay_pb.AttachRequest(open=opening))
+            assert (await call.read()).WhichOneof("message") == "ready"  # the child's stream was ended
+            child.stdin.write(request(2, 300 << 10))  # past a pipe's 64 KiB, one frame
+            await asyncio.wait_for(child.stdin.drain(), 20)
+            call.cancel()
+            assert (await answer_of(child))["id"] == 2
+            status = await stub.Status(relay_pb.StatusRequest(agent_id=child.place.agent_id), metadata=metadata)
+        assert status.agent.stdin_seq == 6, "one frame a MiB of a write, numbered from 1, no gap"
+        assert [r["id"] for r in fake.requests("initialize")] == [1, 2]
+        child.stdin.close()
+        async with asyncio.timeout(20):
+            await child.exited
         assert child.returncode == 0
     finally:
         await relays.aclose()

@@ -224,10 +224,14 @@ class ReattachedTurns:
                         generation=lease.generation, relay=turn.relay, address=turn.address or None)  # fmt: skip
         except (RcoderError, OSError, ValueError, KeyError) as exc:
             why = str(exc) if isinstance(exc, RcoderError) else f"{type(exc).__name__}: {exc}"
-            log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
-                        relay=turn.relay, address=turn.address or None, agent_id=turn.agent_id, why=why)  # fmt: skip
+            # marked first, then said: whoever acts on the line finds the run ended (a follower's
+            # Subscribe gets its end, not a run this host does not hold)
+            marked = False
             with contextlib.suppress(StoreError):
-                await self._store.interrupt_run(turn.run_id)
+                marked = bool(await self._store.interrupt_run(turn.run_id))
+            log.warning("relayed_turn_not_reattached", run_id=turn.run_id, session_id=turn.session_id,
+                        relay=turn.relay, address=turn.address or None, agent_id=turn.agent_id, why=why,
+                        marked_interrupted=marked)  # fmt: skip
             self._live.let_go_lease(turn.session_id, lease)
 
     async def _take_up(self, turn: RelayedTurn, lease: Lease | None = None) -> None:

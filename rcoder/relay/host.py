@@ -734,6 +734,14 @@ async def _exited(pid: int, timeout: float) -> bool:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return True
+    try:
+        return await _gone(pidfd, timeout)
+    finally:
+        os.close(pidfd)
+
+
+async def _gone(pidfd: int, timeout: float) -> bool:
+    """Whether the process of ``pidfd`` has exited within ``timeout``."""
     loop = asyncio.get_running_loop()
     gone: asyncio.Future[None] = loop.create_future()
 
@@ -748,7 +756,6 @@ async def _exited(pid: int, timeout: float) -> bool:
         return False
     finally:
         loop.remove_reader(pidfd)
-        os.close(pidfd)
     return True
 
 
@@ -759,25 +766,14 @@ async def _stop(folder: Path, pid: int) -> None:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         return
-    loop = asyncio.get_running_loop()
-    gone: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not gone.done():
-            gone.set_result(None)
-
-    loop.add_reader(pidfd, readable)
     try:
         signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(gone, STOP_TIMEOUT)
-        except TimeoutError:
-            log.error("relay_not_stopped", state_dir=str(folder), pid=pid, waited=STOP_TIMEOUT)  # noqa: TRY400
+        if not await _gone(pidfd, STOP_TIMEOUT):
+            log.error("relay_not_stopped", state_dir=str(folder), pid=pid, waited=STOP_TIMEOUT)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # the relay leads its own group (its own session)
     except ProcessLookupError:
         return
     finally:
-        loop.remove_reader(pidfd)
         os.close(pidfd)
     log.info("relay_stopped", state_dir=str(folder), pid=pid)

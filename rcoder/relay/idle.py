@@ -23,6 +23,7 @@ import grpc
 
 from rcoder import errors
 from rcoder.relay.endpoint import EXITING
+from rcoder.relay.handlers import rewrapped
 from rcoder.relay.service import abort
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
@@ -97,20 +98,10 @@ class IdleWatch(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def _counted(handler: grpc.RpcMethodHandler, watch: IdleWatch) -> grpc.RpcMethodHandler:
     """``handler`` with its calls counted in flight by ``watch`` (refused once it is exiting)."""
-    kinds = {
-        "unary_unary": grpc.unary_unary_rpc_method_handler,
-        "unary_stream": grpc.unary_stream_rpc_method_handler,
-        "stream_unary": grpc.stream_unary_rpc_method_handler,
-        "stream_stream": grpc.stream_stream_rpc_method_handler,
-    }
-    for kind, make in kinds.items():
-        behavior = getattr(handler, kind, None)
-        if behavior is None:
-            continue
-        wrapped = _generator(behavior, watch) if inspect.isasyncgenfunction(behavior) else _coroutine(behavior, watch)
-        return make(wrapped, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)  # fmt: skip
-    raise AssertionError(f"a gRPC handler of no known kind: {handler!r}")
+    return rewrapped(
+        handler, lambda behavior: _generator(behavior, watch) if inspect.isasyncgenfunction(behavior)
+        else _coroutine(behavior, watch),
+    )  # fmt: skip
 
 
 def _coroutine(behavior: Callable[..., Awaitable[Any]], watch: IdleWatch) -> Callable[..., Awaitable[Any]]:

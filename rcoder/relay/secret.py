@@ -23,6 +23,7 @@ import grpc
 
 from rcoder import errors
 from rcoder.relay.endpoint import SECRET_FILE
+from rcoder.relay.handlers import rewrapped
 from rcoder.relay.service import abort
 
 _MIN_SECRET = 16
@@ -107,14 +108,4 @@ def _refusing(handler: grpc.RpcMethodHandler, how: str) -> grpc.RpcMethodHandler
     async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await abort(context, refused)
 
-    kinds = {
-        "unary_unary": grpc.unary_unary_rpc_method_handler,
-        "unary_stream": grpc.unary_stream_rpc_method_handler,
-        "stream_unary": grpc.stream_unary_rpc_method_handler,
-        "stream_stream": grpc.stream_stream_rpc_method_handler,
-    }
-    for kind, make in kinds.items():
-        if getattr(handler, kind, None) is not None:
-            return make(refuse, request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)  # fmt: skip
-    raise AssertionError(f"a gRPC handler of no known kind: {handler!r}")
+    return rewrapped(handler, lambda _: refuse)

@@ -29,7 +29,7 @@ from tests.harness import completed, error_info, text_of
 from tests.image.podman import BUILD_TIMEOUT
 from tests.multihost.conftest import AUTH_MD, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
-from tests.multihost.test_relay_takeover import relay_key
+from tests.multihost.test_relay_takeover import first_chunks, relay_key
 from tests.relay.conftest import engine, image  # noqa: F401 - the engine and image tests/relay shares
 from tests.relay.test_placement_container import PYTHON, labelled
 
@@ -68,10 +68,7 @@ async def streaming_in_a_container(
     (left,) = await asyncio.to_thread(labelled, on, hosts.root / "data-a")
     request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
     call = a.stub.Chat(request, metadata=AUTH_MD)
-    seen: list[pb.ChatStream] = []
-    async with asyncio.timeout(30):
-        while f"c{SEEN - 1} " not in text_of(seen):
-            seen.append(await call.read())
+    seen = await first_chunks(call)
     return str(left["Id"]), call, seen
 
 

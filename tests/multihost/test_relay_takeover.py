@@ -14,6 +14,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -27,6 +28,15 @@ from tests.relay.test_reattach import left_running
 
 CHUNKS, SEEN = 120, 10
 WHOLE = "".join(f"c{i} " for i in range(CHUNKS)) + "I remember nothing."
+
+
+async def first_chunks(call: Any, timeout: float = 30) -> list[pb.ChatStream]:
+    """What a paced turn's ``Chat`` call sends until its SEEN-th chunk."""
+    seen: list[pb.ChatStream] = []
+    async with asyncio.timeout(timeout):
+        while f"c{SEEN - 1} " not in text_of(seen):
+            seen.append(await call.read())
+    return seen
 
 
 def relay_pid(data_dir: Path) -> int:
@@ -44,10 +54,7 @@ async def test_a_paused_hosts_relayed_turn_is_taken_over_by_another_host_and_end
             relay = relay_pid(hosts.root / "data-a")
             request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {CHUNKS} pace 50")
             call = a.stub.Chat(request, metadata=AUTH_MD)
-            seen: list[pb.ChatStream] = []
-            async with asyncio.timeout(20):
-                while f"c{SEEN - 1} " not in text_of(seen):
-                    seen.append(await call.read())
+            seen = await first_chunks(call)
             assert a.daemon.proc is not None
             os.kill(a.daemon.proc.pid, signal.SIGSTOP)  # paused mid-turn: its lease runs out
             paused = True
@@ -104,10 +111,7 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
             relay = relay_pid(hosts.root / "data-a")
             request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
             call = a.stub.Chat(request, metadata=AUTH_MD)
-            seen: list[pb.ChatStream] = []
-            async with asyncio.timeout(20):
-                while f"c{SEEN - 1} " not in text_of(seen):
-                    seen.append(await call.read())
+            seen = await first_chunks(call)
             assert a.daemon.proc is not None
             stopped = asyncio.get_running_loop().time()
             a.daemon.proc.send_signal(signal.SIGTERM)
@@ -160,10 +164,7 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
             relay = relay_pid(hosts.root / "data-a")
             request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
             call = a.stub.Chat(request, metadata=AUTH_MD)
-            seen: list[pb.ChatStream] = []
-            async with asyncio.timeout(20):
-                while f"c{SEEN - 1} " not in text_of(seen):
-                    seen.append(await call.read())
+            seen = await first_chunks(call)
             await a.daemon.kill()  # its relay and agent go on
             call.cancel()
             await a.client.channel.close()
@@ -235,10 +236,7 @@ async def a_turn_left_by_a_killed_host(hosts: Hosts, a: Host, chunks: int) -> tu
     relay = relay_pid(hosts.root / "data-a")
     request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
     call = a.stub.Chat(request, metadata=AUTH_MD)
-    seen: list[pb.ChatStream] = []
-    async with asyncio.timeout(20):
-        while f"c{SEEN - 1} " not in text_of(seen):
-            seen.append(await call.read())
+    seen = await first_chunks(call)
     assert (folder / "address").read_text().startswith("127.0.0.1:"), "the relay serves TCP"
     (folder / "relay.sock").unlink()
     (folder / "secret").unlink()

@@ -51,7 +51,9 @@ Prompt directives (lowercase words anywhere in the text; combinable; run in this
                  then a command "ls -la" completed with output "x\n" and exit code 2
     permission   session/request_permission for "call-p"; the answer gets " permission=<option id>"
                  (or " permission=cancelled", and the turn then ends "cancelled" after the answer)
-    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them
+    stream N     N agent_message_chunks "c0 ", "c1 ", ...; `pace MS` waits MS ms between them;
+                 `hold K gate NAME` waits before chunk K until the file NAME is in its cwd (what a
+                 test lets go of once it has done what must happen mid-turn; at most 120 s)
     fill N       write N files of 1 MiB (fill-<turn>-<i>.bin) into its cwd, one after another, `pace MS`
                  between them too; session/cancel stops it at once (stop reason "cancelled", no answer),
                  else the answer gets " filled=N"
@@ -294,6 +296,8 @@ class Script:
             return int(match.group(1)) if match else None
 
         self.stream, self.pace_ms = number("stream") or 0, number("pace") or 0
+        gate = re.search(r"\bgate\s+(\S+)", text)
+        self.hold, self.gate = number("hold"), gate.group(1) if gate else None
         self.fill = number("fill") or 0
         self.show_options, self.commands = word("show-options"), word("commands")
         mode = re.search(r"\bagent-mode\s+(\w+)", text)
@@ -784,6 +788,17 @@ class FakeAgent:
     async def _say(self, session_id: str, text: str) -> None:
         await self._update(session_id, message_chunk(text))
 
+    async def _gate_opened(self, session: Session, name: str) -> bool:
+        """Wait until the file ``name`` is in the session's cwd (at most 120 s); False if the turn
+        was cancelled meanwhile."""
+        gate = os.path.join(session.cwd, name)
+        for _ in range(120 * 20):
+            if await asyncio.to_thread(os.path.exists, gate):
+                return True
+            if await self._cancelled_within(session, 50):
+                return False
+        return True
+
     async def _cancelled_within(self, session: Session, ms: int | None) -> bool:
         """Wait `ms` milliseconds (None: forever); True if the turn was cancelled meanwhile."""
         try:
@@ -1011,6 +1026,8 @@ class FakeAgent:
                 return "cancelled", suffix  # still answers, so "permission=cancelled" is visible
         for i in range(script.stream):
             if i and script.pace_ms and await self._cancelled_within(session, script.pace_ms):
+                return "cancelled", None
+            if script.gate and i == script.hold and not await self._gate_opened(session, script.gate):
                 return "cancelled", None
             await self._say(sid, f"c{i} ")
         if script.fill:

@@ -58,15 +58,15 @@ async def container_hosts(make_hosts: MakeHosts, on: Engine, image_id: str) -> A
 
 
 async def streaming_in_a_container(
-    hosts: Hosts, on: Engine, chunks: int, each: dict[str, dict[str, Any]] | None = None
+    hosts: Hosts, on: Engine, chunks: int, each: dict[str, dict[str, Any]] | None = None, more: str = ""
 ) -> tuple[str, Any, list[pb.ChatStream]]:
     """Hosts a and b started (``each``: more keys by host); a's turn of ``chunks`` paced chunks
-    streaming in a's container, read until its SEEN-th chunk: the container's id, the Chat call and
-    what it saw."""
+    (``more``: more of the fake agent's script) streaming in a's container, read until its SEEN-th
+    chunk: the container's id, the Chat call and what it saw."""
     a, _ = await hosts.start("a", "b", each=each)
     session_id = (await chat(a, prompt="hello"))[0][0].session_id
     (left,) = await asyncio.to_thread(labelled, on, hosts.root / "data-a")
-    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
+    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50{more}")
     call = a.stub.Chat(request, metadata=AUTH_MD)
     seen = await first_chunks(call)
     return str(left["Id"]), call, seen
@@ -108,10 +108,14 @@ async def test_a_killed_hosts_turn_in_a_container_is_taken_over_its_next_start_s
     # data_dir, no turn of its own in it), and refuses a new agent of that project and profile (a
     # new container would take its name). B's stop ends its taken-over agent, and no other host's
     # running turn names the container: B removes it; A's next agent there starts a new one
-    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look and A's restart
+    # the turn holds before its chunk SEEN + 5 until the test opens the gate: it outlasts B's look
+    # and A's restart whatever the machine's load
+    chunks, gate = 60, "gate"
     async with container_hosts(make_hosts, engine, image) as hosts:
         data_a = hosts.root / "data-a"
-        container_id, call, seen = await streaming_in_a_container(hosts, engine, chunks)
+        container_id, call, seen = await streaming_in_a_container(
+            hosts, engine, chunks, more=f" hold {SEEN + 5} gate {gate}"
+        )
         await hosts["a"].daemon.kill()  # SIGKILL mid-turn: its container, relay and agent go on
         call.cancel()
         await hosts["a"].client.channel.close()
@@ -129,6 +133,7 @@ async def test_a_killed_hosts_turn_in_a_container_is_taken_over_its_next_start_s
             "AGENT_UNAVAILABLE",
         ), refused.value.details()
         assert "runs a turn another host took over" in (refused.value.details() or "")
+        await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
         await the_rest(hosts, seen, chunks)
 
         # nothing is left of A's container once B's agent in it ended, were A never to come back
@@ -153,10 +158,14 @@ async def test_a_paused_hosts_turn_in_a_container_is_taken_over_its_stop_keeps_i
     # runs the same agent, in A's container, past its memory limit: said AGENT_MEMORY_LIMIT from
     # the container's cgroup as before the takeover; with B's last agent there ended, and no other
     # host's turn naming it, B removes the container
-    chunks = 400  # 400 chunks 50 ms apart (20 s): the turn outlasts B's look, A's waking and stop
+    # the turn holds before its chunk SEEN + 5 until the test opens the gate: it outlasts B's look,
+    # A's waking and A's stop whatever the machine's load
+    chunks, gate = 60, "gate"
     async with container_hosts(make_hosts, engine, image) as hosts:
         data_a = hosts.root / "data-a"
-        container_id, call, seen = await streaming_in_a_container(hosts, engine, chunks)
+        container_id, call, seen = await streaming_in_a_container(
+            hosts, engine, chunks, more=f" hold {SEEN + 5} gate {gate}"
+        )
         a = hosts["a"]
         assert a.daemon.proc is not None
         os.kill(a.daemon.proc.pid, signal.SIGSTOP)  # paused mid-turn: its lease runs out
@@ -176,6 +185,7 @@ async def test_a_paused_hosts_turn_in_a_container_is_taken_over_its_stop_keeps_i
             (container_id[:12], "another host runs a turn in it")
         ]
         assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, data_a)] == [container_id]
+        await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
         await the_rest(hosts, seen, chunks)
 
         b = hosts["b"]

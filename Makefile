@@ -137,12 +137,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-## two workers on two cores: three filled the cores' idle gaps (the suite 11 min 46 s against about 13
-## with two) but made time-bound tests flaky (a PostgreSQL outage test, a takeover test) in fresh-clone
-## runs. --no-loadscope-reorder: the files go out in tests/conftest.py's order (FIRST_FILES,
-## LAST_FILES), not by their test count
+## three workers on two cores: most tests wait (on timeouts, leases, agents, a fake model) more than
+## they compute (multihost: 0.65 cores busy with two workers), and a third fills the gaps (the suite
+## 1096 s with three, where two took about 1290 on the same loaded machine). --no-loadscope-reorder:
+## the files go out in tests/conftest.py's order (FIRST_FILES, LAST_FILES), not by their test count
 unit: $(STAMP) agents tools twine postgres podman helper bytecode
-	$(BIN)/pytest -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25 --cov --cov-report=term:skip-covered
+	$(BIN)/pytest -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
 ## PostgreSQL store's tests. Installed when missing and we are root (no main cluster is created, no

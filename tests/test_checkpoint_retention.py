@@ -107,6 +107,26 @@ async def test_past_checkpoint_keep_the_oldest_go_but_one_a_later_run_names(tmp_
     assert run is not None and run.checkpoint_before == commits[0]  # the run stays, its snapshot went
 
 
+async def test_of_snapshots_taken_in_one_second_the_newest_is_kept(tmp_path: Path, store: SqliteStore) -> None:
+    # git's commit time is in whole seconds: before each commit said when it was taken, in ns,
+    # the cut of `keep` told these apart by their sha, and kept the newest 1 time in 6
+    settings = settings_of(tmp_path, "[checkpoints]\nkeep = 1\n")
+    project = tmp_path / "workspace" / "proj"
+    project.mkdir(parents=True)
+    marks = Checkpoints(settings, store)
+    profile = settings.agents[settings.default_agent]
+    await next_second()  # the six are taken in the second that starts now (a few ms each)
+    commits = []
+    for n in range(6):
+        (project / "a.txt").write_text(f"{n}\n")
+        commits.append(await marks.before("proj", str(project), f"run-{n}", profile))
+        marks.settled(f"run-{n}")
+    assert len(set(commits)) == 6
+
+    await marks.sweep(settings.checkpoint_retention, time.time())
+    assert store_refs(tmp_path) == refs_of(tmp_path, commits[-1])
+
+
 async def test_a_store_past_its_cap_sheds_its_oldest_snapshots_until_a_snapshot_fits_again(
     tmp_path: Path, store: SqliteStore
 ) -> None:

@@ -32,7 +32,7 @@ from rcoder.logs import get_logger
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
 from rcoder.relay.workspace_changes import change_message, change_of
-from rcoder.store.checkpoint_repo import GcPass
+from rcoder.store.checkpoint_repo import GcPass, RefTime, ref_time
 from rcoder.store.git_process import GIT_TIMEOUT, GitResult
 from rcoder.store.unstored import Bounds
 
@@ -316,9 +316,9 @@ class CheckpointClient:
         answer = await self._call(self._stub.ResolveCommit, pb.ResolveCommitRequest(store=self._store, ref=ref))
         return str(answer.commit) or None
 
-    async def refs(self, prefix: str) -> dict[str, int]:
+    async def refs(self, prefix: str) -> dict[str, RefTime]:
         answer = await self._call(self._stub.ListRefs, pb.ListRefsRequest(store=self._store, prefix=prefix))
-        return dict(answer.refs)
+        return {name: ref_time(seconds, answer.taken_ns.get(name, 0)) for name, seconds in answer.refs.items()}
 
     async def delete_refs(self, names: Sequence[str]) -> None:
         if names:

@@ -284,7 +284,10 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
             refs = await self._repo(request.store, "ListRefs").refs(request.prefix)
         except errors.RcoderError as exc:
             await abort(context, exc)
-        return pb.ListRefsResponse(refs=refs)
+        return pb.ListRefsResponse(
+            refs={name: when.seconds for name, when in refs.items()},
+            taken_ns={name: when.taken_ns for name, when in refs.items()},
+        )
 
     async def DeleteRefs(
         self, request: pb.DeleteRefsRequest, context: grpc.aio.ServicerContext[Any, Any]

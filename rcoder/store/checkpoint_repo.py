@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from rcoder.domain import FileChange
 from rcoder.errors import CheckpointError
@@ -61,6 +62,9 @@ log = get_logger("rcoder.store.checkpoint_repo")
 
 # the refs that keep snapshots: one per distinct commit (a run's commits are kept in its store row)
 COMMIT_REF_PREFIX = "refs/rcoder/commits/"
+# A snapshot's commit says when it was taken, in nanoseconds, in a trailer of its message: git's
+# own commit time is in whole seconds, and a short turn's before and after fall in one second.
+TAKEN_TRAILER = "Rcoder-Taken-Ns"
 OBJECT_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
@@ -278,7 +282,9 @@ class CheckpointRepo:
                 commit = last.commit
             else:
                 parents = ("-p", parent) if parent else ()
-                commit = (await self.git("commit-tree", tree, *parents, "-m", message)).out.decode().strip()
+                taken = f"{TAKEN_TRAILER}: {time.time_ns()}"  # the order of one second's snapshots
+                written = await self.git("commit-tree", tree, *parents, "-m", message, "-m", taken)
+                commit = written.out.decode().strip()
             # the ref on disk before anyone can record the commit (docs/checkpoints.md#lifetime)
             await self.keep(commit)
         except BaseException as exc:
@@ -488,15 +494,17 @@ class CheckpointRepo:
             return None
         return out.out.decode().strip() or None
 
-    async def refs(self, prefix: str) -> dict[str, int]:
-        """Every ref under ``prefix``, with its commit's time (Unix seconds)."""
+    async def refs(self, prefix: str) -> dict[str, RefTime]:
+        """Every ref under ``prefix``, with when its commit was taken."""
         if not self.made():
             return {}
-        out = await self.git("for-each-ref", "--format=%(refname) %(committerdate:unix)", prefix)
-        found: dict[str, int] = {}
+        taken = f"%(trailers:key={TAKEN_TRAILER},valueonly,separator=)"
+        out = await self.git("for-each-ref", f"--format=%(refname) %(committerdate:unix) {taken}", prefix)
+        found: dict[str, RefTime] = {}
         for line in out.out.decode().splitlines():
-            name, _, when = line.rpartition(" ")
-            found[name] = int(when) if when.isdigit() else 0
+            name, _, rest = line.partition(" ")
+            seconds, _, taken_ns = rest.strip().partition(" ")
+            found[name] = ref_time(int(seconds) if seconds.isdigit() else 0, taken_ns.strip())
         return found
 
     async def changes(
@@ -701,6 +709,21 @@ def remove_pack(pack: Path) -> None:
     removed by the next ``weigh_packs``."""
     for suffix in (".pack", ".rev", ".bitmap", ".mtimes", ".idx"):
         pack.with_suffix(suffix).unlink(missing_ok=True)
+
+
+class RefTime(NamedTuple):
+    """When a ref's commit was taken: git's commit time (Unix seconds), and the snapshot's own
+    nanoseconds (``TAKEN_TRAILER``; a commit written before it had one: the seconds'). Ordered so,
+    snapshots of one second come in the order they were taken."""
+
+    seconds: int
+    taken_ns: int
+
+
+def ref_time(seconds: int, taken_ns: str | int) -> RefTime:
+    """A ref's ``RefTime`` from its commit's seconds and its trailer ("" or 0 when none)."""
+    ns = int(taken_ns) if str(taken_ns).isdigit() else 0
+    return RefTime(seconds, ns or seconds * 1_000_000_000)
 
 
 def unprocessed_path(message: str) -> bytes | None:

@@ -816,19 +816,47 @@ class ListRefsResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class TakenNsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REFS_FIELD_NUMBER: _builtins.int
+    TAKEN_NS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def refs(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Each ref, with its commit's time in Unix seconds."""
+
+    @_builtins.property
+    def taken_ns(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Each ref whose commit says when it was taken, in Unix nanoseconds (the snapshots of one
+        second told apart); a ref missing here is taken at its second's start.
+        """
 
     def __init__(
         self,
         *,
         refs: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        taken_ns: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["refs", b"refs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refs", b"refs", "taken_ns", b"taken_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -65,7 +65,15 @@ from rcoder.session.hosts.checkpoint_sharing import MARKS
 from rcoder.session.runs.run import RUN_MISSING
 from rcoder.session.sessions.workspace import PROJECT_ID
 from rcoder.store.base import RunCheckpoint, SessionStore
-from rcoder.store.checkpoint_repo import COMMIT_REF_PREFIX, Bounds, CheckpointRepo, GcPass, commit_ref, store_bytes
+from rcoder.store.checkpoint_repo import (
+    COMMIT_REF_PREFIX,
+    Bounds,
+    CheckpointRepo,
+    GcPass,
+    RefTime,
+    commit_ref,
+    store_bytes,
+)
 from rcoder.store.git_changes import listed
 from rcoder.store.git_jail import GitJail
 from rcoder.store.git_process import ChildGuard, GitResult
@@ -100,7 +108,7 @@ class Repo(Protocol):
 
     async def resolve(self, ref: str) -> str | None: ...
 
-    async def refs(self, prefix: str) -> dict[str, int]: ...
+    async def refs(self, prefix: str) -> dict[str, RefTime]: ...
 
     async def delete_refs(self, names: Sequence[str]) -> None: ...
 
@@ -637,7 +645,7 @@ class Checkpoints:
         refs = await repo.refs(REFS)
         if keep_days > 0:
             cutoff = now - keep_days * 86400
-            old = {name for name, when in refs.items() if when < cutoff}
+            old = {name for name, when in refs.items() if when.seconds < cutoff}
             runs_old = [name for name in old if name.startswith(REF_PREFIX)]
             await repo.delete_refs(runs_old)
             commits = {n.removeprefix(COMMIT_REF_PREFIX) for n in old if n.startswith(COMMIT_REF_PREFIX)}
@@ -648,7 +656,7 @@ class Checkpoints:
             ((when, name) for name, when in refs.items() if name.startswith(COMMIT_REF_PREFIX)), reverse=True
         )
         if self._keep and len(newest) > self._keep:
-            since = datetime.fromtimestamp(newest[self._keep - 1][0], UTC)  # the oldest snapshot kept
+            since = datetime.fromtimestamp(newest[self._keep - 1][0].seconds, UTC)  # the oldest snapshot kept
             past = {name.removeprefix(COMMIT_REF_PREFIX) for _, name in newest[self._keep :]}
             await self._forget_commits(repo, project_id, past, since)
 
@@ -658,11 +666,8 @@ class Checkpoints:
         rewind to them answer ``NO_CHECKPOINT``), but the newest and those a turn here is about
         to record. Each pass halves them again until the store fits."""
         refs = await repo.refs(COMMIT_REF_PREFIX)
-        # by commit time, then (snapshots of one second) by when each loose ref was written: the
-        # newest is never the one a tie of seconds sorts first by name
-        git_dir = repo.git_dir if isinstance(repo, CheckpointRepo) else None  # a relay's: by time and name
-        order = sorted((when, _written_ns(git_dir / name) if git_dir else 0, name) for name, when in refs.items())
-        oldest = [name for _, _, name in order][:-1]
+        # by when each was taken: the snapshots of one second too (``RefTime``)
+        oldest = [name for _, name in sorted((when, name) for name, when in refs.items())][:-1]
         shed = {name.removeprefix(COMMIT_REF_PREFIX) for name in oldest[: max(1, len(oldest) // 2)]}
         shed -= self._unsettled()
         if shed:
@@ -725,11 +730,3 @@ async def _store_bytes(repo: CheckpointRepo | RelayedRepo) -> int:
     if isinstance(repo, CheckpointRepo):
         return await asyncio.to_thread(store_bytes, repo.git_dir)
     return await repo.store_bytes()
-
-
-def _written_ns(ref: Path) -> int:
-    """When the loose ref file ``ref`` was written (0 when gc packed it)."""
-    try:
-        return os.stat(ref).st_mtime_ns
-    except OSError:
-        return 0

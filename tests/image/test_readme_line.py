@@ -6,7 +6,9 @@ fixture built with `make image`'s script), the container's name is this run's, a
 a free one instead of 50051 (another test may hold it). A container left by a start that failed
 (created, never started) must not block the line, nor must a running one of the same name.
 Without ``CONTAINERS_CONF`` the line ends in runc's "error setting rlimit type 7: operation not
-permitted" here; without ``--replace``, in "that name is already in use".
+permitted" here; without ``--replace``, in "that name is already in use"; without its named
+volumes, the replacing container starts on an empty store (a new token). The volumes are this
+run's too (named after its container).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.pg import free_port
 
 START_TIMEOUT = 90.0  # a container to SERVING on a loaded two-core machine
 MARK = "<!-- example: container -->"
+VOLUMES = ("rcoder-data", "rcoder-workspace")  # the line's named volumes: the store's and the projects'
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 600)
 
@@ -39,7 +42,9 @@ def as_run_here(line: str, name: str, port: int) -> str:
     replaced = command.replace("--name rcoder ", f"--name {name} ").replace(
         "-p 127.0.0.1:50051:50051 ", f"-p 127.0.0.1:{port}:50051 "
     )
-    assert replaced.count(name) == 1 and str(port) in replaced, f"the line changed: {line!r}"
+    for volume in VOLUMES:  # this run's volumes, never a user's
+        replaced = replaced.replace(f"-v {volume}:", f"-v {name}-{volume}:")
+    assert replaced.count(name) == 1 + len(VOLUMES) and str(port) in replaced, f"the line changed: {line!r}"
     return replaced
 
 
@@ -61,10 +66,15 @@ async def test_the_readmes_container_line_runs_as_written_over_a_failed_start_an
         first = run_line(command)
         assert first.returncode == 0, (command, first.stdout, first.stderr)
         await serving(port, START_TIMEOUT)
+        token = podman("exec", name, "cat", "/var/lib/rcoder/auth_token").stdout.strip()
         again = run_line(command)  # the same line once more, the first container running
         assert again.returncode == 0, (command, again.stdout, again.stderr)
         await serving(port, START_TIMEOUT)
         listed = podman("ps", "--all", "--filter", f"name=^{name}$", "--format", "{{.ID}}").stdout.split()
         assert len(listed) == 1, listed
+        # the replaced container's store is the new one's: its token (made at the first start) kept
+        assert token and podman("exec", name, "cat", "/var/lib/rcoder/auth_token").stdout.strip() == token
     finally:
         podman("rm", "--force", "--volumes", "--time", "0", name, check=False)
+        for volume in VOLUMES:
+            podman("volume", "rm", "--force", f"{name}-{volume}", check=False)

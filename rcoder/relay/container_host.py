@@ -5,7 +5,8 @@ agents spawned and attached exactly as the ``relay`` placement does it (``host.H
 What the container holds: the profile's limits as its own (memory with no swap beyond it, processes,
 CPU: each container is one profile's, so they are that profile's exactly), the project's folder and
 the agent's home bound at the paths they have on the host (with ``project_volumes``, the project's
-folder is a named volume of the project mounted at that path instead: ``project_volume``), the profile's
+folder is a named volume of the project mounted at that path instead, ``project_volume``, and the
+profile's home of the project one of its own, ``home_volume``, which the relay prepares), the profile's
 ``write_paths`` read-write and ``read_paths`` read-only at their paths, and the relay's state
 folder, ``<data_dir>/relay-containers/<project>.<profile>``, at ``/run/rcoder-relay``. It runs as
 the agents' uid where the daemon has one (the project and home are theirs already), else as the

@@ -624,6 +624,11 @@ async def test_a_projects_files_and_its_agents_home_on_volumes_are_never_on_the_
         assert not store.exists()
         assert (await asyncio.to_thread(relay_calls_in, engine, row["Id"])).get("RemoveStore") == 1
         assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+        # the agent's own copy of a conversation is in its home, which the daemon does not reach: said
+        again = await client.chat(prompt="hello", project_id="proj")
+        assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+        deleted = await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=again[0].session_id))
+        assert any(f"home {home_path} is on a volume" in why for why in deleted.left), deleted.left
         await eventually(lambda: names_in(home / "tmp") == [], timeout=30)
 
         # a daemon's stop removes the container and keeps the volumes, with the project's files and the home

@@ -114,11 +114,12 @@ class AgentLauncher:
         (``rcoder.agent.own_delete``). The home's session lists are read afresh from now on.
         ``UnsafePath`` on a planted link."""
         home = self.homes.path(profile, cwd)
-        if provider_session_id and home_on_volume(self._settings, profile):
-            # not on this host: nothing here reads or writes it (docs/relay.md#a-named-volume-per-project)
-            return Erased(left=[f"the agent's home {home} is on a volume of the project, which this daemon does "
-                                f"not reach: its copy of session {provider_session_id} is left there"])  # fmt: skip
         try:
+            if provider_session_id and home_on_volume(self._settings, profile):
+                # not on this host: nothing here reads or writes it (docs/relay.md#a-named-volume-per-project)
+                why = (f"the agent's home {home} is on a volume of the project, which this daemon does not reach: "
+                       f"its copy of session {provider_session_id} is left there")  # fmt: skip
+                return Erased(left=[why])
             command = kind_of(profile.kind).own_delete(home, provider_session_id) if provider_session_id else None
             if command is None:
                 erased = await asyncio.to_thread(erase_conversation, profile.kind, home, cwd, provider_session_id)

@@ -36,7 +36,7 @@ from rcoder.agent.confinement import agent_user
 from rcoder.agent.confinement.limits import Cgroups, Values
 from rcoder.agent.connection import AgentConnection, call_agent, capabilities_from_initialize
 from rcoder.agent.files import ownership
-from rcoder.agent.prepare import Prepared, prepared, remove_tmpdir, sweep_tmpdirs
+from rcoder.agent.prepare import Prepared, home_on_volume, prepared, remove_tmpdir, sweep_tmpdirs
 from rcoder.agent.processes.leftovers import forget_instance, record_instance, sweep
 from rcoder.agent.processes.process import AgentProcess, LimitWatch
 from rcoder.agent.processes.relayed import RELAY_GENERATION, FoundAgent, RelayedChild, RelayedStart, Relays
@@ -115,6 +115,11 @@ class AgentLauncher:
         ``UnsafePath`` on a planted link."""
         home = self.homes.path(profile, cwd)
         try:
+            if provider_session_id and home_on_volume(self._settings, profile):
+                # not on this host: nothing here reads or writes it (docs/relay.md#a-named-volume-per-project)
+                why = (f"the agent's home {home} is on a volume of the project, which this daemon does not reach: "
+                       f"its copy of session {provider_session_id} is left there")  # fmt: skip
+                return Erased(left=[why])
             command = kind_of(profile.kind).own_delete(home, provider_session_id) if provider_session_id else None
             if command is None:
                 erased = await asyncio.to_thread(erase_conversation, profile.kind, home, cwd, provider_session_id)
@@ -195,7 +200,8 @@ class AgentLauncher:
         if owner is None:
             return
         settings = self._settings
-        homes = [agent_homes(settings, profile) for profile in settings.agents.values()]
+        # a profile whose homes are on volumes has none on this host (docs/relay.md#a-named-volume-per-project)
+        homes = [agent_homes(settings, p) for p in settings.agents.values() if not home_on_volume(settings, p)]
         for folder in homes:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         ownership.reach(homes, settings.data_dir)
@@ -343,7 +349,9 @@ class AgentLauncher:
         kind = kind_of(profile.kind)
         rid, method = config.resume_session_id, config.resume_method
         if rid and method is OpenMethod.LOAD:
-            home = await self.homes.home(profile, config.cwd)
+            # a home on a volume is not on this host: nothing read there says when (its relay's)
+            on_volume = home_on_volume(self._settings, profile)
+            home = self.homes.path(profile, config.cwd) if on_volume else await self.homes.home(profile, config.cwd)
             await self._defer_load(profile, rid, await asyncio.to_thread(kind.load_not_before, home, rid))
         opened = await connection.open_session(config, self._settings.session_open_timeout)
         if opened is OpenMethod.LOAD and kind.answers_load_before_replay:
@@ -511,16 +519,20 @@ class AgentLauncher:
             limits=Values(profile.memory_max, profile.pids_max, profile.cpu_max or None),
             user=self.user.switch,
             generation=owner[1] if owner else RELAY_GENERATION,
+            home=ready.relay_home,  # a home on a volume: its relay makes it, and removes the agent's TMPDIR
         )
+        # the agent's TMPDIR, where it is this host's: removed here once the agent has ended
+        removal = None if ready.relay_home else functools.partial(remove_tmpdir, ready.home, ready.tmpdir)
         try:
             child = await relays.spawn(start, self._settings.agent_stop_grace)
         except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
-            remove_tmpdir(ready.home, ready.tmpdir)
+            if removal is not None:
+                removal()
             raise
         watch = child.limit_reached if isinstance(child, LimitWatch) else None  # a container's limits
         process = AgentProcess(child, profile.name, self._settings.stderr_tail_bytes, self._settings.agent_stop_grace,
-                               on_closed=functools.partial(remove_tmpdir, ready.home, ready.tmpdir),
-                               place=child.place, limit_reached=watch, tmpdir=ready.tmpdir)  # fmt: skip
+                               on_closed=removal, place=child.place, limit_reached=watch,
+                               tmpdir=ready.tmpdir)  # fmt: skip
         place = child.place
         log.info("agent_spawned", agent=profile.name, pid=process.pid, command=argv[0], placement=profile.placement,
                  relay_pid=place.relay_pid, relay=place.socket, state_dir=place.state_dir, agent_id=place.agent_id,

@@ -17,8 +17,9 @@ from pathlib import Path
 from rcoder import landlock
 from rcoder.agent.confinement.sandbox import Confinement, confinement, make_write_paths, protected
 from rcoder.agent.files import ownership, safe_fs
+from rcoder.agent.processes.relayed import RelayHome
 from rcoder.agent.profiles.homes import Homes, is_ready
-from rcoder.agent.profiles.kinds import kind_of
+from rcoder.agent.profiles.kinds import AgentSetup, kind_of
 from rcoder.agent.profiles.profile import model_provider, sandbox_of
 from rcoder.config import AgentProfile, Settings
 from rcoder.domain import ModelProvider
@@ -40,6 +41,15 @@ class Prepared:
     tmpdir: Path  # this process's own TMPDIR, <home>/tmp/<name>: removed when it ends (``remove_tmpdir``)
     # with ``keyless``: the model key's variables, taken out of ``env``, for the claim to hand over
     held: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # a home on a volume of the project (``home_on_volume``): what its relay writes and makes there;
+    # nothing of it, nor its TMPDIR, is on this host
+    relay_home: RelayHome | None = None
+
+
+def home_on_volume(settings: Settings, profile: AgentProfile) -> bool:
+    """Whether ``profile``'s homes are on volumes of their projects, prepared and cleaned by the relay
+    in the project's container, never on this host (docs/relay.md#a-named-volume-per-project)."""
+    return settings.container_project_volumes and profile.placement == "container"
 
 
 async def prepared(
@@ -59,10 +69,15 @@ async def prepared(
     ``keyless`` (a warm agent, docs/placement.md#warm-agents-and-keys): the model key is left out of
     its environment, every variable that holds it (``Prepared.held``)."""
     provider = model_provider(profile, provider)
+    on_volume = home_on_volume(settings, profile)
+    landlocked = sandbox_of(settings, profile) == "landlock"
     try:
-        home = await homes.home(profile, cwd)
-        landlocked = sandbox_of(settings, profile) == "landlock"
-        setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider, confined=landlocked)
+        if on_volume:  # the relay writes the kind's files there (``RelayHome``): nothing is made here
+            home = homes.path(profile, cwd)
+            setup = kind_of(profile.kind).setup(home, provider, confined=landlocked)
+        else:
+            home = await homes.home(profile, cwd)
+            setup = await asyncio.to_thread(kind_of(profile.kind).prepare, home, provider, confined=landlocked)
     except OSError as exc:
         raise AgentUnavailable(
             f"agent {profile.name!r}: could not prepare its home for {cwd}: {exc}", agent=profile.name
@@ -72,7 +87,9 @@ async def prepared(
     # has a TMPDIR of its own, which is emptied when that agent ends and never under another one
     # (docs/limits.md#disk).
     tmpdir = home / "tmp" / f"agent-{uuid.uuid4().hex[:16]}"
-    await asyncio.to_thread(safe_fs.makedirs, home, tmpdir)  # no link in the home followed; the home's owner's
+    relay_home = _relay_home(home, setup, tmpdir) if on_volume else None
+    if relay_home is None:
+        await asyncio.to_thread(safe_fs.makedirs, home, tmpdir)  # no link in the home followed; the home's owner's
     tmp_env = {"TMPDIR": str(tmpdir)} | (
         {"CLAUDE_CODE_TMPDIR": str(tmpdir)} if "CLAUDE_CODE_TMPDIR" in setup.env else {}
     )
@@ -103,6 +120,9 @@ async def prepared(
         await asyncio.to_thread(_give_project, settings, Path(cwd), homes.owner)
     await asyncio.to_thread(make_write_paths, settings, profile, homes.owner)
     confined = await asyncio.to_thread(confinement, settings, profile, command, Path(workdir or cwd), home)
+    if confined is not None and relay_home is not None and home not in confined.write:
+        # a grant of a path this host does not have is left out; the home is the volume's, there
+        confined = dataclasses.replace(confined, write=(*confined.write, home))
     args = setup.args
     flag = kind_of(profile.kind).own_port_flag
     if flag and confined is not None and settings.landlock_abi >= landlock.NET_ABI:
@@ -112,7 +132,18 @@ async def prepared(
         confined = dataclasses.replace(
             confined, connect=tuple(sorted({*confined.connect, port})), bind=tuple(sorted({*confined.bind, port}))
         )
-    return Prepared(home, env, command, args, confined, tmpdir, held)
+    return Prepared(home, env, command, args, confined, tmpdir, held, relay_home)
+
+
+def _relay_home(home: Path, setup: AgentSetup, tmpdir: Path) -> RelayHome:
+    """What the relay prepares in ``home`` for this process: ``setup``'s files and folders, relative
+    to it, and its TMPDIR's name."""
+    return RelayHome(
+        str(home),
+        {str(path.relative_to(home)): text for path, text in setup.files.items()},
+        tuple(str(folder.relative_to(home)) for folder in setup.folders),
+        tmpdir.name,
+    )
 
 
 def _take_key(env: dict[str, str], variable: str, api_key: str) -> dict[str, str]:

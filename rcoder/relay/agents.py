@@ -21,8 +21,17 @@ from rcoder.agent.confinement.limits import AgentCgroup, Cgroups, Values
 from rcoder.agent.confinement.sandbox import DEVICES, Confinement, around
 from rcoder.agent.processes.process import AgentProcess
 from rcoder.agent.processes.tree import Trees
-from rcoder.errors import FailedPrecondition, NotFound, OutOfRange, RcoderError
+from rcoder.errors import (
+    AgentUnavailable,
+    FailedPrecondition,
+    NotFound,
+    OutOfRange,
+    RcoderError,
+    Unimplemented,
+    UnsafePath,
+)
 from rcoder.logs import get_logger
+from rcoder.relay.agent_home import AgentHome, Homes
 from rcoder.relay.fencing import STALE_GENERATION, Generations
 from rcoder.relay.frames import FrameBuffer
 
@@ -62,6 +71,7 @@ class AgentSpec:
     limits: Values | None = None
     grants: Grants | None = None  # None: unconfined (still no capability)
     user: tuple[int, int] | None = None
+    home: AgentHome | None = None  # a home this relay prepares, and whose TMPDIR it removes after the exit
 
 
 @dataclass(eq=False)
@@ -85,9 +95,11 @@ class RelayAgent:
         buffer_bytes: int,
         stop_grace: float,
         on_exit: Callable[[RelayAgent], None] = lambda agent: None,
+        home: AgentHome | None = None,
     ) -> None:
         self.agent_id, self.session_id, self.name = agent_id, session_id, name
         self._on_exit = on_exit
+        self._home = home  # prepared by this relay: its TMPDIR removed once the agent has ended
         self.process = process
         self.frames = FrameBuffer(buffer_bytes, self._wake)
         self.stdin_seq = 0  # the last stdin frame written
@@ -201,6 +213,8 @@ class RelayAgent:
         self._wake()
         self._on_exit(self)
         await self.process.aclose()
+        if self._home is not None:
+            await Homes.ended(self._home)
 
     async def _read_stdout(self) -> None:
         """Every line the agent writes becomes a frame (a longer one, pieces of MAX_FRAME), to its end."""
@@ -252,6 +266,7 @@ class Agents:
         keep_exited: int = 64,
         pid_dir: Path | None = None,
         on_exit: Callable[[], None] = lambda: None,
+        homes: Homes | None = None,
     ) -> None:
         self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.processes.leftovers``)
         self._on_exit = on_exit  # told after each agent's exit (the relay's idle watch, rcoder.relay.idle)
@@ -267,6 +282,7 @@ class Agents:
         self._cgroups = cgroups
         self.generations = Generations()
         self._agents: dict[str, RelayAgent] = {}
+        self._homes = homes  # the homes it prepares (docs/relay.md#a-named-volume-per-project); None: none
 
     def get(self, agent_id: str) -> RelayAgent:
         agent = self._agents.get(agent_id)
@@ -286,29 +302,46 @@ class Agents:
     async def spawn(self, session_id: str, generation: int, spec: AgentSpec) -> RelayAgent:
         self._admit(session_id, generation)
         confinement = await asyncio.to_thread(self._confinement, spec.grants) if spec.grants is not None else None
-        process = await AgentProcess.spawn(
-            spec.command,
-            cwd=spec.cwd,
-            env=spec.env,
-            name=spec.name,
-            stderr_tail_bytes=STDERR_TAIL_BYTES,
-            stop_grace=self._stop_grace,
-            pid_dir=self._pid_dir,
-            confinement=confinement,
-            trees=self._trees,
-            user=spec.user,
-        )
+        if spec.home is not None:
+            await self._prepare_home(spec.name, spec.home)
+        try:
+            process = await AgentProcess.spawn(
+                spec.command,
+                cwd=spec.cwd,
+                env=spec.env,
+                name=spec.name,
+                stderr_tail_bytes=STDERR_TAIL_BYTES,
+                stop_grace=self._stop_grace,
+                pid_dir=self._pid_dir,
+                confinement=confinement,
+                trees=self._trees,
+                user=spec.user,
+            )
+        except BaseException:  # no agent ran in its TMPDIR: an empty folder, removed at once
+            if spec.home is not None:
+                await Homes.ended(spec.home)
+            raise
         if self._cgroups is not None and spec.limits is not None:
             # before any stdin reaches it: an agent forks only in answer to a request
             cgroup = await asyncio.to_thread(self._cgroups.place, spec.name, process.pid, spec.limits)
             process.enter(cgroup, self._cgroup_ended)
         agent_id = f"agent-{secrets.token_hex(8)}"
         agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._stop_grace,
-                           self._forget_old)  # fmt: skip
+                           self._forget_old, spec.home)  # fmt: skip
         self._agents[agent.agent_id] = agent
         log.info("relay_agent_spawned", agent_id=agent.agent_id, session_id=session_id, generation=generation,
                  pid=process.pid, confined=confinement is not None)  # fmt: skip
         return agent
+
+    async def _prepare_home(self, agent: str, home: AgentHome) -> None:
+        """``home`` made ready for its agent (``rcoder.relay.agent_home``); ``AgentUnavailable`` when it cannot be."""
+        if self._homes is None:
+            raise Unimplemented(f"agent {agent!r}: spec.home: this relay prepares no agent's home")
+        try:
+            await self._homes.prepare(home)
+        except (OSError, UnsafePath) as exc:
+            raise AgentUnavailable(f"agent {agent!r}: its home {home.path} could not be prepared: {exc}",
+                                   agent=agent) from exc  # fmt: skip
 
     def _forget_old(self, exited: RelayAgent) -> None:
         """``exited`` has exited: the oldest exited agents past ``keep_exited`` are forgotten."""

@@ -5,7 +5,8 @@ agents spawned and attached exactly as the ``relay`` placement does it (``host.H
 What the container holds: the profile's limits as its own (memory with no swap beyond it, processes,
 CPU: each container is one profile's, so they are that profile's exactly), the project's folder and
 the agent's home bound at the paths they have on the host (with ``project_volumes``, the project's
-folder is a named volume of the project mounted at that path instead: ``project_volume``), the profile's
+folder is a named volume of the project mounted at that path instead, ``project_volume``, and the
+profile's home of the project one of its own, ``home_volume``, which the relay prepares), the profile's
 ``write_paths`` read-write and ``read_paths`` read-only at their paths, and the relay's state
 folder, ``<data_dir>/relay-containers/<project>.<profile>``, at ``/run/rcoder-relay``. It runs as
 the agents' uid where the daemon has one (the project and home are theirs already), else as the
@@ -242,8 +243,9 @@ class ContainerHostRelays:
         container's user where they are not theirs yet (the agents' uid has them already, where the
         daemon has one), rcoder's own folders inside them left out. Off the event loop."""
         profile = self._placement.profiles.get(start.name, ProfilePaths())
-        project = "" if self._placement.project_volumes else start.cwd  # a volume's owner is set at its making
-        paths = [project, start.env.get("HOME", ""), start.env.get("TMPDIR", ""), *map(str, profile.write)]
+        paths = [*map(str, profile.write)]
+        if not self._placement.project_volumes:  # a volume's owner is set at its making
+            paths += [start.cwd, start.env.get("HOME", ""), start.env.get("TMPDIR", "")]
         for path in filter(None, paths):
             if Path(path).is_dir() and not ownership.owned_by(Path(path), user):
                 changed = ownership.give(Path(path), user, keep=self._placement.keep)
@@ -268,12 +270,14 @@ class ContainerHostRelays:
             if not start:
                 return None
             start_of = self._store_start(project, store)
-            if not self._placement.project_volumes and not await asyncio.to_thread(Path(start_of.cwd).is_dir):
-                return None  # a volume is made at the project's first call; a host folder is not
-            # made as an agent's start makes it (Homes.home, without its lock: a home made twice at once
-            # is made the same), so that the container binds it for the agents to come
-            home, cwd = Path(start_of.env["HOME"]), Path(start_of.cwd)
-            await asyncio.to_thread(ensure_home, store.homes, home, store.kind, cwd)
+            if not self._placement.project_volumes:
+                if not await asyncio.to_thread(Path(start_of.cwd).is_dir):
+                    return None  # a volume is made at the project's first call; a host folder is not
+                # made as an agent's start makes it (Homes.home, without its lock: a home made twice at once
+                # is made the same), so that the container binds it for the agents to come; a home on a
+                # volume is made with the volume, and prepared by the relay at its first agent
+                home, cwd = Path(start_of.env["HOME"]), Path(start_of.cwd)
+                await asyncio.to_thread(ensure_home, store.homes, home, store.kind, cwd)
             running = await self._running_for(folder, start_of)
             if store.user is None:  # as at an agent's spawn: what the relay writes is the container user's
                 await asyncio.to_thread(self._give, start_of, running.container.launch.user)
@@ -386,10 +390,15 @@ class ContainerHostRelays:
         user = start.user or RELAY_USER
         mounts: tuple[Mount, ...] = ()
         paths = [Bind(start.cwd)]
-        if self._placement.project_volumes:  # the project's files on its volume, at the project's path
+        if self._placement.project_volumes:  # the project's files on its volume, at the project's path;
+            # the profile's home of the project on a volume of its own, at the home's path
+            # (docs/relay.md#a-named-volume-per-project)
             mounts = (Mount(project_volume(self._placement.data_dir, start.project), start.cwd, owner=user),)
+            if "HOME" in start.env:
+                home = home_volume(self._placement.data_dir, start.project, start.name)
+                mounts += (Mount(home, start.env["HOME"], owner=user),)
             paths = []
-        if "HOME" in start.env:
+        elif "HOME" in start.env:
             paths.append(Bind(start.env["HOME"]))
         paths += [Bind(str(p)) for p in profile.write]
         paths += [Bind(str(p), read_only=True) for p in profile.read if p.exists()]
@@ -815,6 +824,15 @@ def project_volume(data_dir: Path, project: str) -> str:
     of the engine's alphabet, unique per ``data_dir`` and project."""
     digest = hashlib.sha256(f"{data_dir}\0{project}".encode()).hexdigest()[:10]
     return f"rcoder-{_UNSAFE.sub('-', project)[:80].strip('-.') or 'project'}-{digest}"
+
+
+def home_volume(data_dir: Path, project: str, profile: str) -> str:
+    """The name of ``profile``'s home of ``project`` on a volume, under a daemon of ``data_dir``:
+    ``rcoder-home-<project>.<profile>-<hash>``. One per project and profile, as the containers are:
+    a container mounts its profile's home alone, and no other kind's is in it."""
+    folder = f"{project}.{profile}"
+    digest = hashlib.sha256(f"{data_dir}\0home\0{folder}".encode()).hexdigest()[:10]
+    return f"rcoder-home-{_UNSAFE.sub('-', folder)[:80].strip('-.') or 'project'}-{digest}"
 
 
 def _container_name(data_dir: Path, folder: str) -> str:

@@ -566,6 +566,10 @@ def _spec(start: RelayedStart) -> pb.StartSpec:
         ))  # fmt: skip
     if start.user is not None:
         spec.user.CopyFrom(pb.User(uid=start.user[0], gid=start.user[1]))
+    if start.home is not None:  # a home on a volume: the relay writes it (docs/relay.md#a-named-volume-per-project)
+        home = start.home
+        files = [pb.HomeFile(path=path, text=text) for path, text in home.files.items()]
+        spec.home.CopyFrom(pb.AgentHome(path=home.path, files=files, folders=list(home.folders), tmpdir=home.tmpdir))
     return spec
 
 

@@ -30,6 +30,7 @@ from rcoder.agent.processes.tree import MARK, Trees
 from rcoder.data_lock import DataDirLock
 from rcoder.errors import ConfigError, DataDirInUse, ListenFailed
 from rcoder.logs import get_logger
+from rcoder.relay.agent_home import Homes
 from rcoder.relay.agents import Agents
 from rcoder.relay.endpoint import ADDRESS_FILE, MAX_MESSAGE_BYTES, SOCKET_FILE, socket_target
 from rcoder.relay.idle import IdleWatch
@@ -146,8 +147,9 @@ async def serve(options: RelayOptions) -> int:
     hidden = [folder, *(p for p in (options.tls_cert, options.tls_key) if p)]
     # a relay no daemon needs any more stops itself (--idle-exit): no agent, no call, for that long
     idle = IdleWatch(options.idle_exit, lambda: agents.busy())
+    # the agents' homes it prepares where the daemon does not reach them (docs/relay.md#a-named-volume-per-project)
     agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited, pid_dir,
-                    on_exit=idle.changed)  # fmt: skip
+                    on_exit=idle.changed, homes=Homes())  # fmt: skip
     server = grpc.aio.server(
         interceptors=[SecretCheck(secret), idle],
         options=[

@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 from rcoder import errors
 from rcoder.agent.confinement.limits import Values
 from rcoder.logs import get_logger
+from rcoder.relay.agent_home import AgentHome
 from rcoder.relay.agents import SIGNALS, Agents, AgentSpec, Attachment, AttachTakenOver, Grants, RelayAgent
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
@@ -255,4 +256,26 @@ def spec_of(spec: pb.StartSpec) -> AgentSpec:
         grants = Grants(tuple(given_grants.read_paths), tuple(given_grants.write_paths), connect, bind)
     user = (spec.user.uid, spec.user.gid) if spec.HasField("user") else None
     name = spec.name or Path(program).name
-    return AgentSpec(name, tuple(spec.command), dict(spec.env), spec.cwd, limits, grants, user)
+    home = home_of(spec.home) if spec.HasField("home") else None
+    return AgentSpec(name, tuple(spec.command), dict(spec.env), spec.cwd, limits, grants, user, home)
+
+
+def home_of(home: pb.AgentHome) -> AgentHome:
+    """The home ``home`` describes, checked: an absolute path, and every path in it relative and
+    beneath it; ``InvalidArgument`` naming the field that is not."""
+    if not os.path.isabs(home.path) or ".." in Path(home.path).parts:
+        raise errors.InvalidArgument("spec.home.path", f"{home.path!r}: the home, an absolute path")
+    files = {_beneath("spec.home.files.path", file.path): file.text for file in home.files}
+    folders = tuple(_beneath("spec.home.folders", folder) for folder in home.folders)
+    if not home.tmpdir or "/" in home.tmpdir or home.tmpdir in (".", ".."):
+        raise errors.InvalidArgument("spec.home.tmpdir", f"{home.tmpdir!r}: the agent's TMPDIR's name in the "
+                                     "home's tmp/, one path component")  # fmt: skip
+    return AgentHome(Path(os.path.normpath(home.path)), files, folders, home.tmpdir)
+
+
+def _beneath(field: str, path: str) -> str:
+    """``path``, checked to be relative and to stay beneath the home."""
+    parts = Path(path).parts
+    if not parts or os.path.isabs(path) or ".." in parts or parts == (".",):
+        raise errors.InvalidArgument(field, f"{path!r}: a path relative to the home, beneath it")
+    return os.path.normpath(path)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from rcoder.agent.prepare import prepared
 from rcoder.agent.profiles.homes import HOME_MARK, LAYOUT_MARK, SHARED, Homes, ensure_home, set_aside
 from rcoder.config import AgentProfile, load_settings
+from rcoder.domain import ModelProvider
 from tests.conftest import base_settings
 from tests.harness import write_config
 
@@ -178,3 +180,32 @@ async def test_the_home_of_a_working_directory_is_its_projects(tmp_path: Path) -
     assert (home / "tmp").is_dir() and (home / HOME_MARK).is_file()
     outside = homes.project_of(str(tmp_path / "elsewhere"))
     assert outside.startswith("@cwd-"), "no project id has an @: never another project's home"
+
+
+async def test_a_home_on_a_volume_is_described_for_its_relay_and_nothing_of_it_is_made_on_this_host(
+    tmp_path: Path,
+) -> None:
+    """docs/relay.md#a-named-volume-per-project: with ``containers.project_volumes`` a container
+    profile's home is its relay's to write: the daemon sends the kind's files, folders and the
+    agent's TMPDIR's name, grants the home, and makes nothing of it here; the key stays in the env."""
+    key = "sk-volume-0123456789"
+    profile = {"command": "/opt/agent/bin/agent", "placement": "container", "kind": "opencode", "model_api_key": key}
+    top = {**base_settings(tmp_path), "default_agent": "boxed", "container_project_volumes": True}
+    settings = load_settings(write_config(tmp_path / "rcoder.toml", {"boxed": profile}, **top), {}, landlock_abi=4)
+    project = tmp_path / "workspace" / "proj"
+    project.mkdir(parents=True)
+
+    ready = await prepared(settings, Homes(settings), settings.agents["boxed"], str(project.resolve()), ModelProvider())
+
+    home = (tmp_path / "data" / "agents" / "boxed" / "proj").resolve()
+    assert ready.home == home and not (tmp_path / "data" / "agents").exists()
+    assert ready.relay_home is not None and ready.relay_home.path == str(home)
+    config = ".config/opencode"
+    assert sorted(ready.relay_home.files) == [
+        f"{config}/{n}" for n in ("opencode.json", "package-lock.json", "package.json")
+    ]
+    assert f"{config}/node_modules" in ready.relay_home.folders and ".local/share" in ready.relay_home.folders
+    assert ready.env["HOME"] == str(home) and ready.env["TMPDIR"] == str(home / "tmp" / ready.relay_home.tmpdir)
+    assert not any(key in text for text in ready.relay_home.files.values()), "the key is in no file"
+    assert key in ready.env.values(), "the key travels in the agent's environment, as before"
+    assert ready.confinement is not None and home in ready.confinement.write, "its grant, though not on this host"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ from rcoder.relay.container_host import (
     ContainerHostRelays,
     ContainerPlacement,
     StoreProfile,
+    home_volume,
     project_volume,
 )
 from rcoder.relay.engine_api import Engine
@@ -534,16 +536,23 @@ async def test_a_container_projects_files_and_checkpoints_are_done_by_its_contai
     assert not await asyncio.to_thread(relay_events_in, engine, row["Id"], "relay_checkpoint_git_unconfined")
 
 
-async def test_a_projects_files_on_its_volume_are_written_read_snapshotted_and_rewound_never_on_the_hosts_disk(
+async def test_a_projects_files_and_its_agents_home_on_volumes_are_never_on_the_hosts_disk(
     make_daemon: DaemonFactory, containers_removed: None, engine: Engine, image: str, tmp_path: Path
 ) -> None:
     """docs/relay.md#a-named-volume-per-project: with ``containers.project_volumes``, a file written
     through the API lands on the project's volume (made at that first call, before any agent), the
     agent in the container reads it there, the turn's snapshots and a rewind are the container
-    relay's, and the project's folder on this host never holds a file of it."""
+    relay's, and the project's folder on this host never holds a file of it. The profile's home of
+    the project is a volume of its own: the relay writes the kind's config file there before the
+    agent starts (no key in it), makes the agent's TMPDIR there and removes it after its exit, and
+    sweeps what earlier agents left in its ``tmp/``; what the agent writes in its HOME is on that
+    volume, and nothing of the home is on this host."""
     boxed = FakeAgentSetup(tmp_path / "boxed")
-    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container")}
+    # the gemini kind: a config file in the home (.gemini/settings.json), the key in the agent's env only
+    profiles = {"boxed": boxed.profile(command=PYTHON, placement="container", kind="gemini", model_api_key=KEY)}
     volume = project_volume(tmp_path / "data", "proj")
+    homes = tmp_path / "data" / "agents" / "boxed"
+    home_path, home_name = homes / "proj", home_volume(tmp_path / "data", "proj", "boxed")
     try:
         daemon, client = await make_daemon(profiles, container_project_volumes=True, **settings_of(engine, image))
         chunk = pb.WriteFileChunk(project_id="proj", path="notes.txt", data=b"from the api\n", mode=0o644)
@@ -554,13 +563,39 @@ async def test_a_projects_files_on_its_volume_are_written_read_snapshotted_and_r
         assert made is not None
         assert made["Labels"] == {"dev.rcoder.relay": volume, DATA_DIR_LABEL: str(tmp_path / "data")}
         assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+        # the home's volume is made with the container; what a killed relay's agent left in its tmp/
+        home_made = await asyncio.to_thread(engine.inspect_volume, home_name)
+        assert home_made is not None
+        home = Path(home_made["Mountpoint"])
+        left = home / "tmp" / "agent-left-by-a-killed-relay"
+        left.mkdir(parents=True)
+        (left / "scratch").write_text("old")
+        for path in (home / "tmp", left, left / "scratch"):
+            os.chown(path, int(CONTAINER_UID), int(CONTAINER_UID))
 
-        turn = "shell grep -q 'from the api' notes.txt\nshell echo made here > added.txt\nhello"
+        turn = (
+            "shell grep -q 'from the api' notes.txt\nshell echo made here > added.txt\n"
+            'shell grep -q enableAutoUpdate "$HOME/.gemini/settings.json"\n'
+            'shell echo mine > "$HOME/written.txt"\nshell test -d "$TMPDIR"\nhello'
+        )
         events = await client.chat(prompt=turn, project_id="proj")
         end = completed(events)
         assert end.stop_reason == pb.STOP_REASON_END_TURN, end.error
-        assert "shell=exit 0 shell=exit 0" in text_of(events), "the agent read the file WriteFile put on the volume"
+        assert "shell=exit 0 " * 4 + "shell=exit 0" in text_of(events), (
+            "the agent read the file WriteFile put on the volume, its kind's config file in its home, and "
+            "wrote its home and TMPDIR"
+        )
         assert [(c.path, c.kind) for c in end.changes] == [("added.txt", pb.FILE_CHANGE_KIND_ADDED)]
+        # the agent's home is the volume's: what it wrote, the kind's file (0600, no key), its TMPDIR
+        assert (home / "written.txt").read_text() == "mine\n"
+        settings = home / ".gemini" / "settings.json"
+        assert json.loads(settings.read_text())["general"]["enableAutoUpdate"] is False
+        assert mode_and_owner(settings) == (0o600, int(CONTAINER_UID))
+        assert mode_and_owner(home) == (0o700, int(CONTAINER_UID))
+        assert files_holding(home, KEY) == []
+        (own_tmp,) = names_in(home / "tmp")
+        assert own_tmp.startswith("agent-") and own_tmp != left.name, "the relay swept the old one, made its own"
+        assert not homes.exists(), "nothing of the home on this host"
         read = [c async for c in client.stub.ReadFile(pb.ReadFileRequest(project_id="proj", path="added.txt"))]
         assert b"".join(c.data for c in read) == b"made here\n"
         session_id, run_id = events[0].session_id, events[0].run_id
@@ -576,31 +611,51 @@ async def test_a_projects_files_on_its_volume_are_written_read_snapshotted_and_r
         assert inspected is not None
         mounts = {m["Destination"]: m for m in inspected["Mounts"]}
         assert (mounts[str(root)]["Type"], mounts[str(root)]["Name"]) == ("volume", volume)
+        assert (mounts[str(home_path)]["Type"], mounts[str(home_path)]["Name"]) == ("volume", home_name)
         calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
         assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1, calls
 
-        # the project's last session deleted: its store goes (the relay's), its files stay on the volume
+        # the project's last session deleted: its store goes (the relay's), its files stay on the volume;
+        # its agent ended, the relay removes the agent's TMPDIR
         store = tmp_path / "data" / "relay-containers" / "proj.boxed" / "checkpoints" / "proj.git"
         assert store.is_dir()
         await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id))
         assert not store.exists()
         assert (await asyncio.to_thread(relay_calls_in, engine, row["Id"])).get("RemoveStore") == 1
         assert names_in(Path(made["Mountpoint"])) == ["notes.txt"]
+        # the agent's own copy of a conversation is in its home, which the daemon does not reach: said
+        again = await client.chat(prompt="hello", project_id="proj")
+        assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+        deleted = await client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=again[0].session_id))
+        assert any(f"home {home_path} is on a volume" in why for why in deleted.left), deleted.left
+        await eventually(lambda: names_in(home / "tmp") == [], timeout=30)
 
-        # a daemon's stop removes the container and keeps the volume, with the project's files
+        # a daemon's stop removes the container and keeps the volumes, with the project's files and the home
         await daemon.stop()
         assert await asyncio.to_thread(labelled, engine, tmp_path / "data") == []
         kept = await asyncio.to_thread(engine.inspect_volume, volume)
         assert kept is not None and (Path(kept["Mountpoint"]) / "notes.txt").read_bytes() == b"from the api\n"
+        assert (home / "written.txt").read_text() == "mine\n"
+        assert not homes.exists()
     finally:
         for row in await asyncio.to_thread(labelled, engine, tmp_path / "data"):
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(engine.remove_container, row["Id"])
         await asyncio.to_thread(engine.remove_volume, volume)
+        await asyncio.to_thread(engine.remove_volume, home_name)
 
 
 def names_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
+
+
+def mode_and_owner(path: Path) -> tuple[int, int]:
+    found = path.stat()
+    return found.st_mode & 0o777, found.st_uid
+
+
+def files_holding(folder: Path, text: str) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and text in p.read_text(errors="replace")]
 
 
 @pytest.mark.fast

@@ -9,6 +9,7 @@ by the daemon and passed to the launcher. What a spawn gives back is a ``Child``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +22,19 @@ from rcoder.agent.processes.process import Child
 # session name of its own. A relay takes 1 or more (docs/relay.md#fencing); an agent started for a
 # session is spawned, attached and signalled with its session's lease generation.
 RELAY_GENERATION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RelayHome:
+    """An agent's home its relay prepares, where the home is on a volume the daemon does not reach
+    (docs/relay.md#a-named-volume-per-project): the kind's files and folders, relative to the home,
+    and the agent's own TMPDIR's name in its ``tmp/``, which the relay makes, removes after the
+    agent's exit, and sweeps (with the rest of ``tmp/``) at the home's first agent in its life."""
+
+    path: str  # the home (the agent's HOME), absolute
+    files: Mapping[str, str]  # relative path: text
+    folders: tuple[str, ...]  # relative paths
+    tmpdir: str  # one path component
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +52,7 @@ class RelayedStart:
     limits: Values | None
     user: tuple[int, int] | None
     generation: int = RELAY_GENERATION
+    home: RelayHome | None = None  # None: the home is this host's, made and cleaned by the daemon
 
 
 @dataclass(frozen=True, slots=True)

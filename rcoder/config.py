@@ -417,6 +417,14 @@ class SettingsKeys(_Schema):
     container_network: str = "none"
     """the engine network a relay's container joins: "none" (loopback only) or a network's name
     (never "host"); with [relays] listen_host, its relay serves TCP with TLS at its address there"""
+    # where other machines reach a container's relay (docs/relay.md#published-on-the-host): a port of
+    # this host's the engine forwards to it, since its address on the engine's network is this machine's
+    # alone
+    container_publish_host: str = ""
+    """the address other machines reach this host at (e.g. "10.0.0.5"): each relay's container
+    serving TCP has its relay's port published on this host, on a port the engine picks, and a turn
+    there is reached at this address and that port; "": at the container's address on its network,
+    which only this machine reaches. Needs [relays] listen_host and a network; see Relay"""
     container_project_volumes: bool = False
     """each project's files on a named volume of the project, mounted in its containers at the
     project's path, never on this host's disk (every profile then placement = "container", the
@@ -425,8 +433,8 @@ class SettingsKeys(_Schema):
     # reach them at, and the key their secrets are derived from (the same on every host of a store)
     relays_listen_host: str = ""
     """the address each relay also serves TCP with TLS on, which other hosts reach (e.g. "10.0.0.5");
-    "": its unix socket only. A relay's container on a network serves TCP at its own address. Needs
-    key_file; see Relay"""
+    "": its unix socket only. A relay's container on a network serves TCP at its own address (or at a
+    port of this host: [containers] publish_host). Needs key_file; see Relay"""
     relays_key_file: OptionalConfigPath = ""
     """a file of at least 32 random bytes, the same on every host of a store (mode 0600, owned by the
     daemon's user): each relay's secret is derived from it; needed to take over another host's turn
@@ -652,6 +660,21 @@ def _check_containers(settings: Settings) -> None:
     socket = settings.container_engine_socket
     if socket and not socket.startswith("/"):
         raise ConfigError(settings.key_name("container_engine_socket"), f"{socket!r}: the socket's absolute path")
+    publish = settings.container_publish_host
+    if publish:
+        key = settings.key_name("container_publish_host")
+        if not _ip_or_host_name(publish):
+            raise ConfigError(key, f"{publish!r}: an IP address or a host name other machines reach this host at, "
+                              "with no port (the engine picks the port)")  # fmt: skip
+        if not settings.relays_listen_host:
+            listen = settings.key_name("relays_listen_host")
+            raise ConfigError(key, f"{key} = {publish!r} publishes a container's relay that serves TCP, which it does "
+                              f"only with {listen} (and {settings.key_name('relays_key_file')}) set: set them, or "
+                              f"leave {key} unset")  # fmt: skip
+        if network == "none":
+            raise ConfigError(key, f"{key} = {publish!r} needs {settings.key_name('container_network')}: with \"none\" "
+                              "a container has no port to publish; name an engine network (podman's \"podman\", "
+                              "Docker's \"bridge\"), or leave it unset")  # fmt: skip
     if settings.container_project_volumes:
         # a profile run on this host would find an empty project folder: the files are on the volume
         key = settings.key_name("container_project_volumes")

@@ -80,6 +80,7 @@ GROUPS: Mapping[str, Mapping[str, str]] = {
         "engine_socket": "container_engine_socket",
         "image": "container_image",
         "network": "container_network",
+        "publish_host": "container_publish_host",
         "project_volumes": "container_project_volumes",
     },
     "relays": {"listen_host": "relays_listen_host", "key_file": "relays_key_file", "idle_exit": "relays_idle_exit"},

@@ -148,12 +148,14 @@ class Daemon:
                                  held_elsewhere=self.store.sessions_held_elsewhere,
                                  idle_exit=settings.relays_idle_exit)  # fmt: skip
         # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers);
-        # over TCP too with [relays] listen_host and a container network (docs/relay.md#re-attach)
+        # over TCP too with [relays] listen_host and a container network (docs/relay.md#re-attach), its port
+        # published on this host for other machines with [containers] publish_host (docs/relay.md#published-on-the-host)
         placement = ContainerPlacement(
             settings.data_dir, container_image(settings), settings.container_network,
             {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},
             tuple(sandbox.protected(settings)), store_profile(settings), settings.container_project_volumes,
             serve_tcp=bool(settings.relays_listen_host), relay_key=relays_key,
+            publish_host=settings.container_publish_host,
         )  # fmt: skip
         engine = Engine(container_engine_socket(settings))
         # a container another host's running turn names (a turn taken over) is never removed here

@@ -87,3 +87,45 @@ def test_a_relays_secret_is_the_same_for_the_same_key_and_differs_otherwise() ->
     assert relay_secret(one, "r1") == relay_secret(one, "r1")
     assert len({relay_secret(one, "r1"), relay_secret(one, "r2"), relay_secret(other, "r1")}) == 3
     assert len(relay_secret(one, "r1")) == 43 and "=" not in relay_secret(one, "r1")
+
+
+# [containers] publish_host: a container's relay published on this host for other machines
+# (docs/relay.md#published-on-the-host); refused at load where it could publish nothing
+SERVING = '[relays]\nlisten_host = "10.0.0.5"\nkey_file = "relay.key"\n'
+
+
+def test_publish_host_with_tcp_and_a_network_loads(tmp_path: Path) -> None:
+    relay_key_file(tmp_path / "relay.key")
+    (tmp_path / "rcoder.toml").write_text(f'[containers]\nnetwork = "podman"\npublish_host = "10.0.0.5"\n{SERVING}')
+    assert load_settings(tmp_path / "rcoder.toml", {}).container_publish_host == "10.0.0.5"
+
+
+def test_publish_host_without_listen_host_is_refused_naming_both(tmp_path: Path) -> None:
+    error = config_error(tmp_path, '[containers]\nnetwork = "podman"\npublish_host = "10.0.0.5"\n')
+    assert error.key == "containers.publish_host", error.problems
+    assert "only with relays.listen_host (and relays.key_file) set" in error.problems[0][1], error.problems
+
+
+def test_publish_host_without_a_key_file_is_refused_naming_it(tmp_path: Path) -> None:
+    text = '[containers]\nnetwork = "podman"\npublish_host = "10.0.0.5"\n[relays]\nlisten_host = "10.0.0.5"\n'
+    error = config_error(tmp_path, text)
+    assert error.key == "relays.key_file", error.problems
+
+
+def test_publish_host_with_no_network_is_refused_naming_the_network(tmp_path: Path) -> None:
+    relay_key_file(tmp_path / "relay.key")
+    error = config_error(tmp_path, f'[containers]\npublish_host = "10.0.0.5"\n{SERVING}')
+    assert error.key == "containers.publish_host", error.problems
+    assert "needs containers.network" in error.problems[0][1] and "no port to publish" in error.problems[0][1]
+
+
+@pytest.mark.parametrize("host", ["10.0.0.5:7443", "a host", ""])
+def test_a_publish_host_that_is_no_host_is_refused(tmp_path: Path, host: str) -> None:
+    relay_key_file(tmp_path / "relay.key")
+    if not host:  # "" is unset: it loads
+        (tmp_path / "rcoder.toml").write_text(f'[containers]\nnetwork = "podman"\npublish_host = ""\n{SERVING}')
+        assert load_settings(tmp_path / "rcoder.toml", {}).container_publish_host == ""
+        return
+    error = config_error(tmp_path, f'[containers]\nnetwork = "podman"\npublish_host = "{host}"\n{SERVING}')
+    assert error.key == "containers.publish_host", error.problems
+    assert "no port" in error.problems[0][1]

@@ -43,6 +43,7 @@ NOT_DEFAULTS: dict[str, Any] = {
     "container_image": "localhost/rcoder:latest",
     "container_network": "rcoder-agents",
     "relays_listen_host": "10.0.0.5",
+    "container_publish_host": "10.0.0.5",
     "relays_key_file": "relay.key",  # made by the test that reads it (tests/test_config_relays.py)
     "container_project_volumes": True,
 }

@@ -43,10 +43,11 @@ container").
 With ``[relays] listen_host`` and a network (``containers.network`` not "none"), each container's
 relay serves TCP with TLS at the container's address too (``RELAY_PORT``), its secret derived from
 the hosts' key and a certificate naming its relay_id, written in its state folder before the start
-(``_tcp_files``); the turns' rows store that address. Another host takes such a turn over there
-(``_reached_over_tcp``), the state folder unused, the engine asked only for the container's init
-(its OOM count) and its removal, and done without when it has not the container
-(docs/relay.md#re-attach, "Over TCP, in a container").
+(``_tcp_files``); the turns' rows store that address, or, with ``[containers] publish_host``, that
+host and the port of it the engine published the relay's on (``container_reach``), which other
+machines reach. Another host takes such a turn over there (``_reached_over_tcp``), the state folder
+unused, the engine asked only for the container's init (its OOM count) and its removal, and done
+without when it has not the container (docs/relay.md#re-attach, "Over TCP, in a container").
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from rcoder.agent.processes.relayed import FoundAgent, RelayedChild, RelayedStar
 from rcoder.agent.profiles.homes import ensure_home
 from rcoder.logs import get_logger
 from rcoder.relay import host
+from rcoder.relay.container_reach import RELAY_PORT, publication, reach, reach_in
 from rcoder.relay.containers import (
     LABEL,
     RELAY_USER,
@@ -95,10 +97,6 @@ DATA_DIR_LABEL = "dev.rcoder.data_dir"  # the daemon's data_dir: a daemon remove
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 _ADOPT_TIMEOUT = 10.0  # a found container's relay answering its first call, at the daemon's start
 _LIMIT_CHECK_TIMEOUT = 10.0  # reading an ended container's state from the engine, at an agent's exit
-# the port a container's relay serves TCP on (docs/relay.md#re-attach, "Over TCP, in a container"):
-# in the container's own network namespace, so the same in every container; other hosts reach it at
-# the container's address
-RELAY_PORT = 7443
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +142,9 @@ class ContainerPlacement:
     # the key a turn taken over is reached with
     serve_tcp: bool = False
     relay_key: bytes | None = None
+    # ``[containers] publish_host``: each relay's port published on this host, reached at this
+    # address by other machines (docs/relay.md#published-on-the-host); "": at the container's own
+    publish_host: str = ""
 
     @property
     def tcp(self) -> bool:
@@ -323,7 +324,9 @@ class ContainerHostRelays:
             return running
 
     async def _start(self, folder: str, start: RelayedStart) -> _Running:
-        launch = self._launch(folder, start)
+        # its relay's port published on this host where other machines reach it (``container_reach``)
+        published = publication(self._placement.publish_host) if self._placement.tcp else ()
+        launch = dataclasses.replace(self._launch(folder, start), published=published)
         made = await asyncio.to_thread(self._tcp_files, launch) if self._placement.tcp else None
         container = await self._containers.start(launch)
         try:
@@ -341,7 +344,7 @@ class ContainerHostRelays:
             raise
         relay = self._host.connect(launch.state_dir, init_pid, container.secret)
         if made is not None:
-            relay.tcp = _reach(state or {}, self._placement.network, *made)
+            relay.tcp = reach(state or {}, self._placement.network, self._placement.publish_host, *made)
         log.info("relay_container_placed", agent=start.name, project=start.project, name=launch.name,
                  container_id=container.container_id[:12], init_pid=init_pid, user=f"{launch.user[0]}",
                  memory_max=launch.limits.memory_max if launch.limits else 0,
@@ -642,7 +645,8 @@ class ContainerHostRelays:
             container = RelayContainer(launch, ident, state_dir / SOCKET_FILE, secret)
             relay = self._host.connect(state_dir, init_pid, secret)
             if "--listen" in launch.command:  # it serves TCP: where other hosts reach it, for the turns' rows
-                relay.tcp = await asyncio.to_thread(_reach_in, state_dir, state, self._placement.network)
+                relay.tcp = await asyncio.to_thread(reach_in, state_dir, state, self._placement.network,
+                                                    self._placement.publish_host)  # fmt: skip
             try:
                 await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=_ADOPT_TIMEOUT)
             except BaseException:
@@ -839,27 +843,3 @@ def _container_name(data_dir: Path, folder: str) -> str:
     """A name of the engine's alphabet, readable, and unique per ``data_dir`` and folder."""
     digest = hashlib.sha256(f"{data_dir}\0{folder}".encode()).hexdigest()[:10]
     return f"rcoder-relay-{_UNSAFE.sub('-', folder)[:80].strip('-.') or 'project'}-{digest}"
-
-
-def _reach(state: Mapping[str, Any], network: str, relay_id: str, cert: str) -> TcpReach | None:
-    """Where other hosts reach a container's relay over TCP: its address on ``network`` (from the
-    engine's inspect), the relay's port; None (said) when the engine gave it none."""
-    networks: dict[str, Any] = dict((state.get("NetworkSettings") or {}).get("Networks") or {})
-    ours = networks.get(network) or next(iter(networks.values()), None) or {}
-    address = str(ours.get("IPAddress") or "")
-    if not address:
-        log.warning("relay_container_no_address", network=network,
-                    effect="its turns are not taken over over TCP by another host")  # fmt: skip
-        return None
-    host_part = f"[{address}]" if ":" in address else address
-    return TcpReach(f"{host_part}:{RELAY_PORT}", relay_id, cert)
-
-
-def _reach_in(state_dir: Path, state: Mapping[str, Any], network: str) -> TcpReach | None:
-    """``_reach`` of a running container, its relay_id and certificate read back from its state folder."""
-    try:
-        relay_id = (state_dir / RELAY_ID_FILE).read_text().strip()
-        cert = (state_dir / TLS_CERT_FILE).read_text()
-    except OSError:
-        return None
-    return _reach(state, network, relay_id, cert) if relay_id else None

@@ -78,6 +78,16 @@ class Bind:
 
 
 @dataclass(frozen=True, slots=True)
+class Published:
+    """A TCP port of the container published on the engine's host (a Service's port, in a pod's
+    world): the engine forwards a port of the host to it, the host's port its own pick (read back
+    from the container's inspect, ``NetworkSettings.Ports``), so that no two containers' ports clash."""
+
+    port: int  # the container's
+    host_ip: str = ""  # the host's address the engine binds it on; "": every address of the host
+
+
+@dataclass(frozen=True, slots=True)
 class RelayLaunch:
     """One relay's container, as the engine is asked for it."""
 
@@ -92,6 +102,7 @@ class RelayLaunch:
     labels: Mapping[str, str] = field(default_factory=dict)
     binds: tuple[Bind, ...] = ()  # never from a spec (named volumes only): the daemon's own placement
     user: tuple[int, int] = RELAY_USER  # a uid of the container's, never root
+    published: tuple[Published, ...] = ()  # never from a spec: the daemon's placement, on a network
 
     @classmethod
     def from_spec(cls, name: str, spec: pb.StartSpec, state_dir: Path, network: str = "none") -> RelayLaunch:
@@ -143,6 +154,8 @@ class RelayLaunch:
             "NetworkMode": self.network,
             "RestartPolicy": {"Name": "no"},
         }
+        if self.published:  # HostPort "": the engine's pick (Docker's and podman's compatible API alike)
+            host["PortBindings"] = {f"{p.port}/tcp": [{"HostIp": p.host_ip, "HostPort": ""}] for p in self.published}
         if self.limits is not None:
             if self.limits.memory_max:
                 host["Memory"] = host["MemorySwap"] = self.limits.memory_max  # no swap beyond it
@@ -150,7 +163,7 @@ class RelayLaunch:
                 host["PidsLimit"] = self.limits.pids_max
             if self.limits.cpu_max:
                 host["NanoCpus"] = int(self.limits.cpu_max * 1e9)
-        return {
+        body: dict[str, Any] = {
             "Image": self.image,
             "Cmd": list(self.command),
             "User": f"{self.user[0]}:{self.user[1]}",
@@ -160,6 +173,9 @@ class RelayLaunch:
             "Healthcheck": {"Test": ["NONE"]},  # the image's is the daemon's (`rcoder health`), not a relay's
             "HostConfig": host,
         }
+        if self.published:
+            body["ExposedPorts"] = {f"{p.port}/tcp": {} for p in self.published}
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,3 +239,59 @@ async def test_a_killed_hosts_turn_in_a_container_on_a_network_is_taken_over_ove
         (reattached,) = b.daemon.logs("agent_reattached")
         assert (reattached["placement"], reattached["container_id"]) == ("container", container_id)
         await the_rest(hosts, seen, chunks)
+
+
+async def test_a_killed_hosts_turn_in_a_container_published_on_its_host_is_taken_over_by_a_host_without_its_engine(
+    make_hosts: MakeHosts,
+    engine: Engine,  # noqa: F811 - the fixture imported above
+    image: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # host A publishes its containers' relays on its host ([containers] publish_host, 127.0.0.1 here:
+    # the tests' loopback standing for the address other machines reach A at), on a port the engine
+    # picks. Host B stands for another machine: no folder of A's (A's state folder is made unusable),
+    # no engine of A's (B's engine socket is not there), and the store's address for the turn is A's
+    # host and the published port, not the container's address on the engine's network, which only
+    # A's machine reaches. B takes the turn over there with the same key and the pinned certificate:
+    # END_TURN, every chunk once. What B cannot do without A's engine is said: the container is left
+    # to A when B's agent in it ends (B's stop)
+    key = relay_key(tmp_path / "relay.key")
+    chunks, gate = 60, "gate"
+    each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key), "container_network": "podman",
+                  "container_publish_host": "127.0.0.1"},
+            "b": {"relays_key_file": str(key),
+                  "container_engine_socket": str(tmp_path / "no-engine.sock")}}  # fmt: skip
+    async with container_hosts(make_hosts, engine, image) as hosts:
+        container_id, call, seen = await streaming_in_a_container(
+            hosts, engine, chunks, each, more=f" hold {SEEN + 5} gate {gate}"
+        )
+        state = await asyncio.to_thread(engine.inspect_container, container_id)
+        assert state is not None
+        (published,) = state["NetworkSettings"]["Ports"]["7443/tcp"]
+        on_network = state["NetworkSettings"]["Networks"]["podman"]["IPAddress"]
+        assert published["HostIp"] == "127.0.0.1" and published["HostPort"] not in ("", "0", "7443"), published
+        address = f"127.0.0.1:{published['HostPort']}"
+        (placed,) = hosts["a"].daemon.logs("relay_container_placed")
+        assert placed["address"] == address, (placed["address"], "the container's own address:", on_network)
+        folder = hosts.root / "data-a" / "relay-containers" / "proj.fake"
+        (folder / "relay.sock").unlink()
+        (folder / "secret").unlink()
+        await hosts["a"].daemon.kill()  # SIGKILL mid-turn: its container, relay and agent go on
+        call.cancel()
+        await hosts["a"].client.channel.close()
+
+        b = hosts["b"]
+        (taken,) = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+        assert (taken["run_id"], taken["address"]) == (seen[0].run_id, address), taken
+        (reached,) = b.daemon.logs("relay_reached_over_tcp")
+        assert reached["address"] == address, reached
+        (over,) = b.daemon.logs("relay_container_taken_over")
+        assert (over["address"], over["engine"]) == (address, False), over
+        assert b.daemon.logs("relay_container_engine_unknown"), "B has no engine: said"
+        await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
+        await the_rest(hosts, seen, chunks)
+
+        await b.daemon.stop()  # B's agent in A's container ended: the container is A's to remove
+        (left,) = b.daemon.logs("relay_container_left")
+        assert "its host removes it" in left["effect"], left
+        assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, hosts.root / "data-a")] == [container_id]

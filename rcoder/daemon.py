@@ -258,7 +258,7 @@ class Daemon:
         usage = UsageWriter(store, clock)
         # A turn's steps: opening its session, its records in the store, its end, the agent's
         # permission requests.
-        records = TurnRecords(store, pool, clock)
+        records = TurnRecords(store, pool, clock, self.leases)
         steps = TurnSteps(
             opener=SessionOpener(settings, store, pool, metrics, live, clock),
             records=records,

@@ -69,7 +69,9 @@ START_TIMEOUT = 30.0  # a relay's start, its Python import included, on a loaded
 STOP_TIMEOUT = 15.0  # a relay's stop: its agents' grace twice (stdin, SIGTERM), then it exits
 _POLL = 0.02  # how often a starting relay's socket is tried
 SPAWN_TIMEOUT = 30.0
-_LIST_AT_STOP = 5.0  # a relay listing its agents at the daemon's stop (is another host's agent in it?)
+# a relay found at the daemon's start or met at its stop, reached and listing its agents (is another
+# host's agent in it?): one that does not answer within it is stopped as before hosts shared relays
+_LIST_FOUND = 5.0
 _EXIT_WAIT = 5.0  # a relay grpc already refuses calls of, exiting (it stopped itself: ``_stopped_itself``)
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
@@ -239,7 +241,11 @@ class HostRelays:
         if pid is None:
             return None
         relay = self._connect(folder, pid)
-        await self._ready(relay, lambda: _alive(pid))
+        try:
+            await self._ready(relay, lambda: _alive(pid))
+        except BaseException:  # gone, silent, or its caller's bound passed: its channel goes too
+            await relay.channel.close()
+            raise
         relay.tcp = await asyncio.to_thread(_tcp_of, folder)
         log.info("relay_reused", state_dir=str(folder), pid=pid, address=relay.tcp.address if relay.tcp else None)
         return relay
@@ -397,18 +403,22 @@ class HostRelays:
         return sum(ended)
 
     async def _listed(self, folder: Path, pid: int) -> tuple[_Relay | None, list[pb.Agent] | None]:
-        """The relay of ``folder`` connected, and its agents; None for what could not be had."""
+        """The relay of ``folder`` connected, and its agents; None for what could not be had within
+        ``_LIST_FOUND`` (a daemon's start is not held up for a relay that does not answer)."""
+        relay = None
         try:
-            relay = await self._found(folder)
-        except (OSError, TimeoutError) as exc:
-            log.warning("relayed_agents_not_listed", state_dir=str(folder), pid=pid, error=str(exc)[:300])
-            return None, None
-        if relay is None:
-            return None, None
-        try:
-            answer = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata, timeout=SPAWN_TIMEOUT)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("relayed_agents_not_listed", state_dir=str(folder), pid=pid, error=str(exc)[:300])
+            async with asyncio.timeout(_LIST_FOUND):
+                relay = await self._found(folder)
+                if relay is None:
+                    return None, None
+                answer = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata)
+        except (OSError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            log.warning(
+                "relayed_agents_not_listed",
+                state_dir=str(folder),
+                pid=pid,
+                error=str(exc)[:300] or f"no answer within {_LIST_FOUND:g} s",
+            )
             return relay, None
         return relay, list(answer.agents)
 
@@ -421,8 +431,10 @@ class HostRelays:
         live = [a for a in agents or () if not a.exited]
         theirs = [a for a in live if a.session_id in held and (str(folder), a.agent_id) not in keep]
         if not ours and not theirs:
-            log.warning("relay_found_stopped", state_dir=str(folder), pid=pid,
-                        why="a relay a daemon left, running no turn the store has running")  # fmt: skip
+            why = "a relay a daemon left, running no turn the store has running"
+            if agents is None:  # as before another host could hold agents in it: whose they are is not known
+                why = f"a relay a daemon left, that did not list its agents within {_LIST_FOUND:g} s"
+            log.warning("relay_found_stopped", state_dir=str(folder), pid=pid, why=why)
             if relay is not None:
                 await relay.channel.close()
             await _stop(folder, pid)
@@ -496,7 +508,7 @@ class HostRelays:
     async def _held_by_others(self, relays: list[_Relay]) -> set[_Relay]:
         """Those of ``relays`` another host holds agents in (docs/relay.md#re-attach): one its running
         turn names, or running an agent of a session it holds a live lease on (``relay_kept``). One
-        that does not list its agents within ``_LIST_AT_STOP`` is not: a stop is not held up for it."""
+        that does not list its agents within ``_LIST_FOUND`` is not: a stop is not held up for it."""
         if not relays:
             return set()
         elsewhere = await self._folders_elsewhere()
@@ -505,7 +517,7 @@ class HostRelays:
         async def listed(relay: _Relay) -> list[pb.Agent]:
             try:
                 answer = await relay.stub.ListAgents(pb.ListAgentsRequest(), metadata=relay.metadata,
-                                                     timeout=_LIST_AT_STOP)  # fmt: skip
+                                                     timeout=_LIST_FOUND)  # fmt: skip
             except grpc.aio.AioRpcError:
                 return []
             return [a for a in answer.agents if not a.exited]
@@ -772,6 +784,9 @@ async def _stop(folder: Path, pid: int) -> None:
         return
     try:
         signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        # a stopped relay (SIGSTOP, a frozen job: one found at the start that did not answer) acts on
+        # its SIGTERM only once continued; a running one is not affected
+        signal.pidfd_send_signal(pidfd, signal.SIGCONT)
         if not await _gone(pidfd, STOP_TIMEOUT):
             log.error("relay_not_stopped", state_dir=str(folder), pid=pid, waited=STOP_TIMEOUT)
             with contextlib.suppress(ProcessLookupError, PermissionError):

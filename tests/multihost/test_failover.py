@@ -25,7 +25,7 @@ from rcoder.session.runs.history import MADE_END_SEQ
 from rcoder.store.cluster import OWNER_LOST
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import exited
-from tests.harness import completed, started, text_of
+from tests.harness import completed, eventually, started, text_of
 from tests.multihost.conftest import AUTH_MD, LEASE_TTL, Host, Hosts, chat, first_events
 from tests.pg import PgCluster
 from tests.turns import read_until, rest_of
@@ -265,6 +265,49 @@ async def test_postgresql_down_when_a_turn_ends_the_turn_says_its_end_was_not_st
 
         (after, _), _ = await honouring_retry_info(lambda: chat(b, prompt="what number?", session_id=session_id))
         assert text_of(after) == "I remember: 9"
+
+
+def lease_of(db: psycopg.Connection[Any], session_id: str, ttl: float, since: object) -> tuple[str, bool]:
+    """The session's lease: its owner, and whether it was taken or renewed after ``since`` (a
+    time of the server's: its expiry is then past ``since`` plus ``ttl``)."""
+    row = db.execute(
+        "SELECT owner, expires > %s + make_interval(secs => %s) FROM leases WHERE session_id = %s",
+        (since, ttl, session_id),
+    ).fetchone()
+    assert row is not None, session_id
+    return str(row[0]), bool(row[1])
+
+
+async def test_a_turn_end_the_store_refused_is_stored_later_under_its_lease_kept_until_then(
+    make_hosts: MakeHosts,
+) -> None:
+    # the end is retried under the session's lease; the turn lets go of its agent at once, and of
+    # the lease with it: released first, the late write was refused as another host's
+    # (run_end_never_stored), as it was whenever the store came back to that release first
+    async with make_hosts() as hosts:
+        (a,) = await hosts.start("a")
+        first, _ = await chat(a, prompt="remember 9")
+        session_id = first[0].session_id
+        call, begin, asked = await waiting_for_permission(a, session_id)
+        with psycopg.connect(hosts.store_url, autocommit=True) as db:
+            # the store up, refusing the end alone: the role the hosts connect as may not update a run
+            db.execute("REVOKE UPDATE ON runs FROM CURRENT_USER")
+            try:
+                await allow(a, begin, asked)
+                end = completed(await rest_of(call))
+                assert end.stop_reason == pb.STOP_REASON_ERROR, end
+                assert "could not record the end of this turn" in end.error, end
+                (refused_at,) = db.execute("SELECT now()").fetchone() or (None,)
+                # still a's, and renewed since: kept while its end is to be written
+                await eventually(lambda: lease_of(db, session_id, LEASE_TTL, refused_at) == ("host-a", True))
+                assert not a.daemon.logs("run_end_stored_late")
+            finally:
+                db.execute("GRANT UPDATE ON runs TO CURRENT_USER")
+            await a.daemon.wait_log("run_end_stored_late", run_id=begin.run_id, timeout=30)
+            assert run_row(hosts.store_url, begin.run_id) == ("failed", "error", end.error)
+            # then let go of, as the agent was
+            await eventually(lambda: lease_of(db, session_id, LEASE_TTL, refused_at)[0] == "")
+        assert not a.daemon.logs("run_end_never_stored")
 
 
 async def test_a_signal_left_while_the_listener_heard_nothing_is_applied_when_it_reconnects_after_a_restart(

@@ -12,13 +12,14 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from rcoder.agent.processes.relayed import RelayedChild, RelayedStart
-from rcoder.relay.host import RELAY_ENV, HostRelays
+from rcoder.relay.host import _LIST_FOUND, RELAY_ENV, STOP_TIMEOUT, HostRelays
 from rcoder.relay.relay_key import relay_secret
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
@@ -251,6 +252,47 @@ async def test_a_killed_daemon_leaves_its_relay_and_agent_running_and_the_next_d
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
     assert started(again).resume == pb.RESUME_OUTCOME_RESUMED
     assert text_of(again) == "I remember: 7"
+    new_relay = relay_pid(tmp_path / "data")
+    assert new_relay is not None and new_relay != pid
+    relays_ended.append(new_relay)
+
+
+async def test_a_relay_found_at_the_start_that_never_answers_holds_the_start_no_longer_than_its_look_and_is_stopped(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    # a relay left by a killed daemon, stopped (SIGSTOP): it holds its lock, and its socket takes
+    # connections, but it answers nothing. The next start gives its look _LIST_FOUND (it waited 30 s
+    # for the connect, then 30 more for the list), then stops it, as it stops any relay it could not
+    # list: continued so that it acts on its SIGTERM, and ending its agent
+    daemon, client = await make_daemon(profiles(fake))
+    await client.chat(prompt="remember 7", agent="relayed")
+    pid = relay_pid(tmp_path / "data")
+    assert pid is not None
+    relays_ended.append(pid)  # SIGKILLed after the test whatever happens: stopped or not
+    agent = next(row["pid"] for row in daemon.logs("agent_spawned") if row.get("placement") == "relay")
+    await daemon.kill()
+    os.kill(pid, signal.SIGSTOP)
+
+    began = time.monotonic()
+    second, client = await make_daemon(profiles(fake))
+    took = time.monotonic() - began
+    folder = str(tmp_path / "data" / "relays" / "proj")
+    (unlisted,) = second.logs("relayed_agents_not_listed")
+    assert (unlisted["state_dir"], unlisted["pid"]) == (folder, pid), unlisted
+    assert unlisted["error"] == f"no answer within {_LIST_FOUND:g} s", unlisted
+    (stopped,) = second.logs("relay_found_stopped")
+    assert (stopped["pid"], stopped["why"]) == (
+        pid,
+        f"a relay a daemon left, that did not list its agents within {_LIST_FOUND:g} s",
+    )
+    assert [row["pid"] for row in second.logs("relay_stopped")] == [pid]  # on its SIGTERM, never SIGKILLed
+    assert not second.logs("relay_not_stopped")
+    assert not alive(pid) and not alive(agent)
+    # the look and the stop, and the start around them (a second or two, more on a loaded machine),
+    # well inside the stop's own bound: the 30 s connect alone would have taken longer
+    assert took < _LIST_FOUND + STOP_TIMEOUT, took
+    again = await client.chat(prompt="what number?", agent="relayed")
+    assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
     new_relay = relay_pid(tmp_path / "data")
     assert new_relay is not None and new_relay != pid
     relays_ended.append(new_relay)

@@ -146,14 +146,13 @@ async def make_turns(
         launcher = AgentLauncher(settings, Trees())
         pool = AgentPool(settings, launcher, metrics)
         runs = RunRegistry(settings.run_retention)
-        live = LiveSessions(
-            settings.max_queued_turns, runs, store, pool, LeaseKeeper.local(settings.lease_ttl, metrics)
-        )
+        leases = LeaseKeeper.local(settings.lease_ttl, metrics)
+        live = LiveSessions(settings.max_queued_turns, runs, store, pool, leases)
         tasks = Tasks(live)
         clock = lambda: datetime.now(UTC)  # noqa: E731
         history = History(store, runs, settings.history_max_bytes_per_run, clock)
         checkpoints = Checkpoints(settings, store, launcher.trees)
-        records = TurnRecords(store, pool, clock)
+        records = TurnRecords(store, pool, clock, leases)
         steps = TurnSteps(
             SessionOpener(settings, store, pool, metrics, live, clock), records,
             TurnEnder(store, pool, runs, metrics, clock, live, history, checkpoints, records),

@@ -15,6 +15,11 @@ session while no other host can have taken it yet, and never waits on the store 
 Every round is bounded too (``2/3 · lease_ttl``; a store call let go of returns at once), and a
 round that fails with an error nobody expected is logged and the renewal goes on.
 
+A lease a turn's end is still to be written under (the store refused it, and it is retried:
+``TurnRecords.finish_later``) is kept (``keep``) until that write is over: the session's agent is let
+go of at the turn's end, and a release then would have the late write refused as another host's.
+A release asked meanwhile happens when the last keep ends (``kept_done``).
+
 The same tick heartbeats this host in the hosts table; whether the store answered is reported
 (``on_store``, on each change) for readiness. With the SQLite store (``LocalCoordination``) nothing here waits
 on I/O and leases never expire.
@@ -51,6 +56,9 @@ class LeaseKeeper:
         self.on_lost = on_lost  # the daemon ends the session's agent and a start under way
         self.on_store = on_store
         self._held: dict[str, Lease] = {}
+        # writes still to land under a held lease (``keep``), and the sessions whose release waits for them
+        self._kept: dict[Lease, int] = {}
+        self._release_after: set[str] = set()
         # shared store: until when (loop time) each held lease surely holds, and the timer that
         # gives up the first of them a margin before then
         self._until: dict[str, float] = {}
@@ -90,6 +98,7 @@ class LeaseKeeper:
         if isinstance(result, Taken):
             taken = result
             self._held[session_id] = taken.lease
+            self._release_after.discard(session_id)  # held for new work now: it lets go of it
             self._hold_until(session_id, sent)
             if taken.previous_owner:
                 self._metrics.takeovers.inc()
@@ -104,12 +113,32 @@ class LeaseKeeper:
         held = self._held.get(session_id)
         if held is None or (lease is not None and held != lease):
             return
+        if held in self._kept:  # a write under it is still to land: released once it has (``kept_done``)
+            self._release_after.add(session_id)
+            return
         self._forget(session_id)
         if not self.shared:
             return
         self._to_release.append(held)
         if self._releasing is None:
             self._releasing = asyncio.get_running_loop().create_task(self._flush(), name="lease-release")
+
+    def keep(self, lease: Lease) -> None:
+        """``lease`` kept while a write under it is still to land (a turn's end retried): a release
+        asked meanwhile waits for ``kept_done``. Renewed as any held lease, and lost as any."""
+        self._kept[lease] = self._kept.get(lease, 0) + 1
+
+    def kept_done(self, lease: Lease) -> None:
+        """A write ``keep`` was asked for has landed or been given up: the release asked
+        meanwhile, if any, happens now."""
+        left = self._kept.get(lease, 0) - 1
+        if left > 0:
+            self._kept[lease] = left
+            return
+        self._kept.pop(lease, None)
+        if lease.session_id in self._release_after:
+            self._release_after.discard(lease.session_id)
+            self.release(lease.session_id, lease)
 
     async def _flush(self) -> None:
         try:
@@ -188,6 +217,7 @@ class LeaseKeeper:
 
     def _forget(self, session_id: str) -> None:
         del self._held[session_id]
+        self._release_after.discard(session_id)
         self._until.pop(session_id, None)
 
     def _arm(self) -> None:
@@ -232,6 +262,7 @@ class LeaseKeeper:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
+        self._kept.clear()  # a write still waiting is let go of (the next start marks its run interrupted)
         for session_id in list(self._held):
             self.release(session_id)
         releasing = self._releasing

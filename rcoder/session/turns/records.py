@@ -15,6 +15,7 @@ from rcoder.agent.pool import AgentPool
 from rcoder.domain import ChatTurn, RunRecord, RunStarted, RunStatus, SessionRecord
 from rcoder.errors import LeaseLost, StoreError
 from rcoder.logs import get_logger
+from rcoder.session.hosts.leases import LeaseKeeper
 from rcoder.session.resume import options
 from rcoder.session.resume.opening import TurnPlan
 from rcoder.session.turns.agent_handle import AgentHandle
@@ -40,10 +41,13 @@ def session_state(record: SessionRecord, turn: ChatTurn, conn: AgentHandle | Non
 
 
 class TurnRecords:
-    def __init__(self, store: SessionStore, pool: AgentPool, clock: Callable[[], datetime]) -> None:
+    def __init__(
+        self, store: SessionStore, pool: AgentPool, clock: Callable[[], datetime], leases: LeaseKeeper
+    ) -> None:
         self._store = store
         self._pool = pool
         self._clock = clock
+        self._leases = leases  # an end retried is written under its lease: kept until then
         self._late: set[asyncio.Task[None]] = set()  # ends of turns the store refused, retried
 
     async def record_start(
@@ -125,10 +129,15 @@ class TurnRecords:
 
     def finish_later(self, run_id: str, end: RunEnd, lease: Lease | None) -> None:
         """Retry storing an end the store refused, in a task of its own that shutdown does not
-        wait for (``aclose`` cancels it)."""
+        wait for (``aclose`` cancels it). Its lease is kept until then, from now on: the turn lets
+        go of its agent next, and of the lease with it, and the late write would be refused as
+        another host's (docs/design/hosts.md#leases)."""
         task = asyncio.create_task(self._finish_later(run_id, end, lease), name=f"record-end-{run_id}")
         self._late.add(task)
         task.add_done_callback(self._late.discard)
+        if lease is not None:
+            self._leases.keep(lease)
+            task.add_done_callback(lambda _: self._leases.kept_done(lease))  # stored, given up or cancelled
 
     async def _finish_later(self, run_id: str, end: RunEnd, lease: Lease | None) -> None:
         """Retry (bounded) storing the end the stream already published, so the store comes to

@@ -87,3 +87,20 @@ def test_a_relays_secret_is_the_same_for_the_same_key_and_differs_otherwise() ->
     assert relay_secret(one, "r1") == relay_secret(one, "r1")
     assert len({relay_secret(one, "r1"), relay_secret(one, "r2"), relay_secret(other, "r1")}) == 3
     assert len(relay_secret(one, "r1")) == 43 and "=" not in relay_secret(one, "r1")
+
+
+def test_unattached_end_is_600_s_by_default_and_0_turns_it_off(tmp_path: Path) -> None:
+    (tmp_path / "rcoder.toml").write_text("")
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_unattached_end == 600
+    (tmp_path / "rcoder.toml").write_text("[hosts]\nlease_ttl = 400\n[relays]\nunattached_end = 0\n")
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_unattached_end == 0
+
+
+def test_an_unattached_end_a_takeover_could_not_beat_is_refused_naming_the_lease(tmp_path: Path) -> None:
+    # docs/relay.md#placement: a lost host's running turn is taken over within 1.5 lease_ttl, its
+    # agent unattached meanwhile; the relay must not end it first
+    error = config_error(tmp_path, "[hosts]\nlease_ttl = 10\n[relays]\nunattached_end = 19.5\n")
+    assert error.key == "relays.unattached_end", error.problems
+    assert "at least twice hosts.lease_ttl (20 s)" in error.problems[0][1], error.problems
+    (tmp_path / "rcoder.toml").write_text("[hosts]\nlease_ttl = 10\n[relays]\nunattached_end = 20\n")
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_unattached_end == 20

@@ -25,6 +25,7 @@ from rcoder.errors import FailedPrecondition, NotFound, OutOfRange, RcoderError
 from rcoder.logs import get_logger
 from rcoder.relay.fencing import STALE_GENERATION, Generations
 from rcoder.relay.frames import FrameBuffer
+from rcoder.relay.unattached import UnattachedWait
 
 log = get_logger("rcoder.relay.agents")
 
@@ -85,6 +86,7 @@ class RelayAgent:
         buffer_bytes: int,
         stop_grace: float,
         on_exit: Callable[[RelayAgent], None] = lambda agent: None,
+        unattached_end: float = 0.0,
     ) -> None:
         self.agent_id, self.session_id, self.name = agent_id, session_id, name
         self._on_exit = on_exit
@@ -96,6 +98,12 @@ class RelayAgent:
         self._stdin_lock = asyncio.Lock()
         self._stop_grace = stop_grace
         self._pump = asyncio.get_running_loop().create_task(self._follow(), name=f"relay-agent-{process.pid}")
+        # ended once no stream has been attached to it for ``unattached_end`` seconds: its daemon
+        # never came back (rcoder.relay.unattached); counted from its spawn until its owner attaches
+        self._unattached_end = unattached_end
+        self._unattached = UnattachedWait(unattached_end, self._end_unattached)
+        self._ending: asyncio.Task[None] | None = None
+        self._unattached.begin()
 
     @property
     def finished(self) -> bool:
@@ -116,6 +124,7 @@ class RelayAgent:
             ))  # fmt: skip
         self.fence(generation)
         self.attachment = new
+        self._unattached.cancel()
         return new
 
     def fence(self, generation: int) -> None:
@@ -135,12 +144,25 @@ class RelayAgent:
     def _end(self, attachment: Attachment, why: RcoderError) -> None:
         attachment.ended = why
         attachment.wake.set()
-        if self.attachment is attachment:
-            self.attachment = None
+        self.detach(attachment)
 
     def detach(self, attachment: Attachment) -> None:
         if self.attachment is attachment:
             self.attachment = None
+            if self.exit_code is None:
+                self._unattached.begin()
+
+    def _end_unattached(self, seconds: float) -> None:
+        """No stream for ``unattached_end`` seconds: the agent is ended as on the relay's stop (its
+        group: stdin closed, SIGTERM, SIGKILL, each after the grace); its exit then reads as any."""
+        if self.attachment is not None or self._ending is not None or not self.process.is_running():
+            return  # a stream attached, or it exited meanwhile (its exit not read yet)
+        log.warning("relay_agent_unattached_ended", agent_id=self.agent_id, session_id=self.session_id,
+                    pid=self.process.pid, seconds=round(seconds, 3), unattached_end=self._unattached_end,
+                    why="no stream attached to it for its --unattached-end: its daemon never came back")  # fmt: skip
+        self._ending = asyncio.get_running_loop().create_task(
+            self.process.aclose(), name=f"relay-agent-unattached-{self.process.pid}"
+        )
 
     async def write_stdin(self, attachment: Attachment, seq: int, data: bytes) -> None:
         """Stdin frame ``seq``: written once, in order; one already written is skipped, a gap refused."""
@@ -196,6 +218,7 @@ class RelayAgent:
                 self.frames.close()
         await self.process.settle_stderr()
         self.exit_code = code
+        self._unattached.cancel()
         log.info("relay_agent_exited", agent_id=self.agent_id, pid=self.process.pid, exit_code=code,
                  last_seq=self.frames.last_seq)  # fmt: skip
         self._wake()
@@ -252,10 +275,13 @@ class Agents:
         keep_exited: int = 64,
         pid_dir: Path | None = None,
         on_exit: Callable[[], None] = lambda: None,
+        unattached_end: float = 0.0,
     ) -> None:
         self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.processes.leftovers``)
         self._on_exit = on_exit  # told after each agent's exit (the relay's idle watch, rcoder.relay.idle)
         self._buffer_bytes = buffer_bytes
+        # seconds an agent may have no stream attached before it is ended (``--unattached-end``); 0: never
+        self._unattached_end = unattached_end
         # exited agents stay listed (their last frames and exit for an owner that attaches late), the
         # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran
         self._keep_exited = keep_exited
@@ -304,7 +330,7 @@ class Agents:
             process.enter(cgroup, self._cgroup_ended)
         agent_id = f"agent-{secrets.token_hex(8)}"
         agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._stop_grace,
-                           self._forget_old)  # fmt: skip
+                           self._forget_old, self._unattached_end)  # fmt: skip
         self._agents[agent.agent_id] = agent
         log.info("relay_agent_spawned", agent_id=agent.agent_id, session_id=session_id, generation=generation,
                  pid=process.pid, confined=confinement is not None)  # fmt: skip

@@ -103,6 +103,9 @@ class RelayAgent:
         self._unattached_end = unattached_end
         self._unattached = UnattachedWait(unattached_end, self._end_unattached)
         self._ending: asyncio.Task[None] | None = None
+        # why the relay itself ended it, after its stderr's tail in its exit: what its owner reports
+        # of the exit (an agent error's stderr tail) then says so
+        self.end_note = ""
         self._unattached.begin()
 
     @property
@@ -160,6 +163,9 @@ class RelayAgent:
         log.warning("relay_agent_unattached_ended", agent_id=self.agent_id, session_id=self.session_id,
                     pid=self.process.pid, seconds=round(seconds, 3), unattached_end=self._unattached_end,
                     why="no stream attached to it for its --unattached-end: its daemon never came back")  # fmt: skip
+        self.end_note = (f"\n[rcoder relay] ended this agent: no daemon attached to it for {seconds:.0f} s "
+                         f"(--unattached-end {self._unattached_end:g}): its daemon did not come back in time; "
+                         "the session's next turn starts a new one\n")  # fmt: skip
         self._ending = asyncio.get_running_loop().create_task(
             self.process.aclose(), name=f"relay-agent-unattached-{self.process.pid}"
         )

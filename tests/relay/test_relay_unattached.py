@@ -49,8 +49,8 @@ async def test_an_agent_no_stream_attached_to_for_its_time_is_ended_and_the_rela
     (ended,) = relay.logs("relay_agent_unattached_ended")
     assert ended["seconds"] >= UNATTACHED and ended["session_id"] == "s1" and ended["pid"] == agent.pid
     # ended as on the relay's stop: its group, stdin closed first (the fake agent exits 0 on its end)
-    await eventually(lambda: not alive(agent.pid))
-    assert [row["agent_id"] for row in relay.logs("relay_agent_exited")] == [agent.agent_id]
+    await eventually(lambda: [row["agent_id"] for row in relay.logs("relay_agent_exited")] == [agent.agent_id])
+    assert not alive(agent.pid)
     # with no agent left, its idle exit follows
     assert relay.proc is not None
     async with asyncio.timeout(30):
@@ -77,6 +77,13 @@ async def test_an_attached_agent_lives_and_an_attach_starts_the_wait_again(
         await eventually(lambda: ended_ids(relay) == [left.agent_id], timeout=UNATTACHED + 30)
         assert alive(kept.pid), "an attached agent was ended"
         await eventually(lambda: not alive(left.pid))
+        # an owner that attaches late reads its exit, which says why it ended
+        late = AcpOverAttach(stub, relay.metadata, left.agent_id)
+        await late.open()
+        await late.until(lambda: late.exit is not None)
+        assert late.exit is not None
+        assert "ended this agent: no daemon attached to it for 3 s (--unattached-end 3)" in late.exit.stderr_tail
+        await late.close()
 
         # its stream goes now: the wait starts from this detach, not from the one before
         await owner.close()

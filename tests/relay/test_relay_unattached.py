@@ -41,8 +41,8 @@ async def test_an_agent_no_stream_attached_to_for_its_time_is_ended_and_the_rela
         acp = AcpOverAttach(stub, relay.metadata, agent.agent_id)
         await acp.open()
         loop = asyncio.get_running_loop()
+        detached = loop.time()  # before the relay sees the stream go
         await acp.close()  # its daemon goes away and never comes back
-        detached = loop.time()
         await eventually(lambda: ended_ids(relay) == [agent.agent_id], timeout=UNATTACHED + 30)
         took = loop.time() - detached
     assert took >= UNATTACHED, f"ended {took:.1f} s after its stream went: before its --unattached-end"
@@ -86,8 +86,8 @@ async def test_an_attached_agent_lives_and_an_attach_starts_the_wait_again(
         await late.close()
 
         # its stream goes now: the wait starts from this detach, not from the one before
-        await owner.close()
         detached = loop.time()
+        await owner.close()
         await eventually(lambda: kept.agent_id in ended_ids(relay), timeout=UNATTACHED + 30)
         took = loop.time() - detached
         assert took >= UNATTACHED, f"ended {took:.1f} s after its last detach: the attach did not start the wait again"

@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         "--idle-exit", type=float, default=0.0,
         help="stop after this many seconds with no agent (running or attached) and no call (default 0: never)",
     )  # fmt: skip
+    relay.add_argument(
+        "--unattached-end", type=float, default=0.0,
+        help="end an agent no stream has been attached to for this many seconds (default 0: never)",
+    )  # fmt: skip
     relay.add_argument("--log-level", default="info", help="debug | info | warning | error")
     relay.add_argument("--log-format", default="auto", help="auto | json | console")
     relay.add_argument(
@@ -187,7 +191,7 @@ def _relay(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, os.environ.get("RCODER_LOG_FORMAT", args.log_format), stream)
     options = serve.RelayOptions(args.state_dir, args.listen, args.tls_cert, args.tls_key, args.buffer_bytes,
                            args.stop_grace, args.secret_fd, args.keep_exited, args.secret_file,
-                           args.idle_exit)  # fmt: skip
+                           args.idle_exit, args.unattached_end)  # fmt: skip
     try:
         return asyncio.run(serve.serve(options))
     except ConfigError as exc:

@@ -444,6 +444,11 @@ class SettingsKeys(_Schema):
     relays_idle_exit: Seconds = 300.0
     """seconds a relay the daemon started lives on with no agent (running or attached) and no call,
     then stops itself; the project's next agent or file call starts a new one. 0: never"""
+    # how long an agent of such a relay lives with no daemon attached to it (docs/relay.md#placement):
+    # past a restart or another host's takeover, so only the agents of a host that never came back
+    relays_unattached_end: Seconds = 600.0
+    """seconds an agent of a relay the daemon started lives with no daemon attached to it, then its
+    relay ends it (and idle_exit follows); 0: never, else at least twice [hosts] lease_ttl"""
     metrics_listen: str = ""
     """host:port for Prometheus /metrics (e.g. "127.0.0.1:9464"); empty: off"""
     # OTLP/gRPC collector for traces (rcoder.tracing), e.g. "http://127.0.0.1:4317"; empty: none exported
@@ -702,6 +707,14 @@ def _ip_or_host_name(host: str) -> bool:
 def _check_relays(settings: Settings) -> None:
     """docs/relay.md#security: a relay serves TCP only with a secret derived from a key no one else
     can read, so ``listen_host`` needs ``key_file``, and the key file is long, private and ours."""
+    unattached, ttl = settings.relays_unattached_end, settings.lease_ttl
+    if 0 < unattached < 2 * ttl:
+        # a lost host's running turn is taken over once its lease ran out and another host's next
+        # look came (every half lease_ttl): its agent, unattached meanwhile, must still be there
+        name = settings.key_name("relays_unattached_end")
+        raise ConfigError(name, f"{unattached:g}: 0 (never) or at least twice {settings.key_name('lease_ttl')} "
+                          f"({2 * ttl:g} s), so that another host can take a lost host's turn over before its "
+                          "agent is ended")  # fmt: skip
     listen, key_file = settings.key_name("relays_listen_host"), settings.key_name("relays_key_file")
     host = settings.relays_listen_host
     if host and not _ip_or_host_name(host):

@@ -83,7 +83,12 @@ GROUPS: Mapping[str, Mapping[str, str]] = {
         "publish_host": "container_publish_host",
         "project_volumes": "container_project_volumes",
     },
-    "relays": {"listen_host": "relays_listen_host", "key_file": "relays_key_file", "idle_exit": "relays_idle_exit"},
+    "relays": {
+        "listen_host": "relays_listen_host",
+        "key_file": "relays_key_file",
+        "idle_exit": "relays_idle_exit",
+        "unattached_end": "relays_unattached_end",
+    },
     "telemetry": {"metrics_listen": "metrics_listen", "otlp_endpoint": "otlp_endpoint"},
 }
 # each grouped setting's name as a file writes it: "tls_cert" -> "tls.cert"

@@ -146,7 +146,8 @@ class Daemon:
                                  listen_host=settings.relays_listen_host, key=relays_key,
                                  elsewhere=self.store.relay_folders_elsewhere,
                                  held_elsewhere=self.store.sessions_held_elsewhere,
-                                 idle_exit=settings.relays_idle_exit)  # fmt: skip
+                                 idle_exit=settings.relays_idle_exit,
+                                 unattached_end=settings.relays_unattached_end)  # fmt: skip
         # a relay in a container per project and profile for placement = "container" (docs/relay.md#containers);
         # over TCP too with [relays] listen_host and a container network (docs/relay.md#re-attach), its port
         # published on this host for other machines with [containers] publish_host (docs/relay.md#published-on-the-host)

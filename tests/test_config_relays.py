@@ -129,3 +129,20 @@ def test_a_publish_host_that_is_no_host_is_refused(tmp_path: Path, host: str) ->
     error = config_error(tmp_path, f'[containers]\nnetwork = "podman"\npublish_host = "{host}"\n{SERVING}')
     assert error.key == "containers.publish_host", error.problems
     assert "no port" in error.problems[0][1]
+
+
+def test_unattached_end_is_600_s_by_default_and_0_turns_it_off(tmp_path: Path) -> None:
+    (tmp_path / "rcoder.toml").write_text("")
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_unattached_end == 600
+    (tmp_path / "rcoder.toml").write_text("[hosts]\nlease_ttl = 400\n[relays]\nunattached_end = 0\n")
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_unattached_end == 0
+
+
+def test_an_unattached_end_a_takeover_could_not_beat_is_refused_naming_the_lease(tmp_path: Path) -> None:
+    # docs/relay.md#placement: a lost host's running turn is taken over within 1.5 lease_ttl, its
+    # agent unattached meanwhile; the relay must not end it first
+    error = config_error(tmp_path, "[hosts]\nlease_ttl = 10\n[relays]\nunattached_end = 19.5\n")
+    assert error.key == "relays.unattached_end", error.problems
+    assert "at least twice hosts.lease_ttl (20 s)" in error.problems[0][1], error.problems
+    (tmp_path / "rcoder.toml").write_text("[hosts]\nlease_ttl = 10\n[relays]\nunattached_end = 20\n")
+    assert load_settings(tmp_path / "rcoder.toml", {}).relays_unattached_end == 20

@@ -34,6 +34,7 @@ from rcoder.logs import get_logger
 from rcoder.relay.agent_home import AgentHome, Homes
 from rcoder.relay.fencing import STALE_GENERATION, Generations
 from rcoder.relay.frames import FrameBuffer
+from rcoder.relay.unattached import UnattachedWait
 
 log = get_logger("rcoder.relay.agents")
 
@@ -96,6 +97,7 @@ class RelayAgent:
         stop_grace: float,
         on_exit: Callable[[RelayAgent], None] = lambda agent: None,
         home: AgentHome | None = None,
+        unattached_end: float = 0.0,
     ) -> None:
         self.agent_id, self.session_id, self.name = agent_id, session_id, name
         self._on_exit = on_exit
@@ -108,6 +110,15 @@ class RelayAgent:
         self._stdin_lock = asyncio.Lock()
         self._stop_grace = stop_grace
         self._pump = asyncio.get_running_loop().create_task(self._follow(), name=f"relay-agent-{process.pid}")
+        # ended once no stream has been attached to it for ``unattached_end`` seconds: its daemon
+        # never came back (rcoder.relay.unattached); counted from its spawn until its owner attaches
+        self._unattached_end = unattached_end
+        self._unattached = UnattachedWait(unattached_end, self._end_unattached)
+        self._ending: asyncio.Task[None] | None = None
+        # why the relay itself ended it, after its stderr's tail in its exit: what its owner reports
+        # of the exit (an agent error's stderr tail) then says so
+        self.end_note = ""
+        self._unattached.begin()
 
     @property
     def finished(self) -> bool:
@@ -128,6 +139,7 @@ class RelayAgent:
             ))  # fmt: skip
         self.fence(generation)
         self.attachment = new
+        self._unattached.cancel()
         return new
 
     def fence(self, generation: int) -> None:
@@ -147,12 +159,28 @@ class RelayAgent:
     def _end(self, attachment: Attachment, why: RcoderError) -> None:
         attachment.ended = why
         attachment.wake.set()
-        if self.attachment is attachment:
-            self.attachment = None
+        self.detach(attachment)
 
     def detach(self, attachment: Attachment) -> None:
         if self.attachment is attachment:
             self.attachment = None
+            if self.exit_code is None:
+                self._unattached.begin()
+
+    def _end_unattached(self, seconds: float) -> None:
+        """No stream for ``unattached_end`` seconds: the agent is ended as on the relay's stop (its
+        group: stdin closed, SIGTERM, SIGKILL, each after the grace); its exit then reads as any."""
+        if self.attachment is not None or self._ending is not None or not self.process.is_running():
+            return  # a stream attached, or it exited meanwhile (its exit not read yet)
+        log.warning("relay_agent_unattached_ended", agent_id=self.agent_id, session_id=self.session_id,
+                    pid=self.process.pid, seconds=round(seconds, 3), unattached_end=self._unattached_end,
+                    why="no stream attached to it for its --unattached-end: its daemon never came back")  # fmt: skip
+        self.end_note = (f"\n[rcoder relay] ended this agent: no daemon attached to it for {seconds:.0f} s "
+                         f"(--unattached-end {self._unattached_end:g}): its daemon did not come back in time; "
+                         "the session's next turn starts a new one\n")  # fmt: skip
+        self._ending = asyncio.get_running_loop().create_task(
+            self.process.aclose(), name=f"relay-agent-unattached-{self.process.pid}"
+        )
 
     async def write_stdin(self, attachment: Attachment, seq: int, data: bytes) -> None:
         """Stdin frame ``seq``: written once, in order; one already written is skipped, a gap refused."""
@@ -208,6 +236,7 @@ class RelayAgent:
                 self.frames.close()
         await self.process.settle_stderr()
         self.exit_code = code
+        self._unattached.cancel()
         log.info("relay_agent_exited", agent_id=self.agent_id, pid=self.process.pid, exit_code=code,
                  last_seq=self.frames.last_seq)  # fmt: skip
         self._wake()
@@ -267,10 +296,13 @@ class Agents:
         pid_dir: Path | None = None,
         on_exit: Callable[[], None] = lambda: None,
         homes: Homes | None = None,
+        unattached_end: float = 0.0,
     ) -> None:
         self._pid_dir = pid_dir  # each agent's group recorded there (``rcoder.agent.processes.leftovers``)
         self._on_exit = on_exit  # told after each agent's exit (the relay's idle watch, rcoder.relay.idle)
         self._buffer_bytes = buffer_bytes
+        # seconds an agent may have no stream attached before it is ended (``--unattached-end``); 0: never
+        self._unattached_end = unattached_end
         # exited agents stay listed (their last frames and exit for an owner that attaches late), the
         # newest ``keep_exited`` of them: a relay that lives long does not keep every agent it ran
         self._keep_exited = keep_exited
@@ -327,7 +359,8 @@ class Agents:
             process.enter(cgroup, self._cgroup_ended)
         agent_id = f"agent-{secrets.token_hex(8)}"
         agent = RelayAgent(agent_id, session_id, spec.name, process, self._buffer_bytes, self._stop_grace,
-                           self._forget_old, spec.home)  # fmt: skip
+                           self._forget_old, spec.home,
+                           self._unattached_end)  # fmt: skip
         self._agents[agent.agent_id] = agent
         log.info("relay_agent_spawned", agent_id=agent.agent_id, session_id=session_id, generation=generation,
                  pid=process.pid, confined=confinement is not None)  # fmt: skip

@@ -121,11 +121,14 @@ class HostRelays:
     def __init__(self, root: Path, stop_grace: float, log_format: str = "json", listen_host: str = "",
                  key: bytes | None = None, elsewhere: Callable[[], Awaitable[frozenset[str]]] = _nothing_elsewhere,
                  held_elsewhere: Callable[[Collection[str]], Awaitable[frozenset[str]]] = _none_held,
-                 idle_exit: float = 0.0) -> None:  # fmt: skip
+                 idle_exit: float = 0.0, unattached_end: float = 0.0) -> None:  # fmt: skip
         self._root = root
         # each relay started here stops itself after this long with no agent and no call (``[relays]
         # idle_exit``, docs/relay.md#placement): one whose host never comes back does not linger; 0: never
         self._idle_exit = idle_exit
+        # and each ends an agent no daemon has attached to for this long (``[relays] unattached_end``):
+        # the idle agents of a host that never comes back do not keep it alive; 0: never
+        self._unattached_end = unattached_end
         # what other hosts hold in this host's relays (docs/relay.md#re-attach): the relay folders their
         # running turns name (the store's relay_folders_elsewhere), and which sessions they hold a live
         # lease on (sessions_held_elsewhere): a relay or an agent of theirs is never ended from here
@@ -253,6 +256,7 @@ class HostRelays:
     async def _started(self, folder: Path) -> _Relay:
         argv = [sys.executable, "-m", "rcoder", "relay", "--state-dir", str(folder),
                 "--stop-grace", str(self._stop_grace), "--idle-exit", str(self._idle_exit),
+                "--unattached-end", str(self._unattached_end),
                 "--log-format", self._log_format,
                 "--log-file", str(folder / LOG_FILE), "--log-max-bytes", str(log_file.DEFAULT_MAX_BYTES)]  # fmt: skip
         secret = None

@@ -63,6 +63,9 @@ class RelayOptions:
     # crosses into a container, docs/relay.md#re-attach, "Over TCP, in a container")
     secret_file: Path | None = None
     idle_exit: float = 0.0  # seconds with no agent and no call before it stops itself; 0: never
+    # seconds an agent may have no stream attached before the relay ends it (its daemon never came
+    # back: rcoder.relay.unattached); 0: never
+    unattached_end: float = 0.0
 
     def check(self) -> None:
         if self.listen and not (self.tls_cert and self.tls_key):
@@ -79,6 +82,8 @@ class RelayOptions:
             raise ConfigError("keep-exited", "a count, 0 or more")
         if not self.idle_exit >= 0:  # NaN too
             raise ConfigError("idle-exit", f"{self.idle_exit}: seconds, 0 (never) or more")
+        if not self.unattached_end >= 0:  # NaN too
+            raise ConfigError("unattached-end", f"{self.unattached_end}: seconds, 0 (never) or more")
 
 
 def git_jail(hidden: list[Path], trees: Trees) -> GitJail | None:
@@ -147,9 +152,10 @@ async def serve(options: RelayOptions) -> int:
     hidden = [folder, *(p for p in (options.tls_cert, options.tls_key) if p)]
     # a relay no daemon needs any more stops itself (--idle-exit): no agent, no call, for that long
     idle = IdleWatch(options.idle_exit, lambda: agents.busy())
-    # the agents' homes it prepares where the daemon does not reach them (docs/relay.md#a-named-volume-per-project)
+    # the agents' homes it prepares where the daemon does not reach them (docs/relay.md#a-named-volume-per-project),
+    # and an agent no daemon has attached to for --unattached-end is ended, so that idle exit can follow
     agents = Agents(options.buffer_bytes, hidden, options.stop_grace, trees, cgroups, options.keep_exited, pid_dir,
-                    on_exit=idle.changed, homes=Homes())  # fmt: skip
+                    on_exit=idle.changed, homes=Homes(), unattached_end=options.unattached_end)  # fmt: skip
     server = grpc.aio.server(
         interceptors=[SecretCheck(secret), idle],
         options=[
@@ -186,7 +192,8 @@ async def serve(options: RelayOptions) -> int:
         _write_address(folder, address)
     log.info("relay_serving", socket=str(socket_path), address=address, pid=os.getpid(),
              state_dir=str(folder), secret_from_fd=options.secret_fd is not None, limits=mechanism.kind,
-             buffer_bytes=options.buffer_bytes, idle_exit=options.idle_exit)  # fmt: skip
+             buffer_bytes=options.buffer_bytes, idle_exit=options.idle_exit,
+             unattached_end=options.unattached_end)  # fmt: skip
     signalled = asyncio.create_task(stopping.wait(), name="relay-signalled")
     idled = asyncio.create_task(idle.idle(), name="relay-idle")
     try:

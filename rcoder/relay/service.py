@@ -181,7 +181,7 @@ class RelayService(pb_grpc.RelayServiceServicer):
             if read.frames or read.lagged:
                 continue
             if agent.finished:
-                tail = agent.process.stderr_tail()[-2000:]
+                tail = (agent.process.stderr_tail() + agent.end_note)[-2000:]
                 code = agent.exit_code if agent.exit_code is not None else 0
                 yield pb.AttachResponse(exit=pb.AgentExit(exit_code=code, last_seq=agent.frames.last_seq,
                                                           stderr_tail=tail))  # fmt: skip

@@ -424,14 +424,20 @@ class ContainerHostRelays:
         and held while the agents taken over in it live). As ``HostRelays.reattach`` does it, on that
         container's relay (docs/relay.md#re-attach)."""
         state_dir = Path(found.relay)
-        key = self.key_of(state_dir)
-        if state_dir.parent == self._root:
+        ours = state_dir.parent == self._root  # a path of this host's own containers
+        if ours and not found.elsewhere:
+            key = self.key_of(state_dir)
             running = self._running.get(key)
             if running is None or not running.running:
                 raise errors.AgentUnavailable(f"agent {name!r}: no relay's container of {found.relay} runs",
                                               agent=name)  # fmt: skip
+        elif ours and found.tcp is None:
+            raise errors.AgentUnavailable(host.same_path(name, state_dir), agent=name)
         else:
-            running = await self._taken_over(state_dir, name, found.tcp)
+            # another host's whose folder's path is one of ours (the same data_dir path): held by
+            # its address, its labels (ours too) never asked of this host's engine
+            key = f"tcp:{found.tcp.address}" if ours and found.tcp is not None else self.key_of(state_dir)
+            running = await self._taken_over(state_dir, name, found.tcp, key, ask_engine=not ours)
         try:
             kills = await asyncio.to_thread(oom_kills, running.init_pid)
             child = await self._host.reattach(found, name, stop_grace)
@@ -445,12 +451,14 @@ class ContainerHostRelays:
             self._track(self._watching, self._let_go_after(key, running, watched), f"taken-over-{child.pid}")
         return watched
 
-    async def _taken_over(self, state_dir: Path, agent: str, tcp: TcpReach | None = None) -> _Running:
+    async def _taken_over(self, state_dir: Path, agent: str, tcp: TcpReach | None, key: str,
+                          ask_engine: bool = True) -> _Running:  # fmt: skip
         """The running container of another host's ``state_dir`` (``<its data_dir>/relay-containers/
         <folder>``): reached over TCP where the store has its relay's address (``tcp``), else found
         by the labels that host gave it, its relay connected with the secret in that folder (the hosts
-        share the disk and the engine). ``AgentUnavailable`` when none runs."""
-        key = self.key_of(state_dir)
+        share the disk and the engine). Held in ``_running`` at ``key``. Without ``ask_engine`` (its
+        labels would name a container of this host's: the same data_dir path) the engine is not asked.
+        ``AgentUnavailable`` when none runs."""
         async with self._starting.setdefault(key, asyncio.Lock()):
             running = self._running.get(key)
             if running is not None and running.running:
@@ -461,7 +469,7 @@ class ContainerHostRelays:
             data_dir = state_dir.parent.parent
             labels = {LABEL: _container_name(data_dir, state_dir.name), DATA_DIR_LABEL: str(data_dir)}
             if tcp is not None:
-                running = await self._reached_over_tcp(state_dir, tcp, agent, labels)
+                running = await self._reached_over_tcp(state_dir, tcp, agent, labels if ask_engine else None)
                 self._running[key] = running
                 log.warning("relay_container_taken_over", state_dir=str(state_dir), address=tcp.address,
                             container_id=running.container.container_id[:12], init_pid=running.init_pid,
@@ -487,16 +495,20 @@ class ContainerHostRelays:
             return running
 
     async def _reached_over_tcp(self, state_dir: Path, tcp: TcpReach, agent: str,
-                                labels: dict[str, str]) -> _Running:  # fmt: skip
+                                labels: dict[str, str] | None) -> _Running:  # fmt: skip
         """Another host's container whose relay the store says serves TCP, reached there with the
         secret derived from the hosts' key (``HostRelays._remote``), its state folder unused. The
         engine is asked only for what it alone knows: the container's init on this host (its OOM
         kill count, its end) and its removal once no agent of ours runs in it. An engine that does not
         answer, or does not run that container, is said; the turn is taken over all the same, an
-        agent's end at the memory limit then said as a plain exit, and the container left to its host."""
+        agent's end at the memory limit then said as a plain exit, and the container left to its host.
+        No ``labels``: the engine is not asked (they would name one of this host's containers)."""
         relay = await self._host.remote(state_dir, tcp, agent)
         state = None
         try:
+            if labels is None:
+                raise errors.ContainerEngineError("inspect", 0, "its labels name this host's own containers too "
+                                                  "(the hosts' data_dir paths are the same)")  # fmt: skip
             rows = await asyncio.to_thread(self._engine.list_containers, labels)
             if rows:
                 state = await asyncio.to_thread(self._engine.inspect_container, str(rows[0].get("Id", "")))

@@ -86,6 +86,16 @@ async def _none_held(session_ids: Collection[str]) -> frozenset[str]:
     return frozenset()  # no store asked: no other host holds a session
 
 
+def same_path(name: str, folder: Path) -> str:
+    """Why another host's turn with no TCP address cannot be taken over at a folder whose path is
+    one of this host's own (docs/relay.md#re-attach)."""
+    return (
+        f"agent {name!r}: its relay is another host's, in {folder}, which is this host's own relay folder "
+        "too (the hosts' data_dir paths are the same), and the store has no TCP address for it: set [relays] "
+        "listen_host and key_file on every host, or give each host a data_dir path of its own"
+    )
+
+
 @dataclass(eq=False)
 class _Relay:
     """One live relay: its folder, pid and a channel to it."""
@@ -355,10 +365,13 @@ class HostRelays:
     async def reattach(self, found: FoundAgent, name: str, stop_grace: float) -> RelayedChild:
         """``found`` attached again: through its relay's socket when its folder is under this
         host's root, or has no TCP address; over TCP otherwise (another host's relay, with no shared
-        disk: docs/relay.md#re-attach)."""
+        disk: docs/relay.md#re-attach). Another host's turn whose relay has TCP is always reached so:
+        its folder's path may be one of this host's own relays' (their data_dir paths the same)."""
         folder = Path(found.relay)
-        if found.tcp is not None and folder.parent != self._root:
+        if found.tcp is not None and (found.elsewhere or folder.parent != self._root):
             relay = await self._remote(folder, found.tcp, name)
+        elif found.elsewhere and folder.parent == self._root:
+            raise AgentUnavailable(same_path(name, folder), agent=name)
         else:
             try:
                 relay = await self.reattach_relay(folder)

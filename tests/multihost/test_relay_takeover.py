@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psycopg
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import exited
@@ -287,6 +288,59 @@ async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared
             async with asyncio.timeout(15):
                 await exited(agent)
             assert alive(relay), "the relay is A's to stop, not B's"
+        finally:
+            await hosts.close()
+            if relay:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
+async def test_a_turn_of_a_host_whose_data_dir_path_is_the_takers_own_is_taken_over_over_tcp(
+    make_hosts: MakeHosts, tmp_path: Path
+) -> None:
+    # hosts on two machines with the image's one data_dir path (/var/lib/rcoder): the store names A's
+    # relay by a folder whose path is B's own relay of the same project, which runs B's agent of
+    # another session. B must reach A's relay over TCP, as another host's, not its own at that
+    # path (where A's agent is not: the turn was marked interrupted). One machine here: the row
+    # names B's folder, as it would on B's machine
+    key = relay_key(tmp_path / "relay.key")
+    chunks = 150
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key)},
+                "b": {"relays_key_file": str(key)}}  # fmt: skip
+        a, b = await hosts.start("a", "b", each=each)
+        relay = 0
+        try:
+            own, _ = await chat(b, prompt="hello")  # B's own relay of proj, at the path the row will name
+            own_folder = hosts.root / "data-b" / "relays" / "proj"
+            own_relay = relay_pid(hosts.root / "data-b")
+            session_id = (await chat(a, prompt="hello"))[0][0].session_id
+            folder = hosts.root / "data-a" / "relays" / "proj"
+            relay = relay_pid(hosts.root / "data-a")
+            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
+            seen = await first_chunks(a.stub.Chat(request, metadata=AUTH_MD))
+            run_id = seen[0].run_id
+            (folder / "relay.sock").unlink()
+            (folder / "secret").unlink()
+            with psycopg.connect(hosts.store_url) as db:
+                moved = db.execute("UPDATE relayed_turns SET relay = %s WHERE run_id = %s", (str(own_folder), run_id))
+                assert moved.rowcount == 1
+            await a.daemon.kill()
+
+            taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30, run_id=run_id)
+            assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
+            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+            async with asyncio.timeout(30):
+                rest = [event async for event in subscribe]
+            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
+            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+            # B's own relay at that path, and its agent, are untouched: its session's next turn is live
+            assert alive(own_relay)
+            again, _ = await chat(b, prompt="remember 3", session_id=own[0].session_id)
+            assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
         finally:
             await hosts.close()
             if relay:

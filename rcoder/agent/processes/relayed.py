@@ -111,6 +111,9 @@ class FoundAgent:
     after_frame: int  # the last frame whose events are stored: the stream starts after it
     generation: int = RELAY_GENERATION
     tcp: TcpReach | None = None  # its relay over TCP, for a host that cannot reach its folder
+    # another host's turn, taken over here: ``relay`` is a folder of that host's, whatever this host
+    # has at that path (hosts whose data_dir paths are the same: docs/relay.md#re-attach)
+    elsewhere: bool = False
 
 
 class Relays(Protocol):

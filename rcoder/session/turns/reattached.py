@@ -219,7 +219,7 @@ class ReattachedTurns:
             if not await self._store.adopt_run(turn.run_id, lease):
                 self._live.let_go_lease(turn.session_id, lease)
                 return
-            await self._take_up(turn, lease)
+            await self._take_up(turn, lease, elsewhere=True)
             log.warning("relayed_turn_taken_over", run_id=turn.run_id, session_id=turn.session_id,
                         generation=lease.generation, relay=turn.relay, address=turn.address or None)  # fmt: skip
         except (RcoderError, OSError, ValueError, KeyError) as exc:
@@ -234,7 +234,9 @@ class ReattachedTurns:
                         marked_interrupted=marked)  # fmt: skip
             self._live.let_go_lease(turn.session_id, lease)
 
-    async def _take_up(self, turn: RelayedTurn, lease: Lease | None = None) -> None:
+    async def _take_up(self, turn: RelayedTurn, lease: Lease | None = None, elsewhere: bool = False) -> None:
+        """``turn`` taken up here: this host's own, left by its last daemon, or (``elsewhere``)
+        another host's, taken over under ``lease``."""
         state: dict[str, Any] = json.loads(turn.agent)
         profile = self._settings.profile(state["profile"])
         if profile is None:
@@ -246,7 +248,7 @@ class ReattachedTurns:
             lease = await self._live.take_lease(turn.session_id)
         capabilities = AgentCapabilities(**state["capabilities"])
         tcp = TcpReach(turn.address, turn.relay_id, turn.cert) if turn.address else None
-        found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation, tcp)
+        found = FoundAgent(turn.relay, turn.agent_id, turn.frame_seq, lease.generation, tcp, elsewhere)
         try:
             conn = await self._launcher.reattach(profile, found, capabilities, state["provider_session_id"],
                                                  request_offset=turn.prompt_id + 1,

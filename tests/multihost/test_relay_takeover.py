@@ -225,7 +225,9 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
     # the turn ended, the agent is B's idle live agent there (B holds the session's lease): A's own
     # session in that relay, A's clean stop and its next start leave it, and B's next turn runs on it.
     # Once B has closed the session, the relay (of [relays] idle_exit 3 s) stops itself
-    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look and A's restart
+    # the turn holds before its chunk SEEN + 5 until the test opens the gate: it outlasts B's look
+    # and A's restart whatever the machine's load
+    chunks, gate = 60, "gate"
     idle = 3.0
     async with make_hosts() as hosts:
         hosts.profile_keys["placement"] = "relay"
@@ -234,7 +236,8 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
         try:
             session_id = (await chat(a, prompt="hello"))[0][0].session_id
             relay = relay_pid(hosts.root / "data-a")
-            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
+            prompt = f"stream {chunks} pace 50 hold {SEEN + 5} gate {gate}"
+            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt)
             call = a.stub.Chat(request, metadata=AUTH_MD)
             seen = await first_chunks(call)
             await a.daemon.kill()  # its relay and agent go on
@@ -245,6 +248,7 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
             assert taken["run_id"] == run_id
 
             (a,) = await hosts.start("a")  # A's next start, B's turn running in A's relay
+            await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
             subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
             rest = []
             async with asyncio.timeout(60):

@@ -74,6 +74,9 @@ class AttachedAgent:
         self.pid = agent.pid
         self._loop = loop = asyncio.get_running_loop()
         self.exited: asyncio.Future[None] = loop.create_future()
+        # the relay took a stream of ours (its first ``ready``): it fences every older generation from then
+        self._taken: asyncio.Future[None] = loop.create_future()
+        self._lost_why = ""  # why the agent counts as lost, when it does
         self._returncode: int | None = None
         self.stderr = asyncio.StreamReader()  # the exit's stderr tail, fed at the exit
         self._written = 0  # the last stdout frame written into the pipe
@@ -146,6 +149,22 @@ class AttachedAgent:
         self._stdout_read.close()
         if not self.exited.done():
             self._spawn(self._lost_after(self._stop_grace), f"relayed-letgo-{self.pid}")
+
+    async def taken(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, until the relay has taken this agent's stream (its
+        first ``ready``). An owner that takes a turn over holds it only then: until its generation
+        has reached the relay, the old owner's writes still reach the agent (docs/relay.md#fencing).
+        ``ConnectionError`` saying why when the relay refused the stream, or did not take it in time."""
+        await asyncio.wait({self._taken, self.exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not self._taken.done():
+            raise ConnectionError(self._lost_why or f"the relay did not take its stream within {timeout:g} s")
+
+    def abandon(self) -> None:
+        """The agent is not this daemon's after all (``taken`` failed): nothing sent to it, not even
+        a signal or the end of its stdin (``detach``), and our end of its stdout pipe closed."""
+        self.detach()
+        self._stdout_read.close()
+        self._stdout_writer.close()
 
     def pipe_inodes(self) -> set[int]:
         return set()  # the agent's own pipes are the relay's, on its side
@@ -261,6 +280,8 @@ class AttachedAgent:
             self._stdin.rewind(first.ready.stdin_seq)
             await self._send_unsent(call)  # a broken stream raises: attached again
             self._call = call
+        if not self._taken.done():
+            self._taken.set_result(None)
 
     async def _took(self, call: Any, response: pb.AttachResponse) -> bool:
         """One message of the relay's; True at the agent's exit."""
@@ -392,6 +413,7 @@ class AttachedAgent:
         self.exited.set_result(None)
 
     def _lost(self, why: str) -> None:
+        self._lost_why = why
         log.warning("relayed_agent_lost", agent=self._name, pid=self.pid, agent_id=self._agent_id, why=why,
                     relay=self.place.socket)  # fmt: skip
         self._exit(LOST_EXIT, f"rcoder: {why}")

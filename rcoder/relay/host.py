@@ -389,8 +389,20 @@ class HostRelays:
             raise AgentUnavailable(f"agent {name!r}: the relay in {folder} no longer runs agent {found.agent_id}",
                                    agent=name)  # fmt: skip
         place = relay.place(agent.agent_id)
-        return await AttachedAgent.open(relay.stub, relay.metadata, agent, place, found.generation, stop_grace,
-                                        after_frame=found.after_frame)  # fmt: skip
+        child = await AttachedAgent.open(relay.stub, relay.metadata, agent, place, found.generation, stop_grace,
+                                         after_frame=found.after_frame)  # fmt: skip
+        # held only once the relay took the stream: from then on it refuses the old owner's writes
+        # (docs/relay.md#fencing); a hold that fails sends the agent nothing
+        try:
+            await child.taken(SPAWN_TIMEOUT)
+        except ConnectionError as exc:
+            child.abandon()
+            raise AgentUnavailable(f"agent {name!r}: the relay in {folder} did not attach it: {exc}",
+                                   agent=name) from exc  # fmt: skip
+        except BaseException:
+            child.abandon()
+            raise
+        return child
 
     async def end_found(self, keep: frozenset[tuple[str, str]] = frozenset()) -> int:
         """Every agent alive under ``root`` ended (SIGKILL to its group) but those of ``keep``

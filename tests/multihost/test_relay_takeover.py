@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,77 @@ async def test_a_paused_hosts_relayed_turn_is_taken_over_by_another_host_and_end
                 await exited(relay)
 
 
+def relay_log(data_dir: Path, event: str) -> list[dict[str, Any]]:
+    """The rows of ``event`` in the log of ``data_dir``'s relay of project proj."""
+    lines = (data_dir / "relays" / "proj" / "relay.log").read_text().splitlines()
+    return [row for line in lines if line.startswith("{") and (row := json.loads(line))["event"] == event]
+
+
+async def test_a_paused_host_woken_as_another_takes_its_turn_over_reaches_the_agent_no_more(
+    make_hosts: MakeHosts,
+) -> None:
+    # host A paused mid-turn past its lease; host B takes the turn over, and A is woken the moment B
+    # says so. Woken, A gives the lease up by its own clock and ends its agent (session/close, then
+    # its group's signals): the relay must refuse all of it, so B's takeover is said only once
+    # the relay has taken B's stream with the newer generation. Without that wait B said it before its
+    # Attach had left (relay_attached of generation 2 came 1.5 to 12 ms after), and A's session/close
+    # reached the agent in 2 of 6 runs under load: the turn ended CANCELLED on B. The turn holds at a
+    # gate until A is fenced, whatever the machine's load
+    chunks, gate = 60, "gate"
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        a, b = await hosts.start("a", "b")
+        relay = 0
+        paused = False
+        try:
+            session_id = (await chat(a, prompt="hello"))[0][0].session_id
+            relay = relay_pid(hosts.root / "data-a")
+            prompt = f"stream {chunks} pace 50 hold {SEEN + 5} gate {gate}"
+            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt)
+            call = a.stub.Chat(request, metadata=AUTH_MD)
+            seen = await first_chunks(call)
+            prompted = len(hosts.fake.requests())
+            assert a.daemon.proc is not None
+            os.kill(a.daemon.proc.pid, signal.SIGSTOP)  # paused mid-turn: its lease runs out
+            paused = True
+            try:
+                (taken,) = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+            finally:
+                os.kill(a.daemon.proc.pid, signal.SIGCONT)  # woken at once
+                paused = False
+            attached = [row for row in relay_log(hosts.root / "data-a", "relay_attached") if row["generation"] > 1]
+            assert [row["generation"] for row in attached] == [taken["generation"]], attached
+            assert datetime.fromisoformat(attached[0]["timestamp"]) <= datetime.fromisoformat(taken["timestamp"]), (
+                "B said it took the turn over before the relay had its generation: A could still write"
+            )
+            await a.daemon.wait_log("agent_ended_lease_lost", session_id=session_id, timeout=30)
+            (lost,) = await a.daemon.wait_log("relayed_agent_lost", timeout=30)
+            assert "STALE_GENERATION" in lost["why"] or "lease generation" in lost["why"], lost
+            with contextlib.suppress(grpc.aio.AioRpcError):  # its client's stream ends, however it ends
+                async with asyncio.timeout(30):
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+
+            await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
+            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=seen[0].run_id, after_seq=seen[-1].seq),
+                                         metadata=AUTH_MD)  # fmt: skip
+            async with asyncio.timeout(30):
+                rest = [event async for event in subscribe]
+            assert hosts.fake.requests()[prompted:] == [], "nothing reached the agent after the prompt"
+            end = completed(rest)
+            assert end.stop_reason == pb.STOP_REASON_END_TURN, (end.stop_reason, end.error)
+            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
+            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+        finally:
+            if paused and a.daemon.proc is not None:
+                os.kill(a.daemon.proc.pid, signal.SIGCONT)
+            await hosts.close()
+            if relay:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
 async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_look_not_at_lease_expiry(
     make_hosts: MakeHosts,
 ) -> None:
@@ -154,7 +226,9 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
     # the turn ended, the agent is B's idle live agent there (B holds the session's lease): A's own
     # session in that relay, A's clean stop and its next start leave it, and B's next turn runs on it.
     # Once B has closed the session, the relay (of [relays] idle_exit 3 s) stops itself
-    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look and A's restart
+    # the turn holds before its chunk SEEN + 5 until the test opens the gate: it outlasts B's look
+    # and A's restart whatever the machine's load
+    chunks, gate = 60, "gate"
     idle = 3.0
     async with make_hosts() as hosts:
         hosts.profile_keys["placement"] = "relay"
@@ -163,7 +237,8 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
         try:
             session_id = (await chat(a, prompt="hello"))[0][0].session_id
             relay = relay_pid(hosts.root / "data-a")
-            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 50")
+            prompt = f"stream {chunks} pace 50 hold {SEEN + 5} gate {gate}"
+            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt)
             call = a.stub.Chat(request, metadata=AUTH_MD)
             seen = await first_chunks(call)
             await a.daemon.kill()  # its relay and agent go on
@@ -174,6 +249,7 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
             assert taken["run_id"] == run_id
 
             (a,) = await hosts.start("a")  # A's next start, B's turn running in A's relay
+            await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
             subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
             rest = []
             async with asyncio.timeout(60):

@@ -156,7 +156,7 @@ class Daemon:
             {name: ProfilePaths(tuple(p.write_paths), tuple(p.read_paths)) for name, p in settings.agents.items()},
             tuple(sandbox.protected(settings)), store_profile(settings), settings.container_project_volumes,
             serve_tcp=bool(settings.relays_listen_host), relay_key=relays_key,
-            publish_host=settings.container_publish_host,
+            publish_host=settings.container_publish_host, unattached_end=settings.relays_unattached_end,
         )  # fmt: skip
         engine = Engine(container_engine_socket(settings))
         # a container another host's running turn names (a turn taken over) is never removed here

@@ -145,6 +145,9 @@ class ContainerPlacement:
     # ``[containers] publish_host``: each relay's port published on this host, reached at this
     # address by other machines (docs/relay.md#published-on-the-host); "": at the container's own
     publish_host: str = ""
+    # ``[relays] unattached_end``: each relay ends an agent no daemon has attached to for this long,
+    # as a host relay does (docs/relay.md#placement): a host that never comes back leaves none; 0: never
+    unattached_end: float = 0.0
 
     @property
     def tcp(self) -> bool:
@@ -408,6 +411,8 @@ class ContainerHostRelays:
         binds = tuple({b.path: b for b in paths if b.path != STATE_MOUNT}.values())
         command: tuple[str, ...] = ("relay", "--state-dir", STATE_MOUNT, "--stop-grace", str(self._stop_grace),
                                     "--log-format", "json")  # fmt: skip
+        if self._placement.unattached_end:
+            command += ("--unattached-end", str(self._placement.unattached_end))
         if self._placement.tcp:  # its files written by ``_tcp_files`` before the start
             command += ("--listen", f"0.0.0.0:{RELAY_PORT}", "--tls-cert", f"{STATE_MOUNT}/{TLS_CERT_FILE}",
                         "--tls-key", f"{STATE_MOUNT}/{TLS_KEY_FILE}", "--secret-file",

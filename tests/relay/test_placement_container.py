@@ -141,6 +141,9 @@ async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_
     assert inspected is not None
     host = inspected["HostConfig"]
     assert (host["Memory"], host["PidsLimit"], host["ReadonlyRootfs"]) == (256 << 20, 256, True)
+    # its relay ends an agent no daemon attached to, as a host relay does ([relays] unattached_end)
+    command = inspected["Config"]["Cmd"]
+    assert command[command.index("--unattached-end") + 1] == "600.0", command
     spawned = next(r for r in second.logs("agent_spawned") if r.get("placement") == "container")
     assert spawned["state_dir"] == str(tmp_path / "data" / "relay-containers" / "proj.boxed")
     # the agent: the relay's child (the relay: the one child of the container's init), not root,

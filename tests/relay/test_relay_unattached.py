@@ -173,6 +173,8 @@ async def test_a_turn_whose_agent_its_relay_ended_unattached_ends_as_after_an_ag
     assert completed(rest).stop_reason == pb.STOP_REASON_ERROR
     assert completed(rest).error_reason == "AGENT_CRASHED"
     assert "exited" in completed(rest).error
+    # with the agent's last words, as a live turn's error has them: here the relay's own line
+    assert "[rcoder relay] ended this agent: no daemon attached to it" in completed(rest).error
     again = await client.chat(prompt="what number?", session_id=session_id)
     assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
     assert started(again).resume == pb.RESUME_OUTCOME_RESUMED

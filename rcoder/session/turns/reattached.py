@@ -341,7 +341,7 @@ class ReattachedTurns:
             stop = await conn.resume_prompt(turn.prompt_id, on_event, decider, self._settings.turn_timeout or None,
                                             run.room)  # fmt: skip
         except AgentError as exc:
-            status, stop, error, reason = RunStatus.FAILED, StopReason.ERROR, exc.summary, exc.reason
+            status, stop, error, reason = RunStatus.FAILED, StopReason.ERROR, exc.message, exc.reason
         except asyncio.CancelledError:
             # rcoder is stopping past its waits (a clean stop's cancel came and went, or a second
             # signal): the turn ends as the runner ends a local one then (machine.py, Stopping), its

@@ -134,8 +134,6 @@ async def test_a_snapshot_asked_on_a_stream_dropped_before_its_answer_is_asked_a
         metadata = (("authorization", f"Bearer {secret}"),)
         workspaces = RelayedWorkspaces(relays, tmp_path / "workspace", 1 << 20, by_default=False)
         store = await workspaces.checkpoints("p", start.cwd, Bounds())
-        for i in range(64):  # 64 MiB to hash: a first snapshot that takes a while
-            (Path(start.cwd) / f"f{i}.bin").write_bytes(os.urandom(1 << 20))
 
         def request(id_: int) -> bytes:
             return json.dumps({"jsonrpc": "2.0", "id": id_, "method": "initialize",
@@ -143,14 +141,20 @@ async def test_a_snapshot_asked_on_a_stream_dropped_before_its_answer_is_asked_a
 
         child.stdin.write(request(0))  # answered: the daemon's stream is open, its ready read
         assert (await answer_of(child))["id"] == 0
+        # the store made by a first snapshot asked so (a small project), its answer on the stream
+        asked = store.snapshot_before_stdin(child, (), "before run r0")
+        assert asked is not None, "a relay of this version takes snapshots on the stream"
+        first = await asyncio.wait_for(asked, 60)
+        for i in range(64):  # 64 MiB to hash: a snapshot that takes a while
+            (Path(start.cwd) / f"f{i}.bin").write_bytes(os.urandom(1 << 20))
         async with grpc.aio.insecure_channel(child.place.socket) as channel:
             stub = relay_grpc.RelayServiceStub(channel)
             asked = store.snapshot_before_stdin(child, (), "before run r1")
-            assert asked is not None, "a relay of this version takes snapshots on the stream"
+            assert asked is not None
             taking = asyncio.ensure_future(asked)
             child.stdin.write(request(1))
             await child.stdin.drain()
-            await eventually(lambda: relay_calls(folder).get("SnapshotOnStream", 0) == 1)
+            await eventually(lambda: relay_calls(folder).get("SnapshotOnStream", 0) == 2)
             call = stub.Attach(metadata=metadata)  # takes the agent: the daemon's stream ends
             opening = relay_pb.AttachOpen(agent_id=child.place.agent_id, generation=1, from_seq=1)
             await call.write(relay_pb.AttachRequest(open=opening))
@@ -160,8 +164,8 @@ async def test_a_snapshot_asked_on_a_stream_dropped_before_its_answer_is_asked_a
         assert ready.ready.stdin_seq == 1, "the relay wrote nothing after the snapshot asked before it"
         async with asyncio.timeout(60):
             commit = await taking
-        assert len(commit) == 40
-        assert relay_calls(folder).get("SnapshotOnStream") == 2, "asked again on the new stream"
+        assert len(commit) == 40 and commit != first
+        assert relay_calls(folder).get("SnapshotOnStream") == 3, "asked again on the new stream"
         assert (await answer_of(child))["id"] == 1
         assert [r["id"] for r in fake.requests("initialize")] == [0, 1]
 

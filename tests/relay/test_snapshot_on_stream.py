@@ -184,3 +184,28 @@ async def test_a_snapshot_asked_on_a_stream_dropped_before_its_answer_is_asked_a
             await child.exited
     finally:
         await relays.aclose()
+
+
+async def test_a_live_turn_refused_after_its_snapshot_was_asked_lets_the_next_turn_snapshot(
+    make_daemon: DaemonFactory, fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    """The snapshot is asked first thing in a live turn's work, before its checks: a turn those
+    refuse (its project past ``workspace_max_bytes``) reaches no agent, and leaves the project's
+    lock free: the next turn's before snapshot, asked the same way, is taken."""
+    root = tmp_path / "workspace" / PROJECT
+    root.mkdir(parents=True)
+    _, client = await make_daemon({"fake": fake.profile(placement="relay", workspace_max_bytes="3MiB")})
+    first = await client.chat(prompt="shell head -c 4000000 /dev/zero > big.bin\nhello", project_id=PROJECT)
+    session_id = first[0].session_id
+    prompts = len(fake.requests("session/prompt"))
+
+    refused = await client.chat_error(prompt="shell echo no > no.txt", session_id=session_id, project_id=PROJECT)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
+    assert len(fake.requests("session/prompt")) == prompts and not (root / "no.txt").exists()
+
+    (root / "big.bin").unlink()
+    again = completed(await client.chat(prompt="shell echo yes > yes.txt\nhello", session_id=session_id,
+                                        project_id=PROJECT, timeout=60))  # fmt: skip
+    assert again.stop_reason == pb.STOP_REASON_END_TURN and not again.checkpoint_error, again
+    assert [(c.path, c.kind) for c in again.changes] == [("yes.txt", K.FILE_CHANGE_KIND_ADDED)]
+    assert relay_calls(tmp_path / "data" / "relays" / PROJECT).get("SnapshotOnStream") == 2

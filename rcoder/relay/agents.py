@@ -12,9 +12,10 @@ import os
 import secrets
 import signal
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from rcoder import landlock
 from rcoder.agent.confinement.limits import AgentCgroup, Cgroups, Values
@@ -42,6 +43,7 @@ log = get_logger("rcoder.relay.agents")
 _READ = 1 << 16
 MAX_FRAME = 1 << 20
 STDERR_TAIL_BYTES = 16 * 1024
+T = TypeVar("T")
 
 
 class AttachTakenOver(RcoderError):
@@ -205,6 +207,30 @@ class RelayAgent:
             self.stdin_seq = seq
             with contextlib.suppress(ConnectionError):  # it exited meanwhile: its exit tells the client
                 await self.process.stdin.drain()
+
+    async def before_stdin(self, attachment: Attachment, before_seq: int, take: Callable[[], Awaitable[T]]) -> T:
+        """``take`` (a snapshot of the agent's project) done before stdin frame ``before_seq`` is
+        written, under the lock every stdin write takes: the frames after it wait for it, so the
+        agent reads nothing sent after the ask until it is done (docs/relay.md#the-before-snapshot-on-the-stream).
+        Refused when that frame was written already (the snapshot would come after what it was to
+        come before), or the agent takes no more stdin."""
+        async with self._stdin_lock:
+            if attachment.ended is not None:
+                raise attachment.ended
+            if before_seq <= self.stdin_seq:
+                raise FailedPrecondition(
+                    f"agent {self.agent_id!r}: the snapshot was asked before stdin frame {before_seq}, and frame "
+                    f"{self.stdin_seq} was written already",
+                    "STDIN_WRITTEN",
+                    agent_id=self.agent_id,
+                )
+            if self.exit_code is not None or self.process.stdin.is_closing():
+                raise FailedPrecondition(
+                    f"agent {self.agent_id!r} takes no more stdin: it has exited or its stdin was closed",
+                    "STDIN_CLOSED",
+                    agent_id=self.agent_id,
+                )
+            return await take()
 
     async def close_stdin(self, attachment: Attachment) -> None:
         async with self._stdin_lock:

@@ -21,6 +21,12 @@ sent again; a writer waits while more than a pipe's worth is not on a stream. A 
 in the middle of a frame's write cancels the stream (grpc's write does): the follower takes that
 as a drop and attaches again, and the frame goes on the next stream.
 
+A live session's before snapshot is asked on the same stream (``snapshot_before_stdin``), in
+stdin's order: the relay takes it before it writes the frames after it, and answers on the stream
+(docs/relay.md#the-before-snapshot-on-the-stream). An ask not answered when the stream drops is
+sent again after the re-attach if the relay has not written the frame it came before, and fails
+otherwise; the agent's exit and a detach fail every one not answered.
+
 Signals (``AgentProcess``'s SIGTERM and SIGKILL after its grace) are ``Signal`` calls to the
 agent's whole group. Every wait is bounded: a relay that cannot be reached for ``REATTACH_FOR``
 seconds, or whose process is gone (its agents die with it), or that no longer knows the agent, or a
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 from collections import deque
@@ -44,6 +51,7 @@ from rcoder.logs import get_logger
 from rcoder.relay.stdin_frames import StdinFrames, StdinWriter
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+from rcoder.relay.v1 import workspace_pb2 as workspace_pb
 
 log = get_logger("rcoder.relay.attached")
 
@@ -88,6 +96,12 @@ class AttachedAgent:
         self._stdin = StdinFrames(agent.stdin_seq, self._send_soon)
         self.stdin: asyncio.StreamWriter = StdinWriter(self._stdin, self._send_stdin, loop)
         self._sending = False  # a sender of stdin frames runs (it sends what is written meanwhile too)
+        # snapshots asked on the stream (``snapshot_before_stdin``), by id, until answered; those not
+        # yet on the stream open now go in stdin's order, each before the frame it names
+        self._snapshots_on_stream = False  # the relay's last ready said it takes them
+        self._asks: dict[int, tuple[pb.SnapshotAsk, asyncio.Future[pb.SnapshotTaken]]] = {}
+        self._unsent_asks: deque[pb.SnapshotAsk] = deque()
+        self._ask_ids = itertools.count(1)
         self._trimming = False  # a Status call trims the stdin frames kept
         self._call: Any = None  # the Attach stream now open, while it is
         self._write_lock = asyncio.Lock()  # one writer on the stream at a time, stdin frames in order
@@ -176,6 +190,7 @@ class AttachedAgent:
         from now on. The exit never comes: nothing here waits for it any more."""
         self._detached = True
         self._stdin.forget()
+        self._fail_asks("rcoder stops: the agent was left to the next daemon")
         self._follower.cancel()  # its end cancels the call
         for task in list(self._tasks):
             task.cancel()
@@ -278,6 +293,8 @@ class AttachedAgent:
             raise ConnectionError("the relay's stream did not start with ready")
         async with self._write_lock:
             self._stdin.rewind(first.ready.stdin_seq)
+            self._snapshots_on_stream = first.ready.snapshots_on_stream
+            self._ask_again(first.ready.stdin_seq)
             await self._send_unsent(call)  # a broken stream raises: attached again
             self._call = call
         if not self._taken.done():
@@ -303,6 +320,10 @@ class AttachedAgent:
             self._written = frame.seq
             if self._ackable() - self._acked >= ACK_EVERY or self._let_go:
                 await self._ack(call)
+        elif kind == "snapshot":
+            asked = self._asks.pop(response.snapshot.id, None)
+            if asked is not None and not asked[1].done():
+                asked[1].set_result(response.snapshot)
         elif kind == "lagged":
             lagged = response.lagged
             if lagged.next_seq - 1 > self._written:  # not only frames written already, sent again
@@ -338,7 +359,8 @@ class AttachedAgent:
 
     def _send_if_idle(self) -> None:
         stdin = self._stdin
-        if not self._sending and (stdin.next_unsent() is not None or (stdin.ended and not stdin.end_sent)):
+        unsent = stdin.next_unsent() is not None or self._unsent_asks
+        if not self._sending and (unsent or (stdin.ended and not stdin.end_sent)):
             self._spawn(self._send_stdin(), f"relayed-stdin-{self.pid}")
 
     async def _send_stdin(self) -> None:
@@ -360,8 +382,14 @@ class AttachedAgent:
     async def _send_unsent(self, call: Any) -> None:
         """On ``call`` (the write lock held): every stdin frame unsent on it, in order, then the end
         of stdin once it came; written meanwhile goes too."""
-        stdin = self._stdin
-        while (frame := stdin.next_unsent()) is not None:
+        stdin, asks = self._stdin, self._unsent_asks
+        while True:
+            frame = stdin.next_unsent()
+            while asks and (frame is None or asks[0].before_seq <= frame.seq):
+                await call.write(pb.AttachRequest(snapshot=asks[0]))
+                asks.popleft()
+            if frame is None:
+                break
             await call.write(pb.AttachRequest(stdin=frame))
             stdin.sent(frame.seq)
         if stdin.ended and not stdin.end_sent:
@@ -379,6 +407,53 @@ class AttachedAgent:
                 self._stdin.written(status.agent.stdin_seq)
         finally:
             self._trimming = False
+
+    # ------------------------------------------------------------ snapshots asked on the stream
+
+    def snapshot_before_stdin(
+        self, metadata: Metadata, request: workspace_pb.SnapshotRequest
+    ) -> asyncio.Future[pb.SnapshotTaken] | None:
+        """Ask the relay for the snapshot ``request`` before the next frame written on stdin reaches
+        the agent (docs/relay.md#the-before-snapshot-on-the-stream): sent on the stream, in stdin's
+        order, with no call of its own. Its answer, or ``ConnectionError`` when none can come (the
+        stream dropped after the relay wrote that frame, the agent's exit, a detach). None when it
+        cannot be asked so: the store is another relay's (``metadata``, which carries a relay's own
+        secret, is not this one's), the relay did not say it takes them, or stdin is over."""
+        if metadata != self._metadata or not self._snapshots_on_stream or self._detached:
+            return None
+        if self.exited.done() or self._stdin.is_closing():
+            return None
+        ask = pb.SnapshotAsk(id=next(self._ask_ids), before_seq=self._stdin.last_seq + 1, request=request)
+        answer: asyncio.Future[pb.SnapshotTaken] = self._loop.create_future()
+        self._asks[ask.id] = (ask, answer)
+        self._unsent_asks.append(ask)
+        self._send_soon()
+        return answer
+
+    def _ask_again(self, written: int) -> None:
+        """A new stream, whose ``ready`` says the relay wrote stdin up to ``written``: a snapshot not
+        answered whose frame it came before is not written yet is asked again on it (one the relay
+        took meanwhile is taken anew: the agent has read nothing after it); one whose frame the
+        relay wrote has lost its answer with the stream, and fails."""
+        self._unsent_asks.clear()
+        for ask_id, (ask, answer) in list(self._asks.items()):
+            if answer.done():
+                del self._asks[ask_id]
+            elif ask.before_seq <= written or not self._snapshots_on_stream:
+                del self._asks[ask_id]
+                why = (f"the relay's stream dropped before the snapshot's answer, and stdin frame {ask.before_seq} "
+                       "was written since" if self._snapshots_on_stream else "the relay takes no snapshot asked on "
+                       "its stream")  # fmt: skip
+                answer.set_exception(ConnectionError(why))
+            else:
+                self._unsent_asks.append(ask)
+
+    def _fail_asks(self, why: str) -> None:
+        self._unsent_asks.clear()
+        for _, answer in self._asks.values():
+            if not answer.done():
+                answer.set_exception(ConnectionError(why))
+        self._asks.clear()
 
     async def _signal(self, sig: signal.Signals) -> None:
         request = pb.SignalRequest(agent_id=self._agent_id, generation=self._generation, signal=int(sig))
@@ -410,6 +485,7 @@ class AttachedAgent:
         self._stdout_writer.close()
         # a writer's drain raises from now on, as on a local agent's closed pipe
         self._stdin.lost(BrokenPipeError(f"the agent (pid {self.pid}) exited"))
+        self._fail_asks(f"the agent (pid {self.pid}) exited")
         self.exited.set_result(None)
 
     def _lost(self, why: str) -> None:

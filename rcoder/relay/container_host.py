@@ -90,6 +90,8 @@ from rcoder.relay.endpoint import RELAY_ID_FILE, SECRET_FILE, SOCKET_FILE, TLS_C
 from rcoder.relay.engine_api import Engine
 from rcoder.relay.relay_key import new_relay_id, relay_secret
 from rcoder.relay.v1 import relay_pb2 as pb
+from rcoder.relay.v1 import workspace_pb2 as workspace_pb
+from rcoder.relay.workspace_client import SnapshotsOnStream
 
 log = get_logger("rcoder.relay.container_host")
 
@@ -814,6 +816,14 @@ class _Watched:
 
     def release_acks(self) -> None:
         self._child.release_acks()
+
+    def snapshot_before_stdin(
+        self, metadata: tuple[tuple[str, str], ...], request: workspace_pb.SnapshotRequest
+    ) -> asyncio.Future[pb.SnapshotTaken] | None:
+        """Its relay's (docs/relay.md#the-before-snapshot-on-the-stream), which holds the store when
+        the container is the default profile's."""
+        child = self._child
+        return child.snapshot_before_stdin(metadata, request) if isinstance(child, SnapshotsOnStream) else None
 
     async def _said(self) -> None:
         try:

@@ -164,11 +164,13 @@ async def serve(options: RelayOptions) -> int:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents), server)
     # the projects' files and checkpoints, where they are (docs/relay.md#files-and-checkpoints)
     workspaces = Workspaces(FileThreads(), folder / UPLOADS_FOLDER)
     stores = CheckpointStores(folder, trees, git_jail(hidden, trees))
-    workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(RelayWorkspaceService(workspaces, stores), server)
+    workspace = RelayWorkspaceService(workspaces, stores)
+    # a turn's before snapshot may be asked on its agent's stream (docs/relay.md#the-before-snapshot-on-the-stream)
+    pb_grpc.add_RelayServiceServicer_to_server(RelayService(agents, workspace.take_snapshot), server)
+    workspace_grpc.add_RelayWorkspaceServiceServicer_to_server(workspace, server)
     socket_path = folder / SOCKET_FILE
     socket_path.unlink(missing_ok=True)
     if server.add_insecure_port(socket_target(socket_path)) == 0:

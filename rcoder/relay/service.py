@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,12 +27,16 @@ from rcoder.relay.agent_home import AgentHome
 from rcoder.relay.agents import SIGNALS, Agents, AgentSpec, Attachment, AttachTakenOver, Grants, RelayAgent
 from rcoder.relay.v1 import relay_pb2 as pb
 from rcoder.relay.v1 import relay_pb2_grpc as pb_grpc
+from rcoder.relay.v1 import workspace_pb2 as workspace_pb
 
 log = get_logger("rcoder.relay.service")
 ERROR_DOMAIN = "rcoder.dev"
 # frames sent at most in one go before the stream looks at its acknowledgements again
 _BATCH = 256
 _HALF_CLOSE_WAIT = 5.0  # seconds an ended agent's stream waits for its client to close its half
+
+# takes a snapshot as RelayWorkspaceService.Snapshot does: its commit, or one of rcoder's errors
+Snapshotter = Callable[[workspace_pb.SnapshotRequest], Awaitable[str]]
 
 # Most specific first: the first class an error is an instance of wins.
 STATUS_CODES: tuple[tuple[type[errors.RcoderError], grpc.StatusCode], ...] = (
@@ -69,7 +74,7 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: errors.RcoderE
     raise AssertionError("abort returned")  # pragma: no cover
 
 
-def agent_message(agent: RelayAgent, generations: int) -> pb.Agent:
+def agent_message(agent: RelayAgent, generations: int, snapshots: bool = False) -> pb.Agent:
     frames = agent.frames
     return pb.Agent(
         agent_id=agent.agent_id,
@@ -85,15 +90,28 @@ def agent_message(agent: RelayAgent, generations: int) -> pb.Agent:
         exit_code=agent.exit_code or 0,
         generation=generations,
         attached=agent.attachment is not None,
+        snapshots_on_stream=snapshots,
     )
 
 
+def failure_of(exc: errors.RcoderError) -> pb.SnapshotFailure:
+    """``exc`` as a snapshot asked on a stream is answered with it: what ``abort`` would send."""
+    code = next(c for kind, c in STATUS_CODES if isinstance(exc, kind))
+    return pb.SnapshotFailure(code=code.value[0], reason=exc.reason, message=exc.message[:2048],
+                              metadata=exc.metadata)  # fmt: skip
+
+
 class RelayService(pb_grpc.RelayServiceServicer):
-    def __init__(self, agents: Agents) -> None:
+    """``snapshot``: the workspace service's snapshot (``RelayWorkspaceService.take_snapshot``), for
+    those asked on an Attach stream (None: a relay without stores, which says it takes none)."""
+
+    def __init__(self, agents: Agents, snapshot: Snapshotter | None = None) -> None:
         self._agents = agents
+        self._snapshot = snapshot
 
     def _message(self, agent: RelayAgent) -> pb.Agent:
-        return agent_message(agent, self._agents.generations.highest(agent.session_id))
+        generation = self._agents.generations.highest(agent.session_id)
+        return agent_message(agent, generation, self._snapshot is not None)
 
     async def Spawn(self, request: pb.SpawnRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.SpawnResponse:
         try:
@@ -143,11 +161,12 @@ class RelayService(pb_grpc.RelayServiceServicer):
         except errors.RcoderError as exc:
             await abort(context, exc)
         log.info("relay_attached", agent_id=agent.agent_id, generation=opening.generation, from_seq=opening.from_seq)
-        reader = asyncio.get_running_loop().create_task(self._read_requests(requests, agent, attachment))
+        answers: deque[pb.SnapshotTaken] = deque()  # the snapshots asked on this stream, answered in order
+        reader = asyncio.get_running_loop().create_task(self._read_requests(requests, agent, attachment, answers))
         reader.add_done_callback(lambda _: attachment.wake.set())
         try:
             yield pb.AttachResponse(ready=self._message(agent))
-            async for response in self._send(agent, attachment, max(opening.from_seq, 1), reader):
+            async for response in self._send(agent, attachment, max(opening.from_seq, 1), reader, answers):
                 yield response
         except errors.RcoderError as exc:
             await abort(context, exc)
@@ -158,13 +177,21 @@ class RelayService(pb_grpc.RelayServiceServicer):
                 await reader
 
     async def _send(
-        self, agent: RelayAgent, attachment: Attachment, next_seq: int, reader: asyncio.Task[None]
+        self,
+        agent: RelayAgent,
+        attachment: Attachment,
+        next_seq: int,
+        reader: asyncio.Task[None],
+        answers: deque[pb.SnapshotTaken],
     ) -> AsyncIterator[pb.AttachResponse]:
-        """Every frame from ``next_seq`` on as it comes, a lag where frames went, then the exit."""
+        """Every frame from ``next_seq`` on as it comes, a lag where frames went, then the exit;
+        each snapshot's answer as soon as it is known (before the frames the agent wrote after it)."""
         while True:
             attachment.wake.clear()
             if attachment.ended is not None:
                 raise attachment.ended
+            while answers:
+                yield pb.AttachResponse(snapshot=answers.popleft())
             if reader.done() and not reader.cancelled() and (failed := reader.exception()) is not None:
                 if isinstance(failed, errors.RcoderError):
                     raise failed
@@ -194,12 +221,20 @@ class RelayService(pb_grpc.RelayServiceServicer):
             await attachment.wake.wait()
 
     async def _read_requests(
-        self, requests: AsyncIterator[pb.AttachRequest], agent: RelayAgent, attachment: Attachment
+        self,
+        requests: AsyncIterator[pb.AttachRequest],
+        agent: RelayAgent,
+        attachment: Attachment,
+        answers: deque[pb.SnapshotTaken],
     ) -> None:
-        """The client's stdin, acknowledgements and end of stdin, in order; its end of the stream ends nothing."""
+        """The client's stdin, acknowledgements, snapshots and end of stdin, in order; its end of
+        the stream ends nothing."""
         async for request in requests:
             kind = request.WhichOneof("message")
-            if kind == "stdin":
+            if kind == "snapshot":
+                answers.append(await self._before_stdin(agent, attachment, request.snapshot))
+                attachment.wake.set()
+            elif kind == "stdin":
                 await agent.write_stdin(attachment, request.stdin.seq, request.stdin.data)
             elif kind == "ack":
                 if attachment.ended is not None:
@@ -209,6 +244,26 @@ class RelayService(pb_grpc.RelayServiceServicer):
                 await agent.close_stdin(attachment)
             else:
                 raise errors.InvalidArgument("message", f"an Attach stream is opened once; {kind or 'nothing'} sent")
+
+    async def _before_stdin(self, agent: RelayAgent, attachment: Attachment, ask: pb.SnapshotAsk) -> pb.SnapshotTaken:
+        """A snapshot asked on the stream, taken before the stdin frame it names (read no further
+        meanwhile: what follows on the stream waits); a failure is its answer, never the stream's
+        end. The stream taken by another (``ended``) ends as at a stdin frame."""
+        snapshot = self._snapshot
+        try:
+            if snapshot is None:
+                raise errors.Unimplemented("this relay keeps no checkpoint stores: ask with a Snapshot call")
+            commit = await agent.before_stdin(attachment, ask.before_seq, lambda: snapshot(ask.request))
+        except errors.RcoderError as exc:
+            if exc is attachment.ended:
+                raise
+            log.info("relay_snapshot_refused", agent_id=agent.agent_id, reason=exc.reason, message=exc.message[:300])
+            return pb.SnapshotTaken(id=ask.id, failure=failure_of(exc))
+        except Exception as exc:  # a bug: answered, so that the stream (asked again after a drop) goes on
+            log.exception("relay_snapshot_failed_unexpectedly", agent_id=agent.agent_id)
+            failed = errors.CheckpointError("snapshot", f"the relay failed: {type(exc).__name__}: {exc}")
+            return pb.SnapshotTaken(id=ask.id, failure=failure_of(failed))
+        return pb.SnapshotTaken(id=ask.id, commit=commit)
 
 
 def _generation(generation: int) -> None:

@@ -56,6 +56,11 @@ class StdinFrames(asyncio.WriteTransport):
         self._paused = False
         self._protocol: _Flow | None = None
 
+    @property
+    def last_seq(self) -> int:
+        """The last frame numbered (a snapshot asked now comes before the next one)."""
+        return self._seq
+
     def attach_protocol(self, protocol: _Flow) -> None:
         self._protocol = protocol
 

@@ -14,10 +14,11 @@ what it sees for a local project; a relay that cannot be reached is ``RelayUnava
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from datetime import UTC
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -29,6 +30,7 @@ from rcoder.agent.files.blocking import Cursor, Entry, EntryKind, Listing
 from rcoder.agent.files.disk import Chunk, FileHead, WriteHead, Written
 from rcoder.domain import FileChange
 from rcoder.logs import get_logger
+from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import workspace_pb2 as pb
 from rcoder.relay.v1 import workspace_pb2_grpc as pb_grpc
 from rcoder.relay.workspace_changes import change_message, change_of
@@ -59,6 +61,16 @@ _BY_REASON: dict[str, type[errors.RcoderError]] = {
 }
 
 
+@runtime_checkable
+class SnapshotsOnStream(Protocol):
+    """A relayed agent whose relay takes a snapshot asked on its Attach stream
+    (``rcoder.relay.attached.AttachedAgent.snapshot_before_stdin``; a container's agent forwards it)."""
+
+    def snapshot_before_stdin(
+        self, metadata: Metadata, request: pb.SnapshotRequest
+    ) -> asyncio.Future[relay_pb.SnapshotTaken] | None: ...
+
+
 class Relays(Protocol):
     """What this needs of the relays that hold the projects' files and stores: the host's
     (``rcoder.relay.host.HostRelays``) or the containers' (``rcoder.relay.container_host.ContainerHostRelays``)."""
@@ -72,16 +84,27 @@ def error_of(exc: grpc.aio.AioRpcError, project_id: str) -> errors.RcoderError:
     """The relay's refusal as the error it was there: the class its code (and reason) names, with
     the reason, metadata and message it sent. A status without rcoder's ErrorInfo (the relay is
     gone, or refused this daemon's secret) is ``RelayUnavailable``."""
-    info = _info(exc)
-    code = exc.code()
+    return _error(exc.code(), exc.details() or "", _info(exc), project_id)
+
+
+def failure_error(failure: relay_pb.SnapshotFailure, project_id: str) -> errors.RcoderError:
+    """A snapshot asked on an Attach stream that failed, as the error its Snapshot call would have raised."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == failure.code), grpc.StatusCode.UNKNOWN)
+    info = error_details_pb2.ErrorInfo(reason=failure.reason, metadata=dict(failure.metadata))
+    return _error(code, failure.message, info, project_id)
+
+
+def _error(
+    code: grpc.StatusCode, details: str, info: error_details_pb2.ErrorInfo | None, project_id: str
+) -> errors.RcoderError:
     if info is None or code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED):
         return errors.RelayUnavailable(
-            f"project {project_id!r} is relayed and its relay did not answer ({code.name}: {exc.details()})",
+            f"project {project_id!r} is relayed and its relay did not answer ({code.name}: {details})",
             project_id=project_id,
         )
     kind = _BY_REASON.get(info.reason) or _CLASSES.get(code, errors.RcoderError)
     error = kind.__new__(kind)
-    errors.RcoderError.__init__(error, exc.details() or "", **dict(info.metadata))
+    errors.RcoderError.__init__(error, details, **dict(info.metadata))
     error.reason = info.reason
     if isinstance(error, errors.CheckpointError):
         error.step = info.metadata.get("step", "")
@@ -303,6 +326,36 @@ class CheckpointClient:
         self._patterns = tuple(patterns)
         self._kept.add(answer.commit)  # its ref is written before the answer
         return str(answer.commit)
+
+    def snapshot_before_stdin(
+        self, agent: object, patterns: Sequence[str], message: str
+    ) -> Coroutine[Any, Any, str] | None:
+        """The snapshot taken by ``agent``'s relay before the next stdin frame reaches the agent,
+        asked on its Attach stream (docs/relay.md#the-before-snapshot-on-the-stream): the relay
+        holds that frame until the snapshot is taken, so the caller need not wait before writing it.
+        What awaits its commit (raising as ``snapshot`` does), or None when ``agent`` cannot be
+        asked so (a local agent, one of another relay than this store's, a relay that does not
+        take them): then ``snapshot``."""
+        if not isinstance(agent, SnapshotsOnStream):
+            return None
+        request = pb.SnapshotRequest(store=self._store, patterns=list(patterns), message=message, capped=True)
+        answer = agent.snapshot_before_stdin(self._metadata, request)
+        return None if answer is None else self._taken(answer, tuple(patterns))
+
+    async def _taken(self, answer: asyncio.Future[relay_pb.SnapshotTaken], patterns: tuple[str, ...]) -> str:
+        try:
+            async with asyncio.timeout(GIT_CALL_TIMEOUT):
+                taken = await answer
+        except (TimeoutError, ConnectionError) as exc:
+            why = str(exc) or f"no answer within {GIT_CALL_TIMEOUT:g} s"
+            raise errors.RelayUnavailable(f"project {self.project_id!r} is relayed and its relay did not answer the "
+                                          f"snapshot asked on its agent's stream ({why})",
+                                          project_id=self.project_id) from None  # fmt: skip
+        if taken.HasField("failure"):
+            raise failure_error(taken.failure, self.project_id)
+        self._patterns = patterns
+        self._kept.add(taken.commit)  # its ref is written before the answer
+        return str(taken.commit)
 
     async def keep(self, commit: str) -> None:
         await self._call(self._stub.KeepCommit, pb.KeepCommitRequest(store=self._store, commit=commit))

@@ -250,13 +250,20 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         self, request: pb.SnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SnapshotResponse:
         try:
-            repo = self._repo(request.store, "Snapshot")
-            commit = await repo.snapshot(tuple(request.patterns), request.message, request.capped)
+            commit = await self.take_snapshot(request, "Snapshot")
         except errors.RcoderError as exc:
             await abort(context, exc)
-        except OSError as exc:
-            await abort(context, errors.CheckpointError("snapshot", f"the project could not be read: {exc}"))
         return pb.SnapshotResponse(commit=commit)
+
+    async def take_snapshot(self, request: pb.SnapshotRequest, call: str = "SnapshotOnStream") -> str:
+        """The snapshot ``request`` asks for: its commit, or one of rcoder's errors. Asked by the
+        Snapshot call, and on an Attach stream before a stdin frame (``rcoder.relay.service``),
+        logged under ``call``."""
+        repo = self._repo(request.store, call)
+        try:
+            return await repo.snapshot(tuple(request.patterns), request.message, request.capped)
+        except OSError as exc:
+            raise errors.CheckpointError("snapshot", f"the project could not be read: {exc}") from exc
 
     async def ResolveCommit(
         self, request: pb.ResolveCommitRequest, context: grpc.aio.ServicerContext[Any, Any]

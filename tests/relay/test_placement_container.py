@@ -522,8 +522,13 @@ async def test_a_container_projects_files_and_checkpoints_are_done_by_its_contai
     assert [(c.path, c.kind) for c in end.changes] == [("old.txt", pb.FILE_CHANGE_KIND_MODIFIED)]
     whole = await client.stub.GetRunChanges(pb.GetRunChangesRequest(run_id=run_id))
     assert "-old line" in whole.diff and "+new line" in whole.diff
+    # the live session's next turn: its before snapshot asked on the agent's stream to the same relay
+    # (docs/relay.md#the-before-snapshot-on-the-stream), which holds the store; the file its agent
+    # writes first is not in it
+    live = completed(await client.chat(prompt="shell echo second > second.txt\nhello", session_id=session_id))
+    assert [(c.path, c.kind) for c in live.changes] == [("second.txt", pb.FILE_CHANGE_KIND_ADDED)], live
     rewound = await client.stub.RewindSession(pb.RewindSessionRequest(session_id=session_id, run_id=run_id))
-    assert [c.path for c in rewound.changes] == ["old.txt"]
+    assert [c.path for c in rewound.changes] == ["old.txt", "second.txt"]
     assert (root / "old.txt").read_bytes() == b"old line\n"
     assert (root / "old.txt").stat().st_uid == int(CONTAINER_UID), "the relay wrote it, as the container's user"
 
@@ -532,6 +537,7 @@ async def test_a_container_projects_files_and_checkpoints_are_done_by_its_contai
     calls = await asyncio.to_thread(relay_calls_in, engine, row["Id"])
     assert calls.get("WriteFile") == 1 and calls.get("ReadFile") == 1 and calls.get("ListFiles") == 1, calls
     assert calls.get("Snapshot", 0) >= 4 and calls.get("Restore") == 1 and calls.get("Diff") == 1, calls
+    assert calls.get("SnapshotOnStream") == 1, calls
     assert calls.get("GiveBack") == 1, calls
     state = tmp_path / "data" / "relay-containers" / "proj.boxed"
     assert (state / "checkpoints" / "proj.git" / "HEAD").is_file()

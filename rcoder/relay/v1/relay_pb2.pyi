@@ -15,6 +15,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from rcoder.relay.v1 import workspace_pb2 as _workspace_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -401,6 +402,7 @@ class Agent(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     ATTACHED_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_ON_STREAM_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The relay's id for it."""
     session_id: _builtins.str
@@ -427,6 +429,10 @@ class Agent(_message.Message):
     """Its name (StartSpec.name)."""
     attached: _builtins.bool
     """Whether a client is attached now."""
+    snapshots_on_stream: _builtins.bool
+    """This relay takes a snapshot asked on the Attach stream (AttachRequest.snapshot); a relay that
+    does not say so is asked with a Snapshot call.
+    """
     def __init__(
         self,
         *,
@@ -443,10 +449,11 @@ class Agent(_message.Message):
         generation: _builtins.int = ...,
         name: _builtins.str = ...,
         attached: _builtins.bool = ...,
+        snapshots_on_stream: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "agent_id", b"agent_id", "attached", b"attached", "dropped_frames", b"dropped_frames", "exit_code", b"exit_code", "exited", b"exited", "first_buffered_seq", b"first_buffered_seq", "generation", b"generation", "last_seq", b"last_seq", "name", b"name", "pid", b"pid", "session_id", b"session_id", "stdin_seq", b"stdin_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "agent_id", b"agent_id", "attached", b"attached", "dropped_frames", b"dropped_frames", "exit_code", b"exit_code", "exited", b"exited", "first_buffered_seq", b"first_buffered_seq", "generation", b"generation", "last_seq", b"last_seq", "name", b"name", "pid", b"pid", "session_id", b"session_id", "snapshots_on_stream", b"snapshots_on_stream", "stdin_seq", b"stdin_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -462,6 +469,7 @@ class AttachRequest(_message.Message):
     STDIN_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
     CLOSE_STDIN_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     ack: _builtins.int
     """Every frame up to this seq is received and kept: the relay may drop them."""
     close_stdin: _builtins.bool
@@ -474,6 +482,12 @@ class AttachRequest(_message.Message):
     def stdin(self) -> Global___StdinFrame:
         """Bytes for the agent's stdin."""
 
+    @_builtins.property
+    def snapshot(self) -> Global___SnapshotAsk:
+        """Snapshot a project before the agent's next stdin frame (a turn's before snapshot,
+        docs/relay.md#the-before-snapshot-on-the-stream); answered by AttachResponse.snapshot.
+        """
+
     def __init__(
         self,
         *,
@@ -481,16 +495,53 @@ class AttachRequest(_message.Message):
         stdin: Global___StdinFrame | None = ...,
         ack: _builtins.int = ...,
         close_stdin: _builtins.bool = ...,
+        snapshot: Global___SnapshotAsk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "close_stdin", b"close_stdin", "message", b"message", "open", b"open", "stdin", b"stdin"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "close_stdin", b"close_stdin", "message", b"message", "open", b"open", "snapshot", b"snapshot", "stdin", b"stdin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "close_stdin", b"close_stdin", "message", b"message", "open", b"open", "stdin", b"stdin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "close_stdin", b"close_stdin", "message", b"message", "open", b"open", "snapshot", b"snapshot", "stdin", b"stdin"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["open", "stdin", "ack", "close_stdin"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["open", "stdin", "ack", "close_stdin", "snapshot"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___AttachRequest: _TypeAlias = AttachRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotAsk(_message.Message):
+    """A snapshot taken before a stdin frame: the relay takes it in the stream's order, and writes
+    frame `before_seq` (and every later one) to the agent only once it is taken or has failed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    BEFORE_SEQ_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The client's number for it, which the answer carries."""
+    before_seq: _builtins.int
+    """The stdin frame it comes before: the one after the last frame the client numbered. One the
+    relay wrote already is answered FAILED_PRECONDITION (STDIN_WRITTEN), with no snapshot.
+    """
+    @_builtins.property
+    def request(self) -> _workspace_pb2.SnapshotRequest:
+        """The snapshot, as RelayWorkspaceService.Snapshot takes it."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        before_seq: _builtins.int = ...,
+        request: _workspace_pb2.SnapshotRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before_seq", b"before_seq", "id", b"id", "request", b"request"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotAsk: _TypeAlias = SnapshotAsk  # noqa: Y015
 
 @_typing.final
 class AttachOpen(_message.Message):
@@ -562,6 +613,7 @@ class AttachResponse(_message.Message):
     FRAME_FIELD_NUMBER: _builtins.int
     LAGGED_FIELD_NUMBER: _builtins.int
     EXIT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ready(self) -> Global___Agent:
         """The first message: the agent as it stands when attached."""
@@ -578,6 +630,10 @@ class AttachResponse(_message.Message):
     def exit(self) -> Global___AgentExit:
         """The agent exited; no frame follows."""
 
+    @_builtins.property
+    def snapshot(self) -> Global___SnapshotTaken:
+        """The answer to a SnapshotAsk."""
+
     def __init__(
         self,
         *,
@@ -585,16 +641,105 @@ class AttachResponse(_message.Message):
         frame: Global___Frame | None = ...,
         lagged: Global___AttachLagged | None = ...,
         exit: Global___AgentExit | None = ...,
+        snapshot: Global___SnapshotTaken | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "frame", b"frame", "lagged", b"lagged", "message", b"message", "ready", b"ready"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "frame", b"frame", "lagged", b"lagged", "message", b"message", "ready", b"ready", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "frame", b"frame", "lagged", b"lagged", "message", b"message", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit", b"exit", "frame", b"frame", "lagged", b"lagged", "message", b"message", "ready", b"ready", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["ready", "frame", "lagged", "exit"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["ready", "frame", "lagged", "exit", "snapshot"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___AttachResponse: _TypeAlias = AttachResponse  # noqa: Y015
+
+@_typing.final
+class SnapshotTaken(_message.Message):
+    """A SnapshotAsk's answer: its commit, or why none was taken."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The ask's id."""
+    commit: _builtins.str
+    """The commit (its ref written before this answer); empty when the snapshot failed."""
+    @_builtins.property
+    def failure(self) -> Global___SnapshotFailure:
+        """Why it failed, as RelayWorkspaceService.Snapshot would have refused it; unset when taken."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        commit: _builtins.str = ...,
+        failure: Global___SnapshotFailure | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "failure", b"failure", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotTaken: _TypeAlias = SnapshotTaken  # noqa: Y015
+
+@_typing.final
+class SnapshotFailure(_message.Message):
+    """A snapshot's failure: the gRPC status and google.rpc.ErrorInfo the Snapshot call would have sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The gRPC status code's number."""
+    reason: _builtins.str
+    """The ErrorInfo's reason."""
+    message: _builtins.str
+    """The message, for a person."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The ErrorInfo's metadata."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        message: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "metadata", b"metadata", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotFailure: _TypeAlias = SnapshotFailure  # noqa: Y015
 
 @_typing.final
 class Frame(_message.Message):

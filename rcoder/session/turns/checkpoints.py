@@ -30,7 +30,10 @@ ahead, the default profile's), or ``container`` when the default profile's is to
 profile's container's relay), is snapshotted, diffed and restored by its relay, through a
 ``Repo`` of the relay's (``Relayed.checkpoints``); everything decided here (which commit a run
 names, which refs go, the locks) is decided the same way for both. Retention's sweep and gc reach
-this host's stores and those of the relays alive as it runs.
+this host's stores and those of the relays alive as it runs. A live session's before snapshot
+is asked on its agent's Attach stream when that agent's relay holds the store (``before_stdin``,
+docs/checkpoints.md#a-relayed-projects-before-snapshot): the relay takes it before the prompt
+reaches the agent, and the prompt does not wait for its answer.
 
 A project's snapshot is also taken ahead of its turns, in the background (``ahead``): when the
 daemon starts and finds a project this host has no index of, when a request of the file API first
@@ -51,7 +54,7 @@ import os
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -131,6 +134,10 @@ class RelayedRepo(Repo, Protocol):
     async def gc(self, bound: float) -> GcPass: ...
 
     async def store_bytes(self) -> int: ...
+
+    def snapshot_before_stdin(
+        self, agent: object, patterns: Sequence[str], message: str
+    ) -> Coroutine[Any, Any, str] | None: ...
 
 
 class Relayed(Protocol):
@@ -361,6 +368,56 @@ class Checkpoints:
                     # the run names it now; one it superseded goes at the turn's end, off the prompt's path
                     del self._ahead_commits[project_id]
         except (CheckpointError, OSError, RelayUnavailable) as exc:
+            log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
+            self._note_full(exc)
+            self._failed[run_id] = f"no before snapshot: {str(exc)[:500]}"
+            return ""
+        return commit
+
+    async def before_stdin(
+        self, project_id: str, cwd: str, run_id: str, profile: AgentProfile, agent: object
+    ) -> asyncio.Task[str] | None:
+        """The before snapshot of a live session's turn taken by its agent's relay as the prompt
+        reaches it (docs/checkpoints.md#a-relayed-projects-before-snapshot): asked on the agent's
+        Attach stream, which the relay reads in order, so the prompt written after this returns is
+        held there until the snapshot is taken, and the prompt need not wait for its answer. The
+        task that gives its commit as ``before`` does ("": none taken, said as ``before`` says it),
+        the project's lock held until then; None when it cannot be asked so (checkpoints off, a
+        store of this host's, an agent of another relay than the store's, a relay that does not
+        take them): ``before`` then."""
+        if not self.enabled or not self.relayed(profile.name):
+            return None
+        lock = self.locks[project_id]
+        await lock.acquire()
+        try:
+            repo = await self._relayed_repo(project_id, cwd)
+            asked = repo.snapshot_before_stdin(agent, profile.checkpoint_exclude, f"before run {run_id}")
+        except (CheckpointError, OSError, RelayUnavailable):
+            asked = None  # ``before`` meets it again, and says it
+        except BaseException:
+            lock.release()
+            raise
+        if asked is None:
+            lock.release()
+            return None
+        task = asyncio.get_running_loop().create_task(self._before_taken(project_id, run_id, asked),
+                                                      name=f"checkpoint-{run_id}")  # fmt: skip
+
+        def taken(_: asyncio.Task[str]) -> None:  # however it ended, cancelled before it began included
+            asked.close()
+            lock.release()
+
+        task.add_done_callback(taken)
+        return task
+
+    async def _before_taken(self, project_id: str, run_id: str, asked: Coroutine[Any, Any, str]) -> str:
+        """``before_stdin``'s answer, as ``before`` takes its own (the project's lock is let go after it)."""
+        try:
+            commit = await asked
+            self.pending(run_id, commit)
+            if self._ahead_commits.get(project_id) == commit:
+                del self._ahead_commits[project_id]  # as in ``before``
+        except RcoderError as exc:  # those of ``before``, and the stream's own (its agent's stdin closed meanwhile)
             log.warning("checkpoint_before_failed", run_id=run_id, error=str(exc)[:500])
             self._note_full(exc)
             self._failed[run_id] = f"no before snapshot: {str(exc)[:500]}"

@@ -247,6 +247,18 @@ class TurnRunner:
         plan, run = scope.plan, scope.run
         if queued:
             await self._replan(scope)
+        checkpoints = self.checkpoints
+        # docs/checkpoints.md#a-relayed-projects-before-snapshot: a live session's relayed agent has its
+        # relay take the before snapshot, asked on its stream first thing, so that the relay's walk
+        # runs while the turn starts here; the prompt, written on the same stream after it, need not
+        # wait for its answer (the relay holds the prompt until it is taken)
+        asked_of: object = None  # the agent whose relay was asked
+        live = self._pool.live_connection(plan.session_id) if plan.action is Action.LIVE else None
+        if checkpoints.enabled and live is not None:
+            asked_of = live.process.child
+            scope.before = await checkpoints.before_stdin(
+                plan.turn.project_id, plan.cwd, run.run_id, plan.profile, asked_of
+            )
         # A turn is refused before any agent starts in a project past its profile's
         # workspace_max_bytes, and in a session or project past a budget (the budget check reads
         # nothing from the store when no budget is set).
@@ -256,12 +268,15 @@ class TurnRunner:
         )
         self.disk.running(run.run_id, plan.turn.project_id, plan.cwd, plan.profile)
         loop = asyncio.get_running_loop()
-        checkpoints = self.checkpoints
-        if checkpoints.enabled and plan.action is not Action.LIVE:
+        if checkpoints.enabled and plan.action is not Action.LIVE and scope.before is None:
             # docs/checkpoints.md: taken while an agent starts or the session loads, beside it
             snapshot = checkpoints.before(plan.turn.project_id, plan.cwd, run.run_id, plan.profile)
             scope.before = loop.create_task(snapshot, name=f"checkpoint-{run.run_id}")
         opened = await self._open(scope)
+        # the prompt goes on the stream the snapshot was asked on: the relay holds it until it is
+        # taken (another agent took the session's place meanwhile: the prompt waits for it here)
+        conn = scope.conn
+        streamed = scope.before is not None and isinstance(conn, AgentConnection) and conn.process.child is asked_of
         if checkpoints.enabled and scope.before is None:
             # A live session opens at once: the snapshot is taken now, with no task of its own.
             scope.before = loop.create_future()
@@ -272,7 +287,7 @@ class TurnRunner:
             except BaseException:
                 scope.before.cancel()  # the turn's end then takes no after snapshot
                 raise
-        if scope.before is not None:
+        if scope.before is not None and not streamed:
             # The project as it was before the prompt reaches the agent. The wait is shielded
             # because the end of the turn waits for the same snapshot.
             scope.checkpoint = await asyncio.shield(scope.before)
@@ -281,6 +296,9 @@ class TurnRunner:
             # One step for the prompt task first: it writes the prompt to the agent before the
             # store's write, which runs inline and would hold the loop (see the module docstring).
             await asyncio.sleep(0)
+            if streamed:  # the run's start names it: its answer comes as the relay writes the prompt
+                assert scope.before is not None
+                scope.checkpoint = await asyncio.shield(scope.before)
             await self._start(scope, opened.started, prompting)
         except BaseException:
             # The start was not recorded: the prompt ends here, and its agent is let go of when

@@ -168,7 +168,8 @@ class CheckpointRepo:
         self.git_dir, self.work_tree, self.index = git_dir.absolute(), work_tree.absolute(), index.absolute()
         self.timeout = timeout
         self._split_min_bytes = split_min_bytes
-        self._head = str(self.git_dir / "HEAD")
+        # written last when the store is made: a store without it is made again (``made``)
+        self._made_mark = str(self.git_dir / "info" / "attributes")
         self._refs_folder = f"{self.git_dir}/{COMMIT_REF_PREFIX}"  # with its trailing slash
         self.bounds = bounds
         self._excluding = ExcludePatterns(())
@@ -208,8 +209,11 @@ class CheckpointRepo:
         return None if self._last is None else self._last.patterns
 
     def made(self) -> bool:
-        """Whether the store exists (one stat of a string path: it is asked twice a turn)."""
-        return os.path.exists(self._head)
+        """Whether the store exists, whole (one stat of a string path: it is asked twice a turn).
+        Its attributes file is written last, once git's init has ended: a first snapshot cut
+        inside that init (a cancel, a crash) leaves a HEAD without the rest, which git then refuses
+        as "not a git repository"; such a store is made again, as git's init completes one."""
+        return os.path.exists(self._made_mark)
 
     async def ensure(self) -> None:
         """Create the store (bare, no hooks) the first time; the caller serialises. A store made
@@ -232,7 +236,9 @@ class CheckpointRepo:
         await run_git(init, env, self.git_dir.parent, self.timeout, 0, self._guard, jail=self._jail)
         info = self.git_dir / "info"
         info.mkdir(exist_ok=True)
-        (info / "attributes").write_text(ATTRIBUTES)
+        written = info / "attributes.new"  # whole or not at all: it says the store is made
+        written.write_text(ATTRIBUTES)
+        os.replace(written, self._made_mark)
 
     async def snapshot(self, patterns: Sequence[str], message: str, capped: bool = True) -> str:
         """The project's files now, as a commit: every file stored but those ``patterns`` (the

@@ -223,3 +223,18 @@ async def test_a_host_snapshots_a_store_another_host_made(tmp_path: Path) -> Non
     commit = await second.snapshot((), "host b")
     listed = await second.git("ls-tree", "-r", "--name-only", commit)
     assert listed.out.split() == [b"a.txt"]
+
+
+async def test_a_store_whose_first_init_was_cut_is_made_whole_by_the_next_snapshot(tmp_path: Path) -> None:
+    # a first snapshot cancelled inside git's init leaves the store's HEAD and little else: git
+    # then refused every later snapshot ("not a git repository") until the store was deleted
+    root = project(tmp_path / "p")
+    git_dir = tmp_path / "store.git"
+    git_dir.mkdir(mode=0o700)
+    (git_dir / "HEAD").write_text("ref: refs/heads/master\n")
+    repo = CheckpointRepo(git_dir, root, tmp_path / "store.index")
+    assert not repo.made()
+
+    commit = await repo.snapshot((), "first")
+    assert repo.made() and await tree_of(repo, commit)
+    assert (git_dir / "info" / "attributes").read_text().startswith("*"), "the store's attributes, in place"

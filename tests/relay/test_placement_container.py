@@ -165,6 +165,9 @@ async def test_a_container_turn_ends_and_the_daemons_stop_and_next_start_remove_
     # a container that ended (stopped by hand here) is removed, and a new one started, at the next agent
     await asyncio.to_thread(engine.stop_container, row["Id"], 0)
     await eventually(lambda: not Path(f"/proc/{agent}").exists())
+    # once the daemon has seen it (a turn sent in between goes to the agent it still holds, and
+    # ends in that agent's loss, as a turn whose local agent dies as it starts does)
+    await second.wait_log("relayed_agent_lost", timeout=30)
     events = await client.chat(prompt="after its end", session_id=events[0].session_id)
     assert completed(events).stop_reason == pb.STOP_REASON_END_TURN, completed(events).error
     (replaced,) = await asyncio.to_thread(labelled, engine, tmp_path / "data")

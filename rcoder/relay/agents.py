@@ -197,16 +197,20 @@ class RelayAgent:
                     f"{self.stdin_seq + 1}..{seq - 1} were never sent; send them first",
                     agent_id=self.agent_id,
                 )
-            if self.exit_code is not None or self.process.stdin.is_closing():
-                raise FailedPrecondition(
-                    f"agent {self.agent_id!r} takes no more stdin: it has exited or its stdin was closed",
-                    "STDIN_CLOSED",
-                    agent_id=self.agent_id,
-                )
+            self._check_stdin_open()
             self.process.stdin.write(data)
             self.stdin_seq = seq
             with contextlib.suppress(ConnectionError):  # it exited meanwhile: its exit tells the client
                 await self.process.stdin.drain()
+
+    def _check_stdin_open(self) -> None:
+        """Refused (``STDIN_CLOSED``) once the agent has exited or its stdin was closed."""
+        if self.exit_code is not None or self.process.stdin.is_closing():
+            raise FailedPrecondition(
+                f"agent {self.agent_id!r} takes no more stdin: it has exited or its stdin was closed",
+                "STDIN_CLOSED",
+                agent_id=self.agent_id,
+            )
 
     async def before_stdin(self, attachment: Attachment, before_seq: int, take: Callable[[], Awaitable[T]]) -> T:
         """``take`` (a snapshot of the agent's project) done before stdin frame ``before_seq`` is
@@ -224,12 +228,7 @@ class RelayAgent:
                     "STDIN_WRITTEN",
                     agent_id=self.agent_id,
                 )
-            if self.exit_code is not None or self.process.stdin.is_closing():
-                raise FailedPrecondition(
-                    f"agent {self.agent_id!r} takes no more stdin: it has exited or its stdin was closed",
-                    "STDIN_CLOSED",
-                    agent_id=self.agent_id,
-                )
+            self._check_stdin_open()
             return await take()
 
     async def close_stdin(self, attachment: Attachment) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -304,10 +305,13 @@ def relay_key(path: Path, byte: int | None = None) -> Path:
     return path
 
 
-async def a_turn_left_by_a_killed_host(hosts: Hosts, a: Host, chunks: int) -> tuple[list[pb.ChatStream], int]:
+async def a_turn_left_by_a_killed_host(
+    hosts: Hosts, a: Host, chunks: int, before_kill: Callable[[str], None] = lambda run_id: None
+) -> tuple[list[pb.ChatStream], int]:
     """A paced turn on ``a``'s relay, its first events seen; then ``a``'s relay folder made unusable
     to any other host (its socket and secret file removed: the relay keeps serving TCP, and the
-    connections open on the socket) and ``a`` SIGKILLed. The events seen, and the relay's pid."""
+    connections open on the socket), ``before_kill`` given the run's id, and ``a`` SIGKILLed. The
+    events seen, and the relay's pid."""
     session_id = (await chat(a, prompt="hello"))[0][0].session_id
     folder = hosts.root / "data-a" / "relays" / "proj"
     relay = relay_pid(hosts.root / "data-a")
@@ -317,8 +321,22 @@ async def a_turn_left_by_a_killed_host(hosts: Hosts, a: Host, chunks: int) -> tu
     assert (folder / "address").read_text().startswith("127.0.0.1:"), "the relay serves TCP"
     (folder / "relay.sock").unlink()
     (folder / "secret").unlink()
+    before_kill(seen[0].run_id)
     await a.daemon.kill()
     return seen, relay
+
+
+async def the_rest_ends_whole(b: Host, seen: list[pb.ChatStream], chunks: int) -> None:
+    """What ``b`` streams of the turn from the last seq ``seen``: every event once, in order, every
+    chunk once, and its end ``END_TURN``."""
+    subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=seen[0].run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+    async with asyncio.timeout(30):
+        rest = [event async for event in subscribe]
+    seqs = [event.seq for event in rest]
+    assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
+    assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
+    whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
+    assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
 
 
 async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared_folder(
@@ -342,16 +360,7 @@ async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared
             taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
             assert taken[0]["run_id"] == run_id
             assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
-            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
-            rest = []
-            async with asyncio.timeout(30):
-                async for event in subscribe:
-                    rest.append(event)
-            seqs = [event.seq for event in rest]
-            assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
-            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
-            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
-            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+            await the_rest_ends_whole(b, seen, chunks)
 
             # the agent is B's live agent now, over TCP: a next turn runs on it
             again, _ = await chat(b, prompt="remember 3", session_id=seen[0].session_id)
@@ -392,27 +401,17 @@ async def test_a_turn_of_a_host_whose_data_dir_path_is_the_takers_own_is_taken_o
             own, _ = await chat(b, prompt="hello")  # B's own relay of proj, at the path the row will name
             own_folder = hosts.root / "data-b" / "relays" / "proj"
             own_relay = relay_pid(hosts.root / "data-b")
-            session_id = (await chat(a, prompt="hello"))[0][0].session_id
-            folder = hosts.root / "data-a" / "relays" / "proj"
-            relay = relay_pid(hosts.root / "data-a")
-            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
-            seen = await first_chunks(a.stub.Chat(request, metadata=AUTH_MD))
-            run_id = seen[0].run_id
-            (folder / "relay.sock").unlink()
-            (folder / "secret").unlink()
-            with psycopg.connect(hosts.store_url) as db:
-                moved = db.execute("UPDATE relayed_turns SET relay = %s WHERE run_id = %s", (str(own_folder), run_id))
-                assert moved.rowcount == 1
-            await a.daemon.kill()
 
-            taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30, run_id=run_id)
+            def moved_to_own_folder(run_id: str) -> None:
+                with psycopg.connect(hosts.store_url) as db:
+                    row = (str(own_folder), run_id)
+                    moved = db.execute("UPDATE relayed_turns SET relay = %s WHERE run_id = %s", row)
+                    assert moved.rowcount == 1
+
+            seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks, moved_to_own_folder)
+            taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30, run_id=seen[0].run_id)
             assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
-            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
-            async with asyncio.timeout(30):
-                rest = [event async for event in subscribe]
-            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
-            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
-            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+            await the_rest_ends_whole(b, seen, chunks)
             # B's own relay at that path, and its agent, are untouched: its session's next turn is live
             assert alive(own_relay)
             again, _ = await chat(b, prompt="remember 3", session_id=own[0].session_id)

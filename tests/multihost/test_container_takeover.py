@@ -30,6 +30,7 @@ from tests.image.podman import BUILD_TIMEOUT
 from tests.multihost.conftest import AUTH_MD, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
 from tests.multihost.test_relay_takeover import first_chunks, relay_key
+from tests.multihost.test_relay_wake import woken_past_its_lease_the_turn_goes_on
 from tests.relay.conftest import engine, image  # noqa: F401 - the engine and image tests/relay shares
 from tests.relay.test_placement_container import PYTHON, labelled
 
@@ -295,3 +296,13 @@ async def test_a_killed_hosts_turn_in_a_container_published_on_its_host_is_taken
         (left,) = b.daemon.logs("relay_container_left")
         assert "its host removes it" in left["effect"], left
         assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, hosts.root / "data-a")] == [container_id]
+
+
+async def test_a_host_woken_past_its_lease_before_another_took_it_goes_on_with_its_turn_in_a_container(
+    make_hosts: MakeHosts,
+    engine: Engine,  # noqa: F811 - the fixture imported above
+    image: str,  # noqa: F811
+) -> None:
+    # as tests/multihost/test_relay_wake.py, the agent in the relay's container (docs/relay.md#fencing)
+    async with container_hosts(make_hosts, engine, image) as hosts:
+        await woken_past_its_lease_the_turn_goes_on(hosts)

@@ -17,7 +17,7 @@ import psycopg
 
 from rcoder.v1 import agent_runner_pb2 as pb
 from tests.conftest import exited
-from tests.harness import completed, eventually, text_of
+from tests.harness import completed, eventually, processes_mentioning, text_of
 from tests.multihost.conftest import AUTH_MD, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
 from tests.multihost.test_relay_takeover import SEEN, first_chunks, relay_pid
@@ -105,6 +105,63 @@ async def test_a_host_woken_past_its_lease_before_another_took_it_goes_on_with_i
         try:
             await woken_past_its_lease_the_turn_goes_on(hosts, first_turn)
         finally:
+            await hosts.close()
+            if relay:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
+async def test_a_host_woken_to_find_its_session_taken_leaves_the_relayed_agent_untouched(make_hosts: MakeHosts) -> None:
+    # host A paused mid-turn past its lease; meanwhile the store gives the session to another host
+    # (a newer generation) whose Attach has not reached the relay yet, so the relay fences nothing:
+    # woken, A finds the lease lost. Ending its agent (session/close, then its group's signals)
+    # would reach the agent the taking host is about to drive; A detaches from it instead
+    chunks, gate = 40, "taken-gate"
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        (a,) = await hosts.start("a")
+        assert a.daemon.proc is not None
+        relay = 0
+        paused = False
+        try:
+            session_id = (await chat(a, prompt="hello"))[0][0].session_id
+            relay = relay_pid(hosts.root / "data-a")
+            prompt = f"stream {chunks} pace 20 hold {SEEN + 5} gate {gate}"
+            call = a.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt),
+                               metadata=AUTH_MD)  # fmt: skip
+            await first_chunks(call)
+            prompted = len(hosts.fake.requests())
+            agents = processes_mentioning(str(hosts.fake.state_dir))
+            assert agents, "the fake agent runs"
+
+            os.kill(a.daemon.proc.pid, signal.SIGSTOP)
+            paused = True
+            await eventually(lambda: asyncio.to_thread(lambda: lease_row(hosts.store_url, session_id)[2]), timeout=30)
+
+            def take() -> None:  # as another host's ACQUIRE of an expired lease
+                taking = (
+                    "UPDATE leases SET owner = 'host-z', generation = generation + 1,"
+                    " expires = now() + interval '60 seconds' WHERE session_id = %s"
+                )
+                with psycopg.connect(hosts.store_url) as db:
+                    db.execute(taking, (session_id,))
+
+            await asyncio.to_thread(take)
+            os.kill(a.daemon.proc.pid, signal.SIGCONT)
+            paused = False
+            await a.daemon.wait_log("lease_lost", session_id=session_id, timeout=30)
+            with contextlib.suppress(grpc.aio.AioRpcError):  # its client's stream ends, however it ends
+                async with asyncio.timeout(30):
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+            assert a.daemon.logs("agent_ended_lease_lost") == [], "the agent was ended"
+            await a.daemon.wait_log("agent_detached_lease_lost", session_id=session_id, timeout=30)
+            assert hosts.fake.requests()[prompted:] == [], "nothing reached the agent after the prompt"
+            assert processes_mentioning(str(hosts.fake.state_dir)) == agents, "the agent runs on in its relay"
+        finally:
+            if paused:
+                os.kill(a.daemon.proc.pid, signal.SIGCONT)
             await hosts.close()
             if relay:
                 with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -169,10 +169,16 @@ class Daemon:
         self.metrics.watch_runs(self.runs.held)
         self.metrics.watch_limits(self.limits.per_profile)
         # A lost lease is the session's owner's to act on; the keeper tells it through the daemon
-        # (``_lease_lost``) because the owner takes its leases from the keeper, so is built after it.
+        # (``_lease_lost``) because the owner takes its leases from the keeper, so is built after it;
+        # so does whether a session's agent is relayed (``_agent_relayed``), which the pool knows.
         coordination = make_coordination(self.store, self.host_id, settings.lease_ttl)
         self.leases = LeaseKeeper(
-            coordination, settings.lease_ttl, self.metrics, on_lost=self._lease_lost, on_store=self._on_store
+            coordination,
+            settings.lease_ttl,
+            self.metrics,
+            on_lost=self._lease_lost,
+            on_store=self._on_store,
+            fenced_by_relay=self._agent_relayed,
         )
         # A session's lease lasts as long as its agent here: the pool lets go of the lease with the
         # agent (docs/design/hosts.md#leases); no owner's state is involved.
@@ -288,6 +294,12 @@ class Daemon:
     def _lease_lost(self, session_id: str, generation: int) -> None:
         """Another host has the session now: its agent here is ended, and so is a start under way."""
         self.live.lease_lost(session_id, generation)
+
+    def _agent_relayed(self, session_id: str) -> bool:
+        """Whether the session's agent here runs in a relay, which fences an owner that lost the
+        lease (docs/relay.md#fencing): its lease is then not given up by this host's clock alone."""
+        conn = self.pool.live_connection(session_id)
+        return conn is not None and conn.relay_place is not None
 
     def _on_store(self, reachable: bool, error: str) -> None:
         """Readiness follows the store: NOT_SERVING while it cannot be reached."""

@@ -161,6 +161,17 @@ class AgentConnection:
         self.process.detach()
         return True
 
+    def leave_to_relay(self) -> bool:
+        """The session's lease was lost: a relayed agent is left running in its relay for the host
+        that took the session (docs/relay.md#fencing), sent nothing (no request, no signal, no end
+        of stdin), and our end of its stdout closed, so what reads it here (a turn) ends. False
+        for a local agent."""
+        if self._relayed is None:
+            return False
+        self._relayed.abandon()
+        self.process.detach()
+        return True
+
     def turn_frames(self) -> TurnFrames | None:
         """For a turn whose events are stored from a relayed agent's frames: the frames held
         until stored (None: a local agent, nothing to hold)."""

@@ -269,11 +269,21 @@ class AgentPool:
         return True
 
     def drop(self, session_id: str) -> None:
-        """End the session's agent now, busy or not (its lease was lost: docs/design/hosts.md#fencing)."""
+        """End the session's agent now, busy or not (its lease was lost: docs/design/hosts.md#fencing).
+        A relayed agent is left in its relay instead, sent nothing: the host that took the session
+        drives it, and until its generation reaches the relay nothing fences this one
+        (docs/relay.md#fencing)."""
         slot = self._live.get(session_id)
-        if slot is not None:
+        if slot is None:
+            return
+        connection = slot.connection
+        if connection is not None and connection.leave_to_relay():
+            log.warning("agent_detached_lease_lost", session_id=session_id)
+            # not ended with the slot: its TMPDIR is the agent's still (as ``detach``)
+            slot.connection = None
+        else:
             log.warning("agent_ended_lease_lost", session_id=session_id)
-            self._remove(slot)
+        self._remove(slot)
 
     def detach(self, session_id: str) -> bool:
         """rcoder stops and leaves the session's relayed agent running for the next daemon

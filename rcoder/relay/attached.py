@@ -174,11 +174,13 @@ class AttachedAgent:
             raise ConnectionError(self._lost_why or f"the relay did not take its stream within {timeout:g} s")
 
     def abandon(self) -> None:
-        """The agent is not this daemon's after all (``taken`` failed): nothing sent to it, not even
-        a signal or the end of its stdin (``detach``), and our end of its stdout pipe closed."""
+        """The agent is not this daemon's after all (``taken`` failed, or the session's lease was
+        lost): nothing sent to it, not even a signal or the end of its stdin (``detach``), and our
+        end of its stdout pipe closed."""
         self.detach()
         self._stdout_read.close()
         self._stdout_writer.close()
+        self.stderr.feed_eof()  # no exit comes to feed it: what reads it here ends too
 
     def pipe_inodes(self) -> set[int]:
         return set()  # the agent's own pipes are the relay's, on its side

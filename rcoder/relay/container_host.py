@@ -804,6 +804,9 @@ class _Watched:
     def detach(self) -> None:
         self._child.detach()
 
+    def abandon(self) -> None:
+        self._child.abandon()
+
     # the frames its stdout came in: its relay's (docs/relay.md#re-attach)
     def frame_at(self, position: int) -> int:
         return self._child.frame_at(position)

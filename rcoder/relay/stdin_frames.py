@@ -6,7 +6,9 @@ that pipe and its reader were most of what a relay added to a turn's first chunk
 It keeps what a pipe gave the writer (the ACP transport, ``AgentProcess``):
 
 - the frames are numbered in the order written, on from the last one the relay knows of (from 1
-  for an agent just spawned); a write longer than a frame's bound is sent in several;
+  for an agent just spawned), and on from what a stream's ``ready`` says the relay wrote when
+  that is further (an older owner wrote after the listing: ``rewind``); a write longer than a
+  frame's bound is sent in several;
 - each frame is kept until the relay says it wrote it (a re-attach's ``ready``, a ``Status``), to
   be sent again on the next stream (``rewind``);
 - ``close``: ``close_stdin`` goes after everything written; ``abort``: the same, and the writers
@@ -44,6 +46,9 @@ class StdinFrames(asyncio.WriteTransport):
     def __init__(self, last_seq: int, wake: Callable[[], None]) -> None:
         super().__init__()
         self._seq = last_seq  # the last frame numbered
+        self._began = last_seq  # ... when this numbering began (the relay's last frame, as listed)
+        # a stream's ready said what the relay wrote (``rewind``), or a frame went on a stream
+        self._streamed = False
         self._wake = wake
         self._kept: deque[pb.StdinFrame] = deque()  # numbered, not yet known written by the relay
         self.kept_bytes = 0
@@ -115,6 +120,7 @@ class StdinFrames(asyncio.WriteTransport):
 
     def sent(self, seq: int) -> None:
         """Frame ``seq`` (the first unsent) is on the stream."""
+        self._streamed = True  # the numbering is the relay's now
         if self._unsent and self._unsent[0].seq == seq:
             self._unsent_bytes -= len(self._unsent.popleft().data)
         self._resume_if_low()
@@ -134,7 +140,20 @@ class StdinFrames(asyncio.WriteTransport):
 
     def rewind(self, written: int) -> None:
         """A new stream, whose ``ready`` says the relay wrote up to ``written``: every frame after
-        it is to be sent again on it, and the end of stdin if it came."""
+        it is to be sent again on it, and the end of stdin if it came.
+
+        The first stream's ``written`` past the frame this numbering began from, before any frame
+        of this writer's went on a stream, means the relay wrote frames this writer never made: an
+        older owner's, written between the listing that number came from and this owner's stream,
+        which fenced it. The frames kept here were then never written: they are numbered on from
+        ``written`` (the relay skips a frame it takes for written already, which would lose them)."""
+        if not self._streamed:
+            self._streamed = True
+            ahead = written - self._began
+            if ahead > 0:
+                for frame in self._kept:  # ``_unsent`` holds the same messages: renumbered with them
+                    frame.seq += ahead
+                self._seq += ahead
         self.written(written)
         self._unsent = deque(self._kept)
         self._unsent_bytes = self.kept_bytes

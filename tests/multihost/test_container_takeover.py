@@ -25,11 +25,12 @@ import pytest
 
 from rcoder.relay.engine_api import Engine
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.harness import completed, error_info, text_of
+from tests.harness import completed, error_info, eventually, text_of
 from tests.image.podman import BUILD_TIMEOUT
 from tests.multihost.conftest import AUTH_MD, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
 from tests.multihost.test_relay_takeover import first_chunks, relay_key
+from tests.multihost.test_relay_wake import woken_past_its_lease_the_turn_goes_on
 from tests.relay.conftest import engine, image  # noqa: F401 - the engine and image tests/relay shares
 from tests.relay.test_placement_container import PYTHON, labelled
 
@@ -173,8 +174,12 @@ async def test_a_paused_hosts_turn_in_a_container_is_taken_over_its_stop_keeps_i
             await taken_over(hosts, container_id, seen)
         finally:
             os.kill(a.daemon.proc.pid, signal.SIGCONT)
-        lost = await a.daemon.wait_log("relayed_agent_lost", timeout=30)
-        assert "STALE_GENERATION" in lost[0]["why"] or "lease generation" in lost[0]["why"], lost[0]
+        # woken, it leaves the agent in its relay (its renewal finds the lease taken), or reads first
+        # that the relay refused its generation: either way it touches the agent no more
+        told = ("agent_detached_lease_lost", "relayed_agent_lost")
+        await eventually(lambda: any(a.daemon.logs(event) for event in told), timeout=30)
+        for lost in a.daemon.logs("relayed_agent_lost"):
+            assert "STALE_GENERATION" in lost["why"] or "lease generation" in lost["why"], lost
         with contextlib.suppress(grpc.aio.AioRpcError):  # its client's stream ends, however it ends
             async with asyncio.timeout(30):
                 while await call.read() is not grpc.aio.EOF:
@@ -295,3 +300,13 @@ async def test_a_killed_hosts_turn_in_a_container_published_on_its_host_is_taken
         (left,) = b.daemon.logs("relay_container_left")
         assert "its host removes it" in left["effect"], left
         assert [row["Id"] for row in await asyncio.to_thread(labelled, engine, hosts.root / "data-a")] == [container_id]
+
+
+async def test_a_host_woken_past_its_lease_before_another_took_it_goes_on_with_its_turn_in_a_container(
+    make_hosts: MakeHosts,
+    engine: Engine,  # noqa: F811 - the fixture imported above
+    image: str,  # noqa: F811
+) -> None:
+    # as tests/multihost/test_relay_wake.py, the agent in the relay's container (docs/relay.md#fencing)
+    async with container_hosts(make_hosts, engine, image) as hosts:
+        await woken_past_its_lease_the_turn_goes_on(hosts)

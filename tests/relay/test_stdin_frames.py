@@ -77,6 +77,30 @@ async def test_a_new_stream_gets_every_frame_the_relay_did_not_write_and_the_end
     assert stream.frames.kept_bytes == 4
 
 
+async def test_frames_are_numbered_on_from_what_the_relay_wrote_when_an_older_owner_wrote_after_the_listing() -> None:
+    # a taking host numbers from the relay's stdin_seq as ListAgents gave it (4); the old owner
+    # writes frames 5..7 before the new stream fences it, and the ready says 7. Numbered on from 4,
+    # the new owner's frames would be 5, 6..., which the relay skips as written already
+    stream = Stream()
+    stream.open = False  # not attached yet
+    writer = writer_on(stream, last_seq=4)
+    writer.write(b"early\n")  # before the ready: numbered 5 for now
+    await stream.send()
+    stream.open = True
+    stream.frames.rewind(7)
+    await stream.send()
+    writer.write(b"later\n")
+    await stream.send()
+    assert stream.sent == [(8, 6), (9, 6)]
+    assert stream.frames.kept_bytes == 12  # neither taken for written by the rewind
+
+    stream.frames.rewind(8)  # a later stream of the same owner: as before, frame 9 sent again
+    stream.sent.clear()
+    await stream.send()
+    assert stream.sent == [(9, 6)]
+    writer.close()
+
+
 async def test_a_drain_waits_while_more_than_a_pipes_worth_is_unsent_until_it_goes() -> None:
     stream = Stream()
     writer = writer_on(stream)

@@ -101,6 +101,10 @@ class RelayedChild(Child, Protocol):
         """rcoder stops and leaves the agent running for the next daemon: its stream closed,
         nothing more acknowledged, signalled or written (docs/relay.md#re-attach)."""
 
+    def abandon(self) -> None:
+        """As ``detach``, and our end of its stdout closed: what reads it here ends (the agent is
+        another host's now, docs/relay.md#fencing)."""
+
 
 @dataclass(frozen=True, slots=True)
 class FoundAgent:

@@ -15,6 +15,15 @@ session while no other host can have taken it yet, and never waits on the store 
 Every round is bounded too (``2/3 · lease_ttl``; a store call let go of returns at once), and a
 round that fails with an error nobody expected is logged and the renewal goes on.
 
+A session whose agent runs in a relay (``fenced_by_relay``) is not given up so: the relay and
+the store fence it already (a host that takes the session takes a newer generation, which the
+relay and every fenced write hold against this one), so ending it by this host's clock would only
+cut a turn that could go on, as when this host was paused (SIGSTOP, a stopped VM) and woke before
+any other host took the session. Its lease is kept held, overdue (``lease_overdue``), and the next
+renewal decides (docs/design/hosts.md#leases): renewed under the same generation, nobody took the
+session meanwhile (any other host's hold would have raised the generation), and it goes on
+(``lease_renewed_late``); lost, it is acted on as any lost lease.
+
 A lease a turn's end is still to be written under (the store refused it, and it is retried:
 ``TurnRecords.finish_later``) is kept (``keep``) until that write is over: the session's agent is let
 go of at the turn's end, and a release then would have the late write refused as another host's.
@@ -49,12 +58,18 @@ class LeaseKeeper:
         metrics: Metrics,
         on_lost: Callable[[str, int], None] = lambda session_id, generation: None,
         on_store: Callable[[bool, str], None] = lambda reachable, error: None,
+        fenced_by_relay: Callable[[str], bool] = lambda session_id: False,
     ) -> None:
         self.coordination = coordination
         self._ttl = lease_ttl
         self._metrics = metrics
         self.on_lost = on_lost  # the daemon ends the session's agent and a start under way
         self.on_store = on_store
+        # whether the session's agent runs in a relay, which fences it: its lease waits for the
+        # store's word rather than being given up by this host's clock
+        self._fenced_by_relay = fenced_by_relay
+        # leases kept past their time by this host's clock, the next renewal to say whether they hold
+        self._overdue: set[str] = set()
         self._held: dict[str, Lease] = {}
         # writes still to land under a held lease (``keep``), and the sessions whose release waits for them
         self._kept: dict[Lease, int] = {}
@@ -197,6 +212,7 @@ class LeaseKeeper:
             for lease in held:
                 if self._held.get(lease.session_id) == lease and lease not in gone:
                     self._until[lease.session_id] = sent + self._ttl
+                    self._renewed_late(lease)
             self._arm()
         for lease in lost:
             if self._held.get(lease.session_id) != lease:
@@ -219,6 +235,7 @@ class LeaseKeeper:
         del self._held[session_id]
         self._release_after.discard(session_id)
         self._until.pop(session_id, None)
+        self._overdue.discard(session_id)
 
     def _arm(self) -> None:
         """The timer set for the first lease to give up (none while none is held)."""
@@ -235,15 +252,39 @@ class LeaseKeeper:
         self._arm()
 
     def _give_up(self, horizon: float) -> None:
-        """End the sessions whose leases may not hold until ``horizon``: their renewal did not come back."""
+        """End the sessions whose leases may not hold until ``horizon``: their renewal did not come
+        back. A relayed agent's lease is kept, overdue, for the next renewal to decide (``horizon``
+        infinite: nothing renews any more, and every lease is given up)."""
         for session_id, until in list(self._until.items()):
             if until <= horizon and session_id in self._held:
                 lease = self._held[session_id]
+                if horizon != float("inf") and self._fenced_by_relay(session_id):
+                    self._wait_for_store(lease, until)
+                    continue
                 self._forget(session_id)
                 self._metrics.leases_lost.inc()
                 log.warning("lease_not_renewed_in_time", session_id=session_id, generation=lease.generation,
                             seconds_left=round(until - asyncio.get_running_loop().time(), 3))  # fmt: skip
                 self.on_lost(session_id, lease.generation)
+
+    def _wait_for_store(self, lease: Lease, until: float) -> None:
+        """``lease``, of a relayed agent, is past its time by this host's clock: kept held (its
+        turn goes on, fenced by the relay and the store) until a renewal says whether it holds."""
+        del self._until[lease.session_id]  # not armed again until renewed
+        if lease.session_id in self._overdue:
+            return
+        self._overdue.add(lease.session_id)
+        log.warning("lease_overdue", session_id=lease.session_id, generation=lease.generation,
+                    seconds_left=round(until - asyncio.get_running_loop().time(), 3),
+                    effect="its relayed agent is kept; the next renewal says whether the lease holds")  # fmt: skip
+
+    def _renewed_late(self, lease: Lease) -> None:
+        """A renewal came back for ``lease``: if it was overdue, no other host took the session
+        meanwhile (the generation is this host's still), and its agent goes on."""
+        if lease.session_id in self._overdue:
+            self._overdue.discard(lease.session_id)
+            log.warning("lease_renewed_late", session_id=lease.session_id, generation=lease.generation,
+                        effect="no other host took the session; its relayed agent goes on")  # fmt: skip
 
     def _store_reachable(self, reachable: bool, error: str) -> None:
         if reachable == self._reachable:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -346,6 +346,29 @@ async def the_rest_ends_whole(b: Host, seen: list[pb.ChatStream], chunks: int) -
     assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
 
 
+@contextlib.asynccontextmanager
+async def hosts_over_tcp(
+    make_hosts: MakeHosts, a_key: Path, b_key: Path
+) -> AsyncIterator[tuple[Hosts, Host, Host, list[int]]]:
+    """Hosts A and B of the relay placement, A's relays serving TCP on 127.0.0.1 under ``a_key``, B
+    holding ``b_key``; the relays a test puts in the list are ended, their whole groups, after the
+    hosts, whatever happened."""
+    async with make_hosts() as hosts:
+        hosts.profile_keys["placement"] = "relay"
+        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(a_key)},
+                "b": {"relays_key_file": str(b_key)}}  # fmt: skip
+        a, b = await hosts.start("a", "b", each=each)
+        relays: list[int] = []
+        try:
+            yield hosts, a, b, relays
+        finally:
+            await hosts.close()
+            for relay in relays:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(relay, signal.SIGKILL)
+                await exited(relay)
+
+
 async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared_folder(
     make_hosts: MakeHosts, tmp_path: Path
 ) -> None:
@@ -355,37 +378,26 @@ async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared
     # ends END_TURN, every chunk once from the last seq seen
     key = relay_key(tmp_path / "relay.key")
     chunks = 150
-    async with make_hosts() as hosts:
-        hosts.profile_keys["placement"] = "relay"
-        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key)},
-                "b": {"relays_key_file": str(key)}}  # fmt: skip
-        a, b = await hosts.start("a", "b", each=each)
-        relay = 0
-        try:
-            seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks)
-            run_id = seen[0].run_id
-            taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
-            assert taken[0]["run_id"] == run_id
-            assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
-            await the_rest_ends_whole(b, seen, chunks)
+    async with hosts_over_tcp(make_hosts, key, key) as (hosts, a, b, relays):
+        seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks)
+        relays.append(relay)
+        run_id = seen[0].run_id
+        taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
+        assert taken[0]["run_id"] == run_id
+        assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
+        await the_rest_ends_whole(b, seen, chunks)
 
-            # the agent is B's live agent now, over TCP: a next turn runs on it
-            again, _ = await chat(b, prompt="remember 3", session_id=seen[0].session_id)
-            assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
-            assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
-            # and B ends it over TCP: the agent goes, its relay (A's) stays
-            agent = (await b.daemon.wait_log("agent_reattached"))[0]["pid"]
-            closing = pb.CloseSessionRequest(session_id=seen[0].session_id)
-            assert (await b.stub.CloseSession(closing, metadata=AUTH_MD)).agent_stopped
-            async with asyncio.timeout(15):
-                await exited(agent)
-            assert alive(relay), "the relay is A's to stop, not B's"
-        finally:
-            await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+        # the agent is B's live agent now, over TCP: a next turn runs on it
+        again, _ = await chat(b, prompt="remember 3", session_id=seen[0].session_id)
+        assert completed(again).stop_reason == pb.STOP_REASON_END_TURN
+        assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
+        # and B ends it over TCP: the agent goes, its relay (A's) stays
+        agent = (await b.daemon.wait_log("agent_reattached"))[0]["pid"]
+        closing = pb.CloseSessionRequest(session_id=seen[0].session_id)
+        assert (await b.stub.CloseSession(closing, metadata=AUTH_MD)).agent_stopped
+        async with asyncio.timeout(15):
+            await exited(agent)
+        assert alive(relay), "the relay is A's to stop, not B's"
 
 
 async def test_a_turn_of_a_host_whose_data_dir_path_is_the_takers_own_is_taken_over_over_tcp(
@@ -398,37 +410,27 @@ async def test_a_turn_of_a_host_whose_data_dir_path_is_the_takers_own_is_taken_o
     # names B's folder, as it would on B's machine
     key = relay_key(tmp_path / "relay.key")
     chunks = 150
-    async with make_hosts() as hosts:
-        hosts.profile_keys["placement"] = "relay"
-        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key)},
-                "b": {"relays_key_file": str(key)}}  # fmt: skip
-        a, b = await hosts.start("a", "b", each=each)
-        relay = 0
-        try:
-            own, _ = await chat(b, prompt="hello")  # B's own relay of proj, at the path the row will name
-            own_folder = hosts.root / "data-b" / "relays" / "proj"
-            own_relay = relay_pid(hosts.root / "data-b")
+    async with hosts_over_tcp(make_hosts, key, key) as (hosts, a, b, relays):
+        own, _ = await chat(b, prompt="hello")  # B's own relay of proj, at the path the row will name
+        own_folder = hosts.root / "data-b" / "relays" / "proj"
+        own_relay = relay_pid(hosts.root / "data-b")
 
-            def moved_to_own_folder(run_id: str) -> None:
-                with psycopg.connect(hosts.store_url) as db:
-                    row = (str(own_folder), run_id)
-                    moved = db.execute("UPDATE relayed_turns SET relay = %s WHERE run_id = %s", row)
-                    assert moved.rowcount == 1
+        def moved_to_own_folder(run_id: str) -> None:
+            with psycopg.connect(hosts.store_url) as db:
+                row = (str(own_folder), run_id)
+                moved = db.execute("UPDATE relayed_turns SET relay = %s WHERE run_id = %s", row)
+                assert moved.rowcount == 1
 
-            seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks, moved_to_own_folder)
-            taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30, run_id=seen[0].run_id)
-            assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
-            await the_rest_ends_whole(b, seen, chunks)
-            # B's own relay at that path, and its agent, are untouched: its session's next turn is live
-            assert alive(own_relay)
-            again, _ = await chat(b, prompt="remember 3", session_id=own[0].session_id)
-            assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
-        finally:
-            await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+        seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks, moved_to_own_folder)
+
+        relays.append(relay)
+        taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30, run_id=seen[0].run_id)
+        assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
+        await the_rest_ends_whole(b, seen, chunks)
+        # B's own relay at that path, and its agent, are untouched: its session's next turn is live
+        assert alive(own_relay)
+        again, _ = await chat(b, prompt="remember 3", session_id=own[0].session_id)
+        assert again[0].started.resume == pb.RESUME_OUTCOME_LIVE
 
 
 async def test_a_host_with_another_key_marks_the_turn_interrupted_and_says_why(
@@ -436,25 +438,15 @@ async def test_a_host_with_another_key_marks_the_turn_interrupted_and_says_why(
 ) -> None:
     # B's key is not A's: the secret it derives is refused, the turn is marked interrupted with a
     # log line naming the key, and a follower's stream ends
-    async with make_hosts() as hosts:
-        hosts.profile_keys["placement"] = "relay"
-        each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(relay_key(tmp_path / "a.key", 1))},
-                "b": {"relays_key_file": str(relay_key(tmp_path / "b.key", 2))}}  # fmt: skip
-        a, b = await hosts.start("a", "b", each=each)
-        relay = 0
-        try:
-            seen, relay = await a_turn_left_by_a_killed_host(hosts, a, 300)
-            run_id = seen[0].run_id
-            refused = await b.daemon.wait_log("relayed_turn_not_reattached", timeout=30, run_id=run_id)
-            assert "key_file" in refused[0]["why"] and "secret" in refused[0]["why"], refused[0]
-            assert refused[0]["address"].startswith("127.0.0.1:"), refused[0]
-            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
-            async with asyncio.timeout(30):
-                rest = [event async for event in subscribe]
-            assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED
-        finally:
-            await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+    a_key, b_key = relay_key(tmp_path / "a.key", 1), relay_key(tmp_path / "b.key", 2)
+    async with hosts_over_tcp(make_hosts, a_key, b_key) as (hosts, a, b, relays):
+        seen, relay = await a_turn_left_by_a_killed_host(hosts, a, 300)
+        relays.append(relay)
+        run_id = seen[0].run_id
+        refused = await b.daemon.wait_log("relayed_turn_not_reattached", timeout=30, run_id=run_id)
+        assert "key_file" in refused[0]["why"] and "secret" in refused[0]["why"], refused[0]
+        assert refused[0]["address"].startswith("127.0.0.1:"), refused[0]
+        subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
+        async with asyncio.timeout(30):
+            rest = [event async for event in subscribe]
+        assert completed(rest).stop_reason == pb.STOP_REASON_INTERRUPTED

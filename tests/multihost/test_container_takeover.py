@@ -218,11 +218,13 @@ async def test_a_killed_hosts_turn_in_a_container_on_a_network_is_taken_over_ove
     # the address the store has, trusting the certificate the store has: END_TURN, every chunk once
     # from the last seq seen
     key = relay_key(tmp_path / "relay.key")
-    chunks = 300  # 300 chunks 50 ms apart (15 s): the turn outlasts B's look
+    chunks, gate = 60, "gate"  # the turn held at the gate until B has taken it over
     each = {"a": {"relays_listen_host": "127.0.0.1", "relays_key_file": str(key), "container_network": "podman"},
             "b": {"relays_key_file": str(key)}}  # fmt: skip
     async with container_hosts(make_hosts, engine, image) as hosts:
-        container_id, call, seen = await streaming_in_a_container(hosts, engine, chunks, each)
+        container_id, call, seen = await streaming_in_a_container(
+            hosts, engine, chunks, each, more=f" hold {SEEN + 5} gate {gate}"
+        )
         (placed,) = hosts["a"].daemon.logs("relay_container_placed")
         assert placed["address"], (
             "the container on the engine's 'podman' bridge network has no address from the engine: the "
@@ -243,6 +245,7 @@ async def test_a_killed_hosts_turn_in_a_container_on_a_network_is_taken_over_ove
         assert (over["address"], over["engine"]) == (placed["address"], True), over
         (reattached,) = b.daemon.logs("agent_reattached")
         assert (reattached["placement"], reattached["container_id"]) == ("container", container_id)
+        await asyncio.to_thread((hosts.root / "workspace" / "proj" / gate).write_text, "")
         await the_rest(hosts, seen, chunks)
 
 

@@ -30,7 +30,6 @@ from tests.relay.test_placement_relay import alive
 from tests.relay.test_reattach import left_running
 
 CHUNKS, SEEN = 120, 10
-WHOLE = "".join(f"c{i} " for i in range(CHUNKS)) + "I remember nothing."
 
 
 async def first_chunks(call: Any, timeout: float = 30) -> list[pb.ChatStream]:
@@ -55,25 +54,20 @@ async def test_a_paused_hosts_relayed_turn_is_taken_over_by_another_host_and_end
         try:
             session_id = (await chat(a, prompt="hello"))[0][0].session_id
             relay = relay_pid(hosts.root / "data-a")
-            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {CHUNKS} pace 50")
-            call = a.stub.Chat(request, metadata=AUTH_MD)
+            # the turn holds before its chunk SEEN + 5 until the test opens the gate: it outlasts the
+            # paused host's lease and B's look
+            prompt = f"stream {CHUNKS} pace 50 hold {SEEN + 5} gate gate"
+            call = a.stub.Chat(
+                pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt), metadata=AUTH_MD
+            )
             seen = await first_chunks(call)
             assert a.daemon.proc is not None
             os.kill(a.daemon.proc.pid, signal.SIGSTOP)  # paused mid-turn: its lease runs out
             paused = True
 
             taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
-            run_id = seen[0].run_id
-            assert taken[0]["run_id"] == run_id
-            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
-            rest = []
-            async with asyncio.timeout(30):
-                async for event in subscribe:
-                    rest.append(event)
-            seqs = [event.seq for event in rest]
-            assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
-            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
-            assert text_of(seen) + text_of(rest) == WHOLE, "every chunk once, in order"
+            assert taken[0]["run_id"] == seen[0].run_id
+            await the_rest_ends_whole(hosts, b, seen, CHUNKS)
 
             # the paused host wakes up: its renewal finds the lease taken and it leaves the agent in
             # its relay, or it reads first that the relay refused its generation; either way it
@@ -181,7 +175,8 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
     # SIGTERM of host A mid-turn: A leaves the turn in its relay, lets go of the session's lease and
     # leaves the hosts table, so host B takes the turn over at its next look (every lease_ttl/2),
     # not after A's lease would have run out; the turn ends END_TURN, every chunk once
-    ttl, chunks = 8.0, 300  # 300 chunks 40 ms apart (12 s): the turn outlasts a look of B's
+    # the turn holds before its chunk SEEN + 5 until the test opens the gate: it outlasts B's look
+    ttl, chunks = 8.0, 60
     async with make_hosts() as hosts:
         hosts.profile_keys["placement"] = "relay"
         each = {"a": {"lease_ttl": ttl, "shutdown_grace": 60}, "b": {"lease_ttl": ttl}}
@@ -190,7 +185,8 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
         try:
             session_id = (await chat(a, prompt="hello"))[0][0].session_id
             relay = relay_pid(hosts.root / "data-a")
-            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
+            prompt = f"stream {chunks} pace 40 hold {SEEN + 5} gate gate"
+            request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt)
             call = a.stub.Chat(request, metadata=AUTH_MD)
             seen = await first_chunks(call)
             assert a.daemon.proc is not None
@@ -207,16 +203,7 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
             took = asyncio.get_running_loop().time() - stopped
             assert taken[0]["run_id"] == run_id
             assert took < ttl, f"taken over {took:.1f} s after the stop: past the lease's {ttl} s"
-            subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
-            rest = []
-            async with asyncio.timeout(30):
-                async for event in subscribe:
-                    rest.append(event)
-            seqs = [event.seq for event in rest]
-            assert seqs == sorted(set(seqs)) and seqs[0] == seen[-1].seq + 1, seqs
-            assert completed(rest).stop_reason == pb.STOP_REASON_END_TURN
-            whole = "".join(f"c{i} " for i in range(chunks)) + "I remember nothing."
-            assert text_of(seen) + text_of(rest) == whole, "every chunk once, in order"
+            await the_rest_ends_whole(hosts, b, seen, chunks)
         finally:
             await hosts.close()
             if relay:
@@ -322,8 +309,9 @@ async def a_turn_left_by_a_killed_host(
     session_id = (await chat(a, prompt="hello"))[0][0].session_id
     folder = hosts.root / "data-a" / "relays" / "proj"
     relay = relay_pid(hosts.root / "data-a")
-    request = pb.ChatRequest(project_id="proj", session_id=session_id, prompt=f"stream {chunks} pace 40")
-    call = a.stub.Chat(request, metadata=AUTH_MD)
+    # held before its chunk SEEN + 5 until the gate opens (the_rest_ends_whole): it outlasts B's look
+    prompt = f"stream {chunks} pace 40 hold {SEEN + 5} gate gate"
+    call = a.stub.Chat(pb.ChatRequest(project_id="proj", session_id=session_id, prompt=prompt), metadata=AUTH_MD)
     seen = await first_chunks(call)
     assert (folder / "address").read_text().startswith("127.0.0.1:"), "the relay serves TCP"
     (folder / "relay.sock").unlink()
@@ -333,9 +321,11 @@ async def a_turn_left_by_a_killed_host(
     return seen, relay
 
 
-async def the_rest_ends_whole(b: Host, seen: list[pb.ChatStream], chunks: int) -> None:
-    """What ``b`` streams of the turn from the last seq ``seen``: every event once, in order, every
-    chunk once, and its end ``END_TURN``."""
+async def the_rest_ends_whole(hosts: Hosts, b: Host, seen: list[pb.ChatStream], chunks: int) -> None:
+    """The turn's gate opened (``hold ... gate gate``: held until ``b`` took it), then what ``b``
+    streams of it from the last seq ``seen``: every event once, in order, every chunk once, and its
+    end ``END_TURN``."""
+    await asyncio.to_thread((hosts.root / "workspace" / "proj" / "gate").write_text, "")
     subscribe = b.stub.Subscribe(pb.SubscribeRequest(run_id=seen[0].run_id, after_seq=seen[-1].seq), metadata=AUTH_MD)
     async with asyncio.timeout(30):
         rest = [event async for event in subscribe]
@@ -377,7 +367,7 @@ async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared
     # the store has, trusting the certificate the store has, with the secret it derives; the turn
     # ends END_TURN, every chunk once from the last seq seen
     key = relay_key(tmp_path / "relay.key")
-    chunks = 150
+    chunks = 60
     async with hosts_over_tcp(make_hosts, key, key) as (hosts, a, b, relays):
         seen, relay = await a_turn_left_by_a_killed_host(hosts, a, chunks)
         relays.append(relay)
@@ -385,7 +375,7 @@ async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared
         taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30)
         assert taken[0]["run_id"] == run_id
         assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
-        await the_rest_ends_whole(b, seen, chunks)
+        await the_rest_ends_whole(hosts, b, seen, chunks)
 
         # the agent is B's live agent now, over TCP: a next turn runs on it
         again, _ = await chat(b, prompt="remember 3", session_id=seen[0].session_id)
@@ -409,7 +399,7 @@ async def test_a_turn_of_a_host_whose_data_dir_path_is_the_takers_own_is_taken_o
     # path (where A's agent is not: the turn was marked interrupted). One machine here: the row
     # names B's folder, as it would on B's machine
     key = relay_key(tmp_path / "relay.key")
-    chunks = 150
+    chunks = 60
     async with hosts_over_tcp(make_hosts, key, key) as (hosts, a, b, relays):
         own, _ = await chat(b, prompt="hello")  # B's own relay of proj, at the path the row will name
         own_folder = hosts.root / "data-b" / "relays" / "proj"
@@ -426,7 +416,7 @@ async def test_a_turn_of_a_host_whose_data_dir_path_is_the_takers_own_is_taken_o
         relays.append(relay)
         taken = await b.daemon.wait_log("relayed_turn_taken_over", timeout=30, run_id=seen[0].run_id)
         assert taken[0]["address"].startswith("127.0.0.1:"), taken[0]
-        await the_rest_ends_whole(b, seen, chunks)
+        await the_rest_ends_whole(hosts, b, seen, chunks)
         # B's own relay at that path, and its agent, are untouched: its session's next turn is live
         assert alive(own_relay)
         again, _ = await chat(b, prompt="remember 3", session_id=own[0].session_id)
@@ -440,7 +430,7 @@ async def test_a_host_with_another_key_marks_the_turn_interrupted_and_says_why(
     # log line naming the key, and a follower's stream ends
     a_key, b_key = relay_key(tmp_path / "a.key", 1), relay_key(tmp_path / "b.key", 2)
     async with hosts_over_tcp(make_hosts, a_key, b_key) as (hosts, a, b, relays):
-        seen, relay = await a_turn_left_by_a_killed_host(hosts, a, 300)
+        seen, relay = await a_turn_left_by_a_killed_host(hosts, a, 60)
         relays.append(relay)
         run_id = seen[0].run_id
         refused = await b.daemon.wait_log("relayed_turn_not_reattached", timeout=30, run_id=run_id)

@@ -41,6 +41,14 @@ async def first_chunks(call: Any, timeout: float = 30) -> list[pb.ChatStream]:
     return seen
 
 
+async def relay_ended(relay: int) -> None:
+    """``relay``'s whole group SIGKILLed and the relay waited for; 0: none was started."""
+    if relay:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(relay, signal.SIGKILL)
+        await exited(relay)
+
+
 def relay_pid(data_dir: Path) -> int:
     return int(json.loads((data_dir / "relays" / "proj" / "daemon.lock").read_text())["pid"])
 
@@ -89,10 +97,7 @@ async def test_a_paused_hosts_relayed_turn_is_taken_over_by_another_host_and_end
             if paused and a.daemon.proc is not None:
                 os.kill(a.daemon.proc.pid, signal.SIGCONT)
             await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+            await relay_ended(relay)
 
 
 def relay_log(data_dir: Path, event: str) -> list[dict[str, Any]]:
@@ -163,10 +168,7 @@ async def test_a_paused_host_woken_as_another_takes_its_turn_over_reaches_the_ag
             if paused and a.daemon.proc is not None:
                 os.kill(a.daemon.proc.pid, signal.SIGCONT)
             await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+            await relay_ended(relay)
 
 
 async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_look_not_at_lease_expiry(
@@ -206,10 +208,7 @@ async def test_a_cleanly_stopped_hosts_relayed_turn_is_taken_over_at_the_next_lo
             await the_rest_ends_whole(hosts, b, seen, chunks)
         finally:
             await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+            await relay_ended(relay)
 
 
 async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_in_its_relay(
@@ -285,10 +284,7 @@ async def test_a_killed_hosts_next_start_and_stop_spare_what_another_host_holds_
             assert '"relay_idle_exit"' in log and a.daemon.logs("relay_stopped") == []
         finally:
             await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+            await relay_ended(relay)
 
 
 def relay_key(path: Path, byte: int | None = None) -> Path:
@@ -354,9 +350,7 @@ async def hosts_over_tcp(
         finally:
             await hosts.close()
             for relay in relays:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+                await relay_ended(relay)
 
 
 async def test_a_killed_hosts_relayed_turn_is_taken_over_over_tcp_with_no_shared_folder(

@@ -16,11 +16,10 @@ import grpc
 import psycopg
 
 from rcoder.v1 import agent_runner_pb2 as pb
-from tests.conftest import exited
 from tests.harness import completed, eventually, processes_mentioning, text_of
 from tests.multihost.conftest import AUTH_MD, Hosts, chat
 from tests.multihost.test_failover import MakeHosts
-from tests.multihost.test_relay_takeover import SEEN, first_chunks, relay_pid
+from tests.multihost.test_relay_takeover import SEEN, first_chunks, relay_ended, relay_pid
 
 
 def lease_row(store_url: str, session_id: str) -> tuple[str, int, bool]:
@@ -106,10 +105,7 @@ async def test_a_host_woken_past_its_lease_before_another_took_it_goes_on_with_i
             await woken_past_its_lease_the_turn_goes_on(hosts, first_turn)
         finally:
             await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+            await relay_ended(relay)
 
 
 async def test_a_host_woken_to_find_its_session_taken_leaves_the_relayed_agent_untouched(make_hosts: MakeHosts) -> None:
@@ -163,7 +159,4 @@ async def test_a_host_woken_to_find_its_session_taken_leaves_the_relayed_agent_u
             if paused:
                 os.kill(a.daemon.proc.pid, signal.SIGCONT)
             await hosts.close()
-            if relay:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(relay, signal.SIGKILL)
-                await exited(relay)
+            await relay_ended(relay)

@@ -137,12 +137,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy rcoder scripts tests
 
-## three workers on two cores: most tests wait (on timeouts, leases, agents, a fake model) more than
-## they compute (multihost: 0.65 cores busy with two workers), and a third fills the gaps (the suite
-## 1096 s with three, where two took about 1290 on the same loaded machine). --no-loadscope-reorder:
-## the files go out in tests/conftest.py's order (FIRST_FILES, LAST_FILES), not by their test count
+## four workers on two cores: most tests wait (on timeouts, leases, agents, a fake model) more than
+## they compute, and the cores were 76% busy with three. Measured on this machine with a helper's
+## benchmarks beside it: the suite 1091 s with three workers, 856 s with four (2026-12-06; before,
+## two took about 1290 s where three took 1096). --no-loadscope-reorder: the files go out in
+## tests/conftest.py's order (FIRST_FILES, LAST_FILES), not by their test count
 unit: $(STAMP) agents tools twine postgres podman helper bytecode
-	$(BIN)/pytest -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder --durations=25 --cov --cov-report=term:skip-covered
+	$(BIN)/pytest -p no:cacheprovider -n 4 --dist loadfile --no-loadscope-reorder --durations=25 --cov --cov-report=term:skip-covered
 
 ## Debian's PostgreSQL 15 server binaries: tests/pg.py starts a throwaway cluster from them for the
 ## PostgreSQL store's tests. Installed when missing and we are root (no main cluster is created, no

@@ -386,10 +386,11 @@ class AttachedAgent:
         of stdin once it came; written meanwhile goes too."""
         stdin, asks = self._stdin, self._unsent_asks
         while True:
-            frame = stdin.next_unsent()
-            while asks and (frame is None or asks[0].before_seq <= frame.seq):
+            frame = stdin.next_unsent()  # looked at again after every write: one may come meanwhile
+            if asks and (frame is None or asks[0].before_seq <= frame.seq):
                 await call.write(pb.AttachRequest(snapshot=asks[0]))
                 asks.popleft()
+                continue
             if frame is None:
                 break
             await call.write(pb.AttachRequest(stdin=frame))

@@ -228,26 +228,51 @@ class RelayService(pb_grpc.RelayServiceServicer):
         answers: deque[pb.SnapshotTaken],
     ) -> None:
         """The client's stdin, acknowledgements, snapshots and end of stdin, in order; its end of
-        the stream ends nothing."""
-        async for request in requests:
-            kind = request.WhichOneof("message")
-            if kind == "snapshot":
-                answers.append(await self._before_stdin(agent, attachment, request.snapshot))
-                attachment.wake.set()
-            elif kind == "stdin":
-                await agent.write_stdin(attachment, request.stdin.seq, request.stdin.data)
-            elif kind == "ack":
-                if attachment.ended is not None:
-                    raise attachment.ended
-                agent.frames.ack(request.ack)
-            elif kind == "close_stdin":
-                await agent.close_stdin(attachment)
-            else:
-                raise errors.InvalidArgument("message", f"an Attach stream is opened once; {kind or 'nothing'} sent")
+        the stream ends nothing. While a snapshot is taken, the next message is read (and handled
+        after it): the prompt's frame, sent right behind the ask, is then read by the time the
+        snapshot is taken, not asked of grpc only then, one hop of grpc's thread and the loop less
+        on the prompt's way (docs/relay.md#the-before-snapshot-on-the-stream). One message ahead at
+        most: what follows it waits in grpc's flow control, as it does behind a stdin write."""
+        ahead: asyncio.Task[pb.AttachRequest | None] | None = None
+        try:
+            while True:
+                if ahead is not None:
+                    reading, ahead = ahead, None
+                    request = await reading  # read already, unless the snapshot was the quicker
+                else:
+                    request = await anext(requests, None)
+                if request is None:
+                    return
+                if request.WhichOneof("message") == "snapshot":
+                    ahead = asyncio.get_running_loop().create_task(_next_of(requests))
+                    await asyncio.sleep(0)  # its read asked of grpc now: a small project's walk never yields
+                await self._took_request(request, agent, attachment, answers)
+        finally:
+            if ahead is not None:  # the stream ended under the snapshot (taken by another, cut): unread
+                ahead.cancel()
+                ahead.add_done_callback(_retrieved)
+
+    async def _took_request(
+        self, request: pb.AttachRequest, agent: RelayAgent, attachment: Attachment, answers: deque[pb.SnapshotTaken]
+    ) -> None:
+        kind = request.WhichOneof("message")
+        if kind == "snapshot":
+            answers.append(await self._before_stdin(agent, attachment, request.snapshot))
+            attachment.wake.set()
+        elif kind == "stdin":
+            await agent.write_stdin(attachment, request.stdin.seq, request.stdin.data)
+        elif kind == "ack":
+            if attachment.ended is not None:
+                raise attachment.ended
+            agent.frames.ack(request.ack)
+        elif kind == "close_stdin":
+            await agent.close_stdin(attachment)
+        else:
+            raise errors.InvalidArgument("message", f"an Attach stream is opened once; {kind or 'nothing'} sent")
 
     async def _before_stdin(self, agent: RelayAgent, attachment: Attachment, ask: pb.SnapshotAsk) -> pb.SnapshotTaken:
-        """A snapshot asked on the stream, taken before the stdin frame it names (read no further
-        meanwhile: what follows on the stream waits); a failure is its answer, never the stream's
+        """A snapshot asked on the stream, taken before the stdin frame it names (what follows on the
+        stream is handled after it); a failure is its answer, never the stream's
         end. The stream taken by another (``ended``) ends as at a stdin frame."""
         snapshot = self._snapshot
         try:
@@ -264,6 +289,16 @@ class RelayService(pb_grpc.RelayServiceServicer):
             failed = errors.CheckpointError("snapshot", f"the relay failed: {type(exc).__name__}: {exc}")
             return pb.SnapshotTaken(id=ask.id, failure=failure_of(failed))
         return pb.SnapshotTaken(id=ask.id, commit=commit)
+
+
+async def _next_of(requests: AsyncIterator[pb.AttachRequest]) -> pb.AttachRequest | None:
+    return await anext(requests, None)
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A read left behind: its error (the stream broke meanwhile) is the stream's, said elsewhere."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _generation(generation: int) -> None:

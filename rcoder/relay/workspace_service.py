@@ -67,14 +67,18 @@ class Workspaces:
         self._swept: dict[str, asyncio.Task[int]] = {}  # per root: its journal's sweep, once
         self.calls: dict[str, int] = {}
 
-    def named(self, project: pb.Project, call: str) -> str:
-        """``project``'s id, its root and id checked; the call counted and logged."""
+    def named(self, project: pb.Project, call: str, log_later: bool = False) -> str:
+        """``project``'s id, its root and id checked; the call counted and logged (``log_later``: on
+        the loop's next pass, after the work that follows this returns or first waits)."""
         if not project.workspace_root or not Path(project.workspace_root).is_absolute():
             raise errors.InvalidArgument("project.workspace_root", "the absolute folder that holds the projects")
         if not project.project_id or project.project_id in (".", "..") or "/" in project.project_id:
             raise errors.InvalidArgument("project.project_id", "a project's folder name")
-        self.calls[call] = self.calls.get(call, 0) + 1
-        log.info("relay_workspace_call", call=call, project_id=project.project_id, calls=self.calls[call])
+        self.calls[call] = calls = self.calls.get(call, 0) + 1
+        if log_later:
+            asyncio.get_running_loop().call_soon(_log_call, call, project.project_id, calls)
+        else:
+            _log_call(call, project.project_id, calls)
         return project.project_id
 
     async def disk(self, project: pb.Project, call: str) -> tuple[ProjectDisk, str, str]:
@@ -107,6 +111,10 @@ class Workspaces:
         self._threads.close()
 
 
+def _log_call(call: str, project_id: str, calls: int) -> None:
+    log.info("relay_workspace_call", call=call, project_id=project_id, calls=calls)
+
+
 class CheckpointStores:
     """The projects' checkpoint stores in the relay's state folder, one ``CheckpointRepo`` each,
     kept while the relay lives (its last snapshot is what the next one and a restore build on);
@@ -119,8 +127,10 @@ class CheckpointStores:
         self._jail = jail  # each git confined by the kernel, as the daemon's (docs/checkpoints.md#confinement)
         self._repos: dict[str, CheckpointRepo] = {}
 
-    def repo(self, store: pb.CheckpointStore, call: str, workspaces: Workspaces) -> CheckpointRepo:
-        project_id = workspaces.named(store.project, call)
+    def repo(
+        self, store: pb.CheckpointStore, call: str, workspaces: Workspaces, log_later: bool = False
+    ) -> CheckpointRepo:
+        project_id = workspaces.named(store.project, call, log_later)
         if not store.work_tree or not Path(store.work_tree).is_absolute():
             raise errors.InvalidArgument("store.work_tree", "the absolute folder snapshotted (the session's cwd)")
         work_tree = Path(store.work_tree)
@@ -258,8 +268,12 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
     async def take_snapshot(self, request: pb.SnapshotRequest, call: str = "SnapshotOnStream") -> str:
         """The snapshot ``request`` asks for: its commit, or one of rcoder's errors. Asked by the
         Snapshot call, and on an Attach stream before a stdin frame (``rcoder.relay.service``),
-        logged under ``call``."""
-        repo = self._repo(request.store, call)
+        logged under ``call``. One asked on a stream holds the prompt's frame until it is taken, so
+        its log line (which costs as much as a small project's walk) is written on the loop's next
+        pass: after it, or while a large project's walk runs in a thread
+        (docs/benchmarks.md#the-first-chunks-path-in-the-relay)."""
+        on_stream = call == "SnapshotOnStream"
+        repo = self._stores.repo(request.store, call, self._workspaces, log_later=on_stream)
         try:
             return await repo.snapshot(tuple(request.patterns), request.message, request.capped)
         except OSError as exc:

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from rcoder import errors
+from rcoder.relay.attached import AttachedAgent
 from rcoder.relay.host import HostRelays
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
@@ -184,6 +185,57 @@ async def test_a_snapshot_asked_on_a_stream_dropped_before_its_answer_is_asked_a
             await child.exited
     finally:
         await relays.aclose()
+
+
+async def test_a_request_written_while_the_asks_write_is_under_way_goes_out_after_it(
+    fake: FakeAgentSetup, tmp_path: Path, relays_ended: list[int]
+) -> None:
+    """The daemon's side alone on a real relay: a snapshot asked on the stream is written by the
+    agent's sender task; a request the transport writes while that write is under way (held here:
+    the relay stopped, and an ask larger than what the stream's flow control lets out before the
+    relay reads) reaches the agent once the ask is out, after it. The sender looked for a frame
+    only before it wrote the ask, so a request written meanwhile stayed unsent until the next
+    write, which a turn waiting for the agent's answer never makes."""
+    relays = HostRelays(tmp_path / "relays", stop_grace=1.0)
+    try:
+        start = fake_start(fake, tmp_path)
+        child = await relays.spawn(start, 1.0)
+        assert isinstance(child, AttachedAgent)
+        relays_ended.append(child.place.relay_pid)
+        workspaces = RelayedWorkspaces(relays, tmp_path / "workspace", 1 << 20, by_default=False)
+        store = await workspaces.checkpoints("p", start.cwd, Bounds())
+        child.stdin.write(_initialize(0))
+        assert (await answer_of(child))["id"] == 0
+        os.kill(child.place.relay_pid, signal.SIGSTOP)
+        try:
+            # 3 MiB of commit message: more than the stream lets out unread (the relay refuses
+            # such a snapshot, git's argument bound, and answers so: the answer is not the point)
+            asked = store.snapshot_before_stdin(child, (), "before run r1\n" + "x" * (3 << 20))
+            assert asked is not None
+            taking = asyncio.ensure_future(asked)
+            await eventually(lambda: child._sending)  # the sender's write of the ask, held
+            child.stdin.write(_initialize(1))
+            await child.stdin.drain()
+        finally:
+            os.kill(child.place.relay_pid, signal.SIGCONT)
+        assert (await answer_of(child))["id"] == 1
+        with contextlib.suppress(errors.RcoderError):
+            async with asyncio.timeout(60):
+                await taking
+        assert [r["id"] for r in fake.requests("initialize")] == [0, 1]
+        child.stdin.close()  # the end of stdin through the stream: the fake agent exits 0
+        async with asyncio.timeout(20):
+            await child.exited
+            assert await child.stdout.read() == b""
+    finally:
+        await relays.aclose()
+
+
+def _initialize(id_: int) -> bytes:
+    return (
+        json.dumps({"jsonrpc": "2.0", "id": id_, "method": "initialize", "params": {"protocolVersion": 1}}).encode()
+        + b"\n"
+    )
 
 
 async def test_a_live_turn_refused_after_its_snapshot_was_asked_lets_the_next_turn_snapshot(

@@ -99,6 +99,7 @@ class AttachedAgent:
         # snapshots asked on the stream (``snapshot_before_stdin``), by id, until answered; those not
         # yet on the stream open now go in stdin's order, each before the frame it names
         self._snapshots_on_stream = False  # the relay's last ready said it takes them
+        self._snapshots_in_frames = False  # ... and in the stdin frame they come before
         self._asks: dict[int, tuple[pb.SnapshotAsk, asyncio.Future[pb.SnapshotTaken]]] = {}
         self._unsent_asks: deque[pb.SnapshotAsk] = deque()
         self._ask_ids = itertools.count(1)
@@ -296,6 +297,7 @@ class AttachedAgent:
         async with self._write_lock:
             self._stdin.rewind(first.ready.stdin_seq)
             self._snapshots_on_stream = first.ready.snapshots_on_stream
+            self._snapshots_in_frames = first.ready.snapshots_in_frames
             self._ask_again(first.ready.stdin_seq)
             await self._send_unsent(call)  # a broken stream raises: attached again
             self._call = call
@@ -387,6 +389,15 @@ class AttachedAgent:
         stdin, asks = self._stdin, self._unsent_asks
         while True:
             frame = stdin.next_unsent()  # looked at again after every write: one may come meanwhile
+            if asks and frame is not None and asks[0].before_seq == frame.seq and self._snapshots_in_frames:
+                # one message, one write: the frame does not wait for the ask's write to complete
+                # (grpc takes one write at a time), nor the relay for a second read
+                # (docs/benchmarks.md#the-ask-in-the-prompts-frame)
+                ask = asks.popleft()
+                await call.write(pb.AttachRequest(stdin=pb.StdinFrame(seq=frame.seq, data=frame.data,
+                                                                      snapshot_before=ask)))  # fmt: skip
+                stdin.sent(frame.seq)
+                continue
             if asks and (frame is None or asks[0].before_seq <= frame.seq):
                 await call.write(pb.AttachRequest(snapshot=asks[0]))
                 asks.popleft()

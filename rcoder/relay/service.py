@@ -91,6 +91,7 @@ def agent_message(agent: RelayAgent, generations: int, snapshots: bool = False) 
         generation=generations,
         attached=agent.attachment is not None,
         snapshots_on_stream=snapshots,
+        snapshots_in_frames=snapshots,
     )
 
 
@@ -260,7 +261,13 @@ class RelayService(pb_grpc.RelayServiceServicer):
             answers.append(await self._before_stdin(agent, attachment, request.snapshot))
             attachment.wake.set()
         elif kind == "stdin":
-            await agent.write_stdin(attachment, request.stdin.seq, request.stdin.data)
+            frame = request.stdin
+            if frame.HasField("snapshot_before"):  # as a snapshot message right before the frame
+                ask = frame.snapshot_before
+                ask.before_seq = frame.seq  # before this frame, whatever else it says
+                answers.append(await self._before_stdin(agent, attachment, ask))
+                attachment.wake.set()
+            await agent.write_stdin(attachment, frame.seq, frame.data)
         elif kind == "ack":
             if attachment.ended is not None:
                 raise attachment.ended

@@ -25,12 +25,15 @@ from rcoder.relay.attached import AttachedAgent
 from rcoder.relay.host import HostRelays
 from rcoder.relay.v1 import relay_pb2 as relay_pb
 from rcoder.relay.v1 import relay_pb2_grpc as relay_grpc
+from rcoder.relay.v1 import workspace_pb2 as workspace_pb
 from rcoder.relay.workspace_client import RelayedWorkspaces
 from rcoder.store.unstored import Bounds
 from rcoder.v1 import agent_runner_pb2 as pb
 from rcoder.v1.agent_runner_pb2 import FileChangeKind as K
 from tests.conftest import DaemonFactory, exited
 from tests.harness import FakeAgentSetup, completed, eventually
+from tests.relay.conftest import RelayFactory
+from tests.relay.relay_kit import fake_agent_spec
 from tests.relay.test_placement_relay import answer_of, fake_start
 
 PROJECT = "proj"
@@ -236,6 +239,42 @@ def _initialize(id_: int) -> bytes:
         json.dumps({"jsonrpc": "2.0", "id": id_, "method": "initialize", "params": {"protocolVersion": 1}}).encode()
         + b"\n"
     )
+
+
+async def test_a_snapshot_asked_in_a_stdin_frame_is_taken_and_answered_before_the_frame_reaches_the_agent(
+    make_relay: RelayFactory, tmp_path: Path
+) -> None:
+    """The relay alone: a relay says it takes a snapshot asked in the stdin frame it comes before
+    (``snapshots_in_frames``), and a frame carrying one is answered with the snapshot's commit, on
+    the stream before the agent's answer to the frame's request: one message, one write and one read."""
+    relay = await make_relay()
+    project = tmp_path / "project"
+    async with relay.channel() as channel:
+        stub = relay_grpc.RelayServiceStub(channel)
+        spawned = await stub.Spawn(relay_pb.SpawnRequest(session_id="s1", generation=1,
+                                                         spec=fake_agent_spec(tmp_path / "agent", project)),
+                                   metadata=relay.metadata)  # fmt: skip
+        agent = spawned.agent
+        assert agent.snapshots_in_frames
+        call = stub.Attach(metadata=relay.metadata)
+        await call.write(relay_pb.AttachRequest(open=relay_pb.AttachOpen(agent_id=agent.agent_id, generation=1)))
+        ready = await call.read()
+        assert ready.WhichOneof("message") == "ready" and ready.ready.snapshots_in_frames
+        store = workspace_pb.CheckpointStore(project=workspace_pb.Project(workspace_root=str(tmp_path),
+                                                                          project_id="project"),
+                                             work_tree=str(project))  # fmt: skip
+        ask = relay_pb.SnapshotAsk(
+            id=7, before_seq=1, request=workspace_pb.SnapshotRequest(store=store, message="before")
+        )
+        frame = relay_pb.StdinFrame(seq=1, data=_initialize(0), snapshot_before=ask)
+        await call.write(relay_pb.AttachRequest(stdin=frame))
+        async with asyncio.timeout(60):
+            first = await call.read()
+            assert first.WhichOneof("message") == "snapshot", first
+            assert first.snapshot.id == 7 and len(first.snapshot.commit) == 40, first.snapshot
+            answered = await call.read()
+        assert answered.WhichOneof("message") == "frame" and json.loads(answered.frame.data)["id"] == 0
+        call.cancel()
 
 
 async def test_a_live_turn_refused_after_its_snapshot_was_asked_lets_the_next_turn_snapshot(

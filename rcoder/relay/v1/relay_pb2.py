@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rcoder.relay.v1 import workspace_pb2 as rcoder_dot_relay_dot_v1_dot_workspace__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brcoder/relay/v1/relay.proto\x12\x0frcoder.relay.v1\x1a\x1frcoder/relay/v1/workspace.proto\"\x8d\x03\n\tStartSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x30\n\x03\x65nv\x18\x03 \x03(\x0b\x32#.rcoder.relay.v1.StartSpec.EnvEntry\x12\x0b\n\x03\x63wd\x18\x04 \x01(\t\x12\'\n\x06limits\x18\x05 \x01(\x0b\x32\x17.rcoder.relay.v1.Limits\x12\x31\n\x0b\x63onfinement\x18\x06 \x01(\x0b\x32\x1c.rcoder.relay.v1.Confinement\x12#\n\x04user\x18\x07 \x01(\x0b\x32\x15.rcoder.relay.v1.User\x12\r\n\x05image\x18\x08 \x01(\t\x12(\n\x07volumes\x18\t \x03(\x0b\x32\x17.rcoder.relay.v1.Volume\x12\x12\n\nsecret_ref\x18\n \x01(\t\x12(\n\x04home\x18\x0b \x01(\x0b\x32\x1a.rcoder.relay.v1.AgentHome\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"d\n\tAgentHome\x12\x0c\n\x04path\x18\x01 \x01(\t\x12(\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x19.rcoder.relay.v1.HomeFile\x12\x0f\n\x07\x66olders\x18\x03 \x03(\t\x12\x0e\n\x06tmpdir\x18\x04 \x01(\t\"&\n\x08HomeFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"?\n\x06Limits\x12\x12\n\nmemory_max\x18\x01 \x01(\x03\x12\x10\n\x08pids_max\x18\x02 \x01(\x03\x12\x0f\n\x07\x63pu_max\x18\x03 \x01(\x01\"a\n\x0b\x43onfinement\x12\x12\n\nread_paths\x18\x01 \x03(\t\x12\x13\n\x0bwrite_paths\x18\x02 \x03(\t\x12\x15\n\rconnect_ports\x18\x03 \x03(\r\x12\x12\n\nbind_ports\x18\x04 \x03(\r\" \n\x04User\x12\x0b\n\x03uid\x18\x01 \x01(\r\x12\x0b\n\x03gid\x18\x02 \x01(\r\"=\n\x06Volume\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmount_path\x18\x02 \x01(\t\x12\x11\n\tread_only\x18\x03 \x01(\x08\"`\n\x0cSpawnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x04spec\x18\x03 \x01(\x0b\x32\x1a.rcoder.relay.v1.StartSpec\"6\n\rSpawnResponse\x12%\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Agent\"\x9a\x02\n\x05\x41gent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\x11\n\tacked_seq\x18\x05 \x01(\x04\x12\x1a\n\x12\x66irst_buffered_seq\x18\x06 \x01(\x04\x12\x16\n\x0e\x64ropped_frames\x18\x07 \x01(\x04\x12\x11\n\tstdin_seq\x18\x08 \x01(\x04\x12\x0e\n\x06\x65xited\x18\t \x01(\x08\x12\x11\n\texit_code\x18\n \x01(\x05\x12\x12\n\ngeneration\x18\x0b \x01(\x04\x12\x0c\n\x04name\x18\x0c \x01(\t\x12\x10\n\x08\x61ttached\x18\r \x01(\x08\x12\x1b\n\x13snapshots_on_stream\x18\x0e \x01(\x08\"\xcd\x01\n\rAttachRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rcoder.relay.v1.AttachOpenH\x00\x12,\n\x05stdin\x18\x02 \x01(\x0b\x32\x1b.rcoder.relay.v1.StdinFrameH\x00\x12\r\n\x03\x61\x63k\x18\x03 \x01(\x04H\x00\x12\x15\n\x0b\x63lose_stdin\x18\x04 \x01(\x08H\x00\x12\x30\n\x08snapshot\x18\x05 \x01(\x0b\x32\x1c.rcoder.relay.v1.SnapshotAskH\x00\x42\t\n\x07message\"`\n\x0bSnapshotAsk\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nbefore_seq\x18\x02 \x01(\x04\x12\x31\n\x07request\x18\x03 \x01(\x0b\x32 .rcoder.relay.v1.SnapshotRequest\"D\n\nAttachOpen\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x03 \x01(\x04\"\'\n\nStdinFrame\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xfe\x01\n\x0e\x41ttachResponse\x12\'\n\x05ready\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.AgentH\x00\x12\'\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x16.rcoder.relay.v1.FrameH\x00\x12/\n\x06lagged\x18\x03 \x01(\x0b\x32\x1d.rcoder.relay.v1.AttachLaggedH\x00\x12*\n\x04\x65xit\x18\x04 \x01(\x0b\x32\x1a.rcoder.relay.v1.AgentExitH\x00\x12\x32\n\x08snapshot\x18\x05 \x01(\x0b\x32\x1e.rcoder.relay.v1.SnapshotTakenH\x00\x42\t\n\x07message\"^\n\rSnapshotTaken\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\x12\x31\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32 .rcoder.relay.v1.SnapshotFailure\"\xb3\x01\n\x0fSnapshotFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12@\n\x08metadata\x18\x04 \x03(\x0b\x32..rcoder.relay.v1.SnapshotFailure.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x05\x46rame\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"8\n\x0c\x41ttachLagged\x12\x16\n\x0e\x64ropped_frames\x18\x01 \x01(\x04\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\"E\n\tAgentExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x13\n\x0bstderr_tail\x18\x03 \x01(\t\"E\n\rSignalRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06signal\x18\x03 \x01(\x05\"7\n\x0eSignalResponse\x12%\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Agent\"!\n\rStatusRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"7\n\x0eStatusResponse\x12%\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Agent\"\'\n\x11ListAgentsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x12ListAgentsResponse\x12&\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x16.rcoder.relay.v1.Agent2\x92\x03\n\x0cRelayService\x12\x46\n\x05Spawn\x12\x1d.rcoder.relay.v1.SpawnRequest\x1a\x1e.rcoder.relay.v1.SpawnResponse\x12M\n\x06\x41ttach\x12\x1e.rcoder.relay.v1.AttachRequest\x1a\x1f.rcoder.relay.v1.AttachResponse(\x01\x30\x01\x12I\n\x06Signal\x12\x1e.rcoder.relay.v1.SignalRequest\x1a\x1f.rcoder.relay.v1.SignalResponse\x12I\n\x06Status\x12\x1e.rcoder.relay.v1.StatusRequest\x1a\x1f.rcoder.relay.v1.StatusResponse\x12U\n\nListAgents\x12\".rcoder.relay.v1.ListAgentsRequest\x1a#.rcoder.relay.v1.ListAgentsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brcoder/relay/v1/relay.proto\x12\x0frcoder.relay.v1\x1a\x1frcoder/relay/v1/workspace.proto\"\x8d\x03\n\tStartSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x30\n\x03\x65nv\x18\x03 \x03(\x0b\x32#.rcoder.relay.v1.StartSpec.EnvEntry\x12\x0b\n\x03\x63wd\x18\x04 \x01(\t\x12\'\n\x06limits\x18\x05 \x01(\x0b\x32\x17.rcoder.relay.v1.Limits\x12\x31\n\x0b\x63onfinement\x18\x06 \x01(\x0b\x32\x1c.rcoder.relay.v1.Confinement\x12#\n\x04user\x18\x07 \x01(\x0b\x32\x15.rcoder.relay.v1.User\x12\r\n\x05image\x18\x08 \x01(\t\x12(\n\x07volumes\x18\t \x03(\x0b\x32\x17.rcoder.relay.v1.Volume\x12\x12\n\nsecret_ref\x18\n \x01(\t\x12(\n\x04home\x18\x0b \x01(\x0b\x32\x1a.rcoder.relay.v1.AgentHome\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"d\n\tAgentHome\x12\x0c\n\x04path\x18\x01 \x01(\t\x12(\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x19.rcoder.relay.v1.HomeFile\x12\x0f\n\x07\x66olders\x18\x03 \x03(\t\x12\x0e\n\x06tmpdir\x18\x04 \x01(\t\"&\n\x08HomeFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"?\n\x06Limits\x12\x12\n\nmemory_max\x18\x01 \x01(\x03\x12\x10\n\x08pids_max\x18\x02 \x01(\x03\x12\x0f\n\x07\x63pu_max\x18\x03 \x01(\x01\"a\n\x0b\x43onfinement\x12\x12\n\nread_paths\x18\x01 \x03(\t\x12\x13\n\x0bwrite_paths\x18\x02 \x03(\t\x12\x15\n\rconnect_ports\x18\x03 \x03(\r\x12\x12\n\nbind_ports\x18\x04 \x03(\r\" \n\x04User\x12\x0b\n\x03uid\x18\x01 \x01(\r\x12\x0b\n\x03gid\x18\x02 \x01(\r\"=\n\x06Volume\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmount_path\x18\x02 \x01(\t\x12\x11\n\tread_only\x18\x03 \x01(\x08\"`\n\x0cSpawnRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x04spec\x18\x03 \x01(\x0b\x32\x1a.rcoder.relay.v1.StartSpec\"6\n\rSpawnResponse\x12%\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Agent\"\xb7\x02\n\x05\x41gent\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\x11\n\tacked_seq\x18\x05 \x01(\x04\x12\x1a\n\x12\x66irst_buffered_seq\x18\x06 \x01(\x04\x12\x16\n\x0e\x64ropped_frames\x18\x07 \x01(\x04\x12\x11\n\tstdin_seq\x18\x08 \x01(\x04\x12\x0e\n\x06\x65xited\x18\t \x01(\x08\x12\x11\n\texit_code\x18\n \x01(\x05\x12\x12\n\ngeneration\x18\x0b \x01(\x04\x12\x0c\n\x04name\x18\x0c \x01(\t\x12\x10\n\x08\x61ttached\x18\r \x01(\x08\x12\x1b\n\x13snapshots_on_stream\x18\x0e \x01(\x08\x12\x1b\n\x13snapshots_in_frames\x18\x0f \x01(\x08\"\xcd\x01\n\rAttachRequest\x12+\n\x04open\x18\x01 \x01(\x0b\x32\x1b.rcoder.relay.v1.AttachOpenH\x00\x12,\n\x05stdin\x18\x02 \x01(\x0b\x32\x1b.rcoder.relay.v1.StdinFrameH\x00\x12\r\n\x03\x61\x63k\x18\x03 \x01(\x04H\x00\x12\x15\n\x0b\x63lose_stdin\x18\x04 \x01(\x08H\x00\x12\x30\n\x08snapshot\x18\x05 \x01(\x0b\x32\x1c.rcoder.relay.v1.SnapshotAskH\x00\x42\t\n\x07message\"`\n\x0bSnapshotAsk\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nbefore_seq\x18\x02 \x01(\x04\x12\x31\n\x07request\x18\x03 \x01(\x0b\x32 .rcoder.relay.v1.SnapshotRequest\"D\n\nAttachOpen\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x03 \x01(\x04\"^\n\nStdinFrame\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x35\n\x0fsnapshot_before\x18\x03 \x01(\x0b\x32\x1c.rcoder.relay.v1.SnapshotAsk\"\xfe\x01\n\x0e\x41ttachResponse\x12\'\n\x05ready\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.AgentH\x00\x12\'\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x16.rcoder.relay.v1.FrameH\x00\x12/\n\x06lagged\x18\x03 \x01(\x0b\x32\x1d.rcoder.relay.v1.AttachLaggedH\x00\x12*\n\x04\x65xit\x18\x04 \x01(\x0b\x32\x1a.rcoder.relay.v1.AgentExitH\x00\x12\x32\n\x08snapshot\x18\x05 \x01(\x0b\x32\x1e.rcoder.relay.v1.SnapshotTakenH\x00\x42\t\n\x07message\"^\n\rSnapshotTaken\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\x12\x31\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32 .rcoder.relay.v1.SnapshotFailure\"\xb3\x01\n\x0fSnapshotFailure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12@\n\x08metadata\x18\x04 \x03(\x0b\x32..rcoder.relay.v1.SnapshotFailure.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x05\x46rame\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"8\n\x0c\x41ttachLagged\x12\x16\n\x0e\x64ropped_frames\x18\x01 \x01(\x04\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\"E\n\tAgentExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x13\n\x0bstderr_tail\x18\x03 \x01(\t\"E\n\rSignalRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0e\n\x06signal\x18\x03 \x01(\x05\"7\n\x0eSignalResponse\x12%\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Agent\"!\n\rStatusRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\"7\n\x0eStatusResponse\x12%\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x16.rcoder.relay.v1.Agent\"\'\n\x11ListAgentsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x12ListAgentsResponse\x12&\n\x06\x61gents\x18\x01 \x03(\x0b\x32\x16.rcoder.relay.v1.Agent2\x92\x03\n\x0cRelayService\x12\x46\n\x05Spawn\x12\x1d.rcoder.relay.v1.SpawnRequest\x1a\x1e.rcoder.relay.v1.SpawnResponse\x12M\n\x06\x41ttach\x12\x1e.rcoder.relay.v1.AttachRequest\x1a\x1f.rcoder.relay.v1.AttachResponse(\x01\x30\x01\x12I\n\x06Signal\x12\x1e.rcoder.relay.v1.SignalRequest\x1a\x1f.rcoder.relay.v1.SignalResponse\x12I\n\x06Status\x12\x1e.rcoder.relay.v1.StatusRequest\x1a\x1f.rcoder.relay.v1.StatusResponse\x12U\n\nListAgents\x12\".rcoder.relay.v1.ListAgentsRequest\x1a#.rcoder.relay.v1.ListAgentsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,41 +57,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPAWNRESPONSE']._serialized_start=982
   _globals['_SPAWNRESPONSE']._serialized_end=1036
   _globals['_AGENT']._serialized_start=1039
-  _globals['_AGENT']._serialized_end=1321
-  _globals['_ATTACHREQUEST']._serialized_start=1324
-  _globals['_ATTACHREQUEST']._serialized_end=1529
-  _globals['_SNAPSHOTASK']._serialized_start=1531
-  _globals['_SNAPSHOTASK']._serialized_end=1627
-  _globals['_ATTACHOPEN']._serialized_start=1629
-  _globals['_ATTACHOPEN']._serialized_end=1697
-  _globals['_STDINFRAME']._serialized_start=1699
-  _globals['_STDINFRAME']._serialized_end=1738
-  _globals['_ATTACHRESPONSE']._serialized_start=1741
-  _globals['_ATTACHRESPONSE']._serialized_end=1995
-  _globals['_SNAPSHOTTAKEN']._serialized_start=1997
-  _globals['_SNAPSHOTTAKEN']._serialized_end=2091
-  _globals['_SNAPSHOTFAILURE']._serialized_start=2094
-  _globals['_SNAPSHOTFAILURE']._serialized_end=2273
-  _globals['_SNAPSHOTFAILURE_METADATAENTRY']._serialized_start=2226
-  _globals['_SNAPSHOTFAILURE_METADATAENTRY']._serialized_end=2273
-  _globals['_FRAME']._serialized_start=2275
-  _globals['_FRAME']._serialized_end=2309
-  _globals['_ATTACHLAGGED']._serialized_start=2311
-  _globals['_ATTACHLAGGED']._serialized_end=2367
-  _globals['_AGENTEXIT']._serialized_start=2369
-  _globals['_AGENTEXIT']._serialized_end=2438
-  _globals['_SIGNALREQUEST']._serialized_start=2440
-  _globals['_SIGNALREQUEST']._serialized_end=2509
-  _globals['_SIGNALRESPONSE']._serialized_start=2511
-  _globals['_SIGNALRESPONSE']._serialized_end=2566
-  _globals['_STATUSREQUEST']._serialized_start=2568
-  _globals['_STATUSREQUEST']._serialized_end=2601
-  _globals['_STATUSRESPONSE']._serialized_start=2603
-  _globals['_STATUSRESPONSE']._serialized_end=2658
-  _globals['_LISTAGENTSREQUEST']._serialized_start=2660
-  _globals['_LISTAGENTSREQUEST']._serialized_end=2699
-  _globals['_LISTAGENTSRESPONSE']._serialized_start=2701
-  _globals['_LISTAGENTSRESPONSE']._serialized_end=2761
-  _globals['_RELAYSERVICE']._serialized_start=2764
-  _globals['_RELAYSERVICE']._serialized_end=3166
+  _globals['_AGENT']._serialized_end=1350
+  _globals['_ATTACHREQUEST']._serialized_start=1353
+  _globals['_ATTACHREQUEST']._serialized_end=1558
+  _globals['_SNAPSHOTASK']._serialized_start=1560
+  _globals['_SNAPSHOTASK']._serialized_end=1656
+  _globals['_ATTACHOPEN']._serialized_start=1658
+  _globals['_ATTACHOPEN']._serialized_end=1726
+  _globals['_STDINFRAME']._serialized_start=1728
+  _globals['_STDINFRAME']._serialized_end=1822
+  _globals['_ATTACHRESPONSE']._serialized_start=1825
+  _globals['_ATTACHRESPONSE']._serialized_end=2079
+  _globals['_SNAPSHOTTAKEN']._serialized_start=2081
+  _globals['_SNAPSHOTTAKEN']._serialized_end=2175
+  _globals['_SNAPSHOTFAILURE']._serialized_start=2178
+  _globals['_SNAPSHOTFAILURE']._serialized_end=2357
+  _globals['_SNAPSHOTFAILURE_METADATAENTRY']._serialized_start=2310
+  _globals['_SNAPSHOTFAILURE_METADATAENTRY']._serialized_end=2357
+  _globals['_FRAME']._serialized_start=2359
+  _globals['_FRAME']._serialized_end=2393
+  _globals['_ATTACHLAGGED']._serialized_start=2395
+  _globals['_ATTACHLAGGED']._serialized_end=2451
+  _globals['_AGENTEXIT']._serialized_start=2453
+  _globals['_AGENTEXIT']._serialized_end=2522
+  _globals['_SIGNALREQUEST']._serialized_start=2524
+  _globals['_SIGNALREQUEST']._serialized_end=2593
+  _globals['_SIGNALRESPONSE']._serialized_start=2595
+  _globals['_SIGNALRESPONSE']._serialized_end=2650
+  _globals['_STATUSREQUEST']._serialized_start=2652
+  _globals['_STATUSREQUEST']._serialized_end=2685
+  _globals['_STATUSRESPONSE']._serialized_start=2687
+  _globals['_STATUSRESPONSE']._serialized_end=2742
+  _globals['_LISTAGENTSREQUEST']._serialized_start=2744
+  _globals['_LISTAGENTSREQUEST']._serialized_end=2783
+  _globals['_LISTAGENTSRESPONSE']._serialized_start=2785
+  _globals['_LISTAGENTSRESPONSE']._serialized_end=2845
+  _globals['_RELAYSERVICE']._serialized_start=2848
+  _globals['_RELAYSERVICE']._serialized_end=3250
 # @@protoc_insertion_point(module_scope)

@@ -403,6 +403,7 @@ class Agent(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     ATTACHED_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_ON_STREAM_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_IN_FRAMES_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The relay's id for it."""
     session_id: _builtins.str
@@ -433,6 +434,10 @@ class Agent(_message.Message):
     """This relay takes a snapshot asked on the Attach stream (AttachRequest.snapshot); a relay that
     does not say so is asked with a Snapshot call.
     """
+    snapshots_in_frames: _builtins.bool
+    """This relay takes a snapshot asked in a stdin frame (StdinFrame.snapshot_before); a relay that
+    does not say so is asked with AttachRequest.snapshot.
+    """
     def __init__(
         self,
         *,
@@ -450,10 +455,11 @@ class Agent(_message.Message):
         name: _builtins.str = ...,
         attached: _builtins.bool = ...,
         snapshots_on_stream: _builtins.bool = ...,
+        snapshots_in_frames: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "agent_id", b"agent_id", "attached", b"attached", "dropped_frames", b"dropped_frames", "exit_code", b"exit_code", "exited", b"exited", "first_buffered_seq", b"first_buffered_seq", "generation", b"generation", "last_seq", b"last_seq", "name", b"name", "pid", b"pid", "session_id", b"session_id", "snapshots_on_stream", b"snapshots_on_stream", "stdin_seq", b"stdin_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "agent_id", b"agent_id", "attached", b"attached", "dropped_frames", b"dropped_frames", "exit_code", b"exit_code", "exited", b"exited", "first_buffered_seq", b"first_buffered_seq", "generation", b"generation", "last_seq", b"last_seq", "name", b"name", "pid", b"pid", "session_id", b"session_id", "snapshots_in_frames", b"snapshots_in_frames", "snapshots_on_stream", b"snapshots_on_stream", "stdin_seq", b"stdin_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -585,19 +591,28 @@ class StdinFrame(_message.Message):
 
     SEQ_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_BEFORE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """Its number."""
     data: _builtins.bytes
     """The bytes."""
+    @_builtins.property
+    def snapshot_before(self) -> Global___SnapshotAsk:
+        """A snapshot taken before these bytes reach the agent, as AttachRequest.snapshot asks it with
+        `before_seq` this frame's seq, in the same message (docs/relay.md#the-before-snapshot-on-the-stream):
+        asked only of a relay whose Agent says snapshots_in_frames.
+        """
+
     def __init__(
         self,
         *,
         seq: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        snapshot_before: Global___SnapshotAsk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot_before", b"snapshot_before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "seq", b"seq", "snapshot_before", b"snapshot_before"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

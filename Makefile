@@ -140,8 +140,9 @@ typecheck: $(STAMP)
 ## four workers on two cores: most tests wait (on timeouts, leases, agents, a fake model) more than
 ## they compute, and the cores were 76% busy with three. Measured on this machine with a helper's
 ## benchmarks beside it: the suite 1091 s with three workers, 856 s with four (2026-12-06; before,
-## two took about 1290 s where three took 1096). --no-loadscope-reorder: the files go out in
-## tests/conftest.py's order (FIRST_FILES, LAST_FILES), not by their test count
+## two took about 1290 s where three took 1096). Nearly all the CPU is the tests' processes' (about
+## 700 daemon starts, real agents, relays, git), not the workers'. --no-loadscope-reorder: the
+## files go out in tests/conftest.py's order (FIRST_FILES, LAST_FILES), not by their test count
 unit: $(STAMP) agents tools twine postgres podman helper bytecode
 	$(BIN)/pytest -p no:cacheprovider -n 4 --dist loadfile --no-loadscope-reorder --durations=25 --cov --cov-report=term:skip-covered
 

@@ -389,19 +389,16 @@ class AttachedAgent:
         stdin, asks = self._stdin, self._unsent_asks
         while True:
             frame = stdin.next_unsent()  # looked at again after every write: one may come meanwhile
-            if asks and frame is not None and asks[0].before_seq == frame.seq and self._snapshots_in_frames:
-                # one message, one write: the frame does not wait for the ask's write to complete
-                # (grpc takes one write at a time), nor the relay for a second read
-                # (docs/benchmarks.md#the-ask-in-the-prompts-frame)
-                ask = asks.popleft()
-                await call.write(pb.AttachRequest(stdin=pb.StdinFrame(seq=frame.seq, data=frame.data,
-                                                                      snapshot_before=ask)))  # fmt: skip
-                stdin.sent(frame.seq)
-                continue
             if asks and (frame is None or asks[0].before_seq <= frame.seq):
-                await call.write(pb.AttachRequest(snapshot=asks[0]))
-                asks.popleft()
-                continue
+                ask = asks.popleft()
+                if frame is None or ask.before_seq != frame.seq or not self._snapshots_in_frames:
+                    await call.write(pb.AttachRequest(snapshot=ask))
+                    continue
+                # in the frame it comes before: one message, one write, so the frame does not wait
+                # for the ask's write to complete (grpc takes one write at a time), nor the relay
+                # for a second read (docs/benchmarks.md#the-ask-in-the-prompts-frame); the frame
+                # kept for a resend stays plain (a new stream asks again on its own)
+                frame = pb.StdinFrame(seq=frame.seq, data=frame.data, snapshot_before=ask)
             if frame is None:
                 break
             await call.write(pb.AttachRequest(stdin=frame))

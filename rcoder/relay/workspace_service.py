@@ -269,11 +269,10 @@ class RelayWorkspaceService(pb_grpc.RelayWorkspaceServiceServicer):
         """The snapshot ``request`` asks for: its commit, or one of rcoder's errors. Asked by the
         Snapshot call, and on an Attach stream before a stdin frame (``rcoder.relay.service``),
         logged under ``call``. One asked on a stream holds the prompt's frame until it is taken, so
-        its log line (which costs as much as a small project's walk) is written on the loop's next
+        the log line (which costs as much as a small project's walk) is written on the loop's next
         pass: after it, or while a large project's walk runs in a thread
         (docs/benchmarks.md#the-first-chunks-path-in-the-relay)."""
-        on_stream = call == "SnapshotOnStream"
-        repo = self._stores.repo(request.store, call, self._workspaces, log_later=on_stream)
+        repo = self._stores.repo(request.store, call, self._workspaces, log_later=True)
         try:
             return await repo.snapshot(tuple(request.patterns), request.message, request.capped)
         except OSError as exc:
